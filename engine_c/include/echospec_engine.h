@@ -1,0 +1,191 @@
+/*
+ * echospec_engine.h - the only public header of the echospec C engine.
+ *
+ * A zero-dependency (libc, libm, pthreads) inference engine for GGUF models
+ * of the llama, qwen2 and qwen3 architectures, built for speculative
+ * decoding: one forward call over N new tokens returns the greedy argmax of
+ * every position, so prefill, a decode step (N = 1) and the verification of
+ * K drafts (N = K + 1) are the same call, and the result of every output
+ * element does not depend on N or on the thread count (bitwise).
+ *
+ * Handles:
+ *   es_model    read-only after es_model_load; may be shared by any number
+ *               of sessions and threads.
+ *   es_session  one KV cache, scratch buffers and a thread pool; used by one
+ *               thread at a time.
+ *
+ * Errors: every fallible call returns an es_status. The detail is kept on
+ * the handle (es_session_last_error) or written to the caller's buffer
+ * (es_model_load). The library never prints, exits or aborts on bad input.
+ *
+ * Format: GGUF versions 2 and 3 (ggml's "GGUF" file format: magic, version,
+ * tensor count, KV count, KV pairs, tensor infos, aligned tensor data).
+ *
+ * This header is also the source of the cffi declarations (build_ffi.py
+ * reads the part between the ES_CDEF markers), so it keeps to plain C that
+ * cffi's parser accepts there: no macros, no inline functions.
+ */
+#ifndef ECHOSPEC_ENGINE_H
+#define ECHOSPEC_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ES_CDEF_BEGIN */
+
+/* Status codes. 0 is success; every other value has a message on the handle. */
+typedef enum {
+    ES_OK = 0,
+    ES_ERR_IO = 1,              /* open, stat or mmap failed */
+    ES_ERR_FORMAT = 2,          /* malformed GGUF: the message names the field */
+    ES_ERR_UNSUPPORTED = 3,     /* unknown tensor type, architecture or GGUF version */
+    ES_ERR_MISSING_TENSOR = 4,  /* a tensor the architecture needs is absent or mis-shaped */
+    ES_ERR_INVALID_ARG = 5,     /* bad argument: NULL, token id out of range, n <= 0, ... */
+    ES_ERR_CAPACITY = 6,        /* the KV cache of the session would overflow */
+    ES_ERR_NOMEM = 7,           /* allocation failed */
+    ES_ERR_INTERNAL = 8         /* a thread could not be started, or a broken invariant */
+} es_status;
+
+typedef struct es_model es_model;
+typedef struct es_session es_session;
+
+/* Model load parameters; get the defaults from es_model_default_params(). */
+typedef struct {
+    int32_t reserved;           /* must be 0; kept so the struct can grow */
+} es_model_params;
+
+/* Hyperparameters of a loaded model, as read from the GGUF metadata. */
+typedef struct {
+    char arch[16];              /* "llama", "qwen2" or "qwen3" */
+    int32_t n_vocab;            /* tokens */
+    int32_t n_ctx_train;        /* tokens the model was trained for */
+    int32_t n_embd;             /* hidden size */
+    int32_t n_layer;            /* transformer blocks */
+    int32_t n_head;             /* query heads */
+    int32_t n_head_kv;          /* key/value heads (GQA when < n_head) */
+    int32_t head_dim;           /* per-head size of q and k (attention.key_length) */
+    int32_t n_ff;               /* SwiGLU hidden size */
+    float rope_freq_base;       /* RoPE theta */
+    int32_t rope_dim;           /* rotated dimensions per head (<= head_dim) */
+    int32_t rope_neox;          /* 1: pairs (i, i + rope_dim/2) (qwen2/3); 0: pairs (2i, 2i+1) (llama) */
+    float norm_eps;             /* RMSNorm epsilon */
+    int32_t tied_output;        /* 1 when output.weight is absent and token_embd is reused */
+    int64_t weight_bytes;       /* bytes of tensor data read per decode step */
+} es_model_info;
+
+/* Session parameters; get the defaults from es_session_default_params(). */
+typedef struct {
+    int32_t n_ctx;              /* KV capacity in tokens; 0 = min(n_ctx_train, 4096) */
+    int32_t n_threads;          /* worker threads incl. the caller; 0 = all online cores */
+} es_session_params;
+
+/* Sampling parameters for requests that are not greedy. */
+typedef struct {
+    float temperature;          /* <= 0: greedy argmax (the other fields are ignored) */
+    int32_t top_k;              /* <= 0: off */
+    float top_p;                /* >= 1: off */
+    float min_p;                /* <= 0: off */
+} es_sampler_params;
+
+es_model_params es_model_default_params(void);
+es_session_params es_session_default_params(void);
+
+/*
+ * Load a GGUF model from `path` (mmap'd read-only).
+ * On success *out is a model handle (free with es_model_free) and ES_OK is
+ * returned. On failure *out is NULL, the status says what class of error it
+ * was, and a NUL-terminated message naming the offending field is written to
+ * err[0..err_len) when err is not NULL. Every count, length, dimension,
+ * offset and type from the file is checked against the file size and for
+ * overflow before use.
+ */
+es_status es_model_load(const char *path, const es_model_params *params,
+                        es_model **out, char *err, size_t err_len);
+
+/* Free a model. Sessions created from it must be freed first. NULL is a no-op. */
+void es_model_free(es_model *model);
+
+/* Copy the model's hyperparameters into *info. */
+es_status es_model_get_info(const es_model *model, es_model_info *info);
+
+/*
+ * Create a session (one KV sequence) on `model`.
+ * Returns ES_ERR_INVALID_ARG for n_ctx < 0 or n_ctx > 1<<20 or n_threads < 0
+ * or n_threads > 256, ES_ERR_NOMEM when the KV cache
+ * (2 * n_layer * n_ctx * n_head_kv * head_dim * 4 bytes) cannot be allocated,
+ * ES_ERR_INTERNAL when a worker thread cannot be started. On failure *out is
+ * NULL and a message goes to err (like es_model_load).
+ */
+es_status es_session_new(const es_model *model, const es_session_params *params,
+                         es_session **out, char *err, size_t err_len);
+
+/* Free a session, its KV cache and its threads. NULL is a no-op. */
+void es_session_free(es_session *session);
+
+/* Positions held in the KV cache (tokens). */
+int32_t es_session_n_past(const es_session *session);
+
+/* KV capacity (tokens). */
+int32_t es_session_n_ctx(const es_session *session);
+
+/* Message of the last failed call on this session ("" if none). Valid until the next call. */
+const char *es_session_last_error(const es_session *session);
+
+/*
+ * Truncate the KV cache to its first n_past positions (the half-open range
+ * [n_past, old n_past) is removed). Exact: a later forward gives bitwise the
+ * same results as if the removed positions had never been written.
+ * Errors: ES_ERR_INVALID_ARG when n_past < 0 or n_past > current n_past;
+ * the KV cache is then unchanged.
+ */
+es_status es_session_rollback(es_session *session, int32_t n_past);
+
+/*
+ * Run the model over n_tokens new tokens at positions [n_past, n_past + n_tokens)
+ * and append them to the KV cache.
+ *
+ *   tokens      int32[n_tokens], each in [0, n_vocab)
+ *   argmax_out  int32[n_tokens] or NULL: greedy next token after each position
+ *               (ties go to the lowest id)
+ *   logits_out  float32[n_logits_rows * n_vocab] or NULL
+ *   logits_mode 0: no logits; 1: the last position's row only (n_logits_rows = 1);
+ *               2: every position (n_logits_rows = n_tokens)
+ *
+ * The weights are read once per call, not once per token. Each output element
+ * is computed by the same sequence of floating-point operations whatever
+ * n_tokens and the thread count are, so one call over N tokens is bitwise
+ * equal to N calls over one token.
+ *
+ * Errors: ES_ERR_INVALID_ARG (n_tokens <= 0, a token out of range, bad
+ * logits_mode), ES_ERR_CAPACITY (n_past + n_tokens > n_ctx). On any error the
+ * KV cache is unchanged (n_past as before the call).
+ */
+es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_tokens,
+                     int32_t *argmax_out, float *logits_out, int32_t logits_mode);
+
+/*
+ * Draw one token from a logits row (float32[n_vocab]), with temperature,
+ * top_k, top_p and min_p applied in that order (the llama.cpp order), using
+ * and advancing the caller's 64-bit RNG state (xorshift64*; seed it with any
+ * nonzero value; 0 is replaced by a fixed constant). Same state, same logits,
+ * same token. Greedy (temperature <= 0) returns the argmax and leaves *rng
+ * unchanged.
+ * Errors: returns -1 when logits or rng is NULL or n_vocab <= 0.
+ */
+int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params *params,
+                  uint64_t *rng);
+
+/* The name of the SIMD path this build uses: "avx512", "avx2", "neon-dotprod", "neon" or "scalar". */
+const char *es_simd_name(void);
+
+/* ES_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ECHOSPEC_ENGINE_H */

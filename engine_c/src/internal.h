@@ -1,0 +1,194 @@
+/*
+ * internal.h - structures and interfaces shared by the engine's source files.
+ * Not installed; the public API is include/echospec_engine.h.
+ *
+ * Files and their owners of concern:
+ *   gguf.c        GGUF v2/v3 reader over mmap, with every field checked
+ *   model.c       es_model: hyperparameters and per-layer tensor binding
+ *   quant.c       block structs, scalar reference kernels, row dequantizers,
+ *                 activation quantization, es_matmul driver
+ *   quant_x86.c   AVX2 / AVX-512 (VNNI) kernels, same signatures as scalar
+ *   quant_neon.c  NEON (dotprod) kernels, same signatures as scalar
+ *   threadpool.c  persistent pool: spin while a forward runs, sleep between
+ *   forward.c     sessions, KV cache, the forward pass, rollback
+ *   sampler.c     es_sample
+ *
+ * Determinism contract (what makes speculation on vs off byte-identical):
+ * every output element of every kernel is computed by a sequence of
+ * floating-point operations that depends only on the element's own inputs,
+ * never on N (tokens in the call), on the thread split, or on the SIMD path.
+ * All files are compiled with -ffp-contract=off.
+ */
+#ifndef ES_INTERNAL_H
+#define ES_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../include/echospec_engine.h"
+
+/* ggml tensor type ids, as stored in GGUF tensor infos. */
+enum {
+    ES_TYPE_F32 = 0,
+    ES_TYPE_F16 = 1,
+    ES_TYPE_Q4_0 = 2,
+    ES_TYPE_Q4_1 = 3,
+    ES_TYPE_Q5_0 = 6,
+    ES_TYPE_Q5_1 = 7,
+    ES_TYPE_Q8_0 = 8,
+    ES_TYPE_Q8_1 = 9,
+    ES_TYPE_Q2_K = 10,
+    ES_TYPE_Q3_K = 11,
+    ES_TYPE_Q4_K = 12,
+    ES_TYPE_Q5_K = 13,
+    ES_TYPE_Q6_K = 14,
+    ES_TYPE_Q8_K = 15,
+    ES_TYPE_BF16 = 30
+};
+
+/* ---- gguf.c ------------------------------------------------------------ */
+
+/* GGUF metadata value types (GGUF spec). */
+enum {
+    GGUF_T_UINT8 = 0, GGUF_T_INT8 = 1, GGUF_T_UINT16 = 2, GGUF_T_INT16 = 3,
+    GGUF_T_UINT32 = 4, GGUF_T_INT32 = 5, GGUF_T_FLOAT32 = 6, GGUF_T_BOOL = 7,
+    GGUF_T_STRING = 8, GGUF_T_ARRAY = 9, GGUF_T_UINT64 = 10, GGUF_T_INT64 = 11,
+    GGUF_T_FLOAT64 = 12
+};
+
+/* One tensor as described by the file; data points into the mapping. */
+typedef struct {
+    char *name;                 /* NUL-terminated copy (owned by es_gguf) */
+    uint32_t type;              /* ES_TYPE_* (validated: known and supported block size) */
+    int32_t n_dims;             /* 1..4 */
+    int64_t ne[4];              /* ne[0] = innermost (row length in elements); unused dims = 1 */
+    int64_t n_elements;         /* product of ne, checked for overflow */
+    size_t nbytes;              /* bytes of data (checked inside the file) */
+    size_t row_bytes;           /* bytes of one row of ne[0] elements */
+    const void *data;           /* inside the mmap, aligned as the file says */
+} es_tensor;
+
+/* One metadata key/value. Scalars are decoded; strings and arrays point into the map. */
+typedef struct {
+    char *key;                  /* NUL-terminated copy */
+    uint32_t type;              /* GGUF_T_* */
+    union {
+        uint64_t u64;           /* every unsigned integer type and bool */
+        int64_t i64;            /* every signed integer type */
+        double f64;             /* float32 and float64 */
+    } v;
+    const char *str;            /* GGUF_T_STRING: bytes (not NUL-terminated) */
+    uint64_t str_len;
+    uint32_t arr_type;          /* GGUF_T_ARRAY: element type */
+    uint64_t arr_len;           /* GGUF_T_ARRAY: element count */
+    const void *arr_data;       /* GGUF_T_ARRAY: first element in the map */
+} es_gguf_kv;
+
+typedef struct {
+    void *map;                  /* whole file, PROT_READ */
+    size_t size;                /* bytes */
+    uint32_t version;           /* 2 or 3 */
+    uint64_t alignment;         /* general.alignment or 32 */
+    int64_t n_kv;
+    es_gguf_kv *kv;
+    int64_t n_tensors;
+    es_tensor *tensors;
+} es_gguf;
+
+/* Open and validate a GGUF file. On failure returns a status and writes a
+ * message naming the field to err; *out is NULL and nothing leaks. */
+es_status es_gguf_open(const char *path, es_gguf **out, char *err, size_t err_len);
+void es_gguf_close(es_gguf *g);
+const es_gguf_kv *es_gguf_find_kv(const es_gguf *g, const char *key);
+const es_tensor *es_gguf_find_tensor(const es_gguf *g, const char *name);
+
+/* Bytes per block and elements per block of a tensor type; 0 when unsupported. */
+size_t es_type_block_bytes(uint32_t type);
+int64_t es_type_block_elems(uint32_t type);
+const char *es_type_name(uint32_t type);
+
+/* ---- model.c ----------------------------------------------------------- */
+
+typedef struct {
+    const es_tensor *attn_norm;     /* [n_embd] */
+    const es_tensor *wq;            /* [n_head * head_dim rows][n_embd] */
+    const es_tensor *wk;            /* [n_head_kv * head_dim][n_embd] */
+    const es_tensor *wv;            /* [n_head_kv * head_dim][n_embd] */
+    const es_tensor *bq, *bk, *bv;  /* qwen2 biases or NULL */
+    const es_tensor *q_norm;        /* qwen3 [head_dim] or NULL */
+    const es_tensor *k_norm;        /* qwen3 [head_dim] or NULL */
+    const es_tensor *wo;            /* [n_embd][n_head * head_dim] */
+    const es_tensor *ffn_norm;      /* [n_embd] */
+    const es_tensor *w_gate;        /* [n_ff][n_embd] */
+    const es_tensor *w_up;          /* [n_ff][n_embd] */
+    const es_tensor *w_down;        /* [n_embd][n_ff] */
+} es_layer;
+
+struct es_model {
+    es_gguf *gguf;
+    es_model_info info;
+    const es_tensor *tok_embd;      /* [n_vocab][n_embd] */
+    const es_tensor *output_norm;   /* [n_embd] */
+    const es_tensor *output;        /* [n_vocab][n_embd]; == tok_embd when tied */
+    es_layer *layers;               /* [n_layer] */
+    /* float copies of small vectors (norms, biases), converted at load time */
+    float *f32_pool;                /* owned */
+};
+
+/* Float view of a 1-D tensor converted at load (norm weights, biases). */
+const float *es_model_vec(const es_model *m, const es_tensor *t);
+
+/* ---- threadpool.c ------------------------------------------------------ */
+
+typedef struct es_pool es_pool;
+typedef void (*es_task_fn)(void *ctx, int ith, int nth);
+
+/* A pool of n_threads - 1 workers plus the calling thread. NULL on failure. */
+es_pool *es_pool_new(int n_threads);
+void es_pool_free(es_pool *pool);
+int es_pool_size(const es_pool *pool);
+/* Run fn(ctx, ith, nth) for ith in [0, nth) (the caller runs ith = 0) and
+ * return when all are done. Workers spin between es_pool_begin and
+ * es_pool_end (one forward call) and sleep otherwise. */
+void es_pool_run(es_pool *pool, es_task_fn fn, void *ctx);
+void es_pool_begin(es_pool *pool);
+void es_pool_end(es_pool *pool);
+
+/* ---- quant.c / quant_x86.c / quant_neon.c ------------------------------ */
+
+/* Dequantize n elements (a multiple of the block size) of a row to float. */
+void es_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);
+
+/* Scratch bytes es_matmul needs for N activation rows of n_in elements. */
+size_t es_matmul_scratch_bytes(uint32_t type, int64_t n_in, int N);
+
+/*
+ * Y[N][n_out] = X[N][n_in] . W^T  where W is a 2-D tensor with ne[0] = n_in
+ * and ne[1] = n_out (so row r of W is output r).
+ *   X, Y   float32, row-major, Y rows are ldy floats apart (ldy >= n_out)
+ *   scratch  es_matmul_scratch_bytes(W->type, n_in, N) bytes, 64-byte aligned
+ * Activations are quantized once per call when the weight type is quantized;
+ * each weight block is unpacked once and multiplied into all N rows. Output
+ * rows are split across the pool's threads. Bitwise independent of N, the
+ * thread count and the SIMD path (see the contract at the top).
+ */
+void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,
+               float *Y, int64_t ldy, void *scratch);
+
+/* SIMD path name compiled in (es_simd_name returns it). */
+const char *es_quant_simd_name(void);
+
+/* ---- helpers ----------------------------------------------------------- */
+
+float es_fp16_to_fp32(uint16_t h);
+uint16_t es_fp32_to_fp16(float f);
+float es_bf16_to_fp32(uint16_t h);
+
+/* Format into a caller buffer (never overflows; NULL buf is a no-op). */
+void es_set_err(char *buf, size_t len, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+#endif /* ES_INTERNAL_H */
