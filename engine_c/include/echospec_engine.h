@@ -168,8 +168,10 @@ es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_token
                      int32_t *argmax_out, float *logits_out, int32_t logits_mode);
 
 /*
- * Draw one token from a logits row (float32[n_vocab]), with temperature,
- * top_k, top_p and min_p applied in that order (the llama.cpp order), using
+ * Draw one token from a logits row (float32[n_vocab]). Filters apply in
+ * llama.cpp's default order: top_k, then top_p (nucleus, Holtzman et al.
+ * 2019) and min_p on the softmax of the raw logits, then temperature; the
+ * token is drawn from the softmax of the kept logits / temperature, using
  * and advancing the caller's 64-bit RNG state (xorshift64*; seed it with any
  * nonzero value; 0 is replaced by a fixed constant). Same state, same logits,
  * same token. Greedy (temperature <= 0) returns the argmax and leaves *rng

@@ -1,0 +1,445 @@
+/*
+ * forward.c - sessions, the KV cache, rollback and the forward pass.
+ *
+ * A session owns one KV sequence:
+ *   k_cache, v_cache  float32 [n_layer][n_ctx][n_head_kv * head_dim]
+ * Positions [0, n_past) are valid. A forward over N tokens writes positions
+ * [n_past, n_past + N) and then advances n_past; rollback only moves n_past
+ * back, so a later forward overwrites the removed positions and nothing of
+ * them can leak into a result (attention reads positions <= its own).
+ *
+ * Determinism: every per-row operation here (RMSNorm, RoPE, attention for one
+ * (position, head), SwiGLU, residual adds, argmax) reads only its own row and
+ * the KV positions before it, in a fixed order, so results do not depend on
+ * N or on the thread split. es_matmul keeps the same contract.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define ES_MAX_CTX (1 << 20)
+#define ES_MAX_THREADS 256
+
+struct es_session {
+    const es_model *model;
+    int32_t n_ctx;          /* KV capacity (tokens) */
+    int32_t n_past;         /* valid KV positions (tokens) */
+    int32_t n_threads;
+    es_pool *pool;
+    float *k_cache;         /* [n_layer][n_ctx][kv_dim] */
+    float *v_cache;         /* [n_layer][n_ctx][kv_dim] */
+    /* scratch, sized for cap tokens per call */
+    int32_t cap;
+    float *x;               /* [cap][n_embd] residual stream */
+    float *xb;              /* [cap][n_embd] normed input of a sublayer */
+    float *q;               /* [cap][q_dim] */
+    float *k;               /* [cap][kv_dim] */
+    float *v;               /* [cap][kv_dim] */
+    float *att;             /* [cap][q_dim] attention output */
+    float *gate;            /* [cap][n_ff] */
+    float *up;              /* [cap][n_ff] */
+    float *out;             /* [cap][n_embd] sublayer output */
+    float *logits;          /* [cap][n_vocab] */
+    float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
+    float *scores;          /* [n_threads][n_ctx] attention scores */
+    void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
+    size_t mm_bytes;
+    char err[256];
+};
+
+/* ---- small row kernels (fixed 8-lane accumulation order) ---------------- */
+
+static float dot8(const float *a, const float *b, int n) {
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) l[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) l[i & 7] += a[i] * b[i];
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; x and y may alias. */
+static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
+    float ss = dot8(x, x, n) / (float)n;
+    float inv = 1.0f / sqrtf(ss + eps);
+    for (int i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
+}
+
+/* Rotate one head in place. cs = [rope_dim/2] (cos, sin) pairs for this position. */
+static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
+    int half = rope_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float c = cs[2 * i], s = cs[2 * i + 1];
+        int a = neox ? i : 2 * i;
+        int b = neox ? i + half : 2 * i + 1;
+        float x0 = h[a], x1 = h[b];
+        h[a] = x0 * c - x1 * s;
+        h[b] = x0 * s + x1 * c;
+    }
+}
+
+static int32_t argmax_row(const float *x, int n) {
+    int32_t best = 0;
+    float bv = x[0];
+    for (int i = 1; i < n; i++)
+        if (x[i] > bv) { bv = x[i]; best = i; }
+    return best;
+}
+
+/* ---- session lifecycle --------------------------------------------------- */
+
+es_session_params es_session_default_params(void) {
+    es_session_params p = {0, 0};
+    return p;
+}
+
+static int online_cores(void) {
+    long n = 1;
+#ifdef _SC_NPROCESSORS_ONLN
+    n = sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+    if (n < 1) n = 1;
+    if (n > ES_MAX_THREADS) n = ES_MAX_THREADS;
+    return (int)n;
+}
+
+static void free_scratch(es_session *s) {
+    free(s->x); free(s->xb); free(s->q); free(s->k); free(s->v); free(s->att);
+    free(s->gate); free(s->up); free(s->out); free(s->logits); free(s->rope);
+    free(s->mm_scratch);
+    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->out = NULL;
+    s->logits = s->rope = NULL;
+    s->mm_scratch = NULL;
+    s->cap = 0;
+    s->mm_bytes = 0;
+}
+
+static size_t max_scratch_bytes(const es_model *m, int n) {
+    const es_model_info *in = &m->info;
+    size_t b = 0, t;
+    const es_layer *L = &m->layers[0];
+    const es_tensor *ws[] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down, m->output};
+    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+        t = es_matmul_scratch_bytes(ws[i]->type, ws[i]->ne[0], n);
+        if (t > b) b = t;
+    }
+    (void)in;
+    return b;
+}
+
+/* Make room for n tokens per call. On failure the old buffers are kept. */
+static es_status ensure_scratch(es_session *s, int32_t n) {
+    if (n <= s->cap) return ES_OK;
+    const es_model_info *in = &s->model->info;
+    size_t q_dim = (size_t)in->n_head * in->head_dim;
+    size_t kv_dim = (size_t)in->n_head_kv * in->head_dim;
+    size_t N = (size_t)n;
+    size_t mm = max_scratch_bytes(s->model, n);
+    size_t mm_alloc = (mm + 63) & ~(size_t)63;
+    float *x = malloc(N * in->n_embd * sizeof(float));
+    float *xb = malloc(N * in->n_embd * sizeof(float));
+    float *q = malloc(N * q_dim * sizeof(float));
+    float *k = malloc(N * kv_dim * sizeof(float));
+    float *v = malloc(N * kv_dim * sizeof(float));
+    float *att = malloc(N * q_dim * sizeof(float));
+    float *gate = malloc(N * in->n_ff * sizeof(float));
+    float *up = malloc(N * in->n_ff * sizeof(float));
+    float *out = malloc(N * in->n_embd * sizeof(float));
+    float *logits = malloc(N * in->n_vocab * sizeof(float));
+    float *rope = malloc(N * in->rope_dim * sizeof(float) + sizeof(float));
+    void *mms = aligned_alloc(64, mm_alloc ? mm_alloc : 64);
+    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms) {
+        free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
+        free(out); free(logits); free(rope); free(mms);
+        es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
+        return ES_ERR_NOMEM;
+    }
+    free_scratch(s);
+    s->x = x; s->xb = xb; s->q = q; s->k = k; s->v = v; s->att = att;
+    s->gate = gate; s->up = up; s->out = out; s->logits = logits; s->rope = rope;
+    s->mm_scratch = mms;
+    s->mm_bytes = mm;
+    s->cap = n;
+    return ES_OK;
+}
+
+es_status es_session_new(const es_model *model, const es_session_params *params,
+                         es_session **out, char *err, size_t err_len) {
+    if (out) *out = NULL;
+    if (!model || !out) {
+        es_set_err(err, err_len, "es_session_new: model and out must not be NULL");
+        return ES_ERR_INVALID_ARG;
+    }
+    es_session_params p = params ? *params : es_session_default_params();
+    if (p.n_ctx < 0 || p.n_ctx > ES_MAX_CTX) {
+        es_set_err(err, err_len, "n_ctx %d out of range [0, %d]", (int)p.n_ctx, ES_MAX_CTX);
+        return ES_ERR_INVALID_ARG;
+    }
+    if (p.n_threads < 0 || p.n_threads > ES_MAX_THREADS) {
+        es_set_err(err, err_len, "n_threads %d out of range [0, %d]", (int)p.n_threads, ES_MAX_THREADS);
+        return ES_ERR_INVALID_ARG;
+    }
+    const es_model_info *in = &model->info;
+    int32_t n_ctx = p.n_ctx;
+    if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
+    if (n_ctx < 1) n_ctx = 1;
+    int n_threads = p.n_threads ? p.n_threads : online_cores();
+
+    es_session *s = calloc(1, sizeof *s);
+    if (!s) { es_set_err(err, err_len, "out of memory for the session"); return ES_ERR_NOMEM; }
+    s->model = model;
+    s->n_ctx = n_ctx;
+    s->n_threads = n_threads;
+    size_t kv_dim = (size_t)in->n_head_kv * in->head_dim;
+    size_t kv_elems = (size_t)in->n_layer * (size_t)n_ctx * kv_dim;
+    s->k_cache = malloc(kv_elems * sizeof(float));
+    s->v_cache = malloc(kv_elems * sizeof(float));
+    s->scores = malloc((size_t)n_threads * (size_t)n_ctx * sizeof(float));
+    if (!s->k_cache || !s->v_cache || !s->scores) {
+        es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)",
+                   (int)n_ctx, 2 * kv_elems * sizeof(float));
+        es_session_free(s);
+        return ES_ERR_NOMEM;
+    }
+    s->pool = es_pool_new(n_threads);
+    if (!s->pool) {
+        es_set_err(err, err_len, "could not start %d worker threads", n_threads - 1);
+        es_session_free(s);
+        return ES_ERR_INTERNAL;
+    }
+    if (ensure_scratch(s, 1) != ES_OK) {
+        es_set_err(err, err_len, "%s", s->err);
+        es_session_free(s);
+        return ES_ERR_NOMEM;
+    }
+    *out = s;
+    return ES_OK;
+}
+
+void es_session_free(es_session *s) {
+    if (!s) return;
+    es_pool_free(s->pool);
+    free_scratch(s);
+    free(s->k_cache);
+    free(s->v_cache);
+    free(s->scores);
+    free(s);
+}
+
+int32_t es_session_n_past(const es_session *s) { return s ? s->n_past : 0; }
+int32_t es_session_n_ctx(const es_session *s) { return s ? s->n_ctx : 0; }
+const char *es_session_last_error(const es_session *s) { return s ? s->err : "session is NULL"; }
+
+es_status es_session_rollback(es_session *s, int32_t n_past) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    if (n_past < 0 || n_past > s->n_past) {
+        es_set_err(s->err, sizeof s->err, "rollback to n_past %d outside [0, %d]",
+                   (int)n_past, (int)s->n_past);
+        return ES_ERR_INVALID_ARG;
+    }
+    s->n_past = n_past;
+    s->err[0] = '\0';
+    return ES_OK;
+}
+
+/* ---- attention ----------------------------------------------------------- */
+
+typedef struct {
+    es_session *s;
+    int layer;
+    int n;              /* tokens in this call */
+} attn_task;
+
+/* One (token, head) pair: softmax(q . K^T * scale) . V over positions [0, pos]. */
+static void attend_one(es_session *s, int layer, int i, int h, float *sc) {
+    const es_model_info *in = &s->model->info;
+    int hd = in->head_dim;
+    int kv_dim = in->n_head_kv * hd;
+    int g = h / (in->n_head / in->n_head_kv);
+    int pos = s->n_past + i;
+    const float *q = s->q + (size_t)i * in->n_head * hd + (size_t)h * hd;
+    const float *kc = s->k_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
+    const float *vc = s->v_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    float mx = -INFINITY;
+    for (int t = 0; t <= pos; t++) {
+        float d = dot8(q, kc + (size_t)t * kv_dim, hd) * scale;
+        sc[t] = d;
+        if (d > mx) mx = d;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t <= pos; t++) {
+        float e = expf(sc[t] - mx);
+        sc[t] = e;
+        sum += e;
+    }
+    float inv = 1.0f / sum;
+    float *o = s->att + (size_t)i * in->n_head * hd + (size_t)h * hd;
+    for (int d = 0; d < hd; d++) o[d] = 0.0f;
+    for (int t = 0; t <= pos; t++) {
+        float a = sc[t] * inv;
+        const float *vr = vc + (size_t)t * kv_dim;
+        for (int d = 0; d < hd; d++) o[d] += a * vr[d];
+    }
+}
+
+static void attn_worker(void *ctx, int ith, int nth) {
+    attn_task *t = ctx;
+    es_session *s = t->s;
+    int n_head = s->model->info.n_head;
+    int total = t->n * n_head;
+    float *sc = s->scores + (size_t)ith * s->n_ctx;
+    for (int j = ith; j < total; j += nth) attend_one(s, t->layer, j / n_head, j % n_head, sc);
+}
+
+/* ---- the forward pass ---------------------------------------------------- */
+
+static void mm(es_session *s, const es_tensor *w, const float *x, int n, float *y, int64_t ldy) {
+    es_matmul(s->pool, w, x, n, y, ldy, s->mm_scratch);
+}
+
+static void add_bias(float *y, const float *b, int n, int dim) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < dim; j++) y[(size_t)i * dim + j] += b[j];
+}
+
+static void fill_rope_table(es_session *s, int n) {
+    const es_model_info *in = &s->model->info;
+    int half = in->rope_dim / 2;
+    for (int i = 0; i < n; i++) {
+        double pos = (double)(s->n_past + i);
+        for (int j = 0; j < half; j++) {
+            double theta = pos * pow((double)in->rope_freq_base, -2.0 * j / (double)in->rope_dim);
+            s->rope[(size_t)i * in->rope_dim + 2 * j] = (float)cos(theta);
+            s->rope[(size_t)i * in->rope_dim + 2 * j + 1] = (float)sin(theta);
+        }
+    }
+}
+
+/* Attention sublayer of one block: x += Wo . attn(norm(x)). */
+static void attention_block(es_session *s, int l, int n) {
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+    const es_layer *L = &m->layers[l];
+    int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
+    const float *wn = es_model_vec(m, L->attn_norm);
+    for (int i = 0; i < n; i++)
+        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
+    mm(s, L->wq, s->xb, n, s->q, q_dim);                      /* q [n][q_dim] */
+    mm(s, L->wk, s->xb, n, s->k, kv_dim);                     /* k [n][kv_dim] */
+    mm(s, L->wv, s->xb, n, s->v, kv_dim);                     /* v [n][kv_dim] */
+    if (L->bq) add_bias(s->q, es_model_vec(m, L->bq), n, q_dim);
+    if (L->bk) add_bias(s->k, es_model_vec(m, L->bk), n, kv_dim);
+    if (L->bv) add_bias(s->v, es_model_vec(m, L->bv), n, kv_dim);
+    const float *qn = L->q_norm ? es_model_vec(m, L->q_norm) : NULL;
+    const float *kn = L->k_norm ? es_model_vec(m, L->k_norm) : NULL;
+    for (int i = 0; i < n; i++) {
+        const float *cs = s->rope + (size_t)i * in->rope_dim;
+        for (int h = 0; h < in->n_head; h++) {
+            float *qh = s->q + (size_t)i * q_dim + (size_t)h * hd;
+            if (qn) rmsnorm(qh, qh, qn, hd, in->norm_eps);
+            rope_head(qh, cs, in->rope_dim, in->rope_neox);
+        }
+        for (int h = 0; h < in->n_head_kv; h++) {
+            float *kh = s->k + (size_t)i * kv_dim + (size_t)h * hd;
+            if (kn) rmsnorm(kh, kh, kn, hd, in->norm_eps);
+            rope_head(kh, cs, in->rope_dim, in->rope_neox);
+        }
+    }
+    /* append k, v at positions [n_past, n_past + n) */
+    size_t base = ((size_t)l * s->n_ctx + (size_t)s->n_past) * kv_dim;
+    memcpy(s->k_cache + base, s->k, (size_t)n * kv_dim * sizeof(float));
+    memcpy(s->v_cache + base, s->v, (size_t)n * kv_dim * sizeof(float));
+    attn_task t = {s, l, n};
+    es_pool_run(s->pool, attn_worker, &t);
+    mm(s, L->wo, s->att, n, s->out, in->n_embd);
+    for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
+}
+
+/* FFN sublayer: x += W_down . (silu(W_gate . norm(x)) * (W_up . norm(x))). */
+static void ffn_block(es_session *s, int l, int n) {
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+    const es_layer *L = &m->layers[l];
+    const float *wn = es_model_vec(m, L->ffn_norm);
+    for (int i = 0; i < n; i++)
+        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
+    mm(s, L->w_gate, s->xb, n, s->gate, in->n_ff);
+    mm(s, L->w_up, s->xb, n, s->up, in->n_ff);
+    for (size_t i = 0; i < (size_t)n * in->n_ff; i++) {
+        float g = s->gate[i];
+        s->gate[i] = (g / (1.0f + expf(-g))) * s->up[i];
+    }
+    mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
+    for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
+}
+
+static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_t n,
+                                    float *logits_out, int32_t mode) {
+    const es_model_info *in = &s->model->info;
+    if (!tokens || n <= 0) {
+        es_set_err(s->err, sizeof s->err, "forward needs n_tokens >= 1 (got %d)", (int)n);
+        return ES_ERR_INVALID_ARG;
+    }
+    if (mode < 0 || mode > 2 || (mode != 0 && !logits_out)) {
+        es_set_err(s->err, sizeof s->err, "logits_mode %d invalid or logits_out NULL", (int)mode);
+        return ES_ERR_INVALID_ARG;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= in->n_vocab) {
+            es_set_err(s->err, sizeof s->err, "token %d at index %d outside the vocabulary [0, %d)",
+                       (int)tokens[i], (int)i, (int)in->n_vocab);
+            return ES_ERR_INVALID_ARG;
+        }
+    }
+    if ((int64_t)s->n_past + n > s->n_ctx) {
+        es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d + %d tokens > n_ctx %d",
+                   (int)s->n_past, (int)n, (int)s->n_ctx);
+        return ES_ERR_CAPACITY;
+    }
+    return ES_OK;
+}
+
+es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_out,
+                     float *logits_out, int32_t logits_mode) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
+    if (st != ES_OK) return st;
+    if ((st = ensure_scratch(s, n)) != ES_OK) return st;
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+
+    /* embedding lookup: x[i] = tok_embd[tokens[i]] */
+    for (int i = 0; i < n; i++) {
+        const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)tokens[i] * m->tok_embd->row_bytes;
+        es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
+    }
+    fill_rope_table(s, n);
+    es_pool_begin(s->pool);
+    for (int l = 0; l < in->n_layer; l++) {
+        attention_block(s, l, n);
+        ffn_block(s, l, n);
+    }
+    const float *wn = es_model_vec(m, m->output_norm);
+    for (int i = 0; i < n; i++)
+        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
+    mm(s, m->output, s->xb, n, s->logits, in->n_vocab);       /* logits [n][n_vocab] */
+    es_pool_end(s->pool);
+
+    for (int i = 0; i < n; i++) {
+        const float *row = s->logits + (size_t)i * in->n_vocab;
+        if (argmax_out) argmax_out[i] = argmax_row(row, in->n_vocab);
+    }
+    if (logits_mode == 1)
+        memcpy(logits_out, s->logits + (size_t)(n - 1) * in->n_vocab, (size_t)in->n_vocab * sizeof(float));
+    else if (logits_mode == 2)
+        memcpy(logits_out, s->logits, (size_t)n * in->n_vocab * sizeof(float));
+    s->n_past += n;
+    s->err[0] = '\0';
+    return ES_OK;
+}
+
+const char *es_simd_name(void) { return es_quant_simd_name(); }
