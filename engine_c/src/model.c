@@ -1,0 +1,443 @@
+/*
+ * model.c - es_model: hyperparameters from the GGUF metadata and the binding
+ * of every tensor the forward pass reads, with its shape checked.
+ *
+ * Tensor names and shapes (ne[0] = row length, ne[1] = rows), llama.cpp's:
+ *   token_embd.weight            [n_embd, n_vocab]    n_vocab is read from here
+ *   output_norm.weight           [n_embd]
+ *   output.weight                [n_embd, n_vocab]    absent: tied to token_embd
+ *   blk.N.attn_norm.weight       [n_embd]
+ *   blk.N.attn_q.weight          [n_embd, n_head * head_dim]
+ *   blk.N.attn_k/attn_v.weight   [n_embd, n_head_kv * head_dim]
+ *   blk.N.attn_q/k/v.bias        [rows of the matching matrix]   qwen2 (optional elsewhere)
+ *   blk.N.attn_q_norm/attn_k_norm.weight [head_dim]               qwen3 (optional elsewhere)
+ *   blk.N.attn_output.weight     [n_head * head_dim, n_embd]
+ *   blk.N.ffn_norm.weight        [n_embd]
+ *   blk.N.ffn_gate/ffn_up.weight [n_embd, n_ff]
+ *   blk.N.ffn_down.weight        [n_ff, n_embd]
+ *
+ * 1-D tensors (norms, biases) are converted to float once, into f32_pool;
+ * es_model_vec returns that view.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* es_model plus the f32_pool index of each 1-D tensor.
+ * `pub` must stay first: an es_model * handed out is a model_impl *. */
+typedef struct {
+    es_model pub;
+    int64_t *vec_off;       /* [gguf->n_tensors]: offset into f32_pool, -1 if not converted */
+} model_impl;
+
+/* Load-time context: the open file, the architecture and the error buffer. */
+typedef struct {
+    const es_gguf *g;
+    const char *arch;
+    char *err;
+    size_t err_len;
+} loader;
+
+es_model_params es_model_default_params(void) {
+    es_model_params p;
+    memset(&p, 0, sizeof p);
+    return p;
+}
+
+/* ---- metadata ---------------------------------------------------------- */
+
+/* Read "<arch>.<suffix>" as an integer of any GGUF integer type into *out,
+ * range-checked to [lo, hi]. Absent: *out = def, or ES_ERR_FORMAT when
+ * required. A non-integer type is ES_ERR_FORMAT. */
+static es_status hp_int(const loader *ld, const char *suffix, bool required, int64_t def,
+                        int64_t lo, int64_t hi, int64_t *out) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", ld->arch, suffix);
+    const es_gguf_kv *kv = es_gguf_find_kv(ld->g, key);
+    if (kv == NULL) {
+        if (required) {
+            es_set_err(ld->err, ld->err_len, "model: missing key %s", key);
+            return ES_ERR_FORMAT;
+        }
+        *out = def;
+        return ES_OK;
+    }
+    int64_t v;
+    switch (kv->type) {
+    case GGUF_T_UINT8: case GGUF_T_UINT16: case GGUF_T_UINT32: case GGUF_T_UINT64:
+        v = kv->v.u64 > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)kv->v.u64;
+        break;
+    case GGUF_T_INT8: case GGUF_T_INT16: case GGUF_T_INT32: case GGUF_T_INT64:
+        v = kv->v.i64;
+        break;
+    default:
+        es_set_err(ld->err, ld->err_len, "model: key %s has value type %u, expected an integer",
+                   key, kv->type);
+        return ES_ERR_FORMAT;
+    }
+    if (v < lo || v > hi) {
+        es_set_err(ld->err, ld->err_len, "model: %s = %lld out of range %lld..%lld", key,
+                   (long long)v, (long long)lo, (long long)hi);
+        return ES_ERR_FORMAT;
+    }
+    *out = v;
+    return ES_OK;
+}
+
+/* Read "<arch>.<suffix>" as a float (float32/float64 or an integer), finite
+ * and in (lo, hi]. Absent: *out = def. */
+static es_status hp_float(const loader *ld, const char *suffix, double def, double lo, double hi,
+                          float *out) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", ld->arch, suffix);
+    const es_gguf_kv *kv = es_gguf_find_kv(ld->g, key);
+    double v = def;
+    if (kv != NULL) {
+        switch (kv->type) {
+        case GGUF_T_FLOAT32: case GGUF_T_FLOAT64: v = kv->v.f64; break;
+        case GGUF_T_UINT8: case GGUF_T_UINT16: case GGUF_T_UINT32: case GGUF_T_UINT64:
+            v = (double)kv->v.u64; break;
+        case GGUF_T_INT8: case GGUF_T_INT16: case GGUF_T_INT32: case GGUF_T_INT64:
+            v = (double)kv->v.i64; break;
+        default:
+            es_set_err(ld->err, ld->err_len, "model: key %s has value type %u, expected a number",
+                       key, kv->type);
+            return ES_ERR_FORMAT;
+        }
+    }
+    if (!isfinite(v) || !(v > lo) || !(v <= hi)) {
+        es_set_err(ld->err, ld->err_len, "model: %s = %g out of range (%g, %g]", key, v, lo, hi);
+        return ES_ERR_FORMAT;
+    }
+    *out = (float)v;
+    return ES_OK;
+}
+
+/* general.architecture -> info->arch and ld->arch. Missing or not a string:
+ * ES_ERR_FORMAT; not llama/qwen2/qwen3: ES_ERR_UNSUPPORTED naming it. */
+static es_status read_arch(loader *ld, es_model_info *info) {
+    const es_gguf_kv *kv = es_gguf_find_kv(ld->g, "general.architecture");
+    if (kv == NULL || kv->type != GGUF_T_STRING) {
+        es_set_err(ld->err, ld->err_len, "model: general.architecture is %s",
+                   kv == NULL ? "missing" : "not a string");
+        return ES_ERR_FORMAT;
+    }
+    static const char *const known[] = { "llama", "qwen2", "qwen3" };
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
+        if (kv->str_len == strlen(known[i]) && memcmp(kv->str, known[i], kv->str_len) == 0) {
+            snprintf(info->arch, sizeof info->arch, "%s", known[i]);
+            ld->arch = info->arch;
+            return ES_OK;
+        }
+    }
+    int shown = kv->str_len > 32 ? 32 : (int)kv->str_len;
+    es_set_err(ld->err, ld->err_len,
+               "model: unsupported architecture '%.*s' (general.architecture; supported: llama, "
+               "qwen2, qwen3)", shown, kv->str);
+    return ES_ERR_UNSUPPORTED;
+}
+
+/* Every hyperparameter except n_vocab (taken from token_embd), range-checked. */
+static es_status read_hparams(loader *ld, es_model_info *info) {
+    int64_t n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, v_dim, n_ctx, rope_dim;
+    es_status st;
+    if ((st = hp_int(ld, "block_count", true, 0, 1, 1024, &n_layer)) != ES_OK) return st;
+    if ((st = hp_int(ld, "embedding_length", true, 0, 1, 65536, &n_embd)) != ES_OK) return st;
+    if ((st = hp_int(ld, "feed_forward_length", true, 0, 1, 1 << 20, &n_ff)) != ES_OK) return st;
+    if ((st = hp_int(ld, "attention.head_count", true, 0, 1, 1024, &n_head)) != ES_OK) return st;
+    if ((st = hp_int(ld, "attention.head_count_kv", false, n_head, 1, n_head, &n_head_kv)) != ES_OK)
+        return st;
+    if (n_head % n_head_kv != 0) {
+        es_set_err(ld->err, ld->err_len,
+                   "model: %s.attention.head_count (%lld) is not a multiple of head_count_kv (%lld)",
+                   ld->arch, (long long)n_head, (long long)n_head_kv);
+        return ES_ERR_FORMAT;
+    }
+    int64_t hd_def = n_embd % n_head == 0 ? n_embd / n_head : 0;  /* 0: fails the range check */
+    if ((st = hp_int(ld, "attention.key_length", false, hd_def, 2, 512, &head_dim)) != ES_OK)
+        return st;
+    if (head_dim % 2 != 0) {
+        es_set_err(ld->err, ld->err_len, "model: head_dim (%s.attention.key_length) = %lld is odd",
+                   ld->arch, (long long)head_dim);
+        return ES_ERR_FORMAT;
+    }
+    if ((st = hp_int(ld, "attention.value_length", false, head_dim, head_dim, head_dim, &v_dim)))
+        return st;
+    if ((st = hp_int(ld, "context_length", true, 0, 1, INT32_MAX, &n_ctx)) != ES_OK) return st;
+    if ((st = hp_int(ld, "rope.dimension_count", false, head_dim, 2, head_dim, &rope_dim)))
+        return st;
+    if (rope_dim % 2 != 0) {
+        es_set_err(ld->err, ld->err_len, "model: %s.rope.dimension_count = %lld is odd", ld->arch,
+                   (long long)rope_dim);
+        return ES_ERR_FORMAT;
+    }
+    bool is_llama = strcmp(ld->arch, "llama") == 0;
+    if ((st = hp_float(ld, "rope.freq_base", 10000.0, 0.0, 1e12, &info->rope_freq_base)))
+        return st;
+    if ((st = hp_float(ld, "attention.layer_norm_rms_epsilon", is_llama ? 1e-5 : 1e-6, 0.0, 1.0,
+                       &info->norm_eps)))
+        return st;
+    info->n_layer = (int32_t)n_layer;
+    info->n_embd = (int32_t)n_embd;
+    info->n_ff = (int32_t)n_ff;
+    info->n_head = (int32_t)n_head;
+    info->n_head_kv = (int32_t)n_head_kv;
+    info->head_dim = (int32_t)head_dim;
+    info->n_ctx_train = (int32_t)n_ctx;
+    info->rope_dim = (int32_t)rope_dim;
+    info->rope_neox = is_llama ? 0 : 1;
+    return ES_OK;
+}
+
+/* ---- tensors ----------------------------------------------------------- */
+
+enum { KIND_MATRIX, KIND_VECTOR };
+
+static bool is_float_type(uint32_t t) {
+    return t == ES_TYPE_F32 || t == ES_TYPE_F16 || t == ES_TYPE_BF16;
+}
+
+/* Find `name` and check its shape: a matrix is [ne0, ne1] (ne1 < 0: any
+ * rows), a vector is [ne0] in F32/F16/BF16. *out = NULL when absent and not
+ * required. Absent or mis-shaped: ES_ERR_MISSING_TENSOR; a vector of a
+ * quantized type: ES_ERR_UNSUPPORTED. */
+static es_status bind(const loader *ld, const char *name, int kind, int64_t ne0, int64_t ne1,
+                      bool required, const es_tensor **out) {
+    const es_tensor *t = es_gguf_find_tensor(ld->g, name);
+    *out = NULL;
+    if (t == NULL) {
+        if (!required) return ES_OK;
+        es_set_err(ld->err, ld->err_len, "model: missing tensor '%s' (architecture %s)", name,
+                   ld->arch);
+        return ES_ERR_MISSING_TENSOR;
+    }
+    int64_t want1 = kind == KIND_VECTOR ? 1 : (ne1 < 0 ? t->ne[1] : ne1);
+    if (t->ne[0] != ne0 || t->ne[1] != want1 || t->ne[2] != 1 || t->ne[3] != 1) {
+        char want[48];
+        if (kind == KIND_VECTOR) snprintf(want, sizeof want, "[%lld]", (long long)ne0);
+        else if (ne1 < 0) snprintf(want, sizeof want, "[%lld, n_vocab]", (long long)ne0);
+        else snprintf(want, sizeof want, "[%lld, %lld]", (long long)ne0, (long long)ne1);
+        es_set_err(ld->err, ld->err_len,
+                   "model: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected %s", name,
+                   (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                   (long long)t->ne[3], want);
+        return ES_ERR_MISSING_TENSOR;
+    }
+    if (kind == KIND_VECTOR && !is_float_type(t->type)) {
+        es_set_err(ld->err, ld->err_len,
+                   "model: tensor '%s' has type %s; norms and biases must be F32, F16 or BF16",
+                   name, es_type_name(t->type));
+        return ES_ERR_UNSUPPORTED;
+    }
+    *out = t;
+    return ES_OK;
+}
+
+/* Bind the tensors of block il into *L. On failure *L is partly filled. */
+static es_status bind_layer(const loader *ld, const es_model_info *hp, int il, es_layer *L) {
+    const int64_t E = hp->n_embd, F = hp->n_ff, D = hp->head_dim;
+    const int64_t Q = (int64_t)hp->n_head * D, KV = (int64_t)hp->n_head_kv * D;
+    const bool qwen2 = strcmp(ld->arch, "qwen2") == 0, qwen3 = strcmp(ld->arch, "qwen3") == 0;
+    const struct {
+        const char *suffix; int kind; int64_t ne0, ne1; bool required; const es_tensor **dst;
+    } spec[] = {
+        { "attn_norm.weight",   KIND_VECTOR, E, 1, true,  &L->attn_norm },
+        { "attn_q.weight",      KIND_MATRIX, E, Q, true,  &L->wq },
+        { "attn_k.weight",      KIND_MATRIX, E, KV, true, &L->wk },
+        { "attn_v.weight",      KIND_MATRIX, E, KV, true, &L->wv },
+        { "attn_q.bias",        KIND_VECTOR, Q, 1, qwen2, &L->bq },
+        { "attn_k.bias",        KIND_VECTOR, KV, 1, qwen2, &L->bk },
+        { "attn_v.bias",        KIND_VECTOR, KV, 1, qwen2, &L->bv },
+        { "attn_q_norm.weight", KIND_VECTOR, D, 1, qwen3, &L->q_norm },
+        { "attn_k_norm.weight", KIND_VECTOR, D, 1, qwen3, &L->k_norm },
+        { "attn_output.weight", KIND_MATRIX, Q, E, true,  &L->wo },
+        { "ffn_norm.weight",    KIND_VECTOR, E, 1, true,  &L->ffn_norm },
+        { "ffn_gate.weight",    KIND_MATRIX, E, F, true,  &L->w_gate },
+        { "ffn_up.weight",      KIND_MATRIX, E, F, true,  &L->w_up },
+        { "ffn_down.weight",    KIND_MATRIX, F, E, true,  &L->w_down },
+    };
+    for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
+        char name[96];
+        snprintf(name, sizeof name, "blk.%d.%s", il, spec[i].suffix);
+        es_status st = bind(ld, name, spec[i].kind, spec[i].ne0, spec[i].ne1, spec[i].required,
+                            spec[i].dst);
+        if (st != ES_OK) return st;
+    }
+    return ES_OK;
+}
+
+/* token_embd (defines n_vocab), output_norm, output (or tied), all blocks. */
+static es_status bind_all(const loader *ld, es_model *m) {
+    es_model_info *hp = &m->info;
+    es_status st = bind(ld, "token_embd.weight", KIND_MATRIX, hp->n_embd, -1, true, &m->tok_embd);
+    if (st != ES_OK) return st;
+    if (m->tok_embd->ne[1] > INT32_MAX) {
+        es_set_err(ld->err, ld->err_len, "model: token_embd.weight has %lld rows (n_vocab), "
+                   "more than 2^31-1", (long long)m->tok_embd->ne[1]);
+        return ES_ERR_FORMAT;
+    }
+    hp->n_vocab = (int32_t)m->tok_embd->ne[1];
+    const es_gguf_kv *tok = es_gguf_find_kv(ld->g, "tokenizer.ggml.tokens");
+    if (tok != NULL && (tok->type != GGUF_T_ARRAY || tok->arr_len != (uint64_t)hp->n_vocab)) {
+        es_set_err(ld->err, ld->err_len, "model: tokenizer.ggml.tokens has %llu entries but "
+                   "token_embd.weight has %d rows (n_vocab)",
+                   tok->type == GGUF_T_ARRAY ? (unsigned long long)tok->arr_len : 0ULL,
+                   hp->n_vocab);
+        return ES_ERR_FORMAT;
+    }
+    if ((st = bind(ld, "output_norm.weight", KIND_VECTOR, hp->n_embd, 1, true, &m->output_norm)))
+        return st;
+    if ((st = bind(ld, "output.weight", KIND_MATRIX, hp->n_embd, hp->n_vocab, false, &m->output)))
+        return st;
+    hp->tied_output = m->output == NULL;
+    if (m->output == NULL) m->output = m->tok_embd;
+    m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
+    if (m->layers == NULL) {
+        es_set_err(ld->err, ld->err_len, "model: out of memory for %d layers", hp->n_layer);
+        return ES_ERR_NOMEM;
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        if ((st = bind_layer(ld, hp, il, &m->layers[il])) != ES_OK) return st;
+    }
+    return ES_OK;
+}
+
+/* ---- float pool -------------------------------------------------------- */
+
+/* The 1-D tensors of the model, at most 3 + 7 per layer; returns the count. */
+static int list_vectors(const es_model *m, const es_tensor **v, int cap) {
+    int n = 0;
+    if (n < cap) v[n++] = m->output_norm;
+    for (int il = 0; il < m->info.n_layer; il++) {
+        const es_layer *L = &m->layers[il];
+        const es_tensor *lv[] = { L->attn_norm, L->bq, L->bk, L->bv, L->q_norm, L->k_norm,
+                                  L->ffn_norm };
+        for (size_t i = 0; i < sizeof lv / sizeof lv[0]; i++) {
+            if (lv[i] != NULL && n < cap) v[n++] = lv[i];
+        }
+    }
+    return n;
+}
+
+static void to_f32(const es_tensor *t, float *dst) {
+    const uint8_t *src = t->data;
+    for (int64_t i = 0; i < t->n_elements; i++) {
+        if (t->type == ES_TYPE_F32) {
+            memcpy(&dst[i], src + 4 * i, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            dst[i] = t->type == ES_TYPE_F16 ? es_fp16_to_fp32(h) : es_bf16_to_fp32(h);
+        }
+    }
+}
+
+/* Convert every 1-D tensor into f32_pool and record its offset in vec_off.
+ * On failure (ES_ERR_NOMEM) the partial allocations are owned by *mi. */
+static es_status build_pool(model_impl *mi, char *err, size_t err_len) {
+    es_model *m = &mi->pub;
+    int cap = 1 + 7 * m->info.n_layer;
+    const es_tensor **v = calloc((size_t)cap, sizeof *v);
+    mi->vec_off = malloc((size_t)m->gguf->n_tensors * sizeof *mi->vec_off + 1);
+    if (v == NULL || mi->vec_off == NULL) {
+        free(v);
+        es_set_err(err, err_len, "model: out of memory for the vector index");
+        return ES_ERR_NOMEM;
+    }
+    for (int64_t i = 0; i < m->gguf->n_tensors; i++) mi->vec_off[i] = -1;
+    int n = list_vectors(m, v, cap);
+    int64_t total = 0;   /* bounded: each vector has <= 1024 * 512 elements */
+    for (int i = 0; i < n; i++) total += v[i]->n_elements;
+    m->f32_pool = malloc((size_t)total * sizeof(float) + 1);
+    if (m->f32_pool == NULL) {
+        free(v);
+        es_set_err(err, err_len, "model: out of memory for %lld floats of norms and biases",
+                   (long long)total);
+        return ES_ERR_NOMEM;
+    }
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        mi->vec_off[v[i] - m->gguf->tensors] = off;
+        to_f32(v[i], m->f32_pool + off);
+        off += v[i]->n_elements;
+    }
+    free(v);
+    return ES_OK;
+}
+
+/* Bytes of tensor data one decode step reads: every block tensor, the output
+ * matrix (the whole embedding when tied) and output_norm. */
+static int64_t step_bytes(const es_model *m) {
+    int64_t sum = (int64_t)m->output->nbytes + (int64_t)m->output_norm->nbytes;
+    for (int il = 0; il < m->info.n_layer; il++) {
+        const es_layer *L = &m->layers[il];
+        const es_tensor *lt[] = { L->attn_norm, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
+                                  L->q_norm, L->k_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up,
+                                  L->w_down };
+        for (size_t i = 0; i < sizeof lt / sizeof lt[0]; i++) {
+            if (lt[i] != NULL) sum += (int64_t)lt[i]->nbytes;
+        }
+    }
+    return sum;
+}
+
+/* ---- public ------------------------------------------------------------ */
+
+es_status es_model_load(const char *path, const es_model_params *params, es_model **out,
+                        char *err, size_t err_len) {
+    if (out != NULL) *out = NULL;
+    if (path == NULL || out == NULL || (params != NULL && params->reserved != 0)) {
+        es_set_err(err, err_len, "model: path and out must not be NULL and params->reserved must be 0");
+        return ES_ERR_INVALID_ARG;
+    }
+    model_impl *mi = calloc(1, sizeof *mi);
+    if (mi == NULL) {
+        es_set_err(err, err_len, "model: out of memory");
+        return ES_ERR_NOMEM;
+    }
+    es_model *m = &mi->pub;
+    es_status st = es_gguf_open(path, &m->gguf, err, err_len);
+    loader ld = { .g = m->gguf, .arch = NULL, .err = err, .err_len = err_len };
+    if (st == ES_OK) st = read_arch(&ld, &m->info);
+    if (st == ES_OK) st = read_hparams(&ld, &m->info);
+    if (st == ES_OK) st = bind_all(&ld, m);
+    if (st == ES_OK) st = build_pool(mi, err, err_len);
+    if (st != ES_OK) {
+        es_model_free(m);
+        return st;
+    }
+    m->info.weight_bytes = step_bytes(m);
+    *out = m;
+    return ES_OK;
+}
+
+void es_model_free(es_model *model) {
+    if (model == NULL) return;
+    model_impl *mi = (model_impl *)model;
+    free(mi->vec_off);
+    free(model->f32_pool);
+    free(model->layers);
+    es_gguf_close(model->gguf);
+    free(mi);
+}
+
+es_status es_model_get_info(const es_model *model, es_model_info *info) {
+    if (model == NULL || info == NULL) return ES_ERR_INVALID_ARG;
+    *info = model->info;
+    return ES_OK;
+}
+
+/* Float view of a 1-D tensor of this model (norm or bias), [t->n_elements]
+ * floats owned by the model; NULL when t is NULL or not such a tensor. */
+const float *es_model_vec(const es_model *m, const es_tensor *t) {
+    if (m == NULL || t == NULL || m->gguf == NULL) return NULL;
+    const model_impl *mi = (const model_impl *)m;
+    const es_tensor *base = m->gguf->tensors;
+    if (t < base || t >= base + m->gguf->n_tensors) return NULL;
+    int64_t off = mi->vec_off[t - base];
+    return off < 0 ? NULL : m->f32_pool + off;
+}
