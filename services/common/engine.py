@@ -1,0 +1,271 @@
+"""Thin Python wrapper over the echospec C engine (the one importer of ``echospec._engine``).
+
+Shapes and dtypes follow engine_c/include/echospec_engine.h:
+    tokens  int32 [n_tokens]
+    argmax  int32 [n_tokens]            greedy next token after each position
+    logits  float32 [rows, n_vocab]     rows = 1 ("last") or n_tokens ("all")
+
+Errors raise :class:`EngineError` carrying the C status code, its name and the
+engine's message. After a failed call the KV cache is unchanged.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from echospec._engine import ffi, lib
+
+STATUS_NAMES = {
+    0: "ES_OK",
+    1: "ES_ERR_IO",
+    2: "ES_ERR_FORMAT",
+    3: "ES_ERR_UNSUPPORTED",
+    4: "ES_ERR_MISSING_TENSOR",
+    5: "ES_ERR_INVALID_ARG",
+    6: "ES_ERR_CAPACITY",
+    7: "ES_ERR_NOMEM",
+    8: "ES_ERR_INTERNAL",
+}
+ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED, ES_ERR_MISSING_TENSOR = 1, 2, 3, 4
+ES_ERR_INVALID_ARG, ES_ERR_CAPACITY, ES_ERR_NOMEM, ES_ERR_INTERNAL = 5, 6, 7, 8
+
+_LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
+
+
+class EngineError(RuntimeError):
+    """A failed engine call.
+
+    Attributes:
+        status: the C status code (int, one of the ES_ERR_* values).
+        name: its name, e.g. "ES_ERR_CAPACITY".
+        message: the engine's message naming the field or argument.
+    """
+
+    def __init__(self, status: int, message: str):
+        self.status = int(status)
+        self.name = STATUS_NAMES.get(self.status, f"ES_STATUS_{status}")
+        self.message = message
+        super().__init__(f"{self.name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Hyperparameters read from the GGUF metadata (see es_model_info)."""
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    rope_freq_base: float
+    rope_dim: int
+    rope_neox: bool
+    norm_eps: float
+    tied_output: bool
+    weight_bytes: int
+
+
+def simd_name() -> str:
+    """The SIMD path compiled into the engine ("avx512", "avx2", "neon-dotprod", "neon", "scalar")."""
+    return ffi.string(lib.es_simd_name()).decode()
+
+
+class Model:
+    """A GGUF model loaded into the engine (read-only, shareable by sessions).
+
+    Args:
+        path: GGUF file (versions 2 and 3; llama, qwen2, qwen3 architectures).
+    Raises:
+        EngineError: ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED or
+            ES_ERR_MISSING_TENSOR with a message naming the field.
+    """
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        out = ffi.new("es_model **")
+        err = ffi.new("char[512]")
+        st = lib.es_model_load(self.path.encode(), ffi.NULL, out, err, 512)
+        if st != 0:
+            raise EngineError(st, ffi.string(err).decode(errors="replace"))
+        self._ptr = out[0]
+        self._sessions: set[Session] = set()
+        self._lock = threading.Lock()
+        ci = ffi.new("es_model_info *")
+        lib.es_model_get_info(self._ptr, ci)
+        self.info = ModelInfo(
+            arch=ffi.string(ci.arch).decode(), n_vocab=ci.n_vocab, n_ctx_train=ci.n_ctx_train,
+            n_embd=ci.n_embd, n_layer=ci.n_layer, n_head=ci.n_head, n_head_kv=ci.n_head_kv,
+            head_dim=ci.head_dim, n_ff=ci.n_ff, rope_freq_base=ci.rope_freq_base,
+            rope_dim=ci.rope_dim, rope_neox=bool(ci.rope_neox), norm_eps=ci.norm_eps,
+            tied_output=bool(ci.tied_output), weight_bytes=ci.weight_bytes)
+
+    def new_session(self, n_ctx: int = 0, n_threads: int = 0) -> "Session":
+        """Create a session with its own KV cache.
+
+        Args:
+            n_ctx: KV capacity in tokens (0: min(n_ctx_train, 4096)).
+            n_threads: worker threads including the caller (0: all online cores).
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG, ES_ERR_NOMEM or ES_ERR_INTERNAL.
+        """
+        if self._ptr is None:
+            raise EngineError(ES_ERR_INVALID_ARG, "model is closed")
+        s = Session(self, n_ctx, n_threads)
+        with self._lock:
+            self._sessions.add(s)
+        return s
+
+    def _forget(self, s: "Session") -> None:
+        with self._lock:
+            self._sessions.discard(s)
+
+    def close(self) -> None:
+        """Free the model and every session still open on it. Idempotent."""
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
+            s.close()
+        if self._ptr is not None:
+            lib.es_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Session:
+    """One KV sequence on a model. Use from one thread at a time."""
+
+    def __init__(self, model: Model, n_ctx: int, n_threads: int):
+        self.model = model
+        self.n_vocab = model.info.n_vocab
+        p = ffi.new("es_session_params *")
+        p.n_ctx = int(n_ctx)
+        p.n_threads = int(n_threads)
+        out = ffi.new("es_session **")
+        err = ffi.new("char[512]")
+        st = lib.es_session_new(model._ptr, p, out, err, 512)
+        if st != 0:
+            raise EngineError(st, ffi.string(err).decode(errors="replace"))
+        self._ptr = out[0]
+
+    def _check(self) -> None:
+        if self._ptr is None:
+            raise EngineError(ES_ERR_INVALID_ARG, "session is closed")
+
+    def _raise(self, st: int) -> None:
+        raise EngineError(st, ffi.string(lib.es_session_last_error(self._ptr)).decode(errors="replace"))
+
+    @property
+    def n_past(self) -> int:
+        """Positions held in the KV cache (tokens)."""
+        self._check()
+        return lib.es_session_n_past(self._ptr)
+
+    @property
+    def n_ctx(self) -> int:
+        """KV capacity (tokens)."""
+        self._check()
+        return lib.es_session_n_ctx(self._ptr)
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, logits: str = "none"
+                ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Append ``tokens`` to the sequence and run the model over them.
+
+        Args:
+            tokens: int token ids, length N >= 1, each in [0, n_vocab).
+            logits: "none", "last" (float32 [1, n_vocab]) or "all" (float32 [N, n_vocab]).
+        Returns:
+            (argmax int32 [N], logits or None). argmax[i] is the greedy token
+            after position n_past + i.
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG (empty, token out of range),
+                ES_ERR_CAPACITY (n_past + N > n_ctx). The KV cache is then unchanged.
+        """
+        self._check()
+        if logits not in _LOGITS_MODES:
+            raise ValueError(f"logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
+        arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
+        if arr.ndim != 1:
+            raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be 1-D, got shape {arr.shape}")
+        if arr.size and (arr.min() < -(2 ** 31) or arr.max() >= 2 ** 31):
+            raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32")
+        tok = arr.astype(np.int32)
+        n = tok.size
+        am = np.empty(max(n, 1), dtype=np.int32)
+        mode = _LOGITS_MODES[logits]
+        out = None
+        if mode == 1:
+            out = np.empty((1, self.n_vocab), dtype=np.float32)
+        elif mode == 2:
+            out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
+        st = lib.es_forward(
+            self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
+            ffi.from_buffer("int32_t[]", am),
+            ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        if st != 0:
+            self._raise(st)
+        return am[:n], out
+
+    def rollback(self, n_past: int) -> None:
+        """Truncate the KV cache to its first ``n_past`` positions (exact).
+
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG when n_past < 0 or > the current n_past.
+        """
+        self._check()
+        st = lib.es_session_rollback(self._ptr, int(n_past))
+        if st != 0:
+            self._raise(st)
+
+    def close(self) -> None:
+        """Free the KV cache and the threads. Idempotent."""
+        if self._ptr is not None:
+            lib.es_session_free(self._ptr)
+            self._ptr = None
+            self.model._forget(self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0, rng: int = 0) -> tuple[int, int]:
+    """Draw one token from a logits row with the engine's sampler.
+
+    Args:
+        logits_row: float32 [n_vocab].
+        temperature: <= 0 means greedy argmax.
+        top_k: <= 0 off. top_p: >= 1 off. min_p: <= 0 off.
+        rng: 64-bit xorshift64* state (seed it from the request seed).
+    Returns:
+        (token id, the advanced rng state).
+    Raises:
+        ValueError: logits_row is empty or not 1-D.
+    """
+    row = np.ascontiguousarray(np.asarray(logits_row, dtype=np.float32).reshape(-1))
+    if row.size == 0:
+        raise ValueError("logits_row is empty")
+    p = ffi.new("es_sampler_params *")
+    p.temperature = float(temperature)
+    p.top_k = int(top_k)
+    p.top_p = float(top_p)
+    p.min_p = float(min_p)
+    st = ffi.new("uint64_t *", int(rng) & 0xFFFFFFFFFFFFFFFF)
+    tok = lib.es_sample(ffi.from_buffer("float[]", row), row.size, p, st)
+    if tok < 0:
+        raise ValueError("es_sample rejected its arguments")
+    return int(tok), int(st[0])
