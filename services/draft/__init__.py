@@ -1,0 +1,1 @@
+"""Draft service: proposes draft tokens by exact-repeat (n-gram) matching."""
