@@ -1,0 +1,626 @@
+"""Tokenizer built from a GGUF file's own vocabulary, plus streaming helpers.
+
+The GGUF file carries everything a byte-level BPE tokenizer needs:
+
+* ``tokenizer.ggml.model``       -- the tokenizer kind; only ``"gpt2"`` (byte-level BPE) is supported.
+* ``tokenizer.ggml.pre``         -- the pre-tokenizer type (how text is split before BPE merges).
+* ``tokenizer.ggml.tokens``      -- ``n_vocab`` token strings in byte-level form (``"Ġthe"`` = b" the").
+* ``tokenizer.ggml.token_type``  -- ``n_vocab`` int32: 1 normal, 2 unknown, 3 control, 4 user-defined,
+                                    5 unused, 6 byte.
+* ``tokenizer.ggml.merges``      -- BPE merges as ``"left right"`` strings, highest priority first.
+* ``tokenizer.ggml.{bos,eos,eot,eom}_token_id`` -- special ids (each optional).
+* ``tokenizer.chat_template``    -- the Jinja chat template (used by ``chat_template.py``).
+
+`Tokenizer.from_gguf` builds a Hugging Face ``tokenizers.Tokenizer`` from these keys with the same
+pre-tokenizer regexes llama.cpp uses for the given ``pre`` type. Control tokens (type 3) are added
+as special tokens, so ``"<|im_start|>"`` in the input text becomes one token; user-defined tokens
+(type 4) are added as plain added tokens (always matched whole, as llama.cpp does).
+
+Streaming helpers:
+
+* `IncrementalDecoder` turns token ids into text one id at a time and never splits a UTF-8
+  character: incomplete trailing bytes are held back until the next token completes them.
+* `StopMatcher` applies stop strings to a stream of text deltas, holding back any tail that could
+  still become a stop string, so stop strings work across token (and delta) boundaries.
+
+Worked example (SmolLM2-135M-Instruct)::
+
+    tok = Tokenizer.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.encode("<|im_start|>user\\nhi<|im_end|>")   # [1, 4093, 198, 6004, 2]
+    tok.decode([1, 4093, 198, 6004, 2], skip_special=True)  # "user\\nhi"
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import gguf
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+__all__ = [
+    "TOKEN_TYPE_NORMAL",
+    "TOKEN_TYPE_UNKNOWN",
+    "TOKEN_TYPE_CONTROL",
+    "TOKEN_TYPE_USER_DEFINED",
+    "TOKEN_TYPE_UNUSED",
+    "TOKEN_TYPE_BYTE",
+    "GGUFTokenizerMetadata",
+    "read_tokenizer_metadata",
+    "pre_tokenizer_regexes",
+    "Tokenizer",
+    "IncrementalDecoder",
+    "StopMatcher",
+]
+
+# Token types as GGUF stores them in tokenizer.ggml.token_type (llama.cpp's llama_token_type).
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+# --- pre-tokenizer regexes, as llama.cpp (src/llama-vocab.cpp) applies them -----------------------
+# Each list is applied in order: every regex splits each piece left by the previous one further;
+# text a regex does not match stays a piece of its own ("isolated" splitting).
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT_REGEXES = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    _GPT2_REGEX,
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+
+# tokenizer.ggml.pre value -> (regexes, ignore_merges, nfc). ignore_merges: a whole pre-token that
+# is itself in the vocabulary is emitted as that token without running merges (llama.cpp does this
+# for llama3). nfc: the original Hugging Face tokenizer NFC-normalizes input (Qwen2), and
+# transformers' GGUF converter keeps that normalizer.
+_PRE_TYPES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
+    "smollm": ((r"\p{N}", _GPT2_REGEX), False, False),
+    "starcoder": ((r"\p{N}", _GPT2_REGEX), False, False),
+    "refact": ((r"\p{N}", _GPT2_REGEX), False, False),
+    "codeshell": ((r"\p{N}", _GPT2_REGEX), False, False),
+    "qwen2": ((_QWEN2_REGEX,), False, True),
+    "llama-bpe": ((_LLAMA3_REGEX,), True, False),
+    "llama3": ((_LLAMA3_REGEX,), True, False),
+    "llama-v3": ((_LLAMA3_REGEX,), True, False),
+    "gpt2": ((_GPT2_REGEX,), False, False),
+    "gpt-2": ((_GPT2_REGEX,), False, False),
+    "default": (_DEFAULT_REGEXES, False, False),
+}
+
+# Token texts that end a turn when they are control tokens (llama.cpp's end-of-generation list).
+_EOG_TEXTS = frozenset(
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"}
+)
+
+
+def pre_tokenizer_regexes(pre: str) -> tuple[str, ...]:
+    """Return the split regexes (in application order) for a ``tokenizer.ggml.pre`` value.
+
+    Args:
+        pre: the pre-tokenizer type, e.g. ``"smollm"``, ``"qwen2"``, ``"llama-bpe"``, ``"gpt2"``,
+            ``"default"``.
+
+    Returns:
+        The regexes (Oniguruma / llama.cpp syntax with ``\\p{L}``, ``\\p{N}``).
+
+    Raises:
+        ValueError: the pre-tokenizer type is unknown.
+    """
+    try:
+        return _PRE_TYPES[pre][0]
+    except KeyError:
+        raise ValueError(
+            f"unsupported pre-tokenizer type tokenizer.ggml.pre={pre!r}; supported: "
+            f"{', '.join(sorted(_PRE_TYPES))}"
+        ) from None
+
+
+# --- GGUF metadata --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerMetadata:
+    """The tokenizer keys of one GGUF file (no tensor data).
+
+    Attributes:
+        model: ``tokenizer.ggml.model`` (``"gpt2"`` for byte-level BPE).
+        pre: ``tokenizer.ggml.pre``; ``"default"`` when the key is absent (as llama.cpp does).
+        tokens: ``n_vocab`` token strings (byte-level form for BPE).
+        token_types: ``n_vocab`` ints (see the ``TOKEN_TYPE_*`` constants); all normal if absent.
+        merges: BPE merges, ``"left right"`` strings in priority order.
+        bos_id, eos_id, eot_id, eom_id, unk_id, pad_id: special ids, ``None`` when absent.
+        add_bos: ``tokenizer.ggml.add_bos_token`` (``False`` when absent). Informational:
+            `Tokenizer.encode` never adds BOS.
+        chat_template: ``tokenizer.chat_template`` or ``None``.
+    """
+
+    model: str
+    pre: str
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int | None = None
+    eos_id: int | None = None
+    eot_id: int | None = None
+    eom_id: int | None = None
+    unk_id: int | None = None
+    pad_id: int | None = None
+    add_bos: bool = False
+    chat_template: str | None = None
+    source: str = field(default="", compare=False)
+
+
+def _field_str(reader: gguf.GGUFReader, key: str) -> str | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if not f.types or f.types[0] != gguf.GGUFValueType.STRING:
+        raise ValueError(f"GGUF key {key} has type {f.types}, expected a string")
+    return bytes(f.parts[f.data[0]]).decode("utf-8")
+
+
+def _field_int(reader: gguf.GGUFReader, key: str) -> int | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if len(f.types) != 1 or f.types[0] in (
+        gguf.GGUFValueType.STRING,
+        gguf.GGUFValueType.ARRAY,
+        gguf.GGUFValueType.FLOAT32,
+        gguf.GGUFValueType.FLOAT64,
+    ):
+        raise ValueError(f"GGUF key {key} has type {f.types}, expected an integer")
+    return int(f.parts[f.data[0]][0])
+
+
+def _field_str_array(reader: gguf.GGUFReader, key: str) -> list[str] | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if f.types[:2] != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
+        raise ValueError(f"GGUF key {key} has type {f.types}, expected an array of strings")
+    out: list[str] = []
+    for n, i in enumerate(f.data):
+        try:
+            out.append(bytes(f.parts[i]).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"GGUF key {key}[{n}] is not valid UTF-8: {e}") from None
+    return out
+
+
+def _field_int_array(reader: gguf.GGUFReader, key: str) -> list[int] | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if len(f.types) != 2 or f.types[0] != gguf.GGUFValueType.ARRAY or f.types[1] in (
+        gguf.GGUFValueType.STRING,
+        gguf.GGUFValueType.ARRAY,
+    ):
+        raise ValueError(f"GGUF key {key} has type {f.types}, expected an array of integers")
+    return [int(f.parts[i][0]) for i in f.data]
+
+
+def read_tokenizer_metadata(path: str | os.PathLike[str]) -> GGUFTokenizerMetadata:
+    """Read the tokenizer keys of a GGUF file with ``gguf.GGUFReader``.
+
+    Only key/value metadata is read; tensor data is memory-mapped by the reader but never touched.
+
+    Args:
+        path: the GGUF file.
+
+    Returns:
+        The tokenizer metadata.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not a readable GGUF file, or a tokenizer key is missing or has the
+            wrong type (the message names the key).
+    """
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"GGUF file not found: {p}")
+    try:
+        reader = gguf.GGUFReader(p, "r")
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
+        raise ValueError(f"cannot read GGUF file {p}: {type(e).__name__}: {e}") from None
+    model = _field_str(reader, "tokenizer.ggml.model")
+    if model is None:
+        raise ValueError(f"GGUF file {p} has no tokenizer (key tokenizer.ggml.model missing)")
+    tokens = _field_str_array(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError(f"GGUF file {p}: key tokenizer.ggml.tokens missing or empty")
+    types = _field_int_array(reader, "tokenizer.ggml.token_type")
+    if types is None:
+        types = [TOKEN_TYPE_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(
+            f"GGUF file {p}: tokenizer.ggml.token_type has {len(types)} entries, "
+            f"tokenizer.ggml.tokens has {len(tokens)}"
+        )
+    merges = _field_str_array(reader, "tokenizer.ggml.merges") or []
+    add_bos_field = reader.fields.get("tokenizer.ggml.add_bos_token")
+    add_bos = bool(add_bos_field.parts[add_bos_field.data[0]][0]) if add_bos_field else False
+    return GGUFTokenizerMetadata(
+        model=model,
+        pre=_field_str(reader, "tokenizer.ggml.pre") or "default",
+        tokens=tokens,
+        token_types=types,
+        merges=merges,
+        bos_id=_field_int(reader, "tokenizer.ggml.bos_token_id"),
+        eos_id=_field_int(reader, "tokenizer.ggml.eos_token_id"),
+        eot_id=_field_int(reader, "tokenizer.ggml.eot_token_id"),
+        eom_id=_field_int(reader, "tokenizer.ggml.eom_token_id"),
+        unk_id=_field_int(reader, "tokenizer.ggml.unknown_token_id"),
+        pad_id=_field_int(reader, "tokenizer.ggml.padding_token_id"),
+        add_bos=add_bos,
+        chat_template=_field_str(reader, "tokenizer.chat_template"),
+        source=p,
+    )
+
+
+# --- byte-level mapping ---------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _byte_level_decode(token: str) -> bytes:
+    """Bytes of a byte-level token string; raw UTF-8 if any character is outside the byte table.
+
+    This is the rule of the ``tokenizers`` ByteLevel decoder, so added tokens such as
+    ``"<|im_start|>"`` (or user-defined tokens holding plain text) come back as their own text.
+    """
+    try:
+        return bytes(_CHAR_TO_BYTE[c] for c in token)
+    except KeyError:
+        return token.encode("utf-8")
+
+
+# --- the tokenizer --------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer built from a GGUF file's vocabulary.
+
+    Token ids are ints in ``[0, n_vocab)``. `encode` never adds BOS or EOS; special-token text in
+    the input (control tokens such as ``"<|im_start|>"``) is parsed as the special token.
+
+    Attributes:
+        n_vocab: number of tokens.
+        bos_id: BOS id or ``None``.
+        eos_id: EOS id or ``None``.
+        eos_ids: every id that ends generation: EOS, EOT, EOM, and control tokens whose text is an
+            end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``<|endoftext|>``, ...), as llama.cpp
+            counts them.
+        pre: the pre-tokenizer type.
+        hf: the underlying ``tokenizers.Tokenizer`` (pre-tokenizer, BPE model, ByteLevel decoder).
+    """
+
+    def __init__(self, meta: GGUFTokenizerMetadata) -> None:
+        """Build the tokenizer from already-read metadata (see `read_tokenizer_metadata`).
+
+        Raises:
+            ValueError: unsupported tokenizer model (anything but ``"gpt2"``), unknown
+                pre-tokenizer type, a merge naming a token not in the vocabulary, or a special id
+                outside the vocabulary.
+        """
+        if meta.model != "gpt2":
+            raise ValueError(
+                f"unsupported tokenizer model tokenizer.ggml.model={meta.model!r}: only 'gpt2' "
+                f"(byte-level BPE) is supported"
+            )
+        if meta.pre not in _PRE_TYPES:
+            pre_tokenizer_regexes(meta.pre)  # raises the ValueError naming the supported types
+        regexes, ignore_merges, nfc = _PRE_TYPES[meta.pre]
+        self.pre: str = meta.pre
+        self.n_vocab: int = len(meta.tokens)
+        self._tokens: list[str] = list(meta.tokens)
+        self._types: list[int] = list(meta.token_types)
+        for name in ("bos_id", "eos_id", "eot_id", "eom_id", "unk_id", "pad_id"):
+            v = getattr(meta, name)
+            if v is not None and not 0 <= v < self.n_vocab:
+                raise ValueError(f"tokenizer {name}={v} is outside the vocabulary [0, {self.n_vocab})")
+        self.bos_id: int | None = meta.bos_id
+        self.eos_id: int | None = meta.eos_id
+        eos: set[int] = {i for i in (meta.eos_id, meta.eot_id, meta.eom_id) if i is not None}
+        for i, (t, ty) in enumerate(zip(self._tokens, self._types)):
+            if ty == TOKEN_TYPE_CONTROL and t in _EOG_TEXTS:
+                eos.add(i)
+        self.eos_ids: frozenset[int] = frozenset(eos)
+
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(self._tokens):
+            vocab.setdefault(t, i)  # first occurrence wins on duplicates, as llama.cpp does
+        pairs: list[tuple[str, str]] = []
+        for n, m in enumerate(meta.merges):
+            parts = m.split(" ", 1)
+            if len(parts) != 2 or parts[0] not in vocab or parts[1] not in vocab:
+                raise ValueError(f"tokenizer.ggml.merges[{n}]={m!r} does not name two vocabulary tokens")
+            if parts[0] + parts[1] not in vocab:
+                raise ValueError(f"tokenizer.ggml.merges[{n}]={m!r}: merged token not in the vocabulary")
+            pairs.append((parts[0], parts[1]))
+
+        hf = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                       ignore_merges=ignore_merges)
+        )
+        if nfc:
+            hf.normalizer = normalizers.NFC()
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
+        )
+        hf.decoder = decoders.ByteLevel()
+        added: list[AddedToken] = []
+        for t, ty in zip(self._tokens, self._types):
+            if ty == TOKEN_TYPE_CONTROL:
+                added.append(AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False,
+                                        single_word=False))
+            elif ty == TOKEN_TYPE_USER_DEFINED:
+                added.append(AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False,
+                                        single_word=False))
+        if added:
+            hf.add_tokens(added)
+        self.hf: tokenizers.Tokenizer = hf
+        self._bytes: list[bytes] = [
+            t.encode("utf-8") if ty == TOKEN_TYPE_CONTROL else _byte_level_decode(t)
+            for t, ty in zip(self._tokens, self._types)
+        ]
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Build the tokenizer from a GGUF file (reads only the tokenizer keys).
+
+        Args:
+            path: the GGUF file.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: unreadable GGUF, missing tokenizer keys, unsupported tokenizer model
+                ("unsupported tokenizer model ...") or pre-tokenizer type.
+        """
+        return cls(read_tokenizer_metadata(path))
+
+    # -- encode / decode --
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS added; control-token text parsed as the control token.
+
+        Args:
+            text: any string (may be empty -> ``[]``).
+
+        Returns:
+            ids, each in ``[0, n_vocab)``.
+
+        Raises:
+            TypeError: ``text`` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        if not text:
+            return []
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def _check_id(self, i: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, int):
+            try:
+                import numpy as np  # only to accept numpy integer scalars
+                if isinstance(i, np.integer):
+                    i = int(i)
+                else:
+                    raise TypeError
+            except TypeError:
+                raise TypeError(f"token id must be an int, got {type(i).__name__}") from None
+        if not 0 <= i < self.n_vocab:
+            raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_vocab})")
+        return i
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (control tokens: their UTF-8 text).
+
+        A byte-level token may hold part of a UTF-8 character, so the result need not be valid
+        UTF-8 on its own; use `IncrementalDecoder` for streaming text.
+
+        Raises:
+            TypeError / ValueError: the id is not an int / is outside ``[0, n_vocab)``.
+        """
+        return self._bytes[self._check_id(token_id)]
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary string of ``token_id`` as stored in the GGUF (byte-level form)."""
+        return self._tokens[self._check_id(token_id)]
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id whose vocabulary string is exactly ``text``, or ``None``."""
+        return self.hf.token_to_id(text)
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control tokens (GGUF token type 3), e.g. ``<|im_start|>``, ``<|im_end|>``.
+
+        Raises:
+            TypeError / ValueError: the id is not an int / is outside ``[0, n_vocab)``.
+        """
+        return self._types[self._check_id(token_id)] == TOKEN_TYPE_CONTROL
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        """Concatenated `token_bytes` of ``ids`` (control tokens dropped when ``skip_special``)."""
+        out = bytearray()
+        for i in ids:
+            i = self._check_id(i)
+            if skip_special and self._types[i] == TOKEN_TYPE_CONTROL:
+                continue
+            out += self._bytes[i]
+        return bytes(out)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 (e.g. a cut-off character) becomes U+FFFD.
+
+        Args:
+            ids: token ids.
+            skip_special: drop control tokens (``<|im_end|>`` etc.) from the text.
+
+        Raises:
+            TypeError / ValueError: an id is not an int / is outside ``[0, n_vocab)``.
+        """
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, skip_special: bool = False) -> "IncrementalDecoder":
+        """A new `IncrementalDecoder` over this tokenizer."""
+        return IncrementalDecoder(self, skip_special=skip_special)
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text without ever splitting a UTF-8 character.
+
+    ``feed(id)`` returns the text completed by that token (possibly ``""`` when the token ends in
+    the middle of a character, e.g. the first of the tokens of an emoji). ``flush()`` at the end
+    returns what is left, with incomplete bytes replaced by U+FFFD. The concatenation of every
+    ``feed`` result and ``flush()`` equals ``tokenizer.decode(ids, skip_special)``.
+
+    Example: an emoji spread over three tokens gives ``"", "", "😀"``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        """Add one token; return the newly completed text.
+
+        Raises:
+            TypeError / ValueError: the id is not an int / is outside the vocabulary.
+        """
+        tid = self._tok._check_id(token_id)
+        if self._skip_special and self._tok._types[tid] == TOKEN_TYPE_CONTROL:
+            return ""
+        return self._dec.decode(self._tok._bytes[tid], final=False)
+
+    def feed_many(self, ids: Iterable[int]) -> str:
+        """`feed` every id in order; return the concatenated completed text."""
+        return "".join(self.feed(i) for i in ids)
+
+    def pending_bytes(self) -> bytes:
+        """The bytes held back (an incomplete UTF-8 sequence, at most 3 bytes)."""
+        return self._dec.getstate()[0]
+
+    def flush(self) -> str:
+        """End of stream: return held-back bytes as text (invalid leftovers -> U+FFFD) and reset."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out
+
+
+class StopMatcher:
+    """Applies stop strings to a stream of text deltas.
+
+    The output is the text before the first stop string, where "first" means the occurrence that
+    ends earliest in the whole text (ties: the one starting earliest). This depends only on the
+    whole text, not on how it was cut into deltas, so a stream delivered token by token and one
+    delivered several tokens per step (speculative decoding) stop at the same place.
+
+    ``push(delta)`` returns ``(emit, stopped)``: ``emit`` is the text safe to send now, and any
+    tail that could still be the start of a stop string is held back. Once ``stopped`` is True,
+    ``emit`` holds the text up to (not including) the stop string, and the stream is over.
+    ``flush()`` at the end of a stream without a stop returns the held-back tail.
+
+    Example with stop ``["\\nUser:"]``: ``push("Hi\\nUs") -> ("Hi", False)``,
+    ``push("er: x") -> ("", True)``, ``stop_string == "\\nUser:"``.
+    """
+
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        """
+        Args:
+            stop_strings: the stop strings (may be empty: then everything is emitted at once).
+
+        Raises:
+            TypeError: not a sequence of str.
+            ValueError: an empty stop string.
+        """
+        if isinstance(stop_strings, str):
+            raise TypeError("stop_strings must be a sequence of str, not a single str")
+        stops: list[str] = []
+        for n, s in enumerate(stop_strings):
+            if not isinstance(s, str):
+                raise TypeError(f"stop_strings[{n}] must be a str, got {type(s).__name__}")
+            if not s:
+                raise ValueError(f"stop_strings[{n}] is empty")
+            stops.append(s)
+        self.stop_strings: tuple[str, ...] = tuple(stops)
+        self._buf: str = ""
+        self.stopped: bool = False
+        self.stop_string: str | None = None  # the stop string that matched, once stopped
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Add text; return ``(text safe to emit now, stopped)``.
+
+        Raises:
+            RuntimeError: called after a stop string matched.
+        """
+        if self.stopped:
+            raise RuntimeError("StopMatcher.push() after a stop string matched")
+        if not self.stop_strings:
+            return delta, False
+        buf = self._buf + delta
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for s in self.stop_strings:
+            j = buf.find(s)
+            if j >= 0:
+                cand = (j + len(s), j, s)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+        if best is not None:
+            self.stopped = True
+            self.stop_string = best[2]
+            self._buf = ""
+            return buf[: best[1]], True
+        hold = self._held_suffix_len(buf)
+        self._buf = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def _held_suffix_len(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop_strings:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def flush(self) -> str:
+        """End of stream without a stop: return (and clear) the held-back text."""
+        out, self._buf = self._buf, ""
+        return out
