@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 
 import gguf
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 __all__ = [
     "TOKEN_TYPE_NORMAL",
@@ -83,22 +83,22 @@ _DEFAULT_REGEXES = (
     r"[0-9][0-9][0-9]",
 )
 
-# tokenizer.ggml.pre value -> (regexes, ignore_merges, nfc). ignore_merges: a whole pre-token that
-# is itself in the vocabulary is emitted as that token without running merges (llama.cpp does this
-# for llama3). nfc: the original Hugging Face tokenizer NFC-normalizes input (Qwen2), and
-# transformers' GGUF converter keeps that normalizer.
-_PRE_TYPES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
-    "smollm": ((r"\p{N}", _GPT2_REGEX), False, False),
-    "starcoder": ((r"\p{N}", _GPT2_REGEX), False, False),
-    "refact": ((r"\p{N}", _GPT2_REGEX), False, False),
-    "codeshell": ((r"\p{N}", _GPT2_REGEX), False, False),
-    "qwen2": ((_QWEN2_REGEX,), False, True),
-    "llama-bpe": ((_LLAMA3_REGEX,), True, False),
-    "llama3": ((_LLAMA3_REGEX,), True, False),
-    "llama-v3": ((_LLAMA3_REGEX,), True, False),
-    "gpt2": ((_GPT2_REGEX,), False, False),
-    "gpt-2": ((_GPT2_REGEX,), False, False),
-    "default": (_DEFAULT_REGEXES, False, False),
+# tokenizer.ggml.pre value -> (regexes, ignore_merges). ignore_merges: a whole pre-token that is
+# itself in the vocabulary is emitted as that token without running merges (llama.cpp does this for
+# llama3). No Unicode normalization is applied for any type: llama.cpp applies none, and neither
+# does transformers' GGUF converter (not even NFC for qwen2), so text is tokenized as given.
+_PRE_TYPES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "smollm": ((r"\p{N}", _GPT2_REGEX), False),
+    "starcoder": ((r"\p{N}", _GPT2_REGEX), False),
+    "refact": ((r"\p{N}", _GPT2_REGEX), False),
+    "codeshell": ((r"\p{N}", _GPT2_REGEX), False),
+    "qwen2": ((_QWEN2_REGEX,), False),
+    "llama-bpe": ((_LLAMA3_REGEX,), True),
+    "llama3": ((_LLAMA3_REGEX,), True),
+    "llama-v3": ((_LLAMA3_REGEX,), True),
+    "gpt2": ((_GPT2_REGEX,), False),
+    "gpt-2": ((_GPT2_REGEX,), False),
+    "default": (_DEFAULT_REGEXES, False),
 }
 
 # Token texts that end a turn when they are control tokens (llama.cpp's end-of-generation list).
@@ -340,7 +340,7 @@ class Tokenizer:
             )
         if meta.pre not in _PRE_TYPES:
             pre_tokenizer_regexes(meta.pre)  # raises the ValueError naming the supported types
-        regexes, ignore_merges, nfc = _PRE_TYPES[meta.pre]
+        regexes, ignore_merges = _PRE_TYPES[meta.pre]
         self.pre: str = meta.pre
         self.n_vocab: int = len(meta.tokens)
         self._tokens: list[str] = list(meta.tokens)
@@ -373,8 +373,6 @@ class Tokenizer:
             models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                        ignore_merges=ignore_merges)
         )
-        if nfc:
-            hf.normalizer = normalizers.NFC()
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
