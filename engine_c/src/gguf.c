@@ -407,8 +407,9 @@ static es_status build_indexes(gguf_impl *gi, char *err, size_t err_len) {
 
 /* ---- whole file -------------------------------------------------------- */
 
-/* Magic, version and the two counts; the counts are bounded by the bytes
- * left (each KV takes at least 14 bytes, each tensor info at least 33). */
+/* Magic, version and the two counts, bounded by the file size (a KV takes
+ * at least 14 bytes, a tensor info at least 33). The arrays grow as entries
+ * are read, so memory follows what the file holds, not what it claims. */
 static es_status read_header(cursor *c, es_gguf *g, uint64_t *n_tensors, uint64_t *n_kv) {
     snprintf(c->where, sizeof c->where, "header");
     char magic[4];
@@ -427,19 +428,32 @@ static es_status read_header(cursor *c, es_gguf *g, uint64_t *n_tensors, uint64_
     }
     if ((st = rd_u64(c, n_tensors, "tensor count")) != ES_OK) return st;
     if ((st = rd_u64(c, n_kv, "kv count")) != ES_OK) return st;
-    size_t left = c->size - c->off;
-    if (*n_kv > left / 14) {
-        es_set_err(c->err, c->err_len, "gguf: kv count %llu exceeds what the %zu bytes left can hold",
-                   (unsigned long long)*n_kv, left);
+    if (*n_kv > c->size / 14) {
+        es_set_err(c->err, c->err_len,
+                   "gguf: truncated or corrupt header: kv count %llu cannot fit in the %zu bytes "
+                   "of the file", (unsigned long long)*n_kv, c->size);
         return ES_ERR_FORMAT;
     }
-    if (*n_tensors > left / 33) {
+    if (*n_tensors > c->size / 33) {
         es_set_err(c->err, c->err_len,
-                   "gguf: tensor count %llu exceeds what the %zu bytes left can hold",
-                   (unsigned long long)*n_tensors, left);
+                   "gguf: truncated or corrupt header: tensor count %llu cannot fit in the %zu "
+                   "bytes of the file", (unsigned long long)*n_tensors, c->size);
         return ES_ERR_FORMAT;
     }
     return ES_OK;
+}
+
+/* Make room for element i of *arr (capacity *cap elements of elsz bytes),
+ * doubling and zeroing the new part; false when out of memory (*arr kept). */
+static bool reserve(void **arr, size_t *cap, size_t i, size_t elsz) {
+    if (i < *cap) return true;
+    size_t ncap = *cap ? *cap * 2 : 16;
+    void *p = realloc(*arr, ncap * elsz);
+    if (p == NULL) return false;
+    memset((char *)p + *cap * elsz, 0, (ncap - *cap) * elsz);
+    *arr = p;
+    *cap = ncap;
+    return true;
 }
 
 /* Place every tensor's data: data_start is the aligned end of the tensor
@@ -475,20 +489,38 @@ static es_status place_data(cursor *c, es_gguf *g, const uint64_t *offsets) {
     return ES_OK;
 }
 
-static es_status read_tensor_infos(cursor *c, es_gguf *g) {
-    uint64_t *offsets = calloc((size_t)g->n_tensors + 1, sizeof *offsets);
-    if (offsets == NULL) {
-        es_set_err(c->err, c->err_len, "gguf: out of memory for %lld tensor offsets",
-                   (long long)g->n_tensors);
-        return ES_ERR_NOMEM;
-    }
+static es_status read_tensor_infos(cursor *c, es_gguf *g, uint64_t n_tensors) {
+    uint64_t *offsets = NULL;
+    size_t cap_t = 0, cap_o = 0;
     es_status st = ES_OK;
-    for (int64_t i = 0; i < g->n_tensors && st == ES_OK; i++) {
-        st = read_tensor_info(c, &g->tensors[i], i, &offsets[i], g->alignment);
+    for (uint64_t i = 0; i < n_tensors && st == ES_OK; i++) {
+        if (!reserve((void **)&g->tensors, &cap_t, (size_t)i, sizeof *g->tensors) ||
+            !reserve((void **)&offsets, &cap_o, (size_t)i, sizeof *offsets)) {
+            es_set_err(c->err, c->err_len, "gguf: out of memory at tensor info %llu",
+                       (unsigned long long)i);
+            st = ES_ERR_NOMEM;
+            break;
+        }
+        g->n_tensors = (int64_t)i + 1;   /* count it so close() frees its name */
+        st = read_tensor_info(c, &g->tensors[i], (int64_t)i, &offsets[i], g->alignment);
     }
     if (st == ES_OK) st = place_data(c, g, offsets);
     free(offsets);
     return st;
+}
+
+static es_status read_kvs(cursor *c, es_gguf *g, uint64_t n_kv) {
+    size_t cap = 0;
+    for (uint64_t i = 0; i < n_kv; i++) {
+        if (!reserve((void **)&g->kv, &cap, (size_t)i, sizeof *g->kv)) {
+            es_set_err(c->err, c->err_len, "gguf: out of memory at kv %llu", (unsigned long long)i);
+            return ES_ERR_NOMEM;
+        }
+        g->n_kv = (int64_t)i + 1;   /* count the pair so close() frees its key */
+        es_status st = read_kv(c, &g->kv[i], (int64_t)i);
+        if (st != ES_OK) return st;
+    }
+    return ES_OK;
 }
 
 static es_status parse(gguf_impl *gi, char *err, size_t err_len) {
@@ -496,29 +528,17 @@ static es_status parse(gguf_impl *gi, char *err, size_t err_len) {
     cursor c = { .base = g->map, .size = g->size, .off = 0, .err = err, .err_len = err_len };
     uint64_t n_tensors, n_kv;
     es_status st = read_header(&c, g, &n_tensors, &n_kv);
+    if (st == ES_OK) st = read_kvs(&c, g, n_kv);
     if (st != ES_OK) return st;
-    g->kv = calloc((size_t)n_kv + 1, sizeof *g->kv);
-    g->tensors = calloc((size_t)n_tensors + 1, sizeof *g->tensors);
-    if (g->kv == NULL || g->tensors == NULL) {
-        es_set_err(err, err_len, "gguf: out of memory for %llu kv pairs and %llu tensor infos",
-                   (unsigned long long)n_kv, (unsigned long long)n_tensors);
-        return ES_ERR_NOMEM;
-    }
-    for (uint64_t i = 0; i < n_kv; i++) {
-        g->n_kv = (int64_t)i + 1;   /* count the pair so close() frees its key */
-        if ((st = read_kv(&c, &g->kv[i], (int64_t)i)) != ES_OK) return st;
-    }
     g->alignment = GGUF_DEFAULT_ALIGNMENT;
     for (int64_t i = 0; i < g->n_kv; i++) {
         if (strcmp(g->kv[i].key, "general.alignment") == 0) {
             if ((st = read_alignment(&g->kv[i], &g->alignment, err, err_len)) != ES_OK) return st;
         }
     }
-    g->n_tensors = (int64_t)n_tensors;
-    if ((st = read_tensor_infos(&c, g)) != ES_OK) return st;
+    if ((st = read_tensor_infos(&c, g, n_tensors)) != ES_OK) return st;
     return build_indexes(gi, err, err_len);
 }
-
 /* Open and validate the GGUF file at `path`.
  * On success *out owns the mapping and every parsed record (es_gguf_close).
  * On failure *out is NULL, the file is closed and unmapped, nothing leaks,
