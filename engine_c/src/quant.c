@@ -1,0 +1,488 @@
+/*
+ * quant.c - row dequantizers, activation quantization, the scalar reference
+ * matmul kernels and the es_matmul driver.
+ *
+ * DETERMINISM CONTRACT. Every output element Y[n][r] is computed by a
+ * sequence of float operations that depends only on weight row r and
+ * activation row n: never on N, on the thread split or on the SIMD path.
+ * The scalar kernels below are the definition; quant_x86.c and quant_neon.c
+ * compute bitwise the same values (checked by tests/test_quant.c). All files
+ * are compiled with -ffp-contract=off and no FMA is used anywhere.
+ *
+ * Quantized weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K):
+ *   1. Each activation row is cut into blocks of 32; block j gets
+ *        amax = max |x|, d = amax / 127, id = d != 0 ? 1 / d : 0,
+ *        q[i] = round-to-nearest-even(x[i] * id)   (int8 in [-127, 127]),
+ *        qsum = sum of q[i]                          (int32)
+ *      (es_quantize_row_q8; done once per call, shared by all paths).
+ *   2. For every activation block j the weight row gives (for K types: the
+ *      32-element sub-block j) float factors a, b and exact int32 sums
+ *        I = sum_i wq[i] * q[i]     wq = the block's integer weights, with
+ *                                     K-quant sub-block scales folded in
+ *        J = jm * qsum              jm = the integer min multiplier
+ *      and the contribution
+ *        one-term types (Q4_0, Q5_0, Q8_0, Q6_K):  c = (a * d) * (float)I
+ *        two-term types (Q4_1, Q5_1, Q4_K, Q5_K):  c = (a * d) * (float)I + (b * d) * (float)J
+ *      with, per type:
+ *        Q4_0  a = d_w, wq = q - 8                  Q5_0  a = d_w, wq = q - 16
+ *        Q8_0  a = d_w, wq = q
+ *        Q4_1  a = d_w, wq = q, b = m_w, jm = 1      Q5_1  likewise
+ *        Q4_K  a = d, wq = sc * q, b = -dmin, jm = m (6-bit sc, m of the
+ *              sub-block, ggml's get_scale_min_k4)   Q5_K  likewise
+ *        Q6_K  a = d, wq = sc16 * (q - 32) with the int8 scale of each
+ *              16-element half folded in (so I covers both halves)
+ *      Integer sums are exact, so their summation order is free (SIMD uses
+ *      dot-product instructions in any order); only the float steps are fixed.
+ *   3. lane[j % 16] += c for j = 0, 1, 2, ... in order (lanes start at +0),
+ *      then Y = the fixed tree es_lane_sum (quant.h). A lane starting at +0
+ *      never becomes -0, so SIMD paths may add +0 for padding blocks.
+ * Float weight types (F32, F16, BF16): activations stay float32; weights are
+ * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
+ * sum) for i = 0, 1, ... in order, then the same tree.
+ *
+ * es_matmul splits output rows into contiguous chunks, one per pool thread;
+ * a kernel handles its chunk for all N activation rows, unpacking each
+ * weight block once per (up to) 32 activation rows.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "quant.h"
+
+/* ---- dequantization ---------------------------------------------------- */
+
+static inline float h2f(uint16_t h) { return es_fp16_to_fp32(h); }
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* The 32 integer weights q (not centered) of a Q5_0 / Q5_1 block. */
+static void unpack_q5(const uint8_t *qh4, const uint8_t *qs, int *q) {
+    uint32_t qh = (uint32_t)qh4[0] | ((uint32_t)qh4[1] << 8) | ((uint32_t)qh4[2] << 16) |
+                  ((uint32_t)qh4[3] << 24);
+    for (int i = 0; i < 16; i++) {
+        q[i] = (qs[i] & 0xF) | (int)(((qh >> i) & 1u) << 4);
+        q[i + 16] = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1u) << 4);
+    }
+}
+
+/* Integer weights of sub-block sb (0..7) of a Q4_K / Q5_K super-block. */
+static void unpack_k4(const uint8_t *qs, const uint8_t *qh, int sb, int *q) {
+    const uint8_t *ql = qs + 32 * (sb / 2);
+    int shift = (sb & 1) ? 4 : 0;
+    for (int l = 0; l < 32; l++) {
+        q[l] = (ql[l] >> shift) & 0xF;
+        if (qh) q[l] |= ((qh[l] >> sb) & 1) << 4;
+    }
+}
+
+/* Centered (q - 32) weights of sub-block sb (0..7, 32 elements) of a Q6_K super-block. */
+static void unpack_q6k(const es_block_q6_K *b, int sb, int *q) {
+    int h = sb / 4, k = sb % 4;
+    const uint8_t *ql = b->ql + 64 * h + ((k & 1) ? 32 : 0);
+    const uint8_t *qh = b->qh + 32 * h;
+    int shift = (k >= 2) ? 4 : 0;
+    for (int l = 0; l < 32; l++)
+        q[l] = (((ql[l] >> shift) & 0xF) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+}
+
+static void dequant_block(uint32_t type, const uint8_t *p, float *y) {
+    int q[32];
+    switch (type) {
+    case ES_TYPE_Q4_0: {
+        const es_block_q4_0 *b = (const void *)p;
+        float d = h2f(b->d);
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)((b->qs[i] & 0xF) - 8) * d;
+            y[i + 16] = (float)((b->qs[i] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case ES_TYPE_Q4_1: {
+        const es_block_q4_1 *b = (const void *)p;
+        float d = h2f(b->d), m = h2f(b->m);
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)(b->qs[i] & 0xF) * d + m;
+            y[i + 16] = (float)(b->qs[i] >> 4) * d + m;
+        }
+        break;
+    }
+    case ES_TYPE_Q5_0: {
+        const es_block_q5_0 *b = (const void *)p;
+        float d = h2f(b->d);
+        unpack_q5(b->qh, b->qs, q);
+        for (int i = 0; i < 32; i++) y[i] = (float)(q[i] - 16) * d;
+        break;
+    }
+    case ES_TYPE_Q5_1: {
+        const es_block_q5_1 *b = (const void *)p;
+        float d = h2f(b->d), m = h2f(b->m);
+        unpack_q5(b->qh, b->qs, q);
+        for (int i = 0; i < 32; i++) y[i] = (float)q[i] * d + m;
+        break;
+    }
+    case ES_TYPE_Q8_0: {
+        const es_block_q8_0 *b = (const void *)p;
+        float d = h2f(b->d);
+        for (int i = 0; i < 32; i++) y[i] = (float)b->qs[i] * d;
+        break;
+    }
+    case ES_TYPE_Q4_K:
+    case ES_TYPE_Q5_K: {
+        const es_block_q4_K *b = (const void *)p;
+        const uint8_t *qh = NULL, *qs = b->qs;
+        if (type == ES_TYPE_Q5_K) {
+            const es_block_q5_K *b5 = (const void *)p;
+            qh = b5->qh;
+            qs = b5->qs;
+        }
+        float d = h2f(b->d), dmin = h2f(b->dmin);
+        for (int sb = 0; sb < 8; sb++) {
+            int sc, m;
+            es_scale_min_k4(sb, b->scales, &sc, &m);
+            float d1 = d * (float)sc, m1 = dmin * (float)m;
+            unpack_k4(qs, qh, sb, q);
+            for (int l = 0; l < 32; l++) y[32 * sb + l] = d1 * (float)q[l] - m1;
+        }
+        break;
+    }
+    case ES_TYPE_Q6_K: {
+        const es_block_q6_K *b = (const void *)p;
+        float d = h2f(b->d);
+        for (int sb = 0; sb < 8; sb++) {
+            unpack_q6k(b, sb, q);
+            for (int l = 0; l < 32; l++) {
+                int is = 8 * (sb / 4) + (sb % 4) * 2 + l / 16;
+                y[32 * sb + l] = d * (float)b->scales[is] * (float)q[l];
+            }
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* Bytes per block of the supported quantized types, 0 for others. */
+static size_t qblock_bytes(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_Q4_0: return sizeof(es_block_q4_0);
+    case ES_TYPE_Q4_1: return sizeof(es_block_q4_1);
+    case ES_TYPE_Q5_0: return sizeof(es_block_q5_0);
+    case ES_TYPE_Q5_1: return sizeof(es_block_q5_1);
+    case ES_TYPE_Q8_0: return sizeof(es_block_q8_0);
+    case ES_TYPE_Q4_K: return sizeof(es_block_q4_K);
+    case ES_TYPE_Q5_K: return sizeof(es_block_q5_K);
+    case ES_TYPE_Q6_K: return sizeof(es_block_q6_K);
+    default: return 0;
+    }
+}
+
+void es_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n) {
+    const uint8_t *p = src;
+    switch (type) {
+    case ES_TYPE_F32:
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    case ES_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) dst[i] = es_fp16_to_fp32(rd16(p + 2 * i));
+        return;
+    case ES_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) dst[i] = es_bf16_to_fp32(rd16(p + 2 * i));
+        return;
+    default:
+        break;
+    }
+    size_t bb = qblock_bytes(type);
+    int64_t be = (type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K) ? QK_K : QK;
+    if (bb == 0) {
+        for (int64_t i = 0; i < n; i++) dst[i] = NAN;
+        return;
+    }
+    for (int64_t i = 0; i < n / be; i++) dequant_block(type, p + (size_t)i * bb, dst + i * be);
+}
+
+/* ---- activation quantization ------------------------------------------ */
+
+void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out) {
+    int64_t nb = (n + QK - 1) / QK;
+    int64_t ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
+    memset(out, 0, (size_t)ng * sizeof *out);
+    for (int64_t j = 0; j < nb; j++) {
+        es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
+        int jj = (int)(j % ES_GROUP_BLOCKS);
+        const float *xb = x + j * QK;
+        int m = (int)((n - j * QK) < QK ? (n - j * QK) : QK);
+        float amax = 0.0f;
+        for (int i = 0; i < m; i++) {
+            float a = fabsf(xb[i]);
+            if (a > amax) amax = a;
+        }
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < m; i++) {
+            int q = (int)nearbyintf(xb[i] * id);
+            g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q;
+            sum += q;
+        }
+        g->d[jj] = d;
+        g->qsum[jj] = sum;
+    }
+}
+
+/* ---- scalar reference kernels ------------------------------------------ */
+
+/* One activation block (32 elements) of weight row `row`: integer weights,
+ * factors a, b and the min multiplier jm (see the contract). */
+typedef void (*unpack_fn)(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm);
+
+static void up_q4_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    const es_block_q4_0 *x = (const void *)(row + (size_t)j * sizeof *x);
+    for (int i = 0; i < 16; i++) {
+        wq[i] = (x->qs[i] & 0xF) - 8;
+        wq[i + 16] = (x->qs[i] >> 4) - 8;
+    }
+    *a = h2f(x->d);
+}
+
+static void up_q4_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    const es_block_q4_1 *x = (const void *)(row + (size_t)j * sizeof *x);
+    for (int i = 0; i < 16; i++) {
+        wq[i] = x->qs[i] & 0xF;
+        wq[i + 16] = x->qs[i] >> 4;
+    }
+    *a = h2f(x->d);
+    *b = h2f(x->m);
+    *jm = 1;
+}
+
+static void up_q5_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    const es_block_q5_0 *x = (const void *)(row + (size_t)j * sizeof *x);
+    unpack_q5(x->qh, x->qs, wq);
+    for (int i = 0; i < 32; i++) wq[i] -= 16;
+    *a = h2f(x->d);
+}
+
+static void up_q5_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    const es_block_q5_1 *x = (const void *)(row + (size_t)j * sizeof *x);
+    unpack_q5(x->qh, x->qs, wq);
+    *a = h2f(x->d);
+    *b = h2f(x->m);
+    *jm = 1;
+}
+
+static void up_q8_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    const es_block_q8_0 *x = (const void *)(row + (size_t)j * sizeof *x);
+    for (int i = 0; i < 32; i++) wq[i] = x->qs[i];
+    *a = h2f(x->d);
+}
+
+static void up_qk(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm, int five) {
+    const uint8_t *p = row + (size_t)(j / 8) * (five ? sizeof(es_block_q5_K) : sizeof(es_block_q4_K));
+    const es_block_q4_K *x = (const void *)p;
+    const uint8_t *qs = x->qs, *qh = NULL;
+    if (five) {
+        qh = ((const es_block_q5_K *)(const void *)p)->qh;
+        qs = ((const es_block_q5_K *)(const void *)p)->qs;
+    }
+    int sb = (int)(j % 8), sc, m;
+    es_scale_min_k4(sb, x->scales, &sc, &m);
+    unpack_k4(qs, qh, sb, wq);
+    for (int i = 0; i < 32; i++) wq[i] *= sc;
+    *a = h2f(x->d);
+    *b = -h2f(x->dmin);
+    *jm = m;
+}
+
+static void up_q4_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    up_qk(row, j, wq, a, b, jm, 0);
+}
+
+static void up_q5_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    up_qk(row, j, wq, a, b, jm, 1);
+}
+
+static void up_q6_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    const es_block_q6_K *x = (const void *)(row + (size_t)(j / 8) * sizeof *x);
+    int sb = (int)(j % 8);
+    unpack_q6k(x, sb, wq);
+    int is = 8 * (sb / 4) + (sb % 4) * 2;
+    for (int i = 0; i < 32; i++) wq[i] *= x->scales[is + i / 16];
+    *a = h2f(x->d);
+}
+
+#define REF_NT 32   /* activation rows per pass */
+
+static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_bytes,
+                      int64_t r0, int64_t r1, int64_t n_in, const void *xv, size_t x_stride,
+                      int N, float *Y, int64_t ldy) {
+    int64_t nb = n_in / QK;
+    for (int n0 = 0; n0 < N; n0 += REF_NT) {
+        int nt = N - n0 < REF_NT ? N - n0 : REF_NT;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            float lanes[REF_NT][ES_LANES];
+            memset(lanes, 0, sizeof lanes);
+            for (int64_t j = 0; j < nb; j++) {
+                int wq[32];
+                float a = 0.0f, b = 0.0f;
+                int32_t jm = 0;
+                up(row, j, wq, &a, &b, &jm);
+                size_t goff = (size_t)(j / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+                int jj = (int)(j % ES_GROUP_BLOCKS);
+                for (int n = 0; n < nt; n++) {
+                    const es_q8_group *g =
+                        (const void *)((const uint8_t *)xv + (size_t)(n0 + n) * x_stride + goff);
+                    int32_t I = 0;
+                    for (int i = 0; i < 32; i++) I += wq[i] * g->qs[(i / 4) * 64 + jj * 4 + i % 4];
+                    float dx = g->d[jj];
+                    float c = (a * dx) * (float)I;
+                    if (two_term) c = c + (b * dx) * (float)(jm * g->qsum[jj]);
+                    lanes[n][j % ES_LANES] += c;
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = es_lane_sum(lanes[n]);
+        }
+    }
+}
+
+#define REF_QUANT(name, up, two)                                                          \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        ref_quant(up, two, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                        \
+    }
+REF_QUANT(ref_q4_0, up_q4_0, 0)
+REF_QUANT(ref_q4_1, up_q4_1, 1)
+REF_QUANT(ref_q5_0, up_q5_0, 0)
+REF_QUANT(ref_q5_1, up_q5_1, 1)
+REF_QUANT(ref_q8_0, up_q8_0, 0)
+REF_QUANT(ref_q4_k, up_q4_k, 1)
+REF_QUANT(ref_q5_k, up_q5_k, 1)
+REF_QUANT(ref_q6_k, up_q6_k, 0)
+
+/* Float weights: lane[i % 16] += w[i] * x[i]. */
+static void ref_float(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                      int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+    float wf[256];
+    for (int n0 = 0; n0 < N; n0 += REF_NT) {
+        int nt = N - n0 < REF_NT ? N - n0 : REF_NT;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            float lanes[REF_NT][ES_LANES];
+            memset(lanes, 0, sizeof lanes);
+            for (int64_t i0 = 0; i0 < n_in; i0 += 256) {
+                int m = (int)(n_in - i0 < 256 ? n_in - i0 : 256);
+                size_t esz = type == ES_TYPE_F32 ? 4 : 2;
+                es_dequantize_row(type, row + (size_t)i0 * esz, wf, m);
+                for (int n = 0; n < nt; n++) {
+                    const float *x = (const void *)((const uint8_t *)xv + (size_t)(n0 + n) * x_stride);
+                    for (int i = 0; i < m; i++) lanes[n][(i0 + i) % ES_LANES] += wf[i] * x[i0 + i];
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = es_lane_sum(lanes[n]);
+        }
+    }
+}
+
+#define REF_FLOAT(name, t)                                                                \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        ref_float(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
+    }
+REF_FLOAT(ref_f32, ES_TYPE_F32)
+REF_FLOAT(ref_f16, ES_TYPE_F16)
+REF_FLOAT(ref_bf16, ES_TYPE_BF16)
+
+es_mm_kernel es_ref_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_F32: return ref_f32;
+    case ES_TYPE_F16: return ref_f16;
+    case ES_TYPE_BF16: return ref_bf16;
+    case ES_TYPE_Q4_0: return ref_q4_0;
+    case ES_TYPE_Q4_1: return ref_q4_1;
+    case ES_TYPE_Q5_0: return ref_q5_0;
+    case ES_TYPE_Q5_1: return ref_q5_1;
+    case ES_TYPE_Q8_0: return ref_q8_0;
+    case ES_TYPE_Q4_K: return ref_q4_k;
+    case ES_TYPE_Q5_K: return ref_q5_k;
+    case ES_TYPE_Q6_K: return ref_q6_k;
+    default: return NULL;
+    }
+}
+
+int es_matmul_supported(uint32_t type) { return es_ref_kernel(type) != NULL; }
+
+static int is_float_type(uint32_t type) {
+    return type == ES_TYPE_F32 || type == ES_TYPE_F16 || type == ES_TYPE_BF16;
+}
+
+/* ---- driver ------------------------------------------------------------ */
+
+static size_t q8_row_bytes(int64_t n_in) {
+    int64_t nb = (n_in + QK - 1) / QK;
+    return (size_t)((nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+}
+
+size_t es_matmul_scratch_bytes(uint32_t type, int64_t n_in, int N) {
+    if (is_float_type(type) || N <= 0 || n_in <= 0) return 0;
+    return q8_row_bytes(n_in) * (size_t)N;
+}
+
+const char *es_quant_simd_name(void) {
+    const char *s = es_x86_simd_name();
+    if (!s) s = es_neon_simd_name();
+    return s ? s : "scalar";
+}
+
+typedef struct {
+    es_mm_kernel k;
+    const uint8_t *w;
+    size_t row_bytes;
+    int64_t n_out, n_in;
+    const void *x;
+    size_t x_stride;
+    int N;
+    float *Y;
+    int64_t ldy;
+} mm_task;
+
+/* Rows [r0, r1) of thread ith: contiguous chunks, multiples of 4 rows. */
+static void mm_worker(void *ctx, int ith, int nth) {
+    const mm_task *t = ctx;
+    int64_t units = (t->n_out + 3) / 4;
+    int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
+    int64_t r0 = u0 * 4, r1 = u1 * 4 < t->n_out ? u1 * 4 : t->n_out;
+    if (r0 < r1) t->k(t->w, t->row_bytes, r0, r1, t->n_in, t->x, t->x_stride, t->N, t->Y, t->ldy);
+}
+
+void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
+                    float *Y, int64_t ldy, void *scratch, int force_scalar) {
+    uint32_t type = W->type;
+    int64_t n_in = W->ne[0], n_out = W->ne[1];
+    es_mm_kernel k = NULL;
+    if (!force_scalar) {
+        k = es_x86_kernel(type);
+        if (!k) k = es_neon_kernel(type);
+    }
+    if (!k) k = es_ref_kernel(type);
+    if (!k) { /* unsupported type: make the failure visible, never crash */
+        for (int n = 0; n < N; n++)
+            for (int64_t r = 0; r < n_out; r++) Y[(int64_t)n * ldy + r] = NAN;
+        return;
+    }
+    mm_task t = {k, W->data, W->row_bytes, n_out, n_in, X, (size_t)n_in * sizeof(float), N, Y, ldy};
+    if (!is_float_type(type)) {
+        size_t rs = q8_row_bytes(n_in);
+        for (int n = 0; n < N; n++)
+            es_quantize_row_q8(X + (int64_t)n * n_in, n_in, (es_q8_group *)((uint8_t *)scratch + (size_t)n * rs));
+        t.x = scratch;
+        t.x_stride = rs;
+    }
+    if (pool) es_pool_run(pool, mm_worker, &t);
+    else mm_worker(&t, 0, 1);
+}
+
+void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,
+               float *Y, int64_t ldy, void *scratch) {
+    es_matmul_path(pool, W, X, N, Y, ldy, scratch, 0);
+}

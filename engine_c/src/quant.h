@@ -1,0 +1,106 @@
+/*
+ * quant.h - private interface between the matmul driver (quant.c) and the
+ * SIMD kernel files (quant_x86.c, quant_neon.c). See the determinism
+ * contract at the top of quant.c: every kernel here computes each output
+ * element with exactly the same float operations as the scalar reference.
+ */
+#ifndef ES_QUANT_H
+#define ES_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "internal.h"
+
+/* ggml block layouts (little-endian, packed, no padding). */
+#define QK 32      /* elements per block of the simple types and per activation block */
+#define QK_K 256   /* elements per K-quant super-block */
+
+typedef struct { uint16_t d; uint8_t qs[16]; } es_block_q4_0;                     /* 18 B */
+typedef struct { uint16_t d, m; uint8_t qs[16]; } es_block_q4_1;                  /* 20 B */
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } es_block_q5_0;      /* 22 B */
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } es_block_q5_1;   /* 24 B */
+typedef struct { uint16_t d; int8_t qs[32]; } es_block_q8_0;                      /* 34 B */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } es_block_q4_K;  /* 144 B */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } es_block_q5_K; /* 176 B */
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } es_block_q6_K; /* 210 B */
+
+_Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
+               sizeof(es_block_q5_0) == 22 && sizeof(es_block_q5_1) == 24 &&
+               sizeof(es_block_q8_0) == 34 && sizeof(es_block_q4_K) == 144 &&
+               sizeof(es_block_q5_K) == 176 && sizeof(es_block_q6_K) == 210,
+               "ggml block sizes");
+
+/*
+ * Quantized activations, 16 blocks of 32 elements per group ("transposed"
+ * so that one 64-byte load holds 4 consecutive elements of each of the 16
+ * blocks): element e of block j of the group is qs[(e / 4) * 64 + j * 4 + e % 4].
+ *   d[j]     block scale (float32): x ~= d * q
+ *   qsum[j]  sum of the block's 32 int8 values
+ * Blocks past the end of the row are all zero (d = 0, qsum = 0).
+ * One activation row of n_in elements is ceil(n_in / 512) groups.
+ */
+#define ES_GROUP_BLOCKS 16
+typedef struct {
+    int8_t qs[ES_GROUP_BLOCKS * QK];   /* 512 */
+    float d[ES_GROUP_BLOCKS];
+    int32_t qsum[ES_GROUP_BLOCKS];
+} es_q8_group;                          /* 640 B, a multiple of 64 */
+
+/* Accumulator lanes of one output element (the sum is split lane[b % 16]). */
+#define ES_LANES 16
+
+/*
+ * A kernel computes Y[n][r] for r in [r0, r1), n in [0, N).
+ *   w, row_bytes   weight rows (row r at w + r * row_bytes)
+ *   n_in           elements per row
+ *   x, x_stride    quantized types: es_q8_group rows, x_stride bytes apart;
+ *                  float types: float32 rows of n_in elements, x_stride bytes apart
+ *   Y, ldy         output rows ldy floats apart
+ */
+typedef void (*es_mm_kernel)(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                             int64_t n_in, const void *x, size_t x_stride, int N,
+                             float *Y, int64_t ldy);
+
+/* The scalar reference kernel of a type, NULL when unsupported. */
+es_mm_kernel es_ref_kernel(uint32_t type);
+/* The SIMD kernel of a type for this build, NULL when the build has none
+ * for it (the scalar one is used then). */
+es_mm_kernel es_x86_kernel(uint32_t type);
+es_mm_kernel es_neon_kernel(uint32_t type);
+const char *es_x86_simd_name(void);    /* NULL when no x86 SIMD path is compiled */
+const char *es_neon_simd_name(void);   /* NULL when no NEON path is compiled */
+
+/* 1 when es_matmul supports the weight type. */
+int es_matmul_supported(uint32_t type);
+
+/* es_matmul with the scalar reference kernels forced on (force_scalar = 1)
+ * or the build's best kernels (0). Tests compare the two bitwise. */
+void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
+                    float *Y, int64_t ldy, void *scratch, int force_scalar);
+
+/* Quantize one activation row of n elements into ceil(n / 512) groups. */
+void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out);
+
+/* The fixed reduction tree over the 16 lanes:
+ * ((((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)))+(((l8+l9)+(l10+l11))+((l12+l13)+(l14+l15)))) */
+static inline float es_lane_sum(const float *l) {
+    float a0 = (l[0] + l[1]) + (l[2] + l[3]);
+    float a1 = (l[4] + l[5]) + (l[6] + l[7]);
+    float a2 = (l[8] + l[9]) + (l[10] + l[11]);
+    float a3 = (l[12] + l[13]) + (l[14] + l[15]);
+    return (a0 + a1) + (a2 + a3);
+}
+
+/* ggml's packing of the 6-bit Q4_K / Q5_K sub-block scale and min. */
+static inline void es_scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+#endif /* ES_QUANT_H */

@@ -1,0 +1,336 @@
+/* test_quant.c - dequantizers, activation quantization and es_matmul:
+ * accuracy against a double-precision reference, and the determinism
+ * contract (SIMD == scalar, one call over N rows == N calls, any pool size),
+ * all bitwise. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "quant.h"
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd(void) {
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+static float rndf(float lo, float hi) { return lo + (hi - lo) * (float)(rnd() >> 8) / 16777216.0f; }
+static uint16_t f16(float f) { return es_fp32_to_fp16(f); }
+static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+
+static const uint32_t all_types[] = {ES_TYPE_F32, ES_TYPE_F16, ES_TYPE_BF16, ES_TYPE_Q4_0,
+                                     ES_TYPE_Q4_1, ES_TYPE_Q5_0, ES_TYPE_Q5_1, ES_TYPE_Q8_0,
+                                     ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+#define N_TYPES (int)(sizeof all_types / sizeof all_types[0])
+
+static int64_t blk_elems(uint32_t t) {
+    switch (t) {
+    case ES_TYPE_F32: case ES_TYPE_F16: case ES_TYPE_BF16: return 1;
+    case ES_TYPE_Q4_K: case ES_TYPE_Q5_K: case ES_TYPE_Q6_K: return 256;
+    default: return 32;
+    }
+}
+static size_t blk_bytes(uint32_t t) {
+    switch (t) {
+    case ES_TYPE_F32: return 4;
+    case ES_TYPE_F16: case ES_TYPE_BF16: return 2;
+    case ES_TYPE_Q4_0: return 18;
+    case ES_TYPE_Q4_1: return 20;
+    case ES_TYPE_Q5_0: return 22;
+    case ES_TYPE_Q5_1: return 24;
+    case ES_TYPE_Q8_0: return 34;
+    case ES_TYPE_Q4_K: return 144;
+    case ES_TYPE_Q5_K: return 176;
+    case ES_TYPE_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Random bytes with sane scales: every value finite and of moderate size. */
+static void fill_block(uint32_t t, uint8_t *p) {
+    size_t bb = blk_bytes(t);
+    for (size_t i = 0; i < bb; i++) p[i] = (uint8_t)rnd();
+    switch (t) {
+    case ES_TYPE_F32: { float v = rndf(-1, 1); memcpy(p, &v, 4); break; }
+    case ES_TYPE_F16: put16(p, f16(rndf(-1, 1))); break;
+    case ES_TYPE_BF16: { float v = rndf(-1, 1); uint32_t u; memcpy(&u, &v, 4); put16(p, (uint16_t)(u >> 16)); break; }
+    case ES_TYPE_Q4_0: case ES_TYPE_Q5_0: case ES_TYPE_Q8_0:
+        put16(p, f16(rndf(-0.02f, 0.02f)));
+        break;
+    case ES_TYPE_Q4_1: case ES_TYPE_Q5_1: case ES_TYPE_Q4_K: case ES_TYPE_Q5_K:
+        put16(p, f16(rndf(-0.02f, 0.02f)));
+        put16(p + 2, f16(rndf(-0.05f, 0.05f)));
+        break;
+    case ES_TYPE_Q6_K: put16(p + 208, f16(rndf(-0.002f, 0.002f))); break;
+    }
+}
+
+typedef struct {
+    es_tensor t;
+    uint8_t *data;
+} wmat;
+
+static wmat make_w(uint32_t type, int64_t n_in, int64_t n_out) {
+    wmat m;
+    memset(&m, 0, sizeof m);
+    int64_t be = blk_elems(type);
+    size_t rb = (size_t)(n_in / be) * blk_bytes(type);
+    m.data = malloc(rb * (size_t)n_out + 1);
+    for (int64_t r = 0; r < n_out; r++)
+        for (int64_t b = 0; b < n_in / be; b++) fill_block(type, m.data + (size_t)r * rb + (size_t)b * blk_bytes(type));
+    m.t.name = "w";
+    m.t.type = type;
+    m.t.n_dims = 2;
+    m.t.ne[0] = n_in;
+    m.t.ne[1] = n_out;
+    m.t.ne[2] = m.t.ne[3] = 1;
+    m.t.n_elements = n_in * n_out;
+    m.t.row_bytes = rb;
+    m.t.nbytes = rb * (size_t)n_out;
+    m.t.data = m.data;
+    return m;
+}
+
+static float *rand_x(int N, int64_t n_in) {
+    float *x = malloc(sizeof(float) * (size_t)(N * n_in));
+    for (int64_t i = 0; i < N * n_in; i++) x[i] = rndf(-2, 2);
+    /* some structure: a zero block and a large outlier */
+    if (n_in >= 64) {
+        memset(x + 32, 0, 32 * sizeof(float));
+        x[n_in - 1] = 40.0f;
+    }
+    return x;
+}
+
+static void *scratch_for(uint32_t type, int64_t n_in, int N) {
+    size_t n = es_matmul_scratch_bytes(type, n_in, N);
+    return aligned_alloc(64, n ? (n + 63) / 64 * 64 : 64);
+}
+
+/* Y computed as the contract says, but in double from dequantized rows. */
+static void ref_double(const wmat *w, const float *X, int N, double *ref, double *mag) {
+    int64_t n_in = w->t.ne[0], n_out = w->t.ne[1];
+    float *wr = malloc(sizeof(float) * (size_t)n_in);
+    float *xd = malloc(sizeof(float) * (size_t)n_in);
+    int quant = w->t.type != ES_TYPE_F32 && w->t.type != ES_TYPE_F16 && w->t.type != ES_TYPE_BF16;
+    int64_t ng = (n_in / 32 + 15) / 16;
+    es_q8_group *g = aligned_alloc(64, sizeof(es_q8_group) * (size_t)(ng ? ng : 1));
+    for (int n = 0; n < N; n++) {
+        const float *x = X + (int64_t)n * n_in;
+        if (quant) {
+            es_quantize_row_q8(x, n_in, g);
+            for (int64_t i = 0; i < n_in; i++) {
+                int64_t j = i / 32, e = i % 32;
+                const es_q8_group *gg = &g[j / 16];
+                xd[i] = gg->d[j % 16] * (float)gg->qs[(e / 4) * 64 + (j % 16) * 4 + e % 4];
+            }
+        } else {
+            memcpy(xd, x, sizeof(float) * (size_t)n_in);
+        }
+        for (int64_t r = 0; r < n_out; r++) {
+            es_dequantize_row(w->t.type, w->data + (size_t)r * w->t.row_bytes, wr, n_in);
+            double s = 0, a = 0;
+            for (int64_t i = 0; i < n_in; i++) {
+                s += (double)wr[i] * (double)xd[i];
+                a += fabs((double)wr[i] * (double)xd[i]);
+            }
+            ref[n * n_out + r] = s;
+            mag[n * n_out + r] = a;
+        }
+    }
+    free(wr);
+    free(xd);
+    free(g);
+}
+
+TEST(test_dequant_literal) {
+    uint8_t b[34];
+    /* Q4_0: d = 0.5, byte i = (i + 1) << 4 | i  -> y[i] = (i - 8) * 0.5, y[i + 16] = (i + 1 - 8) * 0.5 */
+    put16(b, f16(0.5f));
+    for (int i = 0; i < 16; i++) b[2 + i] = (uint8_t)((((i + 1) & 15) << 4) | i);
+    float y[32];
+    es_dequantize_row(ES_TYPE_Q4_0, b, y, 32);
+    CHECK(y[0] == -4.0f && y[15] == 3.5f && y[16] == -3.5f && y[31] == -4.0f);
+    /* Q4_1: d = 0.25, m = -1 */
+    put16(b, f16(0.25f));
+    put16(b + 2, f16(-1.0f));
+    for (int i = 0; i < 16; i++) b[4 + i] = (uint8_t)((15 << 4) | i);
+    es_dequantize_row(ES_TYPE_Q4_1, b, y, 32);
+    CHECK(y[0] == -1.0f && y[4] == 0.0f && y[16] == 2.75f);
+    /* Q8_0: d = 2, q = i - 16 */
+    put16(b, f16(2.0f));
+    for (int i = 0; i < 32; i++) b[2 + i] = (uint8_t)(int8_t)(i - 16);
+    es_dequantize_row(ES_TYPE_Q8_0, b, y, 32);
+    CHECK(y[0] == -32.0f && y[31] == 30.0f);
+    /* Q5_0: d = 1, qs = 0, qh bit i set for odd i -> y = (16 * (i & 1)) - 16 */
+    uint8_t b5[22];
+    memset(b5, 0, sizeof b5);
+    put16(b5, f16(1.0f));
+    b5[2] = b5[3] = b5[4] = b5[5] = 0xAA;
+    es_dequantize_row(ES_TYPE_Q5_0, b5, y, 32);
+    CHECK(y[0] == -16.0f && y[1] == 0.0f && y[30] == -16.0f && y[31] == 0.0f);
+}
+
+TEST(test_dequant_k_literal) {
+    /* Q4_K with scales: sub-block 0 sc = 1, m = 2 (j < 4 path); sub-block 4 sc = 3 | (1 << 4), m = 5 | (2 << 4) */
+    uint8_t b[144];
+    memset(b, 0, sizeof b);
+    put16(b, f16(1.0f));
+    put16(b + 2, f16(0.5f));
+    uint8_t *s = b + 4;
+    s[0] = 1 | (1 << 6);           /* sc0 = 1, high bits of sc4 = 1 */
+    s[4] = 2 | (2 << 6);           /* m0 = 2, high bits of m4 = 2 */
+    s[8] = 3 | (5 << 4);           /* sc4 low = 3, m4 low = 5 */
+    for (int l = 0; l < 32; l++) b[16 + 64 + l] = 7;   /* sub-block 4: low nibbles of qs[64..95] */
+    for (int l = 0; l < 32; l++) b[16 + l] = 0x90;     /* sub-block 0 low = 0, sub-block 1 high = 9 */
+    float y[256];
+    es_dequantize_row(ES_TYPE_Q4_K, b, y, 256);
+    CHECK(y[0] == -1.0f);                              /* 1 * 1 * 0 - 0.5 * 2 */
+    CHECK(y[128] == 19.0f * 7.0f - 0.5f * 37.0f);      /* sc4 = 19, m4 = 37 */
+    /* Q6_K: d = 1, scales[0] = 2, ql = 0x21 at l = 0, qh = 0 -> q1 = 1 - 32, q3 = 2 - 32 */
+    uint8_t q6[210];
+    memset(q6, 0, sizeof q6);
+    put16(q6 + 208, f16(1.0f));
+    q6[0] = 0x21;
+    q6[192] = 2;
+    q6[196] = 3;
+    es_dequantize_row(ES_TYPE_Q6_K, q6, y, 256);
+    CHECK(y[0] == 2.0f * -31.0f);
+    CHECK(y[64] == 3.0f * -30.0f);
+    CHECK(y[1] == 2.0f * -32.0f);
+}
+
+TEST(test_quantize_activations) {
+    float x[80];
+    for (int i = 0; i < 80; i++) x[i] = (float)(i - 40) * 0.1f;
+    memset(x + 32, 0, 32 * sizeof(float));
+    es_q8_group g[1];
+    es_quantize_row_q8(x, 80, g);
+    CHECK(g->d[0] == fabsf(x[0]) / 127.0f);
+    CHECK(g->qs[0] == -127);                 /* x[0] = -4 = -amax */
+    CHECK(g->d[1] == 0.0f && g->qsum[1] == 0);
+    CHECK(g->d[2] == x[79] / 127.0f);
+    CHECK(g->d[3] == 0.0f);                  /* past the end: padding */
+    int32_t s = 0;
+    for (int e = 0; e < 32; e++) s += g->qs[(e / 4) * 64 + e % 4];
+    CHECK_EQ_INT(s, g->qsum[0]);
+    CHECK(es_matmul_scratch_bytes(ES_TYPE_Q4_1, 576, 5) == 5 * 2 * sizeof(es_q8_group));
+    CHECK(es_matmul_scratch_bytes(ES_TYPE_F32, 576, 5) == 0);
+}
+
+/* Accuracy vs double reference plus all bitwise invariants for one shape. */
+static void check_shape(uint32_t type, int64_t n_in, int64_t n_out, int N, es_pool **pools) {
+    wmat w = make_w(type, n_in, n_out);
+    float *X = rand_x(N, n_in);
+    void *sc = scratch_for(type, n_in, N);
+    size_t ysz = sizeof(float) * (size_t)(N * n_out);
+    float *Y = malloc(ysz), *Ys = malloc(ysz), *Y1 = malloc(ysz), *Yp = malloc(ysz);
+    double *ref = malloc(sizeof(double) * (size_t)(N * n_out)), *mag = malloc(sizeof(double) * (size_t)(N * n_out));
+
+    es_matmul(NULL, &w.t, X, N, Y, n_out, sc);
+    es_matmul_path(NULL, &w.t, X, N, Ys, n_out, sc, 1);
+    int simd_eq = memcmp(Y, Ys, ysz) == 0;
+    if (!simd_eq) fprintf(stderr, "  type %u n_in %lld n_out %lld N %d: SIMD != scalar\n", type, (long long)n_in, (long long)n_out, N);
+    CHECK(simd_eq);
+
+    ref_double(&w, X, N, ref, mag);
+    int bad = 0;
+    for (int64_t i = 0; i < N * n_out; i++)
+        if (!(fabs((double)Y[i] - ref[i]) <= 2e-6 * mag[i] + 1e-30)) {
+            if (bad++ < 3) fprintf(stderr, "  type %u [%lld]: %.9g vs %.9g (mag %.3g)\n", type, (long long)i, Y[i], ref[i], mag[i]);
+        }
+    CHECK_EQ_INT(bad, 0);
+
+    /* N single calls */
+    void *sc1 = scratch_for(type, n_in, 1);
+    for (int n = 0; n < N; n++) es_matmul(NULL, &w.t, X + (int64_t)n * n_in, 1, Y1 + (int64_t)n * n_out, n_out, sc1);
+    CHECK(memcmp(Y, Y1, ysz) == 0);
+    /* pool sizes */
+    for (int p = 0; pools && pools[p]; p++) {
+        memset(Yp, 0xFF, ysz);
+        es_matmul(pools[p], &w.t, X, N, Yp, n_out, sc);
+        CHECK(memcmp(Y, Yp, ysz) == 0);
+    }
+    free(sc1);
+    free(w.data); free(X); free(sc); free(Y); free(Ys); free(Y1); free(Yp); free(ref); free(mag);
+}
+
+TEST(test_matmul_all_types) {
+    es_pool *pools[4] = {es_pool_new(1), es_pool_new(2), es_pool_new(3), NULL};
+    CHECK(pools[0] && pools[1] && pools[2]);
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        uint32_t t = all_types[ti];
+        int64_t be = blk_elems(t);
+        int64_t shapes[][2] = {{768, 37}, {be == 256 ? 256 : 32, 5}, {be == 256 ? 512 : 544, 19},
+                               {be == 256 ? 1536 : 576, 1}};
+        for (int s = 0; s < 4; s++) check_shape(t, shapes[s][0], shapes[s][1], 3, pools);
+        if (be == 1) check_shape(t, 45, 7, 2, pools);   /* n_in not a multiple of the lanes */
+    }
+    for (int p = 0; p < 3; p++) es_pool_free(pools[p]);
+}
+
+TEST(test_matmul_n_1_to_17) {
+    es_pool *pools[3] = {es_pool_new(2), es_pool_new(3), NULL};
+    const uint32_t ts[] = {ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_F16};
+    for (int ti = 0; ti < 5; ti++)
+        for (int N = 1; N <= 17; N += (N < 5 ? 1 : 4)) check_shape(ts[ti], 576 - (ts[ti] == ES_TYPE_Q4_K || ts[ti] == ES_TYPE_Q6_K ? 64 : 0), 43, N, pools);
+    /* more rows than one activation tile (32) */
+    check_shape(ES_TYPE_Q4_1, 64, 9, 40, pools);
+    check_shape(ES_TYPE_F32, 48, 9, 40, pools);
+    es_pool_free(pools[0]);
+    es_pool_free(pools[1]);
+}
+
+TEST(test_matmul_ldy_and_special_x) {
+    /* ldy > n_out leaves the gap untouched; zero and huge activations stay finite */
+    wmat w = make_w(ES_TYPE_Q4_1, 64, 6);
+    float X[2 * 64];
+    for (int i = 0; i < 64; i++) { X[i] = 0.0f; X[64 + i] = (i & 1) ? 3e30f : -3e30f; }
+    float Y[2 * 8];
+    for (int i = 0; i < 16; i++) Y[i] = 123.0f;
+    void *sc = scratch_for(ES_TYPE_Q4_1, 64, 2);
+    es_matmul(NULL, &w.t, X, 2, Y, 8, sc);
+    CHECK(Y[6] == 123.0f && Y[7] == 123.0f && Y[14] == 123.0f);
+    for (int r = 0; r < 6; r++) CHECK(Y[r] == 0.0f);
+    float Ys[16];
+    memcpy(Ys, Y, sizeof Ys);
+    es_matmul_path(NULL, &w.t, X, 2, Ys, 8, sc, 1);
+    CHECK(memcmp(Y, Ys, sizeof Ys) == 0);
+    free(sc);
+    free(w.data);
+}
+
+TEST(test_unsupported_type) {
+    wmat w = make_w(ES_TYPE_Q4_0, 32, 2);
+    w.t.type = ES_TYPE_Q2_K;
+    float X[32] = {0}, Y[2] = {0, 0};
+    CHECK(!es_matmul_supported(ES_TYPE_Q2_K));
+    es_matmul(NULL, &w.t, X, 1, Y, 2, NULL);
+    CHECK(isnan(Y[0]) && isnan(Y[1]));
+    free(w.data);
+}
+
+TEST(test_simd_name) {
+    const char *s = es_quant_simd_name();
+    CHECK(!strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod") ||
+          !strcmp(s, "neon") || !strcmp(s, "scalar"));
+#ifdef ES_FORCE_SCALAR
+    CHECK(!strcmp(s, "scalar"));
+#endif
+    printf("  simd path: %s\n", s);
+}
+
+int main(void) {
+    RUN(test_dequant_literal);
+    RUN(test_dequant_k_literal);
+    RUN(test_quantize_activations);
+    RUN(test_matmul_all_types);
+    RUN(test_matmul_n_1_to_17);
+    RUN(test_matmul_ldy_and_special_x);
+    RUN(test_unsupported_type);
+    RUN(test_simd_name);
+    return harness_report();
+}
