@@ -9,7 +9,10 @@ are not runtime or test dependencies. Install them into a scratch environment or
     python scripts/gen_tokenizer_golden.py [--model PATH] [--out tests/data/tokenizer_golden.json]
 
 The output holds, for every text: the text, the reference ids (no special tokens added; special
-token text parsed as special tokens) and the reference decode of those ids.
+token text parsed as special tokens) and the reference decode of those ids. It also holds
+``tiny_qwen2``: a tiny byte-level vocabulary (the 256 byte tokens, a few merges, ChatML control
+tokens, one user-defined token) with ``pre = "qwen2"``, which tests write into a GGUF file, and the
+reference ids for texts that tell the qwen2 split rules from the GPT-2 ones.
 """
 
 from __future__ import annotations
@@ -106,6 +109,77 @@ TEXTS: list[str] = [
 ]
 
 
+# Texts for the tiny qwen2 vocabulary: single digits ("12" must not merge), case-insensitive
+# contractions ("'S"), " \n" kept together, a symbol glued to a word ("$he"), whitespace runs.
+TINY_TEXTS: list[str] = [
+    "",
+    "the thing",
+    "12 123 1234",
+    "HE'S IT'S he's",
+    "a \nb",
+    "$he $the",
+    "    indented\n\tthe\n\n\nend  ",
+    "<|im_start|>user\nthe thing<|im_end|>\n",
+    "<think>ok</think>",
+    "H\u00e9llo \u4e16\u754c \U0001F600 e\u0301",
+]
+
+
+def tiny_qwen2_spec() -> dict:
+    """A tiny byte-level BPE vocabulary with pre-tokenizer qwen2 (JSON-serialisable)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 byte-level characters
+    byte_chars = sorted(alphabet, key=lambda c: _char_byte(c))
+    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    user_defined = ["<think>"]
+    merges = [("\u0120", "t"), ("h", "e"), ("\u0120t", "he"), ("i", "n"), ("in", "g"), ("1", "2"),
+              ("'", "S"), ("\u0120", "\u010a"), ("$", "h"), ("$h", "e"), ("\u0120", "\u0120"),
+              ("\u0120\u0120", "\u0120\u0120"), ("\u010a", "\u010a"), ("t", "h"), ("th", "ing")]
+    tokens = control + user_defined + byte_chars + [a + b for a, b in merges]
+    types = [3] * len(control) + [4] * len(user_defined) + [1] * (len(tokens) - 4)
+    return {"pre": "qwen2", "tokens": tokens, "token_types": types,
+            "merges": [f"{a} {b}" for a, b in merges], "bos_id": 0, "eos_id": 2}
+
+
+def _char_byte(c: str) -> int:
+    """The byte a GPT-2 byte-level character stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+    bs += list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[c]
+
+
+def write_tiny_gguf(path: str, spec: dict) -> None:
+    """Write a tokenizer-only GGUF (architecture qwen2, no tensors) from `tiny_qwen2_spec`."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(spec["pre"])
+    w.add_token_list(spec["tokens"])
+    w.add_token_types(spec["token_types"])
+    w.add_token_merges(spec["merges"])
+    w.add_bos_token_id(spec["bos_id"])
+    w.add_eos_token_id(spec["eos_id"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file (default: %(default)s)")
@@ -128,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         os.symlink(model, os.path.join(d, name))
         ref = AutoTokenizer.from_pretrained(d, gguf_file=name)
 
+    spec = tiny_qwen2_spec()
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_gguf(os.path.join(d, "tiny.gguf"), spec)
+        tiny_ref = AutoTokenizer.from_pretrained(d, gguf_file="tiny.gguf")
+    spec["cases"] = [{"text": t, "ids": tiny_ref.encode(t, add_special_tokens=False)} for t in TINY_TEXTS]
+
     cases = []
     for text in TEXTS:
         ids = ref.encode(text, add_special_tokens=False)
@@ -140,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": os.path.basename(model),
         "model_sha256": sha,
         "cases": cases,
+        "tiny_qwen2": spec,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:

@@ -1,0 +1,375 @@
+"""Tests for services/common/tokenizer.py.
+
+Reference: tests/data/tokenizer_golden.json, written by scripts/gen_tokenizer_golden.py with
+transformers' GGUF tokenizer converter (not needed to run these tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import gguf
+import pytest
+
+from services.common.tokenizer import (
+    IncrementalDecoder,
+    StopMatcher,
+    Tokenizer,
+    pre_tokenizer_regexes,
+    read_tokenizer_metadata,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = json.loads((ROOT / "tests" / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
+CASES = GOLDEN["cases"]
+TINY = GOLDEN["tiny_qwen2"]
+
+
+def _model_path() -> Path:
+    """The default model, fetched by the project's own script if it is not cached yet."""
+    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.fetch(verbose=False)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    return Tokenizer.from_gguf(_model_path())
+
+
+def write_tokenizer_gguf(path: Path, tokens: list[str], token_types: list[int], merges: list[str],
+                         pre: str = "qwen2", model: str = "gpt2", bos_id: int | None = 0,
+                         eos_id: int | None = 2, chat_template: str | None = None) -> Path:
+    """Write a tokenizer-only GGUF file (architecture qwen2, no tensors)."""
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    if merges:
+        w.add_token_merges(merges)
+    if bos_id is not None:
+        w.add_bos_token_id(bos_id)
+    if eos_id is not None:
+        w.add_eos_token_id(eos_id)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_tok")
+    return write_tokenizer_gguf(d / "tiny_qwen2.gguf", TINY["tokens"], TINY["token_types"], TINY["merges"],
+                                pre=TINY["pre"], bos_id=TINY["bos_id"], eos_id=TINY["eos_id"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path) -> Tokenizer:
+    return Tokenizer.from_gguf(tiny_path)
+
+
+# --- SmolLM2 against the reference ----------------------------------------------------------------
+
+
+def test_golden_file_is_for_this_model():
+    assert GOLDEN["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert len(CASES) >= 50
+
+
+def test_smollm2_metadata(smol: Tokenizer):
+    assert smol.pre == "smollm"
+    assert smol.n_vocab == 49152
+    assert smol.bos_id == 1 and smol.eos_id == 2
+    # <|im_end|> is EOS; <|endoftext|> is a control end-of-generation token too (as llama.cpp says).
+    assert smol.eos_ids == frozenset({0, 2})
+    assert smol.is_special(1) and smol.is_special(2) and not smol.is_special(4093)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}:{c['text'][:24]!r}" for i, c in enumerate(CASES)])
+def test_encode_equals_reference(smol: Tokenizer, case):
+    assert smol.encode(case["text"]) == case["ids"]
+
+
+def test_decode_round_trip_and_reference_decode(smol: Tokenizer):
+    for case in CASES:
+        ids = smol.encode(case["text"])
+        assert smol.decode(ids) == case["text"], case["text"]
+        assert smol.decode(case["ids"]) == case["decoded"], case["text"]
+
+
+def test_special_tokens_parse_and_skip(smol: Tokenizer):
+    ids = smol.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids == [1, 4093, 198, 6004, 2]
+    assert smol.decode(ids, skip_special=True) == "user\nhi"
+    assert smol.token_bytes(1) == b"<|im_start|>"
+    # Text that only resembles a special token stays ordinary text.
+    assert 1 not in smol.encode("<|im_start")
+
+
+def test_digits_split_one_per_token(smol: Tokenizer):
+    ids = smol.encode("1234567890")
+    assert len(ids) == 10
+    assert [smol.decode([i]) for i in ids] == list("1234567890")
+
+
+def test_token_bytes_concatenate_to_utf8(smol: Tokenizer):
+    text = "naïve 😀 中文"
+    ids = smol.encode(text)
+    assert b"".join(smol.token_bytes(i) for i in ids) == text.encode("utf-8")
+    # The emoji spans several byte tokens, none of them valid UTF-8 on its own.
+    emoji_ids = smol.encode("😀")
+    assert len(emoji_ids) > 1
+    assert all(len(smol.token_bytes(i)) < 4 for i in emoji_ids)
+
+
+def test_bad_ids_and_types(smol: Tokenizer):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        smol.decode([49152])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        smol.token_bytes(-1)
+    with pytest.raises(TypeError):
+        smol.decode(["a"])
+    with pytest.raises(TypeError):
+        smol.encode(b"bytes")
+
+
+# --- incremental decoding -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["😀👨‍👩‍👧‍👦 ok", "你好，世界！", "مرحبا", "Café ñ", "plain ascii"])
+def test_incremental_decoder_never_splits_a_character(smol: Tokenizer, text: str):
+    ids = smol.encode(text)
+    dec = smol.incremental_decoder()
+    pieces = [dec.feed(i) for i in ids]
+    tail = dec.flush()
+    assert "".join(pieces) + tail == text
+    assert tail == ""
+    assert all("\ufffd" not in p for p in pieces)
+    # Each piece is whole characters: re-encoding the pieces gives back the byte stream in order.
+    assert b"".join(p.encode("utf-8") for p in pieces) == text.encode("utf-8")
+
+
+def test_incremental_decoder_holds_back_partial_emoji(smol: Tokenizer):
+    ids = smol.encode("😀")
+    dec = IncrementalDecoder(smol)
+    assert [dec.feed(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert dec.pending_bytes() == "😀".encode("utf-8")[: len(dec.pending_bytes())]
+    assert len(dec.pending_bytes()) > 0
+    assert dec.feed(ids[-1]) == "😀"
+    assert dec.pending_bytes() == b""
+
+
+def test_incremental_decoder_flush_replaces_incomplete_tail(smol: Tokenizer):
+    ids = smol.encode("a😀")
+    dec = IncrementalDecoder(smol)
+    out = "".join(dec.feed(i) for i in ids[:-1])
+    assert out == "a"
+    assert dec.flush() == "\ufffd"
+    # The same as a one-shot decode of the truncated ids.
+    assert smol.decode(ids[:-1]) == "a\ufffd"
+
+
+def test_incremental_decoder_skip_special(smol: Tokenizer):
+    ids = smol.encode("<|im_start|>assistant\n你好<|im_end|>")
+    dec = IncrementalDecoder(smol, skip_special=True)
+    assert dec.feed_many(ids) + dec.flush() == "assistant\n你好"
+    assert smol.decode(ids, skip_special=True) == "assistant\n你好"
+
+
+def test_incremental_equals_decode_on_random_ids(smol: Tokenizer):
+    rng = random.Random(1234)
+    for _ in range(20):
+        ids = [rng.randrange(smol.n_vocab) for _ in range(rng.randrange(1, 30))]
+        dec = IncrementalDecoder(smol)
+        assert dec.feed_many(ids) + dec.flush() == smol.decode(ids)
+
+
+# --- stop strings ---------------------------------------------------------------------------------
+
+
+def _reference_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Whole-text rule: cut before the occurrence that ends first (ties: starts first)."""
+    best = None
+    for s in stops:
+        j = text.find(s)
+        if j >= 0 and (best is None or (j + len(s), j) < best):
+            best = (j + len(s), j)
+    return (text, False) if best is None else (text[: best[1]], True)
+
+
+def _run_stop(deltas: list[str], stops: list[str]) -> tuple[str, bool, list[str]]:
+    m = StopMatcher(stops)
+    emitted = []
+    for d in deltas:
+        out, stopped = m.push(d)
+        emitted.append(out)
+        if stopped:
+            return "".join(emitted), True, emitted
+    emitted.append(m.flush())
+    return "".join(emitted), False, emitted
+
+
+def test_stop_string_split_across_deltas():
+    m = StopMatcher(["\nUser:"])
+    assert m.push("Hello") == ("Hello", False)
+    assert m.push(" there\nUs") == (" there", False)  # "\nUs" held back
+    assert m.push("er") == ("", False)
+    assert m.push(": more") == ("", True)
+    assert m.stop_string == "\nUser:"
+    with pytest.raises(RuntimeError):
+        m.push("x")
+
+
+def test_stop_held_back_text_released_when_it_cannot_match():
+    m = StopMatcher(["STOP"])
+    assert m.push("ab ST") == ("ab ", False)
+    assert m.push("ART") == ("START", False)
+    assert m.push("S") == ("", False)
+    assert m.flush() == "S"
+
+
+def test_stop_one_character_per_delta_and_earliest_end_wins():
+    text = "xx abcd bc"
+    stops = ["abcde", "bc"]
+    assert _run_stop(list(text), stops)[:2] == ("xx a", True)
+    assert _run_stop([text], stops)[:2] == ("xx a", True)
+    # Same end: the longer (earlier-starting) one wins.
+    assert _run_stop(["xabc"], ["bc", "abc"])[:2] == ("x", True)
+
+
+def test_stop_result_independent_of_chunking():
+    rng = random.Random(7)
+    alphabet = "ab\n:"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 25)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5)))
+                 for _ in range(rng.randrange(1, 4))]
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randrange(0, 6))))
+        deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        got, stopped, _ = _run_stop(deltas, stops)
+        assert (got, stopped) == _reference_stop(text, stops), (text, stops, deltas)
+
+
+def test_stop_over_streamed_tokens(smol: Tokenizer):
+    ids = smol.encode("Sure! 你好 world.\n<|im_end|>ignored")
+    dec = IncrementalDecoder(smol)
+    m = StopMatcher(["好 wor"])
+    out = []
+    for i in ids:
+        piece, stopped = m.push(dec.feed(i))
+        out.append(piece)
+        if stopped:
+            break
+    assert stopped and "".join(out) == "Sure! 你"
+
+
+def test_stop_matcher_rejects_bad_stop_strings():
+    with pytest.raises(ValueError, match=r"stop_strings\[1\] is empty"):
+        StopMatcher(["ok", ""])
+    with pytest.raises(TypeError):
+        StopMatcher("STOP")
+    with pytest.raises(TypeError):
+        StopMatcher([1])
+    m = StopMatcher([])
+    assert m.push("anything") == ("anything", False)
+
+
+# --- the qwen2 pre-tokenizer path, on a tiny GGUF --------------------------------------------------
+
+
+def test_tiny_qwen2_metadata(tiny: Tokenizer):
+    assert tiny.pre == "qwen2"
+    assert tiny.n_vocab == len(TINY["tokens"])
+    assert tiny.eos_ids == frozenset({0, 2})  # eos <|im_end|> and control <|endoftext|>
+
+
+@pytest.mark.parametrize("case", TINY["cases"], ids=[repr(c["text"][:20]) for c in TINY["cases"]])
+def test_tiny_qwen2_encode_equals_reference(tiny: Tokenizer, case):
+    ids = tiny.encode(case["text"])
+    assert ids == case["ids"]
+    assert tiny.decode(ids) == case["text"]
+
+
+def test_tiny_qwen2_split_rules(tiny: Tokenizer):
+    tid = tiny.token_to_id
+    # Digits one by one: the merge "1 2" never applies.
+    assert tiny.encode("12") == [tid("1"), tid("2")]
+    # Case-insensitive contraction, one piece: merge "' S" applies.
+    assert tid("'S") in tiny.encode("IT'S")
+    # " \n" is one piece under qwen2 (two under the GPT-2 rules), so the merge "Ġ Ċ" applies.
+    assert tiny.encode("a \nb") == [tid("a"), tid("\u0120\u010a"), tid("b")]
+    # A user-defined token is matched whole but is not special.
+    think = tid("<think>")
+    assert tiny.encode("<think>")[0] == think and not tiny.is_special(think)
+
+
+def test_pre_tokenizer_regex_sets():
+    assert pre_tokenizer_regexes("smollm")[0] == r"\p{N}"
+    assert len(pre_tokenizer_regexes("qwen2")) == 1
+    for pre in ("llama-bpe", "gpt2", "default"):
+        assert pre_tokenizer_regexes(pre)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "gpt2", "default"])
+def test_other_pre_types_build_and_round_trip(tmp_path, pre):
+    p = write_tokenizer_gguf(tmp_path / f"{pre}.gguf", TINY["tokens"], TINY["token_types"], TINY["merges"],
+                             pre=pre)
+    tok = Tokenizer.from_gguf(p)
+    text = "HE'S 123 a \nb <|im_end|> 😀"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.token_to_id("<|im_end|>") in ids
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path):
+    p = write_tokenizer_gguf(tmp_path / "x.gguf", TINY["tokens"], TINY["token_types"], TINY["merges"],
+                             pre="no-such-pre")
+    with pytest.raises(ValueError, match="unsupported pre-tokenizer type.*no-such-pre"):
+        Tokenizer.from_gguf(p)
+
+
+def test_sentencepiece_model_is_refused(tmp_path):
+    p = write_tokenizer_gguf(tmp_path / "spm.gguf", ["<unk>", "<s>", "</s>", "\u2581a"], [2, 3, 3, 1], [],
+                             model="llama", pre=None, bos_id=1, eos_id=2)
+    with pytest.raises(ValueError, match="unsupported tokenizer model.*'llama'"):
+        Tokenizer.from_gguf(p)
+
+
+def test_merge_outside_vocabulary_is_refused(tmp_path):
+    p = write_tokenizer_gguf(tmp_path / "m.gguf", TINY["tokens"], TINY["token_types"],
+                             TINY["merges"] + ["q z"], pre="qwen2")
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.merges\[\d+\]='q z'"):
+        Tokenizer.from_gguf(p)
+
+
+def test_missing_and_non_gguf_files_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_gguf(tmp_path / "absent.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="cannot read GGUF file"):
+        read_tokenizer_metadata(bad)
+
+
+def test_gguf_without_tokenizer_is_refused(tmp_path):
+    p = tmp_path / "notok.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="tokenizer.ggml.model missing"):
+        Tokenizer.from_gguf(p)
