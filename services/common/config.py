@@ -1,0 +1,132 @@
+"""Service configuration: dataclasses read from the environment, with CLI overrides.
+
+Each field ``name`` of a config dataclass is read from the environment
+variable ``ECHOSPEC_<NAME>`` (upper case) and can be overridden on the command
+line with ``--<name-with-dashes>``. Precedence: CLI > environment > default.
+Configs are passed to constructors; no module holds a global config.
+
+Ports: coordinator 50051, draft 50052, verifier 50053 by default, all bound to
+127.0.0.1 (loopback) unless ``host`` says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, TypeVar
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+LOOPBACK = "127.0.0.1"
+
+T = TypeVar("T")
+
+
+@dataclass
+class DraftConfig:
+    """Draft service settings (n-gram range of the proposer)."""
+
+    host: str = LOOPBACK
+    port: int = 50052
+    min_n: int = 2
+    max_n: int = 5
+    max_workers: int = 64
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 2.0
+
+
+@dataclass
+class VerifierConfig:
+    """Verifier service settings (the target model on the C engine)."""
+
+    model: str = ""
+    host: str = LOOPBACK
+    port: int = 50053
+    n_ctx: int = 2048            # KV capacity per session (tokens)
+    n_threads: int = 0           # engine threads per forward (0: all cores)
+    max_k: int = 32              # largest draft a Verify accepts
+    max_sessions: int = 64       # sessions holding a KV cache at once
+    session_idle_s: float = 300.0  # unary sessions are freed after this idle time
+    max_workers: int = 96
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 2.0
+
+
+@dataclass
+class CoordinatorConfig:
+    """Coordinator (public API) settings."""
+
+    model: str = ""              # GGUF path: tokenizer and chat template
+    host: str = LOOPBACK
+    port: int = 50051
+    verifier_target: str = f"{LOOPBACK}:50053"
+    draft_target: str = f"{LOOPBACK}:50052"
+    spec: bool = False           # speculation default when a request leaves it unspecified
+    k: int = 4                   # default drafts per round
+    k_max: int = 32              # largest k a request may ask for (<= the verifier's max_k)
+    max_tokens: int = 256        # default max_tokens
+    max_tokens_limit: int = 8192
+    max_stop: int = 16           # stop strings per request
+    max_workers: int = 64
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 2.0
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(kind: type, text: str):
+    if kind is bool:
+        return _parse_bool(text)
+    return kind(text)
+
+
+def from_env(cls: type[T], environ: Mapping[str, str] | None = None) -> T:
+    """Build ``cls`` from ECHOSPEC_<FIELD> variables (defaults for the rest).
+
+    Raises:
+        ValueError: a variable does not parse as its field's type (names it).
+    """
+    env = os.environ if environ is None else environ
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = f"ECHOSPEC_{f.name.upper()}"
+        if key in env:
+            kind = type(f.default)
+            try:
+                values[f.name] = _convert(kind, env[key])
+            except ValueError as exc:
+                raise ValueError(f"{key}={env[key]!r}: {exc}") from None
+    return cls(**values)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--field-name`` option per field of ``cls`` (default: None = keep)."""
+    for f in dataclasses.fields(cls):
+        opt = "--" + f.name.replace("_", "-")
+        kind = type(f.default)
+        if kind is bool:
+            parser.add_argument(opt, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(opt, dest=f.name, default=None, type=kind,
+                                help=f"(env ECHOSPEC_{f.name.upper()}, default {f.default!r})")
+
+
+def load(cls: type[T], argv: Sequence[str] | None = None,
+         environ: Mapping[str, str] | None = None, prog: str | None = None) -> T:
+    """Environment, then command-line overrides. Exits with usage on bad CLI input."""
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    add_arguments(parser, cls)
+    ns = parser.parse_args(argv)
+    try:
+        cfg = from_env(cls, environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+    overrides = {k: v for k, v in vars(ns).items() if v is not None}
+    return dataclasses.replace(cfg, **overrides)

@@ -1,0 +1,1 @@
+"""Coordinator: the public API; gating, the draft -> verify -> accept loop, streaming."""

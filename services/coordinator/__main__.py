@@ -1,0 +1,26 @@
+"""python -m services.coordinator --model PATH [--port P] [--spec] [--verifier-target H:P]
+[--draft-target H:P] (env ECHOSPEC_*)."""
+import logging
+import sys
+
+from services.common import config as cfg
+from services.common.grpc_util import PortInUseError
+from services.coordinator.server import serve
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    conf = cfg.load(cfg.CoordinatorConfig, argv, prog="python -m services.coordinator")
+    if not conf.model:
+        print("coordinator: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
+        return 2
+    try:
+        serve(conf)
+    except (PortInUseError, TimeoutError, ValueError, FileNotFoundError) as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""CoordinatorService servicer: requests -> prompt + params, gating, the
+generation loop (generation.py) over verifier/draft streams, and results.
+
+Status codes: malformed requests INVALID_ARGUMENT (one prompt form, token ids
+in the vocabulary, non-empty prompt, max_tokens / k / stop limits, chat
+message shape); the verifier's own status is passed through (e.g.
+INVALID_ARGUMENT for a prompt longer than the context, RESOURCE_EXHAUSTED when
+it has no free session); UNAVAILABLE when the verifier cannot be reached. An
+unreachable draft service is not an error: the generation decodes plainly and
+says so in spec_reason.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Iterator
+
+import grpc
+
+from echospec.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2_grpc,
+                         verifier_pb2, verifier_pb2_grpc)
+from services.common.chat_template import ChatTemplate, ChatTemplateError
+from services.common.config import CoordinatorConfig
+from services.common.tokenizer import Tokenizer
+from services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
+from services.coordinator.gating import VerifierCaps, decide_spec
+from services.coordinator.generation import Delta, GenerationParams, Outcome, generate
+
+log = logging.getLogger("echospec.coordinator")
+
+
+class RequestError(Exception):
+    """A request the coordinator refuses; ``code`` is a grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def stats_to_proto(c) -> common_pb2.SpecStats:
+    gain, verdict = c.gain()
+    return common_pb2.SpecStats(
+        tries=c.tries, hits=c.hits, kv_rolls=c.kv_rolls, draft_tokens=c.draft_tokens,
+        rounds=c.rounds, proposals=c.proposals, acceptance_rate=c.acceptance_rate,
+        mean_acceptance_length=c.mean_acceptance_length,
+        mean_accepted_per_round=c.mean_accepted_per_round, t_ms=c.t_ms, v_ms=c.v_ms,
+        overhead_ms=c.overhead_ms, overhead_share=c.overhead_share, prefill_ms=c.prefill_ms,
+        gain=gain, gain_verdict=verdict)
+
+
+def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
+    return coordinator_pb2.GenerationResult(
+        text=o.text, token_ids=o.token_ids, prompt_tokens=o.prompt_tokens,
+        completion_tokens=len(o.token_ids), finish_reason=o.finish_reason,
+        spec_enabled=o.spec_enabled, spec_reason=o.spec_reason, stats=stats_to_proto(o.counters))
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """The public API.
+
+    Args:
+        config: defaults and limits (spec, k, max_tokens, ...).
+        tokenizer, template: built from the GGUF.
+        verifier_channel, draft_channel: channels to the downstream services.
+    """
+
+    def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, template: ChatTemplate,
+                 verifier_channel: grpc.Channel, draft_channel: grpc.Channel):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.template = template
+        self.verifier = verifier_pb2_grpc.VerifierServiceStub(verifier_channel)
+        self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
+        self._lock = threading.Lock()
+        self._vconfig: verifier_pb2.GetConfigResponse | None = None
+
+    # -- downstream configuration ------------------------------------------------------------
+    def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
+        """The verifier's GetConfig (cached).
+
+        Raises:
+            RequestError: UNAVAILABLE when the verifier cannot be reached.
+        """
+        with self._lock:
+            cached = self._vconfig
+        if cached is not None and not refresh:
+            return cached
+        try:
+            cfg = self.verifier.GetConfig(verifier_pb2.GetConfigRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"verifier unavailable: {exc.details()}") from None
+        with self._lock:
+            self._vconfig = cfg
+        return cfg
+
+    # -- request -> prompt and parameters ----------------------------------------------------
+    def resolve_prompt(self, req: Any) -> list[int]:
+        """The prompt token ids of a Generate/Complete request.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT for zero or several prompt forms, an
+                empty prompt, ids outside the vocabulary or malformed chat messages.
+        """
+        forms = [name for name, present in (("text", bool(req.text)),
+                                            ("messages", len(req.messages) > 0),
+                                            ("token_ids", len(req.token_ids) > 0)) if present]
+        if len(forms) != 1:
+            raise _bad("set exactly one of text, messages, token_ids"
+                       + (f" (got {', '.join(forms)})" if forms else " (the prompt is empty)"))
+        if forms[0] == "token_ids":
+            n_vocab = self.tokenizer.n_vocab
+            ids = list(req.token_ids)
+            for i, t in enumerate(ids):
+                if not 0 <= t < n_vocab:
+                    raise _bad(f"token_ids[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
+            return ids
+        if forms[0] == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+            try:
+                text = self.template.render(msgs, add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                raise _bad(f"malformed chat messages: {exc}") from None
+        else:
+            text = req.text
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise _bad("the prompt encodes to no tokens")
+        return ids
+
+    def resolve_params(self, req: Any, caps: VerifierCaps) -> GenerationParams:
+        """Limits, sampling and the gating verdict of a request.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT naming the bad field.
+        """
+        cfg = self.config
+        max_tokens = req.max_tokens or cfg.max_tokens
+        if not 1 <= max_tokens <= cfg.max_tokens_limit:
+            raise _bad(f"max_tokens must be in [1, {cfg.max_tokens_limit}], got {req.max_tokens}")
+        k = cfg.k if req.k == 0 else req.k
+        if not 1 <= k <= cfg.k_max:
+            raise _bad(f"k must be in [1, {cfg.k_max}] (0: server default {cfg.k}), got {req.k}")
+        stops = list(req.stop)
+        if len(stops) > cfg.max_stop:
+            raise _bad(f"at most {cfg.max_stop} stop strings, got {len(stops)}")
+        for i, s in enumerate(stops):
+            if not s:
+                raise _bad(f"stop[{i}] is empty")
+        top_p = req.top_p if req.HasField("top_p") else 1.0
+        for name, v in (("temperature", req.temperature), ("top_p", top_p), ("min_p", req.min_p)):
+            if math.isnan(v) or math.isinf(v):
+                raise _bad(f"{name} must be finite, got {v}")
+        if req.top_k < 0:
+            raise _bad(f"top_k must be >= 0, got {req.top_k}")
+        if not 0.0 <= top_p <= 1.0:
+            raise _bad(f"top_p must be in [0, 1], got {top_p}")
+        if not 0.0 <= req.min_p <= 1.0:
+            raise _bad(f"min_p must be in [0, 1], got {req.min_p}")
+        if req.spec not in (common_pb2.SPEC_MODE_UNSPECIFIED, common_pb2.SPEC_MODE_OFF,
+                            common_pb2.SPEC_MODE_ON):
+            raise _bad(f"unknown spec mode {req.spec}")
+        decision = decide_spec(req.spec, cfg.spec, req.temperature, top_p, req.min_p, caps)
+        sampling = common_pb2.SamplingParams(temperature=max(0.0, req.temperature), top_k=req.top_k,
+                                             top_p=top_p, min_p=req.min_p, seed=req.seed)
+        return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
+                                spec=decision.enabled, spec_reason=decision.reason, k=k)
+
+    # -- the generation ------------------------------------------------------------------------
+    def _run(self, req: Any, context: grpc.ServicerContext) -> Iterator[Delta | Outcome]:
+        try:
+            prompt = self.resolve_prompt(req)
+            vcfg = self.verifier_config()
+            caps = VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention, vcfg.batch_max)
+            params = self.resolve_params(req, caps)
+            if params.k > vcfg.max_k:
+                raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+        timeout = context.time_remaining()
+        if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
+            timeout = None
+        links: list[Any] = []
+
+        def _cancel() -> None:
+            for link in links:
+                link.cancel()
+
+        verifier = VerifierLink(self.verifier, timeout)
+        links.append(verifier)
+        draft = None
+        if params.spec:
+            draft = DraftLink(self.draft, timeout)
+            links.append(draft)
+        context.add_callback(_cancel)
+        try:
+            yield from generate(prompt, params, self.tokenizer, verifier, draft)
+        except VerifierFailure as exc:
+            if context.is_active():
+                context.abort(exc.code, str(exc))
+        finally:
+            for link in links:
+                link.close()
+
+    def Generate(self, request: coordinator_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
+        for ev in self._run(request, context):
+            if isinstance(ev, Delta):
+                yield coordinator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+            else:
+                yield coordinator_pb2.GenerateResponse(result=result_to_proto(ev))
+
+    def Complete(self, request: coordinator_pb2.CompleteRequest,
+                 context: grpc.ServicerContext) -> coordinator_pb2.CompleteResponse:
+        outcome = None
+        for ev in self._run(request, context):
+            if isinstance(ev, Outcome):
+                outcome = ev
+        return coordinator_pb2.CompleteResponse(result=result_to_proto(outcome))
+
+    def Tokenize(self, request, context):
+        return coordinator_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
+
+    def Detokenize(self, request, context):
+        n_vocab = self.tokenizer.n_vocab
+        for i, t in enumerate(request.token_ids):
+            if not 0 <= t < n_vocab:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"token_ids[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
+        return coordinator_pb2.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids)))
+
+    def GetInfo(self, request, context):
+        cfg = self.config
+        try:
+            v = self.verifier_config()
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+        return coordinator_pb2.GetInfoResponse(
+            model=cfg.model, spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
+            max_tokens_default=cfg.max_tokens, verifier_target=cfg.verifier_target,
+            draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab)

@@ -1,0 +1,232 @@
+"""Start the three services together: ``start_stack`` for `echospec serve` and the tests.
+
+Two modes:
+    processes=False (default)  three gRPC servers in this process, each with its
+                               own port and thread pool; the services still talk
+                               over loopback gRPC exactly as when deployed. Fast
+                               to start; what the tests use.
+    processes=True             three child processes (python -m services.draft /
+                               .verifier / .coordinator), as docker-compose runs
+                               them; closer to the deployment (no shared GIL).
+Every port defaults to 0 (a free port); the coordinator's is the public one.
+The draft and verifier start first; the coordinator waits for the verifier.
+
+Example:
+    stack = start_stack("/root/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf", port=50051, spec=True)
+    print(stack.target)      # "127.0.0.1:50051"
+    stack.stop()
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common import grpc_util
+from services.common.config import LOOPBACK, CoordinatorConfig, DraftConfig, VerifierConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class StackError(RuntimeError):
+    """A service of the stack could not start (the message says which and why)."""
+
+
+@dataclass
+class Stack:
+    """Handles of a running stack. ``target`` is the coordinator's host:port."""
+
+    host: str
+    coordinator_port: int
+    verifier_port: int
+    draft_port: int
+    processes: bool
+    _servers: dict[str, Any] = field(default_factory=dict)
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.coordinator_port}"
+
+    @property
+    def verifier_target(self) -> str:
+        return f"{self.host}:{self.verifier_port}"
+
+    @property
+    def draft_target(self) -> str:
+        return f"{self.host}:{self.draft_port}"
+
+    @property
+    def verifier(self) -> Any:
+        """The in-process VerifierServer (threads mode only)."""
+        return self._servers.get("verifier")
+
+    def kill_draft(self) -> None:
+        """Stop the draft service abruptly (SIGKILL in process mode, no grace in threads mode)."""
+        if self.processes:
+            p = self._procs.get("draft")
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+        else:
+            handle, _ = self._servers.pop("draft", (None, None))
+            if handle is not None:
+                handle.stop(0).wait()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop coordinator, then verifier, then draft (graceful). Idempotent."""
+        if self.processes:
+            for name in ("coordinator", "verifier", "draft"):
+                p = self._procs.pop(name, None)
+                if p is not None and p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                    try:
+                        p.wait(grace_s + 10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+            return
+        c = self._servers.pop("coordinator", None)
+        if c is not None:
+            c.stop(grace_s)
+        v = self._servers.pop("verifier", None)
+        if v is not None:
+            v.stop(grace_s)
+        d = self._servers.pop("draft", None)
+        if d is not None:
+            d[0].stop(grace_s).wait()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str = LOOPBACK,
+                verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
+                n_ctx: int = 2048, n_threads: int = 0, k: int = 4, max_tokens: int = 256,
+                min_n: int = 2, max_n: int = 5, max_sessions: int = 64,
+                max_message_bytes: int | None = None, ready_timeout_s: float = 180.0) -> Stack:
+    """Start draft, verifier and coordinator on ``host``.
+
+    Args:
+        model_path: GGUF file (verifier model; coordinator tokenizer and chat template).
+        port: coordinator port (0: free port). verifier_port, draft_port likewise.
+        spec: the coordinator's --spec default.
+        processes: run each service in its own process (see the module docstring).
+        n_ctx, n_threads: verifier KV capacity per session and engine threads.
+        k, max_tokens: coordinator defaults. min_n, max_n: draft n-gram range.
+    Returns:
+        A Stack with the bound ports; call ``stop()`` when done.
+    Raises:
+        StackError: a service failed to start (port taken, model unusable, ...).
+    """
+    msg = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
+    dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, max_n=max_n, **msg)
+    vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
+                          n_threads=n_threads, max_sessions=max_sessions, **msg)
+    ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
+                             max_tokens=max_tokens, **msg)
+    if processes:
+        return _start_processes(dcfg, vcfg, ccfg, ready_timeout_s)
+    return _start_threads(dcfg, vcfg, ccfg, ready_timeout_s)
+
+
+def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
+                   ready_timeout_s: float) -> Stack:
+    from services.coordinator import server as cserver
+    from services.draft import server as dserver
+    from services.verifier import server as vserver
+
+    stack = Stack(ccfg.host, 0, 0, 0, processes=False)
+    try:
+        try:
+            dhandle = dserver.start(dcfg)
+        except Exception as exc:
+            raise StackError(f"draft service: {exc}") from exc
+        stack._servers["draft"] = dhandle
+        stack.draft_port = dhandle[0].port
+        try:
+            v = vserver.start(vcfg)
+        except Exception as exc:
+            raise StackError(f"verifier: {exc}") from exc
+        stack._servers["verifier"] = v
+        stack.verifier_port = v.port
+        ccfg = dataclasses.replace(ccfg, verifier_target=f"{vcfg.host}:{v.port}",
+                                   draft_target=f"{dcfg.host}:{stack.draft_port}")
+        try:
+            c = cserver.start(ccfg, verifier_wait_s=ready_timeout_s)
+        except Exception as exc:
+            raise StackError(f"coordinator: {exc}") from exc
+        stack._servers["coordinator"] = c
+        stack.coordinator_port = c.port
+    except BaseException:
+        stack.stop(0)
+        raise
+    return stack
+
+
+def _args(cfg: Any) -> list[str]:
+    out = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        opt = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(opt if v else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [opt, str(v)]
+    return out
+
+
+def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
+                     ready_timeout_s: float) -> Stack:
+    host = ccfg.host
+    dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
+    vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host))
+    ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
+                               verifier_target=f"{vcfg.host}:{vcfg.port}",
+                               draft_target=f"{dcfg.host}:{dcfg.port}")
+    stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        for name, cfg, svc in (("draft", dcfg, "echospec.v1.DraftService"),
+                               ("verifier", vcfg, "echospec.v1.VerifierService"),
+                               ("coordinator", ccfg, "echospec.v1.CoordinatorService")):
+            p = subprocess.Popen([sys.executable, "-m", f"services.{name}", *_args(cfg)], cwd=ROOT,
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stack._procs[name] = p
+            _wait_process(name, p, f"{cfg.host}:{cfg.port}", svc, ready_timeout_s)
+    except BaseException:
+        stack.stop(0)
+        raise
+    return stack
+
+
+def _wait_process(name: str, p: subprocess.Popen, target: str, service: str, timeout_s: float) -> None:
+    from services.coordinator.server import wait_serving
+
+    ch = grpc_util.channel(target, 1 << 20)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if p.poll() is not None:
+                err = p.stderr.read().decode(errors="replace").strip().splitlines() if p.stderr else []
+                raise StackError(f"{name} exited with status {p.returncode}: "
+                                 + (err[-1] if err else "(no message)"))
+            try:
+                wait_serving(ch, service, min(1.0, max(0.1, deadline - time.monotonic())))
+                return
+            except TimeoutError as exc:
+                if time.monotonic() >= deadline:
+                    raise StackError(f"{name}: {exc}") from None
+    finally:
+        ch.close()

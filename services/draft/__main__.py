@@ -1,0 +1,22 @@
+"""python -m services.draft [--port P] [--host H] [--min-n N] [--max-n N] (env ECHOSPEC_*)."""
+import logging
+import sys
+
+from services.common import config as cfg
+from services.common.grpc_util import PortInUseError
+from services.draft.server import serve
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    conf = cfg.load(cfg.DraftConfig, argv, prog="python -m services.draft")
+    try:
+        serve(conf)
+    except PortInUseError as exc:
+        print(f"draft: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""DraftService server: build, register health + reflection, start, serve, stop."""
+from __future__ import annotations
+
+import logging
+
+from echospec.v1 import draft_pb2, draft_pb2_grpc
+from services.common import grpc_util
+from services.common.config import DraftConfig
+from services.draft.servicer import DraftServicer
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+log = logging.getLogger("echospec.draft")
+
+
+def start(config: DraftConfig) -> tuple[grpc_util.ServerHandle, DraftServicer]:
+    """Start the draft server (health SERVING once started: it needs no warm-up).
+
+    Returns:
+        (handle, servicer); ``handle.port`` is the bound port.
+    Raises:
+        PortInUseError: host:port cannot be bound.
+    """
+    handle = grpc_util.build_server(config.host, config.port, config.max_workers,
+                                    config.max_message_bytes, [SERVICE_NAME])
+    servicer = DraftServicer(config)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, handle.server)
+    handle.server.start()
+    handle.set_serving()
+    log.info("draft service listening on %s:%d (n-gram %d..%d)", config.host, handle.port,
+             config.min_n, config.max_n)
+    return handle, servicer
+
+
+def serve(config: DraftConfig) -> None:
+    """Start and block until SIGINT/SIGTERM, then stop with config.grace_s."""
+    handle, _ = start(config)
+    grpc_util.wait_for_termination(handle, config.grace_s)

@@ -1,0 +1,27 @@
+"""python -m services.verifier --model PATH [--port P] [--n-ctx N] [--n-threads T] (env ECHOSPEC_*)."""
+import logging
+import sys
+
+from services.common import config as cfg
+from services.common.engine import EngineError
+from services.common.grpc_util import PortInUseError
+from services.verifier.server import serve
+from services.verifier.sessions import VerifierError
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    conf = cfg.load(cfg.VerifierConfig, argv, prog="python -m services.verifier")
+    if not conf.model:
+        print("verifier: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
+        return 2
+    try:
+        serve(conf)
+    except (PortInUseError, EngineError, VerifierError) as exc:
+        print(f"verifier: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

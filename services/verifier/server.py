@@ -1,0 +1,76 @@
+"""VerifierService server: bind (health NOT_SERVING), load + warm the model, SERVING."""
+from __future__ import annotations
+
+import logging
+import threading
+
+from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+from services.common import grpc_util
+from services.common.config import VerifierConfig
+from services.verifier.servicer import VerifierServicer
+from services.verifier.sessions import VerifierCore
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+log = logging.getLogger("echospec.verifier")
+
+
+class VerifierServer:
+    """A running verifier: server handle, core, idle-session reaper."""
+
+    def __init__(self, handle: grpc_util.ServerHandle, servicer: VerifierServicer, core: VerifierCore):
+        self.handle = handle
+        self.servicer = servicer
+        self.core = core
+        self.port = handle.port
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="verifier-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        period = max(0.5, min(30.0, self.core.config.session_idle_s / 4))
+        while not self._stop.wait(period):
+            n = self.core.reap_idle()
+            if n:
+                log.info("freed %d idle unary sessions", n)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, drain streams, free every session and the model."""
+        self._stop.set()
+        g = self.core.config.grace_s if grace_s is None else grace_s
+        self.handle.stop(g).wait()
+        self.core.close()
+
+
+def start(config: VerifierConfig) -> VerifierServer:
+    """Bind, load the GGUF into the engine, warm up (measures T), then SERVING.
+
+    Raises:
+        PortInUseError: host:port cannot be bound.
+        EngineError: the model cannot be loaded (the server is stopped first).
+    """
+    handle = grpc_util.build_server(config.host, config.port, config.max_workers,
+                                    config.max_message_bytes, [SERVICE_NAME])
+    servicer = VerifierServicer(None)
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
+    handle.server.start()
+    try:
+        core = VerifierCore(config)
+        core.warm_up()
+    except BaseException:
+        handle.server.stop(0)
+        raise
+    servicer.core = core
+    handle.set_serving()
+    log.info("verifier listening on %s:%d (model %s, n_ctx %d, T %.2f ms)", config.host,
+             handle.port, config.model, config.n_ctx, core.t_ms)
+    return VerifierServer(handle, servicer, core)
+
+
+def serve(config: VerifierConfig) -> None:
+    """Start and block until SIGINT/SIGTERM, then stop gracefully."""
+    srv = start(config)
+    try:
+        grpc_util.wait_for_termination(srv.handle, config.grace_s)
+    finally:
+        srv._stop.set()
+        srv.core.close()
