@@ -1,0 +1,195 @@
+"""Chat template rendering: chat messages -> prompt text, with the model's own template.
+
+The template is the GGUF key ``tokenizer.chat_template`` (Jinja2), rendered the way Hugging Face
+transformers' ``apply_chat_template`` does: ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, and these names in scope:
+
+* ``messages``               -- the validated list of ``{"role": str, "content": str}`` dicts;
+* ``add_generation_prompt``  -- bool: end with the header of an assistant turn;
+* ``bos_token``, ``eos_token`` -- the text of the BOS / EOS tokens (``""`` if the model has none);
+* ``raise_exception(msg)``   -- lets a template refuse input (-> `ChatTemplateError`);
+* ``strftime_now(fmt)``      -- the current local time formatted with ``time.strftime``;
+* the ``tojson`` filter (``ensure_ascii=False``, as transformers does).
+
+The sandbox forbids access to unsafe attributes and mutation of the inputs; a template that tries
+gets a `ChatTemplateError`, like every other render failure.
+
+A GGUF without a template gets `CHATML_TEMPLATE` (documented below). Rendering adds no BOS of its
+own: whatever the template writes is the prompt text, to be tokenized with special-token parsing.
+
+Example (SmolLM2-135M-Instruct)::
+
+    ChatTemplate.from_gguf(path).render([{"role": "user", "content": "hi"}])
+    == "<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+       "<|im_end|>\\n<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from services.common.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
+
+__all__ = ["ChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE", "VALID_ROLES", "validate_messages"]
+
+# The fallback for a GGUF without tokenizer.chat_template: plain ChatML, no default system message.
+# Each message -> "<|im_start|>{role}\n{content}<|im_end|>\n"; generation prompt
+# "<|im_start|>assistant\n".
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+VALID_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+_KEYS = frozenset({"role", "content"})
+
+
+class ChatTemplateError(ValueError):
+    """Malformed chat messages, or a template that fails to compile or render."""
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    """Check chat messages and return plain copies.
+
+    Args:
+        messages: a non-empty list (or tuple) of mappings, each with exactly the keys ``"role"``
+            (a str in `VALID_ROLES`) and ``"content"`` (a str, may be empty).
+
+    Returns:
+        A new list of new ``{"role": ..., "content": ...}`` dicts.
+
+    Raises:
+        ChatTemplateError: the first problem found, naming the message index and field, e.g.
+            ``"messages[1].role: 'robot' is not one of assistant, system, tool, user"``.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ChatTemplateError("messages is empty: at least one message is required")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"messages[{i}] must be an object with role and content, "
+                                    f"got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ChatTemplateError(f"messages[{i}].{key} is missing")
+        extra = sorted(str(k) for k in m.keys() if k not in _KEYS)
+        if extra:
+            raise ChatTemplateError(f"messages[{i}] has unsupported field(s) {', '.join(extra)}; "
+                                    f"only role and content are accepted")
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str):
+            raise ChatTemplateError(f"messages[{i}].role must be a string, got {type(role).__name__}")
+        if role not in VALID_ROLES:
+            raise ChatTemplateError(f"messages[{i}].role: {role!r} is not one of "
+                                    f"{', '.join(sorted(VALID_ROLES))}")
+        if not isinstance(content, str):
+            raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return time.strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    Attributes:
+        source: the Jinja source in use (`CHATML_TEMPLATE` when the model has none).
+        is_fallback: True when `CHATML_TEMPLATE` stands in for a missing template.
+        bos_token, eos_token: the texts given to the template.
+    """
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        """Compile ``source`` (``None`` or ``""`` -> `CHATML_TEMPLATE`).
+
+        Raises:
+            ChatTemplateError: the template does not compile (message carries Jinja's reason and
+                line).
+        """
+        self.is_fallback: bool = not source
+        self.source: str = source if source else CHATML_TEMPLATE
+        self.bos_token: str = bos_token
+        self.eos_token: str = eos_token
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateError as e:
+            line = getattr(e, "lineno", None)
+            raise ChatTemplateError(f"chat template does not compile"
+                                    f"{f' (line {line})' if line else ''}: {e}") from None
+
+    @classmethod
+    def from_metadata(cls, meta: GGUFTokenizerMetadata) -> "ChatTemplate":
+        """Build from already-read GGUF tokenizer metadata (see `read_tokenizer_metadata`)."""
+        def text(i: int | None) -> str:
+            return meta.tokens[i] if i is not None and 0 <= i < len(meta.tokens) else ""
+        return cls(meta.chat_template, bos_token=text(meta.bos_id), eos_token=text(meta.eos_id))
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> "ChatTemplate":
+        """Build from a GGUF file's ``tokenizer.chat_template`` and BOS / EOS token texts.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: unreadable GGUF or tokenizer keys (see `read_tokenizer_metadata`).
+            ChatTemplateError: the template does not compile.
+        """
+        return cls.from_metadata(read_tokenizer_metadata(path))
+
+    def render(self, messages: Any, add_generation_prompt: bool = True) -> str:
+        """Render chat messages into prompt text.
+
+        Args:
+            messages: see `validate_messages`.
+            add_generation_prompt: end with the start of an assistant turn.
+
+        Returns:
+            The prompt text (special tokens appear as text, e.g. ``"<|im_start|>"``).
+
+        Raises:
+            ChatTemplateError: malformed messages (naming message index and field), or a render
+                failure: ``raise_exception`` called by the template, a sandbox security violation,
+                or any other error inside the template.
+        """
+        msgs = validate_messages(messages)
+        try:
+            return self._template.render(
+                messages=msgs,
+                add_generation_prompt=bool(add_generation_prompt),
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"chat template violated the sandbox: {e}") from None
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from None
+        except Exception as e:  # errors raised by Python operations inside the template
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

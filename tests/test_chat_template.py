@@ -1,0 +1,196 @@
+"""Tests for services/common/chat_template.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+
+from services.common.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, validate_messages
+from services.common.tokenizer import Tokenizer, read_tokenizer_metadata
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def _model_path() -> Path:
+    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.fetch(verbose=False)
+
+
+@pytest.fixture(scope="module")
+def smol_meta():
+    return read_tokenizer_metadata(_model_path())
+
+
+@pytest.fixture(scope="module")
+def smol(smol_meta) -> ChatTemplate:
+    return ChatTemplate.from_metadata(smol_meta)
+
+
+def _write_gguf(path: Path, chat_template: str | None) -> Path:
+    """A tokenizer-only GGUF: byte tokens plus ChatML control tokens, optional chat template."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(ByteLevel.alphabet())
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# --- SmolLM2's own template ------------------------------------------------------------------------
+
+
+def test_smollm2_inserts_default_system_message(smol: ChatTemplate):
+    assert not smol.is_fallback
+    text = smol.render([{"role": "user", "content": "What is 2+2?"}])
+    assert text == (
+        f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_smollm2_keeps_given_system_message_and_turns(smol: ChatTemplate):
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert smol.render(msgs, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n"
+    )
+    assert smol.render(msgs).endswith("<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_smollm2_rendered_prompt_tokenizes_with_special_tokens(smol: ChatTemplate, smol_meta):
+    tok = Tokenizer(smol_meta)
+    ids = tok.encode(smol.render([{"role": "user", "content": "hi"}]))
+    assert ids[0] == 1  # <|im_start|>
+    assert ids.count(1) == 3 and ids.count(2) == 2  # three turns opened, two closed
+    tail = tok.encode("<|im_start|>assistant\n")
+    assert tail[0] == 1 and ids[-len(tail):] == tail
+    assert smol.bos_token == "<|im_start|>" and smol.eos_token == "<|im_end|>"
+
+
+def test_smollm2_template_matches_chatml_fallback_after_system(smol: ChatTemplate):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert smol.render(msgs) == ChatTemplate(None).render(msgs)
+
+
+# --- message validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "messages, pattern",
+    [
+        ("hello", r"messages must be a list"),
+        (None, r"messages must be a list"),
+        ({"role": "user", "content": "x"}, r"messages must be a list"),
+        ([], r"messages is empty"),
+        (["hi"], r"messages\[0\] must be an object"),
+        ([{"content": "x"}], r"messages\[0\]\.role is missing"),
+        ([{"role": "user"}], r"messages\[0\]\.content is missing"),
+        ([{"role": "user", "content": "a"}, {"role": 3, "content": "b"}], r"messages\[1\]\.role must be a string"),
+        ([{"role": "robot", "content": "b"}], r"messages\[0\]\.role: 'robot' is not one of"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\.content must be a string, got NoneType"),
+        ([{"role": "user", "content": ["a"]}], r"messages\[0\]\.content must be a string, got list"),
+        ([{"role": "user", "content": "x", "name": "bob"}], r"messages\[0\] has unsupported field\(s\) name"),
+    ],
+)
+def test_malformed_messages_are_refused(smol: ChatTemplate, messages, pattern):
+    with pytest.raises(ChatTemplateError, match=pattern):
+        smol.render(messages)
+
+
+def test_chat_template_error_is_a_value_error():
+    assert issubclass(ChatTemplateError, ValueError)
+
+
+def test_validate_messages_copies():
+    src = [{"role": "tool", "content": ""}]
+    out = validate_messages(src)
+    assert out == src and out[0] is not src[0]
+
+
+# --- fallback, template errors, sandbox -----------------------------------------------------------
+
+
+def test_missing_template_uses_chatml_fallback(tmp_path):
+    t = ChatTemplate.from_gguf(_write_gguf(tmp_path / "none.gguf", None))
+    assert t.is_fallback and t.source == CHATML_TEMPLATE
+    assert t.render([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert t.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n"
+    )
+
+
+def test_gguf_template_sees_bos_eos_and_trims_blocks(tmp_path):
+    src = "{{ bos_token }}\n{% for m in messages %}\n  {{ m['content'] }}|\n{% endfor %}\n{{ eos_token }}"
+    t = ChatTemplate.from_gguf(_write_gguf(tmp_path / "t.gguf", src))
+    # trim_blocks drops the newline after a block tag; lstrip_blocks the indentation before one.
+    assert t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == (
+        "<|endoftext|>\n  a|\n  b|\n<|im_end|>"
+    )
+
+
+def test_raise_exception_becomes_chat_template_error():
+    t = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
+    assert t.render([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(ChatTemplateError, match="first must be user"):
+        t.render([{"role": "system", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages.__class__.__mro__ }}",
+        "{{ ''.__class__.__subclasses__() }}",
+        "{% set _ = messages.append({'role': 'user', 'content': 'x'}) %}",
+        "{% set _ = messages[0].update({'role': 'x'}) %}",
+    ],
+)
+def test_sandbox_violations_are_refused(source: str):
+    with pytest.raises(ChatTemplateError, match="sandbox"):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+def test_template_that_does_not_compile_is_refused():
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for m in messages %}no end")
+
+
+def test_python_errors_inside_template_are_wrapped():
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        ChatTemplate("{{ 1 + messages[0]['content'] }}").render([{"role": "user", "content": "x"}])
+
+
+def test_helpers_strftime_now_tojson_loopcontrols():
+    t = ChatTemplate(
+        "{{ strftime_now('%Y') }} {{ messages[0] | tojson }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}[{{ m.role }}]{% endfor %}"
+    )
+    out = t.render([{"role": "user", "content": "é"}, {"role": "assistant", "content": "y"}])
+    assert out == time.strftime("%Y") + ' {"role": "user", "content": "é"}[user]'
