@@ -387,6 +387,8 @@ static int64_t step_bytes(const es_model *m) {
 
 /* ---- public ------------------------------------------------------------ */
 
+/* See echospec_engine.h. On failure *out is NULL, the file is unmapped and
+ * every partial allocation is freed (es_model_free accepts a half-built model). */
 es_status es_model_load(const char *path, const es_model_params *params, es_model **out,
                         char *err, size_t err_len) {
     if (out != NULL) *out = NULL;
@@ -415,6 +417,7 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
     return ES_OK;
 }
 
+/* Free the model, its float pool, layer table and mapping. NULL is a no-op. */
 void es_model_free(es_model *model) {
     if (model == NULL) return;
     model_impl *mi = (model_impl *)model;
@@ -425,6 +428,7 @@ void es_model_free(es_model *model) {
     free(mi);
 }
 
+/* Copy the hyperparameters; ES_ERR_INVALID_ARG (and *info untouched) when either is NULL. */
 es_status es_model_get_info(const es_model *model, es_model_info *info) {
     if (model == NULL || info == NULL) return ES_ERR_INVALID_ARG;
     *info = model->info;

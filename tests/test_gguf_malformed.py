@@ -1,0 +1,309 @@
+"""Model loading through the Python binding: valid files written by the `gguf` package load
+with the right hyperparameters; malformed ones raise EngineError with the right status and a
+message naming the field, and never crash the process.
+
+The section boundaries and field offsets of a file are found by ``walk``, a small GGUF
+walker written here from the spec (independent of the C reader under test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from services.common.engine import (
+    ES_ERR_FORMAT,
+    ES_ERR_MISSING_TENSOR,
+    ES_ERR_UNSUPPORTED,
+    EngineError,
+    Model,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+E, F, H, KV, V, NL = 64, 128, 4, 2, 96, 2   # tiny shapes: n_embd, n_ff, heads, kv heads, vocab, layers
+
+
+def write_model(path: Path, arch: str = "llama", mtype: QT = QT.Q8_0, head_dim: int | None = None,
+                skip: tuple[str, ...] = ()) -> None:
+    """Write a tiny random-weight model with the gguf package.
+
+    Matrices are `mtype` (quantized with gguf.quants), norms and biases F32. qwen2 gets q/k/v
+    biases and an untied output.weight; qwen3 gets q/k norms. Tensors named in `skip` are left out.
+    """
+    hd = head_dim or E // H
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(NL)
+    w.add_context_length(128)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_freq_base(20000.0)
+    if head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    w.add_token_list([f"t{i}" for i in range(V)])
+    rng = np.random.default_rng(0)
+
+    def add(name: str, x: np.ndarray, t: QT) -> None:
+        if name in skip:
+            return
+        if t == QT.F32:
+            w.add_tensor(name, x.astype(np.float32))
+        elif t == QT.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
+
+    def mat(name: str, rows: int, cols: int) -> None:
+        add(name, rng.standard_normal((rows, cols)).astype(np.float32), mtype)
+
+    def vec(name: str, n: int) -> None:
+        add(name, np.full(n, 0.5, np.float32), QT.F32)
+
+    mat("token_embd.weight", V, E)
+    vec("output_norm.weight", E)
+    if arch == "qwen2":
+        mat("output.weight", V, E)
+    for il in range(NL):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", E)
+        mat(p + "attn_q.weight", H * hd, E)
+        mat(p + "attn_k.weight", KV * hd, E)
+        mat(p + "attn_v.weight", KV * hd, E)
+        mat(p + "attn_output.weight", E, H * hd)
+        vec(p + "ffn_norm.weight", E)
+        mat(p + "ffn_gate.weight", F, E)
+        mat(p + "ffn_up.weight", F, E)
+        mat(p + "ffn_down.weight", E, F)
+        if arch == "qwen2":
+            vec(p + "attn_q.bias", H * hd)
+            vec(p + "attn_k.bias", KV * hd)
+            vec(p + "attn_v.bias", KV * hd)
+        if arch == "qwen3":
+            vec(p + "attn_q_norm.weight", hd)
+            vec(p + "attn_k_norm.weight", hd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@dataclass
+class Layout:
+    """Byte offsets of a GGUF file's fields (from the spec, not from the engine)."""
+
+    boundaries: list[tuple[int, str]] = field(default_factory=list)  # (offset, section ended)
+    kv_value: dict[str, int] = field(default_factory=dict)           # key -> offset of its value
+    tensor_type: dict[str, int] = field(default_factory=dict)        # name -> offset of u32 type
+    tensor_offset: dict[str, int] = field(default_factory=dict)      # name -> offset of u64 offset
+    data_start: int = 0
+
+
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def walk(b: bytes) -> Layout:
+    """Walk header, KVs and tensor infos; record where each field and section lies."""
+    lay = Layout()
+    pos = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", b, 8)
+    lay.boundaries += [(4, "magic"), (8, "version"), (16, "tensor count"), (24, "kv count")]
+
+    def string(p: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", b, p)
+        return b[p + 8:p + 8 + n].decode(), p + 8 + n
+
+    def value(t: int, p: int) -> int:
+        if t == 8:
+            return string(p)[1]
+        if t == 9:
+            et, n = struct.unpack_from("<IQ", b, p)
+            p += 12
+            for _ in range(n):
+                p = value(et, p)
+            return p
+        return p + _SCALAR[t]
+
+    alignment = 32
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (t,) = struct.unpack_from("<I", b, pos)
+        lay.kv_value[key] = pos + 4
+        pos = value(t, pos + 4)
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", b, lay.kv_value[key])[0]
+        lay.boundaries.append((pos, f"kv {key}"))
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (nd,) = struct.unpack_from("<I", b, pos)
+        pos += 4 + 8 * nd
+        lay.tensor_type[name] = pos
+        lay.tensor_offset[name] = pos + 4
+        pos += 12
+        lay.boundaries.append((pos, f"tensor info {name}"))
+    lay.data_start = (pos + alignment - 1) // alignment * alignment
+    return lay
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[bytes, Layout]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_model(path)
+    data = path.read_bytes()
+    return data, walk(data)
+
+
+def load_bytes(tmp_path: Path, data: bytes) -> Model:
+    p = tmp_path / "m.gguf"
+    p.write_bytes(data)
+    return Model(str(p))
+
+
+def expect_error(tmp_path: Path, data: bytes, status: int, *needles: str) -> str:
+    with pytest.raises(EngineError) as ei:
+        load_bytes(tmp_path, data)
+    assert ei.value.status == status, ei.value
+    for n in needles:
+        assert n in ei.value.message, ei.value.message
+    return ei.value.message
+
+
+def patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, offset, value)
+    return bytes(b)
+
+
+# ---- valid files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mtype", [QT.F32, QT.F16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_load_with_their_hyperparameters(tmp_path, arch, mtype):
+    head_dim = 32 if arch == "qwen3" else None   # qwen3: head_dim != n_embd / n_head
+    write_model(tmp_path / "m.gguf", arch, mtype, head_dim)
+    with Model(str(tmp_path / "m.gguf")) as m:
+        i = m.info
+        assert (i.arch, i.n_vocab, i.n_embd, i.n_layer, i.n_ff) == (arch, V, E, NL, F)
+        assert (i.n_head, i.n_head_kv, i.head_dim) == (H, KV, head_dim or E // H)
+        assert i.rope_dim == i.head_dim and i.rope_freq_base == 20000.0
+        assert i.rope_neox == (arch != "llama")
+        assert i.norm_eps == pytest.approx(1e-5 if arch == "llama" else 1e-6)
+        assert i.tied_output == (arch != "qwen2")
+        assert i.n_ctx_train == 128 and i.weight_bytes > 0
+
+
+# ---- truncation ----------------------------------------------------------------------------
+
+def test_cut_at_every_section_boundary(tmp_path, tiny):
+    data, lay = tiny
+    cuts = sorted({c for off, _ in lay.boundaries for c in (off - 1, off, off + 1)} |
+                  {0, lay.data_start, lay.data_start + 1, len(data) - 1})
+    assert len(cuts) > 3 * NL * 12
+    for cut in cuts:
+        if cut >= len(data):
+            continue
+        msg = expect_error(tmp_path, data[:cut], ES_ERR_FORMAT)
+        assert "truncated" in msg or "past the end" in msg, (cut, msg)
+
+
+def test_truncation_names_the_section(tmp_path, tiny):
+    data, lay = tiny
+    info_end = [off for off, what in lay.boundaries if what.startswith("tensor info")]
+    expect_error(tmp_path, data[:info_end[2] + 3], ES_ERR_FORMAT, "tensor info 3", "(name length)")
+    expect_error(tmp_path, data[:2], ES_ERR_FORMAT, "header (magic)")
+
+
+# ---- absurd counts, lengths, offsets and types ---------------------------------------------
+
+@pytest.mark.parametrize("offset,value,needle", [
+    (8, 2**64 - 1, "tensor count"),
+    (8, 2**63, "tensor count"),
+    (16, 2**64 - 1, "kv count"),
+    (16, 2**64 - 2, "kv count"),
+])
+def test_header_counts_near_2_pow_64(tmp_path, tiny, offset, value, needle):
+    data, _ = tiny
+    expect_error(tmp_path, patched(data, offset, "<Q", value), ES_ERR_FORMAT, needle)
+
+
+def test_string_length_past_the_end(tmp_path, tiny):
+    data, lay = tiny
+    at = lay.kv_value["general.architecture"]
+    for v in (2**64 - 1, len(data)):
+        expect_error(tmp_path, patched(data, at, "<Q", v), ES_ERR_FORMAT,
+                     "'general.architecture' (string)")
+
+
+def test_array_length_near_2_pow_64(tmp_path, tiny):
+    data, lay = tiny
+    at = lay.kv_value["tokenizer.ggml.tokens"] + 4
+    for v in (2**64 - 1, 2**61 + 1, 2**40):
+        expect_error(tmp_path, patched(data, at, "<Q", v), ES_ERR_FORMAT, "array length")
+
+
+def test_unknown_tensor_type(tmp_path, tiny):
+    data, lay = tiny
+    bad = patched(data, lay.tensor_type["blk.1.ffn_up.weight"], "<I", 99)
+    expect_error(tmp_path, bad, ES_ERR_UNSUPPORTED, "'blk.1.ffn_up.weight'", "type id 99")
+
+
+def test_offsets_past_the_end_and_misaligned(tmp_path, tiny):
+    data, lay = tiny
+    at = lay.tensor_offset["blk.0.ffn_down.weight"]
+    expect_error(tmp_path, patched(data, at, "<Q", 2**40), ES_ERR_FORMAT, "blk.0.ffn_down.weight",
+                 "past the end")
+    expect_error(tmp_path, patched(data, at, "<Q", 2**64 - 32), ES_ERR_FORMAT, "past the end")
+    expect_error(tmp_path, patched(data, at, "<Q", 8), ES_ERR_FORMAT, "alignment")
+
+
+def test_bad_magic_and_versions(tmp_path, tiny):
+    data, _ = tiny
+    expect_error(tmp_path, b"GGML" + data[4:], ES_ERR_FORMAT, "magic")
+    expect_error(tmp_path, patched(data, 4, "<I", 1), ES_ERR_UNSUPPORTED, "version 1")
+
+
+# ---- model-level errors --------------------------------------------------------------------
+
+def test_missing_tensor(tmp_path):
+    write_model(tmp_path / "m.gguf", skip=("blk.1.attn_v.weight",))
+    with pytest.raises(EngineError) as ei:
+        Model(str(tmp_path / "m.gguf"))
+    assert ei.value.status == ES_ERR_MISSING_TENSOR
+    assert "blk.1.attn_v.weight" in ei.value.message
+
+
+def test_qwen3_without_q_norm(tmp_path):
+    write_model(tmp_path / "m.gguf", "qwen3", skip=("blk.0.attn_q_norm.weight",))
+    with pytest.raises(EngineError) as ei:
+        Model(str(tmp_path / "m.gguf"))
+    assert ei.value.status == ES_ERR_MISSING_TENSOR and "attn_q_norm" in ei.value.message
+
+
+def test_unsupported_architecture(tmp_path):
+    write_model(tmp_path / "m.gguf", "gemma")
+    with pytest.raises(EngineError) as ei:
+        Model(str(tmp_path / "m.gguf"))
+    assert ei.value.status == ES_ERR_UNSUPPORTED and "'gemma'" in ei.value.message
+
+
+# ---- the real model ------------------------------------------------------------------------
+
+def test_smollm2_info():
+    spec = importlib.util.spec_from_file_location("fetch_model", ROOT / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with Model(str(mod.fetch(verbose=False))) as m:
+        i = m.info
+        assert (i.arch, i.n_vocab, i.n_ctx_train, i.n_embd, i.n_layer) == ("llama", 49152, 8192, 576, 30)
+        assert (i.n_head, i.n_head_kv, i.head_dim, i.n_ff, i.rope_dim) == (9, 3, 64, 1536, 64)
+        assert i.rope_freq_base == 100000.0 and not i.rope_neox and i.tied_output
+        assert i.norm_eps == pytest.approx(1e-5)
+        assert 90 * 2**20 < i.weight_bytes < 94 * 2**20   # ~92 MiB of weights per decode step
