@@ -140,6 +140,12 @@ def test_bad_ids_and_types(smol: Tokenizer):
     with pytest.raises(TypeError):
         smol.decode(["a"])
     with pytest.raises(TypeError):
+        smol.token_bytes(True)
+    with pytest.raises(TypeError):
+        smol.token_bytes(1.0)
+    import numpy as np
+    assert smol.decode(np.array([4093, 198], dtype=np.int32)) == "user\n"
+    with pytest.raises(TypeError):
         smol.encode(b"bytes")
 
 

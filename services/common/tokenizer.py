@@ -33,6 +33,7 @@ Worked example (SmolLM2-135M-Instruct)::
 from __future__ import annotations
 
 import codecs
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -429,15 +430,18 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def _check_id(self, i: int) -> int:
-        if isinstance(i, bool) or not isinstance(i, int):
-            try:
-                import numpy as np  # only to accept numpy integer scalars
-                if isinstance(i, np.integer):
-                    i = int(i)
-                else:
-                    raise TypeError
-            except TypeError:
-                raise TypeError(f"token id must be an int, got {type(i).__name__}") from None
+        """``i`` as a Python int in ``[0, n_vocab)`` (numpy integers accepted).
+
+        Raises:
+            TypeError: not an integer (bool and float included).
+            ValueError: outside the vocabulary.
+        """
+        if isinstance(i, bool):
+            raise TypeError("token id must be an int, got bool")
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"token id must be an int, got {type(i).__name__}") from None
         if not 0 <= i < self.n_vocab:
             raise ValueError(f"token id {i} is outside the vocabulary [0, {self.n_vocab})")
         return i
