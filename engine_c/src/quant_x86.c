@@ -1,8 +1,279 @@
 /*
  * quant_x86.c - AVX-512 (VNNI) and AVX2 matmul kernels for x86-64. Same
  * contract and results (bitwise) as the scalar kernels in quant.c.
+ *
+ * Quantized types: a weight row is processed 16 blocks (one es_q8_group of
+ * activations) at a time. The 16 blocks are loaded and transposed once into
+ * 8 vectors of unsigned bytes, vector k holding elements 4k..4k+3 of block j
+ * in 32-bit lane j, which is the layout of the activation group, so 8
+ * vpdpbusd give the 16 exact int32 block sums I at once, for each of the N
+ * activation rows, and the float steps of the contract run on 16 lanes that
+ * are the 16 accumulator lanes. Signed weights are offset to unsigned
+ * (q + 128 for Q8_0, raw nibbles for Q4_0) and the offset times the
+ * activation block sum is subtracted again in int32 (exact).
  */
 #include "quant.h"
 
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define ES_X86_AVX512 1
+#endif
+
+#ifdef ES_X86_AVX512
+#include <immintrin.h>
+#include <string.h>
+
+#define NT 32   /* activation rows per pass */
+#define ES_AI __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* One group of 16 weight blocks, unpacked. */
+typedef struct {
+    __m512i w[8];   /* unsigned bytes, layout of es_q8_group.qs */
+    __m512 a, b;    /* per-block float factors (b: two-term types) */
+    __m512i jm;     /* min multiplier (K types), else zero */
+} wgroup;
+
+/* The fixed 16-lane tree (es_lane_sum in quant.h). */
+static inline ES_AI float lane_sum16(__m512 v) {
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    return _mm512_cvtss_f32(v);
+}
+
+static inline ES_AI __m128i ld128(const uint8_t *p, int j, int nv, size_t stride) {
+    return j < nv ? _mm_loadu_si128((const __m128i *)(const void *)(p + (size_t)j * stride))
+                  : _mm_setzero_si128();
+}
+
+/* 16 bytes at p + j * stride for j = 0..15 (zero for j >= nv), transposed:
+ * out[k] lane j = dword k of block j. */
+static inline ES_AI void load_t16(const uint8_t *p, size_t stride, int nv, __m512i out[4]) {
+    __m512i z[4];
+    UNROLL
+    for (int i = 0; i < 4; i++) {
+        __m512i v = _mm512_castsi128_si512(ld128(p, i, nv, stride));
+        v = _mm512_inserti32x4(v, ld128(p, i + 4, nv, stride), 1);
+        v = _mm512_inserti32x4(v, ld128(p, i + 8, nv, stride), 2);
+        z[i] = _mm512_inserti32x4(v, ld128(p, i + 12, nv, stride), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* The 32-bit word at p + j * stride for j < nv (0 otherwise). */
+static inline ES_AI __m512i gather32(const uint8_t *p, size_t stride, int nv) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)stride));
+    __mmask16 m = (__mmask16)((1u << nv) - 1u);
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, p, 1);
+}
+
+static inline ES_AI __m512 half_lo(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+static inline ES_AI __m512 half_hi(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
+
+static inline ES_AI void nibbles(const __m512i d[4], __m512i w[8]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm512_and_si512(d[k], m4);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(d[k], 4), m4);
+    }
+}
+
+static inline ES_AI void unpack_q4_0(const uint8_t *p, int nv, wgroup *g) {
+    __m512i d[4];
+    load_t16(p + 2, 18, nv, d);
+    nibbles(d, g->w);
+    g->a = half_lo(gather32(p, 18, nv));
+}
+
+static inline ES_AI void unpack_q4_1(const uint8_t *p, int nv, wgroup *g) {
+    __m512i d[4];
+    load_t16(p + 4, 20, nv, d);
+    nibbles(d, g->w);
+    __m512i dm = gather32(p, 20, nv);
+    g->a = half_lo(dm);
+    g->b = half_hi(dm);
+}
+
+static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wgroup *g) {
+    __m512i d[4];
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    load_t16(p + 2, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->w[k] = _mm512_xor_si512(d[k], x80);
+    load_t16(p + 18, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->w[k + 4] = _mm512_xor_si512(d[k], x80);
+    g->a = half_lo(_mm512_and_si512(gather32(p, 34, nv), _mm512_set1_epi32(0xFFFF)));
+}
+
+/* Multiply one unpacked weight group into activation rows [0, nt).
+ * off: the unsigned offset of the weights (I -= off * qsum), two: two-term
+ * type, kq: K type (J = jm * qsum). */
+static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
+                              __m512 *acc, int off_shift, int two, int kq) {
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const __m512i *xq = (const __m512i *)(const void *)xg->qs;
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[0], _mm512_load_si512(xq + 0));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[1], _mm512_load_si512(xq + 1));
+        i0 = _mm512_dpbusd_epi32(i0, g->w[2], _mm512_load_si512(xq + 2));
+        i1 = _mm512_dpbusd_epi32(i1, g->w[3], _mm512_load_si512(xq + 3));
+        i0 = _mm512_dpbusd_epi32(i0, g->w[4], _mm512_load_si512(xq + 4));
+        i1 = _mm512_dpbusd_epi32(i1, g->w[5], _mm512_load_si512(xq + 5));
+        i0 = _mm512_dpbusd_epi32(i0, g->w[6], _mm512_load_si512(xq + 6));
+        i1 = _mm512_dpbusd_epi32(i1, g->w[7], _mm512_load_si512(xq + 7));
+        __m512i I = _mm512_add_epi32(i0, i1);
+        __m512i qsum = _mm512_load_si512((const void *)xg->qsum);
+        if (off_shift) I = _mm512_sub_epi32(I, _mm512_slli_epi32(qsum, (unsigned)off_shift));
+        __m512 dx = _mm512_load_ps(xg->d);
+        __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
+        if (two) {
+            __m512i J = kq ? _mm512_mullo_epi32(g->jm, qsum) : qsum;
+            c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(g->b, dx), _mm512_cvtepi32_ps(J)));
+        }
+        acc[n] = _mm512_add_ps(acc[n], c);
+    }
+}
+
+/* group_rows for a group of at most 8 blocks (lanes 8..15 of the unpacked
+ * group are zero): 256-bit ops, half the work; adds +0 to lanes 8..15. */
+static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
+                                     __m512 *acc, int off_shift, int two, int kq) {
+    __m256i w[8];
+    UNROLL
+    for (int k = 0; k < 8; k++) w[k] = _mm512_castsi512_si256(g->w[k]);
+    __m256 a = _mm512_castps512_ps256(g->a), b = _mm512_castps512_ps256(g->b);
+    __m256i jm = _mm512_castsi512_si256(g->jm);
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const int8_t *xq = xg->qs;
+#define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
+        __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], XQ(0));
+        __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], XQ(1));
+        i0 = _mm256_dpbusd_epi32(i0, w[2], XQ(2));
+        i1 = _mm256_dpbusd_epi32(i1, w[3], XQ(3));
+        i0 = _mm256_dpbusd_epi32(i0, w[4], XQ(4));
+        i1 = _mm256_dpbusd_epi32(i1, w[5], XQ(5));
+        i0 = _mm256_dpbusd_epi32(i0, w[6], XQ(6));
+        i1 = _mm256_dpbusd_epi32(i1, w[7], XQ(7));
+#undef XQ
+        __m256i I = _mm256_add_epi32(i0, i1);
+        __m256i qsum = _mm256_load_si256((const void *)xg->qsum);
+        if (off_shift) I = _mm256_sub_epi32(I, _mm256_slli_epi32(qsum, off_shift));
+        __m256 dx = _mm256_load_ps(xg->d);
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
+        if (two) {
+            __m256i J = kq ? _mm256_mullo_epi32(jm, qsum) : qsum;
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_cvtepi32_ps(J)));
+        }
+        acc[n] = _mm512_add_ps(acc[n], _mm512_zextps256_ps512(c));
+    }
+}
+
+/* The generic kernel body: for each weight row, for each group, unpack once,
+ * multiply into every activation row of the tile. */
+#define QKERNEL(name, unpack, bbytes, off_shift, two, kq)                                           \
+    static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
+        const uint8_t *x = xv;                                                                      \
+        for (int n0 = 0; n0 < N; n0 += NT) {                                                        \
+            int nt = N - n0 < NT ? N - n0 : NT;                                                     \
+            const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
+            for (int64_t r = r0; r < r1; r++) {                                                     \
+                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
+                __m512 acc[NT];                                                                     \
+                for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();                          \
+                if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);         \
+                for (int64_t gi = 0; gi < ng; gi++) {                                               \
+                    wgroup g;                                                                       \
+                    g.b = _mm512_setzero_ps();                                                      \
+                    g.jm = _mm512_setzero_si512();                                                  \
+                    int nv = (int)(nb - gi * 16 < 16 ? nb - gi * 16 : 16);                          \
+                    const uint8_t *p = row + (size_t)gi * 16 * (bbytes);                            \
+                    const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
+                    if (nv == 16) {                                                                 \
+                        unpack(p, 16, &g);                                                          \
+                        group_rows(&g, xg, x_stride, nt, acc, off_shift, two, kq);                  \
+                    } else {                                                                        \
+                        unpack(p, nv, &g);                                                          \
+                        if (nv <= 8) group_rows8(&g, xg, x_stride, nt, acc, off_shift, two, kq);    \
+                        else group_rows(&g, xg, x_stride, nt, acc, off_shift, two, kq);             \
+                    }                                                                               \
+                }                                                                                   \
+                for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+QKERNEL(k_q4_0, unpack_q4_0, 18, 3, 0, 0)
+QKERNEL(k_q4_1, unpack_q4_1, 20, 0, 1, 0)
+QKERNEL(k_q8_0, unpack_q8_0, 34, 7, 0, 0)
+
+/* Float weights: lane i % 16 += w[i] * x[i]; masked loads give +0 past the end. */
+static inline ES_AI __m512 load_w16(uint32_t type, const uint8_t *row, int64_t i, __mmask16 m) {
+    if (type == ES_TYPE_F32) return _mm512_maskz_loadu_ps(m, row + 4 * i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, row + 2 * i);
+    if (type == ES_TYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline ES_AI void float_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                                int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+    const uint8_t *x = xv;
+    for (int n0 = 0; n0 < N; n0 += NT) {
+        int nt = N - n0 < NT ? N - n0 : NT;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            __m512 acc[NT];
+            for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < n_in; i += 16) {
+                __mmask16 m = n_in - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_in - i)) - 1u);
+                __m512 wv = load_w16(type, row, i, m);
+                for (int n = 0; n < nt; n++) {
+                    const float *xr = (const float *)(const void *)(x + (size_t)(n0 + n) * x_stride);
+                    acc[n] = _mm512_add_ps(acc[n], _mm512_mul_ps(wv, _mm512_maskz_loadu_ps(m, xr + i)));
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);
+        }
+    }
+}
+
+#define FKERNEL(name, t)                                                                  \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        float_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                           \
+    }
+FKERNEL(k_f32, ES_TYPE_F32)
+FKERNEL(k_f16, ES_TYPE_F16)
+FKERNEL(k_bf16, ES_TYPE_BF16)
+
+es_mm_kernel es_x86_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_F32: return k_f32;
+    case ES_TYPE_F16: return k_f16;
+    case ES_TYPE_BF16: return k_bf16;
+    case ES_TYPE_Q4_0: return k_q4_0;
+    case ES_TYPE_Q4_1: return k_q4_1;
+    case ES_TYPE_Q8_0: return k_q8_0;
+    default: return NULL;
+    }
+}
+const char *es_x86_simd_name(void) { return "avx512"; }
+
+#else /* no x86 SIMD path in this build */
+
 es_mm_kernel es_x86_kernel(uint32_t type) { return NULL; }
 const char *es_x86_simd_name(void) { return NULL; }
+
+#endif
