@@ -1,8 +1,268 @@
 /*
  * quant_neon.c - NEON (dotprod) matmul kernels for aarch64. Same contract
  * and results (bitwise) as the scalar kernels in quant.c.
+ *
+ * Quantized types: a group of 16 weight blocks (one es_q8_group of
+ * activations) is handled as 4 quads of 4 blocks. A quad is loaded and
+ * transposed once into 8 int8x16 vectors (vector k holds elements
+ * 4k..4k+3 of block i in 32-bit lane i: the layout of the activation group),
+ * so 8 sdot give the 4 exact int32 block sums of the quad, for each of the
+ * N activation rows. Quad q feeds accumulator lanes 4q..4q+3; quads past the
+ * end of the row are skipped (the same as adding +0). Weights are signed
+ * (Q4_1 nibbles 0..15, Q4_0 nibbles - 8, Q8_0 as stored), so no offset
+ * correction is needed. Without the dotprod extension the int8 dot is done
+ * with widening multiplies (exact as well).
  */
 #include "quant.h"
 
+#if !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+#define ES_NEON 1
+#endif
+
+#ifdef ES_NEON
+#include <arm_neon.h>
+#include <string.h>
+
+#define NT 32   /* activation rows per pass */
+#define ES_AI __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
+
+static inline ES_AI int32x4_t dot4(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#ifdef __ARM_FEATURE_DOTPROD
+    return vdotq_s32(acc, a, b);
+#else
+    int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+    int32x4_t hi = vpaddlq_s16(vmull_high_s8(a, b));
+    return vaddq_s32(acc, vpaddq_s32(lo, hi));
+#endif
+}
+
+/* One quad of 4 weight blocks, unpacked. */
+typedef struct {
+    int8x16_t w[8];
+    float32x4_t a, b;
+    int32x4_t jm;
+} wquad;
+
+/* 16 bytes at p + i * stride for i < nv (zero otherwise), transposed:
+ * out[k] lane i = dword k of block i. */
+static inline ES_AI void load_t4(const uint8_t *p, size_t stride, int nv, uint32x4_t out[4]) {
+    uint32x4_t b[4];
+    UNROLL
+    for (int i = 0; i < 4; i++) b[i] = i < nv ? vreinterpretq_u32_u8(vld1q_u8(p + (size_t)i * stride)) : vdupq_n_u32(0);
+    uint32x4x2_t t0 = vtrnq_u32(b[0], b[1]), t1 = vtrnq_u32(b[2], b[3]);
+    out[0] = vreinterpretq_u32_u64(vzip1q_u64(vreinterpretq_u64_u32(t0.val[0]), vreinterpretq_u64_u32(t1.val[0])));
+    out[1] = vreinterpretq_u32_u64(vzip1q_u64(vreinterpretq_u64_u32(t0.val[1]), vreinterpretq_u64_u32(t1.val[1])));
+    out[2] = vreinterpretq_u32_u64(vzip2q_u64(vreinterpretq_u64_u32(t0.val[0]), vreinterpretq_u64_u32(t1.val[0])));
+    out[3] = vreinterpretq_u32_u64(vzip2q_u64(vreinterpretq_u64_u32(t0.val[1]), vreinterpretq_u64_u32(t1.val[1])));
+}
+
+/* The 32-bit words at p + i * stride (i < nv), unaligned-safe. */
+static inline ES_AI uint32x4_t load_words(const uint8_t *p, size_t stride, int nv) {
+    uint32_t v[4] = {0, 0, 0, 0};
+    for (int i = 0; i < nv && i < 4; i++) memcpy(&v[i], p + (size_t)i * stride, 4);
+    return vld1q_u32(v);
+}
+
+static inline ES_AI float32x4_t half_lo(uint32x4_t v) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(v)));
+}
+static inline ES_AI float32x4_t half_hi(uint32x4_t v) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(v, 16)));
+}
+
+static inline ES_AI void nibbles(const uint32x4_t d[4], int8x16_t w[8], int center) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    const int8x16_t c8 = vdupq_n_s8(8);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_u32(d[k]), m4));
+        int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_u32(d[k]), 4));
+        w[k] = center ? vsubq_s8(lo, c8) : lo;
+        w[k + 4] = center ? vsubq_s8(hi, c8) : hi;
+    }
+}
+
+static inline ES_AI void unpack_q4_0(const uint8_t *p, int nv, wquad *g) {
+    uint32x4_t d[4];
+    load_t4(p + 2, 18, nv, d);
+    nibbles(d, g->w, 1);
+    g->a = half_lo(vandq_u32(load_words(p, 18, nv), vdupq_n_u32(0xFFFF)));
+}
+
+static inline ES_AI void unpack_q4_1(const uint8_t *p, int nv, wquad *g) {
+    uint32x4_t d[4];
+    load_t4(p + 4, 20, nv, d);
+    nibbles(d, g->w, 0);
+    uint32x4_t dm = load_words(p, 20, nv);
+    g->a = half_lo(dm);
+    g->b = half_hi(dm);
+}
+
+static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wquad *g) {
+    uint32x4_t d[4];
+    load_t4(p + 2, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->w[k] = vreinterpretq_s8_u32(d[k]);
+    load_t4(p + 18, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->w[k + 4] = vreinterpretq_s8_u32(d[k]);
+    g->a = half_lo(vandq_u32(load_words(p, 34, nv), vdupq_n_u32(0xFFFF)));
+}
+
+/* Quad q of a group into rows [0, nt): acc[n * 4 + q] += c. */
+static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt, int q,
+                                   float32x4_t *acc, int two, int kq) {
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const int8_t *xq = xg->qs + 16 * q;
+        int32x4_t i0 = dot4(vdupq_n_s32(0), g->w[0], vld1q_s8(xq));
+        int32x4_t i1 = dot4(vdupq_n_s32(0), g->w[1], vld1q_s8(xq + 64));
+        i0 = dot4(i0, g->w[2], vld1q_s8(xq + 128));
+        i1 = dot4(i1, g->w[3], vld1q_s8(xq + 192));
+        i0 = dot4(i0, g->w[4], vld1q_s8(xq + 256));
+        i1 = dot4(i1, g->w[5], vld1q_s8(xq + 320));
+        i0 = dot4(i0, g->w[6], vld1q_s8(xq + 384));
+        i1 = dot4(i1, g->w[7], vld1q_s8(xq + 448));
+        int32x4_t I = vaddq_s32(i0, i1);
+        float32x4_t dx = vld1q_f32(xg->d + 4 * q);
+        float32x4_t c = vmulq_f32(vmulq_f32(g->a, dx), vcvtq_f32_s32(I));
+        if (two) {
+            int32x4_t qsum = vld1q_s32(xg->qsum + 4 * q);
+            int32x4_t J = kq ? vmulq_s32(g->jm, qsum) : qsum;
+            c = vaddq_f32(c, vmulq_f32(vmulq_f32(g->b, dx), vcvtq_f32_s32(J)));
+        }
+        acc[n * 4 + q] = vaddq_f32(acc[n * 4 + q], c);
+    }
+}
+
+/* The fixed 16-lane tree (es_lane_sum in quant.h) over 4 quad vectors. */
+static inline ES_AI float lane_sum16(const float32x4_t *a) {
+    float32x4_t p01 = vpaddq_f32(a[0], a[1]);   /* l0+l1, l2+l3, l4+l5, l6+l7 */
+    float32x4_t p23 = vpaddq_f32(a[2], a[3]);
+    float32x4_t s = vpaddq_f32(p01, p23);       /* a0, a1, a2, a3 of es_lane_sum */
+    float32x4_t t = vpaddq_f32(s, s);           /* a0+a1, a2+a3, ... */
+    return vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 1);
+}
+
+#define QKERNEL(name, unpack, bbytes, two, kq)                                                      \
+    static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
+        const uint8_t *x = xv;                                                                      \
+        float32x4_t acc[NT * 4];                                                                    \
+        for (int n0 = 0; n0 < N; n0 += NT) {                                                        \
+            int nt = N - n0 < NT ? N - n0 : NT;                                                     \
+            const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
+            for (int64_t r = r0; r < r1; r++) {                                                     \
+                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
+                for (int i = 0; i < nt * 4; i++) acc[i] = vdupq_n_f32(0.0f);                        \
+                for (int64_t gi = 0; gi < ng; gi++) {                                               \
+                    const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
+                    for (int q = 0; q < 4; q++) {                                                   \
+                        int64_t b0 = gi * 16 + q * 4;                                               \
+                        if (b0 >= nb) break;                                                        \
+                        wquad g;                                                                    \
+                        g.b = vdupq_n_f32(0.0f);                                                    \
+                        g.jm = vdupq_n_s32(0);                                                      \
+                        const uint8_t *p = row + (size_t)b0 * (bbytes);                             \
+                        if (nb - b0 >= 4) unpack(p, 4, &g);                                         \
+                        else unpack(p, (int)(nb - b0), &g);                                         \
+                        quad_rows(&g, xg, x_stride, nt, q, acc, two, kq);                           \
+                    }                                                                               \
+                }                                                                                   \
+                for (int n = 0; n < nt; n++)                                                        \
+                    Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc + 4 * n);                       \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+QKERNEL(k_q4_0, unpack_q4_0, 18, 0, 0)
+QKERNEL(k_q4_1, unpack_q4_1, 20, 1, 0)
+QKERNEL(k_q8_0, unpack_q8_0, 34, 0, 0)
+
+/* Float weights: lane i % 16 += w[i] * x[i], 4 vectors of 4 lanes; the
+ * ragged end goes through a zero-padded copy (adds +0). */
+static inline ES_AI float32x4_t load_w4(uint32_t type, const uint8_t *p) {
+    if (type == ES_TYPE_F32) return vld1q_f32((const float *)(const void *)p);
+    uint16x4_t h = vld1_u16((const uint16_t *)(const void *)p);
+    if (type == ES_TYPE_F16) return vcvt_f32_f16(vreinterpret_f16_u16(h));
+    return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
+}
+
+static inline ES_AI void float_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0,
+                                      int64_t r1, int64_t n_in, const void *xv, size_t x_stride, int N,
+                                      float *Y, int64_t ldy) {
+    const uint8_t *x = xv;
+    size_t esz = type == ES_TYPE_F32 ? 4 : 2;
+    int64_t n16 = n_in / 16 * 16;
+    float32x4_t acc[NT * 4];
+    for (int n0 = 0; n0 < N; n0 += NT) {
+        int nt = N - n0 < NT ? N - n0 : NT;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (int i = 0; i < nt * 4; i++) acc[i] = vdupq_n_f32(0.0f);
+            for (int64_t i = 0; i < n_in; i += 16) {
+                uint8_t wbuf[64];
+                float xbuf[16];
+                const uint8_t *wp = row + (size_t)i * esz;
+                if (i >= n16) {
+                    memset(wbuf, 0, sizeof wbuf);
+                    memcpy(wbuf, wp, (size_t)(n_in - i) * esz);
+                    wp = wbuf;
+                }
+                float32x4_t wv[4];
+                UNROLL
+                for (int q = 0; q < 4; q++) wv[q] = load_w4(type, wp + 4 * q * esz);
+                for (int n = 0; n < nt; n++) {
+                    const float *xr = (const float *)(const void *)(x + (size_t)(n0 + n) * x_stride) + i;
+                    if (i >= n16) {
+                        memset(xbuf, 0, sizeof xbuf);
+                        memcpy(xbuf, xr, (size_t)(n_in - i) * sizeof(float));
+                        xr = xbuf;
+                    }
+                    UNROLL
+                    for (int q = 0; q < 4; q++)
+                        acc[n * 4 + q] = vaddq_f32(acc[n * 4 + q], vmulq_f32(wv[q], vld1q_f32(xr + 4 * q)));
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc + 4 * n);
+        }
+    }
+}
+
+#define FKERNEL(name, t)                                                                  \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        float_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                           \
+    }
+FKERNEL(k_f32, ES_TYPE_F32)
+FKERNEL(k_f16, ES_TYPE_F16)
+FKERNEL(k_bf16, ES_TYPE_BF16)
+
+es_mm_kernel es_neon_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_F32: return k_f32;
+    case ES_TYPE_F16: return k_f16;
+    case ES_TYPE_BF16: return k_bf16;
+    case ES_TYPE_Q4_0: return k_q4_0;
+    case ES_TYPE_Q4_1: return k_q4_1;
+    case ES_TYPE_Q8_0: return k_q8_0;
+    default: return NULL;
+    }
+}
+
+const char *es_neon_simd_name(void) {
+#ifdef __ARM_FEATURE_DOTPROD
+    return "neon-dotprod";
+#else
+    return "neon";
+#endif
+}
+
+#else /* no NEON path in this build */
+
 es_mm_kernel es_neon_kernel(uint32_t type) { return NULL; }
 const char *es_neon_simd_name(void) { return NULL; }
+
+#endif
