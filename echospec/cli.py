@@ -1,0 +1,448 @@
+"""The `echospec` command line: serve, generate, tokenize, detokenize, bench.
+
+    echospec serve [--port P] [--model PATH] [--spec]
+    echospec generate "prompt" [--json] [--spec on|off] [--k K] [--max-tokens N] ...
+    echospec generate --messages chat.json --json
+    echospec tokenize "text" --json
+    echospec detokenize 1 2 3 --json
+    echospec bench --workloads workloads/seed.jsonl [--json]
+
+generate, tokenize, detokenize and bench talk to a running coordinator given
+by --target host:port. Without --target they start a private stack on
+loopback with the default model (fetched on first use) for the one command.
+Exit status: 0 success, 1 a failure with a message on stderr, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+
+DEFAULT_PORT = 50051
+
+
+def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
+    print(f"echospec: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _default_model() -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from fetch_model import fetch  # scripts/fetch_model.py
+    finally:
+        sys.path.pop(0)
+    try:
+        return str(fetch())
+    except RuntimeError as exc:
+        _die(f"could not fetch the default model: {exc}")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _check_model(path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        _die(f"model file not found: {path}")
+    from services.common.engine import EngineError, Model
+    try:
+        Model(str(p)).close()
+    except EngineError as exc:
+        _die(f"model {path} is unusable: {exc}")
+
+
+# ---- serve -------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.coordinator.stack import StackError, start_stack
+
+    model = args.model or _default_model()
+    _check_model(model)
+    for name, port in (("coordinator", args.port), ("verifier", args.verifier_port),
+                       ("draft", args.draft_port)):
+        if port and not _port_free(args.host, port):
+            _die(f"{name} port {args.host}:{port} is already in use; pick another with "
+                 f"--{'port' if name == 'coordinator' else name + '-port'}")
+    print(f"echospec: loading {model} ...", file=sys.stderr)
+    try:
+        stack = start_stack(model, port=args.port, spec=args.spec, host=args.host,
+                            verifier_port=args.verifier_port, draft_port=args.draft_port,
+                            processes=args.processes, n_ctx=args.n_ctx, n_threads=args.threads,
+                            k=args.k, max_tokens=args.max_tokens)
+    except StackError as exc:
+        _die(str(exc))
+    print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
+    print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
+    print(f"echospec: coordinator      listening on {stack.target} (spec default: "
+          f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
+    sys.stderr.flush()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    print("echospec: shutting down", file=sys.stderr)
+    stack.stop(2.0)
+    return 0
+
+
+# ---- client helpers ------------------------------------------------------------
+
+@contextmanager
+def _target(args: argparse.Namespace) -> Iterator[str]:
+    """Yield a coordinator host:port: --target, or a private stack for this command."""
+    if args.target:
+        yield args.target
+        return
+    from services.coordinator.stack import StackError, start_stack
+
+    model = args.model or _default_model()
+    _check_model(model)
+    print("echospec: no --target given; starting a private stack on loopback ...", file=sys.stderr)
+    try:
+        stack = start_stack(model, port=0, spec=False, n_threads=getattr(args, "threads", 0) or 0)
+    except StackError as exc:
+        _die(str(exc))
+    try:
+        yield stack.target
+    finally:
+        stack.stop(0.5)
+
+
+def _stub(target: str):
+    from echospec.v1 import coordinator_pb2_grpc
+    from services.common import grpc_util
+
+    ch = grpc_util.channel(target, 64 * 1024 * 1024)
+    try:
+        grpc.channel_ready_future(ch).result(timeout=10)
+    except grpc.FutureTimeoutError:
+        _die(f"no coordinator reachable at {target} (start one with `echospec serve`)")
+    return ch, coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+
+def _rpc_error(exc: grpc.RpcError) -> "NoReturn":  # noqa: F821
+    _die(f"{exc.code().name}: {exc.details()}")
+
+
+def _request(args: argparse.Namespace, messages=None, prompt: str | None = None, max_tokens=None,
+             spec: str | None = None):
+    from echospec.v1 import common_pb2, coordinator_pb2
+
+    req = coordinator_pb2.CompleteRequest()
+    if messages is not None:
+        for m in messages:
+            if not isinstance(m, dict):
+                _die(f"each chat message must be a JSON object, got {m!r}", 2)
+            req.messages.add(role=str(m.get("role", "")), content=str(m.get("content", "")))
+    else:
+        req.text = prompt or ""
+    req.max_tokens = int(max_tokens if max_tokens is not None else args.max_tokens or 0)
+    req.stop.extend(getattr(args, "stop", None) or [])
+    req.temperature = float(getattr(args, "temperature", 0.0) or 0.0)
+    if getattr(args, "top_p", None) is not None:
+        req.top_p = float(args.top_p)
+    req.top_k = int(getattr(args, "top_k", 0) or 0)
+    req.min_p = float(getattr(args, "min_p", 0.0) or 0.0)
+    req.seed = int(getattr(args, "seed", 0) or 0)
+    mode = spec if spec is not None else getattr(args, "spec", None)
+    req.spec = {None: common_pb2.SPEC_MODE_UNSPECIFIED, "off": common_pb2.SPEC_MODE_OFF,
+                "on": common_pb2.SPEC_MODE_ON}[mode]
+    req.k = int(getattr(args, "k", 0) or 0)
+    return req
+
+
+def _result_json(r) -> dict:
+    from echospec.v1 import common_pb2
+
+    s = r.stats
+    return {
+        "text": r.text,
+        "token_ids": list(r.token_ids),
+        "finish_reason": common_pb2.FinishReason.Name(r.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        "spec_enabled": r.spec_enabled,
+        "spec_reason": r.spec_reason,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "stats": {
+            "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
+            "rounds": s.rounds, "proposals": s.proposals,
+            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+            "mean_accepted_per_round": s.mean_accepted_per_round,
+            "t_ms": s.t_ms, "v_ms": s.v_ms, "overhead_ms": s.overhead_ms,
+            "overhead_share": s.overhead_share, "prefill_ms": s.prefill_ms,
+            "gain": s.gain, "gain_verdict": s.gain_verdict,
+        },
+    }
+
+
+def _load_messages(path: str):
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        _die(f"--messages {path}: {exc.strerror}", 2)
+    except json.JSONDecodeError as exc:
+        _die(f"--messages {path}: not valid JSON ({exc})", 2)
+    if isinstance(data, dict) and "messages" in data:
+        data = data["messages"]
+    if not isinstance(data, list) or not data:
+        _die(f"--messages {path}: expected a non-empty JSON list of chat messages", 2)
+    return data
+
+
+# ---- generate ------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from echospec.v1 import coordinator_pb2
+
+    if (args.prompt is None) == (args.messages is None):
+        _die("give exactly one of a prompt argument or --messages FILE", 2)
+    messages = _load_messages(args.messages) if args.messages else None
+    req = _request(args, messages=messages, prompt=args.prompt)
+    with _target(args) as target:
+        ch, stub = _stub(target)
+        try:
+            if args.json:
+                resp = stub.Complete(req, timeout=args.timeout)
+                print(json.dumps(_result_json(resp.result), ensure_ascii=False))
+                return 0
+            greq = coordinator_pb2.GenerateRequest()
+            greq.CopyFrom(coordinator_pb2.GenerateRequest.FromString(req.SerializeToString()))
+            result = None
+            for msg in stub.Generate(greq, timeout=args.timeout):
+                if msg.text:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                if msg.HasField("result"):
+                    result = msg.result
+            sys.stdout.write("\n")
+            if result is not None:
+                j = _result_json(result)
+                st = j["stats"]
+                print(f"[{j['completion_tokens']} tokens, finish: {j['finish_reason']}, spec: "
+                      f"{'on' if j['spec_enabled'] else 'off'}"
+                      f"{' (' + j['spec_reason'] + ')' if j['spec_reason'] else ''}, tries {st['tries']}, "
+                      f"hits {st['hits']}, kv_rolls {st['kv_rolls']}]", file=sys.stderr)
+            return 0
+        except grpc.RpcError as exc:
+            _rpc_error(exc)
+        finally:
+            ch.close()
+
+
+# ---- tokenize / detokenize ----------------------------------------------------------
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from echospec.v1 import coordinator_pb2
+
+    with _target(args) as target:
+        ch, stub = _stub(target)
+        try:
+            resp = stub.Tokenize(coordinator_pb2.TokenizeRequest(text=args.text), timeout=60)
+        except grpc.RpcError as exc:
+            _rpc_error(exc)
+        finally:
+            ch.close()
+    ids = list(resp.token_ids)
+    print(json.dumps({"token_ids": ids}) if args.json else " ".join(map(str, ids)))
+    return 0
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    from echospec.v1 import coordinator_pb2
+
+    with _target(args) as target:
+        ch, stub = _stub(target)
+        try:
+            resp = stub.Detokenize(coordinator_pb2.DetokenizeRequest(token_ids=args.ids), timeout=60)
+        except grpc.RpcError as exc:
+            _rpc_error(exc)
+        finally:
+            ch.close()
+    print(json.dumps({"text": resp.text}, ensure_ascii=False) if args.json else resp.text)
+    return 0
+
+
+# ---- bench ----------------------------------------------------------------------
+
+def _load_workloads(path: str) -> list[dict]:
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        _die(f"--workloads {path}: {exc.strerror}", 2)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            w = json.loads(line)
+        except json.JSONDecodeError as exc:
+            _die(f"{path}:{n}: not valid JSON ({exc})", 2)
+        if not isinstance(w, dict) or "id" not in w or not (w.get("messages") or w.get("prompt")):
+            _die(f"{path}:{n}: each workload needs an id and messages (or prompt)", 2)
+        out.append(w)
+    if not out:
+        _die(f"{path}: no workloads", 2)
+    return out
+
+
+def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, object]:
+    max_tokens = args.max_tokens or w.get("max_tokens") or 256
+    req = _request(args, messages=w.get("messages"), prompt=w.get("prompt"), max_tokens=max_tokens,
+                   spec=spec)
+    req.temperature = 0.0
+    t0 = time.perf_counter()
+    resp = stub.Complete(req, timeout=timeout)
+    dt = time.perf_counter() - t0
+    r = resp.result
+    s = r.stats
+    return {"seconds": round(dt, 4), "tokens": r.completion_tokens,
+            "tokens_per_s": round(r.completion_tokens / dt, 2) if dt > 0 else 0.0,
+            "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
+            "t_ms": round(s.t_ms, 3), "v_ms": round(s.v_ms, 3), "overhead_ms": round(s.overhead_ms, 3),
+            "overhead_share": round(s.overhead_share, 4), "spec_enabled": r.spec_enabled,
+            "spec_reason": r.spec_reason}, r
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    workloads = _load_workloads(args.workloads)
+    rows = []
+    with _target(args) as target:
+        ch, stub = _stub(target)
+        try:
+            for i, w in enumerate(workloads, 1):
+                print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
+                if args.warmup and i == 1:
+                    _run_one(stub, args, w, "off", args.timeout)
+                off, roff = _run_one(stub, args, w, "off", args.timeout)
+                on, ron = _run_one(stub, args, w, "on", args.timeout)
+                identical = list(roff.token_ids) == list(ron.token_ids) and roff.text == ron.text
+                row = {"id": w["id"], "kind": w.get("kind", ""), "identical": identical, "off": off, "on": on}
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row, ensure_ascii=False), flush=True)
+        except grpc.RpcError as exc:
+            _rpc_error(exc)
+        finally:
+            ch.close()
+    if not args.json:
+        _print_table(rows)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _print_table(rows: list[dict]) -> None:
+    hdr = (f"{'workload':<12} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
+           f"{'tokens':>6} {'tries':>5} {'hits':>5} {'kv_rolls':>8} {'T ms':>6} {'V ms':>6} "
+           f"{'ovh ms':>6} {'identical':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        off, on = r["off"], r["on"]
+        net = (off["seconds"] / on["seconds"] - 1.0) * 100 if on["seconds"] > 0 else 0.0
+        print(f"{r['id']:<12} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
+              f"{off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} {on['tokens']:>6} {on['tries']:>5} "
+              f"{on['hits']:>5} {on['kv_rolls']:>8} {on['t_ms']:>6.2f} {on['v_ms']:>6.2f} "
+              f"{on['overhead_ms']:>6.2f} {'yes' if r['identical'] else 'NO':>9}")
+    t_off = sum(r["off"]["seconds"] for r in rows)
+    t_on = sum(r["on"]["seconds"] for r in rows)
+    if t_on > 0:
+        print(f"total: off {t_off:.2f} s, on {t_on:.2f} s, net {(t_off / t_on - 1) * 100:+.1f}% "
+              f"(positive = speculation faster); identical: "
+              f"{sum(r['identical'] for r in rows)}/{len(rows)}")
+
+
+# ---- argument parsing ------------------------------------------------------------
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="coordinator host:port (default: start a private stack)")
+    p.add_argument("--model", help="GGUF file for a private stack (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", choices=["on", "off"], help="speculation (default: the server's --spec)")
+    p.add_argument("--k", type=int, default=0, help="max drafts per round (0: server default)")
+    p.add_argument("--max-tokens", type=int, default=0, help="0: server default")
+    p.add_argument("--temperature", type=float, default=0.0, help="<= 0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help=">= 1: off (default)")
+    p.add_argument("--top-k", type=int, default=0, help="<= 0: off (default)")
+    p.add_argument("--min-p", type=float, default=0.0, help="<= 0: off (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="echospec", description="Speculative-decoding LLM service on CPUs.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="start the draft, verifier and coordinator services on loopback")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="coordinator port (default 50051)")
+    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)")
+    p.add_argument("--spec", action="store_true", help="speculate by default for requests that allow it")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
+    p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
+    p.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
+    p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens)")
+    p.add_argument("--k", type=int, default=4, help="default drafts per round")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument("--processes", action="store_true", help="run each service in its own process")
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
+    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("--messages", help="JSON file with a list of chat messages")
+    _add_client_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("tokenize", help="token ids of TEXT (no special tokens added)")
+    p.add_argument("text")
+    _add_client_args(p)
+    p.set_defaults(fn=cmd_tokenize)
+
+    p = sub.add_parser("detokenize", help="text of token ids")
+    p.add_argument("ids", nargs="+", type=int)
+    _add_client_args(p)
+    p.set_defaults(fn=cmd_detokenize)
+
+    p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
+    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens")
+    p.add_argument("--k", type=int, default=0, help="drafts per round (0: server default)")
+    p.add_argument("--max-tokens", type=int, default=0, help="override each workload's max_tokens")
+    p.add_argument("--threads", type=int, default=0, help="engine threads of a private stack")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
+    p.add_argument("--timeout", type=float, default=900.0)
+    _add_client_args(p)
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
