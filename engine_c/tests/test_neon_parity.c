@@ -1,0 +1,651 @@
+/*
+ * test_neon_parity.c - the build's SIMD path (NEON dotprod on aarch64, AVX2 /
+ * AVX-512 on x86-64) against the scalar path, and this architecture against
+ * the x86-64 build, on tiny models written by this test.
+ *
+ * Models (GGUF v3 written here with a fixed integer PRNG, so every build
+ * and architecture reads the same bytes):
+ *   llama-q4_1    llama, Q4_1 matrices, tied Q8_0 token_embd (SmolLM2's types),
+ *                 n_embd 192, 3 heads / 1 KV head of 64, n_ff 512, 2 layers
+ *   qwen3-mixed   qwen3 (q/k RMSNorm, NEOX RoPE), n_embd 256, 4 / 2 heads of 64,
+ *                 n_ff 512, 2 layers; layer 0 is Qwen3 Q4_K_M-like (Q4_K, Q6_K),
+ *                 layer 1 has Q8_0, Q4_0, Q5_0, Q5_1, Q5_K, F16, BF16;
+ *                 untied Q6_K output
+ *   qwen2-f32     qwen2 (q/k/v biases), F32 matrices, n_embd 64, 2 layers
+ * All have n_vocab 320 (not a multiple of 64, so kernel tails run).
+ *
+ * Checks, per model:
+ *   kernels  every weight matrix: es_matmul_path with the build's kernels
+ *            equals the scalar reference kernels bitwise, for N = 1, 4, 33
+ *   run      prefill 12 prompt tokens (logits of every position), then 23
+ *            greedy decode steps (one token each, 3 threads): 35 logits rows
+ *   batched  the same 35 tokens in one forward call on a 1-thread session,
+ *            and rollback to the prompt then the 23 decode inputs in one
+ *            call, give bitwise the same logits rows (verify == decode)
+ *   argmax   the 35 argmax values equal those recorded from the x86-64
+ *            build (tests/data/neon_parity_expected.txt)
+ *   logits   the FNV-1a 64 checksum of each logits row (float32 bit
+ *            patterns) equals the one recorded from the scalar build of this
+ *            architecture: the SIMD forward is bitwise the scalar forward.
+ *            Whether the x86-64 and aarch64 checksums agree is printed (they
+ *            can differ in the last bit through libm's expf/pow/sin/cos).
+ *   simd     when ES_EXPECT_SIMD is set (by .ci/aarch64.sh): neon-a76 builds
+ *            report "neon-dotprod" from es_simd_name(), scalar builds "scalar"
+ *
+ * Environment:
+ *   ES_PARITY_EXPECTED  expected file (default tests/data/neon_parity_expected.txt,
+ *                       relative to engine_c/, where make runs the tests)
+ *   ES_PARITY_RECORD    write this build's results to that file instead of
+ *                       comparing (tests/data/record_neon_parity.sh uses it)
+ *   ES_PARITY_KEEP_DIR  also keep the model files there (for inspection)
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "echospec_engine.h"
+#include "harness.h"
+#include "internal.h"
+#include "quant.h"
+
+#if defined(__aarch64__)
+#define ARCH_NAME "aarch64"
+#elif defined(__x86_64__)
+#define ARCH_NAME "x86_64"
+#else
+#define ARCH_NAME "other"
+#endif
+
+#define N_VOCAB 320
+#define N_PROMPT 12
+#define N_DECODE 23
+#define N_ROWS (N_PROMPT + N_DECODE)
+#define MAX_MODELS 3
+/* Weight std * sqrt(n_in) of the block matrices: large enough that greedy runs
+ * wander over the vocabulary instead of settling on one token. */
+#define MATRIX_SCALE 1.5f
+
+/* ---- deterministic numbers (integer PRNG; float steps are exact or IEEE-fixed) ---- */
+
+static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [0, 1) with 24 bits (exact in float). */
+static float rng_unit(uint64_t *s) { return (float)(rng_next(s) >> 40) * (1.0f / 16777216.0f); }
+
+/* Uniform in [-a, a). */
+static float rng_sym(uint64_t *s, float a) { return (rng_unit(s) * 2.0f - 1.0f) * a; }
+
+static uint64_t fnv1a(const void *p, size_t n, uint64_t h) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
+    return h;
+}
+#define FNV_INIT 0xCBF29CE484222325ull
+
+/* ---- a growable byte buffer and a minimal GGUF v3 writer ---- */
+
+typedef struct { uint8_t *p; size_t n, cap; } buf;
+
+static void put(buf *b, const void *src, size_t n) {
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->n + n) cap *= 2;
+        b->p = realloc(b->p, cap);
+        if (!b->p) { fprintf(stderr, "out of memory\n"); exit(2); }
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+}
+static void put_u32(buf *b, uint32_t v) { uint8_t x[4] = {v, v >> 8, v >> 16, v >> 24}; put(b, x, 4); }
+static void put_u64(buf *b, uint64_t v) { put_u32(b, (uint32_t)v); put_u32(b, (uint32_t)(v >> 32)); }
+static void put_str(buf *b, const char *s) { put_u64(b, strlen(s)); put(b, s, strlen(s)); }
+static void put_u16(buf *b, uint16_t v) { uint8_t x[2] = {v, v >> 8}; put(b, x, 2); }
+static void put_f32(buf *b, float f) { uint32_t u; memcpy(&u, &f, 4); put_u32(b, u); }
+
+typedef struct {
+    buf kv, info, data;
+    uint64_t n_kv, n_tensors;
+    char arch[16];
+    uint64_t seed;
+} gguf_w;
+
+static void kv_u32(gguf_w *w, const char *suffix, uint32_t v) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", w->arch, suffix);
+    put_str(&w->kv, key); put_u32(&w->kv, GGUF_T_UINT32); put_u32(&w->kv, v); w->n_kv++;
+}
+static void kv_f32(gguf_w *w, const char *suffix, float v) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", w->arch, suffix);
+    put_str(&w->kv, key); put_u32(&w->kv, GGUF_T_FLOAT32); put_f32(&w->kv, v); w->n_kv++;
+}
+
+/* Append a tensor's info and data (data 32-byte aligned; offsets relative to the data section). */
+static void add_tensor(gguf_w *w, const char *name, uint32_t type, int64_t ne0, int64_t ne1,
+                       const buf *bytes) {
+    while (w->data.n % 32) put(&w->data, "", 1);
+    put_str(&w->info, name);
+    put_u32(&w->info, ne1 > 0 ? 2 : 1);
+    put_u64(&w->info, (uint64_t)ne0);
+    if (ne1 > 0) put_u64(&w->info, (uint64_t)ne1);
+    put_u32(&w->info, type);
+    put_u64(&w->info, w->data.n);
+    put(&w->data, bytes->p, bytes->n);
+    w->n_tensors++;
+}
+
+/* ---- random weights of every type (values keep activations O(1)) ---- */
+
+/* The smallest integer >= sqrt(n), as a float (no libm: the same on every build). */
+static float isqrt_up(int64_t n) {
+    float sq = 1.0f;
+    while (sq * sq < (float)n) sq += 1.0f;
+    return sq;
+}
+
+/* One random block of `type` for a row of n_in inputs, appended to b. The
+ * block scale is chosen so a weight has a standard deviation of about
+ * scale / sqrt(n_in) (the divisors are the std of the integer weights). */
+static void rand_block(uint64_t *s, uint32_t type, int64_t n_in, float scale, buf *b) {
+    float std = scale / isqrt_up(n_in);
+    float jit = 0.75f + 0.5f * rng_unit(s);
+    uint8_t bytes[256];
+    switch (type) {
+    case ES_TYPE_Q4_0:
+        put_u16(b, es_fp32_to_fp16(std / 4.6f * jit));
+        for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)rng_next(s);
+        put(b, bytes, 16);
+        break;
+    case ES_TYPE_Q4_1: {
+        float d = std / 4.6f * jit;
+        put_u16(b, es_fp32_to_fp16(d));
+        put_u16(b, es_fp32_to_fp16(-7.5f * d + rng_sym(s, d)));
+        for (int i = 0; i < 16; i++) bytes[i] = (uint8_t)rng_next(s);
+        put(b, bytes, 16);
+        break;
+    }
+    case ES_TYPE_Q5_0:
+        put_u16(b, es_fp32_to_fp16(std / 9.2f * jit));
+        for (int i = 0; i < 20; i++) bytes[i] = (uint8_t)rng_next(s);
+        put(b, bytes, 20);
+        break;
+    case ES_TYPE_Q5_1: {
+        float d = std / 9.2f * jit;
+        put_u16(b, es_fp32_to_fp16(d));
+        put_u16(b, es_fp32_to_fp16(-15.5f * d + rng_sym(s, d)));
+        for (int i = 0; i < 20; i++) bytes[i] = (uint8_t)rng_next(s);
+        put(b, bytes, 20);
+        break;
+    }
+    case ES_TYPE_Q8_0:
+        put_u16(b, es_fp32_to_fp16(std / 73.0f * jit));
+        for (int i = 0; i < 32; i++) bytes[i] = (uint8_t)(int8_t)((int)(rng_next(s) % 255) - 127);
+        put(b, bytes, 32);
+        break;
+    case ES_TYPE_Q4_K:
+    case ES_TYPE_Q5_K: {
+        int five = type == ES_TYPE_Q5_K;
+        float d = std / (five ? 32.0f * 9.2f : 32.0f * 4.6f) * jit;
+        put_u16(b, es_fp32_to_fp16(d));
+        put_u16(b, es_fp32_to_fp16((five ? 15.5f : 7.5f) * d));
+        int n = 12 + (five ? 32 : 0) + 128;
+        for (int i = 0; i < n; i++) bytes[i] = (uint8_t)rng_next(s);
+        put(b, bytes, (size_t)n);
+        break;
+    }
+    case ES_TYPE_Q6_K:
+        for (int i = 0; i < 192; i++) bytes[i] = (uint8_t)rng_next(s);          /* ql, qh */
+        for (int i = 0; i < 16; i++) bytes[192 + i] = (uint8_t)(int8_t)((int)(rng_next(s) % 127) - 63);
+        put(b, bytes, 208);
+        put_u16(b, es_fp32_to_fp16(std / (32.0f * 18.0f) * jit));
+        break;
+    default:
+        fprintf(stderr, "rand_block: type %u\n", type);
+        exit(2);
+    }
+}
+
+/* A random matrix [n_out rows][n_in] of `type`, added as `name`. */
+static void add_matrix(gguf_w *w, const char *name, uint32_t type, int64_t n_in, int64_t n_out,
+                       float scale) {
+    buf b = {0};
+    float a = scale * 1.732f / isqrt_up(n_in); /* uniform [-a, a): std ~ scale / sqrt(n_in) */
+    for (int64_t r = 0; r < n_out; r++) {
+        if (type == ES_TYPE_F32) {
+            for (int64_t i = 0; i < n_in; i++) put_f32(&b, rng_sym(&w->seed, a));
+        } else if (type == ES_TYPE_F16) {
+            for (int64_t i = 0; i < n_in; i++) put_u16(&b, es_fp32_to_fp16(rng_sym(&w->seed, a)));
+        } else if (type == ES_TYPE_BF16) {
+            for (int64_t i = 0; i < n_in; i++) {
+                float f = rng_sym(&w->seed, a);
+                uint32_t u;
+                memcpy(&u, &f, 4);
+                put_u16(&b, (uint16_t)(u >> 16));
+            }
+        } else {
+            int64_t per = es_type_block_elems(type);
+            for (int64_t j = 0; j < n_in / per; j++) rand_block(&w->seed, type, n_in, scale, &b);
+        }
+    }
+    add_tensor(w, name, type, n_in, n_out, &b);
+    free(b.p);
+}
+
+/* A random F32 vector: center + uniform [-spread, spread). */
+static void add_vector(gguf_w *w, const char *name, int64_t n, float center, float spread) {
+    buf b = {0};
+    for (int64_t i = 0; i < n; i++) put_f32(&b, center + rng_sym(&w->seed, spread));
+    add_tensor(w, name, ES_TYPE_F32, n, 0, &b);
+    free(b.p);
+}
+
+/* Matrix types of one layer: q, k, v, o, gate, up, down. */
+typedef struct { uint32_t q, k, v, o, gate, up, down; } layer_types;
+
+typedef struct {
+    const char *name;
+    const char *arch;
+    int n_embd, n_head, n_head_kv, head_dim, n_ff, n_layer;
+    uint32_t embd_type, output_type; /* output_type 0: tied */
+    layer_types layers[2];
+    uint64_t seed;
+} model_spec;
+
+static const model_spec MODELS[MAX_MODELS] = {
+    {"llama-q4_1", "llama", 192, 3, 1, 64, 512, 2, ES_TYPE_Q8_0, 0,
+     {{ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1},
+      {ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1}},
+     0x5eed0001},
+    {"qwen3-mixed", "qwen3", 256, 4, 2, 64, 512, 2, ES_TYPE_Q8_0, ES_TYPE_Q6_K,
+     {{ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K},
+      {ES_TYPE_Q8_0, ES_TYPE_Q4_0, ES_TYPE_Q5_0, ES_TYPE_Q5_1, ES_TYPE_Q5_K, ES_TYPE_F16, ES_TYPE_BF16}},
+     0x5eed0002},
+    {"qwen2-f32", "qwen2", 64, 4, 2, 16, 128, 2, ES_TYPE_F32, 0,
+     {{ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32},
+      {ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32}},
+     0x5eed0003},
+};
+
+/* Write the model of `ms` to `path`. Returns 0 on success. */
+static int write_model(const model_spec *ms, const char *path) {
+    gguf_w w;
+    memset(&w, 0, sizeof w);
+    snprintf(w.arch, sizeof w.arch, "%s", ms->arch);
+    w.seed = ms->seed;
+    put_str(&w.kv, "general.architecture"); put_u32(&w.kv, GGUF_T_STRING); put_str(&w.kv, ms->arch);
+    w.n_kv++;
+    put_str(&w.kv, "general.alignment"); put_u32(&w.kv, GGUF_T_UINT32); put_u32(&w.kv, 32); w.n_kv++;
+    kv_u32(&w, "block_count", (uint32_t)ms->n_layer);
+    kv_u32(&w, "context_length", 256);
+    kv_u32(&w, "embedding_length", (uint32_t)ms->n_embd);
+    kv_u32(&w, "feed_forward_length", (uint32_t)ms->n_ff);
+    kv_u32(&w, "attention.head_count", (uint32_t)ms->n_head);
+    kv_u32(&w, "attention.head_count_kv", (uint32_t)ms->n_head_kv);
+    kv_u32(&w, "attention.key_length", (uint32_t)ms->head_dim);
+    kv_u32(&w, "attention.value_length", (uint32_t)ms->head_dim);
+    kv_f32(&w, "rope.freq_base", strcmp(ms->arch, "llama") == 0 ? 10000.0f : 1000000.0f);
+    kv_f32(&w, "attention.layer_norm_rms_epsilon", 1e-6f);
+
+    const int E = ms->n_embd, Q = ms->n_head * ms->head_dim, KV = ms->n_head_kv * ms->head_dim;
+    const int qwen2 = strcmp(ms->arch, "qwen2") == 0, qwen3 = strcmp(ms->arch, "qwen3") == 0;
+    add_matrix(&w, "token_embd.weight", ms->embd_type, E, N_VOCAB, 2.0f);
+    char name[64];
+    for (int il = 0; il < ms->n_layer; il++) {
+        const layer_types *t = &ms->layers[il];
+#define NAME(s) (snprintf(name, sizeof name, "blk.%d.%s", il, s), name)
+        add_vector(&w, NAME("attn_norm.weight"), E, 1.0f, 0.2f);
+        add_matrix(&w, NAME("attn_q.weight"), t->q, E, Q, MATRIX_SCALE);
+        add_matrix(&w, NAME("attn_k.weight"), t->k, E, KV, MATRIX_SCALE);
+        add_matrix(&w, NAME("attn_v.weight"), t->v, E, KV, MATRIX_SCALE);
+        if (qwen2) {
+            add_vector(&w, NAME("attn_q.bias"), Q, 0.0f, 0.2f);
+            add_vector(&w, NAME("attn_k.bias"), KV, 0.0f, 0.2f);
+            add_vector(&w, NAME("attn_v.bias"), KV, 0.0f, 0.2f);
+        }
+        if (qwen3) {
+            add_vector(&w, NAME("attn_q_norm.weight"), ms->head_dim, 1.0f, 0.2f);
+            add_vector(&w, NAME("attn_k_norm.weight"), ms->head_dim, 1.0f, 0.2f);
+        }
+        add_matrix(&w, NAME("attn_output.weight"), t->o, Q, E, MATRIX_SCALE);
+        add_vector(&w, NAME("ffn_norm.weight"), E, 1.0f, 0.2f);
+        add_matrix(&w, NAME("ffn_gate.weight"), t->gate, E, ms->n_ff, MATRIX_SCALE);
+        add_matrix(&w, NAME("ffn_up.weight"), t->up, E, ms->n_ff, MATRIX_SCALE);
+        add_matrix(&w, NAME("ffn_down.weight"), t->down, ms->n_ff, E, MATRIX_SCALE);
+#undef NAME
+    }
+    add_vector(&w, "output_norm.weight", E, 1.0f, 0.2f);
+    if (ms->output_type) add_matrix(&w, "output.weight", ms->output_type, E, N_VOCAB, 2.0f);
+
+    buf out = {0};
+    put(&out, "GGUF", 4);
+    put_u32(&out, 3);
+    put_u64(&out, w.n_tensors);
+    put_u64(&out, w.n_kv);
+    put(&out, w.kv.p, w.kv.n);
+    put(&out, w.info.p, w.info.n);
+    while (out.n % 32) put(&out, "", 1);
+    put(&out, w.data.p, w.data.n);
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(out.p, 1, out.n, f) == out.n;
+    if (f && fclose(f) != 0) ok = 0;
+    free(out.p); free(w.kv.p); free(w.info.p); free(w.data.p);
+    return ok ? 0 : -1;
+}
+
+/* ---- the runs ---- */
+
+typedef struct {
+    int32_t argmax[N_ROWS];
+    uint64_t row_fnv[N_ROWS];
+    uint64_t fnv;              /* over all rows in order */
+} run_result;
+
+static void prompt_tokens(int32_t *t) {
+    for (int i = 0; i < N_PROMPT; i++) t[i] = (int32_t)((i * 37 + 5) % N_VOCAB);
+}
+
+/* (a) es_matmul_path: build kernels vs scalar reference, bitwise, on every matrix. */
+static int check_kernels(const es_model *m, const char *mname) {
+    es_pool *pool = es_pool_new(2);
+    CHECK(pool != NULL);
+    if (!pool) return 1;
+    const es_tensor *mats[4 + 7 * 2];
+    int nm = 0;
+    mats[nm++] = m->tok_embd;
+    if (m->output != m->tok_embd) mats[nm++] = m->output;
+    for (int il = 0; il < m->info.n_layer && il < 2; il++) {
+        const es_layer *L = &m->layers[il];
+        const es_tensor *t[7] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
+        for (int i = 0; i < 7; i++) mats[nm++] = t[i];
+    }
+    int bad = 0;
+    static const int Ns[3] = {1, 4, 33};
+    uint64_t s = 0xC0FFEE;
+    for (int i = 0; i < nm; i++) {
+        const es_tensor *W = mats[i];
+        for (int k = 0; k < 3; k++) {
+            int N = Ns[k];
+            int64_t n_in = W->ne[0], n_out = W->ne[1];
+            float *X = malloc(sizeof(float) * (size_t)(N * n_in));
+            float *Y0 = malloc(sizeof(float) * (size_t)(N * n_out));
+            float *Y1 = malloc(sizeof(float) * (size_t)(N * n_out));
+            size_t sb = es_matmul_scratch_bytes(W->type, n_in, N);
+            void *scratch = aligned_alloc(64, (sb + 63) / 64 * 64 + 64);
+            for (int64_t j = 0; j < N * n_in; j++) X[j] = rng_sym(&s, 2.0f);
+            es_matmul_path(pool, W, X, N, Y0, n_out, scratch, 0);
+            es_matmul_path(pool, W, X, N, Y1, n_out, scratch, 1);
+            if (memcmp(Y0, Y1, sizeof(float) * (size_t)(N * n_out)) != 0) {
+                int64_t at = 0;
+                while (at < N * n_out && memcmp(&Y0[at], &Y1[at], 4) == 0) at++;
+                fprintf(stderr, "  %s: %s (%s) N=%d: %s kernel differs from scalar at [%lld][%lld]: %.9g vs %.9g\n",
+                        mname, W->name, es_type_name(W->type), N, es_simd_name(),
+                        (long long)(at / n_out), (long long)(at % n_out), Y0[at], Y1[at]);
+                bad++;
+            }
+            free(X); free(Y0); free(Y1); free(scratch);
+        }
+    }
+    es_pool_free(pool);
+    CHECK_EQ_INT(bad, 0);
+    return bad;
+}
+
+static int new_session(const es_model *m, int n_threads, es_session **out) {
+    es_session_params sp = es_session_default_params();
+    sp.n_ctx = 64;
+    sp.n_threads = n_threads;
+    char err[256] = "";
+    es_status st = es_session_new(m, &sp, out, err, sizeof err);
+    if (st != ES_OK) fprintf(stderr, "  es_session_new: %d %s\n", (int)st, err);
+    CHECK_EQ_INT(st, ES_OK);
+    return st == ES_OK ? 0 : 1;
+}
+
+static int32_t argmax_row(const float *row) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < N_VOCAB; i++)
+        if (row[i] > row[best]) best = i;
+    return best;
+}
+
+/* Prefill + greedy decode on 3 threads; then the batched and rollback re-runs. */
+static int run_model(const es_model *m, const char *mname, run_result *res) {
+    es_session *s = NULL, *s1 = NULL;
+    if (new_session(m, 3, &s)) return 1;
+    float *logits = calloc((size_t)N_ROWS * N_VOCAB, sizeof(float));
+    float *again = calloc((size_t)N_ROWS * N_VOCAB, sizeof(float));
+    int32_t toks[N_ROWS], am[N_ROWS];
+    prompt_tokens(toks);
+    int rc = 0;
+    CHECK_EQ_INT(es_forward(s, toks, N_PROMPT, am, logits, 2), ES_OK);
+    for (int t = 0; t < N_DECODE; t++) {
+        toks[N_PROMPT + t] = am[N_PROMPT - 1 + t];
+        float *row = logits + (size_t)(N_PROMPT + t) * N_VOCAB;
+        es_status st = es_forward(s, &toks[N_PROMPT + t], 1, &am[N_PROMPT + t], row, 1);
+        if (st != ES_OK) {
+            fprintf(stderr, "  %s decode step %d: %s\n", mname, t, es_session_last_error(s));
+            CHECK_EQ_INT(st, ES_OK);
+            rc = 1;
+            break;
+        }
+    }
+    /* argmax_out agrees with the logits rows (ties to the lowest id) */
+    for (int r = 0; r < N_ROWS && !rc; r++) CHECK_EQ_INT(am[r], argmax_row(logits + (size_t)r * N_VOCAB));
+    res->fnv = FNV_INIT;
+    for (int r = 0; r < N_ROWS; r++) {
+        res->argmax[r] = am[r];
+        res->row_fnv[r] = fnv1a(logits + (size_t)r * N_VOCAB, sizeof(float) * N_VOCAB, FNV_INIT);
+        res->fnv = fnv1a(logits + (size_t)r * N_VOCAB, sizeof(float) * N_VOCAB, res->fnv);
+    }
+    /* verify-shaped: all 35 tokens in one call on one thread */
+    if (!rc && new_session(m, 1, &s1) == 0) {
+        CHECK_EQ_INT(es_forward(s1, toks, N_ROWS, NULL, again, 2), ES_OK);
+        int same = memcmp(again, logits, sizeof(float) * (size_t)N_ROWS * N_VOCAB) == 0;
+        if (!same) fprintf(stderr, "  %s: one 35-token call on 1 thread != prefill + 23 decode steps on 3\n", mname);
+        CHECK(same);
+    }
+    /* rollback to the prompt, then the 23 decode inputs in one call */
+    if (!rc) {
+        CHECK_EQ_INT(es_session_rollback(s, N_PROMPT), ES_OK);
+        CHECK_EQ_INT(es_forward(s, toks + N_PROMPT, N_DECODE, NULL, again, 2), ES_OK);
+        int same = memcmp(again, logits + (size_t)N_PROMPT * N_VOCAB,
+                          sizeof(float) * (size_t)N_DECODE * N_VOCAB) == 0;
+        if (!same) fprintf(stderr, "  %s: rollback + one 23-token call != 23 decode steps\n", mname);
+        CHECK(same);
+    }
+    es_session_free(s1);
+    es_session_free(s);
+    free(logits);
+    free(again);
+    return rc;
+}
+
+/* ---- the expected file ---- */
+
+typedef struct {
+    char name[32];
+    int have_argmax;
+    int32_t argmax[N_ROWS];
+    int have_rows[2];              /* [0] x86_64, [1] aarch64 */
+    uint64_t fnv[2], row_fnv[2][N_ROWS];
+} expected_model;
+
+static int arch_index(const char *a) { return strcmp(a, "x86_64") == 0 ? 0 : strcmp(a, "aarch64") == 0 ? 1 : -1; }
+
+/* Parse the expected file: blocks of "model NAME", "argmax a0 ... a34",
+ * "fnv ARCH HEX", "rows ARCH HEX0 ... HEX34". Returns models read, -1 if unreadable. */
+static int read_expected(const char *path, expected_model *em, int max) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[8192];
+    int n = 0;
+    expected_model *cur = NULL;
+    while (fgets(line, sizeof line, f)) {
+        char *save = NULL, *tok = strtok_r(line, " \t\r\n", &save);
+        if (!tok || tok[0] == '#') continue;
+        if (strcmp(tok, "model") == 0 && n < max) {
+            cur = &em[n++];
+            memset(cur, 0, sizeof *cur);
+            tok = strtok_r(NULL, " \t\r\n", &save);
+            snprintf(cur->name, sizeof cur->name, "%s", tok ? tok : "");
+        } else if (cur && strcmp(tok, "argmax") == 0) {
+            int i = 0;
+            while (i < N_ROWS && (tok = strtok_r(NULL, " \t\r\n", &save))) cur->argmax[i++] = (int32_t)atoi(tok);
+            cur->have_argmax = i == N_ROWS;
+        } else if (cur && (strcmp(tok, "fnv") == 0 || strcmp(tok, "rows") == 0)) {
+            int rows = strcmp(tok, "rows") == 0;
+            tok = strtok_r(NULL, " \t\r\n", &save);
+            int a = tok ? arch_index(tok) : -1;
+            if (a < 0) continue;
+            if (!rows) {
+                tok = strtok_r(NULL, " \t\r\n", &save);
+                if (tok) cur->fnv[a] = strtoull(tok, NULL, 16);
+            } else {
+                int i = 0;
+                while (i < N_ROWS && (tok = strtok_r(NULL, " \t\r\n", &save)))
+                    cur->row_fnv[a][i++] = strtoull(tok, NULL, 16);
+                cur->have_rows[a] = i == N_ROWS;
+            }
+        }
+    }
+    fclose(f);
+    return n;
+}
+
+static void write_record(FILE *f, const char *mname, const run_result *r) {
+    fprintf(f, "model %s\nargmax", mname);
+    for (int i = 0; i < N_ROWS; i++) fprintf(f, " %d", r->argmax[i]);
+    fprintf(f, "\nfnv %s %016llx\nrows %s", ARCH_NAME, (unsigned long long)r->fnv, ARCH_NAME);
+    for (int i = 0; i < N_ROWS; i++) fprintf(f, " %016llx", (unsigned long long)r->row_fnv[i]);
+    fprintf(f, "\n");
+}
+
+static void compare(const expected_model *e, const char *mname, const run_result *r) {
+    if (!e) {
+        fprintf(stderr, "  %s: no expected record in the expected file\n", mname);
+        CHECK(e != NULL);
+        return;
+    }
+    CHECK(e->have_argmax);
+    int first = -1;
+    for (int i = 0; i < N_ROWS && first < 0; i++)
+        if (e->argmax[i] != r->argmax[i]) first = i;
+    if (first >= 0)
+        fprintf(stderr, "  %s: argmax differs from the x86-64 build at row %d: %d vs %d (x86-64)\n",
+                mname, first, r->argmax[first], e->argmax[first]);
+    CHECK_EQ_INT(first, -1);
+    int a = arch_index(ARCH_NAME);
+    if (a < 0) {
+        printf("  %s: no logits record for %s; argmax compared only\n", mname, ARCH_NAME);
+        return;
+    }
+    CHECK(e->have_rows[a]);
+    int row = -1;
+    for (int i = 0; i < N_ROWS && row < 0; i++)
+        if (e->row_fnv[a][i] != r->row_fnv[i]) row = i;
+    if (row >= 0)
+        fprintf(stderr, "  %s: logits row %d differs from the %s scalar build (fnv %016llx vs %016llx): "
+                "the %s path is not bitwise the scalar path\n", mname, row, ARCH_NAME,
+                (unsigned long long)r->row_fnv[row], (unsigned long long)e->row_fnv[a][row], es_simd_name());
+    CHECK_EQ_INT(row, -1);
+    CHECK(e->fnv[a] == r->fnv);
+    int other = 1 - a;
+    if (e->have_rows[other])
+        printf("  %s: logits checksum %016llx (%s, %s); x86-64 and aarch64 scalar logits are %s\n", mname,
+               (unsigned long long)r->fnv, ARCH_NAME, es_simd_name(),
+               e->fnv[0] == e->fnv[1] ? "bitwise identical" : "not bitwise identical (libm), argmax identical");
+}
+
+/* ---- tests ---- */
+
+static expected_model g_expected[MAX_MODELS];
+static int g_n_expected = -1;
+static FILE *g_record = NULL;
+static char g_dir[256];
+
+static const expected_model *find_expected(const char *name) {
+    for (int i = 0; i < g_n_expected; i++)
+        if (strcmp(g_expected[i].name, name) == 0) return &g_expected[i];
+    return NULL;
+}
+
+static void parity(int which) {
+    const model_spec *ms = &MODELS[which];
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s.gguf", g_dir, ms->name);
+    CHECK_EQ_INT(write_model(ms, path), 0);
+    es_model *m = NULL;
+    char err[256] = "";
+    es_model_params mp = es_model_default_params();
+    es_status st = es_model_load(path, &mp, &m, err, sizeof err);
+    if (st != ES_OK) fprintf(stderr, "  %s: es_model_load: %s\n", ms->name, err);
+    CHECK_EQ_INT(st, ES_OK);
+    if (st != ES_OK) return;
+    check_kernels(m, ms->name);
+    run_result r;
+    memset(&r, 0, sizeof r);
+    if (run_model(m, ms->name, &r) == 0) {
+        if (g_record) write_record(g_record, ms->name, &r);
+        else compare(find_expected(ms->name), ms->name, &r);
+    }
+    es_model_free(m);
+}
+
+TEST(parity_llama_q4_1) { parity(0); }
+TEST(parity_qwen3_mixed_kquants) { parity(1); }
+TEST(parity_qwen2_f32) { parity(2); }
+
+TEST(simd_path_is_the_expected_one) {
+    const char *want = getenv("ES_EXPECT_SIMD");
+    const char *got = es_simd_name();
+    printf("  simd path: %s (%s)\n", got, ARCH_NAME);
+    if (!want || !*want) return;
+    const char *name = strcmp(want, "neon-a76") == 0 ? "neon-dotprod"
+                     : strcmp(want, "scalar") == 0 ? "scalar" : want;
+    if (strcmp(got, name) != 0)
+        fprintf(stderr, "  ES_EXPECT_SIMD=%s: es_simd_name() is \"%s\", expected \"%s\"\n", want, got, name);
+    CHECK(strcmp(got, name) == 0);
+}
+
+int main(void) {
+    const char *keep = getenv("ES_PARITY_KEEP_DIR");
+    const char *tmp = getenv("TMPDIR");
+    if (keep && *keep) {
+        snprintf(g_dir, sizeof g_dir, "%s", keep);
+    } else {
+        snprintf(g_dir, sizeof g_dir, "%s/es_parity_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+        if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
+    }
+    const char *rec = getenv("ES_PARITY_RECORD");
+    if (rec && *rec) {
+        g_record = fopen(rec, "w");
+        if (!g_record) { perror(rec); return 2; }
+    } else {
+        const char *exp = getenv("ES_PARITY_EXPECTED");
+        if (!exp || !*exp) exp = "tests/data/neon_parity_expected.txt";
+        g_n_expected = read_expected(exp, g_expected, MAX_MODELS);
+        if (g_n_expected < 0) fprintf(stderr, "  cannot read the expected file %s (run from engine_c/)\n", exp);
+    }
+    RUN(simd_path_is_the_expected_one);
+    RUN(parity_llama_q4_1);
+    RUN(parity_qwen3_mixed_kquants);
+    RUN(parity_qwen2_f32);
+    if (g_record) fclose(g_record);
+    if (!(keep && *keep)) {
+        for (int i = 0; i < MAX_MODELS; i++) {
+            char path[512];
+            snprintf(path, sizeof path, "%s/%s.gguf", g_dir, MODELS[i].name);
+            unlink(path);
+        }
+        rmdir(g_dir);
+    }
+    return harness_report();
+}
