@@ -1,0 +1,132 @@
+"""Shared pytest fixtures: tiny generated GGUF models, the real SmolLM2 model, references.
+
+Fixtures:
+    tiny_model          factory(**write_tiny_model kwargs) -> path (str) of a cached tiny GGUF file
+    tiny_spec           factory(**kwargs) -> ggufgen.TinySpec (same cache)
+    smollm2_path        path (str) of SmolLM2-135M-Instruct Q4_1, from scripts/fetch_model.py fetch()
+    smollm2_reference   reference.Reference over it (float64, act_quant=True), built once per session
+    smollm2_tokenizer   object with encode(text) -> list[int] and decode(ids) -> str
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+# The numpy reference does many small matrix-vector products. On a shared
+# 2-core machine a multi-threaded BLAS spins against other processes and runs
+# several times slower, so default it to one thread (set before numpy loads).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+for p in (str(TESTS_DIR), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import ggufgen  # noqa: E402
+
+
+def _load_fetch_model():
+    spec = importlib.util.spec_from_file_location("echospec_fetch_model", REPO / "scripts" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def tiny_spec(tmp_path_factory):
+    """Factory: write (once per distinct kwargs) a tiny model and return its TinySpec."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    cache: dict = {}
+
+    def make(**kwargs) -> ggufgen.TinySpec:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            name = "_".join(f"{k}-{v}" for k, v in key) or "default"
+            cache[key] = ggufgen.write_tiny_model(root / f"{name}.gguf", **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_spec):
+    """Factory: path (str) of a tiny model written with write_tiny_model(**kwargs)."""
+    return lambda **kwargs: tiny_spec(**kwargs).path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The default real model, fetched (or found in the cache) by scripts/fetch_model.py."""
+    return str(_load_fetch_model().fetch(verbose=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """numpy reference over SmolLM2 in float64 with engine-style int8 activations (see reference.py)."""
+    import numpy as np
+    from reference import Reference
+    return Reference(smollm2_path, dtype=np.float64, act_quant=True)
+
+
+class _GGUFTokenizer:
+    """Byte-level BPE from a GGUF's own vocab and merges with the HF `tokenizers` library.
+
+    Used only when services/common/tokenizer.py is not there. Special (CONTROL)
+    tokens such as <|im_start|> are matched as single tokens; the `smollm`
+    pre-tokenizer splits digits one per token, as llama.cpp does.
+    """
+
+    def __init__(self, path: str):
+        import gguf
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        r = gguf.GGUFReader(path)
+        toks = r.fields["tokenizer.ggml.tokens"].contents()
+        types = r.fields["tokenizer.ggml.token_type"].contents()
+        merges = r.fields["tokenizer.ggml.merges"].contents()
+        pre = r.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in r.fields else "gpt2"
+        vocab = {t: i for i, t in enumerate(toks)}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+        pts = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if pre == "smollm":
+            pts.insert(0, pre_tokenizers.Digits(individual_digits=True))
+        tk.pre_tokenizer = pre_tokenizers.Sequence(pts)
+        tk.decoder = decoders.ByteLevel()
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                               for t, ty in zip(toks, types) if ty == 3])
+        self._tk = tk
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def make_tokenizer(path: str):
+    """The project's tokenizer (services.common.tokenizer) when present, else the local helper."""
+    try:
+        from services.common.tokenizer import Tokenizer  # type: ignore
+    except ImportError:
+        return _GGUFTokenizer(path)
+    return Tokenizer.from_gguf(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    return make_tokenizer(smollm2_path)
+
+
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chatml(user: str, system: str = SMOLLM2_SYSTEM) -> str:
+    """SmolLM2's chat template rendered for one user message plus the generation prompt."""
+    return (f"<|im_start|>system\n{system}<|im_end|>\n"
+            f"<|im_start|>user\n{user}<|im_end|>\n"
+            f"<|im_start|>assistant\n")

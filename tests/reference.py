@@ -1,0 +1,325 @@
+"""A plain numpy forward pass over a GGUF file: the reference the C engine is checked against.
+
+Independent of engine_c: the file is read with gguf.GGUFReader and every
+weight is dequantized with gguf.quants.dequantize (the `gguf` package's own
+decoders). Each weight matrix is dequantized once and kept as a float array
+(SmolLM2-135M: about 0.55 GB in float32, 1.1 GB in float64).
+
+Arithmetic: float64 by default (dtype=np.float64), so the reference is closer
+to exact than the engine (float32) and the tolerances in the tests measure the
+engine's error, not ours. float32 is available for speed.
+
+act_quant=True emulates the engine's activation quantization before every
+matmul whose weight is a quantized (block) type: per block of 32 activations,
+    d = max|x| / 127,  id = 1 / d (0 when d == 0),  q = rint(x * id),  x' = q * d
+computed in float32 (rint: round half to even). The engine does this (as
+llama.cpp does with q8_0 / q8_1 activations); without it the reference and the
+engine part by about 1% of the logit scale on 4-bit types, with it by about
+1e-5..1e-4, so tolerances can be tight enough to catch a wrong kernel. F32,
+F16 and BF16 weights multiply the float activations unchanged.
+
+Model semantics (see /work/shared/MODEL_NOTES.md):
+  x = token_embd[tokens]
+  per layer:  h = RMSNorm(x) * attn_norm
+              q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)       (biases: qwen2)
+              q, k = RMSNorm per head (* q_norm / k_norm)               (qwen3)
+              q, k = RoPE(q, k, pos)   llama: pairs (2i, 2i+1); qwen2/3: pairs (i, i + rope_dim/2);
+                                       theta_i = base^(-2i / rope_dim), angle = pos * theta_i
+              a = softmax(q k^T / sqrt(head_dim) + causal mask) v      (GQA: head h uses kv head h // (n_head / n_head_kv))
+              x = x + a Wo^T
+              h = RMSNorm(x) * ffn_norm
+              x = x + (silu(h Wg^T) * (h Wu^T)) Wd^T
+  logits = (RMSNorm(x) * output_norm) Wout^T       (Wout = token_embd when output.weight is absent)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16, QT.F64)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * w. Shapes: x [..., n], w [n]."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if w is None else y * w
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax (rows sum to 1; -inf entries get 0)."""
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def rope(x: np.ndarray, pos: np.ndarray, base: float, rope_dim: int, neox: bool) -> np.ndarray:
+    """Rotate the first rope_dim dims of every head.
+
+    Args:
+        x: [n_tokens, n_heads, head_dim]
+        pos: int [n_tokens] absolute positions
+        base: freq_base (theta); theta_i = base^(-2i / rope_dim), i in [0, rope_dim/2)
+        neox: False -> pairs (2i, 2i+1) (llama); True -> pairs (i, i + rope_dim/2) (qwen2/3)
+    Returns:
+        rotated copy, same shape and dtype. Dims >= rope_dim are passed through.
+    """
+    half = rope_dim // 2
+    inv = base ** (-2.0 * np.arange(half, dtype=np.float64) / rope_dim)
+    ang = pos.astype(np.float64)[:, None] * inv[None, :]          # [n_tokens, half]
+    cos = np.cos(ang)[:, None, :].astype(x.dtype)
+    sin = np.sin(ang)[:, None, :].astype(x.dtype)
+    out = x.copy()
+    if neox:
+        x0, x1 = x[..., :half], x[..., half:rope_dim]
+        out[..., :half] = x0 * cos - x1 * sin
+        out[..., half:rope_dim] = x0 * sin + x1 * cos
+    else:
+        x0, x1 = x[..., 0:rope_dim:2], x[..., 1:rope_dim:2]
+        out[..., 0:rope_dim:2] = x0 * cos - x1 * sin
+        out[..., 1:rope_dim:2] = x0 * sin + x1 * cos
+    return out
+
+
+def quantize_activations_q8(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """Emulate int8 activation quantization per `block` elements of the last axis (float32 arithmetic).
+
+    d = max|x| / 127, id = 1/d (0 if d == 0), q = rint(x * id), return q * d
+    (float32 values, cast back to x.dtype). The last axis must be a multiple of block.
+    """
+    x32 = np.asarray(x, dtype=np.float32)
+    shp = x32.shape
+    b = x32.reshape(-1, block)
+    d = (np.max(np.abs(b), axis=1, keepdims=True) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        idd = np.where(d == 0, np.float32(0), np.float32(1.0) / d).astype(np.float32)
+    q = np.rint(b * idd).astype(np.float32)
+    return (q * d).reshape(shp).astype(x.dtype)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise KeyError(f"GGUF key {key!r} missing")
+        return default
+    return f.contents()
+
+
+@dataclass
+class Hparams:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    rope_base: float
+    rope_dim: int
+    rope_neox: bool
+    norm_eps: float
+    n_ctx_train: int
+    tied: bool
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys and values: k[l], v[l] are [n_head_kv, n_past, head_dim]."""
+    k: list = field(default_factory=list)
+    v: list = field(default_factory=list)
+    n_past: int = 0
+
+
+class Reference:
+    """Numpy forward pass over a GGUF model (llama, qwen2, qwen3).
+
+    Args:
+        path: GGUF file.
+        dtype: compute dtype, np.float64 (default) or np.float32.
+        act_quant: emulate the engine's int8 activation quantization (block 32)
+            before matmuls with quantized weights (see module docstring).
+    Raises:
+        KeyError / ValueError: a key or tensor the architecture needs is missing.
+    """
+
+    def __init__(self, path: str, dtype=np.float64, act_quant: bool = False, act_block: int = 32):
+        self.path = str(path)
+        self.dtype = np.dtype(dtype)
+        self.act_quant = act_quant
+        self.act_block = act_block
+        r = gguf.GGUFReader(self.path)
+        arch = _field(r, "general.architecture")
+        if arch not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"unsupported architecture {arch!r}")
+        n_embd = int(_field(r, f"{arch}.embedding_length"))
+        n_head = int(_field(r, f"{arch}.attention.head_count"))
+        head_dim = int(_field(r, f"{arch}.attention.key_length", n_embd // n_head))
+        self.tensors = {t.name: t for t in r.tensors}
+        tok = self.tensors["token_embd.weight"]
+        self.hp = Hparams(
+            arch=arch,
+            n_vocab=int(tok.shape[1]),
+            n_embd=n_embd,
+            n_layer=int(_field(r, f"{arch}.block_count")),
+            n_head=n_head,
+            n_head_kv=int(_field(r, f"{arch}.attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_ff=int(_field(r, f"{arch}.feed_forward_length")),
+            rope_base=float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+            rope_dim=int(_field(r, f"{arch}.rope.dimension_count", head_dim)),
+            rope_neox=arch in ("qwen2", "qwen3"),
+            norm_eps=float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon")),
+            n_ctx_train=int(_field(r, f"{arch}.context_length")),
+            tied="output.weight" not in self.tensors,
+        )
+        self._w: dict[str, np.ndarray] = {}
+        self._quantized: dict[str, bool] = {}
+        for name, t in self.tensors.items():
+            a = gguf.quants.dequantize(t.data, t.tensor_type)
+            n_el = int(np.prod([int(s) for s in t.shape]))
+            if a.size != n_el:
+                raise ValueError(f"{name}: dequantized {a.size} elements, expected {n_el}")
+            if len(t.shape) == 2:
+                a = a.reshape(int(t.shape[1]), int(t.shape[0]))   # ne = [n_in, n_out] -> (n_out, n_in)
+            else:
+                a = a.reshape(-1)
+            self._w[name] = np.ascontiguousarray(a, dtype=self.dtype)
+            self._quantized[name] = t.tensor_type not in FLOAT_TYPES
+        self._out_name = "token_embd.weight" if self.hp.tied else "output.weight"
+
+    # ---- building blocks ------------------------------------------------------
+
+    def weight(self, name: str) -> np.ndarray:
+        """Dequantized weight: 2-D (n_out, n_in) or 1-D, in the compute dtype."""
+        return self._w[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._w
+
+    def matmul(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x [n, n_in] @ W^T -> [n, n_out]; activations quantized first when act_quant and W is quantized."""
+        if self.act_quant and self._quantized[name]:
+            x = quantize_activations_q8(x, self.act_block)
+        return x @ self._w[name].T
+
+    def new_cache(self) -> KVCache:
+        hp = self.hp
+        e = np.zeros((hp.n_head_kv, 0, hp.head_dim), dtype=self.dtype)
+        return KVCache(k=[e] * hp.n_layer, v=[e] * hp.n_layer, n_past=0)
+
+    # ---- forward ---------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
+        """Logits for new tokens appended after `cache` (a fresh sequence when None).
+
+        Args:
+            tokens: ints in [0, n_vocab), length n >= 1.
+            cache: KV cache to extend in place (n_past grows by n).
+        Returns:
+            logits [n, n_vocab] in the compute dtype.
+        Raises:
+            ValueError: a token id out of range or no tokens.
+        """
+        hp = self.hp
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if toks.size == 0:
+            raise ValueError("no tokens")
+        if toks.min() < 0 or toks.max() >= hp.n_vocab:
+            raise ValueError("token id out of range")
+        if cache is None:
+            cache = self.new_cache()
+        n = toks.size
+        pos = np.arange(cache.n_past, cache.n_past + n)
+        x = self._w["token_embd.weight"][toks].astype(self.dtype)       # [n, n_embd]
+        group = hp.n_head // hp.n_head_kv
+        scale = float(1.0 / np.sqrt(hp.head_dim))   # a Python float keeps float32 math float32
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            # attention
+            h = rms_norm(x, self._w[p + "attn_norm.weight"], hp.norm_eps)
+            q = self.matmul(h, p + "attn_q.weight")
+            k = self.matmul(h, p + "attn_k.weight")
+            v = self.matmul(h, p + "attn_v.weight")
+            if self.has(p + "attn_q.bias"):
+                q = q + self._w[p + "attn_q.bias"]
+                k = k + self._w[p + "attn_k.bias"]
+                v = v + self._w[p + "attn_v.bias"]
+            q = q.reshape(n, hp.n_head, hp.head_dim)
+            k = k.reshape(n, hp.n_head_kv, hp.head_dim)
+            v = v.reshape(n, hp.n_head_kv, hp.head_dim)
+            if self.has(p + "attn_q_norm.weight"):
+                q = rms_norm(q, self._w[p + "attn_q_norm.weight"], hp.norm_eps)
+                k = rms_norm(k, self._w[p + "attn_k_norm.weight"], hp.norm_eps)
+            q = rope(q, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
+            k = rope(k, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
+            K = np.concatenate([cache.k[il], k.transpose(1, 0, 2)], axis=1)   # [n_kv, T, hd]
+            V = np.concatenate([cache.v[il], v.transpose(1, 0, 2)], axis=1)
+            cache.k[il], cache.v[il] = K, V
+            T = K.shape[1]
+            qh = q.transpose(1, 0, 2).reshape(hp.n_head_kv, group * n, hp.head_dim)  # heads of a group stacked
+            s = (qh @ K.transpose(0, 2, 1)) * scale                               # [n_kv, group*n, T]
+            s = s.reshape(hp.n_head_kv, group, n, T)
+            mask = np.arange(T)[None, :] > pos[:, None]                            # [n, T] future keys
+            s = np.where(mask[None, None], -np.inf, s)
+            a = softmax(s, axis=-1).reshape(hp.n_head_kv, group * n, T) @ V        # [n_kv, group*n, hd]
+            a = a.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)
+            x = x + self.matmul(a, p + "attn_output.weight")
+            # feed-forward (SwiGLU)
+            h = rms_norm(x, self._w[p + "ffn_norm.weight"], hp.norm_eps)
+            g = self.matmul(h, p + "ffn_gate.weight")
+            u = self.matmul(h, p + "ffn_up.weight")
+            x = x + self.matmul(silu(g) * u, p + "ffn_down.weight")
+        cache.n_past += n
+        h = rms_norm(x, self._w["output_norm.weight"], hp.norm_eps)
+        return self.matmul(h, self._out_name)
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [n_tokens, n_vocab] of a fresh sequence."""
+        return self.forward(tokens)
+
+    def greedy(self, prompt: Sequence[int], n: int, force: Sequence[int] | None = None):
+        """Greedy continuation with a KV cache.
+
+        Args:
+            prompt: prompt token ids (prefilled in one call).
+            n: tokens to generate.
+            force: optional token sequence to feed instead of the reference's own
+                argmax (to follow another implementation's path and read the
+                reference's margins along it); its length must be >= n - 1.
+        Returns:
+            GreedyResult with tokens (the reference's argmax at each step),
+            margins (top-1 minus top-2 logit at each step), top2 (the two best ids)
+            and logits_first (the logits row after the prompt).
+        """
+        cache = self.new_cache()
+        row = self.forward(prompt, cache)[-1]
+        logits_first = row.copy()
+        toks, margins, top2 = [], [], []
+        for i in range(n):
+            order = np.argsort(-row, kind="stable")[:2]
+            t = int(order[0])
+            toks.append(t)
+            margins.append(float(row[order[0]] - row[order[1]]))
+            top2.append((int(order[0]), int(order[1])))
+            if i == n - 1:
+                break
+            nxt = t if force is None else int(force[i])
+            row = self.forward([nxt], cache)[-1]
+        return GreedyResult(tokens=toks, margins=margins, top2=top2, logits_first=logits_first)
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[int]                   # argmax per step
+    margins: list[float]                # top-1 minus top-2 logit per step (logit units)
+    top2: list[tuple[int, int]]         # (best, second) ids per step
+    logits_first: np.ndarray            # [n_vocab] after the prompt
