@@ -58,7 +58,7 @@ run() {
 compose() { (cd deploy && env -i PATH="$PATH" HOME="${HOME:-/tmp}" "$@"); }
 run "compose config (defaults)" compose "$BIN/docker-compose" -f docker-compose.yml --env-file /dev/null config -q
 run "compose config (overrides)" compose env ECHOSPEC_MODEL_FILE=Qwen3-1.7B-Q4_K_M.gguf ECHOSPEC_SIMD=scalar \
-    ECHOSPEC_VERIFIER_CPUSET=0-1 ECHOSPEC_THREADS=2 ECHOSPEC_PUBLISH_PORT=8051 \
+    ECHOSPEC_VERIFIER_CPUSET=0-1 ECHOSPEC_N_THREADS=2 ECHOSPEC_PUBLISH_PORT=8051 \
     "$BIN/docker-compose" -f docker-compose.yml --env-file /dev/null config -q
 run "hadolint deploy/Dockerfile" "$BIN/hadolint" --no-color deploy/Dockerfile
 simd_ok() { [ "$(sh deploy/resolve_simd.sh "$1" "$2")" = "$3" ]; }

@@ -127,7 +127,7 @@ def test_each_service_has_health_restart_and_its_port(config: dict):
 def test_verifier_on_the_big_cores_with_four_threads(config: dict):
     v = config["services"]["verifier"]
     assert v["cpuset"] == "4-7"
-    assert v["environment"]["ECHOSPEC_THREADS"] == "4"
+    assert v["environment"]["ECHOSPEC_N_THREADS"] == "4"
 
 
 def test_model_from_the_named_volume(config: dict):
@@ -145,7 +145,10 @@ def test_model_from_the_named_volume(config: dict):
 
 
 def test_user_model_and_portable_build_overrides(tools_bin: Path):
-    cfg = _compose_config(tools_bin, {"ECHOSPEC_MODEL_FILE": "Qwen3-1.7B-Q4_K_M.gguf", "ECHOSPEC_SIMD": "scalar"})
+    cfg = _compose_config(tools_bin, {"ECHOSPEC_MODEL_FILE": "Qwen3-1.7B-Q4_K_M.gguf", "ECHOSPEC_SIMD": "scalar",
+                                      "ECHOSPEC_VERIFIER_CPUSET": "0-1", "ECHOSPEC_N_THREADS": "2"})
+    assert cfg["services"]["verifier"]["cpuset"] == "0-1"
+    assert cfg["services"]["verifier"]["environment"]["ECHOSPEC_N_THREADS"] == "2"
     for name in ("verifier", "coordinator"):
         assert cfg["services"][name]["environment"]["ECHOSPEC_MODEL"] == "/models/Qwen3-1.7B-Q4_K_M.gguf"
         assert cfg["services"][name]["build"]["args"]["ECHOSPEC_SIMD"] == "scalar"
@@ -307,3 +310,18 @@ def test_readme_documents_every_compose_variable():
     assert names, "no variables found in the compose file"
     missing = sorted(n for n in names if f"`{n}`" not in readme and n not in readme)
     assert not missing, f"variables not documented in deploy/README.md: {missing}"
+
+
+def test_compose_variables_are_service_config_fields(config: dict):
+    """Every ECHOSPEC_* a service gets is a field of its config dataclass (no silent typo)."""
+    import dataclasses
+
+    from services.common import config as cfg
+
+    classes = {"draft": cfg.DraftConfig, "verifier": cfg.VerifierConfig, "coordinator": cfg.CoordinatorConfig}
+    for name, cls in classes.items():
+        fields = {f"ECHOSPEC_{f.name.upper()}" for f in dataclasses.fields(cls)}
+        env = {k for k in config["services"][name]["environment"] if k.startswith("ECHOSPEC_")}
+        assert env - fields == set(), f"{name}: not fields of {cls.__name__}: {sorted(env - fields)}"
+    init_env = set(config["services"]["model-init"]["environment"])
+    assert init_env == {"ECHOSPEC_CACHE", "ECHOSPEC_MODEL_FILE", "ECHOSPEC_IMPORT_DIR"}
