@@ -1,0 +1,82 @@
+"""Smoke test of bench/engine_bench.py on a tiny random-weight model (not a timed test).
+
+It checks the command-line contract users script against: `--json` prints exactly one JSON object
+with decode_tok_s, prefill_tok_s, verify_ratio (K -> V(K)/T) and peer, the numbers are positive
+and finite, and a missing model gives a clear error and exit status 2. No speed is asserted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from ggufgen import write_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "engine_bench.py"
+KS = ("1", "2", "4", "8", "16")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_json_on_tiny_model(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
+    r = _run("--model", str(model), "--quick", "--no-peer", "--json", "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON object: anything else on stdout fails here
+    assert isinstance(out, dict)
+
+    for key in ("decode_tok_s", "prefill_tok_s", "T_ms"):
+        assert _positive(out[key]), (key, out[key])
+    assert sorted(out["verify_ratio"], key=int) == list(KS)
+    assert sorted(out["V_ms"], key=int) == list(KS)
+    for k in KS:
+        assert _positive(out["verify_ratio"][k]), (k, out["verify_ratio"][k])
+        assert _positive(out["V_ms"][k])
+    assert out["peer"] is None
+    assert "--no-peer" in out["peer_error"]
+    assert out["ratios"] is None
+    assert out["threads"] == 2
+    assert out["depth"] == 64
+    assert out["simd"] in ("avx512", "avx2", "neon-dotprod", "neon", "scalar")
+    assert out["model"] == str(model)
+    assert "[engine_bench]" in r.stderr  # progress goes to stderr
+
+
+def test_bench_table_and_peer_absent_or_present(tmp_path):
+    """The default (human) output is a table; the peer column is '-' with --no-peer."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="qwen2", matrix_type="F16", seed=3)
+    r = _run("--model", str(model), "--quick", "--no-peer", "--ks", "1,4")
+    assert r.returncode == 0, r.stderr
+    assert "decode tok/s" in r.stdout
+    assert "V(4)/T" in r.stdout
+    assert "V(8)" not in r.stdout
+    assert "peer: none (disabled by --no-peer)" in r.stdout
+
+
+def test_bench_missing_model_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    r = _run("--model", str(missing), "--json", "--no-peer")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert "model file not found" in r.stderr and str(missing) in r.stderr
+
+
+def test_bench_unloadable_model_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 8)  # truncated after the version
+    r = _run("--model", str(bad), "--json", "--no-peer")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert "cannot load" in r.stderr and "ES_ERR_" in r.stderr
