@@ -115,13 +115,13 @@ class PeerRunner:
     def __init__(self, model_path: str, threads: int, n_ctx: int):
         import llama_cpp  # ImportError is reported as peer_error by the caller
 
-        self._np = np
         self.llm = llama_cpp.Llama(
             model_path=model_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
             n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.version = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
         self.simd = self._system_info(llama_cpp)
+        self._set_logits_all(True)
 
     @staticmethod
     def _system_info(llama_cpp) -> str:
@@ -135,14 +135,26 @@ class PeerRunner:
         """Roll back: the next eval removes KV positions >= n_past before it runs."""
         self.llm.n_tokens = n_past
 
+    def _set_logits_all(self, on: bool) -> None:
+        """Llama.eval marks every batch position for logits when this flag is set (the last always).
+
+        llama-cpp-python 0.3.x keeps it in Llama._logits_all; older releases read
+        context_params.logits_all. A ctypes struct would accept any attribute silently, so the
+        attribute is checked, not assumed.
+        """
+        if hasattr(self.llm, "_logits_all"):
+            self.llm._logits_all = on
+        elif hasattr(type(self.llm.context_params), "logits_all"):
+            self.llm.context_params.logits_all = on
+        else:
+            raise RuntimeError("this llama-cpp-python has no logits_all switch the bench knows")
+
     def _eval(self, tokens: np.ndarray, all_logits: bool) -> None:
-        ctx_params = self.llm.context_params
-        saved = ctx_params.logits_all
-        ctx_params.logits_all = all_logits
+        self._set_logits_all(all_logits)
         try:
             self.llm.eval(tokens.tolist())
         finally:
-            ctx_params.logits_all = saved
+            self._set_logits_all(True)
 
     def prefill(self, tokens: np.ndarray) -> None:
         """A plain prompt evaluation: only the last position's logits are produced."""
