@@ -37,7 +37,8 @@ _Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
  * blocks): element e of block j of the group is qs[(e / 4) * 64 + j * 4 + e % 4].
  *   d[j]     block scale (float32): x ~= d * q
  *   qsum[j]  sum of the block's 32 int8 values
- * Blocks past the end of the row are all zero (d = 0, qsum = 0).
+ *   s[j]     d[j] * (float)qsum[j]
+ * Blocks past the end of the row are all zero (d = 0, qsum = 0, s = 0).
  * One activation row of n_in elements is ceil(n_in / 512) groups.
  */
 #define ES_GROUP_BLOCKS 16
@@ -45,7 +46,8 @@ typedef struct {
     int8_t qs[ES_GROUP_BLOCKS * QK];   /* 512 */
     float d[ES_GROUP_BLOCKS];
     int32_t qsum[ES_GROUP_BLOCKS];
-} es_q8_group;                          /* 640 B, a multiple of 64 */
+    float s[ES_GROUP_BLOCKS];
+} es_q8_group;                          /* 704 B, a multiple of 64 */
 
 /* Accumulator lanes of one output element (the sum is split lane[b % 16]). */
 #define ES_LANES 16

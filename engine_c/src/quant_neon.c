@@ -41,7 +41,6 @@ static inline ES_AI int32x4_t dot4(int32x4_t acc, int8x16_t a, int8x16_t b) {
 typedef struct {
     int8x16_t w[8];
     float32x4_t a, b;
-    int32x4_t jm;
 } wquad;
 
 /* 16 bytes at p + i * stride for i < nv (zero otherwise), transposed:
@@ -112,7 +111,7 @@ static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wquad *g) {
 
 /* Quad q of a group into rows [0, nt): acc[n * 4 + q] += c. */
 static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt, int q,
-                                   float32x4_t *acc, int two, int kq) {
+                                   float32x4_t *acc, int two) {
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const int8_t *xq = xg->qs + 16 * q;
@@ -127,11 +126,7 @@ static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_st
         int32x4_t I = vaddq_s32(i0, i1);
         float32x4_t dx = vld1q_f32(xg->d + 4 * q);
         float32x4_t c = vmulq_f32(vmulq_f32(g->a, dx), vcvtq_f32_s32(I));
-        if (two) {
-            int32x4_t qsum = vld1q_s32(xg->qsum + 4 * q);
-            int32x4_t J = kq ? vmulq_s32(g->jm, qsum) : qsum;
-            c = vaddq_f32(c, vmulq_f32(vmulq_f32(g->b, dx), vcvtq_f32_s32(J)));
-        }
+        if (two) c = vaddq_f32(c, vmulq_f32(g->b, vld1q_f32(xg->s + 4 * q)));
         acc[n * 4 + q] = vaddq_f32(acc[n * 4 + q], c);
     }
 }
@@ -145,7 +140,7 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
     return vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 1);
 }
 
-#define QKERNEL(name, unpack, bbytes, two, kq)                                                      \
+#define QKERNEL(name, unpack, bbytes, two)                                                      \
     static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
         int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
@@ -164,11 +159,10 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
                         if (b0 >= nb) break;                                                        \
                         wquad g;                                                                    \
                         g.b = vdupq_n_f32(0.0f);                                                    \
-                        g.jm = vdupq_n_s32(0);                                                      \
                         const uint8_t *p = row + (size_t)b0 * (bbytes);                             \
                         if (nb - b0 >= 4) unpack(p, 4, &g);                                         \
                         else unpack(p, (int)(nb - b0), &g);                                         \
-                        quad_rows(&g, xg, x_stride, nt, q, acc, two, kq);                           \
+                        quad_rows(&g, xg, x_stride, nt, q, acc, two);                           \
                     }                                                                               \
                 }                                                                                   \
                 for (int n = 0; n < nt; n++)                                                        \
@@ -177,9 +171,9 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
         }                                                                                           \
     }
 
-QKERNEL(k_q4_0, unpack_q4_0, 18, 0, 0)
-QKERNEL(k_q4_1, unpack_q4_1, 20, 1, 0)
-QKERNEL(k_q8_0, unpack_q8_0, 34, 0, 0)
+QKERNEL(k_q4_0, unpack_q4_0, 18, 0)
+QKERNEL(k_q4_1, unpack_q4_1, 20, 1)
+QKERNEL(k_q8_0, unpack_q8_0, 34, 0)
 
 /* Float weights: lane i % 16 += w[i] * x[i], 4 vectors of 4 lanes; the
  * ragged end goes through a zero-padded copy (adds +0). */

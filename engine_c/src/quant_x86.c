@@ -31,7 +31,6 @@
 typedef struct {
     __m512i w[8];   /* unsigned bytes, layout of es_q8_group.qs */
     __m512 a, b;    /* per-block float factors (b: two-term types) */
-    __m512i jm;     /* min multiplier (K types), else zero */
 } wgroup;
 
 /* The fixed 16-lane tree (es_lane_sum in quant.h). */
@@ -69,10 +68,13 @@ static inline ES_AI void load_t16(const uint8_t *p, size_t stride, int nv, __m51
 
 /* The 32-bit word at p + j * stride for j < nv (0 otherwise). */
 static inline ES_AI __m512i gather32(const uint8_t *p, size_t stride, int nv) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)stride));
-    __mmask16 m = (__mmask16)((1u << nv) - 1u);
-    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, p, 1);
+    uint32_t v[16];
+    UNROLL
+    for (int j = 0; j < 16; j++) {
+        v[j] = 0;
+        if (j < nv) memcpy(&v[j], p + (size_t)j * stride, 4);
+    }
+    return _mm512_loadu_si512(v);
 }
 
 static inline ES_AI __m512 half_lo(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
@@ -117,9 +119,9 @@ static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wgroup *g) {
 
 /* Multiply one unpacked weight group into activation rows [0, nt).
  * off: the unsigned offset of the weights (I -= off * qsum), two: two-term
- * type, kq: K type (J = jm * qsum). */
+ * type (c += b * s). */
 static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
-                              __m512 *acc, int off_shift, int two, int kq) {
+                              __m512 *acc, int off_shift, int two) {
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const __m512i *xq = (const __m512i *)(const void *)xg->qs;
@@ -136,10 +138,7 @@ static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_
         if (off_shift) I = _mm512_sub_epi32(I, _mm512_slli_epi32(qsum, (unsigned)off_shift));
         __m512 dx = _mm512_load_ps(xg->d);
         __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
-        if (two) {
-            __m512i J = kq ? _mm512_mullo_epi32(g->jm, qsum) : qsum;
-            c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(g->b, dx), _mm512_cvtepi32_ps(J)));
-        }
+        if (two) c = _mm512_add_ps(c, _mm512_mul_ps(g->b, _mm512_load_ps(xg->s)));
         acc[n] = _mm512_add_ps(acc[n], c);
     }
 }
@@ -147,12 +146,11 @@ static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_
 /* group_rows for a group of at most 8 blocks (lanes 8..15 of the unpacked
  * group are zero): 256-bit ops, half the work; adds +0 to lanes 8..15. */
 static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
-                                     __m512 *acc, int off_shift, int two, int kq) {
+                                     __m512 *acc, int off_shift, int two) {
     __m256i w[8];
     UNROLL
     for (int k = 0; k < 8; k++) w[k] = _mm512_castsi512_si256(g->w[k]);
     __m256 a = _mm512_castps512_ps256(g->a), b = _mm512_castps512_ps256(g->b);
-    __m256i jm = _mm512_castsi512_si256(g->jm);
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const int8_t *xq = xg->qs;
@@ -171,17 +169,104 @@ static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x
         if (off_shift) I = _mm256_sub_epi32(I, _mm256_slli_epi32(qsum, off_shift));
         __m256 dx = _mm256_load_ps(xg->d);
         __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
-        if (two) {
-            __m256i J = kq ? _mm256_mullo_epi32(jm, qsum) : qsum;
-            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_cvtepi32_ps(J)));
-        }
+        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(b, _mm256_load_ps(xg->s)));
         acc[n] = _mm512_add_ps(acc[n], _mm512_zextps256_ps512(c));
+    }
+}
+
+/* ---- quads: a ragged end of at most 4 blocks, in 128-bit vectors ---- */
+
+typedef struct {
+    __m128i w[8];
+    __m128 a, b;
+} wquad;
+
+static inline ES_AI void load_t4(const uint8_t *p, size_t stride, int nv, __m128i out[4]) {
+    __m128i z[4];
+    UNROLL
+    for (int i = 0; i < 4; i++) z[i] = ld128(p, i, nv, stride);
+    __m128i t0 = _mm_unpacklo_epi32(z[0], z[1]), t1 = _mm_unpackhi_epi32(z[0], z[1]);
+    __m128i t2 = _mm_unpacklo_epi32(z[2], z[3]), t3 = _mm_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm_unpacklo_epi64(t0, t2);
+    out[1] = _mm_unpackhi_epi64(t0, t2);
+    out[2] = _mm_unpacklo_epi64(t1, t3);
+    out[3] = _mm_unpackhi_epi64(t1, t3);
+}
+
+static inline ES_AI __m128i words4(const uint8_t *p, size_t stride, int nv) {
+    uint32_t v[4] = {0, 0, 0, 0};
+    for (int j = 0; j < nv && j < 4; j++) memcpy(&v[j], p + (size_t)j * stride, 4);
+    return _mm_loadu_si128((const __m128i *)(const void *)v);
+}
+
+static inline ES_AI void nibbles4(const __m128i d[4], __m128i w[8]) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm_and_si128(d[k], m4);
+        w[k + 4] = _mm_and_si128(_mm_srli_epi16(d[k], 4), m4);
+    }
+}
+
+static inline ES_AI __m128 half4_lo(__m128i v) { return _mm_cvtph_ps(_mm_cvtepi32_epi16(v)); }
+static inline ES_AI __m128 half4_hi(__m128i v) { return _mm_cvtph_ps(_mm_cvtepi32_epi16(_mm_srli_epi32(v, 16))); }
+
+static inline ES_AI void unpack4_q4_0(const uint8_t *p, int nv, wquad *g) {
+    __m128i d[4];
+    load_t4(p + 2, 18, nv, d);
+    nibbles4(d, g->w);
+    g->a = half4_lo(_mm_and_si128(words4(p, 18, nv), _mm_set1_epi32(0xFFFF)));
+}
+
+static inline ES_AI void unpack4_q4_1(const uint8_t *p, int nv, wquad *g) {
+    __m128i d[4];
+    load_t4(p + 4, 20, nv, d);
+    nibbles4(d, g->w);
+    __m128i dm = words4(p, 20, nv);
+    g->a = half4_lo(dm);
+    g->b = half4_hi(dm);
+}
+
+static inline ES_AI void unpack4_q8_0(const uint8_t *p, int nv, wquad *g) {
+    __m128i d[4];
+    const __m128i x80 = _mm_set1_epi8((char)0x80);
+    load_t4(p + 2, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->w[k] = _mm_xor_si128(d[k], x80);
+    load_t4(p + 18, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->w[k + 4] = _mm_xor_si128(d[k], x80);
+    g->a = half4_lo(_mm_and_si128(words4(p, 34, nv), _mm_set1_epi32(0xFFFF)));
+}
+
+/* Quad at lanes 0..3 of a group into rows [0, nt) (adds +0 to lanes 4..15). */
+static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt,
+                                   __m512 *acc, int off_shift, int two) {
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const int8_t *xq = xg->qs;
+#define XQ(k) _mm_load_si128((const __m128i *)(const void *)(xq + 64 * (k)))
+        __m128i i0 = _mm_dpbusd_epi32(_mm_setzero_si128(), g->w[0], XQ(0));
+        __m128i i1 = _mm_dpbusd_epi32(_mm_setzero_si128(), g->w[1], XQ(1));
+        i0 = _mm_dpbusd_epi32(i0, g->w[2], XQ(2));
+        i1 = _mm_dpbusd_epi32(i1, g->w[3], XQ(3));
+        i0 = _mm_dpbusd_epi32(i0, g->w[4], XQ(4));
+        i1 = _mm_dpbusd_epi32(i1, g->w[5], XQ(5));
+        i0 = _mm_dpbusd_epi32(i0, g->w[6], XQ(6));
+        i1 = _mm_dpbusd_epi32(i1, g->w[7], XQ(7));
+#undef XQ
+        __m128i I = _mm_add_epi32(i0, i1);
+        if (off_shift) I = _mm_sub_epi32(I, _mm_slli_epi32(_mm_load_si128((const void *)xg->qsum), off_shift));
+        __m128 dx = _mm_load_ps(xg->d);
+        __m128 c = _mm_mul_ps(_mm_mul_ps(g->a, dx), _mm_cvtepi32_ps(I));
+        if (two) c = _mm_add_ps(c, _mm_mul_ps(g->b, _mm_load_ps(xg->s)));
+        acc[n] = _mm512_add_ps(acc[n], _mm512_zextps128_ps512(c));
     }
 }
 
 /* The generic kernel body: for each weight row, for each group, unpack once,
  * multiply into every activation row of the tile. */
-#define QKERNEL(name, unpack, bbytes, off_shift, two, kq)                                           \
+#define QKERNEL(name, unpack, unpack4, bbytes, off_shift, two)                                           \
     static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
         int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
@@ -197,17 +282,21 @@ static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x
                 for (int64_t gi = 0; gi < ng; gi++) {                                               \
                     wgroup g;                                                                       \
                     g.b = _mm512_setzero_ps();                                                      \
-                    g.jm = _mm512_setzero_si512();                                                  \
                     int nv = (int)(nb - gi * 16 < 16 ? nb - gi * 16 : 16);                          \
                     const uint8_t *p = row + (size_t)gi * 16 * (bbytes);                            \
                     const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
                     if (nv == 16) {                                                                 \
                         unpack(p, 16, &g);                                                          \
-                        group_rows(&g, xg, x_stride, nt, acc, off_shift, two, kq);                  \
+                        group_rows(&g, xg, x_stride, nt, acc, off_shift, two);                  \
+                    } else if (nv <= 4) {                                                           \
+                        wquad g4;                                                                   \
+                        g4.b = _mm_setzero_ps();                                                    \
+                        unpack4(p, nv, &g4);                                                        \
+                        quad_rows(&g4, xg, x_stride, nt, acc, off_shift, two);                      \
                     } else {                                                                        \
                         unpack(p, nv, &g);                                                          \
-                        if (nv <= 8) group_rows8(&g, xg, x_stride, nt, acc, off_shift, two, kq);    \
-                        else group_rows(&g, xg, x_stride, nt, acc, off_shift, two, kq);             \
+                        if (nv <= 8) group_rows8(&g, xg, x_stride, nt, acc, off_shift, two);    \
+                        else group_rows(&g, xg, x_stride, nt, acc, off_shift, two);             \
                     }                                                                               \
                 }                                                                                   \
                 for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);   \
@@ -215,9 +304,9 @@ static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x
         }                                                                                           \
     }
 
-QKERNEL(k_q4_0, unpack_q4_0, 18, 3, 0, 0)
-QKERNEL(k_q4_1, unpack_q4_1, 20, 0, 1, 0)
-QKERNEL(k_q8_0, unpack_q8_0, 34, 7, 0, 0)
+QKERNEL(k_q4_0, unpack_q4_0, unpack4_q4_0, 18, 3, 0)
+QKERNEL(k_q4_1, unpack_q4_1, unpack4_q4_1, 20, 0, 1)
+QKERNEL(k_q8_0, unpack_q8_0, unpack4_q8_0, 34, 7, 0)
 
 /* Float weights: lane i % 16 += w[i] * x[i]; masked loads give +0 past the end. */
 static inline ES_AI __m512 load_w16(uint32_t type, const uint8_t *row, int64_t i, __mmask16 m) {

@@ -268,6 +268,11 @@ TEST(test_matmul_all_types) {
                                {be == 256 ? 1536 : 576, 1}};
         for (int s = 0; s < 4; s++) check_shape(t, shapes[s][0], shapes[s][1], 3, pools);
         if (be == 1) check_shape(t, 45, 7, 2, pools);   /* n_in not a multiple of the lanes */
+        if (be == 32) {                                 /* ragged groups of 13 and 6 blocks */
+            check_shape(t, 32 * 13, 11, 2, pools);
+            check_shape(t, 32 * 22, 6, 2, pools);
+        }
+        if (be == 256) check_shape(t, 256 * 7, 6, 2, pools);   /* 56 blocks: a group of 8 at the end */
     }
     for (int p = 0; p < 3; p++) es_pool_free(pools[p]);
 }
