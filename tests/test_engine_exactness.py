@@ -1,0 +1,266 @@
+"""Bitwise contracts of the C engine (services.common.engine) on tiny models, and its error paths.
+
+What speculation relies on, each compared with np.array_equal (bitwise):
+  * rollback: forward A+B, roll back to len(A), forward C == forward A+C from scratch;
+  * verify: one call over N tokens == N one-token calls, every logits row and argmax,
+    for N below, at and above the kernel's 32-row activation tile;
+  * thread count: n_threads 1, 2 and 3 give the same logits.
+Errors: running past n_ctx (ES_ERR_CAPACITY), a bad token id, an empty call,
+a rollback past n_past all raise EngineError and leave the KV cache as it was
+(checked by running on and comparing with a session that never saw the bad call).
+Sampling: seeds, temperature <= 0, top_k = 1.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggufgen
+from services.common.engine import ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, EngineError, Model, sample
+
+RNG = np.random.default_rng(1234)
+TOKENS = [int(t) for t in RNG.integers(0, 320, size=48)]
+
+MODELS = [
+    pytest.param(dict(arch="llama", matrix_type="Q4_1", embd_type="Q8_0"), id="llama-Q4_1"),
+    pytest.param(dict(arch="qwen2", matrix_type="F16", tied=False, rope_base=1e6), id="qwen2-F16"),
+    pytest.param(dict(arch="qwen3", matrix_type="Q4_K", embd_type="Q8_0", tied=False, output_type="Q6_K",
+                      head_dim=128, **ggufgen.k_type_dims()), id="qwen3-Q4_K"),
+]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request, tiny_model):
+    m = Model(tiny_model(**request.param))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def small_model(tiny_model):
+    m = Model(tiny_model(arch="llama", matrix_type="Q8_0"))
+    yield m
+    m.close()
+
+
+def _run(model, chunks, n_threads=1, n_ctx=64):
+    """Fresh session; forward each chunk with all logits; return (argmax, logits) concatenated."""
+    with model.new_session(n_ctx=n_ctx, n_threads=n_threads) as s:
+        outs = [s.forward(c, logits="all") for c in chunks]
+        assert s.n_past == sum(len(c) for c in chunks)
+    return np.concatenate([a for a, _ in outs]), np.concatenate([lg for _, lg in outs])
+
+
+# ---- rollback ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_a,n_b,n_c", [(7, 5, 6), (1, 1, 1), (12, 33, 9)])
+def test_rollback_is_exact(model, n_a, n_b, n_c):
+    A, B, C = TOKENS[:n_a], TOKENS[n_a:n_a + n_b], TOKENS[40 - n_c:40]
+    with model.new_session(n_ctx=64, n_threads=2) as s:
+        s.forward(A + B, logits="none")
+        assert s.n_past == n_a + n_b
+        s.rollback(n_a)
+        assert s.n_past == n_a
+        am, got = s.forward(C, logits="all")
+    am_ref, ref = _run(model, [A + C], n_threads=2)
+    assert np.array_equal(got, ref[n_a:]), "rollback then forward differs from a fresh run"
+    assert np.array_equal(am, am_ref[n_a:])
+
+
+def test_rollback_to_zero_and_repeat(model):
+    with model.new_session(n_ctx=64, n_threads=1) as s:
+        _, first = s.forward(TOKENS[:9], logits="all")
+        for _ in range(3):
+            s.rollback(0)
+            assert s.n_past == 0
+            _, again = s.forward(TOKENS[:9], logits="all")
+            assert np.array_equal(first, again)
+        s.rollback(9)                      # rollback to n_past itself is a no-op
+        assert s.n_past == 9
+
+
+# ---- verify: batch size does not change any bit --------------------------------------
+
+@pytest.mark.parametrize("n", [2, 5, 17, 32, 33, 40])
+def test_one_call_over_n_equals_n_single_steps(model, n):
+    prefix, run = TOKENS[:4], TOKENS[4:4 + n]
+    am_batch, batch = _run(model, [prefix, run])
+    am_single, single = _run(model, [prefix] + [[t] for t in run])
+    assert np.array_equal(batch, single), (
+        f"rows differ: {np.nonzero((batch != single).any(axis=1))[0].tolist()}, "
+        f"max diff {np.abs(batch - single).max():.3g}")
+    assert np.array_equal(am_batch, am_single)
+
+
+def test_uneven_splits_equal_one_call(model):
+    ref = _run(model, [TOKENS[:45]])[1]
+    for cuts in ([3, 10, 11, 30], [1, 2, 3, 4, 5], [44]):
+        chunks = [TOKENS[a:b] for a, b in zip([0] + cuts, cuts + [45])]
+        assert np.array_equal(_run(model, chunks)[1], ref), cuts
+
+
+def test_logits_modes_and_argmax(model):
+    with model.new_session(n_ctx=64, n_threads=1) as s:
+        am_all, all_rows = s.forward(TOKENS[:10], logits="all")
+        s.rollback(0)
+        am_last, last = s.forward(TOKENS[:10], logits="last")
+        s.rollback(0)
+        am_none, none = s.forward(TOKENS[:10], logits="none")
+    assert none is None
+    assert last.shape == (1, model.info.n_vocab) and all_rows.shape == (10, model.info.n_vocab)
+    assert np.array_equal(last[0], all_rows[-1])
+    assert np.array_equal(am_all, am_last) and np.array_equal(am_all, am_none)
+    assert am_all.dtype == np.int32
+    assert np.array_equal(am_all, np.argmax(all_rows, axis=1))   # np.argmax: first (lowest) id on ties
+
+
+# ---- threads ---------------------------------------------------------------------------
+
+def test_thread_count_does_not_change_any_bit(model):
+    chunks = [TOKENS[:20], TOKENS[20:21], TOKENS[21:26]]
+    ref = _run(model, chunks, n_threads=1)
+    for nt in (2, 3):
+        got = _run(model, chunks, n_threads=nt)
+        assert np.array_equal(got[1], ref[1]), f"n_threads={nt} differs from 1"
+        assert np.array_equal(got[0], ref[0])
+
+
+def test_sessions_are_independent(model):
+    a_ref = _run(model, [TOKENS[:6], TOKENS[6:12]])[1]
+    b_ref = _run(model, [TOKENS[30:35], TOKENS[35:38]])[1]
+    with model.new_session(n_ctx=32, n_threads=1) as a, model.new_session(n_ctx=32, n_threads=2) as b:
+        a1 = a.forward(TOKENS[:6], logits="all")[1]
+        b1 = b.forward(TOKENS[30:35], logits="all")[1]
+        a2 = a.forward(TOKENS[6:12], logits="all")[1]
+        b2 = b.forward(TOKENS[35:38], logits="all")[1]
+    assert np.array_equal(np.concatenate([a1, a2]), a_ref)
+    assert np.array_equal(np.concatenate([b1, b2]), b_ref)
+
+
+# ---- errors leave the KV cache unchanged ------------------------------------------------
+
+def _continues_like_fresh(s, done, more):
+    """The session holding `done` continues exactly like a fresh session fed done + more."""
+    got = s.forward(more, logits="all")[1]
+    ref = _run(s.model, [c for c in (done, more) if c], n_ctx=s.n_ctx)[1][len(done):]
+    return np.array_equal(got, ref)
+
+
+def test_capacity_error_leaves_state(small_model):
+    with small_model.new_session(n_ctx=8, n_threads=1) as s:
+        assert s.n_ctx == 8
+        s.forward(TOKENS[:6])
+        with pytest.raises(EngineError) as ei:
+            s.forward(TOKENS[6:9])                    # 6 + 3 > 8
+        assert ei.value.status == ES_ERR_CAPACITY and ei.value.name == "ES_ERR_CAPACITY"
+        assert ei.value.message
+        assert s.n_past == 6
+        assert _continues_like_fresh(s, TOKENS[:6], TOKENS[6:8])   # fills exactly to 8
+        assert s.n_past == 8
+        with pytest.raises(EngineError) as ei:
+            s.forward(TOKENS[8:9])
+        assert ei.value.status == ES_ERR_CAPACITY
+        assert s.n_past == 8
+
+
+def test_capacity_error_on_first_call(small_model):
+    with small_model.new_session(n_ctx=4, n_threads=2) as s:
+        with pytest.raises(EngineError) as ei:
+            s.forward(TOKENS[:5])
+        assert ei.value.status == ES_ERR_CAPACITY
+        assert s.n_past == 0
+        assert _continues_like_fresh(s, [], TOKENS[:4])
+
+
+@pytest.mark.parametrize("bad", [-1, 320, 2 ** 31 - 1])
+def test_invalid_token_id_leaves_state(small_model, bad):
+    n_vocab = small_model.info.n_vocab
+    assert n_vocab == 320
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        s.forward(TOKENS[:5])
+        with pytest.raises(EngineError) as ei:
+            s.forward([TOKENS[5], bad, TOKENS[6]], logits="all")
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert s.n_past == 5
+        assert _continues_like_fresh(s, TOKENS[:5], TOKENS[5:9])
+
+
+def test_empty_forward_raises(small_model):
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        s.forward(TOKENS[:3])
+        with pytest.raises(EngineError) as ei:
+            s.forward([])
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert s.n_past == 3
+
+
+@pytest.mark.parametrize("target", [6, 100, -1])
+def test_rollback_outside_range_raises(small_model, target):
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        s.forward(TOKENS[:5])
+        with pytest.raises(EngineError) as ei:
+            s.rollback(target)
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert s.n_past == 5
+        assert _continues_like_fresh(s, TOKENS[:5], TOKENS[5:8])
+
+
+def test_default_n_ctx_is_min_of_train_and_4096(small_model):
+    with small_model.new_session() as s:      # n_ctx=0, n_threads=0 (all cores)
+        assert s.n_ctx == min(small_model.info.n_ctx_train, 4096) == 512
+
+
+# ---- sampling ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rows(small_model):
+    """A few real logits rows of the tiny model, float32 [8, 320]."""
+    return _run(small_model, [TOKENS[:8]])[1]
+
+
+def _draws(row, n, seed, **kw):
+    out, rng = [], seed
+    for _ in range(n):
+        t, rng = sample(row, rng=rng, **kw)
+        out.append(t)
+    return out
+
+
+def test_sampling_same_seed_same_tokens(rows):
+    kw = dict(temperature=1.5, top_k=50, top_p=0.95, min_p=0.01)
+    for row in rows[:3]:
+        assert _draws(row, 40, seed=42, **kw) == _draws(row, 40, seed=42, **kw)
+
+
+def test_sampling_different_seeds_differ(rows):
+    a = _draws(rows[0], 40, seed=1, temperature=2.0)
+    b = _draws(rows[0], 40, seed=2, temperature=2.0)
+    assert a != b
+    assert len(set(a)) > 5                          # it is sampling, not always the argmax
+    assert all(0 <= t < rows.shape[1] for t in a + b)
+
+
+@pytest.mark.parametrize("temp", [0.0, -1.0])
+def test_sampling_temperature_zero_is_argmax_and_keeps_rng(rows, temp):
+    for row in rows:
+        tok, rng = sample(row, temperature=temp, top_k=40, top_p=0.5, rng=777)
+        assert tok == int(np.argmax(row))
+        assert rng == 777
+
+
+def test_sampling_top_k_one_is_argmax(rows):
+    for i, row in enumerate(rows):
+        tok, rng = sample(row, temperature=1.0, top_k=1, rng=1000 + i)
+        assert tok == int(np.argmax(row))
+
+
+def test_sampling_advances_rng(rows):
+    _, r1 = sample(rows[0], temperature=1.0, rng=5)
+    _, r2 = sample(rows[0], temperature=1.0, rng=r1)
+    assert len({5, r1, r2}) == 3
+
+
+def test_sampling_respects_top_k(rows):
+    row = rows[1]
+    allowed = set(np.argsort(-row)[:3].tolist())
+    assert set(_draws(row, 60, seed=9, temperature=5.0, top_k=3)) <= allowed
