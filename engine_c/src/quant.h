@@ -38,6 +38,7 @@ _Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
  *   d[j]     block scale (float32): x ~= d * q
  *   qsum[j]  sum of the block's 32 int8 values
  *   s[j]     d[j] * (float)qsum[j]
+ *   qlo[j]   sum of the block's first 16 int8 values (Q6_K's half-block scales)
  * Blocks past the end of the row are all zero (d = 0, qsum = 0, s = 0).
  * One activation row of n_in elements is ceil(n_in / 512) groups.
  */
@@ -47,7 +48,8 @@ typedef struct {
     float d[ES_GROUP_BLOCKS];
     int32_t qsum[ES_GROUP_BLOCKS];
     float s[ES_GROUP_BLOCKS];
-} es_q8_group;                          /* 704 B, a multiple of 64 */
+    int32_t qlo[ES_GROUP_BLOCKS];
+} es_q8_group;                          /* 768 B, a multiple of 64 */
 
 /* Accumulator lanes of one output element (the sum is split lane[b % 16]). */
 #define ES_LANES 16
@@ -72,6 +74,15 @@ es_mm_kernel es_x86_kernel(uint32_t type);
 es_mm_kernel es_neon_kernel(uint32_t type);
 const char *es_x86_simd_name(void);    /* NULL when no x86 SIMD path is compiled */
 const char *es_neon_simd_name(void);   /* NULL when no NEON path is compiled */
+
+/* Raw integer weights of activation block j (= 32-element sub-block j) of a
+ * K-quant row (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63, offset 32 not
+ * removed), the integer scales of its two 16-element halves (equal for
+ * Q4_K / Q5_K) and the contract's float factors a, b. The block's exact
+ * int sum is I = sc_lo * (dot_lo - off * qlo) + sc_hi * (dot_hi - off * (qsum - qlo))
+ * with off = 32 for Q6_K and 0 otherwise. */
+void es_unpack_kq(uint32_t type, const uint8_t *row, int64_t j, uint8_t *q,
+                  int32_t *sc_lo, int32_t *sc_hi, float *a, float *b);
 
 /* 1 when es_matmul supports the weight type. */
 int es_matmul_supported(uint32_t type);

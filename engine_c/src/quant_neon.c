@@ -175,6 +175,75 @@ QKERNEL(k_q4_0, unpack_q4_0, 18, 0)
 QKERNEL(k_q4_1, unpack_q4_1, 20, 1)
 QKERNEL(k_q8_0, unpack_q8_0, 34, 0)
 
+/* K-quants: sub-blocks unpacked by es_unpack_kq into the transposed byte
+ * layout (signed: Q6_K's offset 32 removed), then the same dot products; the
+ * integer sub-block scales multiply the two 16-element half sums. */
+static void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                      int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+    int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
+    const uint8_t *x = xv;
+    int q6 = type == ES_TYPE_Q6_K;
+    float32x4_t acc[NT * 4];
+    for (int n0 = 0; n0 < N; n0 += NT) {
+        int nt = N - n0 < NT ? N - n0 : NT;
+        const uint8_t *xt = x + (size_t)n0 * x_stride;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (int i = 0; i < nt * 4; i++) acc[i] = vdupq_n_f32(0.0f);
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const uint8_t *xg0 = xt + (size_t)gi * sizeof(es_q8_group);
+                for (int qd = 0; qd < 4; qd++) {
+                    int64_t b0 = gi * 16 + qd * 4;
+                    if (b0 >= nb) break;
+                    uint8_t wb[8 * 16];
+                    float av[4], bv[4];
+                    int32_t sl[4], sh[4];
+                    for (int i = 0; i < 4; i++) {   /* K rows hold whole super-blocks: 4 | nb */
+                        uint8_t q[32];
+                        es_unpack_kq(type, row, b0 + i, q, &sl[i], &sh[i], &av[i], &bv[i]);
+                        for (int k = 0; k < 8; k++) memcpy(wb + 16 * k + 4 * i, q + 4 * k, 4);
+                    }
+                    int8x16_t wv[8];
+                    UNROLL
+                    for (int k = 0; k < 8; k++) {
+                        wv[k] = vreinterpretq_s8_u8(vld1q_u8(wb + 16 * k));
+                        if (q6) wv[k] = vsubq_s8(wv[k], vdupq_n_s8(32));
+                    }
+                    float32x4_t a = vld1q_f32(av), b = vld1q_f32(bv);
+                    int32x4_t scl = vld1q_s32(sl), sch = vld1q_s32(sh);
+                    for (int n = 0; n < nt; n++) {
+                        const es_q8_group *xg = (const void *)(xg0 + (size_t)n * x_stride);
+                        const int8_t *xq = xg->qs + 16 * qd;
+                        int32x4_t lo = dot4(vdupq_n_s32(0), wv[0], vld1q_s8(xq));
+                        int32x4_t hi = dot4(vdupq_n_s32(0), wv[4], vld1q_s8(xq + 256));
+                        lo = dot4(lo, wv[1], vld1q_s8(xq + 64));
+                        hi = dot4(hi, wv[5], vld1q_s8(xq + 320));
+                        lo = dot4(lo, wv[2], vld1q_s8(xq + 128));
+                        hi = dot4(hi, wv[6], vld1q_s8(xq + 384));
+                        lo = dot4(lo, wv[3], vld1q_s8(xq + 192));
+                        hi = dot4(hi, wv[7], vld1q_s8(xq + 448));
+                        int32x4_t I = vaddq_s32(vmulq_s32(scl, lo), vmulq_s32(sch, hi));
+                        float32x4_t dx = vld1q_f32(xg->d + 4 * qd);
+                        float32x4_t c = vmulq_f32(vmulq_f32(a, dx), vcvtq_f32_s32(I));
+                        if (!q6) c = vaddq_f32(c, vmulq_f32(b, vld1q_f32(xg->s + 4 * qd)));
+                        acc[n * 4 + qd] = vaddq_f32(acc[n * 4 + qd], c);
+                    }
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc + 4 * n);
+        }
+    }
+}
+
+#define KKERNEL(name, t)                                                                  \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
+    }
+KKERNEL(k_q4_k, ES_TYPE_Q4_K)
+KKERNEL(k_q5_k, ES_TYPE_Q5_K)
+KKERNEL(k_q6_k, ES_TYPE_Q6_K)
+
 /* Float weights: lane i % 16 += w[i] * x[i], 4 vectors of 4 lanes; the
  * ragged end goes through a zero-padded copy (adds +0). */
 static inline ES_AI float32x4_t load_w4(uint32_t type, const uint8_t *p) {
@@ -242,6 +311,9 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     case ES_TYPE_Q4_0: return k_q4_0;
     case ES_TYPE_Q4_1: return k_q4_1;
     case ES_TYPE_Q8_0: return k_q8_0;
+    case ES_TYPE_Q4_K: return k_q4_k;
+    case ES_TYPE_Q5_K: return k_q5_k;
+    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }

@@ -308,6 +308,83 @@ QKERNEL(k_q4_0, unpack_q4_0, unpack4_q4_0, 18, 3, 0)
 QKERNEL(k_q4_1, unpack_q4_1, unpack4_q4_1, 20, 0, 1)
 QKERNEL(k_q8_0, unpack_q8_0, unpack4_q8_0, 34, 7, 0)
 
+/* K-quants: sub-blocks unpacked by es_unpack_kq into the transposed byte
+ * layout, then the same dot products; the integer sub-block scales multiply
+ * the two 16-element half sums (exact int32). */
+static void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                      int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+    int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
+    const uint8_t *x = xv;
+    int q6 = type == ES_TYPE_Q6_K;
+    _Alignas(64) uint8_t wb[8 * 64];
+    _Alignas(64) float av[16], bv[16];
+    _Alignas(64) int32_t sl[16], sh[16];
+    for (int n0 = 0; n0 < N; n0 += NT) {
+        int nt = N - n0 < NT ? N - n0 : NT;
+        const uint8_t *xt = x + (size_t)n0 * x_stride;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            __m512 acc[NT];
+            for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+            for (int64_t gi = 0; gi < ng; gi++) {
+                int nv = (int)(nb - gi * 16 < 16 ? nb - gi * 16 : 16);
+                if (nv < 16) {
+                    memset(wb, 0, sizeof wb);
+                    memset(av, 0, sizeof av);
+                    memset(bv, 0, sizeof bv);
+                    memset(sl, 0, sizeof sl);
+                    memset(sh, 0, sizeof sh);
+                }
+                for (int j = 0; j < nv; j++) {
+                    uint8_t q[32];
+                    es_unpack_kq(type, row, gi * 16 + j, q, &sl[j], &sh[j], &av[j], &bv[j]);
+                    UNROLL
+                    for (int k = 0; k < 8; k++) memcpy(wb + 64 * k + 4 * j, q + 4 * k, 4);
+                }
+                __m512i wv[8];
+                UNROLL
+                for (int k = 0; k < 8; k++) wv[k] = _mm512_load_si512(wb + 64 * k);
+                __m512 a = _mm512_load_ps(av), b = _mm512_load_ps(bv);
+                __m512i scl = _mm512_load_si512(sl), sch = _mm512_load_si512(sh);
+                const uint8_t *xg0 = xt + (size_t)gi * sizeof(es_q8_group);
+                for (int n = 0; n < nt; n++) {
+                    const es_q8_group *xg = (const void *)(xg0 + (size_t)n * x_stride);
+                    const __m512i *xq = (const __m512i *)(const void *)xg->qs;
+                    __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_load_si512(xq + 0));
+                    __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], _mm512_load_si512(xq + 4));
+                    lo = _mm512_dpbusd_epi32(lo, wv[1], _mm512_load_si512(xq + 1));
+                    hi = _mm512_dpbusd_epi32(hi, wv[5], _mm512_load_si512(xq + 5));
+                    lo = _mm512_dpbusd_epi32(lo, wv[2], _mm512_load_si512(xq + 2));
+                    hi = _mm512_dpbusd_epi32(hi, wv[6], _mm512_load_si512(xq + 6));
+                    lo = _mm512_dpbusd_epi32(lo, wv[3], _mm512_load_si512(xq + 3));
+                    hi = _mm512_dpbusd_epi32(hi, wv[7], _mm512_load_si512(xq + 7));
+                    if (q6) {
+                        __m512i qlo = _mm512_load_si512((const void *)xg->qlo);
+                        __m512i qhi = _mm512_sub_epi32(_mm512_load_si512((const void *)xg->qsum), qlo);
+                        lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(qlo, 5));
+                        hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(qhi, 5));
+                    }
+                    __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(scl, lo), _mm512_mullo_epi32(sch, hi));
+                    __m512 dx = _mm512_load_ps(xg->d);
+                    __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
+                    if (!q6) c = _mm512_add_ps(c, _mm512_mul_ps(b, _mm512_load_ps(xg->s)));
+                    acc[n] = _mm512_add_ps(acc[n], c);
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);
+        }
+    }
+}
+
+#define KKERNEL(name, t)                                                                  \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
+    }
+KKERNEL(k_q4_k, ES_TYPE_Q4_K)
+KKERNEL(k_q5_k, ES_TYPE_Q5_K)
+KKERNEL(k_q6_k, ES_TYPE_Q6_K)
+
 /* Float weights: lane i % 16 += w[i] * x[i]; masked loads give +0 past the end. */
 static inline ES_AI __m512 load_w16(uint32_t type, const uint8_t *row, int64_t i, __mmask16 m) {
     if (type == ES_TYPE_F32) return _mm512_maskz_loadu_ps(m, row + 4 * i);
@@ -355,6 +432,9 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_Q4_0: return k_q4_0;
     case ES_TYPE_Q4_1: return k_q4_1;
     case ES_TYPE_Q8_0: return k_q8_0;
+    case ES_TYPE_Q4_K: return k_q4_k;
+    case ES_TYPE_Q5_K: return k_q5_k;
+    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }
