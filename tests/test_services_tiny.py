@@ -1,0 +1,416 @@
+"""The three services end to end on a tiny random GGUF model (tests/ggufgen.py).
+
+The stack runs in this process (three gRPC servers on loopback ports). The
+tiny model tends to repeat its last token, so drafts are accepted often and
+runs of accepted drafts are long: good material for cut-offs inside a run.
+"""
+from __future__ import annotations
+
+import gc
+import random
+import resource
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggufgen import write_tiny_model  # noqa: E402
+
+from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb,
+                         verifier_pb2_grpc)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.coordinator.stack import start_stack
+
+OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON
+N_VOCAB = 320
+N_CTX = 256
+MAX_MSG = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=N_VOCAB, n_ctx_train=512, seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    st = start_stack(tiny_model, spec=False, n_ctx=N_CTX, n_threads=1, k=4,
+                     max_message_bytes=MAX_MSG)
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    ch = grpc.insecure_channel(stack.target)
+    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def vstub(stack):
+    ch = grpc.insecure_channel(stack.verifier_target)
+    yield verifier_pb2_grpc.VerifierServiceStub(ch)
+    ch.close()
+
+
+def complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(**kw), timeout=60).result
+
+
+def stream(stub, **kw) -> tuple[list[cpb.GenerateResponse], cpb.GenerationResult]:
+    msgs = list(stub.Generate(cpb.GenerateRequest(**kw), timeout=60))
+    assert msgs[-1].HasField("result")
+    assert not any(m.HasField("result") for m in msgs[:-1])
+    return msgs[:-1], msgs[-1].result
+
+
+def random_prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, N_VOCAB) for _ in range(rng.randrange(2, 24))] for _ in range(n)]
+
+
+def produced_tokens(r: cpb.GenerationResult) -> int:
+    """Tokens the verifier produced: the prefill's one, then R + 1 per round."""
+    return 1 + r.stats.rounds + r.stats.hits
+
+
+def assert_same_output(a: cpb.GenerationResult, b: cpb.GenerationResult) -> None:
+    assert list(a.token_ids) == list(b.token_ids)
+    assert a.text.encode() == b.text.encode()
+    assert a.finish_reason == b.finish_reason
+
+
+def assert_counter_algebra(r: cpb.GenerationResult, k: int) -> None:
+    s = r.stats
+    assert s.hits + s.kv_rolls == s.draft_tokens <= s.tries * k
+    assert s.tries <= s.rounds
+    if s.draft_tokens:
+        assert s.acceptance_rate == pytest.approx(s.hits / s.draft_tokens)
+        assert s.mean_acceptance_length == pytest.approx(1 + s.hits / s.tries)
+
+
+# -- the contract: byte-identical output with speculation on and off -------------------------
+
+def test_spec_on_off_identical_on_random_prompts(stub):
+    total_hits = 0
+    for prompt in random_prompts(16):
+        off = complete(stub, token_ids=prompt, max_tokens=40, spec=OFF)
+        on = complete(stub, token_ids=prompt, max_tokens=40, spec=ON)
+        assert_same_output(off, on)
+        assert not off.spec_enabled and off.stats.tries == 0
+        assert on.spec_enabled and on.spec_reason == ""
+        assert_counter_algebra(on, 4)
+        total_hits += on.stats.hits
+    assert total_hits > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_repetitive_text_prompt_accepts_drafts(stub, k):
+    text = "the cat sat on the mat. " * 6
+    off = complete(stub, text=text, max_tokens=64, spec=OFF)
+    on = complete(stub, text=text, max_tokens=64, spec=ON, k=k)
+    assert_same_output(off, on)
+    assert on.stats.hits > 0
+    assert_counter_algebra(on, k)
+    assert on.stats.t_ms > 0 and on.stats.v_ms > 0 and on.stats.overhead_ms >= 0
+    assert "gain" in on.stats.gain_verdict
+
+
+def test_streamed_deltas_add_up_to_the_result(stub):
+    for spec in (OFF, ON):
+        msgs, res = stream(stub, text="the cat the cat the cat", max_tokens=50, spec=spec)
+        assert "".join(m.text for m in msgs) == res.text
+        assert [t for m in msgs for t in m.token_ids] == list(res.token_ids)
+        assert res.completion_tokens == len(res.token_ids)
+
+
+def test_max_tokens_inside_an_accepted_run(stub):
+    prompt = random_prompts(1, seed=7)[0]
+    cut_inside = 0
+    for mt in range(1, 33):
+        off = complete(stub, token_ids=prompt, max_tokens=mt, spec=OFF)
+        on = complete(stub, token_ids=prompt, max_tokens=mt, spec=ON)
+        assert_same_output(off, on)
+        if on.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            assert len(on.token_ids) == mt
+        # drafts never run past max_tokens: the verifier produced no token beyond it
+        assert produced_tokens(on) <= mt + 1 or on.finish_reason != common_pb2.FINISH_REASON_LENGTH
+        cut_inside += on.stats.hits > 0 and on.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert cut_inside > 0
+
+
+def test_stop_string_inside_an_accepted_run(stub):
+    # a stop string whose first occurrence ends in the middle of a round of >= 3 tokens
+    text = "the cat sat on the mat. " * 6
+    msgs, full = stream(stub, text=text, max_tokens=64, spec=ON)
+    before = 0
+    stop = None
+    for m in msgs:
+        if len(m.token_ids) >= 3 and len(m.text) >= 2:
+            pos = before + len(m.text) // 2
+            for width in range(1, pos + 1):
+                cand = full.text[pos - width:pos]
+                if full.text.find(cand) == pos - width:
+                    stop = cand
+                    break
+            break
+        before += len(m.text)
+    assert stop, "no round of >= 3 tokens with text (the precondition of this test)"
+    off = complete(stub, text=text, max_tokens=64, spec=OFF, stop=[stop])
+    on_msgs, on = stream(stub, text=text, max_tokens=64, spec=ON, stop=[stop])
+    assert_same_output(off, on)
+    assert on.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert on.text == full.text[: full.text.index(stop)]
+    assert stop not in "".join(m.text for m in on_msgs)
+    # the stop fell inside a round: its later tokens were produced but never sent
+    assert produced_tokens(on) > len(on.token_ids)
+
+
+def test_eight_concurrent_clients_equal_eight_sequential(stub):
+    jobs = [dict(token_ids=p, max_tokens=32, spec=ON if i % 2 else OFF)
+            for i, p in enumerate(random_prompts(8, seed=3))]
+    sequential = [complete(stub, **j) for j in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
+    for a, b in zip(sequential, concurrent):
+        assert_same_output(a, b)
+
+
+def test_sampling_path_is_seeded_and_refuses_speculation(stub):
+    kw = dict(text="the cat", max_tokens=24, temperature=0.9, top_k=40, seed=1234, spec=ON)
+    a, b = complete(stub, **kw), complete(stub, **kw)
+    assert list(a.token_ids) == list(b.token_ids)
+    assert not a.spec_enabled and "temperature" in a.spec_reason and a.stats.tries == 0
+    greedy = complete(stub, text="the cat", max_tokens=24)
+    other_seed = complete(stub, **{**kw, "seed": 99})
+    assert list(greedy.token_ids) != list(a.token_ids) or list(other_seed.token_ids) != list(a.token_ids)
+
+
+def test_server_flag_turns_speculation_on_for_unspecified_requests(tiny_model):
+    st = start_stack(tiny_model, spec=True, n_ctx=N_CTX, n_threads=1)
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            s = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            r = complete(s, text="the cat the cat", max_tokens=24)
+            assert r.spec_enabled and r.spec_reason == "" and r.stats.tries > 0
+            off = complete(s, text="the cat the cat", max_tokens=24, spec=OFF)
+            assert not off.spec_enabled and "by request" in off.spec_reason
+            assert_same_output(r, off)
+    finally:
+        st.stop()
+
+
+# -- the draft service going away --------------------------------------------------------------
+
+def test_killing_the_draft_service_mid_run_changes_no_output(tiny_model):
+    st = start_stack(tiny_model, spec=True, n_ctx=N_CTX, n_threads=1)
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            s = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            text = "the cat sat on the mat. " * 4
+            ref = complete(s, text=text, max_tokens=120, spec=OFF)
+            it = s.Generate(cpb.GenerateRequest(text=text, max_tokens=120, spec=ON), timeout=60)
+            first = next(it)
+            st.kill_draft()
+            rest = list(it)
+            res = rest[-1].result
+            assert first.text + "".join(m.text for m in rest[:-1]) == res.text
+            assert_same_output(ref, res)
+            assert res.spec_enabled
+            # later requests find no draft service: plain decoding, same output, a reason
+            again = complete(s, text=text, max_tokens=120, spec=ON)
+            assert_same_output(ref, again)
+            assert "draft service" in again.spec_reason
+    finally:
+        st.stop()
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("no prompt", dict(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+    ("two prompt forms", dict(text="a", token_ids=[5]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+    ("token id above vocab", dict(token_ids=[5, N_VOCAB]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    ("negative token id", dict(token_ids=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    ("negative k", dict(text="a", k=-1), grpc.StatusCode.INVALID_ARGUMENT, "k must be"),
+    ("k above the limit", dict(text="a", k=33), grpc.StatusCode.INVALID_ARGUMENT, "k must be"),
+    ("negative max_tokens", dict(text="a", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("empty stop string", dict(text="a", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop[0]"),
+    ("top_p above 1", dict(text="a", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("prompt longer than the context", dict(token_ids=[7] * (N_CTX + 10)),
+     grpc.StatusCode.INVALID_ARGUMENT, "does not fit the context"),
+    ("malformed chat message", dict(messages=[cpb.ChatMessage(role="robot", content="hi")]),
+     grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    ("oversized message", dict(text="x" * (MAX_MSG + 10)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+]
+
+
+@pytest.mark.parametrize("name,kw,code,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_a_status_and_the_service_stays_up(stub, stack, name, kw, code, fragment):
+    for call in (lambda: stub.Complete(cpb.CompleteRequest(**kw), timeout=30),
+                 lambda: list(stub.Generate(cpb.GenerateRequest(**kw), timeout=30))):
+        with pytest.raises(grpc.RpcError) as ei:
+            call()
+        assert ei.value.code() == code, ei.value.details()
+        assert fragment in ei.value.details()
+    ok = complete(stub, text="the cat", max_tokens=4)
+    assert len(ok.token_ids) == 4
+
+
+def test_verifier_unary_errors_leave_other_sessions_unaffected(vstub):
+    greedy = common_pb2.SamplingParams()
+    prompt = [11, 12, 13, 14]
+
+    def fresh_run(n):
+        sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
+        toks = list(vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=prompt)).result.tokens)
+        for _ in range(n):
+            toks += vstub.Decode(vpb.DecodeRequest(session_id=sid)).result.tokens
+        vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
+        return toks
+
+    expected = fresh_run(6)
+    a = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
+    got = list(vstub.Prefill(vpb.PrefillRequest(session_id=a, tokens=prompt)).result.tokens)
+    b = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
+    cases = [
+        (lambda: vstub.Verify(vpb.VerifyRequest(session_id=b, draft=[1])), grpc.StatusCode.FAILED_PRECONDITION),
+        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=[])), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=[N_VOCAB + 5])),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=[3] * N_CTX)),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: vstub.Verify(vpb.VerifyRequest(session_id="nope", draft=[])), grpc.StatusCode.NOT_FOUND),
+    ]
+    for i, (call, code) in enumerate(cases):
+        with pytest.raises(grpc.RpcError) as ei:
+            call()
+        assert ei.value.code() == code, ei.value.details()
+        got += vstub.Decode(vpb.DecodeRequest(session_id=a)).result.tokens  # a keeps going
+    vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=prompt))
+    for call, code in [
+        (lambda: vstub.Verify(vpb.VerifyRequest(session_id=b, draft=[1] * 33)), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: vstub.Verify(vpb.VerifyRequest(session_id=b, draft=[1, -4])), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=prompt)), grpc.StatusCode.FAILED_PRECONDITION),
+    ]:
+        with pytest.raises(grpc.RpcError) as ei:
+            call()
+        assert ei.value.code() == code, ei.value.details()
+    vstub.CloseSession(vpb.CloseSessionRequest(session_id=b))
+    with pytest.raises(grpc.RpcError) as ei:
+        vstub.Decode(vpb.DecodeRequest(session_id=b))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    got += vstub.Decode(vpb.DecodeRequest(session_id=a)).result.tokens
+    assert got == expected
+    vstub.CloseSession(vpb.CloseSessionRequest(session_id=a))
+
+
+def test_verify_accepts_the_greedy_prefix_and_counts(vstub):
+    greedy = common_pb2.SamplingParams()
+    prompt = [21, 22, 23]
+    sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
+    first = vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=prompt)).result.tokens[0]
+    plain = [vstub.Decode(vpb.DecodeRequest(session_id=sid)).result.tokens[0] for _ in range(4)]
+    vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
+    sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
+    vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=prompt))
+    wrong = (plain[2] + 1) % N_VOCAB
+    r = vstub.Verify(vpb.VerifyRequest(session_id=sid, draft=[plain[0], plain[1], wrong])).result
+    assert (list(r.tokens), r.k, r.accepted, r.tries, r.hits, r.kv_rolls) == (plain[:3], 3, 2, 1, 2, 1)
+    assert r.n_past == len(prompt) + 1 + 2  # pending + 2 accepted kept, 1 rolled back
+    r = vstub.Decode(vpb.DecodeRequest(session_id=sid)).result
+    assert list(r.tokens) == [plain[3]] and r.tries == 0
+    vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
+    assert first is not None
+
+
+# -- cancellation, deadlines, health, reflection ------------------------------------------------
+
+def active_sessions(vstub) -> int:
+    return vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
+
+
+def wait_sessions(vstub, n: int, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = active_sessions(vstub)
+        if got == n:
+            return got
+        time.sleep(0.02)
+    return active_sessions(vstub)
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def test_cancelled_streams_free_their_sessions(stub, vstub):
+    assert wait_sessions(vstub, 0) == 0
+
+    def cancel_one(spec):
+        it = stub.Generate(cpb.GenerateRequest(text="the cat sat", max_tokens=200, spec=spec), timeout=30)
+        next(it)
+        it.cancel()
+
+    for i in range(20):
+        cancel_one(ON if i % 2 else OFF)
+    assert wait_sessions(vstub, 0) == 0
+    gc.collect()
+    base = rss_kib()
+    for i in range(200):
+        cancel_one(ON if i % 2 else OFF)
+    assert wait_sessions(vstub, 0) == 0
+    gc.collect()
+    grown = rss_kib() - base
+    assert grown < 64 * 1024, f"RSS grew by {grown} KiB over 200 cancelled streams"
+
+
+def test_deadline_frees_the_session(stub, vstub):
+    with pytest.raises(grpc.RpcError) as ei:
+        for _ in stub.Generate(cpb.GenerateRequest(text="the cat", max_tokens=250, spec=ON), timeout=0.05):
+            pass
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_sessions(vstub, 0) == 0
+
+
+def test_health_serving_and_reflection(stack):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
+        ProtoReflectionDescriptorDatabase
+    for target, service in ((stack.target, "echospec.v1.CoordinatorService"),
+                            (stack.verifier_target, "echospec.v1.VerifierService"),
+                            (stack.draft_target, "echospec.v1.DraftService")):
+        with grpc.insecure_channel(target) as ch:
+            h = health_pb2_grpc.HealthStub(ch)
+            for name in ("", service):
+                assert h.Check(health_pb2.HealthCheckRequest(service=name)).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+            db = ProtoReflectionDescriptorDatabase(ch)
+            assert service in db.get_services()
+            assert db.FindFileContainingSymbol(service).name.startswith("echospec/v1/")
+
+
+def test_tokenize_detokenize_round_trip(stub):
+    ids = list(stub.Tokenize(cpb.TokenizeRequest(text="the cat sat")).token_ids)
+    assert ids and all(0 <= i < N_VOCAB for i in ids)
+    assert stub.Detokenize(cpb.DetokenizeRequest(token_ids=ids)).text == "the cat sat"
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Detokenize(cpb.DetokenizeRequest(token_ids=[N_VOCAB]))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_port_taken_is_a_clear_error(tiny_model, stack):
+    from services.coordinator.stack import StackError
+    with pytest.raises(StackError, match="cannot bind"):
+        start_stack(tiny_model, draft_port=stack.draft_port, n_ctx=N_CTX)
