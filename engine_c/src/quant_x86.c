@@ -308,17 +308,147 @@ QKERNEL(k_q4_0, unpack_q4_0, unpack4_q4_0, 18, 3, 0)
 QKERNEL(k_q4_1, unpack_q4_1, unpack4_q4_1, 20, 0, 1)
 QKERNEL(k_q8_0, unpack_q8_0, unpack4_q8_0, 34, 7, 0)
 
-/* K-quants: sub-blocks unpacked by es_unpack_kq into the transposed byte
- * layout, then the same dot products; the integer sub-block scales multiply
- * the two 16-element half sums (exact int32). */
-static void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
-                      int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+/* K-quants. A group of 16 sub-blocks is 2 super-blocks (lanes 0..7: the
+ * first, 8..15: the second; a row may end with a lone one). The integer
+ * sub-block scales multiply the two 16-element half sums (exact int32). */
+typedef struct {
+    __m512i w[8];
+    __m512 a, b;
+    __m512i sl, sh;     /* scales of elements 0..15 and 16..31 */
+} kgroup;
+
+static inline ES_AI __m512 lanes2(float x0, float x1) {
+    return _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(x0), _mm512_set1_ps(x1));
+}
+
+/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
+static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[4];
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3fu;
+    memcpy(sc, u, 8);
+    memcpy(m, u + 2, 8);
+}
+
+/* Q4_K (five = 0) and Q5_K (five = 1). */
+static inline ES_AI void unpack_kg_q45k(const uint8_t *p, int nsb, int five, kgroup *g) {
+    size_t bsz = five ? sizeof(es_block_q5_K) : sizeof(es_block_q4_K);
+    const es_block_q4_K *A = (const void *)p, *B = (const void *)(p + bsz);
+    const uint8_t *qsA = five ? ((const es_block_q5_K *)(const void *)p)->qs : A->qs;
+    const uint8_t *qsB = five ? ((const es_block_q5_K *)(const void *)(p + bsz))->qs : B->qs;
+    __m512i z = _mm512_setzero_si512();
+    __m512i qa0 = _mm512_loadu_si512(qsA), qa1 = _mm512_loadu_si512(qsA + 64);
+    __m512i qb0 = nsb > 1 ? _mm512_loadu_si512(qsB) : z, qb1 = nsb > 1 ? _mm512_loadu_si512(qsB + 64) : z;
+    __m512i qh = z;
+    if (five) {
+        __m256i ha = _mm256_loadu_si256((const __m256i *)(const void *)((const es_block_q5_K *)(const void *)p)->qh);
+        __m256i hb = nsb > 1 ? _mm256_loadu_si256((const __m256i *)(const void *)((const es_block_q5_K *)(const void *)(p + bsz))->qh)
+                             : _mm256_setzero_si256();
+        qh = _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1);
+    }
+    const __m512i base = _mm512_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24, 0, 0, 8, 8, 16, 16, 24, 24);
+    const __m512i hbase = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    const __m512i shv = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m512i hsh = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m1 = _mm512_set1_epi8(0x01);
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        __m512i kk = _mm512_set1_epi32(k);
+        __m512i idx = _mm512_add_epi32(base, kk);
+        __m512i v = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_permutex2var_epi32(qa0, idx, qa1),
+                                            _mm512_permutex2var_epi32(qb0, idx, qb1));
+        g->w[k] = _mm512_and_si512(_mm512_srlv_epi32(v, shv), m4);
+        if (five) {
+            __m512i h = _mm512_permutexvar_epi32(_mm512_add_epi32(hbase, kk), qh);
+            h = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, hsh), m1), 4);
+            g->w[k] = _mm512_or_si512(g->w[k], h);
+        }
+    }
+    uint8_t sc[16] = {0}, mm[16] = {0};
+    k4_scales(A->scales, sc, mm);
+    if (nsb > 1) k4_scales(B->scales, sc + 8, mm + 8);
+    g->sl = g->sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)sc));
+    __m512 mf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)mm)));
+    float dA = es_fp16_to_fp32(A->d), dB = nsb > 1 ? es_fp16_to_fp32(B->d) : 0.0f;
+    float mA = -es_fp16_to_fp32(A->dmin), mB = nsb > 1 ? -es_fp16_to_fp32(B->dmin) : 0.0f;
+    g->a = lanes2(dA, dB);
+    g->b = _mm512_mul_ps(lanes2(mA, mB), mf);
+}
+
+static inline ES_AI void unpack_kg_q6k(const uint8_t *p, int nsb, kgroup *g) {
+    const es_block_q6_K *A = (const void *)p, *B = (const void *)(p + sizeof(es_block_q6_K));
+    __m512i z = _mm512_setzero_si512();
+    __m512i la0 = _mm512_loadu_si512(A->ql), la1 = _mm512_loadu_si512(A->ql + 64), ha = _mm512_loadu_si512(A->qh);
+    __m512i lb0 = z, lb1 = z, hb = z;
+    if (nsb > 1) {
+        lb0 = _mm512_loadu_si512(B->ql);
+        lb1 = _mm512_loadu_si512(B->ql + 64);
+        hb = _mm512_loadu_si512(B->qh);
+    }
+    const __m512i lbase = _mm512_setr_epi32(0, 8, 0, 8, 16, 24, 16, 24, 0, 8, 0, 8, 16, 24, 16, 24);
+    const __m512i hbase = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512i lsh = _mm512_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4);
+    const __m512i hsh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        __m512i kk = _mm512_set1_epi32(k);
+        __m512i li = _mm512_add_epi32(lbase, kk);
+        __m512i v = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_permutex2var_epi32(la0, li, la1),
+                                            _mm512_permutex2var_epi32(lb0, li, lb1));
+        __m512i h = _mm512_permutex2var_epi32(ha, _mm512_add_epi32(hbase, kk), hb);
+        __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(v, lsh), m4);
+        __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, hsh), m2), 4);
+        g->w[k] = _mm512_or_si512(lo, hi);
+    }
+    int8_t sc[32] = {0};
+    memcpy(sc, A->scales, 16);
+    if (nsb > 1) memcpy(sc + 16, B->scales, 16);
+    __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)sc));
+    g->sl = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
+    g->sh = _mm512_srai_epi32(v, 8);
+    g->a = lanes2(es_fp16_to_fp32(A->d), nsb > 1 ? es_fp16_to_fp32(B->d) : 0.0f);
+    g->b = _mm512_setzero_ps();
+}
+
+static inline ES_AI void kgroup_rows(const kgroup *g, const uint8_t *x, size_t x_stride, int nt,
+                                     __m512 *acc, int q6) {
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const __m512i *xq = (const __m512i *)(const void *)xg->qs;
+        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[0], _mm512_load_si512(xq + 0));
+        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[4], _mm512_load_si512(xq + 4));
+        lo = _mm512_dpbusd_epi32(lo, g->w[1], _mm512_load_si512(xq + 1));
+        hi = _mm512_dpbusd_epi32(hi, g->w[5], _mm512_load_si512(xq + 5));
+        lo = _mm512_dpbusd_epi32(lo, g->w[2], _mm512_load_si512(xq + 2));
+        hi = _mm512_dpbusd_epi32(hi, g->w[6], _mm512_load_si512(xq + 6));
+        lo = _mm512_dpbusd_epi32(lo, g->w[3], _mm512_load_si512(xq + 3));
+        hi = _mm512_dpbusd_epi32(hi, g->w[7], _mm512_load_si512(xq + 7));
+        if (q6) {
+            __m512i qlo = _mm512_load_si512((const void *)xg->qlo);
+            __m512i qhi = _mm512_sub_epi32(_mm512_load_si512((const void *)xg->qsum), qlo);
+            lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(qlo, 5));
+            hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(qhi, 5));
+        }
+        __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(g->sl, lo), _mm512_mullo_epi32(g->sh, hi));
+        __m512 dx = _mm512_load_ps(xg->d);
+        __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
+        if (!q6) c = _mm512_add_ps(c, _mm512_mul_ps(g->b, _mm512_load_ps(xg->s)));
+        acc[n] = _mm512_add_ps(acc[n], c);
+    }
+}
+
+static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                                   int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
     int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
     const uint8_t *x = xv;
     int q6 = type == ES_TYPE_Q6_K;
-    _Alignas(64) uint8_t wb[8 * 64];
-    _Alignas(64) float av[16], bv[16];
-    _Alignas(64) int32_t sl[16], sh[16];
+    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
+                                                                                    : sizeof(es_block_q6_K);
     for (int n0 = 0; n0 < N; n0 += NT) {
         int nt = N - n0 < NT ? N - n0 : NT;
         const uint8_t *xt = x + (size_t)n0 * x_stride;
@@ -328,48 +458,11 @@ static void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t
             for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
             for (int64_t gi = 0; gi < ng; gi++) {
                 int nv = (int)(nb - gi * 16 < 16 ? nb - gi * 16 : 16);
-                if (nv < 16) {
-                    memset(wb, 0, sizeof wb);
-                    memset(av, 0, sizeof av);
-                    memset(bv, 0, sizeof bv);
-                    memset(sl, 0, sizeof sl);
-                    memset(sh, 0, sizeof sh);
-                }
-                for (int j = 0; j < nv; j++) {
-                    uint8_t q[32];
-                    es_unpack_kq(type, row, gi * 16 + j, q, &sl[j], &sh[j], &av[j], &bv[j]);
-                    UNROLL
-                    for (int k = 0; k < 8; k++) memcpy(wb + 64 * k + 4 * j, q + 4 * k, 4);
-                }
-                __m512i wv[8];
-                UNROLL
-                for (int k = 0; k < 8; k++) wv[k] = _mm512_load_si512(wb + 64 * k);
-                __m512 a = _mm512_load_ps(av), b = _mm512_load_ps(bv);
-                __m512i scl = _mm512_load_si512(sl), sch = _mm512_load_si512(sh);
-                const uint8_t *xg0 = xt + (size_t)gi * sizeof(es_q8_group);
-                for (int n = 0; n < nt; n++) {
-                    const es_q8_group *xg = (const void *)(xg0 + (size_t)n * x_stride);
-                    const __m512i *xq = (const __m512i *)(const void *)xg->qs;
-                    __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_load_si512(xq + 0));
-                    __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], _mm512_load_si512(xq + 4));
-                    lo = _mm512_dpbusd_epi32(lo, wv[1], _mm512_load_si512(xq + 1));
-                    hi = _mm512_dpbusd_epi32(hi, wv[5], _mm512_load_si512(xq + 5));
-                    lo = _mm512_dpbusd_epi32(lo, wv[2], _mm512_load_si512(xq + 2));
-                    hi = _mm512_dpbusd_epi32(hi, wv[6], _mm512_load_si512(xq + 6));
-                    lo = _mm512_dpbusd_epi32(lo, wv[3], _mm512_load_si512(xq + 3));
-                    hi = _mm512_dpbusd_epi32(hi, wv[7], _mm512_load_si512(xq + 7));
-                    if (q6) {
-                        __m512i qlo = _mm512_load_si512((const void *)xg->qlo);
-                        __m512i qhi = _mm512_sub_epi32(_mm512_load_si512((const void *)xg->qsum), qlo);
-                        lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(qlo, 5));
-                        hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(qhi, 5));
-                    }
-                    __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(scl, lo), _mm512_mullo_epi32(sch, hi));
-                    __m512 dx = _mm512_load_ps(xg->d);
-                    __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
-                    if (!q6) c = _mm512_add_ps(c, _mm512_mul_ps(b, _mm512_load_ps(xg->s)));
-                    acc[n] = _mm512_add_ps(acc[n], c);
-                }
+                const uint8_t *p = row + (size_t)gi * 2 * sbb;
+                kgroup g;
+                if (type == ES_TYPE_Q6_K) unpack_kg_q6k(p, nv / 8, &g);
+                else unpack_kg_q45k(p, nv / 8, type == ES_TYPE_Q5_K, &g);
+                kgroup_rows(&g, xt + (size_t)gi * sizeof(es_q8_group), x_stride, nt, acc, q6);
             }
             for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);
         }
