@@ -1,0 +1,89 @@
+"""The services on the real model, SmolLM2-135M-Instruct Q4_1 (fetched by scripts/fetch_model.py).
+
+max_tokens is kept modest (64) so the file runs in CI time on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from services.coordinator.stack import start_stack
+
+ROOT = Path(__file__).resolve().parents[1]
+OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON
+MAX_TOKENS = 64
+
+
+def load_workloads() -> list[dict]:
+    with open(ROOT / "workloads" / "seed.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def stub(smollm2):
+    st = start_stack(smollm2, spec=False, n_ctx=1024)
+    ch = grpc.insecure_channel(st.target)
+    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    ch.close()
+    st.stop()
+
+
+def chat(messages: list[dict]) -> list[cpb.ChatMessage]:
+    return [cpb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(**kw), timeout=600).result
+
+
+@pytest.mark.parametrize("workload", load_workloads(), ids=lambda w: w["id"])
+def test_seed_workload_spec_on_off_byte_identical(stub, workload):
+    kw = dict(messages=chat(workload["messages"]), max_tokens=min(MAX_TOKENS, workload["max_tokens"]))
+    off = complete(stub, spec=OFF, **kw)
+    on = complete(stub, spec=ON, **kw)
+    assert on.text.encode() == off.text.encode()
+    assert list(on.token_ids) == list(off.token_ids)
+    assert on.finish_reason == off.finish_reason
+    s = on.stats
+    assert s.hits + s.kv_rolls == s.draft_tokens <= s.tries * 4
+    if workload["kind"] == "repetitive":
+        assert s.hits > 0, f"{workload['id']}: no accepted drafts"
+    assert off.text.strip(), "empty output"
+
+
+@pytest.mark.parametrize("answer", ["Kestrel, kestrel, kestrel.", "The kestrel is a small falcon."])
+def test_eos_inside_an_accepted_run_ends_where_plain_decoding_does(stub, answer):
+    # the previous assistant turn ends with <|im_end|>: the drafter copies it, EOS is a draft
+    msgs = chat([{"role": "user", "content": "Say exactly: " + answer},
+                 {"role": "assistant", "content": answer},
+                 {"role": "user", "content": "Say exactly: " + answer}])
+    off = complete(stub, messages=msgs, max_tokens=32, spec=OFF)
+    on = complete(stub, messages=msgs, max_tokens=32, spec=ON)
+    assert off.finish_reason == on.finish_reason == common_pb2.FINISH_REASON_EOS
+    assert list(on.token_ids) == list(off.token_ids) and on.text == off.text == answer
+    produced = 1 + on.stats.rounds + on.stats.hits
+    assert produced > len(on.token_ids) + 1, "EOS was not inside an accepted run (precondition)"
+
+
+def test_random_text_prompts_spec_on_off_identical(stub):
+    import random
+    rng = random.Random(5)
+    words = "the a kestrel sky blue red code list one two three falcon river stone".split()
+    for _ in range(3):
+        text = " ".join(rng.choice(words) for _ in range(rng.randrange(3, 12)))
+        off = complete(stub, text=text, max_tokens=32, spec=OFF)
+        on = complete(stub, text=text, max_tokens=32, spec=ON)
+        assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
