@@ -312,32 +312,6 @@ static void up_q6_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b) 
     *a = h2f(x->d);
 }
 
-void es_unpack_kq(uint32_t type, const uint8_t *row, int64_t j, uint8_t *q,
-                  int32_t *sc_lo, int32_t *sc_hi, float *a, float *b) {
-    int v[32], sb = (int)(j % 8);
-    if (type == ES_TYPE_Q6_K) {
-        const es_block_q6_K *x = (const void *)(row + (size_t)(j / 8) * sizeof *x);
-        unpack_q6k(x, sb, v);
-        for (int i = 0; i < 32; i++) q[i] = (uint8_t)(v[i] + 32);
-        *sc_lo = x->scales[2 * sb];
-        *sc_hi = x->scales[2 * sb + 1];
-        *a = h2f(x->d);
-        *b = 0.0f;
-        return;
-    }
-    int five = type == ES_TYPE_Q5_K;
-    const uint8_t *p = row + (size_t)(j / 8) * (five ? sizeof(es_block_q5_K) : sizeof(es_block_q4_K));
-    const es_block_q4_K *x = (const void *)p;
-    int sc, m;
-    es_scale_min_k4(sb, x->scales, &sc, &m);
-    if (five) unpack_k4(((const es_block_q5_K *)(const void *)p)->qs, ((const es_block_q5_K *)(const void *)p)->qh, sb, v);
-    else unpack_k4(x->qs, NULL, sb, v);
-    for (int i = 0; i < 32; i++) q[i] = (uint8_t)v[i];
-    *sc_lo = *sc_hi = sc;
-    *a = h2f(x->d);
-    *b = -h2f(x->dmin) * (float)m;
-}
-
 #define REF_NT 32   /* activation rows per pass */
 
 static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_bytes,

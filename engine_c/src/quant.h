@@ -75,15 +75,6 @@ es_mm_kernel es_neon_kernel(uint32_t type);
 const char *es_x86_simd_name(void);    /* NULL when no x86 SIMD path is compiled */
 const char *es_neon_simd_name(void);   /* NULL when no NEON path is compiled */
 
-/* Raw integer weights of activation block j (= 32-element sub-block j) of a
- * K-quant row (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63, offset 32 not
- * removed), the integer scales of its two 16-element halves (equal for
- * Q4_K / Q5_K) and the contract's float factors a, b. The block's exact
- * int sum is I = sc_lo * (dot_lo - off * qlo) + sc_hi * (dot_hi - off * (qsum - qlo))
- * with off = 32 for Q6_K and 0 otherwise. */
-void es_unpack_kq(uint32_t type, const uint8_t *row, int64_t j, uint8_t *q,
-                  int32_t *sc_lo, int32_t *sc_hi, float *a, float *b);
-
 /* 1 when es_matmul supports the weight type. */
 int es_matmul_supported(uint32_t type);
 

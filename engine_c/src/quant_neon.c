@@ -175,14 +175,97 @@ QKERNEL(k_q4_0, unpack_q4_0, 18, 0)
 QKERNEL(k_q4_1, unpack_q4_1, 20, 1)
 QKERNEL(k_q8_0, unpack_q8_0, 34, 0)
 
-/* K-quants: sub-blocks unpacked by es_unpack_kq into the transposed byte
- * layout (signed: Q6_K's offset 32 removed), then the same dot products; the
- * integer sub-block scales multiply the two 16-element half sums. */
-static void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+/* K-quants. A quad is half a super-block (sub-blocks 4h..4h+3); its
+ * weights are unpacked into the transposed layout as signed bytes (Q6_K's
+ * offset 32 removed) and the integer sub-block scales multiply the two
+ * 16-element half sums (exact int32). */
+typedef struct {
+    int8x16_t w[8];
+    float32x4_t a, b;
+    int32x4_t sl, sh;
+} kquad;
+
+/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
+static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[4];
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3fu;
+    memcpy(sc, u, 8);
+    memcpy(m, u + 2, 8);
+}
+
+static inline ES_AI int32x4_t s32x4(int a, int b, int c, int d) {
+    int32_t v[4] = {a, b, c, d};
+    return vld1q_s32(v);
+}
+
+/* Q4_K (five = 0) / Q5_K (five = 1): super-block sbp, half h. */
+static inline ES_AI void unpack_kq_q45k(const uint8_t *sbp, int h, int five, kquad *g) {
+    const es_block_q4_K *A = (const void *)sbp;
+    const uint8_t *qs = five ? ((const es_block_q5_K *)(const void *)sbp)->qs : A->qs;
+    const uint8_t *qh = five ? ((const es_block_q5_K *)(const void *)sbp)->qh : NULL;
+    const uint8_t *s0 = qs + 64 * h;
+    uint32x4_t a0 = vreinterpretq_u32_u8(vld1q_u8(s0)), a1 = vreinterpretq_u32_u8(vld1q_u8(s0 + 16));
+    uint32x4_t b0 = vreinterpretq_u32_u8(vld1q_u8(s0 + 32)), b1 = vreinterpretq_u32_u8(vld1q_u8(s0 + 48));
+    uint32x4_t x[4] = {vzip1q_u32(a0, b0), vzip2q_u32(a0, b0), vzip1q_u32(a1, b1), vzip2q_u32(a1, b1)};
+    const int32x4_t nsh = s32x4(0, -4, 0, -4);
+    const int32x4_t hsh = s32x4(-4 * h, -4 * h - 1, -4 * h - 2, -4 * h - 3);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m1 = vdupq_n_u8(0x01);
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        uint32x4_t v = (k & 1) ? vzip2q_u32(x[k / 2], x[k / 2]) : vzip1q_u32(x[k / 2], x[k / 2]);
+        uint8x16_t q = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(v, nsh)), m4);
+        if (five) {
+            uint32x4_t hb = vld1q_dup_u32((const uint32_t *)(const void *)(qh + 4 * k));
+            uint8x16_t hi = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(hb, hsh)), m1);
+            q = vorrq_u8(q, vshlq_n_u8(hi, 4));
+        }
+        g->w[k] = vreinterpretq_s8_u8(q);
+    }
+    uint8_t sc[8], m[8];
+    k4_scales(A->scales, sc, m);
+    g->sl = g->sh = s32x4(sc[4 * h], sc[4 * h + 1], sc[4 * h + 2], sc[4 * h + 3]);
+    g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
+    g->b = vmulq_f32(vdupq_n_f32(-es_fp16_to_fp32(A->dmin)),
+                     vcvtq_f32_s32(s32x4(m[4 * h], m[4 * h + 1], m[4 * h + 2], m[4 * h + 3])));
+}
+
+static inline ES_AI void unpack_kq_q6k(const uint8_t *sbp, int h, kquad *g) {
+    const es_block_q6_K *A = (const void *)sbp;
+    const uint8_t *ql = A->ql + 64 * h, *qh = A->qh + 32 * h;
+    uint32x4_t l0 = vreinterpretq_u32_u8(vld1q_u8(ql)), l1 = vreinterpretq_u32_u8(vld1q_u8(ql + 16));
+    uint32x4_t l2 = vreinterpretq_u32_u8(vld1q_u8(ql + 32)), l3 = vreinterpretq_u32_u8(vld1q_u8(ql + 48));
+    uint64x2_t x[4] = {vreinterpretq_u64_u32(vzip1q_u32(l0, l2)), vreinterpretq_u64_u32(vzip2q_u32(l0, l2)),
+                       vreinterpretq_u64_u32(vzip1q_u32(l1, l3)), vreinterpretq_u64_u32(vzip2q_u32(l1, l3))};
+    const int32x4_t nsh = s32x4(0, 0, -4, -4), hsh = s32x4(0, -2, -4, -6);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(0x03);
+    const int8x16_t c32 = vdupq_n_s8(32);
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        uint64x2_t v = (k & 1) ? vzip2q_u64(x[k / 2], x[k / 2]) : vzip1q_u64(x[k / 2], x[k / 2]);
+        uint8x16_t lo = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(vreinterpretq_u32_u64(v), nsh)), m4);
+        uint32x4_t hb = vld1q_dup_u32((const uint32_t *)(const void *)(qh + 4 * k));
+        uint8x16_t hi = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(hb, hsh)), m2);
+        g->w[k] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(lo, vshlq_n_u8(hi, 4))), c32);
+    }
+    const int8_t *sc = A->scales + 8 * h;
+    g->sl = s32x4(sc[0], sc[2], sc[4], sc[6]);
+    g->sh = s32x4(sc[1], sc[3], sc[5], sc[7]);
+    g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
+    g->b = vdupq_n_f32(0.0f);
+}
+
+static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
                       int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
     int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
     const uint8_t *x = xv;
     int q6 = type == ES_TYPE_Q6_K;
+    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
+                                                                                    : sizeof(es_block_q6_K);
     float32x4_t acc[NT * 4];
     for (int n0 = 0; n0 < N; n0 += NT) {
         int nt = N - n0 < NT ? N - n0 : NT;
@@ -195,22 +278,13 @@ static void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t
                 for (int qd = 0; qd < 4; qd++) {
                     int64_t b0 = gi * 16 + qd * 4;
                     if (b0 >= nb) break;
-                    uint8_t wb[8 * 16];
-                    float av[4], bv[4];
-                    int32_t sl[4], sh[4];
-                    for (int i = 0; i < 4; i++) {   /* K rows hold whole super-blocks: 4 | nb */
-                        uint8_t q[32];
-                        es_unpack_kq(type, row, b0 + i, q, &sl[i], &sh[i], &av[i], &bv[i]);
-                        for (int k = 0; k < 8; k++) memcpy(wb + 16 * k + 4 * i, q + 4 * k, 4);
-                    }
-                    int8x16_t wv[8];
-                    UNROLL
-                    for (int k = 0; k < 8; k++) {
-                        wv[k] = vreinterpretq_s8_u8(vld1q_u8(wb + 16 * k));
-                        if (q6) wv[k] = vsubq_s8(wv[k], vdupq_n_s8(32));
-                    }
-                    float32x4_t a = vld1q_f32(av), b = vld1q_f32(bv);
-                    int32x4_t scl = vld1q_s32(sl), sch = vld1q_s32(sh);
+                    kquad g;
+                    const uint8_t *sbp = row + (size_t)(b0 / 8) * sbb;
+                    if (q6) unpack_kq_q6k(sbp, qd & 1, &g);
+                    else unpack_kq_q45k(sbp, qd & 1, type == ES_TYPE_Q5_K, &g);
+                    const int8x16_t *wv = g.w;
+                    float32x4_t a = g.a, b = g.b;
+                    int32x4_t scl = g.sl, sch = g.sh;
                     for (int n = 0; n < nt; n++) {
                         const es_q8_group *xg = (const void *)(xg0 + (size_t)n * x_stride);
                         const int8_t *xq = xg->qs + 16 * qd;
