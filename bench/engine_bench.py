@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -384,6 +385,10 @@ def run(args) -> dict:
     if peer is not None and peer.n_vocab != ours.n_vocab:
         raise BenchError(f"n_vocab differs: echospec {ours.n_vocab}, llama.cpp {peer.n_vocab}")
 
+    load_before = os.getloadavg()[0]
+    if load_before > os.cpu_count() - args.threads + 0.5:
+        log(f"warning: 1-minute load average {load_before:.1f} on {os.cpu_count()} cores: other "
+            f"processes compete for the CPU, the figures will be noisy")
     plan = make_plan(ours.n_vocab, args)
     results: dict[str, list[RoundResult]] = {r.name: [] for r in runners}
     total = args.warmup + args.rounds
@@ -413,6 +418,8 @@ def run(args) -> dict:
         "warmup": args.warmup,
         "inner": args.inner,
         "seconds": round(elapsed, 2),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpu_count": os.cpu_count(),
         "weight_mib": weight_bytes / 2 ** 20,
         "decode_weight_gb_s": weight_bytes / (out["T_ms"] / 1e3) / 1e9,
         "peer": None,
@@ -447,7 +454,8 @@ def format_table(res: dict) -> str:
     rat = res["ratios"]
     lines = [
         f"echospec engine bench: {Path(res['model']).name}, threads {res['threads']}, simd {res['simd']}, "
-        f"depth {res['depth']}, {res['rounds']} rounds alternating with the peer ({res['seconds']} s)",
+        f"depth {res['depth']}, {res['rounds']} rounds alternating with the peer ({res['seconds']} s, "
+        f"load average {res['loadavg_1m'][0]:.1f} -> {res['loadavg_1m'][1]:.1f} on {res['cpu_count']} cores)",
         f"{'':28}{'echospec':>12}{'llama.cpp':>12}{'ours/peer':>11}",
     ]
 
