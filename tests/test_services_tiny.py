@@ -211,7 +211,8 @@ def test_server_flag_turns_speculation_on_for_unspecified_requests(tiny_model):
 # -- the draft service going away --------------------------------------------------------------
 
 def test_killing_the_draft_service_mid_run_changes_no_output(tiny_model):
-    st = start_stack(tiny_model, spec=True, n_ctx=N_CTX, n_threads=1)
+    # three processes, as deployed; the draft process gets SIGKILL mid-stream
+    st = start_stack(tiny_model, spec=True, n_ctx=N_CTX, n_threads=1, processes=True)
     try:
         with grpc.insecure_channel(st.target) as ch:
             s = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
@@ -408,6 +409,14 @@ def test_tokenize_detokenize_round_trip(stub):
     with pytest.raises(grpc.RpcError) as ei:
         stub.Detokenize(cpb.DetokenizeRequest(token_ids=[N_VOCAB]))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unusable_model_is_a_clear_error(tmp_path):
+    from services.coordinator.stack import StackError
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 8)
+    with pytest.raises(StackError, match="verifier: ES_ERR_"):
+        start_stack(str(bad), n_ctx=N_CTX)
 
 
 def test_port_taken_is_a_clear_error(tiny_model, stack):

@@ -4,6 +4,7 @@ import sys
 
 from services.common import config as cfg
 from services.common.grpc_util import PortInUseError
+from services.draft.proposer import ProposerError
 from services.draft.server import serve
 
 
@@ -12,7 +13,7 @@ def main(argv=None) -> int:
     conf = cfg.load(cfg.DraftConfig, argv, prog="python -m services.draft")
     try:
         serve(conf)
-    except PortInUseError as exc:
+    except (PortInUseError, ProposerError) as exc:
         print(f"draft: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -6,6 +6,7 @@ import logging
 from echospec.v1 import draft_pb2, draft_pb2_grpc
 from services.common import grpc_util
 from services.common.config import DraftConfig
+from services.draft.proposer import NgramParams
 from services.draft.servicer import DraftServicer
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -19,7 +20,9 @@ def start(config: DraftConfig) -> tuple[grpc_util.ServerHandle, DraftServicer]:
         (handle, servicer); ``handle.port`` is the bound port.
     Raises:
         PortInUseError: host:port cannot be bound.
+        ProposerError: invalid n-gram range.
     """
+    NgramParams(config.min_n, config.max_n).validate()  # ProposerError names the bad range
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME])
     servicer = DraftServicer(config)
