@@ -17,6 +17,8 @@
 #if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define ES_X86_AVX512 1
+#elif !defined(ES_FORCE_SCALAR) && defined(__AVX2__) && defined(__F16C__)
+#define ES_X86_AVX2 1
 #endif
 
 #ifdef ES_X86_AVX512
@@ -532,6 +534,232 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     }
 }
 const char *es_x86_simd_name(void) { return "avx512"; }
+
+#elif defined(ES_X86_AVX2)
+/*
+ * AVX2 path: the same transposed layout, a group of 16 blocks handled as two
+ * octets of 8 (ymm lanes 0..7 and 8..15 of the accumulator). Int8 dots use
+ * maddubs (u8 x s8 -> s16 pairs) + madd: for 4-bit weights all 8 chunk
+ * products fit one int16 sum (8 * 2 * 15 * 127 = 30480); Q8_0 uses
+ * |w| x sign(x, w) and widens every chunk. Exact int32 either way.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#define NT 32
+#define ES_AI __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
+
+typedef struct {
+    __m256i w[8];     /* Q4: unsigned nibbles; Q8_0: |w| */
+    __m256i sg[8];    /* Q8_0: the signed weights (for sign(x, w)) */
+    __m256 a, b;
+} woct;
+
+static inline ES_AI __m128i ld128(const uint8_t *p, int j, int nv, size_t stride) {
+    return j < nv ? _mm_loadu_si128((const __m128i *)(const void *)(p + (size_t)j * stride))
+                  : _mm_setzero_si128();
+}
+
+/* 16 bytes at p + j * stride, j = 0..7 (zero for j >= nv), transposed. */
+static inline ES_AI void load_t8(const uint8_t *p, size_t stride, int nv, __m256i out[4]) {
+    __m256i z[4];
+    UNROLL
+    for (int i = 0; i < 4; i++)
+        z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p, i, nv, stride)), ld128(p, i + 4, nv, stride), 1);
+    __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* fp16 at p + j * stride + off (j < nv), as 8 floats. */
+static inline ES_AI __m256 halves8(const uint8_t *p, size_t stride, size_t off, int nv) {
+    uint16_t h[8] = {0};
+    for (int j = 0; j < nv && j < 8; j++) memcpy(&h[j], p + (size_t)j * stride + off, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
+}
+
+static inline ES_AI void nibbles8(const __m256i d[4], __m256i w[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm256_and_si256(d[k], m4);
+        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(d[k], 4), m4);
+    }
+}
+
+static inline ES_AI void unpack_q4_0(const uint8_t *p, int nv, woct *g) {
+    __m256i d[4];
+    load_t8(p + 2, 18, nv, d);
+    nibbles8(d, g->w);
+    g->a = halves8(p, 18, 0, nv);
+}
+
+static inline ES_AI void unpack_q4_1(const uint8_t *p, int nv, woct *g) {
+    __m256i d[4];
+    load_t8(p + 4, 20, nv, d);
+    nibbles8(d, g->w);
+    g->a = halves8(p, 20, 0, nv);
+    g->b = halves8(p, 20, 2, nv);
+}
+
+static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, woct *g) {
+    __m256i d[4];
+    load_t8(p + 2, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->sg[k] = d[k];
+    load_t8(p + 18, 34, nv, d);
+    UNROLL
+    for (int k = 0; k < 4; k++) g->sg[k + 4] = d[k];
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm256_abs_epi8(g->sg[k]);
+    g->a = halves8(p, 34, 0, nv);
+}
+
+/* Octet h (lanes 8h..8h+7) into rows [0, nt): acc[2n + h] += c. */
+static inline ES_AI void oct_rows(const woct *g, const uint8_t *x, size_t x_stride, int nt, int h,
+                                  __m256 *acc, int off_shift, int two, int q8) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const int8_t *xq = xg->qs + 32 * h;
+#define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
+        __m256i I;
+        if (q8) {
+            I = _mm256_setzero_si256();
+            UNROLL
+            for (int k = 0; k < 8; k++)
+                I = _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(g->w[k], _mm256_sign_epi8(XQ(k), g->sg[k])), ones));
+        } else {
+            __m256i s16 = _mm256_maddubs_epi16(g->w[0], XQ(0));
+            UNROLL
+            for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->w[k], XQ(k)));
+            I = _mm256_madd_epi16(s16, ones);
+        }
+#undef XQ
+        if (off_shift)
+            I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_load_si256((const void *)(xg->qsum + 8 * h)), off_shift));
+        __m256 dx = _mm256_load_ps(xg->d + 8 * h);
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(g->a, dx), _mm256_cvtepi32_ps(I));
+        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(g->b, _mm256_load_ps(xg->s + 8 * h)));
+        acc[2 * n + h] = _mm256_add_ps(acc[2 * n + h], c);
+    }
+}
+
+static inline ES_AI float lane_sum2x8(__m256 lo, __m256 hi) {
+    float l[16];
+    _mm256_storeu_ps(l, lo);
+    _mm256_storeu_ps(l + 8, hi);
+    return es_lane_sum(l);
+}
+
+#define QKERNEL(name, unpack, bbytes, off_shift, two, q8)                                           \
+    static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
+        const uint8_t *x = xv;                                                                      \
+        __m256 acc[2 * NT];                                                                         \
+        for (int n0 = 0; n0 < N; n0 += NT) {                                                        \
+            int nt = N - n0 < NT ? N - n0 : NT;                                                     \
+            const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
+            for (int64_t r = r0; r < r1; r++) {                                                     \
+                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
+                for (int i = 0; i < 2 * nt; i++) acc[i] = _mm256_setzero_ps();                      \
+                for (int64_t gi = 0; gi < ng; gi++) {                                               \
+                    const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
+                    for (int h = 0; h < 2; h++) {                                                   \
+                        int64_t b0 = gi * 16 + h * 8;                                               \
+                        if (b0 >= nb) break;                                                        \
+                        woct g;                                                                     \
+                        g.b = _mm256_setzero_ps();                                                  \
+                        const uint8_t *p = row + (size_t)b0 * (bbytes);                             \
+                        if (nb - b0 >= 8) unpack(p, 8, &g);                                         \
+                        else unpack(p, (int)(nb - b0), &g);                                         \
+                        oct_rows(&g, xg, x_stride, nt, h, acc, off_shift, two, q8);                 \
+                    }                                                                               \
+                }                                                                                   \
+                for (int n = 0; n < nt; n++)                                                        \
+                    Y[(int64_t)(n0 + n) * ldy + r] = lane_sum2x8(acc[2 * n], acc[2 * n + 1]);       \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+QKERNEL(k_q4_0, unpack_q4_0, 18, 3, 0, 0)
+QKERNEL(k_q4_1, unpack_q4_1, 20, 0, 1, 0)
+QKERNEL(k_q8_0, unpack_q8_0, 34, 0, 0, 1)
+
+/* Float weights: lanes 0..7 and 8..15 in two ymm; the ragged end goes
+ * through a zero-padded copy (adds +0). */
+static inline ES_AI __m256 load_w8(uint32_t type, const uint8_t *p) {
+    if (type == ES_TYPE_F32) return _mm256_loadu_ps((const float *)(const void *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
+    if (type == ES_TYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline ES_AI void float_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0,
+                                      int64_t r1, int64_t n_in, const void *xv, size_t x_stride, int N,
+                                      float *Y, int64_t ldy) {
+    const uint8_t *x = xv;
+    size_t esz = type == ES_TYPE_F32 ? 4 : 2;
+    int64_t n16 = n_in / 16 * 16;
+    __m256 acc[2 * NT];
+    for (int n0 = 0; n0 < N; n0 += NT) {
+        int nt = N - n0 < NT ? N - n0 : NT;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (int i = 0; i < 2 * nt; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < n_in; i += 16) {
+                uint8_t wbuf[64];
+                float xbuf[16];
+                const uint8_t *wp = row + (size_t)i * esz;
+                if (i >= n16) {
+                    memset(wbuf, 0, sizeof wbuf);
+                    memcpy(wbuf, wp, (size_t)(n_in - i) * esz);
+                    wp = wbuf;
+                }
+                __m256 w0 = load_w8(type, wp), w1 = load_w8(type, wp + 8 * esz);
+                for (int n = 0; n < nt; n++) {
+                    const float *xr = (const float *)(const void *)(x + (size_t)(n0 + n) * x_stride) + i;
+                    if (i >= n16) {
+                        memset(xbuf, 0, sizeof xbuf);
+                        memcpy(xbuf, xr, (size_t)(n_in - i) * sizeof(float));
+                        xr = xbuf;
+                    }
+                    acc[2 * n] = _mm256_add_ps(acc[2 * n], _mm256_mul_ps(w0, _mm256_loadu_ps(xr)));
+                    acc[2 * n + 1] = _mm256_add_ps(acc[2 * n + 1], _mm256_mul_ps(w1, _mm256_loadu_ps(xr + 8)));
+                }
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum2x8(acc[2 * n], acc[2 * n + 1]);
+        }
+    }
+}
+
+#define FKERNEL(name, t)                                                                  \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        float_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                           \
+    }
+FKERNEL(k_f32, ES_TYPE_F32)
+FKERNEL(k_f16, ES_TYPE_F16)
+FKERNEL(k_bf16, ES_TYPE_BF16)
+
+/* K-quants have no AVX2 kernel yet: NULL sends them to the scalar path. */
+es_mm_kernel es_x86_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_F32: return k_f32;
+    case ES_TYPE_F16: return k_f16;
+    case ES_TYPE_BF16: return k_bf16;
+    case ES_TYPE_Q4_0: return k_q4_0;
+    case ES_TYPE_Q4_1: return k_q4_1;
+    case ES_TYPE_Q8_0: return k_q8_0;
+    default: return NULL;
+    }
+}
+const char *es_x86_simd_name(void) { return "avx2"; }
 
 #else /* no x86 SIMD path in this build */
 
