@@ -58,7 +58,7 @@ ffibuilder.set_source(
     '#include "echospec_engine.h"',
     sources=_sources,
     include_dirs=[str((HERE / "include").relative_to(HERE.parent)), str((HERE / "src").relative_to(HERE.parent))],
-    extra_compile_args=["-std=c11", "-O2", "-ffp-contract=off", "-D_GNU_SOURCE", "-pthread",
+    extra_compile_args=["-std=c11", "-O3", "-ffp-contract=off", "-D_GNU_SOURCE", "-pthread",
                         "-Wno-unused-parameter", *simd_flags()],
     extra_link_args=["-pthread", "-lm"],
 )
