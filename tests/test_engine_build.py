@@ -1,0 +1,36 @@
+"""Build facts of the C engine: it links against libc, libm and pthreads only,
+and the stripped shared library stays within 0.8 MB (issue 2)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 800 * 1000  # bytes
+
+
+@pytest.fixture(scope="module")
+def built_lib(tmp_path_factory) -> Path:
+    build = tmp_path_factory.mktemp("engine-build")
+    subprocess.run(["make", "-s", "-C", str(ROOT / "engine_c"), f"BUILD={build}",
+                    str(build / "libechospec_engine.so")], check=True, capture_output=True, text=True)
+    lib = build / "libechospec_engine.so"
+    stripped = build / "stripped.so"
+    subprocess.run(["strip", "-o", str(stripped), str(lib)], check=True)
+    return stripped
+
+
+def test_stripped_library_size(built_lib):
+    size = built_lib.stat().st_size
+    print(f"stripped libechospec_engine.so: {size} bytes (limit {LIMIT})")
+    assert size <= LIMIT
+
+
+def test_links_only_libc_libm_pthreads(built_lib):
+    out = subprocess.run(["readelf", "-d", str(built_lib)], check=True, capture_output=True, text=True).stdout
+    needed = {line.split("[")[1].split("]")[0] for line in out.splitlines() if "(NEEDED)" in line}
+    allowed = {"libc.so.6", "libm.so.6", "libpthread.so.0", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"}
+    assert needed and needed <= allowed, needed
