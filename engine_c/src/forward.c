@@ -81,6 +81,31 @@ static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
     }
 }
 
+/*
+ * exp(x) for x in float32, Cephes' expf polynomial (range reduction by ln 2,
+ * degree-6 minimax, scaling by 2^n through the exponent bits); relative error
+ * about 2e-7. Plain float ops with no libm call, so GCC vectorizes the loops
+ * below and every build (scalar or SIMD) computes the same bits.
+ */
+static inline float exp_cephes(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
 static int32_t argmax_row(const float *x, int n) {
     int32_t best = 0;
     float bv = x[0];
@@ -270,12 +295,9 @@ static void attend_one(es_session *s, int layer, int i, int h, float *sc) {
         sc[t] = d;
         if (d > mx) mx = d;
     }
+    for (int t = 0; t <= pos; t++) sc[t] = exp_cephes(sc[t] - mx);
     float sum = 0.0f;
-    for (int t = 0; t <= pos; t++) {
-        float e = expf(sc[t] - mx);
-        sc[t] = e;
-        sum += e;
-    }
+    for (int t = 0; t <= pos; t++) sum += sc[t];
     float inv = 1.0f / sum;
     float *o = s->att + (size_t)i * in->n_head * hd + (size_t)h * hd;
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
@@ -369,9 +391,12 @@ static void ffn_block(es_session *s, int l, int n) {
         rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
     mm(s, L->w_gate, s->xb, n, s->gate, in->n_ff);
     mm(s, L->w_up, s->xb, n, s->up, in->n_ff);
-    for (size_t i = 0; i < (size_t)n * in->n_ff; i++) {
-        float g = s->gate[i];
-        s->gate[i] = (g / (1.0f + expf(-g))) * s->up[i];
+    size_t nf = (size_t)n * in->n_ff;
+    float *gt = s->gate;
+    const float *upv = s->up;
+    for (size_t i = 0; i < nf; i++) {
+        float g = gt[i];
+        gt[i] = (g / (1.0f + exp_cephes(-g))) * upv[i];
     }
     mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
     for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
