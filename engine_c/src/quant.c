@@ -14,21 +14,21 @@
  *        amax = max |x|, d = amax / 127, id = d != 0 ? 1 / d : 0,
  *        q[i] = round-to-nearest-even(x[i] * id)   (int8 in [-127, 127]),
  *        qsum = sum of q[i]                          (int32)
- *        s = d * (float)qsum
  *      (es_quantize_row_q8; done once per call, shared by all paths).
  *   2. For every activation block j the weight row gives (for K types: the
- *      32-element sub-block j) float factors a, b and the exact int32 sum
+ *      32-element sub-block j) float factors a, b and exact int32 sums
  *        I = sum_i wq[i] * q[i]     wq = the block's integer weights, with
  *                                     K-quant sub-block scales folded in
+ *        J = jm * qsum              jm = the integer min multiplier
  *      and the contribution
  *        one-term types (Q4_0, Q5_0, Q8_0, Q6_K):  c = (a * d) * (float)I
- *        two-term types (Q4_1, Q5_1, Q4_K, Q5_K):  c = (a * d) * (float)I + b * s
+ *        two-term types (Q4_1, Q5_1, Q4_K, Q5_K):  c = (a * d) * (float)I + (b * d) * (float)J
  *      with, per type:
  *        Q4_0  a = d_w, wq = q - 8                  Q5_0  a = d_w, wq = q - 16
  *        Q8_0  a = d_w, wq = q
- *        Q4_1  a = d_w, wq = q, b = m_w              Q5_1  likewise
- *        Q4_K  a = d, wq = sc * q, b = (-dmin) * (float)m  (6-bit sc, m of
- *              the sub-block, ggml's get_scale_min_k4)      Q5_K  likewise
+ *        Q4_1  a = d_w, wq = q, b = m_w, jm = 1      Q5_1  likewise
+ *        Q4_K  a = d, wq = sc * q, b = -dmin, jm = m (6-bit sc, m of the
+ *              sub-block, ggml's get_scale_min_k4)   Q5_K  likewise
  *        Q6_K  a = d, wq = sc16 * (q - 32) with the int8 scale of each
  *              16-element half folded in (so I covers both halves)
  *      Integer sums are exact, so their summation order is free (SIMD uses
@@ -204,6 +204,11 @@ void es_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n) {
 /* ---- activation quantization ------------------------------------------ */
 
 void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out) {
+    if (es_x86_quantize_row(x, n, out) || es_neon_quantize_row(x, n, out)) return;
+    es_quantize_row_q8_ref(x, n, out);
+}
+
+void es_quantize_row_q8_ref(const float *x, int64_t n, es_q8_group *out) {
     int64_t nb = (n + QK - 1) / QK;
     int64_t ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
     memset(out, 0, (size_t)ng * sizeof *out);
@@ -230,17 +235,17 @@ void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out) {
         g->qlo[jj] = lo;
         g->d[jj] = d;
         g->qsum[jj] = sum;
-        g->s[jj] = d * (float)sum;
+        g->fq[jj] = (float)sum;
     }
 }
 
 /* ---- scalar reference kernels ------------------------------------------ */
 
-/* One activation block (32 elements) of weight row `row`: integer weights
- * and factors a, b (see the contract). */
-typedef void (*unpack_fn)(const uint8_t *row, int64_t j, int *wq, float *a, float *b);
+/* One activation block (32 elements) of weight row `row`: integer weights,
+ * factors a, b and the min multiplier jm (see the contract). */
+typedef void (*unpack_fn)(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm);
 
-static void up_q4_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
+static void up_q4_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
     const es_block_q4_0 *x = (const void *)(row + (size_t)j * sizeof *x);
     for (int i = 0; i < 16; i++) {
         wq[i] = (x->qs[i] & 0xF) - 8;
@@ -249,7 +254,7 @@ static void up_q4_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b) 
     *a = h2f(x->d);
 }
 
-static void up_q4_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
+static void up_q4_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
     const es_block_q4_1 *x = (const void *)(row + (size_t)j * sizeof *x);
     for (int i = 0; i < 16; i++) {
         wq[i] = x->qs[i] & 0xF;
@@ -257,29 +262,31 @@ static void up_q4_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b) 
     }
     *a = h2f(x->d);
     *b = h2f(x->m);
+    *jm = 1;
 }
 
-static void up_q5_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
+static void up_q5_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
     const es_block_q5_0 *x = (const void *)(row + (size_t)j * sizeof *x);
     unpack_q5(x->qh, x->qs, wq);
     for (int i = 0; i < 32; i++) wq[i] -= 16;
     *a = h2f(x->d);
 }
 
-static void up_q5_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
+static void up_q5_1(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
     const es_block_q5_1 *x = (const void *)(row + (size_t)j * sizeof *x);
     unpack_q5(x->qh, x->qs, wq);
     *a = h2f(x->d);
     *b = h2f(x->m);
+    *jm = 1;
 }
 
-static void up_q8_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
+static void up_q8_0(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
     const es_block_q8_0 *x = (const void *)(row + (size_t)j * sizeof *x);
     for (int i = 0; i < 32; i++) wq[i] = x->qs[i];
     *a = h2f(x->d);
 }
 
-static void up_qk(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int five) {
+static void up_qk(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm, int five) {
     const uint8_t *p = row + (size_t)(j / 8) * (five ? sizeof(es_block_q5_K) : sizeof(es_block_q4_K));
     const es_block_q4_K *x = (const void *)p;
     const uint8_t *qs = x->qs, *qh = NULL;
@@ -292,18 +299,19 @@ static void up_qk(const uint8_t *row, int64_t j, int *wq, float *a, float *b, in
     unpack_k4(qs, qh, sb, wq);
     for (int i = 0; i < 32; i++) wq[i] *= sc;
     *a = h2f(x->d);
-    *b = -h2f(x->dmin) * (float)m;
+    *b = -h2f(x->dmin);
+    *jm = m;
 }
 
-static void up_q4_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
-    up_qk(row, j, wq, a, b, 0);
+static void up_q4_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    up_qk(row, j, wq, a, b, jm, 0);
 }
 
-static void up_q5_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
-    up_qk(row, j, wq, a, b, 1);
+static void up_q5_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
+    up_qk(row, j, wq, a, b, jm, 1);
 }
 
-static void up_q6_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b) {
+static void up_q6_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, int32_t *jm) {
     const es_block_q6_K *x = (const void *)(row + (size_t)(j / 8) * sizeof *x);
     int sb = (int)(j % 8);
     unpack_q6k(x, sb, wq);
@@ -327,7 +335,8 @@ static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_b
             for (int64_t j = 0; j < nb; j++) {
                 int wq[32];
                 float a = 0.0f, b = 0.0f;
-                up(row, j, wq, &a, &b);
+                int32_t jm = 0;
+                up(row, j, wq, &a, &b, &jm);
                 size_t goff = (size_t)(j / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
                 int jj = (int)(j % ES_GROUP_BLOCKS);
                 for (int n = 0; n < nt; n++) {
@@ -337,7 +346,7 @@ static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_b
                     for (int i = 0; i < 32; i++) I += wq[i] * g->qs[(i / 4) * 64 + jj * 4 + i % 4];
                     float dx = g->d[jj];
                     float c = (a * dx) * (float)I;
-                    if (two_term) c = c + b * g->s[jj];
+                    if (two_term) c = c + (b * dx) * (float)(jm * g->qsum[jj]);
                     lanes[n][j % ES_LANES] += c;
                 }
             }
@@ -473,8 +482,11 @@ void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
     mm_task t = {k, W->data, W->row_bytes, n_out, n_in, X, (size_t)n_in * sizeof(float), N, Y, ldy};
     if (!is_float_type(type)) {
         size_t rs = q8_row_bytes(n_in);
-        for (int n = 0; n < N; n++)
-            es_quantize_row_q8(X + (int64_t)n * n_in, n_in, (es_q8_group *)((uint8_t *)scratch + (size_t)n * rs));
+        for (int n = 0; n < N; n++) {
+            es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)scratch + (size_t)n * rs);
+            if (force_scalar) es_quantize_row_q8_ref(X + (int64_t)n * n_in, n_in, g);
+            else es_quantize_row_q8(X + (int64_t)n * n_in, n_in, g);
+        }
         t.x = scratch;
         t.x_stride = rs;
     }

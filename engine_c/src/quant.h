@@ -37,9 +37,9 @@ _Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
  * blocks): element e of block j of the group is qs[(e / 4) * 64 + j * 4 + e % 4].
  *   d[j]     block scale (float32): x ~= d * q
  *   qsum[j]  sum of the block's 32 int8 values
- *   s[j]     d[j] * (float)qsum[j]
+ *   fq[j]    (float)qsum[j]
  *   qlo[j]   sum of the block's first 16 int8 values (Q6_K's half-block scales)
- * Blocks past the end of the row are all zero (d = 0, qsum = 0, s = 0).
+ * Blocks past the end of the row are all zero (d = 0, qsum = 0, fq = 0).
  * One activation row of n_in elements is ceil(n_in / 512) groups.
  */
 #define ES_GROUP_BLOCKS 16
@@ -47,7 +47,7 @@ typedef struct {
     int8_t qs[ES_GROUP_BLOCKS * QK];   /* 512 */
     float d[ES_GROUP_BLOCKS];
     int32_t qsum[ES_GROUP_BLOCKS];
-    float s[ES_GROUP_BLOCKS];
+    float fq[ES_GROUP_BLOCKS];
     int32_t qlo[ES_GROUP_BLOCKS];
 } es_q8_group;                          /* 768 B, a multiple of 64 */
 
@@ -83,8 +83,16 @@ int es_matmul_supported(uint32_t type);
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
                     float *Y, int64_t ldy, void *scratch, int force_scalar);
 
-/* Quantize one activation row of n elements into ceil(n / 512) groups. */
+/* Quantize one activation row of n elements into ceil(n / 512) groups
+ * (the contract's step 1). es_quantize_row_q8 uses the build's SIMD version
+ * when there is one (n a multiple of 32), the _ref one is plain C; both give
+ * the same bytes. */
 void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out);
+void es_quantize_row_q8_ref(const float *x, int64_t n, es_q8_group *out);
+/* SIMD versions: return 1 when done, 0 when this build has none (or n is
+ * not a multiple of 32). */
+int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out);
+int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out);
 
 /* The fixed reduction tree over the 16 lanes:
  * ((((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)))+(((l8+l9)+(l10+l11))+((l12+l13)+(l14+l15)))) */

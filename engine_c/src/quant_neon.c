@@ -126,7 +126,7 @@ static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_st
         int32x4_t I = vaddq_s32(i0, i1);
         float32x4_t dx = vld1q_f32(xg->d + 4 * q);
         float32x4_t c = vmulq_f32(vmulq_f32(g->a, dx), vcvtq_f32_s32(I));
-        if (two) c = vaddq_f32(c, vmulq_f32(g->b, vld1q_f32(xg->s + 4 * q)));
+        if (two) c = vaddq_f32(c, vmulq_f32(vmulq_f32(g->b, dx), vld1q_f32(xg->fq + 4 * q)));
         acc[n * 4 + q] = vaddq_f32(acc[n * 4 + q], c);
     }
 }
@@ -183,6 +183,7 @@ typedef struct {
     int8x16_t w[8];
     float32x4_t a, b;
     int32x4_t sl, sh;
+    int32x4_t jm;       /* Q4_K / Q5_K: the sub-block mins m */
 } kquad;
 
 /* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
@@ -230,8 +231,8 @@ static inline ES_AI void unpack_kq_q45k(const uint8_t *sbp, int h, int five, kqu
     k4_scales(A->scales, sc, m);
     g->sl = g->sh = s32x4(sc[4 * h], sc[4 * h + 1], sc[4 * h + 2], sc[4 * h + 3]);
     g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
-    g->b = vmulq_f32(vdupq_n_f32(-es_fp16_to_fp32(A->dmin)),
-                     vcvtq_f32_s32(s32x4(m[4 * h], m[4 * h + 1], m[4 * h + 2], m[4 * h + 3])));
+    g->b = vdupq_n_f32(-es_fp16_to_fp32(A->dmin));
+    g->jm = s32x4(m[4 * h], m[4 * h + 1], m[4 * h + 2], m[4 * h + 3]);
 }
 
 static inline ES_AI void unpack_kq_q6k(const uint8_t *sbp, int h, kquad *g) {
@@ -257,6 +258,7 @@ static inline ES_AI void unpack_kq_q6k(const uint8_t *sbp, int h, kquad *g) {
     g->sh = s32x4(sc[1], sc[3], sc[5], sc[7]);
     g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
     g->b = vdupq_n_f32(0.0f);
+    g->jm = vdupq_n_s32(0);
 }
 
 static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
@@ -299,7 +301,10 @@ static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_b
                         int32x4_t I = vaddq_s32(vmulq_s32(scl, lo), vmulq_s32(sch, hi));
                         float32x4_t dx = vld1q_f32(xg->d + 4 * qd);
                         float32x4_t c = vmulq_f32(vmulq_f32(a, dx), vcvtq_f32_s32(I));
-                        if (!q6) c = vaddq_f32(c, vmulq_f32(b, vld1q_f32(xg->s + 4 * qd)));
+                        if (!q6) {
+                            int32x4_t J = vmulq_s32(g.jm, vld1q_s32(xg->qsum + 4 * qd));
+                            c = vaddq_f32(c, vmulq_f32(vmulq_f32(b, dx), vcvtq_f32_s32(J)));
+                        }
                         acc[n * 4 + qd] = vaddq_f32(acc[n * 4 + qd], c);
                     }
                 }
@@ -377,6 +382,39 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
+/* Activation quantization (contract step 1), 32 elements per step. */
+int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) {
+    if (n % QK != 0) return 0;
+    int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
+    memset(out, 0, (size_t)ng * sizeof *out);
+    for (int64_t j = 0; j < nb; j++) {
+        es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
+        int jj = (int)(j % ES_GROUP_BLOCKS);
+        float32x4_t xv[8], m = vdupq_n_f32(0.0f);
+        for (int i = 0; i < 8; i++) {
+            xv[i] = vld1q_f32(x + j * QK + 4 * i);
+            m = vmaxnmq_f32(m, vabsq_f32(xv[i]));   /* NaN is ignored, like the scalar loop */
+        }
+        float amax = vmaxnmvq_f32(m);
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32x4_t s = vdupq_n_s32(0), slo = vdupq_n_s32(0);
+        for (int i = 0; i < 8; i++) {
+            int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(xv[i], id));
+            s = vaddq_s32(s, q);
+            if (i == 3) slo = s;
+            int8x8_t b = vmovn_s16(vcombine_s16(vmovn_s32(q), vdup_n_s16(0)));
+            vst1_lane_s32((int32_t *)(void *)(g->qs + 64 * i + 4 * jj), vreinterpret_s32_s8(b), 0);
+        }
+        int32_t sum = vaddvq_s32(s);
+        g->d[jj] = d;
+        g->qsum[jj] = sum;
+        g->qlo[jj] = vaddvq_s32(slo);
+        g->fq[jj] = (float)sum;
+    }
+    return 1;
+}
+
 es_mm_kernel es_neon_kernel(uint32_t type) {
     switch (type) {
     case ES_TYPE_F32: return k_f32;
@@ -404,5 +442,6 @@ const char *es_neon_simd_name(void) {
 
 es_mm_kernel es_neon_kernel(uint32_t type) { return NULL; }
 const char *es_neon_simd_name(void) { return NULL; }
+int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) { return 0; }
 
 #endif

@@ -121,7 +121,7 @@ static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wgroup *g) {
 
 /* Multiply one unpacked weight group into activation rows [0, nt).
  * off: the unsigned offset of the weights (I -= off * qsum), two: two-term
- * type (c += b * s). */
+ * type (c += (b * d) * (float)qsum). */
 static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
                               __m512 *acc, int off_shift, int two) {
     for (int n = 0; n < nt; n++) {
@@ -140,7 +140,7 @@ static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_
         if (off_shift) I = _mm512_sub_epi32(I, _mm512_slli_epi32(qsum, (unsigned)off_shift));
         __m512 dx = _mm512_load_ps(xg->d);
         __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
-        if (two) c = _mm512_add_ps(c, _mm512_mul_ps(g->b, _mm512_load_ps(xg->s)));
+        if (two) c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(g->b, dx), _mm512_load_ps(xg->fq)));
         acc[n] = _mm512_add_ps(acc[n], c);
     }
 }
@@ -171,7 +171,7 @@ static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x
         if (off_shift) I = _mm256_sub_epi32(I, _mm256_slli_epi32(qsum, off_shift));
         __m256 dx = _mm256_load_ps(xg->d);
         __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
-        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(b, _mm256_load_ps(xg->s)));
+        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_load_ps(xg->fq)));
         acc[n] = _mm512_add_ps(acc[n], _mm512_zextps256_ps512(c));
     }
 }
@@ -261,7 +261,7 @@ static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_st
         if (off_shift) I = _mm_sub_epi32(I, _mm_slli_epi32(_mm_load_si128((const void *)xg->qsum), off_shift));
         __m128 dx = _mm_load_ps(xg->d);
         __m128 c = _mm_mul_ps(_mm_mul_ps(g->a, dx), _mm_cvtepi32_ps(I));
-        if (two) c = _mm_add_ps(c, _mm_mul_ps(g->b, _mm_load_ps(xg->s)));
+        if (two) c = _mm_add_ps(c, _mm_mul_ps(_mm_mul_ps(g->b, dx), _mm_load_ps(xg->fq)));
         acc[n] = _mm512_add_ps(acc[n], _mm512_zextps128_ps512(c));
     }
 }
@@ -317,6 +317,7 @@ typedef struct {
     __m512i w[8];
     __m512 a, b;
     __m512i sl, sh;     /* scales of elements 0..15 and 16..31 */
+    __m512i jm;         /* Q4_K / Q5_K: the sub-block mins m */
 } kgroup;
 
 static inline ES_AI __m512 lanes2(float x0, float x1) {
@@ -374,11 +375,11 @@ static inline ES_AI void unpack_kg_q45k(const uint8_t *p, int nsb, int five, kgr
     k4_scales(A->scales, sc, mm);
     if (nsb > 1) k4_scales(B->scales, sc + 8, mm + 8);
     g->sl = g->sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)sc));
-    __m512 mf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)mm)));
+    g->jm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)mm));
     float dA = es_fp16_to_fp32(A->d), dB = nsb > 1 ? es_fp16_to_fp32(B->d) : 0.0f;
     float mA = -es_fp16_to_fp32(A->dmin), mB = nsb > 1 ? -es_fp16_to_fp32(B->dmin) : 0.0f;
     g->a = lanes2(dA, dB);
-    g->b = _mm512_mul_ps(lanes2(mA, mB), mf);
+    g->b = lanes2(mA, mB);
 }
 
 static inline ES_AI void unpack_kg_q6k(const uint8_t *p, int nsb, kgroup *g) {
@@ -415,6 +416,7 @@ static inline ES_AI void unpack_kg_q6k(const uint8_t *p, int nsb, kgroup *g) {
     g->sh = _mm512_srai_epi32(v, 8);
     g->a = lanes2(es_fp16_to_fp32(A->d), nsb > 1 ? es_fp16_to_fp32(B->d) : 0.0f);
     g->b = _mm512_setzero_ps();
+    g->jm = _mm512_setzero_si512();
 }
 
 static inline ES_AI void kgroup_rows(const kgroup *g, const uint8_t *x, size_t x_stride, int nt,
@@ -439,7 +441,10 @@ static inline ES_AI void kgroup_rows(const kgroup *g, const uint8_t *x, size_t x
         __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(g->sl, lo), _mm512_mullo_epi32(g->sh, hi));
         __m512 dx = _mm512_load_ps(xg->d);
         __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
-        if (!q6) c = _mm512_add_ps(c, _mm512_mul_ps(g->b, _mm512_load_ps(xg->s)));
+        if (!q6) {
+            __m512i J = _mm512_mullo_epi32(g->jm, _mm512_load_si512((const void *)xg->qsum));
+            c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(g->b, dx), _mm512_cvtepi32_ps(J)));
+        }
         acc[n] = _mm512_add_ps(acc[n], c);
     }
 }
@@ -518,6 +523,36 @@ static inline ES_AI void float_kernel(uint32_t type, const uint8_t *w, size_t ro
 FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
+
+/* Activation quantization (contract step 1), 32 elements per step. */
+int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
+    if (n % QK != 0) return 0;
+    int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
+    memset(out, 0, (size_t)ng * sizeof *out);
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t j = 0; j < nb; j++) {
+        es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
+        int jj = (int)(j % ES_GROUP_BLOCKS);
+        __m512 x0 = _mm512_loadu_ps(x + j * QK), x1 = _mm512_loadu_ps(x + j * QK + 16);
+        /* max(a, m) keeps m when a is NaN, like the scalar loop */
+        __m512 m = _mm512_max_ps(_mm512_and_ps(x1, absmask), _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_setzero_ps()));
+        float amax = _mm512_reduce_max_ps(m);
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m512 vid = _mm512_set1_ps(id);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+        int32_t lo = _mm512_reduce_add_epi32(q0), sum = lo + _mm512_reduce_add_epi32(q1);
+        uint32_t w[8];
+        _mm_storeu_si128((__m128i *)(void *)w, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(void *)(w + 4), _mm512_cvtepi32_epi8(q1));
+        for (int k = 0; k < 8; k++) memcpy(g->qs + 64 * k + 4 * jj, &w[k], 4);
+        g->d[jj] = d;
+        g->qsum[jj] = sum;
+        g->qlo[jj] = lo;
+        g->fq[jj] = (float)sum;
+    }
+    return 1;
+}
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
@@ -644,7 +679,7 @@ static inline ES_AI void oct_rows(const woct *g, const uint8_t *x, size_t x_stri
             I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_load_si256((const void *)(xg->qsum + 8 * h)), off_shift));
         __m256 dx = _mm256_load_ps(xg->d + 8 * h);
         __m256 c = _mm256_mul_ps(_mm256_mul_ps(g->a, dx), _mm256_cvtepi32_ps(I));
-        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(g->b, _mm256_load_ps(xg->s + 8 * h)));
+        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(g->b, dx), _mm256_load_ps(xg->fq + 8 * h)));
         acc[2 * n + h] = _mm256_add_ps(acc[2 * n + h], c);
     }
 }
@@ -747,6 +782,45 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
+/* Activation quantization (contract step 1), 32 elements per step. */
+int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
+    if (n % QK != 0) return 0;
+    int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
+    memset(out, 0, (size_t)ng * sizeof *out);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t j = 0; j < nb; j++) {
+        es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
+        int jj = (int)(j % ES_GROUP_BLOCKS);
+        __m256 xv[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            xv[i] = _mm256_loadu_ps(x + j * QK + 8 * i);
+            m = _mm256_max_ps(_mm256_and_ps(xv[i], absmask), m);   /* keeps m when NaN */
+        }
+        float t[8];
+        _mm256_storeu_ps(t, m);
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++)
+            if (t[i] > amax) amax = t[i];
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        int32_t q[32];
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(void *)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], vid)));
+        int32_t sum = 0, lo = 0;
+        for (int i = 0; i < 32; i++) {
+            g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q[i];
+            sum += q[i];
+            if (i == 15) lo = sum;
+        }
+        g->d[jj] = d;
+        g->qsum[jj] = sum;
+        g->qlo[jj] = lo;
+        g->fq[jj] = (float)sum;
+    }
+    return 1;
+}
+
 /* K-quants have no AVX2 kernel yet: NULL sends them to the scalar path. */
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
@@ -765,5 +839,6 @@ const char *es_x86_simd_name(void) { return "avx2"; }
 
 es_mm_kernel es_x86_kernel(uint32_t type) { return NULL; }
 const char *es_x86_simd_name(void) { return NULL; }
+int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) { return 0; }
 
 #endif

@@ -221,6 +221,31 @@ TEST(test_quantize_activations) {
     CHECK(es_matmul_scratch_bytes(ES_TYPE_F32, 576, 5) == 0);
 }
 
+TEST(test_quantize_simd_vs_ref) {
+    /* ties (x * id exactly k + 0.5), zero blocks, tiny and huge values, odd group ends */
+    const int64_t ns[] = {32, 64, 512, 544, 576, 1536};
+    for (int t = 0; t < 6; t++) {
+        int64_t n = ns[t];
+        float *x = malloc(sizeof(float) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) x[i] = rndf(-3, 3);
+        for (int64_t i = 0; i < n && i < 32; i++) x[i] = (float)(i - 16) * 0.5f;   /* amax 8: id = 127 / 8 */
+        if (n >= 64) {
+            memset(x + 32, 0, 32 * sizeof(float));
+            x[33] = -0.0f;
+        }
+        if (n >= 128) for (int i = 64; i < 96; i++) x[i] = (i & 1) ? 1e-30f : -3e20f;
+        int64_t ng = (n / 32 + 15) / 16;
+        es_q8_group *a = aligned_alloc(64, sizeof(es_q8_group) * (size_t)ng);
+        es_q8_group *b = aligned_alloc(64, sizeof(es_q8_group) * (size_t)ng);
+        es_quantize_row_q8(x, n, a);
+        es_quantize_row_q8_ref(x, n, b);
+        CHECK(memcmp(a, b, sizeof(es_q8_group) * (size_t)ng) == 0);
+        free(a);
+        free(b);
+        free(x);
+    }
+}
+
 /* Accuracy vs double reference plus all bitwise invariants for one shape. */
 static void check_shape(uint32_t type, int64_t n_in, int64_t n_out, int N, es_pool **pools) {
     wmat w = make_w(type, n_in, n_out);
@@ -332,6 +357,7 @@ int main(void) {
     RUN(test_dequant_literal);
     RUN(test_dequant_k_literal);
     RUN(test_quantize_activations);
+    RUN(test_quantize_simd_vs_ref);
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
     RUN(test_matmul_ldy_and_special_x);
