@@ -782,6 +782,173 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
+/* K-quants: one super-block per octet (8 sub-blocks = lanes 0..7 or 8..15).
+ * The integer sub-block scales multiply the two 16-element half sums. */
+typedef struct {
+    __m256i w[8];
+    __m256 a, b;
+    __m256i sl, sh, jm;
+} koct;
+
+/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
+static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[4];
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3fu;
+    memcpy(sc, u, 8);
+    memcpy(m, u + 2, 8);
+}
+
+/* 4 rows of 8 dwords (p, p + 32, p + 64, p + 96) transposed: u[k % 4] holds
+ * dword k of rows 0..3 in 128-bit lane k / 4. */
+static inline ES_AI void t4x8(const uint8_t *p, __m256i u[4]) {
+    __m256i s0 = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    __m256i s1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
+    __m256i s2 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64));
+    __m256i s3 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 96));
+    __m256i t0 = _mm256_unpacklo_epi32(s0, s1), t1 = _mm256_unpackhi_epi32(s0, s1);
+    __m256i t2 = _mm256_unpacklo_epi32(s2, s3), t3 = _mm256_unpackhi_epi32(s2, s3);
+    u[0] = _mm256_unpacklo_epi64(t0, t2);
+    u[1] = _mm256_unpackhi_epi64(t0, t2);
+    u[2] = _mm256_unpacklo_epi64(t1, t3);
+    u[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+static inline ES_AI __m256i u8x8_epi32(const uint8_t *b) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)b));
+}
+
+static inline ES_AI void unpack_ko_q45k(const uint8_t *p, int five, koct *g) {
+    const es_block_q4_K *A = (const void *)p;
+    const uint8_t *qs = five ? ((const es_block_q5_K *)(const void *)p)->qs : A->qs;
+    __m256i u[4];
+    t4x8(qs, u);
+    const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    const __m256i hsh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x01);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)((const es_block_q5_K *)(const void *)p)->qh)
+                      : _mm256_setzero_si256();
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        __m256i idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        if (k >= 4) idx = _mm256_add_epi32(idx, _mm256_set1_epi32(4));
+        __m256i v = _mm256_permutevar8x32_epi32(u[k % 4], idx);
+        g->w[k] = _mm256_and_si256(_mm256_srlv_epi32(v, shv), m4);
+        if (five) {
+            __m256i h = _mm256_permutevar8x32_epi32(qh, _mm256_set1_epi32(k));
+            h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, hsh), m1), 4);
+            g->w[k] = _mm256_or_si256(g->w[k], h);
+        }
+    }
+    uint8_t sc[8], m[8];
+    k4_scales(A->scales, sc, m);
+    g->sl = g->sh = u8x8_epi32(sc);
+    g->jm = u8x8_epi32(m);
+    g->a = _mm256_set1_ps(es_fp16_to_fp32(A->d));
+    g->b = _mm256_set1_ps(-es_fp16_to_fp32(A->dmin));
+}
+
+static inline ES_AI void unpack_ko_q6k(const uint8_t *p, koct *g) {
+    const es_block_q6_K *A = (const void *)p;
+    __m256i u[4];
+    t4x8(A->ql, u);
+    __m256i h0 = _mm256_loadu_si256((const __m256i *)(const void *)A->qh);
+    __m256i h1 = _mm256_loadu_si256((const __m256i *)(const void *)(A->qh + 32));
+    const __m256i lsh = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4);
+    const __m256i hsh = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        __m256i idx = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
+        if (k >= 4) idx = _mm256_add_epi32(idx, _mm256_set1_epi32(4));
+        __m256i v = _mm256_permutevar8x32_epi32(u[k % 4], idx);
+        __m256i kk = _mm256_set1_epi32(k);
+        __m256i h = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(h0, kk), _mm256_permutevar8x32_epi32(h1, kk), 0xF0);
+        __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(v, lsh), m4);
+        __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, hsh), m2), 4);
+        g->w[k] = _mm256_or_si256(lo, hi);
+    }
+    int16_t sw[8];
+    memcpy(sw, A->scales, 16);
+    __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(const void *)sw));
+    g->sl = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);
+    g->sh = _mm256_srai_epi32(v, 8);
+    g->jm = _mm256_setzero_si256();
+    g->a = _mm256_set1_ps(es_fp16_to_fp32(A->d));
+    g->b = _mm256_setzero_ps();
+}
+
+/* Octet h of a group into rows [0, nt): acc[2n + h] += c. Weights are at
+ * most 63, so two chunk products fit one int16 sum (2 * 2 * 63 * 127). */
+static inline ES_AI void koct_rows(const koct *g, const uint8_t *x, size_t x_stride, int nt, int h,
+                                   __m256 *acc, int q6) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
+        const int8_t *xq = xg->qs + 32 * h;
+#define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
+#define PAIR(k) _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->w[k], XQ(k)), \
+                                                   _mm256_maddubs_epi16(g->w[(k) + 1], XQ((k) + 1))), ones)
+        __m256i lo = _mm256_add_epi32(PAIR(0), PAIR(2));
+        __m256i hi = _mm256_add_epi32(PAIR(4), PAIR(6));
+#undef PAIR
+#undef XQ
+        __m256i qsum = _mm256_load_si256((const void *)(xg->qsum + 8 * h));
+        if (q6) {
+            __m256i qlo = _mm256_load_si256((const void *)(xg->qlo + 8 * h));
+            lo = _mm256_sub_epi32(lo, _mm256_slli_epi32(qlo, 5));
+            hi = _mm256_sub_epi32(hi, _mm256_slli_epi32(_mm256_sub_epi32(qsum, qlo), 5));
+        }
+        __m256i I = _mm256_add_epi32(_mm256_mullo_epi32(g->sl, lo), _mm256_mullo_epi32(g->sh, hi));
+        __m256 dx = _mm256_load_ps(xg->d + 8 * h);
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(g->a, dx), _mm256_cvtepi32_ps(I));
+        if (!q6) {
+            __m256i J = _mm256_mullo_epi32(g->jm, qsum);
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(g->b, dx), _mm256_cvtepi32_ps(J)));
+        }
+        acc[2 * n + h] = _mm256_add_ps(acc[2 * n + h], c);
+    }
+}
+
+static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                                   int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+    int64_t nsb = n_in / QK_K;
+    const uint8_t *x = xv;
+    int q6 = type == ES_TYPE_Q6_K;
+    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
+                                                                                    : sizeof(es_block_q6_K);
+    __m256 acc[2 * NT];
+    for (int n0 = 0; n0 < N; n0 += NT) {
+        int nt = N - n0 < NT ? N - n0 : NT;
+        const uint8_t *xt = x + (size_t)n0 * x_stride;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (int i = 0; i < 2 * nt; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                koct g;
+                const uint8_t *p = row + (size_t)sb * sbb;
+                if (q6) unpack_ko_q6k(p, &g);
+                else unpack_ko_q45k(p, type == ES_TYPE_Q5_K, &g);
+                koct_rows(&g, xt + (size_t)(sb / 2) * sizeof(es_q8_group), x_stride, nt, (int)(sb & 1), acc, q6);
+            }
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum2x8(acc[2 * n], acc[2 * n + 1]);
+        }
+    }
+}
+
+#define KKERNEL(name, t)                                                                  \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
+    }
+KKERNEL(k_q4_k, ES_TYPE_Q4_K)
+KKERNEL(k_q5_k, ES_TYPE_Q5_K)
+KKERNEL(k_q6_k, ES_TYPE_Q6_K)
+
 /* Activation quantization (contract step 1), 32 elements per step. */
 int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
     if (n % QK != 0) return 0;
@@ -821,7 +988,6 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
     return 1;
 }
 
-/* K-quants have no AVX2 kernel yet: NULL sends them to the scalar path. */
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
     case ES_TYPE_F32: return k_f32;
@@ -830,6 +996,9 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_Q4_0: return k_q4_0;
     case ES_TYPE_Q4_1: return k_q4_1;
     case ES_TYPE_Q8_0: return k_q8_0;
+    case ES_TYPE_Q4_K: return k_q4_k;
+    case ES_TYPE_Q5_K: return k_q5_k;
+    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }
