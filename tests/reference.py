@@ -357,7 +357,8 @@ class Reference:
         """Logits [n_tokens, n_vocab] of a fresh sequence."""
         return self.forward(tokens)
 
-    def greedy(self, prompt: Sequence[int], n: int, force: Sequence[int] | None = None):
+    def greedy(self, prompt: Sequence[int], n: int, force: Sequence[int] | None = None,
+               keep_logits: bool = False):
         """Greedy continuation with a KV cache.
 
         Args:
@@ -369,13 +370,16 @@ class Reference:
         Returns:
             GreedyResult with tokens (the reference's argmax at each step),
             margins (top-1 minus top-2 logit at each step), top2 (the two best ids)
-            and logits_first (the logits row after the prompt).
+            logits_first (the logits row after the prompt) and, with
+            keep_logits, every step's logits row ([n, n_vocab]; else None).
         """
         cache = self.new_cache()
         row = self.forward(prompt, cache)[-1]
         logits_first = row.copy()
-        toks, margins, top2 = [], [], []
+        toks, margins, top2, rows = [], [], [], []
         for i in range(n):
+            if keep_logits:
+                rows.append(row.copy())
             order = np.argsort(-row, kind="stable")[:2]
             t = int(order[0])
             toks.append(t)
@@ -385,7 +389,8 @@ class Reference:
                 break
             nxt = t if force is None else int(force[i])
             row = self.forward([nxt], cache)[-1]
-        return GreedyResult(tokens=toks, margins=margins, top2=top2, logits_first=logits_first)
+        return GreedyResult(tokens=toks, margins=margins, top2=top2, logits_first=logits_first,
+                            logits=np.stack(rows) if keep_logits else None)
 
 
 @dataclass
@@ -394,6 +399,7 @@ class GreedyResult:
     margins: list[float]                # top-1 minus top-2 logit per step (logit units)
     top2: list[tuple[int, int]]         # (best, second) ids per step
     logits_first: np.ndarray            # [n_vocab] after the prompt
+    logits: np.ndarray | None = None    # [n, n_vocab] per step (keep_logits=True)
 
 
 def align_rounding(R: Reference, tokens: Sequence[int], target: np.ndarray, tol_abs: float,
