@@ -60,6 +60,8 @@ static es_tensor make(uint32_t type, int64_t n_in, int64_t n_out) {
 #define NL 30
 #define NM (NL * 7 + 1)
 
+static void empty_task(void *ctx, int ith, int nth) { (void)ctx; (void)ith; (void)nth; }
+
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -120,6 +122,16 @@ int main(int argc, char **argv) {
         qsort(ts, (size_t)reps, sizeof *ts, cmp);
         double b = m < 7 ? (double)w[m].nbytes * NL : (double)w[NM - 1].nbytes;
         printf("  %-6s %7.3f ms  %6.1f GB/s\n", names[m], ts[reps / 2], b / ts[reps / 2] / 1e6);
+    }
+    /* dispatch cost of an empty task: inside begin/end (spinning workers) and outside */
+    for (int mode = 0; mode < 2; mode++) {
+        int runs = mode ? 2000 : 100000;
+        double t0 = now_ms();
+        if (!mode) es_pool_begin(pool);
+        for (int i = 0; i < runs; i++) es_pool_run(pool, empty_task, NULL);
+        if (!mode) es_pool_end(pool);
+        printf("es_pool_run of an empty task, %s: %.2f us\n", mode ? "without begin/end" : "inside begin/end",
+               (now_ms() - t0) * 1e3 / runs);
     }
     /* cache-hot: one layer's q (Q4_1 576 x 576, 203 KiB) repeated, 1 thread: compute cost */
     for (int ni = 0; ni < 5; ni++) {
