@@ -15,7 +15,7 @@ import pytest
 
 import ggufgen
 from conftest import chatml
-from reference import Reference, quantize_activations_q8, rms_norm, rope, silu, softmax
+from reference import Reference, align_rounding, quantize_activations_q8, rms_norm, rope, silu, softmax
 
 
 # ---- the writer ----------------------------------------------------------------
@@ -270,6 +270,30 @@ def test_act_quant_changes_only_quantized_matmuls(tiny_model):
     q = tiny_model(arch="llama", matrix_type="Q5_0")
     d = Reference(q).forward(toks) - Reference(q, act_quant=True).forward(toks)
     assert 0 < np.abs(d).max() < 0.5
+
+
+def test_align_rounding_finds_an_inverted_rounding_and_nothing_else(tiny_model):
+    """align_rounding recovers logits made with one inverted rounding, and cannot absorb any other error."""
+    R = Reference(tiny_model(arch="qwen2", matrix_type="Q8_0", tied=False), act_quant=True)
+    toks = [9, 8, 7, 6, 5, 4]
+    R.near_half_threshold = 0.05
+    plain = R.forward(toks)
+    cand = min(c for c in R.near_half if c[2] == 2 and c[1][1] == "ffn_in")
+    R.near_half_threshold = None
+    R.flips = {cand[1]: {(cand[2], cand[3])}}
+    target = R.forward(toks)
+    R.flips = {}
+    tol = 1e-9
+    assert np.abs(target - plain).max() > 1e-4            # the flip matters...
+    assert np.array_equal(target[:2], plain[:2])          # ...only from its own row on (causal)
+    got, flips = align_rounding(R, toks, target, tol, near=0.05)
+    assert [f[1:] for f in flips] == [cand[1:]]
+    assert np.abs(got - target).max() <= tol
+    assert R.flips == {} and R.near_half_threshold is None
+    bumped = plain.copy()
+    bumped[3, 17] += 0.01                                  # an error no rounding explains
+    got, _ = align_rounding(R, toks, bumped, 1e-3, near=0.05)
+    assert np.abs(got - bumped).max() > 1e-3
 
 
 def test_greedy_follows_argmax_and_reports_margins(tiny_model):
