@@ -40,11 +40,13 @@
  * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
  * sum) for i = 0, 1, ... in order, then the same tree.
  *
- * es_matmul splits output rows into contiguous chunks, one per pool thread;
- * a kernel handles its chunk for all N activation rows, unpacking each
- * weight block once per (up to) 32 activation rows.
+ * es_matmul cuts output rows into contiguous chunks that the pool's threads
+ * take from an atomic counter; a kernel handles its chunk for all N
+ * activation rows, unpacking each weight block once per (up to) 32
+ * activation rows.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "quant.h"
@@ -453,15 +455,23 @@ typedef struct {
     int N;
     float *Y;
     int64_t ldy;
+    _Atomic int64_t next;   /* next chunk to take */
 } mm_task;
 
-/* Rows [r0, r1) of thread ith: contiguous chunks, multiples of 4 rows. */
+/* Output rows are cut into contiguous chunks (a multiple of 4 rows, about
+ * 8 per thread) that the threads take in turn from an atomic counter, so a
+ * thread that was preempted (or runs on a slower core) does less of them.
+ * Which thread computes a row never changes its value. */
 static void mm_worker(void *ctx, int ith, int nth) {
-    const mm_task *t = ctx;
-    int64_t units = (t->n_out + 3) / 4;
-    int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
-    int64_t r0 = u0 * 4, r1 = u1 * 4 < t->n_out ? u1 * 4 : t->n_out;
-    if (r0 < r1) t->k(t->w, t->row_bytes, r0, r1, t->n_in, t->x, t->x_stride, t->N, t->Y, t->ldy);
+    mm_task *t = ctx;
+    int64_t chunk = (t->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
+    chunk = chunk < 16 ? 16 : (chunk + 3) / 4 * 4;
+    for (;;) {
+        int64_t r0 = (int64_t)atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed) * chunk;
+        if (r0 >= t->n_out) break;
+        int64_t r1 = r0 + chunk < t->n_out ? r0 + chunk : t->n_out;
+        t->k(t->w, t->row_bytes, r0, r1, t->n_in, t->x, t->x_stride, t->N, t->Y, t->ldy);
+    }
 }
 
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
@@ -479,7 +489,7 @@ void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
             for (int64_t r = 0; r < n_out; r++) Y[(int64_t)n * ldy + r] = NAN;
         return;
     }
-    mm_task t = {k, W->data, W->row_bytes, n_out, n_in, X, (size_t)n_in * sizeof(float), N, Y, ldy};
+    mm_task t = {k, W->data, W->row_bytes, n_out, n_in, X, (size_t)n_in * sizeof(float), N, Y, ldy, 0};
     if (!is_float_type(type)) {
         size_t rs = q8_row_bytes(n_in);
         for (int n = 0; n < N; n++) {
