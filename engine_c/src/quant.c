@@ -445,63 +445,110 @@ const char *es_quant_simd_name(void) {
     return s ? s : "scalar";
 }
 
+/* One weight matrix of a dispatch. */
 typedef struct {
     es_mm_kernel k;
     const uint8_t *w;
     size_t row_bytes;
-    int64_t n_out, n_in;
-    const void *x;
+    int64_t n_out;
+    const void *x;          /* es_q8_group rows or float rows */
     size_t x_stride;
-    int N;
     float *Y;
     int64_t ldy;
+    int64_t chunk;          /* rows per chunk (a multiple of 4) */
+    int64_t first;          /* index of its first chunk in the dispatch */
+} mm_mat;
+
+typedef struct {
+    int nw;
+    mm_mat m[ES_MATMUL_MAX];
+    int64_t n_in;
+    int N;
+    int64_t n_chunks;
     _Atomic int64_t next;   /* next chunk to take */
 } mm_task;
 
-/* Output rows are cut into contiguous chunks (a multiple of 4 rows, about
- * 8 per thread) that the threads take in turn from an atomic counter, so a
- * thread that was preempted (or runs on a slower core) does less of them.
- * Which thread computes a row never changes its value. */
+/* Output rows are cut into contiguous chunks (about 8 per thread and
+ * matrix) that the threads take in turn from an atomic counter, so a thread
+ * that was preempted (or runs on a slower core) does fewer of them. Which
+ * thread computes a row never changes its value. */
 static void mm_worker(void *ctx, int ith, int nth) {
     mm_task *t = ctx;
-    int64_t chunk = (t->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
-    chunk = chunk < 16 ? 16 : (chunk + 3) / 4 * 4;
     for (;;) {
-        int64_t r0 = (int64_t)atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed) * chunk;
-        if (r0 >= t->n_out) break;
-        int64_t r1 = r0 + chunk < t->n_out ? r0 + chunk : t->n_out;
-        t->k(t->w, t->row_bytes, r0, r1, t->n_in, t->x, t->x_stride, t->N, t->Y, t->ldy);
+        int64_t c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (c >= t->n_chunks) break;
+        int i = 0;
+        while (i + 1 < t->nw && c >= t->m[i + 1].first) i++;
+        const mm_mat *m = &t->m[i];
+        int64_t r0 = (c - m->first) * m->chunk;
+        int64_t r1 = r0 + m->chunk < m->n_out ? r0 + m->chunk : m->n_out;
+        m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
     }
+}
+
+static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                        float *const *Y, const int64_t *ldy, void *scratch, int force_scalar) {
+    if (nw < 1 || nw > ES_MATMUL_MAX || N <= 0) return;
+    mm_task t;
+    memset(&t, 0, sizeof t);
+    t.n_in = W[0]->ne[0];
+    t.N = N;
+    atomic_init(&t.next, 0);
+    int nth = es_pool_size(pool), need_q8 = 0;
+    size_t rs = q8_row_bytes(t.n_in);
+    for (int i = 0; i < nw; i++) {
+        uint32_t type = W[i]->type;
+        es_mm_kernel k = NULL;
+        if (!force_scalar) {
+            k = es_x86_kernel(type);
+            if (!k) k = es_neon_kernel(type);
+        }
+        if (!k) k = es_ref_kernel(type);
+        if (!k || W[i]->ne[0] != t.n_in) { /* unsupported: make the failure visible, never crash */
+            for (int n = 0; n < N; n++)
+                for (int64_t r = 0; r < W[i]->ne[1]; r++) Y[i][(int64_t)n * ldy[i] + r] = NAN;
+            continue;
+        }
+        mm_mat *m = &t.m[t.nw++];
+        m->k = k;
+        m->w = W[i]->data;
+        m->row_bytes = W[i]->row_bytes;
+        m->n_out = W[i]->ne[1];
+        m->Y = Y[i];
+        m->ldy = ldy[i];
+        if (is_float_type(type)) {
+            m->x = X;
+            m->x_stride = (size_t)t.n_in * sizeof(float);
+        } else {
+            m->x = scratch;
+            m->x_stride = rs;
+            need_q8 = 1;
+        }
+        int64_t chunk = (m->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
+        m->chunk = chunk < 16 ? 16 : (chunk + 3) / 4 * 4;
+        m->first = t.n_chunks;
+        t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
+    }
+    if (t.nw == 0) return;
+    if (need_q8) {
+        for (int n = 0; n < N; n++) {
+            es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)scratch + (size_t)n * rs);
+            if (force_scalar) es_quantize_row_q8_ref(X + (int64_t)n * t.n_in, t.n_in, g);
+            else es_quantize_row_q8(X + (int64_t)n * t.n_in, t.n_in, g);
+        }
+    }
+    if (pool) es_pool_run(pool, mm_worker, &t);
+    else mm_worker(&t, 0, 1);
 }
 
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
                     float *Y, int64_t ldy, void *scratch, int force_scalar) {
-    uint32_t type = W->type;
-    int64_t n_in = W->ne[0], n_out = W->ne[1];
-    es_mm_kernel k = NULL;
-    if (!force_scalar) {
-        k = es_x86_kernel(type);
-        if (!k) k = es_neon_kernel(type);
-    }
-    if (!k) k = es_ref_kernel(type);
-    if (!k) { /* unsupported type: make the failure visible, never crash */
-        for (int n = 0; n < N; n++)
-            for (int64_t r = 0; r < n_out; r++) Y[(int64_t)n * ldy + r] = NAN;
-        return;
-    }
-    mm_task t = {k, W->data, W->row_bytes, n_out, n_in, X, (size_t)n_in * sizeof(float), N, Y, ldy, 0};
-    if (!is_float_type(type)) {
-        size_t rs = q8_row_bytes(n_in);
-        for (int n = 0; n < N; n++) {
-            es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)scratch + (size_t)n * rs);
-            if (force_scalar) es_quantize_row_q8_ref(X + (int64_t)n * n_in, n_in, g);
-            else es_quantize_row_q8(X + (int64_t)n * n_in, n_in, g);
-        }
-        t.x = scratch;
-        t.x_stride = rs;
-    }
-    if (pool) es_pool_run(pool, mm_worker, &t);
-    else mm_worker(&t, 0, 1);
+    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar);
+}
+
+void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                    float *const *Y, const int64_t *ldy, void *scratch) {
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0);
 }
 
 void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,

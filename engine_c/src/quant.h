@@ -83,6 +83,21 @@ int es_matmul_supported(uint32_t type);
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
                     float *Y, int64_t ldy, void *scratch, int force_scalar);
 
+/*
+ * Several matrices applied to the same activations in one dispatch (q, k, v;
+ * gate, up): X is quantized once and the rows of all nw matrices are shared
+ * out to the pool's threads together. Each Y[i] is bitwise what
+ * es_matmul(pool, W[i], X, N, Y[i], ldy[i], scratch) gives.
+ *   nw       1..ES_MATMUL_MAX (other values: nothing is done)
+ *   W[i]     every ne[0] equal to W[0]->ne[0] (a matrix that differs, or has
+ *            an unsupported type, gets NaN rows)
+ *   scratch  es_matmul_scratch_bytes(<any quantized type>, n_in, N) bytes,
+ *            64-byte aligned (unused when every W[i] is a float type)
+ */
+#define ES_MATMUL_MAX 8
+void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                    float *const *Y, const int64_t *ldy, void *scratch);
+
 /* Quantize one activation row of n elements into ceil(n / 512) groups
  * (the contract's step 1). es_quantize_row_q8 uses the build's SIMD version
  * when there is one (n a multiple of 32), the _ref one is plain C; both give

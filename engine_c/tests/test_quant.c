@@ -333,6 +333,51 @@ TEST(test_matmul_ldy_and_special_x) {
     free(w.data);
 }
 
+TEST(test_matmul_many) {
+    /* q/k/v-like and mixed types (a Q4_K_M layer has Q4_K and Q6_K; an F16 one
+     * shares X unquantized): one dispatch == separate calls, bitwise */
+    es_pool *pools[3] = {NULL, es_pool_new(2), es_pool_new(3)};
+    const uint32_t ts[4] = {ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_F16, ES_TYPE_Q8_0};
+    const int64_t outs[4] = {37, 16, 9, 130};
+    for (int N = 1; N <= 9; N += 4) {
+        wmat w[4];
+        const es_tensor *W[4];
+        float *Y[4], *Yr[4];
+        int64_t ldy[4];
+        for (int i = 0; i < 4; i++) {
+            w[i] = make_w(ts[i], 512, outs[i]);
+            W[i] = &w[i].t;
+            ldy[i] = outs[i] + 3;
+            Y[i] = calloc((size_t)(N * ldy[i]), sizeof(float));
+            Yr[i] = calloc((size_t)(N * ldy[i]), sizeof(float));
+        }
+        float *X = rand_x(N, 512);
+        void *sc = scratch_for(ES_TYPE_Q4_K, 512, N);
+        for (int i = 0; i < 4; i++) es_matmul(NULL, W[i], X, N, Yr[i], ldy[i], sc);
+        for (int p = 0; p < 3; p++) {
+            for (int i = 0; i < 4; i++) memset(Y[i], 0, sizeof(float) * (size_t)(N * ldy[i]));
+            es_matmul_many(pools[p], 4, W, X, N, Y, ldy, sc);
+            for (int i = 0; i < 4; i++) CHECK(memcmp(Y[i], Yr[i], sizeof(float) * (size_t)(N * ldy[i])) == 0);
+        }
+        /* a matrix with another n_in gets NaN rows, the others are still right */
+        wmat odd = make_w(ES_TYPE_Q4_0, 256, 5);
+        const es_tensor *W2[2] = {W[0], &odd.t};
+        float *Yo = calloc((size_t)(N * 5), sizeof(float));
+        float *Y2[2] = {Y[0], Yo};
+        int64_t ld2[2] = {ldy[0], 5};
+        es_matmul_many(pools[1], 2, W2, X, N, Y2, ld2, sc);
+        CHECK(memcmp(Y[0], Yr[0], sizeof(float) * (size_t)(N * ldy[0])) == 0);
+        CHECK(isnan(Yo[0]) && isnan(Yo[N * 5 - 1]));
+        free(Yo);
+        free(odd.data);
+        for (int i = 0; i < 4; i++) { free(w[i].data); free(Y[i]); free(Yr[i]); }
+        free(X);
+        free(sc);
+    }
+    es_pool_free(pools[1]);
+    es_pool_free(pools[2]);
+}
+
 TEST(test_unsupported_type) {
     wmat w = make_w(ES_TYPE_Q4_0, 32, 2);
     w.t.type = ES_TYPE_Q2_K;
@@ -361,6 +406,7 @@ int main(void) {
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
     RUN(test_matmul_ldy_and_special_x);
+    RUN(test_matmul_many);
     RUN(test_unsupported_type);
     RUN(test_simd_name);
     return harness_report();
