@@ -14,6 +14,9 @@
 # Installs gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user-static
 # with apt-get when they are missing (root, as in CI).
 # Each test binary prints "N passed, M failed"; the summary adds them up.
+# test_neon_parity in the NEON build is also checked against the logits of the
+# scalar build of the same tree (ES_PARITY_SCALAR), so it proves NEON == scalar
+# bitwise even before tests/data/neon_parity_expected.txt is re-recorded.
 # Exit status: 0 when both builds compiled and every test passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +46,7 @@ passed=0
 failed=0
 broken=()
 tests=$(cd engine_c && ls tests/test_*.c | sed 's#^tests/\(.*\)\.c$#\1#')
+built=()
 for simd in neon-a76 scalar; do
     build="build/aarch64-$simd"
     targets=()
@@ -59,9 +63,28 @@ for simd in neon-a76 scalar; do
         broken+=("$simd:arch")
         continue
     fi
+    built+=("$simd")
+done
+
+# The scalar build's parity results of this very tree: test_neon_parity in the
+# NEON build must reproduce its logits bitwise (ES_PARITY_SCALAR).
+scalar_rec="$PWD/engine_c/build/aarch64-scalar/neon_parity_scalar.txt"
+rm -f "$scalar_rec"
+if [[ " ${built[*]} " == *" scalar "* ]] && [ -f engine_c/tests/test_neon_parity.c ]; then
+    if ! out=$(cd engine_c && ES_PARITY_RECORD="$scalar_rec" $RUNNER build/aarch64-scalar/tests/test_neon_parity 2>&1); then
+        echo "$out" | tail -20 >&2
+        echo "aarch64: recording the scalar build's parity results failed" >&2
+        broken+=("scalar:parity-record")
+        rm -f "$scalar_rec"
+    fi
+fi
+
+for simd in "${built[@]}"; do
+    build="build/aarch64-$simd"
     for t in $tests; do
         rc=0
-        out=$(cd engine_c && ES_EXPECT_SIMD="$simd" $RUNNER "$build/tests/$t" 2>&1) || rc=$?
+        out=$(cd engine_c && ES_EXPECT_SIMD="$simd" ES_PARITY_SCALAR="$([ -f "$scalar_rec" ] && echo "$scalar_rec")" \
+              $RUNNER "$build/tests/$t" 2>&1) || rc=$?
         line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed$' | tail -1 || true)
         if [ -n "$line" ]; then
             p=${line%% passed*}

@@ -16,7 +16,8 @@
  *
  * Checks, per model:
  *   kernels  every weight matrix: es_matmul_path with the build's kernels
- *            equals the scalar reference kernels bitwise, for N = 1, 4, 33
+ *            (and activation quantizer) equals the scalar reference bitwise,
+ *            for N = 1, 2, 3, 5, 8, 12, 17, 33 on a 3-thread pool
  *   run      prefill 12 prompt tokens (logits of every position), then 23
  *            greedy decode steps (one token each, 3 threads): 35 logits rows
  *   batched  the same 35 tokens in one forward call on a 1-thread session,
@@ -25,18 +26,26 @@
  *   argmax   the 35 argmax values equal those recorded from the x86-64
  *            build (tests/data/neon_parity_expected.txt)
  *   logits   the FNV-1a 64 checksum of each logits row (float32 bit
- *            patterns) equals the one recorded from the scalar build of this
- *            architecture: the SIMD forward is bitwise the scalar forward.
- *            Whether the x86-64 and aarch64 checksums agree is printed (they
- *            can differ in the last bit through libm's expf/pow/sin/cos).
+ *            patterns) equals the scalar build's: with ES_PARITY_SCALAR, the
+ *            record of this architecture's scalar build of the same tree
+ *            (.ci/aarch64.sh makes one), else the checksums of this
+ *            architecture's scalar build in the expected file. So the SIMD
+ *            forward is bitwise the scalar forward. Whether the x86-64 and
+ *            aarch64 checksums agree is printed (they could differ in the
+ *            last bit through libm's pow/sin/cos in the RoPE tables).
+ *            When the forward pass's numerics change on purpose, re-record
+ *            the expected file: engine_c/tests/data/record_neon_parity.py.
  *   simd     when ES_EXPECT_SIMD is set (by .ci/aarch64.sh): neon-a76 builds
  *            report "neon-dotprod" from es_simd_name(), scalar builds "scalar"
  *
  * Environment:
  *   ES_PARITY_EXPECTED  expected file (default tests/data/neon_parity_expected.txt,
  *                       relative to engine_c/, where make runs the tests)
+ *   ES_PARITY_SCALAR    a record (ES_PARITY_RECORD output) of this
+ *                       architecture's scalar build of the same tree: the
+ *                       logits checksums are compared with it instead
  *   ES_PARITY_RECORD    write this build's results to that file instead of
- *                       comparing (tests/data/record_neon_parity.sh uses it)
+ *                       comparing (record_neon_parity.py and .ci/aarch64.sh use it)
  *   ES_PARITY_KEEP_DIR  also keep the model files there (for inspection)
  */
 #include <stdint.h>
@@ -354,7 +363,7 @@ static void prompt_tokens(int32_t *t) {
 
 /* (a) es_matmul_path: build kernels vs scalar reference, bitwise, on every matrix. */
 static int check_kernels(const es_model *m, const char *mname) {
-    es_pool *pool = es_pool_new(2);
+    es_pool *pool = es_pool_new(3);
     CHECK(pool != NULL);
     if (!pool) return 1;
     const es_tensor *mats[4 + 7 * 2];
@@ -367,11 +376,12 @@ static int check_kernels(const es_model *m, const char *mname) {
         for (int i = 0; i < 7; i++) mats[nm++] = t[i];
     }
     int bad = 0;
-    static const int Ns[3] = {1, 4, 33};
+    static const int Ns[] = {1, 2, 3, 5, 8, 12, 17, 33};
+    const int n_Ns = (int)(sizeof Ns / sizeof Ns[0]);
     uint64_t s = 0xC0FFEE;
     for (int i = 0; i < nm; i++) {
         const es_tensor *W = mats[i];
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < n_Ns; k++) {
             int N = Ns[k];
             int64_t n_in = W->ne[0], n_out = W->ne[1];
             float *X = malloc(sizeof(float) * (size_t)(N * n_in));
@@ -528,7 +538,8 @@ static void write_record(FILE *f, const char *mname, const run_result *r) {
     fprintf(f, "\n");
 }
 
-static void compare(const expected_model *e, const char *mname, const run_result *r) {
+static void compare(const expected_model *e, const expected_model *sc, const char *mname,
+                    const run_result *r) {
     if (!e) {
         fprintf(stderr, "  %s: no expected record in the expected file\n", mname);
         CHECK(e != NULL);
@@ -547,16 +558,24 @@ static void compare(const expected_model *e, const char *mname, const run_result
         printf("  %s: no logits record for %s; argmax compared only\n", mname, ARCH_NAME);
         return;
     }
-    CHECK(e->have_rows[a]);
+    /* the reference checksums: this tree's scalar build, else the expected file's */
+    const expected_model *ref = sc ? sc : e;
+    const char *what = sc ? "this tree's scalar build (ES_PARITY_SCALAR)" : "the expected file's scalar build";
+    if (sc && !sc->have_rows[a]) fprintf(stderr, "  %s: ES_PARITY_SCALAR has no %s rows\n", mname, ARCH_NAME);
+    CHECK(ref->have_rows[a]);
     int row = -1;
     for (int i = 0; i < N_ROWS && row < 0; i++)
-        if (e->row_fnv[a][i] != r->row_fnv[i]) row = i;
+        if (ref->row_fnv[a][i] != r->row_fnv[i]) row = i;
     if (row >= 0)
-        fprintf(stderr, "  %s: logits row %d differs from the %s scalar build (fnv %016llx vs %016llx): "
-                "the %s path is not bitwise the scalar path\n", mname, row, ARCH_NAME,
-                (unsigned long long)r->row_fnv[row], (unsigned long long)e->row_fnv[a][row], es_simd_name());
+        fprintf(stderr, "  %s: logits row %d differs from %s on %s (fnv %016llx vs %016llx): either the %s "
+                "path is not bitwise the scalar path, or the forward numerics changed (then re-record: "
+                "engine_c/tests/data/record_neon_parity.py)\n", mname, row, what, ARCH_NAME,
+                (unsigned long long)r->row_fnv[row], (unsigned long long)ref->row_fnv[a][row], es_simd_name());
     CHECK_EQ_INT(row, -1);
-    CHECK(e->fnv[a] == r->fnv);
+    CHECK(ref->fnv[a] == r->fnv);
+    if (sc && (e->fnv[a] != sc->fnv[a]))
+        printf("  %s: note: this tree's %s scalar logits differ from the expected file's (numerics changed "
+               "since it was recorded)\n", mname, ARCH_NAME);
     int other = 1 - a;
     if (e->have_rows[other])
         printf("  %s: logits checksum %016llx (%s, %s); x86-64 and aarch64 scalar logits are %s\n", mname,
@@ -566,14 +585,14 @@ static void compare(const expected_model *e, const char *mname, const run_result
 
 /* ---- tests ---- */
 
-static expected_model g_expected[MAX_MODELS];
-static int g_n_expected = -1;
+static expected_model g_expected[MAX_MODELS], g_scalar[MAX_MODELS];
+static int g_n_expected = -1, g_n_scalar = 0;
 static FILE *g_record = NULL;
 static char g_dir[256];
 
-static const expected_model *find_expected(const char *name) {
-    for (int i = 0; i < g_n_expected; i++)
-        if (strcmp(g_expected[i].name, name) == 0) return &g_expected[i];
+static const expected_model *find_model(const expected_model *em, int n, const char *name) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(em[i].name, name) == 0) return &em[i];
     return NULL;
 }
 
@@ -594,7 +613,12 @@ static void parity(int which) {
     memset(&r, 0, sizeof r);
     if (run_model(m, ms->name, &r) == 0) {
         if (g_record) write_record(g_record, ms->name, &r);
-        else compare(find_expected(ms->name), ms->name, &r);
+        else {
+            const expected_model *sc = find_model(g_scalar, g_n_scalar, ms->name);
+            if (g_n_scalar > 0 && !sc) fprintf(stderr, "  %s: not in ES_PARITY_SCALAR\n", ms->name);
+            CHECK(g_n_scalar == 0 || sc != NULL);
+            compare(find_model(g_expected, g_n_expected, ms->name), sc, ms->name, &r);
+        }
     }
     es_model_free(m);
 }
@@ -633,6 +657,14 @@ int main(void) {
         if (!exp || !*exp) exp = "tests/data/neon_parity_expected.txt";
         g_n_expected = read_expected(exp, g_expected, MAX_MODELS);
         if (g_n_expected < 0) fprintf(stderr, "  cannot read the expected file %s (run from engine_c/)\n", exp);
+        const char *sc = getenv("ES_PARITY_SCALAR");
+        if (sc && *sc) {
+            g_n_scalar = read_expected(sc, g_scalar, MAX_MODELS);
+            if (g_n_scalar < 0) {
+                fprintf(stderr, "  cannot read ES_PARITY_SCALAR=%s\n", sc);
+                return 2;
+            }
+        }
     }
     RUN(simd_path_is_the_expected_one);
     RUN(parity_llama_q4_1);
