@@ -31,7 +31,7 @@ fail() { echo "smoke: $*" >&2; for f in "$WORK"/*.log; do [ -f "$f" ] && { echo 
 # 1. builder: a copy of the build context without host build outputs
 mkdir -p "$WORK/ctx" "$WORK/app/deploy" "$WORK/app/scripts"
 (cd "$ROOT" && tar -c --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./engine_c/build \
-    --exclude='__pycache__' --exclude='*.so' --exclude='*.egg-info' --exclude=./.pytest_cache \
+    --exclude='__pycache__' --exclude='*.so' --exclude='*.o' --exclude='*.egg-info' --exclude=./.pytest_cache \
     --exclude=./echospec/_engine.c --exclude='./echospec/v1/*_pb2*.py' .) | tar -x -C "$WORK/ctx"
 simd=$(sh "$ROOT/deploy/resolve_simd.sh" "${ECHOSPEC_SIMD:-auto}" "$(uname -m)")
 "$PY" -m venv "$WORK/build-venv"
