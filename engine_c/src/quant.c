@@ -40,10 +40,17 @@
  * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
  * sum) for i = 0, 1, ... in order, then the same tree.
  *
- * es_matmul cuts output rows into contiguous chunks that the pool's threads
- * take from an atomic counter; a kernel handles its chunk for all N
- * activation rows, unpacking each weight block once per (up to) 32
- * activation rows.
+ * Bitwise equality holds for finite inputs; with NaN weights or activations
+ * the results are NaN on every path but NaN payloads may differ.
+ *
+ * SIMD coverage: AVX-512 VNNI, AVX2 and NEON (dotprod, or widening
+ * multiplies) have kernels for every type above except Q5_0 / Q5_1, which
+ * use the scalar kernels on every path.
+ *
+ * es_matmul (and es_matmul_many, several matrices on one X) cut output rows
+ * into contiguous chunks that the pool's threads take from an atomic
+ * counter; a kernel handles its chunk for all N activation rows, unpacking
+ * each weight block once per (up to) 32 activation rows.
  */
 #include <math.h>
 #include <stdatomic.h>
