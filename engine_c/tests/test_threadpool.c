@@ -7,7 +7,7 @@
 #include "internal.h"
 
 typedef struct {
-    int nth_seen;
+    int nth_seen[8]; /* written only by thread ith */
     _Atomic int calls;
     int hits[8];     /* written only by thread ith */
     long sums[8];
@@ -15,7 +15,7 @@ typedef struct {
 
 static void task(void *p, int ith, int nth) {
     ctx_t *c = p;
-    c->nth_seen = nth;
+    c->nth_seen[ith] = nth;
     c->hits[ith]++;
     long s = 0;
     for (int i = 0; i < 1000; i++) s += i * (ith + 1);
@@ -30,8 +30,8 @@ static void run_many(es_pool *p, int n, int runs, int spin) {
     for (int r = 0; r < runs; r++) es_pool_run(p, task, &c);
     if (spin) es_pool_end(p);
     CHECK_EQ_INT(atomic_load(&c.calls), n * runs);
-    CHECK_EQ_INT(c.nth_seen, n);
     for (int i = 0; i < n; i++) {
+        CHECK_EQ_INT(c.nth_seen[i], n);
         CHECK_EQ_INT(c.hits[i], runs);
         CHECK_EQ_INT(c.sums[i], (long)runs * 499500L * (i + 1));
     }
@@ -57,7 +57,7 @@ TEST(test_pool_null_and_bad) {
     es_pool_begin(NULL);
     es_pool_end(NULL);
     CHECK_EQ_INT(atomic_load(&c.calls), 1);
-    CHECK_EQ_INT(c.nth_seen, 1);
+    CHECK_EQ_INT(c.nth_seen[0], 1);
     CHECK_EQ_INT(es_pool_size(NULL), 1);
     CHECK(es_pool_new(0) == NULL);
     CHECK(es_pool_new(-3) == NULL);
