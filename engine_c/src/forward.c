@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "quant.h"
 
 #define ES_MAX_CTX (1 << 20)
 #define ES_MAX_THREADS 256
@@ -52,11 +53,22 @@ struct es_session {
 
 /* ---- small row kernels (fixed 8-lane accumulation order) ---------------- */
 
-static float dot8(const float *a, const float *b, int n) {
-    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+/* 8 float lanes as a GCC vector (lowered to AVX, SSE or NEON as the target has). */
+typedef float v8f __attribute__((vector_size(32)));
+
+/* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
+ * order, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
+static inline float dot8(const float *a, const float *b, int n) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
     int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) l[j] += a[i + j] * b[i + j];
+    for (; i + 8 <= n; i += 8) {
+        v8f x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        acc += x * y;
+    }
+    float l[8];
+    memcpy(l, &acc, sizeof l);
     for (; i < n; i++) l[i & 7] += a[i] * b[i];
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
@@ -350,9 +362,11 @@ static void attention_block(es_session *s, int l, int n) {
     const float *wn = es_model_vec(m, L->attn_norm);
     for (int i = 0; i < n; i++)
         rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
-    mm(s, L->wq, s->xb, n, s->q, q_dim);                      /* q [n][q_dim] */
-    mm(s, L->wk, s->xb, n, s->k, kv_dim);                     /* k [n][kv_dim] */
-    mm(s, L->wv, s->xb, n, s->v, kv_dim);                     /* v [n][kv_dim] */
+    /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
+    const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
+    float *yqkv[3] = {s->q, s->k, s->v};
+    int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
+    es_matmul_many(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch);
     if (L->bq) add_bias(s->q, es_model_vec(m, L->bq), n, q_dim);
     if (L->bk) add_bias(s->k, es_model_vec(m, L->bk), n, kv_dim);
     if (L->bv) add_bias(s->v, es_model_vec(m, L->bv), n, kv_dim);
@@ -389,8 +403,10 @@ static void ffn_block(es_session *s, int l, int n) {
     const float *wn = es_model_vec(m, L->ffn_norm);
     for (int i = 0; i < n; i++)
         rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
-    mm(s, L->w_gate, s->xb, n, s->gate, in->n_ff);
-    mm(s, L->w_up, s->xb, n, s->up, in->n_ff);
+    const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
+    float *ygu[2] = {s->gate, s->up};
+    int64_t ldgu[2] = {in->n_ff, in->n_ff};
+    es_matmul_many(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch);
     size_t nf = (size_t)n * in->n_ff;
     float *gt = s->gate;
     const float *upv = s->up;
