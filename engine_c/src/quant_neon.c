@@ -109,6 +109,36 @@ static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wquad *g) {
     g->a = half_lo(vandq_u32(load_words(p, 34, nv), vdupq_n_u32(0xFFFF)));
 }
 
+/* The 5th bits of Q5_0 / Q5_1 for chunk k: bits 4k..4k+3 of each block's
+ * qh word, one per byte, as bit 4 (t * 0x00204081 spreads a 4-bit t). */
+static inline ES_AI int8x16_t q5_hi(uint32x4_t qh, int k) {
+    uint32x4_t t = vandq_u32(vshlq_u32(qh, vdupq_n_s32(-4 * k)), vdupq_n_u32(0xF));
+    t = vandq_u32(vmulq_u32(t, vdupq_n_u32(0x00204081)), vdupq_n_u32(0x01010101));
+    return vreinterpretq_s8_u32(vshlq_n_u32(t, 4));
+}
+
+static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, wquad *g) {
+    uint32x4_t d[4];
+    load_t4(p + 6, 22, nv, d);
+    nibbles(d, g->w, 0);
+    uint32x4_t qh = load_words(p + 2, 22, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = vsubq_s8(vorrq_s8(g->w[k], q5_hi(qh, k)), vdupq_n_s8(16));
+    g->a = half_lo(vandq_u32(load_words(p, 22, nv), vdupq_n_u32(0xFFFF)));
+}
+
+static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, wquad *g) {
+    uint32x4_t d[4];
+    load_t4(p + 8, 24, nv, d);
+    nibbles(d, g->w, 0);
+    uint32x4_t qh = load_words(p + 4, 24, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = vorrq_s8(g->w[k], q5_hi(qh, k));
+    uint32x4_t dm = load_words(p, 24, nv);
+    g->a = half_lo(dm);
+    g->b = half_hi(dm);
+}
+
 /* Quad q of a group into rows [0, nt): acc[n * 4 + q] += c. */
 static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt, int q,
                                    float32x4_t *acc, int two) {
@@ -174,6 +204,8 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
 QKERNEL(k_q4_0, unpack_q4_0, 18, 0)
 QKERNEL(k_q4_1, unpack_q4_1, 20, 1)
 QKERNEL(k_q8_0, unpack_q8_0, 34, 0)
+QKERNEL(k_q5_0, unpack_q5_0, 22, 0)
+QKERNEL(k_q5_1, unpack_q5_1, 24, 1)
 
 /* K-quants. A quad is half a super-block (sub-blocks 4h..4h+3); its
  * weights are unpacked into the transposed layout as signed bytes (Q6_K's
@@ -423,6 +455,8 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     case ES_TYPE_Q4_0: return k_q4_0;
     case ES_TYPE_Q4_1: return k_q4_1;
     case ES_TYPE_Q8_0: return k_q8_0;
+    case ES_TYPE_Q5_0: return k_q5_0;
+    case ES_TYPE_Q5_1: return k_q5_1;
     case ES_TYPE_Q4_K: return k_q4_k;
     case ES_TYPE_Q5_K: return k_q5_k;
     case ES_TYPE_Q6_K: return k_q6_k;

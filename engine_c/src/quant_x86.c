@@ -119,6 +119,37 @@ static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wgroup *g) {
     g->a = half_lo(_mm512_and_si512(gather32(p, 34, nv), _mm512_set1_epi32(0xFFFF)));
 }
 
+/* The 5th bits of Q5_0 / Q5_1: qh holds bit i for element i of each block
+ * (32-bit lane j = block j); chunk k gets bits 4k..4k+3, one per byte, as
+ * bit 4. (t * 0x00204081 puts bit e of a 4-bit t at bit 8e, without carries.) */
+static inline ES_AI __m512i q5_hi(__m512i qh, int k) {
+    __m512i t = _mm512_and_si512(_mm512_srli_epi32(qh, (unsigned)(4 * k)), _mm512_set1_epi32(0xF));
+    t = _mm512_and_si512(_mm512_mullo_epi32(t, _mm512_set1_epi32(0x00204081)), _mm512_set1_epi32(0x01010101));
+    return _mm512_slli_epi32(t, 4);
+}
+
+static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, wgroup *g) {
+    __m512i d[4];
+    load_t16(p + 6, 22, nv, d);
+    nibbles(d, g->w);
+    __m512i qh = gather32(p + 2, 22, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm512_or_si512(g->w[k], q5_hi(qh, k));
+    g->a = half_lo(_mm512_and_si512(gather32(p, 22, nv), _mm512_set1_epi32(0xFFFF)));
+}
+
+static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, wgroup *g) {
+    __m512i d[4];
+    load_t16(p + 8, 24, nv, d);
+    nibbles(d, g->w);
+    __m512i qh = gather32(p + 4, 24, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm512_or_si512(g->w[k], q5_hi(qh, k));
+    __m512i dm = gather32(p, 24, nv);
+    g->a = half_lo(dm);
+    g->b = half_hi(dm);
+}
+
 /* Multiply one unpacked weight group into activation rows [0, nt).
  * off: the unsigned offset of the weights (I -= off * qsum), two: two-term
  * type (c += (b * d) * (float)qsum). */
@@ -241,6 +272,34 @@ static inline ES_AI void unpack4_q8_0(const uint8_t *p, int nv, wquad *g) {
     g->a = half4_lo(_mm_and_si128(words4(p, 34, nv), _mm_set1_epi32(0xFFFF)));
 }
 
+static inline ES_AI __m128i q5_hi4(__m128i qh, int k) {
+    __m128i t = _mm_and_si128(_mm_srli_epi32(qh, 4 * k), _mm_set1_epi32(0xF));
+    t = _mm_and_si128(_mm_mullo_epi32(t, _mm_set1_epi32(0x00204081)), _mm_set1_epi32(0x01010101));
+    return _mm_slli_epi32(t, 4);
+}
+
+static inline ES_AI void unpack4_q5_0(const uint8_t *p, int nv, wquad *g) {
+    __m128i d[4];
+    load_t4(p + 6, 22, nv, d);
+    nibbles4(d, g->w);
+    __m128i qh = words4(p + 2, 22, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm_or_si128(g->w[k], q5_hi4(qh, k));
+    g->a = half4_lo(_mm_and_si128(words4(p, 22, nv), _mm_set1_epi32(0xFFFF)));
+}
+
+static inline ES_AI void unpack4_q5_1(const uint8_t *p, int nv, wquad *g) {
+    __m128i d[4];
+    load_t4(p + 8, 24, nv, d);
+    nibbles4(d, g->w);
+    __m128i qh = words4(p + 4, 24, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm_or_si128(g->w[k], q5_hi4(qh, k));
+    __m128i dm = words4(p, 24, nv);
+    g->a = half4_lo(dm);
+    g->b = half4_hi(dm);
+}
+
 /* Quad at lanes 0..3 of a group into rows [0, nt) (adds +0 to lanes 4..15). */
 static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt,
                                    __m512 *acc, int off_shift, int two) {
@@ -309,6 +368,8 @@ static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_st
 QKERNEL(k_q4_0, unpack_q4_0, unpack4_q4_0, 18, 3, 0)
 QKERNEL(k_q4_1, unpack_q4_1, unpack4_q4_1, 20, 0, 1)
 QKERNEL(k_q8_0, unpack_q8_0, unpack4_q8_0, 34, 7, 0)
+QKERNEL(k_q5_0, unpack_q5_0, unpack4_q5_0, 22, 4, 0)
+QKERNEL(k_q5_1, unpack_q5_1, unpack4_q5_1, 24, 0, 1)
 
 /* K-quants. A group of 16 sub-blocks is 2 super-blocks (lanes 0..7: the
  * first, 8..15: the second; a row may end with a lone one). The integer
@@ -562,6 +623,8 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_Q4_0: return k_q4_0;
     case ES_TYPE_Q4_1: return k_q4_1;
     case ES_TYPE_Q8_0: return k_q8_0;
+    case ES_TYPE_Q5_0: return k_q5_0;
+    case ES_TYPE_Q5_1: return k_q5_1;
     case ES_TYPE_Q4_K: return k_q4_k;
     case ES_TYPE_Q5_K: return k_q5_k;
     case ES_TYPE_Q6_K: return k_q6_k;
@@ -654,7 +717,44 @@ static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, woct *g) {
     g->a = halves8(p, 34, 0, nv);
 }
 
-/* Octet h (lanes 8h..8h+7) into rows [0, nt): acc[2n + h] += c. */
+static inline ES_AI __m256i words8(const uint8_t *p, size_t stride, int nv) {
+    uint32_t v[8] = {0};
+    for (int j = 0; j < nv && j < 8; j++) memcpy(&v[j], p + (size_t)j * stride, 4);
+    return _mm256_loadu_si256((const __m256i *)(const void *)v);
+}
+
+/* The 5th bits of Q5_0 / Q5_1 for chunk k (see the AVX-512 q5_hi). */
+static inline ES_AI __m256i q5_hi8(__m256i qh, int k) {
+    __m256i t = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * k), _mm256_set1_epi32(0xF));
+    t = _mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x00204081)), _mm256_set1_epi32(0x01010101));
+    return _mm256_slli_epi32(t, 4);
+}
+
+static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, woct *g) {
+    __m256i d[4];
+    load_t8(p + 6, 22, nv, d);
+    nibbles8(d, g->w);
+    __m256i qh = words8(p + 2, 22, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm256_or_si256(g->w[k], q5_hi8(qh, k));
+    g->a = halves8(p, 22, 0, nv);
+}
+
+static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, woct *g) {
+    __m256i d[4];
+    load_t8(p + 8, 24, nv, d);
+    nibbles8(d, g->w);
+    __m256i qh = words8(p + 4, 24, nv);
+    UNROLL
+    for (int k = 0; k < 8; k++) g->w[k] = _mm256_or_si256(g->w[k], q5_hi8(qh, k));
+    g->a = halves8(p, 24, 0, nv);
+    g->b = halves8(p, 24, 2, nv);
+}
+
+/* Octet h (lanes 8h..8h+7) into rows [0, nt): acc[2n + h] += c.
+ * mode 0: 4-bit weights (8 chunk products in one int16 sum), 1: Q8_0
+ * (|w| x sign(x, w), widened per chunk), 2: 5-bit weights (4 + 4 chunks:
+ * 4 * 2 * 31 * 127 = 31496 fits int16). */
 static inline ES_AI void oct_rows(const woct *g, const uint8_t *x, size_t x_stride, int nt, int h,
                                   __m256 *acc, int off_shift, int two, int q8) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -663,11 +763,19 @@ static inline ES_AI void oct_rows(const woct *g, const uint8_t *x, size_t x_stri
         const int8_t *xq = xg->qs + 32 * h;
 #define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
         __m256i I;
-        if (q8) {
+        if (q8 == 1) {
             I = _mm256_setzero_si256();
             UNROLL
             for (int k = 0; k < 8; k++)
                 I = _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(g->w[k], _mm256_sign_epi8(XQ(k), g->sg[k])), ones));
+        } else if (q8 == 2) {
+            __m256i s0 = _mm256_maddubs_epi16(g->w[0], XQ(0)), s1 = _mm256_maddubs_epi16(g->w[4], XQ(4));
+            UNROLL
+            for (int k = 1; k < 4; k++) {
+                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(g->w[k], XQ(k)));
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(g->w[k + 4], XQ(k + 4)));
+            }
+            I = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
         } else {
             __m256i s16 = _mm256_maddubs_epi16(g->w[0], XQ(0));
             UNROLL
@@ -725,6 +833,8 @@ static inline ES_AI float lane_sum2x8(__m256 lo, __m256 hi) {
 QKERNEL(k_q4_0, unpack_q4_0, 18, 3, 0, 0)
 QKERNEL(k_q4_1, unpack_q4_1, 20, 0, 1, 0)
 QKERNEL(k_q8_0, unpack_q8_0, 34, 0, 0, 1)
+QKERNEL(k_q5_0, unpack_q5_0, 22, 4, 0, 2)
+QKERNEL(k_q5_1, unpack_q5_1, 24, 0, 1, 2)
 
 /* Float weights: lanes 0..7 and 8..15 in two ymm; the ragged end goes
  * through a zero-padded copy (adds +0). */
@@ -996,6 +1106,8 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_Q4_0: return k_q4_0;
     case ES_TYPE_Q4_1: return k_q4_1;
     case ES_TYPE_Q8_0: return k_q8_0;
+    case ES_TYPE_Q5_0: return k_q5_0;
+    case ES_TYPE_Q5_1: return k_q5_1;
     case ES_TYPE_Q4_K: return k_q4_k;
     case ES_TYPE_Q5_K: return k_q5_k;
     case ES_TYPE_Q6_K: return k_q6_k;
