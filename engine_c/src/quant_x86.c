@@ -590,13 +590,12 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
     if (n % QK != 0) return 0;
     int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
     memset(out, 0, (size_t)ng * sizeof *out);
-    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t j = 0; j < nb; j++) {
         es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
         int jj = (int)(j % ES_GROUP_BLOCKS);
         __m512 x0 = _mm512_loadu_ps(x + j * QK), x1 = _mm512_loadu_ps(x + j * QK + 16);
         /* max(a, m) keeps m when a is NaN, like the scalar loop */
-        __m512 m = _mm512_max_ps(_mm512_and_ps(x1, absmask), _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_setzero_ps()));
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
         float amax = _mm512_reduce_max_ps(m);
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
