@@ -34,3 +34,17 @@ def test_links_only_libc_libm_pthreads(built_lib):
     needed = {line.split("[")[1].split("]")[0] for line in out.splitlines() if "(NEEDED)" in line}
     allowed = {"libc.so.6", "libm.so.6", "libpthread.so.0", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"}
     assert needed and needed <= allowed, needed
+
+
+def test_no_fused_multiply_add_in_the_engine(built_lib):
+    """Every build must compute the same bits as the scalar one: -ffp-contract=off
+    everywhere, and no FMA instruction slipped in by the vectorizer (GCC 12 emits
+    vfmaddsub for interleaved a*b -/+ c*d loops even under -ffp-contract=off)."""
+    import platform
+    import re
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the FMA scan reads x86-64 disassembly")  # aarch64 is covered by test_neon_parity
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(built_lib)], check=True,
+                         capture_output=True, text=True).stdout
+    fma = re.findall(r"\bv(?:fn?m(?:add|sub)\w*)\b", dis)
+    assert not fma, f"FMA instructions in the engine: {sorted(set(fma))}"

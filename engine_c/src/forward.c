@@ -80,16 +80,26 @@ static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) 
     for (int i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
 }
 
-/* Rotate one head in place. cs = [rope_dim/2] (cos, sin) pairs for this position. */
+/* Rotate one head in place. cs = [rope_dim/2] (cos, sin) pairs for this position.
+ * The rotated pairs are gathered first and the two outputs computed in
+ * separate loops: GCC 12 turns the interleaved form into vfmaddsub even under
+ * -ffp-contract=off, which would break bitwise equality with the scalar build
+ * (tests/test_engine_build.py checks the library for FMA instructions). */
 static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
+    enum { MAXH = 256 };            /* head_dim <= 512 (checked at load) */
+    float x0[MAXH], x1[MAXH], c[MAXH], sn[MAXH], y0[MAXH], y1[MAXH];
     int half = rope_dim / 2;
     for (int i = 0; i < half; i++) {
-        float c = cs[2 * i], s = cs[2 * i + 1];
-        int a = neox ? i : 2 * i;
-        int b = neox ? i + half : 2 * i + 1;
-        float x0 = h[a], x1 = h[b];
-        h[a] = x0 * c - x1 * s;
-        h[b] = x0 * s + x1 * c;
+        x0[i] = h[neox ? i : 2 * i];
+        x1[i] = h[neox ? i + half : 2 * i + 1];
+        c[i] = cs[2 * i];
+        sn[i] = cs[2 * i + 1];
+    }
+    for (int i = 0; i < half; i++) y0[i] = x0[i] * c[i] - x1[i] * sn[i];
+    for (int i = 0; i < half; i++) y1[i] = x0[i] * sn[i] + x1[i] * c[i];
+    for (int i = 0; i < half; i++) {
+        h[neox ? i : 2 * i] = y0[i];
+        h[neox ? i + half : 2 * i + 1] = y1[i];
     }
 }
 

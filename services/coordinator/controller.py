@@ -17,10 +17,105 @@ draft (R >= 1) resets the back-off.
 Fetch: a proposal asks for up to ``fetch_factor * k`` tokens (capped by the
 tokens still allowed); the verifier gets at most k of them per round and the
 rest is kept as the cache.
+
+Draft length by cost (the gain condition, per round): with T the ms of a
+plain decode step, V(K) the ms of a verify of K drafts, o the per-round
+overhead and h the draft hop, a round that drafts K tokens yields
+E(K) + 1 tokens, where E(K) = p + p^2 + ... + p^K is the expected accepted
+run for a per-token acceptance probability p (each draft token is taken only
+if every earlier one was). So the controller drafts the K in [1, available]
+that maximises (E(K) + 1) / (V(K) + o [+ h]) and drafts nothing when even
+that is below 1 / (T + o), the rate of plain decoding. T, V(K) and o are
+measured live (CostModel, shared by the generations of one coordinator);
+p is this generation's recency-weighted acceptance (Beta(1, 1) prior), as
+in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+
+
+class CostModel:
+    """Live estimates of T, V(K) and the round overhead, in ms (thread-safe).
+
+    Exponential moving averages (weight ``alpha`` on the newest sample):
+        t_ms          plain decode step (the verifier's own T)
+        v_ms[K]       verify of K drafts (verifier forward + rollback)
+        overhead_ms   round wall time at the coordinator minus the verifier's time
+        hop_ms        draft service round trip
+    V(K) for a K not yet measured comes from V(K) = T * (1 + slope * K),
+    slope fitted to the measured ratios (default ``prior_slope``).
+    """
+
+    def __init__(self, alpha: float = 0.1, prior_slope: float = 0.12):
+        self.alpha = alpha
+        self.prior_slope = prior_slope
+        self.t_ms = 0.0
+        self.v_ms: dict[int, float] = {}
+        self.overhead_ms = 0.5
+        self.hop_ms = 0.4
+        self._lock = threading.Lock()
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if old <= 0 else old + self.alpha * (new - old)
+
+    def observe(self, k: int, v_ms: float, wall_ms: float, t_ms: float, hop_ms: float | None = None) -> None:
+        """Record one round: K drafts verified in v_ms, round wall time wall_ms, verifier T t_ms."""
+        with self._lock:
+            if t_ms > 0:
+                self.t_ms = self._ema(self.t_ms, t_ms)
+            if v_ms > 0:
+                self.v_ms[k] = self._ema(self.v_ms.get(k, 0.0), v_ms)
+                if hop_ms is None and wall_ms >= v_ms:
+                    self.overhead_ms = self._ema(self.overhead_ms, wall_ms - v_ms)
+            if hop_ms is not None and hop_ms > 0:
+                self.hop_ms = self._ema(self.hop_ms, hop_ms)
+
+    def slope(self) -> float:
+        """Fitted (V(K) / T - 1) / K over the measured K >= 1 (prior_slope if none)."""
+        t = self.v_ms.get(0) or self.t_ms
+        pts = [(k, v / t - 1.0) for k, v in self.v_ms.items() if k >= 1 and t > 0]
+        if not pts:
+            return self.prior_slope
+        return max(0.0, sum(r for _, r in pts) / sum(k for k, _ in pts))
+
+    def v_est(self, k: int) -> float:
+        """Estimated V(K) in ms (T for K = 0)."""
+        with self._lock:
+            if k in self.v_ms:
+                return self.v_ms[k]
+            t = self.v_ms.get(0) or self.t_ms or 1.0
+            return t * (1.0 + self.slope() * k)
+
+    def plain_ms(self) -> float:
+        """Estimated ms of a plain decode round (T + overhead)."""
+        return self.v_est(0) + self.overhead_ms
+
+
+def expected_accepted(p: float, k: int) -> float:
+    """E(K) = p + p^2 + ... + p^K: the mean accepted run of K drafts."""
+    total, term = 0.0, 1.0
+    for _ in range(k):
+        term *= p
+        total += term
+    return total
+
+
+def best_k(p: float, available: int, cost: CostModel, hop: bool) -> int:
+    """The draft length in [0, available] with the most expected tokens per ms.
+
+    Returns 0 when plain decoding is expected to be faster than any draft.
+    """
+    if available <= 0:
+        return 0
+    best, best_rate = 0, 1.0 / cost.plain_ms()
+    extra = cost.overhead_ms + (cost.hop_ms if hop else 0.0)
+    for k in range(1, available + 1):
+        rate = (expected_accepted(p, k) + 1.0) / (cost.v_est(k) + extra)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 @dataclass
@@ -30,9 +125,23 @@ class SpecController:
     k: int
     fetch_factor: int = 4
     max_skip: int = 16
+    cost: CostModel | None = None      # None: always draft min(k, available) (no cost model)
+    decay: float = 0.8                 # recency weight of the acceptance counts per round
     cache: list[int] = field(default_factory=list)
     misses: int = 0
     skip: int = 0
+    acc_hits: float = 0.0              # decayed accepted drafts
+    acc_fails: float = 0.0             # decayed rejections (rounds that stopped before K)
+
+    @property
+    def p_accept(self) -> float:
+        """Recency-weighted per-token acceptance probability, Beta(1, 1) prior."""
+        return (self.acc_hits + 1.0) / (self.acc_hits + self.acc_fails + 2.0)
+
+    def _choose(self, available: int, hop: bool) -> int:
+        if self.cost is None:
+            return available
+        return best_k(self.p_accept, available, self.cost, hop)
 
     def plan(self, k_cap: int) -> tuple[str, list[int] | int]:
         """Choose this round's draft source.
@@ -46,7 +155,10 @@ class SpecController:
         if k_cap <= 0 or self.k <= 0:
             return "none", 0
         if self.cache:
-            return "cached", self.cache[:min(self.k, k_cap)]
+            n = self._choose(min(self.k, k_cap, len(self.cache)), hop=False)
+            if n == 0:
+                return "none", 0
+            return "cached", self.cache[:n]
         if self.skip > 0:
             self.skip -= 1
             return "none", 0
@@ -58,13 +170,17 @@ class SpecController:
         if not self.cache:
             self._miss()
             return []
-        return self.cache[:min(self.k, k_cap)]
+        return self.cache[:self._choose(min(self.k, k_cap, len(self.cache)), hop=False)]
 
     def on_result(self, draft: list[int], tokens: list[int]) -> None:
         """Update after a verify of ``draft`` that yielded ``tokens`` (R accepted + bonus)."""
         if not draft:
+            # a plain step: the cached tail still holds if it predicted this token
+            self.cache = self.cache[1:] if self.cache and tokens and self.cache[0] == tokens[0] else []
             return
         r = len(tokens) - 1
+        self.acc_hits = self.acc_hits * self.decay + r
+        self.acc_fails = self.acc_fails * self.decay + (1.0 if r < len(draft) else 0.0)
         if r < len(draft):
             self.cache = []
         else:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from services.common.metrics import SpecCounters
 from services.coordinator.clients import DraftUnavailable
-from services.coordinator.controller import SpecController
+from services.coordinator.controller import CostModel, SpecController
 
 FINISH_EOS, FINISH_STOP, FINISH_LENGTH, FINISH_CONTEXT = 1, 2, 3, 4  # echospec.v1.FinishReason
 
@@ -119,7 +119,8 @@ class _Output:
 
 
 def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifier: Any,
-             draft: Any | None, draft_reason: str = "") -> Iterator[Delta | Outcome]:
+             draft: Any | None, draft_reason: str = "", cost: CostModel | None = None
+             ) -> Iterator[Delta | Outcome]:
     """Run one generation; yield Deltas as tokens are accepted, then the Outcome.
 
     Args:
@@ -130,6 +131,8 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
             (VerifierFailure) and end the generation.
         draft: DraftLink or None (spec off, or the draft service unreachable).
         draft_reason: why ``draft`` is None although spec is on.
+        cost: the coordinator's live cost model (T, V(K), overhead); it picks
+            each round's draft length. None: always draft up to k.
     Yields:
         Delta (non-empty ones only), then one Outcome.
     """
@@ -138,7 +141,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
     spec, reason = params.spec, params.spec_reason
     if spec and draft is None:
         reason = draft_reason or "draft service unavailable; decoded plainly"
-    ctl = SpecController(k=params.k)
+    ctl = SpecController(k=params.k, cost=cost)
     history = list(prompt)
     synced = 0
     if spec and draft is not None:
@@ -162,6 +165,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
         t0 = time.perf_counter()
         k_cap = min(params.k, params.max_tokens - len(out.token_ids) - 1, n_ctx - n_past - 1)
         drf: list[int] = []
+        hop_ms = None
         if spec and draft is not None:
             kind, arg = ctl.plan(k_cap)
             if kind == "cached":
@@ -169,7 +173,9 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
             elif kind == "propose":
                 n_fetch = max(1, min(arg, params.max_tokens - len(out.token_ids) - 1))
                 try:
+                    h0 = time.perf_counter()
                     proposal = draft.propose(history[synced:], n_fetch)
+                    hop_ms = (time.perf_counter() - h0) * 1e3
                     synced = len(history)
                     counters.proposals += 1
                     drf = ctl.on_proposal(proposal, k_cap)
@@ -182,8 +188,10 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
         wall_ms = (time.perf_counter() - t0) * 1e3
         tokens = list(res.tokens)
         counters.add_round(len(drf), res.accepted, res.v_ms, wall_ms, res.t_ms)
-        if drf:
+        if spec:
             ctl.on_result(drf, tokens)
+            if cost is not None:
+                cost.observe(len(drf), res.v_ms, wall_ms - (hop_ms or 0.0), res.t_ms, hop_ms)
         n_past = res.n_past
         history.extend(tokens)
         d = out.take(tokens)

@@ -23,6 +23,7 @@ from echospec.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draf
 from services.common.chat_template import ChatTemplate, ChatTemplateError
 from services.common.config import CoordinatorConfig
 from services.common.tokenizer import Tokenizer
+from services.coordinator.controller import CostModel
 from services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
 from services.coordinator.gating import VerifierCaps, decide_spec
 from services.coordinator.generation import Delta, GenerationParams, Outcome, generate
@@ -79,6 +80,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
         self._lock = threading.Lock()
         self._vconfig: verifier_pb2.GetConfigResponse | None = None
+        self.cost = CostModel()   # live T, V(K), overhead: picks each round's draft length
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
@@ -200,7 +202,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             links.append(draft)
         context.add_callback(_cancel)
         try:
-            yield from generate(prompt, params, self.tokenizer, verifier, draft)
+            yield from generate(prompt, params, self.tokenizer, verifier, draft, cost=self.cost)
         except VerifierFailure as exc:
             if context.is_active():
                 context.abort(exc.code, str(exc))

@@ -1,0 +1,67 @@
+"""The spec controller's cost model: draft only where V + overhead < (E[accepted] + 1) * T."""
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator.controller import CostModel, SpecController, best_k, expected_accepted
+
+
+def cost(t: float, slope: float, overhead: float = 0.5, hop: float = 0.4) -> CostModel:
+    c = CostModel(prior_slope=slope)
+    c.observe(0, t, t + overhead, t)
+    c.hop_ms, c.overhead_ms = hop, overhead
+    return c
+
+
+def test_expected_accepted_is_the_geometric_sum():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4
+    assert expected_accepted(0.0, 4) == 0
+
+
+def test_no_draft_when_verify_costs_more_than_it_can_return():
+    # V(K) = T (1 + 1.2 K): even a sure hit of K = 1 costs 2.2 T for 2 tokens.
+    c = cost(t=5.0, slope=1.2)
+    assert best_k(0.99, 4, c, hop=False) == 0
+
+
+def test_long_drafts_when_acceptance_is_high_and_verify_is_cheap():
+    c = cost(t=5.0, slope=0.05)
+    assert best_k(0.95, 8, c, hop=False) == 8
+
+
+def test_short_drafts_when_acceptance_is_middling():
+    c = cost(t=5.0, slope=0.3)
+    k = best_k(0.5, 8, c, hop=False)
+    assert 1 <= k <= 3
+
+
+def test_measured_v_overrides_the_linear_model():
+    c = cost(t=5.0, slope=0.05)
+    for _ in range(50):
+        c.observe(4, 25.0, 25.5, 5.0)       # V(4) measured at 5 T
+    assert c.v_est(4) == pytest.approx(25.0, rel=0.05)
+    assert c.slope() > 0.5                  # the fit follows the measurement
+    assert best_k(0.6, 4, c, hop=False) < 4
+
+
+def test_controller_keeps_the_cached_tail_over_a_plain_step():
+    c = SpecController(k=4, cost=cost(t=5.0, slope=5.0))   # verify never pays
+    assert c.on_proposal([7, 8, 9], k_cap=4) == []          # proposal kept, nothing drafted
+    assert c.plan(4) == ("none", 0)
+    c.on_result([], [7])                                    # plain step produced the cached 7
+    assert c.cache == [8, 9]
+    c.on_result([], [1])                                    # diverged: the tail is stale
+    assert c.cache == []
+
+
+def test_acceptance_estimate_tracks_recent_rounds():
+    c = SpecController(k=4, cost=cost(t=5.0, slope=0.1))
+    p0 = c.p_accept
+    c.on_proposal([1, 2, 3, 4], 4)
+    c.on_result([1, 2, 3, 4], [1, 2, 3, 4, 5])
+    assert c.p_accept > p0
+    for _ in range(10):
+        c.on_proposal([1, 2, 3, 4], 4)
+        c.on_result([1, 2, 3, 4], [9])
+    assert c.p_accept < 0.3
