@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stack = start_stack(model, port=args.port, spec=args.spec, host=args.host,
                             verifier_port=args.verifier_port, draft_port=args.draft_port,
                             processes=args.processes, n_ctx=args.n_ctx, n_threads=args.threads,
-                            k=args.k, max_tokens=args.max_tokens)
+                            k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k)
     except StackError as exc:
         _die(str(exc))
     print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
@@ -402,7 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
     p.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
     p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens)")
-    p.add_argument("--k", type=int, default=4, help="default drafts per round")
+    p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="always draft k tokens (default: the live cost model picks each round's length)")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
     p.add_argument("--processes", action="store_true", help="run each service in its own process")
     p.set_defaults(fn=cmd_serve)

@@ -41,6 +41,16 @@ def stub(smollm2):
     st.stop()
 
 
+@pytest.fixture(scope="module")
+def fixed_k_stub(smollm2):
+    # drafts of exactly k (no cost model): the copied EOS lands inside a drafted run
+    st = start_stack(smollm2, spec=False, n_ctx=1024, adaptive_k=False)
+    ch = grpc.insecure_channel(st.target)
+    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    ch.close()
+    st.stop()
+
+
 def chat(messages: list[dict]) -> list[cpb.ChatMessage]:
     return [cpb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
 
@@ -65,7 +75,8 @@ def test_seed_workload_spec_on_off_byte_identical(stub, workload):
 
 
 @pytest.mark.parametrize("answer", ["Kestrel, kestrel, kestrel.", "The kestrel is a small falcon."])
-def test_eos_inside_an_accepted_run_ends_where_plain_decoding_does(stub, answer):
+def test_eos_inside_an_accepted_run_ends_where_plain_decoding_does(fixed_k_stub, answer):
+    stub = fixed_k_stub
     # the previous assistant turn ends with <|im_end|>: the drafter copies it, EOS is a draft
     msgs = chat([{"role": "user", "content": "Say exactly: " + answer},
                  {"role": "assistant", "content": answer},

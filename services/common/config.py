@@ -62,7 +62,8 @@ class CoordinatorConfig:
     verifier_target: str = f"{LOOPBACK}:50053"
     draft_target: str = f"{LOOPBACK}:50052"
     spec: bool = False           # speculation default when a request leaves it unspecified
-    k: int = 4                   # default drafts per round
+    k: int = 4                   # default drafts per round (the most a round drafts)
+    adaptive_k: bool = True      # the live cost model picks each round's draft length <= k
     k_max: int = 32              # largest k a request may ask for (<= the verifier's max_k)
     max_tokens: int = 256        # default max_tokens
     max_tokens_limit: int = 8192

@@ -80,7 +80,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
         self._lock = threading.Lock()
         self._vconfig: verifier_pb2.GetConfigResponse | None = None
-        self.cost = CostModel()   # live T, V(K), overhead: picks each round's draft length
+        # live T, V(K), overhead: picks each round's draft length (None: always up to k)
+        self.cost = CostModel() if config.adaptive_k else None
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
