@@ -23,6 +23,7 @@
 
 #define ES_MAX_CTX (1 << 20)
 #define ES_MAX_THREADS 256
+#define ES_MAX_GROUP 32     /* query heads attended together per work unit */
 
 struct es_session {
     const es_model *model;
@@ -45,7 +46,8 @@ struct es_session {
     float *out;             /* [cap][n_embd] sublayer output */
     float *logits;          /* [cap][n_vocab] */
     float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
-    float *scores;          /* [n_threads][n_ctx] attention scores */
+    int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
+    float *scores;          /* [n_threads][group_cap][n_ctx] attention weights */
     void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
     size_t mm_bytes;
     char err[256];
@@ -104,14 +106,23 @@ static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
 }
 
 /*
- * exp(x) for x in float32, Cephes' expf polynomial (range reduction by ln 2,
- * degree-6 minimax, scaling by 2^n through the exponent bits); relative error
- * about 2e-7. Plain float ops with no libm call, so GCC vectorizes the loops
- * below and every build (scalar or SIMD) computes the same bits.
+ * exp(x) for float32: Cephes' expf (range reduction by ln 2, a degree-6
+ * polynomial, scaling by 2^n through the exponent bits); relative error about
+ * 2e-7. exp8 is the same sequence of IEEE operations on 8 lanes (floor is
+ * truncate-then-adjust in both, exact for the clamped range), so the lane
+ * and scalar forms give the same bits on every target, with no libm call.
  */
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#define EXP_LO -87.0f
+#define EXP_HI 88.0f
+
 static inline float exp_cephes(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x < EXP_LO ? EXP_LO : x;
+    x = x > EXP_HI ? EXP_HI : x;
+    float fx = x * 1.44269504088896341f + 0.5f;
+    float n = (float)(int32_t)fx;
+    n = n > fx ? n + -1.0f : n;
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float z = r * r;
@@ -126,6 +137,66 @@ static inline float exp_cephes(float x) {
     float scale;
     memcpy(&scale, &e, sizeof scale);
     return y * scale;
+}
+
+static inline v8f v8_splat(float a) { return (v8f){a, a, a, a, a, a, a, a}; }
+
+/* Lane-wise select: m ? a : b (m from a vector comparison: -1 or 0). */
+static inline v8f v8_sel(v8i m, v8f a, v8f b) {
+    v8i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    v8i r = (ai & m) | (bi & ~m);
+    v8f out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline v8f exp8(v8f x) {
+    x = v8_sel(x < v8_splat(EXP_LO), v8_splat(EXP_LO), x);
+    x = v8_sel(x > v8_splat(EXP_HI), v8_splat(EXP_HI), x);
+    v8f fx = x * v8_splat(1.44269504088896341f) + v8_splat(0.5f);
+    v8f n = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8f);
+    n = v8_sel(n > fx, n + v8_splat(-1.0f), n);
+    v8f r = x - n * v8_splat(0.693359375f);
+    r = r - n * v8_splat(-2.12194440e-4f);
+    v8f z = r * r;
+    v8f y = v8_splat(1.9875691500e-4f);
+    y = y * r + v8_splat(1.3981999507e-3f);
+    y = y * r + v8_splat(8.3334519073e-3f);
+    y = y * r + v8_splat(4.1665795894e-2f);
+    y = y * r + v8_splat(1.6666665459e-1f);
+    y = y * r + v8_splat(5.0000001201e-1f);
+    y = y * z + r + v8_splat(1.0f);
+    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
+/* x[i] = exp(x[i] - m) for i in [0, n). */
+static void exp_sub_row(float *x, float m, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, sizeof v);
+        v = exp8(v - v8_splat(m));
+        memcpy(x + i, &v, sizeof v);
+    }
+    for (; i < n; i++) x[i] = exp_cephes(x[i] - m);
+}
+
+/* g[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i in [0, n). */
+static void swiglu_row(float *g, const float *u, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f gv, uv;
+        memcpy(&gv, g + i, sizeof gv);
+        memcpy(&uv, u + i, sizeof uv);
+        gv = (gv / (v8_splat(1.0f) + exp8(-gv))) * uv;
+        memcpy(g + i, &gv, sizeof gv);
+    }
+    for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_cephes(-g[i]))) * u[i];
 }
 
 static int32_t argmax_row(const float *x, int n) {
@@ -244,7 +315,9 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     size_t kv_elems = (size_t)in->n_layer * (size_t)n_ctx * kv_dim;
     s->k_cache = malloc(kv_elems * sizeof(float));
     s->v_cache = malloc(kv_elems * sizeof(float));
-    s->scores = malloc((size_t)n_threads * (size_t)n_ctx * sizeof(float));
+    int grp = in->n_head / in->n_head_kv;
+    s->group_cap = grp < ES_MAX_GROUP ? grp : ES_MAX_GROUP;
+    s->scores = malloc((size_t)n_threads * (size_t)s->group_cap * (size_t)n_ctx * sizeof(float));
     if (!s->k_cache || !s->v_cache || !s->scores) {
         es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)",
                    (int)n_ctx, 2 * kv_elems * sizeof(float));
@@ -300,43 +373,98 @@ typedef struct {
     int n;              /* tokens in this call */
 } attn_task;
 
-/* One (token, head) pair: softmax(q . K^T * scale) . V over positions [0, pos]. */
-static void attend_one(es_session *s, int layer, int i, int h, float *sc) {
-    const es_model_info *in = &s->model->info;
-    int hd = in->head_dim;
-    int kv_dim = in->n_head_kv * hd;
-    int g = h / (in->n_head / in->n_head_kv);
-    int pos = s->n_past + i;
-    const float *q = s->q + (size_t)i * in->n_head * hd + (size_t)h * hd;
-    const float *kc = s->k_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
-    const float *vc = s->v_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
-    float scale = 1.0f / sqrtf((float)hd);
-    float mx = -INFINITY;
-    for (int t = 0; t <= pos; t++) {
-        float d = dot8(q, kc + (size_t)t * kv_dim, hd) * scale;
-        sc[t] = d;
-        if (d > mx) mx = d;
+/*
+ * Attention of token i for query heads [h0, h1), which all read KV head g
+ * (GQA): softmax(q . K^T / sqrt(head_dim)) . V over positions [0, pos].
+ * Each K and V row is loaded once for the whole group. Every head's result
+ * is computed by the same operations, in the same order, as if it were
+ * computed alone (score = dot8 * scale; max; exp; sequential sum; then
+ * o[d] += a_t * v_t[d] for t in order), so the grouping and the thread split
+ * change no bit.
+ *   sc: scratch of (h1 - h0) * (pos + 1) floats
+ */
+
+/* o[0..hd) = sum_t a[t] * V[t][0..hd) for head dims known at compile time,
+ * with the accumulators held in registers. */
+#define DEFINE_AXPY_ROWS(HD)                                                        \
+    static void axpy_rows_##HD(float *o, const float *a, const float *vc,          \
+                               size_t kv_dim, int n) {                            \
+        v8f acc[HD / 8];                                                            \
+        for (int k = 0; k < HD / 8; k++) acc[k] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};   \
+        for (int t = 0; t < n; t++) {                                               \
+            const float *vr = vc + (size_t)t * kv_dim;                              \
+            v8f av = {a[t], a[t], a[t], a[t], a[t], a[t], a[t], a[t]};              \
+            for (int k = 0; k < HD / 8; k++) {                                      \
+                v8f v;                                                              \
+                memcpy(&v, vr + 8 * k, sizeof v);                                   \
+                acc[k] += av * v;                                                   \
+            }                                                                       \
+        }                                                                           \
+        memcpy(o, acc, sizeof acc);                                                 \
     }
-    for (int t = 0; t <= pos; t++) sc[t] = exp_cephes(sc[t] - mx);
-    float sum = 0.0f;
-    for (int t = 0; t <= pos; t++) sum += sc[t];
-    float inv = 1.0f / sum;
-    float *o = s->att + (size_t)i * in->n_head * hd + (size_t)h * hd;
+DEFINE_AXPY_ROWS(64)
+DEFINE_AXPY_ROWS(128)
+
+static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, int n, int hd) {
+    if (hd == 64) { axpy_rows_64(o, a, vc, kv_dim, n); return; }
+    if (hd == 128) { axpy_rows_128(o, a, vc, kv_dim, n); return; }
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
-    for (int t = 0; t <= pos; t++) {
-        float a = sc[t] * inv;
+    for (int t = 0; t < n; t++) {
         const float *vr = vc + (size_t)t * kv_dim;
-        for (int d = 0; d < hd; d++) o[d] += a * vr[d];
+        for (int d = 0; d < hd; d++) o[d] += a[t] * vr[d];
     }
 }
 
+static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1, float *sc) {
+    const es_model_info *in = &s->model->info;
+    int hd = in->head_dim;
+    size_t kv_dim = (size_t)in->n_head_kv * hd;
+    size_t q_dim = (size_t)in->n_head * hd;
+    int n = s->n_past + i + 1;                      /* positions attended */
+    int nh = h1 - h0;
+    const float *q = s->q + (size_t)i * q_dim + (size_t)h0 * hd;
+    const float *kc = s->k_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
+    const float *vc = s->v_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    float mx[ES_MAX_GROUP];
+    for (int j = 0; j < nh; j++) mx[j] = -INFINITY;
+    for (int t = 0; t < n; t++) {
+        const float *kr = kc + (size_t)t * kv_dim;
+        for (int j = 0; j < nh; j++) {
+            float d = dot8(q + (size_t)j * hd, kr, hd) * scale;
+            sc[(size_t)j * n + t] = d;
+            if (d > mx[j]) mx[j] = d;
+        }
+    }
+    for (int j = 0; j < nh; j++) {
+        float *row = sc + (size_t)j * n;
+        exp_sub_row(row, mx[j], n);
+        float sum = 0.0f;
+        for (int t = 0; t < n; t++) sum += row[t];
+        float inv = 1.0f / sum;
+        for (int t = 0; t < n; t++) row[t] = row[t] * inv;
+        axpy_rows(s->att + (size_t)i * q_dim + (size_t)(h0 + j) * hd, row, vc, kv_dim, n, hd);
+    }
+}
+
+/* Work units: (token, KV head, slice of its query heads). A group is split in
+ * two when there are too few units to keep the threads busy. */
 static void attn_worker(void *ctx, int ith, int nth) {
     attn_task *t = ctx;
     es_session *s = t->s;
-    int n_head = s->model->info.n_head;
-    int total = t->n * n_head;
-    float *sc = s->scores + (size_t)ith * s->n_ctx;
-    for (int j = ith; j < total; j += nth) attend_one(s, t->layer, j / n_head, j % n_head, sc);
+    const es_model_info *in = &s->model->info;
+    int grp = in->n_head / in->n_head_kv;
+    int split = (t->n * in->n_head_kv < 2 * nth && grp > 1) ? 2 : 1;
+    while ((grp + split - 1) / split > s->group_cap) split++;
+    int per = (grp + split - 1) / split;
+    int total = t->n * in->n_head_kv * split;
+    float *sc = s->scores + (size_t)ith * (size_t)s->group_cap * s->n_ctx;
+    for (int u = ith; u < total; u += nth) {
+        int part = u % split, g = (u / split) % in->n_head_kv, i = u / (split * in->n_head_kv);
+        int h0 = g * grp + part * per;
+        int h1 = h0 + per < (g + 1) * grp ? h0 + per : (g + 1) * grp;
+        if (h0 < h1) attend_group(s, t->layer, i, g, h0, h1, sc);
+    }
 }
 
 /* ---- the forward pass ---------------------------------------------------- */
@@ -417,13 +545,7 @@ static void ffn_block(es_session *s, int l, int n) {
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     es_matmul_many(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch);
-    size_t nf = (size_t)n * in->n_ff;
-    float *gt = s->gate;
-    const float *upv = s->up;
-    for (size_t i = 0; i < nf; i++) {
-        float g = gt[i];
-        gt[i] = (g / (1.0f + exp_cephes(-g))) * upv[i];
-    }
+    swiglu_row(s->gate, s->up, (size_t)n * in->n_ff);
     mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
     for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
 }
