@@ -168,6 +168,18 @@ es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_token
                      int32_t *argmax_out, float *logits_out, int32_t logits_mode);
 
 /*
+ * es_forward for prefill: the same pass over n_tokens new tokens, but the
+ * output head (final norm, output projection, argmax) runs on the last
+ * position only, which saves n_tokens - 1 rows of the largest matmul.
+ *   argmax_last  int32[1] or NULL: greedy token after the last position
+ *   logits_last  float32[n_vocab] or NULL: the last position's logits
+ * The last row's results are bitwise those es_forward gives for it.
+ * Errors and the KV cache after failure: as es_forward.
+ */
+es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_tokens,
+                          int32_t *argmax_last, float *logits_last);
+
+/*
  * Draw one token from a logits row (float32[n_vocab]). Filters apply in
  * llama.cpp's default order: top_k, then top_p (nucleus, Holtzman et al.
  * 2019) and min_p on the softmax of the raw logits, then temperature; the

@@ -576,11 +576,12 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
     return ES_OK;
 }
 
-es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_out,
-                     float *logits_out, int32_t logits_mode) {
-    if (!s) return ES_ERR_INVALID_ARG;
-    es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
-    if (st != ES_OK) return st;
+/* The forward pass over n tokens; the output head runs on the last out_rows
+ * positions only (n for es_forward, 1 for es_forward_last). Arguments are
+ * checked by the callers; the KV cache is unchanged on failure. */
+static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, int32_t out_rows,
+                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+    es_status st;
     if ((st = ensure_scratch(s, n)) != ES_OK) return st;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
@@ -596,23 +597,42 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
         attention_block(s, l, n);
         ffn_block(s, l, n);
     }
+    /* output head over positions [n - out_rows, n): logits [out_rows][n_vocab] */
     const float *wn = es_model_vec(m, m->output_norm);
-    for (int i = 0; i < n; i++)
-        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
-    mm(s, m->output, s->xb, n, s->logits, in->n_vocab);       /* logits [n][n_vocab] */
+    int first = n - out_rows;
+    for (int i = 0; i < out_rows; i++)
+        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)(first + i) * in->n_embd, wn,
+                in->n_embd, in->norm_eps);
+    mm(s, m->output, s->xb, out_rows, s->logits, in->n_vocab);
     es_pool_end(s->pool);
 
-    for (int i = 0; i < n; i++) {
-        const float *row = s->logits + (size_t)i * in->n_vocab;
-        if (argmax_out) argmax_out[i] = argmax_row(row, in->n_vocab);
-    }
+    if (argmax_out)
+        for (int i = 0; i < out_rows; i++)
+            argmax_out[i] = argmax_row(s->logits + (size_t)i * in->n_vocab, in->n_vocab);
     if (logits_mode == 1)
-        memcpy(logits_out, s->logits + (size_t)(n - 1) * in->n_vocab, (size_t)in->n_vocab * sizeof(float));
+        memcpy(logits_out, s->logits + (size_t)(out_rows - 1) * in->n_vocab, (size_t)in->n_vocab * sizeof(float));
     else if (logits_mode == 2)
-        memcpy(logits_out, s->logits, (size_t)n * in->n_vocab * sizeof(float));
+        memcpy(logits_out, s->logits, (size_t)out_rows * in->n_vocab * sizeof(float));
     s->n_past += n;
     s->err[0] = '\0';
     return ES_OK;
+}
+
+es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_out,
+                     float *logits_out, int32_t logits_mode) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
+    if (st != ES_OK) return st;
+    return forward_impl(s, tokens, n, n, argmax_out, logits_out, logits_mode);
+}
+
+es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_last,
+                          float *logits_last) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    int32_t mode = logits_last ? 1 : 0;
+    es_status st = check_forward_args(s, tokens, n, logits_last, mode);
+    if (st != ES_OK) return st;
+    return forward_impl(s, tokens, n, 1, argmax_last, logits_last, mode);
 }
 
 const char *es_simd_name(void) { return es_quant_simd_name(); }

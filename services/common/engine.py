@@ -195,12 +195,7 @@ class Session:
         self._check()
         if logits not in _LOGITS_MODES:
             raise ValueError(f"logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
-        arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
-        if arr.ndim != 1:
-            raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be 1-D, got shape {arr.shape}")
-        if arr.size and (arr.min() < -(2 ** 31) or arr.max() >= 2 ** 31):
-            raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32")
-        tok = arr.astype(np.int32)
+        tok = self._tokens(tokens)
         n = tok.size
         am = np.empty(max(n, 1), dtype=np.int32)
         mode = _LOGITS_MODES[logits]
@@ -216,6 +211,38 @@ class Session:
         if st != 0:
             self._raise(st)
         return am[:n], out
+
+    def prefill(self, tokens: Sequence[int] | np.ndarray, logits: bool = False
+                ) -> tuple[int, np.ndarray | None]:
+        """Append ``tokens`` and run the model, with the output head on the last position only.
+
+        Args:
+            tokens: int token ids, length N >= 1, each in [0, n_vocab).
+            logits: also return the last position's logits (float32 [1, n_vocab]).
+        Returns:
+            (greedy token after the last position, logits or None); bitwise what
+            forward() gives for that position.
+        Raises:
+            EngineError: as forward(); the KV cache is then unchanged.
+        """
+        self._check()
+        tok = self._tokens(tokens)
+        am = np.empty(1, dtype=np.int32)
+        out = np.empty((1, self.n_vocab), dtype=np.float32) if logits else None
+        st = lib.es_forward_last(
+            self._ptr, ffi.from_buffer("int32_t[]", tok) if tok.size else ffi.NULL, tok.size,
+            ffi.from_buffer("int32_t[]", am), ffi.from_buffer("float[]", out) if out is not None else ffi.NULL)
+        if st != 0:
+            self._raise(st)
+        return int(am[0]), out
+
+    def _tokens(self, tokens) -> np.ndarray:
+        arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
+        if arr.ndim != 1:
+            raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be 1-D, got shape {arr.shape}")
+        if arr.size and (arr.min() < -(2 ** 31) or arr.max() >= 2 ** 31):
+            raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32")
+        return arr.astype(np.int32)
 
     def rollback(self, n_past: int) -> None:
         """Truncate the KV cache to its first ``n_past`` positions (exact).

@@ -168,8 +168,8 @@ class VerifierSession:
             mode = "none" if self.sampling.greedy else "last"
             with self.core.engine_lock:
                 t0 = time.perf_counter()
-                argmax, logits = self._forward(toks, mode)
-                first = self._choose(argmax[-1], logits)
+                first_greedy, logits = self._prefill(toks, mode == "last")
+                first = self._choose(first_greedy, logits)
                 ms = (time.perf_counter() - t0) * 1e3
             self._pending = first
             return StepOutcome([first], 0, 0, ms, self.core.t_ms, self._session.n_past, self.n_ctx)
@@ -221,9 +221,16 @@ class VerifierSession:
             return StepOutcome(drf[:r] + [bonus], k, r, ms, self.core.t_ms,
                                self._session.n_past, self.n_ctx)
 
+    def _prefill(self, tokens: list[int], want_logits: bool):
+        """The prompt's forward with the output head on its last position only."""
+        return self._engine_call(self._session.prefill, tokens, logits=want_logits)
+
     def _forward(self, tokens: list[int], mode: str):
+        return self._engine_call(self._session.forward, tokens, logits=mode)
+
+    def _engine_call(self, fn, tokens: list[int], **kw):
         try:
-            return self._session.forward(tokens, logits=mode)
+            return fn(tokens, **kw)
         except EngineError as exc:
             if exc.name == "ES_ERR_CAPACITY":
                 raise ResourceExhausted(f"session {self.sid}: {exc.message}") from None
