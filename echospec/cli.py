@@ -15,6 +15,7 @@ Exit status: 0 success, 1 a failure with a message on stderr, 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import signal
 import socket
@@ -26,6 +27,10 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+
+# numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
+# cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 DEFAULT_PORT = 50051
 

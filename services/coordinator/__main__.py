@@ -1,5 +1,10 @@
 """python -m services.coordinator --model PATH [--port P] [--spec] [--verifier-target H:P]
 [--draft-target H:P] (env ECHOSPEC_*)."""
+# numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
+# cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
+import os
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import logging
 import sys
 

@@ -1,4 +1,9 @@
 """python -m services.draft [--port P] [--host H] [--min-n N] [--max-n N] (env ECHOSPEC_*)."""
+# numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
+# cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
+import os
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import logging
 import sys
 
