@@ -1,0 +1,214 @@
+"""Per-round overhead of the services: round wall time at the coordinator minus V.
+
+The overhead is the third term of the gain condition V + overhead < (R + 1) * T
+and taxes every plain decode step, so it is measured here on its own:
+
+    echo      a bare bidi-stream message round trip (bytes in, bytes back) on
+              a server built like ours: the floor of one hop on this machine.
+    link      the coordinator's own VerifierLink driven directly against the
+              verifier: per-round wall - v_ms, one sample per round (p50/mean).
+    generate  greedy generations through the coordinator, spec off and on; the
+              figure is the result's stats.overhead_ms (mean per round of one
+              generation), p50/mean over the generations; outputs off vs on
+              must be byte-identical.
+
+Both stack modes are measured: in-process (three servers, one process, one
+GIL) and processes=True (as `echospec serve --processes` / docker-compose).
+
+Usage:
+    .venv/bin/python bench/round_overhead.py                 # tiny model + SmolLM2, both modes
+    .venv/bin/python bench/round_overhead.py --models tiny --modes threads
+    .venv/bin/python bench/round_overhead.py --json          # one JSON object per (model, mode)
+All times are ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import grpc  # noqa: E402
+
+from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc,  # noqa: E402
+                         verifier_pb2_grpc)
+from services.common import grpc_util  # noqa: E402
+from services.coordinator.clients import BidiStream, VerifierLink  # noqa: E402
+from services.coordinator.stack import start_stack  # noqa: E402
+
+ECHO_METHOD = "/echospec.bench.Echo/Echo"
+PROMPTS = [
+    "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat.",
+    "Count: one two three four five six seven eight nine ten, one two three four five",
+    "Write a Python function that adds two numbers.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def _summ(xs: list[float]) -> dict:
+    return {"n": len(xs), "p50": round(_pct(xs, 0.5), 4), "p90": round(_pct(xs, 0.9), 4),
+            "mean": round(statistics.fmean(xs), 4) if xs else 0.0}
+
+
+# -- echo baseline -------------------------------------------------------------------------------
+def _echo_handler():
+    def echo(it, context):  # noqa: ARG001
+        for m in it:
+            yield m
+    return grpc.method_handlers_generic_handler("echospec.bench.Echo", {
+        "Echo": grpc.stream_stream_rpc_method_handler(echo)})
+
+
+def echo_server(port: int = 0) -> tuple[grpc.Server, int]:
+    """A bidi echo server built with the services' own builder (options, thread pool)."""
+    h = grpc_util.build_server("127.0.0.1", port, 16, 1 << 20, ["echospec.bench.Echo"])
+    h.server.add_generic_rpc_handlers((_echo_handler(),))
+    h.server.start()
+    return h.server, h.port
+
+
+def echo_rtt(target: str, n: int) -> dict:
+    """Round trips of a 32-byte message on one bidi stream: queue-fed BidiStream (our client)."""
+    ch = grpc_util.channel(target, 1 << 20)
+    method = ch.stream_stream(ECHO_METHOD)
+    s = BidiStream(method)
+    payload = b"x" * 32
+    for _ in range(50):
+        s.request(payload)
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        s.request(payload)
+        xs.append((time.perf_counter() - t0) * 1e3)
+    s.close()
+    ch.close()
+    return _summ(xs)
+
+
+# -- link: the verifier stream directly ----------------------------------------------------------
+def link_rounds(verifier_target: str, prompt: list[int], steps: int) -> dict:
+    ch = grpc_util.channel(verifier_target, 1 << 20)
+    stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+    link = VerifierLink(stub, None)
+    link.prefill(prompt, common_pb2.SamplingParams())
+    over, vs = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        r = link.step([])
+        wall = (time.perf_counter() - t0) * 1e3
+        over.append(wall - r.v_ms)
+        vs.append(r.v_ms)
+    link.close()
+    ch.close()
+    return {"overhead": _summ(over), "v": _summ(vs)}
+
+
+# -- generations ---------------------------------------------------------------------------------
+def generations(target: str, prompts: list[str], max_tokens: int, reps: int) -> dict:
+    ch = grpc.insecure_channel(target)
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    out: dict = {}
+    texts: dict = {}
+    for mode, spec in (("off", common_pb2.SPEC_MODE_OFF), ("on", common_pb2.SPEC_MODE_ON)):
+        over, ts, vs, rounds, secs = [], [], [], 0, 0.0
+        for _ in range(reps):
+            for i, p in enumerate(prompts):
+                t0 = time.perf_counter()
+                res = stub.Complete(cpb.CompleteRequest(text=p, max_tokens=max_tokens, spec=spec,
+                                                        temperature=0.0), timeout=600).result
+                secs += time.perf_counter() - t0
+                over.append(res.stats.overhead_ms)
+                ts.append(res.stats.t_ms)
+                vs.append(res.stats.v_ms)
+                rounds += res.stats.rounds
+                texts.setdefault((mode, i), res.text)
+                if texts[(mode, i)] != res.text:
+                    raise SystemExit(f"non-deterministic output for prompt {i} ({mode})")
+        out[mode] = {"overhead_ms": _summ(over), "t_ms": round(statistics.fmean(ts), 4),
+                     "v_ms": round(statistics.fmean(vs), 4), "rounds": rounds,
+                     "seconds": round(secs, 3)}
+    out["identical"] = all(texts[("off", i)] == texts[("on", i)] for i in range(len(prompts)))
+    ch.close()
+    return out
+
+
+def _model_path(name: str, tmp: Path) -> str:
+    if name == "tiny":
+        from ggufgen import write_tiny_model
+        p = tmp / "tiny-llama.gguf"
+        write_tiny_model(p, arch="llama", n_vocab=320, n_ctx_train=512, seed=0)
+        return str(p)
+    return subprocess.check_output([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
+                                   text=True).strip().splitlines()[-1]
+
+
+def run(model: str, path: str, mode: str, args) -> dict:
+    n_threads = 1 if model == "tiny" else 0
+    stack = start_stack(path, spec=False, processes=(mode == "processes"), n_ctx=512,
+                        n_threads=n_threads, k=4, max_tokens=256)
+    try:
+        tok_prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+        steps = args.link_steps if model == "tiny" else max(20, args.link_steps // 4)
+        link_rounds(stack.verifier_target, tok_prompt, 20)  # warm the channel and the engine
+        link = link_rounds(stack.verifier_target, tok_prompt, steps)
+        gen = generations(stack.target, PROMPTS, args.max_tokens if model == "tiny" else 64,
+                          args.reps)
+    finally:
+        stack.stop()
+    return {"model": model, "mode": mode, "link": link, "generate": gen}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,smollm2")
+    ap.add_argument("--modes", default="threads,processes")
+    ap.add_argument("--echo-rounds", type=int, default=2000)
+    ap.add_argument("--link-steps", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    results = []
+    srv, port = echo_server()
+    echo = echo_rtt(f"127.0.0.1:{port}", args.echo_rounds)
+    srv.stop(0)
+    results.append({"echo_rtt_ms": echo})
+    with tempfile.TemporaryDirectory() as td:
+        for model in args.models.split(","):
+            path = _model_path(model, Path(td))
+            for mode in args.modes.split(","):
+                results.append(run(model, path, mode, args))
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return 0
+    print(f"echo bidi round trip (BidiStream, in-process server): p50 {echo['p50']:.3f}"
+          f"  mean {echo['mean']:.3f}  p90 {echo['p90']:.3f} ms")
+    print(f"{'model':8} {'mode':10} {'link p50':>9} {'link mean':>9} {'V':>7} | "
+          f"{'off p50':>8} {'off mean':>8} {'on p50':>8} {'on mean':>8} {'T':>7} ident")
+    for r in results[1:]:
+        lk, g = r["link"], r["generate"]
+        print(f"{r['model']:8} {r['mode']:10} {lk['overhead']['p50']:9.3f} {lk['overhead']['mean']:9.3f}"
+              f" {lk['v']['p50']:7.3f} | {g['off']['overhead_ms']['p50']:8.3f}"
+              f" {g['off']['overhead_ms']['mean']:8.3f} {g['on']['overhead_ms']['p50']:8.3f}"
+              f" {g['on']['overhead_ms']['mean']:8.3f} {g['off']['t_ms']:7.3f} {g['identical']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
