@@ -23,6 +23,11 @@ All times are ms.
 """
 from __future__ import annotations
 
+import os
+
+# as in the services' entry points: OpenBLAS workers would spin on the engine's cores
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
 import json
 import statistics

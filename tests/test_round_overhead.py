@@ -1,0 +1,170 @@
+"""The coordinator's stream clients (services/coordinator/clients.py): DirectStream,
+driven on the calling thread, and the portable queue-fed BidiStream behave the
+same against a real gRPC server on loopback: responses in order, append-only
+sends, the peer's status, end of stream, cancel from another thread, deadline,
+half-close. No timings are asserted here (speed lives in bench/round_overhead.py).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.common import grpc_util
+from services.coordinator.clients import BidiStream, DirectStream, StreamError, open_stream
+
+SERVICE = "echospec.test.Echo"
+METHOD = f"/{SERVICE}/Echo"
+
+
+class _Echo:
+    """Echo each request; b"quiet:*" gets no response, b"abort" aborts with
+    INVALID_ARGUMENT, b"end" ends the stream, b"slow" waits up to 5 s first."""
+
+    def __init__(self):
+        self.ended = threading.Event()
+
+    def __call__(self, request_iterator, context):
+        try:
+            for m in request_iterator:
+                if m.startswith(b"quiet:"):
+                    continue
+                if m == b"abort":
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad message")
+                if m == b"end":
+                    return
+                if m == b"slow":
+                    t_end = time.monotonic() + 5
+                    while context.is_active() and time.monotonic() < t_end:
+                        time.sleep(0.01)
+                yield b"re:" + m
+        finally:
+            self.ended.set()
+
+
+@pytest.fixture
+def echo():
+    handler = _Echo()
+    h = grpc_util.build_server("127.0.0.1", 0, 8, 1 << 20, [SERVICE])
+    h.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Echo": grpc.stream_stream_rpc_method_handler(handler)}),))
+    h.server.start()
+    ch = grpc_util.channel(f"127.0.0.1:{h.port}", 1 << 20)
+    yield ch.stream_stream(METHOD), handler
+    ch.close()
+    h.server.stop(0).wait()
+
+
+KINDS = [BidiStream, DirectStream]
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_responses_come_back_in_order(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    for i in range(50):
+        assert s.request(b"m%d" % i) == b"re:m%d" % i
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_a_send_without_response_does_not_shift_later_replies(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    s.send(b"quiet:1")
+    s.send(b"quiet:2")
+    assert s.request(b"a") == b"re:a"
+    s.send(b"quiet:3")
+    assert s.request(b"b") == b"re:b"
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_the_peers_status_is_raised_with_code_and_details(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    assert s.request(b"x") == b"re:x"
+    with pytest.raises(grpc.RpcError) as ei:
+        s.request(b"abort")
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "bad message"
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_the_server_ending_the_stream_is_stop_iteration(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    with pytest.raises(StopIteration):
+        s.request(b"end")
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_cancel_from_another_thread_ends_a_waiting_recv(echo, cls):
+    method, handler = echo
+    s = cls(method)
+    threading.Timer(0.2, s.cancel).start()
+    with pytest.raises(grpc.RpcError) as ei:
+        s.request(b"slow")
+    assert ei.value.code() == grpc.StatusCode.CANCELLED
+    s.close()
+    s.cancel()  # idempotent
+    assert handler.ended.wait(10)
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_the_deadline_ends_the_call(echo, cls):
+    method, handler = echo
+    s = cls(method, timeout=0.3)
+    with pytest.raises(grpc.RpcError) as ei:
+        s.request(b"slow")
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    s.close()
+    assert handler.ended.wait(10)
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_close_half_closes_and_the_server_ends_the_stream(echo, cls):
+    method, handler = echo
+    s = cls(method)
+    assert s.request(b"x") == b"re:x"
+    s.close()
+    s.close()  # idempotent
+    assert handler.ended.wait(10)
+    s.send(b"after close")  # ignored, no error
+
+
+def test_direct_stream_errors_are_rpc_errors():
+    e = StreamError(grpc.StatusCode.NOT_FOUND, "gone")
+    assert isinstance(e, grpc.RpcError)
+    assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND, "gone")
+
+
+def test_open_stream_prefers_direct_and_falls_back_for_other_callables(echo):
+    method, _ = echo
+    s = open_stream(method)
+    assert isinstance(s, DirectStream)
+    s.close()
+
+    def plain(request_iterator, timeout=None):  # not a grpcio channel callable
+        return iter(())
+
+    with pytest.raises(TypeError):
+        DirectStream(plain)
+    fb = open_stream(plain)
+    assert isinstance(fb, BidiStream)
+    fb.close()
+
+
+def test_many_direct_streams_on_one_channel_all_finish(echo):
+    method, handler = echo
+    for i in range(200):
+        s = DirectStream(method)
+        assert s.request(b"%d" % i) == b"re:%d" % i
+        if i % 2:
+            s.cancel()
+        s.close()
+        assert s._due == 0  # every batch collected: nothing left on the call's queue
