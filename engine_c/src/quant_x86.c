@@ -155,6 +155,7 @@ static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, wgroup *g) {
  * type (c += (b * d) * (float)qsum). */
 static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
                               __m512 *acc, int off_shift, int two) {
+    UNROLL
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const __m512i *xq = (const __m512i *)(const void *)xg->qs;
@@ -184,6 +185,7 @@ static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x
     UNROLL
     for (int k = 0; k < 8; k++) w[k] = _mm512_castsi512_si256(g->w[k]);
     __m256 a = _mm512_castps512_ps256(g->a), b = _mm512_castps512_ps256(g->b);
+    UNROLL
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const int8_t *xq = xg->qs;
@@ -303,6 +305,7 @@ static inline ES_AI void unpack4_q5_1(const uint8_t *p, int nv, wquad *g) {
 /* Quad at lanes 0..3 of a group into rows [0, nt) (adds +0 to lanes 4..15). */
 static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt,
                                    __m512 *acc, int off_shift, int two) {
+    UNROLL
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const int8_t *xq = xg->qs;
@@ -325,43 +328,157 @@ static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_st
     }
 }
 
-/* The generic kernel body: for each weight row, for each group, unpack once,
- * multiply into every activation row of the tile. */
-#define QKERNEL(name, unpack, unpack4, bbytes, off_shift, two)                                           \
+/* ---- small register tiles over the activation rows ---- */
+
+#define TILE 8   /* most activation rows per register tile */
+
+/* The quad tail (at most 4 blocks, lanes 0..3) of up to TILE activation rows,
+ * packed once per kernel call so that one 512-bit vector serves 4 rows:
+ * 128-bit lane i of q[t][k] is bytes 64k..64k+15 of row 4t+i's tail group
+ * (blocks 0..3), likewise d, fq and qsum (their first 4 entries). Rows past
+ * the tile are zero. */
+typedef struct {
+    int8_t q[TILE / 4][8][64];
+    float d[TILE / 4][16], fq[TILE / 4][16];
+    int32_t qsum[TILE / 4][16];
+} xquads;
+
+static inline ES_AI void pack_quads(const uint8_t *xg, size_t x_stride, int nt, xquads *xp) {
+    memset(xp, 0, sizeof *xp);
+    for (int n = 0; n < nt; n++) {
+        const es_q8_group *g = (const void *)(xg + (size_t)n * x_stride);
+        int t = n / 4, i = n % 4;
+        for (int k = 0; k < 8; k++) memcpy(&xp->q[t][k][16 * i], g->qs + 64 * k, 16);
+        memcpy(&xp->d[t][4 * i], g->d, 16);
+        memcpy(&xp->fq[t][4 * i], g->fq, 16);
+        memcpy(&xp->qsum[t][4 * i], g->qsum, 16);
+    }
+}
+
+/* quad_rows on packed activations: 4 rows per 512-bit step; row 4t+i's
+ * contribution (128-bit lane i) is moved to lanes 0..3 and added to its
+ * accumulator (+0 to lanes 4..15), the same values as quad_rows. */
+static inline ES_AI void quad_rows_packed(const wquad *g, const xquads *xp, int nt, __m512 *acc,
+                                          int off_shift, int two) {
+    __m512i w[8];
+    UNROLL
+    for (int k = 0; k < 8; k++) w[k] = _mm512_broadcast_i32x4(g->w[k]);
+    __m512 a = _mm512_broadcast_f32x4(g->a), b = _mm512_broadcast_f32x4(g->b);
+    UNROLL
+    for (int t = 0; t < (nt + 3) / 4; t++) {
+#define XQ(k) _mm512_load_si512((const void *)xp->q[t][k])
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], XQ(0));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], XQ(1));
+        i0 = _mm512_dpbusd_epi32(i0, w[2], XQ(2));
+        i1 = _mm512_dpbusd_epi32(i1, w[3], XQ(3));
+        i0 = _mm512_dpbusd_epi32(i0, w[4], XQ(4));
+        i1 = _mm512_dpbusd_epi32(i1, w[5], XQ(5));
+        i0 = _mm512_dpbusd_epi32(i0, w[6], XQ(6));
+        i1 = _mm512_dpbusd_epi32(i1, w[7], XQ(7));
+#undef XQ
+        __m512i I = _mm512_add_epi32(i0, i1);
+        if (off_shift) I = _mm512_sub_epi32(I, _mm512_slli_epi32(_mm512_load_si512((const void *)xp->qsum[t]),
+                                                                 (unsigned)off_shift));
+        __m512 dx = _mm512_load_ps(xp->d[t]);
+        __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
+        if (two) c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_load_ps(xp->fq[t])));
+        UNROLL
+        for (int i = 0; i < 4; i++)
+            if (4 * t + i < nt) acc[4 * t + i] = _mm512_add_ps(acc[4 * t + i], _mm512_maskz_shuffle_f32x4((__mmask16)0x000F, c, c, i));
+    }
+}
+
+/* es_lane_sum of nt accumulators at once, Y[n * ldy] = sum of acc[n]: the
+ * same tree, with the pairs of several accumulators added in one vector. */
+static inline ES_AI void lane_sums(const __m512 *acc, int nt, float *Y, int64_t ldy) {
+    if (nt == 1) {
+        Y[0] = lane_sum16(acc[0]);
+        return;
+    }
+    __m512 z = _mm512_setzero_ps(), p[TILE / 2], q[TILE / 4];
+    UNROLL
+    for (int i = 0; i < (nt + 1) / 2; i++) {   /* l0+l1, l2+l3 of two accumulators */
+        __m512 u = acc[2 * i], v = 2 * i + 1 < nt ? acc[2 * i + 1] : z;
+        p[i] = _mm512_add_ps(_mm512_shuffle_ps(u, v, 0x88), _mm512_shuffle_ps(u, v, 0xDD));
+    }
+    UNROLL
+    for (int i = 0; i < (nt + 3) / 4; i++) {   /* (l0+l1)+(l2+l3) of four */
+        __m512 u = p[2 * i], v = 2 * i + 1 < (nt + 1) / 2 ? p[2 * i + 1] : z;
+        q[i] = _mm512_add_ps(_mm512_shuffle_ps(u, v, 0x88), _mm512_shuffle_ps(u, v, 0xDD));
+    }
+    __m512 u = q[0], v = nt > 4 ? q[1] : z;    /* a0+a1, a2+a3 of eight */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xDD));
+    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
+    float out[16] __attribute__((aligned(64)));
+    _mm512_store_ps(out, s);
+    UNROLL
+    for (int n = 0; n < nt; n++) Y[(int64_t)n * ldy] = out[n < 4 ? n : n + 4];
+}
+
+/* Rows [r0, r1) of the weights times a tile of nt (a constant after
+ * inlining, 1..TILE) activation rows xt: accumulators stay in registers. */
+#define QTILE(name, unpack, unpack4, bbytes, off_shift, two)                                          \
+    static inline ES_AI void name##_tile(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,  \
+                                         int64_t nb, const uint8_t *xt, size_t x_stride, const int nt, \
+                                         float *Y, int64_t ldy) {                                    \
+        int64_t nfull = nb / 16;                                                                    \
+        int tail = (int)(nb % 16);                                                                  \
+        const uint8_t *xtail = xt + (size_t)nfull * sizeof(es_q8_group);                            \
+        xquads xp;                                                                                  \
+        if (tail && tail <= 4 && nt > 1) pack_quads(xtail, x_stride, nt, &xp);                      \
+        for (int64_t r = r0; r < r1; r++) {                                                         \
+            const uint8_t *row = w + (size_t)r * row_bytes;                                         \
+            __m512 acc[TILE];                                                                       \
+            UNROLL                                                                                  \
+            for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();                              \
+            if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);             \
+            for (int64_t gi = 0; gi < nfull; gi++) {                                                \
+                wgroup g;                                                                           \
+                g.b = _mm512_setzero_ps();                                                          \
+                unpack(row + (size_t)gi * 16 * (bbytes), 16, &g);                                   \
+                group_rows(&g, xt + (size_t)gi * sizeof(es_q8_group), x_stride, nt, acc, off_shift, two); \
+            }                                                                                       \
+            const uint8_t *p = row + (size_t)nfull * 16 * (bbytes);                                 \
+            if (tail && tail <= 4) {                                                                \
+                wquad g4;                                                                           \
+                g4.b = _mm_setzero_ps();                                                            \
+                unpack4(p, tail, &g4);                                                              \
+                if (nt == 1) quad_rows(&g4, xtail, x_stride, 1, acc, off_shift, two);               \
+                else quad_rows_packed(&g4, &xp, nt, acc, off_shift, two);                           \
+            } else if (tail) {                                                                      \
+                wgroup g;                                                                           \
+                g.b = _mm512_setzero_ps();                                                          \
+                unpack(p, tail, &g);                                                                \
+                if (tail <= 8) group_rows8(&g, xtail, x_stride, nt, acc, off_shift, two);           \
+                else group_rows(&g, xtail, x_stride, nt, acc, off_shift, two);                      \
+            }                                                                                       \
+            lane_sums(acc, nt, Y + r, ldy);                                                         \
+        }                                                                                           \
+    }
+
+/* The kernel: the N activation rows are cut into tiles of at most TILE rows
+ * of near-equal size; each tile runs a variant compiled for its row count. */
+#define QKERNEL(name, unpack, unpack4, bbytes, off_shift, two)                                      \
+    QTILE(name, unpack, unpack4, bbytes, off_shift, two)                                            \
     static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
+        int64_t nb = n_in / QK;                                                                     \
         const uint8_t *x = xv;                                                                      \
-        for (int n0 = 0; n0 < N; n0 += NT) {                                                        \
-            int nt = N - n0 < NT ? N - n0 : NT;                                                     \
+        for (int n0 = 0; n0 < N;) {                                                                 \
+            int left = (N - n0 + TILE - 1) / TILE, nt = (N - n0 + left - 1) / left;                 \
             const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
-            for (int64_t r = r0; r < r1; r++) {                                                     \
-                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
-                __m512 acc[NT];                                                                     \
-                for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();                          \
-                if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);         \
-                for (int64_t gi = 0; gi < ng; gi++) {                                               \
-                    wgroup g;                                                                       \
-                    g.b = _mm512_setzero_ps();                                                      \
-                    int nv = (int)(nb - gi * 16 < 16 ? nb - gi * 16 : 16);                          \
-                    const uint8_t *p = row + (size_t)gi * 16 * (bbytes);                            \
-                    const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
-                    if (nv == 16) {                                                                 \
-                        unpack(p, 16, &g);                                                          \
-                        group_rows(&g, xg, x_stride, nt, acc, off_shift, two);                  \
-                    } else if (nv <= 4) {                                                           \
-                        wquad g4;                                                                   \
-                        g4.b = _mm_setzero_ps();                                                    \
-                        unpack4(p, nv, &g4);                                                        \
-                        quad_rows(&g4, xg, x_stride, nt, acc, off_shift, two);                      \
-                    } else {                                                                        \
-                        unpack(p, nv, &g);                                                          \
-                        if (nv <= 8) group_rows8(&g, xg, x_stride, nt, acc, off_shift, two);    \
-                        else group_rows(&g, xg, x_stride, nt, acc, off_shift, two);             \
-                    }                                                                               \
-                }                                                                                   \
-                for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);   \
+            float *Yt = Y + (int64_t)n0 * ldy;                                                      \
+            switch (nt) {                                                                           \
+            case 1: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 1, Yt, ldy); break;         \
+            case 2: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 2, Yt, ldy); break;         \
+            case 3: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 3, Yt, ldy); break;         \
+            case 4: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 4, Yt, ldy); break;         \
+            case 5: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 5, Yt, ldy); break;         \
+            case 6: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 6, Yt, ldy); break;         \
+            case 7: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 7, Yt, ldy); break;         \
+            default: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 8, Yt, ldy); break;        \
             }                                                                                       \
+            n0 += nt;                                                                               \
         }                                                                                           \
     }
 
