@@ -7,10 +7,12 @@ and taxes every plain decode step, so it is measured here on its own:
               a server built like ours: the floor of one hop on this machine.
     link      the coordinator's own VerifierLink driven directly against the
               verifier: per-round wall - v_ms, one sample per round (p50/mean).
-    generate  greedy generations through the coordinator, spec off and on; the
-              figure is the result's stats.overhead_ms (mean per round of one
-              generation), p50/mean over the generations; outputs off vs on
-              must be byte-identical.
+    complete, generate
+              greedy generations through the coordinator (unary Complete and
+              streamed Generate), spec off and on; the figure is the result's
+              stats.overhead_ms (mean per round of one generation), p50/mean
+              over the generations, and e2e: the client's wall time per round
+              beyond prefill and V. Outputs off vs on must be byte-identical.
 
 Both stack modes are measured: in-process (three servers, one process, one
 GIL) and processes=True (as `echospec serve --processes` / docker-compose).
@@ -123,29 +125,51 @@ def link_rounds(verifier_target: str, prompt: list[int], steps: int) -> dict:
 
 
 # -- generations ---------------------------------------------------------------------------------
+def _call(stub, stream: bool, **kw) -> cpb.GenerationResult:
+    if not stream:
+        return stub.Complete(cpb.CompleteRequest(**kw), timeout=600).result
+    last = None
+    for last in stub.Generate(cpb.GenerateRequest(**kw), timeout=600):
+        pass
+    return last.result
+
+
 def generations(target: str, prompts: list[str], max_tokens: int, reps: int) -> dict:
+    """Complete and Generate (streamed), spec off and on.
+
+    overhead_ms: the result's stats.overhead_ms (coordinator round wall - V).
+    e2e_ms: (client wall - prefill - rounds * V) / rounds per generation: what
+    the client pays per round beyond the verifier's forwards (request setup,
+    tokenizing and, for Generate, streaming the deltas are in it).
+    """
     ch = grpc.insecure_channel(target)
     stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
     out: dict = {}
     texts: dict = {}
-    for mode, spec in (("off", common_pb2.SPEC_MODE_OFF), ("on", common_pb2.SPEC_MODE_ON)):
-        over, ts, vs, rounds, secs = [], [], [], 0, 0.0
-        for _ in range(reps):
-            for i, p in enumerate(prompts):
-                t0 = time.perf_counter()
-                res = stub.Complete(cpb.CompleteRequest(text=p, max_tokens=max_tokens, spec=spec,
-                                                        temperature=0.0), timeout=600).result
-                secs += time.perf_counter() - t0
-                over.append(res.stats.overhead_ms)
-                ts.append(res.stats.t_ms)
-                vs.append(res.stats.v_ms)
-                rounds += res.stats.rounds
-                texts.setdefault((mode, i), res.text)
-                if texts[(mode, i)] != res.text:
-                    raise SystemExit(f"non-deterministic output for prompt {i} ({mode})")
-        out[mode] = {"overhead_ms": _summ(over), "t_ms": round(statistics.fmean(ts), 4),
-                     "v_ms": round(statistics.fmean(vs), 4), "rounds": rounds,
-                     "seconds": round(secs, 3)}
+    for call in ("complete", "generate"):
+        for mode, spec in (("off", common_pb2.SPEC_MODE_OFF), ("on", common_pb2.SPEC_MODE_ON)):
+            over, e2e, ts, vs, rounds, secs = [], [], [], [], 0, 0.0
+            for _ in range(reps):
+                for i, p in enumerate(prompts):
+                    t0 = time.perf_counter()
+                    res = _call(stub, call == "generate", text=p, max_tokens=max_tokens, spec=spec,
+                                temperature=0.0)
+                    wall = time.perf_counter() - t0
+                    secs += wall
+                    st = res.stats
+                    over.append(st.overhead_ms)
+                    if st.rounds:
+                        e2e.append((wall * 1e3 - st.prefill_ms - st.v_ms * st.rounds) / st.rounds)
+                    ts.append(st.t_ms)
+                    vs.append(st.v_ms)
+                    rounds += st.rounds
+                    texts.setdefault((mode, i), res.text)
+                    if texts[(mode, i)] != res.text:
+                        raise SystemExit(f"output differs for prompt {i} ({call}, spec {mode})")
+            out[f"{call}_{mode}"] = {"overhead_ms": _summ(over), "e2e_ms": _summ(e2e),
+                                     "t_ms": round(statistics.fmean(ts), 4),
+                                     "v_ms": round(statistics.fmean(vs), 4), "rounds": rounds,
+                                     "seconds": round(secs, 3)}
     out["identical"] = all(texts[("off", i)] == texts[("on", i)] for i in range(len(prompts)))
     ch.close()
     return out
@@ -204,14 +228,18 @@ def main() -> int:
         return 0
     print(f"echo bidi round trip (BidiStream, in-process server): p50 {echo['p50']:.3f}"
           f"  mean {echo['mean']:.3f}  p90 {echo['p90']:.3f} ms")
-    print(f"{'model':8} {'mode':10} {'link p50':>9} {'link mean':>9} {'V':>7} | "
-          f"{'off p50':>8} {'off mean':>8} {'on p50':>8} {'on mean':>8} {'T':>7} ident")
+    print("per-round overhead, ms: link = VerifierLink step wall - V; complete/generate = the"
+          " result's stats.overhead_ms (p50 over generations); e2e = client-side (wall - prefill"
+          " - rounds * V) / rounds (p50)")
+    cols = [f"{c}_{m}" for c in ("complete", "generate") for m in ("off", "on")]
+    print(f"{'model':8} {'mode':10} {'link':>6} {'V':>7} {'T':>7} | "
+          + " ".join(f"{c:>12} {'e2e':>6}" for c in cols) + " | ident")
     for r in results[1:]:
         lk, g = r["link"], r["generate"]
-        print(f"{r['model']:8} {r['mode']:10} {lk['overhead']['p50']:9.3f} {lk['overhead']['mean']:9.3f}"
-              f" {lk['v']['p50']:7.3f} | {g['off']['overhead_ms']['p50']:8.3f}"
-              f" {g['off']['overhead_ms']['mean']:8.3f} {g['on']['overhead_ms']['p50']:8.3f}"
-              f" {g['on']['overhead_ms']['mean']:8.3f} {g['off']['t_ms']:7.3f} {g['identical']}")
+        print(f"{r['model']:8} {r['mode']:10} {lk['overhead']['p50']:6.3f} {lk['v']['p50']:7.3f}"
+              f" {g['complete_off']['t_ms']:7.3f} | "
+              + " ".join(f"{g[c]['overhead_ms']['p50']:12.3f} {g[c]['e2e_ms']['p50']:6.3f}" for c in cols)
+              + f" | {g['identical']}")
     return 0
 
 

@@ -281,11 +281,25 @@ class VerifierLink:
 
     def step(self, draft: list[int]) -> Any:
         """Verify ``draft`` (K = 0: decode); returns the StepResult. Raises VerifierFailure."""
-        return self._request(self._pb.VerifyStreamRequest(step=self._pb.VerifyRequest(draft=draft)))
+        self.send_step(draft)
+        return self.recv_step()
+
+    def send_step(self, draft: list[int]) -> None:
+        """Start a step (verify ``draft``) without waiting: the verifier computes
+        while the caller does other work; ``recv_step`` collects the result."""
+        self._stream.send(self._pb.VerifyStreamRequest(step=self._pb.VerifyRequest(draft=draft)))
+
+    def recv_step(self) -> Any:
+        """The StepResult of the step started by ``send_step``. Raises VerifierFailure."""
+        return self._recv()
 
     def _request(self, msg: Any) -> Any:
+        self._stream.send(msg)
+        return self._recv()
+
+    def _recv(self) -> Any:
         try:
-            return self._stream.request(msg).result
+            return self._stream.recv().result
         except grpc.RpcError as exc:
             raise _verifier_failure(exc) from None
         except StopIteration:

@@ -13,7 +13,9 @@ an EOS token ends the output (not emitted), the stop matcher may end it
 (the stop string is not emitted), max_tokens ends it; whatever follows in the
 same round is dropped. So the output does not depend on the drafts.
 Hops on a round's critical path: one (verifier) for cached or no drafts, two
-when the draft service is asked.
+when the draft service is asked. A round's delta is handed to the caller
+(streamed to the client) after the next round's step has been sent, while
+the verifier computes it.
 """
 from __future__ import annotations
 
@@ -127,7 +129,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
         prompt: prompt token ids (validated by the caller).
         params: limits, stop strings, sampling, gating verdict, k.
         tokenizer: Tokenizer (incremental_decoder, eos_ids).
-        verifier: VerifierLink (prefill, step). Its failures propagate
+        verifier: VerifierLink (prefill, send_step, recv_step). Its failures propagate
             (VerifierFailure) and end the generation.
         draft: DraftLink or None (spec off, or the draft service unreachable).
         draft_reason: why ``draft`` is None although spec is on.
@@ -154,13 +156,14 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
     n_past, n_ctx = first.n_past, first.n_ctx
     d = out.take(list(first.tokens))
     history.extend(first.tokens)
-    if d.text or d.token_ids:
-        yield d
+    # d is the latest delta, not yet yielded: it is yielded after the next
+    # step has been sent, so streaming it overlaps the verifier's forward
+    # instead of adding to the round (the tokens and their order are unchanged).
     while not out.finish:
         if n_past + 1 > n_ctx:
-            d = out.end(FINISH_CONTEXT)
-            if d.text:
+            if d.text or d.token_ids:
                 yield d
+            d = out.end(FINISH_CONTEXT)
             break
         t0 = time.perf_counter()
         k_cap = min(params.k, params.max_tokens - len(out.token_ids) - 1, n_ctx - n_past - 1)
@@ -184,7 +187,10 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
                     draft.cancel()
                     draft = None
                     ctl.drop()
-        res = verifier.step(drf)
+        verifier.send_step(drf)
+        if d.text or d.token_ids:
+            yield d
+        res = verifier.recv_step()
         wall_ms = (time.perf_counter() - t0) * 1e3
         tokens = list(res.tokens)
         counters.add_round(len(drf), res.accepted, res.v_ms, wall_ms, res.t_ms)
@@ -195,8 +201,8 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, verifi
         n_past = res.n_past
         history.extend(tokens)
         d = out.take(tokens)
-        if d.text or d.token_ids:
-            yield d
+    if d.text or d.token_ids:
+        yield d
     if draft is not None:
         draft.close()
     yield Outcome(out.text, out.token_ids, len(prompt), out.finish, spec, reason, counters)
