@@ -168,3 +168,16 @@ def test_many_direct_streams_on_one_channel_all_finish(echo):
             s.cancel()
         s.close()
         assert s._due == 0  # every batch collected: nothing left on the call's queue
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_after_the_end_every_recv_raises_the_same_status(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    with pytest.raises(grpc.RpcError):
+        s.request(b"abort")
+    s.send(b"x")  # ignored by the ended call, never a crash
+    with pytest.raises(grpc.RpcError) as ei:
+        s.recv()
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    s.close()

@@ -190,7 +190,7 @@ class DirectStream:
             grpc.RpcError: the call failed (StreamError: status code and details from the peer).
             StopIteration: the server ended the stream.
         """
-        if not self._receiving:
+        if not self._receiving and self._code is None:
             self._receiving = self._operate(_cygrpc.ReceiveMessageOperation(0))
         while self._receiving and self._due:
             self._pump()
