@@ -52,18 +52,29 @@ def _default_model() -> str:
         _die(f"could not fetch the default model: {exc}")
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _check_bind(name: str, flag: str, host: str, port: int) -> None:
+    """Exit with a clear message when host:port cannot be bound."""
+    import errno
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        _die(f"--host {host}: not an address of this machine ({exc.strerror})", 2)
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+            s.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                _die(f"{name} port {host}:{port} is already in use; pick another with {flag}")
+            _die(f"cannot listen on {host}:{port} for the {name}: {exc.strerror}")
 
 
 def _check_model(path: str) -> None:
     p = Path(path)
+    if p.is_dir():
+        _die(f"model {path} is a directory, not a GGUF file")
     if not p.is_file():
         _die(f"model file not found: {path}")
     from services.common.engine import EngineError, Model
@@ -78,13 +89,24 @@ def _check_model(path: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.coordinator.stack import StackError, start_stack
 
+    for flag, v in (("--port", args.port), ("--verifier-port", args.verifier_port),
+                    ("--draft-port", args.draft_port)):
+        if not 0 <= v <= 65535:
+            _die(f"{flag} {v}: a port is in [0, 65535] (0: a free port)", 2)
+    if not 1 <= args.k <= 32:
+        _die(f"--k {args.k}: drafts per round must be in [1, 32]", 2)
+    if not 1 <= args.max_tokens <= 8192:
+        _die(f"--max-tokens {args.max_tokens}: must be in [1, 8192]", 2)
+    if args.n_ctx < 16:
+        _die(f"--n-ctx {args.n_ctx}: the KV capacity must be at least 16 tokens", 2)
+    if args.threads < 0:
+        _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
     model = args.model or _default_model()
     _check_model(model)
-    for name, port in (("coordinator", args.port), ("verifier", args.verifier_port),
-                       ("draft", args.draft_port)):
-        if port and not _port_free(args.host, port):
-            _die(f"{name} port {args.host}:{port} is already in use; pick another with "
-                 f"--{'port' if name == 'coordinator' else name + '-port'}")
+    for name, flag, port in (("coordinator", "--port", args.port),
+                             ("verifier", "--verifier-port", args.verifier_port),
+                             ("draft", "--draft-port", args.draft_port)):
+        _check_bind(name, flag, args.host, port)
     print(f"echospec: loading {model} ...", file=sys.stderr)
     try:
         stack = start_stack(model, port=args.port, spec=args.spec, host=args.host,
@@ -153,10 +175,15 @@ def _request(args: argparse.Namespace, messages=None, prompt: str | None = None,
 
     req = coordinator_pb2.CompleteRequest()
     if messages is not None:
-        for m in messages:
+        if not isinstance(messages, list):
+            _die(f"chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
+        for i, m in enumerate(messages):
             if not isinstance(m, dict):
-                _die(f"each chat message must be a JSON object, got {m!r}", 2)
-            req.messages.add(role=str(m.get("role", "")), content=str(m.get("content", "")))
+                _die(f"messages[{i}] must be a JSON object, got {m!r}", 2)
+            for key in ("role", "content"):
+                if not isinstance(m.get(key), str):
+                    _die(f"messages[{i}].{key} must be a string, got {m.get(key)!r}", 2)
+            req.messages.add(role=m["role"], content=m["content"])
     else:
         req.text = prompt or ""
     req.max_tokens = int(max_tokens if max_tokens is not None else args.max_tokens or 0)
@@ -166,7 +193,7 @@ def _request(args: argparse.Namespace, messages=None, prompt: str | None = None,
         req.top_p = float(args.top_p)
     req.top_k = int(getattr(args, "top_k", 0) or 0)
     req.min_p = float(getattr(args, "min_p", 0.0) or 0.0)
-    req.seed = int(getattr(args, "seed", 0) or 0)
+    req.seed = int(getattr(args, "seed", 0) or 0)  # range checked by _check_seed
     mode = spec if spec is not None else getattr(args, "spec", None)
     req.spec = {None: common_pb2.SPEC_MODE_UNSPECIFIED, "off": common_pb2.SPEC_MODE_OFF,
                 "on": common_pb2.SPEC_MODE_ON}[mode]
@@ -198,11 +225,18 @@ def _result_json(r) -> dict:
     }
 
 
+def _read_text(flag: str, path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        _die(f"{flag} {path}: {exc.strerror}", 2)
+    except UnicodeDecodeError as exc:
+        _die(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})", 2)
+
+
 def _load_messages(path: str):
     try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        _die(f"--messages {path}: {exc.strerror}", 2)
+        data = json.loads(_read_text("--messages", path))
     except json.JSONDecodeError as exc:
         _die(f"--messages {path}: not valid JSON ({exc})", 2)
     if isinstance(data, dict) and "messages" in data:
@@ -219,6 +253,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.messages is None):
         _die("give exactly one of a prompt argument or --messages FILE", 2)
+    if not 0 <= args.seed < 2 ** 64:
+        _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
     messages = _load_messages(args.messages) if args.messages else None
     req = _request(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
@@ -288,11 +324,8 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
 # ---- bench ----------------------------------------------------------------------
 
 def _load_workloads(path: str) -> list[dict]:
-    out = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        _die(f"--workloads {path}: {exc.strerror}", 2)
+    out, ids = [], set()
+    lines = _read_text("--workloads", path).splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -300,8 +333,25 @@ def _load_workloads(path: str) -> list[dict]:
             w = json.loads(line)
         except json.JSONDecodeError as exc:
             _die(f"{path}:{n}: not valid JSON ({exc})", 2)
-        if not isinstance(w, dict) or "id" not in w or not (w.get("messages") or w.get("prompt")):
-            _die(f"{path}:{n}: each workload needs an id and messages (or prompt)", 2)
+        if not isinstance(w, dict) or not isinstance(w.get("id"), str) or not w["id"]:
+            _die(f"{path}:{n}: each workload is a JSON object with a non-empty string id", 2)
+        if w["id"] in ids:
+            _die(f"{path}:{n}: duplicate workload id {w['id']!r}", 2)
+        ids.add(w["id"])
+        msgs, prompt = w.get("messages"), w.get("prompt")
+        if (msgs is None) == (prompt is None):
+            _die(f"{path}:{n}: give exactly one of messages or prompt", 2)
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            _die(f"{path}:{n}: prompt must be a non-empty string", 2)
+        if msgs is not None:
+            if not isinstance(msgs, list) or not msgs:
+                _die(f"{path}:{n}: messages must be a non-empty list of chat messages", 2)
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+                    _die(f"{path}:{n}: messages[{i}] needs string role and content", 2)
+        mt = w.get("max_tokens", 256)
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= 8192:
+            _die(f"{path}:{n}: max_tokens must be an integer in [1, 8192], got {mt!r}", 2)
         out.append(w)
     if not out:
         _die(f"{path}: no workloads", 2)

@@ -213,3 +213,59 @@ def test_readme_grpcurl_examples(server):
             assert "token_ids" in r.stdout or "tokenIds" in r.stdout
         if "/Complete" in cmd:
             assert "result" in r.stdout
+
+
+# ---- finds of the new-user trial, each a test -------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--port", "99999"], "a port is in [0, 65535]"),
+    (["serve", "--k", "1000"], "drafts per round must be in [1, 32]"),
+    (["serve", "--max-tokens", "-5"], "--max-tokens -5"),
+    (["serve", "--host", "nonsense.invalid"], "not an address of this machine"),
+    (["generate", "hi", "--seed", "-1", "--target", "127.0.0.1:1"], "--seed -1"),
+])
+def test_bad_cli_arguments_exit_2_with_a_message(args, message):
+    r = run([*ECHOSPEC, *args], check=False, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_model_is_a_directory(tmp_path):
+    r = run([*ECHOSPEC, "serve", "--model", str(tmp_path), "--port", str(free_port())], check=False)
+    assert r.returncode == 1 and "is a directory" in r.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'[{"role": "user", "content": null}]', "messages[0].content must be a string"),
+    (b'[{"role": "user", "content": 5}]', "messages[0].content must be a string"),
+    (b'\xff\xfe[', "not UTF-8 text"),
+    (b'"hi"', "expected a non-empty JSON list"),
+])
+def test_bad_messages_files(tmp_path, content, message):
+    f = tmp_path / "m.json"
+    f.write_bytes(content)
+    r = run([*ECHOSPEC, "generate", "--messages", str(f), "--target", "127.0.0.1:1"], check=False)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "a", "prompt": "x", "max_tokens": -3}', "max_tokens must be an integer"),
+    ('{"id": "a", "prompt": "x", "max_tokens": "4"}', "max_tokens must be an integer"),
+    ('{"id": "a", "messages": "hi"}', "messages must be a non-empty list"),
+    ('{"id": "ok", "prompt": "x"}', "duplicate workload id"),
+])
+def test_bench_checks_every_workload_before_running(tmp_path, line, message):
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "prompt": "x"}\n' + line + "\n")
+    r = run([*ECHOSPEC, "bench", "--workloads", str(f), "--target", "127.0.0.1:1"], check=False)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_top_p_zero_is_refused(server):
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    import grpc
+    with grpc.insecure_channel(server["target"]) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(coordinator_pb2.CompleteRequest(text="hi", top_p=0.0, max_tokens=2), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()

@@ -65,3 +65,14 @@ def test_acceptance_estimate_tracks_recent_rounds():
         c.on_proposal([1, 2, 3, 4], 4)
         c.on_result([1, 2, 3, 4], [9])
     assert c.p_accept < 0.3
+
+
+def test_a_pessimistic_estimate_is_probed_again():
+    c = SpecController(k=4, cost=cost(t=5.0, slope=5.0), probe_every=4)
+    c.on_proposal([1, 2, 3, 4, 5, 6, 7, 8, 9], k_cap=4)
+    plans = []
+    for tok in range(1, 9):
+        kind, arg = c.plan(4)
+        plans.append(kind)
+        c.on_result(arg if kind == "cached" else [], list(arg) + [tok + 2] if kind == "cached" else [tok])
+    assert "cached" in plans                     # a probe drafted although the model said no

@@ -91,6 +91,8 @@ class SpecCounters:
 
     def gain(self) -> tuple[bool, str]:
         """The gain condition V + overhead < (mean accepted + 1) * T, and its text."""
+        if self.tries == 0:
+            return False, "no drafts were verified: every round was a plain decode step"
         lhs = self.v_ms + self.overhead_ms
         rhs = (self.mean_accepted_per_round + 1.0) * self.t_ms
         ok = self.rounds > 0 and self.t_ms > 0 and lhs < rhs

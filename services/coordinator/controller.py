@@ -25,8 +25,10 @@ E(K) + 1 tokens, where E(K) = p + p^2 + ... + p^K is the expected accepted
 run for a per-token acceptance probability p (each draft token is taken only
 if every earlier one was). So the controller drafts the K in [1, available]
 that maximises (E(K) + 1) / (V(K) + o [+ h]) and drafts nothing when even
-that is below 1 / (T + o), the rate of plain decoding. T, V(K) and o are
-measured live (CostModel, shared by the generations of one coordinator);
+that is below 1 / (T + o), the rate of plain decoding; with drafts at hand but
+none chosen, every probe_every-th round still drafts 2 tokens, so a stale
+estimate is measured again rather than locking drafting out. T, V(K) and o are
+measured live by each generation (CostModel: they depend on its context depth);
 p is this generation's recency-weighted acceptance (Beta(1, 1) prior), as
 in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 """
@@ -132,6 +134,8 @@ class SpecController:
     skip: int = 0
     acc_hits: float = 0.0              # decayed accepted drafts
     acc_fails: float = 0.0             # decayed rejections (rounds that stopped before K)
+    probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
+    since_probe: int = 0
 
     @property
     def p_accept(self) -> float:
@@ -141,7 +145,15 @@ class SpecController:
     def _choose(self, available: int, hop: bool) -> int:
         if self.cost is None:
             return available
-        return best_k(self.p_accept, available, self.cost, hop)
+        k = best_k(self.p_accept, available, self.cost, hop)
+        if k == 0 and available > 0:
+            # Probe now and then, so a stale or pessimistic estimate of V(K)
+            # or p is measured again instead of locking drafting out.
+            self.since_probe += 1
+            if self.since_probe >= self.probe_every:
+                self.since_probe = 0
+                return min(available, 2)
+        return k
 
     def plan(self, k_cap: int) -> tuple[str, list[int] | int]:
         """Choose this round's draft source.

@@ -12,7 +12,7 @@ from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common import grpc_util
 from services.common.chat_template import ChatTemplate
 from services.common.config import CoordinatorConfig
-from services.common.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer, read_tokenizer_metadata
 from services.coordinator.servicer import CoordinatorServicer, RequestError
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
@@ -68,13 +68,18 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0) -> Coordina
         ValueError / FileNotFoundError: the GGUF's tokenizer cannot be read.
         TimeoutError: the verifier did not become SERVING in verifier_wait_s.
     """
+    if not 1 <= config.k <= config.k_max:
+        raise ValueError(f"k = {config.k}: drafts per round must be in [1, k_max = {config.k_max}]")
+    if not 1 <= config.max_tokens <= config.max_tokens_limit:
+        raise ValueError(f"max_tokens = {config.max_tokens}: must be in [1, {config.max_tokens_limit}]")
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME])
     vch = grpc_util.channel(config.verifier_target, config.max_message_bytes)
     dch = grpc_util.channel(config.draft_target, config.max_message_bytes)
     try:
-        tokenizer = Tokenizer.from_gguf(config.model)
-        template = ChatTemplate.from_gguf(config.model)
+        meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
+        tokenizer = Tokenizer(meta)
+        template = ChatTemplate.from_metadata(meta)
         servicer = CoordinatorServicer(config, tokenizer, template, vch, dch)
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
         handle.server.start()

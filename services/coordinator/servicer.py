@@ -80,8 +80,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
         self._lock = threading.Lock()
         self._vconfig: verifier_pb2.GetConfigResponse | None = None
-        # live T, V(K), overhead: picks each round's draft length (None: always up to k)
-        self.cost = CostModel() if config.adaptive_k else None
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
@@ -162,8 +160,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise _bad(f"{name} must be finite, got {v}")
         if req.top_k < 0:
             raise _bad(f"top_k must be >= 0, got {req.top_k}")
-        if not 0.0 <= top_p <= 1.0:
-            raise _bad(f"top_p must be in [0, 1], got {top_p}")
+        if not 0.0 < top_p <= 1.0:
+            raise _bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {top_p}")
         if not 0.0 <= req.min_p <= 1.0:
             raise _bad(f"min_p must be in [0, 1], got {req.min_p}")
         if req.spec not in (common_pb2.SPEC_MODE_UNSPECIFIED, common_pb2.SPEC_MODE_OFF,
@@ -203,7 +201,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             links.append(draft)
         context.add_callback(_cancel)
         try:
-            yield from generate(prompt, params, self.tokenizer, verifier, draft, cost=self.cost)
+            # each generation measures its own T, V(K) and overhead (they depend on its context
+            # depth); None: always draft up to k
+            cost = CostModel() if self.config.adaptive_k else None
+            yield from generate(prompt, params, self.tokenizer, verifier, draft, cost=cost)
         except VerifierFailure as exc:
             if context.is_active():
                 context.abort(exc.code, str(exc))
