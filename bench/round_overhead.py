@@ -4,7 +4,11 @@ The overhead is the third term of the gain condition V + overhead < (R + 1) * T
 and taxes every plain decode step, so it is measured here on its own:
 
     echo      a bare bidi-stream message round trip (bytes in, bytes back) on
-              a server built like ours: the floor of one hop on this machine.
+              a server built like ours: the floor of one hop on this machine,
+              with the queue-fed BidiStream, with DirectStream (the coordinator's
+              client), and with DirectStream after an idle gap of --gap-ms (about
+              T: during a verifier forward both sides' gRPC threads sit idle, and
+              waking them after several ms costs more than back-to-back).
     link      the coordinator's own VerifierLink driven directly against the
               verifier: per-round wall - v_ms, one sample per round (p50/mean).
     complete, generate
@@ -49,7 +53,7 @@ import grpc  # noqa: E402
 from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc,  # noqa: E402
                          verifier_pb2_grpc)
 from services.common import grpc_util  # noqa: E402
-from services.coordinator.clients import BidiStream, VerifierLink  # noqa: E402
+from services.coordinator.clients import BidiStream, DirectStream, VerifierLink  # noqa: E402
 from services.coordinator.stack import start_stack  # noqa: E402
 
 ECHO_METHOD = "/echospec.bench.Echo/Echo"
@@ -88,16 +92,24 @@ def echo_server(port: int = 0) -> tuple[grpc.Server, int]:
     return h.server, h.port
 
 
-def echo_rtt(target: str, n: int) -> dict:
-    """Round trips of a 32-byte message on one bidi stream: queue-fed BidiStream (our client)."""
+def echo_rtt(target: str, n: int, gap_ms: float = 0.0, direct: bool = False) -> dict:
+    """Round trips of a 32-byte message on one bidi stream.
+
+    Args:
+        gap_ms: idle time before each round trip (a verifier forward of T ms
+            leaves both sides' gRPC threads idle that long; waking them costs).
+        direct: DirectStream (the coordinator's client) instead of the queue-fed BidiStream.
+    """
     ch = grpc_util.channel(target, 1 << 20)
     method = ch.stream_stream(ECHO_METHOD)
-    s = BidiStream(method)
+    s = DirectStream(method) if direct else BidiStream(method)
     payload = b"x" * 32
-    for _ in range(50):
+    for _ in range(20):
         s.request(payload)
     xs = []
     for _ in range(n):
+        if gap_ms:
+            time.sleep(gap_ms / 1e3)
         t0 = time.perf_counter()
         s.request(payload)
         xs.append((time.perf_counter() - t0) * 1e3)
@@ -206,6 +218,7 @@ def main() -> int:
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--modes", default="threads,processes")
     ap.add_argument("--echo-rounds", type=int, default=2000)
+    ap.add_argument("--gap-ms", type=float, default=9.0, help="idle gap of the third echo figure")
     ap.add_argument("--link-steps", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--reps", type=int, default=2)
@@ -214,7 +227,11 @@ def main() -> int:
 
     results = []
     srv, port = echo_server()
-    echo = echo_rtt(f"127.0.0.1:{port}", args.echo_rounds)
+    target = f"127.0.0.1:{port}"
+    echo = {"bidi": echo_rtt(target, args.echo_rounds),
+            "direct": echo_rtt(target, args.echo_rounds, direct=True),
+            f"direct_after_{args.gap_ms:g}ms_idle": echo_rtt(target, max(50, args.echo_rounds // 20),
+                                                           args.gap_ms, direct=True)}
     srv.stop(0)
     results.append({"echo_rtt_ms": echo})
     with tempfile.TemporaryDirectory() as td:
@@ -226,8 +243,9 @@ def main() -> int:
         for r in results:
             print(json.dumps(r))
         return 0
-    print(f"echo bidi round trip (BidiStream, in-process server): p50 {echo['p50']:.3f}"
-          f"  mean {echo['mean']:.3f}  p90 {echo['p90']:.3f} ms")
+    for name, e in echo.items():
+        print(f"echo round trip, in-process server, {name:22}: p50 {e['p50']:.3f}  mean {e['mean']:.3f}"
+              f"  p90 {e['p90']:.3f} ms")
     print("per-round overhead, ms: link = VerifierLink step wall - V; complete/generate = the"
           " result's stats.overhead_ms (p50 over generations); e2e = client-side (wall - prefill"
           " - rounds * V) / rounds (p50)")
