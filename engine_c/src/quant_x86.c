@@ -229,9 +229,9 @@ static inline ES_AI void load_t4(const uint8_t *p, size_t stride, int nv, __m128
 }
 
 static inline ES_AI __m128i words4(const uint8_t *p, size_t stride, int nv) {
-    uint32_t v[4] = {0, 0, 0, 0};
-    for (int j = 0; j < nv && j < 4; j++) memcpy(&v[j], p + (size_t)j * stride, 4);
-    return _mm_loadu_si128((const __m128i *)(const void *)v);
+    const __m128i idx = _mm_setr_epi32(0, (int)stride, 2 * (int)stride, 3 * (int)stride);
+    __mmask8 m = nv >= 4 ? (__mmask8)0xF : (__mmask8)((1u << nv) - 1);
+    return _mm_mmask_i32gather_epi32(_mm_setzero_si128(), m, idx, p, 1);
 }
 
 static inline ES_AI void nibbles4(const __m128i d[4], __m128i w[8]) {
@@ -416,69 +416,132 @@ static inline ES_AI void lane_sums(const __m512 *acc, int nt, float *Y, int64_t 
 }
 
 /* Rows [r0, r1) of the weights times a tile of nt (a constant after
- * inlining, 1..TILE) activation rows xt: accumulators stay in registers. */
+ * inlining, 1..TILE) activation rows xt: accumulators stay in registers.
+ * name##_row does one weight row: its groups are unpacked here (gb NULL) or
+ * were unpacked before (gb[0..nfull], g4b for a quad tail); xp holds the
+ * tile's packed quad tail when nt > 1. */
 #define QTILE(name, unpack, unpack4, bbytes, off_shift, two)                                          \
-    static inline ES_AI void name##_tile(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,  \
-                                         int64_t nb, const uint8_t *xt, size_t x_stride, const int nt, \
-                                         float *Y, int64_t ldy) {                                    \
-        int64_t nfull = nb / 16;                                                                    \
-        int tail = (int)(nb % 16);                                                                  \
+    static inline ES_AI void name##_row(const int nt, const uint8_t *row, const wgroup *gb,           \
+                                        const wquad *g4b, int64_t nfull, int tail, const uint8_t *xt, \
+                                        size_t x_stride, const xquads *xp, float *Y, int64_t ldy) {   \
         const uint8_t *xtail = xt + (size_t)nfull * sizeof(es_q8_group);                            \
-        xquads xp;                                                                                  \
-        if (tail && tail <= 4 && nt > 1) pack_quads(xtail, x_stride, nt, &xp);                      \
-        for (int64_t r = r0; r < r1; r++) {                                                         \
-            const uint8_t *row = w + (size_t)r * row_bytes;                                         \
-            __m512 acc[TILE];                                                                       \
-            UNROLL                                                                                  \
-            for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();                              \
-            if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);             \
-            for (int64_t gi = 0; gi < nfull; gi++) {                                                \
-                wgroup g;                                                                           \
+        __m512 acc[TILE];                                                                           \
+        UNROLL                                                                                      \
+        for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();                                  \
+        for (int64_t gi = 0; gi < nfull; gi++) {                                                    \
+            wgroup g;                                                                               \
+            if (gb) g = gb[gi];                                                                     \
+            else {                                                                                  \
                 g.b = _mm512_setzero_ps();                                                          \
                 unpack(row + (size_t)gi * 16 * (bbytes), 16, &g);                                   \
-                group_rows(&g, xt + (size_t)gi * sizeof(es_q8_group), x_stride, nt, acc, off_shift, two); \
             }                                                                                       \
-            const uint8_t *p = row + (size_t)nfull * 16 * (bbytes);                                 \
-            if (tail && tail <= 4) {                                                                \
-                wquad g4;                                                                           \
+            group_rows(&g, xt + (size_t)gi * sizeof(es_q8_group), x_stride, nt, acc, off_shift, two); \
+        }                                                                                           \
+        const uint8_t *p = row + (size_t)nfull * 16 * (bbytes);                                     \
+        if (tail && tail <= 4) {                                                                    \
+            wquad g4;                                                                               \
+            if (g4b) g4 = *g4b;                                                                     \
+            else {                                                                                  \
                 g4.b = _mm_setzero_ps();                                                            \
                 unpack4(p, tail, &g4);                                                              \
-                if (nt == 1) quad_rows(&g4, xtail, x_stride, 1, acc, off_shift, two);               \
-                else quad_rows_packed(&g4, &xp, nt, acc, off_shift, two);                           \
-            } else if (tail) {                                                                      \
-                wgroup g;                                                                           \
+            }                                                                                       \
+            if (nt == 1) quad_rows(&g4, xtail, x_stride, 1, acc, off_shift, two);                   \
+            else quad_rows_packed(&g4, xp, nt, acc, off_shift, two);                                \
+        } else if (tail) {                                                                          \
+            wgroup g;                                                                               \
+            if (gb) g = gb[nfull];                                                                  \
+            else {                                                                                  \
                 g.b = _mm512_setzero_ps();                                                          \
                 unpack(p, tail, &g);                                                                \
-                if (tail <= 8) group_rows8(&g, xtail, x_stride, nt, acc, off_shift, two);           \
-                else group_rows(&g, xtail, x_stride, nt, acc, off_shift, two);                      \
             }                                                                                       \
-            lane_sums(acc, nt, Y + r, ldy);                                                         \
+            if (tail <= 8) group_rows8(&g, xtail, x_stride, nt, acc, off_shift, two);               \
+            else group_rows(&g, xtail, x_stride, nt, acc, off_shift, two);                          \
+        }                                                                                           \
+        lane_sums(acc, nt, Y, ldy);                                                                 \
+    }                                                                                               \
+    static inline ES_AI void name##_tile(const int nt, const uint8_t *w, size_t row_bytes, int64_t r0, \
+                                         int64_t r1, int64_t nfull, int tail, const uint8_t *xt,      \
+                                         size_t x_stride, const xquads *xp, float *Y, int64_t ldy) {  \
+        for (int64_t r = r0; r < r1; r++) {                                                         \
+            const uint8_t *row = w + (size_t)r * row_bytes;                                         \
+            if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);             \
+            name##_row(nt, row, NULL, NULL, nfull, tail, xt, x_stride, xp, Y + r, ldy);             \
         }                                                                                           \
     }
 
-/* The kernel: the N activation rows are cut into tiles of at most TILE rows
- * of near-equal size; each tile runs a variant compiled for its row count. */
+/* fn(nt, ...) with nt a constant 1..TILE. */
+#define QSWITCH(nt, fn, ...)                                                                        \
+    switch (nt) {                                                                                   \
+    case 1: fn(1, __VA_ARGS__); break;                                                              \
+    case 2: fn(2, __VA_ARGS__); break;                                                              \
+    case 3: fn(3, __VA_ARGS__); break;                                                              \
+    case 4: fn(4, __VA_ARGS__); break;                                                              \
+    case 5: fn(5, __VA_ARGS__); break;                                                              \
+    case 6: fn(6, __VA_ARGS__); break;                                                              \
+    case 7: fn(7, __VA_ARGS__); break;                                                              \
+    default: fn(8, __VA_ARGS__); break;                                                             \
+    }
+
+#define PASS 32          /* activation rows per pass: up to 4 tiles */
+#define BUF_GROUPS 16    /* rows of at most this many groups are unpacked once per pass */
+
+/* The kernel: each pass of up to PASS activation rows is cut into tiles of
+ * at most TILE rows of near-equal size, each run by a variant compiled for
+ * its row count. With one tile, a weight row is unpacked while it is
+ * multiplied; with several, it is unpacked once into a buffer that every
+ * tile then reads. */
 #define QKERNEL(name, unpack, unpack4, bbytes, off_shift, two)                                      \
     QTILE(name, unpack, unpack4, bbytes, off_shift, two)                                            \
     static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        int64_t nb = n_in / QK;                                                                     \
+        int64_t nb = n_in / QK, nfull = nb / 16;                                                    \
+        int tail = (int)(nb % 16);                                                                  \
         const uint8_t *x = xv;                                                                      \
-        for (int n0 = 0; n0 < N;) {                                                                 \
-            int left = (N - n0 + TILE - 1) / TILE, nt = (N - n0 + left - 1) / left;                 \
-            const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
-            float *Yt = Y + (int64_t)n0 * ldy;                                                      \
-            switch (nt) {                                                                           \
-            case 1: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 1, Yt, ldy); break;         \
-            case 2: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 2, Yt, ldy); break;         \
-            case 3: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 3, Yt, ldy); break;         \
-            case 4: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 4, Yt, ldy); break;         \
-            case 5: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 5, Yt, ldy); break;         \
-            case 6: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 6, Yt, ldy); break;         \
-            case 7: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 7, Yt, ldy); break;         \
-            default: name##_tile(w, row_bytes, r0, r1, nb, xt, x_stride, 8, Yt, ldy); break;        \
+        for (int n0 = 0; n0 < N; n0 += PASS) {                                                      \
+            int np = N - n0 < PASS ? N - n0 : PASS, nti = 0, t0[PASS / TILE], tn[PASS / TILE];     \
+            for (int n = 0; n < np; nti++) {                                                        \
+                int left = (np - n + TILE - 1) / TILE;                                              \
+                t0[nti] = n0 + n;                                                                   \
+                tn[nti] = (np - n + left - 1) / left;                                               \
+                n += tn[nti];                                                                       \
             }                                                                                       \
-            n0 += nt;                                                                               \
+            xquads xp[PASS / TILE];                                                                 \
+            if (tail && tail <= 4)                                                                  \
+                for (int i = 0; i < nti; i++)                                                       \
+                    if (tn[i] > 1)                                                                  \
+                        pack_quads(x + (size_t)t0[i] * x_stride + (size_t)nfull * sizeof(es_q8_group), \
+                                   x_stride, tn[i], &xp[i]);                                        \
+            if (nti == 1 || nfull + (tail > 4) > BUF_GROUPS) {                                      \
+                for (int i = 0; i < nti; i++) {                                                     \
+                    const uint8_t *xt = x + (size_t)t0[i] * x_stride;                               \
+                    float *Yt = Y + (int64_t)t0[i] * ldy;                                           \
+                    QSWITCH(tn[i], name##_tile, w, row_bytes, r0, r1, nfull, tail, xt, x_stride, &xp[i], Yt, ldy) \
+                }                                                                                   \
+                continue;                                                                           \
+            }                                                                                       \
+            for (int64_t r = r0; r < r1; r++) {                                                     \
+                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
+                if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);         \
+                wgroup gb[BUF_GROUPS];                                                              \
+                wquad g4;                                                                           \
+                for (int64_t gi = 0; gi < nfull; gi++) {                                            \
+                    gb[gi].b = _mm512_setzero_ps();                                                 \
+                    unpack(row + (size_t)gi * 16 * (bbytes), 16, &gb[gi]);                          \
+                }                                                                                   \
+                const uint8_t *p = row + (size_t)nfull * 16 * (bbytes);                             \
+                if (tail && tail <= 4) {                                                            \
+                    g4.b = _mm_setzero_ps();                                                        \
+                    unpack4(p, tail, &g4);                                                          \
+                } else if (tail) {                                                                  \
+                    gb[nfull].b = _mm512_setzero_ps();                                              \
+                    unpack(p, tail, &gb[nfull]);                                                    \
+                }                                                                                   \
+                for (int i = 0; i < nti; i++) {                                                     \
+                    const uint8_t *xt = x + (size_t)t0[i] * x_stride;                               \
+                    float *Yt = Y + (int64_t)t0[i] * ldy + r;                                       \
+                    QSWITCH(tn[i], name##_row, row, gb, &g4, nfull, tail, xt, x_stride, &xp[i], Yt, ldy) \
+                }                                                                                   \
+            }                                                                                       \
         }                                                                                           \
     }
 
