@@ -307,6 +307,11 @@ TEST(test_matmul_n_1_to_17) {
     const uint32_t ts[] = {ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_F16};
     for (int ti = 0; ti < 5; ti++)
         for (int N = 1; N <= 17; N += (N < 5 ? 1 : 4)) check_shape(ts[ti], 576 - (ts[ti] == ES_TYPE_Q4_K || ts[ti] == ES_TYPE_Q6_K ? 64 : 0), 43, N, pools);
+    /* full register tiles of 8 rows and the splits above 8 (16 = 8 + 8, 26 = 7 + 7 + 6 + 6)
+       on the 576-wide rows with their 2-block tail */
+    const int ns[] = {8, 16, 26};
+    for (int ti = 0; ti < 2; ti++)
+        for (int j = 0; j < 3; j++) check_shape(ts[ti], 576, 43, ns[j], pools);
     /* more rows than one activation tile (32) */
     check_shape(ES_TYPE_Q4_1, 64, 9, 40, pools);
     check_shape(ES_TYPE_F32, 48, 9, 40, pools);
