@@ -112,11 +112,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stack = start_stack(model, port=args.port, spec=args.spec, host=args.host,
                             verifier_port=args.verifier_port, draft_port=args.draft_port,
                             processes=args.processes, n_ctx=args.n_ctx, n_threads=args.threads,
-                            k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k)
+                            k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k,
+                            metrics_port=args.metrics_port)
     except StackError as exc:
         _die(str(exc))
     print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
     print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
+    if args.metrics_port >= 0 and not args.processes:
+        mp = stack._servers["coordinator"].metrics_port
+        print(f"echospec: metrics          on http://{args.host}:{mp}/metrics", file=sys.stderr)
     print(f"echospec: coordinator      listening on {stack.target} (spec default: "
           f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
     sys.stderr.flush()
@@ -462,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="always draft k tokens (default: the live cost model picks each round's length)")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
     p.add_argument("--processes", action="store_true", help="run each service in its own process")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus /metrics from the coordinator on this port (-1: off, 0: free port)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")

@@ -64,6 +64,7 @@ class CoordinatorConfig:
     spec: bool = False           # speculation default when a request leaves it unspecified
     k: int = 4                   # default drafts per round (the most a round drafts)
     adaptive_k: bool = True      # the live cost model picks each round's draft length <= k
+    metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
     k_max: int = 32              # largest k a request may ask for (<= the verifier's max_k)
     max_tokens: int = 256        # default max_tokens
     max_tokens_limit: int = 8192

@@ -106,3 +106,53 @@ class SpecCounters:
         assert self.hits + self.kv_rolls == self.draft_tokens, self
         assert self.tries <= self.rounds, self
         assert self.hits >= 0 and self.kv_rolls >= 0, self
+
+
+class PromMetrics:
+    """Prometheus export of the coordinator's speculative-decoding counters.
+
+    One registry per coordinator (no module globals); ``serve(host, port)``
+    exposes it over HTTP with prometheus-client's own server. Names follow
+    the counters above (``echospec_spec_tries_total`` etc.); the per-round
+    timings are histograms in milliseconds.
+    """
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        c = lambda name, doc: Counter(name, doc, registry=self.registry)  # noqa: E731
+        self.generations = Counter("echospec_generations_total", "Finished generations",
+                                   ["finish_reason", "spec"], registry=self.registry)
+        self.tokens = c("echospec_generated_tokens_total", "Output tokens")
+        self.rounds = c("echospec_spec_rounds_total", "Verifier rounds after prefill (K = 0 included)")
+        self.tries = c("echospec_spec_tries_total", "Verify rounds with K >= 1 drafts (num_drafts)")
+        self.hits = c("echospec_spec_hits_total", "Accepted draft tokens (num_accepted_tokens)")
+        self.kv_rolls = c("echospec_spec_kv_rolls_total", "Draft positions written to the KV cache, then rolled back")
+        self.draft_tokens = c("echospec_spec_draft_tokens_total", "Draft tokens verified (num_draft_tokens)")
+        buckets = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+        self.t_ms = Histogram("echospec_decode_step_ms", "T: ms of one plain decode step (per generation)",
+                              buckets=buckets, registry=self.registry)
+        self.overhead_ms = Histogram("echospec_round_overhead_ms", "Mean per-round overhead of a generation, ms",
+                                     buckets=buckets, registry=self.registry)
+
+    def record(self, finish_reason: str, spec: bool, completion_tokens: int, c: SpecCounters) -> None:
+        """Add one finished generation."""
+        self.generations.labels(finish_reason=finish_reason, spec="on" if spec else "off").inc()
+        self.tokens.inc(completion_tokens)
+        self.rounds.inc(c.rounds)
+        self.tries.inc(c.tries)
+        self.hits.inc(c.hits)
+        self.kv_rolls.inc(c.kv_rolls)
+        self.draft_tokens.inc(c.draft_tokens)
+        if c.t_ms > 0:
+            self.t_ms.observe(c.t_ms)
+        if c.rounds:
+            self.overhead_ms.observe(c.overhead_ms)
+
+    def serve(self, host: str, port: int):
+        """Expose /metrics on host:port (0: a free port). Returns (server, bound port)."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, server.server_port

@@ -28,11 +28,17 @@ class CoordinatorServer:
         self.servicer = servicer
         self.port = handle.port
         self._channels = channels
+        self.metrics_http = None       # prometheus-client's HTTP server, when metrics are on
+        self.metrics_port = 0
 
     def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, drain for grace_s, close the downstream channels."""
         g = self.servicer.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g).wait()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+            self.metrics_http = None
         for ch in self._channels:
             ch.close()
 
@@ -90,11 +96,24 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0) -> Coordina
         vch.close()
         dch.close()
         raise
+    metrics_http, mport = None, 0
+    if servicer.metrics is not None:
+        try:
+            metrics_http, mport = servicer.metrics.serve(config.host, config.metrics_port)
+        except OSError as exc:
+            handle.server.stop(0)
+            vch.close()
+            dch.close()
+            raise grpc_util.PortInUseError(
+                f"metrics port {config.host}:{config.metrics_port}: {exc.strerror}") from None
+        log.info("coordinator metrics on http://%s:%d/metrics", config.host, mport)
     handle.set_serving()
     log.info("coordinator listening on %s:%d (verifier %s, draft %s, spec default %s)",
              config.host, handle.port, config.verifier_target, config.draft_target,
              "on" if config.spec else "off")
-    return CoordinatorServer(handle, servicer, [vch, dch])
+    srv = CoordinatorServer(handle, servicer, [vch, dch])
+    srv.metrics_http, srv.metrics_port = metrics_http, mport
+    return srv
 
 
 def serve(config: CoordinatorConfig) -> None:

@@ -22,6 +22,7 @@ from echospec.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draf
                          verifier_pb2, verifier_pb2_grpc)
 from services.common.chat_template import ChatTemplate, ChatTemplateError
 from services.common.config import CoordinatorConfig
+from services.common.metrics import PromMetrics
 from services.common.tokenizer import Tokenizer
 from services.coordinator.controller import CostModel
 from services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
@@ -80,6 +81,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
         self._lock = threading.Lock()
         self._vconfig: verifier_pb2.GetConfigResponse | None = None
+        self.metrics = PromMetrics() if config.metrics_port >= 0 else None
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
@@ -204,7 +206,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             # each generation measures its own T, V(K) and overhead (they depend on its context
             # depth); None: always draft up to k
             cost = CostModel() if self.config.adaptive_k else None
-            yield from generate(prompt, params, self.tokenizer, verifier, draft, cost=cost)
+            for ev in generate(prompt, params, self.tokenizer, verifier, draft, cost=cost):
+                if isinstance(ev, Outcome) and self.metrics is not None:
+                    reason = common_pb2.FinishReason.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    self.metrics.record(reason, ev.spec_enabled, len(ev.token_ids), ev.counters)
+                yield ev
         except VerifierFailure as exc:
             if context.is_active():
                 context.abort(exc.code, str(exc))

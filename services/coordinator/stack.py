@@ -114,6 +114,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
                 n_ctx: int = 2048, n_threads: int = 0, k: int = 4, max_tokens: int = 256,
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
+                metrics_port: int = -1,
                 max_message_bytes: int | None = None, ready_timeout_s: float = 180.0) -> Stack:
     """Start draft, verifier and coordinator on ``host``.
 
@@ -125,6 +126,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         n_ctx, n_threads: verifier KV capacity per session and engine threads.
         k, max_tokens: coordinator defaults. min_n, max_n: draft n-gram range.
         adaptive_k: let the live cost model pick each round's draft length (<= k).
+        metrics_port: coordinator Prometheus /metrics port (-1: off, 0: a free port).
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
@@ -135,7 +137,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
                           n_threads=n_threads, max_sessions=max_sessions, **msg)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
-                             max_tokens=max_tokens, adaptive_k=adaptive_k, **msg)
+                             max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port, **msg)
     if processes:
         return _start_processes(dcfg, vcfg, ccfg, ready_timeout_s)
     return _start_threads(dcfg, vcfg, ccfg, ready_timeout_s)

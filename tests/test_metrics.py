@@ -1,0 +1,51 @@
+"""The coordinator's Prometheus export counts what the responses report."""
+from __future__ import annotations
+
+import re
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggufgen import write_tiny_model  # noqa: E402
+
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from services.coordinator.stack import start_stack
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_metrics_match_the_reported_stats(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", n_vocab=320, seed=2)
+    st = start_stack(str(model), n_ctx=256, n_threads=1, metrics_port=0)
+    try:
+        port = st._servers["coordinator"].metrics_port
+        assert port > 0
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            results = [stub.Complete(cpb.CompleteRequest(text="a b a b a b a", max_tokens=24, k=4,
+                                                         spec=common_pb2.SPEC_MODE_ON), timeout=60).result
+                       for _ in range(2)]
+            results.append(stub.Complete(cpb.CompleteRequest(text="x y", max_tokens=5,
+                                                             spec=common_pb2.SPEC_MODE_OFF), timeout=60).result)
+        m = scrape(port)
+        for field, name in (("tries", "tries"), ("hits", "hits"), ("kv_rolls", "kv_rolls"),
+                            ("draft_tokens", "draft_tokens"), ("rounds", "rounds")):
+            assert m[f"echospec_spec_{name}_total"] == sum(getattr(r.stats, field) for r in results), name
+        assert m["echospec_generated_tokens_total"] == sum(r.completion_tokens for r in results)
+        gens = sum(v for k, v in m.items() if k.startswith("echospec_generations_total{"))
+        assert gens == 3
+        assert any('spec="off"' in k for k in m if k.startswith("echospec_generations_total{"))
+    finally:
+        st.stop()
