@@ -294,17 +294,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # ---- tokenize / detokenize ----------------------------------------------------------
 
-def cmd_tokenize(args: argparse.Namespace) -> int:
-    from echospec.v1 import coordinator_pb2
-
+def _unary(args: argparse.Namespace, rpc: str, request):
+    """One unary coordinator call (--target, or a private stack); exits on an RPC error."""
     with _target(args) as target:
         ch, stub = _stub(target)
         try:
-            resp = stub.Tokenize(coordinator_pb2.TokenizeRequest(text=args.text), timeout=60)
+            return getattr(stub, rpc)(request, timeout=60)
         except grpc.RpcError as exc:
             _rpc_error(exc)
         finally:
             ch.close()
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from echospec.v1 import coordinator_pb2
+
+    resp = _unary(args, "Tokenize", coordinator_pb2.TokenizeRequest(text=args.text))
     ids = list(resp.token_ids)
     print(json.dumps({"token_ids": ids}) if args.json else " ".join(map(str, ids)))
     return 0
@@ -313,14 +318,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 def cmd_detokenize(args: argparse.Namespace) -> int:
     from echospec.v1 import coordinator_pb2
 
-    with _target(args) as target:
-        ch, stub = _stub(target)
-        try:
-            resp = stub.Detokenize(coordinator_pb2.DetokenizeRequest(token_ids=args.ids), timeout=60)
-        except grpc.RpcError as exc:
-            _rpc_error(exc)
-        finally:
-            ch.close()
+    resp = _unary(args, "Detokenize", coordinator_pb2.DetokenizeRequest(token_ids=args.ids))
     print(json.dumps({"text": resp.text}, ensure_ascii=False) if args.json else resp.text)
     return 0
 
