@@ -54,6 +54,7 @@ static es_tensor make(uint32_t type, int64_t n_in, int64_t n_out) {
         if (type == ES_TYPE_Q4_1) { d[b * bb + 2] = 0; d[b * bb + 3] = 0xA0; }
     }
     t.data = d;
+    if (es_tensor_pack(&t) < 0) { fprintf(stderr, "out of memory\n"); exit(1); }
     return t;
 }
 

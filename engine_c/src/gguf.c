@@ -600,7 +600,10 @@ void es_gguf_close(es_gguf *g) {
         for (int64_t i = 0; i < g->n_kv; i++) free(g->kv[i].key);
     }
     if (g->tensors != NULL) {
-        for (int64_t i = 0; i < g->n_tensors; i++) free(g->tensors[i].name);
+        for (int64_t i = 0; i < g->n_tensors; i++) {
+            free(g->tensors[i].name);
+            free(g->tensors[i].packed);
+        }
     }
     free(g->kv);
     free(g->tensors);

@@ -66,6 +66,9 @@ typedef struct {
     size_t nbytes;              /* bytes of data (checked inside the file) */
     size_t row_bytes;           /* bytes of one row of ne[0] elements */
     const void *data;           /* inside the mmap, aligned as the file says */
+    void *packed;               /* NULL, or the rows repacked for the SIMD kernels
+                                   (quant.h: es_tensor_pack); owned by the model */
+    size_t packed_bytes;
 } es_tensor;
 
 /* One metadata key/value. Scalars are decoded; strings and arrays point into the map. */

@@ -25,7 +25,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "internal.h"
+#include "quant.h"
 
 /* es_model plus the f32_pool index of each 1-D tensor.
  * `pub` must stay first: an es_model * handed out is a model_impl *. */
@@ -387,6 +391,32 @@ static int64_t step_bytes(const es_model *m) {
 
 /* ---- public ------------------------------------------------------------ */
 
+/* Repack every 2-D Q4_0 / Q4_1 / Q8_0 tensor for the SIMD kernels (quant.h:
+ * es_tensor_pack; nothing in builds without a packed kernel). The packed
+ * copy replaces the mapped bytes in every matmul; the mapped pages of a
+ * packed tensor are then released (MADV_DONTNEED: they are read again from
+ * the file only if the embedding lookup or a scalar path needs them), so
+ * the weights are resident once. ES_ERR_NOMEM when a copy cannot be made. */
+static es_status pack_weights(es_model *m, char *err, size_t err_len) {
+    es_gguf *g = m->gguf;
+    long page = sysconf(_SC_PAGESIZE);
+    for (int64_t i = 0; i < g->n_tensors; i++) {
+        es_tensor *t = &g->tensors[i];
+        if (t->n_dims < 2) continue;
+        int r = es_tensor_pack(t);
+        if (r < 0) {
+            es_set_err(err, err_len, "model: out of memory repacking tensor '%s' (%zu bytes)", t->name, t->nbytes);
+            return ES_ERR_NOMEM;
+        }
+        if (r == 1 && page > 0) {
+            uintptr_t a = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+            uintptr_t e = ((uintptr_t)t->data + t->nbytes) & ~((uintptr_t)page - 1);
+            if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
+        }
+    }
+    return ES_OK;
+}
+
 /* See echospec_engine.h. On failure *out is NULL, the file is unmapped and
  * every partial allocation is freed (es_model_free accepts a half-built model). */
 es_status es_model_load(const char *path, const es_model_params *params, es_model **out,
@@ -408,6 +438,7 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
     if (st == ES_OK) st = read_hparams(&ld, &m->info);
     if (st == ES_OK) st = bind_all(&ld, m);
     if (st == ES_OK) st = build_pool(mi, err, err_len);
+    if (st == ES_OK) st = pack_weights(m, err, err_len);
     if (st != ES_OK) {
         es_model_free(m);
         return st;

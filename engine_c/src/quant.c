@@ -22,7 +22,10 @@
  *        J = jm * qsum              jm = the integer min multiplier
  *      and the contribution
  *        one-term types (Q4_0, Q5_0, Q8_0, Q6_K):  c = (a * d) * (float)I
- *        two-term types (Q4_1, Q5_1, Q4_K, Q5_K):  c = (a * d) * (float)I + (b * d) * (float)J
+ *        two-term types (Q5_1, Q4_K, Q5_K):        c = (a * d) * (float)I + (b * d) * (float)J
+ *        Q4_1:                                     c = (a * d) * (float)I + b * dq
+ *                                                  (dq = d * (float)qsum, made with the
+ *                                                  activation row: one multiply less)
  *      with, per type:
  *        Q4_0  a = d_w, wq = q - 8                  Q5_0  a = d_w, wq = q - 16
  *        Q8_0  a = d_w, wq = q
@@ -33,9 +36,16 @@
  *              16-element half folded in (so I covers both halves)
  *      Integer sums are exact, so their summation order is free (SIMD uses
  *      dot-product instructions in any order); only the float steps are fixed.
- *   3. lane[j % 16] += c for j = 0, 1, 2, ... in order (lanes start at +0),
- *      then Y = the fixed tree es_lane_sum (quant.h). A lane starting at +0
- *      never becomes -0, so SIMD paths may add +0 for padding blocks.
+ *   3. Lane types (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): lane[j % 16] += c for
+ *      j = 0, 1, 2, ... in order (lanes start at +0), then Y = the fixed
+ *      tree es_lane_sum (quant.h). A lane starting at +0 never becomes -0,
+ *      so SIMD paths may add +0 for padding blocks.
+ *      Sequential types (Q4_0, Q4_1, Q8_0): y = +0, then y += c for
+ *      j = 0, 1, 2, ... in order; Y = y. Their SIMD kernels run on packed
+ *      weights (quant.h: es_tensor_pack) with 16 weight rows in the lanes
+ *      of a vector, so one step is one block of 16 rows and needs neither
+ *      a transpose nor a lane tree. Unpacked tensors of these types use the
+ *      scalar kernel.
  * Float weight types (F32, F16, BF16): activations stay float32; weights are
  * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
  * sum) for i = 0, 1, ... in order, then the same tree.
@@ -54,6 +64,7 @@
  */
 #include <math.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quant.h"
@@ -245,6 +256,7 @@ void es_quantize_row_q8_ref(const float *x, int64_t n, es_q8_group *out) {
         g->d[jj] = d;
         g->qsum[jj] = sum;
         g->fq[jj] = (float)sum;
+        g->dq[jj] = d * (float)sum;
     }
 }
 
@@ -331,7 +343,9 @@ static void up_q6_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, 
 
 #define REF_NT 32   /* activation rows per pass */
 
-static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_bytes,
+/* two_term: 0 one-term, 1 two-term with (b * d) * (float)J, 2 Q4_1's b * dq;
+ * seq: the sequential types (one accumulator instead of the lanes). */
+static void ref_quant(unpack_fn up, int two_term, int seq, const uint8_t *w, size_t row_bytes,
                       int64_t r0, int64_t r1, int64_t n_in, const void *xv, size_t x_stride,
                       int N, float *Y, int64_t ldy) {
     int64_t nb = n_in / QK;
@@ -355,28 +369,30 @@ static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_b
                     for (int i = 0; i < 32; i++) I += wq[i] * g->qs[(i / 4) * 64 + jj * 4 + i % 4];
                     float dx = g->d[jj];
                     float c = (a * dx) * (float)I;
-                    if (two_term) c = c + (b * dx) * (float)(jm * g->qsum[jj]);
-                    lanes[n][j % ES_LANES] += c;
+                    if (two_term == 1) c = c + (b * dx) * (float)(jm * g->qsum[jj]);
+                    if (two_term == 2) c = c + b * g->dq[jj];
+                    lanes[n][seq ? 0 : j % ES_LANES] += c;
                 }
             }
-            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = es_lane_sum(lanes[n]);
+            for (int n = 0; n < nt; n++)
+                Y[(int64_t)(n0 + n) * ldy + r] = seq ? lanes[n][0] : es_lane_sum(lanes[n]);
         }
     }
 }
 
-#define REF_QUANT(name, up, two)                                                          \
+#define REF_QUANT(name, up, two, seq)                                                     \
     static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
                      const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
-        ref_quant(up, two, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                        \
+        ref_quant(up, two, seq, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                   \
     }
-REF_QUANT(ref_q4_0, up_q4_0, 0)
-REF_QUANT(ref_q4_1, up_q4_1, 1)
-REF_QUANT(ref_q5_0, up_q5_0, 0)
-REF_QUANT(ref_q5_1, up_q5_1, 1)
-REF_QUANT(ref_q8_0, up_q8_0, 0)
-REF_QUANT(ref_q4_k, up_q4_k, 1)
-REF_QUANT(ref_q5_k, up_q5_k, 1)
-REF_QUANT(ref_q6_k, up_q6_k, 0)
+REF_QUANT(ref_q4_0, up_q4_0, 0, 1)
+REF_QUANT(ref_q4_1, up_q4_1, 2, 1)
+REF_QUANT(ref_q5_0, up_q5_0, 0, 0)
+REF_QUANT(ref_q5_1, up_q5_1, 1, 0)
+REF_QUANT(ref_q8_0, up_q8_0, 0, 1)
+REF_QUANT(ref_q4_k, up_q4_k, 1, 0)
+REF_QUANT(ref_q5_k, up_q5_k, 1, 0)
+REF_QUANT(ref_q6_k, up_q6_k, 0, 0)
 
 /* Float weights: lane[i % 16] += w[i] * x[i]. */
 static void ref_float(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
@@ -452,6 +468,57 @@ const char *es_quant_simd_name(void) {
     return s ? s : "scalar";
 }
 
+/* ---- packed weights (quant.h) ------------------------------------------ */
+
+size_t es_pack_record_bytes(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_Q4_0: return ES_PACK_ROWS * sizeof(es_block_q4_0);
+    case ES_TYPE_Q4_1: return ES_PACK_ROWS * sizeof(es_block_q4_1);
+    case ES_TYPE_Q8_0: return ES_PACK_ROWS * sizeof(es_block_q8_0);
+    default: return 0;
+    }
+}
+
+static es_mm_kernel packed_kernel(uint32_t type) {
+    es_mm_kernel k = es_x86_packed_kernel(type);
+    return k ? k : es_neon_packed_kernel(type);
+}
+
+int es_tensor_pack(es_tensor *t) {
+    size_t rec = es_pack_record_bytes(t->type);
+    if (t->packed != NULL) return 1;
+    if (rec == 0 || packed_kernel(t->type) == NULL || t->ne[0] % QK != 0 || t->ne[0] <= 0 || t->ne[1] <= 0)
+        return 0;
+    int64_t nb = t->ne[0] / QK, n_out = t->ne[1] * t->ne[2] * t->ne[3];
+    int64_t ng = (n_out + ES_PACK_ROWS - 1) / ES_PACK_ROWS;
+    size_t bytes = (size_t)ng * (size_t)nb * rec, bb = rec / ES_PACK_ROWS;
+    uint8_t *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == NULL) return -1;
+    memset(p, 0, bytes);
+    int nq = t->type == ES_TYPE_Q8_0 ? 8 : 4;   /* dwords of qs per block */
+    size_t qs_off = t->type == ES_TYPE_Q4_1 ? 4 : 2;
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t j = 0; j < nb; j++) {
+            uint8_t *out = p + ((size_t)g * (size_t)nb + (size_t)j) * rec;
+            for (int r = 0; r < ES_PACK_ROWS && g * ES_PACK_ROWS + r < n_out; r++) {
+                const uint8_t *b = (const uint8_t *)t->data + (size_t)(g * ES_PACK_ROWS + r) * t->row_bytes +
+                                   (size_t)j * bb;
+                for (int k = 0; k < nq; k++) memcpy(out + (size_t)(k * 64 + r * 4), b + qs_off + 4 * k, 4);
+                memcpy(out + nq * 64 + 2 * r, b, 2);                                     /* d */
+                if (t->type == ES_TYPE_Q4_1) memcpy(out + nq * 64 + 32 + 2 * r, b + 2, 2);  /* m */
+            }
+        }
+    t->packed = p;
+    t->packed_bytes = bytes;
+    return 1;
+}
+
+void es_tensor_unpack(es_tensor *t) {
+    free(t->packed);
+    t->packed = NULL;
+    t->packed_bytes = 0;
+}
+
 /* One weight matrix of a dispatch. */
 typedef struct {
     es_mm_kernel k;
@@ -462,7 +529,7 @@ typedef struct {
     size_t x_stride;
     float *Y;
     int64_t ldy;
-    int64_t chunk;          /* rows per chunk (a multiple of 4) */
+    int64_t chunk;          /* rows per chunk (a multiple of 4; of 16 when packed) */
     int64_t first;          /* index of its first chunk in the dispatch */
 } mm_mat;
 
@@ -506,7 +573,14 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
     for (int i = 0; i < nw; i++) {
         uint32_t type = W[i]->type;
         es_mm_kernel k = NULL;
-        if (!force_scalar) {
+        const uint8_t *wd = W[i]->data;
+        size_t rb = W[i]->row_bytes;
+        int64_t gran = 4;   /* chunk granularity in rows */
+        if (!force_scalar && W[i]->packed != NULL && (k = packed_kernel(type)) != NULL) {
+            wd = W[i]->packed;
+            rb = (size_t)(W[i]->ne[0] / QK) * es_pack_record_bytes(type);
+            gran = ES_PACK_ROWS;
+        } else if (!force_scalar && es_pack_record_bytes(type) == 0) {
             k = es_x86_kernel(type);
             if (!k) k = es_neon_kernel(type);
         }
@@ -518,8 +592,8 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         }
         mm_mat *m = &t.m[t.nw++];
         m->k = k;
-        m->w = W[i]->data;
-        m->row_bytes = W[i]->row_bytes;
+        m->w = wd;
+        m->row_bytes = rb;
         m->n_out = W[i]->ne[1];
         m->Y = Y[i];
         m->ldy = ldy[i];
@@ -532,7 +606,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
             need_q8 = 1;
         }
         int64_t chunk = (m->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
-        m->chunk = chunk < 16 ? 16 : (chunk + 3) / 4 * 4;
+        m->chunk = chunk < 16 ? 16 : (chunk + gran - 1) / gran * gran;
         m->first = t.n_chunks;
         t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
     }

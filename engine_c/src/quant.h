@@ -38,6 +38,7 @@ _Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
  *   d[j]     block scale (float32): x ~= d * q
  *   qsum[j]  sum of the block's 32 int8 values
  *   fq[j]    (float)qsum[j]
+ *   dq[j]    d[j] * fq[j]
  *   qlo[j]   sum of the block's first 16 int8 values (Q6_K's half-block scales)
  * Blocks past the end of the row are all zero (d = 0, qsum = 0, fq = 0).
  * One activation row of n_in elements is ceil(n_in / 512) groups.
@@ -49,7 +50,8 @@ typedef struct {
     int32_t qsum[ES_GROUP_BLOCKS];
     float fq[ES_GROUP_BLOCKS];
     int32_t qlo[ES_GROUP_BLOCKS];
-} es_q8_group;                          /* 768 B, a multiple of 64 */
+    float dq[ES_GROUP_BLOCKS];          /* d[j] * fq[j] (one float multiply) */
+} es_q8_group;                          /* 832 B, a multiple of 64 */
 
 /* Accumulator lanes of one output element (the sum is split lane[b % 16]). */
 #define ES_LANES 16
@@ -65,6 +67,31 @@ typedef struct {
 typedef void (*es_mm_kernel)(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
                              int64_t n_in, const void *x, size_t x_stride, int N,
                              float *Y, int64_t ldy);
+
+/*
+ * Packed weights (Q4_0, Q4_1, Q8_0): rows in SIMD lanes. The rows are cut
+ * into groups of ES_PACK_ROWS = 16 (the last group padded with zero rows);
+ * group g holds, for each block j = 0 .. nb - 1 in order, one record of
+ * es_pack_record_bytes(type) bytes (16 x the block size):
+ *   Q4_0, Q4_1: qs[kk][r][b] = byte 4 * kk + b of row (16 g + r)'s block j
+ *               (kk 0..3, r 0..15, b 0..3; 256 B), then d[r] (f16, 32 B),
+ *               then for Q4_1 m[r] (f16, 32 B)
+ *   Q8_0:       qs[k][r][b] = qs[4 * k + b] (k 0..7; 512 B), then d[r]
+ * so that one 64-byte load gives 4 consecutive bytes of one block of 16
+ * rows, and 16 rows x 1 block is one step of a kernel. A packed kernel
+ * takes w = the packed data, row_bytes = bytes per group (nb records),
+ * rows r0 and r1 multiples of 16 (r1 may be n_out), and computes exactly
+ * the values of the scalar kernel on the original rows.
+ */
+#define ES_PACK_ROWS 16
+size_t es_pack_record_bytes(uint32_t type);   /* 0 when the type is not packed */
+/* Build t->packed (malloc'd, 64-byte aligned) when this build has a packed
+ * kernel for t's type; returns 1 when packed, 0 when not applicable,
+ * -1 when out of memory (t unchanged). es_tensor_unpack frees it. */
+int es_tensor_pack(es_tensor *t);
+void es_tensor_unpack(es_tensor *t);
+es_mm_kernel es_x86_packed_kernel(uint32_t type);
+es_mm_kernel es_neon_packed_kernel(uint32_t type);
 
 /* The scalar reference kernel of a type, NULL when unsupported. */
 es_mm_kernel es_ref_kernel(uint32_t type);

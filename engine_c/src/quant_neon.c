@@ -443,6 +443,7 @@ int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) {
         g->qsum[jj] = sum;
         g->qlo[jj] = vaddvq_s32(slo);
         g->fq[jj] = (float)sum;
+        g->dq[jj] = d * (float)sum;
     }
     return 1;
 }
@@ -464,6 +465,8 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     }
 }
 
+es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
+
 const char *es_neon_simd_name(void) {
 #ifdef __ARM_FEATURE_DOTPROD
     return "neon-dotprod";
@@ -475,6 +478,7 @@ const char *es_neon_simd_name(void) {
 #else /* no NEON path in this build */
 
 es_mm_kernel es_neon_kernel(uint32_t type) { return NULL; }
+es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_neon_simd_name(void) { return NULL; }
 int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) { return 0; }
 

@@ -545,9 +545,6 @@ static inline ES_AI void lane_sums(const __m512 *acc, int nt, float *Y, int64_t 
         }                                                                                           \
     }
 
-QKERNEL(k_q4_0, unpack_q4_0, unpack4_q4_0, 18, 3, 0)
-QKERNEL(k_q4_1, unpack_q4_1, unpack4_q4_1, 20, 0, 1)
-QKERNEL(k_q8_0, unpack_q8_0, unpack4_q8_0, 34, 7, 0)
 QKERNEL(k_q5_0, unpack_q5_0, unpack4_q5_0, 22, 4, 0)
 QKERNEL(k_q5_1, unpack_q5_1, unpack4_q5_1, 24, 0, 1)
 
@@ -790,8 +787,148 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
         g->qsum[jj] = sum;
         g->qlo[jj] = lo;
         g->fq[jj] = (float)sum;
+        g->dq[jj] = d * (float)sum;
     }
     return 1;
+}
+
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+ * One step multiplies one block of 16 rows (a packed record, quant.h) into
+ * each activation row of a tile: 8 vpdpbusd with the activation's dword k
+ * broadcast give the 16 rows' exact int32 sums I, then the contract's float
+ * steps run on the 16 rows at once and add to the tile row's accumulator
+ * (the sequential contract: one accumulator per output, blocks in order). */
+
+#define PTILE 8   /* most activation rows per register tile */
+/* Software prefetch of the weight stream, this many bytes ahead, into L2
+ * (T1). Measured with bench/kernel_bench.c on SmolLM2 shapes, 2 threads:
+ * at N = 5 a record takes long enough to compute that the hardware
+ * prefetcher alone leaves the stream behind; 4 KB into L2 hid most of the
+ * memory time behind the arithmetic, where 1 KB, or any distance into L1
+ * (T0), did not. */
+#ifndef ES_PF_BYTES
+#define ES_PF_BYTES 4096
+#endif
+
+typedef struct {
+    __m512i w[8];   /* unsigned bytes; w[k] lane r = elements 4k..4k+3 of row r */
+    __m512 a, b;
+} prec;
+
+static inline ES_AI void punpack(const int type, const uint8_t *p, prec *u) {
+    if (type == ES_TYPE_Q8_0) {
+        const __m512i x80 = _mm512_set1_epi8((char)0x80);
+        UNROLL
+        for (int k = 0; k < 8; k++) u->w[k] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * k), x80);
+        u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 512)));
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        __m512i v = _mm512_loadu_si512(p + 64 * k);
+        u->w[k] = _mm512_and_si512(v, m4);
+        u->w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 256)));
+    if (type == ES_TYPE_Q4_1) u->b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)));
+}
+
+static inline ES_AI __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One group of 16 weight rows (nb records at g) times a tile of nt (a
+ * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row. */
+static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
+                                size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
+    __m512 acc[PTILE];
+    UNROLL
+    for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+    if (pf)
+        for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *p = g + (size_t)j * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        prec u;
+        punpack(type, p, &u);
+        const uint8_t *xb = x + (size_t)(j / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+        const int jj = (int)(j % ES_GROUP_BLOCKS);
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
+            const int8_t *q = xg->qs + 4 * jj;
+            __m512i i0, i1;
+            if (type == ES_TYPE_Q4_1) {
+                i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[0], bcast32(q));
+            } else {
+                i0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-(xg->qsum[jj] * (1 << off))), u.w[0], bcast32(q));
+            }
+            i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[1], bcast32(q + 64));
+            UNROLL
+            for (int k = 2; k < 8; k += 2) {
+                i0 = _mm512_dpbusd_epi32(i0, u.w[k], bcast32(q + 64 * k));
+                i1 = _mm512_dpbusd_epi32(i1, u.w[k + 1], bcast32(q + 64 * (k + 1)));
+            }
+            __m512 c = _mm512_mul_ps(_mm512_mul_ps(u.a, _mm512_set1_ps(xg->d[jj])),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
+            if (type == ES_TYPE_Q4_1) c = _mm512_add_ps(c, _mm512_mul_ps(u.b, _mm512_set1_ps(xg->dq[jj])));
+            acc[n] = _mm512_add_ps(acc[n], c);
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    UNROLL
+    for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
+}
+
+#define PSWITCH(nt, ...)                                                                            \
+    switch (nt) {                                                                                   \
+    case 1: pgroup(1, __VA_ARGS__); break;                                                          \
+    case 2: pgroup(2, __VA_ARGS__); break;                                                          \
+    case 3: pgroup(3, __VA_ARGS__); break;                                                          \
+    case 4: pgroup(4, __VA_ARGS__); break;                                                          \
+    case 5: pgroup(5, __VA_ARGS__); break;                                                          \
+    case 6: pgroup(6, __VA_ARGS__); break;                                                          \
+    case 7: pgroup(7, __VA_ARGS__); break;                                                          \
+    default: pgroup(8, __VA_ARGS__); break;                                                         \
+    }
+
+/* Row groups of 16 from r0 to r1; each group runs over the activation
+ * rows in tiles of at most PTILE of near-equal size (the group's records
+ * stay in L1 between tiles; only the first tile prefetches). */
+#define PKERNEL(name, type)                                                                         \
+    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        const uint8_t *x = xv;                                                                      \
+        int64_t nb = n_in / QK;                                                                     \
+        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
+            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
+            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
+            for (int n0 = 0; n0 < N;) {                                                             \
+                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
+                PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
+                        ldy, nr, n0 == 0)                                                           \
+                n0 += nt;                                                                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+PKERNEL(p_q4_0, ES_TYPE_Q4_0)
+PKERNEL(p_q4_1, ES_TYPE_Q4_1)
+PKERNEL(p_q8_0, ES_TYPE_Q8_0)
+
+es_mm_kernel es_x86_packed_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_Q4_0: return p_q4_0;
+    case ES_TYPE_Q4_1: return p_q4_1;
+    case ES_TYPE_Q8_0: return p_q8_0;
+    default: return NULL;
+    }
 }
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
@@ -799,9 +936,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_F32: return k_f32;
     case ES_TYPE_F16: return k_f16;
     case ES_TYPE_BF16: return k_bf16;
-    case ES_TYPE_Q4_0: return k_q4_0;
-    case ES_TYPE_Q4_1: return k_q4_1;
-    case ES_TYPE_Q8_0: return k_q8_0;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
     case ES_TYPE_Q4_K: return k_q4_k;
@@ -1273,8 +1407,148 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
         g->qsum[jj] = sum;
         g->qlo[jj] = lo;
         g->fq[jj] = (float)sum;
+        g->dq[jj] = d * (float)sum;
     }
     return 1;
+}
+
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+ * One step multiplies one block of 16 rows (a packed record, quant.h) into
+ * each activation row of a tile: 8 vpdpbusd with the activation's dword k
+ * broadcast give the 16 rows' exact int32 sums I, then the contract's float
+ * steps run on the 16 rows at once and add to the tile row's accumulator
+ * (the sequential contract: one accumulator per output, blocks in order). */
+
+#define PTILE 8   /* most activation rows per register tile */
+/* Software prefetch of the weight stream, this many bytes ahead, into L2
+ * (T1). Measured with bench/kernel_bench.c on SmolLM2 shapes, 2 threads:
+ * at N = 5 a record takes long enough to compute that the hardware
+ * prefetcher alone leaves the stream behind; 4 KB into L2 hid most of the
+ * memory time behind the arithmetic, where 1 KB, or any distance into L1
+ * (T0), did not. */
+#ifndef ES_PF_BYTES
+#define ES_PF_BYTES 4096
+#endif
+
+typedef struct {
+    __m512i w[8];   /* unsigned bytes; w[k] lane r = elements 4k..4k+3 of row r */
+    __m512 a, b;
+} prec;
+
+static inline ES_AI void punpack(const int type, const uint8_t *p, prec *u) {
+    if (type == ES_TYPE_Q8_0) {
+        const __m512i x80 = _mm512_set1_epi8((char)0x80);
+        UNROLL
+        for (int k = 0; k < 8; k++) u->w[k] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * k), x80);
+        u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 512)));
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        __m512i v = _mm512_loadu_si512(p + 64 * k);
+        u->w[k] = _mm512_and_si512(v, m4);
+        u->w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 256)));
+    if (type == ES_TYPE_Q4_1) u->b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)));
+}
+
+static inline ES_AI __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One group of 16 weight rows (nb records at g) times a tile of nt (a
+ * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row. */
+static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
+                                size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
+    __m512 acc[PTILE];
+    UNROLL
+    for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+    if (pf)
+        for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *p = g + (size_t)j * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        prec u;
+        punpack(type, p, &u);
+        const uint8_t *xb = x + (size_t)(j / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+        const int jj = (int)(j % ES_GROUP_BLOCKS);
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
+            const int8_t *q = xg->qs + 4 * jj;
+            __m512i i0, i1;
+            if (type == ES_TYPE_Q4_1) {
+                i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[0], bcast32(q));
+            } else {
+                i0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-(xg->qsum[jj] * (1 << off))), u.w[0], bcast32(q));
+            }
+            i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[1], bcast32(q + 64));
+            UNROLL
+            for (int k = 2; k < 8; k += 2) {
+                i0 = _mm512_dpbusd_epi32(i0, u.w[k], bcast32(q + 64 * k));
+                i1 = _mm512_dpbusd_epi32(i1, u.w[k + 1], bcast32(q + 64 * (k + 1)));
+            }
+            __m512 c = _mm512_mul_ps(_mm512_mul_ps(u.a, _mm512_set1_ps(xg->d[jj])),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
+            if (type == ES_TYPE_Q4_1) c = _mm512_add_ps(c, _mm512_mul_ps(u.b, _mm512_set1_ps(xg->dq[jj])));
+            acc[n] = _mm512_add_ps(acc[n], c);
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    UNROLL
+    for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
+}
+
+#define PSWITCH(nt, ...)                                                                            \
+    switch (nt) {                                                                                   \
+    case 1: pgroup(1, __VA_ARGS__); break;                                                          \
+    case 2: pgroup(2, __VA_ARGS__); break;                                                          \
+    case 3: pgroup(3, __VA_ARGS__); break;                                                          \
+    case 4: pgroup(4, __VA_ARGS__); break;                                                          \
+    case 5: pgroup(5, __VA_ARGS__); break;                                                          \
+    case 6: pgroup(6, __VA_ARGS__); break;                                                          \
+    case 7: pgroup(7, __VA_ARGS__); break;                                                          \
+    default: pgroup(8, __VA_ARGS__); break;                                                         \
+    }
+
+/* Row groups of 16 from r0 to r1; each group runs over the activation
+ * rows in tiles of at most PTILE of near-equal size (the group's records
+ * stay in L1 between tiles; only the first tile prefetches). */
+#define PKERNEL(name, type)                                                                         \
+    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        const uint8_t *x = xv;                                                                      \
+        int64_t nb = n_in / QK;                                                                     \
+        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
+            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
+            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
+            for (int n0 = 0; n0 < N;) {                                                             \
+                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
+                PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
+                        ldy, nr, n0 == 0)                                                           \
+                n0 += nt;                                                                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+PKERNEL(p_q4_0, ES_TYPE_Q4_0)
+PKERNEL(p_q4_1, ES_TYPE_Q4_1)
+PKERNEL(p_q8_0, ES_TYPE_Q8_0)
+
+es_mm_kernel es_x86_packed_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_Q4_0: return p_q4_0;
+    case ES_TYPE_Q4_1: return p_q4_1;
+    case ES_TYPE_Q8_0: return p_q8_0;
+    default: return NULL;
+    }
 }
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
@@ -1282,9 +1556,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_F32: return k_f32;
     case ES_TYPE_F16: return k_f16;
     case ES_TYPE_BF16: return k_bf16;
-    case ES_TYPE_Q4_0: return k_q4_0;
-    case ES_TYPE_Q4_1: return k_q4_1;
-    case ES_TYPE_Q8_0: return k_q8_0;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
     case ES_TYPE_Q4_K: return k_q4_k;
@@ -1294,10 +1565,12 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     }
 }
 const char *es_x86_simd_name(void) { return "avx2"; }
+es_mm_kernel es_x86_packed_kernel(uint32_t type) { (void)type; return NULL; }
 
 #else /* no x86 SIMD path in this build */
 
 es_mm_kernel es_x86_kernel(uint32_t type) { return NULL; }
+es_mm_kernel es_x86_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_x86_simd_name(void) { return NULL; }
 int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) { return 0; }
 

@@ -91,7 +91,14 @@ static wmat make_w(uint32_t type, int64_t n_in, int64_t n_out) {
     m.t.row_bytes = rb;
     m.t.nbytes = rb * (size_t)n_out;
     m.t.data = m.data;
+    /* Q4_0 / Q4_1 / Q8_0: the SIMD kernels read the packed copy (none in a scalar build) */
+    CHECK(es_tensor_pack(&m.t) >= 0);
     return m;
+}
+
+static void free_w(wmat *w) {
+    es_tensor_unpack(&w->t);
+    free(w->data);
 }
 
 static float *rand_x(int N, int64_t n_in) {
@@ -280,7 +287,7 @@ static void check_shape(uint32_t type, int64_t n_in, int64_t n_out, int N, es_po
         CHECK(memcmp(Y, Yp, ysz) == 0);
     }
     free(sc1);
-    free(w.data); free(X); free(sc); free(Y); free(Ys); free(Y1); free(Yp); free(ref); free(mag);
+    free_w(&w); free(X); free(sc); free(Y); free(Ys); free(Y1); free(Yp); free(ref); free(mag);
 }
 
 TEST(test_matmul_all_types) {
@@ -335,7 +342,7 @@ TEST(test_matmul_ldy_and_special_x) {
     es_matmul_path(NULL, &w.t, X, 2, Ys, 8, sc, 1);
     CHECK(memcmp(Y, Ys, sizeof Ys) == 0);
     free(sc);
-    free(w.data);
+    free_w(&w);
 }
 
 TEST(test_matmul_many) {
@@ -374,8 +381,8 @@ TEST(test_matmul_many) {
         CHECK(memcmp(Y[0], Yr[0], sizeof(float) * (size_t)(N * ldy[0])) == 0);
         CHECK(isnan(Yo[0]) && isnan(Yo[N * 5 - 1]));
         free(Yo);
-        free(odd.data);
-        for (int i = 0; i < 4; i++) { free(w[i].data); free(Y[i]); free(Yr[i]); }
+        free_w(&odd);
+        for (int i = 0; i < 4; i++) { free_w(&w[i]); free(Y[i]); free(Yr[i]); }
         free(X);
         free(sc);
     }
@@ -390,7 +397,7 @@ TEST(test_unsupported_type) {
     CHECK(!es_matmul_supported(ES_TYPE_Q2_K));
     es_matmul(NULL, &w.t, X, 1, Y, 2, NULL);
     CHECK(isnan(Y[0]) && isnan(Y[1]));
-    free(w.data);
+    free_w(&w);
 }
 
 TEST(test_simd_name) {
