@@ -2,14 +2,17 @@
  * quant_neon.c - NEON (dotprod) matmul kernels for aarch64. Same contract
  * and results (bitwise) as the scalar kernels in quant.c.
  *
- * Quantized types: a group of 16 weight blocks (one es_q8_group of
- * activations) is handled as 4 quads of 4 blocks. A quad is loaded and
- * transposed once into 8 int8x16 vectors (vector k holds elements
- * 4k..4k+3 of block i in 32-bit lane i: the layout of the activation group),
- * so 8 sdot give the 4 exact int32 block sums of the quad, for each of the
- * N activation rows. Quad q feeds accumulator lanes 4q..4q+3; quads past the
- * end of the row are skipped (the same as adding +0). Weights are signed
- * (Q4_1 nibbles 0..15, Q4_0 nibbles - 8, Q8_0 as stored), so no offset
+ * Packed types (Q4_0, Q4_1, Q8_0; dotprod builds only): see "packed
+ * kernels" below. Without dotprod these types use the scalar kernels.
+ *
+ * Lane types (Q5_0, Q5_1 and the K-quants): a group of 16 weight blocks
+ * (one es_q8_group of activations) is handled as 4 quads of 4 blocks. A
+ * quad is loaded and transposed once into 8 int8x16 vectors (vector k holds
+ * elements 4k..4k+3 of block i in 32-bit lane i: the layout of the
+ * activation group), so 8 sdot give the 4 exact int32 block sums of the
+ * quad, for each of the N activation rows. Quad q feeds accumulator lanes
+ * 4q..4q+3; quads past the end of the row are skipped (the same as adding
+ * +0). Weights are signed (Q5_0 with its offset 16 removed), so no offset
  * correction is needed. Without the dotprod extension the int8 dot is done
  * with widening multiplies (exact as well).
  */
@@ -21,6 +24,7 @@
 
 #ifdef ES_NEON
 #include <arm_neon.h>
+#include <stddef.h>
 #include <string.h>
 
 #define NT 32   /* activation rows per pass */
@@ -70,43 +74,13 @@ static inline ES_AI float32x4_t half_hi(uint32x4_t v) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(v, 16)));
 }
 
-static inline ES_AI void nibbles(const uint32x4_t d[4], int8x16_t w[8], int center) {
+static inline ES_AI void nibbles(const uint32x4_t d[4], int8x16_t w[8]) {
     const uint8x16_t m4 = vdupq_n_u8(0x0F);
-    const int8x16_t c8 = vdupq_n_s8(8);
     UNROLL
     for (int k = 0; k < 4; k++) {
-        int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_u32(d[k]), m4));
-        int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_u32(d[k]), 4));
-        w[k] = center ? vsubq_s8(lo, c8) : lo;
-        w[k + 4] = center ? vsubq_s8(hi, c8) : hi;
+        w[k] = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_u32(d[k]), m4));
+        w[k + 4] = vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_u32(d[k]), 4));
     }
-}
-
-static inline ES_AI void unpack_q4_0(const uint8_t *p, int nv, wquad *g) {
-    uint32x4_t d[4];
-    load_t4(p + 2, 18, nv, d);
-    nibbles(d, g->w, 1);
-    g->a = half_lo(vandq_u32(load_words(p, 18, nv), vdupq_n_u32(0xFFFF)));
-}
-
-static inline ES_AI void unpack_q4_1(const uint8_t *p, int nv, wquad *g) {
-    uint32x4_t d[4];
-    load_t4(p + 4, 20, nv, d);
-    nibbles(d, g->w, 0);
-    uint32x4_t dm = load_words(p, 20, nv);
-    g->a = half_lo(dm);
-    g->b = half_hi(dm);
-}
-
-static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wquad *g) {
-    uint32x4_t d[4];
-    load_t4(p + 2, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->w[k] = vreinterpretq_s8_u32(d[k]);
-    load_t4(p + 18, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->w[k + 4] = vreinterpretq_s8_u32(d[k]);
-    g->a = half_lo(vandq_u32(load_words(p, 34, nv), vdupq_n_u32(0xFFFF)));
 }
 
 /* The 5th bits of Q5_0 / Q5_1 for chunk k: bits 4k..4k+3 of each block's
@@ -120,7 +94,7 @@ static inline ES_AI int8x16_t q5_hi(uint32x4_t qh, int k) {
 static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, wquad *g) {
     uint32x4_t d[4];
     load_t4(p + 6, 22, nv, d);
-    nibbles(d, g->w, 0);
+    nibbles(d, g->w);
     uint32x4_t qh = load_words(p + 2, 22, nv);
     UNROLL
     for (int k = 0; k < 8; k++) g->w[k] = vsubq_s8(vorrq_s8(g->w[k], q5_hi(qh, k)), vdupq_n_s8(16));
@@ -130,7 +104,7 @@ static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, wquad *g) {
 static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, wquad *g) {
     uint32x4_t d[4];
     load_t4(p + 8, 24, nv, d);
-    nibbles(d, g->w, 0);
+    nibbles(d, g->w);
     uint32x4_t qh = load_words(p + 4, 24, nv);
     UNROLL
     for (int k = 0; k < 8; k++) g->w[k] = vorrq_s8(g->w[k], q5_hi(qh, k));
@@ -201,9 +175,6 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
         }                                                                                           \
     }
 
-QKERNEL(k_q4_0, unpack_q4_0, 18, 0)
-QKERNEL(k_q4_1, unpack_q4_1, 20, 1)
-QKERNEL(k_q8_0, unpack_q8_0, 34, 0)
 QKERNEL(k_q5_0, unpack_q5_0, 22, 0)
 QKERNEL(k_q5_1, unpack_q5_1, 24, 1)
 
@@ -414,6 +385,175 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
+#ifdef __ARM_FEATURE_DOTPROD
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+ * A packed record (quant.h) is one block of 16 rows; an int32x4 holds 4 of
+ * them, so a record is 4 quarters (quarter q = rows 4q..4q+3 = bytes
+ * 16q..16q+15 of each 64-byte chunk). The 8 weight vectors of one quarter
+ * (vector k, lane i = elements 4k..4k+3 of row 4q+i; Q4 nibbles 0..15,
+ * Q8_0 as stored) stay in registers while every activation row of a tile
+ * takes 8 sdot by element with its dword k of the block (an 8-byte load,
+ * lane 0): the 4 rows' exact I (Q4_0: minus 8 * qsum). Then the contract's
+ * float steps run on the 4 rows and add to the row's accumulator, blocks
+ * in order (the sequential contract). The quarters run one after the other
+ * over a segment of PSEG records, so the later ones re-read it from L1;
+ * the accumulators carry over between segments in memory (exact). */
+
+#define PTILE 6    /* most activation rows per register tile (7 and 8 spill for Q4_0) */
+#define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0), in the A76's 64 KB L1 */
+
+typedef struct {
+    int8x16_t w[8];
+    float32x4_t a, b;   /* d and (Q4_1) m of the 4 rows */
+} pquarter;
+
+static inline ES_AI float32x4_t f16x4(const uint8_t *p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(const void *)p)));
+}
+
+/* Quarter q of the record at p. */
+static inline ES_AI void punpack(const int type, const uint8_t *p, int q, pquarter *u) {
+    const uint8_t *s = p + 16 * q;
+    if (type == ES_TYPE_Q8_0) {
+        UNROLL
+        for (int k = 0; k < 8; k++) u->w[k] = vld1q_s8((const int8_t *)(const void *)(s + 64 * k));
+        u->a = f16x4(p + 512 + 8 * q);
+        return;
+    }
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        uint8x16_t v = vld1q_u8(s + 64 * k);
+        u->w[k] = vreinterpretq_s8_u8(vandq_u8(v, m4));
+        u->w[k + 4] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+    }
+    u->a = f16x4(p + 256 + 8 * q);
+    if (type == ES_TYPE_Q4_1) u->b = f16x4(p + 288 + 8 * q);
+}
+
+/* One quarter of block jj into the nt rows' acc; xr[n] = row n's
+ * es_q8_group of the block. One sdot chain per row (the rows of the tile
+ * are the independent chains); the 8-byte loads stay inside the group (at
+ * most byte 516 of 832). */
+static inline ES_AI void prows(const int nt, const int type, const pquarter *u, const uint8_t *const *xr, int jj,
+                               float32x4_t *acc) {
+    UNROLL
+    for (int n = 0; n < nt; n++) {
+        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, dq [jj] at their offsets from it */
+        float d, dq;
+        int32_t qsum;
+        memcpy(&d, b + offsetof(es_q8_group, d), 4);
+        int32x4_t I = vdupq_n_s32(0);
+        if (type == ES_TYPE_Q4_0) {
+            memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
+            I = vdupq_n_s32(-8 * qsum);
+        }
+        UNROLL
+        for (int k = 0; k < 8; k++) I = vdotq_lane_s32(I, u->w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
+        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), vcvtq_f32_s32(I));
+        if (type == ES_TYPE_Q4_1) {
+            memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
+            c = vaddq_f32(c, vmulq_n_f32(u->b, dq));
+        }
+        acc[n] = vaddq_f32(acc[n], c);
+    }
+}
+
+/* Quarter q of records [s0, s1) (s0 a multiple of 16) into acc. */
+static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int q,
+                                      const uint8_t *x, size_t xs, float32x4_t *acc) {
+    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    for (int64_t j0 = s0; j0 < s1; j0 += ES_GROUP_BLOCKS) {
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(j0 / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+        int nj = s1 - j0 < ES_GROUP_BLOCKS ? (int)(s1 - j0) : ES_GROUP_BLOCKS;
+        const uint8_t *p = g + (size_t)j0 * rec;
+        for (int jj = 0; jj < nj; jj++, p += rec) {
+            pquarter u;
+            punpack(type, p, q, &u);
+            prows(nt, type, &u, xr, jj, acc);
+        }
+    }
+}
+
+/* One group of 16 weight rows (nb records at g) times a tile of nt (a
+ * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
+ * Quarters wholly past nr are skipped. */
+static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
+                                size_t xs, float *Y, int64_t ldy, int nr) {
+    const int nq = (nr + 3) / 4;
+    float32x4_t part[4][PTILE];
+    for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
+        int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
+        for (int q = 0; q < nq; q++) {
+            float32x4_t acc[PTILE];
+            UNROLL
+            for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? vdupq_n_f32(0.0f) : part[q][n];
+            pquarter_run(nt, type, g, s0, s1, q, x, xs, acc);
+            UNROLL
+            for (int n = 0; n < nt; n++) part[q][n] = acc[n];
+        }
+    }
+    for (int q = 0; q < nq; q++)
+        for (int n = 0; n < nt; n++) {
+            float *y = Y + (int64_t)n * ldy + 4 * q;
+            if (4 * q + 4 <= nr) {
+                vst1q_f32(y, part[q][n]);
+            } else {
+                float t[4];
+                vst1q_f32(t, part[q][n]);
+                memcpy(y, t, sizeof(float) * (size_t)(nr - 4 * q));
+            }
+        }
+}
+
+#define PSWITCH(nt, ...)                                                                            \
+    switch (nt) {                                                                                   \
+    case 1: pgroup(1, __VA_ARGS__); break;                                                          \
+    case 2: pgroup(2, __VA_ARGS__); break;                                                          \
+    case 3: pgroup(3, __VA_ARGS__); break;                                                          \
+    case 4: pgroup(4, __VA_ARGS__); break;                                                          \
+    case 5: pgroup(5, __VA_ARGS__); break;                                                          \
+    default: pgroup(6, __VA_ARGS__); break;                                                         \
+    }
+
+/* Row groups of 16 from r0 to r1 (r1 may end a partial group); each group
+ * runs over the activation rows in tiles of at most PTILE of near-equal
+ * size (the group's records stay in cache between tiles). */
+#define PKERNEL(name, type)                                                                         \
+    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        const uint8_t *x = xv;                                                                      \
+        int64_t nb = n_in / QK;                                                                     \
+        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
+            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
+            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
+            for (int n0 = 0; n0 < N;) {                                                             \
+                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
+                PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
+                        ldy, nr)                                                                    \
+                n0 += nt;                                                                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+PKERNEL(p_q4_0, ES_TYPE_Q4_0)
+PKERNEL(p_q4_1, ES_TYPE_Q4_1)
+PKERNEL(p_q8_0, ES_TYPE_Q8_0)
+
+es_mm_kernel es_neon_packed_kernel(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_Q4_0: return p_q4_0;
+    case ES_TYPE_Q4_1: return p_q4_1;
+    case ES_TYPE_Q8_0: return p_q8_0;
+    default: return NULL;
+    }
+}
+#else
+es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
+#endif
+
 /* Activation quantization (contract step 1), 32 elements per step. */
 int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) {
     if (n % QK != 0) return 0;
@@ -453,9 +593,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     case ES_TYPE_F32: return k_f32;
     case ES_TYPE_F16: return k_f16;
     case ES_TYPE_BF16: return k_bf16;
-    case ES_TYPE_Q4_0: return k_q4_0;
-    case ES_TYPE_Q4_1: return k_q4_1;
-    case ES_TYPE_Q8_0: return k_q8_0;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
     case ES_TYPE_Q4_K: return k_q4_k;
@@ -464,8 +601,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     default: return NULL;
     }
 }
-
-es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 
 const char *es_neon_simd_name(void) {
 #ifdef __ARM_FEATURE_DOTPROD

@@ -303,6 +303,9 @@ TEST(test_matmul_all_types) {
         if (be == 32) {                                 /* ragged groups of 13 and 6 blocks */
             check_shape(t, 32 * 13, 11, 2, pools);
             check_shape(t, 32 * 22, 6, 2, pools);
+            /* 150 blocks: the NEON / AVX2 packed kernels' segments of 64 records,
+               a partial last one; 21 rows: a full and a partial 16-row group */
+            check_shape(t, 32 * 150, 21, 3, pools);
         }
         if (be == 256) check_shape(t, 256 * 7, 6, 2, pools);   /* 56 blocks: a group of 8 at the end */
     }
@@ -410,6 +413,28 @@ TEST(test_simd_name) {
     printf("  simd path: %s\n", s);
 }
 
+TEST(test_pack_per_build) {
+    /* Q4_0 / Q4_1 / Q8_0 are packed (and the packed kernels run, compared
+       with the scalar ones above) exactly where the build has packed
+       kernels: AVX-512, AVX2, NEON with dotprod; never in a scalar build */
+    const char *s = es_quant_simd_name();
+    int want = !strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod");
+#ifdef ES_FORCE_SCALAR
+    CHECK(!want);
+#endif
+    const uint32_t ts[4] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K};
+    for (int i = 0; i < 4; i++) {
+        wmat w = make_w(ts[i], 256, 20);
+        es_tensor_unpack(&w.t);
+        CHECK(w.t.packed == NULL);
+        int r = es_tensor_pack(&w.t);
+        CHECK_EQ_INT(r, ts[i] == ES_TYPE_Q4_K ? 0 : want);
+        CHECK((w.t.packed != NULL) == (r == 1));
+        if (r == 1) CHECK(w.t.packed_bytes == 2 * 8 * es_pack_record_bytes(ts[i]));   /* 2 groups x 8 blocks */
+        free_w(&w);
+    }
+}
+
 int main(void) {
     RUN(test_dequant_literal);
     RUN(test_dequant_k_literal);
@@ -421,5 +446,6 @@ int main(void) {
     RUN(test_matmul_many);
     RUN(test_unsupported_type);
     RUN(test_simd_name);
+    RUN(test_pack_per_build);
     return harness_report();
 }
