@@ -75,6 +75,26 @@ static inline float dot8(const float *a, const float *b, int n) {
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
+/* dot8 for n = HD (a multiple of 8 known at compile time): the same
+ * operations in the same order, unrolled, with the lane tree done by
+ * shuffles in registers (float addition commutes bitwise, so the pairing
+ * by shuffles gives the same sums as the scalar tree). */
+#define DEFINE_DOT(HD)                                                                    \
+    static inline float dot_##HD(const float *a, const float *b) {                        \
+        v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};                                               \
+        for (int i = 0; i < HD; i += 8) {                                                 \
+            v8f x, y;                                                                     \
+            memcpy(&x, a + i, sizeof x);                                                  \
+            memcpy(&y, b + i, sizeof y);                                                  \
+            acc += x * y;                                                                 \
+        }                                                                                 \
+        acc += __builtin_shufflevector(acc, acc, 1, 0, 3, 2, 5, 4, 7, 6);                 \
+        acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5);                 \
+        return acc[0] + acc[4];                                                           \
+    }
+DEFINE_DOT(64)
+DEFINE_DOT(128)
+
 /* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; x and y may alias. */
 static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
     float ss = dot8(x, x, n) / (float)n;
@@ -199,12 +219,29 @@ static void swiglu_row(float *g, const float *u, size_t n) {
     for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_cephes(-g[i]))) * u[i];
 }
 
+/* The first index of the largest value (NaNs are never chosen, as with a
+ * scalar loop of "x[i] > best"): the maximum by 8 lanes, then the first
+ * element equal to it. */
 static int32_t argmax_row(const float *x, int n) {
-    int32_t best = 0;
     float bv = x[0];
-    for (int i = 1; i < n; i++)
-        if (x[i] > bv) { bv = x[i]; best = i; }
-    return best;
+    int i = 0;
+    if (n >= 8) {
+        v8f m = v8_splat(x[0]);
+        for (; i + 8 <= n; i += 8) {
+            v8f v;
+            memcpy(&v, x + i, sizeof v);
+            v8i gt = v > m;
+            m = v8_sel(gt, v, m);
+        }
+        for (int l = 0; l < 8; l++)
+            if (m[l] > bv) bv = m[l];
+    }
+    for (; i < n; i++)
+        if (x[i] > bv) bv = x[i];
+    if (bv != bv) return 0;   /* x[0] is NaN */
+    for (int j = 0; j < n; j++)
+        if (x[j] == bv) return j;
+    return 0;
 }
 
 /* ---- session lifecycle --------------------------------------------------- */
@@ -428,20 +465,41 @@ static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1,
     float scale = 1.0f / sqrtf((float)hd);
     float mx[ES_MAX_GROUP];
     for (int j = 0; j < nh; j++) mx[j] = -INFINITY;
-    for (int t = 0; t < n; t++) {
-        const float *kr = kc + (size_t)t * kv_dim;
-        for (int j = 0; j < nh; j++) {
-            float d = dot8(q + (size_t)j * hd, kr, hd) * scale;
-            sc[(size_t)j * n + t] = d;
-            if (d > mx[j]) mx[j] = d;
+    /* The K and V rows of this group are hd floats at a stride of kv_dim: ask
+     * for all of them up front (they are in DRAM after the weight stream of a
+     * step went through the caches) rather than one latency per row. */
+    for (int t = 0; t < n; t++)
+        for (int o = 0; o < hd; o += 16) {
+            __builtin_prefetch(kc + (size_t)t * kv_dim + o, 0, 3);
+            __builtin_prefetch(vc + (size_t)t * kv_dim + o, 0, 3);
         }
+#define SCORES(DOT)                                                                 \
+    for (int t = 0; t < n; t++) {                                                   \
+        const float *kr = kc + (size_t)t * kv_dim;                                  \
+        for (int j = 0; j < nh; j++) {                                              \
+            float d = DOT * scale;                                                  \
+            sc[(size_t)j * n + t] = d;                                              \
+            if (d > mx[j]) mx[j] = d;                                               \
+        }                                                                           \
     }
+    if (hd == 64) {
+        SCORES(dot_64(q + (size_t)j * hd, kr))
+    } else if (hd == 128) {
+        SCORES(dot_128(q + (size_t)j * hd, kr))
+    } else {
+        SCORES(dot8(q + (size_t)j * hd, kr, hd))
+    }
+#undef SCORES
+    float sum[ES_MAX_GROUP];
+    for (int j = 0; j < nh; j++) {
+        exp_sub_row(sc + (size_t)j * n, mx[j], n);
+        sum[j] = 0.0f;
+    }
+    for (int t = 0; t < n; t++)          /* the heads' sequential sums, side by side */
+        for (int j = 0; j < nh; j++) sum[j] += sc[(size_t)j * n + t];
     for (int j = 0; j < nh; j++) {
         float *row = sc + (size_t)j * n;
-        exp_sub_row(row, mx[j], n);
-        float sum = 0.0f;
-        for (int t = 0; t < n; t++) sum += row[t];
-        float inv = 1.0f / sum;
+        float inv = 1.0f / sum[j];
         for (int t = 0; t < n; t++) row[t] = row[t] * inv;
         axpy_rows(s->att + (size_t)i * q_dim + (size_t)(h0 + j) * hd, row, vc, kv_dim, n, hd);
     }
@@ -500,6 +558,20 @@ static void attention_block(es_session *s, int l, int n) {
     const float *wn = es_model_vec(m, L->attn_norm);
     for (int i = 0; i < n; i++)
         rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
+    /* Ask for this layer's cached K and V rows now: they arrive in cache while
+     * the q/k/v matmul streams its weights, instead of one memory latency at
+     * a time in the attention (the weight stream of the last step pushed
+     * them out of every cache). */
+    {
+        const char *kb = (const char *)(s->k_cache + (size_t)l * s->n_ctx * kv_dim);
+        const char *vb = (const char *)(s->v_cache + (size_t)l * s->n_ctx * kv_dim);
+        size_t bytes = (size_t)s->n_past * kv_dim * sizeof(float);
+        if (bytes > 128 * 1024) bytes = 128 * 1024;   /* the rest: attend_group's own prefetch */
+        for (size_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kb + o, 0, 2);
+            __builtin_prefetch(vb + o, 0, 2);
+        }
+    }
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
     const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
     float *yqkv[3] = {s->q, s->k, s->v};
@@ -533,6 +605,22 @@ static void attention_block(es_session *s, int l, int n) {
     for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
 }
 
+typedef struct {
+    float *g;
+    const float *u;
+    size_t n;
+} swiglu_task;
+
+/* swiglu over [0, n) in slices of whole 8-element vectors per thread (the
+ * value of an element does not depend on the slicing). */
+static void swiglu_worker(void *ctx, int ith, int nth) {
+    swiglu_task *t = ctx;
+    size_t per = (t->n / 8 + (size_t)nth - 1) / (size_t)nth * 8;
+    size_t a = (size_t)ith * per, b = a + per < t->n ? a + per : t->n;
+    if (ith == nth - 1) b = t->n;
+    if (a < b) swiglu_row(t->g + a, t->u + a, b - a);
+}
+
 /* FFN sublayer: x += W_down . (silu(W_gate . norm(x)) * (W_up . norm(x))). */
 static void ffn_block(es_session *s, int l, int n) {
     const es_model *m = s->model;
@@ -545,7 +633,8 @@ static void ffn_block(es_session *s, int l, int n) {
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     es_matmul_many(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch);
-    swiglu_row(s->gate, s->up, (size_t)n * in->n_ff);
+    swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff};
+    es_pool_run(s->pool, swiglu_worker, &sw);
     mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
     for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
 }
