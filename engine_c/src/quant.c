@@ -560,6 +560,25 @@ static void mm_worker(void *ctx, int ith, int nth) {
     }
 }
 
+/* Activation rows to quantize (contract step 1), shared out by rows. */
+typedef struct {
+    const float *X;
+    int64_t n_in;
+    int N;
+    void *scratch;
+    size_t rs;
+    int force_scalar;
+} q8_task;
+
+static void q8_worker(void *ctx, int ith, int nth) {
+    q8_task *t = ctx;
+    for (int n = ith; n < t->N; n += nth) {
+        es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)t->scratch + (size_t)n * t->rs);
+        if (t->force_scalar) es_quantize_row_q8_ref(t->X + (int64_t)n * t->n_in, t->n_in, g);
+        else es_quantize_row_q8(t->X + (int64_t)n * t->n_in, t->n_in, g);
+    }
+}
+
 static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int force_scalar) {
     if (nw < 1 || nw > ES_MATMUL_MAX || N <= 0) return;
@@ -611,12 +630,10 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
     }
     if (t.nw == 0) return;
-    if (need_q8) {
-        for (int n = 0; n < N; n++) {
-            es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)scratch + (size_t)n * rs);
-            if (force_scalar) es_quantize_row_q8_ref(X + (int64_t)n * t.n_in, t.n_in, g);
-            else es_quantize_row_q8(X + (int64_t)n * t.n_in, t.n_in, g);
-        }
+    if (need_q8) {   /* several rows: quantized by the pool's threads, one row each in turn */
+        q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar};
+        if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
+        else q8_worker(&qt, 0, 1);
     }
     if (pool) es_pool_run(pool, mm_worker, &t);
     else mm_worker(&t, 0, 1);
