@@ -948,13 +948,16 @@ const char *es_x86_simd_name(void) { return "avx512"; }
 
 #elif defined(ES_X86_AVX2)
 /*
- * AVX2 path: the same transposed layout, a group of 16 blocks handled as two
- * octets of 8 (ymm lanes 0..7 and 8..15 of the accumulator). Int8 dots use
- * maddubs (u8 x s8 -> s16 pairs) + madd: for 4-bit weights all 8 chunk
- * products fit one int16 sum (8 * 2 * 15 * 127 = 30480); Q8_0 uses
- * |w| x sign(x, w) and widens every chunk. Exact int32 either way.
+ * AVX2 path. Lane types (Q5_0, Q5_1, K-quants): the same transposed layout,
+ * a group of 16 blocks handled as two octets of 8 (ymm lanes 0..7 and 8..15
+ * of the accumulator). Packed types (Q4_0, Q4_1, Q8_0): see "packed kernels"
+ * below. Int8 dots use maddubs (u8 x s8 -> s16 pairs) + madd: for 4-bit
+ * weights all 8 chunk products fit one int16 sum (8 * 2 * 15 * 127 = 30480),
+ * for 5-bit ones 4 (4 * 2 * 31 * 127 = 31496); Q8_0 uses |w| x sign(x, w)
+ * and widens every chunk. Exact int32 either way.
  */
 #include <immintrin.h>
+#include <stddef.h>
 #include <string.h>
 
 #define NT 32
@@ -962,8 +965,7 @@ const char *es_x86_simd_name(void) { return "avx512"; }
 #define UNROLL _Pragma("GCC unroll 16")
 
 typedef struct {
-    __m256i w[8];     /* Q4: unsigned nibbles; Q8_0: |w| */
-    __m256i sg[8];    /* Q8_0: the signed weights (for sign(x, w)) */
+    __m256i w[8];     /* unsigned 5-bit weights */
     __m256 a, b;
 } woct;
 
@@ -1002,34 +1004,6 @@ static inline ES_AI void nibbles8(const __m256i d[4], __m256i w[8]) {
     }
 }
 
-static inline ES_AI void unpack_q4_0(const uint8_t *p, int nv, woct *g) {
-    __m256i d[4];
-    load_t8(p + 2, 18, nv, d);
-    nibbles8(d, g->w);
-    g->a = halves8(p, 18, 0, nv);
-}
-
-static inline ES_AI void unpack_q4_1(const uint8_t *p, int nv, woct *g) {
-    __m256i d[4];
-    load_t8(p + 4, 20, nv, d);
-    nibbles8(d, g->w);
-    g->a = halves8(p, 20, 0, nv);
-    g->b = halves8(p, 20, 2, nv);
-}
-
-static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, woct *g) {
-    __m256i d[4];
-    load_t8(p + 2, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->sg[k] = d[k];
-    load_t8(p + 18, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->sg[k + 4] = d[k];
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm256_abs_epi8(g->sg[k]);
-    g->a = halves8(p, 34, 0, nv);
-}
-
 static inline ES_AI __m256i words8(const uint8_t *p, size_t stride, int nv) {
     uint32_t v[8] = {0};
     for (int j = 0; j < nv && j < 8; j++) memcpy(&v[j], p + (size_t)j * stride, 4);
@@ -1064,37 +1038,22 @@ static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, woct *g) {
     g->b = halves8(p, 24, 2, nv);
 }
 
-/* Octet h (lanes 8h..8h+7) into rows [0, nt): acc[2n + h] += c.
- * mode 0: 4-bit weights (8 chunk products in one int16 sum), 1: Q8_0
- * (|w| x sign(x, w), widened per chunk), 2: 5-bit weights (4 + 4 chunks:
- * 4 * 2 * 31 * 127 = 31496 fits int16). */
+/* Octet h (lanes 8h..8h+7) of 5-bit weights into rows [0, nt):
+ * acc[2n + h] += c (4 + 4 chunk products per int16 sum). */
 static inline ES_AI void oct_rows(const woct *g, const uint8_t *x, size_t x_stride, int nt, int h,
-                                  __m256 *acc, int off_shift, int two, int q8) {
+                                  __m256 *acc, int off_shift, int two) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int n = 0; n < nt; n++) {
         const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
         const int8_t *xq = xg->qs + 32 * h;
 #define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
-        __m256i I;
-        if (q8 == 1) {
-            I = _mm256_setzero_si256();
-            UNROLL
-            for (int k = 0; k < 8; k++)
-                I = _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(g->w[k], _mm256_sign_epi8(XQ(k), g->sg[k])), ones));
-        } else if (q8 == 2) {
-            __m256i s0 = _mm256_maddubs_epi16(g->w[0], XQ(0)), s1 = _mm256_maddubs_epi16(g->w[4], XQ(4));
-            UNROLL
-            for (int k = 1; k < 4; k++) {
-                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(g->w[k], XQ(k)));
-                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(g->w[k + 4], XQ(k + 4)));
-            }
-            I = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-        } else {
-            __m256i s16 = _mm256_maddubs_epi16(g->w[0], XQ(0));
-            UNROLL
-            for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g->w[k], XQ(k)));
-            I = _mm256_madd_epi16(s16, ones);
+        __m256i s0 = _mm256_maddubs_epi16(g->w[0], XQ(0)), s1 = _mm256_maddubs_epi16(g->w[4], XQ(4));
+        UNROLL
+        for (int k = 1; k < 4; k++) {
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(g->w[k], XQ(k)));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(g->w[k + 4], XQ(k + 4)));
         }
+        __m256i I = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
 #undef XQ
         if (off_shift)
             I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_load_si256((const void *)(xg->qsum + 8 * h)), off_shift));
@@ -1112,7 +1071,7 @@ static inline ES_AI float lane_sum2x8(__m256 lo, __m256 hi) {
     return es_lane_sum(l);
 }
 
-#define QKERNEL(name, unpack, bbytes, off_shift, two, q8)                                           \
+#define QKERNEL(name, unpack, bbytes, off_shift, two)                                               \
     static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
         int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
@@ -1134,7 +1093,7 @@ static inline ES_AI float lane_sum2x8(__m256 lo, __m256 hi) {
                         const uint8_t *p = row + (size_t)b0 * (bbytes);                             \
                         if (nb - b0 >= 8) unpack(p, 8, &g);                                         \
                         else unpack(p, (int)(nb - b0), &g);                                         \
-                        oct_rows(&g, xg, x_stride, nt, h, acc, off_shift, two, q8);                 \
+                        oct_rows(&g, xg, x_stride, nt, h, acc, off_shift, two);                     \
                     }                                                                               \
                 }                                                                                   \
                 for (int n = 0; n < nt; n++)                                                        \
@@ -1143,11 +1102,8 @@ static inline ES_AI float lane_sum2x8(__m256 lo, __m256 hi) {
         }                                                                                           \
     }
 
-QKERNEL(k_q4_0, unpack_q4_0, 18, 3, 0, 0)
-QKERNEL(k_q4_1, unpack_q4_1, 20, 0, 1, 0)
-QKERNEL(k_q8_0, unpack_q8_0, 34, 0, 0, 1)
-QKERNEL(k_q5_0, unpack_q5_0, 22, 4, 0, 2)
-QKERNEL(k_q5_1, unpack_q5_1, 24, 0, 1, 2)
+QKERNEL(k_q5_0, unpack_q5_0, 22, 4, 0)
+QKERNEL(k_q5_1, unpack_q5_1, 24, 0, 1)
 
 /* Float weights: lanes 0..7 and 8..15 in two ymm; the ragged end goes
  * through a zero-padded copy (adds +0). */
@@ -1413,97 +1369,149 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
 }
 
 /* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
- * One step multiplies one block of 16 rows (a packed record, quant.h) into
- * each activation row of a tile: 8 vpdpbusd with the activation's dword k
- * broadcast give the 16 rows' exact int32 sums I, then the contract's float
- * steps run on the 16 rows at once and add to the tile row's accumulator
- * (the sequential contract: one accumulator per output, blocks in order). */
+ * A packed record (quant.h) is one block of 16 rows; a ymm holds 8 of them,
+ * so a record is two halves (half h = rows 8h..8h+7 = bytes 32h..32h+31 of
+ * each 64-byte chunk). The 8 weight vectors of one half (vector k, lane i =
+ * elements 4k..4k+3 of row 8h+i) stay in registers while every activation
+ * row of a tile takes its dword k of the block broadcast:
+ *   Q4_0, Q4_1  unsigned nibbles x int8 with maddubs; the 8 chunk products
+ *               add up in int16 (at most 8 * 2 * 15 * 127 = 30480), one madd
+ *               with ones makes the 8 rows' I; Q4_0 subtracts 8 * qsum
+ *   Q8_0        |w| x sign(x, w) with maddubs (at most 2 * 128 * 127 =
+ *               32512), widened by a madd per chunk
+ * all exact. Then the contract's float steps run on the 8 rows and add to
+ * the row's accumulator, blocks in order (the sequential contract). The
+ * halves run one after the other over a segment of PSEG records, so the
+ * second re-reads it from L1; the accumulators carry over between segments
+ * in memory (exact). The first tile of a group prefetches the weight stream
+ * into L2 like the AVX-512 kernel (same distance; not measured separately). */
 
-#define PTILE 8   /* most activation rows per register tile */
-/* Software prefetch of the weight stream, this many bytes ahead, into L2
- * (T1). Measured with bench/kernel_bench.c on SmolLM2 shapes, 2 threads:
- * at N = 5 a record takes long enough to compute that the hardware
- * prefetcher alone leaves the stream behind; 4 KB into L2 hid most of the
- * memory time behind the arithmetic, where 1 KB, or any distance into L1
- * (T0), did not. */
+#define PTILE 4    /* most activation rows per register tile (16 ymm: 8 weights, 4 accumulators) */
+#define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0) */
 #ifndef ES_PF_BYTES
 #define ES_PF_BYTES 4096
 #endif
 
 typedef struct {
-    __m512i w[8];   /* unsigned bytes; w[k] lane r = elements 4k..4k+3 of row r */
-    __m512 a, b;
-} prec;
+    __m256i w[8];   /* Q4: nibbles 0..15; Q8_0: |w| */
+    __m256 a, b;    /* d and (Q4_1) m of the 8 rows */
+} phalf;
 
-static inline ES_AI void punpack(const int type, const uint8_t *p, prec *u) {
-    if (type == ES_TYPE_Q8_0) {
-        const __m512i x80 = _mm512_set1_epi8((char)0x80);
-        UNROLL
-        for (int k = 0; k < 8; k++) u->w[k] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * k), x80);
-        u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 512)));
-        return;
-    }
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    UNROLL
-    for (int k = 0; k < 4; k++) {
-        __m512i v = _mm512_loadu_si512(p + 64 * k);
-        u->w[k] = _mm512_and_si512(v, m4);
-        u->w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    }
-    u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 256)));
-    if (type == ES_TYPE_Q4_1) u->b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)));
+static inline ES_AI __m256 f16x8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
 }
 
-static inline ES_AI __m512i bcast32(const int8_t *p) {
+/* Half h of the record at p. */
+static inline ES_AI void punpack(const int type, const uint8_t *p, int h, phalf *u) {
+    const uint8_t *s = p + 32 * h;
+    if (type == ES_TYPE_Q8_0) {
+        UNROLL
+        for (int k = 0; k < 8; k++) u->w[k] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * k)));
+        u->a = f16x8(p + 512 + 16 * h);
+        return;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * k));
+        u->w[k] = _mm256_and_si256(v, m4);
+        u->w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    u->a = f16x8(p + 256 + 16 * h);
+    if (type == ES_TYPE_Q4_1) u->b = f16x8(p + 288 + 16 * h);
+}
+
+static inline ES_AI __m256i bcast32(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    return _mm256_set1_epi32(v);
+}
+
+/* One half of block jj (signed Q8_0 weights at s) into the nt rows' acc;
+ * xr[n] = row n's es_q8_group of the block. */
+static inline ES_AI void prows(const int nt, const int type, const phalf *u, const uint8_t *s,
+                               const uint8_t *const *xr, int jj, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    UNROLL
+    for (int n = 0; n < nt; n++) {
+        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, dq [jj] at their offsets from it */
+        float d, dq;
+        int32_t qsum;
+        memcpy(&d, b + offsetof(es_q8_group, d), 4);
+        __m256i I;
+        if (type == ES_TYPE_Q8_0) {
+#define SX(k) _mm256_sign_epi8(bcast32(b + 64 * (k)), _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * (k))))
+            I = _mm256_madd_epi16(_mm256_maddubs_epi16(u->w[0], SX(0)), ones);
+            UNROLL
+            for (int k = 1; k < 8; k++) I = _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(u->w[k], SX(k)), ones));
+#undef SX
+        } else {
+            __m256i s16 = _mm256_maddubs_epi16(u->w[0], bcast32(b));
+            UNROLL
+            for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u->w[k], bcast32(b + 64 * k)));
+            I = _mm256_madd_epi16(s16, ones);
+            if (type == ES_TYPE_Q4_0) {
+                memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
+                I = _mm256_sub_epi32(I, _mm256_set1_epi32(8 * qsum));
+            }
+        }
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(u->a, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(I));
+        if (type == ES_TYPE_Q4_1) {
+            memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
+            c = _mm256_add_ps(c, _mm256_mul_ps(u->b, _mm256_set1_ps(dq)));
+        }
+        acc[n] = _mm256_add_ps(acc[n], c);
+    }
+}
+
+/* Half h of records [s0, s1) (s0 a multiple of 16) into acc; pf: prefetch. */
+static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
+                                   const uint8_t *x, size_t xs, __m256 *acc, int pf) {
+    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    for (int64_t j0 = s0; j0 < s1; j0 += ES_GROUP_BLOCKS) {
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(j0 / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+        int nj = s1 - j0 < ES_GROUP_BLOCKS ? (int)(s1 - j0) : ES_GROUP_BLOCKS;
+        const uint8_t *p = g + (size_t)j0 * rec;
+        for (int jj = 0; jj < nj; jj++, p += rec) {
+            if (pf)
+                for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+            phalf u;
+            punpack(type, p, h, &u);
+            prows(nt, type, &u, p + 32 * h, xr, jj, acc);
+        }
+    }
 }
 
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
- * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row. */
+ * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
+ * A half wholly past nr is skipped. pf: this tile prefetches (the first). */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
-    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
-    const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
-    __m512 acc[PTILE];
-    UNROLL
-    for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+    const int nh = nr > 8 ? 2 : 1;
+    __m256 part[2][PTILE];
     if (pf)
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
-    for (int64_t j = 0; j < nb; j++) {
-        const uint8_t *p = g + (size_t)j * rec;
-        if (pf)
-            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-        prec u;
-        punpack(type, p, &u);
-        const uint8_t *xb = x + (size_t)(j / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
-        const int jj = (int)(j % ES_GROUP_BLOCKS);
-        UNROLL
-        for (int n = 0; n < nt; n++) {
-            const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
-            const int8_t *q = xg->qs + 4 * jj;
-            __m512i i0, i1;
-            if (type == ES_TYPE_Q4_1) {
-                i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[0], bcast32(q));
-            } else {
-                i0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-(xg->qsum[jj] * (1 << off))), u.w[0], bcast32(q));
-            }
-            i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.w[1], bcast32(q + 64));
+    for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
+        int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
+        for (int h = 0; h < nh; h++) {
+            __m256 acc[PTILE];
             UNROLL
-            for (int k = 2; k < 8; k += 2) {
-                i0 = _mm512_dpbusd_epi32(i0, u.w[k], bcast32(q + 64 * k));
-                i1 = _mm512_dpbusd_epi32(i1, u.w[k + 1], bcast32(q + 64 * (k + 1)));
-            }
-            __m512 c = _mm512_mul_ps(_mm512_mul_ps(u.a, _mm512_set1_ps(xg->d[jj])),
-                                     _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
-            if (type == ES_TYPE_Q4_1) c = _mm512_add_ps(c, _mm512_mul_ps(u.b, _mm512_set1_ps(xg->dq[jj])));
-            acc[n] = _mm512_add_ps(acc[n], c);
+            for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
+            phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+            UNROLL
+            for (int n = 0; n < nt; n++) part[h][n] = acc[n];
         }
     }
-    const __mmask16 m = (__mmask16)((1u << nr) - 1);
-    UNROLL
-    for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
+    for (int h = 0; h < nh; h++) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8 * h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int n = 0; n < nt; n++) {
+            float *y = Y + (int64_t)n * ldy + 8 * h;
+            if (8 * h + 8 <= nr) _mm256_storeu_ps(y, part[h][n]);
+            else _mm256_maskstore_ps(y, m, part[h][n]);
+        }
+    }
 }
 
 #define PSWITCH(nt, ...)                                                                            \
@@ -1511,16 +1519,13 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     case 1: pgroup(1, __VA_ARGS__); break;                                                          \
     case 2: pgroup(2, __VA_ARGS__); break;                                                          \
     case 3: pgroup(3, __VA_ARGS__); break;                                                          \
-    case 4: pgroup(4, __VA_ARGS__); break;                                                          \
-    case 5: pgroup(5, __VA_ARGS__); break;                                                          \
-    case 6: pgroup(6, __VA_ARGS__); break;                                                          \
-    case 7: pgroup(7, __VA_ARGS__); break;                                                          \
-    default: pgroup(8, __VA_ARGS__); break;                                                         \
+    default: pgroup(4, __VA_ARGS__); break;                                                         \
     }
 
-/* Row groups of 16 from r0 to r1; each group runs over the activation
- * rows in tiles of at most PTILE of near-equal size (the group's records
- * stay in L1 between tiles; only the first tile prefetches). */
+/* Row groups of 16 from r0 to r1 (r1 may end a partial group); each group
+ * runs over the activation rows in tiles of at most PTILE of near-equal
+ * size (the group's records stay in cache between tiles; only the first
+ * tile prefetches). */
 #define PKERNEL(name, type)                                                                         \
     static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
@@ -1565,7 +1570,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     }
 }
 const char *es_x86_simd_name(void) { return "avx2"; }
-es_mm_kernel es_x86_packed_kernel(uint32_t type) { (void)type; return NULL; }
 
 #else /* no x86 SIMD path in this build */
 
