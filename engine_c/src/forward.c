@@ -2,7 +2,10 @@
  * forward.c - sessions, the KV cache, rollback and the forward pass.
  *
  * A session owns one KV sequence:
- *   k_cache, v_cache  float32 [n_layer][n_ctx][n_head_kv * head_dim]
+ *   k_cache  float32 [n_layer][n_head_kv][head_dim][n_ctx]  (transposed: the
+ *            positions of one key dimension are contiguous, so the scores
+ *            of 8 positions are one vector operation per dimension)
+ *   v_cache  float32 [n_layer][n_ctx][n_head_kv * head_dim]
  * Positions [0, n_past) are valid. A forward over N tokens writes positions
  * [n_past, n_past + N) and then advances n_past; rollback only moves n_past
  * back, so a later forward overwrites the removed positions and nothing of
@@ -31,7 +34,7 @@ struct es_session {
     int32_t n_past;         /* valid KV positions (tokens) */
     int32_t n_threads;
     es_pool *pool;
-    float *k_cache;         /* [n_layer][n_ctx][kv_dim] */
+    float *k_cache;         /* [n_layer][n_head_kv][head_dim][n_ctx] */
     float *v_cache;         /* [n_layer][n_ctx][kv_dim] */
     /* scratch, sized for cap tokens per call */
     int32_t cap;
@@ -74,26 +77,6 @@ static inline float dot8(const float *a, const float *b, int n) {
     for (; i < n; i++) l[i & 7] += a[i] * b[i];
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
-
-/* dot8 for n = HD (a multiple of 8 known at compile time): the same
- * operations in the same order, unrolled, with the lane tree done by
- * shuffles in registers (float addition commutes bitwise, so the pairing
- * by shuffles gives the same sums as the scalar tree). */
-#define DEFINE_DOT(HD)                                                                    \
-    static inline float dot_##HD(const float *a, const float *b) {                        \
-        v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};                                               \
-        for (int i = 0; i < HD; i += 8) {                                                 \
-            v8f x, y;                                                                     \
-            memcpy(&x, a + i, sizeof x);                                                  \
-            memcpy(&y, b + i, sizeof y);                                                  \
-            acc += x * y;                                                                 \
-        }                                                                                 \
-        acc += __builtin_shufflevector(acc, acc, 1, 0, 3, 2, 5, 4, 7, 6);                 \
-        acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5);                 \
-        return acc[0] + acc[4];                                                           \
-    }
-DEFINE_DOT(64)
-DEFINE_DOT(128)
 
 /* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; x and y may alias. */
 static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
@@ -415,9 +398,11 @@ typedef struct {
  * (GQA): softmax(q . K^T / sqrt(head_dim)) . V over positions [0, pos].
  * Each K and V row is loaded once for the whole group. Every head's result
  * is computed by the same operations, in the same order, as if it were
- * computed alone (score = dot8 * scale; max; exp; sequential sum; then
- * o[d] += a_t * v_t[d] for t in order), so the grouping and the thread split
- * change no bit.
+ * computed alone (score = (sum over d = 0, 1, ... of q[d] * k_t[d], a
+ * product then a sum, in order) * scale, 8 positions per vector op and the
+ * same operations one by one for the last positions; max; exp; sequential
+ * sum; then o[d] += a_t * v_t[d] for t in order), so the grouping, the
+ * vector width and the thread split change no bit.
  *   sc: scratch of (h1 - h0) * (pos + 1) floats
  */
 
@@ -452,6 +437,46 @@ static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, 
     }
 }
 
+/* Scores of nj (a constant 1..4 after inlining) heads q[j * hd ..] against
+ * positions [0, n - n % 8) of the transposed keys kt ([hd][nc]), 8 positions
+ * per vector: sc[j * n + t] = (sum_d q[d] * k[d][t]) * scale. Returns the
+ * first position not done. */
+static inline __attribute__((always_inline)) int scores8(const int nj, const float *q, int hd, const float *kt,
+                                                       size_t nc, int n, float scale, float *sc) {
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {   /* two blocks of 8 side by side: 2 * nj independent sums */
+        v8f acc[4] = {{0}, {0}, {0}, {0}}, acc2[4] = {{0}, {0}, {0}, {0}};
+        for (int d = 0; d < hd; d++) {
+            v8f kv, kv2;
+            memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
+            memcpy(&kv2, kt + (size_t)d * nc + t + 8, sizeof kv2);
+            for (int j = 0; j < nj; j++) {
+                v8f qd = v8_splat(q[(size_t)j * hd + d]);
+                acc[j] += qd * kv;
+                acc2[j] += qd * kv2;
+            }
+        }
+        for (int j = 0; j < nj; j++) {
+            v8f sv = acc[j] * v8_splat(scale), sv2 = acc2[j] * v8_splat(scale);
+            memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
+            memcpy(sc + (size_t)j * n + t + 8, &sv2, sizeof sv2);
+        }
+    }
+    for (; t + 8 <= n; t += 8) {
+        v8f acc[4] = {{0}, {0}, {0}, {0}};
+        for (int d = 0; d < hd; d++) {
+            v8f kv;
+            memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
+            for (int j = 0; j < nj; j++) acc[j] += v8_splat(q[(size_t)j * hd + d]) * kv;
+        }
+        for (int j = 0; j < nj; j++) {
+            v8f sv = acc[j] * v8_splat(scale);
+            memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
+        }
+    }
+    return t;
+}
+
 static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1, float *sc) {
     const es_model_info *in = &s->model->info;
     int hd = in->head_dim;
@@ -460,36 +485,40 @@ static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1,
     int n = s->n_past + i + 1;                      /* positions attended */
     int nh = h1 - h0;
     const float *q = s->q + (size_t)i * q_dim + (size_t)h0 * hd;
-    const float *kc = s->k_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
+    const float *kt = s->k_cache + ((size_t)layer * in->n_head_kv + (size_t)g) * (size_t)hd * s->n_ctx;
     const float *vc = s->v_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
+    size_t nc = (size_t)s->n_ctx;
     float scale = 1.0f / sqrtf((float)hd);
     float mx[ES_MAX_GROUP];
-    for (int j = 0; j < nh; j++) mx[j] = -INFINITY;
-    /* The K and V rows of this group are hd floats at a stride of kv_dim: ask
-     * for all of them up front (they are in DRAM after the weight stream of a
-     * step went through the caches) rather than one latency per row. */
+    /* V rows are hd floats at a stride of kv_dim: ask for them now, they are
+     * needed after the scores (and are in DRAM after a step's weight stream) */
     for (int t = 0; t < n; t++)
-        for (int o = 0; o < hd; o += 16) {
-            __builtin_prefetch(kc + (size_t)t * kv_dim + o, 0, 3);
-            __builtin_prefetch(vc + (size_t)t * kv_dim + o, 0, 3);
+        for (int o = 0; o < hd; o += 16) __builtin_prefetch(vc + (size_t)t * kv_dim + o, 0, 3);
+    /* scores, heads in slices of 4 sharing each K load */
+    for (int j0 = 0; j0 < nh; j0 += 4) {
+        int nj = nh - j0 < 4 ? nh - j0 : 4;
+        const float *qj = q + (size_t)j0 * hd;
+        int t = 0;
+        switch (nj) {
+        case 1: t = scores8(1, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 2: t = scores8(2, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 3: t = scores8(3, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        default: t = scores8(4, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
         }
-#define SCORES(DOT)                                                                 \
-    for (int t = 0; t < n; t++) {                                                   \
-        const float *kr = kc + (size_t)t * kv_dim;                                  \
-        for (int j = 0; j < nh; j++) {                                              \
-            float d = DOT * scale;                                                  \
-            sc[(size_t)j * n + t] = d;                                              \
-            if (d > mx[j]) mx[j] = d;                                               \
-        }                                                                           \
+        for (; t < n; t++)
+            for (int j = 0; j < nj; j++) {
+                float a = 0.0f;
+                for (int d = 0; d < hd; d++) a += qj[(size_t)j * hd + d] * kt[(size_t)d * nc + t];
+                sc[(size_t)(j0 + j) * n + t] = a * scale;
+            }
     }
-    if (hd == 64) {
-        SCORES(dot_64(q + (size_t)j * hd, kr))
-    } else if (hd == 128) {
-        SCORES(dot_128(q + (size_t)j * hd, kr))
-    } else {
-        SCORES(dot8(q + (size_t)j * hd, kr, hd))
+    for (int j = 0; j < nh; j++) {
+        const float *row = sc + (size_t)j * n;
+        float m = -INFINITY;
+        for (int t = 0; t < n; t++)
+            if (row[t] > m) m = row[t];
+        mx[j] = m;
     }
-#undef SCORES
     float sum[ES_MAX_GROUP];
     for (int j = 0; j < nh; j++) {
         exp_sub_row(sc + (size_t)j * n, mx[j], n);
@@ -563,13 +592,14 @@ static void attention_block(es_session *s, int l, int n) {
      * a time in the attention (the weight stream of the last step pushed
      * them out of every cache). */
     {
-        const char *kb = (const char *)(s->k_cache + (size_t)l * s->n_ctx * kv_dim);
+        const float *kb = s->k_cache + (size_t)l * kv_dim * s->n_ctx;
         const char *vb = (const char *)(s->v_cache + (size_t)l * s->n_ctx * kv_dim);
         size_t bytes = (size_t)s->n_past * kv_dim * sizeof(float);
-        if (bytes > 128 * 1024) bytes = 128 * 1024;   /* the rest: attend_group's own prefetch */
-        for (size_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch(kb + o, 0, 2);
-            __builtin_prefetch(vb + o, 0, 2);
+        if (bytes <= 128 * 1024) {   /* longer contexts: left to the hardware and attend_group */
+            for (int r = 0; r < kv_dim; r++)
+                for (size_t o = 0; o < (size_t)s->n_past * sizeof(float); o += 64)
+                    __builtin_prefetch((const char *)(kb + (size_t)r * s->n_ctx) + o, 0, 2);
+            for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(vb + o, 0, 2);
         }
     }
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
@@ -597,8 +627,10 @@ static void attention_block(es_session *s, int l, int n) {
     }
     /* append k, v at positions [n_past, n_past + n) */
     size_t base = ((size_t)l * s->n_ctx + (size_t)s->n_past) * kv_dim;
-    memcpy(s->k_cache + base, s->k, (size_t)n * kv_dim * sizeof(float));
     memcpy(s->v_cache + base, s->v, (size_t)n * kv_dim * sizeof(float));
+    float *kl = s->k_cache + (size_t)l * kv_dim * s->n_ctx + s->n_past;   /* [kv_dim][n_ctx] */
+    for (int r = 0; r < kv_dim; r++)
+        for (int i = 0; i < n; i++) kl[(size_t)r * s->n_ctx + i] = s->k[(size_t)i * kv_dim + r];
     attn_task t = {s, l, n};
     es_pool_run(s->pool, attn_worker, &t);
     mm(s, L->wo, s->att, n, s->out, in->n_embd);
