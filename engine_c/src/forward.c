@@ -35,6 +35,8 @@ struct es_session {
     int32_t n_threads;
     es_pool *pool;
     float *k_cache;         /* [n_layer][n_head_kv][head_dim][n_ctx] */
+    int pending_out;        /* a forward step: x += out is still to be done (by the next norm) */
+    int out_first;          /* a forward step: first position the output head reads */
     float *v_cache;         /* [n_layer][n_ctx][kv_dim] */
     /* scratch, sized for cap tokens per call */
     int32_t cap;
@@ -578,15 +580,83 @@ static void fill_rope_table(es_session *s, int n) {
     }
 }
 
+/* ---- per-token row work, shared out by token when there are several ---- */
+
+enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT };
+
+/* Row i of a step of layer l (each token's row reads and writes only its own
+ * data, so the split changes no bit):
+ *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
+ *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
+ *   ROWS_QKV   q/k/v biases, q/k head norms (qwen3), RoPE of q[i] and k[i];
+ *       k[i] and v[i] written to the cache at position n_past + i
+ *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i]) */
+static void token_row(es_session *s, int l, int op, int i) {
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+    const es_layer *L = &m->layers[l];
+    size_t e = (size_t)in->n_embd;
+    if (op != ROWS_QKV) {
+        const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
+        int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
+        float *x = s->x + (size_t)row * e;
+        if (s->pending_out) {
+            const float *o = s->out + (size_t)row * e;
+            for (size_t k = 0; k < e; k++) x[k] += o[k];
+        }
+        rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
+        return;
+    }
+    int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
+    float *q = s->q + (size_t)i * q_dim, *k = s->k + (size_t)i * kv_dim, *v = s->v + (size_t)i * kv_dim;
+    if (L->bq) add_bias(q, es_model_vec(m, L->bq), 1, q_dim);
+    if (L->bk) add_bias(k, es_model_vec(m, L->bk), 1, kv_dim);
+    if (L->bv) add_bias(v, es_model_vec(m, L->bv), 1, kv_dim);
+    const float *qn = L->q_norm ? es_model_vec(m, L->q_norm) : NULL;
+    const float *kn = L->k_norm ? es_model_vec(m, L->k_norm) : NULL;
+    const float *cs = s->rope + (size_t)i * in->rope_dim;
+    for (int h = 0; h < in->n_head; h++) {
+        float *qh = q + (size_t)h * hd;
+        if (qn) rmsnorm(qh, qh, qn, hd, in->norm_eps);
+        rope_head(qh, cs, in->rope_dim, in->rope_neox);
+    }
+    for (int h = 0; h < in->n_head_kv; h++) {
+        float *kh = k + (size_t)h * hd;
+        if (kn) rmsnorm(kh, kh, kn, hd, in->norm_eps);
+        rope_head(kh, cs, in->rope_dim, in->rope_neox);
+    }
+    size_t pos = (size_t)s->n_past + (size_t)i;
+    memcpy(s->v_cache + ((size_t)l * s->n_ctx + pos) * kv_dim, v, (size_t)kv_dim * sizeof(float));
+    float *kl = s->k_cache + (size_t)l * kv_dim * s->n_ctx + pos;   /* [kv_dim][n_ctx] */
+    for (int r = 0; r < kv_dim; r++) kl[(size_t)r * s->n_ctx] = k[r];
+}
+
+typedef struct {
+    es_session *s;
+    int l, n, op;
+} rows_task;
+
+static void rows_worker(void *ctx, int ith, int nth) {
+    rows_task *t = ctx;
+    for (int i = ith; i < t->n; i += nth) token_row(t->s, t->l, t->op, i);
+}
+
+/* token_row for i in [0, n): on the calling thread for one token, on the
+ * pool for several. Clears the pending residual after a norm. */
+static void run_rows(es_session *s, int l, int n, int op) {
+    rows_task t = {s, l, n, op};
+    if (n > 1) es_pool_run(s->pool, rows_worker, &t);
+    else rows_worker(&t, 0, 1);
+    if (op != ROWS_QKV) s->pending_out = 0;
+}
+
 /* Attention sublayer of one block: x += Wo . attn(norm(x)). */
 static void attention_block(es_session *s, int l, int n) {
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
-    const float *wn = es_model_vec(m, L->attn_norm);
-    for (int i = 0; i < n; i++)
-        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
+    run_rows(s, l, n, ROWS_NORM_ATTN);
     /* Ask for this layer's cached K and V rows now: they arrive in cache while
      * the q/k/v matmul streams its weights, instead of one memory latency at
      * a time in the attention (the weight stream of the last step pushed
@@ -607,34 +677,11 @@ static void attention_block(es_session *s, int l, int n) {
     float *yqkv[3] = {s->q, s->k, s->v};
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
     es_matmul_many(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch);
-    if (L->bq) add_bias(s->q, es_model_vec(m, L->bq), n, q_dim);
-    if (L->bk) add_bias(s->k, es_model_vec(m, L->bk), n, kv_dim);
-    if (L->bv) add_bias(s->v, es_model_vec(m, L->bv), n, kv_dim);
-    const float *qn = L->q_norm ? es_model_vec(m, L->q_norm) : NULL;
-    const float *kn = L->k_norm ? es_model_vec(m, L->k_norm) : NULL;
-    for (int i = 0; i < n; i++) {
-        const float *cs = s->rope + (size_t)i * in->rope_dim;
-        for (int h = 0; h < in->n_head; h++) {
-            float *qh = s->q + (size_t)i * q_dim + (size_t)h * hd;
-            if (qn) rmsnorm(qh, qh, qn, hd, in->norm_eps);
-            rope_head(qh, cs, in->rope_dim, in->rope_neox);
-        }
-        for (int h = 0; h < in->n_head_kv; h++) {
-            float *kh = s->k + (size_t)i * kv_dim + (size_t)h * hd;
-            if (kn) rmsnorm(kh, kh, kn, hd, in->norm_eps);
-            rope_head(kh, cs, in->rope_dim, in->rope_neox);
-        }
-    }
-    /* append k, v at positions [n_past, n_past + n) */
-    size_t base = ((size_t)l * s->n_ctx + (size_t)s->n_past) * kv_dim;
-    memcpy(s->v_cache + base, s->v, (size_t)n * kv_dim * sizeof(float));
-    float *kl = s->k_cache + (size_t)l * kv_dim * s->n_ctx + s->n_past;   /* [kv_dim][n_ctx] */
-    for (int r = 0; r < kv_dim; r++)
-        for (int i = 0; i < n; i++) kl[(size_t)r * s->n_ctx + i] = s->k[(size_t)i * kv_dim + r];
+    run_rows(s, l, n, ROWS_QKV);   /* biases, q/k norms, RoPE; k, v appended to the cache */
     attn_task t = {s, l, n};
     es_pool_run(s->pool, attn_worker, &t);
     mm(s, L->wo, s->att, n, s->out, in->n_embd);
-    for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
+    s->pending_out = 1;            /* x += out: done by the next norm, per token */
 }
 
 typedef struct {
@@ -658,9 +705,7 @@ static void ffn_block(es_session *s, int l, int n) {
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
-    const float *wn = es_model_vec(m, L->ffn_norm);
-    for (int i = 0; i < n; i++)
-        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)i * in->n_embd, wn, in->n_embd, in->norm_eps);
+    run_rows(s, l, n, ROWS_NORM_FFN);
     const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
@@ -668,7 +713,7 @@ static void ffn_block(es_session *s, int l, int n) {
     swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff};
     es_pool_run(s->pool, swiglu_worker, &sw);
     mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
-    for (size_t i = 0; i < (size_t)n * in->n_embd; i++) s->x[i] += s->out[i];
+    s->pending_out = 1;
 }
 
 static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_t n,
@@ -713,17 +758,15 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
         es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
     }
     fill_rope_table(s, n);
+    s->pending_out = 0;
     es_pool_begin(s->pool);
     for (int l = 0; l < in->n_layer; l++) {
         attention_block(s, l, n);
         ffn_block(s, l, n);
     }
     /* output head over positions [n - out_rows, n): logits [out_rows][n_vocab] */
-    const float *wn = es_model_vec(m, m->output_norm);
-    int first = n - out_rows;
-    for (int i = 0; i < out_rows; i++)
-        rmsnorm(s->xb + (size_t)i * in->n_embd, s->x + (size_t)(first + i) * in->n_embd, wn,
-                in->n_embd, in->norm_eps);
+    s->out_first = n - out_rows;
+    run_rows(s, 0, out_rows, ROWS_NORM_OUT);
     mm(s, m->output, s->xb, out_rows, s->logits, in->n_vocab);
     es_pool_end(s->pool);
 
