@@ -62,6 +62,9 @@ struct es_session {
 
 /* 8 float lanes as a GCC vector (lowered to AVX, SSE or NEON as the target has). */
 typedef float v8f __attribute__((vector_size(32)));
+/* 16 lanes, for loops whose lanes are independent elements (attention over
+ * positions or dimensions): the width changes no element's operations. */
+typedef float v16f __attribute__((vector_size(64)));
 
 /* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
  * order, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
@@ -188,7 +191,12 @@ static void exp_sub_row(float *x, float m, int n) {
         v = exp8(v - v8_splat(m));
         memcpy(x + i, &v, sizeof v);
     }
-    for (; i < n; i++) x[i] = exp_cephes(x[i] - m);
+    if (i < n) {   /* the tail as one vector (exp8's lanes are exp_cephes) */
+        v8f v = {0};
+        memcpy(&v, x + i, (size_t)(n - i) * sizeof(float));
+        v = exp8(v - v8_splat(m));
+        memcpy(x + i, &v, (size_t)(n - i) * sizeof(float));
+    }
 }
 
 /* g[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i in [0, n). */
@@ -335,7 +343,9 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     s->n_threads = n_threads;
     size_t kv_dim = (size_t)in->n_head_kv * in->head_dim;
     size_t kv_elems = (size_t)in->n_layer * (size_t)n_ctx * kv_dim;
-    s->k_cache = malloc(kv_elems * sizeof(float));
+    /* + 16 floats: the last key row may be read one vector past its end
+     * (attend_group's tail block; those lanes are never used) */
+    s->k_cache = calloc(kv_elems + 16, sizeof(float));
     s->v_cache = malloc(kv_elems * sizeof(float));
     int grp = in->n_head / in->n_head_kv;
     s->group_cap = grp < ES_MAX_GROUP ? grp : ES_MAX_GROUP;
@@ -413,14 +423,14 @@ typedef struct {
 #define DEFINE_AXPY_ROWS(HD)                                                        \
     static void axpy_rows_##HD(float *o, const float *a, const float *vc,          \
                                size_t kv_dim, int n) {                            \
-        v8f acc[HD / 8];                                                            \
-        for (int k = 0; k < HD / 8; k++) acc[k] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};   \
+        v16f acc[HD / 16];                                                          \
+        for (int k = 0; k < HD / 16; k++) acc[k] = (v16f){0};                       \
         for (int t = 0; t < n; t++) {                                               \
             const float *vr = vc + (size_t)t * kv_dim;                              \
-            v8f av = {a[t], a[t], a[t], a[t], a[t], a[t], a[t], a[t]};              \
-            for (int k = 0; k < HD / 8; k++) {                                      \
-                v8f v;                                                              \
-                memcpy(&v, vr + 8 * k, sizeof v);                                   \
+            float av = a[t];                                                        \
+            for (int k = 0; k < HD / 16; k++) {                                     \
+                v16f v;                                                             \
+                memcpy(&v, vr + 16 * k, sizeof v);                                  \
                 acc[k] += av * v;                                                   \
             }                                                                       \
         }                                                                           \
@@ -428,6 +438,32 @@ typedef struct {
     }
 DEFINE_AXPY_ROWS(64)
 DEFINE_AXPY_ROWS(128)
+
+/* axpy_rows_64 for nj heads (a constant) at once: o[j * 64 + d] = sum_t
+ * a[j * n + t] * V[t][d], the same operations per element; each V row is
+ * loaded once for the nj heads. Only where 3 heads' accumulators fit in
+ * registers (32 vector registers of 16 floats). */
+#if defined(__AVX512F__)
+#define AXPY_HEADS 3
+#else
+#define AXPY_HEADS 1
+#endif
+static inline __attribute__((always_inline)) void axpy_heads_64(const int nj, float *o, const float *a, int n,
+                                                                const float *vc, size_t kv_dim) {
+    v16f acc[AXPY_HEADS][4];
+    for (int j = 0; j < nj; j++)
+        for (int k = 0; k < 4; k++) acc[j][k] = (v16f){0};
+    for (int t = 0; t < n; t++) {
+        const float *vr = vc + (size_t)t * kv_dim;
+        v16f v[4];
+        memcpy(v, vr, sizeof v);
+        for (int j = 0; j < nj; j++) {
+            float av = a[(size_t)j * n + t];
+            for (int k = 0; k < 4; k++) acc[j][k] += av * v[k];
+        }
+    }
+    for (int j = 0; j < nj; j++) memcpy(o + (size_t)j * 64, acc[j], sizeof acc[j]);
+}
 
 static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, int n, int hd) {
     if (hd == 64) { axpy_rows_64(o, a, vc, kv_dim, n); return; }
@@ -440,41 +476,55 @@ static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, 
 }
 
 /* Scores of nj (a constant 1..4 after inlining) heads q[j * hd ..] against
- * positions [0, n - n % 8) of the transposed keys kt ([hd][nc]), 8 positions
- * per vector: sc[j * n + t] = (sum_d q[d] * k[d][t]) * scale. Returns the
- * first position not done. */
-static inline __attribute__((always_inline)) int scores8(const int nj, const float *q, int hd, const float *kt,
+ * positions [0, n) of the transposed keys kt ([hd][nc]), 16 positions per
+ * vector: sc[j * n + t] = (sum_d q[d] * k[d][t]) * scale. The last vector
+ * reads up to 15 floats past position n - 1 (inside the cache's allocation).
+ * Returns n. */
+static inline __attribute__((always_inline)) int scores16(const int nj, const float *q, int hd, const float *kt,
                                                        size_t nc, int n, float scale, float *sc) {
     int t = 0;
-    for (; t + 16 <= n; t += 16) {   /* two blocks of 8 side by side: 2 * nj independent sums */
-        v8f acc[4] = {{0}, {0}, {0}, {0}}, acc2[4] = {{0}, {0}, {0}, {0}};
+    for (; t + 32 <= n; t += 32) {   /* two blocks of 16 side by side: 2 * nj independent sums */
+        v16f acc[4] = {{0}, {0}, {0}, {0}}, acc2[4] = {{0}, {0}, {0}, {0}};
         for (int d = 0; d < hd; d++) {
-            v8f kv, kv2;
+            v16f kv, kv2;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            memcpy(&kv2, kt + (size_t)d * nc + t + 8, sizeof kv2);
+            memcpy(&kv2, kt + (size_t)d * nc + t + 16, sizeof kv2);
             for (int j = 0; j < nj; j++) {
-                v8f qd = v8_splat(q[(size_t)j * hd + d]);
-                acc[j] += qd * kv;
-                acc2[j] += qd * kv2;
+                float qv = q[(size_t)j * hd + d];
+                acc[j] += qv * kv;
+                acc2[j] += qv * kv2;
             }
         }
         for (int j = 0; j < nj; j++) {
-            v8f sv = acc[j] * v8_splat(scale), sv2 = acc2[j] * v8_splat(scale);
+            v16f sv = acc[j] * scale, sv2 = acc2[j] * scale;
             memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
-            memcpy(sc + (size_t)j * n + t + 8, &sv2, sizeof sv2);
+            memcpy(sc + (size_t)j * n + t + 16, &sv2, sizeof sv2);
         }
     }
-    for (; t + 8 <= n; t += 8) {
-        v8f acc[4] = {{0}, {0}, {0}, {0}};
+    for (; t + 16 <= n; t += 16) {
+        v16f acc[4] = {{0}, {0}, {0}, {0}};
         for (int d = 0; d < hd; d++) {
-            v8f kv;
+            v16f kv;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            for (int j = 0; j < nj; j++) acc[j] += v8_splat(q[(size_t)j * hd + d]) * kv;
+            for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
         }
         for (int j = 0; j < nj; j++) {
-            v8f sv = acc[j] * v8_splat(scale);
+            v16f sv = acc[j] * scale;
             memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
         }
+    }
+    if (t < n) {   /* the last 1..15 positions: one vector, read past them, lanes >= n dropped */
+        v16f acc[4] = {{0}, {0}, {0}, {0}};
+        for (int d = 0; d < hd; d++) {
+            v16f kv;
+            memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
+            for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
+        }
+        for (int j = 0; j < nj; j++) {
+            v16f sv = acc[j] * scale;
+            memcpy(sc + (size_t)j * n + t, &sv, (size_t)(n - t) * sizeof(float));
+        }
+        t = n;
     }
     return t;
 }
@@ -502,17 +552,12 @@ static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1,
         const float *qj = q + (size_t)j0 * hd;
         int t = 0;
         switch (nj) {
-        case 1: t = scores8(1, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        case 2: t = scores8(2, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        case 3: t = scores8(3, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        default: t = scores8(4, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 1: t = scores16(1, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 2: t = scores16(2, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 3: t = scores16(3, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        default: t = scores16(4, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
         }
-        for (; t < n; t++)
-            for (int j = 0; j < nj; j++) {
-                float a = 0.0f;
-                for (int d = 0; d < hd; d++) a += qj[(size_t)j * hd + d] * kt[(size_t)d * nc + t];
-                sc[(size_t)(j0 + j) * n + t] = a * scale;
-            }
+        (void)t;
     }
     for (int j = 0; j < nh; j++) {
         const float *row = sc + (size_t)j * n;
@@ -532,8 +577,13 @@ static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1,
         float *row = sc + (size_t)j * n;
         float inv = 1.0f / sum[j];
         for (int t = 0; t < n; t++) row[t] = row[t] * inv;
-        axpy_rows(s->att + (size_t)i * q_dim + (size_t)(h0 + j) * hd, row, vc, kv_dim, n, hd);
     }
+    float *o = s->att + (size_t)i * q_dim + (size_t)h0 * hd;
+    int j = 0;
+    if (hd == 64)   /* heads side by side, sharing each V row load */
+        for (; j + AXPY_HEADS <= nh; j += AXPY_HEADS)
+            axpy_heads_64(AXPY_HEADS, o + (size_t)j * hd, sc + (size_t)j * n, n, vc, kv_dim);
+    for (; j < nh; j++) axpy_rows(o + (size_t)j * hd, sc + (size_t)j * n, vc, kv_dim, n, hd);
 }
 
 /* Work units: (token, KV head, slice of its query heads). A group is split in
@@ -589,7 +639,7 @@ enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT };
  *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
  *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
  *   ROWS_QKV   q/k/v biases, q/k head norms (qwen3), RoPE of q[i] and k[i];
- *       k[i] and v[i] written to the cache at position n_past + i
+ *       v[i] written to the cache at position n_past + i
  *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i]) */
 static void token_row(es_session *s, int l, int op, int i) {
     const es_model *m = s->model;
@@ -627,8 +677,6 @@ static void token_row(es_session *s, int l, int op, int i) {
     }
     size_t pos = (size_t)s->n_past + (size_t)i;
     memcpy(s->v_cache + ((size_t)l * s->n_ctx + pos) * kv_dim, v, (size_t)kv_dim * sizeof(float));
-    float *kl = s->k_cache + (size_t)l * kv_dim * s->n_ctx + pos;   /* [kv_dim][n_ctx] */
-    for (int r = 0; r < kv_dim; r++) kl[(size_t)r * s->n_ctx] = k[r];
 }
 
 typedef struct {
@@ -677,7 +725,12 @@ static void attention_block(es_session *s, int l, int n) {
     float *yqkv[3] = {s->q, s->k, s->v};
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
     es_matmul_many(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch);
-    run_rows(s, l, n, ROWS_QKV);   /* biases, q/k norms, RoPE; k, v appended to the cache */
+    run_rows(s, l, n, ROWS_QKV);   /* biases, q/k norms, RoPE; v appended to the cache */
+    /* k appended to the transposed cache here, on one thread: the tokens of a
+     * step share the cache lines of each key row (no false sharing) */
+    float *kl = s->k_cache + (size_t)l * kv_dim * s->n_ctx + s->n_past;   /* [kv_dim][n_ctx] */
+    for (int r = 0; r < kv_dim; r++)
+        for (int i = 0; i < n; i++) kl[(size_t)r * s->n_ctx + i] = s->k[(size_t)i * kv_dim + r];
     attn_task t = {s, l, n};
     es_pool_run(s->pool, attn_worker, &t);
     mm(s, L->wo, s->att, n, s->out, in->n_embd);
