@@ -17,6 +17,7 @@
  * N or on the thread split. es_matmul keeps the same contract.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -403,6 +404,7 @@ typedef struct {
     es_session *s;
     int layer;
     int n;              /* tokens in this call */
+    _Atomic int next;   /* next work unit to take */
 } attn_task;
 
 /*
@@ -598,7 +600,9 @@ static void attn_worker(void *ctx, int ith, int nth) {
     int per = (grp + split - 1) / split;
     int total = t->n * in->n_head_kv * split;
     float *sc = s->scores + (size_t)ith * (size_t)s->group_cap * s->n_ctx;
-    for (int u = ith; u < total; u += nth) {
+    /* units are taken in turn from a counter: a thread that was preempted
+     * (a busy host) does fewer of them; the split changes no bit */
+    for (int u; (u = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < total;) {
         int part = u % split, g = (u / split) % in->n_head_kv, i = u / (split * in->n_head_kv);
         int h0 = g * grp + part * per;
         int h1 = h0 + per < (g + 1) * grp ? h0 + per : (g + 1) * grp;
@@ -682,17 +686,19 @@ static void token_row(es_session *s, int l, int op, int i) {
 typedef struct {
     es_session *s;
     int l, n, op;
+    _Atomic int next;
 } rows_task;
 
 static void rows_worker(void *ctx, int ith, int nth) {
     rows_task *t = ctx;
-    for (int i = ith; i < t->n; i += nth) token_row(t->s, t->l, t->op, i);
+    for (int i; (i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n;)
+        token_row(t->s, t->l, t->op, i);
 }
 
 /* token_row for i in [0, n): on the calling thread for one token, on the
  * pool for several. Clears the pending residual after a norm. */
 static void run_rows(es_session *s, int l, int n, int op) {
-    rows_task t = {s, l, n, op};
+    rows_task t = {s, l, n, op, 0};
     if (n > 1) es_pool_run(s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
     if (op != ROWS_QKV) s->pending_out = 0;
@@ -731,7 +737,7 @@ static void attention_block(es_session *s, int l, int n) {
     float *kl = s->k_cache + (size_t)l * kv_dim * s->n_ctx + s->n_past;   /* [kv_dim][n_ctx] */
     for (int r = 0; r < kv_dim; r++)
         for (int i = 0; i < n; i++) kl[(size_t)r * s->n_ctx + i] = s->k[(size_t)i * kv_dim + r];
-    attn_task t = {s, l, n};
+    attn_task t = {s, l, n, 0};
     es_pool_run(s->pool, attn_worker, &t);
     mm(s, L->wo, s->att, n, s->out, in->n_embd);
     s->pending_out = 1;            /* x += out: done by the next norm, per token */
@@ -741,16 +747,17 @@ typedef struct {
     float *g;
     const float *u;
     size_t n;
+    _Atomic size_t next;   /* next slice start */
 } swiglu_task;
 
-/* swiglu over [0, n) in slices of whole 8-element vectors per thread (the
- * value of an element does not depend on the slicing). */
+#define SWIGLU_SLICE 512   /* elements per slice (a multiple of 8) */
+
+/* swiglu over [0, n) in slices taken in turn from a counter (the value of
+ * an element does not depend on the slicing). */
 static void swiglu_worker(void *ctx, int ith, int nth) {
     swiglu_task *t = ctx;
-    size_t per = (t->n / 8 + (size_t)nth - 1) / (size_t)nth * 8;
-    size_t a = (size_t)ith * per, b = a + per < t->n ? a + per : t->n;
-    if (ith == nth - 1) b = t->n;
-    if (a < b) swiglu_row(t->g + a, t->u + a, b - a);
+    for (size_t a; (a = atomic_fetch_add_explicit(&t->next, SWIGLU_SLICE, memory_order_relaxed)) < t->n;)
+        swiglu_row(t->g + a, t->u + a, t->n - a < SWIGLU_SLICE ? t->n - a : SWIGLU_SLICE);
 }
 
 /* FFN sublayer: x += W_down . (silu(W_gate . norm(x)) * (W_up . norm(x))). */
@@ -763,7 +770,7 @@ static void ffn_block(es_session *s, int l, int n) {
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     es_matmul_many(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch);
-    swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff};
+    swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff, 0};
     es_pool_run(s->pool, swiglu_worker, &sw);
     mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
     s->pending_out = 1;

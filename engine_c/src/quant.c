@@ -568,11 +568,12 @@ typedef struct {
     void *scratch;
     size_t rs;
     int force_scalar;
+    _Atomic int next;
 } q8_task;
 
 static void q8_worker(void *ctx, int ith, int nth) {
     q8_task *t = ctx;
-    for (int n = ith; n < t->N; n += nth) {
+    for (int n; (n = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->N;) {
         es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)t->scratch + (size_t)n * t->rs);
         if (t->force_scalar) es_quantize_row_q8_ref(t->X + (int64_t)n * t->n_in, t->n_in, g);
         else es_quantize_row_q8(t->X + (int64_t)n * t->n_in, t->n_in, g);
@@ -631,7 +632,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
     }
     if (t.nw == 0) return;
     if (need_q8) {   /* several rows: quantized by the pool's threads, one row each in turn */
-        q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar};
+        q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, 0};
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
         else q8_worker(&qt, 0, 1);
     }
