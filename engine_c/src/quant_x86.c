@@ -801,13 +801,14 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
 
 #define PTILE 8   /* most activation rows per register tile */
 /* Software prefetch of the weight stream, this many bytes ahead, into L2
- * (T1). Measured with bench/kernel_bench.c on SmolLM2 shapes, 2 threads:
- * at N = 5 a record takes long enough to compute that the hardware
- * prefetcher alone leaves the stream behind; 4 KB into L2 hid most of the
- * memory time behind the arithmetic, where 1 KB, or any distance into L1
- * (T0), did not. */
+ * (T1). At N = 5 a record takes long enough to compute that the hardware
+ * prefetcher alone leaves the stream behind; into L1 (T0) it did not help
+ * at any distance. Forward passes of SmolLM2 (bench/forward_ab.c, builds
+ * with 2, 4, 8 and 16 KB alternated in one process, 2 threads, twice):
+ * 8 KB gave the lowest T (4.09 / 4.38 ms) and V(4) (5.52 / 6.05 ms); 4 KB
+ * was 6-10 % slower on both, 2 KB slower still, 16 KB no better. */
 #ifndef ES_PF_BYTES
-#define ES_PF_BYTES 4096
+#define ES_PF_BYTES 8192
 #endif
 
 typedef struct {
@@ -1389,7 +1390,7 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
 #define PTILE 4    /* most activation rows per register tile (16 ymm: 8 weights, 4 accumulators) */
 #define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0) */
 #ifndef ES_PF_BYTES
-#define ES_PF_BYTES 4096
+#define ES_PF_BYTES 8192
 #endif
 
 typedef struct {

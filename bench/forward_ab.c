@@ -1,0 +1,125 @@
+/*
+ * forward_ab.c - compare builds of the engine on one host at the same time.
+ *
+ * The host drifts by 15 % and more within minutes, so two builds timed one
+ * after the other can not be compared. This loads each build (a shared
+ * library) with dlopen, one model and session per build, and alternates
+ * them: per round, each build runs T (one decode step, N = 1) and V(4) (a
+ * forward over 5 tokens) at depth 64, with a rollback after each. It prints
+ * per build the median T and V(4) in ms and the median of the per-round
+ * V(4)/T ratios.
+ *
+ *   cd engine_c
+ *   for pf in 4096 8192; do
+ *     cc -O3 -march=native -ffp-contract=off -D_GNU_SOURCE -DES_PF_BYTES=$pf -fPIC -shared \
+ *        -pthread -Iinclude -Isrc $(find src -name '*.c') -o /tmp/eng_$pf.so -lm
+ *   done
+ *   cc -O2 -Iinclude ../bench/forward_ab.c -o /tmp/forward_ab -ldl
+ *   /tmp/forward_ab MODEL.gguf 150 /tmp/eng_4096.so /tmp/eng_8192.so
+ *
+ * At most 8 builds; 2 threads each; about 100 MB of memory per build.
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "echospec_engine.h"
+
+#define MAX_LIBS 8
+#define DEPTH 64
+
+typedef es_status (*load_fn)(const char *, const es_model_params *, es_model **, char *, size_t);
+typedef es_session_params (*params_fn)(void);
+typedef es_status (*session_fn)(const es_model *, const es_session_params *, es_session **, char *, size_t);
+typedef es_status (*forward_fn)(es_session *, const int32_t *, int32_t, int32_t *, float *, int32_t);
+typedef es_status (*rollback_fn)(es_session *, int32_t);
+
+typedef struct {
+    forward_fn forward;
+    rollback_fn rollback;
+    es_session *s;
+} build;
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
+}
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int open_build(const char *lib, const char *model, build *b, const int32_t *toks) {
+    void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "%s\n", dlerror());
+        return -1;
+    }
+    char err[256];
+    es_model *m;
+    if (((load_fn)dlsym(h, "es_model_load"))(model, NULL, &m, err, sizeof err) != ES_OK) {
+        fprintf(stderr, "%s: %s\n", lib, err);
+        return -1;
+    }
+    es_session_params p = ((params_fn)dlsym(h, "es_session_default_params"))();
+    p.n_ctx = 256;
+    p.n_threads = 2;
+    if (((session_fn)dlsym(h, "es_session_new"))(m, &p, &b->s, err, sizeof err) != ES_OK) {
+        fprintf(stderr, "%s: %s\n", lib, err);
+        return -1;
+    }
+    b->forward = (forward_fn)dlsym(h, "es_forward");
+    b->rollback = (rollback_fn)dlsym(h, "es_session_rollback");
+    int32_t am[DEPTH];
+    return b->forward(b->s, toks, DEPTH, am, NULL, 0) == ES_OK ? 0 : -1;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4 || argc > 3 + MAX_LIBS) {
+        fprintf(stderr, "usage: %s MODEL.gguf ROUNDS LIB.so [LIB.so ...] (at most %d)\n", argv[0], MAX_LIBS);
+        return 2;
+    }
+    int nl = argc - 3, rounds = atoi(argv[2]);
+    if (rounds < 1) {
+        fprintf(stderr, "ROUNDS must be >= 1\n");
+        return 2;
+    }
+    int32_t toks[DEPTH + 8], am[8];
+    for (int i = 0; i < DEPTH + 8; i++) toks[i] = (i * 7919) % 49152;
+    build b[MAX_LIBS];
+    for (int i = 0; i < nl; i++)
+        if (open_build(argv[3 + i], argv[1], &b[i], toks) != 0) return 1;
+    double *t1 = malloc(sizeof(double) * (size_t)(rounds * nl));
+    double *t5 = malloc(sizeof(double) * (size_t)(rounds * nl));
+    double *ratio = malloc(sizeof(double) * (size_t)(rounds * nl));
+    for (int k = -3; k < rounds; k++)   /* 3 warm-up rounds */
+        for (int i = 0; i < nl; i++) {
+            double a = now_ms();
+            b[i].forward(b[i].s, toks + DEPTH, 1, am, NULL, 0);
+            double c = now_ms();
+            b[i].rollback(b[i].s, DEPTH);
+            double d = now_ms();
+            b[i].forward(b[i].s, toks + DEPTH, 5, am, NULL, 0);
+            double e = now_ms();
+            b[i].rollback(b[i].s, DEPTH);
+            if (k >= 0) {
+                t1[i * rounds + k] = c - a;
+                t5[i * rounds + k] = e - d;
+                ratio[i * rounds + k] = (e - d) / (c - a);
+            }
+        }
+    for (int i = 0; i < nl; i++) {
+        qsort(t1 + i * rounds, (size_t)rounds, sizeof(double), cmp);
+        qsort(t5 + i * rounds, (size_t)rounds, sizeof(double), cmp);
+        qsort(ratio + i * rounds, (size_t)rounds, sizeof(double), cmp);
+        printf("%-24s T %.3f ms  V(4) %.3f ms  V(4)/T %.3f\n", argv[3 + i], t1[i * rounds + rounds / 2],
+               t5[i * rounds + rounds / 2], ratio[i * rounds + rounds / 2]);
+    }
+    free(t1);
+    free(t5);
+    free(ratio);
+    return 0;
+}
