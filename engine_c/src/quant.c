@@ -53,9 +53,11 @@
  * Bitwise equality holds for finite inputs; with NaN weights or activations
  * the results are NaN on every path but NaN payloads may differ.
  *
- * SIMD coverage: AVX-512 VNNI, AVX2 and NEON (dotprod, or widening
- * multiplies) have kernels for every type above except Q5_0 / Q5_1, which
- * use the scalar kernels on every path.
+ * SIMD coverage: AVX-512 VNNI, AVX2 and NEON dotprod have packed kernels
+ * for Q4_0, Q4_1 and Q8_0 (NEON without dotprod: none; the weights then stay
+ * unpacked and use the scalar kernels). Every path has lane kernels for
+ * F32, F16, BF16, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (NEON: dotprod or
+ * widening multiplies).
  *
  * es_matmul (and es_matmul_many, several matrices on one X) cut output rows
  * into contiguous chunks that the pool's threads take from an atomic
