@@ -842,7 +842,13 @@ static inline ES_AI __m512i bcast32(const int8_t *p) {
 }
 
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
- * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row. */
+ * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
+ * pf: 0 no prefetch (a later tile), 1 the rolling prefetch ES_PF_BYTES
+ * ahead, 2 also the first ES_PF_BYTES. 2 is used for the first group of a
+ * chunk, and for every group when N = 1: measured with bench/forward_ab.c,
+ * the repeated head prefetch made T (N = 1, memory-bound) faster but cost
+ * V(4) (N = 5, compute-bound) 4-10 %, where its 128 extra instructions per
+ * group are not free. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
     const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
@@ -850,7 +856,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     __m512 acc[PTILE];
     UNROLL
     for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
-    if (pf)
+    if (pf == 2)   /* the first group of a chunk: the head of the stream */
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *p = g + (size_t)j * rec;
@@ -913,7 +919,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
             for (int n0 = 0; n0 < N;) {                                                             \
                 int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
                 PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
-                        ldy, nr, n0 == 0)                                                           \
+                        ldy, nr, n0 > 0 ? 0 : r == r0 || N == 1 ? 2 : 1)                                                           \
                 n0 += nt;                                                                           \
             }                                                                                       \
         }                                                                                           \
@@ -1487,12 +1493,12 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
 
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
  * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
- * A half wholly past nr is skipped. pf: this tile prefetches (the first). */
+ * A half wholly past nr is skipped. pf: as in the AVX-512 kernel. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
     const int nh = nr > 8 ? 2 : 1;
     __m256 part[2][PTILE];
-    if (pf)
+    if (pf == 2)   /* the first group of a chunk: the head of the stream */
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
     for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
         int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
@@ -1538,7 +1544,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
             for (int n0 = 0; n0 < N;) {                                                             \
                 int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
                 PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
-                        ldy, nr, n0 == 0)                                                           \
+                        ldy, nr, n0 > 0 ? 0 : r == r0 || N == 1 ? 2 : 1)                                                           \
                 n0 += nt;                                                                           \
             }                                                                                       \
         }                                                                                           \
