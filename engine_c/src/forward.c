@@ -63,9 +63,16 @@ struct es_session {
 
 /* 8 float lanes as a GCC vector (lowered to AVX, SSE or NEON as the target has). */
 typedef float v8f __attribute__((vector_size(32)));
-/* 16 lanes, for loops whose lanes are independent elements (attention over
- * positions or dimensions): the width changes no element's operations. */
-typedef float v16f __attribute__((vector_size(64)));
+/* AW lanes, for loops whose lanes are independent elements (attention over
+ * positions or dimensions): the width changes no element's operations, so
+ * it follows the registers of the target (16 on AVX-512, 8 on AVX2 / NEON,
+ * where 16-lane accumulators would spill). */
+#if defined(__AVX512F__)
+#define AW 16
+#else
+#define AW 8
+#endif
+typedef float vaf __attribute__((vector_size(AW * 4)));
 
 /* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
  * order, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
@@ -425,14 +432,14 @@ typedef struct {
 #define DEFINE_AXPY_ROWS(HD)                                                        \
     static void axpy_rows_##HD(float *o, const float *a, const float *vc,          \
                                size_t kv_dim, int n) {                            \
-        v16f acc[HD / 16];                                                          \
-        for (int k = 0; k < HD / 16; k++) acc[k] = (v16f){0};                       \
+        vaf acc[HD / AW];                                                           \
+        for (int k = 0; k < HD / AW; k++) acc[k] = (vaf){0};                        \
         for (int t = 0; t < n; t++) {                                               \
             const float *vr = vc + (size_t)t * kv_dim;                              \
             float av = a[t];                                                        \
-            for (int k = 0; k < HD / 16; k++) {                                     \
-                v16f v;                                                             \
-                memcpy(&v, vr + 16 * k, sizeof v);                                  \
+            for (int k = 0; k < HD / AW; k++) {                                     \
+                vaf v;                                                              \
+                memcpy(&v, vr + AW * k, sizeof v);                                  \
                 acc[k] += av * v;                                                   \
             }                                                                       \
         }                                                                           \
@@ -452,16 +459,16 @@ DEFINE_AXPY_ROWS(128)
 #endif
 static inline __attribute__((always_inline)) void axpy_heads_64(const int nj, float *o, const float *a, int n,
                                                                 const float *vc, size_t kv_dim) {
-    v16f acc[AXPY_HEADS][4];
+    vaf acc[AXPY_HEADS][64 / AW];
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 4; k++) acc[j][k] = (v16f){0};
+        for (int k = 0; k < 64 / AW; k++) acc[j][k] = (vaf){0};
     for (int t = 0; t < n; t++) {
         const float *vr = vc + (size_t)t * kv_dim;
-        v16f v[4];
+        vaf v[64 / AW];
         memcpy(v, vr, sizeof v);
         for (int j = 0; j < nj; j++) {
             float av = a[(size_t)j * n + t];
-            for (int k = 0; k < 4; k++) acc[j][k] += av * v[k];
+            for (int k = 0; k < 64 / AW; k++) acc[j][k] += av * v[k];
         }
     }
     for (int j = 0; j < nj; j++) memcpy(o + (size_t)j * 64, acc[j], sizeof acc[j]);
@@ -478,19 +485,20 @@ static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, 
 }
 
 /* Scores of nj (a constant 1..4 after inlining) heads q[j * hd ..] against
- * positions [0, n) of the transposed keys kt ([hd][nc]), 16 positions per
+ * positions [0, n) of the transposed keys kt ([hd][nc]), AW positions per
  * vector: sc[j * n + t] = (sum_d q[d] * k[d][t]) * scale. The last vector
- * reads up to 15 floats past position n - 1 (inside the cache's allocation).
+ * reads up to AW - 1 floats past position n - 1 (inside the cache's
+ * allocation).
  * Returns n. */
-static inline __attribute__((always_inline)) int scores16(const int nj, const float *q, int hd, const float *kt,
+static inline __attribute__((always_inline)) int scores_v(const int nj, const float *q, int hd, const float *kt,
                                                        size_t nc, int n, float scale, float *sc) {
     int t = 0;
-    for (; t + 32 <= n; t += 32) {   /* two blocks of 16 side by side: 2 * nj independent sums */
-        v16f acc[4] = {{0}, {0}, {0}, {0}}, acc2[4] = {{0}, {0}, {0}, {0}};
+    for (; t + 2 * AW <= n; t += 2 * AW) {   /* two blocks of AW side by side: 2 * nj independent sums */
+        vaf acc[4] = {{0}, {0}, {0}, {0}}, acc2[4] = {{0}, {0}, {0}, {0}};
         for (int d = 0; d < hd; d++) {
-            v16f kv, kv2;
+            vaf kv, kv2;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            memcpy(&kv2, kt + (size_t)d * nc + t + 16, sizeof kv2);
+            memcpy(&kv2, kt + (size_t)d * nc + t + AW, sizeof kv2);
             for (int j = 0; j < nj; j++) {
                 float qv = q[(size_t)j * hd + d];
                 acc[j] += qv * kv;
@@ -498,32 +506,32 @@ static inline __attribute__((always_inline)) int scores16(const int nj, const fl
             }
         }
         for (int j = 0; j < nj; j++) {
-            v16f sv = acc[j] * scale, sv2 = acc2[j] * scale;
+            vaf sv = acc[j] * scale, sv2 = acc2[j] * scale;
             memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
-            memcpy(sc + (size_t)j * n + t + 16, &sv2, sizeof sv2);
+            memcpy(sc + (size_t)j * n + t + AW, &sv2, sizeof sv2);
         }
     }
-    for (; t + 16 <= n; t += 16) {
-        v16f acc[4] = {{0}, {0}, {0}, {0}};
+    for (; t + AW <= n; t += AW) {
+        vaf acc[4] = {{0}, {0}, {0}, {0}};
         for (int d = 0; d < hd; d++) {
-            v16f kv;
+            vaf kv;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
             for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
         }
         for (int j = 0; j < nj; j++) {
-            v16f sv = acc[j] * scale;
+            vaf sv = acc[j] * scale;
             memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
         }
     }
-    if (t < n) {   /* the last 1..15 positions: one vector, read past them, lanes >= n dropped */
-        v16f acc[4] = {{0}, {0}, {0}, {0}};
+    if (t < n) {   /* the last 1..AW-1 positions: one vector, read past them, lanes >= n dropped */
+        vaf acc[4] = {{0}, {0}, {0}, {0}};
         for (int d = 0; d < hd; d++) {
-            v16f kv;
+            vaf kv;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
             for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
         }
         for (int j = 0; j < nj; j++) {
-            v16f sv = acc[j] * scale;
+            vaf sv = acc[j] * scale;
             memcpy(sc + (size_t)j * n + t, &sv, (size_t)(n - t) * sizeof(float));
         }
         t = n;
@@ -554,10 +562,10 @@ static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1,
         const float *qj = q + (size_t)j0 * hd;
         int t = 0;
         switch (nj) {
-        case 1: t = scores16(1, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        case 2: t = scores16(2, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        case 3: t = scores16(3, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        default: t = scores16(4, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 1: t = scores_v(1, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 2: t = scores_v(2, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 3: t = scores_v(3, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        default: t = scores_v(4, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
         }
         (void)t;
     }
