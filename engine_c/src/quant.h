@@ -93,6 +93,49 @@ void es_tensor_unpack(es_tensor *t);
 es_mm_kernel es_x86_packed_kernel(uint32_t type);
 es_mm_kernel es_neon_packed_kernel(uint32_t type);
 
+/*
+ * The driver of every backend's packed kernels: 16-row groups from r0 to r1
+ * (the last may be partial: nr rows), each run over the activation rows in
+ * tiles of at most PTILE (1..8) rows of near-equal size, so that the group's
+ * records stay in cache between tiles. The backend defines PTILE and
+ *   static inline void pgroup(const int nt, const int type, const uint8_t *g,
+ *       int64_t nb, const uint8_t *x, size_t xs, float *Y, int64_t ldy, int nr, int pf)
+ * for one group g (nb records) and a tile of nt (a constant) activation rows
+ * x, storing nr outputs per row. pf, a prefetch hint: 0 a later tile of the
+ * group, 2 the first group of a chunk or any group when N = 1, else 1.
+ */
+#define ES_PTILE_CASE(k, ...)                                                                       \
+    case k:                                                                                         \
+        if ((k) <= PTILE) pgroup((k) <= PTILE ? (k) : 1, __VA_ARGS__);                              \
+        break;
+#define ES_PACKED_KERNEL(name, type)                                                                \
+    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
+                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
+        const uint8_t *x = xv;                                                                      \
+        int64_t nb = n_in / QK;                                                                     \
+        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
+            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
+            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
+            for (int n0 = 0; n0 < N;) {                                                             \
+                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
+                const uint8_t *xt = x + (size_t)n0 * x_stride;                                      \
+                float *Yt = Y + (int64_t)n0 * ldy + r;                                              \
+                int pf = n0 > 0 ? 0 : r == r0 || N == 1 ? 2 : 1;                                    \
+                switch (nt) {                                                                       \
+                    ES_PTILE_CASE(1, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(2, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(3, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(4, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(5, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(6, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(7, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                    ES_PTILE_CASE(8, type, g, nb, xt, x_stride, Yt, ldy, nr, pf)                    \
+                }                                                                                   \
+                n0 += nt;                                                                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
 /* The scalar reference kernel of a type, NULL when unsupported. */
 es_mm_kernel es_ref_kernel(uint32_t type);
 /* The SIMD kernel of a type for this build, NULL when the build has none

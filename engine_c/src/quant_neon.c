@@ -481,7 +481,8 @@ static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_
  * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
  * Quarters wholly past nr are skipped. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
-                                size_t xs, float *Y, int64_t ldy, int nr) {
+                                size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    (void)pf;   /* no software prefetch here: not measured on an A76 yet */
     const int nq = (nr + 3) / 4;
     float32x4_t part[4][PTILE];
     for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
@@ -508,39 +509,9 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         }
 }
 
-#define PSWITCH(nt, ...)                                                                            \
-    switch (nt) {                                                                                   \
-    case 1: pgroup(1, __VA_ARGS__); break;                                                          \
-    case 2: pgroup(2, __VA_ARGS__); break;                                                          \
-    case 3: pgroup(3, __VA_ARGS__); break;                                                          \
-    case 4: pgroup(4, __VA_ARGS__); break;                                                          \
-    case 5: pgroup(5, __VA_ARGS__); break;                                                          \
-    default: pgroup(6, __VA_ARGS__); break;                                                         \
-    }
-
-/* Row groups of 16 from r0 to r1 (r1 may end a partial group); each group
- * runs over the activation rows in tiles of at most PTILE of near-equal
- * size (the group's records stay in cache between tiles). */
-#define PKERNEL(name, type)                                                                         \
-    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
-                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        const uint8_t *x = xv;                                                                      \
-        int64_t nb = n_in / QK;                                                                     \
-        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
-            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
-            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
-            for (int n0 = 0; n0 < N;) {                                                             \
-                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
-                PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
-                        ldy, nr)                                                                    \
-                n0 += nt;                                                                           \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-PKERNEL(p_q4_0, ES_TYPE_Q4_0)
-PKERNEL(p_q4_1, ES_TYPE_Q4_1)
-PKERNEL(p_q8_0, ES_TYPE_Q8_0)
+ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)
+ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)
+ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
 
 es_mm_kernel es_neon_packed_kernel(uint32_t type) {
     switch (type) {

@@ -893,41 +893,9 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
 }
 
-#define PSWITCH(nt, ...)                                                                            \
-    switch (nt) {                                                                                   \
-    case 1: pgroup(1, __VA_ARGS__); break;                                                          \
-    case 2: pgroup(2, __VA_ARGS__); break;                                                          \
-    case 3: pgroup(3, __VA_ARGS__); break;                                                          \
-    case 4: pgroup(4, __VA_ARGS__); break;                                                          \
-    case 5: pgroup(5, __VA_ARGS__); break;                                                          \
-    case 6: pgroup(6, __VA_ARGS__); break;                                                          \
-    case 7: pgroup(7, __VA_ARGS__); break;                                                          \
-    default: pgroup(8, __VA_ARGS__); break;                                                         \
-    }
-
-/* Row groups of 16 from r0 to r1; each group runs over the activation
- * rows in tiles of at most PTILE of near-equal size (the group's records
- * stay in L1 between tiles; only the first tile prefetches). */
-#define PKERNEL(name, type)                                                                         \
-    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
-                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        const uint8_t *x = xv;                                                                      \
-        int64_t nb = n_in / QK;                                                                     \
-        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
-            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
-            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
-            for (int n0 = 0; n0 < N;) {                                                             \
-                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
-                PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
-                        ldy, nr, n0 > 0 ? 0 : r == r0 || N == 1 ? 2 : 1)                                                           \
-                n0 += nt;                                                                           \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-PKERNEL(p_q4_0, ES_TYPE_Q4_0)
-PKERNEL(p_q4_1, ES_TYPE_Q4_1)
-PKERNEL(p_q8_0, ES_TYPE_Q8_0)
+ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)
+ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)
+ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
 
 es_mm_kernel es_x86_packed_kernel(uint32_t type) {
     switch (type) {
@@ -1521,38 +1489,9 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     }
 }
 
-#define PSWITCH(nt, ...)                                                                            \
-    switch (nt) {                                                                                   \
-    case 1: pgroup(1, __VA_ARGS__); break;                                                          \
-    case 2: pgroup(2, __VA_ARGS__); break;                                                          \
-    case 3: pgroup(3, __VA_ARGS__); break;                                                          \
-    default: pgroup(4, __VA_ARGS__); break;                                                         \
-    }
-
-/* Row groups of 16 from r0 to r1 (r1 may end a partial group); each group
- * runs over the activation rows in tiles of at most PTILE of near-equal
- * size (the group's records stay in cache between tiles; only the first
- * tile prefetches). */
-#define PKERNEL(name, type)                                                                         \
-    static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
-                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        const uint8_t *x = xv;                                                                      \
-        int64_t nb = n_in / QK;                                                                     \
-        for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
-            const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
-            int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
-            for (int n0 = 0; n0 < N;) {                                                             \
-                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
-                PSWITCH(nt, type, g, nb, x + (size_t)n0 * x_stride, x_stride, Y + (int64_t)n0 * ldy + r, \
-                        ldy, nr, n0 > 0 ? 0 : r == r0 || N == 1 ? 2 : 1)                                                           \
-                n0 += nt;                                                                           \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-PKERNEL(p_q4_0, ES_TYPE_Q4_0)
-PKERNEL(p_q4_1, ES_TYPE_Q4_1)
-PKERNEL(p_q8_0, ES_TYPE_Q8_0)
+ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)
+ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)
+ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
 
 es_mm_kernel es_x86_packed_kernel(uint32_t type) {
     switch (type) {
