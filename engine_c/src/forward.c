@@ -511,32 +511,20 @@ static inline __attribute__((always_inline)) int scores_v(const int nj, const fl
             memcpy(sc + (size_t)j * n + t + AW, &sv2, sizeof sv2);
         }
     }
-    for (; t + AW <= n; t += AW) {
+    for (; t < n; t += AW) {   /* the rest; a last partial block reads past n and drops those lanes */
         vaf acc[4] = {{0}, {0}, {0}, {0}};
         for (int d = 0; d < hd; d++) {
             vaf kv;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
             for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
         }
+        size_t m = (size_t)(n - t < AW ? n - t : AW);
         for (int j = 0; j < nj; j++) {
             vaf sv = acc[j] * scale;
-            memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
+            memcpy(sc + (size_t)j * n + t, &sv, m * sizeof(float));
         }
     }
-    if (t < n) {   /* the last 1..AW-1 positions: one vector, read past them, lanes >= n dropped */
-        vaf acc[4] = {{0}, {0}, {0}, {0}};
-        for (int d = 0; d < hd; d++) {
-            vaf kv;
-            memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
-        }
-        for (int j = 0; j < nj; j++) {
-            vaf sv = acc[j] * scale;
-            memcpy(sc + (size_t)j * n + t, &sv, (size_t)(n - t) * sizeof(float));
-        }
-        t = n;
-    }
-    return t;
+    return n;
 }
 
 static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1, float *sc) {

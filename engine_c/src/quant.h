@@ -135,6 +135,19 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
             }                                                                                       \
         }                                                                                           \
     }
+/* The three packed kernels of a backend and its getter (es_x86_packed_kernel, ...). */
+#define ES_PACKED_KERNELS(getter)                                                                   \
+    ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)                                                          \
+    ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)                                                          \
+    ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)                                                          \
+    es_mm_kernel getter(uint32_t type) {                                                            \
+        switch (type) {                                                                             \
+        case ES_TYPE_Q4_0: return p_q4_0;                                                           \
+        case ES_TYPE_Q4_1: return p_q4_1;                                                           \
+        case ES_TYPE_Q8_0: return p_q8_0;                                                           \
+        default: return NULL;                                                                       \
+        }                                                                                           \
+    }
 
 /* The scalar reference kernel of a type, NULL when unsupported. */
 es_mm_kernel es_ref_kernel(uint32_t type);

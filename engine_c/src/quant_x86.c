@@ -893,18 +893,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
 }
 
-ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)
-ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)
-ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
-
-es_mm_kernel es_x86_packed_kernel(uint32_t type) {
-    switch (type) {
-    case ES_TYPE_Q4_0: return p_q4_0;
-    case ES_TYPE_Q4_1: return p_q4_1;
-    case ES_TYPE_Q8_0: return p_q8_0;
-    default: return NULL;
-    }
-}
+ES_PACKED_KERNELS(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
@@ -1489,18 +1478,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     }
 }
 
-ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)
-ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)
-ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
-
-es_mm_kernel es_x86_packed_kernel(uint32_t type) {
-    switch (type) {
-    case ES_TYPE_Q4_0: return p_q4_0;
-    case ES_TYPE_Q4_1: return p_q4_1;
-    case ES_TYPE_Q8_0: return p_q8_0;
-    default: return NULL;
-    }
-}
+ES_PACKED_KERNELS(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
