@@ -34,6 +34,7 @@ typedef es_session_params (*params_fn)(void);
 typedef es_status (*session_fn)(const es_model *, const es_session_params *, es_session **, char *, size_t);
 typedef es_status (*forward_fn)(es_session *, const int32_t *, int32_t, int32_t *, float *, int32_t);
 typedef es_status (*rollback_fn)(es_session *, int32_t);
+typedef es_status (*info_fn)(const es_model *, es_model_info *);
 
 typedef struct {
     forward_fn forward;
@@ -52,7 +53,8 @@ static int cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static int open_build(const char *lib, const char *model, build *b, const int32_t *toks) {
+/* Load the model and a session with build `lib`; prefill DEPTH tokens. */
+static int open_build(const char *lib, const char *model, build *b, int32_t *toks) {
     void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         fprintf(stderr, "%s\n", dlerror());
@@ -64,6 +66,9 @@ static int open_build(const char *lib, const char *model, build *b, const int32_
         fprintf(stderr, "%s: %s\n", lib, err);
         return -1;
     }
+    es_model_info info;
+    ((info_fn)dlsym(h, "es_model_get_info"))(m, &info);
+    for (int i = 0; i < DEPTH + 8; i++) toks[i] = (int32_t)((i * 7919) % info.n_vocab);
     es_session_params p = ((params_fn)dlsym(h, "es_session_default_params"))();
     p.n_ctx = 256;
     p.n_threads = 2;
@@ -74,7 +79,11 @@ static int open_build(const char *lib, const char *model, build *b, const int32_
     b->forward = (forward_fn)dlsym(h, "es_forward");
     b->rollback = (rollback_fn)dlsym(h, "es_session_rollback");
     int32_t am[DEPTH];
-    return b->forward(b->s, toks, DEPTH, am, NULL, 0) == ES_OK ? 0 : -1;
+    if (b->forward(b->s, toks, DEPTH, am, NULL, 0) != ES_OK) {
+        fprintf(stderr, "%s: the prefill of %d tokens failed\n", lib, DEPTH);
+        return -1;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -88,7 +97,6 @@ int main(int argc, char **argv) {
         return 2;
     }
     int32_t toks[DEPTH + 8], am[8];
-    for (int i = 0; i < DEPTH + 8; i++) toks[i] = (i * 7919) % 49152;
     build b[MAX_LIBS];
     for (int i = 0; i < nl; i++)
         if (open_build(argv[3 + i], argv[1], &b[i], toks) != 0) return 1;
@@ -98,13 +106,17 @@ int main(int argc, char **argv) {
     for (int k = -3; k < rounds; k++)   /* 3 warm-up rounds */
         for (int i = 0; i < nl; i++) {
             double a = now_ms();
-            b[i].forward(b[i].s, toks + DEPTH, 1, am, NULL, 0);
+            es_status st1 = b[i].forward(b[i].s, toks + DEPTH, 1, am, NULL, 0);
             double c = now_ms();
             b[i].rollback(b[i].s, DEPTH);
             double d = now_ms();
-            b[i].forward(b[i].s, toks + DEPTH, 5, am, NULL, 0);
+            es_status st5 = b[i].forward(b[i].s, toks + DEPTH, 5, am, NULL, 0);
             double e = now_ms();
             b[i].rollback(b[i].s, DEPTH);
+            if (st1 != ES_OK || st5 != ES_OK) {
+                fprintf(stderr, "%s: a timed forward failed (status %d, %d)\n", argv[3 + i], st1, st5);
+                return 1;
+            }
             if (k >= 0) {
                 t1[i * rounds + k] = c - a;
                 t5[i * rounds + k] = e - d;

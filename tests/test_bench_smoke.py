@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +82,40 @@ def test_bench_unloadable_model_is_a_clear_error(tmp_path):
     assert r.returncode == 2
     assert r.stdout == ""
     assert "cannot load" in r.stderr and "ES_ERR_" in r.stderr
+
+
+def test_forward_ab_compares_two_builds(tmp_path):
+    """bench/forward_ab.c compiles, loads two engine builds side by side and times both on a tiny
+    model (no speed asserted); bad arguments give a usage error, not a crash."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
+    engine = ROOT / "engine_c"
+    subprocess.run(["make", "-s", "-C", str(engine), "BUILD=build/native",
+                    "build/native/libechospec_engine.so"], check=True, timeout=1200)
+    exe = tmp_path / "forward_ab"
+    subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-I", str(engine / "include"),
+                    str(ROOT / "bench" / "forward_ab.c"), "-o", str(exe), "-ldl"], check=True, timeout=300)
+    lib = engine / "build" / "native" / "libechospec_engine.so"
+    lib2 = tmp_path / "copy.so"
+    shutil.copy(lib, lib2)
+
+    r = subprocess.run([str(exe), str(model), "3", str(lib), str(lib2)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == [str(lib), str(lib2)]
+    for line in lines:
+        m = re.search(r"T ([\d.]+) ms  V\(4\) ([\d.]+) ms  V\(4\)/T ([\d.]+)", line)
+        assert m, line
+        assert all(_positive(float(v)) for v in m.groups()), line
+
+    usage = subprocess.run([str(exe), str(model)], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    zero = subprocess.run([str(exe), str(model), "0", str(lib)], capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "ROUNDS" in zero.stderr
+    missing = subprocess.run([str(exe), str(tmp_path / "missing.gguf"), "2", str(lib)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "missing.gguf" in missing.stderr
+    nolib = subprocess.run([str(exe), str(model), "2", str(tmp_path / "none.so")],
+                           capture_output=True, text=True, timeout=60)
+    assert nolib.returncode == 1 and "none.so" in nolib.stderr
