@@ -79,7 +79,7 @@ def _check_model(path: str) -> None:
         _die(f"model file not found: {path}")
     from services.common.engine import EngineError, Model
     try:
-        Model(str(p)).close()
+        Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
     except EngineError as exc:
         _die(f"model {path} is unusable: {exc}")
 

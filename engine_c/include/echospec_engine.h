@@ -54,8 +54,13 @@ typedef struct es_model es_model;
 typedef struct es_session es_session;
 
 /* Model load parameters; get the defaults from es_model_default_params(). */
+/* es_model_params.flags */
+#define ES_MODEL_NO_REPACK 1    /* keep the weights as mapped: no repacked copy (a load to
+                                   validate a file or read its metadata; forward passes then use
+                                   the scalar kernels for Q4_0 / Q4_1 / Q8_0, much slower) */
+
 typedef struct {
-    int32_t reserved;           /* must be 0; kept so the struct can grow */
+    int32_t flags;              /* ES_MODEL_* bits; others must be 0 */
 } es_model_params;
 
 /* Hyperparameters of a loaded model, as read from the GGUF metadata. */
@@ -107,6 +112,8 @@ es_session_params es_session_default_params(void);
  * interleaved; the same bytes as the tensor) and release the mapped pages
  * of those tensors, so the weights are resident once (SmolLM2-135M Q4_1:
  * about 97 MB after load). ES_ERR_NOMEM when that copy can not be made.
+ * params->flags ES_MODEL_NO_REPACK skips the copy. params may be NULL
+ * (defaults); unknown flag bits give ES_ERR_INVALID_ARG.
  */
 es_status es_model_load(const char *path, const es_model_params *params,
                         es_model **out, char *err, size_t err_len);

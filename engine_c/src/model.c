@@ -422,8 +422,8 @@ static es_status pack_weights(es_model *m, char *err, size_t err_len) {
 es_status es_model_load(const char *path, const es_model_params *params, es_model **out,
                         char *err, size_t err_len) {
     if (out != NULL) *out = NULL;
-    if (path == NULL || out == NULL || (params != NULL && params->reserved != 0)) {
-        es_set_err(err, err_len, "model: path and out must not be NULL and params->reserved must be 0");
+    if (path == NULL || out == NULL || (params != NULL && (params->flags & ~ES_MODEL_NO_REPACK) != 0)) {
+        es_set_err(err, err_len, "model: path and out must not be NULL and params->flags may hold only ES_MODEL_NO_REPACK");
         return ES_ERR_INVALID_ARG;
     }
     model_impl *mi = calloc(1, sizeof *mi);
@@ -438,7 +438,8 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
     if (st == ES_OK) st = read_hparams(&ld, &m->info);
     if (st == ES_OK) st = bind_all(&ld, m);
     if (st == ES_OK) st = build_pool(mi, err, err_len);
-    if (st == ES_OK) st = pack_weights(m, err, err_len);
+    if (st == ES_OK && !(params != NULL && (params->flags & ES_MODEL_NO_REPACK)))
+        st = pack_weights(m, err, err_len);
     if (st != ES_OK) {
         es_model_free(m);
         return st;

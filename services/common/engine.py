@@ -82,16 +82,24 @@ class Model:
 
     Args:
         path: GGUF file (versions 2 and 3; llama, qwen2, qwen3 architectures).
+        repack: copy the Q4_0 / Q4_1 / Q8_0 matrices into the SIMD kernels'
+            layout (the same bytes again; the mapped pages are released).
+            False: keep them as mapped, for a load that only validates the
+            file or reads its metadata; forward passes are then much slower
+            (scalar kernels for those types) but give bitwise the same logits.
     Raises:
-        EngineError: ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED or
-            ES_ERR_MISSING_TENSOR with a message naming the field.
+        EngineError: ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED,
+            ES_ERR_MISSING_TENSOR with a message naming the field, or
+            ES_ERR_NOMEM when the repacked copy can not be made.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, repack: bool = True):
         self.path = str(path)
         out = ffi.new("es_model **")
         err = ffi.new("char[512]")
-        st = lib.es_model_load(self.path.encode(), ffi.NULL, out, err, 512)
+        params = ffi.new("es_model_params *")
+        params.flags = 0 if repack else lib.ES_MODEL_NO_REPACK
+        st = lib.es_model_load(self.path.encode(), params, out, err, 512)
         if st != 0:
             raise EngineError(st, ffi.string(err).decode(errors="replace"))
         self._ptr = out[0]
