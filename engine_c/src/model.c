@@ -391,30 +391,40 @@ static int64_t step_bytes(const es_model *m) {
 
 /* ---- public ------------------------------------------------------------ */
 
-/* Repack every 2-D Q4_0 / Q4_1 / Q8_0 tensor for the SIMD kernels (quant.h:
- * es_tensor_pack; nothing in builds without a packed kernel). The packed
- * copy replaces the mapped bytes in every matmul; the mapped pages of a
- * packed tensor are then released (MADV_DONTNEED: they are read again from
- * the file only if the embedding lookup or a scalar path needs them), so
- * the weights are resident once. ES_ERR_NOMEM when a copy cannot be made. */
-static es_status pack_weights(es_model *m, char *err, size_t err_len) {
-    es_gguf *g = m->gguf;
+/* Repack the matmul weights of type Q4_0 / Q4_1 / Q8_0 (the layers' seven
+ * matrices and the output projection, which is token_embd when tied) for the
+ * SIMD kernels (quant.h: es_tensor_pack; nothing in builds without a packed
+ * kernel). The packed copy replaces the mapped bytes in every matmul; the
+ * mapped pages of a packed tensor are then released (MADV_DONTNEED: read
+ * again from the file only if the embedding lookup or a scalar path needs
+ * them), so the weights are resident once. An untied token_embd is only
+ * read row by row for the embedding lookup and stays mapped.
+ * ES_ERR_NOMEM when a copy can not be made. */
+static es_status pack_one(const es_tensor *ct, char *err, size_t err_len) {
+    es_tensor *t = (es_tensor *)ct;   /* owned by the model's es_gguf */
+    int r = es_tensor_pack(t);
+    if (r < 0) {
+        es_set_err(err, err_len, "model: out of memory repacking tensor '%s' (%zu bytes)", t->name, t->nbytes);
+        return ES_ERR_NOMEM;
+    }
     long page = sysconf(_SC_PAGESIZE);
-    for (int64_t i = 0; i < g->n_tensors; i++) {
-        es_tensor *t = &g->tensors[i];
-        if (t->n_dims < 2) continue;
-        int r = es_tensor_pack(t);
-        if (r < 0) {
-            es_set_err(err, err_len, "model: out of memory repacking tensor '%s' (%zu bytes)", t->name, t->nbytes);
-            return ES_ERR_NOMEM;
-        }
-        if (r == 1 && page > 0) {
-            uintptr_t a = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
-            uintptr_t e = ((uintptr_t)t->data + t->nbytes) & ~((uintptr_t)page - 1);
-            if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
-        }
+    if (r == 1 && page > 0) {
+        uintptr_t a = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+        uintptr_t e = ((uintptr_t)t->data + t->nbytes) & ~((uintptr_t)page - 1);
+        if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
     }
     return ES_OK;
+}
+
+static es_status pack_weights(es_model *m, char *err, size_t err_len) {
+    es_status st = ES_OK;
+    for (int l = 0; l < m->info.n_layer && st == ES_OK; l++) {
+        const es_layer *L = &m->layers[l];
+        const es_tensor *w[7] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
+        for (int i = 0; i < 7 && st == ES_OK; i++) st = pack_one(w[i], err, err_len);
+    }
+    if (st == ES_OK) st = pack_one(m->output, err, err_len);
+    return st;
 }
 
 /* See echospec_engine.h. On failure *out is NULL, the file is unmapped and
