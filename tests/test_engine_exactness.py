@@ -225,6 +225,45 @@ def test_rollback_outside_range_raises(small_model, target):
         assert _continues_like_fresh(s, TOKENS[:5], TOKENS[5:8])
 
 
+@pytest.mark.parametrize("bad", [[1.7], [1, 2.0], ["3"], [[1, 2]], 5, [True]])
+def test_tokens_must_be_integers(small_model, bad):
+    """Floats, strings, nested lists and scalars are refused, not truncated or wrapped
+    (found by the new-user trial: [1.7] ran token 1)."""
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        s.forward(TOKENS[:3])
+        with pytest.raises(EngineError) as ei:
+            s.forward(bad)
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert s.n_past == 3
+
+
+@pytest.mark.parametrize("target", [1.9, 2 ** 40, "2", None])
+def test_rollback_needs_an_int32(small_model, target):
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        s.forward(TOKENS[:3])
+        with pytest.raises(EngineError) as ei:
+            s.rollback(target)
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert s.n_past == 3
+
+
+@pytest.mark.parametrize("kw", [dict(n_ctx=2 ** 31), dict(n_threads=2 ** 32), dict(n_ctx=8.5)])
+def test_session_params_need_int32(small_model, kw):
+    with pytest.raises(EngineError) as ei:
+        small_model.new_session(**kw)
+    assert ei.value.status == ES_ERR_INVALID_ARG
+
+
+def test_model_path_checks(tmp_path):
+    with pytest.raises(TypeError):
+        Model(None)
+    real = tmp_path / "a"
+    real.write_bytes(b"GGUF")   # a file the truncated path would name
+    with pytest.raises(EngineError) as ei:
+        Model(str(real) + "\x00b.gguf")
+    assert ei.value.status == ES_ERR_INVALID_ARG and "NUL" in ei.value.message
+
+
 def test_default_n_ctx_is_min_of_train_and_4096(small_model):
     with small_model.new_session() as s:      # n_ctx=0, n_threads=0 (all cores)
         assert s.n_ctx == min(small_model.info.n_ctx_train, 4096) == 512
@@ -244,6 +283,22 @@ def _draws(row, n, seed, **kw):
         t, rng = sample(row, rng=rng, **kw)
         out.append(t)
     return out
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=float("nan")), dict(top_p=float("nan")),
+                                dict(min_p=float("nan"))])
+def test_sampling_rejects_nan_parameters(rows, kw):
+    args = dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, rng=7)
+    args.update(kw)
+    with pytest.raises(ValueError):
+        sample(rows[0], **args)
+
+
+def test_sampling_rejects_nan_logits(rows):
+    row = rows[0].copy()
+    row[:] = np.nan
+    with pytest.raises(ValueError):
+        sample(row, temperature=0.8, rng=7)
 
 
 def test_sampling_same_seed_same_tokens(rows):

@@ -200,7 +200,9 @@ es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_
  * nonzero value; 0 is replaced by a fixed constant). Same state, same logits,
  * same token. Greedy (temperature <= 0) returns the argmax and leaves *rng
  * unchanged.
- * Errors: returns -1 when logits or rng is NULL or n_vocab <= 0.
+ * Errors: returns -1 when logits or rng is NULL, n_vocab <= 0, a parameter
+ * (temperature, top_p, min_p) is NaN, or, when sampling (temperature > 0),
+ * a logit is NaN.
  */
 int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params *params,
                   uint64_t *rng);

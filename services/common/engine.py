@@ -10,6 +10,7 @@ engine's message. After a failed call the KV cache is unchanged.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -94,7 +95,11 @@ class Model:
     """
 
     def __init__(self, path: str, repack: bool = True):
-        self.path = str(path)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+        self.path = os.fspath(path)
+        if "\x00" in self.path:
+            raise EngineError(ES_ERR_INVALID_ARG, "model path contains a NUL character")
         out = ffi.new("es_model **")
         err = ffi.new("char[512]")
         params = ffi.new("es_model_params *")
@@ -158,8 +163,8 @@ class Session:
         self.model = model
         self.n_vocab = model.info.n_vocab
         p = ffi.new("es_session_params *")
-        p.n_ctx = int(n_ctx)
-        p.n_threads = int(n_threads)
+        p.n_ctx = _int32(n_ctx, "n_ctx")
+        p.n_threads = _int32(n_threads, "n_threads")
         out = ffi.new("es_session **")
         err = ffi.new("char[512]")
         st = lib.es_session_new(model._ptr, p, out, err, 512)
@@ -245,9 +250,12 @@ class Session:
         return int(am[0]), out
 
     def _tokens(self, tokens) -> np.ndarray:
-        arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
-        if arr.ndim != 1:
-            raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be 1-D, got shape {arr.shape}")
+        raw = np.asarray(tokens)
+        if raw.ndim != 1:
+            raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be a 1-D sequence, got shape {raw.shape}")
+        if raw.size and not np.issubdtype(raw.dtype, np.integer):
+            raise EngineError(ES_ERR_INVALID_ARG, f"token ids must be integers, got {raw.dtype}")
+        arr = np.ascontiguousarray(raw.astype(np.int64))
         if arr.size and (arr.min() < -(2 ** 31) or arr.max() >= 2 ** 31):
             raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32")
         return arr.astype(np.int32)
@@ -259,7 +267,7 @@ class Session:
             EngineError: ES_ERR_INVALID_ARG when n_past < 0 or > the current n_past.
         """
         self._check()
-        st = lib.es_session_rollback(self._ptr, int(n_past))
+        st = lib.es_session_rollback(self._ptr, _int32(n_past, "n_past"))
         if st != 0:
             self._raise(st)
 
@@ -277,6 +285,15 @@ class Session:
         self.close()
 
 
+def _int32(v, name: str) -> int:
+    """v as a C int32 argument; EngineError(ES_ERR_INVALID_ARG) for a non-integer or one out of range."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise EngineError(ES_ERR_INVALID_ARG, f"{name} must be an integer, not {type(v).__name__}")
+    if not -(2 ** 31) <= int(v) < 2 ** 31:
+        raise EngineError(ES_ERR_INVALID_ARG, f"{name} = {int(v)} does not fit in int32")
+    return int(v)
+
+
 def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            min_p: float = 0.0, rng: int = 0) -> tuple[int, int]:
     """Draw one token from a logits row with the engine's sampler.
@@ -289,7 +306,7 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     Returns:
         (token id, the advanced rng state).
     Raises:
-        ValueError: logits_row is empty or not 1-D.
+        ValueError: logits_row is empty, a parameter is NaN, or (sampling) a logit is NaN.
     """
     row = np.ascontiguousarray(np.asarray(logits_row, dtype=np.float32).reshape(-1))
     if row.size == 0:
@@ -302,5 +319,6 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     st = ffi.new("uint64_t *", int(rng) & 0xFFFFFFFFFFFFFFFF)
     tok = lib.es_sample(ffi.from_buffer("float[]", row), row.size, p, st)
     if tok < 0:
-        raise ValueError("es_sample rejected its arguments")
+        raise ValueError("es_sample rejected its arguments: NaN in temperature, top_p, min_p "
+                         "or (temperature > 0) in the logits")
     return int(tok), int(st[0])
