@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import json
+import math
 import signal
 import socket
 import sys
@@ -139,7 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 @contextmanager
 def _target(args: argparse.Namespace) -> Iterator[str]:
     """Yield a coordinator host:port: --target, or a private stack for this command."""
-    if args.target:
+    if args.target is not None:
+        if not args.target.strip():
+            _die("--target must be host:port, not empty", 2)
         yield args.target
         return
     from services.coordinator.stack import StackError, start_stack
@@ -170,7 +173,42 @@ def _stub(target: str):
 
 
 def _rpc_error(exc: grpc.RpcError) -> "NoReturn":  # noqa: F821
-    _die(f"{exc.code().name}: {exc.details()}")
+    # arguments the server refuses are bad arguments too: status 2, like argparse's
+    code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    _die(f"{exc.code().name}: {exc.details()}", code)
+
+
+# ---- argument types (argparse exits 2 with the message) ----------------------------
+
+def _int32(text: str) -> int:
+    """An integer that fits the protocol's int32 fields."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if not -(2 ** 31) <= v < 2 ** 31:
+        raise argparse.ArgumentTypeError(f"{v} is out of range (a 32-bit integer)")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """A deadline: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return v
+
+
+def _utf8(text: str) -> str:
+    """Text that is valid Unicode (a command line with bytes that are not UTF-8 is refused)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("text is not valid UTF-8") from None
+    return text
 
 
 def _request(args: argparse.Namespace, messages=None, prompt: str | None = None, max_tokens=None,
@@ -187,6 +225,10 @@ def _request(args: argparse.Namespace, messages=None, prompt: str | None = None,
             for key in ("role", "content"):
                 if not isinstance(m.get(key), str):
                     _die(f"messages[{i}].{key} must be a string, got {m.get(key)!r}", 2)
+                try:
+                    m[key].encode("utf-8")
+                except UnicodeEncodeError:
+                    _die(f"messages[{i}].{key} is not valid Unicode (a lone surrogate)", 2)
             req.messages.add(role=m["role"], content=m["content"])
     else:
         req.text = prompt or ""
@@ -379,6 +421,8 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.threads < 0:
+        _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:
@@ -435,15 +479,15 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=["on", "off"], help="speculation (default: the server's --spec)")
-    p.add_argument("--k", type=int, default=0, help="max drafts per round (0: server default)")
-    p.add_argument("--max-tokens", type=int, default=0, help="0: server default")
+    p.add_argument("--k", type=_int32, default=0, help="max drafts per round (0: server default)")
+    p.add_argument("--max-tokens", type=_int32, default=0, help="0: server default")
     p.add_argument("--temperature", type=float, default=0.0, help="<= 0: greedy (default)")
     p.add_argument("--top-p", type=float, default=None, help=">= 1: off (default)")
-    p.add_argument("--top-k", type=int, default=0, help="<= 0: off (default)")
+    p.add_argument("--top-k", type=_int32, default=0, help="<= 0: off (default)")
     p.add_argument("--min-p", type=float, default=0.0, help="<= 0: off (default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
+    p.add_argument("--stop", action="append", type=_utf8, help="stop string (repeatable)")
+    p.add_argument("--timeout", type=_seconds, default=600.0, help="RPC deadline in seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -469,29 +513,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
-    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
     p.add_argument("--messages", help="JSON file with a list of chat messages")
     _add_client_args(p)
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("tokenize", help="token ids of TEXT (no special tokens added)")
-    p.add_argument("text")
+    p.add_argument("text", type=_utf8)
     _add_client_args(p)
     p.set_defaults(fn=cmd_tokenize)
 
     p = sub.add_parser("detokenize", help="text of token ids")
-    p.add_argument("ids", nargs="+", type=int)
+    p.add_argument("ids", nargs="+", type=_int32)
     _add_client_args(p)
     p.set_defaults(fn=cmd_detokenize)
 
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
     p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens")
-    p.add_argument("--k", type=int, default=0, help="drafts per round (0: server default)")
-    p.add_argument("--max-tokens", type=int, default=0, help="override each workload's max_tokens")
-    p.add_argument("--threads", type=int, default=0, help="engine threads of a private stack")
+    p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
+    p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
+    p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=_seconds, default=900.0)
     _add_client_args(p)
     p.set_defaults(fn=cmd_bench)
     return ap

@@ -128,7 +128,7 @@ def test_generate_bad_messages_file(server, tmp_path):
     assert r.returncode == 2 and "not valid JSON" in r.stderr
     f.write_text(json.dumps([{"role": "robot", "content": "x"}]))
     r = run([*ECHOSPEC, "generate", "--messages", str(f), "--target", server["target"]], check=False)
-    assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr
+    assert r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr   # refused by the server: a bad argument
 
 
 def test_tokenize_detokenize(server):
@@ -223,6 +223,20 @@ def test_readme_grpcurl_examples(server):
     (["serve", "--max-tokens", "-5"], "--max-tokens -5"),
     (["serve", "--host", "nonsense.invalid"], "not an address of this machine"),
     (["generate", "hi", "--seed", "-1", "--target", "127.0.0.1:1"], "--seed -1"),
+    # second trial (session 2): values past the protocol's int32, bytes that are not UTF-8,
+    # deadlines that are not positive, an empty --target
+    (["generate", "hi", "--top-k", "99999999999", "--target", "127.0.0.1:1"], "out of range"),
+    (["generate", "hi", "--k", "99999999999", "--target", "127.0.0.1:1"], "out of range"),
+    (["generate", "hi", "--max-tokens", "9999999999999", "--target", "127.0.0.1:1"], "out of range"),
+    (["bench", "--workloads", "x", "--k", "99999999999", "--target", "127.0.0.1:1"], "out of range"),
+    (["detokenize", "99999999999", "--target", "127.0.0.1:1"], "out of range"),
+    (["generate", "\udcff\udcfe bad", "--target", "127.0.0.1:1"], "not valid UTF-8"),
+    (["generate", "hi", "--stop", "\udcff", "--target", "127.0.0.1:1"], "not valid UTF-8"),
+    (["tokenize", "\udcff", "--target", "127.0.0.1:1"], "not valid UTF-8"),
+    (["generate", "hi", "--timeout", "0", "--target", "127.0.0.1:1"], "positive number of seconds"),
+    (["generate", "hi", "--timeout", "nan", "--target", "127.0.0.1:1"], "positive number of seconds"),
+    (["generate", "hi", "--target", ""], "--target must be host:port"),
+    (["bench", "--workloads", "x", "--threads", "-3", "--target", "127.0.0.1:1"], "--threads -3"),
 ])
 def test_bad_cli_arguments_exit_2_with_a_message(args, message):
     r = run([*ECHOSPEC, *args], check=False, timeout=60)
@@ -240,6 +254,7 @@ def test_serve_model_is_a_directory(tmp_path):
     (b'[{"role": "user", "content": 5}]', "messages[0].content must be a string"),
     (b'\xff\xfe[', "not UTF-8 text"),
     (b'"hi"', "expected a non-empty JSON list"),
+    (b'[{"role": "user", "content": "\\udcff"}]', "not valid Unicode"),
 ])
 def test_bad_messages_files(tmp_path, content, message):
     f = tmp_path / "m.json"
@@ -259,6 +274,12 @@ def test_bench_checks_every_workload_before_running(tmp_path, line, message):
     f.write_text('{"id": "ok", "prompt": "x"}\n' + line + "\n")
     r = run([*ECHOSPEC, "bench", "--workloads", str(f), "--target", "127.0.0.1:1"], check=False)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_server_refused_arguments_exit_2(server):
+    """An argument the server refuses (INVALID_ARGUMENT) is a bad argument: status 2."""
+    r = run([*ECHOSPEC, "generate", "hi", "--max-tokens", "-1", "--target", server["target"]], check=False)
+    assert r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr and "max_tokens" in r.stderr, r.stderr
 
 
 def test_top_p_zero_is_refused(server):
