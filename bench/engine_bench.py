@@ -329,6 +329,9 @@ def make_plan(n_vocab: int, args) -> Plan:
                 ks=tuple(args.ks), inner=args.inner, decode_tokens=args.decode_tokens)
 
 
+MAX_N_CTX = 8192   # the context the benchmark allows (SmolLM2's trained context)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -337,20 +340,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp (peer is then null)")
     ap.add_argument("--quick", action="store_true",
-                    help="a fast sanity run: 2 rounds, 2 repetitions, 8 decode tokens, 32-token prompt")
-    ap.add_argument("--rounds", type=int, default=8, help="measured rounds per engine (default 8)")
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds per engine first (default 1)")
-    ap.add_argument("--inner", type=int, default=5, help="T and V(K) samples per round (default 5)")
+                    help="a fast sanity run: 2 rounds, 2 repetitions, 8 decode tokens, 32-token prompt "
+                         "(flags given explicitly keep their values)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds per engine (default 8)")
+    ap.add_argument("--warmup", type=int, default=None, help="unmeasured rounds per engine first (default 1)")
+    ap.add_argument("--inner", type=int, default=None, help="T and V(K) samples per round (default 5)")
     ap.add_argument("--depth", type=int, default=64, help="context depth of T, V(K) and decode (default 64)")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="prefill length (default 128)")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="greedy decode length per round (default 64)")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prefill length (default 128)")
+    ap.add_argument("--decode-tokens", type=int, default=None,
+                    help="greedy decode length per round (default 64)")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_KS),
                     help="draft lengths K for V(K)/T (default 1,2,4,8,16)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the token ids (default 1234)")
     args = ap.parse_args(argv)
+    defaults = dict(rounds=8, warmup=1, inner=5, decode_tokens=64, prompt_tokens=128)
     if args.quick:
-        args.rounds, args.warmup, args.inner = 2, 1, 2
-        args.decode_tokens, args.prompt_tokens = 8, 32
+        defaults.update(rounds=2, warmup=1, inner=2, decode_tokens=8, prompt_tokens=32)
+    for name, value in defaults.items():   # explicit flags win over --quick
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in ("threads", "rounds", "inner", "depth", "prompt_tokens", "decode_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -358,6 +366,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--warmup must be >= 0")
     if not args.ks or min(args.ks) < 1:
         ap.error("--ks needs positive draft lengths")
+    if not 0 <= args.seed < 2 ** 32:
+        ap.error(f"--seed {args.seed}: must be in [0, 2^32)")
+    n_ctx = max(args.prompt_tokens, args.depth + max(max(args.ks) + 1, args.decode_tokens)) + 8
+    if n_ctx > MAX_N_CTX:
+        ap.error(f"--depth, --ks, --decode-tokens and --prompt-tokens need a context of {n_ctx} tokens; "
+                 f"at most {MAX_N_CTX} (the benchmark's KV cache)")
     return args
 
 
@@ -454,7 +468,8 @@ def format_table(res: dict) -> str:
     rat = res["ratios"]
     lines = [
         f"echospec engine bench: {Path(res['model']).name}, threads {res['threads']}, simd {res['simd']}, "
-        f"depth {res['depth']}, {res['rounds']} rounds alternating with the peer ({res['seconds']} s, "
+        f"depth {res['depth']}, {res['rounds']} rounds"
+        f"{' alternating with the peer' if peer is not None else ' (no peer)'} ({res['seconds']} s, "
         f"load average {res['loadavg_1m'][0]:.1f} -> {res['loadavg_1m'][1]:.1f} on {res['cpu_count']} cores)",
         f"{'':28}{'echospec':>12}{'llama.cpp':>12}{'ours/peer':>11}",
     ]

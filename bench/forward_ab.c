@@ -20,6 +20,7 @@
  * At most 8 builds; 2 threads each; about 100 MB of memory per build.
  */
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -27,6 +28,7 @@
 #include "echospec_engine.h"
 
 #define MAX_LIBS 8
+#define MAX_ROUNDS 100000
 #define DEPTH 64
 
 typedef es_status (*load_fn)(const char *, const es_model_params *, es_model **, char *, size_t);
@@ -60,6 +62,13 @@ static int open_build(const char *lib, const char *model, build *b, int32_t *tok
         fprintf(stderr, "%s\n", dlerror());
         return -1;
     }
+    const char *need[] = {"es_model_load", "es_model_get_info", "es_session_default_params", "es_session_new",
+                          "es_forward", "es_session_rollback"};
+    for (size_t i = 0; i < sizeof need / sizeof *need; i++)
+        if (!dlsym(h, need[i])) {
+            fprintf(stderr, "%s: not an echospec engine build (no %s)\n", lib, need[i]);
+            return -1;
+        }
     char err[256];
     es_model *m;
     if (((load_fn)dlsym(h, "es_model_load"))(model, NULL, &m, err, sizeof err) != ES_OK) {
@@ -91,11 +100,15 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s MODEL.gguf ROUNDS LIB.so [LIB.so ...] (at most %d)\n", argv[0], MAX_LIBS);
         return 2;
     }
-    int nl = argc - 3, rounds = atoi(argv[2]);
-    if (rounds < 1) {
-        fprintf(stderr, "ROUNDS must be >= 1\n");
+    int nl = argc - 3;
+    char *end;
+    errno = 0;
+    long rl = strtol(argv[2], &end, 10);
+    if (errno || end == argv[2] || *end || rl < 1 || rl > MAX_ROUNDS) {
+        fprintf(stderr, "ROUNDS must be a whole number in [1, %d], not '%s'\n", MAX_ROUNDS, argv[2]);
         return 2;
     }
+    int rounds = (int)rl;
     int32_t toks[DEPTH + 8], am[8];
     build b[MAX_LIBS];
     for (int i = 0; i < nl; i++)
@@ -103,6 +116,10 @@ int main(int argc, char **argv) {
     double *t1 = malloc(sizeof(double) * (size_t)(rounds * nl));
     double *t5 = malloc(sizeof(double) * (size_t)(rounds * nl));
     double *ratio = malloc(sizeof(double) * (size_t)(rounds * nl));
+    if (!t1 || !t5 || !ratio) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+    }
     for (int k = -3; k < rounds; k++)   /* 3 warm-up rounds */
         for (int i = 0; i < nl; i++) {
             double a = now_ms();

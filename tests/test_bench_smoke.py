@@ -12,6 +12,8 @@ import re
 import shutil
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 from ggufgen import write_tiny_model
@@ -111,11 +113,37 @@ def test_forward_ab_compares_two_builds(tmp_path):
 
     usage = subprocess.run([str(exe), str(model)], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage:" in usage.stderr
-    zero = subprocess.run([str(exe), str(model), "0", str(lib)], capture_output=True, text=True, timeout=60)
-    assert zero.returncode == 2 and "ROUNDS" in zero.stderr
+    for rounds in ("0", "10abc", "1500000000"):
+        bad = subprocess.run([str(exe), str(model), rounds, str(lib)], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "ROUNDS" in bad.stderr, (rounds, bad.stderr)
+    libm = subprocess.run([str(exe), str(model), "2", "libm.so.6"], capture_output=True, text=True, timeout=60)
+    assert libm.returncode == 1 and "not an echospec engine build" in libm.stderr, libm.stderr
     missing = subprocess.run([str(exe), str(tmp_path / "missing.gguf"), "2", str(lib)],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "missing.gguf" in missing.stderr
     nolib = subprocess.run([str(exe), str(model), "2", str(tmp_path / "none.so")],
                            capture_output=True, text=True, timeout=60)
     assert nolib.returncode == 1 and "none.so" in nolib.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "-1"], "--seed -1"),
+    (["--depth", "100000"], "at most 8192"),
+    (["--ks", "100000"], "at most 8192"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_bench_argument_errors(tmp_path, args, message):
+    """Found by the second new-user trial: these crashed, ran for minutes, or were overridden by --quick."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
+    r = _run("--model", str(model), "--quick", "--no-peer", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_quick_keeps_explicit_flags(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
+    r = _run("--model", str(model), "--quick", "--no-peer", "--json", "--rounds", "3", "--ks", "1,2")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["rounds"] == 3 and out["inner"] == 2   # --rounds given, --inner from --quick
