@@ -17,6 +17,9 @@
  *   cc -O2 -Iinclude ../bench/forward_ab.c -o /tmp/forward_ab -ldl
  *   /tmp/forward_ab MODEL.gguf 150 /tmp/eng_4096.so /tmp/eng_8192.so
  *
+ * MODEL.gguf: e.g. the default model, whose path `.venv/bin/python
+ * scripts/fetch_model.py` prints (it fetches the file on first use).
+ *
  * At most 8 builds; 2 threads each; about 100 MB of memory per build.
  */
 #include <dlfcn.h>

@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
     p.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
-    p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens)")
+    p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens, default 2048)")
     p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts)")
     p.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens (default: the live cost model picks each round's length)")

@@ -12,9 +12,9 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from ggufgen import write_tiny_model
 
