@@ -91,34 +91,6 @@ static inline ES_AI void nibbles(const __m512i d[4], __m512i w[8]) {
     }
 }
 
-static inline ES_AI void unpack_q4_0(const uint8_t *p, int nv, wgroup *g) {
-    __m512i d[4];
-    load_t16(p + 2, 18, nv, d);
-    nibbles(d, g->w);
-    g->a = half_lo(gather32(p, 18, nv));
-}
-
-static inline ES_AI void unpack_q4_1(const uint8_t *p, int nv, wgroup *g) {
-    __m512i d[4];
-    load_t16(p + 4, 20, nv, d);
-    nibbles(d, g->w);
-    __m512i dm = gather32(p, 20, nv);
-    g->a = half_lo(dm);
-    g->b = half_hi(dm);
-}
-
-static inline ES_AI void unpack_q8_0(const uint8_t *p, int nv, wgroup *g) {
-    __m512i d[4];
-    const __m512i x80 = _mm512_set1_epi8((char)0x80);
-    load_t16(p + 2, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->w[k] = _mm512_xor_si512(d[k], x80);
-    load_t16(p + 18, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->w[k + 4] = _mm512_xor_si512(d[k], x80);
-    g->a = half_lo(_mm512_and_si512(gather32(p, 34, nv), _mm512_set1_epi32(0xFFFF)));
-}
-
 /* The 5th bits of Q5_0 / Q5_1: qh holds bit i for element i of each block
  * (32-bit lane j = block j); chunk k gets bits 4k..4k+3, one per byte, as
  * bit 4. (t * 0x00204081 puts bit e of a 4-bit t at bit 8e, without carries.) */
@@ -245,34 +217,6 @@ static inline ES_AI void nibbles4(const __m128i d[4], __m128i w[8]) {
 
 static inline ES_AI __m128 half4_lo(__m128i v) { return _mm_cvtph_ps(_mm_cvtepi32_epi16(v)); }
 static inline ES_AI __m128 half4_hi(__m128i v) { return _mm_cvtph_ps(_mm_cvtepi32_epi16(_mm_srli_epi32(v, 16))); }
-
-static inline ES_AI void unpack4_q4_0(const uint8_t *p, int nv, wquad *g) {
-    __m128i d[4];
-    load_t4(p + 2, 18, nv, d);
-    nibbles4(d, g->w);
-    g->a = half4_lo(_mm_and_si128(words4(p, 18, nv), _mm_set1_epi32(0xFFFF)));
-}
-
-static inline ES_AI void unpack4_q4_1(const uint8_t *p, int nv, wquad *g) {
-    __m128i d[4];
-    load_t4(p + 4, 20, nv, d);
-    nibbles4(d, g->w);
-    __m128i dm = words4(p, 20, nv);
-    g->a = half4_lo(dm);
-    g->b = half4_hi(dm);
-}
-
-static inline ES_AI void unpack4_q8_0(const uint8_t *p, int nv, wquad *g) {
-    __m128i d[4];
-    const __m128i x80 = _mm_set1_epi8((char)0x80);
-    load_t4(p + 2, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->w[k] = _mm_xor_si128(d[k], x80);
-    load_t4(p + 18, 34, nv, d);
-    UNROLL
-    for (int k = 0; k < 4; k++) g->w[k + 4] = _mm_xor_si128(d[k], x80);
-    g->a = half4_lo(_mm_and_si128(words4(p, 34, nv), _mm_set1_epi32(0xFFFF)));
-}
 
 static inline ES_AI __m128i q5_hi4(__m128i qh, int k) {
     __m128i t = _mm_and_si128(_mm_srli_epi32(qh, 4 * k), _mm_set1_epi32(0xF));
