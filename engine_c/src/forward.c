@@ -28,6 +28,7 @@
 #define ES_MAX_CTX (1 << 20)
 #define ES_MAX_THREADS 256
 #define ES_MAX_GROUP 32     /* query heads attended together per work unit */
+#define EARLY_KV_PREFETCH (128 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
 
 struct es_session {
     const es_model *model;
@@ -541,9 +542,11 @@ static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1,
     float scale = 1.0f / sqrtf((float)hd);
     float mx[ES_MAX_GROUP];
     /* V rows are hd floats at a stride of kv_dim: ask for them now, they are
-     * needed after the scores (and are in DRAM after a step's weight stream) */
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < hd; o += 16) __builtin_prefetch(vc + (size_t)t * kv_dim + o, 0, 3);
+     * needed after the scores (and are in DRAM after a step's weight stream).
+     * Shorter caches were asked for whole before the q/k/v matmul. */
+    if ((size_t)s->n_past * kv_dim * sizeof(float) > EARLY_KV_PREFETCH)
+        for (int t = 0; t < n; t++)
+            for (int o = 0; o < hd; o += 16) __builtin_prefetch(vc + (size_t)t * kv_dim + o, 0, 3);
     /* scores, heads in slices of 4 sharing each K load */
     for (int j0 = 0; j0 < nh; j0 += 4) {
         int nj = nh - j0 < 4 ? nh - j0 : 4;
@@ -715,7 +718,7 @@ static void attention_block(es_session *s, int l, int n) {
         const float *kb = s->k_cache + (size_t)l * kv_dim * s->n_ctx;
         const char *vb = (const char *)(s->v_cache + (size_t)l * s->n_ctx * kv_dim);
         size_t bytes = (size_t)s->n_past * kv_dim * sizeof(float);
-        if (bytes <= 128 * 1024) {   /* longer contexts: left to the hardware and attend_group */
+        if (bytes <= EARLY_KV_PREFETCH) {   /* longer contexts: left to the hardware and attend_group */
             for (int r = 0; r < kv_dim; r++)
                 for (size_t o = 0; o < (size_t)s->n_past * sizeof(float); o += 64)
                     __builtin_prefetch((const char *)(kb + (size_t)r * s->n_ctx) + o, 0, 2);
