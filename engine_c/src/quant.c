@@ -254,11 +254,7 @@ void es_quantize_row_q8_ref(const float *x, int64_t n, es_q8_group *out) {
             if (i == 15) lo = sum;
         }
         if (m <= 15) lo = sum;
-        g->qlo[jj] = lo;
-        g->d[jj] = d;
-        g->qsum[jj] = sum;
-        g->fq[jj] = (float)sum;
-        g->dq[jj] = d * (float)sum;
+        es_q8_set_block(g, jj, d, sum, lo);
     }
 }
 

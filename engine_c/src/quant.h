@@ -53,6 +53,16 @@ typedef struct {
     float dq[ES_GROUP_BLOCKS];          /* d[j] * fq[j] (one float multiply) */
 } es_q8_group;                          /* 832 B, a multiple of 64 */
 
+/* The per-block fields of activation block jj of group g, from its scale d,
+ * its int8 sum and the sum of its first 16 values (every quantizer). */
+static inline void es_q8_set_block(es_q8_group *g, int jj, float d, int32_t sum, int32_t lo) {
+    g->d[jj] = d;
+    g->qsum[jj] = sum;
+    g->qlo[jj] = lo;
+    g->fq[jj] = (float)sum;
+    g->dq[jj] = d * (float)sum;
+}
+
 /* Accumulator lanes of one output element (the sum is split lane[b % 16]). */
 #define ES_LANES 16
 

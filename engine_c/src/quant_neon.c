@@ -539,11 +539,7 @@ int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) {
             vst1_lane_s32((int32_t *)(void *)(g->qs + 64 * i + 4 * jj), vreinterpret_s32_s8(b), 0);
         }
         int32_t sum = vaddvq_s32(s);
-        g->d[jj] = d;
-        g->qsum[jj] = sum;
-        g->qlo[jj] = vaddvq_s32(slo);
-        g->fq[jj] = (float)sum;
-        g->dq[jj] = d * (float)sum;
+        es_q8_set_block(g, jj, d, sum, vaddvq_s32(slo));
     }
     return 1;
 }

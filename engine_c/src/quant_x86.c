@@ -727,11 +727,7 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
         _mm_storeu_si128((__m128i *)(void *)w, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(void *)(w + 4), _mm512_cvtepi32_epi8(q1));
         for (int k = 0; k < 8; k++) memcpy(g->qs + 64 * k + 4 * jj, &w[k], 4);
-        g->d[jj] = d;
-        g->qsum[jj] = sum;
-        g->qlo[jj] = lo;
-        g->fq[jj] = (float)sum;
-        g->dq[jj] = d * (float)sum;
+        es_q8_set_block(g, jj, d, sum, lo);
     }
     return 1;
 }
@@ -1267,11 +1263,7 @@ int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
             sum += q[i];
             if (i == 15) lo = sum;
         }
-        g->d[jj] = d;
-        g->qsum[jj] = sum;
-        g->qlo[jj] = lo;
-        g->fq[jj] = (float)sum;
-        g->dq[jj] = d * (float)sum;
+        es_q8_set_block(g, jj, d, sum, lo);
     }
     return 1;
 }
