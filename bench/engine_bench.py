@@ -362,6 +362,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("threads", "rounds", "inner", "depth", "prompt_tokens", "decode_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads > 256:
+        ap.error(f"--threads {args.threads}: the engine runs at most 256 threads")
     if args.warmup < 0:
         ap.error("--warmup must be >= 0")
     if not args.ks or min(args.ks) < 1:

@@ -100,8 +100,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--max-tokens {args.max_tokens}: must be in [1, 8192]", 2)
     if args.n_ctx < 16:
         _die(f"--n-ctx {args.n_ctx}: the KV capacity must be at least 16 tokens", 2)
-    if args.threads < 0:
-        _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
+    if not 0 <= args.threads <= 256:
+        _die(f"--threads {args.threads}: must be in [0, 256] (0: all cores)", 2)
+    if args.n_ctx > 1 << 20:
+        _die(f"--n-ctx {args.n_ctx}: the KV capacity is at most {1 << 20} tokens", 2)
+    if not -1 <= args.metrics_port <= 65535:
+        _die(f"--metrics-port {args.metrics_port}: a port is in [0, 65535] (-1: off)", 2)
+    ports = [p for p in (args.port, args.verifier_port, args.draft_port) if p]
+    if len(set(ports)) != len(ports):
+        _die("--port, --verifier-port and --draft-port must differ", 2)
     model = args.model or _default_model()
     _check_model(model)
     for name, flag, port in (("coordinator", "--port", args.port),
@@ -191,6 +198,9 @@ def _int32(text: str) -> int:
     return v
 
 
+MAX_TIMEOUT_S = 1e6   # about 11.5 days
+
+
 def _seconds(text: str) -> float:
     """A deadline: a finite number of seconds > 0."""
     try:
@@ -199,6 +209,8 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    if v > MAX_TIMEOUT_S:   # gRPC turns larger deadlines into an immediate DEADLINE_EXCEEDED
+        raise argparse.ArgumentTypeError(f"{text} seconds: at most {MAX_TIMEOUT_S:.0f}")
     return v
 
 
@@ -280,11 +292,29 @@ def _read_text(flag: str, path: str) -> str:
         _die(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})", 2)
 
 
+def _valid_unicode(v) -> bool:
+    """False when a string anywhere in the parsed JSON value holds a lone surrogate."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+    return True
+
+
 def _load_messages(path: str):
     try:
         data = json.loads(_read_text("--messages", path))
-    except json.JSONDecodeError as exc:
-        _die(f"--messages {path}: not valid JSON ({exc})", 2)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        _die(f"--messages {path}: not valid JSON ({type(exc).__name__}: {exc})", 2)
     if isinstance(data, dict) and "messages" in data:
         data = data["messages"]
     if not isinstance(data, list) or not data:
@@ -375,8 +405,10 @@ def _load_workloads(path: str) -> list[dict]:
             continue
         try:
             w = json.loads(line)
-        except json.JSONDecodeError as exc:
-            _die(f"{path}:{n}: not valid JSON ({exc})", 2)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            _die(f"{path}:{n}: not valid JSON ({type(exc).__name__}: {exc})", 2)
+        if not _valid_unicode(w):
+            _die(f"{path}:{n}: a string is not valid Unicode (a lone surrogate)", 2)
         if not isinstance(w, dict) or not isinstance(w.get("id"), str) or not w["id"]:
             _die(f"{path}:{n}: each workload is a JSON object with a non-empty string id", 2)
         if w["id"] in ids:
@@ -472,7 +504,7 @@ def _print_table(rows: list[dict]) -> None:
 # ---- argument parsing ------------------------------------------------------------
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="coordinator host:port (default: start a private stack)")
+    p.add_argument("--target", type=_utf8, help="coordinator host:port (default: start a private stack)")
     p.add_argument("--model", help="GGUF file for a private stack (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -482,9 +514,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=_int32, default=0, help="max drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="0: server default")
     p.add_argument("--temperature", type=float, default=0.0, help="<= 0: greedy (default)")
-    p.add_argument("--top-p", type=float, default=None, help=">= 1: off (default)")
-    p.add_argument("--top-k", type=_int32, default=0, help="<= 0: off (default)")
-    p.add_argument("--min-p", type=float, default=0.0, help="<= 0: off (default)")
+    p.add_argument("--top-p", type=float, default=None, help="in (0, 1]; 1: off (default)")
+    p.add_argument("--top-k", type=_int32, default=0, help=">= 0; 0: off (default)")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", type=_utf8, help="stop string (repeatable)")
     p.add_argument("--timeout", type=_seconds, default=600.0, help="RPC deadline in seconds")
@@ -498,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="coordinator port (default 50051)")
     p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)")
     p.add_argument("--spec", action="store_true", help="speculate by default for requests that allow it")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--host", type=_utf8, default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
     p.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")

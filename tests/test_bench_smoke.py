@@ -131,6 +131,7 @@ def test_forward_ab_compares_two_builds(tmp_path):
     (["--depth", "100000"], "at most 8192"),
     (["--ks", "100000"], "at most 8192"),
     (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--threads", "300"], "at most 256 threads"),
 ])
 def test_bench_argument_errors(tmp_path, args, message):
     """Found by the second new-user trial: these crashed, ran for minutes, or were overridden by --quick."""

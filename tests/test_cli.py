@@ -237,6 +237,15 @@ def test_readme_grpcurl_examples(server):
     (["generate", "hi", "--timeout", "nan", "--target", "127.0.0.1:1"], "positive number of seconds"),
     (["generate", "hi", "--target", ""], "--target must be host:port"),
     (["bench", "--workloads", "x", "--threads", "-3", "--target", "127.0.0.1:1"], "--threads -3"),
+    # third trial: non-UTF-8 target and host, a deadline gRPC can not keep, serve's limits checked up front
+    (["tokenize", "hi", "--target", "\udcff"], "not valid UTF-8"),
+    (["serve", "--host", "\udcff"], "not valid UTF-8"),
+    (["generate", "hi", "--timeout", "1e10", "--target", "127.0.0.1:1"], "at most 1000000"),
+    (["serve", "--metrics-port", "99999"], "--metrics-port 99999"),
+    (["serve", "--metrics-port", "-5"], "--metrics-port -5"),
+    (["serve", "--n-ctx", "2000000000"], "--n-ctx 2000000000"),
+    (["serve", "--threads", "100000"], "--threads 100000"),
+    (["serve", "--port", "50998", "--verifier-port", "50998"], "must differ"),
 ])
 def test_bad_cli_arguments_exit_2_with_a_message(args, message):
     r = run([*ECHOSPEC, *args], check=False, timeout=60)
@@ -255,6 +264,7 @@ def test_serve_model_is_a_directory(tmp_path):
     (b'\xff\xfe[', "not UTF-8 text"),
     (b'"hi"', "expected a non-empty JSON list"),
     (b'[{"role": "user", "content": "\\udcff"}]', "not valid Unicode"),
+    (b'[' * 100000 + b']' * 100000, "not valid JSON"),
 ])
 def test_bad_messages_files(tmp_path, content, message):
     f = tmp_path / "m.json"
@@ -268,6 +278,9 @@ def test_bad_messages_files(tmp_path, content, message):
     ('{"id": "a", "prompt": "x", "max_tokens": "4"}', "max_tokens must be an integer"),
     ('{"id": "a", "messages": "hi"}', "messages must be a non-empty list"),
     ('{"id": "ok", "prompt": "x"}', "duplicate workload id"),
+    ('{"id": "a\\ud800", "prompt": "x"}', "not valid Unicode"),
+    ('{"id": "b", "prompt": "x\\ud800"}', "not valid Unicode"),
+    ('[' * 100000 + ']' * 100000, "not valid JSON"),
 ])
 def test_bench_checks_every_workload_before_running(tmp_path, line, message):
     f = tmp_path / "w.jsonl"

@@ -12,6 +12,8 @@ Sampling: seeds, temperature <= 0, top_k = 1.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -254,6 +256,18 @@ def test_session_params_need_int32(small_model, kw):
     assert ei.value.status == ES_ERR_INVALID_ARG
 
 
+def test_model_path_not_utf8_loads(tmp_path, tiny_model):
+    """A file name that is not UTF-8 (bytes, or the str Python makes of it) opens the model
+    (second new-user trial: it raised UnicodeEncodeError)."""
+    path = os.fsencode(tiny_model(arch="llama", matrix_type="Q8_0"))
+    link = os.fsencode(str(tmp_path)) + b"/\xfe.gguf"
+    os.symlink(path, link)
+    for p in (link, os.fsdecode(link)):
+        m = Model(p)
+        assert m.info.n_vocab == 320
+        m.close()
+
+
 def test_model_path_checks(tmp_path):
     with pytest.raises(TypeError):
         Model(None)
@@ -292,6 +306,16 @@ def test_sampling_rejects_nan_parameters(rows, kw):
     args.update(kw)
     with pytest.raises(ValueError):
         sample(rows[0], **args)
+
+
+def test_sampling_rejects_2d_rows_and_inf_logits(rows):
+    with pytest.raises(ValueError, match="1-D"):
+        sample(rows[:2], temperature=0.0)
+    row = rows[0].copy()
+    row[3] = np.inf
+    assert sample(row, temperature=0.0)[0] == 3     # greedy: the argmax
+    with pytest.raises(ValueError):
+        sample(row, temperature=0.8, rng=7)          # sampling: refused, not a silent pick
 
 
 def test_sampling_rejects_nan_logits(rows):

@@ -41,8 +41,8 @@ int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params 
     if (!logits || !rng || n_vocab <= 0) return -1;
     if (p && (isnan(p->temperature) || isnan(p->top_p) || isnan(p->min_p))) return -1;
     if (!p || !(p->temperature > 0.0f)) return greedy(logits, n_vocab);
-    for (int32_t i = 0; i < n_vocab; i++)
-        if (isnan(logits[i])) return -1;
+    for (int32_t i = 0; i < n_vocab; i++)   /* +inf would make every softmax weight NaN */
+        if (isnan(logits[i]) || logits[i] == INFINITY) return -1;
     cand *c = malloc((size_t)n_vocab * sizeof *c);
     if (!c) return greedy(logits, n_vocab);
     for (int32_t i = 0; i < n_vocab; i++) { c[i].logit = logits[i]; c[i].id = i; }

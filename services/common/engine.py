@@ -95,16 +95,17 @@ class Model:
     """
 
     def __init__(self, path: str, repack: bool = True):
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
-        self.path = os.fspath(path)
-        if "\x00" in self.path:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"path must be a str, bytes or os.PathLike, not {type(path).__name__}")
+        raw = os.fsencode(path)   # file names that are not UTF-8 round-trip (surrogateescape)
+        self.path = os.fsdecode(raw)
+        if b"\x00" in raw:
             raise EngineError(ES_ERR_INVALID_ARG, "model path contains a NUL character")
         out = ffi.new("es_model **")
         err = ffi.new("char[512]")
         params = ffi.new("es_model_params *")
         params.flags = 0 if repack else lib.ES_MODEL_NO_REPACK
-        st = lib.es_model_load(self.path.encode(), params, out, err, 512)
+        st = lib.es_model_load(raw, params, out, err, 512)
         if st != 0:
             raise EngineError(st, ffi.string(err).decode(errors="replace"))
         self._ptr = out[0]
@@ -306,9 +307,13 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     Returns:
         (token id, the advanced rng state).
     Raises:
-        ValueError: logits_row is empty, a parameter is NaN, or (sampling) a logit is NaN.
+        ValueError: logits_row is empty or not 1-D, a parameter is NaN, or (sampling) a
+            logit is NaN or +inf.
     """
-    row = np.ascontiguousarray(np.asarray(logits_row, dtype=np.float32).reshape(-1))
+    row = np.asarray(logits_row, dtype=np.float32)
+    if row.ndim != 1:
+        raise ValueError(f"logits_row must be 1-D, got shape {row.shape}")
+    row = np.ascontiguousarray(row)
     if row.size == 0:
         raise ValueError("logits_row is empty")
     p = ffi.new("es_sampler_params *")
@@ -319,6 +324,6 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     st = ffi.new("uint64_t *", int(rng) & 0xFFFFFFFFFFFFFFFF)
     tok = lib.es_sample(ffi.from_buffer("float[]", row), row.size, p, st)
     if tok < 0:
-        raise ValueError("es_sample rejected its arguments: NaN in temperature, top_p, min_p "
-                         "or (temperature > 0) in the logits")
+        raise ValueError("es_sample rejected its arguments: NaN in temperature, top_p or min_p, "
+                         "or (temperature > 0) a NaN or +inf logit")
     return int(tok), int(st[0])
