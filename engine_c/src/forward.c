@@ -29,6 +29,7 @@
 #define ES_MAX_CTX (1 << 20)
 #define ES_MAX_THREADS 256
 #define ES_MAX_GROUP 32     /* query heads attended together per work unit */
+#define ATT_Q_TARGET 12     /* queries (tokens x heads of one KV head) an attention unit aims at */
 #define EARLY_KV_PREFETCH (128 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
 
 struct es_session {
@@ -56,7 +57,8 @@ struct es_session {
     float *logits;          /* [cap][n_vocab] */
     float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
     int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
-    float *scores;          /* [n_threads][group_cap][n_ctx] attention weights */
+    int32_t q_cap;          /* queries of an attention unit, at most max(group_cap, ATT_Q_TARGET) */
+    float *scores;          /* [n_threads][q_cap][n_ctx] attention weights */
     void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
     size_t mm_bytes;
     char err[256];
@@ -374,7 +376,8 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     s->v_cache = malloc(kv_elems * sizeof(float));
     int grp = in->n_head / in->n_head_kv;
     s->group_cap = grp < ES_MAX_GROUP ? grp : ES_MAX_GROUP;
-    s->scores = malloc((size_t)n_threads * (size_t)s->group_cap * (size_t)n_ctx * sizeof(float));
+    s->q_cap = s->group_cap > ATT_Q_TARGET ? s->group_cap : ATT_Q_TARGET;
+    s->scores = malloc((size_t)n_threads * (size_t)s->q_cap * (size_t)n_ctx * sizeof(float));
     if (!s->k_cache || !s->v_cache || !s->scores) {
         es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)",
                    (int)n_ctx, 2 * kv_elems * sizeof(float));
@@ -428,63 +431,57 @@ typedef struct {
     es_session *s;
     int layer;
     int n;              /* tokens in this call */
+    int per, split;     /* query heads per unit, units per KV head group */
+    int ts, nsl;        /* tokens per unit, token slices */
     _Atomic int next;   /* next work unit to take */
 } attn_task;
 
 /*
- * Attention of token i for query heads [h0, h1), which all read KV head g
- * (GQA): softmax(q . K^T / sqrt(head_dim)) . V over positions [0, pos].
- * Each K and V row is loaded once for the whole group. Every head's result
- * is computed by the same operations, in the same order, as if it were
- * computed alone (score = (sum over d = 0, 1, ... of q[d] * k_t[d], a
- * product then a sum, in order) * scale, 8 positions per vector op and the
- * same operations one by one for the last positions; max; exp; sequential
- * sum; then o[d] += a_t * v_t[d] for t in order), so the grouping, the
- * vector width and the thread split change no bit.
- *   sc: scratch of (h1 - h0) * (pos + 1) floats
+ * Attention, softmax(q . K^T / sqrt(head_dim)) . V (GQA), over the queries
+ * of one work unit: tokens [i0, i1) of the step times query heads [h0, h1),
+ * which all read KV head g. Token i attends positions [0, n_past + i].
+ * Every query's result is computed by the same operations, in the same
+ * order, as if it were computed alone: score = (sum over d = 0, 1, ... of
+ * q[d] * k_t[d], a product then a sum, in order) * scale, a vector of
+ * positions at a time; max; exp; the sequential sum over t; a * (1 / sum);
+ * then o[d] = 0, o[d] += a_t * v_t[d] for t in order. So the grouping of
+ * queries into units and slices, the vector width and the thread split
+ * change no bit. The queries of a unit share each K and V row load.
+ *   sc: scratch of (i1 - i0) * (h1 - h0) * (n_past + i1) floats
  */
 
-/* o[0..hd) = sum_t a[t] * V[t][0..hd) for head dims known at compile time,
- * with the accumulators held in registers. */
-#define DEFINE_AXPY_ROWS(HD)                                                        \
-    static void axpy_rows_##HD(float *o, const float *a, const float *vc,          \
-                               size_t kv_dim, int n) {                            \
-        vaf acc[HD / AW];                                                           \
-        for (int k = 0; k < HD / AW; k++) acc[k] = (vaf){0};                        \
-        for (int t = 0; t < n; t++) {                                               \
-            const float *vr = vc + (size_t)t * kv_dim;                              \
-            float av = a[t];                                                        \
-            for (int k = 0; k < HD / AW; k++) {                                     \
-                vaf v;                                                              \
-                memcpy(&v, vr + AW * k, sizeof v);                                  \
-                acc[k] += av * v;                                                   \
-            }                                                                       \
-        }                                                                           \
-        for (int k = 0; k < HD / AW; k++) memcpy(o + AW * k, &acc[k], sizeof acc[k]); \
-    }
-DEFINE_AXPY_ROWS(64)
-DEFINE_AXPY_ROWS(128)
-
-/* axpy_rows_64 for nj heads (a constant) at once: o[j * 64 + d] = sum_t
- * a[j * n + t] * V[t][d], the same operations per element; each V row is
- * loaded once for the nj heads. Only where 3 heads' accumulators fit in
- * registers (32 vector registers of 16 floats). */
+/* Queries of one score slice: up to SCORE_Q side by side, each K vector
+ * loaded once for all (2 * SCORE_Q accumulators). */
 #if defined(__AVX512F__)
-#define AXPY_HEADS 3
+#define SCORE_Q 6
 #else
-#define AXPY_HEADS 1
+#define SCORE_Q 4
 #endif
-static inline __attribute__((always_inline)) void axpy_heads_64(const int nj, float *o, const float *a, int n,
-                                                                const float *vc, size_t kv_dim) {
-    vaf acc[AXPY_HEADS][64 / AW];
+
+/* o[j][0..64) = sum_t a[j][t] * V[t][0..64) for t in [t0, t1), for nj (a
+ * constant) queries side by side, each V row loaded once; the accumulators
+ * start at 0 (cont = 0) or at o[j] (cont = 1, continuing a sum over
+ * [0, t0) stored there: a float stored and reloaded is the same float). */
+#if defined(__AVX512F__)
+#define AXPY_Q 3   /* 3 queries x 4 accumulators of 16 floats + 4 V vectors fit the 32 registers */
+#else
+#define AXPY_Q 1
+#endif
+static inline __attribute__((always_inline)) void axpy_q64(const int nj, float *const *o, const float *const *a,
+                                                           int t0, int t1, const float *vc, size_t kv_dim,
+                                                           int cont) {
+    vaf acc[AXPY_Q][64 / AW];
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 64 / AW; k++) acc[j][k] = (vaf){0};
-    for (int t = 0; t < n; t++) {
+        for (int k = 0; k < 64 / AW; k++) {
+            if (cont) memcpy(&acc[j][k], o[j] + AW * k, sizeof acc[j][k]);
+            else acc[j][k] = (vaf){0};
+        }
+    for (int t = t0; t < t1; t++) {
         const float *vr = vc + (size_t)t * kv_dim;
         vaf v[64 / AW];
         for (int k = 0; k < 64 / AW; k++) memcpy(&v[k], vr + AW * k, sizeof v[k]);
         for (int j = 0; j < nj; j++) {
-            float av = a[(size_t)j * n + t];
+            float av = a[j][t];
             for (int k = 0; k < 64 / AW; k++) acc[j][k] += av * v[k];
         }
     }
@@ -492,12 +489,11 @@ static inline __attribute__((always_inline)) void axpy_heads_64(const int nj, fl
      * accumulators in memory, stored back at every position (the attention
      * of a 5-token step: 26.4 -> 23.7 us a layer) */
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 64 / AW; k++) memcpy(o + (size_t)j * 64 + AW * k, &acc[j][k], sizeof acc[j][k]);
+        for (int k = 0; k < 64 / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
 }
 
-static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, int n, int hd) {
-    if (hd == 64) { axpy_rows_64(o, a, vc, kv_dim, n); return; }
-    if (hd == 128) { axpy_rows_128(o, a, vc, kv_dim, n); return; }
+/* The same for any head size, one query, positions [0, n). */
+static void axpy_row(float *o, const float *a, const float *vc, size_t kv_dim, int n, int hd) {
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
     for (int t = 0; t < n; t++) {
         const float *vr = vc + (size_t)t * kv_dim;
@@ -505,128 +501,181 @@ static void axpy_rows(float *o, const float *a, const float *vc, size_t kv_dim, 
     }
 }
 
-/* Scores of nj (a constant 1..4 after inlining) heads q[j * hd ..] against
+/* Scores of nj (a constant 1..SCORE_Q after inlining) queries q[j] against
  * positions [0, n) of the transposed keys kt ([hd][nc]), AW positions per
- * vector: sc[j * n + t] = (sum_d q[d] * k[d][t]) * scale. The last vector
- * reads up to AW - 1 floats past position n - 1 (inside the cache's
- * allocation).
- * Returns n. */
-static inline __attribute__((always_inline)) int scores_v(const int nj, const float *q, int hd, const float *kt,
-                                                       size_t nc, int n, float scale, float *sc) {
+ * vector: sc[j * ld + t] = (sum_d q[j][d] * k[d][t]) * scale. The last
+ * vector reads up to AW - 1 floats past position n - 1 (inside the cache's
+ * allocation) and stores only the lanes below n. */
+static inline __attribute__((always_inline)) void scores_v(const int nj, const float *const *q, int hd,
+                                                        const float *kt, size_t nc, int n, float scale,
+                                                        float *sc, size_t ld) {
     int t = 0;
     for (; t + 2 * AW <= n; t += 2 * AW) {   /* two blocks of AW side by side: 2 * nj independent sums */
-        vaf acc[4] = {{0}, {0}, {0}, {0}}, acc2[4] = {{0}, {0}, {0}, {0}};
+        vaf acc[SCORE_Q], acc2[SCORE_Q];
+        for (int j = 0; j < nj; j++) acc[j] = acc2[j] = (vaf){0};
         for (int d = 0; d < hd; d++) {
             vaf kv, kv2;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
             memcpy(&kv2, kt + (size_t)d * nc + t + AW, sizeof kv2);
             for (int j = 0; j < nj; j++) {
-                float qv = q[(size_t)j * hd + d];
+                float qv = q[j][d];
                 acc[j] += qv * kv;
                 acc2[j] += qv * kv2;
             }
         }
         for (int j = 0; j < nj; j++) {
             vaf sv = acc[j] * scale, sv2 = acc2[j] * scale;
-            memcpy(sc + (size_t)j * n + t, &sv, sizeof sv);
-            memcpy(sc + (size_t)j * n + t + AW, &sv2, sizeof sv2);
+            memcpy(sc + (size_t)j * ld + t, &sv, sizeof sv);
+            memcpy(sc + (size_t)j * ld + t + AW, &sv2, sizeof sv2);
         }
     }
     for (; t < n; t += AW) {   /* the rest; a last partial block reads past n and drops those lanes */
-        vaf acc[4] = {{0}, {0}, {0}, {0}};
+        vaf acc[SCORE_Q];
+        for (int j = 0; j < nj; j++) acc[j] = (vaf){0};
         for (int d = 0; d < hd; d++) {
             vaf kv;
             memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            for (int j = 0; j < nj; j++) acc[j] += q[(size_t)j * hd + d] * kv;
+            for (int j = 0; j < nj; j++) acc[j] += q[j][d] * kv;
         }
         size_t m = (size_t)(n - t < AW ? n - t : AW);
         for (int j = 0; j < nj; j++) {
             vaf sv = acc[j] * scale;
-            memcpy(sc + (size_t)j * n + t, &sv, m * sizeof(float));
+            memcpy(sc + (size_t)j * ld + t, &sv, m * sizeof(float));
         }
     }
-    return n;
 }
 
-static void attend_group(es_session *s, int layer, int i, int g, int h0, int h1, float *sc) {
+/* The largest of x[0..n) (exact in any order). */
+static float max_row(const float *x, int n) {
+    int t = 0;
+    float m = x[0];
+    if (n >= 8) {
+        v8f mv = v8_splat(x[0]);   /* as the scalar loop: NaNs after x[0] are passed over */
+        for (; t + 8 <= n; t += 8) {
+            v8f v;
+            memcpy(&v, x + t, sizeof v);
+            mv = v8_sel(v > mv, v, mv);
+        }
+        for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    }
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    return m;
+}
+
+static void attend_unit(es_session *s, int layer, int g, int h0, int h1, int i0, int i1, float *sc) {
     const es_model_info *in = &s->model->info;
     int hd = in->head_dim;
     size_t kv_dim = (size_t)in->n_head_kv * hd;
     size_t q_dim = (size_t)in->n_head * hd;
-    int n = s->n_past + i + 1;                      /* positions attended */
-    int nh = h1 - h0;
-    const float *q = s->q + (size_t)i * q_dim + (size_t)h0 * hd;
+    int nh = h1 - h0, nq = (i1 - i0) * nh;
+    size_t ld = (size_t)s->n_past + (size_t)i1;   /* sc row stride: the longest row */
     const float *kt = s->k_cache + ((size_t)layer * in->n_head_kv + (size_t)g) * (size_t)hd * s->k_stride;
     const float *vc = s->v_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
-    size_t nc = s->k_stride;
     float scale = 1.0f / sqrtf((float)hd);
-    float mx[ES_MAX_GROUP];
+    const float *qp[ES_MAX_GROUP];
+    float *op[ES_MAX_GROUP], *ap[ES_MAX_GROUP];
+    int len[ES_MAX_GROUP];
+    for (int k = 0; k < nq; k++) {   /* queries by token, then head: rows of one token are side by side */
+        int i = i0 + k / nh, h = h0 + k % nh;
+        qp[k] = s->q + (size_t)i * q_dim + (size_t)h * hd;
+        op[k] = s->att + (size_t)i * q_dim + (size_t)h * hd;
+        ap[k] = sc + (size_t)k * ld;
+        len[k] = s->n_past + i + 1;
+    }
     /* V rows are hd floats at a stride of kv_dim: ask for them now, they are
      * needed after the scores (and are in DRAM after a step's weight stream).
      * Shorter caches were asked for whole before the q/k/v matmul. */
     if ((size_t)s->n_past * kv_dim * sizeof(float) > EARLY_KV_PREFETCH)
-        for (int t = 0; t < n; t++)
-            for (int o = 0; o < hd; o += 16) __builtin_prefetch(vc + (size_t)t * kv_dim + o, 0, 3);
-    /* scores, heads in slices of 4 sharing each K load */
-    for (int j0 = 0; j0 < nh; j0 += 4) {
-        int nj = nh - j0 < 4 ? nh - j0 : 4;
-        const float *qj = q + (size_t)j0 * hd;
-        int t = 0;
+        for (size_t t = 0; t < ld; t++)
+            for (int o = 0; o < hd; o += 16) __builtin_prefetch(vc + t * kv_dim + o, 0, 3);
+    /* scores, slices of SCORE_Q queries sharing each K load, each over the
+     * positions of its longest (last) query */
+    for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
+        int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q, n = len[k0 + nj - 1];
         switch (nj) {
-        case 1: t = scores_v(1, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        case 2: t = scores_v(2, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        case 3: t = scores_v(3, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
-        default: t = scores_v(4, qj, hd, kt, nc, n, scale, sc + (size_t)j0 * n); break;
+        case 1: scores_v(1, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+        case 2: scores_v(2, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+        case 3: scores_v(3, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+#if SCORE_Q > 4
+        case 4: scores_v(4, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+        case 5: scores_v(5, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+        default: scores_v(SCORE_Q, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+#else
+        default: scores_v(SCORE_Q, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+#endif
         }
-        (void)t;
-    }
-    for (int j = 0; j < nh; j++) {
-        const float *row = sc + (size_t)j * n;
-        float m = -INFINITY;
-        for (int t = 0; t < n; t++)
-            if (row[t] > m) m = row[t];
-        mx[j] = m;
     }
     float sum[ES_MAX_GROUP];
-    for (int j = 0; j < nh; j++) {
-        exp_sub_row(sc + (size_t)j * n, mx[j], n);
-        sum[j] = 0.0f;
+    int nmin = len[0];   /* the first query is the shortest */
+    for (int k = 0; k < nq; k++) {
+        exp_sub_row(ap[k], max_row(ap[k], len[k]), len[k]);
+        sum[k] = 0.0f;
     }
-    for (int t = 0; t < n; t++)          /* the heads' sequential sums, side by side */
-        for (int j = 0; j < nh; j++) sum[j] += sc[(size_t)j * n + t];
-    for (int j = 0; j < nh; j++) {
-        float *row = sc + (size_t)j * n;
-        float inv = 1.0f / sum[j];
-        for (int t = 0; t < n; t++) row[t] = row[t] * inv;
+    for (int t = 0; t < nmin; t++)       /* the sequential sums, side by side */
+        for (int k = 0; k < nq; k++) sum[k] += ap[k][t];
+    for (int k = 0; k < nq; k++)
+        for (int t = nmin; t < len[k]; t++) sum[k] += ap[k][t];
+    for (int k = 0; k < nq; k++) {
+        float inv = 1.0f / sum[k], *row = ap[k];
+        for (int t = 0; t < len[k]; t++) row[t] = row[t] * inv;
     }
-    float *o = s->att + (size_t)i * q_dim + (size_t)h0 * hd;
-    int j = 0;
-    if (hd == 64)   /* heads side by side, sharing each V row load */
-        for (; j + AXPY_HEADS <= nh; j += AXPY_HEADS)
-            axpy_heads_64(AXPY_HEADS, o + (size_t)j * hd, sc + (size_t)j * n, n, vc, kv_dim);
-    for (; j < nh; j++) axpy_rows(o + (size_t)j * hd, sc + (size_t)j * n, vc, kv_dim, n, hd);
+    if (hd != 64) {
+        for (int k = 0; k < nq; k++) axpy_row(op[k], ap[k], vc, kv_dim, len[k], hd);
+        return;
+    }
+    /* queries side by side over the positions they all attend, then each
+     * query's own last positions */
+    int k = 0;
+    for (; k + AXPY_Q <= nq; k += AXPY_Q) {
+        int lo = len[k];
+        axpy_q64(AXPY_Q, op + k, (const float *const *)ap + k, 0, lo, vc, kv_dim, 0);
+        for (int j = k; j < k + AXPY_Q; j++)
+            if (len[j] > lo) axpy_q64(1, op + j, (const float *const *)ap + j, lo, len[j], vc, kv_dim, 1);
+    }
+    for (; k < nq; k++) axpy_q64(1, op + k, (const float *const *)ap + k, 0, len[k], vc, kv_dim, 0);
 }
 
-/* Work units: (token, KV head, slice of its query heads). A group is split in
- * two when there are too few units to keep the threads busy. */
+/* Work units: (token slice, KV head, slice of its query heads), taken in
+ * turn from a counter. The shape is chosen in attention_block. */
 static void attn_worker(void *ctx, int ith, int nth) {
     attn_task *t = ctx;
     es_session *s = t->s;
     const es_model_info *in = &s->model->info;
     int grp = in->n_head / in->n_head_kv;
-    int split = (t->n * in->n_head_kv < 2 * nth && grp > 1) ? 2 : 1;
+    int total = t->nsl * in->n_head_kv * t->split;
+    float *sc = s->scores + (size_t)ith * (size_t)s->q_cap * s->n_ctx;
+    (void)nth;
+    /* a thread that was preempted (a busy host) does fewer units; the split
+     * changes no bit */
+    for (int u; (u = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < total;) {
+        int part = u % t->split, g = (u / t->split) % in->n_head_kv, sl = u / (t->split * in->n_head_kv);
+        int h0 = g * grp + part * t->per;
+        int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
+        int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
+        if (h0 < h1 && i0 < i1) attend_unit(s, t->layer, g, h0, h1, i0, i1, sc);
+    }
+}
+
+/* The unit shape for n tokens: heads of a KV group split in two only when
+ * even one token per unit gives fewer than two units per thread (and more
+ * when a group exceeds the scratch), then as many tokens per unit as keep
+ * about ATT_Q_TARGET queries, in balanced slices, at least two units per
+ * thread where the tokens allow. */
+static void attn_shape(const es_session *s, attn_task *t) {
+    const es_model_info *in = &s->model->info;
+    int grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * s->n_threads;
+    int split = (n * in->n_head_kv < units_min && grp > 1) ? 2 : 1;
     while ((grp + split - 1) / split > s->group_cap) split++;
     int per = (grp + split - 1) / split;
-    int total = t->n * in->n_head_kv * split;
-    float *sc = s->scores + (size_t)ith * (size_t)s->group_cap * s->n_ctx;
-    /* units are taken in turn from a counter: a thread that was preempted
-     * (a busy host) does fewer of them; the split changes no bit */
-    for (int u; (u = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < total;) {
-        int part = u % split, g = (u / split) % in->n_head_kv, i = u / (split * in->n_head_kv);
-        int h0 = g * grp + part * per;
-        int h1 = h0 + per < (g + 1) * grp ? h0 + per : (g + 1) * grp;
-        if (h0 < h1) attend_group(s, t->layer, i, g, h0, h1, sc);
-    }
+    int ts = ATT_Q_TARGET / per;
+    ts = ts < 1 ? 1 : ts > n ? n : ts;
+    int nsl = (n + ts - 1) / ts;
+    while (nsl < n && nsl * in->n_head_kv * split < units_min) nsl++;
+    ts = (n + nsl - 1) / nsl;
+    t->per = per;
+    t->split = split;
+    t->ts = ts;
+    t->nsl = (n + ts - 1) / ts;
 }
 
 /* ---- the forward pass ---------------------------------------------------- */
@@ -756,7 +805,8 @@ static void attention_block(es_session *s, int l, int n) {
     float *kl = s->k_cache + (size_t)l * kv_dim * s->k_stride + s->n_past;   /* [kv_dim][k_stride] */
     for (int r = 0; r < kv_dim; r++)
         for (int i = 0; i < n; i++) kl[(size_t)r * s->k_stride + i] = s->k[(size_t)i * kv_dim + r];
-    attn_task t = {s, l, n, 0};
+    attn_task t = {s, l, n, 0, 0, 0, 0, 0};
+    attn_shape(s, &t);
     es_pool_run(s->pool, attn_worker, &t);
     mm(s, L->wo, s->att, n, s->out, in->n_embd);
     s->pending_out = 1;            /* x += out: done by the next norm, per token */
