@@ -56,6 +56,7 @@ struct es_session {
     float *out;             /* [cap][n_embd] sublayer output */
     float *logits;          /* [cap][n_vocab] */
     float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
+    size_t q8_rs;           /* run_rows: also quantize each row written into mm_scratch, rows this many bytes apart (0: no) */
     int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
     int32_t q_cap;          /* queries of an attention unit, at most max(group_cap, ATT_Q_TARGET) */
     float *scores;          /* [n_threads][q_cap][n_ctx] attention weights */
@@ -704,7 +705,7 @@ static void fill_rope_table(es_session *s, int n) {
 
 /* ---- per-token row work, shared out by token when there are several ---- */
 
-enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT };
+enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT, ROWS_SWIGLU };
 
 /* Row i of a step of layer l (each token's row reads and writes only its own
  * data, so the split changes no bit):
@@ -712,12 +713,26 @@ enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT };
  *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
  *   ROWS_QKV   q/k/v biases, q/k head norms (qwen3), RoPE of q[i] and k[i];
  *       v[i] written to the cache at position n_past + i
- *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i]) */
+ *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i])
+ *   ROWS_SWIGLU  gate[i] = silu(gate[i]) * up[i]
+ * With s->q8_rs set, the row written (xb[i], gate[i]) is also quantized into
+ * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
+ * thread, instead of a dispatch of its own. */
+static void quantize_row(es_session *s, int i, const float *x, int64_t n) {
+    if (s->q8_rs) es_quantize_row_q8(x, n, (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * s->q8_rs));
+}
+
 static void token_row(es_session *s, int l, int op, int i) {
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     size_t e = (size_t)in->n_embd;
+    if (op == ROWS_SWIGLU) {
+        float *g = s->gate + (size_t)i * in->n_ff;
+        swiglu_row(g, s->up + (size_t)i * in->n_ff, (size_t)in->n_ff);
+        quantize_row(s, i, g, in->n_ff);
+        return;
+    }
     if (op != ROWS_QKV) {
         const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
         int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
@@ -727,6 +742,7 @@ static void token_row(es_session *s, int l, int op, int i) {
             for (size_t k = 0; k < e; k++) x[k] += o[k];
         }
         rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
+        quantize_row(s, i, s->xb + (size_t)i * e, in->n_embd);
         return;
     }
     int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
@@ -769,7 +785,26 @@ static void run_rows(es_session *s, int l, int n, int op) {
     rows_task t = {s, l, n, op, 0};
     if (n > 1) es_pool_run(s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
-    if (op != ROWS_QKV) s->pending_out = 0;
+    if (op != ROWS_QKV && op != ROWS_SWIGLU) s->pending_out = 0;
+}
+
+/* Bytes of a quantized row of n_in for the matrices w[0..nw) when the rows
+ * of a step (n > 1, run on the pool) are to be quantized by run_rows; 0 when
+ * one token (run on the calling thread, nothing to save) or all float. */
+static size_t pre_q8_rs(int n, int nw, const es_tensor *const *w) {
+    if (n < 2) return 0;
+    for (int i = 0; i < nw; i++) {
+        size_t rs = es_matmul_q8_row_bytes(w[i]->type, w[i]->ne[0]);
+        if (rs) return rs;
+    }
+    return 0;
+}
+
+/* es_matmul_many, or es_matmul_many_pre when run_rows quantized X (rs != 0). */
+static void mm_many(es_session *s, size_t rs, int nw, const es_tensor *const *w, const float *x, int n,
+                    float *const *y, const int64_t *ldy) {
+    if (rs) es_matmul_many_pre(s->pool, nw, w, x, n, y, ldy, s->mm_scratch);
+    else es_matmul_many(s->pool, nw, w, x, n, y, ldy, s->mm_scratch);
 }
 
 /* Attention sublayer of one block: x += Wo . attn(norm(x)). */
@@ -778,7 +813,11 @@ static void attention_block(es_session *s, int l, int n) {
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
+    const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
+    size_t rs = pre_q8_rs(n, 3, wqkv);
+    s->q8_rs = rs;
     run_rows(s, l, n, ROWS_NORM_ATTN);
+    s->q8_rs = 0;
     /* Ask for this layer's cached K and V rows now: they arrive in cache while
      * the q/k/v matmul streams its weights, instead of one memory latency at
      * a time in the attention (the weight stream of the last step pushed
@@ -795,10 +834,9 @@ static void attention_block(es_session *s, int l, int n) {
         }
     }
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
-    const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
     float *yqkv[3] = {s->q, s->k, s->v};
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
-    es_matmul_many(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch);
+    mm_many(s, rs, 3, wqkv, s->xb, n, yqkv, ldqkv);
     run_rows(s, l, n, ROWS_QKV);   /* biases, q/k norms, RoPE; v appended to the cache */
     /* k appended to the transposed cache here, on one thread: the tokens of a
      * step share the cache lines of each key row (no false sharing) */
@@ -834,14 +872,28 @@ static void ffn_block(es_session *s, int l, int n) {
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
-    run_rows(s, l, n, ROWS_NORM_FFN);
     const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
+    size_t rs = pre_q8_rs(n, 2, wgu);
+    s->q8_rs = rs;
+    run_rows(s, l, n, ROWS_NORM_FFN);
+    s->q8_rs = 0;
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
-    es_matmul_many(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch);
-    swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff, 0};
-    es_pool_run(s->pool, swiglu_worker, &sw);
-    mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
+    mm_many(s, rs, 2, wgu, s->xb, n, ygu, ldgu);
+    if (n > 1) {   /* by rows, each quantized for W_down in the same task */
+        const es_tensor *wd[1] = {L->w_down};
+        int64_t ldd[1] = {in->n_embd};
+        float *yd[1] = {s->out};
+        rs = pre_q8_rs(n, 1, wd);
+        s->q8_rs = rs;
+        run_rows(s, l, n, ROWS_SWIGLU);
+        s->q8_rs = 0;
+        mm_many(s, rs, 1, wd, s->gate, n, yd, ldd);
+    } else {       /* one row: slices of it over the pool */
+        swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff, 0};
+        es_pool_run(s->pool, swiglu_worker, &sw);
+        mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
+    }
     s->pending_out = 1;
 }
 
@@ -895,8 +947,14 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
     }
     /* output head over positions [n - out_rows, n): logits [out_rows][n_vocab] */
     s->out_first = n - out_rows;
+    const es_tensor *wout[1] = {m->output};
+    float *ylog[1] = {s->logits};
+    int64_t ldlog[1] = {in->n_vocab};
+    size_t rs = pre_q8_rs(out_rows, 1, wout);
+    s->q8_rs = rs;
     run_rows(s, 0, out_rows, ROWS_NORM_OUT);
-    mm(s, m->output, s->xb, out_rows, s->logits, in->n_vocab);
+    s->q8_rs = 0;
+    mm_many(s, rs, 1, wout, s->xb, out_rows, ylog, ldlog);
     es_pool_end(s->pool);
 
     if (argmax_out)

@@ -460,6 +460,10 @@ size_t es_matmul_scratch_bytes(uint32_t type, int64_t n_in, int N) {
     return q8_row_bytes(n_in) * (size_t)N;
 }
 
+size_t es_matmul_q8_row_bytes(uint32_t type, int64_t n_in) {
+    return is_float_type(type) || n_in <= 0 ? 0 : q8_row_bytes(n_in);
+}
+
 const char *es_quant_simd_name(void) {
     const char *s = es_x86_simd_name();
     if (!s) s = es_neon_simd_name();
@@ -579,7 +583,7 @@ static void q8_worker(void *ctx, int ith, int nth) {
 }
 
 static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
-                        float *const *Y, const int64_t *ldy, void *scratch, int force_scalar) {
+                        float *const *Y, const int64_t *ldy, void *scratch, int force_scalar, int pre) {
     if (nw < 1 || nw > ES_MATMUL_MAX || N <= 0) return;
     mm_task t;
     memset(&t, 0, sizeof t);
@@ -629,7 +633,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
     }
     if (t.nw == 0) return;
-    if (need_q8) {   /* several rows: quantized by the pool's threads, one row each in turn */
+    if (need_q8 && !pre) {   /* several rows: quantized by the pool's threads, one row each in turn */
         q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, 0};
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
         else q8_worker(&qt, 0, 1);
@@ -640,12 +644,17 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
 
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
                     float *Y, int64_t ldy, void *scratch, int force_scalar) {
-    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar);
+    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar, 0);
 }
 
 void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                     float *const *Y, const int64_t *ldy, void *scratch) {
-    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0);
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 0);
+}
+
+void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                        float *const *Y, const int64_t *ldy, void *scratch) {
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 1);
 }
 
 void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,

@@ -191,6 +191,19 @@ void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
 void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                     float *const *Y, const int64_t *ldy, void *scratch);
 
+/*
+ * es_matmul_many with X already quantized: row n of X quantized by
+ * es_quantize_row_q8 (or _ref) into scratch + n * es_matmul_q8_row_bytes(
+ * W[0]->type, n_in) for n in [0, N) (which lets the caller quantize each row
+ * in the same pool task that writes it). Float weight types read X as
+ * es_matmul_many does. The same bits as es_matmul_many.
+ */
+void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                        float *const *Y, const int64_t *ldy, void *scratch);
+/* Bytes of one quantized activation row of n_in elements in es_matmul's
+ * scratch; 0 for float weight types, which read float rows. */
+size_t es_matmul_q8_row_bytes(uint32_t type, int64_t n_in);
+
 /* Quantize one activation row of n elements into ceil(n / 512) groups
  * (the contract's step 1). es_quantize_row_q8 uses the build's SIMD version
  * when there is one (n a multiple of 32), the _ref one is plain C; both give
