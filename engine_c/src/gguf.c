@@ -602,7 +602,7 @@ void es_gguf_close(es_gguf *g) {
     if (g->tensors != NULL) {
         for (int64_t i = 0; i < g->n_tensors; i++) {
             free(g->tensors[i].name);
-            free(g->tensors[i].packed);
+            if (g->tensors[i].packed_owned) free(g->tensors[i].packed);
         }
     }
     free(g->kv);

@@ -67,8 +67,10 @@ typedef struct {
     size_t row_bytes;           /* bytes of one row of ne[0] elements */
     const void *data;           /* inside the mmap, aligned as the file says */
     void *packed;               /* NULL, or the rows repacked for the SIMD kernels
-                                   (quant.h: es_tensor_pack); owned by the model */
+                                   (quant.h: es_tensor_pack, es_tensor_pack_into) */
     size_t packed_bytes;
+    int packed_owned;           /* 1: packed was malloc'd for this tensor (freed with it);
+                                   0: it lies in the model's weight arena */
 } es_tensor;
 
 /* One metadata key/value. Scalars are decoded; strings and arrays point into the map. */

@@ -36,6 +36,7 @@
 typedef struct {
     es_model pub;
     int64_t *vec_off;       /* [gguf->n_tensors]: offset into f32_pool, -1 if not converted */
+    void *arena;            /* the packed weights of every repacked tensor, in the order of use */
 } model_impl;
 
 /* Load-time context: the open file, the architecture and the error buffer. */
@@ -399,32 +400,70 @@ static int64_t step_bytes(const es_model *m) {
  * again from the file only if the embedding lookup or a scalar path needs
  * them), so the weights are resident once. An untied token_embd is only
  * read row by row for the embedding lookup and stays mapped.
- * ES_ERR_NOMEM when a copy can not be made. */
-static es_status pack_one(const es_tensor *ct, char *err, size_t err_len) {
-    es_tensor *t = (es_tensor *)ct;   /* owned by the model's es_gguf */
-    int r = es_tensor_pack(t);
-    if (r < 0) {
-        es_set_err(err, err_len, "model: out of memory repacking tensor '%s' (%zu bytes)", t->name, t->nbytes);
-        return ES_ERR_NOMEM;
-    }
-    long page = sysconf(_SC_PAGESIZE);
-    if (r == 1 && page > 0) {
-        uintptr_t a = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
-        uintptr_t e = ((uintptr_t)t->data + t->nbytes) & ~((uintptr_t)page - 1);
-        if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
-    }
-    return ES_OK;
-}
+ * ES_ERR_NOMEM when a copy can not be made.
+ *
+ * The copies share one arena, in the order a forward pass reads them (the
+ * weight stream of a step is one run of memory), aligned to 2 MiB and
+ * advised as huge pages (MADV_HUGEPAGE, Linux): the stream then crosses a
+ * page boundary every 2 MiB instead of every 4 KiB, with fewer TLB misses
+ * and no stop of the hardware prefetchers at each 4 KiB (SmolLM2, 2
+ * threads, bench/forward_ab.c: T 4.14 -> 3.87 ms, V(4) 5.48 -> 5.11 ms).
+ * Without transparent huge pages the advice is ignored. */
+#define ARENA_ALIGN ((size_t)2 << 20)
 
-static es_status pack_weights(es_model *m, char *err, size_t err_len) {
-    es_status st = ES_OK;
-    for (int l = 0; l < m->info.n_layer && st == ES_OK; l++) {
+static size_t round64(size_t n) { return (n + 63) / 64 * 64; }
+
+/* The matrices to repack, in the order of use; returns their count (at most 7 * n_layer + 1). */
+static int pack_list(const es_model *m, es_tensor **out) {
+    int n = 0;
+    for (int l = 0; l < m->info.n_layer; l++) {
         const es_layer *L = &m->layers[l];
         const es_tensor *w[7] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
-        for (int i = 0; i < 7 && st == ES_OK; i++) st = pack_one(w[i], err, err_len);
+        for (int i = 0; i < 7; i++) out[n++] = (es_tensor *)w[i];   /* owned by the model's es_gguf */
     }
-    if (st == ES_OK) st = pack_one(m->output, err, err_len);
-    return st;
+    out[n++] = (es_tensor *)m->output;
+    return n;
+}
+
+static es_status pack_weights(model_impl *mi, char *err, size_t err_len) {
+    es_model *m = &mi->pub;
+    es_tensor **ts = malloc(sizeof *ts * ((size_t)m->info.n_layer * 7 + 1));
+    if (ts == NULL) {
+        es_set_err(err, err_len, "model: out of memory");
+        return ES_ERR_NOMEM;
+    }
+    int n = pack_list(m, ts);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += round64(es_tensor_pack_size(ts[i]));
+    if (total == 0) {   /* nothing to repack in this build or for these types */
+        free(ts);
+        return ES_OK;
+    }
+    size_t alloc = (total + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
+    if (posix_memalign(&mi->arena, ARENA_ALIGN, alloc) != 0) {
+        mi->arena = NULL;
+        free(ts);
+        es_set_err(err, err_len, "model: out of memory repacking the weights (%zu bytes)", alloc);
+        return ES_ERR_NOMEM;
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(mi->arena, alloc, MADV_HUGEPAGE);
+#endif
+    long page = sysconf(_SC_PAGESIZE);
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        es_tensor *t = ts[i];
+        size_t bytes = es_tensor_pack_size(t);
+        if (bytes == 0 || es_tensor_pack_into(t, (uint8_t *)mi->arena + off) != 1) continue;
+        off += round64(bytes);
+        if (page > 0) {   /* the mapped bytes are not read again (see above) */
+            uintptr_t a = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+            uintptr_t e = ((uintptr_t)t->data + t->nbytes) & ~((uintptr_t)page - 1);
+            if (e > a) madvise((void *)a, e - a, MADV_DONTNEED);
+        }
+    }
+    free(ts);
+    return ES_OK;
 }
 
 /* See echospec_engine.h. On failure *out is NULL, the file is unmapped and
@@ -449,7 +488,7 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
     if (st == ES_OK) st = bind_all(&ld, m);
     if (st == ES_OK) st = build_pool(mi, err, err_len);
     if (st == ES_OK && !(params != NULL && (params->flags & ES_MODEL_NO_REPACK)))
-        st = pack_weights(m, err, err_len);
+        st = pack_weights(mi, err, err_len);
     if (st != ES_OK) {
         es_model_free(m);
         return st;
@@ -467,6 +506,7 @@ void es_model_free(es_model *model) {
     free(model->f32_pool);
     free(model->layers);
     es_gguf_close(model->gguf);
+    free(mi->arena);
     free(mi);
 }
 

@@ -486,16 +486,23 @@ static es_mm_kernel packed_kernel(uint32_t type) {
     return k ? k : es_neon_packed_kernel(type);
 }
 
-int es_tensor_pack(es_tensor *t) {
+size_t es_tensor_pack_size(const es_tensor *t) {
     size_t rec = es_pack_record_bytes(t->type);
-    if (t->packed != NULL) return 1;
-    if (rec == 0 || packed_kernel(t->type) == NULL || t->ne[0] % QK != 0 || t->ne[0] <= 0 || t->ne[1] <= 0)
+    if (t->packed != NULL || rec == 0 || packed_kernel(t->type) == NULL || t->ne[0] % QK != 0 || t->ne[0] <= 0 ||
+        t->ne[1] <= 0)
         return 0;
     int64_t nb = t->ne[0] / QK, n_out = t->ne[1] * t->ne[2] * t->ne[3];
     int64_t ng = (n_out + ES_PACK_ROWS - 1) / ES_PACK_ROWS;
-    size_t bytes = (size_t)ng * (size_t)nb * rec, bb = rec / ES_PACK_ROWS;
-    uint8_t *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (p == NULL) return -1;
+    return (size_t)ng * (size_t)nb * rec;
+}
+
+int es_tensor_pack_into(es_tensor *t, uint8_t *p) {
+    size_t bytes = es_tensor_pack_size(t);
+    if (bytes == 0) return 0;
+    size_t rec = es_pack_record_bytes(t->type);
+    int64_t nb = t->ne[0] / QK, n_out = t->ne[1] * t->ne[2] * t->ne[3];
+    int64_t ng = (n_out + ES_PACK_ROWS - 1) / ES_PACK_ROWS;
+    size_t bb = rec / ES_PACK_ROWS;
     memset(p, 0, bytes);
     int nq = t->type == ES_TYPE_Q8_0 ? 8 : 4;   /* dwords of qs per block */
     size_t qs_off = t->type == ES_TYPE_Q4_1 ? 4 : 2;
@@ -512,13 +519,26 @@ int es_tensor_pack(es_tensor *t) {
         }
     t->packed = p;
     t->packed_bytes = bytes;
+    t->packed_owned = 0;
+    return 1;
+}
+
+int es_tensor_pack(es_tensor *t) {
+    if (t->packed != NULL) return 1;
+    size_t bytes = es_tensor_pack_size(t);
+    if (bytes == 0) return 0;
+    uint8_t *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == NULL) return -1;
+    es_tensor_pack_into(t, p);
+    t->packed_owned = 1;
     return 1;
 }
 
 void es_tensor_unpack(es_tensor *t) {
-    free(t->packed);
+    if (t->packed_owned) free(t->packed);
     t->packed = NULL;
     t->packed_bytes = 0;
+    t->packed_owned = 0;
 }
 
 /* One weight matrix of a dispatch. */

@@ -100,6 +100,13 @@ size_t es_pack_record_bytes(uint32_t type);   /* 0 when the type is not packed *
  * -1 when out of memory (t unchanged). es_tensor_unpack frees it. */
 int es_tensor_pack(es_tensor *t);
 void es_tensor_unpack(es_tensor *t);
+/* Bytes of t's packed copy; 0 when t is not packed in this build (or is
+ * already). */
+size_t es_tensor_pack_size(const es_tensor *t);
+/* The same as es_tensor_pack into dst (es_tensor_pack_size(t) bytes,
+ * 64-byte aligned, owned by the caller, which must outlive every use of t).
+ * Returns 1, or 0 when not applicable. */
+int es_tensor_pack_into(es_tensor *t, uint8_t *dst);
 es_mm_kernel es_x86_packed_kernel(uint32_t type);
 es_mm_kernel es_neon_packed_kernel(uint32_t type);
 
