@@ -61,6 +61,8 @@ struct es_session {
     int32_t q_cap;          /* queries of an attention unit, at most max(group_cap, ATT_Q_TARGET) */
     float *scores;          /* [n_threads][q_cap][n_ctx] attention weights */
     void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
+    void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
+                               aligned, zeroed at allocation (the padding of a row's last group) */
     size_t mm_bytes;
     char err[256];
 };
@@ -272,6 +274,8 @@ static void free_scratch(es_session *s) {
     free(s->x); free(s->xb); free(s->q); free(s->k); free(s->v); free(s->att);
     free(s->gate); free(s->up); free(s->out); free(s->logits); free(s->rope);
     free(s->mm_scratch);
+    free(s->glu_q8);
+    s->glu_q8 = NULL;
     s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->out = NULL;
     s->logits = s->rope = NULL;
     s->mm_scratch = NULL;
@@ -313,9 +317,12 @@ static es_status ensure_scratch(es_session *s, int32_t n) {
     float *logits = malloc(N * in->n_vocab * sizeof(float));
     float *rope = malloc(N * in->rope_dim * sizeof(float) + sizeof(float));
     void *mms = aligned_alloc(64, mm_alloc ? mm_alloc : 64);
-    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms) {
+    size_t glu_alloc = (N * es_matmul_q8_row_bytes(ES_TYPE_Q8_0, in->n_ff) + 63) & ~(size_t)63;
+    void *glu = aligned_alloc(64, glu_alloc ? glu_alloc : 64);
+    if (glu) memset(glu, 0, glu_alloc ? glu_alloc : 64);
+    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu) {
         free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
-        free(out); free(logits); free(rope); free(mms);
+        free(out); free(logits); free(rope); free(mms); free(glu);
         es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
         return ES_ERR_NOMEM;
     }
@@ -323,6 +330,7 @@ static es_status ensure_scratch(es_session *s, int32_t n) {
     s->x = x; s->xb = xb; s->q = q; s->k = k; s->v = v; s->att = att;
     s->gate = gate; s->up = up; s->out = out; s->logits = logits; s->rope = rope;
     s->mm_scratch = mms;
+    s->glu_q8 = glu;
     s->mm_bytes = mm;
     s->cap = n;
     return ES_OK;
@@ -705,7 +713,7 @@ static void fill_rope_table(es_session *s, int n) {
 
 /* ---- per-token row work, shared out by token when there are several ---- */
 
-enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT, ROWS_SWIGLU };
+enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT };
 
 /* Row i of a step of layer l (each token's row reads and writes only its own
  * data, so the split changes no bit):
@@ -714,8 +722,7 @@ enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT, ROWS_SWIGLU };
  *   ROWS_QKV   q/k/v biases, q/k head norms (qwen3), RoPE of q[i] and k[i];
  *       v[i] written to the cache at position n_past + i
  *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i])
- *   ROWS_SWIGLU  gate[i] = silu(gate[i]) * up[i]
- * With s->q8_rs set, the row written (xb[i], gate[i]) is also quantized into
+ * With s->q8_rs set, the row written (xb[i]) is also quantized into
  * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
  * thread, instead of a dispatch of its own. */
 static void quantize_row(es_session *s, int i, const float *x, int64_t n) {
@@ -727,12 +734,6 @@ static void token_row(es_session *s, int l, int op, int i) {
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     size_t e = (size_t)in->n_embd;
-    if (op == ROWS_SWIGLU) {
-        float *g = s->gate + (size_t)i * in->n_ff;
-        swiglu_row(g, s->up + (size_t)i * in->n_ff, (size_t)in->n_ff);
-        quantize_row(s, i, g, in->n_ff);
-        return;
-    }
     if (op != ROWS_QKV) {
         const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
         int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
@@ -785,7 +786,7 @@ static void run_rows(es_session *s, int l, int n, int op) {
     rows_task t = {s, l, n, op, 0};
     if (n > 1) es_pool_run(s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
-    if (op != ROWS_QKV && op != ROWS_SWIGLU) s->pending_out = 0;
+    if (op != ROWS_QKV) s->pending_out = 0;
 }
 
 /* Bytes of a quantized row of n_in for the matrices w[0..nw) when the rows
@@ -850,21 +851,27 @@ static void attention_block(es_session *s, int l, int n) {
     s->pending_out = 1;            /* x += out: done by the next norm, per token */
 }
 
+/* The epilogue of the gate/up matmul (es_matmul_many_epi), for the
+ * columns [r0, r1) of every token's row, by the thread that computed them:
+ * gate = silu(gate) * up, then its blocks quantized for W_down into glu_q8
+ * when W_down is quantized (rs bytes a row). */
 typedef struct {
-    float *g;
-    const float *u;
-    size_t n;
-    _Atomic size_t next;   /* next slice start */
-} swiglu_task;
+    es_session *s;
+    int n;
+    size_t rs;
+} glu_task;
 
-#define SWIGLU_SLICE 512   /* elements per slice (a multiple of 8) */
-
-/* swiglu over [0, n) in slices taken in turn from a counter (the value of
- * an element does not depend on the slicing). */
-static void swiglu_worker(void *ctx, int ith, int nth) {
-    swiglu_task *t = ctx;
-    for (size_t a; (a = atomic_fetch_add_explicit(&t->next, SWIGLU_SLICE, memory_order_relaxed)) < t->n;)
-        swiglu_row(t->g + a, t->u + a, t->n - a < SWIGLU_SLICE ? t->n - a : SWIGLU_SLICE);
+static void glu_epi(void *ctx, int64_t r0, int64_t r1) {
+    const glu_task *t = ctx;
+    es_session *s = t->s;
+    int64_t n_ff = s->model->info.n_ff;
+    for (int i = 0; i < t->n; i++) {
+        float *g = s->gate + (size_t)i * (size_t)n_ff;
+        swiglu_row(g + r0, s->up + (size_t)i * (size_t)n_ff + r0, (size_t)(r1 - r0));
+        if (t->rs)
+            es_quantize_blocks_q8(g, n_ff, r0 / QK, (r1 + QK - 1) / QK,
+                                  (es_q8_group *)(void *)((uint8_t *)s->glu_q8 + (size_t)i * t->rs));
+    }
 }
 
 /* FFN sublayer: x += W_down . (silu(W_gate . norm(x)) * (W_up . norm(x))). */
@@ -879,21 +886,15 @@ static void ffn_block(es_session *s, int l, int n) {
     s->q8_rs = 0;
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
-    mm_many(s, rs, 2, wgu, s->xb, n, ygu, ldgu);
-    if (n > 1) {   /* by rows, each quantized for W_down in the same task */
-        const es_tensor *wd[1] = {L->w_down};
-        int64_t ldd[1] = {in->n_embd};
-        float *yd[1] = {s->out};
-        rs = pre_q8_rs(n, 1, wd);
-        s->q8_rs = rs;
-        run_rows(s, l, n, ROWS_SWIGLU);
-        s->q8_rs = 0;
-        mm_many(s, rs, 1, wd, s->gate, n, yd, ldd);
-    } else {       /* one row: slices of it over the pool */
-        swiglu_task sw = {s->gate, s->up, (size_t)n * in->n_ff, 0};
-        es_pool_run(s->pool, swiglu_worker, &sw);
-        mm(s, L->w_down, s->gate, n, s->out, in->n_embd);
-    }
+    /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
+     * the thread that computed those columns, while they are in its cache */
+    glu_task g = {s, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff)};
+    es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, glu_epi, &g);
+    const es_tensor *wd[1] = {L->w_down};
+    int64_t ldd[1] = {in->n_embd};
+    float *yd[1] = {s->out};
+    if (g.rs) es_matmul_many_pre(s->pool, 1, wd, s->gate, n, yd, ldd, s->glu_q8);
+    else es_matmul_many(s->pool, 1, wd, s->gate, n, yd, ldd, s->mm_scratch);
     s->pending_out = 1;
 }
 

@@ -225,16 +225,27 @@ void es_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n) {
 
 /* ---- activation quantization ------------------------------------------ */
 
+static void quantize_blocks_ref(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out);
+
+void es_quantize_blocks_q8(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
+    if (es_x86_quantize_blocks(x, n, j0, j1, out) || es_neon_quantize_blocks(x, n, j0, j1, out)) return;
+    quantize_blocks_ref(x, n, j0, j1, out);
+}
+
 void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out) {
-    if (es_x86_quantize_row(x, n, out) || es_neon_quantize_row(x, n, out)) return;
-    es_quantize_row_q8_ref(x, n, out);
+    int64_t nb = (n + QK - 1) / QK;
+    memset(out, 0, (size_t)((nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS) * sizeof *out);
+    es_quantize_blocks_q8(x, n, 0, nb, out);
 }
 
 void es_quantize_row_q8_ref(const float *x, int64_t n, es_q8_group *out) {
     int64_t nb = (n + QK - 1) / QK;
-    int64_t ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    memset(out, 0, (size_t)ng * sizeof *out);
-    for (int64_t j = 0; j < nb; j++) {
+    memset(out, 0, (size_t)((nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS) * sizeof *out);
+    quantize_blocks_ref(x, n, 0, nb, out);
+}
+
+static void quantize_blocks_ref(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
+    for (int64_t j = j0; j < j1; j++) {
         es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
         int jj = (int)(j % ES_GROUP_BLOCKS);
         const float *xb = x + j * QK;
@@ -561,6 +572,9 @@ typedef struct {
     int64_t n_in;
     int N;
     int64_t n_chunks;
+    es_mm_epilogue epi;     /* joint chunks (es_matmul_many_epi): chunk c is rows
+                               [c * m[0].chunk, ...) of every matrix, then epi */
+    void *epi_ctx;
     _Atomic int64_t next;   /* next chunk to take */
 } mm_task;
 
@@ -573,6 +587,16 @@ static void mm_worker(void *ctx, int ith, int nth) {
     for (;;) {
         int64_t c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
         if (c >= t->n_chunks) break;
+        if (t->epi) {   /* rows [r0, r1) of every matrix, then the epilogue on them */
+            int64_t r0 = c * t->m[0].chunk;
+            int64_t r1 = r0 + t->m[0].chunk < t->m[0].n_out ? r0 + t->m[0].chunk : t->m[0].n_out;
+            for (int i = 0; i < t->nw; i++) {
+                const mm_mat *m = &t->m[i];
+                m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
+            }
+            t->epi(t->epi_ctx, r0, r1);
+            continue;
+        }
         int i = 0;
         while (i + 1 < t->nw && c >= t->m[i + 1].first) i++;
         const mm_mat *m = &t->m[i];
@@ -603,8 +627,17 @@ static void q8_worker(void *ctx, int ith, int nth) {
 }
 
 static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
-                        float *const *Y, const int64_t *ldy, void *scratch, int force_scalar, int pre) {
+                        float *const *Y, const int64_t *ldy, void *scratch, int force_scalar, int pre,
+                        es_mm_epilogue epi, void *epi_ctx) {
     if (nw < 1 || nw > ES_MATMUL_MAX || N <= 0) return;
+    if (epi) {   /* joint chunks need every matrix supported, with one n_out */
+        for (int i = 0; i < nw; i++)
+            if (W[i]->ne[1] != W[0]->ne[1] || W[i]->ne[0] != W[0]->ne[0] || !es_matmul_supported(W[i]->type)) {
+                matmul_many(pool, nw, W, X, N, Y, ldy, scratch, force_scalar, pre, NULL, NULL);
+                epi(epi_ctx, 0, W[0]->ne[1]);
+                return;
+            }
+    }
     mm_task t;
     memset(&t, 0, sizeof t);
     t.n_in = W[0]->ne[0];
@@ -648,11 +681,17 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
             need_q8 = 1;
         }
         int64_t chunk = (m->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
-        m->chunk = chunk < 16 ? 16 : (chunk + gran - 1) / gran * gran;
+        if (epi) gran = ES_EPI_ROWS;   /* a multiple of 4 and 16 */
+        m->chunk = chunk < 16 ? (gran > 16 ? gran : 16) : (chunk + gran - 1) / gran * gran;
         m->first = t.n_chunks;
         t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
     }
     if (t.nw == 0) return;
+    if (epi) {
+        t.epi = epi;
+        t.epi_ctx = epi_ctx;
+        t.n_chunks = (t.m[0].n_out + t.m[0].chunk - 1) / t.m[0].chunk;
+    }
     if (need_q8 && !pre) {   /* several rows: quantized by the pool's threads, one row each in turn */
         q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, 0};
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
@@ -664,17 +703,23 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
 
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
                     float *Y, int64_t ldy, void *scratch, int force_scalar) {
-    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar, 0);
+    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar, 0, NULL, NULL);
 }
 
 void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                     float *const *Y, const int64_t *ldy, void *scratch) {
-    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 0);
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 0, NULL, NULL);
 }
 
 void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch) {
-    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 1);
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 1, NULL, NULL);
+}
+
+void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                        float *const *Y, const int64_t *ldy, void *scratch, int pre,
+                        es_mm_epilogue epi, void *epi_ctx) {
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, pre, epi, epi_ctx);
 }
 
 void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,

@@ -207,6 +207,23 @@ void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const floa
  */
 void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch);
+/*
+ * es_matmul_many (pre = 0) or es_matmul_many_pre (pre = 1) for matrices of
+ * one shape, with an epilogue: output rows are cut into chunks of a multiple
+ * of ES_EPI_ROWS rows; the thread that takes a chunk computes those rows of
+ * every matrix and then calls epi(epi_ctx, r0, r1) for them, when
+ * Y[i][n][r0 .. r1) are final for every i and n (the epilogue can work on
+ * those columns while they are in its cache: SwiGLU and the quantization of
+ * its output, for W_down). Matrices of other shapes or an unsupported type:
+ * the plain dispatch, then epi over [0, n_out) on the calling thread. The
+ * same Y bits as es_matmul_many.
+ */
+#define ES_EPI_ROWS 32
+typedef void (*es_mm_epilogue)(void *ctx, int64_t r0, int64_t r1);
+void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
+                        float *const *Y, const int64_t *ldy, void *scratch, int pre,
+                        es_mm_epilogue epi, void *epi_ctx);
+
 /* Bytes of one quantized activation row of n_in elements in es_matmul's
  * scratch; 0 for float weight types, which read float rows. */
 size_t es_matmul_q8_row_bytes(uint32_t type, int64_t n_in);
@@ -217,10 +234,15 @@ size_t es_matmul_q8_row_bytes(uint32_t type, int64_t n_in);
  * the same bytes. */
 void es_quantize_row_q8(const float *x, int64_t n, es_q8_group *out);
 void es_quantize_row_q8_ref(const float *x, int64_t n, es_q8_group *out);
-/* SIMD versions: return 1 when done, 0 when this build has none (or n is
- * not a multiple of 32). */
-int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out);
-int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out);
+/* Blocks [j0, j1) (32 elements each) of the row x of n elements into the
+ * row's groups at out, the same bytes es_quantize_row_q8 writes for them;
+ * nothing else of out is written (its padding stays as it was), so threads
+ * may quantize disjoint blocks of one row. */
+void es_quantize_blocks_q8(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out);
+/* SIMD versions of it: return 1 when done, 0 when this build has none (or n
+ * is not a multiple of 32). */
+int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out);
+int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out);
 
 /* The fixed reduction tree over the 16 lanes:
  * ((((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)))+(((l8+l9)+(l10+l11))+((l12+l13)+(l14+l15)))) */

@@ -515,11 +515,9 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 #endif
 
 /* Activation quantization (contract step 1), 32 elements per step. */
-int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) {
+int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
     if (n % QK != 0) return 0;
-    int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    memset(out, 0, (size_t)ng * sizeof *out);
-    for (int64_t j = 0; j < nb; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
         int jj = (int)(j % ES_GROUP_BLOCKS);
         float32x4_t xv[8], m = vdupq_n_f32(0.0f);
@@ -571,6 +569,6 @@ const char *es_neon_simd_name(void) {
 es_mm_kernel es_neon_kernel(uint32_t type) { return NULL; }
 es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_neon_simd_name(void) { return NULL; }
-int es_neon_quantize_row(const float *x, int64_t n, es_q8_group *out) { return 0; }
+int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) { return 0; }
 
 #endif

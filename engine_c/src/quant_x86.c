@@ -707,11 +707,9 @@ FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
 /* Activation quantization (contract step 1), 32 elements per step. */
-int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
+int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
     if (n % QK != 0) return 0;
-    int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    memset(out, 0, (size_t)ng * sizeof *out);
-    for (int64_t j = 0; j < nb; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
         int jj = (int)(j % ES_GROUP_BLOCKS);
         __m512 x0 = _mm512_loadu_ps(x + j * QK), x1 = _mm512_loadu_ps(x + j * QK + 16);
@@ -1233,12 +1231,10 @@ KKERNEL(k_q5_k, ES_TYPE_Q5_K)
 KKERNEL(k_q6_k, ES_TYPE_Q6_K)
 
 /* Activation quantization (contract step 1), 32 elements per step. */
-int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) {
+int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
     if (n % QK != 0) return 0;
-    int64_t nb = n / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    memset(out, 0, (size_t)ng * sizeof *out);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t j = 0; j < nb; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         es_q8_group *g = &out[j / ES_GROUP_BLOCKS];
         int jj = (int)(j % ES_GROUP_BLOCKS);
         __m256 xv[4], m = _mm256_setzero_ps();
@@ -1436,6 +1432,6 @@ const char *es_x86_simd_name(void) { return "avx2"; }
 es_mm_kernel es_x86_kernel(uint32_t type) { return NULL; }
 es_mm_kernel es_x86_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_x86_simd_name(void) { return NULL; }
-int es_x86_quantize_row(const float *x, int64_t n, es_q8_group *out) { return 0; }
+int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) { return 0; }
 
 #endif
