@@ -61,6 +61,9 @@ struct es_session {
     int32_t q_cap;          /* queries of an attention unit, at most max(group_cap, ATT_Q_TARGET) */
     float *scores;          /* [n_threads][q_cap][n_ctx] attention weights */
     void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
+    float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
+    int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
+    int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
     void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
                                aligned, zeroed at allocation (the padding of a row's last group) */
     size_t mm_bytes;
@@ -275,7 +278,11 @@ static void free_scratch(es_session *s) {
     free(s->gate); free(s->up); free(s->out); free(s->logits); free(s->rope);
     free(s->mm_scratch);
     free(s->glu_q8);
+    free(s->am_val);
+    free(s->am_idx);
     s->glu_q8 = NULL;
+    s->am_val = NULL;
+    s->am_idx = NULL;
     s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->out = NULL;
     s->logits = s->rope = NULL;
     s->mm_scratch = NULL;
@@ -320,9 +327,13 @@ static es_status ensure_scratch(es_session *s, int32_t n) {
     size_t glu_alloc = (N * es_matmul_q8_row_bytes(ES_TYPE_Q8_0, in->n_ff) + 63) & ~(size_t)63;
     void *glu = aligned_alloc(64, glu_alloc ? glu_alloc : 64);
     if (glu) memset(glu, 0, glu_alloc ? glu_alloc : 64);
-    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu) {
+    size_t slots = ((size_t)in->n_vocab + ES_EPI_ROWS - 1) / ES_EPI_ROWS;
+    float *am_val = malloc(N * slots * sizeof(float));
+    int32_t *am_idx = malloc(N * slots * sizeof(int32_t));
+    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu ||
+        !am_val || !am_idx) {
         free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
-        free(out); free(logits); free(rope); free(mms); free(glu);
+        free(out); free(logits); free(rope); free(mms); free(glu); free(am_val); free(am_idx);
         es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
         return ES_ERR_NOMEM;
     }
@@ -331,6 +342,9 @@ static es_status ensure_scratch(es_session *s, int32_t n) {
     s->gate = gate; s->up = up; s->out = out; s->logits = logits; s->rope = rope;
     s->mm_scratch = mms;
     s->glu_q8 = glu;
+    s->am_val = am_val;
+    s->am_idx = am_idx;
+    s->am_slots = (int32_t)slots;
     s->mm_bytes = mm;
     s->cap = n;
     return ES_OK;
@@ -898,6 +912,49 @@ static void ffn_block(es_session *s, int l, int n) {
     s->pending_out = 1;
 }
 
+/* Output-matmul epilogue: for logits columns [r0, r1) of every row, the
+ * value and index of the first largest non-NaN logit (index -1 when all are
+ * NaN), in slot r0 / ES_EPI_ROWS. */
+typedef struct {
+    es_session *s;
+    int n;
+} am_task;
+
+static void am_epi(void *ctx, int64_t r0, int64_t r1) {
+    const am_task *t = ctx;
+    es_session *s = t->s;
+    int64_t nv = s->model->info.n_vocab;
+    for (int i = 0; i < t->n; i++) {
+        const float *row = s->logits + (size_t)i * (size_t)nv;
+        size_t slot = (size_t)i * (size_t)s->am_slots + (size_t)(r0 / ES_EPI_ROWS);
+        int64_t k = r0;
+        while (k < r1 && row[k] != row[k]) k++;   /* argmax_row needs a first value that is not NaN */
+        int32_t idx = k < r1 ? (int32_t)(k + argmax_row(row + k, (int)(r1 - k))) : -1;
+        s->am_idx[slot] = idx;
+        s->am_val[slot] = idx >= 0 ? row[idx] : 0.0f;
+    }
+}
+
+/* argmax_row of logits row i from the chunks' results: 0 when the first
+ * logit is NaN, else the first index of the largest non-NaN logit (chunks
+ * in order, a later chunk only when strictly larger). */
+static int32_t am_combine(const es_session *s, int i) {
+    if (s->logits[(size_t)i * (size_t)s->model->info.n_vocab] != s->logits[(size_t)i * (size_t)s->model->info.n_vocab])
+        return 0;
+    int32_t best = -1;
+    float bv = 0.0f;
+    for (int32_t c = 0; c < s->am_slots; c++) {
+        size_t slot = (size_t)i * (size_t)s->am_slots + (size_t)c;
+        int32_t idx = s->am_idx[slot];
+        if (idx < 0) continue;
+        if (best < 0 || s->am_val[slot] > bv) {
+            best = idx;
+            bv = s->am_val[slot];
+        }
+    }
+    return best < 0 ? 0 : best;
+}
+
 static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_t n,
                                     float *logits_out, int32_t mode) {
     const es_model_info *in = &s->model->info;
@@ -955,12 +1012,15 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
     s->q8_rs = rs;
     run_rows(s, 0, out_rows, ROWS_NORM_OUT);
     s->q8_rs = 0;
-    mm_many(s, rs, 1, wout, s->xb, out_rows, ylog, ldlog);
+    /* the argmax of each chunk of logits by the thread that computed it, in
+     * the matmul's epilogue; then the first largest of the chunks' */
+    memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
+    am_task at = {s, out_rows};
+    es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, am_epi, &at);
     es_pool_end(s->pool);
 
     if (argmax_out)
-        for (int i = 0; i < out_rows; i++)
-            argmax_out[i] = argmax_row(s->logits + (size_t)i * in->n_vocab, in->n_vocab);
+        for (int i = 0; i < out_rows; i++) argmax_out[i] = am_combine(s, i);
     if (logits_mode == 1)
         memcpy(logits_out, s->logits + (size_t)(out_rows - 1) * in->n_vocab, (size_t)in->n_vocab * sizeof(float));
     else if (logits_mode == 2)
