@@ -644,7 +644,7 @@ static void attend_unit(es_session *s, int layer, int g, int h0, int h1, int i0,
         }
     }
     float sum[ES_MAX_GROUP];
-    int nmin = len[0];   /* the first query is the shortest */
+    int nmin = nq > 0 ? len[0] : 0;   /* the first query is the shortest */
     for (int k = 0; k < nq; k++) {
         exp_sub_row(ap[k], max_row(ap[k], len[k]), len[k]);
         sum[k] = 0.0f;
@@ -722,10 +722,6 @@ static void mm(es_session *s, const es_tensor *w, const float *x, int n, float *
     es_matmul(s->pool, w, x, n, y, ldy, s->mm_scratch);
 }
 
-static void add_bias(float *y, const float *b, int n, int dim) {
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < dim; j++) y[(size_t)i * dim + j] += b[j];
-}
 
 static void fill_rope_table(es_session *s, int n) {
     const es_model_info *in = &s->model->info;
@@ -742,14 +738,12 @@ static void fill_rope_table(es_session *s, int n) {
 
 /* ---- per-token row work, shared out by token when there are several ---- */
 
-enum { ROWS_NORM_ATTN, ROWS_QKV, ROWS_NORM_FFN, ROWS_NORM_OUT };
+enum { ROWS_NORM_ATTN, ROWS_NORM_FFN, ROWS_NORM_OUT };
 
 /* Row i of a step of layer l (each token's row reads and writes only its own
  * data, so the split changes no bit):
  *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
  *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
- *   ROWS_QKV   q/k/v biases, q/k head norms (qwen3), RoPE of q[i] and k[i];
- *       v[i] written to the cache at position n_past + i
  *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i])
  * With s->q8_rs set, the row written (xb[i]) is also quantized into
  * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
@@ -763,38 +757,60 @@ static void token_row(es_session *s, int l, int op, int i) {
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     size_t e = (size_t)in->n_embd;
-    if (op != ROWS_QKV) {
-        const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
-        int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
-        float *x = s->x + (size_t)row * e;
-        if (s->pending_out) {
-            const float *o = s->out + (size_t)row * e;
-            for (size_t k = 0; k < e; k++) x[k] += o[k];
+    const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
+    int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
+    float *x = s->x + (size_t)row * e;
+    if (s->pending_out) {
+        const float *o = s->out + (size_t)row * e;
+        for (size_t k = 0; k < e; k++) x[k] += o[k];
+    }
+    rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
+    quantize_row(s, i, s->xb + (size_t)i * e, in->n_embd);
+}
+
+/* The q/k/v matmul's epilogue (es_matmul_many_epi, chunks of whole heads),
+ * for rows [r0, r1) of matrix mat (0 q, 1 k, 2 v) of every token i, by the
+ * thread that computed them: the bias, the head's RMSNorm (qwen3, q and k),
+ * RoPE at position n_past + i (q and k); k then goes to the transposed K
+ * cache and v to the V cache. The same operations per element as one
+ * token's row at a time. */
+typedef struct {
+    es_session *s;
+    int l, n;
+} qkv_task;
+
+static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
+    const qkv_task *t = ctx;
+    es_session *s = t->s;
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+    const es_layer *L = &m->layers[t->l];
+    int hd = in->head_dim;
+    size_t q_dim = (size_t)in->n_head * hd, kv_dim = (size_t)in->n_head_kv * hd;
+    size_t dim = mat == 0 ? q_dim : kv_dim;
+    float *base = mat == 0 ? s->q : mat == 1 ? s->k : s->v;
+    const es_tensor *bt = mat == 0 ? L->bq : mat == 1 ? L->bk : L->bv;
+    const es_tensor *nt = mat == 0 ? L->q_norm : mat == 1 ? L->k_norm : NULL;
+    const float *b = bt ? es_model_vec(m, bt) : NULL, *hn = nt ? es_model_vec(m, nt) : NULL;
+    float *kl = s->k_cache + (size_t)t->l * kv_dim * s->k_stride + s->n_past;   /* [kv_dim][k_stride] */
+    for (int i = 0; i < t->n; i++) {
+        float *y = base + (size_t)i * dim;
+        if (b)
+            for (int64_t r = r0; r < r1; r++) y[r] += b[r];
+        if (mat < 2) {
+            const float *cs = s->rope + (size_t)i * in->rope_dim;
+            for (int64_t h = r0 / hd; h < (r1 + hd - 1) / hd; h++) {
+                float *yh = y + (size_t)h * hd;
+                if (hn) rmsnorm(yh, yh, hn, hd, in->norm_eps);
+                rope_head(yh, cs, in->rope_dim, in->rope_neox);
+            }
         }
-        rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
-        quantize_row(s, i, s->xb + (size_t)i * e, in->n_embd);
-        return;
+        if (mat == 1)
+            for (int64_t r = r0; r < r1; r++) kl[(size_t)r * s->k_stride + i] = y[r];
+        else if (mat == 2)
+            memcpy(s->v_cache + ((size_t)t->l * s->n_ctx + (size_t)s->n_past + (size_t)i) * kv_dim + r0, y + r0,
+                   (size_t)(r1 - r0) * sizeof(float));
     }
-    int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
-    float *q = s->q + (size_t)i * q_dim, *k = s->k + (size_t)i * kv_dim, *v = s->v + (size_t)i * kv_dim;
-    if (L->bq) add_bias(q, es_model_vec(m, L->bq), 1, q_dim);
-    if (L->bk) add_bias(k, es_model_vec(m, L->bk), 1, kv_dim);
-    if (L->bv) add_bias(v, es_model_vec(m, L->bv), 1, kv_dim);
-    const float *qn = L->q_norm ? es_model_vec(m, L->q_norm) : NULL;
-    const float *kn = L->k_norm ? es_model_vec(m, L->k_norm) : NULL;
-    const float *cs = s->rope + (size_t)i * in->rope_dim;
-    for (int h = 0; h < in->n_head; h++) {
-        float *qh = q + (size_t)h * hd;
-        if (qn) rmsnorm(qh, qh, qn, hd, in->norm_eps);
-        rope_head(qh, cs, in->rope_dim, in->rope_neox);
-    }
-    for (int h = 0; h < in->n_head_kv; h++) {
-        float *kh = k + (size_t)h * hd;
-        if (kn) rmsnorm(kh, kh, kn, hd, in->norm_eps);
-        rope_head(kh, cs, in->rope_dim, in->rope_neox);
-    }
-    size_t pos = (size_t)s->n_past + (size_t)i;
-    memcpy(s->v_cache + ((size_t)l * s->n_ctx + pos) * kv_dim, v, (size_t)kv_dim * sizeof(float));
 }
 
 typedef struct {
@@ -815,7 +831,7 @@ static void run_rows(es_session *s, int l, int n, int op) {
     rows_task t = {s, l, n, op, 0};
     if (n > 1) es_pool_run(s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
-    if (op != ROWS_QKV) s->pending_out = 0;
+    s->pending_out = 0;
 }
 
 /* Bytes of a quantized row of n_in for the matrices w[0..nw) when the rows
@@ -830,12 +846,6 @@ static size_t pre_q8_rs(int n, int nw, const es_tensor *const *w) {
     return 0;
 }
 
-/* es_matmul_many, or es_matmul_many_pre when run_rows quantized X (rs != 0). */
-static void mm_many(es_session *s, size_t rs, int nw, const es_tensor *const *w, const float *x, int n,
-                    float *const *y, const int64_t *ldy) {
-    if (rs) es_matmul_many_pre(s->pool, nw, w, x, n, y, ldy, s->mm_scratch);
-    else es_matmul_many(s->pool, nw, w, x, n, y, ldy, s->mm_scratch);
-}
 
 /* Attention sublayer of one block: x += Wo . attn(norm(x)). */
 static void attention_block(es_session *s, int l, int n) {
@@ -866,13 +876,10 @@ static void attention_block(es_session *s, int l, int n) {
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
     float *yqkv[3] = {s->q, s->k, s->v};
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
-    mm_many(s, rs, 3, wqkv, s->xb, n, yqkv, ldqkv);
-    run_rows(s, l, n, ROWS_QKV);   /* biases, q/k norms, RoPE; v appended to the cache */
-    /* k appended to the transposed cache here, on one thread: the tokens of a
-     * step share the cache lines of each key row (no false sharing) */
-    float *kl = s->k_cache + (size_t)l * kv_dim * s->k_stride + s->n_past;   /* [kv_dim][k_stride] */
-    for (int r = 0; r < kv_dim; r++)
-        for (int i = 0; i < n; i++) kl[(size_t)r * s->k_stride + i] = s->k[(size_t)i * kv_dim + r];
+    /* biases, q/k norms, RoPE, and k and v into the caches in the epilogue */
+    qkv_task qt = {s, l, n};
+    es_mm_epi epi = {qkv_epi, &qt, 0, hd};
+    es_matmul_many_epi(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch, rs != 0, &epi);
     attn_task t = {s, l, n, 0, 0, 0, 0, 0};
     attn_shape(s, &t);
     es_pool_run(s->pool, attn_worker, &t);
@@ -890,8 +897,9 @@ typedef struct {
     size_t rs;
 } glu_task;
 
-static void glu_epi(void *ctx, int64_t r0, int64_t r1) {
+static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     const glu_task *t = ctx;
+    (void)mat;
     es_session *s = t->s;
     int64_t n_ff = s->model->info.n_ff;
     for (int i = 0; i < t->n; i++) {
@@ -918,7 +926,8 @@ static void ffn_block(es_session *s, int l, int n) {
     /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
      * the thread that computed those columns, while they are in its cache */
     glu_task g = {s, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff)};
-    es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, glu_epi, &g);
+    es_mm_epi epi = {glu_epi, &g, 1, ES_EPI_ROWS};
+    es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wd[1] = {L->w_down};
     int64_t ldd[1] = {in->n_embd};
     float *yd[1] = {s->out};
@@ -935,8 +944,9 @@ typedef struct {
     int n;
 } am_task;
 
-static void am_epi(void *ctx, int64_t r0, int64_t r1) {
+static void am_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     const am_task *t = ctx;
+    (void)mat;
     es_session *s = t->s;
     int64_t nv = s->model->info.n_vocab;
     for (int i = 0; i < t->n; i++) {
@@ -1031,7 +1041,8 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
      * the matmul's epilogue; then the first largest of the chunks' */
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
     am_task at = {s, out_rows};
-    es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, am_epi, &at);
+    es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};
+    es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
     es_pool_end(s->pool);
 
     if (argmax_out)

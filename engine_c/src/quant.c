@@ -572,9 +572,8 @@ typedef struct {
     int64_t n_in;
     int N;
     int64_t n_chunks;
-    es_mm_epilogue epi;     /* joint chunks (es_matmul_many_epi): chunk c is rows
-                               [c * m[0].chunk, ...) of every matrix, then epi */
-    void *epi_ctx;
+    const es_mm_epi *epi;   /* es_matmul_many_epi: each chunk then its epilogue; joint:
+                               chunk c is rows [c * m[0].chunk, ...) of every matrix */
     _Atomic int64_t next;   /* next chunk to take */
 } mm_task;
 
@@ -587,14 +586,14 @@ static void mm_worker(void *ctx, int ith, int nth) {
     for (;;) {
         int64_t c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
         if (c >= t->n_chunks) break;
-        if (t->epi) {   /* rows [r0, r1) of every matrix, then the epilogue on them */
+        if (t->epi && t->epi->joint) {   /* rows [r0, r1) of every matrix, then the epilogue on them */
             int64_t r0 = c * t->m[0].chunk;
             int64_t r1 = r0 + t->m[0].chunk < t->m[0].n_out ? r0 + t->m[0].chunk : t->m[0].n_out;
             for (int i = 0; i < t->nw; i++) {
                 const mm_mat *m = &t->m[i];
                 m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
             }
-            t->epi(t->epi_ctx, r0, r1);
+            t->epi->fn(t->epi->ctx, -1, r0, r1);
             continue;
         }
         int i = 0;
@@ -603,6 +602,7 @@ static void mm_worker(void *ctx, int ith, int nth) {
         int64_t r0 = (c - m->first) * m->chunk;
         int64_t r1 = r0 + m->chunk < m->n_out ? r0 + m->chunk : m->n_out;
         m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
+        if (t->epi) t->epi->fn(t->epi->ctx, i, r0, r1);
     }
 }
 
@@ -628,15 +628,20 @@ static void q8_worker(void *ctx, int ith, int nth) {
 
 static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int force_scalar, int pre,
-                        es_mm_epilogue epi, void *epi_ctx) {
+                        const es_mm_epi *epi) {
     if (nw < 1 || nw > ES_MATMUL_MAX || N <= 0) return;
-    if (epi) {   /* joint chunks need every matrix supported, with one n_out */
-        for (int i = 0; i < nw; i++)
-            if (W[i]->ne[1] != W[0]->ne[1] || W[i]->ne[0] != W[0]->ne[0] || !es_matmul_supported(W[i]->type)) {
-                matmul_many(pool, nw, W, X, N, Y, ldy, scratch, force_scalar, pre, NULL, NULL);
-                epi(epi_ctx, 0, W[0]->ne[1]);
-                return;
-            }
+    if (epi) {   /* every matrix supported and of one n_in (joint: of one n_out), a granularity of 16k rows */
+        int ok = epi->gran > 0 && epi->gran % 16 == 0;
+        for (int i = 0; i < nw && ok; i++)
+            ok = W[i]->ne[0] == W[0]->ne[0] && es_matmul_supported(W[i]->type) &&
+                 (!epi->joint || W[i]->ne[1] == W[0]->ne[1]);
+        if (!ok) {
+            matmul_many(pool, nw, W, X, N, Y, ldy, scratch, force_scalar, pre, NULL);
+            if (epi->joint) epi->fn(epi->ctx, -1, 0, W[0]->ne[1]);
+            else
+                for (int i = 0; i < nw; i++) epi->fn(epi->ctx, i, 0, W[i]->ne[1]);
+            return;
+        }
     }
     mm_task t;
     memset(&t, 0, sizeof t);
@@ -681,17 +686,14 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
             need_q8 = 1;
         }
         int64_t chunk = (m->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
-        if (epi) gran = ES_EPI_ROWS;   /* a multiple of 4 and 16 */
+        if (epi) gran = epi->gran;   /* a multiple of 4 and 16 */
         m->chunk = chunk < 16 ? (gran > 16 ? gran : 16) : (chunk + gran - 1) / gran * gran;
         m->first = t.n_chunks;
         t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
     }
     if (t.nw == 0) return;
-    if (epi) {
-        t.epi = epi;
-        t.epi_ctx = epi_ctx;
-        t.n_chunks = (t.m[0].n_out + t.m[0].chunk - 1) / t.m[0].chunk;
-    }
+    t.epi = epi;
+    if (epi && epi->joint) t.n_chunks = (t.m[0].n_out + t.m[0].chunk - 1) / t.m[0].chunk;
     if (need_q8 && !pre) {   /* several rows: quantized by the pool's threads, one row each in turn */
         q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, 0};
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
@@ -703,23 +705,23 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
 
 void es_matmul_path(es_pool *pool, const es_tensor *W, const float *X, int N,
                     float *Y, int64_t ldy, void *scratch, int force_scalar) {
-    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar, 0, NULL, NULL);
+    matmul_many(pool, 1, &W, X, N, &Y, &ldy, scratch, force_scalar, 0, NULL);
 }
 
 void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                     float *const *Y, const int64_t *ldy, void *scratch) {
-    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 0, NULL, NULL);
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 0, NULL);
 }
 
 void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch) {
-    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 1, NULL, NULL);
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, 1, NULL);
 }
 
 void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int pre,
-                        es_mm_epilogue epi, void *epi_ctx) {
-    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, pre, epi, epi_ctx);
+                        const es_mm_epi *epi) {
+    matmul_many(pool, nw, W, X, N, Y, ldy, scratch, 0, pre, epi);
 }
 
 void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,

@@ -208,21 +208,30 @@ void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const floa
 void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch);
 /*
- * es_matmul_many (pre = 0) or es_matmul_many_pre (pre = 1) for matrices of
- * one shape, with an epilogue: output rows are cut into chunks of a multiple
- * of ES_EPI_ROWS rows; the thread that takes a chunk computes those rows of
- * every matrix and then calls epi(epi_ctx, r0, r1) for them, when
- * Y[i][n][r0 .. r1) are final for every i and n (the epilogue can work on
- * those columns while they are in its cache: SwiGLU and the quantization of
- * its output, for W_down). Matrices of other shapes or an unsupported type:
- * the plain dispatch, then epi over [0, n_out) on the calling thread. The
- * same Y bits as es_matmul_many.
+ * es_matmul_many (pre = 0) or es_matmul_many_pre (pre = 1) with an
+ * epilogue: output rows are cut into chunks of a multiple of epi->gran rows
+ * (a multiple of 16); the thread that takes a chunk computes it and then
+ * calls epi->fn(epi->ctx, mat, r0, r1), when Y[mat][n][r0 .. r1) are final
+ * for every n (the epilogue works on those columns while they are in that
+ * thread's cache: RoPE and the KV cache append after q/k/v, SwiGLU and its
+ * quantization after gate/up, the argmax of the logits).
+ *   joint = 1: the matrices have one shape; a chunk is rows [r0, r1) of
+ *              every matrix, and mat = -1.
+ *   joint = 0: chunks of each matrix on their own; mat = its index in W.
+ * Matrices of other n_in, an unsupported type or a bad gran: the plain
+ * dispatch, then the epilogue over whole matrices on the calling thread.
+ * The same Y bits as es_matmul_many.
  */
 #define ES_EPI_ROWS 32
-typedef void (*es_mm_epilogue)(void *ctx, int64_t r0, int64_t r1);
+typedef void (*es_mm_epilogue)(void *ctx, int mat, int64_t r0, int64_t r1);
+typedef struct {
+    es_mm_epilogue fn;
+    void *ctx;
+    int joint;
+    int64_t gran;
+} es_mm_epi;
 void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
-                        float *const *Y, const int64_t *ldy, void *scratch, int pre,
-                        es_mm_epilogue epi, void *epi_ctx);
+                        float *const *Y, const int64_t *ldy, void *scratch, int pre, const es_mm_epi *epi);
 
 /* Bytes of one quantized activation row of n_in elements in es_matmul's
  * scratch; 0 for float weight types, which read float rows. */
