@@ -64,6 +64,7 @@ struct es_session {
     float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
     int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
     int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
+    _Atomic int *att_done;  /* [cap] attention units done per token slice */
     void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
                                aligned, zeroed at allocation (the padding of a row's last group) */
     size_t mm_bytes;
@@ -295,6 +296,8 @@ static void free_scratch(es_session *s) {
     free(s->glu_q8);
     free(s->am_val);
     free(s->am_idx);
+    free((void *)s->att_done);
+    s->att_done = NULL;
     s->glu_q8 = NULL;
     s->am_val = NULL;
     s->am_idx = NULL;
@@ -345,10 +348,12 @@ static es_status ensure_scratch(es_session *s, int32_t n) {
     size_t slots = ((size_t)in->n_vocab + ES_EPI_ROWS - 1) / ES_EPI_ROWS;
     float *am_val = malloc(N * slots * sizeof(float));
     int32_t *am_idx = malloc(N * slots * sizeof(int32_t));
+    _Atomic int *att_done = malloc(N * sizeof *att_done);
     if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu ||
-        !am_val || !am_idx) {
+        !am_val || !am_idx || !att_done) {
         free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
         free(out); free(logits); free(rope); free(mms); free(glu); free(am_val); free(am_idx);
+        free((void *)att_done);
         es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
         return ES_ERR_NOMEM;
     }
@@ -359,6 +364,7 @@ static es_status ensure_scratch(es_session *s, int32_t n) {
     s->glu_q8 = glu;
     s->am_val = am_val;
     s->am_idx = am_idx;
+    s->att_done = att_done;
     s->am_slots = (int32_t)slots;
     s->mm_bytes = mm;
     s->cap = n;
@@ -471,6 +477,8 @@ typedef struct {
     int n;              /* tokens in this call */
     int per, split;     /* query heads per unit, units per KV head group */
     int ts, nsl;        /* tokens per unit, token slices */
+    size_t rs;          /* > 0: the unit that completes a token slice quantizes its att rows
+                           into mm_scratch for W_o (rows rs bytes apart) */
     _Atomic int next;   /* next work unit to take */
 } attn_task;
 
@@ -691,6 +699,13 @@ static void attn_worker(void *ctx, int ith, int nth) {
         int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
         int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
         if (h0 < h1 && i0 < i1) attend_unit(s, t->layer, g, h0, h1, i0, i1, sc);
+        /* the last unit of a token slice (acq_rel: it sees the others' att
+         * writes) quantizes the slice's rows for W_o, instead of a dispatch */
+        if (t->rs && atomic_fetch_add_explicit(&s->att_done[sl], 1, memory_order_acq_rel) ==
+                         in->n_head_kv * t->split - 1)
+            for (int i = i0; i < i1; i++)
+                es_quantize_row_q8(s->att + (size_t)i * in->n_head * in->head_dim, (int64_t)in->n_head * in->head_dim,
+                                   (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->rs));
     }
 }
 
@@ -718,9 +733,6 @@ static void attn_shape(const es_session *s, attn_task *t) {
 
 /* ---- the forward pass ---------------------------------------------------- */
 
-static void mm(es_session *s, const es_tensor *w, const float *x, int n, float *y, int64_t ldy) {
-    es_matmul(s->pool, w, x, n, y, ldy, s->mm_scratch);
-}
 
 
 static void fill_rope_table(es_session *s, int n) {
@@ -880,10 +892,15 @@ static void attention_block(es_session *s, int l, int n) {
     qkv_task qt = {s, l, n};
     es_mm_epi epi = {qkv_epi, &qt, 0, hd};
     es_matmul_many_epi(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch, rs != 0, &epi);
-    attn_task t = {s, l, n, 0, 0, 0, 0, 0};
+    const es_tensor *wo[1] = {L->wo};
+    float *yo[1] = {s->out};
+    int64_t ldo[1] = {in->n_embd};
+    attn_task t = {s, l, n, 0, 0, 0, 0, es_matmul_q8_row_bytes(L->wo->type, L->wo->ne[0]), 0};
     attn_shape(s, &t);
+    for (int i = 0; t.rs && i < t.nsl; i++) atomic_store_explicit(&s->att_done[i], 0, memory_order_relaxed);
     es_pool_run(s->pool, attn_worker, &t);
-    mm(s, L->wo, s->att, n, s->out, in->n_embd);
+    if (t.rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
+    else es_matmul_many(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     s->pending_out = 1;            /* x += out: done by the next norm, per token */
 }
 
