@@ -111,7 +111,9 @@ es_session_params es_session_default_params(void);
  * copy every 2-D Q4_0 / Q4_1 / Q8_0 tensor into a repacked layout (16 rows
  * interleaved; the same bytes as the tensor) and release the mapped pages
  * of those tensors, so the weights are resident once (SmolLM2-135M Q4_1:
- * about 97 MB after load). ES_ERR_NOMEM when that copy can not be made.
+ * about 97 MB after load). The copies share one 2 MiB-aligned allocation,
+ * advised as transparent huge pages on Linux (MADV_HUGEPAGE; ignored where
+ * THP is off). ES_ERR_NOMEM when that copy can not be made.
  * params->flags ES_MODEL_NO_REPACK skips the copy. params may be NULL
  * (defaults); unknown flag bits give ES_ERR_INVALID_ARG.
  */
