@@ -802,13 +802,16 @@ static void token_row(es_session *s, int l, int op, int i) {
  * RoPE at position n_past + i (q and k); k then goes to the transposed K
  * cache and v to the V cache. The same operations per element as one
  * token's row at a time. */
+/* What an epilogue of a step's matmul needs: the session, the layer, the
+ * tokens of the step and (glu_epi) the bytes of a quantized row. */
 typedef struct {
     es_session *s;
     int l, n;
-} qkv_task;
+    size_t rs;
+} epi_task;
 
 static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
-    const qkv_task *t = ctx;
+    const epi_task *t = ctx;
     es_session *s = t->s;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
@@ -905,7 +908,7 @@ static void attention_block(es_session *s, int l, int n) {
     float *yqkv[3] = {s->q, s->k, s->v};
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
     /* biases, q/k norms, RoPE, and k and v into the caches in the epilogue */
-    qkv_task qt = {s, l, n};
+    epi_task qt = {s, l, n, 0};
     es_mm_epi epi = {qkv_epi, &qt, 0, hd};
     es_matmul_many_epi(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wo[1] = {L->wo};
@@ -924,14 +927,8 @@ static void attention_block(es_session *s, int l, int n) {
  * columns [r0, r1) of every token's row, by the thread that computed them:
  * gate = silu(gate) * up, then its blocks quantized for W_down into glu_q8
  * when W_down is quantized (rs bytes a row). */
-typedef struct {
-    es_session *s;
-    int n;
-    size_t rs;
-} glu_task;
-
 static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
-    const glu_task *t = ctx;
+    const epi_task *t = ctx;
     (void)mat;
     es_session *s = t->s;
     int64_t n_ff = s->model->info.n_ff;
@@ -958,7 +955,7 @@ static void ffn_block(es_session *s, int l, int n) {
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
      * the thread that computed those columns, while they are in its cache */
-    glu_task g = {s, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff)};
+    epi_task g = {s, l, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff)};
     es_mm_epi epi = {glu_epi, &g, 1, ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wd[1] = {L->w_down};
@@ -972,13 +969,8 @@ static void ffn_block(es_session *s, int l, int n) {
 /* Output-matmul epilogue: for logits columns [r0, r1) of every row, the
  * value and index of the first largest non-NaN logit (index -1 when all are
  * NaN), in slot r0 / ES_EPI_ROWS. */
-typedef struct {
-    es_session *s;
-    int n;
-} am_task;
-
 static void am_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
-    const am_task *t = ctx;
+    const epi_task *t = ctx;
     (void)mat;
     es_session *s = t->s;
     int64_t nv = s->model->info.n_vocab;
@@ -1073,7 +1065,7 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
     /* the argmax of each chunk of logits by the thread that computed it, in
      * the matmul's epilogue; then the first largest of the chunks' */
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
-    am_task at = {s, out_rows};
+    epi_task at = {s, 0, out_rows, 0};
     es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
     es_pool_end(s->pool);
