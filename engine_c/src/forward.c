@@ -146,11 +146,11 @@ static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
 /*
  * exp(x) for float32: Cephes' expf (range reduction by ln 2, a degree-6
  * polynomial, scaling by 2^n through the exponent bits); relative error about
- * 2e-7. expv (below) is the same sequence of IEEE operations on AW lanes (floor is
- * truncate-then-adjust in both, exact for the clamped range), so the lane
- * and scalar forms give the same bits on every target, with no libm call.
+ * 2e-7. expv (below) is the same sequence of IEEE operations on AW lanes
+ * (floor is truncate-then-adjust in both, exact for the clamped range), so
+ * the lane and scalar forms give the same bits on every target, with no
+ * libm call.
  */
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 #define EXP_LO -87.0f
 #define EXP_HI 88.0f
@@ -175,19 +175,6 @@ static inline float exp_cephes(float x) {
     float scale;
     memcpy(&scale, &e, sizeof scale);
     return y * scale;
-}
-
-static inline v8f v8_splat(float a) { return (v8f){a, a, a, a, a, a, a, a}; }
-
-/* Lane-wise select: m ? a : b (m from a vector comparison: -1 or 0). */
-static inline v8f v8_sel(v8i m, v8f a, v8f b) {
-    v8i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    v8i r = (ai & m) | (bi & ~m);
-    v8f out;
-    memcpy(&out, &r, sizeof out);
-    return out;
 }
 
 /* AW lanes of int32, and a lane-wise select m ? a : b (m from a vector
@@ -257,25 +244,29 @@ static void swiglu_row(float *g, const float *u, size_t n) {
     for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_cephes(-g[i]))) * u[i];
 }
 
-/* The first index of the largest value (NaNs are never chosen, as with a
- * scalar loop of "x[i] > best"): the maximum by 8 lanes, then the first
- * element equal to it. */
-static int32_t argmax_row(const float *x, int n) {
-    float bv = x[0];
-    int i = 0;
-    if (n >= 8) {
-        v8f m = v8_splat(x[0]);
-        for (; i + 8 <= n; i += 8) {
-            v8f v;
-            memcpy(&v, x + i, sizeof v);
-            v8i gt = v > m;
-            m = v8_sel(gt, v, m);
+/* The largest of x[0..n), n >= 1, as a scalar loop of "x[i] > best" from
+ * best = x[0] finds it (NaNs after x[0] are passed over; NaN when x[0] is
+ * NaN): by AW lanes, exact in any order. */
+static float max_row(const float *x, int n) {
+    int t = 0;
+    float m = x[0];
+    if (n >= AW) {
+        vaf mv = va_splat(x[0]);
+        for (; t + AW <= n; t += AW) {
+            vaf v;
+            memcpy(&v, x + t, sizeof v);
+            mv = va_sel(v > mv, v, mv);
         }
-        for (int l = 0; l < 8; l++)
-            if (m[l] > bv) bv = m[l];
+        for (int l = 0; l < AW; l++) m = mv[l] > m ? mv[l] : m;
     }
-    for (; i < n; i++)
-        if (x[i] > bv) bv = x[i];
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    return m;
+}
+
+/* The first index of the largest value (NaNs are never chosen; 0 when x[0]
+ * is NaN): max_row, then the first element equal to it. */
+static int32_t argmax_row(const float *x, int n) {
+    float bv = max_row(x, n);
     if (bv != bv) return 0;   /* x[0] is NaN */
     for (int j = 0; j < n; j++)
         if (x[j] == bv) return j;
@@ -605,23 +596,6 @@ static inline __attribute__((always_inline)) void scores_v(const int nj, const f
             memcpy(sc + (size_t)j * ld + t, &sv, m * sizeof(float));
         }
     }
-}
-
-/* The largest of x[0..n) (exact in any order). */
-static float max_row(const float *x, int n) {
-    int t = 0;
-    float m = x[0];
-    if (n >= 8) {
-        v8f mv = v8_splat(x[0]);   /* as the scalar loop: NaNs after x[0] are passed over */
-        for (; t + 8 <= n; t += 8) {
-            v8f v;
-            memcpy(&v, x + t, sizeof v);
-            mv = v8_sel(v > mv, v, mv);
-        }
-        for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
-    }
-    for (; t < n; t++) m = x[t] > m ? x[t] : m;
-    return m;
 }
 
 static void attend_unit(es_session *s, int layer, int g, int h0, int h1, int i0, int i1, float *sc) {
