@@ -325,6 +325,20 @@ def test_sampling_rejects_nan_logits(rows):
         sample(row, temperature=0.8, rng=7)
 
 
+def test_sampling_rejects_rows_without_a_finite_logit(rows):
+    row = np.full(rows.shape[1], -np.inf, np.float32)
+    with pytest.raises(ValueError, match="no finite logit"):
+        sample(row, temperature=1.0, rng=7)          # was: the last id, silently
+    row[5] = 0.0
+    assert sample(row, temperature=1.0, rng=7)[0] == 5   # one finite logit: always it
+
+
+@pytest.mark.parametrize("top_k", [10 ** 12, -(2 ** 31) - 1, 2.5, "3", True])
+def test_sampling_top_k_must_be_int32(rows, top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        sample(rows[0], temperature=1.0, top_k=top_k, rng=7)
+
+
 def test_sampling_same_seed_same_tokens(rows):
     kw = dict(temperature=1.5, top_k=50, top_p=0.95, min_p=0.01)
     for row in rows[:3]:

@@ -204,7 +204,7 @@ es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_
  * unchanged.
  * Errors: returns -1 when logits or rng is NULL, n_vocab <= 0, a parameter
  * (temperature, top_p, min_p) is NaN, or, when sampling (temperature > 0),
- * a logit is NaN or +inf.
+ * a logit is NaN or +inf or every logit is -inf.
  */
 int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params *params,
                   uint64_t *rng);

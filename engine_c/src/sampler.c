@@ -47,6 +47,10 @@ int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params 
     if (!c) return greedy(logits, n_vocab);
     for (int32_t i = 0; i < n_vocab; i++) { c[i].logit = logits[i]; c[i].id = i; }
     qsort(c, (size_t)n_vocab, sizeof *c, cand_cmp);
+    if (c[0].logit == -INFINITY) {   /* no finite logit: every softmax weight would be NaN */
+        free(c);
+        return -1;
+    }
     int32_t n = n_vocab;
     if (p->top_k > 0 && p->top_k < n) n = p->top_k;
     /* softmax of the raw logits over the kept candidates (c[0] is the max) */

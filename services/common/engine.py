@@ -307,8 +307,8 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     Returns:
         (token id, the advanced rng state).
     Raises:
-        ValueError: logits_row is empty or not 1-D, a parameter is NaN, or (sampling) a
-            logit is NaN or +inf.
+        ValueError: logits_row is empty or not 1-D, a parameter is NaN, top_k is not an
+            int32, or (sampling) a logit is NaN or +inf or every logit is -inf.
     """
     row = np.asarray(logits_row, dtype=np.float32)
     if row.ndim != 1:
@@ -318,6 +318,8 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
         raise ValueError("logits_row is empty")
     p = ffi.new("es_sampler_params *")
     p.temperature = float(temperature)
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not -(2 ** 31) <= int(top_k) < 2 ** 31:
+        raise ValueError(f"top_k must be an int32, not {top_k!r}")
     p.top_k = int(top_k)
     p.top_p = float(top_p)
     p.min_p = float(min_p)
@@ -325,5 +327,5 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     tok = lib.es_sample(ffi.from_buffer("float[]", row), row.size, p, st)
     if tok < 0:
         raise ValueError("es_sample rejected its arguments: NaN in temperature, top_p or min_p, "
-                         "or (temperature > 0) a NaN or +inf logit")
+                         "or (temperature > 0) a NaN or +inf logit or no finite logit")
     return int(tok), int(st[0])
