@@ -483,15 +483,6 @@ const char *es_quant_simd_name(void) {
 
 /* ---- packed weights (quant.h) ------------------------------------------ */
 
-size_t es_pack_record_bytes(uint32_t type) {
-    switch (type) {
-    case ES_TYPE_Q4_0: return ES_PACK_ROWS * sizeof(es_block_q4_0);
-    case ES_TYPE_Q4_1: return ES_PACK_ROWS * sizeof(es_block_q4_1);
-    case ES_TYPE_Q8_0: return ES_PACK_ROWS * sizeof(es_block_q8_0);
-    default: return 0;
-    }
-}
-
 static es_mm_kernel packed_kernel(uint32_t type) {
     es_mm_kernel k = es_x86_packed_kernel(type);
     return k ? k : es_neon_packed_kernel(type);

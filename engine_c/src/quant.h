@@ -94,7 +94,16 @@ typedef void (*es_mm_kernel)(const uint8_t *w, size_t row_bytes, int64_t r0, int
  * the values of the scalar kernel on the original rows.
  */
 #define ES_PACK_ROWS 16
-size_t es_pack_record_bytes(uint32_t type);   /* 0 when the type is not packed */
+/* 0 when the type is not packed; inline, so that the kernels' record size
+ * folds to a constant for their constant type. */
+static inline size_t es_pack_record_bytes(uint32_t type) {
+    switch (type) {
+    case ES_TYPE_Q4_0: return ES_PACK_ROWS * sizeof(es_block_q4_0);
+    case ES_TYPE_Q4_1: return ES_PACK_ROWS * sizeof(es_block_q4_1);
+    case ES_TYPE_Q8_0: return ES_PACK_ROWS * sizeof(es_block_q8_0);
+    default: return 0;
+    }
+}
 /* Build t->packed (malloc'd, 64-byte aligned) when this build has a packed
  * kernel for t's type; returns 1 when packed, 0 when not applicable,
  * -1 when out of memory (t unchanged). es_tensor_unpack frees it. */

@@ -462,7 +462,7 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
 /* Quarter q of records [s0, s1) (s0 a multiple of 16) into acc. */
 static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int q,
                                       const uint8_t *x, size_t xs, float32x4_t *acc) {
-    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
     for (int64_t j0 = s0; j0 < s1; j0 += ES_GROUP_BLOCKS) {
         const uint8_t *xr[PTILE];
         UNROLL

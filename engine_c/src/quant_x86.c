@@ -793,7 +793,7 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
  * group are not free. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
-    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
     const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
     __m512 acc[PTILE];
     UNROLL
@@ -1367,7 +1367,7 @@ static inline ES_AI void prows(const int nt, const int type, const phalf *u, con
 /* Half h of records [s0, s1) (s0 a multiple of 16) into acc; pf: prefetch. */
 static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
                                    const uint8_t *x, size_t xs, __m256 *acc, int pf) {
-    const size_t rec = type == ES_TYPE_Q8_0 ? 544 : type == ES_TYPE_Q4_1 ? 320 : 288;
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
     for (int64_t j0 = s0; j0 < s1; j0 += ES_GROUP_BLOCKS) {
         const uint8_t *xr[PTILE];
         UNROLL
