@@ -8,6 +8,7 @@
  *   n_tensors x { string name | u32 n_dims | u64 ne[n_dims] | u32 type | u64 offset }
  *   zero padding up to the next multiple of `alignment`   (data_start)
  *   tensor data: tensor i starts at data_start + offset_i (offset_i % alignment == 0)
+ *   (each tensor padded to the alignment; at most alignment - 1 bytes after the last one)
  *
  *   string = u64 length | bytes (no NUL)
  *   array  = u32 element type | u64 count | elements (strings are length-prefixed each)
@@ -15,7 +16,10 @@
  *
  * Every length, count, dimension and offset is checked against the bytes left
  * in the file and for overflow before it is used, so a hostile file produces
- * an error message naming the field, never an out-of-bounds read.
+ * an error message naming the field, never an out-of-bounds read. Beyond
+ * bounds: tensor regions must not overlap (a region shorter than its type and
+ * shape need overlaps the next), the padding before the data section must be
+ * zero, and every key of k_key_types must have its expected value type.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -287,6 +291,124 @@ static es_status read_alignment(const es_gguf_kv *kv, uint64_t *align, char *err
     return ES_OK;
 }
 
+/* ---- expected value types of the keys read ------------------------------ */
+
+/* Value-type classes. An integer key takes any GGUF integer type (the value
+ * is range-checked where it is used); a number also takes float32/float64. */
+enum { KT_INT = 1, KT_NUMBER, KT_BOOL, KT_STRING, KT_ARRAY_STRING, KT_ARRAY_INT };
+
+/* Every key a reader of this project reads (the engine here, the Python
+ * tokenizer in services/common/gguf_reader.py, whose KEY_TYPES table must list
+ * the same entries: tests/test_gguf_malformed.py compares the two). "{arch}."
+ * stands for the value of general.architecture. A present key of another
+ * value type makes es_gguf_open fail with a message naming the key. */
+static const struct {
+    const char *key;
+    int want;
+} k_key_types[] = {
+    { "general.alignment",                        KT_INT },
+    { "general.architecture",                     KT_STRING },
+    { "tokenizer.ggml.model",                     KT_STRING },
+    { "tokenizer.ggml.pre",                       KT_STRING },
+    { "tokenizer.ggml.tokens",                    KT_ARRAY_STRING },
+    { "tokenizer.ggml.token_type",                KT_ARRAY_INT },
+    { "tokenizer.ggml.merges",                    KT_ARRAY_STRING },
+    { "tokenizer.ggml.bos_token_id",              KT_INT },
+    { "tokenizer.ggml.eos_token_id",              KT_INT },
+    { "tokenizer.ggml.eot_token_id",              KT_INT },
+    { "tokenizer.ggml.eom_token_id",              KT_INT },
+    { "tokenizer.ggml.unknown_token_id",          KT_INT },
+    { "tokenizer.ggml.padding_token_id",          KT_INT },
+    { "tokenizer.ggml.add_bos_token",             KT_BOOL },
+    { "tokenizer.chat_template",                  KT_STRING },
+    { "{arch}.block_count",                       KT_INT },
+    { "{arch}.context_length",                    KT_INT },
+    { "{arch}.embedding_length",                  KT_INT },
+    { "{arch}.feed_forward_length",               KT_INT },
+    { "{arch}.attention.head_count",              KT_INT },
+    { "{arch}.attention.head_count_kv",           KT_INT },
+    { "{arch}.attention.key_length",              KT_INT },
+    { "{arch}.attention.value_length",            KT_INT },
+    { "{arch}.rope.dimension_count",              KT_INT },
+    { "{arch}.rope.freq_base",                    KT_NUMBER },
+    { "{arch}.attention.layer_norm_rms_epsilon",  KT_NUMBER },
+};
+
+static bool is_int_type(uint32_t t) {
+    return t <= GGUF_T_INT32 || t == GGUF_T_UINT64 || t == GGUF_T_INT64;
+}
+
+static bool type_matches(const es_gguf_kv *kv, int want) {
+    switch (want) {
+    case KT_INT: return is_int_type(kv->type);
+    case KT_NUMBER:
+        return is_int_type(kv->type) || kv->type == GGUF_T_FLOAT32 || kv->type == GGUF_T_FLOAT64;
+    case KT_BOOL: return kv->type == GGUF_T_BOOL;
+    case KT_STRING: return kv->type == GGUF_T_STRING;
+    case KT_ARRAY_STRING: return kv->type == GGUF_T_ARRAY && kv->arr_type == GGUF_T_STRING;
+    case KT_ARRAY_INT: return kv->type == GGUF_T_ARRAY && is_int_type(kv->arr_type);
+    default: return false;
+    }
+}
+
+static const char *kt_name(int want) {
+    switch (want) {
+    case KT_INT: return "an integer";
+    case KT_NUMBER: return "a number";
+    case KT_BOOL: return "a bool";
+    case KT_STRING: return "a string";
+    case KT_ARRAY_STRING: return "an array of strings";
+    default: return "an array of integers";
+    }
+}
+
+static const char *value_type_name(uint32_t t) {
+    static const char *const names[] = { "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32",
+                                         "FLOAT32", "BOOL", "STRING", "ARRAY", "UINT64", "INT64",
+                                         "FLOAT64" };
+    return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
+}
+
+/* Does `key` name table entry `pattern`? "{arch}." matches the architecture
+ * prefix only (arch NULL: general.architecture absent or not a string). */
+static bool key_is(const char *key, const char *pattern, const char *arch, size_t arch_len) {
+    static const char ph[] = "{arch}.";
+    if (strncmp(pattern, ph, sizeof ph - 1) != 0) return strcmp(key, pattern) == 0;
+    if (arch == NULL || strncmp(key, arch, arch_len) != 0 || key[arch_len] != '.') return false;
+    return strcmp(key + arch_len + 1, pattern + sizeof ph - 1) == 0;
+}
+
+/* Check every present key of k_key_types against its expected type. */
+static es_status check_key_types(const es_gguf *g, char *err, size_t err_len) {
+    const char *arch = NULL;
+    size_t arch_len = 0;
+    for (int64_t i = 0; i < g->n_kv; i++) {
+        const es_gguf_kv *kv = &g->kv[i];
+        if (strcmp(kv->key, "general.architecture") == 0 && kv->type == GGUF_T_STRING &&
+            memchr(kv->str, 0, (size_t)kv->str_len) == NULL) {
+            arch = kv->str;
+            arch_len = (size_t)kv->str_len;
+        }
+    }
+    for (int64_t i = 0; i < g->n_kv; i++) {
+        const es_gguf_kv *kv = &g->kv[i];
+        for (size_t j = 0; j < sizeof k_key_types / sizeof k_key_types[0]; j++) {
+            if (!key_is(kv->key, k_key_types[j].key, arch, arch_len)) continue;
+            if (type_matches(kv, k_key_types[j].want)) break;
+            if (kv->type == GGUF_T_ARRAY) {
+                es_set_err(err, err_len, "gguf: key '%.80s' is an array of %s, expected %s",
+                           kv->key, value_type_name(kv->arr_type), kt_name(k_key_types[j].want));
+            } else {
+                es_set_err(err, err_len, "gguf: key '%.80s' has value type %s (%u), expected %s",
+                           kv->key, value_type_name(kv->type), kv->type,
+                           kt_name(k_key_types[j].want));
+            }
+            return ES_ERR_FORMAT;
+        }
+    }
+    return ES_OK;
+}
+
 /* ---- tensor infos ------------------------------------------------------ */
 
 /* Type, block divisibility, element count, byte sizes and offset alignment
@@ -456,8 +578,89 @@ static bool reserve(void **arr, size_t *cap, size_t i, size_t elsz) {
     return true;
 }
 
+/* The data section starts at the aligned end of the tensor infos, and the
+ * padding before it is zero (the spec's 0x00 padding): nonzero bytes there,
+ * or more than alignment - 1 bytes after the last tensor, mean the writer
+ * put the data somewhere else (an unpadded section followed by other bytes),
+ * and every tensor would be read at the wrong offset. */
+static es_status check_data_section(const cursor *c, const es_gguf *g, uint64_t data_start,
+                                    uint64_t data_end, const char *last) {
+    for (size_t p = c->off; p < data_start; p++) {
+        if (c->base[p] != 0) {
+            es_set_err(c->err, c->err_len,
+                       "gguf: the data section does not start at the aligned offset %llu: "
+                       "padding byte %zu after the tensor infos (which end at byte %zu, "
+                       "alignment %llu) is 0x%02x, not zero", (unsigned long long)data_start, p,
+                       c->off, (unsigned long long)g->alignment, c->base[p]);
+            return ES_ERR_FORMAT;
+        }
+    }
+    if (c->size - data_end >= g->alignment) {
+        es_set_err(c->err, c->err_len,
+                   "gguf: %llu bytes follow the last tensor '%.64s' (its data ends at byte %llu "
+                   "of %zu, alignment %llu): the data section does not start at the aligned "
+                   "offset %llu, or the file has trailing bytes",
+                   (unsigned long long)(c->size - data_end), last, (unsigned long long)data_end,
+                   c->size, (unsigned long long)g->alignment, (unsigned long long)data_start);
+        return ES_ERR_FORMAT;
+    }
+    return ES_OK;
+}
+
+typedef struct {
+    uint64_t offset;
+    const es_tensor *t;
+} region;
+
+static int cmp_region(const void *a, const void *b) {
+    const region *x = a, *y = b;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    return strcmp(x->t->name, y->t->name);
+}
+
+/* No two tensors' byte ranges [offset, offset + nbytes) overlap; nbytes is
+ * what the type and shape need, so a region too short for its tensor is an
+ * overlap with the next one (or runs past the end, checked by the caller).
+ * Fills *data_end with the end of the last region relative to data_start. */
+static es_status check_overlaps(cursor *c, es_gguf *g, const uint64_t *offsets,
+                                uint64_t *data_end, const char **last) {
+    *data_end = 0;
+    *last = "";
+    if (g->n_tensors == 0) return ES_OK;
+    region *r = malloc((size_t)g->n_tensors * sizeof *r);
+    if (r == NULL) {
+        es_set_err(c->err, c->err_len, "gguf: out of memory for the tensor region check");
+        return ES_ERR_NOMEM;
+    }
+    for (int64_t i = 0; i < g->n_tensors; i++) r[i] = (region){ offsets[i], &g->tensors[i] };
+    qsort(r, (size_t)g->n_tensors, sizeof *r, cmp_region);
+    es_status st = ES_OK;
+    for (int64_t i = 0; i + 1 < g->n_tensors; i++) {
+        const es_tensor *a = r[i].t, *b = r[i + 1].t;
+        if (r[i + 1].offset - r[i].offset < (uint64_t)a->nbytes) {
+            es_set_err(c->err, c->err_len,
+                       "gguf: tensors '%.64s' and '%.64s' overlap: '%.64s' (%s [%lld, %lld, %lld, "
+                       "%lld]) needs %zu bytes from data offset %llu, '%.64s' starts at data "
+                       "offset %llu", a->name, b->name, a->name, es_type_name(a->type),
+                       (long long)a->ne[0], (long long)a->ne[1], (long long)a->ne[2],
+                       (long long)a->ne[3], a->nbytes, (unsigned long long)r[i].offset, b->name,
+                       (unsigned long long)r[i + 1].offset);
+            st = ES_ERR_FORMAT;
+            break;
+        }
+    }
+    if (st == ES_OK) {
+        const region *e = &r[g->n_tensors - 1];
+        *data_end = e->offset + e->t->nbytes;   /* in the file: checked by place_data */
+        *last = e->t->name;
+    }
+    free(r);
+    return st;
+}
+
 /* Place every tensor's data: data_start is the aligned end of the tensor
- * infos; each [data_start + offset, + nbytes) must lie inside the file. */
+ * infos; each [data_start + offset, + nbytes) must lie inside the file, the
+ * regions must not overlap, and the data section must start at data_start. */
 static es_status place_data(cursor *c, es_gguf *g, const uint64_t *offsets) {
     uint64_t data_start;
     if (__builtin_add_overflow((uint64_t)c->off, g->alignment - 1, &data_start)) {
@@ -486,7 +689,12 @@ static es_status place_data(cursor *c, es_gguf *g, const uint64_t *offsets) {
         }
         t->data = c->base + start;
     }
-    return ES_OK;
+    if (g->n_tensors == 0) return ES_OK;
+    uint64_t data_end;
+    const char *last;
+    es_status st = check_overlaps(c, g, offsets, &data_end, &last);
+    if (st != ES_OK) return st;
+    return check_data_section(c, g, data_start, data_start + data_end, last);
 }
 
 static es_status read_tensor_infos(cursor *c, es_gguf *g, uint64_t n_tensors) {
@@ -530,6 +738,7 @@ static es_status parse(gguf_impl *gi, char *err, size_t err_len) {
     es_status st = read_header(&c, g, &n_tensors, &n_kv);
     if (st == ES_OK) st = read_kvs(&c, g, n_kv);
     if (st != ES_OK) return st;
+    if ((st = check_key_types(g, err, err_len)) != ES_OK) return st;
     g->alignment = GGUF_DEFAULT_ALIGNMENT;
     for (int64_t i = 0; i < g->n_kv; i++) {
         if (strcmp(g->kv[i].key, "general.alignment") == 0) {

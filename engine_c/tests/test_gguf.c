@@ -68,7 +68,7 @@ typedef struct {
 } gbuild;
 
 typedef struct {
-    size_t kv_start, ti_start, data_start, size;
+    size_t kv_start, ti_start, info_end, data_start, size;
     size_t ti_pos[MAX_T], ti_ndims[MAX_T], ti_ne[MAX_T], ti_type[MAX_T], ti_off[MAX_T];
 } layout;
 
@@ -93,6 +93,15 @@ static void kv_u32(gbuild *g, const char *key, uint32_t v) { kv_key(g, key, GGUF
 static void kv_u64(gbuild *g, const char *key, uint64_t v) { kv_key(g, key, GGUF_T_UINT64); put_u64(&g->kv, v); }
 static void kv_i32(gbuild *g, const char *key, int32_t v) { kv_key(g, key, GGUF_T_INT32); put(&g->kv, &v, 4); }
 static void kv_f32(gbuild *g, const char *key, float v) { kv_key(g, key, GGUF_T_FLOAT32); put(&g->kv, &v, 4); }
+static void kv_u8(gbuild *g, const char *key, uint8_t v) { kv_key(g, key, GGUF_T_UINT8); put(&g->kv, &v, 1); }
+/* An array of n elements of `type`, each `esz` zero bytes (not for strings). */
+static void kv_zero_array(gbuild *g, const char *key, uint32_t type, size_t esz, uint64_t n) {
+    kv_key(g, key, GGUF_T_ARRAY);
+    put_u32(&g->kv, type);
+    put_u64(&g->kv, n);
+    uint8_t z[8] = { 0 };
+    for (uint64_t i = 0; i < n; i++) put(&g->kv, z, esz);
+}
 static size_t kv_str(gbuild *g, const char *key, const char *v) {
     kv_key(g, key, GGUF_T_STRING);
     size_t pos = g->kv.n;
@@ -177,6 +186,7 @@ static buf build(const gbuild *g, layout *L) {
         put_u64(&b, off);
         off += (t_nbytes(t) + g->align - 1) / g->align * g->align;
     }
+    L->info_end = b.n;
     pad_to(&b, g->align);
     L->data_start = b.n;
     for (int i = 0; i < g->n_t; i++) {
@@ -580,7 +590,7 @@ TEST(offsets_and_alignment) {
     tiny_opts o = { 0 };
     tiny_model(&g, &o);
     kv_str(&g, "general.alignment", "32");
-    CHECK(expect_load(&g, ES_ERR_FORMAT, "general.alignment has value type 8"));
+    CHECK(expect_load(&g, ES_ERR_FORMAT, "key 'general.alignment' has value type STRING (8)"));
     gfree(&g);
 }
 
@@ -614,6 +624,123 @@ TEST(names_and_keys) {
     tiny_opts od = { .dup_key = true };
     tiny_model(&g, &od);
     CHECK(expect_load(&g, ES_ERR_FORMAT, "duplicate key 'llama.context_length'"));
+    gfree(&g);
+}
+
+
+/* ---- tensor regions and the data section -------------------------------- */
+
+/* Build the valid tiny llama, let `edit` change the bytes, expect es_gguf_open
+ * to fail with ES_ERR_FORMAT and every needle in the message. */
+static bool expect_open_edit(void (*edit)(buf *, const layout *), const char *n1, const char *n2) {
+    gbuild g;
+    tiny_opts o = { 0 };
+    tiny_model(&g, &o);
+    layout L;
+    buf b = build(&g, &L);
+    edit(&b, &L);
+    es_status st = open_bytes(&b, b.n);
+    bool ok = st == ES_ERR_FORMAT && strstr(g_err, n1) != NULL && (n2 == NULL || strstr(g_err, n2));
+    if (!ok) fprintf(stderr, "  status %d, \"%s\"; want %d \"%s\" \"%s\"\n", st, g_err,
+                     ES_ERR_FORMAT, n1, n2 ? n2 : "");
+    free(b.p);
+    gfree(&g);
+    return ok;
+}
+
+static uint64_t get_u64(const buf *b, size_t pos) {
+    uint64_t v;
+    memcpy(&v, b->p + pos, 8);
+    return v;
+}
+
+/* tensor 5 (blk.0.attn_v.weight) at the offset of tensor 4 (blk.0.attn_k.weight) */
+static void same_offset(buf *b, const layout *L) { patch_u64(b, L->ti_off[5], get_u64(b, L->ti_off[4])); }
+/* tensor 2 (blk.0.attn_norm.weight, 128 bytes) inside tensor 0 (token_embd, 2176 bytes) */
+static void inside(buf *b, const layout *L) { patch_u64(b, L->ti_off[2], 1024); }
+/* tensor 3 (blk.0.attn_q.weight, Q4_0 [32, 32]) declared [64, 32]: needs 1152 bytes, has 576 */
+static void too_short(buf *b, const layout *L) { patch_u64(b, L->ti_ne[3], 64); }
+/* the same region, type Q8_0 instead of Q4_0: needs 1088 bytes */
+static void wrong_type(buf *b, const layout *L) { patch_u32(b, L->ti_type[3], ES_TYPE_Q8_0); }
+/* the data written right after the tensor infos (no padding), the file then
+ * filled up with trailing bytes to its old size: every tensor stays in bounds.
+ * The first block's scale is made nonzero, as real weights are (all-zero
+ * leading data and fewer than `alignment` trailing bytes would be a valid
+ * file with other contents). */
+static void unpadded(buf *b, const layout *L) {
+    size_t pad = L->data_start - L->info_end;
+    if (pad == 0) abort();   /* the tiny model's infos do not end aligned */
+    b->p[L->data_start + 1] = 0x3c;
+    memmove(b->p + L->info_end, b->p + L->data_start, b->n - L->data_start);
+    memset(b->p + b->n - pad, 0xee, pad);
+}
+static void nonzero_padding(buf *b, const layout *L) { b->p[L->data_start - 1] = 0x01; }
+static void trailing(buf *b, const layout *L) {
+    uint8_t z[64];
+    memset(z, 0x55, sizeof z);
+    put(b, z, sizeof z);
+}
+
+TEST(regions_and_data_section) {
+    CHECK(expect_open_edit(same_offset, "tensors 'blk.0.attn_k.weight' and 'blk.0.attn_v.weight' "
+                                        "overlap", NULL));
+    CHECK(expect_open_edit(inside, "tensors 'token_embd.weight' and 'blk.0.attn_norm.weight' overlap",
+                           "needs 2176 bytes"));
+    CHECK(expect_open_edit(too_short, "'blk.0.attn_q.weight' and 'blk.0.attn_k.weight' overlap",
+                           "Q4_0 [64, 32, 1, 1]) needs 1152 bytes"));
+    CHECK(expect_open_edit(wrong_type, "'blk.0.attn_q.weight' and 'blk.0.attn_k.weight' overlap",
+                           "Q8_0 [32, 32, 1, 1]) needs 1088 bytes"));
+    CHECK(expect_open_edit(unpadded, "does not start at the aligned offset", NULL));
+    CHECK(expect_open_edit(nonzero_padding, "does not start at the aligned offset", "is 0x01"));
+    CHECK(expect_open_edit(trailing, "64 bytes follow the last tensor", NULL));
+}
+
+/* ---- value types of the keys read --------------------------------------- */
+
+TEST(key_value_types) {
+    gbuild g;
+    tiny_opts o = { 0 };
+    /* general.alignment as INT32 is an integer like UINT32 (the Python reader agrees) */
+    tiny_model(&g, &o);
+    kv_i32(&g, "general.alignment", 32);
+    CHECK(expect_load(&g, ES_OK, NULL));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_f32(&g, "general.alignment", 32.0f);
+    CHECK(expect_load(&g, ES_ERR_FORMAT, "key 'general.alignment' has value type FLOAT32"));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_zero_array(&g, "tokenizer.ggml.token_type", GGUF_T_FLOAT32, 4, T_VOCAB);
+    CHECK(expect_load(&g, ES_ERR_FORMAT,
+                      "key 'tokenizer.ggml.token_type' is an array of FLOAT32, expected an array "
+                      "of integers"));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_zero_array(&g, "tokenizer.ggml.token_type", GGUF_T_INT32, 4, T_VOCAB);
+    CHECK(expect_load(&g, ES_OK, NULL));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_str(&g, "tokenizer.ggml.eos_token_id", "2");
+    CHECK(expect_load(&g, ES_ERR_FORMAT, "key 'tokenizer.ggml.eos_token_id' has value type STRING"));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_u8(&g, "tokenizer.ggml.add_bos_token", 1);
+    CHECK(expect_load(&g, ES_ERR_FORMAT, "'tokenizer.ggml.add_bos_token' has value type UINT8"));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_u32(&g, "tokenizer.ggml.merges", 0);
+    CHECK(expect_load(&g, ES_ERR_FORMAT, "'tokenizer.ggml.merges' has value type UINT32 (4), "
+                                         "expected an array of strings"));
+    gfree(&g);
+    /* "{arch}." keys are typed for the file's own architecture only */
+    tiny_model(&g, &o);
+    kv_str(&g, "qwen2.block_count", "x");
+    CHECK(expect_load(&g, ES_OK, NULL));
+    gfree(&g);
+    tiny_model(&g, &o);
+    kv_str(&g, "llama.rope.freq_base", "x");
+    CHECK(expect_load(&g, ES_ERR_FORMAT, "'llama.rope.freq_base' has value type STRING (8), "
+                                         "expected a number"));
     gfree(&g);
 }
 
@@ -684,7 +811,8 @@ TEST(architecture_and_hparams) {
     tiny_opts o0 = { 0 };
     tiny_model(&g, &o0);
     kv_f32(&g, "llama.rope.dimension_count", 8.0f);
-    CHECK(expect_load(&g, ES_ERR_FORMAT, "llama.rope.dimension_count has value type 6"));
+    CHECK(expect_load(&g, ES_ERR_FORMAT,
+                      "key 'llama.rope.dimension_count' has value type FLOAT32 (6)"));
     gfree(&g);
     tiny_model(&g, &o0);
     kv_u32(&g, "llama.rope.dimension_count", 7);
@@ -782,6 +910,8 @@ int main(void) {
     RUN(offsets_and_alignment);
     RUN(types_versions_magic);
     RUN(names_and_keys);
+    RUN(regions_and_data_section);
+    RUN(key_value_types);
     RUN(missing_and_misshaped_tensors);
     RUN(architecture_and_hparams);
     RUN(bad_arguments_and_io);
