@@ -1,6 +1,8 @@
 """Model loading through the Python binding: valid files written by the `gguf` package load
 with the right hyperparameters; malformed ones raise EngineError with the right status and a
-message naming the field, and never crash the process.
+message naming the field, and never crash the process. Every malformed file is also given to
+the services' own GGUF reader (services/common/gguf_reader.py), which must refuse it with the
+same words: the two readers apply one set of rules.
 
 The section boundaries and field offsets of a file are found by ``walk``, a small GGUF
 walker written here from the spec (independent of the C reader under test).
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from services.common import gguf_reader
 from services.common.engine import (
     ES_ERR_FORMAT,
     ES_ERR_MISSING_TENSOR,
@@ -31,11 +34,12 @@ E, F, H, KV, V, NL = 64, 128, 4, 2, 96, 2   # tiny shapes: n_embd, n_ff, heads, 
 
 
 def write_model(path: Path, arch: str = "llama", mtype: QT = QT.Q8_0, head_dim: int | None = None,
-                skip: tuple[str, ...] = ()) -> None:
+                skip: tuple[str, ...] = (), extra_kv: tuple[tuple, ...] = ()) -> None:
     """Write a tiny random-weight model with the gguf package.
 
     Matrices are `mtype` (quantized with gguf.quants), norms and biases F32. qwen2 gets q/k/v
     biases and an untied output.weight; qwen3 gets q/k norms. Tensors named in `skip` are left out.
+    `extra_kv` holds (key, value, GGUFValueType[, sub_type]) written with add_key_value.
     """
     hd = head_dim or E // H
     w = gguf.GGUFWriter(str(path), arch)
@@ -50,6 +54,8 @@ def write_model(path: Path, arch: str = "llama", mtype: QT = QT.Q8_0, head_dim: 
         w.add_key_length(hd)
         w.add_value_length(hd)
     w.add_token_list([f"t{i}" for i in range(V)])
+    for kv in extra_kv:
+        w.add_key_value(*kv)
     rng = np.random.default_rng(0)
 
     def add(name: str, x: np.ndarray, t: QT) -> None:
@@ -167,12 +173,19 @@ def load_bytes(tmp_path: Path, data: bytes) -> Model:
     return Model(str(p))
 
 
-def expect_error(tmp_path: Path, data: bytes, status: int, *needles: str) -> str:
+def expect_error(tmp_path: Path, data: bytes, status: int, *needles: str, python: bool = True) -> str:
+    """The engine refuses `data` with `status` and every needle in the message; so does the
+    services' GGUF reader (with the same needles) unless `python` is False (model-level checks)."""
     with pytest.raises(EngineError) as ei:
         load_bytes(tmp_path, data)
     assert ei.value.status == status, ei.value
     for n in needles:
         assert n in ei.value.message, ei.value.message
+    if python:
+        with pytest.raises(gguf_reader.GGUFFormatError) as pi:
+            gguf_reader.parse(data)
+        for n in needles:
+            assert n in str(pi.value), str(pi.value)
     return ei.value.message
 
 
@@ -212,6 +225,8 @@ def test_cut_at_every_section_boundary(tmp_path, tiny):
             continue
         msg = expect_error(tmp_path, data[:cut], ES_ERR_FORMAT)
         assert "truncated" in msg or "past the end" in msg, (cut, msg)
+        with pytest.raises(gguf_reader.GGUFFormatError, match="truncated|past the end"):
+            gguf_reader.parse(data[:cut])
 
 
 def test_truncation_names_the_section(tmp_path, tiny):
@@ -268,6 +283,140 @@ def test_bad_magic_and_versions(tmp_path, tiny):
     data, _ = tiny
     expect_error(tmp_path, b"GGML" + data[4:], ES_ERR_FORMAT, "magic")
     expect_error(tmp_path, patched(data, 4, "<I", 1), ES_ERR_UNSUPPORTED, "version 1")
+
+
+# ---- tensor regions, the data section and key value types: one table, both readers ---------
+
+def _region(lay: Layout, data: bytes, name: str) -> int:
+    return struct.unpack_from("<Q", data, lay.tensor_offset[name])[0]
+
+
+def _same_offset(data: bytes, lay: Layout) -> bytes:
+    return patched(data, lay.tensor_offset["blk.0.attn_v.weight"], "<Q",
+                   _region(lay, data, "blk.0.attn_k.weight"))
+
+
+def _inside(data: bytes, lay: Layout) -> bytes:
+    # output_norm (256 bytes) inside token_embd (Q8_0 [64, 96]: 6528 bytes at offset 0)
+    return patched(data, lay.tensor_offset["output_norm.weight"], "<Q", 1024)
+
+
+def _longer_shape(data: bytes, lay: Layout) -> bytes:
+    # blk.0.attn_q.weight Q8_0 [64, 64] declared [64, 128]: needs 8704 bytes, has 4352
+    return patched(data, lay.tensor_type["blk.0.attn_q.weight"] - 8, "<Q", 128)
+
+
+def _bigger_type(data: bytes, lay: Layout) -> bytes:
+    # blk.0.attn_q.weight Q8_0 [64, 64] declared F32: needs 16384 bytes
+    return patched(data, lay.tensor_type["blk.0.attn_q.weight"], "<I", int(QT.F32))
+
+
+def _info_end(data: bytes, lay: Layout) -> int:
+    return max(off for off, what in lay.boundaries if what.startswith("tensor info"))
+
+
+def _unpadded(data: bytes, lay: Layout) -> bytes:
+    # the data written right after the tensor infos, the file filled up to its old size
+    end = _info_end(data, lay)
+    assert lay.data_start > end and data[lay.data_start + 1] != 0
+    pad = lay.data_start - end
+    return data[:end] + data[lay.data_start:] + b"\xee" * pad
+
+
+def _nonzero_padding(data: bytes, lay: Layout) -> bytes:
+    assert lay.data_start > _info_end(data, lay)
+    return data[:lay.data_start - 1] + b"\x01" + data[lay.data_start:]
+
+
+def _trailing(data: bytes, lay: Layout) -> bytes:
+    return data + b"\x55" * 64
+
+
+REGION_CASES = {
+    "two tensors at one offset": (_same_offset, "'blk.0.attn_k.weight' and 'blk.0.attn_v.weight' overlap"),
+    "one tensor inside another": (_inside, "'token_embd.weight' and 'output_norm.weight' overlap",
+                                  "needs 6528 bytes"),
+    "region shorter than the shape needs": (_longer_shape, "'blk.0.attn_q.weight' and", "overlap",
+                                            "Q8_0 [64, 128, 1, 1]) needs 8704 bytes"),
+    "region shorter than the type needs": (_bigger_type, "'blk.0.attn_q.weight' and", "overlap",
+                                           "F32 [64, 64, 1, 1]) needs 16384 bytes"),
+    "unpadded data section, trailing bytes": (_unpadded, "does not start at the aligned offset"),
+    "nonzero padding before the data": (_nonzero_padding, "does not start at the aligned offset",
+                                        "is 0x01"),
+    "bytes after the last tensor": (_trailing, "64 bytes follow the last tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(REGION_CASES))
+def test_regions_and_data_section_both_readers(tmp_path, tiny, case):
+    data, lay = tiny
+    edit, *needles = REGION_CASES[case]
+    expect_error(tmp_path, edit(data, lay), ES_ERR_FORMAT, *needles)
+
+
+VT = gguf.GGUFValueType
+KEY_TYPE_CASES = {
+    "alignment float32": (("general.alignment", 32.0, VT.FLOAT32),
+                          "key 'general.alignment' has value type FLOAT32 (6), expected an integer"),
+    "token types float32": (("tokenizer.ggml.token_type", [1.0] * V, VT.ARRAY, VT.FLOAT32),
+                            "key 'tokenizer.ggml.token_type' is an array of FLOAT32, expected an "
+                            "array of integers"),
+    "merges not an array": (("tokenizer.ggml.merges", 3, VT.UINT32),
+                            "'tokenizer.ggml.merges' has value type UINT32 (4), expected an array of "
+                            "strings"),
+    "eos id string": (("tokenizer.ggml.eos_token_id", "2", VT.STRING),
+                      "'tokenizer.ggml.eos_token_id' has value type STRING (8), expected an integer"),
+    "add_bos uint8": (("tokenizer.ggml.add_bos_token", 1, VT.UINT8),
+                      "'tokenizer.ggml.add_bos_token' has value type UINT8 (0), expected a bool"),
+    "chat template int": (("tokenizer.chat_template", 1, VT.INT32),
+                          "'tokenizer.chat_template' has value type INT32 (5), expected a string"),
+    "freq_base string": (("llama.rope.freq_base", "1e4", VT.STRING),
+                         "'llama.rope.freq_base' has value type STRING (8), expected a number"),
+    "head count float": (("llama.attention.key_length", 16.0, VT.FLOAT64),
+                         "'llama.attention.key_length' has value type FLOAT64 (12), expected an "
+                         "integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(KEY_TYPE_CASES))
+def test_key_of_the_wrong_value_type_both_readers(tmp_path, case):
+    kv, needle = KEY_TYPE_CASES[case]
+    write_model(tmp_path / "src.gguf", extra_kv=(kv,))
+    expect_error(tmp_path, (tmp_path / "src.gguf").read_bytes(), ES_ERR_FORMAT, needle)
+
+
+@pytest.mark.parametrize("kv", [
+    ("general.alignment", 32, VT.INT32),           # any integer type, in both readers
+    ("general.alignment", 32, VT.UINT64),
+    ("tokenizer.ggml.token_type", [1] * V, VT.ARRAY, VT.INT32),
+    ("tokenizer.ggml.eos_token_id", 2, VT.INT64),
+    ("qwen2.block_count", "x", VT.STRING),         # another architecture's key is not read
+], ids=["alignment int32", "alignment uint64", "token types int32", "eos id int64", "other arch"])
+def test_accepted_value_types_load_in_both_readers(tmp_path, kv):
+    write_model(tmp_path / "m.gguf", extra_kv=(kv,))
+    Model(str(tmp_path / "m.gguf")).close()
+    f = gguf_reader.read(tmp_path / "m.gguf")
+    assert f.alignment == 32 and len(f.tensors) == 2 + 9 * NL
+
+
+def test_tokenizer_reader_refuses_float_token_types(tmp_path):
+    from services.common.tokenizer import read_tokenizer_metadata
+    write_model(tmp_path / "m.gguf", extra_kv=(
+        ("tokenizer.ggml.model", "gpt2", VT.STRING),
+        ("tokenizer.ggml.token_type", [1.5] * V, VT.ARRAY, VT.FLOAT32)))
+    with pytest.raises(ValueError, match="'tokenizer.ggml.token_type' is an array of FLOAT32"):
+        read_tokenizer_metadata(tmp_path / "m.gguf")
+
+
+def test_the_two_key_type_tables_are_one():
+    """engine_c/src/gguf.c k_key_types and gguf_reader.KEY_TYPES list the same keys and classes."""
+    import re
+    src = (ROOT / "engine_c" / "src" / "gguf.c").read_text()
+    body = src[src.index("k_key_types[] = {"):]
+    body = body[:body.index("};")]
+    c_table = dict(re.findall(r'\{\s*"([^"]+)",\s*KT_(\w+)\s*\}', body))
+    assert len(c_table) == len(gguf_reader.KEY_TYPES) > 20
+    assert c_table == gguf_reader.KEY_TYPES
 
 
 # ---- model-level errors --------------------------------------------------------------------

@@ -38,9 +38,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from services.common import gguf_reader
 
 __all__ = [
     "TOKEN_TYPE_NORMAL",
@@ -165,60 +166,34 @@ class GGUFTokenizerMetadata:
     source: str = field(default="", compare=False)
 
 
-def _field_str(reader: gguf.GGUFReader, key: str) -> str | None:
-    f = reader.fields.get(key)
+def _str(fields: dict[str, gguf_reader.Field], key: str) -> str | None:
+    f = fields.get(key)   # value types were checked against gguf_reader.KEY_TYPES
+    return None if f is None else f.value.decode("utf-8")
+
+
+def _int(fields: dict[str, gguf_reader.Field], key: str) -> int | None:
+    f = fields.get(key)
+    return None if f is None else int(f.value)
+
+
+def _str_array(fields: dict[str, gguf_reader.Field], key: str) -> list[str] | None:
+    f = fields.get(key)
     if f is None:
         return None
-    if not f.types or f.types[0] != gguf.GGUFValueType.STRING:
-        raise ValueError(f"GGUF key {key} has type {f.types}, expected a string")
-    return bytes(f.parts[f.data[0]]).decode("utf-8")
-
-
-def _field_int(reader: gguf.GGUFReader, key: str) -> int | None:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    if len(f.types) != 1 or f.types[0] in (
-        gguf.GGUFValueType.STRING,
-        gguf.GGUFValueType.ARRAY,
-        gguf.GGUFValueType.FLOAT32,
-        gguf.GGUFValueType.FLOAT64,
-    ):
-        raise ValueError(f"GGUF key {key} has type {f.types}, expected an integer")
-    return int(f.parts[f.data[0]][0])
-
-
-def _field_str_array(reader: gguf.GGUFReader, key: str) -> list[str] | None:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    if f.types[:2] != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
-        raise ValueError(f"GGUF key {key} has type {f.types}, expected an array of strings")
     out: list[str] = []
-    for n, i in enumerate(f.data):
+    for n, b in enumerate(f.value):
         try:
-            out.append(bytes(f.parts[i]).decode("utf-8"))
+            out.append(b.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ValueError(f"GGUF key {key}[{n}] is not valid UTF-8: {e}") from None
     return out
 
 
-def _field_int_array(reader: gguf.GGUFReader, key: str) -> list[int] | None:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    if len(f.types) != 2 or f.types[0] != gguf.GGUFValueType.ARRAY or f.types[1] in (
-        gguf.GGUFValueType.STRING,
-        gguf.GGUFValueType.ARRAY,
-    ):
-        raise ValueError(f"GGUF key {key} has type {f.types}, expected an array of integers")
-    return [int(f.parts[i][0]) for i in f.data]
-
-
 def read_tokenizer_metadata(path: str | os.PathLike[str]) -> GGUFTokenizerMetadata:
-    """Read the tokenizer keys of a GGUF file with ``gguf.GGUFReader``.
+    """Read the tokenizer keys of a GGUF file with `services.common.gguf_reader`.
 
-    Only key/value metadata is read; tensor data is memory-mapped by the reader but never touched.
+    The whole file is validated with the engine's rules (tensor regions, data section, the value
+    type of every key in ``gguf_reader.KEY_TYPES``); tensor data is memory-mapped, never read.
 
     Args:
         path: the GGUF file.
@@ -235,40 +210,37 @@ def read_tokenizer_metadata(path: str | os.PathLike[str]) -> GGUFTokenizerMetada
     if not os.path.isfile(p):
         raise FileNotFoundError(f"GGUF file not found: {p}")
     try:
-        reader = gguf.GGUFReader(p, "r")
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
-        raise ValueError(f"cannot read GGUF file {p}: {type(e).__name__}: {e}") from None
-    model = _field_str(reader, "tokenizer.ggml.model")
+        fields = gguf_reader.read(p).fields
+    except (OSError, gguf_reader.GGUFFormatError) as e:
+        raise ValueError(f"cannot read GGUF file {p}: {e}") from None
+    model = _str(fields, "tokenizer.ggml.model")
     if model is None:
         raise ValueError(f"GGUF file {p} has no tokenizer (key tokenizer.ggml.model missing)")
-    tokens = _field_str_array(reader, "tokenizer.ggml.tokens")
+    tokens = _str_array(fields, "tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError(f"GGUF file {p}: key tokenizer.ggml.tokens missing or empty")
-    types = _field_int_array(reader, "tokenizer.ggml.token_type")
-    if types is None:
-        types = [TOKEN_TYPE_NORMAL] * len(tokens)
+    tt = fields.get("tokenizer.ggml.token_type")
+    types = [int(v) for v in tt.value] if tt is not None else [TOKEN_TYPE_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(
             f"GGUF file {p}: tokenizer.ggml.token_type has {len(types)} entries, "
             f"tokenizer.ggml.tokens has {len(tokens)}"
         )
-    merges = _field_str_array(reader, "tokenizer.ggml.merges") or []
-    add_bos_field = reader.fields.get("tokenizer.ggml.add_bos_token")
-    add_bos = bool(add_bos_field.parts[add_bos_field.data[0]][0]) if add_bos_field else False
+    add_bos = fields.get("tokenizer.ggml.add_bos_token")
     return GGUFTokenizerMetadata(
         model=model,
-        pre=_field_str(reader, "tokenizer.ggml.pre") or "default",
+        pre=_str(fields, "tokenizer.ggml.pre") or "default",
         tokens=tokens,
         token_types=types,
-        merges=merges,
-        bos_id=_field_int(reader, "tokenizer.ggml.bos_token_id"),
-        eos_id=_field_int(reader, "tokenizer.ggml.eos_token_id"),
-        eot_id=_field_int(reader, "tokenizer.ggml.eot_token_id"),
-        eom_id=_field_int(reader, "tokenizer.ggml.eom_token_id"),
-        unk_id=_field_int(reader, "tokenizer.ggml.unknown_token_id"),
-        pad_id=_field_int(reader, "tokenizer.ggml.padding_token_id"),
-        add_bos=add_bos,
-        chat_template=_field_str(reader, "tokenizer.chat_template"),
+        merges=_str_array(fields, "tokenizer.ggml.merges") or [],
+        bos_id=_int(fields, "tokenizer.ggml.bos_token_id"),
+        eos_id=_int(fields, "tokenizer.ggml.eos_token_id"),
+        eot_id=_int(fields, "tokenizer.ggml.eot_token_id"),
+        eom_id=_int(fields, "tokenizer.ggml.eom_token_id"),
+        unk_id=_int(fields, "tokenizer.ggml.unknown_token_id"),
+        pad_id=_int(fields, "tokenizer.ggml.padding_token_id"),
+        add_bos=bool(add_bos.value) if add_bos is not None else False,
+        chat_template=_str(fields, "tokenizer.chat_template"),
         source=p,
     )
 
