@@ -31,6 +31,7 @@ class DraftConfig:
     min_n: int = 2
     max_n: int = 5
     max_workers: int = 64
+    max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 2.0
 
@@ -48,6 +49,7 @@ class VerifierConfig:
     max_sessions: int = 64       # sessions holding a KV cache at once
     session_idle_s: float = 300.0  # unary sessions are freed after this idle time
     max_workers: int = 96
+    max_concurrent_rpcs: int = 88  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 2.0
 
@@ -70,6 +72,7 @@ class CoordinatorConfig:
     max_tokens_limit: int = 8192
     max_stop: int = 16           # stop strings per request
     max_workers: int = 64
+    max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 2.0
 

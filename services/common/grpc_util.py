@@ -2,9 +2,12 @@
 and reflection, channel options, graceful stop, and status helpers.
 
 Every server: grpc.health.v1 says NOT_SERVING until ``set_serving`` (the model
-is loaded and warm), reflection lists its services (grpcurl list/describe),
-messages above ``max_message_bytes`` are refused by gRPC with
-RESOURCE_EXHAUSTED ("Received message larger than max ..."), and ``stop``
+is loaded and warm), reflection serves every symbol of its services (grpcurl
+list/describe), messages above ``max_message_bytes`` are refused by gRPC with
+RESOURCE_EXHAUSTED ("Received message larger than max ..."), at most
+``max_concurrent_rpcs`` service RPCs run at once (more get RESOURCE_EXHAUSTED
+at once; the other ``max_workers - max_concurrent_rpcs`` threads keep health
+and reflection answering under a full load of open streams), and ``stop``
 flips health to NOT_SERVING before draining with a grace period.
 """
 from __future__ import annotations
@@ -17,7 +20,121 @@ from typing import Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import _base as _reflection_base
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+
+class _ReflectionServicer(reflection.ReflectionServicer):
+    """grpc_reflection's servicer, plus the symbols the upb descriptor pool does not find by
+    name (grpc/grpc#34743): a method, field, oneof, nested type or enum value resolves to the file
+    of its parent, so ``grpcurl describe echospec.v1.CoordinatorService.Generate`` works."""
+
+    def _file_containing_symbol(self, request, fully_qualified_name):
+        fd = self._file_of(fully_qualified_name)
+        if fd is None:
+            return super()._file_containing_symbol(request, fully_qualified_name)
+        return _reflection_base._file_descriptor_response(fd, request)
+
+    def _file_of(self, name: str):
+        try:
+            return self._pool.FindFileContainingSymbol(name)
+        except KeyError:
+            pass
+        parent, _, member = name.rpartition(".")
+        if not parent:
+            return None
+        lookups = (
+            (self._pool.FindServiceByName, lambda d: (d.methods_by_name,)),
+            (self._pool.FindMessageTypeByName,
+             lambda d: (d.fields_by_name, d.nested_types_by_name, d.enum_types_by_name,
+                        d.oneofs_by_name)),
+            (self._pool.FindEnumTypeByName, lambda d: (d.values_by_name,)),
+        )
+        for find, members in lookups:
+            try:
+                d = find(parent)
+            except KeyError:
+                continue
+            if any(member in m for m in members(d)):
+                return d.file
+        return None
+
+
+class ConcurrencyLimit(grpc.ServerInterceptor):
+    """Admit at most `limit` concurrent RPCs of the services under `prefix`; refuse the rest
+    with RESOURCE_EXHAUSTED at once. Health and reflection are not counted.
+
+    The count is taken when the call arrives (the server's polling thread, before the call
+    waits for a worker) and given back when the RPC terminates, whatever the reason.
+    """
+
+    def __init__(self, limit: int, prefix: str = "/echospec."):
+        self.limit = limit
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self.active = 0
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self.prefix):
+            return handler
+        with self._lock:
+            admitted = self.active < self.limit
+            if admitted:
+                self.active += 1
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        behavior = getattr(handler, kind)
+        if not admitted:
+            return handler._replace(**{kind: self._refuse(kind, handler_call_details.method)})
+        return handler._replace(**{kind: self._counted(kind, behavior)})
+
+    def _release(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def _once(self):
+        done = threading.Lock()
+
+        def release() -> None:
+            if done.acquire(blocking=False):
+                self._release()
+        return release
+
+    def _counted(self, kind: str, behavior):
+        if kind.endswith("_stream"):
+            def stream(request, context):
+                release = self._once()
+                if not context.add_callback(release):
+                    release()
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    release()
+            return stream
+
+        def unary(request, context):
+            release = self._once()
+            if not context.add_callback(release):
+                release()
+            try:
+                return behavior(request, context)
+            finally:
+                release()
+        return unary
+
+    def _refuse(self, kind: str, method: str):
+        message = (f"{method}: {self.limit} RPCs already in progress on this server "
+                   f"(max_concurrent_rpcs); retry later")
+        if kind.endswith("_stream"):
+            def stream(request, context):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                yield  # pragma: no cover - abort raises
+            return stream
+
+        def unary(request, context):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        return unary
 
 
 class PortInUseError(RuntimeError):
@@ -52,6 +169,7 @@ class ServerHandle:
     health: health.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    limit: ConcurrencyLimit
 
     def set_serving(self) -> None:
         """Health: SERVING for "" and every service name."""
@@ -73,7 +191,7 @@ class ServerHandle:
 
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
-                 service_names: Iterable[str]) -> ServerHandle:
+                 service_names: Iterable[str], max_concurrent_rpcs: int) -> ServerHandle:
     """Create a server bound to host:port with health (NOT_SERVING) and reflection.
 
     Register the service's servicers on ``handle.server`` before ``start()``.
@@ -84,17 +202,26 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         max_workers: thread pool size (each open stream holds one thread).
         max_message_bytes: cap on received and sent message size.
         service_names: fully qualified names ("echospec.v1.DraftService").
+        max_concurrent_rpcs: service RPCs admitted at once, in [1, max_workers - 1]; the rest of
+            the pool answers health, reflection and the RESOURCE_EXHAUSTED refusals.
     Raises:
         PortInUseError: the address could not be bound.
+        ValueError: max_concurrent_rpcs not below max_workers.
     """
     names = tuple(service_names)
+    if not 1 <= max_concurrent_rpcs < max_workers:
+        raise ValueError(f"max_concurrent_rpcs = {max_concurrent_rpcs} must be in [1, max_workers - 1 = "
+                         f"{max_workers - 1}]")
+    limit = ConcurrencyLimit(max_concurrent_rpcs)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=[limit],
                          options=message_options(max_message_bytes)
                          + [("grpc.so_reuseport", 0)],
                          maximum_concurrent_rpcs=None)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        _ReflectionServicer(names + (health.SERVICE_NAME, reflection.SERVICE_NAME)), server)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(addr)
@@ -102,7 +229,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         raise PortInUseError(f"cannot bind {addr}: {exc}") from None
     if bound == 0:
         raise PortInUseError(f"cannot bind {addr} (port taken or not permitted)")
-    handle = ServerHandle(server=server, health=hs, port=bound, service_names=names)
+    handle = ServerHandle(server=server, health=hs, port=bound, service_names=names, limit=limit)
     handle.set_not_serving()
     return handle
 

@@ -79,7 +79,8 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0) -> Coordina
     if not 1 <= config.max_tokens <= config.max_tokens_limit:
         raise ValueError(f"max_tokens = {config.max_tokens}: must be in [1, {config.max_tokens_limit}]")
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
-                                    config.max_message_bytes, [SERVICE_NAME])
+                                    config.max_message_bytes, [SERVICE_NAME],
+                                    config.max_concurrent_rpcs)
     vch = grpc_util.channel(config.verifier_target, config.max_message_bytes)
     dch = grpc_util.channel(config.draft_target, config.max_message_bytes)
     try:

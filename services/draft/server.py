@@ -24,7 +24,8 @@ def start(config: DraftConfig) -> tuple[grpc_util.ServerHandle, DraftServicer]:
     """
     NgramParams(config.min_n, config.max_n).validate()  # ProposerError names the bad range
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
-                                    config.max_message_bytes, [SERVICE_NAME])
+                                    config.max_message_bytes, [SERVICE_NAME],
+                                    config.max_concurrent_rpcs)
     servicer = DraftServicer(config)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, handle.server)
     handle.server.start()

@@ -49,7 +49,8 @@ def start(config: VerifierConfig) -> VerifierServer:
         EngineError: the model cannot be loaded (the server is stopped first).
     """
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
-                                    config.max_message_bytes, [SERVICE_NAME])
+                                    config.max_message_bytes, [SERVICE_NAME],
+                                    config.max_concurrent_rpcs)
     servicer = VerifierServicer(None)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
     handle.server.start()

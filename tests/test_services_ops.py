@@ -1,0 +1,172 @@
+"""Operating the services: full reflection (grpcurl describe of every symbol) and the cap on
+concurrent RPCs (overload gets RESOURCE_EXHAUSTED at once; health and reflection keep answering).
+"""
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggufgen import write_tiny_model  # noqa: E402
+
+from echospec.v1 import (common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc,  # noqa: E402
+                         verifier_pb2)
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from services.common.config import CoordinatorConfig, DraftConfig, VerifierConfig  # noqa: E402
+from services.coordinator.stack import start_stack  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPCURL = ROOT / ".venv" / "bin" / "grpcurl"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=0)
+    st = start_stack(str(path), n_ctx=256, n_threads=1)
+    yield st
+    st.stop()
+
+
+def grpcurl(target: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(GRPCURL), "-plaintext", target, *args], capture_output=True,
+                          text=True, timeout=30)
+
+
+SERVICES = (
+    ("target", coordinator_pb2, "CoordinatorService"),
+    ("verifier_target", verifier_pb2, "VerifierService"),
+    ("draft_target", draft_pb2, "DraftService"),
+)
+
+
+@pytest.mark.parametrize("attr,module,service", SERVICES, ids=[s[2] for s in SERVICES])
+def test_grpcurl_describes_every_method_and_message(stack, attr, module, service):
+    """grpc/grpc#34743: the upb pool does not find methods by name; reflection must."""
+    target = getattr(stack, attr)
+    sd = module.DESCRIPTOR.services_by_name[service]
+    symbols = [sd.full_name]
+    for m in sd.methods:
+        symbols += [m.full_name, m.input_type.full_name, m.output_type.full_name]
+    symbols += [f.full_name for m in sd.methods for f in m.input_type.fields[:1]]   # fields
+    symbols += ["grpc.health.v1.Health.Check", "grpc.reflection.v1alpha.ServerReflection"]
+    listed = grpcurl(target, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert sd.full_name in listed.stdout.split()
+    for sym in symbols:
+        r = grpcurl(target, "describe", sym)
+        assert r.returncode == 0, (sym, r.stderr)
+        assert sym.rsplit(".", 1)[-1] in r.stdout, (sym, r.stdout)
+    first = grpcurl(target, "describe", sd.methods[0].full_name).stdout
+    assert f"rpc {sd.methods[0].name}" in first, first
+    bad = grpcurl(target, "describe", sd.full_name + ".NoSuchMethod")
+    assert bad.returncode != 0 and "not found" in bad.stderr.lower()
+
+
+def test_enum_is_described(stack):
+    r = grpcurl(stack.target, "describe", common_pb2.DESCRIPTOR.enum_types_by_name["SpecMode"].full_name)
+    assert r.returncode == 0 and "SPEC_MODE_ON" in r.stdout, r.stderr
+
+
+# ---- the cap on concurrent RPCs --------------------------------------------------------------
+
+def test_default_caps_are_below_the_worker_pools():
+    for cfg in (DraftConfig(), VerifierConfig(), CoordinatorConfig()):
+        assert 1 <= cfg.max_concurrent_rpcs < cfg.max_workers, cfg
+
+
+def test_cap_not_below_the_pool_is_refused():
+    from services.draft import server as dserver
+    with pytest.raises(ValueError, match="max_concurrent_rpcs = 8"):
+        dserver.start(DraftConfig(port=0, max_workers=8, max_concurrent_rpcs=8))
+
+
+class _OpenStream:
+    """A ProposeStream kept open by a request iterator that blocks until closed."""
+
+    def __init__(self, stub):
+        self.q: queue.Queue = queue.Queue()
+        self.call = stub.ProposeStream(iter(self.q.get, None), timeout=60)
+        self.q.put(draft_pb2.ProposeStreamRequest(append=[1, 2, 3, 1, 2], k=2))
+        self.first: object = None
+
+    def wait_first(self, timeout_s: float):
+        """The first response (admitted), or the RpcError (refused)."""
+        out: list = []
+
+        def run():
+            try:
+                out.append(next(self.call))
+            except grpc.RpcError as e:
+                out.append(e)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return out[0] if out else None
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.call.cancel()
+
+
+def test_overload_gets_resource_exhausted_and_health_still_answers():
+    """More open streams than worker threads: the cap admits max_concurrent_rpcs, refuses the
+    rest at once, and health and reflection answer within 100 ms throughout."""
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
+        ProtoReflectionDescriptorDatabase
+    from services.draft import server as dserver
+    workers, cap = 6, 4
+    handle, _ = dserver.start(DraftConfig(port=0, max_workers=workers, max_concurrent_rpcs=cap))
+    ch = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    streams: list[_OpenStream] = []
+    try:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        results = []
+        for _ in range(workers + 2):
+            s = _OpenStream(stub)
+            streams.append(s)
+            results.append(s.wait_first(5.0))
+        admitted = [r for r in results if isinstance(r, draft_pb2.ProposeStreamResponse)]
+        refused = [r for r in results if isinstance(r, grpc.RpcError)]
+        assert len(admitted) == cap and len(refused) == workers + 2 - cap, results
+        assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+        assert "max_concurrent_rpcs" in refused[0].details()
+        assert handle.limit.active == cap
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1], k=1), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 0.5
+        health = health_pb2_grpc.HealthStub(ch)
+        worst = 0.0
+        for _ in range(20):
+            t0 = time.monotonic()
+            r = health.Check(health_pb2.HealthCheckRequest(service="echospec.v1.DraftService"),
+                             timeout=2)
+            worst = max(worst, time.monotonic() - t0)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        assert worst < 0.1, worst
+        t0 = time.monotonic()
+        db = ProtoReflectionDescriptorDatabase(ch)
+        assert "echospec.v1.DraftService" in db.get_services()
+        assert time.monotonic() - t0 < 0.1
+        # a freed slot is admitted again
+        streams[0].close()
+        deadline = time.monotonic() + 5
+        while handle.limit.active >= cap and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 3, 1, 2], k=1), timeout=5)
+        assert list(r.draft) == [3]
+    finally:
+        for s in streams:
+            s.close()
+        handle.stop(0).wait()
+        ch.close()
+    assert handle.limit.active == 0
