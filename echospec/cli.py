@@ -27,13 +27,34 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import grpc
-
 # numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
 # cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 DEFAULT_PORT = 50051
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; raised in the main thread by the handler `main` installs first,
+    so whatever was started unwinds through its cleanup (``finally`` / ``except BaseException``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _install_signal_handlers() -> None:
+    """SIGINT/SIGTERM raise `Interrupted` once; later signals are ignored, so the cleanup that
+    the first one started (stopping services, freeing ports) runs to its end."""
+    raised = []
+
+    def handler(signum, frame):  # noqa: ARG001
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
@@ -132,13 +153,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"echospec: coordinator      listening on {stack.target} (spec default: "
           f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
     sys.stderr.flush()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
-    print("echospec: shutting down", file=sys.stderr)
-    stack.stop(2.0)
+    try:
+        while True:
+            time.sleep(3600)
+    except Interrupted as sig:
+        print(f"echospec: {sig}: shutting down", file=sys.stderr)
+    finally:
+        stack.stop(2.0)
     return 0
 
 
@@ -168,6 +189,8 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
 
 
 def _stub(target: str):
+    import grpc
+
     from echospec.v1 import coordinator_pb2_grpc
     from services.common import grpc_util
 
@@ -179,7 +202,9 @@ def _stub(target: str):
     return ch, coordinator_pb2_grpc.CoordinatorServiceStub(ch)
 
 
-def _rpc_error(exc: grpc.RpcError) -> "NoReturn":  # noqa: F821
+def _rpc_error(exc) -> "NoReturn":  # noqa: F821
+    import grpc
+
     # arguments the server refuses are bad arguments too: status 2, like argparse's
     code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     _die(f"{exc.code().name}: {exc.details()}", code)
@@ -325,6 +350,8 @@ def _load_messages(path: str):
 # ---- generate ------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
     from echospec.v1 import coordinator_pb2
 
     if (args.prompt is None) == (args.messages is None):
@@ -368,6 +395,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _unary(args: argparse.Namespace, rpc: str, request):
     """One unary coordinator call (--target, or a private stack); exits on an RPC error."""
+    import grpc
+
     with _target(args) as target:
         ch, stub = _stub(target)
         try:
@@ -453,6 +482,8 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import grpc
+
     if args.threads < 0:
         _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
     workloads = _load_workloads(args.workloads)
@@ -574,11 +605,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The `echospec` command. SIGINT/SIGTERM are handled from here on: `serve` stops what it
+    started (also mid-startup) and exits 0; the client commands exit 130 (SIGINT) or 143."""
+    _install_signal_handlers()
     try:
+        args = build_parser().parse_args(argv)
         return args.fn(args)
-    except KeyboardInterrupt:
-        return 130
+    except Interrupted as sig:
+        if getattr(sig, "signum", None) is not None and "args" in locals() and args.fn is cmd_serve:
+            print(f"echospec: {sig} during startup: stopped what was started", file=sys.stderr)
+            return 0
+        return 128 + sig.signum
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from services.common.lifecycle import exit_with_parent  # noqa: E402
+exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
+
 import logging
 import sys
 

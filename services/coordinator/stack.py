@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 
 from services.common import grpc_util
 from services.common.config import LOOPBACK, CoordinatorConfig, DraftConfig, VerifierConfig
+from services.common.lifecycle import PARENT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +52,7 @@ class Stack:
     processes: bool
     _servers: dict[str, Any] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _stderr: dict[str, Any] = field(default_factory=dict)
 
     @property
     def target(self) -> str:
@@ -190,7 +193,7 @@ def _args(cfg: Any) -> list[str]:
 
 
 def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
-                     ready_timeout_s: float) -> Stack:
+                     ready_timeout_s: float, log_args: tuple[str, ...] = ()) -> Stack:
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
     vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host))
@@ -200,21 +203,53 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
     stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[PARENT_ENV] = str(os.getpid())   # each child dies with this process (lifecycle.py)
     try:
         for name, cfg, svc in (("draft", dcfg, "echospec.v1.DraftService"),
                                ("verifier", vcfg, "echospec.v1.VerifierService"),
                                ("coordinator", ccfg, "echospec.v1.CoordinatorService")):
-            p = subprocess.Popen([sys.executable, "-m", f"services.{name}", *_args(cfg)], cwd=ROOT,
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            p = subprocess.Popen([sys.executable, "-m", f"services.{name}", *_args(cfg), *log_args],
+                                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             stack._procs[name] = p
-            _wait_process(name, p, f"{cfg.host}:{cfg.port}", svc, ready_timeout_s)
+            stack._stderr[name] = _StderrTee(p, name)
+            _wait_process(name, p, stack._stderr[name], f"{cfg.host}:{cfg.port}", svc,
+                          ready_timeout_s)
     except BaseException:
         stack.stop(0)
         raise
     return stack
 
 
-def _wait_process(name: str, p: subprocess.Popen, target: str, service: str, timeout_s: float) -> None:
+class _StderrTee:
+    """Copy a child's stderr lines to ours (its logs) and keep the last ones for error messages.
+    The pipe is always drained, so a child that logs a lot never blocks on it."""
+
+    def __init__(self, p: subprocess.Popen, name: str, keep: int = 20):
+        self.lines: list[str] = []
+        self._keep = keep
+        self._thread = threading.Thread(target=self._run, args=(p,), name=f"stderr-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, p: subprocess.Popen) -> None:
+        for raw in p.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines = (self.lines + [line])[-self._keep:]
+            try:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):   # our stderr is closed: keep draining
+                pass
+
+    def last(self, timeout_s: float = 2.0) -> str:
+        """The last non-empty line once the child's stderr is closed."""
+        self._thread.join(timeout_s)
+        lines = [ln for ln in self.lines if ln.strip()]
+        return lines[-1].strip() if lines else "(no message)"
+
+
+def _wait_process(name: str, p: subprocess.Popen, tee: _StderrTee, target: str, service: str,
+                  timeout_s: float) -> None:
     from services.coordinator.server import wait_serving
 
     ch = grpc_util.channel(target, 1 << 20)
@@ -222,9 +257,7 @@ def _wait_process(name: str, p: subprocess.Popen, target: str, service: str, tim
     try:
         while True:
             if p.poll() is not None:
-                err = p.stderr.read().decode(errors="replace").strip().splitlines() if p.stderr else []
-                raise StackError(f"{name} exited with status {p.returncode}: "
-                                 + (err[-1] if err else "(no message)"))
+                raise StackError(f"{name} exited with status {p.returncode}: {tee.last()}")
             try:
                 wait_serving(ch, service, min(1.0, max(0.1, deadline - time.monotonic())))
                 return

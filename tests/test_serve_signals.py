@@ -1,0 +1,128 @@
+"""`echospec serve` stops cleanly on SIGTERM/SIGINT at any moment of its startup and after it:
+nothing it started is left running, its ports are free, and it exits 0 (interrupted, not failed).
+
+Each run is a fresh `echospec serve` in its own session, so every process it started (threads
+mode: itself; --processes: three children) shares its session id and can be found in /proc.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggufgen import write_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ECHOSPEC = ROOT / ".venv" / "bin" / "echospec"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=0)
+    return str(path)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def session_members(sid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:   # fields[3]: session id
+            out.append(int(d))
+    return out
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def run_and_signal(model: str, processes: bool, delay_s: float | None, sig=signal.SIGTERM):
+    """Start serve, send `sig` after delay_s (None: once the coordinator line is printed)."""
+    ports = free_ports(3)
+    cmd = [str(ECHOSPEC), "serve", "--model", model, "--port", str(ports[0]), "--verifier-port",
+           str(ports[1]), "--draft-port", str(ports[2]), "--n-ctx", "256", "--threads", "1"]
+    if processes:
+        cmd.append("--processes")
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    err = []
+    if delay_s is None:
+        for line in p.stderr:
+            err.append(line)
+            if "coordinator      listening" in line:
+                break
+    else:
+        time.sleep(delay_s)
+    p.send_signal(sig)
+    try:
+        rest = p.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rest = p.communicate()[1]
+    err.append(rest or "")
+    deadline = time.monotonic() + 15
+    while session_members(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = session_members(p.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return p.returncode, "".join(err), left, ports
+
+
+# 0.05 s: the interpreter may not have reached main() yet (then SIGTERM's default action ends a
+# process that has started nothing); later moments land in the model check, the service starts
+# and the wait for SERVING.
+@pytest.mark.parametrize("processes", [True, False], ids=["processes", "threads"])
+@pytest.mark.parametrize("delay_s", [0.05, 0.5, 1.0, 1.5, 2.5, 4.0, None],
+                         ids=lambda d: "after-listening" if d is None else f"{d}s")
+def test_sigterm_at_any_moment_leaves_nothing_running(model, processes, delay_s):
+    rc, err, left, ports = run_and_signal(model, processes, delay_s)
+    assert left == [], f"still running: {left}\n{err}"
+    assert all(port_free(pt) for pt in ports), err
+    if delay_s is not None and delay_s < 0.2 and rc == -signal.SIGTERM:
+        return   # ended before its handlers were installed: nothing had been started
+    assert rc == 0, err
+    assert "Traceback" not in err, err
+
+
+def test_sigint_after_listening_with_processes(model):
+    rc, err, left, ports = run_and_signal(model, True, None, signal.SIGINT)
+    assert (rc, left) == (0, []), err
+    assert "SIGINT: shutting down" in err
+
+
+def test_a_failed_start_still_exits_non_zero(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    p = subprocess.run([str(ECHOSPEC), "serve", "--model", str(bad), "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "unusable" in p.stderr
