@@ -130,26 +130,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ports = [p for p in (args.port, args.verifier_port, args.draft_port) if p]
     if len(set(ports)) != len(ports):
         _die("--port, --verifier-port and --draft-port must differ", 2)
-    model = args.model or _default_model()
-    _check_model(model)
+    if args.metrics_port > 0 and args.metrics_port in ports:
+        _die(f"--metrics-port {args.metrics_port} is also a service port", 2)
+    from services.common import logs
+    logs.setup(args.log_level, args.log_format)
+    # ports first: a busy one is reported before the model is fetched or loaded
     for name, flag, port in (("coordinator", "--port", args.port),
                              ("verifier", "--verifier-port", args.verifier_port),
-                             ("draft", "--draft-port", args.draft_port)):
+                             ("draft", "--draft-port", args.draft_port),
+                             ("metrics", "--metrics-port", max(args.metrics_port, 0))):
         _check_bind(name, flag, args.host, port)
+    model = args.model or _default_model()
+    _check_model(model)
     print(f"echospec: loading {model} ...", file=sys.stderr)
     try:
         stack = start_stack(model, port=args.port, spec=args.spec, host=args.host,
                             verifier_port=args.verifier_port, draft_port=args.draft_port,
                             processes=args.processes, n_ctx=args.n_ctx, n_threads=args.threads,
                             k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k,
-                            metrics_port=args.metrics_port)
+                            metrics_port=args.metrics_port, log_level=args.log_level,
+                            log_format=args.log_format)
     except StackError as exc:
-        _die(str(exc))
+        msg = str(exc)
+        if "metrics port" in msg:
+            msg += " (--metrics-port)"
+        _die(msg)
     print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
     print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
-    if args.metrics_port >= 0 and not args.processes:
-        mp = stack._servers["coordinator"].metrics_port
-        print(f"echospec: metrics          on http://{args.host}:{mp}/metrics", file=sys.stderr)
+    for name, mp in sorted(stack.metrics_ports.items()):
+        who = "all services" if not args.processes else name
+        print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
+              file=sys.stderr)
     print(f"echospec: coordinator      listening on {stack.target} (spec default: "
           f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
     sys.stderr.flush()
@@ -161,6 +172,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stack.stop(2.0)
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 # ---- client helpers ------------------------------------------------------------
@@ -572,7 +587,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
     p.add_argument("--processes", action="store_true", help="run each service in its own process")
     p.add_argument("--metrics-port", type=int, default=-1,
-                   help="serve Prometheus /metrics from the coordinator on this port (-1: off, 0: free port)")
+                   help="serve Prometheus /metrics on this port (-1: off, 0: a free port); with "
+                        "--processes the verifier and draft serve theirs on free ports (all URLs "
+                        "are printed)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="INFO (default) logs one line per request")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object per line")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")

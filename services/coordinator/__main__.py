@@ -8,17 +8,21 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
-import logging
 import sys
 
 from services.common import config as cfg
+from services.common import logs
 from services.common.grpc_util import PortInUseError
 from services.coordinator.server import serve
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     conf = cfg.load(cfg.CoordinatorConfig, argv, prog="python -m services.coordinator")
+    try:
+        logs.setup(conf.log_level, conf.log_format)
+    except ValueError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
     if not conf.model:
         print("coordinator: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
         return 2

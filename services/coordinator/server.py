@@ -12,6 +12,7 @@ from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common import grpc_util
 from services.common.chat_template import ChatTemplate
 from services.common.config import CoordinatorConfig
+from services.common.metrics import PromMetrics
 from services.common.tokenizer import Tokenizer, read_tokenizer_metadata
 from services.coordinator.servicer import CoordinatorServicer, RequestError
 
@@ -28,17 +29,16 @@ class CoordinatorServer:
         self.servicer = servicer
         self.port = handle.port
         self._channels = channels
-        self.metrics_http = None       # prometheus-client's HTTP server, when metrics are on
-        self.metrics_port = 0
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound /metrics port (0: metrics off)."""
+        return self.handle.metrics_port
 
     def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, drain for grace_s, close the downstream channels."""
+        """NOT_SERVING, drain for grace_s, stop /metrics, close the downstream channels."""
         g = self.servicer.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g).wait()
-        if self.metrics_http is not None:
-            self.metrics_http.shutdown()
-            self.metrics_http.server_close()
-            self.metrics_http = None
         for ch in self._channels:
             ch.close()
 
@@ -64,13 +64,20 @@ def wait_serving(channel: grpc.Channel, service: str, timeout_s: float) -> None:
     raise TimeoutError(f"{service or 'server'} not SERVING after {timeout_s:.0f} s ({last})")
 
 
-def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0) -> CoordinatorServer:
+def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics=None,
+          extra_registries=()) -> CoordinatorServer:
     """Bind, load tokenizer + chat template from config.model, wait for the verifier, SERVING.
 
     The draft service is not waited for: without it generations decode plainly.
 
+    Args:
+        config: the settings; ``metrics_port >= 0`` serves /metrics there (bound first, so a
+            busy port is found before anything loads).
+        verifier_wait_s: how long to wait for the verifier's SERVING.
+        rpc_metrics: a metrics.RpcMetrics shared with other servers of this process, or None.
+        extra_registries: more Prometheus registries for this /metrics (none so far).
     Raises:
-        PortInUseError: host:port cannot be bound.
+        PortInUseError: host:port (or the metrics port) cannot be bound.
         ValueError / FileNotFoundError: the GGUF's tokenizer cannot be read.
         TimeoutError: the verifier did not become SERVING in verifier_wait_s.
     """
@@ -80,41 +87,34 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0) -> Coordina
         raise ValueError(f"max_tokens = {config.max_tokens}: must be in [1, {config.max_tokens_limit}]")
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs)
+                                    config.max_concurrent_rpcs, rpc_metrics)
     vch = grpc_util.channel(config.verifier_target, config.max_message_bytes)
     dch = grpc_util.channel(config.draft_target, config.max_message_bytes)
     try:
+        metrics = PromMetrics()
+        if config.metrics_port >= 0:
+            handle.serve_metrics(config.host, config.metrics_port,
+                                 [metrics.registry, *extra_registries])
+            log.info("coordinator metrics on http://%s:%d/metrics", config.host,
+                     handle.metrics_port)
         meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
         tokenizer = Tokenizer(meta)
         template = ChatTemplate.from_metadata(meta)
-        servicer = CoordinatorServicer(config, tokenizer, template, vch, dch)
+        servicer = CoordinatorServicer(config, tokenizer, template, vch, dch, metrics)
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
         handle.server.start()
         wait_serving(vch, "echospec.v1.VerifierService", verifier_wait_s)
         servicer.verifier_config(refresh=True)
     except BaseException:
-        handle.server.stop(0)
+        handle.stop(0)
         vch.close()
         dch.close()
         raise
-    metrics_http, mport = None, 0
-    if servicer.metrics is not None:
-        try:
-            metrics_http, mport = servicer.metrics.serve(config.host, config.metrics_port)
-        except OSError as exc:
-            handle.server.stop(0)
-            vch.close()
-            dch.close()
-            raise grpc_util.PortInUseError(
-                f"metrics port {config.host}:{config.metrics_port}: {exc.strerror}") from None
-        log.info("coordinator metrics on http://%s:%d/metrics", config.host, mport)
     handle.set_serving()
     log.info("coordinator listening on %s:%d (verifier %s, draft %s, spec default %s)",
              config.host, handle.port, config.verifier_target, config.draft_target,
              "on" if config.spec else "off")
-    srv = CoordinatorServer(handle, servicer, [vch, dch])
-    srv.metrics_http, srv.metrics_port = metrics_http, mport
-    return srv
+    return CoordinatorServer(handle, servicer, [vch, dch])
 
 
 def serve(config: CoordinatorConfig) -> None:

@@ -14,15 +14,18 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
+import uuid
 from typing import Any, Iterator
 
 import grpc
 
 from echospec.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2_grpc,
                          verifier_pb2, verifier_pb2_grpc)
+from services.common import grpc_util
 from services.common.chat_template import ChatTemplate, ChatTemplateError
 from services.common.config import CoordinatorConfig
-from services.common.metrics import PromMetrics
+from services.common.metrics import PromMetrics, RequestRecord
 from services.common.tokenizer import Tokenizer
 from services.coordinator.controller import CostModel
 from services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
@@ -39,6 +42,20 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _request_id(context: grpc.ServicerContext) -> str:
+    """The client's ``x-request-id`` metadata (up to 64 printable characters), else a new id."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= 64 and \
+                value.isprintable():
+            return value
+    return uuid.uuid4().hex[:16]
+
+
+def _finish_name(reason: int) -> str:
+    """echospec.v1.FinishReason value -> "eos", "stop", "length", ... (the proto's own names)."""
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def _bad(message: str) -> RequestError:
@@ -73,7 +90,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, template: ChatTemplate,
-                 verifier_channel: grpc.Channel, draft_channel: grpc.Channel):
+                 verifier_channel: grpc.Channel, draft_channel: grpc.Channel,
+                 metrics: PromMetrics | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.template = template
@@ -81,7 +99,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
         self._lock = threading.Lock()
         self._vconfig: verifier_pb2.GetConfigResponse | None = None
-        self.metrics = PromMetrics() if config.metrics_port >= 0 else None
+        self.metrics = metrics if metrics is not None else PromMetrics()
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
@@ -176,9 +194,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                 spec=decision.enabled, spec_reason=decision.reason, k=k)
 
     # -- the generation ------------------------------------------------------------------------
-    def _run(self, req: Any, context: grpc.ServicerContext) -> Iterator[Delta | Outcome]:
+    def _run(self, req: Any, context: grpc.ServicerContext, rpc: str) -> Iterator[Delta | Outcome]:
+        """One generation with its request record: logged (one INFO line) and counted in the
+        metrics when it ends, whatever ends it (success, refusal, failure, cancel, deadline)."""
+        rec = RequestRecord(request_id=_request_id(context), rpc=rpc, t0=time.perf_counter())
+        self.metrics.request_started()
+        error = True
+        try:
+            for ev in self._generate(req, context, rec):
+                if rec.ttft_s is None and ev.token_ids:
+                    rec.ttft_s = time.perf_counter() - rec.t0
+                if isinstance(ev, Outcome):
+                    rec.tokens_out = len(ev.token_ids)
+                    rec.finish_reason = _finish_name(ev.finish_reason)
+                    rec.spec = ev.spec_enabled
+                    rec.counters = ev.counters
+                yield ev
+            error = False
+        finally:
+            rec.e2e_s = time.perf_counter() - rec.t0
+            rec.code = grpc_util.status_name(context, error)
+            if rec.code != "OK":
+                rec.finish_reason = ""
+            self.metrics.request_finished(rec)
+            log.info("request", extra={"fields": rec.fields()})
+
+    def _generate(self, req: Any, context: grpc.ServicerContext,
+                  rec: RequestRecord) -> Iterator[Delta | Outcome]:
         try:
             prompt = self.resolve_prompt(req)
+            rec.prompt_tokens = len(prompt)
             vcfg = self.verifier_config()
             caps = VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention, vcfg.batch_max)
             params = self.resolve_params(req, caps)
@@ -206,11 +251,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             # each generation measures its own T, V(K) and overhead (they depend on its context
             # depth); None: always draft up to k
             cost = CostModel() if self.config.adaptive_k else None
-            for ev in generate(prompt, params, self.tokenizer, verifier, draft, cost=cost):
-                if isinstance(ev, Outcome) and self.metrics is not None:
-                    reason = common_pb2.FinishReason.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    self.metrics.record(reason, ev.spec_enabled, len(ev.token_ids), ev.counters)
-                yield ev
+            yield from generate(prompt, params, self.tokenizer, verifier, draft, cost=cost)
         except VerifierFailure as exc:
             if context.is_active():
                 context.abort(exc.code, str(exc))
@@ -220,7 +261,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def Generate(self, request: coordinator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
-        for ev in self._run(request, context):
+        for ev in self._run(request, context, "Generate"):
             if isinstance(ev, Delta):
                 yield coordinator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
             else:
@@ -229,7 +270,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def Complete(self, request: coordinator_pb2.CompleteRequest,
                  context: grpc.ServicerContext) -> coordinator_pb2.CompleteResponse:
         outcome = None
-        for ev in self._run(request, context):
+        for ev in self._run(request, context, "Complete"):
             if isinstance(ev, Outcome):
                 outcome = ev
         return coordinator_pb2.CompleteResponse(result=result_to_proto(outcome))

@@ -53,6 +53,7 @@ class Stack:
     _servers: dict[str, Any] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _stderr: dict[str, Any] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)   # service -> bound /metrics port
 
     @property
     def target(self) -> str:
@@ -117,7 +118,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
                 n_ctx: int = 2048, n_threads: int = 0, k: int = 4, max_tokens: int = 256,
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
-                metrics_port: int = -1,
+                metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
                 max_message_bytes: int | None = None, ready_timeout_s: float = 180.0) -> Stack:
     """Start draft, verifier and coordinator on ``host``.
 
@@ -129,18 +130,28 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         n_ctx, n_threads: verifier KV capacity per session and engine threads.
         k, max_tokens: coordinator defaults. min_n, max_n: draft n-gram range.
         adaptive_k: let the live cost model pick each round's draft length (<= k).
-        metrics_port: coordinator Prometheus /metrics port (-1: off, 0: a free port).
+        metrics_port: Prometheus /metrics port (-1: off, 0: a free port). Threads mode: one
+            /metrics for the three services; processes mode: the coordinator's, and the verifier
+            and draft each serve theirs on a free port (``Stack.metrics_ports``).
+        log_level, log_format: the services' logging (processes mode: passed to each child;
+            threads mode: the caller configures logging, see services/common/logs.py).
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
         StackError: a service failed to start (port taken, model unusable, ...).
     """
     msg = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
-    dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, max_n=max_n, **msg)
+    logc = {"log_level": log_level, "log_format": log_format}
+    side_metrics = _free_port(host) if processes and metrics_port >= 0 else -1
+    dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, max_n=max_n, **msg, **logc,
+                       metrics_port=side_metrics)
+    side_metrics2 = _free_port(host) if processes and metrics_port >= 0 else -1
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
-                          n_threads=n_threads, max_sessions=max_sessions, **msg)
+                          n_threads=n_threads, max_sessions=max_sessions, **msg, **logc,
+                          metrics_port=side_metrics2)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
-                             max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port, **msg)
+                             max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port,
+                             **msg, **logc)
     if processes:
         return _start_processes(dcfg, vcfg, ccfg, ready_timeout_s)
     return _start_threads(dcfg, vcfg, ccfg, ready_timeout_s)
@@ -152,16 +163,19 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
     from services.draft import server as dserver
     from services.verifier import server as vserver
 
+    from services.common.metrics import RpcMetrics
+
     stack = Stack(ccfg.host, 0, 0, 0, processes=False)
+    rpc_metrics = RpcMetrics()   # one registry for the three servers of this process
     try:
         try:
-            dhandle = dserver.start(dcfg)
+            dhandle = dserver.start(dcfg, rpc_metrics)
         except Exception as exc:
             raise StackError(f"draft service: {exc}") from exc
         stack._servers["draft"] = dhandle
         stack.draft_port = dhandle[0].port
         try:
-            v = vserver.start(vcfg)
+            v = vserver.start(vcfg, rpc_metrics)
         except Exception as exc:
             raise StackError(f"verifier: {exc}") from exc
         stack._servers["verifier"] = v
@@ -169,11 +183,13 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
         ccfg = dataclasses.replace(ccfg, verifier_target=f"{vcfg.host}:{v.port}",
                                    draft_target=f"{dcfg.host}:{stack.draft_port}")
         try:
-            c = cserver.start(ccfg, verifier_wait_s=ready_timeout_s)
+            c = cserver.start(ccfg, verifier_wait_s=ready_timeout_s, rpc_metrics=rpc_metrics)
         except Exception as exc:
             raise StackError(f"coordinator: {exc}") from exc
         stack._servers["coordinator"] = c
         stack.coordinator_port = c.port
+        if c.metrics_port:
+            stack.metrics_ports["coordinator"] = c.metrics_port
     except BaseException:
         stack.stop(0)
         raise
@@ -193,13 +209,15 @@ def _args(cfg: Any) -> list[str]:
 
 
 def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
-                     ready_timeout_s: float, log_args: tuple[str, ...] = ()) -> Stack:
+                     ready_timeout_s: float) -> Stack:
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
     vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host))
     ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
                                verifier_target=f"{vcfg.host}:{vcfg.port}",
-                               draft_target=f"{dcfg.host}:{dcfg.port}")
+                               draft_target=f"{dcfg.host}:{dcfg.port}",
+                               metrics_port=(_free_port(host) if ccfg.metrics_port == 0
+                                             else ccfg.metrics_port))
     stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -208,12 +226,14 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
         for name, cfg, svc in (("draft", dcfg, "echospec.v1.DraftService"),
                                ("verifier", vcfg, "echospec.v1.VerifierService"),
                                ("coordinator", ccfg, "echospec.v1.CoordinatorService")):
-            p = subprocess.Popen([sys.executable, "-m", f"services.{name}", *_args(cfg), *log_args],
+            p = subprocess.Popen([sys.executable, "-m", f"services.{name}", *_args(cfg)],
                                  cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             stack._procs[name] = p
             stack._stderr[name] = _StderrTee(p, name)
             _wait_process(name, p, stack._stderr[name], f"{cfg.host}:{cfg.port}", svc,
                           ready_timeout_s)
+            if cfg.metrics_port >= 0:
+                stack.metrics_ports[name] = cfg.metrics_port
     except BaseException:
         stack.stop(0)
         raise

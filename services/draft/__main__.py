@@ -7,21 +7,25 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
-import logging
 import sys
 
 from services.common import config as cfg
+from services.common import logs
 from services.common.grpc_util import PortInUseError
 from services.draft.proposer import ProposerError
 from services.draft.server import serve
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     conf = cfg.load(cfg.DraftConfig, argv, prog="python -m services.draft")
     try:
+        logs.setup(conf.log_level, conf.log_format)
+    except ValueError as exc:
+        print(f"draft: {exc}", file=sys.stderr)
+        return 2
+    try:
         serve(conf)
-    except (PortInUseError, ProposerError) as exc:
+    except (PortInUseError, ProposerError, ValueError) as exc:
         print(f"draft: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -13,21 +13,31 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 log = logging.getLogger("echospec.draft")
 
 
-def start(config: DraftConfig) -> tuple[grpc_util.ServerHandle, DraftServicer]:
+def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle, DraftServicer]:
     """Start the draft server (health SERVING once started: it needs no warm-up).
 
+    Args:
+        config: the settings; ``metrics_port >= 0`` also serves /metrics there.
+        rpc_metrics: a metrics.RpcMetrics shared with other servers of this process, or None.
     Returns:
         (handle, servicer); ``handle.port`` is the bound port.
     Raises:
-        PortInUseError: host:port cannot be bound.
+        PortInUseError: host:port (or the metrics port) cannot be bound.
         ProposerError: invalid n-gram range.
     """
     NgramParams(config.min_n, config.max_n).validate()  # ProposerError names the bad range
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs)
+                                    config.max_concurrent_rpcs, rpc_metrics)
     servicer = DraftServicer(config)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, handle.server)
+    if config.metrics_port >= 0:
+        try:
+            handle.serve_metrics(config.host, config.metrics_port)
+        except BaseException:
+            handle.server.stop(0)
+            raise
+        log.info("draft metrics on http://%s:%d/metrics", config.host, handle.metrics_port)
     handle.server.start()
     handle.set_serving()
     log.info("draft service listening on %s:%d (n-gram %d..%d)", config.host, handle.port,

@@ -7,10 +7,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
-import logging
 import sys
 
 from services.common import config as cfg
+from services.common import logs
 from services.common.engine import EngineError
 from services.common.grpc_util import PortInUseError
 from services.verifier.server import serve
@@ -18,14 +18,18 @@ from services.verifier.sessions import VerifierError
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     conf = cfg.load(cfg.VerifierConfig, argv, prog="python -m services.verifier")
+    try:
+        logs.setup(conf.log_level, conf.log_format)
+    except ValueError as exc:
+        print(f"verifier: {exc}", file=sys.stderr)
+        return 2
     if not conf.model:
         print("verifier: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
         return 2
     try:
         serve(conf)
-    except (PortInUseError, EngineError, VerifierError) as exc:
+    except (PortInUseError, EngineError, VerifierError, ValueError) as exc:
         print(f"verifier: {exc}", file=sys.stderr)
         return 1
     return 0

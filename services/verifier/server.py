@@ -41,24 +41,34 @@ class VerifierServer:
         self.core.close()
 
 
-def start(config: VerifierConfig) -> VerifierServer:
+def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     """Bind, load the GGUF into the engine, warm up (measures T), then SERVING.
 
+    Args:
+        config: the settings; ``metrics_port >= 0`` also serves /metrics there.
+        rpc_metrics: a metrics.RpcMetrics shared with other servers of this process, or None.
     Raises:
-        PortInUseError: host:port cannot be bound.
+        PortInUseError: host:port (or the metrics port) cannot be bound.
         EngineError: the model cannot be loaded (the server is stopped first).
     """
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs)
+                                    config.max_concurrent_rpcs, rpc_metrics)
     servicer = VerifierServicer(None)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
+    if config.metrics_port >= 0:   # before the model loads: a busy port is found at once
+        try:
+            handle.serve_metrics(config.host, config.metrics_port)
+        except BaseException:
+            handle.server.stop(0)
+            raise
+        log.info("verifier metrics on http://%s:%d/metrics", config.host, handle.metrics_port)
     handle.server.start()
     try:
         core = VerifierCore(config)
         core.warm_up()
     except BaseException:
-        handle.server.stop(0)
+        handle.stop(0)
         raise
     servicer.core = core
     handle.set_serving()
