@@ -203,18 +203,32 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         stack.stop(0.5)
 
 
-def _stub(target: str):
+def _stub(target: str, timeout_s: float, connect_s: float):
+    """A channel and stub to the coordinator at `target`, connected within
+    min(timeout_s, connect_s) seconds (--timeout bounds the connect wait and the call together;
+    --connect-timeout the connect wait alone).
+
+    Returns:
+        (channel, stub, seconds left of timeout_s for the call).
+    """
     import grpc
 
     from echospec.v1 import coordinator_pb2_grpc
     from services.common import grpc_util
 
+    t0 = time.monotonic()
     ch = grpc_util.channel(target, 64 * 1024 * 1024)
+    wait = min(timeout_s, connect_s)
     try:
-        grpc.channel_ready_future(ch).result(timeout=10)
+        grpc.channel_ready_future(ch).result(timeout=wait)
     except grpc.FutureTimeoutError:
-        _die(f"no coordinator reachable at {target} (start one with `echospec serve`)")
-    return ch, coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        ch.close()
+        flag = "--timeout" if timeout_s <= connect_s else "--connect-timeout"
+        _die(f"no coordinator reachable at {target} within {wait:g} s ({flag}); the target "
+             f"is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
+             f"coordinator with `echospec serve`")
+    left = max(0.001, timeout_s - (time.monotonic() - t0))
+    return ch, coordinator_pb2_grpc.CoordinatorServiceStub(ch), left
 
 
 def _rpc_error(exc) -> "NoReturn":  # noqa: F821
@@ -351,8 +365,17 @@ def _valid_unicode(v) -> bool:
 
 
 def _load_messages(path: str):
+    """Chat messages from the JSON file `path`, or from standard input when path is "-"."""
+    if path == "-":
+        try:
+            text = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            _die(f"--messages -: standard input is not UTF-8 text ({exc.reason} at byte {exc.start})", 2)
+        path = "- (standard input)"
+    else:
+        text = _read_text("--messages", path)
     try:
-        data = json.loads(_read_text("--messages", path))
+        data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         _die(f"--messages {path}: not valid JSON ({type(exc).__name__}: {exc})", 2)
     if isinstance(data, dict) and "messages" in data:
@@ -376,21 +399,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     messages = _load_messages(args.messages) if args.messages else None
     req = _request(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
-        ch, stub = _stub(target)
+        ch, stub, left = _stub(target, args.timeout, args.connect_timeout)
         try:
-            if args.json:
-                resp = stub.Complete(req, timeout=args.timeout)
-                print(json.dumps(_result_json(resp.result), ensure_ascii=False))
-                return 0
-            greq = coordinator_pb2.GenerateRequest()
-            greq.CopyFrom(coordinator_pb2.GenerateRequest.FromString(req.SerializeToString()))
-            result = None
-            for msg in stub.Generate(greq, timeout=args.timeout):
-                if msg.text:
+            greq = coordinator_pb2.GenerateRequest.FromString(req.SerializeToString())
+            result, ttft = None, None
+            t0 = time.perf_counter()
+            for msg in stub.Generate(greq, timeout=left):
+                if ttft is None and msg.token_ids:
+                    ttft = time.perf_counter() - t0
+                if msg.text and not args.json:
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
                 if msg.HasField("result"):
                     result = msg.result
+            wall = time.perf_counter() - t0
+            if args.json:
+                j = _result_json(result)
+                # measured here, from the call to its last message (connect wait excluded)
+                j["wall_s"] = round(wall, 4)
+                j["ttft_s"] = None if ttft is None else round(ttft, 4)
+                j["tokens_per_s"] = round(j["completion_tokens"] / wall, 2) if wall > 0 else 0.0
+                print(json.dumps(j, ensure_ascii=False))
+                return 0
             sys.stdout.write("\n")
             if result is not None:
                 j = _result_json(result)
@@ -413,9 +443,9 @@ def _unary(args: argparse.Namespace, rpc: str, request):
     import grpc
 
     with _target(args) as target:
-        ch, stub = _stub(target)
+        ch, stub, left = _stub(target, args.timeout, args.connect_timeout)
         try:
-            return getattr(stub, rpc)(request, timeout=60)
+            return getattr(stub, rpc)(request, timeout=left)
         except grpc.RpcError as exc:
             _rpc_error(exc)
         finally:
@@ -504,7 +534,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:
-        ch, stub = _stub(target)
+        ch, stub, _ = _stub(target, args.timeout, args.connect_timeout)
         try:
             for i, w in enumerate(workloads, 1):
                 print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
@@ -549,10 +579,14 @@ def _print_table(rows: list[dict]) -> None:
 
 # ---- argument parsing ------------------------------------------------------------
 
-def _add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=_utf8, help="coordinator host:port (default: start a private stack)")
+def _add_client_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:
+    p.add_argument("--target", type=_utf8,
+                   help="coordinator host:port, e.g. 127.0.0.1:50051 (default: start a private stack)")
     p.add_argument("--model", help="GGUF file for a private stack (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument("--connect-timeout", type=_seconds, default=10.0,
+                   help="seconds to wait for the coordinator to accept the connection (default 10; "
+                        "--timeout bounds it too)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -565,11 +599,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", type=_utf8, help="stop string (repeatable)")
-    p.add_argument("--timeout", type=_seconds, default=600.0, help="RPC deadline in seconds")
+    p.add_argument("--timeout", type=_seconds, default=600.0,
+                   help="seconds for the connection and the call together (default 600)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="echospec", description="Speculative-decoding LLM service on CPUs.")
+    ap.add_argument("--version", action="version", version=f"echospec {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("serve", help="start the draft, verifier and coordinator services on loopback")
@@ -598,19 +634,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
     p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
-    p.add_argument("--messages", help="JSON file with a list of chat messages")
-    _add_client_args(p)
+    p.add_argument("--messages", help="JSON file with a list of chat messages ('-': standard input)")
+    _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("tokenize", help="token ids of TEXT (no special tokens added)")
     p.add_argument("text", type=_utf8)
     _add_client_args(p)
+    p.add_argument("--timeout", type=_seconds, default=60.0,
+                   help="seconds for the connection and the call together (default 60)")
     p.set_defaults(fn=cmd_tokenize)
 
     p = sub.add_parser("detokenize", help="text of token ids")
     p.add_argument("ids", nargs="+", type=_int32)
     _add_client_args(p)
+    p.add_argument("--timeout", type=_seconds, default=60.0,
+                   help="seconds for the connection and the call together (default 60)")
     p.set_defaults(fn=cmd_detokenize)
 
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
@@ -619,10 +659,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
-    p.add_argument("--timeout", type=_seconds, default=900.0)
-    _add_client_args(p)
+    p.add_argument("--timeout", type=_seconds, default=900.0,
+                   help="seconds to connect, and for each generation (default 900)")
+    _add_client_args(p, "print one JSON line per workload (as each finishes) instead of the table")
     p.set_defaults(fn=cmd_bench)
     return ap
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("echospec")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; an unknown option is reported with its subcommand's usage."""
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -630,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     started (also mid-startup) and exits 0; the client commands exit 130 (SIGINT) or 143."""
     _install_signal_handlers()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         return args.fn(args)
     except Interrupted as sig:
         if getattr(sig, "signum", None) is not None and "args" in locals() and args.fn is cmd_serve:

@@ -303,3 +303,93 @@ def test_top_p_zero_is_refused(server):
         with pytest.raises(grpc.RpcError) as e:
             stub.Complete(coordinator_pb2.CompleteRequest(text="hi", top_p=0.0, max_tokens=2), timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
+
+
+# ---- new-user finds: timeouts, usage, version, stdin, timings, metrics port ----------------
+
+def test_timeout_bounds_the_connect_wait_with_an_address_hint():
+    t0 = time.monotonic()
+    r = run([*ECHOSPEC, "generate", "hi", "--timeout", "1.5", "--target", f"127.0.0.1:{free_port()}"],
+            check=False, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1 and elapsed < 6, (elapsed, r.stderr)
+    assert "within 1.5 s (--timeout)" in r.stderr and "host:port, e.g. 127.0.0.1:50051" in r.stderr
+    r = run([*ECHOSPEC, "tokenize", "x", "--timeout", "1", "--target", f"127.0.0.1:{free_port()}"],
+            check=False, timeout=60)
+    assert r.returncode == 1 and "within 1 s" in r.stderr
+
+
+def test_unknown_option_prints_the_subcommands_usage():
+    r = run([*ECHOSPEC, "generate", "hi", "--bogus"], check=False)
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: echospec generate ") and "unrecognized arguments: --bogus" in r.stderr
+    r = run([*ECHOSPEC, "serve", "--nope", "1"], check=False)
+    assert r.returncode == 2 and r.stderr.startswith("usage: echospec serve ")
+
+
+def test_version():
+    from importlib.metadata import version
+    r = run([*ECHOSPEC, "--version"])
+    assert r.stdout.strip() == f"echospec {version('echospec')}"
+
+
+def test_bench_help_says_one_json_line_per_workload():
+    r = run([*ECHOSPEC, "bench", "--help"])
+    help_text = " ".join(r.stdout.split())
+    assert "one JSON line per workload" in help_text and "one JSON object" not in help_text
+
+
+def test_generate_json_has_client_timings(server):
+    r = run([*ECHOSPEC, "generate", "a b c a b c", "--target", server["target"], "--json",
+             "--max-tokens", "8"])
+    j = json.loads(r.stdout)
+    assert 0 < j["ttft_s"] <= j["wall_s"]
+    assert j["tokens_per_s"] == pytest.approx(j["completion_tokens"] / j["wall_s"], rel=0.01)
+
+
+def test_messages_from_stdin(server):
+    chat = json.dumps([{"role": "user", "content": "hi there"}])
+    r = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"],
+                        "--json", "--max-tokens", "4"], input=chat, capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["prompt_tokens"] > 3 and j["completion_tokens"] >= 1
+    r = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"]],
+                       input="[oops", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--messages - (standard input): not valid JSON" in r.stderr
+
+
+def test_busy_metrics_port_is_found_before_the_model_loads(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the model does not exist: the port is checked first, so the message is about the port
+        r = run([*ECHOSPEC, "serve", "--model", str(tmp_path / "absent.gguf"), "--port",
+                 str(free_port()), "--metrics-port", str(port)], check=False, timeout=60)
+    assert r.returncode == 1
+    assert f"metrics port 127.0.0.1:{port} is already in use; pick another with --metrics-port" \
+        in r.stderr, r.stderr
+
+
+def test_serve_processes_prints_every_metrics_url(tiny):
+    port = free_port()
+    p = subprocess.Popen([*ECHOSPEC, "serve", "--model", tiny, "--port", str(port), "--processes",
+                          "--metrics-port", "0", "--threads", "1", "--n-ctx", "256"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if "coordinator      listening" in line:
+                break
+        urls = re.findall(r"metrics\s+on (http://127\.0\.0\.1:\d+/metrics) \((\w+)\)", "".join(lines))
+        assert sorted(n for _, n in urls) == ["coordinator", "draft", "verifier"], lines
+        import urllib.request
+        for url, _ in urls:
+            assert b"echospec_rpc_in_flight" in urllib.request.urlopen(url, timeout=10).read()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    assert p.returncode == 0

@@ -379,3 +379,16 @@ def test_gguf_without_tokenizer_is_refused(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="tokenizer.ggml.model missing"):
         Tokenizer.from_gguf(p)
+
+
+def test_max_tokens_inside_a_multibyte_character_ends_with_u_fffd(smollm2_tokenizer):
+    """README: the output cut inside a character by max_tokens ends with U+FFFD."""
+    from services.coordinator.generation import FINISH_LENGTH, _Output
+    ids = smollm2_tokenizer.encode("🦊")
+    assert len(ids) >= 2, ids      # the fox is several byte-level tokens
+    out = _Output(smollm2_tokenizer, [], max_tokens=1)
+    d = out.take(ids)
+    assert out.finish == FINISH_LENGTH and d.token_ids == ids[:1]
+    assert d.text == "\ufffd"
+    full = _Output(smollm2_tokenizer, [], max_tokens=len(ids))
+    assert full.take(ids).text == "🦊"
