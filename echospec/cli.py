@@ -21,7 +21,6 @@ import math
 import signal
 import socket
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,11 +62,16 @@ def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
 
 
 def _default_model() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        from fetch_model import fetch  # scripts/fetch_model.py
-    finally:
-        sys.path.pop(0)
+    import importlib.util
+
+    # scripts/fetch_model.py, loaded by path: scripts/ is not put on sys.path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "fetch_model.py"
+    spec = importlib.util.spec_from_file_location("echospec_fetch_model", path)
+    if spec is None or not path.is_file():
+        _die(f"cannot find {path} to fetch the default model; give --model PATH")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fetch = mod.fetch
     try:
         return str(fetch())
     except RuntimeError as exc:
@@ -115,16 +119,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     ("--draft-port", args.draft_port)):
         if not 0 <= v <= 65535:
             _die(f"{flag} {v}: a port is in [0, 65535] (0: a free port)", 2)
-    if not 1 <= args.k <= 32:
-        _die(f"--k {args.k}: drafts per round must be in [1, 32]", 2)
-    if not 1 <= args.max_tokens <= 8192:
-        _die(f"--max-tokens {args.max_tokens}: must be in [1, 8192]", 2)
+    from services.common.config import CoordinatorConfig
+    from services.common.engine import MAX_CTX, MAX_THREADS
+
+    limits = CoordinatorConfig()
+    if not 1 <= args.k <= limits.k_max:
+        _die(f"--k {args.k}: drafts per round must be in [1, {limits.k_max}]", 2)
+    if not 1 <= args.max_tokens <= limits.max_tokens_limit:
+        _die(f"--max-tokens {args.max_tokens}: must be in [1, {limits.max_tokens_limit}]", 2)
     if args.n_ctx < 16:
         _die(f"--n-ctx {args.n_ctx}: the KV capacity must be at least 16 tokens", 2)
-    if not 0 <= args.threads <= 256:
-        _die(f"--threads {args.threads}: must be in [0, 256] (0: all cores)", 2)
-    if args.n_ctx > 1 << 20:
-        _die(f"--n-ctx {args.n_ctx}: the KV capacity is at most {1 << 20} tokens", 2)
+    if not 0 <= args.threads <= MAX_THREADS:
+        _die(f"--threads {args.threads}: must be in [0, {MAX_THREADS}] (0: all cores)", 2)
+    if args.n_ctx > MAX_CTX:
+        _die(f"--n-ctx {args.n_ctx}: the KV capacity is at most {MAX_CTX} tokens", 2)
     if not -1 <= args.metrics_port <= 65535:
         _die(f"--metrics-port {args.metrics_port}: a port is in [0, 65535] (-1: off)", 2)
     ports = [p for p in (args.port, args.verifier_port, args.draft_port) if p]
@@ -472,6 +480,9 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
 # ---- bench ----------------------------------------------------------------------
 
 def _load_workloads(path: str) -> list[dict]:
+    from services.common.config import CoordinatorConfig
+
+    max_tokens_limit = CoordinatorConfig().max_tokens_limit
     out, ids = [], set()
     lines = _read_text("--workloads", path).splitlines()
     for n, line in enumerate(lines, 1):
@@ -500,8 +511,9 @@ def _load_workloads(path: str) -> list[dict]:
                 if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
                     _die(f"{path}:{n}: messages[{i}] needs string role and content", 2)
         mt = w.get("max_tokens", 256)
-        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= 8192:
-            _die(f"{path}:{n}: max_tokens must be an integer in [1, 8192], got {mt!r}", 2)
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
+            _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
+                 f"got {mt!r}", 2)
         out.append(w)
     if not out:
         _die(f"{path}: no workloads", 2)

@@ -1,4 +1,4 @@
-"""The spec controller's cost model: draft only where V + overhead < (E[accepted] + 1) * T."""
+"""The spec controller's cost model: draft only where V + overhead < (E[accepted] + 1) * (T + overhead)."""
 from __future__ import annotations
 
 import pytest
@@ -76,3 +76,31 @@ def test_a_pessimistic_estimate_is_probed_again():
         plans.append(kind)
         c.on_result(arg if kind == "cached" else [], list(arg) + [tok + 2] if kind == "cached" else [tok])
     assert "cached" in plans                     # a probe drafted although the model said no
+
+
+# ---- one gain formula: the controller's choice and the reported verdict ----------------------
+
+@pytest.mark.parametrize("t,o,v,r", [
+    (5.0, 3.0, 11.0, 1),    # 14 < 2 * 8: a gain (the old verdict, (R + 1) * T = 10, said no gain)
+    (5.0, 0.5, 12.0, 1),    # 12.5 >= 11: no gain
+    (5.0, 0.5, 9.0, 1),     # 9.5 < 11: a gain
+    (10.0, 2.0, 30.0, 2),   # 32 < 36
+    (10.0, 2.0, 40.0, 2),   # 42 >= 36
+    (4.0, 1.0, 4.5, 0),     # nothing accepted: 5.5 >= 5
+])
+def test_the_controller_and_the_verdict_use_one_formula(t, o, v, r):
+    from services.common.metrics import SpecCounters, gain_condition
+    ok, lhs, rhs = gain_condition(r, v, o, t)
+    # the verdict over a generation whose every round verified K = r drafts, all accepted
+    c = SpecCounters()
+    for _ in range(5):
+        c.add_round(k=max(r, 1), accepted=r, v_ms=v, wall_ms=v + o, t_ms=t)
+    assert c.gain()[0] == ok, c.gain()[1]
+    # the controller, certain of acceptance (p = 1: E(K) = K) with V(K) measured at v for K = r
+    cm = CostModel()
+    cm.observe(0, t, t + o, t)
+    cm.observe(r, v, v + o, t)
+    cm.overhead_ms = o
+    if r >= 1:
+        assert (best_k(1.0, r, cm, hop=False) == r) == ok
+    assert lhs == pytest.approx(v + o) and rhs == pytest.approx((r + 1) * (t + o))

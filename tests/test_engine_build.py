@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,31 @@ def test_no_fused_multiply_add_in_the_engine(built_lib):
                          capture_output=True, text=True).stdout
     fma = re.findall(pattern, dis)
     assert not fma, f"FMA instructions in the engine: {sorted(set(fma))}"
+
+
+def test_constants_come_from_the_header(tmp_path):
+    """Status names and session limits are read through cffi, and the engine enforces them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ggufgen import write_tiny_model
+
+    from echospec._engine import lib
+    from services.common import engine
+    assert engine.STATUS_NAMES[lib.ES_OK] == "ES_OK"
+    assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 9
+    assert (engine.MAX_CTX, engine.MAX_THREADS) == (lib.ES_MAX_CTX, lib.ES_MAX_THREADS)
+    write_tiny_model(tmp_path / "m.gguf", arch="llama", n_vocab=320, seed=1)
+    with engine.Model(str(tmp_path / "m.gguf")) as m:
+        for kw in ({"n_ctx": engine.MAX_CTX + 1}, {"n_threads": engine.MAX_THREADS + 1}):
+            with pytest.raises(engine.EngineError) as ei:
+                m.new_session(**kw)
+            assert ei.value.status == lib.ES_ERR_INVALID_ARG, kw
+        m.new_session(n_ctx=64, n_threads=1).close()
+
+
+def test_the_cli_loads_fetch_model_without_touching_sys_path(monkeypatch):
+    from echospec import cli
+    before = list(sys.path)
+    monkeypatch.delitem(sys.modules, "fetch_model", raising=False)
+    path = cli._default_model()      # the model is in the cache after setup: no download
+    assert Path(path).is_file()
+    assert sys.path == before and "fetch_model" not in sys.modules

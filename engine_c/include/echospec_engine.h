@@ -88,6 +88,13 @@ typedef struct {
     int32_t n_threads;          /* worker threads incl. the caller; 0 = all online cores */
 } es_session_params;
 
+/* The largest es_session_params es_session_new accepts (the Python side and the CLI read
+ * them from here, through cffi's lib.ES_MAX_*). */
+enum {
+    ES_MAX_CTX = 1 << 20,       /* n_ctx, tokens */
+    ES_MAX_THREADS = 256        /* n_threads */
+};
+
 /* Sampling parameters for requests that are not greedy. */
 typedef struct {
     float temperature;          /* <= 0: greedy argmax (the other fields are ignored) */
@@ -128,8 +135,8 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
 
 /*
  * Create a session (one KV sequence) on `model`.
- * Returns ES_ERR_INVALID_ARG for n_ctx < 0 or n_ctx > 1<<20 or n_threads < 0
- * or n_threads > 256, ES_ERR_NOMEM when the KV cache
+ * Returns ES_ERR_INVALID_ARG for n_ctx < 0 or n_ctx > ES_MAX_CTX or n_threads < 0
+ * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache
  * (2 * n_layer * n_ctx * n_head_kv * head_dim * 4 bytes) cannot be allocated,
  * ES_ERR_INTERNAL when a worker thread cannot be started. On failure *out is
  * NULL and a message goes to err (like es_model_load).

@@ -19,19 +19,13 @@ import numpy as np
 
 from echospec._engine import ffi, lib
 
-STATUS_NAMES = {
-    0: "ES_OK",
-    1: "ES_ERR_IO",
-    2: "ES_ERR_FORMAT",
-    3: "ES_ERR_UNSUPPORTED",
-    4: "ES_ERR_MISSING_TENSOR",
-    5: "ES_ERR_INVALID_ARG",
-    6: "ES_ERR_CAPACITY",
-    7: "ES_ERR_NOMEM",
-    8: "ES_ERR_INTERNAL",
-}
-ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED, ES_ERR_MISSING_TENSOR = 1, 2, 3, 4
-ES_ERR_INVALID_ARG, ES_ERR_CAPACITY, ES_ERR_NOMEM, ES_ERR_INTERNAL = 5, 6, 7, 8
+# The es_status values and names, read from the C header through cffi (the one source).
+STATUS_NAMES = {getattr(lib, n): n for n in dir(lib) if n == "ES_OK" or n.startswith("ES_ERR_")}
+ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED = lib.ES_ERR_IO, lib.ES_ERR_FORMAT, lib.ES_ERR_UNSUPPORTED
+ES_ERR_MISSING_TENSOR, ES_ERR_INVALID_ARG = lib.ES_ERR_MISSING_TENSOR, lib.ES_ERR_INVALID_ARG
+ES_ERR_CAPACITY, ES_ERR_NOMEM, ES_ERR_INTERNAL = lib.ES_ERR_CAPACITY, lib.ES_ERR_NOMEM, lib.ES_ERR_INTERNAL
+# es_session_new's limits (echospec_engine.h)
+MAX_CTX, MAX_THREADS = lib.ES_MAX_CTX, lib.ES_MAX_THREADS
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
 

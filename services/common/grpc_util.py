@@ -237,7 +237,7 @@ class ServerHandle:
 
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
-                 service_names: Iterable[str], max_concurrent_rpcs: int,
+                 service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
                  rpc_metrics=None) -> ServerHandle:
     """Create a server bound to host:port with health (NOT_SERVING) and reflection.
 
@@ -250,7 +250,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         max_message_bytes: cap on received and sent message size.
         service_names: fully qualified names ("echospec.v1.DraftService").
         max_concurrent_rpcs: service RPCs admitted at once, in [1, max_workers - 1]; the rest of
-            the pool answers health, reflection and the RESOURCE_EXHAUSTED refusals.
+            the pool answers health, reflection and the RESOURCE_EXHAUSTED refusals. None:
+            max_workers - max(1, max_workers // 8).
         rpc_metrics: the metrics.RpcMetrics to record into (shared by the servers of one
             process); None: a new one (``handle.rpc_metrics``).
     Raises:
@@ -258,6 +259,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         ValueError: max_concurrent_rpcs not below max_workers.
     """
     names = tuple(service_names)
+    if max_concurrent_rpcs is None:
+        max_concurrent_rpcs = max_workers - max(1, max_workers // 8)
     if not 1 <= max_concurrent_rpcs < max_workers:
         raise ValueError(f"max_concurrent_rpcs = {max_concurrent_rpcs} must be in [1, max_workers - 1 = "
                          f"{max_workers - 1}]")

@@ -12,14 +12,39 @@ Derived:
     mean_acceptance_length   = 1 + hits / tries               (1 when no drafts)
     mean_accepted_per_round  = hits / rounds                  (rounds include K = 0 steps)
     overhead_ms (per round)  = mean(round wall ms - round V ms)
-Gain condition, as measured over the generation's rounds:
-    V + overhead < (mean_accepted_per_round + 1) * T
-where V is the mean verifier forward ms per round and T the ms of one plain
-decode step (measured by the verifier).
+Gain condition (`gain_condition`, the one formula of the project: the controller's
+choice of K and the reported verdict both use it):
+    V + overhead < (accepted + 1) * (T + overhead)
+A round that verifies drafts costs V + overhead and yields accepted + 1 tokens;
+plain decoding yields one token per T + overhead (a plain round pays the same
+per-round overhead: the coordinator loop and the verifier hop). V is the
+verifier's forward ms, T the ms of one plain decode step (measured by the
+verifier). The reported verdict uses the generation's means: V per round, the
+mean accepted per round, the mean overhead.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def gain_condition(accepted: float, v_ms: float, overhead_ms: float, t_ms: float
+                   ) -> tuple[bool, float, float]:
+    """Does a round with these costs beat plain decoding?
+
+    Args:
+        accepted: accepted drafts per round (expected or measured mean).
+        v_ms: ms of the round's verify (plus a draft hop, when the round pays one).
+        overhead_ms: per-round ms beyond the verifier's forward.
+        t_ms: ms of one plain decode step.
+    Returns:
+        (gain, lhs, rhs) with lhs = V + overhead, rhs = (accepted + 1) * (T + overhead) and
+        gain = lhs < rhs (False when T <= 0: nothing measured).
+
+    Example: T 10, overhead 2, V 20, 1 accepted: 22 < 24, a gain; with 0 accepted 22 >= 12.
+    """
+    lhs = v_ms + overhead_ms
+    rhs = (accepted + 1.0) * (t_ms + overhead_ms)
+    return t_ms > 0 and lhs < rhs, lhs, rhs
 
 
 @dataclass
@@ -90,15 +115,16 @@ class SpecCounters:
         return self.overhead_ms / self.t_ms if self.t_ms > 0 else 0.0
 
     def gain(self) -> tuple[bool, str]:
-        """The gain condition V + overhead < (mean accepted + 1) * T, and its text."""
+        """`gain_condition` over this generation's means, and its text."""
         if self.tries == 0:
             return False, "no drafts were verified: every round was a plain decode step"
-        lhs = self.v_ms + self.overhead_ms
-        rhs = (self.mean_accepted_per_round + 1.0) * self.t_ms
-        ok = self.rounds > 0 and self.t_ms > 0 and lhs < rhs
+        ok, lhs, rhs = gain_condition(self.mean_accepted_per_round, self.v_ms, self.overhead_ms,
+                                      self.t_ms)
+        ok = ok and self.rounds > 0
         text = (f"V {self.v_ms:.3f} + overhead {self.overhead_ms:.3f} = {lhs:.3f} ms "
                 f"{'<' if ok else '>='} (mean accepted {self.mean_accepted_per_round:.3f} + 1)"
-                f" * T {self.t_ms:.3f} = {rhs:.3f} ms: {'gain' if ok else 'no gain'}")
+                f" * (T {self.t_ms:.3f} + overhead {self.overhead_ms:.3f}) = {rhs:.3f} ms: "
+                f"{'gain' if ok else 'no gain'}")
         return ok, text
 
     def check(self) -> None:

@@ -24,9 +24,12 @@ overhead and h the draft hop, a round that drafts K tokens yields
 E(K) + 1 tokens, where E(K) = p + p^2 + ... + p^K is the expected accepted
 run for a per-token acceptance probability p (each draft token is taken only
 if every earlier one was). So the controller drafts the K in [1, available]
-that maximises (E(K) + 1) / (V(K) + o [+ h]) and drafts nothing when even
-that is below 1 / (T + o), the rate of plain decoding; with drafts at hand but
-none chosen, every probe_every-th round still drafts 2 tokens, so a stale
+that maximises (E(K) + 1) / (V(K) + o [+ h]) among the K that pass the gain
+condition V(K) [+ h] + o < (E(K) + 1) * (T + o) (services/common/metrics.py
+gain_condition, the formula of the reported verdict too), and drafts nothing
+when none passes (plain decoding, 1 / (T + o) tokens per ms, is faster); with
+drafts at hand but none chosen, every probe_every-th round still drafts 2
+tokens, so a stale
 estimate is measured again rather than locking drafting out. T, V(K) and o are
 measured live by each generation (CostModel: they depend on its context depth);
 p is this generation's recency-weighted acceptance (Beta(1, 1) prior), as
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+
+from services.common.metrics import gain_condition
 
 
 class CostModel:
@@ -90,9 +95,6 @@ class CostModel:
             t = self.v_ms.get(0) or self.t_ms or 1.0
             return t * (1.0 + self.slope() * k)
 
-    def plain_ms(self) -> float:
-        """Estimated ms of a plain decode round (T + overhead)."""
-        return self.v_est(0) + self.overhead_ms
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -105,17 +107,22 @@ def expected_accepted(p: float, k: int) -> float:
 
 
 def best_k(p: float, available: int, cost: CostModel, hop: bool) -> int:
-    """The draft length in [0, available] with the most expected tokens per ms.
+    """The draft length in [0, available] with the most expected tokens per ms, among those
+    that pass `metrics.gain_condition` (the formula the reported verdict uses): a K with
+    V(K) [+ hop] + overhead < (E(K) + 1) * (T + overhead).
 
     Returns 0 when plain decoding is expected to be faster than any draft.
     """
     if available <= 0:
         return 0
-    best, best_rate = 0, 1.0 / cost.plain_ms()
-    extra = cost.overhead_ms + (cost.hop_ms if hop else 0.0)
+    t = cost.v_est(0)
+    best, best_rate = 0, 0.0
     for k in range(1, available + 1):
-        rate = (expected_accepted(p, k) + 1.0) / (cost.v_est(k) + extra)
-        if rate > best_rate:
+        e = expected_accepted(p, k)
+        ok, lhs, _ = gain_condition(e, cost.v_est(k) + (cost.hop_ms if hop else 0.0),
+                                    cost.overhead_ms, t)
+        rate = (e + 1.0) / lhs
+        if ok and rate > best_rate:
             best, best_rate = k, rate
     return best
 

@@ -23,11 +23,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from echospec.v1.common_pb2 import FinishReason
 from services.common.metrics import SpecCounters
 from services.coordinator.clients import DraftUnavailable
 from services.coordinator.controller import CostModel, SpecController
 
-FINISH_EOS, FINISH_STOP, FINISH_LENGTH, FINISH_CONTEXT = 1, 2, 3, 4  # echospec.v1.FinishReason
+FINISH_EOS = FinishReason.Value("FINISH_REASON_EOS")
+FINISH_STOP = FinishReason.Value("FINISH_REASON_STOP")
+FINISH_LENGTH = FinishReason.Value("FINISH_REASON_LENGTH")
+FINISH_CONTEXT = FinishReason.Value("FINISH_REASON_CONTEXT")
 
 
 @dataclass
