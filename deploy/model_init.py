@@ -14,9 +14,16 @@ Environment:
     ECHOSPEC_IMPORT_DIR   read-only bind mount of a host directory holding
                           user GGUF files (default /import)
 
-A user file is copied to <name>.part and renamed, so an interrupted copy never
-leaves a half file under the real name. Every file is checked for the GGUF
-magic and version (2 or 3) before the services are allowed to start.
+A user file is never copied (a copy doubles its disk use and goes stale when the
+file is replaced): the volume gets a symbolic link <name> -> /import/<name>, and
+the verifier and coordinator mount the import directory at /import too, so the
+link resolves in their containers. Each start links again, so a file replaced
+under the same name on the host (other size or mtime) is what the services load
+next; an older copy in the volume left by an earlier version of this step is
+replaced by the link (the message says whether it differed). A file put in the
+volume by hand, with no file of that name to import, is used as it is. Every
+file is checked for the GGUF magic and version (2 or 3) before the services are
+allowed to start.
 
 Exit status: 0 when the model is in place (prints its path); 1 with a message
 on stderr otherwise (the services then do not start).
@@ -24,7 +31,6 @@ on stderr otherwise (the services then do not start).
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import sys
 from pathlib import Path
@@ -43,8 +49,15 @@ def check_gguf(path: Path) -> None:
         raise ValueError(f"{path}: unsupported GGUF version {version} (2 or 3 expected)")
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Same size and mtime: the cheap test of "this copy is of that file"."""
+    sa, sb = a.stat(), b.stat()
+    return (sa.st_size, sa.st_mtime_ns) == (sb.st_size, sb.st_mtime_ns)
+
+
 def place_user_model(name: str, cache: Path, import_dir: Path) -> Path:
-    """Return the volume path of the user's model, copying it from import_dir if needed.
+    """Return the volume path of the user's model: a link to import_dir/name when that file
+    exists (replacing an old copy or link), else a file already in the volume.
 
     Raises:
         FileNotFoundError: the file is neither in the volume nor in import_dir.
@@ -53,17 +66,31 @@ def place_user_model(name: str, cache: Path, import_dir: Path) -> Path:
     if Path(name).name != name or name in ("", ".", ".."):
         raise ValueError(f"ECHOSPEC_MODEL_FILE must be a plain file name, got {name!r}")
     dest = cache / name
-    if not dest.is_file():
-        src = import_dir / name
-        if not src.is_file():
-            raise FileNotFoundError(
-                f"{name} is neither in the model volume ({cache}) nor in the import "
-                f"directory ({import_dir}); put it in ECHOSPEC_IMPORT_HOST_DIR on the host")
+    src = import_dir / name
+    if src.is_file():
         check_gguf(src)
-        part = dest.with_name(dest.name + ".part")
-        print(f"model-init: copying {src} -> {dest}", file=sys.stderr)
-        shutil.copyfile(src, part)
-        part.replace(dest)
+        if dest.is_symlink() and os.readlink(dest) == str(src):
+            print(f"model-init: {dest} -> {src} (linked already)", file=sys.stderr)
+        else:
+            if dest.is_file() and not dest.is_symlink():
+                what = "an identical" if _same_file(src, dest) else "a different (replaced)"
+                print(f"model-init: {dest} was {what} copy; linking to {src} instead",
+                      file=sys.stderr)
+            else:
+                print(f"model-init: linking {dest} -> {src}", file=sys.stderr)
+            tmp = dest.with_name(dest.name + ".link")
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            tmp.symlink_to(src)
+            tmp.replace(dest)            # atomic: the name never points nowhere
+    elif dest.is_symlink() and not dest.exists():
+        raise FileNotFoundError(
+            f"{dest} links to {os.readlink(dest)}, which is gone; put {name} back in "
+            f"ECHOSPEC_IMPORT_HOST_DIR on the host")
+    elif not dest.is_file():
+        raise FileNotFoundError(
+            f"{name} is neither in the model volume ({cache}) nor in the import "
+            f"directory ({import_dir}); put it in ECHOSPEC_IMPORT_HOST_DIR on the host")
     check_gguf(dest)
     return dest
 

@@ -10,7 +10,8 @@
 - deploy/Dockerfile: the final stages are slim, compiler-free and non-root;
   -march=native never reaches an aarch64 build.
 - deploy/healthcheck.py against a real in-process gRPC health server.
-- deploy/model_init.py on good, missing and non-GGUF files.
+- deploy/model_init.py on good, missing and non-GGUF files: a user model is
+  linked (never copied) and a replaced one is what the link reads.
 """
 from __future__ import annotations
 
@@ -253,21 +254,80 @@ def _gguf_bytes(version: int = 3) -> bytes:
     return b"GGUF" + version.to_bytes(4, "little") + bytes(16)
 
 
-def test_model_init_copies_a_user_gguf_once(tmp_path: Path, monkeypatch, capsys):
-    mi = _load("model_init")
+def _model_init_env(tmp_path: Path, monkeypatch, name: str) -> tuple[Path, Path]:
     cache, imp = tmp_path / "models", tmp_path / "import"
     cache.mkdir()
     imp.mkdir()
-    (imp / "Qwen3-1.7B-Q4_K_M.gguf").write_bytes(_gguf_bytes())
     monkeypatch.setenv("ECHOSPEC_CACHE", str(cache))
     monkeypatch.setenv("ECHOSPEC_IMPORT_DIR", str(imp))
-    monkeypatch.setenv("ECHOSPEC_MODEL_FILE", "Qwen3-1.7B-Q4_K_M.gguf")
+    monkeypatch.setenv("ECHOSPEC_MODEL_FILE", name)
+    return cache, imp
+
+
+def test_model_init_links_a_user_gguf_instead_of_copying(tmp_path: Path, monkeypatch, capsys):
+    mi = _load("model_init")
+    name = "Qwen3-1.7B-Q4_K_M.gguf"
+    cache, imp = _model_init_env(tmp_path, monkeypatch, name)
+    (imp / name).write_bytes(_gguf_bytes() + b"v1")
     assert mi.main() == 0
-    dest = cache / "Qwen3-1.7B-Q4_K_M.gguf"
+    dest = cache / name
     assert capsys.readouterr().out.strip() == str(dest)
-    assert dest.read_bytes() == _gguf_bytes() and not list(cache.glob("*.part"))
-    (imp / "Qwen3-1.7B-Q4_K_M.gguf").unlink()  # already in the volume: no copy needed
+    assert dest.is_symlink() and os.readlink(dest) == str(imp / name)   # no second copy
+    assert dest.read_bytes() == _gguf_bytes() + b"v1"
+    assert [p.name for p in cache.iterdir()] == [name]
+    # the file replaced on the host under the same name: the volume's name reads the new one
+    (imp / name).unlink()
+    (imp / name).write_bytes(_gguf_bytes() + b"version two")
     assert mi.main() == 0
+    assert dest.read_bytes() == _gguf_bytes() + b"version two"
+    # the file gone from the import directory: a dangling link is an error naming the file
+    (imp / name).unlink()
+    assert mi.main() == 1
+    assert "which is gone" in capsys.readouterr().err
+
+
+def test_model_init_replaces_an_old_copy_that_is_stale(tmp_path: Path, monkeypatch, capsys):
+    """An earlier model-init copied the file; the host file was replaced since (other size and
+    mtime): the stale copy is replaced by a link to the new file."""
+    mi = _load("model_init")
+    name = "m.gguf"
+    cache, imp = _model_init_env(tmp_path, monkeypatch, name)
+    (cache / name).write_bytes(_gguf_bytes() + b"old")
+    (imp / name).write_bytes(_gguf_bytes() + b"new and longer")
+    assert mi.main() == 0
+    assert "a different (replaced) copy" in capsys.readouterr().err
+    assert (cache / name).is_symlink() and (cache / name).read_bytes().endswith(b"new and longer")
+
+
+def test_model_init_uses_a_file_put_in_the_volume_by_hand(tmp_path: Path, monkeypatch, capsys):
+    mi = _load("model_init")
+    cache, _ = _model_init_env(tmp_path, monkeypatch, "hand.gguf")
+    (cache / "hand.gguf").write_bytes(_gguf_bytes())
+    assert mi.main() == 0
+    assert not (cache / "hand.gguf").is_symlink()
+
+
+def test_services_mount_the_import_dir_for_the_links(config: dict):
+    svcs = config["services"]
+    for name in ("model-init", "verifier", "coordinator"):
+        (vol,) = [v for v in svcs[name]["volumes"] if v["target"] == "/import"]
+        assert vol["type"] == "bind" and vol.get("read_only") is True, name
+        assert Path(vol["source"]) == (DEPLOY / "models").resolve(), name
+
+
+def test_readmes_list_the_engines_tensor_types():
+    """README.md and deploy/README.md name exactly the types gguf.c supports."""
+    src = (ROOT / "engine_c" / "src" / "gguf.c").read_text()
+    table = src[src.index("k_types[] = {"):]
+    table = table[:table.index("};")]
+    supported = {name for name, size in re.findall(r'"(\w+)",\s+(\d+),', table) if int(size) > 0}
+    assert supported >= {"F32", "Q4_0", "Q6_K"}
+
+    def listed(text: str, anchor: str) -> set[str]:
+        part = text[text.index(anchor):][:400]
+        return set(re.findall(r"\b(F32|F16|BF16|Q\d_\w+)\b", part.split(";")[0].split(".")[0]))
+    assert listed((ROOT / "README.md").read_text(), "tensor types ") == supported
+    assert listed((DEPLOY / "README.md").read_text(), "engine supports (") == supported
 
 
 @pytest.mark.parametrize("name,content,message", [

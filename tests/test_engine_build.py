@@ -78,3 +78,12 @@ def test_the_cli_loads_fetch_model_without_touching_sys_path(monkeypatch):
     path = cli._default_model()      # the model is in the cache after setup: no download
     assert Path(path).is_file()
     assert sys.path == before and "fetch_model" not in sys.modules
+
+
+def test_license_is_an_spdx_expression():
+    """pyproject's license is the PEP 639 string, and the installed metadata carries it."""
+    import re
+    from importlib.metadata import metadata
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^license = "Apache-2.0"', text, re.M), "license is not an SPDX string"
+    assert metadata("echospec")["License-Expression"] == "Apache-2.0"
