@@ -103,7 +103,7 @@ def _check_model(path: str) -> None:
         _die(f"model {path} is a directory, not a GGUF file")
     if not p.is_file():
         _die(f"model file not found: {path}")
-    from services.common.engine import EngineError, Model
+    from echospec.services.common.engine import EngineError, Model
     try:
         Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
     except EngineError as exc:
@@ -113,14 +113,14 @@ def _check_model(path: str) -> None:
 # ---- serve -------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from services.coordinator.stack import StackError, start_stack
+    from echospec.services.coordinator.stack import StackError, start_stack
 
     for flag, v in (("--port", args.port), ("--verifier-port", args.verifier_port),
                     ("--draft-port", args.draft_port)):
         if not 0 <= v <= 65535:
             _die(f"{flag} {v}: a port is in [0, 65535] (0: a free port)", 2)
-    from services.common.config import CoordinatorConfig
-    from services.common.engine import MAX_CTX, MAX_THREADS
+    from echospec.services.common.config import CoordinatorConfig
+    from echospec.services.common.engine import MAX_CTX, MAX_THREADS
 
     limits = CoordinatorConfig()
     if not 1 <= args.k <= limits.k_max:
@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die("--port, --verifier-port and --draft-port must differ", 2)
     if args.metrics_port > 0 and args.metrics_port in ports:
         _die(f"--metrics-port {args.metrics_port} is also a service port", 2)
-    from services.common import logs
+    from echospec.services.common import logs
     logs.setup(args.log_level, args.log_format)
     # ports first: a busy one is reported before the model is fetched or loaded
     for name, flag, port in (("coordinator", "--port", args.port),
@@ -196,7 +196,7 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
             _die("--target must be host:port, not empty", 2)
         yield args.target
         return
-    from services.coordinator.stack import StackError, start_stack
+    from echospec.services.coordinator.stack import StackError, start_stack
 
     model = args.model or _default_model()
     _check_model(model)
@@ -222,7 +222,7 @@ def _stub(target: str, timeout_s: float, connect_s: float):
     import grpc
 
     from echospec.v1 import coordinator_pb2_grpc
-    from services.common import grpc_util
+    from echospec.services.common import grpc_util
 
     t0 = time.monotonic()
     ch = grpc_util.channel(target, 64 * 1024 * 1024)
@@ -480,7 +480,7 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
 # ---- bench ----------------------------------------------------------------------
 
 def _load_workloads(path: str) -> list[dict]:
-    from services.common.config import CoordinatorConfig
+    from echospec.services.common.config import CoordinatorConfig
 
     max_tokens_limit = CoordinatorConfig().max_tokens_limit
     out, ids = [], set()

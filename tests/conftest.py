@@ -111,7 +111,7 @@ class _GGUFTokenizer:
 def make_tokenizer(path: str):
     """The project's tokenizer (services.common.tokenizer) when present, else the local helper."""
     try:
-        from services.common.tokenizer import Tokenizer  # type: ignore
+        from echospec.services.common.tokenizer import Tokenizer  # type: ignore
     except ImportError:
         return _GGUFTokenizer(path)
     return Tokenizer.from_gguf(path)

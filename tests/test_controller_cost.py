@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.controller import CostModel, SpecController, best_k, expected_accepted
+from echospec.services.coordinator.controller import CostModel, SpecController, best_k, expected_accepted
 
 
 def cost(t: float, slope: float, overhead: float = 0.5, hop: float = 0.4) -> CostModel:
@@ -89,7 +89,7 @@ def test_a_pessimistic_estimate_is_probed_again():
     (4.0, 1.0, 4.5, 0),     # nothing accepted: 5.5 >= 5
 ])
 def test_the_controller_and_the_verdict_use_one_formula(t, o, v, r):
-    from services.common.metrics import SpecCounters, gain_condition
+    from echospec.services.common.metrics import SpecCounters, gain_condition
     ok, lhs, rhs = gain_condition(r, v, o, t)
     # the verdict over a generation whose every round verified K = r drafts, all accepted
     c = SpecCounters()

@@ -186,7 +186,7 @@ def test_dockerfile_final_stages_slim_nonroot_no_compiler():
     for name in SERVICES:
         assert stages[name][0] == f"FROM runtime AS {name}"
         assert any(line.startswith("HEALTHCHECK") for line in stages[name]), name
-        assert any(f'"services.{name}"' in line for line in stages[name] if line.startswith("CMD")), name
+        assert any(f'"echospec.services.{name}"' in line for line in stages[name] if line.startswith("CMD")), name
     final = "\n".join(stages["runtime"] + sum((stages[n] for n in SERVICES), []))
     code = "\n".join(line for line in final.splitlines() if not line.lstrip().startswith("#"))
     for word in ("apt-get", "gcc", "build-essential", "make ", "clang"):
@@ -384,7 +384,7 @@ def test_compose_variables_are_service_config_fields(config: dict):
     """Every ECHOSPEC_* a service gets is a field of its config dataclass (no silent typo)."""
     import dataclasses
 
-    from services.common import config as cfg
+    from echospec.services.common import config as cfg
 
     classes = {"draft": cfg.DraftConfig, "verifier": cfg.VerifierConfig, "coordinator": cfg.CoordinatorConfig}
     for name, cls in classes.items():

@@ -58,7 +58,7 @@ def test_constants_come_from_the_header(tmp_path):
     from ggufgen import write_tiny_model
 
     from echospec._engine import lib
-    from services.common import engine
+    from echospec.services.common import engine
     assert engine.STATUS_NAMES[lib.ES_OK] == "ES_OK"
     assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 9
     assert (engine.MAX_CTX, engine.MAX_THREADS) == (lib.ES_MAX_CTX, lib.ES_MAX_THREADS)
@@ -87,3 +87,21 @@ def test_license_is_an_spdx_expression():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert re.search(r'^license = "Apache-2.0"', text, re.M), "license is not an SPDX string"
     assert metadata("echospec")["License-Expression"] == "Apache-2.0"
+
+
+def test_services_install_under_the_echospec_import_root(tmp_path):
+    """services/ is installed as echospec.services: no bare `services` module outside the tree."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(echospec\.services[\w.]*)"', text.split("packages = [", 1)[1].split("]")[0]))
+    on_disk = {"echospec.services" + ("." + ".".join(p.parent.relative_to(root / "services").parts)
+                                      if p.parent != root / "services" else "")
+               for p in (root / "services").rglob("__init__.py")}
+    assert listed == on_disk
+    probe = ("import importlib.util, echospec.services.coordinator.stack as s; "
+             "print(importlib.util.find_spec('services') is None, s.__name__)")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "echospec.services.coordinator.stack"]

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from services.common import gguf_reader
-from services.common.engine import (
+from echospec.services.common import gguf_reader
+from echospec.services.common.engine import (
     ES_ERR_FORMAT,
     ES_ERR_MISSING_TENSOR,
     ES_ERR_UNSUPPORTED,
@@ -400,7 +400,7 @@ def test_accepted_value_types_load_in_both_readers(tmp_path, kv):
 
 
 def test_tokenizer_reader_refuses_float_token_types(tmp_path):
-    from services.common.tokenizer import read_tokenizer_metadata
+    from echospec.services.common.tokenizer import read_tokenizer_metadata
     write_model(tmp_path / "m.gguf", extra_kv=(
         ("tokenizer.ggml.model", "gpt2", VT.STRING),
         ("tokenizer.ggml.token_type", [1.5] * V, VT.ARRAY, VT.FLOAT32)))

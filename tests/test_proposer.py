@@ -1,7 +1,7 @@
 """NgramProposer: literal token arrays, one rule per case."""
 import pytest
 
-from services.draft.proposer import (DEFAULT_MAX_N, DEFAULT_MIN_N, NgramParams, NgramProposer,
+from echospec.services.draft.proposer import (DEFAULT_MAX_N, DEFAULT_MIN_N, NgramParams, NgramProposer,
                                      ProposerError, propose_once)
 
 

@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from services.common import grpc_util
-from services.coordinator.clients import BidiStream, DirectStream, StreamError, open_stream
+from echospec.services.common import grpc_util
+from echospec.services.coordinator.clients import BidiStream, DirectStream, StreamError, open_stream
 
 SERVICE = "echospec.test.Echo"
 METHOD = f"/{SERVICE}/Echo"

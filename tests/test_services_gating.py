@@ -2,9 +2,9 @@
 import pytest
 
 from echospec.v1 import common_pb2, coordinator_pb2
-from services.common.metrics import SpecCounters
-from services.coordinator.controller import SpecController
-from services.coordinator.gating import MODE_OFF, MODE_ON, MODE_UNSPECIFIED, VerifierCaps, decide_spec
+from echospec.services.common.metrics import SpecCounters
+from echospec.services.coordinator.controller import SpecController
+from echospec.services.coordinator.gating import MODE_OFF, MODE_ON, MODE_UNSPECIFIED, VerifierCaps, decide_spec
 
 OK_CAPS = VerifierCaps()
 

@@ -19,8 +19,8 @@ from ggufgen import write_tiny_model  # noqa: E402
 from echospec.v1 import (common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc,  # noqa: E402
                          verifier_pb2)
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from services.common.config import CoordinatorConfig, DraftConfig, VerifierConfig  # noqa: E402
-from services.coordinator.stack import start_stack  # noqa: E402
+from echospec.services.common.config import CoordinatorConfig, DraftConfig, VerifierConfig  # noqa: E402
+from echospec.services.coordinator.stack import start_stack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPCURL = ROOT / ".venv" / "bin" / "grpcurl"
@@ -83,7 +83,7 @@ def test_default_caps_are_below_the_worker_pools():
 
 
 def test_cap_not_below_the_pool_is_refused():
-    from services.draft import server as dserver
+    from echospec.services.draft import server as dserver
     with pytest.raises(ValueError, match="max_concurrent_rpcs = 8"):
         dserver.start(DraftConfig(port=0, max_workers=8, max_concurrent_rpcs=8))
 
@@ -121,7 +121,7 @@ def test_overload_gets_resource_exhausted_and_health_still_answers():
     rest at once, and health and reflection answer within 100 ms throughout."""
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
         ProtoReflectionDescriptorDatabase
-    from services.draft import server as dserver
+    from echospec.services.draft import server as dserver
     workers, cap = 6, 4
     handle, _ = dserver.start(DraftConfig(port=0, max_workers=workers, max_concurrent_rpcs=cap))
     ch = grpc.insecure_channel(f"127.0.0.1:{handle.port}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from services.common.tokenizer import (
+from echospec.services.common.tokenizer import (
     IncrementalDecoder,
     StopMatcher,
     Tokenizer,
@@ -383,7 +383,7 @@ def test_gguf_without_tokenizer_is_refused(tmp_path):
 
 def test_max_tokens_inside_a_multibyte_character_ends_with_u_fffd(smollm2_tokenizer):
     """README: the output cut inside a character by max_tokens ends with U+FFFD."""
-    from services.coordinator.generation import FINISH_LENGTH, _Output
+    from echospec.services.coordinator.generation import FINISH_LENGTH, _Output
     ids = smollm2_tokenizer.encode("🦊")
     assert len(ids) >= 2, ids      # the fox is several byte-level tokens
     out = _Output(smollm2_tokenizer, [], max_tokens=1)

@@ -35,7 +35,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from services.common.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
+from echospec.services.common.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
 
 __all__ = ["ChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE", "VALID_ROLES", "validate_messages"]
 

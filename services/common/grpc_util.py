@@ -204,7 +204,7 @@ class ServerHandle:
         """Serve /metrics (this server's RPC metrics plus `extra_registries`) on host:port.
 
         Returns the bound port. Raises PortInUseError naming the metrics port."""
-        from services.common.metrics import serve_metrics
+        from echospec.services.common.metrics import serve_metrics
         try:
             self.metrics_http, self.metrics_port = serve_metrics(
                 host, port, [self.rpc_metrics.registry, *extra_registries])
@@ -264,7 +264,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     if not 1 <= max_concurrent_rpcs < max_workers:
         raise ValueError(f"max_concurrent_rpcs = {max_concurrent_rpcs} must be in [1, max_workers - 1 = "
                          f"{max_workers - 1}]")
-    from services.common.metrics import RpcMetrics
+    from echospec.services.common.metrics import RpcMetrics
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),

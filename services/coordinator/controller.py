@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from services.common.metrics import gain_condition
+from echospec.services.common.metrics import gain_condition
 
 
 class CostModel:

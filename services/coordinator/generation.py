@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from echospec.v1.common_pb2 import FinishReason
-from services.common.metrics import SpecCounters
-from services.coordinator.clients import DraftUnavailable
-from services.coordinator.controller import CostModel, SpecController
+from echospec.services.common.metrics import SpecCounters
+from echospec.services.coordinator.clients import DraftUnavailable
+from echospec.services.coordinator.controller import CostModel, SpecController
 
 FINISH_EOS = FinishReason.Value("FINISH_REASON_EOS")
 FINISH_STOP = FinishReason.Value("FINISH_REASON_STOP")
@@ -71,7 +71,7 @@ class _Output:
     """Token-by-token output state: decoder, stop matcher, EOS and max_tokens."""
 
     def __init__(self, tokenizer: Any, stop: list[str], max_tokens: int):
-        from services.common.tokenizer import StopMatcher
+        from echospec.services.common.tokenizer import StopMatcher
         self.dec = tokenizer.incremental_decoder()
         self.stop = StopMatcher(stop)
         self.eos = set(tokenizer.eos_ids)

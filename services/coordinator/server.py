@@ -9,12 +9,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.common import grpc_util
-from services.common.chat_template import ChatTemplate
-from services.common.config import CoordinatorConfig
-from services.common.metrics import PromMetrics
-from services.common.tokenizer import Tokenizer, read_tokenizer_metadata
-from services.coordinator.servicer import CoordinatorServicer, RequestError
+from echospec.services.common import grpc_util
+from echospec.services.common.chat_template import ChatTemplate
+from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.metrics import PromMetrics
+from echospec.services.common.tokenizer import Tokenizer, read_tokenizer_metadata
+from echospec.services.coordinator.servicer import CoordinatorServicer, RequestError
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
 log = logging.getLogger("echospec.coordinator")

@@ -22,15 +22,15 @@ import grpc
 
 from echospec.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2_grpc,
                          verifier_pb2, verifier_pb2_grpc)
-from services.common import grpc_util
-from services.common.chat_template import ChatTemplate, ChatTemplateError
-from services.common.config import CoordinatorConfig
-from services.common.metrics import PromMetrics, RequestRecord
-from services.common.tokenizer import Tokenizer
-from services.coordinator.controller import CostModel
-from services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
-from services.coordinator.gating import VerifierCaps, decide_spec
-from services.coordinator.generation import Delta, GenerationParams, Outcome, generate
+from echospec.services.common import grpc_util
+from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
+from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.metrics import PromMetrics, RequestRecord
+from echospec.services.common.tokenizer import Tokenizer
+from echospec.services.coordinator.controller import CostModel
+from echospec.services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
+from echospec.services.coordinator.gating import VerifierCaps, decide_spec
+from echospec.services.coordinator.generation import Delta, GenerationParams, Outcome, generate
 
 log = logging.getLogger("echospec.coordinator")
 

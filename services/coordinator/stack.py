@@ -5,7 +5,7 @@ Two modes:
                                own port and thread pool; the services still talk
                                over loopback gRPC exactly as when deployed. Fast
                                to start; what the tests use.
-    processes=True             three child processes (python -m services.draft /
+    processes=True             three child processes (python -m echospec.services.draft /
                                .verifier / .coordinator), as docker-compose runs
                                them; closer to the deployment (no shared GIL).
 Every port defaults to 0 (a free port); the coordinator's is the public one.
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common import grpc_util
-from services.common.config import LOOPBACK, CoordinatorConfig, DraftConfig, VerifierConfig
-from services.common.lifecycle import PARENT_ENV
+from echospec.services.common import grpc_util
+from echospec.services.common.config import LOOPBACK, CoordinatorConfig, DraftConfig, VerifierConfig
+from echospec.services.common.lifecycle import PARENT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,11 +159,11 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
 
 def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
                    ready_timeout_s: float) -> Stack:
-    from services.coordinator import server as cserver
-    from services.draft import server as dserver
-    from services.verifier import server as vserver
+    from echospec.services.coordinator import server as cserver
+    from echospec.services.draft import server as dserver
+    from echospec.services.verifier import server as vserver
 
-    from services.common.metrics import RpcMetrics
+    from echospec.services.common.metrics import RpcMetrics
 
     stack = Stack(ccfg.host, 0, 0, 0, processes=False)
     rpc_metrics = RpcMetrics()   # one registry for the three servers of this process
@@ -226,7 +226,7 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
         for name, cfg, svc in (("draft", dcfg, "echospec.v1.DraftService"),
                                ("verifier", vcfg, "echospec.v1.VerifierService"),
                                ("coordinator", ccfg, "echospec.v1.CoordinatorService")):
-            p = subprocess.Popen([sys.executable, "-m", f"services.{name}", *_args(cfg)],
+            p = subprocess.Popen([sys.executable, "-m", f"echospec.services.{name}", *_args(cfg)],
                                  cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             stack._procs[name] = p
             stack._stderr[name] = _StderrTee(p, name)
@@ -270,7 +270,7 @@ class _StderrTee:
 
 def _wait_process(name: str, p: subprocess.Popen, tee: _StderrTee, target: str, service: str,
                   timeout_s: float) -> None:
-    from services.coordinator.server import wait_serving
+    from echospec.services.coordinator.server import wait_serving
 
     ch = grpc_util.channel(target, 1 << 20)
     deadline = time.monotonic() + timeout_s

@@ -1,23 +1,23 @@
-"""python -m services.draft [--port P] [--host H] [--min-n N] [--max-n N] (env ECHOSPEC_*)."""
+"""python -m echospec.services.draft [--port P] [--host H] [--min-n N] [--max-n N] (env ECHOSPEC_*)."""
 # numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
 # cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
 import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from services.common.lifecycle import exit_with_parent  # noqa: E402
+from echospec.services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
 import sys
 
-from services.common import config as cfg
-from services.common import logs
-from services.common.grpc_util import PortInUseError
-from services.draft.proposer import ProposerError
-from services.draft.server import serve
+from echospec.services.common import config as cfg
+from echospec.services.common import logs
+from echospec.services.common.grpc_util import PortInUseError
+from echospec.services.draft.proposer import ProposerError
+from echospec.services.draft.server import serve
 
 
 def main(argv=None) -> int:
-    conf = cfg.load(cfg.DraftConfig, argv, prog="python -m services.draft")
+    conf = cfg.load(cfg.DraftConfig, argv, prog="python -m echospec.services.draft")
     try:
         logs.setup(conf.log_level, conf.log_format)
     except ValueError as exc:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 
 from echospec.v1 import draft_pb2, draft_pb2_grpc
-from services.common import grpc_util
-from services.common.config import DraftConfig
-from services.draft.proposer import NgramParams
-from services.draft.servicer import DraftServicer
+from echospec.services.common import grpc_util
+from echospec.services.common.config import DraftConfig
+from echospec.services.draft.proposer import NgramParams
+from echospec.services.draft.servicer import DraftServicer
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 log = logging.getLogger("echospec.draft")

@@ -8,8 +8,8 @@ from typing import Iterator
 import grpc
 
 from echospec.v1 import draft_pb2, draft_pb2_grpc
-from services.common.config import DraftConfig
-from services.draft.proposer import MAX_K_LIMIT, NgramParams, NgramProposer, ProposerError, propose_once
+from echospec.services.common.config import DraftConfig
+from echospec.services.draft.proposer import MAX_K_LIMIT, NgramParams, NgramProposer, ProposerError, propose_once
 
 log = logging.getLogger("echospec.draft")
 

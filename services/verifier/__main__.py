@@ -1,24 +1,24 @@
-"""python -m services.verifier --model PATH [--port P] [--n-ctx N] [--n-threads T] (env ECHOSPEC_*)."""
+"""python -m echospec.services.verifier --model PATH [--port P] [--n-ctx N] [--n-threads T] (env ECHOSPEC_*)."""
 # numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
 # cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
 import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from services.common.lifecycle import exit_with_parent  # noqa: E402
+from echospec.services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
 import sys
 
-from services.common import config as cfg
-from services.common import logs
-from services.common.engine import EngineError
-from services.common.grpc_util import PortInUseError
-from services.verifier.server import serve
-from services.verifier.sessions import VerifierError
+from echospec.services.common import config as cfg
+from echospec.services.common import logs
+from echospec.services.common.engine import EngineError
+from echospec.services.common.grpc_util import PortInUseError
+from echospec.services.verifier.server import serve
+from echospec.services.verifier.sessions import VerifierError
 
 
 def main(argv=None) -> int:
-    conf = cfg.load(cfg.VerifierConfig, argv, prog="python -m services.verifier")
+    conf = cfg.load(cfg.VerifierConfig, argv, prog="python -m echospec.services.verifier")
     try:
         logs.setup(conf.log_level, conf.log_format)
     except ValueError as exc:

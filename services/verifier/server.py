@@ -5,10 +5,10 @@ import logging
 import threading
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
-from services.common import grpc_util
-from services.common.config import VerifierConfig
-from services.verifier.servicer import VerifierServicer
-from services.verifier.sessions import VerifierCore
+from echospec.services.common import grpc_util
+from echospec.services.common.config import VerifierConfig
+from echospec.services.verifier.servicer import VerifierServicer
+from echospec.services.verifier.sessions import VerifierCore
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 log = logging.getLogger("echospec.verifier")

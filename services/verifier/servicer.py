@@ -11,8 +11,8 @@ from typing import Iterator
 import grpc
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.common.engine import simd_name
-from services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome, VerifierCore,
+from echospec.services.common.engine import simd_name
+from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome, VerifierCore,
                                         VerifierError, VerifierSession)
 
 log = logging.getLogger("echospec.verifier")

@@ -30,8 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from services.common.config import VerifierConfig
-from services.common.engine import EngineError, Model, Session, sample
+from echospec.services.common.config import VerifierConfig
+from echospec.services.common.engine import EngineError, Model, Session, sample
 
 
 class VerifierError(Exception):
