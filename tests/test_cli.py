@@ -65,7 +65,11 @@ def server(tiny):
     if p.poll() is not None or not any("coordinator" in x and "listening" in x for x in lines):
         p.kill()
         raise AssertionError("echospec serve did not start:\n" + "".join(lines))
-    yield {"target": f"127.0.0.1:{port}", "port": port, "log": lines, "proc": p}
+    # keep reading: the server logs a line per request, and a full pipe would block it
+    later: list[str] = []
+    import threading
+    threading.Thread(target=lambda: later.extend(p.stderr), daemon=True).start()
+    yield {"target": f"127.0.0.1:{port}", "port": port, "log": lines, "later": later, "proc": p}
     p.send_signal(signal.SIGINT)
     try:
         p.wait(timeout=20)
@@ -393,3 +397,12 @@ def test_serve_processes_prints_every_metrics_url(tiny):
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
     assert p.returncode == 0
+
+
+def test_serve_logs_one_line_per_request(server):
+    run([*ECHOSPEC, "generate", "a b a b", "--target", server["target"], "--max-tokens", "3"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(" request " in x for x in server["later"]):
+        time.sleep(0.05)
+    reqs = [x for x in server["later"] if " INFO echospec.coordinator request " in x]
+    assert reqs and "code=OK" in reqs[-1] and "tokens_out=" in reqs[-1], server["later"][-5:]
