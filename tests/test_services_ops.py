@@ -89,13 +89,12 @@ def test_cap_not_below_the_pool_is_refused():
 
 
 class _OpenStream:
-    """A ProposeStream kept open by a request iterator that blocks until closed."""
+    """A bidi stream kept open by a request iterator that blocks until closed."""
 
-    def __init__(self, stub):
+    def __init__(self, method, first_request):
         self.q: queue.Queue = queue.Queue()
-        self.call = stub.ProposeStream(iter(self.q.get, None), timeout=60)
-        self.q.put(draft_pb2.ProposeStreamRequest(append=[1, 2, 3, 1, 2], k=2))
-        self.first: object = None
+        self.call = method(iter(self.q.get, None), timeout=60)
+        self.q.put(first_request)
 
     def wait_first(self, timeout_s: float):
         """The first response (admitted), or the RpcError (refused)."""
@@ -130,7 +129,7 @@ def test_overload_gets_resource_exhausted_and_health_still_answers():
         stub = draft_pb2_grpc.DraftServiceStub(ch)
         results = []
         for _ in range(workers + 2):
-            s = _OpenStream(stub)
+            s = _OpenStream(stub.ProposeStream, draft_pb2.ProposeStreamRequest(append=[1, 2, 3, 1, 2], k=2))
             streams.append(s)
             results.append(s.wait_first(5.0))
         admitted = [r for r in results if isinstance(r, draft_pb2.ProposeStreamResponse)]
@@ -170,3 +169,40 @@ def test_overload_gets_resource_exhausted_and_health_still_answers():
         handle.stop(0).wait()
         ch.close()
     assert handle.limit.active == 0
+
+
+def test_verifier_overload_refuses_at_once_and_health_answers(tmp_path):
+    """The same cap on the verifier: open VerifyStream sessions beyond it are refused at once."""
+    from echospec.services.verifier import server as vserver
+    from echospec.v1 import verifier_pb2_grpc
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=0)
+    workers, cap = 5, 3
+    srv = vserver.start(VerifierConfig(model=str(path), port=0, n_ctx=64, n_threads=1,
+                                       max_workers=workers, max_concurrent_rpcs=cap))
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    streams = []
+    try:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        first = verifier_pb2.VerifyStreamRequest(
+            prefill=verifier_pb2.PrefillRequest(tokens=[5, 6, 7]))
+        results = []
+        for _ in range(workers + 1):
+            streams.append(_OpenStream(stub.VerifyStream, first))
+            t0 = time.monotonic()
+            results.append((streams[-1].wait_first(5.0), time.monotonic() - t0))
+        admitted = [r for r, _ in results if isinstance(r, verifier_pb2.VerifyStreamResponse)]
+        refused = [(r, dt) for r, dt in results if isinstance(r, grpc.RpcError)]
+        assert len(admitted) == cap and len(refused) == workers + 1 - cap, results
+        assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and dt < 0.5 for e, dt in refused)
+        health = health_pb2_grpc.HealthStub(ch)
+        for _ in range(10):
+            t0 = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(service="echospec.v1.VerifierService"),
+                         timeout=2)
+            assert time.monotonic() - t0 < 0.1
+    finally:
+        for st in streams:
+            st.close()
+        srv.stop(0)
+        ch.close()
