@@ -3,7 +3,8 @@
 `exit_with_parent` is the first thing each service's ``__main__`` does: when the parent that
 started it (named by ECHOSPEC_PARENT_PID) dies in any way, even SIGKILL, the kernel sends this
 process SIGTERM (Linux PR_SET_PDEATHSIG), so no service outlives the `echospec serve` that
-started it and keeps holding its port.
+started it and keeps holding its port. The kernel's trigger is the end of the parent *thread*
+that forked the child, so the parent starts its children from its main thread.
 """
 from __future__ import annotations
 

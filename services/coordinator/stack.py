@@ -126,7 +126,10 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         model_path: GGUF file (verifier model; coordinator tokenizer and chat template).
         port: coordinator port (0: free port). verifier_port, draft_port likewise.
         spec: the coordinator's --spec default.
-        processes: run each service in its own process (see the module docstring).
+        processes: run each service in its own process (see the module docstring). Each child
+            gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
+            services/common/lifecycle.py), so call this from a thread that outlives the stack:
+            the main thread, as `echospec serve` does.
         n_ctx, n_threads: verifier KV capacity per session and engine threads.
         k, max_tokens: coordinator defaults. min_n, max_n: draft n-gram range.
         adaptive_k: let the live cost model pick each round's draft length (<= k).
