@@ -14,13 +14,12 @@ Derived:
     overhead_ms (per round)  = mean(round wall ms - round V ms)
 Gain condition (`gain_condition`, the one formula of the project: the controller's
 choice of K and the reported verdict both use it):
-    V + overhead < (accepted + 1) * (T + overhead)
+    V + overhead < (accepted + 1) * T
 A round that verifies drafts costs V + overhead and yields accepted + 1 tokens;
-plain decoding yields one token per T + overhead (a plain round pays the same
-per-round overhead: the coordinator loop and the verifier hop). V is the
-verifier's forward ms, T the ms of one plain decode step (measured by the
-verifier). The reported verdict uses the generation's means: V per round, the
-mean accepted per round, the mean overhead.
+plain decoding yields one token per T. V is the verifier's forward ms, T the ms
+of one plain decode step (measured by the verifier), overhead the round's wall
+time beyond V. The reported verdict uses the generation's means: V per round,
+the mean accepted per round, the mean overhead.
 """
 from __future__ import annotations
 
@@ -37,13 +36,13 @@ def gain_condition(accepted: float, v_ms: float, overhead_ms: float, t_ms: float
         overhead_ms: per-round ms beyond the verifier's forward.
         t_ms: ms of one plain decode step.
     Returns:
-        (gain, lhs, rhs) with lhs = V + overhead, rhs = (accepted + 1) * (T + overhead) and
+        (gain, lhs, rhs) with lhs = V + overhead, rhs = (accepted + 1) * T and
         gain = lhs < rhs (False when T <= 0: nothing measured).
 
-    Example: T 10, overhead 2, V 20, 1 accepted: 22 < 24, a gain; with 0 accepted 22 >= 12.
+    Example: T 10, overhead 2, V 15, 1 accepted: 17 < 20, a gain; with 0 accepted 17 >= 10.
     """
     lhs = v_ms + overhead_ms
-    rhs = (accepted + 1.0) * (t_ms + overhead_ms)
+    rhs = (accepted + 1.0) * t_ms
     return t_ms > 0 and lhs < rhs, lhs, rhs
 
 
@@ -123,7 +122,7 @@ class SpecCounters:
         ok = ok and self.rounds > 0
         text = (f"V {self.v_ms:.3f} + overhead {self.overhead_ms:.3f} = {lhs:.3f} ms "
                 f"{'<' if ok else '>='} (mean accepted {self.mean_accepted_per_round:.3f} + 1)"
-                f" * (T {self.t_ms:.3f} + overhead {self.overhead_ms:.3f}) = {rhs:.3f} ms: "
+                f" * T {self.t_ms:.3f} = {rhs:.3f} ms: "
                 f"{'gain' if ok else 'no gain'}")
         return ok, text
 

@@ -25,9 +25,9 @@ E(K) + 1 tokens, where E(K) = p + p^2 + ... + p^K is the expected accepted
 run for a per-token acceptance probability p (each draft token is taken only
 if every earlier one was). So the controller drafts the K in [1, available]
 that maximises (E(K) + 1) / (V(K) + o [+ h]) among the K that pass the gain
-condition V(K) [+ h] + o < (E(K) + 1) * (T + o) (services/common/metrics.py
+condition V(K) [+ h] + o < (E(K) + 1) * T (services/common/metrics.py
 gain_condition, the formula of the reported verdict too), and drafts nothing
-when none passes (plain decoding, 1 / (T + o) tokens per ms, is faster); with
+when none passes (plain decoding, 1 / T tokens per ms, is faster); with
 drafts at hand but none chosen, every probe_every-th round still drafts 2
 tokens, so a stale
 estimate is measured again rather than locking drafting out. T, V(K) and o are
@@ -109,7 +109,7 @@ def expected_accepted(p: float, k: int) -> float:
 def best_k(p: float, available: int, cost: CostModel, hop: bool) -> int:
     """The draft length in [0, available] with the most expected tokens per ms, among those
     that pass `metrics.gain_condition` (the formula the reported verdict uses): a K with
-    V(K) [+ hop] + overhead < (E(K) + 1) * (T + overhead).
+    V(K) [+ hop] + overhead < (E(K) + 1) * T.
 
     Returns 0 when plain decoding is expected to be faster than any draft.
     """
