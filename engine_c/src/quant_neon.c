@@ -3,9 +3,11 @@
  * and results (bitwise) as the scalar kernels in quant.c.
  *
  * Packed types (Q4_0, Q4_1, Q8_0; dotprod builds only): see "packed
- * kernels" below. Without dotprod these types use the scalar kernels.
+ * kernels" below. Without dotprod these types use the scalar kernels, and
+ * so do Q4_K, Q5_K and Q6_K (sequential types with no NEON packed kernel
+ * yet: es_neon_packed_kernel returns NULL for them, so they stay unpacked).
  *
- * Lane types (Q5_0, Q5_1 and the K-quants): a group of 16 weight blocks
+ * Lane types (Q5_0, Q5_1): a group of 16 weight blocks
  * (one es_q8_group of activations) is handled as 4 quads of 4 blocks. A
  * quad is loaded and transposed once into 8 int8x16 vectors (vector k holds
  * elements 4k..4k+3 of block i in 32-bit lane i: the layout of the
@@ -177,154 +179,6 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
 
 QKERNEL(k_q5_0, unpack_q5_0, 22, 0)
 QKERNEL(k_q5_1, unpack_q5_1, 24, 1)
-
-/* K-quants. A quad is half a super-block (sub-blocks 4h..4h+3); its
- * weights are unpacked into the transposed layout as signed bytes (Q6_K's
- * offset 32 removed) and the integer sub-block scales multiply the two
- * 16-element half sums (exact int32). */
-typedef struct {
-    int8x16_t w[8];
-    float32x4_t a, b;
-    int32x4_t sl, sh;
-    int32x4_t jm;       /* Q4_K / Q5_K: the sub-block mins m */
-} kquad;
-
-/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
-static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
-    uint32_t u[4];
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = aux;
-    u[0] &= 0x3f3f3f3fu;
-    memcpy(sc, u, 8);
-    memcpy(m, u + 2, 8);
-}
-
-static inline ES_AI int32x4_t s32x4(int a, int b, int c, int d) {
-    int32_t v[4] = {a, b, c, d};
-    return vld1q_s32(v);
-}
-
-/* Q4_K (five = 0) / Q5_K (five = 1): super-block sbp, half h. */
-static inline ES_AI void unpack_kq_q45k(const uint8_t *sbp, int h, int five, kquad *g) {
-    const es_block_q4_K *A = (const void *)sbp;
-    const uint8_t *qs = five ? ((const es_block_q5_K *)(const void *)sbp)->qs : A->qs;
-    const uint8_t *qh = five ? ((const es_block_q5_K *)(const void *)sbp)->qh : NULL;
-    const uint8_t *s0 = qs + 64 * h;
-    uint32x4_t a0 = vreinterpretq_u32_u8(vld1q_u8(s0)), a1 = vreinterpretq_u32_u8(vld1q_u8(s0 + 16));
-    uint32x4_t b0 = vreinterpretq_u32_u8(vld1q_u8(s0 + 32)), b1 = vreinterpretq_u32_u8(vld1q_u8(s0 + 48));
-    uint32x4_t x[4] = {vzip1q_u32(a0, b0), vzip2q_u32(a0, b0), vzip1q_u32(a1, b1), vzip2q_u32(a1, b1)};
-    const int32x4_t nsh = s32x4(0, -4, 0, -4);
-    const int32x4_t hsh = s32x4(-4 * h, -4 * h - 1, -4 * h - 2, -4 * h - 3);
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m1 = vdupq_n_u8(0x01);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        uint32x4_t v = (k & 1) ? vzip2q_u32(x[k / 2], x[k / 2]) : vzip1q_u32(x[k / 2], x[k / 2]);
-        uint8x16_t q = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(v, nsh)), m4);
-        if (five) {
-            uint32x4_t hb = vld1q_dup_u32((const uint32_t *)(const void *)(qh + 4 * k));
-            uint8x16_t hi = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(hb, hsh)), m1);
-            q = vorrq_u8(q, vshlq_n_u8(hi, 4));
-        }
-        g->w[k] = vreinterpretq_s8_u8(q);
-    }
-    uint8_t sc[8], m[8];
-    k4_scales(A->scales, sc, m);
-    g->sl = g->sh = s32x4(sc[4 * h], sc[4 * h + 1], sc[4 * h + 2], sc[4 * h + 3]);
-    g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
-    g->b = vdupq_n_f32(-es_fp16_to_fp32(A->dmin));
-    g->jm = s32x4(m[4 * h], m[4 * h + 1], m[4 * h + 2], m[4 * h + 3]);
-}
-
-static inline ES_AI void unpack_kq_q6k(const uint8_t *sbp, int h, kquad *g) {
-    const es_block_q6_K *A = (const void *)sbp;
-    const uint8_t *ql = A->ql + 64 * h, *qh = A->qh + 32 * h;
-    uint32x4_t l0 = vreinterpretq_u32_u8(vld1q_u8(ql)), l1 = vreinterpretq_u32_u8(vld1q_u8(ql + 16));
-    uint32x4_t l2 = vreinterpretq_u32_u8(vld1q_u8(ql + 32)), l3 = vreinterpretq_u32_u8(vld1q_u8(ql + 48));
-    uint64x2_t x[4] = {vreinterpretq_u64_u32(vzip1q_u32(l0, l2)), vreinterpretq_u64_u32(vzip2q_u32(l0, l2)),
-                       vreinterpretq_u64_u32(vzip1q_u32(l1, l3)), vreinterpretq_u64_u32(vzip2q_u32(l1, l3))};
-    const int32x4_t nsh = s32x4(0, 0, -4, -4), hsh = s32x4(0, -2, -4, -6);
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(0x03);
-    const int8x16_t c32 = vdupq_n_s8(32);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        uint64x2_t v = (k & 1) ? vzip2q_u64(x[k / 2], x[k / 2]) : vzip1q_u64(x[k / 2], x[k / 2]);
-        uint8x16_t lo = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(vreinterpretq_u32_u64(v), nsh)), m4);
-        uint32x4_t hb = vld1q_dup_u32((const uint32_t *)(const void *)(qh + 4 * k));
-        uint8x16_t hi = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(hb, hsh)), m2);
-        g->w[k] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(lo, vshlq_n_u8(hi, 4))), c32);
-    }
-    const int8_t *sc = A->scales + 8 * h;
-    g->sl = s32x4(sc[0], sc[2], sc[4], sc[6]);
-    g->sh = s32x4(sc[1], sc[3], sc[5], sc[7]);
-    g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
-    g->b = vdupq_n_f32(0.0f);
-    g->jm = vdupq_n_s32(0);
-}
-
-static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
-                      int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
-    int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    const uint8_t *x = xv;
-    int q6 = type == ES_TYPE_Q6_K;
-    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
-                                                                                    : sizeof(es_block_q6_K);
-    float32x4_t acc[NT * 4];
-    for (int n0 = 0; n0 < N; n0 += NT) {
-        int nt = N - n0 < NT ? N - n0 : NT;
-        const uint8_t *xt = x + (size_t)n0 * x_stride;
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *row = w + (size_t)r * row_bytes;
-            for (int i = 0; i < nt * 4; i++) acc[i] = vdupq_n_f32(0.0f);
-            for (int64_t gi = 0; gi < ng; gi++) {
-                const uint8_t *xg0 = xt + (size_t)gi * sizeof(es_q8_group);
-                for (int qd = 0; qd < 4; qd++) {
-                    int64_t b0 = gi * 16 + qd * 4;
-                    if (b0 >= nb) break;
-                    kquad g;
-                    const uint8_t *sbp = row + (size_t)(b0 / 8) * sbb;
-                    if (q6) unpack_kq_q6k(sbp, qd & 1, &g);
-                    else unpack_kq_q45k(sbp, qd & 1, type == ES_TYPE_Q5_K, &g);
-                    const int8x16_t *wv = g.w;
-                    float32x4_t a = g.a, b = g.b;
-                    int32x4_t scl = g.sl, sch = g.sh;
-                    for (int n = 0; n < nt; n++) {
-                        const es_q8_group *xg = (const void *)(xg0 + (size_t)n * x_stride);
-                        const int8_t *xq = xg->qs + 16 * qd;
-                        int32x4_t lo = dot4(vdupq_n_s32(0), wv[0], vld1q_s8(xq));
-                        int32x4_t hi = dot4(vdupq_n_s32(0), wv[4], vld1q_s8(xq + 256));
-                        lo = dot4(lo, wv[1], vld1q_s8(xq + 64));
-                        hi = dot4(hi, wv[5], vld1q_s8(xq + 320));
-                        lo = dot4(lo, wv[2], vld1q_s8(xq + 128));
-                        hi = dot4(hi, wv[6], vld1q_s8(xq + 384));
-                        lo = dot4(lo, wv[3], vld1q_s8(xq + 192));
-                        hi = dot4(hi, wv[7], vld1q_s8(xq + 448));
-                        int32x4_t I = vaddq_s32(vmulq_s32(scl, lo), vmulq_s32(sch, hi));
-                        float32x4_t dx = vld1q_f32(xg->d + 4 * qd);
-                        float32x4_t c = vmulq_f32(vmulq_f32(a, dx), vcvtq_f32_s32(I));
-                        if (!q6) {
-                            int32x4_t J = vmulq_s32(g.jm, vld1q_s32(xg->qsum + 4 * qd));
-                            c = vaddq_f32(c, vmulq_f32(vmulq_f32(b, dx), vcvtq_f32_s32(J)));
-                        }
-                        acc[n * 4 + qd] = vaddq_f32(acc[n * 4 + qd], c);
-                    }
-                }
-            }
-            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc + 4 * n);
-        }
-    }
-}
-
-#define KKERNEL(name, t)                                                                  \
-    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
-                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
-        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
-    }
-KKERNEL(k_q4_k, ES_TYPE_Q4_K)
-KKERNEL(k_q5_k, ES_TYPE_Q5_K)
-KKERNEL(k_q6_k, ES_TYPE_Q6_K)
 
 /* Float weights: lane i % 16 += w[i] * x[i], 4 vectors of 4 lanes; the
  * ragged end goes through a zero-padded copy (adds +0). */
@@ -549,9 +403,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     case ES_TYPE_BF16: return k_bf16;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
-    case ES_TYPE_Q4_K: return k_q4_k;
-    case ES_TYPE_Q5_K: return k_q5_k;
-    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }

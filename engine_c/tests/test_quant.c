@@ -435,6 +435,70 @@ TEST(test_pack_per_build) {
     }
 }
 
+/* The documented packed layouts (quant.h), read back independently: the
+ * dequantized values of every row from its packed records equal
+ * es_dequantize_row of the original row bitwise, and padding rows are zero.
+ * es_pack_rows works in every build, whether or not it has a packed kernel. */
+static float packed_k_value(uint32_t type, const uint8_t *rec, int r, int j, int e) {
+    int k = e / 4, b = e % 4;
+    if (type == ES_TYPE_Q6_K) {
+        int h = j / 4, s = j % 4;
+        uint8_t lb = rec[(2 * h + (s & 1)) * 512 + 64 * k + 4 * r + b];
+        uint8_t hb = rec[ES_PK_Q6K_QH + 512 * h + 64 * k + 4 * r + b];
+        int q = ((s >= 2 ? lb >> 4 : lb & 15) | (((hb >> (2 * s)) & 3) << 4)) - 32;
+        int8_t sc = (int8_t)rec[ES_PK_Q6K_SC + 16 * (2 * j + e / 16) + r];
+        uint16_t dh;
+        memcpy(&dh, rec + ES_PK_Q6K_D + 2 * r, 2);
+        return es_fp16_to_fp32(dh) * (float)sc * (float)q;
+    }
+    int five = type == ES_TYPE_Q5_K;
+    uint8_t qb = rec[(j / 2) * 512 + 64 * k + 4 * r + b];
+    int q = (j & 1) ? qb >> 4 : qb & 15;
+    if (five) q |= ((rec[ES_PK_Q5K_QH + 64 * k + 4 * r + b] >> j) & 1) << 4;
+    uint8_t s12[12];
+    size_t so = five ? ES_PK_Q5K_SC : ES_PK_Q4K_SC;
+    for (int w = 0; w < 3; w++) memcpy(s12 + 4 * w, rec + so + 64 * w + 4 * r, 4);
+    int sc, m;
+    es_scale_min_k4(j, s12, &sc, &m);
+    uint16_t dh, mh;
+    memcpy(&dh, rec + (five ? ES_PK_Q5K_D : ES_PK_Q4K_D) + 2 * r, 2);
+    memcpy(&mh, rec + (five ? ES_PK_Q5K_DMIN : ES_PK_Q4K_DMIN) + 2 * r, 2);
+    float d1 = es_fp16_to_fp32(dh) * (float)sc, m1 = es_fp16_to_fp32(mh) * (float)m;
+    return d1 * (float)q - m1;
+}
+
+TEST(test_pack_layout_k) {
+    const uint32_t ts[3] = {ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    const int64_t n_in = 768, n_out = 21, nb = n_in / 256, ng = 2;
+    for (int ti = 0; ti < 3; ti++) {
+        uint32_t t = ts[ti];
+        size_t rec = es_pack_record_bytes(t);
+        CHECK(rec == 16 * blk_bytes(t));
+        CHECK(es_pack_block_elems(t) == 256);
+        wmat w = make_w(t, n_in, n_out);
+        uint8_t *pk = malloc((size_t)(ng * nb) * rec);
+        memset(pk, 0xAB, (size_t)(ng * nb) * rec);
+        es_pack_rows(t, w.data, w.t.row_bytes, n_in, n_out, pk);
+        float ref[768];
+        int bad = 0;
+        for (int64_t row = 0; row < ng * 16; row++) {
+            if (row < n_out) es_dequantize_row(t, w.data + (size_t)row * w.t.row_bytes, ref, n_in);
+            for (int64_t s = 0; s < nb; s++) {
+                const uint8_t *rp = pk + (size_t)((row / 16) * nb + s) * rec;
+                for (int i = 0; i < 256; i++) {
+                    float v = packed_k_value(t, rp, (int)(row % 16), i / 32, i % 32);
+                    float want = row < n_out ? ref[s * 256 + i] : 0.0f;
+                    if (memcmp(&v, &want, 4) != 0 && !(row >= n_out && v == 0.0f)) bad++;
+                }
+            }
+        }
+        if (bad) fprintf(stderr, "  type %u: %d values differ\n", t, bad);
+        CHECK_EQ_INT(bad, 0);
+        free(pk);
+        free_w(&w);
+    }
+}
+
 int main(void) {
     RUN(test_dequant_literal);
     RUN(test_dequant_k_literal);
@@ -447,5 +511,6 @@ int main(void) {
     RUN(test_unsupported_type);
     RUN(test_simd_name);
     RUN(test_pack_per_build);
+    RUN(test_pack_layout_k);
     return harness_report();
 }
