@@ -608,6 +608,142 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
     return acc;
 }
 
+/* ---- packed K types: one record = one super-block of 16 rows ----
+ * Sub-block j (0..7) of the record is activation block 8 (s % 2) + j of
+ * group s / 2 (s the super-block). Its 8 weight vectors (unsigned: Q4_K
+ * nibbles, Q5_K 5-bit, Q6_K 6-bit values) are made from the record with a
+ * shift and a mask (vpternlogd merges the high bits), then each row of the
+ * tile takes 8 vpdpbusd with its activation dwords broadcast:
+ *   Q4_K, Q5_K  I = sc * (the dot), vpmulld (exact: |I| < 2^24)
+ *   Q6_K        lo, hi = the dots over elements 0..15 and 16..31 minus
+ *               32 * (their activation sums), started at that value in
+ *               the vpdpbusd chains; I = sl * lo + sh * hi (vpmulld)
+ * and the contract's float steps run on 16 rows. The two-term part
+ * (b * d) * (float)J takes (float)J as (float)m * fq, a float product that
+ * is exact (|m * qsum| <= 63 * 4064 < 2^24) and so equal to (float)(m *
+ * qsum), except that it is -0 where J is +0 (m = 0, qsum < 0); a zero c
+ * only ever adds to y, which starts at +0 and so is never -0, and
+ * y + (+0) == y + (-0) for every such y: the stored bits are the same. */
+
+/* The 6-bit sub-block scales (S) and mins (M) of a Q4_K / Q5_K record:
+ * byte j % 4 of lane r of s[j / 4] / m[j / 4] is sub-block j's (ggml's
+ * get_scale_min_k4 on the 12 bytes at sc[0..2][r]). */
+static inline ES_AI void pk_scales(const uint8_t *p, __m512i s[2], __m512i m[2]) {
+    const __m512i u0 = _mm512_loadu_si512(p), u1 = _mm512_loadu_si512(p + 64), u2 = _mm512_loadu_si512(p + 128);
+    const __m512i m6 = _mm512_set1_epi8(0x3F), m4 = _mm512_set1_epi8(0x0F), h2 = _mm512_set1_epi8(0x30);
+    s[0] = _mm512_and_si512(u0, m6);
+    m[0] = _mm512_and_si512(u1, m6);
+    /* (low 4 bits) | (top 2 bits of byte j - 4) << 4: ternlog 0xCA is A ? B : C, A the mask 0x30 */
+    s[1] = _mm512_ternarylogic_epi32(h2, _mm512_srli_epi32(u0, 2), _mm512_and_si512(u2, m4), 0xCA);
+    m[1] = _mm512_ternarylogic_epi32(h2, _mm512_srli_epi32(u1, 2), _mm512_and_si512(_mm512_srli_epi32(u2, 4), m4), 0xCA);
+}
+
+/* Byte j % 4 of every lane of v as int32. */
+static inline ES_AI __m512i pk_byte(__m512i v, int j) {
+    j &= 3;
+    if (j == 3) return _mm512_srli_epi32(v, 24);
+    if (j) v = _mm512_srli_epi32(v, (unsigned)(8 * j));
+    return _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+}
+
+/* Chunk k of sub-block j's unsigned weights, 16 rows (record p). */
+static inline ES_AI __m512i pk_weights(const int type, const uint8_t *p, int j, int k) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == ES_TYPE_Q6_K) {
+        int h = j / 4, s = j % 4;
+        __m512i l = _mm512_loadu_si512(p + (2 * h + (s & 1)) * 512 + 64 * k);
+        __m512i q = _mm512_and_si512(s >= 2 ? _mm512_srli_epi16(l, 4) : l, m4);
+        __m512i hb = _mm512_loadu_si512(p + ES_PK_Q6K_QH + 512 * h + 64 * k);
+        /* bits 2s, 2s + 1 of each byte to bits 4, 5 (within the byte after the mask) */
+        hb = s < 2 ? _mm512_slli_epi16(hb, (unsigned)(4 - 2 * s)) : s == 2 ? hb : _mm512_srli_epi16(hb, 2);
+        return _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x30), hb, q, 0xEA);   /* q | (hb & 0x30) */
+    }
+    __m512i v = _mm512_loadu_si512(p + (j / 2) * 512 + 64 * k);
+    __m512i q = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(v, 4) : v, m4);
+    if (type == ES_TYPE_Q5_K) {
+        __m512i hb = _mm512_loadu_si512(p + ES_PK_Q5K_QH + 64 * k);
+        /* bit j of each byte to bit 4 */
+        hb = j <= 4 ? _mm512_slli_epi16(hb, (unsigned)(4 - j)) : _mm512_srli_epi16(hb, (unsigned)(j - 4));
+        q = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x10), hb, q, 0xEA);   /* q | (hb & 0x10) */
+    }
+    return q;
+}
+
+static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g, int64_t nsb, const uint8_t *x,
+                                  size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    const int q6 = type == ES_TYPE_Q6_K;
+    const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
+    const size_t dof = q6 ? ES_PK_Q6K_D : type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
+    const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
+    __m512 acc[PTILE];
+    UNROLL
+    for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+    if (pf == 2)
+        for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *p = g + (size_t)sb * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + dof)));
+        __m512 b = _mm512_setzero_ps();
+        __m512i S[2], M[2];
+        if (!q6) {
+            /* b = -dmin: the sign bit flipped, exact */
+            b = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + mof)))),
+                _mm512_set1_epi32((int)0x80000000u)));
+            pk_scales(p + sco, S, M);
+        }
+        const uint8_t *xb = x + (size_t)(sb / 2) * sizeof(es_q8_group);
+        const int j0 = 8 * (int)(sb % 2);
+        for (int j = 0; j < 8; j++) {
+            __m512i w[8];
+            UNROLL
+            for (int k = 0; k < 8; k++) w[k] = pk_weights(type, p, j, k);
+            __m512i sl, sh = _mm512_setzero_si512();
+            __m512 fm = _mm512_setzero_ps();
+            if (q6) {
+                sl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j)));
+                sh = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j + 16)));
+            } else {
+                sl = pk_byte(S[j / 4], j);
+                fm = _mm512_cvtepi32_ps(pk_byte(M[j / 4], j));
+            }
+            const int jj = j0 + j;
+            UNROLL
+            for (int n = 0; n < nt; n++) {
+                const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
+                const int8_t *q = xg->qs + 4 * jj;
+                __m512i i0, i1;
+                if (q6) {
+                    int32_t lo = xg->qlo[jj], hi = xg->qsum[jj] - lo;
+                    i0 = dpbusd_b(_mm512_set1_epi32(-32 * lo), w[0], q);
+                    i1 = dpbusd_b(_mm512_set1_epi32(-32 * hi), w[4], q + 256);
+                } else {
+                    i0 = dpbusd_b(_mm512_setzero_si512(), w[0], q);
+                    i1 = dpbusd_b(_mm512_setzero_si512(), w[4], q + 256);
+                }
+                UNROLL
+                for (int k = 1; k < 4; k++) {
+                    i0 = dpbusd_b(i0, w[k], q + 64 * k);
+                    i1 = dpbusd_b(i1, w[k + 4], q + 64 * (k + 4));
+                }
+                __m512i I = q6 ? _mm512_add_epi32(_mm512_mullo_epi32(sl, i0), _mm512_mullo_epi32(sh, i1))
+                               : _mm512_mullo_epi32(sl, _mm512_add_epi32(i0, i1));
+                const __m512 dx = _mm512_set1_ps(xg->d[jj]);
+                __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
+                if (!q6)
+                    c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_mul_ps(fm, _mm512_set1_ps(xg->fq[jj]))));
+                acc[n] = _mm512_add_ps(acc[n], c);
+            }
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    UNROLL
+    for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
+}
+
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
  * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
  * pf: 0 no prefetch (a later tile), 1 the rolling prefetch ES_PF_BYTES
@@ -618,6 +754,10 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
  * group are not free. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    if (type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K) {
+        pgroup_k(nt, type, g, nb, x, xs, Y, ldy, nr, pf);
+        return;
+    }
     const size_t rec = es_pack_record_bytes((uint32_t)type);
     const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
     __m512 acc[PTILE];
@@ -660,7 +800,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
 }
 
-ES_PACKED_KERNELS(es_x86_packed_kernel)
+ES_PACKED_KERNELS_K(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {

@@ -416,23 +416,38 @@ TEST(test_simd_name) {
 TEST(test_pack_per_build) {
     /* Q4_0 / Q4_1 / Q8_0 are packed (and the packed kernels run, compared
        with the scalar ones above) exactly where the build has packed
-       kernels: AVX-512, AVX2, NEON with dotprod; never in a scalar build */
+       kernels: AVX-512, AVX2, NEON with dotprod; never in a scalar build.
+       Q4_K / Q5_K / Q6_K: AVX-512 and AVX2 only (NEON runs them scalar). */
     const char *s = es_quant_simd_name();
     int want = !strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod");
+    int want_k = !strcmp(s, "avx512") || !strcmp(s, "avx2");
 #ifdef ES_FORCE_SCALAR
-    CHECK(!want);
+    CHECK(!want && !want_k);
 #endif
-    const uint32_t ts[4] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K};
-    for (int i = 0; i < 4; i++) {
-        wmat w = make_w(ts[i], 256, 20);
+    const uint32_t ts[6] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    for (int i = 0; i < 6; i++) {
+        wmat w = make_w(ts[i], 512, 20);
         es_tensor_unpack(&w.t);
         CHECK(w.t.packed == NULL);
         int r = es_tensor_pack(&w.t);
-        CHECK_EQ_INT(r, ts[i] == ES_TYPE_Q4_K ? 0 : want);
+        CHECK_EQ_INT(r, blk_elems(ts[i]) == 256 ? want_k : want);
         CHECK((w.t.packed != NULL) == (r == 1));
-        if (r == 1) CHECK(w.t.packed_bytes == 2 * 8 * es_pack_record_bytes(ts[i]));   /* 2 groups x 8 blocks */
+        /* 2 groups x (16 blocks or 2 super-blocks) */
+        if (r == 1) CHECK(w.t.packed_bytes == 2 * (512 / (size_t)blk_elems(ts[i])) * es_pack_record_bytes(ts[i]));
         free_w(&w);
     }
+}
+
+TEST(test_matmul_k_n_1_to_33) {
+    /* the packed K kernels: every N from 1 to 33 (register tiles of 1..8
+       rows and their splits), rows ending in a partial 16-row group, rows
+       of 2 super-blocks (one activation group) and of 3 (a lone one) */
+    es_pool *pools[3] = {es_pool_new(2), es_pool_new(3), NULL};
+    const uint32_t ts[3] = {ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    for (int ti = 0; ti < 3; ti++)
+        for (int N = 1; N <= 33; N++) check_shape(ts[ti], N % 2 ? 768 : 512, N % 3 ? 37 : 16, N, N % 4 ? NULL : pools);
+    es_pool_free(pools[0]);
+    es_pool_free(pools[1]);
 }
 
 /* The documented packed layouts (quant.h), read back independently: the
@@ -506,6 +521,7 @@ int main(void) {
     RUN(test_quantize_simd_vs_ref);
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
+    RUN(test_matmul_k_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
     RUN(test_unsupported_type);
