@@ -54,10 +54,9 @@
  * Bitwise equality holds for finite inputs; with NaN weights or activations
  * the results are NaN on every path but NaN payloads may differ.
  *
- * SIMD coverage: AVX-512 VNNI and AVX2 have packed kernels for Q4_0, Q4_1,
- * Q8_0, Q4_K, Q5_K and Q6_K; NEON dotprod for Q4_0, Q4_1 and Q8_0 (NEON
- * without dotprod: none; the weights then stay unpacked and use the scalar
- * kernels). Every path has lane kernels for F32, F16, BF16, Q5_0 and Q5_1
+ * SIMD coverage: AVX-512 VNNI, AVX2 and NEON dotprod have packed kernels
+ * for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (NEON without dotprod: none;
+ * the weights then stay unpacked and use the scalar kernels). Every path has lane kernels for F32, F16, BF16, Q5_0 and Q5_1
  * (NEON: dotprod or widening multiplies).
  *
  * es_matmul (and es_matmul_many, several matrices on one X) cut output rows

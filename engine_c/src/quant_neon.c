@@ -2,10 +2,9 @@
  * quant_neon.c - NEON (dotprod) matmul kernels for aarch64. Same contract
  * and results (bitwise) as the scalar kernels in quant.c.
  *
- * Packed types (Q4_0, Q4_1, Q8_0; dotprod builds only): see "packed
- * kernels" below. Without dotprod these types use the scalar kernels, and
- * so do Q4_K, Q5_K and Q6_K (sequential types with no NEON packed kernel
- * yet: es_neon_packed_kernel returns NULL for them, so they stay unpacked).
+ * Packed types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; dotprod builds only):
+ * see "packed kernels" below. Without dotprod these types use the scalar
+ * kernels (es_neon_packed_kernel returns NULL, so they stay unpacked).
  *
  * Lane types (Q5_0, Q5_1): a group of 16 weight blocks
  * (one es_q8_group of activations) is handled as 4 quads of 4 blocks. A
@@ -331,21 +330,187 @@ static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_
     }
 }
 
-/* One group of 16 weight rows (nb records at g) times a tile of nt (a
- * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
- * Quarters wholly past nr are skipped. */
+/* ---- packed K types (Q4_K, Q5_K, Q6_K): one record = one super-block of
+ * 16 rows = 8 sub-blocks of 32 elements ----
+ * Sub-block j of record s is activation block 8 (s % 2) + j of group s / 2.
+ * As above, a record is handled in quarters of 4 rows over a segment of
+ * PSEG_K records; per quarter and record the d (and dmin) of the 4 rows and
+ * their sub-block scales are unpacked once, then per sub-block the 8
+ * weight vectors (vector k, lane i = elements 4k..4k+3 of row 4q+i), and
+ * every activation row of the tile takes 8 sdot by element:
+ *   Q4_K, Q5_K  unsigned 4- / 5-bit weights (0..31: exact as int8); I =
+ *               sc * (the dot), an int32 multiply (exact: |I| < 2^22)
+ *   Q6_K        q - 32 (-32..31: exact as int8); lo, hi = the dots over
+ *               elements 0..15 and 16..31; I = sl * lo + sh * hi (int32
+ *               multiply and multiply-add; exact: |I| < 2^24)
+ * then the contract's float steps on the 4 rows. The two-term part
+ * (b * d) * (float)J takes (float)J as (float)m * fq, a float product that
+ * is exact (|m * qsum| <= 63 * 4064 < 2^24) and so equal to (float)(m *
+ * qsum), except that it is -0 where J is +0 (m = 0, qsum < 0); a zero c
+ * only ever adds to y, which starts at +0 and so is never -0, and
+ * y + (+0) == y + (-0) for every such y: the stored bits are the same. */
+
+#define PSEG_K 8   /* K records per segment: 18 KB (Q4_K) to 27 KB (Q6_K), in the A76's 64 KB L1 */
+
+/* One quarter of a K record: the per-row factors and sub-block scales. */
+typedef struct {
+    float32x4_t a, b;   /* d, -dmin (Q6_K: d only) */
+    uint8x16_t s[2], m[2];   /* Q4_K / Q5_K: byte j % 4 of lane i of s[j / 4] / m[j / 4] = sub-block j's
+                                6-bit scale / min of row 4q+i (ggml's get_scale_min_k4) */
+} pkquarter;
+
+static inline ES_AI void pk_setup(const int type, const uint8_t *p, int q, pkquarter *u) {
+    if (type == ES_TYPE_Q6_K) {
+        u->a = f16x4(p + ES_PK_Q6K_D + 8 * q);
+        return;
+    }
+    const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
+    const size_t dof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
+    const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
+    u->a = f16x4(p + dof + 8 * q);
+    u->b = vnegq_f32(f16x4(p + mof + 8 * q));   /* b = -dmin: the sign flipped, exact */
+    const uint8x16_t u0 = vld1q_u8(p + sco + 16 * q), u1 = vld1q_u8(p + sco + 64 + 16 * q);
+    const uint8x16_t u2 = vld1q_u8(p + sco + 128 + 16 * q);
+    const uint8x16_t m6 = vdupq_n_u8(0x3F), h2 = vdupq_n_u8(0x30);
+    u->s[0] = vandq_u8(u0, m6);
+    u->m[0] = vandq_u8(u1, m6);
+    /* sub-blocks 4..7: low 4 bits from byte j + 4, top 2 from the top of byte j - 4 */
+    u->s[1] = vbslq_u8(h2, vshrq_n_u8(u0, 2), vandq_u8(u2, vdupq_n_u8(0x0F)));
+    u->m[1] = vbslq_u8(h2, vshrq_n_u8(u1, 2), vshrq_n_u8(u2, 4));
+}
+
+/* Byte j % 4 of every 32-bit lane of v, as int32. */
+static inline ES_AI int32x4_t pk_byte(uint8x16_t v, int j) {
+    uint32x4_t w = vreinterpretq_u32_u8(v);
+    j &= 3;
+    if (j == 3) return vreinterpretq_s32_u32(vshrq_n_u32(w, 24));
+    if (j == 1) w = vshrq_n_u32(w, 8);
+    if (j == 2) w = vshrq_n_u32(w, 16);
+    return vreinterpretq_s32_u32(vandq_u32(w, vdupq_n_u32(0xFF)));
+}
+
+/* The 8 weight vectors of sub-block j (a constant), quarter q of record p. */
+static inline ES_AI void pk_weights(const int type, const uint8_t *p, int q, const int j, int8x16_t w[8]) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    if (type == ES_TYPE_Q6_K) {
+        const int h = j / 4, s = j % 4;
+        const uint8_t *l = p + (2 * h + (s & 1)) * 512 + 16 * q, *hp = p + ES_PK_Q6K_QH + 512 * h + 16 * q;
+        UNROLL
+        for (int k = 0; k < 8; k++) {
+            uint8x16_t v = vld1q_u8(l + 64 * k), hb = vld1q_u8(hp + 64 * k);
+            v = s >= 2 ? vshrq_n_u8(v, 4) : vandq_u8(v, m4);
+            /* bits 2s, 2s + 1 of each byte to bits 4, 5 */
+            if (s == 0) hb = vshlq_n_u8(hb, 4);
+            if (s == 1) hb = vshlq_n_u8(hb, 2);
+            if (s == 3) hb = vshrq_n_u8(hb, 2);
+            w[k] = vsubq_s8(vreinterpretq_s8_u8(vbslq_u8(vdupq_n_u8(0x30), hb, v)), vdupq_n_s8(32));
+        }
+        return;
+    }
+    const uint8_t *l = p + (j / 2) * 512 + 16 * q;
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        uint8x16_t v = vld1q_u8(l + 64 * k);
+        v = (j & 1) ? vshrq_n_u8(v, 4) : vandq_u8(v, m4);
+        if (type == ES_TYPE_Q5_K) {
+            uint8x16_t hb = vld1q_u8(p + ES_PK_Q5K_QH + 64 * k + 16 * q);
+            /* bit j of each byte to bit 4 */
+            if (j < 4) hb = vshlq_n_u8(hb, 4 - j);
+            if (j > 4) hb = vshrq_n_u8(hb, j - 4);
+            v = vbslq_u8(vdupq_n_u8(0x10), hb, v);
+        }
+        w[k] = vreinterpretq_s8_u8(v);
+    }
+}
+
+/* Sub-block j of a record's quarter into the nt rows' acc; xr[n] = row n's
+ * es_q8_group of the record, jj = the sub-block's block in it. */
+static inline ES_AI void pk_rows(const int nt, const int type, const pkquarter *u, const int8x16_t w[8], int j,
+                                 const uint8_t *const *xr, int jj, const uint8_t *p, int q, float32x4_t *acc) {
+    int32x4_t sl, sh = vdupq_n_s32(0);
+    float32x4_t fm = vdupq_n_f32(0.0f);
+    if (type == ES_TYPE_Q6_K) {
+        int32_t t0, t1;
+        memcpy(&t0, p + ES_PK_Q6K_SC + 32 * j + 4 * q, 4);
+        memcpy(&t1, p + ES_PK_Q6K_SC + 32 * j + 16 + 4 * q, 4);
+        sl = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(t0)))));
+        sh = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(t1)))));
+    } else {
+        sl = pk_byte(u->s[j / 4], j);
+        fm = vcvtq_f32_s32(pk_byte(u->m[j / 4], j));
+    }
+    UNROLL
+    for (int n = 0; n < nt; n++) {
+        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, fq [jj] at their offsets from it */
+        float d, fq;
+        memcpy(&d, b + offsetof(es_q8_group, d), 4);
+        int32x4_t I;
+        if (type == ES_TYPE_Q6_K) {
+            int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
+            UNROLL
+            for (int k = 0; k < 4; k++) {
+                lo = vdotq_lane_s32(lo, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
+                hi = vdotq_lane_s32(hi, w[k + 4], vld1_s8((const int8_t *)(b + 64 * (k + 4))), 0);
+            }
+            I = vmlaq_s32(vmulq_s32(sl, lo), sh, hi);
+        } else {
+            int32x4_t s0 = vdupq_n_s32(0), s1 = vdupq_n_s32(0);
+            UNROLL
+            for (int k = 0; k < 4; k++) {
+                s0 = vdotq_lane_s32(s0, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
+                s1 = vdotq_lane_s32(s1, w[k + 4], vld1_s8((const int8_t *)(b + 64 * (k + 4))), 0);
+            }
+            I = vmulq_s32(sl, vaddq_s32(s0, s1));
+        }
+        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), vcvtq_f32_s32(I));
+        if (type != ES_TYPE_Q6_K) {
+            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
+            c = vaddq_f32(c, vmulq_f32(vmulq_n_f32(u->b, d), vmulq_n_f32(fm, fq)));
+        }
+        acc[n] = vaddq_f32(acc[n], c);
+    }
+}
+
+/* Quarter q of K records [s0, s1) into acc. */
+static inline ES_AI void pk_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int q,
+                                const uint8_t *x, size_t xs, float32x4_t *acc) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    const uint8_t *p = g + (size_t)s0 * rec;
+    for (int64_t s = s0; s < s1; s++, p += rec) {
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(s / 2) * sizeof(es_q8_group);
+        const int j0 = 8 * (int)(s % 2);
+        pkquarter u;
+        pk_setup(type, p, q, &u);
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            int8x16_t w[8];
+            pk_weights(type, p, q, j, w);
+            pk_rows(nt, type, &u, w, j, xr, j0 + j, p, q, acc);
+        }
+    }
+}
+
+/* One group of 16 weight rows (nb records at g: blocks, or super-blocks
+ * for the K types) times a tile of nt (a constant 1..PTILE) activation
+ * rows x; stores nr (1..16) outputs per row. Quarters wholly past nr are
+ * skipped. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
     (void)pf;   /* no software prefetch here: not measured on an A76 yet */
     const int nq = (nr + 3) / 4;
+    const int kt = type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K;
+    const int64_t seg = kt ? PSEG_K : PSEG;
     float32x4_t part[4][PTILE];
-    for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
-        int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
+    for (int64_t s0 = 0; s0 < nb; s0 += seg) {
+        int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
         for (int q = 0; q < nq; q++) {
             float32x4_t acc[PTILE];
             UNROLL
             for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? vdupq_n_f32(0.0f) : part[q][n];
-            pquarter_run(nt, type, g, s0, s1, q, x, xs, acc);
+            if (kt) pk_run(nt, type, g, s0, s1, q, x, xs, acc);
+            else pquarter_run(nt, type, g, s0, s1, q, x, xs, acc);
             UNROLL
             for (int n = 0; n < nt; n++) part[q][n] = acc[n];
         }
@@ -363,7 +528,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         }
 }
 
-ES_PACKED_KERNELS(es_neon_packed_kernel)
+ES_PACKED_KERNELS_K(es_neon_packed_kernel)
 #else
 es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 #endif
