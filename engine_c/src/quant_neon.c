@@ -264,6 +264,18 @@ static inline ES_AI float32x4_t f16x4(const uint8_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(const void *)p)));
 }
 
+/* int32 -> float for |v| < 2^22 without a conversion instruction (on the
+ * A76 a 4-lane scvtf is two uops on one of the two ASIMD pipes): an sdot
+ * chain that starts at MAGIC_I (the bits of 1.5 * 2^23) ends at the bits of
+ * the float 1.5 * 2^23 + v (the exponent stays that of [2^23, 2^24), the
+ * mantissa holds 2^22 + v), and from_magic subtracts 1.5 * 2^23, which is
+ * exact: the result is bitwise vcvtq_f32_s32(v), +0 for v = 0. */
+#define MAGIC_I 0x4B400000
+static inline ES_AI float32x4_t from_magic(int32x4_t m) {
+    return vsubq_f32(vreinterpretq_f32_s32(m), vdupq_n_f32(12582912.0f));
+}
+static inline ES_AI float32x4_t small_to_f32(int32x4_t v) { return from_magic(vaddq_s32(v, vdupq_n_s32(MAGIC_I))); }
+
 /* Quarter q of the record at p. */
 static inline ES_AI void punpack(const int type, const uint8_t *p, int q, pquarter *u) {
     const uint8_t *s = p + 16 * q;
@@ -296,14 +308,15 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
         float d, dq;
         int32_t qsum;
         memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        int32x4_t I = vdupq_n_s32(0);
+        /* |I| <= 32 * 128 * 127 < 2^22 (Q8_0; Q4_0, Q4_1 less): from_magic is (float)I */
+        int32x4_t I = vdupq_n_s32(MAGIC_I);
         if (type == ES_TYPE_Q4_0) {
             memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-            I = vdupq_n_s32(-8 * qsum);
+            I = vdupq_n_s32(MAGIC_I - 8 * qsum);
         }
         UNROLL
         for (int k = 0; k < 8; k++) I = vdotq_lane_s32(I, u->w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
-        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), vcvtq_f32_s32(I));
+        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), from_magic(I));
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
             c = vaddq_f32(c, vmulq_n_f32(u->b, dq));
@@ -338,17 +351,22 @@ static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_
  * their sub-block scales are unpacked once, then per sub-block the 8
  * weight vectors (vector k, lane i = elements 4k..4k+3 of row 4q+i), and
  * every activation row of the tile takes 8 sdot by element:
- *   Q4_K, Q5_K  unsigned 4- / 5-bit weights (0..31: exact as int8); I =
- *               sc * (the dot), an int32 multiply (exact: |I| < 2^22)
+ *   Q4_K, Q5_K  unsigned 4- / 5-bit weights (0..31: exact as int8); the
+ *               dot D (|D| <= 32 * 31 * 127 < 2^22) to float by from_magic;
+ *               (float)I = (float)sc * (float)D
  *   Q6_K        q - 32 (-32..31: exact as int8); lo, hi = the dots over
- *               elements 0..15 and 16..31; I = sl * lo + sh * hi (int32
- *               multiply and multiply-add; exact: |I| < 2^24)
- * then the contract's float steps on the 4 rows. The two-term part
- * (b * d) * (float)J takes (float)J as (float)m * fq, a float product that
- * is exact (|m * qsum| <= 63 * 4064 < 2^24) and so equal to (float)(m *
- * qsum), except that it is -0 where J is +0 (m = 0, qsum < 0); a zero c
- * only ever adds to y, which starts at +0 and so is never -0, and
- * y + (+0) == y + (-0) for every such y: the stored bits are the same. */
+ *               elements 0..15 and 16..31 (|lo|, |hi| <= 16 * 32 * 127),
+ *               to float by from_magic; (float)I = (float)sl * lo +
+ *               (float)sh * hi
+ * then the contract's float steps on the 4 rows. Those float forms of I
+ * (and of J = m * qsum in the two-term part: (float)m * fq) are exact:
+ * every product is an integer below 2^24 in magnitude (63 * 125984,
+ * 128 * 65024, 63 * 4064), and so is Q6_K's sum (|I| < 2^24), so each
+ * equals (float)I (or (float)J) except that it may be -0 where I (J) is 0
+ * (a zero factor times a negative one; -0 + -0). A product (a * d) * (+-0)
+ * or a c that is +-0 only ever adds to y, which starts at +0 and so is
+ * never -0, and y + (+0) == y + (-0) for every such y: the stored bits are
+ * the same (a NaN or infinite a * d makes c NaN either way). */
 
 #define PSEG_K 8   /* K records per segment: 18 KB (Q4_K) to 27 KB (Q6_K), in the A76's 64 KB L1 */
 
@@ -427,42 +445,39 @@ static inline ES_AI void pk_weights(const int type, const uint8_t *p, int q, con
  * es_q8_group of the record, jj = the sub-block's block in it. */
 static inline ES_AI void pk_rows(const int nt, const int type, const pkquarter *u, const int8x16_t w[8], int j,
                                  const uint8_t *const *xr, int jj, const uint8_t *p, int q, float32x4_t *acc) {
-    int32x4_t sl, sh = vdupq_n_s32(0);
-    float32x4_t fm = vdupq_n_f32(0.0f);
+    float32x4_t sl, sh = vdupq_n_f32(0.0f), fm = vdupq_n_f32(0.0f);   /* scales and min as floats */
     if (type == ES_TYPE_Q6_K) {
         int32_t t0, t1;
         memcpy(&t0, p + ES_PK_Q6K_SC + 32 * j + 4 * q, 4);
         memcpy(&t1, p + ES_PK_Q6K_SC + 32 * j + 16 + 4 * q, 4);
-        sl = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(t0)))));
-        sh = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(t1)))));
+        int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vset_lane_s32(t1, vdup_n_s32(t0), 1)));
+        sl = small_to_f32(vmovl_s16(vget_low_s16(h)));
+        sh = small_to_f32(vmovl_high_s16(h));
     } else {
-        sl = pk_byte(u->s[j / 4], j);
-        fm = vcvtq_f32_s32(pk_byte(u->m[j / 4], j));
+        sl = small_to_f32(pk_byte(u->s[j / 4], j));
+        fm = small_to_f32(pk_byte(u->m[j / 4], j));
     }
     UNROLL
     for (int n = 0; n < nt; n++) {
         const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, fq [jj] at their offsets from it */
         float d, fq;
         memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        int32x4_t I;
+        float32x4_t fI;   /* (float)I, see above */
         if (type == ES_TYPE_Q6_K) {
-            int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
+            int32x4_t lo = vdupq_n_s32(MAGIC_I), hi = vdupq_n_s32(MAGIC_I);
             UNROLL
             for (int k = 0; k < 4; k++) {
                 lo = vdotq_lane_s32(lo, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
                 hi = vdotq_lane_s32(hi, w[k + 4], vld1_s8((const int8_t *)(b + 64 * (k + 4))), 0);
             }
-            I = vmlaq_s32(vmulq_s32(sl, lo), sh, hi);
+            fI = vaddq_f32(vmulq_f32(sl, from_magic(lo)), vmulq_f32(sh, from_magic(hi)));
         } else {
-            int32x4_t s0 = vdupq_n_s32(0), s1 = vdupq_n_s32(0);
+            int32x4_t D = vdupq_n_s32(MAGIC_I);
             UNROLL
-            for (int k = 0; k < 4; k++) {
-                s0 = vdotq_lane_s32(s0, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
-                s1 = vdotq_lane_s32(s1, w[k + 4], vld1_s8((const int8_t *)(b + 64 * (k + 4))), 0);
-            }
-            I = vmulq_s32(sl, vaddq_s32(s0, s1));
+            for (int k = 0; k < 8; k++) D = vdotq_lane_s32(D, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
+            fI = vmulq_f32(sl, from_magic(D));
         }
-        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), vcvtq_f32_s32(I));
+        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), fI);
         if (type != ES_TYPE_Q6_K) {
             memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
             c = vaddq_f32(c, vmulq_f32(vmulq_n_f32(u->b, d), vmulq_n_f32(fm, fq)));
@@ -488,6 +503,12 @@ static inline ES_AI void pk_run(const int nt, const int type, const uint8_t *g, 
             int8x16_t w[8];
             pk_weights(type, p, q, j, w);
             pk_rows(nt, type, &u, w, j, xr, j0 + j, p, q, acc);
+            /* Empty asm statements that take the accumulators and may touch
+               memory: each sub-block's sums are then complete here, before the
+               next sub-block's loads. Without them GCC hoists the loads of all 8
+               sub-blocks and sinks their float steps, and spills registers. */
+            UNROLL
+            for (int n = 0; n < nt; n++) __asm__ volatile("" : "+w"(acc[n]) : : "memory");
         }
     }
 }
