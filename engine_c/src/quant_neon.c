@@ -312,7 +312,9 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
         int32x4_t I = vdupq_n_s32(MAGIC_I);
         if (type == ES_TYPE_Q4_0) {
             memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-            I = vdupq_n_s32(MAGIC_I - 8 * qsum);
+            int32_t st = MAGIC_I - 8 * qsum;
+            __asm__("" : "+r"(st));   /* computed in a general register (GCC would use vector ones) */
+            I = vdupq_n_s32(st);
         }
         UNROLL
         for (int k = 0; k < 8; k++) I = vdotq_lane_s32(I, u->w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
