@@ -14,7 +14,8 @@ estimated from the aarch64 machine code of the NEON kernels:
      Scheduling models: LLVM's "cortex-a76" is the Cortex-A57 model in LLVM 14 and 19 (3-wide,
      one load pipe, 128-bit ASIMD as two 64-bit halves): a pessimistic bound. LLVM 19's
      "neoverse-n1" model describes the Neoverse N1, the server version of the A76 core (same
-     pipelines: 2 load, 2 ASIMD V0/V1, 3 integer): the estimate uses it when llvm-mca-19 is there.
+     pipelines: 2 load, 2 ASIMD V0/V1, 3 integer). The step estimate is printed for each model
+     found (the N1 one is the estimate; the A57 one a pessimistic bound).
   2. instructions per forward (optional, --count MODEL.gguf): bench/a76_count.c (aarch64, one
      thread) runs under qemu-aarch64 with bench/a76_insn_plugin.so, which counts executed
      instructions; REPS = 2 minus REPS = 0, halved, is one forward (N = 1 and N = 5).
@@ -230,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
                     cyc[(m, t, nt)] = 4 * mca_cycles(body, m, c, tmp)
                     row.append(f"{cyc[(m, t, nt)]:.0f}")
                 print(f"| {t} | {nt} | " + " | ".join(row) + f" | {16 * BYTES[t]} |")
-        best = models[-1][0]
-        print(f"\nThe estimate below uses {best} ({dict(models)[best]}).\n")
 
         counted: dict = {(sh, int(n)): float(m) * 1e6 for sh, n, m in args.insns}
         base: dict = {}
@@ -240,42 +239,49 @@ def main(argv: list[str] | None = None) -> int:
             for n in (1, 5):
                 counted[(shape, n)] = count_forward(model, n, args.count_depth or args.depth, tmp, base)
 
-        print("## Estimate per step on the RK3588 (4 x A76 at 2.4 GHz, 20 GB/s), depth", args.depth, "\n")
-        print("| model | N | weight MB/step | memory floor ms | matmul compute ms (4 thr) | matmul instr M "
-              "| qemu instr/forward M | rest ms (IPC 1 / 2) | T or V(4) est. ms (IPC 1 / 2) |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for name, s in SHAPES.items():
-            plan = llama_q4_k_m_plan(**s)
-            res: dict[int, tuple[float, float]] = {}
-            for n in (1, 5):
-                nt = n if n <= PTILE else None
-                tot_ms = 0.0
-                mem_ms_all = comp_ms_all = instr = 0.0
-                wbytes = 0
-                for _, t, n_in, n_out, count in plan:
-                    recs = (n_out + 15) // 16 * (n_in // ELEMS[t]) * count
-                    b = recs * 16 * BYTES[t]
-                    wbytes += b
-                    c_ms = recs * cyc[(best, t, nt)] / THREADS / (GHZ * 1e6)
-                    m_ms = b / (STREAM_GBS * 1e6)
-                    instr += recs * 4 * len(loops[t][nt])
-                    comp_ms_all += c_ms
-                    mem_ms_all += m_ms
-                    tot_ms += max(c_ms, m_ms)
-                kvb = kv_bytes(s, args.depth)
-                tot_ms += kvb / (STREAM_GBS * 1e6)
-                q = counted.get((name, n))
-                rest_instr = (q - instr) if q else rest_instructions(s, n, args.depth)
-                if q and (args.count_depth or args.depth) != args.depth:
-                    log(f"note: {name}: the rest is counted at depth {args.count_depth}, not {args.depth}")
-                # the rest at 1 and at 2 instructions per cycle, shared out by the pool's 4 threads
-                rest_ms = [max(rest_instr, 0) / ipc / THREADS / (GHZ * 1e6) for ipc in (1, 2)]
-                res[n] = (tot_ms + rest_ms[0], tot_ms + rest_ms[1])
-                print(f"| {name} | {n} | {wbytes / 1e6:.0f} | {(wbytes + kvb) / (STREAM_GBS * 1e6):.1f} "
-                      f"| {comp_ms_all:.1f} | {instr / 1e6:.0f} | {q / 1e6 if q else float('nan'):.0f} "
-                      f"| {rest_ms[0]:.1f} / {rest_ms[1]:.1f} | {res[n][0]:.1f} / {res[n][1]:.1f} |")
-            print(f"| {name} | V(4)/T | | | | | | | {res[5][0] / res[1][0]:.2f} / {res[5][1] / res[1][1]:.2f} |")
+        for mca, cpu in models:
+            estimate_table(args, loops, cyc, counted, mca, cpu)
     return 0
+
+
+def estimate_table(args: argparse.Namespace, loops: dict, cyc: dict, counted: dict, best: str, cpu: str) -> None:
+    """The step estimate (markdown) with the cycles of llvm-mca `best` (-mcpu=cpu)."""
+    print(f"\n## Estimate per step on the RK3588 (4 x A76 at 2.4 GHz, 20 GB/s), depth {args.depth}, "
+          f"cycles from {best} -mcpu={cpu}\n")
+    print("| model | N | weight MB/step | memory floor ms | matmul compute ms (4 thr) | matmul instr M "
+          "| qemu instr/forward M | rest ms (IPC 1 / 2) | T or V(4) est. ms (IPC 1 / 2) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, s in SHAPES.items():
+        plan = llama_q4_k_m_plan(**s)
+        res: dict[int, tuple[float, float]] = {}
+        for n in (1, 5):
+            nt = n if n <= PTILE else None
+            tot_ms = 0.0
+            mem_ms_all = comp_ms_all = instr = 0.0
+            wbytes = 0
+            for _, t, n_in, n_out, count in plan:
+                recs = (n_out + 15) // 16 * (n_in // ELEMS[t]) * count
+                b = recs * 16 * BYTES[t]
+                wbytes += b
+                c_ms = recs * cyc[(best, t, nt)] / THREADS / (GHZ * 1e6)
+                m_ms = b / (STREAM_GBS * 1e6)
+                instr += recs * 4 * len(loops[t][nt])
+                comp_ms_all += c_ms
+                mem_ms_all += m_ms
+                tot_ms += max(c_ms, m_ms)
+            kvb = kv_bytes(s, args.depth)
+            tot_ms += kvb / (STREAM_GBS * 1e6)
+            q = counted.get((name, n))
+            rest_instr = (q - instr) if q else rest_instructions(s, n, args.depth)
+            if q and (args.count_depth or args.depth) != args.depth:
+                log(f"note: {name}: the rest is counted at depth {args.count_depth}, not {args.depth}")
+            # the rest at 1 and at 2 instructions per cycle, shared out by the pool's 4 threads
+            rest_ms = [max(rest_instr, 0) / ipc / THREADS / (GHZ * 1e6) for ipc in (1, 2)]
+            res[n] = (tot_ms + rest_ms[0], tot_ms + rest_ms[1])
+            print(f"| {name} | {n} | {wbytes / 1e6:.0f} | {(wbytes + kvb) / (STREAM_GBS * 1e6):.1f} "
+                  f"| {comp_ms_all:.1f} | {instr / 1e6:.0f} | {q / 1e6 if q else float('nan'):.0f} "
+                  f"| {rest_ms[0]:.1f} / {rest_ms[1]:.1f} | {res[n][0]:.1f} / {res[n][1]:.1f} |")
+        print(f"| {name} | V(4)/T | | | | | | | {res[5][0] / res[1][0]:.2f} / {res[5][1] / res[1][1]:.2f} |")
 
 
 if __name__ == "__main__":
