@@ -392,7 +392,7 @@ static int64_t step_bytes(const es_model *m) {
 
 /* ---- public ------------------------------------------------------------ */
 
-/* Repack the matmul weights of type Q4_0 / Q4_1 / Q8_0 (the layers' seven
+/* Repack the matmul weights of the packed types (quant.h; the layers' seven
  * matrices and the output projection, which is token_embd when tied) for the
  * SIMD kernels (quant.h: es_tensor_pack; nothing in builds without a packed
  * kernel). The packed copy replaces the mapped bytes in every matmul; the

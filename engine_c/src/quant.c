@@ -36,16 +36,17 @@
  *              16-element half folded in (so I covers both halves)
  *      Integer sums are exact, so their summation order is free (SIMD uses
  *      dot-product instructions in any order); only the float steps are fixed.
- *   3. Lane types (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): lane[j % 16] += c for
- *      j = 0, 1, 2, ... in order (lanes start at +0), then Y = the fixed
- *      tree es_lane_sum (quant.h). A lane starting at +0 never becomes -0,
- *      so SIMD paths may add +0 for padding blocks.
- *      Sequential types (Q4_0, Q4_1, Q8_0): y = +0, then y += c for
- *      j = 0, 1, 2, ... in order; Y = y. Their SIMD kernels run on packed
- *      weights (quant.h: es_tensor_pack) with 16 weight rows in the lanes
- *      of a vector, so one step is one block of 16 rows and needs neither
- *      a transpose nor a lane tree. Unpacked tensors of these types use the
- *      scalar kernel.
+ *   3. Lane types (Q5_0, Q5_1): lane[j % 16] += c for j = 0, 1, 2, ... in
+ *      order (lanes start at +0), then Y = the fixed tree es_lane_sum
+ *      (quant.h). A lane starting at +0 never becomes -0, so SIMD paths
+ *      may add +0 for padding blocks.
+ *      Sequential types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): y = +0, then
+ *      y += c for j = 0, 1, 2, ... in order (for the K types j runs over
+ *      the 32-element sub-blocks, 8 per super-block); Y = y. Their SIMD
+ *      kernels run on packed weights (quant.h: es_tensor_pack) with 16
+ *      weight rows in the lanes of a vector, so one step is one block (one
+ *      super-block) of 16 rows and needs neither a transpose nor a lane
+ *      tree. Unpacked tensors of these types use the scalar kernel.
  * Float weight types (F32, F16, BF16): activations stay float32; weights are
  * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
  * sum) for i = 0, 1, ... in order, then the same tree.
@@ -54,10 +55,9 @@
  * the results are NaN on every path but NaN payloads may differ.
  *
  * SIMD coverage: AVX-512 VNNI, AVX2 and NEON dotprod have packed kernels
- * for Q4_0, Q4_1 and Q8_0 (NEON without dotprod: none; the weights then stay
- * unpacked and use the scalar kernels). Every path has lane kernels for
- * F32, F16, BF16, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (NEON: dotprod or
- * widening multiplies).
+ * for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (NEON without dotprod: none;
+ * the weights then stay unpacked and use the scalar kernels). Every path has lane kernels for F32, F16, BF16, Q5_0 and Q5_1
+ * (NEON: dotprod or widening multiplies).
  *
  * es_matmul (and es_matmul_many, several matrices on one X) cut output rows
  * into contiguous chunks that the pool's threads take from an atomic
@@ -399,9 +399,9 @@ REF_QUANT(ref_q4_1, up_q4_1, 2, 1)
 REF_QUANT(ref_q5_0, up_q5_0, 0, 0)
 REF_QUANT(ref_q5_1, up_q5_1, 1, 0)
 REF_QUANT(ref_q8_0, up_q8_0, 0, 1)
-REF_QUANT(ref_q4_k, up_q4_k, 1, 0)
-REF_QUANT(ref_q5_k, up_q5_k, 1, 0)
-REF_QUANT(ref_q6_k, up_q6_k, 0, 0)
+REF_QUANT(ref_q4_k, up_q4_k, 1, 1)
+REF_QUANT(ref_q5_k, up_q5_k, 1, 1)
+REF_QUANT(ref_q6_k, up_q6_k, 0, 1)
 
 /* Float weights: lane[i % 16] += w[i] * x[i]. */
 static void ref_float(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
@@ -490,35 +490,74 @@ static es_mm_kernel packed_kernel(uint32_t type) {
 
 size_t es_tensor_pack_size(const es_tensor *t) {
     size_t rec = es_pack_record_bytes(t->type);
-    if (t->packed != NULL || rec == 0 || packed_kernel(t->type) == NULL || t->ne[0] % QK != 0 || t->ne[0] <= 0 ||
+    int64_t be = es_pack_block_elems(t->type);
+    if (t->packed != NULL || rec == 0 || packed_kernel(t->type) == NULL || t->ne[0] % be != 0 || t->ne[0] <= 0 ||
         t->ne[1] <= 0)
         return 0;
-    int64_t nb = t->ne[0] / QK, n_out = t->ne[1] * t->ne[2] * t->ne[3];
+    int64_t nb = t->ne[0] / be, n_out = t->ne[1] * t->ne[2] * t->ne[3];
     int64_t ng = (n_out + ES_PACK_ROWS - 1) / ES_PACK_ROWS;
     return (size_t)ng * (size_t)nb * rec;
+}
+
+/* The 4-byte chunks of one block or super-block b (row r of its group) into
+ * record out (quant.h: the packed layouts). */
+static void pack_block(uint32_t type, const uint8_t *b, int r, uint8_t *out) {
+#define CHUNKS(dst, src, n) for (int k = 0; k < (n); k++) memcpy((dst) + (size_t)(64 * k + 4 * r), (src) + 4 * k, 4)
+    switch (type) {
+    case ES_TYPE_Q4_0:
+    case ES_TYPE_Q4_1:
+    case ES_TYPE_Q8_0: {
+        int nq = type == ES_TYPE_Q8_0 ? 8 : 4;   /* dwords of qs per block */
+        CHUNKS(out, b + (type == ES_TYPE_Q4_1 ? 4 : 2), nq);
+        memcpy(out + nq * 64 + 2 * r, b, 2);                                      /* d */
+        if (type == ES_TYPE_Q4_1) memcpy(out + nq * 64 + 32 + 2 * r, b + 2, 2);  /* m */
+        break;
+    }
+    case ES_TYPE_Q4_K:
+    case ES_TYPE_Q5_K: {
+        const es_block_q4_K *x = (const void *)b;
+        const es_block_q5_K *x5 = (const void *)b;
+        int five = type == ES_TYPE_Q5_K;
+        const uint8_t *qs = five ? x5->qs : x->qs;
+        size_t sc = five ? ES_PK_Q5K_SC : ES_PK_Q4K_SC, d = five ? ES_PK_Q5K_D : ES_PK_Q4K_D;
+        size_t dmin = five ? ES_PK_Q5K_DMIN : ES_PK_Q4K_DMIN;
+        CHUNKS(out, qs, 32);                    /* [p][k]: byte 32p + 4k */
+        if (five) CHUNKS(out + ES_PK_Q5K_QH, x5->qh, 8);
+        for (int w = 0; w < 3; w++) memcpy(out + sc + (size_t)(64 * w + 4 * r), x->scales + 4 * w, 4);
+        memcpy(out + d + 2 * r, &x->d, 2);
+        memcpy(out + dmin + 2 * r, &x->dmin, 2);
+        break;
+    }
+    case ES_TYPE_Q6_K: {
+        const es_block_q6_K *x = (const void *)b;
+        CHUNKS(out, x->ql, 32);                 /* [h][c][k]: byte 64h + 32c + 4k */
+        CHUNKS(out + ES_PK_Q6K_QH, x->qh, 16);  /* [h][k]: byte 32h + 4k */
+        for (int i = 0; i < 16; i++) out[ES_PK_Q6K_SC + 16 * i + r] = (uint8_t)x->scales[i];
+        memcpy(out + ES_PK_Q6K_D + 2 * r, &x->d, 2);
+        break;
+    }
+    default:
+        break;
+    }
+#undef CHUNKS
+}
+
+void es_pack_rows(uint32_t type, const uint8_t *src, size_t row_bytes, int64_t n_in, int64_t n_out, uint8_t *dst) {
+    size_t rec = es_pack_record_bytes(type), bb = rec / ES_PACK_ROWS;
+    int64_t nb = n_in / es_pack_block_elems(type), ng = (n_out + ES_PACK_ROWS - 1) / ES_PACK_ROWS;
+    memset(dst, 0, (size_t)ng * (size_t)nb * rec);
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t j = 0; j < nb; j++) {
+            uint8_t *out = dst + ((size_t)g * (size_t)nb + (size_t)j) * rec;
+            for (int r = 0; r < ES_PACK_ROWS && g * ES_PACK_ROWS + r < n_out; r++)
+                pack_block(type, src + (size_t)(g * ES_PACK_ROWS + r) * row_bytes + (size_t)j * bb, r, out);
+        }
 }
 
 int es_tensor_pack_into(es_tensor *t, uint8_t *p) {
     size_t bytes = es_tensor_pack_size(t);
     if (bytes == 0) return 0;
-    size_t rec = es_pack_record_bytes(t->type);
-    int64_t nb = t->ne[0] / QK, n_out = t->ne[1] * t->ne[2] * t->ne[3];
-    int64_t ng = (n_out + ES_PACK_ROWS - 1) / ES_PACK_ROWS;
-    size_t bb = rec / ES_PACK_ROWS;
-    memset(p, 0, bytes);
-    int nq = t->type == ES_TYPE_Q8_0 ? 8 : 4;   /* dwords of qs per block */
-    size_t qs_off = t->type == ES_TYPE_Q4_1 ? 4 : 2;
-    for (int64_t g = 0; g < ng; g++)
-        for (int64_t j = 0; j < nb; j++) {
-            uint8_t *out = p + ((size_t)g * (size_t)nb + (size_t)j) * rec;
-            for (int r = 0; r < ES_PACK_ROWS && g * ES_PACK_ROWS + r < n_out; r++) {
-                const uint8_t *b = (const uint8_t *)t->data + (size_t)(g * ES_PACK_ROWS + r) * t->row_bytes +
-                                   (size_t)j * bb;
-                for (int k = 0; k < nq; k++) memcpy(out + (size_t)(k * 64 + r * 4), b + qs_off + 4 * k, 4);
-                memcpy(out + nq * 64 + 2 * r, b, 2);                                     /* d */
-                if (t->type == ES_TYPE_Q4_1) memcpy(out + nq * 64 + 32 + 2 * r, b + 2, 2);  /* m */
-            }
-        }
+    es_pack_rows(t->type, t->data, t->row_bytes, t->ne[0], t->ne[1] * t->ne[2] * t->ne[3], p);
     t->packed = p;
     t->packed_bytes = bytes;
     t->packed_owned = 0;
@@ -649,7 +688,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         int64_t gran = 4;   /* chunk granularity in rows */
         if (!force_scalar && W[i]->packed != NULL && (k = packed_kernel(type)) != NULL) {
             wd = W[i]->packed;
-            rb = (size_t)(W[i]->ne[0] / QK) * es_pack_record_bytes(type);
+            rb = (size_t)(W[i]->ne[0] / es_pack_block_elems(type)) * es_pack_record_bytes(type);
             gran = ES_PACK_ROWS;
         } else if (!force_scalar && es_pack_record_bytes(type) == 0) {
             k = es_x86_kernel(type);

@@ -79,19 +79,42 @@ typedef void (*es_mm_kernel)(const uint8_t *w, size_t row_bytes, int64_t r0, int
                              float *Y, int64_t ldy);
 
 /*
- * Packed weights (Q4_0, Q4_1, Q8_0): rows in SIMD lanes. The rows are cut
- * into groups of ES_PACK_ROWS = 16 (the last group padded with zero rows);
- * group g holds, for each block j = 0 .. nb - 1 in order, one record of
- * es_pack_record_bytes(type) bytes (16 x the block size):
+ * Packed weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): rows in SIMD lanes.
+ * The rows are cut into groups of ES_PACK_ROWS = 16 (the last group padded
+ * with zero rows); group g holds, for each block j = 0 .. nb - 1 in order
+ * (nb = n_in / es_pack_block_elems(type): blocks of 32, super-blocks of 256
+ * for the K types), one record of es_pack_record_bytes(type) = 16 x the
+ * block size bytes. Below, r is the row in the group (0..15), b a byte of a
+ * 4-byte chunk (0..3), and every array is stored in the order its indices
+ * are written, with no padding:
  *   Q4_0, Q4_1: qs[kk][r][b] = byte 4 * kk + b of row (16 g + r)'s block j
- *               (kk 0..3, r 0..15, b 0..3; 256 B), then d[r] (f16, 32 B),
- *               then for Q4_1 m[r] (f16, 32 B)
+ *               (kk 0..3; 256 B), then d[r] (f16, 32 B), then for Q4_1
+ *               m[r] (f16, 32 B)
  *   Q8_0:       qs[k][r][b] = qs[4 * k + b] (k 0..7; 512 B), then d[r]
- * so that one 64-byte load gives 4 consecutive bytes of one block of 16
- * rows, and 16 rows x 1 block is one step of a kernel. A packed kernel
- * takes w = the packed data, row_bytes = bytes per group (nb records),
- * rows r0 and r1 multiples of 16 (r1 may be n_out), and computes exactly
- * the values of the scalar kernel on the original rows.
+ *   Q4_K:       qs[p][k][r][b] = qs[32 * p + 4 * k + b] (p 0..3, k 0..7;
+ *               2048 B): low nibbles are elements 4k..4k+3 of sub-block
+ *               2p, high nibbles those of sub-block 2p + 1; then
+ *               sc[w][r] = bytes 4w..4w+3 of the row's 12-byte scales as
+ *               a little-endian uint32 (w 0..2; 192 B: the 6-bit
+ *               sub-block scales and mins as ggml packs them); then d[r],
+ *               dmin[r] (f16, 2 x 32 B). 2304 B.
+ *   Q5_K:       as Q4_K, with qh[k][r][b] = qh[4 * k + b] (k 0..7; 512 B:
+ *               bit s is the 5th bit of element 4k+b of sub-block s) after
+ *               qs: qs, qh, sc, d, dmin. 2816 B.
+ *   Q6_K:       ql[h][c][k][r][b] = ql[64 * h + 32 * c + 4 * k + b] (h, c
+ *               0..1, k 0..7; 2048 B): low nibbles are the low 4 bits of
+ *               elements 4k..4k+3 of sub-block 4h + c, high nibbles of
+ *               sub-block 4h + c + 2; then qh[h][k][r][b] = qh[32 * h + 4 *
+ *               k + b] (1024 B: bits 2s, 2s + 1 are the high 2 bits of
+ *               sub-block 4h + s); then scales[i][r] (int8, the scale of
+ *               16-element half-block i = 0..15; 256 B); then d[r] (f16,
+ *               32 B). 3360 B.
+ * so that one 64-byte load gives 4 consecutive bytes (4 consecutive
+ * elements of a block or sub-block, the layout of one dword of the
+ * activation group) of 16 rows, and 16 rows x 1 block is one step of a
+ * kernel. A packed kernel takes w = the packed data, row_bytes = bytes per
+ * group (nb records), rows r0 and r1 multiples of 16 (r1 may be n_out), and
+ * computes exactly the values of the scalar kernel on the original rows.
  */
 #define ES_PACK_ROWS 16
 /* 0 when the type is not packed; inline, so that the kernels' record size
@@ -101,9 +124,34 @@ static inline size_t es_pack_record_bytes(uint32_t type) {
     case ES_TYPE_Q4_0: return ES_PACK_ROWS * sizeof(es_block_q4_0);
     case ES_TYPE_Q4_1: return ES_PACK_ROWS * sizeof(es_block_q4_1);
     case ES_TYPE_Q8_0: return ES_PACK_ROWS * sizeof(es_block_q8_0);
+    case ES_TYPE_Q4_K: return ES_PACK_ROWS * sizeof(es_block_q4_K);
+    case ES_TYPE_Q5_K: return ES_PACK_ROWS * sizeof(es_block_q5_K);
+    case ES_TYPE_Q6_K: return ES_PACK_ROWS * sizeof(es_block_q6_K);
     default: return 0;
     }
 }
+/* Elements per block (per packed record) of a type: QK_K for the K types,
+ * else QK. */
+static inline int64_t es_pack_block_elems(uint32_t type) {
+    return type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K ? QK_K : QK;
+}
+/* Byte offsets of the parts of a K-type record (see above). */
+#define ES_PK_Q4K_SC 2048
+#define ES_PK_Q4K_D 2240
+#define ES_PK_Q4K_DMIN 2272
+#define ES_PK_Q5K_QH 2048
+#define ES_PK_Q5K_SC 2560
+#define ES_PK_Q5K_D 2752
+#define ES_PK_Q5K_DMIN 2784
+#define ES_PK_Q6K_QH 2048
+#define ES_PK_Q6K_SC 3072
+#define ES_PK_Q6K_D 3328
+/* Repack rows [0, n_out) of a matrix of type (row r at src + r * row_bytes,
+ * n_in elements, a multiple of es_pack_block_elems(type)) into dst as above
+ * (ceil(n_out / 16) * nb records; dst zeroed first). type must have
+ * es_pack_record_bytes(type) != 0. Builds without a packed kernel for the
+ * type never use the result; tests check the layout with it. */
+void es_pack_rows(uint32_t type, const uint8_t *src, size_t row_bytes, int64_t n_in, int64_t n_out, uint8_t *dst);
 /* Build t->packed (malloc'd, 64-byte aligned) when this build has a packed
  * kernel for t's type; returns 1 when packed, 0 when not applicable,
  * -1 when out of memory (t unchanged). es_tensor_unpack frees it. */
@@ -126,7 +174,7 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
  * records stay in cache between tiles. The backend defines PTILE and
  *   static inline void pgroup(const int nt, const int type, const uint8_t *g,
  *       int64_t nb, const uint8_t *x, size_t xs, float *Y, int64_t ldy, int nr, int pf)
- * for one group g (nb records) and a tile of nt (a constant) activation rows
+ * for one group g (nb records: blocks, or super-blocks for the K types) and a tile of nt (a constant) activation rows
  * x, storing nr outputs per row. pf, a prefetch hint: 0 a later tile of the
  * group, 2 the first group of a chunk or any group when N = 1, else 1.
  */
@@ -138,7 +186,7 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
     static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
                      const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
         const uint8_t *x = xv;                                                                      \
-        int64_t nb = n_in / QK;                                                                     \
+        int64_t nb = n_in / es_pack_block_elems(type);                                              \
         for (int64_t r = r0; r < r1; r += ES_PACK_ROWS) {                                           \
             const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
             int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
@@ -161,16 +209,36 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
             }                                                                                       \
         }                                                                                           \
     }
-/* The three packed kernels of a backend and its getter (es_x86_packed_kernel, ...). */
-#define ES_PACKED_KERNELS(getter)                                                                   \
+/* The packed kernels of a backend and its getter (es_x86_packed_kernel,
+ * ...): ES_PACKED_KERNELS for Q4_0, Q4_1, Q8_0; ES_PACKED_KERNELS_K also
+ * for Q4_K, Q5_K, Q6_K (the backend's pgroup then handles those too). */
+#define ES_PACKED_KERNELS_3                                                                         \
     ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)                                                          \
     ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)                                                          \
-    ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)                                                          \
+    ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
+#define ES_PACKED_KERNELS(getter)                                                                   \
+    ES_PACKED_KERNELS_3                                                                             \
     es_mm_kernel getter(uint32_t type) {                                                            \
         switch (type) {                                                                             \
         case ES_TYPE_Q4_0: return p_q4_0;                                                           \
         case ES_TYPE_Q4_1: return p_q4_1;                                                           \
         case ES_TYPE_Q8_0: return p_q8_0;                                                           \
+        default: return NULL;                                                                       \
+        }                                                                                           \
+    }
+#define ES_PACKED_KERNELS_K(getter)                                                                 \
+    ES_PACKED_KERNELS_3                                                                             \
+    ES_PACKED_KERNEL(p_q4_k, ES_TYPE_Q4_K)                                                          \
+    ES_PACKED_KERNEL(p_q5_k, ES_TYPE_Q5_K)                                                          \
+    ES_PACKED_KERNEL(p_q6_k, ES_TYPE_Q6_K)                                                          \
+    es_mm_kernel getter(uint32_t type) {                                                            \
+        switch (type) {                                                                             \
+        case ES_TYPE_Q4_0: return p_q4_0;                                                           \
+        case ES_TYPE_Q4_1: return p_q4_1;                                                           \
+        case ES_TYPE_Q8_0: return p_q8_0;                                                           \
+        case ES_TYPE_Q4_K: return p_q4_k;                                                           \
+        case ES_TYPE_Q5_K: return p_q5_k;                                                           \
+        case ES_TYPE_Q6_K: return p_q6_k;                                                           \
         default: return NULL;                                                                       \
         }                                                                                           \
     }

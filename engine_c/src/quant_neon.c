@@ -2,10 +2,11 @@
  * quant_neon.c - NEON (dotprod) matmul kernels for aarch64. Same contract
  * and results (bitwise) as the scalar kernels in quant.c.
  *
- * Packed types (Q4_0, Q4_1, Q8_0; dotprod builds only): see "packed
- * kernels" below. Without dotprod these types use the scalar kernels.
+ * Packed types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; dotprod builds only):
+ * see "packed kernels" below. Without dotprod these types use the scalar
+ * kernels (es_neon_packed_kernel returns NULL, so they stay unpacked).
  *
- * Lane types (Q5_0, Q5_1 and the K-quants): a group of 16 weight blocks
+ * Lane types (Q5_0, Q5_1): a group of 16 weight blocks
  * (one es_q8_group of activations) is handled as 4 quads of 4 blocks. A
  * quad is loaded and transposed once into 8 int8x16 vectors (vector k holds
  * elements 4k..4k+3 of block i in 32-bit lane i: the layout of the
@@ -178,154 +179,6 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
 QKERNEL(k_q5_0, unpack_q5_0, 22, 0)
 QKERNEL(k_q5_1, unpack_q5_1, 24, 1)
 
-/* K-quants. A quad is half a super-block (sub-blocks 4h..4h+3); its
- * weights are unpacked into the transposed layout as signed bytes (Q6_K's
- * offset 32 removed) and the integer sub-block scales multiply the two
- * 16-element half sums (exact int32). */
-typedef struct {
-    int8x16_t w[8];
-    float32x4_t a, b;
-    int32x4_t sl, sh;
-    int32x4_t jm;       /* Q4_K / Q5_K: the sub-block mins m */
-} kquad;
-
-/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
-static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
-    uint32_t u[4];
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = aux;
-    u[0] &= 0x3f3f3f3fu;
-    memcpy(sc, u, 8);
-    memcpy(m, u + 2, 8);
-}
-
-static inline ES_AI int32x4_t s32x4(int a, int b, int c, int d) {
-    int32_t v[4] = {a, b, c, d};
-    return vld1q_s32(v);
-}
-
-/* Q4_K (five = 0) / Q5_K (five = 1): super-block sbp, half h. */
-static inline ES_AI void unpack_kq_q45k(const uint8_t *sbp, int h, int five, kquad *g) {
-    const es_block_q4_K *A = (const void *)sbp;
-    const uint8_t *qs = five ? ((const es_block_q5_K *)(const void *)sbp)->qs : A->qs;
-    const uint8_t *qh = five ? ((const es_block_q5_K *)(const void *)sbp)->qh : NULL;
-    const uint8_t *s0 = qs + 64 * h;
-    uint32x4_t a0 = vreinterpretq_u32_u8(vld1q_u8(s0)), a1 = vreinterpretq_u32_u8(vld1q_u8(s0 + 16));
-    uint32x4_t b0 = vreinterpretq_u32_u8(vld1q_u8(s0 + 32)), b1 = vreinterpretq_u32_u8(vld1q_u8(s0 + 48));
-    uint32x4_t x[4] = {vzip1q_u32(a0, b0), vzip2q_u32(a0, b0), vzip1q_u32(a1, b1), vzip2q_u32(a1, b1)};
-    const int32x4_t nsh = s32x4(0, -4, 0, -4);
-    const int32x4_t hsh = s32x4(-4 * h, -4 * h - 1, -4 * h - 2, -4 * h - 3);
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m1 = vdupq_n_u8(0x01);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        uint32x4_t v = (k & 1) ? vzip2q_u32(x[k / 2], x[k / 2]) : vzip1q_u32(x[k / 2], x[k / 2]);
-        uint8x16_t q = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(v, nsh)), m4);
-        if (five) {
-            uint32x4_t hb = vld1q_dup_u32((const uint32_t *)(const void *)(qh + 4 * k));
-            uint8x16_t hi = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(hb, hsh)), m1);
-            q = vorrq_u8(q, vshlq_n_u8(hi, 4));
-        }
-        g->w[k] = vreinterpretq_s8_u8(q);
-    }
-    uint8_t sc[8], m[8];
-    k4_scales(A->scales, sc, m);
-    g->sl = g->sh = s32x4(sc[4 * h], sc[4 * h + 1], sc[4 * h + 2], sc[4 * h + 3]);
-    g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
-    g->b = vdupq_n_f32(-es_fp16_to_fp32(A->dmin));
-    g->jm = s32x4(m[4 * h], m[4 * h + 1], m[4 * h + 2], m[4 * h + 3]);
-}
-
-static inline ES_AI void unpack_kq_q6k(const uint8_t *sbp, int h, kquad *g) {
-    const es_block_q6_K *A = (const void *)sbp;
-    const uint8_t *ql = A->ql + 64 * h, *qh = A->qh + 32 * h;
-    uint32x4_t l0 = vreinterpretq_u32_u8(vld1q_u8(ql)), l1 = vreinterpretq_u32_u8(vld1q_u8(ql + 16));
-    uint32x4_t l2 = vreinterpretq_u32_u8(vld1q_u8(ql + 32)), l3 = vreinterpretq_u32_u8(vld1q_u8(ql + 48));
-    uint64x2_t x[4] = {vreinterpretq_u64_u32(vzip1q_u32(l0, l2)), vreinterpretq_u64_u32(vzip2q_u32(l0, l2)),
-                       vreinterpretq_u64_u32(vzip1q_u32(l1, l3)), vreinterpretq_u64_u32(vzip2q_u32(l1, l3))};
-    const int32x4_t nsh = s32x4(0, 0, -4, -4), hsh = s32x4(0, -2, -4, -6);
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(0x03);
-    const int8x16_t c32 = vdupq_n_s8(32);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        uint64x2_t v = (k & 1) ? vzip2q_u64(x[k / 2], x[k / 2]) : vzip1q_u64(x[k / 2], x[k / 2]);
-        uint8x16_t lo = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(vreinterpretq_u32_u64(v), nsh)), m4);
-        uint32x4_t hb = vld1q_dup_u32((const uint32_t *)(const void *)(qh + 4 * k));
-        uint8x16_t hi = vandq_u8(vreinterpretq_u8_u32(vshlq_u32(hb, hsh)), m2);
-        g->w[k] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(lo, vshlq_n_u8(hi, 4))), c32);
-    }
-    const int8_t *sc = A->scales + 8 * h;
-    g->sl = s32x4(sc[0], sc[2], sc[4], sc[6]);
-    g->sh = s32x4(sc[1], sc[3], sc[5], sc[7]);
-    g->a = vdupq_n_f32(es_fp16_to_fp32(A->d));
-    g->b = vdupq_n_f32(0.0f);
-    g->jm = vdupq_n_s32(0);
-}
-
-static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
-                      int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
-    int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    const uint8_t *x = xv;
-    int q6 = type == ES_TYPE_Q6_K;
-    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
-                                                                                    : sizeof(es_block_q6_K);
-    float32x4_t acc[NT * 4];
-    for (int n0 = 0; n0 < N; n0 += NT) {
-        int nt = N - n0 < NT ? N - n0 : NT;
-        const uint8_t *xt = x + (size_t)n0 * x_stride;
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *row = w + (size_t)r * row_bytes;
-            for (int i = 0; i < nt * 4; i++) acc[i] = vdupq_n_f32(0.0f);
-            for (int64_t gi = 0; gi < ng; gi++) {
-                const uint8_t *xg0 = xt + (size_t)gi * sizeof(es_q8_group);
-                for (int qd = 0; qd < 4; qd++) {
-                    int64_t b0 = gi * 16 + qd * 4;
-                    if (b0 >= nb) break;
-                    kquad g;
-                    const uint8_t *sbp = row + (size_t)(b0 / 8) * sbb;
-                    if (q6) unpack_kq_q6k(sbp, qd & 1, &g);
-                    else unpack_kq_q45k(sbp, qd & 1, type == ES_TYPE_Q5_K, &g);
-                    const int8x16_t *wv = g.w;
-                    float32x4_t a = g.a, b = g.b;
-                    int32x4_t scl = g.sl, sch = g.sh;
-                    for (int n = 0; n < nt; n++) {
-                        const es_q8_group *xg = (const void *)(xg0 + (size_t)n * x_stride);
-                        const int8_t *xq = xg->qs + 16 * qd;
-                        int32x4_t lo = dot4(vdupq_n_s32(0), wv[0], vld1q_s8(xq));
-                        int32x4_t hi = dot4(vdupq_n_s32(0), wv[4], vld1q_s8(xq + 256));
-                        lo = dot4(lo, wv[1], vld1q_s8(xq + 64));
-                        hi = dot4(hi, wv[5], vld1q_s8(xq + 320));
-                        lo = dot4(lo, wv[2], vld1q_s8(xq + 128));
-                        hi = dot4(hi, wv[6], vld1q_s8(xq + 384));
-                        lo = dot4(lo, wv[3], vld1q_s8(xq + 192));
-                        hi = dot4(hi, wv[7], vld1q_s8(xq + 448));
-                        int32x4_t I = vaddq_s32(vmulq_s32(scl, lo), vmulq_s32(sch, hi));
-                        float32x4_t dx = vld1q_f32(xg->d + 4 * qd);
-                        float32x4_t c = vmulq_f32(vmulq_f32(a, dx), vcvtq_f32_s32(I));
-                        if (!q6) {
-                            int32x4_t J = vmulq_s32(g.jm, vld1q_s32(xg->qsum + 4 * qd));
-                            c = vaddq_f32(c, vmulq_f32(vmulq_f32(b, dx), vcvtq_f32_s32(J)));
-                        }
-                        acc[n * 4 + qd] = vaddq_f32(acc[n * 4 + qd], c);
-                    }
-                }
-            }
-            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc + 4 * n);
-        }
-    }
-}
-
-#define KKERNEL(name, t)                                                                  \
-    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
-                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
-        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
-    }
-KKERNEL(k_q4_k, ES_TYPE_Q4_K)
-KKERNEL(k_q5_k, ES_TYPE_Q5_K)
-KKERNEL(k_q6_k, ES_TYPE_Q6_K)
-
 /* Float weights: lane i % 16 += w[i] * x[i], 4 vectors of 4 lanes; the
  * ragged end goes through a zero-padded copy (adds +0). */
 static inline ES_AI float32x4_t load_w4(uint32_t type, const uint8_t *p) {
@@ -411,6 +264,18 @@ static inline ES_AI float32x4_t f16x4(const uint8_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(const void *)p)));
 }
 
+/* int32 -> float for |v| < 2^22 without a conversion instruction (on the
+ * A76 a 4-lane scvtf is two uops on one of the two ASIMD pipes): an sdot
+ * chain that starts at MAGIC_I (the bits of 1.5 * 2^23) ends at the bits of
+ * the float 1.5 * 2^23 + v (the exponent stays that of [2^23, 2^24), the
+ * mantissa holds 2^22 + v), and from_magic subtracts 1.5 * 2^23, which is
+ * exact: the result is bitwise vcvtq_f32_s32(v), +0 for v = 0. */
+#define MAGIC_I 0x4B400000
+static inline ES_AI float32x4_t from_magic(int32x4_t m) {
+    return vsubq_f32(vreinterpretq_f32_s32(m), vdupq_n_f32(12582912.0f));
+}
+static inline ES_AI float32x4_t small_to_f32(int32x4_t v) { return from_magic(vaddq_s32(v, vdupq_n_s32(MAGIC_I))); }
+
 /* Quarter q of the record at p. */
 static inline ES_AI void punpack(const int type, const uint8_t *p, int q, pquarter *u) {
     const uint8_t *s = p + 16 * q;
@@ -443,14 +308,17 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
         float d, dq;
         int32_t qsum;
         memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        int32x4_t I = vdupq_n_s32(0);
+        /* |I| <= 32 * 128 * 127 < 2^22 (Q8_0; Q4_0, Q4_1 less): from_magic is (float)I */
+        int32x4_t I = vdupq_n_s32(MAGIC_I);
         if (type == ES_TYPE_Q4_0) {
             memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-            I = vdupq_n_s32(-8 * qsum);
+            int32_t st = MAGIC_I - 8 * qsum;
+            __asm__("" : "+r"(st));   /* computed in a general register (GCC would use vector ones) */
+            I = vdupq_n_s32(st);
         }
         UNROLL
         for (int k = 0; k < 8; k++) I = vdotq_lane_s32(I, u->w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
-        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), vcvtq_f32_s32(I));
+        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), from_magic(I));
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
             c = vaddq_f32(c, vmulq_n_f32(u->b, dq));
@@ -477,21 +345,195 @@ static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_
     }
 }
 
-/* One group of 16 weight rows (nb records at g) times a tile of nt (a
- * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
- * Quarters wholly past nr are skipped. */
+/* ---- packed K types (Q4_K, Q5_K, Q6_K): one record = one super-block of
+ * 16 rows = 8 sub-blocks of 32 elements ----
+ * Sub-block j of record s is activation block 8 (s % 2) + j of group s / 2.
+ * As above, a record is handled in quarters of 4 rows over a segment of
+ * PSEG_K records; per quarter and record the d (and dmin) of the 4 rows and
+ * their sub-block scales are unpacked once, then per sub-block the 8
+ * weight vectors (vector k, lane i = elements 4k..4k+3 of row 4q+i), and
+ * every activation row of the tile takes 8 sdot by element:
+ *   Q4_K, Q5_K  unsigned 4- / 5-bit weights (0..31: exact as int8); the
+ *               dot D (|D| <= 32 * 31 * 127 < 2^22) to float by from_magic;
+ *               (float)I = (float)sc * (float)D
+ *   Q6_K        q - 32 (-32..31: exact as int8); lo, hi = the dots over
+ *               elements 0..15 and 16..31 (|lo|, |hi| <= 16 * 32 * 127),
+ *               to float by from_magic; (float)I = (float)sl * lo +
+ *               (float)sh * hi
+ * then the contract's float steps on the 4 rows. Those float forms of I
+ * (and of J = m * qsum in the two-term part: (float)m * fq) are exact:
+ * every product is an integer below 2^24 in magnitude (63 * 125984,
+ * 128 * 65024, 63 * 4064), and so is Q6_K's sum (|I| < 2^24), so each
+ * equals (float)I (or (float)J) except that it may be -0 where I (J) is 0
+ * (a zero factor times a negative one; -0 + -0). A product (a * d) * (+-0)
+ * or a c that is +-0 only ever adds to y, which starts at +0 and so is
+ * never -0, and y + (+0) == y + (-0) for every such y: the stored bits are
+ * the same (a NaN or infinite a * d makes c NaN either way). */
+
+#define PSEG_K 8   /* K records per segment: 18 KB (Q4_K) to 27 KB (Q6_K), in the A76's 64 KB L1 */
+
+/* One quarter of a K record: the per-row factors and sub-block scales. */
+typedef struct {
+    float32x4_t a, b;   /* d, -dmin (Q6_K: d only) */
+    uint8x16_t s[2], m[2];   /* Q4_K / Q5_K: byte j % 4 of lane i of s[j / 4] / m[j / 4] = sub-block j's
+                                6-bit scale / min of row 4q+i (ggml's get_scale_min_k4) */
+} pkquarter;
+
+static inline ES_AI void pk_setup(const int type, const uint8_t *p, int q, pkquarter *u) {
+    if (type == ES_TYPE_Q6_K) {
+        u->a = f16x4(p + ES_PK_Q6K_D + 8 * q);
+        return;
+    }
+    const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
+    const size_t dof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
+    const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
+    u->a = f16x4(p + dof + 8 * q);
+    u->b = vnegq_f32(f16x4(p + mof + 8 * q));   /* b = -dmin: the sign flipped, exact */
+    const uint8x16_t u0 = vld1q_u8(p + sco + 16 * q), u1 = vld1q_u8(p + sco + 64 + 16 * q);
+    const uint8x16_t u2 = vld1q_u8(p + sco + 128 + 16 * q);
+    const uint8x16_t m6 = vdupq_n_u8(0x3F), h2 = vdupq_n_u8(0x30);
+    u->s[0] = vandq_u8(u0, m6);
+    u->m[0] = vandq_u8(u1, m6);
+    /* sub-blocks 4..7: low 4 bits from byte j + 4, top 2 from the top of byte j - 4 */
+    u->s[1] = vbslq_u8(h2, vshrq_n_u8(u0, 2), vandq_u8(u2, vdupq_n_u8(0x0F)));
+    u->m[1] = vbslq_u8(h2, vshrq_n_u8(u1, 2), vshrq_n_u8(u2, 4));
+}
+
+/* Byte j % 4 of every 32-bit lane of v, as int32. */
+static inline ES_AI int32x4_t pk_byte(uint8x16_t v, int j) {
+    uint32x4_t w = vreinterpretq_u32_u8(v);
+    j &= 3;
+    if (j == 3) return vreinterpretq_s32_u32(vshrq_n_u32(w, 24));
+    if (j == 1) w = vshrq_n_u32(w, 8);
+    if (j == 2) w = vshrq_n_u32(w, 16);
+    return vreinterpretq_s32_u32(vandq_u32(w, vdupq_n_u32(0xFF)));
+}
+
+/* The 8 weight vectors of sub-block j (a constant), quarter q of record p. */
+static inline ES_AI void pk_weights(const int type, const uint8_t *p, int q, const int j, int8x16_t w[8]) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    if (type == ES_TYPE_Q6_K) {
+        const int h = j / 4, s = j % 4;
+        const uint8_t *l = p + (2 * h + (s & 1)) * 512 + 16 * q, *hp = p + ES_PK_Q6K_QH + 512 * h + 16 * q;
+        UNROLL
+        for (int k = 0; k < 8; k++) {
+            uint8x16_t v = vld1q_u8(l + 64 * k), hb = vld1q_u8(hp + 64 * k);
+            v = s >= 2 ? vshrq_n_u8(v, 4) : vandq_u8(v, m4);
+            /* bits 2s, 2s + 1 of each byte to bits 4, 5 */
+            if (s == 0) hb = vshlq_n_u8(hb, 4);
+            if (s == 1) hb = vshlq_n_u8(hb, 2);
+            if (s == 3) hb = vshrq_n_u8(hb, 2);
+            w[k] = vsubq_s8(vreinterpretq_s8_u8(vbslq_u8(vdupq_n_u8(0x30), hb, v)), vdupq_n_s8(32));
+        }
+        return;
+    }
+    const uint8_t *l = p + (j / 2) * 512 + 16 * q;
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        uint8x16_t v = vld1q_u8(l + 64 * k);
+        v = (j & 1) ? vshrq_n_u8(v, 4) : vandq_u8(v, m4);
+        if (type == ES_TYPE_Q5_K) {
+            uint8x16_t hb = vld1q_u8(p + ES_PK_Q5K_QH + 64 * k + 16 * q);
+            /* bit j of each byte to bit 4 */
+            if (j < 4) hb = vshlq_n_u8(hb, 4 - j);
+            if (j > 4) hb = vshrq_n_u8(hb, j - 4);
+            v = vbslq_u8(vdupq_n_u8(0x10), hb, v);
+        }
+        w[k] = vreinterpretq_s8_u8(v);
+    }
+}
+
+/* Sub-block j of a record's quarter into the nt rows' acc; xr[n] = row n's
+ * es_q8_group of the record, jj = the sub-block's block in it. */
+static inline ES_AI void pk_rows(const int nt, const int type, const pkquarter *u, const int8x16_t w[8], int j,
+                                 const uint8_t *const *xr, int jj, const uint8_t *p, int q, float32x4_t *acc) {
+    float32x4_t sl, sh = vdupq_n_f32(0.0f), fm = vdupq_n_f32(0.0f);   /* scales and min as floats */
+    if (type == ES_TYPE_Q6_K) {
+        int32_t t0, t1;
+        memcpy(&t0, p + ES_PK_Q6K_SC + 32 * j + 4 * q, 4);
+        memcpy(&t1, p + ES_PK_Q6K_SC + 32 * j + 16 + 4 * q, 4);
+        int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vset_lane_s32(t1, vdup_n_s32(t0), 1)));
+        sl = small_to_f32(vmovl_s16(vget_low_s16(h)));
+        sh = small_to_f32(vmovl_high_s16(h));
+    } else {
+        sl = small_to_f32(pk_byte(u->s[j / 4], j));
+        fm = small_to_f32(pk_byte(u->m[j / 4], j));
+    }
+    UNROLL
+    for (int n = 0; n < nt; n++) {
+        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, fq [jj] at their offsets from it */
+        float d, fq;
+        memcpy(&d, b + offsetof(es_q8_group, d), 4);
+        float32x4_t fI;   /* (float)I, see above */
+        if (type == ES_TYPE_Q6_K) {
+            int32x4_t lo = vdupq_n_s32(MAGIC_I), hi = vdupq_n_s32(MAGIC_I);
+            UNROLL
+            for (int k = 0; k < 4; k++) {
+                lo = vdotq_lane_s32(lo, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
+                hi = vdotq_lane_s32(hi, w[k + 4], vld1_s8((const int8_t *)(b + 64 * (k + 4))), 0);
+            }
+            fI = vaddq_f32(vmulq_f32(sl, from_magic(lo)), vmulq_f32(sh, from_magic(hi)));
+        } else {
+            int32x4_t D = vdupq_n_s32(MAGIC_I);
+            UNROLL
+            for (int k = 0; k < 8; k++) D = vdotq_lane_s32(D, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
+            fI = vmulq_f32(sl, from_magic(D));
+        }
+        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), fI);
+        if (type != ES_TYPE_Q6_K) {
+            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
+            c = vaddq_f32(c, vmulq_f32(vmulq_n_f32(u->b, d), vmulq_n_f32(fm, fq)));
+        }
+        acc[n] = vaddq_f32(acc[n], c);
+    }
+}
+
+/* Quarter q of K records [s0, s1) into acc. */
+static inline ES_AI void pk_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int q,
+                                const uint8_t *x, size_t xs, float32x4_t *acc) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    const uint8_t *p = g + (size_t)s0 * rec;
+    for (int64_t s = s0; s < s1; s++, p += rec) {
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(s / 2) * sizeof(es_q8_group);
+        const int j0 = 8 * (int)(s % 2);
+        pkquarter u;
+        pk_setup(type, p, q, &u);
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            int8x16_t w[8];
+            pk_weights(type, p, q, j, w);
+            pk_rows(nt, type, &u, w, j, xr, j0 + j, p, q, acc);
+            /* Empty asm statements that take the accumulators and may touch
+               memory: each sub-block's sums are then complete here, before the
+               next sub-block's loads. Without them GCC hoists the loads of all 8
+               sub-blocks and sinks their float steps, and spills registers. */
+            UNROLL
+            for (int n = 0; n < nt; n++) __asm__ volatile("" : "+w"(acc[n]) : : "memory");
+        }
+    }
+}
+
+/* One group of 16 weight rows (nb records at g: blocks, or super-blocks
+ * for the K types) times a tile of nt (a constant 1..PTILE) activation
+ * rows x; stores nr (1..16) outputs per row. Quarters wholly past nr are
+ * skipped. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
     (void)pf;   /* no software prefetch here: not measured on an A76 yet */
     const int nq = (nr + 3) / 4;
+    const int kt = type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K;
+    const int64_t seg = kt ? PSEG_K : PSEG;
     float32x4_t part[4][PTILE];
-    for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
-        int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
+    for (int64_t s0 = 0; s0 < nb; s0 += seg) {
+        int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
         for (int q = 0; q < nq; q++) {
             float32x4_t acc[PTILE];
             UNROLL
             for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? vdupq_n_f32(0.0f) : part[q][n];
-            pquarter_run(nt, type, g, s0, s1, q, x, xs, acc);
+            if (kt) pk_run(nt, type, g, s0, s1, q, x, xs, acc);
+            else pquarter_run(nt, type, g, s0, s1, q, x, xs, acc);
             UNROLL
             for (int n = 0; n < nt; n++) part[q][n] = acc[n];
         }
@@ -509,7 +551,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         }
 }
 
-ES_PACKED_KERNELS(es_neon_packed_kernel)
+ES_PACKED_KERNELS_K(es_neon_packed_kernel)
 #else
 es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 #endif
@@ -549,9 +591,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     case ES_TYPE_BF16: return k_bf16;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
-    case ES_TYPE_Q4_K: return k_q4_k;
-    case ES_TYPE_Q5_K: return k_q5_k;
-    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }

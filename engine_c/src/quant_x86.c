@@ -492,181 +492,6 @@ static inline ES_AI void lane_sums(const __m512 *acc, int nt, float *Y, int64_t 
 QKERNEL(k_q5_0, unpack_q5_0, unpack4_q5_0, 22, 4, 0)
 QKERNEL(k_q5_1, unpack_q5_1, unpack4_q5_1, 24, 0, 1)
 
-/* K-quants. A group of 16 sub-blocks is 2 super-blocks (lanes 0..7: the
- * first, 8..15: the second; a row may end with a lone one). The integer
- * sub-block scales multiply the two 16-element half sums (exact int32). */
-typedef struct {
-    __m512i w[8];
-    __m512 a, b;
-    __m512i sl, sh;     /* scales of elements 0..15 and 16..31 */
-    __m512i jm;         /* Q4_K / Q5_K: the sub-block mins m */
-} kgroup;
-
-static inline ES_AI __m512 lanes2(float x0, float x1) {
-    return _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(x0), _mm512_set1_ps(x1));
-}
-
-/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
-static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
-    uint32_t u[4];
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = aux;
-    u[0] &= 0x3f3f3f3fu;
-    memcpy(sc, u, 8);
-    memcpy(m, u + 2, 8);
-}
-
-/* Q4_K (five = 0) and Q5_K (five = 1). */
-static inline ES_AI void unpack_kg_q45k(const uint8_t *p, int nsb, int five, kgroup *g) {
-    size_t bsz = five ? sizeof(es_block_q5_K) : sizeof(es_block_q4_K);
-    const es_block_q4_K *A = (const void *)p, *B = (const void *)(p + bsz);
-    const uint8_t *qsA = five ? ((const es_block_q5_K *)(const void *)p)->qs : A->qs;
-    const uint8_t *qsB = five ? ((const es_block_q5_K *)(const void *)(p + bsz))->qs : B->qs;
-    __m512i z = _mm512_setzero_si512();
-    __m512i qa0 = _mm512_loadu_si512(qsA), qa1 = _mm512_loadu_si512(qsA + 64);
-    __m512i qb0 = nsb > 1 ? _mm512_loadu_si512(qsB) : z, qb1 = nsb > 1 ? _mm512_loadu_si512(qsB + 64) : z;
-    __m512i qh = z;
-    if (five) {
-        __m256i ha = _mm256_loadu_si256((const __m256i *)(const void *)((const es_block_q5_K *)(const void *)p)->qh);
-        __m256i hb = nsb > 1 ? _mm256_loadu_si256((const __m256i *)(const void *)((const es_block_q5_K *)(const void *)(p + bsz))->qh)
-                             : _mm256_setzero_si256();
-        qh = _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1);
-    }
-    const __m512i base = _mm512_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24, 0, 0, 8, 8, 16, 16, 24, 24);
-    const __m512i hbase = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
-    const __m512i shv = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m512i hsh = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m1 = _mm512_set1_epi8(0x01);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        __m512i kk = _mm512_set1_epi32(k);
-        __m512i idx = _mm512_add_epi32(base, kk);
-        __m512i v = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_permutex2var_epi32(qa0, idx, qa1),
-                                            _mm512_permutex2var_epi32(qb0, idx, qb1));
-        g->w[k] = _mm512_and_si512(_mm512_srlv_epi32(v, shv), m4);
-        if (five) {
-            __m512i h = _mm512_permutexvar_epi32(_mm512_add_epi32(hbase, kk), qh);
-            h = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, hsh), m1), 4);
-            g->w[k] = _mm512_or_si512(g->w[k], h);
-        }
-    }
-    uint8_t sc[16] = {0}, mm[16] = {0};
-    k4_scales(A->scales, sc, mm);
-    if (nsb > 1) k4_scales(B->scales, sc + 8, mm + 8);
-    g->sl = g->sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)sc));
-    g->jm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)mm));
-    float dA = es_fp16_to_fp32(A->d), dB = nsb > 1 ? es_fp16_to_fp32(B->d) : 0.0f;
-    float mA = -es_fp16_to_fp32(A->dmin), mB = nsb > 1 ? -es_fp16_to_fp32(B->dmin) : 0.0f;
-    g->a = lanes2(dA, dB);
-    g->b = lanes2(mA, mB);
-}
-
-static inline ES_AI void unpack_kg_q6k(const uint8_t *p, int nsb, kgroup *g) {
-    const es_block_q6_K *A = (const void *)p, *B = (const void *)(p + sizeof(es_block_q6_K));
-    __m512i z = _mm512_setzero_si512();
-    __m512i la0 = _mm512_loadu_si512(A->ql), la1 = _mm512_loadu_si512(A->ql + 64), ha = _mm512_loadu_si512(A->qh);
-    __m512i lb0 = z, lb1 = z, hb = z;
-    if (nsb > 1) {
-        lb0 = _mm512_loadu_si512(B->ql);
-        lb1 = _mm512_loadu_si512(B->ql + 64);
-        hb = _mm512_loadu_si512(B->qh);
-    }
-    const __m512i lbase = _mm512_setr_epi32(0, 8, 0, 8, 16, 24, 16, 24, 0, 8, 0, 8, 16, 24, 16, 24);
-    const __m512i hbase = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    const __m512i lsh = _mm512_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4);
-    const __m512i hsh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        __m512i kk = _mm512_set1_epi32(k);
-        __m512i li = _mm512_add_epi32(lbase, kk);
-        __m512i v = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_permutex2var_epi32(la0, li, la1),
-                                            _mm512_permutex2var_epi32(lb0, li, lb1));
-        __m512i h = _mm512_permutex2var_epi32(ha, _mm512_add_epi32(hbase, kk), hb);
-        __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(v, lsh), m4);
-        __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, hsh), m2), 4);
-        g->w[k] = _mm512_or_si512(lo, hi);
-    }
-    int8_t sc[32] = {0};
-    memcpy(sc, A->scales, 16);
-    if (nsb > 1) memcpy(sc + 16, B->scales, 16);
-    __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)sc));
-    g->sl = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
-    g->sh = _mm512_srai_epi32(v, 8);
-    g->a = lanes2(es_fp16_to_fp32(A->d), nsb > 1 ? es_fp16_to_fp32(B->d) : 0.0f);
-    g->b = _mm512_setzero_ps();
-    g->jm = _mm512_setzero_si512();
-}
-
-static inline ES_AI void kgroup_rows(const kgroup *g, const uint8_t *x, size_t x_stride, int nt,
-                                     __m512 *acc, int q6) {
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const __m512i *xq = (const __m512i *)(const void *)xg->qs;
-        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[0], _mm512_load_si512(xq + 0));
-        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[4], _mm512_load_si512(xq + 4));
-        lo = _mm512_dpbusd_epi32(lo, g->w[1], _mm512_load_si512(xq + 1));
-        hi = _mm512_dpbusd_epi32(hi, g->w[5], _mm512_load_si512(xq + 5));
-        lo = _mm512_dpbusd_epi32(lo, g->w[2], _mm512_load_si512(xq + 2));
-        hi = _mm512_dpbusd_epi32(hi, g->w[6], _mm512_load_si512(xq + 6));
-        lo = _mm512_dpbusd_epi32(lo, g->w[3], _mm512_load_si512(xq + 3));
-        hi = _mm512_dpbusd_epi32(hi, g->w[7], _mm512_load_si512(xq + 7));
-        if (q6) {
-            __m512i qlo = _mm512_load_si512((const void *)xg->qlo);
-            __m512i qhi = _mm512_sub_epi32(_mm512_load_si512((const void *)xg->qsum), qlo);
-            lo = _mm512_sub_epi32(lo, _mm512_slli_epi32(qlo, 5));
-            hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(qhi, 5));
-        }
-        __m512i I = _mm512_add_epi32(_mm512_mullo_epi32(g->sl, lo), _mm512_mullo_epi32(g->sh, hi));
-        __m512 dx = _mm512_load_ps(xg->d);
-        __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
-        if (!q6) {
-            __m512i J = _mm512_mullo_epi32(g->jm, _mm512_load_si512((const void *)xg->qsum));
-            c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(g->b, dx), _mm512_cvtepi32_ps(J)));
-        }
-        acc[n] = _mm512_add_ps(acc[n], c);
-    }
-}
-
-static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
-                                   int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
-    int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;
-    const uint8_t *x = xv;
-    int q6 = type == ES_TYPE_Q6_K;
-    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
-                                                                                    : sizeof(es_block_q6_K);
-    for (int n0 = 0; n0 < N; n0 += NT) {
-        int nt = N - n0 < NT ? N - n0 : NT;
-        const uint8_t *xt = x + (size_t)n0 * x_stride;
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *row = w + (size_t)r * row_bytes;
-            __m512 acc[NT];
-            for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
-            for (int64_t gi = 0; gi < ng; gi++) {
-                int nv = (int)(nb - gi * 16 < 16 ? nb - gi * 16 : 16);
-                const uint8_t *p = row + (size_t)gi * 2 * sbb;
-                kgroup g;
-                if (type == ES_TYPE_Q6_K) unpack_kg_q6k(p, nv / 8, &g);
-                else unpack_kg_q45k(p, nv / 8, type == ES_TYPE_Q5_K, &g);
-                kgroup_rows(&g, xt + (size_t)gi * sizeof(es_q8_group), x_stride, nt, acc, q6);
-            }
-            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc[n]);
-        }
-    }
-}
-
-#define KKERNEL(name, t)                                                                  \
-    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
-                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
-        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
-    }
-KKERNEL(k_q4_k, ES_TYPE_Q4_K)
-KKERNEL(k_q5_k, ES_TYPE_Q5_K)
-KKERNEL(k_q6_k, ES_TYPE_Q6_K)
-
 /* Float weights: lane i % 16 += w[i] * x[i]; masked loads give +0 past the end. */
 static inline ES_AI __m512 load_w16(uint32_t type, const uint8_t *row, int64_t i, __mmask16 m) {
     if (type == ES_TYPE_F32) return _mm512_maskz_loadu_ps(m, row + 4 * i);
@@ -783,6 +608,142 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
     return acc;
 }
 
+/* ---- packed K types: one record = one super-block of 16 rows ----
+ * Sub-block j (0..7) of the record is activation block 8 (s % 2) + j of
+ * group s / 2 (s the super-block). Its 8 weight vectors (unsigned: Q4_K
+ * nibbles, Q5_K 5-bit, Q6_K 6-bit values) are made from the record with a
+ * shift and a mask (vpternlogd merges the high bits), then each row of the
+ * tile takes 8 vpdpbusd with its activation dwords broadcast:
+ *   Q4_K, Q5_K  I = sc * (the dot), vpmulld (exact: |I| < 2^24)
+ *   Q6_K        lo, hi = the dots over elements 0..15 and 16..31 minus
+ *               32 * (their activation sums), started at that value in
+ *               the vpdpbusd chains; I = sl * lo + sh * hi (vpmulld)
+ * and the contract's float steps run on 16 rows. The two-term part
+ * (b * d) * (float)J takes (float)J as (float)m * fq, a float product that
+ * is exact (|m * qsum| <= 63 * 4064 < 2^24) and so equal to (float)(m *
+ * qsum), except that it is -0 where J is +0 (m = 0, qsum < 0); a zero c
+ * only ever adds to y, which starts at +0 and so is never -0, and
+ * y + (+0) == y + (-0) for every such y: the stored bits are the same. */
+
+/* The 6-bit sub-block scales (S) and mins (M) of a Q4_K / Q5_K record:
+ * byte j % 4 of lane r of s[j / 4] / m[j / 4] is sub-block j's (ggml's
+ * get_scale_min_k4 on the 12 bytes at sc[0..2][r]). */
+static inline ES_AI void pk_scales(const uint8_t *p, __m512i s[2], __m512i m[2]) {
+    const __m512i u0 = _mm512_loadu_si512(p), u1 = _mm512_loadu_si512(p + 64), u2 = _mm512_loadu_si512(p + 128);
+    const __m512i m6 = _mm512_set1_epi8(0x3F), m4 = _mm512_set1_epi8(0x0F), h2 = _mm512_set1_epi8(0x30);
+    s[0] = _mm512_and_si512(u0, m6);
+    m[0] = _mm512_and_si512(u1, m6);
+    /* (low 4 bits) | (top 2 bits of byte j - 4) << 4: ternlog 0xCA is A ? B : C, A the mask 0x30 */
+    s[1] = _mm512_ternarylogic_epi32(h2, _mm512_srli_epi32(u0, 2), _mm512_and_si512(u2, m4), 0xCA);
+    m[1] = _mm512_ternarylogic_epi32(h2, _mm512_srli_epi32(u1, 2), _mm512_and_si512(_mm512_srli_epi32(u2, 4), m4), 0xCA);
+}
+
+/* Byte j % 4 of every lane of v as int32. */
+static inline ES_AI __m512i pk_byte(__m512i v, int j) {
+    j &= 3;
+    if (j == 3) return _mm512_srli_epi32(v, 24);
+    if (j) v = _mm512_srli_epi32(v, (unsigned)(8 * j));
+    return _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+}
+
+/* Chunk k of sub-block j's unsigned weights, 16 rows (record p). */
+static inline ES_AI __m512i pk_weights(const int type, const uint8_t *p, int j, int k) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == ES_TYPE_Q6_K) {
+        int h = j / 4, s = j % 4;
+        __m512i l = _mm512_loadu_si512(p + (2 * h + (s & 1)) * 512 + 64 * k);
+        __m512i q = _mm512_and_si512(s >= 2 ? _mm512_srli_epi16(l, 4) : l, m4);
+        __m512i hb = _mm512_loadu_si512(p + ES_PK_Q6K_QH + 512 * h + 64 * k);
+        /* bits 2s, 2s + 1 of each byte to bits 4, 5 (within the byte after the mask) */
+        hb = s < 2 ? _mm512_slli_epi16(hb, (unsigned)(4 - 2 * s)) : s == 2 ? hb : _mm512_srli_epi16(hb, 2);
+        return _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x30), hb, q, 0xEA);   /* q | (hb & 0x30) */
+    }
+    __m512i v = _mm512_loadu_si512(p + (j / 2) * 512 + 64 * k);
+    __m512i q = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(v, 4) : v, m4);
+    if (type == ES_TYPE_Q5_K) {
+        __m512i hb = _mm512_loadu_si512(p + ES_PK_Q5K_QH + 64 * k);
+        /* bit j of each byte to bit 4 */
+        hb = j <= 4 ? _mm512_slli_epi16(hb, (unsigned)(4 - j)) : _mm512_srli_epi16(hb, (unsigned)(j - 4));
+        q = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x10), hb, q, 0xEA);   /* q | (hb & 0x10) */
+    }
+    return q;
+}
+
+static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g, int64_t nsb, const uint8_t *x,
+                                  size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    const int q6 = type == ES_TYPE_Q6_K;
+    const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
+    const size_t dof = q6 ? ES_PK_Q6K_D : type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
+    const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
+    __m512 acc[PTILE];
+    UNROLL
+    for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
+    if (pf == 2)
+        for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *p = g + (size_t)sb * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + dof)));
+        __m512 b = _mm512_setzero_ps();
+        __m512i S[2], M[2];
+        if (!q6) {
+            /* b = -dmin: the sign bit flipped, exact */
+            b = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + mof)))),
+                _mm512_set1_epi32((int)0x80000000u)));
+            pk_scales(p + sco, S, M);
+        }
+        const uint8_t *xb = x + (size_t)(sb / 2) * sizeof(es_q8_group);
+        const int j0 = 8 * (int)(sb % 2);
+        for (int j = 0; j < 8; j++) {
+            __m512i w[8];
+            UNROLL
+            for (int k = 0; k < 8; k++) w[k] = pk_weights(type, p, j, k);
+            __m512i sl, sh = _mm512_setzero_si512();
+            __m512 fm = _mm512_setzero_ps();
+            if (q6) {
+                sl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j)));
+                sh = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j + 16)));
+            } else {
+                sl = pk_byte(S[j / 4], j);
+                fm = _mm512_cvtepi32_ps(pk_byte(M[j / 4], j));
+            }
+            const int jj = j0 + j;
+            UNROLL
+            for (int n = 0; n < nt; n++) {
+                const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
+                const int8_t *q = xg->qs + 4 * jj;
+                __m512i i0, i1;
+                if (q6) {
+                    int32_t lo = xg->qlo[jj], hi = xg->qsum[jj] - lo;
+                    i0 = dpbusd_b(_mm512_set1_epi32(-32 * lo), w[0], q);
+                    i1 = dpbusd_b(_mm512_set1_epi32(-32 * hi), w[4], q + 256);
+                } else {
+                    i0 = dpbusd_b(_mm512_setzero_si512(), w[0], q);
+                    i1 = dpbusd_b(_mm512_setzero_si512(), w[4], q + 256);
+                }
+                UNROLL
+                for (int k = 1; k < 4; k++) {
+                    i0 = dpbusd_b(i0, w[k], q + 64 * k);
+                    i1 = dpbusd_b(i1, w[k + 4], q + 64 * (k + 4));
+                }
+                __m512i I = q6 ? _mm512_add_epi32(_mm512_mullo_epi32(sl, i0), _mm512_mullo_epi32(sh, i1))
+                               : _mm512_mullo_epi32(sl, _mm512_add_epi32(i0, i1));
+                const __m512 dx = _mm512_set1_ps(xg->d[jj]);
+                __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
+                if (!q6)
+                    c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_mul_ps(fm, _mm512_set1_ps(xg->fq[jj]))));
+                acc[n] = _mm512_add_ps(acc[n], c);
+            }
+        }
+    }
+    const __mmask16 m = (__mmask16)((1u << nr) - 1);
+    UNROLL
+    for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
+}
+
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
  * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
  * pf: 0 no prefetch (a later tile), 1 the rolling prefetch ES_PF_BYTES
@@ -793,6 +754,10 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
  * group are not free. */
 static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                 size_t xs, float *Y, int64_t ldy, int nr, int pf) {
+    if (type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K) {
+        pgroup_k(nt, type, g, nb, x, xs, Y, ldy, nr, pf);
+        return;
+    }
     const size_t rec = es_pack_record_bytes((uint32_t)type);
     const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
     __m512 acc[PTILE];
@@ -835,7 +800,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     for (int n = 0; n < nt; n++) _mm512_mask_storeu_ps(Y + (int64_t)n * ldy, m, acc[n]);
 }
 
-ES_PACKED_KERNELS(es_x86_packed_kernel)
+ES_PACKED_KERNELS_K(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
@@ -844,9 +809,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_BF16: return k_bf16;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
-    case ES_TYPE_Q4_K: return k_q4_k;
-    case ES_TYPE_Q5_K: return k_q5_k;
-    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }
@@ -854,10 +816,10 @@ const char *es_x86_simd_name(void) { return "avx512"; }
 
 #elif defined(ES_X86_AVX2)
 /*
- * AVX2 path. Lane types (Q5_0, Q5_1, K-quants): the same transposed layout,
- * a group of 16 blocks handled as two octets of 8 (ymm lanes 0..7 and 8..15
- * of the accumulator). Packed types (Q4_0, Q4_1, Q8_0): see "packed kernels"
- * below. Int8 dots use maddubs (u8 x s8 -> s16 pairs) + madd: for 4-bit
+ * AVX2 path. Lane types (Q5_0, Q5_1): the same transposed layout, a group
+ * of 16 blocks handled as two octets of 8 (ymm lanes 0..7 and 8..15 of the
+ * accumulator). Packed types (Q4_0, Q4_1, Q8_0, K types): see "packed
+ * kernels" below. Int8 dots use maddubs (u8 x s8 -> s16 pairs) + madd: for 4-bit
  * weights all 8 chunk products fit one int16 sum (8 * 2 * 15 * 127 = 30480),
  * for 5-bit ones 4 (4 * 2 * 31 * 127 = 31496); Q8_0 uses |w| x sign(x, w)
  * and widens every chunk. Exact int32 either way.
@@ -1067,173 +1029,6 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
-/* K-quants: one super-block per octet (8 sub-blocks = lanes 0..7 or 8..15).
- * The integer sub-block scales multiply the two 16-element half sums. */
-typedef struct {
-    __m256i w[8];
-    __m256 a, b;
-    __m256i sl, sh, jm;
-} koct;
-
-/* ggml's get_scale_min_k4 for all 8 sub-blocks: sc[0..7], m[0..7]. */
-static inline ES_AI void k4_scales(const uint8_t *s12, uint8_t sc[8], uint8_t m[8]) {
-    uint32_t u[4];
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = aux;
-    u[0] &= 0x3f3f3f3fu;
-    memcpy(sc, u, 8);
-    memcpy(m, u + 2, 8);
-}
-
-/* 4 rows of 8 dwords (p, p + 32, p + 64, p + 96) transposed: u[k % 4] holds
- * dword k of rows 0..3 in 128-bit lane k / 4. */
-static inline ES_AI void t4x8(const uint8_t *p, __m256i u[4]) {
-    __m256i s0 = _mm256_loadu_si256((const __m256i *)(const void *)p);
-    __m256i s1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32));
-    __m256i s2 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64));
-    __m256i s3 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 96));
-    __m256i t0 = _mm256_unpacklo_epi32(s0, s1), t1 = _mm256_unpackhi_epi32(s0, s1);
-    __m256i t2 = _mm256_unpacklo_epi32(s2, s3), t3 = _mm256_unpackhi_epi32(s2, s3);
-    u[0] = _mm256_unpacklo_epi64(t0, t2);
-    u[1] = _mm256_unpackhi_epi64(t0, t2);
-    u[2] = _mm256_unpacklo_epi64(t1, t3);
-    u[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-
-static inline ES_AI __m256i u8x8_epi32(const uint8_t *b) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)b));
-}
-
-static inline ES_AI void unpack_ko_q45k(const uint8_t *p, int five, koct *g) {
-    const es_block_q4_K *A = (const void *)p;
-    const uint8_t *qs = five ? ((const es_block_q5_K *)(const void *)p)->qs : A->qs;
-    __m256i u[4];
-    t4x8(qs, u);
-    const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
-    const __m256i hsh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x01);
-    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)((const es_block_q5_K *)(const void *)p)->qh)
-                      : _mm256_setzero_si256();
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        __m256i idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-        if (k >= 4) idx = _mm256_add_epi32(idx, _mm256_set1_epi32(4));
-        __m256i v = _mm256_permutevar8x32_epi32(u[k % 4], idx);
-        g->w[k] = _mm256_and_si256(_mm256_srlv_epi32(v, shv), m4);
-        if (five) {
-            __m256i h = _mm256_permutevar8x32_epi32(qh, _mm256_set1_epi32(k));
-            h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, hsh), m1), 4);
-            g->w[k] = _mm256_or_si256(g->w[k], h);
-        }
-    }
-    uint8_t sc[8], m[8];
-    k4_scales(A->scales, sc, m);
-    g->sl = g->sh = u8x8_epi32(sc);
-    g->jm = u8x8_epi32(m);
-    g->a = _mm256_set1_ps(es_fp16_to_fp32(A->d));
-    g->b = _mm256_set1_ps(-es_fp16_to_fp32(A->dmin));
-}
-
-static inline ES_AI void unpack_ko_q6k(const uint8_t *p, koct *g) {
-    const es_block_q6_K *A = (const void *)p;
-    __m256i u[4];
-    t4x8(A->ql, u);
-    __m256i h0 = _mm256_loadu_si256((const __m256i *)(const void *)A->qh);
-    __m256i h1 = _mm256_loadu_si256((const __m256i *)(const void *)(A->qh + 32));
-    const __m256i lsh = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4);
-    const __m256i hsh = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-    UNROLL
-    for (int k = 0; k < 8; k++) {
-        __m256i idx = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
-        if (k >= 4) idx = _mm256_add_epi32(idx, _mm256_set1_epi32(4));
-        __m256i v = _mm256_permutevar8x32_epi32(u[k % 4], idx);
-        __m256i kk = _mm256_set1_epi32(k);
-        __m256i h = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(h0, kk), _mm256_permutevar8x32_epi32(h1, kk), 0xF0);
-        __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(v, lsh), m4);
-        __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(h, hsh), m2), 4);
-        g->w[k] = _mm256_or_si256(lo, hi);
-    }
-    int16_t sw[8];
-    memcpy(sw, A->scales, 16);
-    __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(const void *)sw));
-    g->sl = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);
-    g->sh = _mm256_srai_epi32(v, 8);
-    g->jm = _mm256_setzero_si256();
-    g->a = _mm256_set1_ps(es_fp16_to_fp32(A->d));
-    g->b = _mm256_setzero_ps();
-}
-
-/* Octet h of a group into rows [0, nt): acc[2n + h] += c. Weights are at
- * most 63, so two chunk products fit one int16 sum (2 * 2 * 63 * 127). */
-static inline ES_AI void koct_rows(const koct *g, const uint8_t *x, size_t x_stride, int nt, int h,
-                                   __m256 *acc, int q6) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const int8_t *xq = xg->qs + 32 * h;
-#define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
-#define PAIR(k) _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->w[k], XQ(k)), \
-                                                   _mm256_maddubs_epi16(g->w[(k) + 1], XQ((k) + 1))), ones)
-        __m256i lo = _mm256_add_epi32(PAIR(0), PAIR(2));
-        __m256i hi = _mm256_add_epi32(PAIR(4), PAIR(6));
-#undef PAIR
-#undef XQ
-        __m256i qsum = _mm256_load_si256((const void *)(xg->qsum + 8 * h));
-        if (q6) {
-            __m256i qlo = _mm256_load_si256((const void *)(xg->qlo + 8 * h));
-            lo = _mm256_sub_epi32(lo, _mm256_slli_epi32(qlo, 5));
-            hi = _mm256_sub_epi32(hi, _mm256_slli_epi32(_mm256_sub_epi32(qsum, qlo), 5));
-        }
-        __m256i I = _mm256_add_epi32(_mm256_mullo_epi32(g->sl, lo), _mm256_mullo_epi32(g->sh, hi));
-        __m256 dx = _mm256_load_ps(xg->d + 8 * h);
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(g->a, dx), _mm256_cvtepi32_ps(I));
-        if (!q6) {
-            __m256i J = _mm256_mullo_epi32(g->jm, qsum);
-            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(g->b, dx), _mm256_cvtepi32_ps(J)));
-        }
-        acc[2 * n + h] = _mm256_add_ps(acc[2 * n + h], c);
-    }
-}
-
-static inline ES_AI void kq_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
-                                   int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
-    int64_t nsb = n_in / QK_K;
-    const uint8_t *x = xv;
-    int q6 = type == ES_TYPE_Q6_K;
-    size_t sbb = type == ES_TYPE_Q4_K ? sizeof(es_block_q4_K) : type == ES_TYPE_Q5_K ? sizeof(es_block_q5_K)
-                                                                                    : sizeof(es_block_q6_K);
-    __m256 acc[2 * NT];
-    for (int n0 = 0; n0 < N; n0 += NT) {
-        int nt = N - n0 < NT ? N - n0 : NT;
-        const uint8_t *xt = x + (size_t)n0 * x_stride;
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *row = w + (size_t)r * row_bytes;
-            for (int i = 0; i < 2 * nt; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t sb = 0; sb < nsb; sb++) {
-                koct g;
-                const uint8_t *p = row + (size_t)sb * sbb;
-                if (q6) unpack_ko_q6k(p, &g);
-                else unpack_ko_q45k(p, type == ES_TYPE_Q5_K, &g);
-                koct_rows(&g, xt + (size_t)(sb / 2) * sizeof(es_q8_group), x_stride, nt, (int)(sb & 1), acc, q6);
-            }
-            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = lane_sum2x8(acc[2 * n], acc[2 * n + 1]);
-        }
-    }
-}
-
-#define KKERNEL(name, t)                                                                  \
-    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
-                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
-        kq_kernel(t, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                              \
-    }
-KKERNEL(k_q4_k, ES_TYPE_Q4_K)
-KKERNEL(k_q5_k, ES_TYPE_Q5_K)
-KKERNEL(k_q6_k, ES_TYPE_Q6_K)
-
 /* Activation quantization (contract step 1), 32 elements per step. */
 int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
     if (n % QK != 0) return 0;
@@ -1423,9 +1218,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_BF16: return k_bf16;
     case ES_TYPE_Q5_0: return k_q5_0;
     case ES_TYPE_Q5_1: return k_q5_1;
-    case ES_TYPE_Q4_K: return k_q4_k;
-    case ES_TYPE_Q5_K: return k_q5_k;
-    case ES_TYPE_Q6_K: return k_q6_k;
     default: return NULL;
     }
 }

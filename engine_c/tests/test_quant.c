@@ -307,7 +307,12 @@ TEST(test_matmul_all_types) {
                a partial last one; 21 rows: a full and a partial 16-row group */
             check_shape(t, 32 * 150, 21, 3, pools);
         }
-        if (be == 256) check_shape(t, 256 * 7, 6, 2, pools);   /* 56 blocks: a group of 8 at the end */
+        if (be == 256) {
+            check_shape(t, 256 * 7, 6, 2, pools);   /* 56 blocks: a group of 8 at the end */
+            /* 11 super-blocks: the NEON K kernels' segments of 8 records, a partial
+               last one (partial sums carried between segments); 21 rows */
+            check_shape(t, 256 * 11, 21, 3, pools);
+        }
     }
     for (int p = 0; p < 3; p++) es_pool_free(pools[p]);
 }
@@ -416,21 +421,100 @@ TEST(test_simd_name) {
 TEST(test_pack_per_build) {
     /* Q4_0 / Q4_1 / Q8_0 are packed (and the packed kernels run, compared
        with the scalar ones above) exactly where the build has packed
-       kernels: AVX-512, AVX2, NEON with dotprod; never in a scalar build */
+       kernels: AVX-512, AVX2, NEON with dotprod; never in a scalar build.
+       Q4_K / Q5_K / Q6_K: AVX-512, AVX2 and NEON with dotprod as well. */
     const char *s = es_quant_simd_name();
     int want = !strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod");
+    int want_k = !strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod");
 #ifdef ES_FORCE_SCALAR
-    CHECK(!want);
+    CHECK(!want && !want_k);
 #endif
-    const uint32_t ts[4] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K};
-    for (int i = 0; i < 4; i++) {
-        wmat w = make_w(ts[i], 256, 20);
+    const uint32_t ts[6] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    for (int i = 0; i < 6; i++) {
+        wmat w = make_w(ts[i], 512, 20);
         es_tensor_unpack(&w.t);
         CHECK(w.t.packed == NULL);
         int r = es_tensor_pack(&w.t);
-        CHECK_EQ_INT(r, ts[i] == ES_TYPE_Q4_K ? 0 : want);
+        CHECK_EQ_INT(r, blk_elems(ts[i]) == 256 ? want_k : want);
         CHECK((w.t.packed != NULL) == (r == 1));
-        if (r == 1) CHECK(w.t.packed_bytes == 2 * 8 * es_pack_record_bytes(ts[i]));   /* 2 groups x 8 blocks */
+        /* 2 groups x (16 blocks or 2 super-blocks) */
+        if (r == 1) CHECK(w.t.packed_bytes == 2 * (512 / (size_t)blk_elems(ts[i])) * es_pack_record_bytes(ts[i]));
+        free_w(&w);
+    }
+}
+
+TEST(test_matmul_k_n_1_to_33) {
+    /* the packed K kernels: every N from 1 to 33 (register tiles of 1..8
+       rows and their splits), rows ending in a partial 16-row group, rows
+       of 2 super-blocks (one activation group) and of 3 (a lone one) */
+    es_pool *pools[3] = {es_pool_new(2), es_pool_new(3), NULL};
+    const uint32_t ts[3] = {ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    for (int ti = 0; ti < 3; ti++)
+        for (int N = 1; N <= 33; N++) check_shape(ts[ti], N % 2 ? 768 : 512, N % 3 ? 37 : 16, N, N % 4 ? NULL : pools);
+    es_pool_free(pools[0]);
+    es_pool_free(pools[1]);
+}
+
+/* The documented packed layouts (quant.h), read back independently: the
+ * dequantized values of every row from its packed records equal
+ * es_dequantize_row of the original row bitwise, and padding rows are zero.
+ * es_pack_rows works in every build, whether or not it has a packed kernel. */
+static float packed_k_value(uint32_t type, const uint8_t *rec, int r, int j, int e) {
+    int k = e / 4, b = e % 4;
+    if (type == ES_TYPE_Q6_K) {
+        int h = j / 4, s = j % 4;
+        uint8_t lb = rec[(2 * h + (s & 1)) * 512 + 64 * k + 4 * r + b];
+        uint8_t hb = rec[ES_PK_Q6K_QH + 512 * h + 64 * k + 4 * r + b];
+        int q = ((s >= 2 ? lb >> 4 : lb & 15) | (((hb >> (2 * s)) & 3) << 4)) - 32;
+        int8_t sc = (int8_t)rec[ES_PK_Q6K_SC + 16 * (2 * j + e / 16) + r];
+        uint16_t dh;
+        memcpy(&dh, rec + ES_PK_Q6K_D + 2 * r, 2);
+        return es_fp16_to_fp32(dh) * (float)sc * (float)q;
+    }
+    int five = type == ES_TYPE_Q5_K;
+    uint8_t qb = rec[(j / 2) * 512 + 64 * k + 4 * r + b];
+    int q = (j & 1) ? qb >> 4 : qb & 15;
+    if (five) q |= ((rec[ES_PK_Q5K_QH + 64 * k + 4 * r + b] >> j) & 1) << 4;
+    uint8_t s12[12];
+    size_t so = five ? ES_PK_Q5K_SC : ES_PK_Q4K_SC;
+    for (int w = 0; w < 3; w++) memcpy(s12 + 4 * w, rec + so + 64 * w + 4 * r, 4);
+    int sc, m;
+    es_scale_min_k4(j, s12, &sc, &m);
+    uint16_t dh, mh;
+    memcpy(&dh, rec + (five ? ES_PK_Q5K_D : ES_PK_Q4K_D) + 2 * r, 2);
+    memcpy(&mh, rec + (five ? ES_PK_Q5K_DMIN : ES_PK_Q4K_DMIN) + 2 * r, 2);
+    float d1 = es_fp16_to_fp32(dh) * (float)sc, m1 = es_fp16_to_fp32(mh) * (float)m;
+    return d1 * (float)q - m1;
+}
+
+TEST(test_pack_layout_k) {
+    const uint32_t ts[3] = {ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    const int64_t n_in = 768, n_out = 21, nb = n_in / 256, ng = 2;
+    for (int ti = 0; ti < 3; ti++) {
+        uint32_t t = ts[ti];
+        size_t rec = es_pack_record_bytes(t);
+        CHECK(rec == 16 * blk_bytes(t));
+        CHECK(es_pack_block_elems(t) == 256);
+        wmat w = make_w(t, n_in, n_out);
+        uint8_t *pk = malloc((size_t)(ng * nb) * rec);
+        memset(pk, 0xAB, (size_t)(ng * nb) * rec);
+        es_pack_rows(t, w.data, w.t.row_bytes, n_in, n_out, pk);
+        float ref[768];
+        int bad = 0;
+        for (int64_t row = 0; row < ng * 16; row++) {
+            if (row < n_out) es_dequantize_row(t, w.data + (size_t)row * w.t.row_bytes, ref, n_in);
+            for (int64_t s = 0; s < nb; s++) {
+                const uint8_t *rp = pk + (size_t)((row / 16) * nb + s) * rec;
+                for (int i = 0; i < 256; i++) {
+                    float v = packed_k_value(t, rp, (int)(row % 16), i / 32, i % 32);
+                    float want = row < n_out ? ref[s * 256 + i] : 0.0f;
+                    if (memcmp(&v, &want, 4) != 0 && !(row >= n_out && v == 0.0f)) bad++;
+                }
+            }
+        }
+        if (bad) fprintf(stderr, "  type %u: %d values differ\n", t, bad);
+        CHECK_EQ_INT(bad, 0);
+        free(pk);
         free_w(&w);
     }
 }
@@ -442,10 +526,12 @@ int main(void) {
     RUN(test_quantize_simd_vs_ref);
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
+    RUN(test_matmul_k_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
     RUN(test_unsupported_type);
     RUN(test_simd_name);
     RUN(test_pack_per_build);
+    RUN(test_pack_layout_k);
     return harness_report();
 }
