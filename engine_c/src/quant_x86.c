@@ -2,15 +2,18 @@
  * quant_x86.c - AVX-512 (VNNI) and AVX2 matmul kernels for x86-64. Same
  * contract and results (bitwise) as the scalar kernels in quant.c.
  *
- * Quantized types: a weight row is processed 16 blocks (one es_q8_group of
- * activations) at a time. The 16 blocks are loaded and transposed once into
- * 8 vectors of unsigned bytes, vector k holding elements 4k..4k+3 of block j
- * in 32-bit lane j, which is the layout of the activation group, so 8
- * vpdpbusd give the 16 exact int32 block sums I at once, for each of the N
- * activation rows, and the float steps of the contract run on 16 lanes that
- * are the 16 accumulator lanes. Signed weights are offset to unsigned
- * (q + 128 for Q8_0, raw nibbles for Q4_0) and the offset times the
- * activation block sum is subtracted again in int32 (exact).
+ * Sequential types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run on packed
+ * weights, 16 rows in the lanes (see "packed kernels" in each path).
+ * Lane types (Q5_0, Q5_1): a weight row is processed 16 blocks (one
+ * es_q8_group of activations) at a time. The 16 blocks are loaded and
+ * transposed once into 8 vectors of unsigned bytes, vector k holding
+ * elements 4k..4k+3 of block j in 32-bit lane j, which is the layout of the
+ * activation group, so 8 vpdpbusd give the 16 exact int32 block sums I at
+ * once, for each of the N activation rows, and the float steps of the
+ * contract run on 16 lanes that are the 16 accumulator lanes. Signed
+ * weights are offset to unsigned (Q5_0: wq + 16, the raw 5-bit value) and
+ * the offset times the activation block sum is subtracted again in int32
+ * (exact).
  */
 #include "quant.h"
 
@@ -555,7 +558,7 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * One step multiplies one block of 16 rows (a packed record, quant.h) into
  * each activation row of a tile: 8 vpdpbusd with the activation's dword k
  * broadcast give the 16 rows' exact int32 sums I, then the contract's float
@@ -1063,7 +1066,7 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * A packed record (quant.h) is one block of 16 rows; a ymm holds 8 of them,
  * so a record is two halves (half h = rows 8h..8h+7 = bytes 32h..32h+31 of
  * each 64-byte chunk). The 8 weight vectors of one half (vector k, lane i =
@@ -1179,6 +1182,137 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
     }
 }
 
+/* Packed K types (quant.h layouts; the float steps and the exact integer
+ * sums as in the AVX-512 kernel, whose comment explains the (float)m * fq
+ * term): half h of a super-block record is bytes 32h..32h+31 of each 64-byte
+ * chunk. Per sub-block j, the 8 weight vectors of the half stay in
+ * registers while every row of the tile takes its activation dwords
+ * broadcast. int16 sums before the madd with ones (all exact):
+ *   Q4_K  all 8 chunk products, at most 8 * 2 * 15 * 127 = 30480
+ *   Q5_K  4 + 4, at most 4 * 2 * 31 * 127 = 31496
+ *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
+ *         and 16..31 stay apart for their two scales) */
+#define PSEG_K 8   /* super-block records per segment: 18 KB (Q4_K) to 27 KB (Q6_K) */
+
+static inline ES_AI __m256i pk_weights8(const int type, const uint8_t *p, int h, int j, int k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *s = p + 32 * h + 64 * k;
+#define LD(q) _mm256_loadu_si256((const __m256i *)(const void *)(q))
+    if (type == ES_TYPE_Q6_K) {
+        int hh = j / 4, t = j % 4;
+        __m256i l = LD(s + (2 * hh + (t & 1)) * 512);
+        __m256i q = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+        __m256i hb = LD(s + ES_PK_Q6K_QH + 512 * hh);
+        hb = t < 2 ? _mm256_slli_epi16(hb, 4 - 2 * t) : t == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        return _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+    }
+    __m256i v = LD(s + (j / 2) * 512);
+    __m256i q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, m4);
+    if (type == ES_TYPE_Q5_K) {
+        __m256i hb = LD(s + ES_PK_Q5K_QH);
+        hb = j <= 4 ? _mm256_slli_epi16(hb, 4 - j) : _mm256_srli_epi16(hb, j - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+    }
+#undef LD
+    return q;
+}
+
+/* Byte j % 4 of every lane of v as int32. */
+static inline ES_AI __m256i pk_byte8(__m256i v, int j) {
+    j &= 3;
+    if (j == 3) return _mm256_srli_epi32(v, 24);
+    if (j) v = _mm256_srli_epi32(v, 8 * j);
+    return _mm256_and_si256(v, _mm256_set1_epi32(0xFF));
+}
+
+/* Half h of K records [s0, s1) into acc; pf: prefetch. */
+static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
+                                   const uint8_t *x, size_t xs, __m256 *acc, int pf) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    const int q6 = type == ES_TYPE_Q6_K;
+    const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
+    const size_t dof = q6 ? ES_PK_Q6K_D : type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
+    const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t sb = s0; sb < s1; sb++) {
+        const uint8_t *p = g + (size_t)sb * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        const __m256 a = f16x8(p + dof + 16 * h);
+        __m256 b = _mm256_setzero_ps();
+        __m256i S[2], M[2];
+        if (!q6) {
+            b = _mm256_xor_ps(f16x8(p + mof + 16 * h), _mm256_set1_ps(-0.0f));   /* -dmin, exact */
+            const uint8_t *sp = p + sco + 32 * h;
+            const __m256i u0 = _mm256_loadu_si256((const __m256i *)(const void *)sp);
+            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 64));
+            const __m256i u2 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 128));
+            const __m256i m6 = _mm256_set1_epi8(0x3F), m4 = _mm256_set1_epi8(0x0F), h2 = _mm256_set1_epi8(0x30);
+            S[0] = _mm256_and_si256(u0, m6);
+            M[0] = _mm256_and_si256(u1, m6);
+            S[1] = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), h2));
+            M[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), h2));
+        }
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(sb / 2) * sizeof(es_q8_group);
+        const int j0 = 8 * (int)(sb % 2);
+        for (int j = 0; j < 8; j++) {
+            __m256i w[8];
+            UNROLL
+            for (int k = 0; k < 8; k++) w[k] = pk_weights8(type, p, h, j, k);
+            __m256i sl, sh = _mm256_setzero_si256();
+            __m256 fm = _mm256_setzero_ps();
+            if (q6) {
+                const uint8_t *sp = p + ES_PK_Q6K_SC + 32 * j + 8 * h;
+                sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sp));
+                sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(sp + 16)));
+            } else {
+                sl = pk_byte8(S[j / 4], j);
+                fm = _mm256_cvtepi32_ps(pk_byte8(M[j / 4], j));
+            }
+            const int jj = j0 + j;
+            UNROLL
+            for (int n = 0; n < nt; n++) {
+                const uint8_t *q = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, ... [jj] at their offsets from it */
+#define MB(k) _mm256_maddubs_epi16(w[k], bcast32(q + 64 * (k)))
+                float d, fq;
+                memcpy(&d, q + offsetof(es_q8_group, d), 4);
+                __m256i I;
+                if (type == ES_TYPE_Q4_K) {
+                    __m256i s16 = MB(0);
+                    UNROLL
+                    for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, MB(k));
+                    I = _mm256_mullo_epi32(sl, _mm256_madd_epi16(s16, ones));
+                } else if (type == ES_TYPE_Q5_K) {
+                    __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(MB(0), MB(1)), _mm256_add_epi16(MB(2), MB(3)));
+                    __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(MB(4), MB(5)), _mm256_add_epi16(MB(6), MB(7)));
+                    I = _mm256_mullo_epi32(sl, _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)));
+                } else {
+                    int32_t qlo, qsum;
+                    memcpy(&qlo, q + offsetof(es_q8_group, qlo), 4);
+                    memcpy(&qsum, q + offsetof(es_q8_group, qsum), 4);
+                    __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(MB(0), MB(1)), ones),
+                                                  _mm256_madd_epi16(_mm256_add_epi16(MB(2), MB(3)), ones));
+                    __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(MB(4), MB(5)), ones),
+                                                  _mm256_madd_epi16(_mm256_add_epi16(MB(6), MB(7)), ones));
+                    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * qlo));
+                    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * (qsum - qlo)));
+                    I = _mm256_add_epi32(_mm256_mullo_epi32(sl, lo), _mm256_mullo_epi32(sh, hi));
+                }
+#undef MB
+                const __m256 dx = _mm256_set1_ps(d);
+                __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
+                if (!q6) {
+                    memcpy(&fq, q + offsetof(es_q8_group, fq), 4);
+                    c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_mul_ps(fm, _mm256_set1_ps(fq))));
+                }
+                acc[n] = _mm256_add_ps(acc[n], c);
+            }
+        }
+    }
+}
+
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
  * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
  * A half wholly past nr is skipped. pf: as in the AVX-512 kernel. */
@@ -1188,13 +1322,16 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     __m256 part[2][PTILE];
     if (pf == 2)   /* the first group of a chunk: the head of the stream */
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
-    for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
-        int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
+    const int kt = type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K;
+    const int64_t seg = kt ? PSEG_K : PSEG;
+    for (int64_t s0 = 0; s0 < nb; s0 += seg) {
+        int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
         for (int h = 0; h < nh; h++) {
             __m256 acc[PTILE];
             UNROLL
             for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
-            phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+            if (kt) khalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+            else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
             UNROLL
             for (int n = 0; n < nt; n++) part[h][n] = acc[n];
         }
@@ -1209,7 +1346,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     }
 }
 
-ES_PACKED_KERNELS(es_x86_packed_kernel)
+ES_PACKED_KERNELS_K(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
