@@ -700,6 +700,7 @@ static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g
         }
         const uint8_t *xb = x + (size_t)(sb / 2) * sizeof(es_q8_group);
         const int j0 = 8 * (int)(sb % 2);
+        UNROLL
         for (int j = 0; j < 8; j++) {
             __m512i w[8];
             UNROLL
@@ -1257,6 +1258,7 @@ static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *
         UNROLL
         for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(sb / 2) * sizeof(es_q8_group);
         const int j0 = 8 * (int)(sb % 2);
+        UNROLL
         for (int j = 0; j < 8; j++) {
             __m256i w[8];
             UNROLL
