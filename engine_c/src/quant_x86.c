@@ -1070,9 +1070,11 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
 /* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * A packed record (quant.h) is one block of 16 rows; a ymm holds 8 of them,
  * so a record is two halves (half h = rows 8h..8h+7 = bytes 32h..32h+31 of
- * each 64-byte chunk). The 8 weight vectors of one half (vector k, lane i =
- * elements 4k..4k+3 of row 8h+i) stay in registers while every activation
- * row of a tile takes its dword k of the block broadcast:
+ * each 64-byte chunk). Weight vector k of a half (lane i = elements
+ * 4k..4k+3 of row 8h+i) is made once and every activation row of a tile
+ * multiplies its dword k of the block, broadcast, into it before vector
+ * k + 1 is made (chunk-major: per row only an int sum and the accumulator
+ * stay in registers, so tiles of 6 rows fit in 16 ymm):
  *   Q4_0, Q4_1  unsigned nibbles x int8 with maddubs; the 8 chunk products
  *               add up in int16 (at most 8 * 2 * 15 * 127 = 30480), one madd
  *               with ones makes the 8 rows' I; Q4_0 subtracts 8 * qsum
