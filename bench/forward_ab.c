@@ -20,6 +20,9 @@
  *
  * MODEL.gguf: e.g. the default model, whose path `.venv/bin/python
  * scripts/fetch_model.py` prints (it fetches the file on first use).
+ * A build given as LIB.so@OTHER.gguf runs OTHER.gguf instead (one build
+ * may appear several times): two files, for instance a Q4_1 and a Q4_K_M
+ * file of one shape, compared on one host at the same time.
  *
  * At most 8 builds; 2 threads each; about 100 MB of memory per build.
  */
@@ -27,6 +30,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "echospec_engine.h"
@@ -101,7 +105,8 @@ static int open_build(const char *lib, const char *model, build *b, int32_t *tok
 
 int main(int argc, char **argv) {
     if (argc < 4 || argc > 3 + MAX_LIBS) {
-        fprintf(stderr, "usage: %s MODEL.gguf ROUNDS LIB.so [LIB.so ...] (at most %d)\n", argv[0], MAX_LIBS);
+        fprintf(stderr, "usage: %s MODEL.gguf ROUNDS LIB.so[@OTHER.gguf] [LIB.so[@OTHER.gguf] ...] (at most %d)\n",
+                argv[0], MAX_LIBS);
         return 2;
     }
     int nl = argc - 3;
@@ -115,8 +120,18 @@ int main(int argc, char **argv) {
     int rounds = (int)rl;
     int32_t toks[DEPTH + 8], am[8];
     build b[MAX_LIBS];
-    for (int i = 0; i < nl; i++)
-        if (open_build(argv[3 + i], argv[1], &b[i], toks) != 0) return 1;
+    for (int i = 0; i < nl; i++) {
+        char lib[4096];
+        const char *at = strchr(argv[3 + i], '@');
+        size_t n = at ? (size_t)(at - argv[3 + i]) : strlen(argv[3 + i]);
+        if (n >= sizeof lib) {
+            fprintf(stderr, "library path too long: %s\n", argv[3 + i]);
+            return 2;
+        }
+        memcpy(lib, argv[3 + i], n);
+        lib[n] = 0;
+        if (open_build(lib, at ? at + 1 : argv[1], &b[i], toks) != 0) return 1;
+    }
     double *t1 = malloc(sizeof(double) * (size_t)(rounds * nl));
     double *t5 = malloc(sizeof(double) * (size_t)(rounds * nl));
     double *ratio = malloc(sizeof(double) * (size_t)(rounds * nl));

@@ -12,6 +12,7 @@
  *      bench/kernel_bench.c engine_c/src/{quant,quant_x86,quant_neon,threadpool,util}.c \
  *      -o /tmp/kernel_bench -lm -pthread
  *   /tmp/kernel_bench [n_threads=2] [reps=15] [wall|cpu]
+ *   /tmp/kernel_bench types [reps=15]     per-type compute cost (see types_bench)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,8 +36,22 @@ static uint32_t rnd(void) {
     return (uint32_t)rs;
 }
 
+/* Block bytes / elements and the byte offsets of the fp16 scales of a block. */
+static size_t blk_bytes(uint32_t t) {
+    switch (t) {
+    case ES_TYPE_Q4_0: return 18;
+    case ES_TYPE_Q4_1: return 20;
+    case ES_TYPE_Q8_0: return 34;
+    case ES_TYPE_Q4_K: return 144;
+    case ES_TYPE_Q5_K: return 176;
+    case ES_TYPE_Q6_K: return 210;
+    default: return 0;
+    }
+}
+static int64_t blk_elems(uint32_t t) { return t == ES_TYPE_Q4_K || t == ES_TYPE_Q5_K || t == ES_TYPE_Q6_K ? 256 : 32; }
+
 static es_tensor make(uint32_t type, int64_t n_in, int64_t n_out) {
-    size_t bb = type == ES_TYPE_Q4_1 ? 20 : 34;
+    size_t bb = blk_bytes(type);
     es_tensor t;
     memset(&t, 0, sizeof t);
     t.type = type;
@@ -44,19 +59,25 @@ static es_tensor make(uint32_t type, int64_t n_in, int64_t n_out) {
     t.ne[0] = n_in;
     t.ne[1] = n_out;
     t.ne[2] = t.ne[3] = 1;
-    t.row_bytes = (size_t)(n_in / 32) * bb;
+    t.row_bytes = (size_t)(n_in / blk_elems(type)) * bb;
     t.nbytes = t.row_bytes * (size_t)n_out;
     uint8_t *d = aligned_alloc(64, (t.nbytes + 63) / 64 * 64);
     for (size_t i = 0; i < t.nbytes; i++) d[i] = (uint8_t)rnd();
     for (size_t b = 0; b < t.nbytes / bb; b++) { /* sane fp16 scales: 0x2000 ~ 0.0078 */
-        d[b * bb] = 0;
-        d[b * bb + 1] = 0x20;
-        if (type == ES_TYPE_Q4_1) { d[b * bb + 2] = 0; d[b * bb + 3] = 0xA0; }
+        uint8_t *p = d + b * bb + (type == ES_TYPE_Q6_K ? 208 : 0);
+        p[0] = 0;
+        p[1] = 0x20;
+        if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K) { p[2] = 0; p[3] = 0xA0; }
     }
     t.data = d;
     if (es_tensor_pack(&t) < 0) { fprintf(stderr, "out of memory\n"); exit(1); }
     return t;
 }
+
+/* "types": each packed type on one cache-hot 1024 x 1024 matrix, 1 thread,
+ * N = 1, 2, 5, 9, 17: the compute cost in ns per KiB of weights per
+ * activation row, and per 256 weights (the same work for every type). */
+static int types_bench(int reps);
 
 #define NL 30
 #define NM (NL * 7 + 1)
@@ -69,6 +90,7 @@ static int cmp(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "types")) return types_bench(argc > 2 ? atoi(argv[2]) : 15);
     int nth = argc > 1 ? atoi(argv[1]) : 2;
     int reps = argc > 2 ? atoi(argv[2]) : 15;
     /* "cpu": process CPU time instead of wall time (for a loaded host; with
@@ -147,5 +169,41 @@ int main(int argc, char **argv) {
                ts[reps / 2] * 1e6 / (576.0 * 18 * N));
     }
     es_pool_free(pool);
+    return 0;
+}
+
+static int types_bench(int reps) {
+    clk = CLOCK_THREAD_CPUTIME_ID;
+    const uint32_t ts[6] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    const char *names[6] = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+    const int Ns[5] = {1, 2, 5, 9, 17};
+    const int64_t n = 1024;
+    float *X = malloc(sizeof(float) * 17 * n), *Y = malloc(sizeof(float) * 17 * n);
+    for (int i = 0; i < 17 * n; i++) X[i] = (float)((int)(rnd() % 2001) - 1000) / 500.0f;
+    void *sc = aligned_alloc(64, es_matmul_scratch_bytes(ES_TYPE_Q4_1, n, 17));
+    double *tm = malloc(sizeof(double) * (size_t)reps);
+    printf("simd %s, 1 thread, cache-hot 1024 x 1024, thread CPU time, median of %d\n", es_quant_simd_name(), reps);
+    printf("type  packed  ns/KiB/row at N = 1, 2, 5, 9, 17        ns/256 weights/row at N = 1, 2, 5, 9, 17\n");
+    for (int ti = 0; ti < 6; ti++) {
+        es_tensor w = make(ts[ti], n, n);
+        double kib = (double)w.nbytes / 1024, per[5];
+        printf("%-5s %-6s", names[ti], w.packed ? "yes" : "no");
+        for (int ni = 0; ni < 5; ni++) {
+            int N = Ns[ni];
+            for (int r = -2; r < reps; r++) {
+                double t0 = now_ms();
+                for (int i = 0; i < 20; i++) es_matmul(NULL, &w, X, N, Y, n, sc);
+                if (r >= 0) tm[r] = (now_ms() - t0) / 20;
+            }
+            qsort(tm, (size_t)reps, sizeof *tm, cmp);
+            per[ni] = tm[reps / 2] * 1e6 / N;
+            printf(" %6.1f", per[ni] / kib);
+        }
+        printf("   ");
+        for (int ni = 0; ni < 5; ni++) printf(" %6.2f", per[ni] / ((double)n * n / 256));
+        printf("\n");
+        es_tensor_unpack(&w);
+        free((void *)w.data);
+    }
     return 0;
 }

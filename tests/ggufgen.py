@@ -243,8 +243,10 @@ def write_tiny_model(path: str | Path, arch: str = "llama", matrix_type: str = "
         path: file to write.
         arch: "llama" (normal RoPE), "qwen2" (NEOX RoPE, q/k/v biases) or
             "qwen3" (NEOX RoPE, per-head RMSNorm of q and k, head_dim free).
-        matrix_type: type of every block matrix (attn_q/k/v/output, ffn_*).
-        embd_type: type of token_embd.weight (default: matrix_type).
+        matrix_type: type of every block matrix (attn_q/k/v/output, ffn_*), or
+            "Q4_K_M": Q4_K with Q6_K attn_v and ffn_down (the tensor types of
+            llama.cpp's Q4_K_M files, whose token_embd and output are Q6_K by default).
+        embd_type: type of token_embd.weight (default: matrix_type; Q6_K for Q4_K_M).
         head_dim: per-head size (default n_embd // n_head); written as
             attention.key_length / value_length.
         n_ff: SwiGLU hidden size. K types need every row length (n_embd,
@@ -264,9 +266,10 @@ def write_tiny_model(path: str | Path, arch: str = "llama", matrix_type: str = "
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}")
-    embd_type = embd_type or matrix_type
-    output_type = output_type or matrix_type
-    for t in (matrix_type, embd_type, output_type):
+    mixed = matrix_type == "Q4_K_M"
+    embd_type = embd_type or ("Q6_K" if mixed else matrix_type)
+    output_type = output_type or ("Q6_K" if mixed else matrix_type)
+    for t in ("Q4_K" if mixed else matrix_type, embd_type, output_type):
         if t not in ALL_TYPES:
             raise ValueError(f"unknown tensor type {t!r}")
     head_dim = head_dim or n_embd // n_head
@@ -310,6 +313,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", matrix_type: str = "
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     def add(name: str, x: np.ndarray, type_name: str) -> None:
+        if type_name == "Q4_K_M":
+            type_name = "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight")) else "Q4_K"
         if x.ndim == 1:  # norms and biases are always F32
             w.add_tensor(name, x.astype(np.float32))
             return

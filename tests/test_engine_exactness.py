@@ -55,11 +55,13 @@ def _run(model, chunks, n_threads=1, n_ctx=64):
 
 # ---- repacked weights -----------------------------------------------------------------
 
-@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K"])
 def test_repacked_equals_mapped_weights(tiny_model, matrix_type):
     """The SIMD kernels on the repacked copy give bitwise the logits of the scalar kernels on
     the mapped weights (repack=False), for prefill, decode steps and a multi-token call."""
-    path = tiny_model(arch="llama", matrix_type=matrix_type, embd_type="Q8_0")
+    k = matrix_type.startswith(("Q4_K", "Q5_K"))
+    path = tiny_model(arch="llama", matrix_type=matrix_type, embd_type="Q8_0", tied=not k,
+                      **(ggufgen.k_type_dims() if k else {}))
     chunks = [TOKENS[:20], TOKENS[20:21], TOKENS[21:26], TOKENS[26:27]]
     a = Model(path)
     b = Model(path, repack=False)
@@ -112,6 +114,32 @@ def test_one_call_over_n_equals_n_single_steps(model, n):
         f"rows differ: {np.nonzero((batch != single).any(axis=1))[0].tolist()}, "
         f"max diff {np.abs(batch - single).max():.3g}")
     assert np.array_equal(am_batch, am_single)
+
+
+# Q4_K_M (Q4_K + Q6_K matrices, Q6_K head) and Q8_0 tiny models of each architecture: the
+# packed kernels of the types users deploy, through whole forward passes.
+DEPLOYED = [pytest.param(dict(arch=a, matrix_type=t, rope_base=1e6 if a != "llama" else 1e4,
+                              **(dict(ggufgen.k_type_dims(), tied=a == "llama") if t == "Q4_K_M" else {})),
+                         id=f"{a}-{t}")
+            for a in ("llama", "qwen2", "qwen3") for t in ("Q4_K_M", "Q8_0")]
+
+
+@pytest.mark.parametrize("kw", DEPLOYED)
+def test_deployed_types_one_call_equals_single_steps_any_threads(tiny_model, kw):
+    """One call over N tokens == N one-token calls, bitwise, for N = 5 and 33 (one and
+    several activation tiles) and 1, 2 and 3 threads (the batched call on each; the
+    single steps on 1 thread)."""
+    m = Model(tiny_model(**kw))
+    try:
+        prefix = TOKENS[:3]
+        am_single, single = _run(m, [prefix] + [[t] for t in TOKENS[3:36]])
+        for n in (5, 33):
+            for n_threads in (1, 2, 3):
+                am, batch = _run(m, [prefix, TOKENS[3:3 + n]], n_threads=n_threads)
+                assert np.array_equal(batch, single[:3 + n]), (n, n_threads)
+                assert np.array_equal(am, am_single[:3 + n])
+    finally:
+        m.close()
 
 
 def test_uneven_splits_equal_one_call(model):

@@ -2,15 +2,18 @@
  * quant_x86.c - AVX-512 (VNNI) and AVX2 matmul kernels for x86-64. Same
  * contract and results (bitwise) as the scalar kernels in quant.c.
  *
- * Quantized types: a weight row is processed 16 blocks (one es_q8_group of
- * activations) at a time. The 16 blocks are loaded and transposed once into
- * 8 vectors of unsigned bytes, vector k holding elements 4k..4k+3 of block j
- * in 32-bit lane j, which is the layout of the activation group, so 8
- * vpdpbusd give the 16 exact int32 block sums I at once, for each of the N
- * activation rows, and the float steps of the contract run on 16 lanes that
- * are the 16 accumulator lanes. Signed weights are offset to unsigned
- * (q + 128 for Q8_0, raw nibbles for Q4_0) and the offset times the
- * activation block sum is subtracted again in int32 (exact).
+ * Sequential types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run on packed
+ * weights, 16 rows in the lanes (see "packed kernels" in each path).
+ * Lane types (Q5_0, Q5_1): a weight row is processed 16 blocks (one
+ * es_q8_group of activations) at a time. The 16 blocks are loaded and
+ * transposed once into 8 vectors of unsigned bytes, vector k holding
+ * elements 4k..4k+3 of block j in 32-bit lane j, which is the layout of the
+ * activation group, so 8 vpdpbusd give the 16 exact int32 block sums I at
+ * once, for each of the N activation rows, and the float steps of the
+ * contract run on 16 lanes that are the 16 accumulator lanes. Signed
+ * weights are offset to unsigned (Q5_0: wq + 16, the raw 5-bit value) and
+ * the offset times the activation block sum is subtracted again in int32
+ * (exact).
  */
 #include "quant.h"
 
@@ -555,7 +558,7 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * One step multiplies one block of 16 rows (a packed record, quant.h) into
  * each activation row of a tile: 8 vpdpbusd with the activation's dword k
  * broadcast give the 16 rows' exact int32 sums I, then the contract's float
@@ -697,6 +700,7 @@ static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g
         }
         const uint8_t *xb = x + (size_t)(sb / 2) * sizeof(es_q8_group);
         const int j0 = 8 * (int)(sb % 2);
+        UNROLL
         for (int j = 0; j < 8; j++) {
             __m512i w[8];
             UNROLL
@@ -1063,12 +1067,14 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * A packed record (quant.h) is one block of 16 rows; a ymm holds 8 of them,
  * so a record is two halves (half h = rows 8h..8h+7 = bytes 32h..32h+31 of
- * each 64-byte chunk). The 8 weight vectors of one half (vector k, lane i =
- * elements 4k..4k+3 of row 8h+i) stay in registers while every activation
- * row of a tile takes its dword k of the block broadcast:
+ * each 64-byte chunk). Weight vector k of a half (lane i = elements
+ * 4k..4k+3 of row 8h+i) is made once and every activation row of a tile
+ * multiplies its dword k of the block, broadcast, into it before vector
+ * k + 1 is made (chunk-major: per row only an int sum and the accumulator
+ * stay in registers, so tiles of 6 rows fit in 16 ymm):
  *   Q4_0, Q4_1  unsigned nibbles x int8 with maddubs; the 8 chunk products
  *               add up in int16 (at most 8 * 2 * 15 * 127 = 30480), one madd
  *               with ones makes the 8 rows' I; Q4_0 subtracts 8 * qsum
@@ -1081,39 +1087,14 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
  * in memory (exact). The first tile of a group prefetches the weight stream
  * into L2 like the AVX-512 kernel (same distance; not measured separately). */
 
-#define PTILE 4    /* most activation rows per register tile (16 ymm: 8 weights, 4 accumulators) */
+#define PTILE 6    /* most activation rows per tile (16 ymm: per row an int sum and an accumulator) */
 #define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0) */
 #ifndef ES_PF_BYTES
 #define ES_PF_BYTES 8192
 #endif
 
-typedef struct {
-    __m256i w[8];   /* Q4: nibbles 0..15; Q8_0: |w| */
-    __m256 a, b;    /* d and (Q4_1) m of the 8 rows */
-} phalf;
-
 static inline ES_AI __m256 f16x8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
-}
-
-/* Half h of the record at p. */
-static inline ES_AI void punpack(const int type, const uint8_t *p, int h, phalf *u) {
-    const uint8_t *s = p + 32 * h;
-    if (type == ES_TYPE_Q8_0) {
-        UNROLL
-        for (int k = 0; k < 8; k++) u->w[k] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * k)));
-        u->a = f16x8(p + 512 + 16 * h);
-        return;
-    }
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    UNROLL
-    for (int k = 0; k < 4; k++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * k));
-        u->w[k] = _mm256_and_si256(v, m4);
-        u->w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
-    u->a = f16x8(p + 256 + 16 * h);
-    if (type == ES_TYPE_Q4_1) u->b = f16x8(p + 288 + 16 * h);
 }
 
 static inline ES_AI __m256i bcast32(const uint8_t *p) {
@@ -1122,38 +1103,58 @@ static inline ES_AI __m256i bcast32(const uint8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* One half of block jj (signed Q8_0 weights at s) into the nt rows' acc;
- * xr[n] = row n's es_q8_group of the block. */
-static inline ES_AI void prows(const int nt, const int type, const phalf *u, const uint8_t *s,
+/* Half h of the record at p (block jj of the activation groups xr[n]) into
+ * the nt rows' acc. Chunk-major: weight vector k is made once and taken by
+ * every row before the next, so only one weight vector and the rows'
+ * partial sums are live (the 8 weight vectors of a half and the rows'
+ * accumulators do not fit in 16 ymm together). */
+static inline ES_AI void prows(const int nt, const int type, const uint8_t *p, int h,
                                const uint8_t *const *xr, int jj, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *s = p + 32 * h;
+    __m256i S[PTILE];   /* Q8_0: int32 sums; Q4_0, Q4_1: int16 sums */
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        __m256i w, ws = _mm256_setzero_si256();
+        if (type == ES_TYPE_Q8_0) {
+            ws = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * k));
+            w = _mm256_abs_epi8(ws);
+        } else {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * (k % 4)));
+            w = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), m4);
+        }
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            __m256i bx = bcast32(xr[n] + 4 * jj + 64 * k);
+            if (type == ES_TYPE_Q8_0) {
+                __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_sign_epi8(bx, ws)), ones);
+                S[n] = k == 0 ? t : _mm256_add_epi32(S[n], t);
+            } else {
+                __m256i t = _mm256_maddubs_epi16(w, bx);
+                S[n] = k == 0 ? t : _mm256_add_epi16(S[n], t);
+            }
+            /* an empty asm on the sum: the compiler would otherwise regroup
+             * the (associative) integer adds into a tree over all 8 chunks
+             * and keep every product live, spilling them */
+            __asm__("" : "+x"(S[n]));
+        }
+    }
+    const __m256 a = f16x8(p + (type == ES_TYPE_Q8_0 ? 512 : 256) + 16 * h);
     UNROLL
     for (int n = 0; n < nt; n++) {
         const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, dq [jj] at their offsets from it */
         float d, dq;
         int32_t qsum;
         memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        __m256i I;
-        if (type == ES_TYPE_Q8_0) {
-#define SX(k) _mm256_sign_epi8(bcast32(b + 64 * (k)), _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * (k))))
-            I = _mm256_madd_epi16(_mm256_maddubs_epi16(u->w[0], SX(0)), ones);
-            UNROLL
-            for (int k = 1; k < 8; k++) I = _mm256_add_epi32(I, _mm256_madd_epi16(_mm256_maddubs_epi16(u->w[k], SX(k)), ones));
-#undef SX
-        } else {
-            __m256i s16 = _mm256_maddubs_epi16(u->w[0], bcast32(b));
-            UNROLL
-            for (int k = 1; k < 8; k++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u->w[k], bcast32(b + 64 * k)));
-            I = _mm256_madd_epi16(s16, ones);
-            if (type == ES_TYPE_Q4_0) {
-                memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-                I = _mm256_sub_epi32(I, _mm256_set1_epi32(8 * qsum));
-            }
+        __m256i I = type == ES_TYPE_Q8_0 ? S[n] : _mm256_madd_epi16(S[n], ones);
+        if (type == ES_TYPE_Q4_0) {
+            memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
+            I = _mm256_sub_epi32(I, _mm256_set1_epi32(8 * qsum));
         }
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(u->a, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(I));
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(I));
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
-            c = _mm256_add_ps(c, _mm256_mul_ps(u->b, _mm256_set1_ps(dq)));
+            c = _mm256_add_ps(c, _mm256_mul_ps(f16x8(p + 288 + 16 * h), _mm256_set1_ps(dq)));
         }
         acc[n] = _mm256_add_ps(acc[n], c);
     }
@@ -1172,9 +1173,147 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
         for (int jj = 0; jj < nj; jj++, p += rec) {
             if (pf)
                 for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-            phalf u;
-            punpack(type, p, h, &u);
-            prows(nt, type, &u, p + 32 * h, xr, jj, acc);
+            prows(nt, type, p, h, xr, jj, acc);
+        }
+    }
+}
+
+/* Packed K types (quant.h layouts; the float steps and the exact integer
+ * sums as in the AVX-512 kernel, whose comment explains the (float)m * fq
+ * term): half h of a super-block record is bytes 32h..32h+31 of each 64-byte
+ * chunk. Per sub-block j, the 8 weight vectors of the half stay in
+ * registers while every row of the tile takes its activation dwords
+ * broadcast. int16 sums before the madd with ones (all exact):
+ *   Q4_K  all 8 chunk products, at most 8 * 2 * 15 * 127 = 30480
+ *   Q5_K  4 + 4, at most 4 * 2 * 31 * 127 = 31496
+ *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
+ *         and 16..31 stay apart for their two scales) */
+#define PSEG_K 8   /* super-block records per segment: 18 KB (Q4_K) to 27 KB (Q6_K) */
+#define KTILE 3    /* most activation rows per khalf_run (int16 and int32 sums and the
+                      accumulator of each row in registers); larger tiles run as two */
+
+static inline ES_AI __m256i pk_weights8(const int type, const uint8_t *p, int h, int j, int k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *s = p + 32 * h + 64 * k;
+#define LD(q) _mm256_loadu_si256((const __m256i *)(const void *)(q))
+    if (type == ES_TYPE_Q6_K) {
+        int hh = j / 4, t = j % 4;
+        __m256i l = LD(s + (2 * hh + (t & 1)) * 512);
+        __m256i q = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+        __m256i hb = LD(s + ES_PK_Q6K_QH + 512 * hh);
+        hb = t < 2 ? _mm256_slli_epi16(hb, 4 - 2 * t) : t == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        return _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+    }
+    __m256i v = LD(s + (j / 2) * 512);
+    __m256i q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, m4);
+    if (type == ES_TYPE_Q5_K) {
+        __m256i hb = LD(s + ES_PK_Q5K_QH);
+        hb = j <= 4 ? _mm256_slli_epi16(hb, 4 - j) : _mm256_srli_epi16(hb, j - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+    }
+#undef LD
+    return q;
+}
+
+/* Byte j % 4 of every lane of v as int32. */
+static inline ES_AI __m256i pk_byte8(__m256i v, int j) {
+    j &= 3;
+    if (j == 3) return _mm256_srli_epi32(v, 24);
+    if (j) v = _mm256_srli_epi32(v, 8 * j);
+    return _mm256_and_si256(v, _mm256_set1_epi32(0xFF));
+}
+
+/* Half h of K records [s0, s1) into acc; pf: prefetch. */
+static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
+                                   const uint8_t *x, size_t xs, __m256 *acc, int pf) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    const int q6 = type == ES_TYPE_Q6_K;
+    const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
+    const size_t dof = q6 ? ES_PK_Q6K_D : type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
+    const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t sb = s0; sb < s1; sb++) {
+        const uint8_t *p = g + (size_t)sb * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        const __m256 a = f16x8(p + dof + 16 * h);
+        __m256 b = _mm256_setzero_ps();
+        __m256i S[2], M[2];
+        if (!q6) {
+            b = _mm256_xor_ps(f16x8(p + mof + 16 * h), _mm256_set1_ps(-0.0f));   /* -dmin, exact */
+            const uint8_t *sp = p + sco + 32 * h;
+            const __m256i u0 = _mm256_loadu_si256((const __m256i *)(const void *)sp);
+            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 64));
+            const __m256i u2 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 128));
+            const __m256i m6 = _mm256_set1_epi8(0x3F), m4 = _mm256_set1_epi8(0x0F), h2 = _mm256_set1_epi8(0x30);
+            S[0] = _mm256_and_si256(u0, m6);
+            M[0] = _mm256_and_si256(u1, m6);
+            S[1] = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), h2));
+            M[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), h2));
+        }
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(sb / 2) * sizeof(es_q8_group);
+        const int j0 = 8 * (int)(sb % 2);
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            __m256i sl, sh = _mm256_setzero_si256();
+            __m256 fm = _mm256_setzero_ps();
+            if (q6) {
+                const uint8_t *sp = p + ES_PK_Q6K_SC + 32 * j + 8 * h;
+                sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sp));
+                sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(sp + 16)));
+            } else {
+                sl = pk_byte8(S[j / 4], j);
+                fm = _mm256_cvtepi32_ps(pk_byte8(M[j / 4], j));
+            }
+            const int jj = j0 + j;
+            /* chunk-major (see prows): S16[n] the int16 sum of the current
+             * run of chunks, I[n] the int32 sum (Q6_K: the scaled sum) */
+            __m256i S16[KTILE], I[KTILE];
+            UNROLL
+            for (int k = 0; k < 8; k++) {
+                const __m256i w = pk_weights8(type, p, h, j, k);
+                UNROLL
+                for (int n = 0; n < nt; n++) {
+                    const uint8_t *q = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, ... [jj] at their offsets from it */
+                    __m256i t = _mm256_maddubs_epi16(w, bcast32(q + 64 * k));
+                    /* a run ends after 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K) chunks */
+                    const int run = type == ES_TYPE_Q4_K ? 8 : type == ES_TYPE_Q5_K ? 4 : 2;
+                    S16[n] = k % run == 0 ? t : _mm256_add_epi16(S16[n], t);
+                    __asm__("" : "+x"(S16[n]));   /* keeps the adds in this order (see prows) */
+                    if (k % run != run - 1) continue;
+                    __m256i t32 = _mm256_madd_epi16(S16[n], ones);
+                    if (q6) {
+                        int32_t qlo, qsum;
+                        memcpy(&qlo, q + offsetof(es_q8_group, qlo), 4);
+                        memcpy(&qsum, q + offsetof(es_q8_group, qsum), 4);
+                        /* I = sl * (lo - 32 qlo) + sh * (hi - 32 (qsum - qlo)), exact in
+                         * any grouping: lo = pairs 0, 1; hi = pairs 2, 3 */
+                        if (k == 1) I[n] = t32;
+                        else if (k == 3) I[n] = _mm256_mullo_epi32(sl, _mm256_sub_epi32(_mm256_add_epi32(I[n], t32), _mm256_set1_epi32(32 * qlo)));
+                        else if (k == 5) I[n] = _mm256_add_epi32(I[n], _mm256_mullo_epi32(sh, _mm256_sub_epi32(t32, _mm256_set1_epi32(32 * (qsum - qlo)))));
+                        else I[n] = _mm256_add_epi32(I[n], _mm256_mullo_epi32(sh, t32));
+                    } else {
+                        I[n] = k < run ? t32 : _mm256_add_epi32(I[n], t32);
+                    }
+                    __asm__("" : "+x"(I[n]));
+                }
+            }
+            UNROLL
+            for (int n = 0; n < nt; n++) {
+                const uint8_t *q = xr[n] + 4 * jj;
+                float d, fq;
+                memcpy(&d, q + offsetof(es_q8_group, d), 4);
+                const __m256i Iw = q6 ? I[n] : _mm256_mullo_epi32(sl, I[n]);
+                const __m256 dx = _mm256_set1_ps(d);
+                __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(Iw));
+                if (!q6) {
+                    memcpy(&fq, q + offsetof(es_q8_group, fq), 4);
+                    c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_mul_ps(fm, _mm256_set1_ps(fq))));
+                }
+                acc[n] = _mm256_add_ps(acc[n], c);
+            }
         }
     }
 }
@@ -1188,13 +1327,22 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     __m256 part[2][PTILE];
     if (pf == 2)   /* the first group of a chunk: the head of the stream */
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
-    for (int64_t s0 = 0; s0 < nb; s0 += PSEG) {
-        int64_t s1 = nb - s0 < PSEG ? nb : s0 + PSEG;
+    const int kt = type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K;
+    const int64_t seg = kt ? PSEG_K : PSEG;
+    for (int64_t s0 = 0; s0 < nb; s0 += seg) {
+        int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
         for (int h = 0; h < nh; h++) {
             __m256 acc[PTILE];
             UNROLL
             for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
-            phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+            if (kt && nt <= KTILE) {
+                khalf_run(nt <= KTILE ? nt : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+            } else if (kt) {   /* two sub-tiles over the segment, which stays in L1 */
+                const int n1 = (nt + 1) / 2;
+                khalf_run(n1 <= KTILE ? n1 : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+                khalf_run(nt - n1 <= KTILE ? nt - n1 : 1, type, g, s0, s1, h, x + n1 * xs, xs, acc + n1, 0);
+            }
+            else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
             UNROLL
             for (int n = 0; n < nt; n++) part[h][n] = acc[n];
         }
@@ -1209,7 +1357,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     }
 }
 
-ES_PACKED_KERNELS(es_x86_packed_kernel)
+ES_PACKED_KERNELS_K(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
