@@ -208,7 +208,8 @@ const char *es_quant_simd_name(void);
  * <= its own).
  */
 typedef struct {
-    uint16_t *k, *v;            /* owned, zeroed at allocation */
+    uint16_t *k, *v;            /* owned (anonymous mappings of map_bytes each), zeroed at allocation */
+    size_t map_bytes;
     int32_t n_ctx;              /* capacity (tokens) */
     int32_t n_past;             /* valid positions */
     int32_t n_blk;              /* ceil(n_ctx / ES_KV_BLOCK) */

@@ -12,6 +12,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "internal.h"
 
@@ -39,10 +40,22 @@ es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *er
     kv->head_dim = in->head_dim;
     size_t elems = (size_t)in->n_layer * (size_t)in->n_head_kv * (size_t)kv->n_blk * ES_KV_BLOCK *
                    (size_t)in->head_dim;
-    /* zeroed: a block's positions past n_past are read by the score vectors
-     * (their lanes are dropped), and zeros keep them finite */
-    kv->k = calloc(elems, sizeof(uint16_t));
-    kv->v = calloc(elems, sizeof(uint16_t));
+    /* Anonymous mappings: zeroed (a block's positions past n_past are read by
+     * the score vectors, their lanes dropped, and zeros keep them finite),
+     * committed only when written, and advised as huge pages (Linux): a
+     * step reads each (layer, KV head) as one run, which then crosses a page
+     * every 2 MiB instead of every 4 KiB (fewer TLB misses; the hardware
+     * prefetchers stop at page boundaries). */
+    kv->map_bytes = elems * sizeof(uint16_t);
+    for (int i = 0; i < 2; i++) {
+        void *p = mmap(NULL, kv->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) continue;
+#ifdef MADV_HUGEPAGE
+        madvise(p, kv->map_bytes, MADV_HUGEPAGE);
+#endif
+        if (i == 0) kv->k = p;
+        else kv->v = p;
+    }
     if (!kv->k || !kv->v) {
         es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)", (int)n_ctx,
                    2 * elems * sizeof(uint16_t));
@@ -53,8 +66,8 @@ es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *er
 }
 
 void es_kv_free(es_kv *kv) {
-    free(kv->k);
-    free(kv->v);
+    if (kv->k) munmap(kv->k, kv->map_bytes);
+    if (kv->v) munmap(kv->v, kv->map_bytes);
     kv->k = kv->v = NULL;
 }
 
