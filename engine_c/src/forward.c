@@ -20,54 +20,9 @@
 #include "internal.h"
 #include "quant.h"
 
-#define ES_MAX_CTX (1 << 20)
-#define ES_MAX_THREADS 256
-#define ES_MAX_GROUP 32     /* query heads attended together per work unit */
-#define ATT_Q_TARGET 12     /* queries (tokens x heads of one KV head) an attention unit aims at */
 #define EARLY_KV_PREFETCH (64 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
-#define KS_MAX_TOKENS 8     /* attention: calls of up to this many tokens split each head group's blocks across threads */
 #define KV_PF_AHEAD 2       /* attention: a unit asks for the block this many ahead of the one it computes */
 #define KS_UNITS_PER_THREAD 8   /* key split: chunks of blocks aim at about this many units a thread */
-#define ES_MAX_UNIT_Q (KS_MAX_TOKENS * ES_MAX_GROUP)   /* queries of one attention unit, at most */
-
-struct es_session {
-    const es_model *model;
-    es_kv kv;               /* the KV cache: capacity kv.n_ctx, valid positions [0, kv.n_past) */
-    int32_t n_threads;
-    es_pool *pool;
-    int pending_out;        /* a forward step: x += out is still to be done (by the next norm) */
-    int out_first;          /* a forward step: first position the output head reads */
-    /* scratch, sized for cap tokens per call */
-    int32_t cap;
-    float *x;               /* [cap][n_embd] residual stream */
-    float *xb;              /* [cap][n_embd] normed input of a sublayer */
-    float *q;               /* [cap][q_dim] */
-    float *k;               /* [cap][kv_dim] */
-    float *v;               /* [cap][kv_dim] */
-    float *att;             /* [cap][q_dim] attention output */
-    float *gate;            /* [cap][n_ff] */
-    float *up;              /* [cap][n_ff] */
-    float *out;             /* [cap][n_embd] sublayer output */
-    float *logits;          /* [cap][n_vocab] */
-    float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
-    size_t q8_rs;           /* run_rows: also quantize each row written into mm_scratch, rows this many bytes apart (0: no) */
-    int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
-    int32_t q_cap;          /* queries of an attention unit, at most */
-    float *att_ws;          /* [n_threads][ws_floats] attention scratch (attn_ws_floats), 64-byte aligned */
-    size_t ws_floats;
-    float *parts;           /* [KS_MAX_TOKENS][n_head][kv.n_blk][part_floats] blocks' results (key split) */
-    _Atomic int *grp_done;  /* [n_head] chunks done per head group (key split) */
-    void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
-    float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
-    int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
-    int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
-    _Atomic int *att_done;  /* [cap] attention units (query split) or head groups (key split) done
-                               per token slice */
-    void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
-                               aligned, zeroed at allocation (the padding of a row's last group) */
-    size_t mm_bytes;
-    char err[256];
-};
 
 /* ---- small row kernels (fixed 8-lane accumulation order) ---------------- */
 
@@ -271,188 +226,6 @@ static int32_t argmax_row(const float *x, int n) {
     return 0;
 }
 
-/* ---- session lifecycle --------------------------------------------------- */
-
-es_session_params es_session_default_params(void) {
-    es_session_params p = {0, 0};
-    return p;
-}
-
-static int online_cores(void) {
-    long n = 1;
-#ifdef _SC_NPROCESSORS_ONLN
-    n = sysconf(_SC_NPROCESSORS_ONLN);
-#endif
-    if (n < 1) n = 1;
-    if (n > ES_MAX_THREADS) n = ES_MAX_THREADS;
-    return (int)n;
-}
-
-static void free_scratch(es_session *s) {
-    free(s->x); free(s->xb); free(s->q); free(s->k); free(s->v); free(s->att);
-    free(s->gate); free(s->up); free(s->out); free(s->logits); free(s->rope);
-    free(s->mm_scratch);
-    free(s->glu_q8);
-    free(s->am_val);
-    free(s->am_idx);
-    free((void *)s->att_done);
-    s->att_done = NULL;
-    s->glu_q8 = NULL;
-    s->am_val = NULL;
-    s->am_idx = NULL;
-    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->out = NULL;
-    s->logits = s->rope = NULL;
-    s->mm_scratch = NULL;
-    s->cap = 0;
-    s->mm_bytes = 0;
-}
-
-static size_t max_scratch_bytes(const es_model *m, int n) {
-    const es_model_info *in = &m->info;
-    size_t b = 0, t;
-    const es_layer *L = &m->layers[0];
-    const es_tensor *ws[] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down, m->output};
-    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
-        t = es_matmul_scratch_bytes(ws[i]->type, ws[i]->ne[0], n);
-        if (t > b) b = t;
-    }
-    (void)in;
-    return b;
-}
-
-/* Make room for n tokens per call. On failure the old buffers are kept. */
-static es_status ensure_scratch(es_session *s, int32_t n) {
-    if (n <= s->cap) return ES_OK;
-    const es_model_info *in = &s->model->info;
-    size_t q_dim = (size_t)in->n_head * in->head_dim;
-    size_t kv_dim = (size_t)in->n_head_kv * in->head_dim;
-    size_t N = (size_t)n;
-    size_t mm = max_scratch_bytes(s->model, n);
-    size_t mm_alloc = (mm + 63) & ~(size_t)63;
-    float *x = malloc(N * in->n_embd * sizeof(float));
-    float *xb = malloc(N * in->n_embd * sizeof(float));
-    float *q = malloc(N * q_dim * sizeof(float));
-    float *k = malloc(N * kv_dim * sizeof(float));
-    float *v = malloc(N * kv_dim * sizeof(float));
-    float *att = malloc(N * q_dim * sizeof(float));
-    float *gate = malloc(N * in->n_ff * sizeof(float));
-    float *up = malloc(N * in->n_ff * sizeof(float));
-    float *out = malloc(N * in->n_embd * sizeof(float));
-    float *logits = malloc(N * in->n_vocab * sizeof(float));
-    float *rope = malloc(N * in->rope_dim * sizeof(float) + sizeof(float));
-    void *mms = aligned_alloc(64, mm_alloc ? mm_alloc : 64);
-    size_t glu_alloc = (N * es_matmul_q8_row_bytes(ES_TYPE_Q8_0, in->n_ff) + 63) & ~(size_t)63;
-    void *glu = aligned_alloc(64, glu_alloc ? glu_alloc : 64);
-    if (glu) memset(glu, 0, glu_alloc ? glu_alloc : 64);
-    size_t slots = ((size_t)in->n_vocab + ES_EPI_ROWS - 1) / ES_EPI_ROWS;
-    float *am_val = malloc(N * slots * sizeof(float));
-    int32_t *am_idx = malloc(N * slots * sizeof(int32_t));
-    _Atomic int *att_done = malloc(N * sizeof *att_done);
-    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu ||
-        !am_val || !am_idx || !att_done) {
-        free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
-        free(out); free(logits); free(rope); free(mms); free(glu); free(am_val); free(am_idx);
-        free((void *)att_done);
-        es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
-        return ES_ERR_NOMEM;
-    }
-    free_scratch(s);
-    s->x = x; s->xb = xb; s->q = q; s->k = k; s->v = v; s->att = att;
-    s->gate = gate; s->up = up; s->out = out; s->logits = logits; s->rope = rope;
-    s->mm_scratch = mms;
-    s->glu_q8 = glu;
-    s->am_val = am_val;
-    s->am_idx = am_idx;
-    s->att_done = att_done;
-    s->am_slots = (int32_t)slots;
-    s->mm_bytes = mm;
-    s->cap = n;
-    return ES_OK;
-}
-
-static int part_floats(int hd);
-static size_t attn_ws_floats(int hd, int q_cap);
-
-es_status es_session_new(const es_model *model, const es_session_params *params,
-                         es_session **out, char *err, size_t err_len) {
-    if (out) *out = NULL;
-    if (!model || !out) {
-        es_set_err(err, err_len, "es_session_new: model and out must not be NULL");
-        return ES_ERR_INVALID_ARG;
-    }
-    es_session_params p = params ? *params : es_session_default_params();
-    if (p.n_ctx < 0 || p.n_ctx > ES_MAX_CTX) {
-        es_set_err(err, err_len, "n_ctx %d out of range [0, %d]", (int)p.n_ctx, ES_MAX_CTX);
-        return ES_ERR_INVALID_ARG;
-    }
-    if (p.n_threads < 0 || p.n_threads > ES_MAX_THREADS) {
-        es_set_err(err, err_len, "n_threads %d out of range [0, %d]", (int)p.n_threads, ES_MAX_THREADS);
-        return ES_ERR_INVALID_ARG;
-    }
-    const es_model_info *in = &model->info;
-    int32_t n_ctx = p.n_ctx;
-    if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
-    if (n_ctx < 1) n_ctx = 1;
-    int n_threads = p.n_threads ? p.n_threads : online_cores();
-
-    es_session *s = calloc(1, sizeof *s);
-    if (!s) { es_set_err(err, err_len, "out of memory for the session"); return ES_ERR_NOMEM; }
-    s->model = model;
-    s->n_threads = n_threads;
-    if (es_kv_init(&s->kv, in, n_ctx, err, err_len) != ES_OK) {
-        es_session_free(s);
-        return ES_ERR_NOMEM;
-    }
-    int grp = in->n_head / in->n_head_kv;
-    s->group_cap = grp < ES_MAX_GROUP ? grp : ES_MAX_GROUP;
-    s->q_cap = s->group_cap * KS_MAX_TOKENS > ATT_Q_TARGET ? s->group_cap * KS_MAX_TOKENS : ATT_Q_TARGET;
-    s->ws_floats = (attn_ws_floats(in->head_dim, s->q_cap) + 15) & ~(size_t)15;
-    s->att_ws = aligned_alloc(64, (size_t)n_threads * s->ws_floats * sizeof(float));
-    s->parts = malloc((size_t)KS_MAX_TOKENS * (size_t)in->n_head * (size_t)s->kv.n_blk *
-                      (size_t)part_floats(in->head_dim) * sizeof(float));
-    s->grp_done = malloc((size_t)in->n_head * sizeof *s->grp_done);
-    if (!s->att_ws || !s->parts || !s->grp_done) {
-        es_set_err(err, err_len, "out of memory for the attention scratch of %d threads", n_threads);
-        es_session_free(s);
-        return ES_ERR_NOMEM;
-    }
-    s->pool = es_pool_new(n_threads);
-    if (!s->pool) {
-        es_set_err(err, err_len, "could not start %d worker threads", n_threads - 1);
-        es_session_free(s);
-        return ES_ERR_INTERNAL;
-    }
-    if (ensure_scratch(s, 1) != ES_OK) {
-        es_set_err(err, err_len, "%s", s->err);
-        es_session_free(s);
-        return ES_ERR_NOMEM;
-    }
-    *out = s;
-    return ES_OK;
-}
-
-void es_session_free(es_session *s) {
-    if (!s) return;
-    es_pool_free(s->pool);
-    free_scratch(s);
-    es_kv_free(&s->kv);
-    free(s->att_ws);
-    free(s->parts);
-    free((void *)s->grp_done);
-    free(s);
-}
-
-int32_t es_session_n_past(const es_session *s) { return s ? s->kv.n_past : 0; }
-int32_t es_session_n_ctx(const es_session *s) { return s ? s->kv.n_ctx : 0; }
-const char *es_session_last_error(const es_session *s) { return s ? s->err : "session is NULL"; }
-
-es_status es_session_rollback(es_session *s, int32_t n_past) {
-    if (!s) return ES_ERR_INVALID_ARG;
-    es_status st = es_kv_rollback(&s->kv, n_past, s->err, sizeof s->err);
-    if (st == ES_OK) s->err[0] = '\0';
-    return st;
-}
-
 /* ---- attention ----------------------------------------------------------- */
 
 /*
@@ -601,7 +374,7 @@ static inline float sum8(const float *x, int n) {
 }
 
 /* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
-static int part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
+int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 
 /* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
  * positions (nv ascending); kf [hd][B] and vf [B][hd] are the block as
@@ -609,7 +382,7 @@ static int part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
                           const float *kf, const float *vf, float *sc) {
     float scale = 1.0f / sqrtf((float)hd);
-    int hdr = part_floats(hd) - 16;
+    int hdr = es_attn_part_floats(hd) - 16;
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
         int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
         float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
@@ -656,7 +429,7 @@ static void block_partial(int nq, const float *const *qp, const int *nv, float *
 
 /* Fold block result p into the running result st (first: st = p). */
 static void fold_part(float *st, const float *p, int hd, int first) {
-    int hdr = part_floats(hd) - 16;
+    int hdr = es_attn_part_floats(hd) - 16;
     if (first) {
         memcpy(st, p, (size_t)(hdr + 2) * sizeof(float));
         return;
@@ -669,20 +442,20 @@ static void fold_part(float *st, const float *p, int hd, int first) {
 }
 
 static void finish_part(float *out, const float *st, int hd) {
-    float inv = 1.0f / st[part_floats(hd) - 16 + 1];
+    float inv = 1.0f / st[es_attn_part_floats(hd) - 16 + 1];
     for (int d = 0; d < hd; d++) out[d] = st[d] * inv;
 }
 
 /* A thread's attention scratch (ws_floats each): kf [hd][B], vf [B][hd],
  * sc [q_cap][B], st [q_cap][part], bp [q_cap][part]. */
-static size_t attn_ws_floats(int hd, int q_cap) {
-    return 2 * (size_t)hd * ES_KV_BLOCK + (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * part_floats(hd);
+size_t es_attn_ws_floats(int hd, int q_cap) {
+    return 2 * (size_t)hd * ES_KV_BLOCK + (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
 }
 
 /* Block (i, h, b)'s result in s->parts (key split). */
 static float *part_at(const es_session *s, int i, int h, int32_t b) {
     const es_model_info *in = &s->model->info;
-    return s->parts + (((size_t)i * in->n_head + (size_t)h) * (size_t)s->kv.n_blk + (size_t)b) * part_floats(in->head_dim);
+    return s->parts + (((size_t)i * in->n_head + (size_t)h) * (size_t)s->kv.n_blk + (size_t)b) * es_attn_part_floats(in->head_dim);
 }
 
 /* The queries of tokens [i0, i1) times heads [h0, h1) (of KV head g) over
@@ -691,7 +464,7 @@ static float *part_at(const es_session *s, int i, int h, int32_t b) {
 static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1, int i0, int i1, int32_t b0,
                         int32_t b1, float *ws) {
     const es_model_info *in = &s->model->info;
-    int hd = in->head_dim, pf = part_floats(hd);
+    int hd = in->head_dim, pf = es_attn_part_floats(hd);
     size_t q_dim = (size_t)in->n_head * hd;
     int nh = h1 - h0, nq = (i1 - i0) * nh;
     float *kf = ws, *vf = kf + (size_t)hd * ES_KV_BLOCK, *sc = vf + (size_t)hd * ES_KV_BLOCK;
@@ -732,7 +505,7 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
 }
 
 /* Key split: fold the stored block results of tokens [0, n) times heads
- * [h0, h1), blocks in order, into att. st: part_floats(hd) floats. */
+ * [h0, h1), blocks in order, into att. st: es_attn_part_floats(hd) floats. */
 static void fold_group(es_session *s, int n, int h0, int h1, float *st) {
     const es_model_info *in = &s->model->info;
     int hd = in->head_dim;
@@ -853,32 +626,48 @@ static void fill_rope_table(es_session *s, int n) {
 
 enum { ROWS_NORM_ATTN, ROWS_NORM_FFN, ROWS_NORM_OUT };
 
+/* The state of one forward call that passes from stage to stage. */
+typedef struct {
+    es_session *s;
+    int n;                  /* tokens in the call */
+    int pending_out;        /* x += out is still to be done (by the next norm, per token) */
+    int out_first;          /* first position the output head reads */
+} fwd_call;
+
+/* One run_rows dispatch. */
+typedef struct {
+    const fwd_call *c;
+    int l, n, op;
+    size_t q8_rs;           /* also quantize each row written into mm_scratch, rows this many bytes apart (0: no) */
+    _Atomic int next;
+} rows_task;
+
 /* Row i of a step of layer l (each token's row reads and writes only its own
  * data, so the split changes no bit):
  *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
  *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
  *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i])
- * With s->q8_rs set, the row written (xb[i]) is also quantized into
+ * With t->q8_rs set, the row written (xb[i]) is also quantized into
  * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
  * thread, instead of a dispatch of its own. */
-static void quantize_row(es_session *s, int i, const float *x, int64_t n) {
-    if (s->q8_rs) es_quantize_row_q8(x, n, (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * s->q8_rs));
-}
-
-static void token_row(es_session *s, int l, int op, int i) {
+static void token_row(const rows_task *t, int i) {
+    es_session *s = t->c->s;
+    int l = t->l, op = t->op;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     size_t e = (size_t)in->n_embd;
     const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
-    int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
+    int row = op == ROWS_NORM_OUT ? t->c->out_first + i : i;
     float *x = s->x + (size_t)row * e;
-    if (s->pending_out) {
+    if (t->c->pending_out) {
         const float *o = s->out + (size_t)row * e;
         for (size_t k = 0; k < e; k++) x[k] += o[k];
     }
     rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
-    quantize_row(s, i, s->xb + (size_t)i * e, in->n_embd);
+    if (t->q8_rs)
+        es_quantize_row_q8(s->xb + (size_t)i * e, in->n_embd,
+                           (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->q8_rs));
 }
 
 /* The q/k/v matmul's epilogue (es_matmul_many_epi, chunks of whole heads),
@@ -925,25 +714,19 @@ static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     }
 }
 
-typedef struct {
-    es_session *s;
-    int l, n, op;
-    _Atomic int next;
-} rows_task;
-
 static void rows_worker(void *ctx, int ith, int nth) {
     rows_task *t = ctx;
-    for (int i; (i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n;)
-        token_row(t->s, t->l, t->op, i);
+    for (int i; (i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n;) token_row(t, i);
 }
 
-/* token_row for i in [0, n): on the calling thread for one token, on the
- * pool for several. Clears the pending residual after a norm. */
-static void run_rows(es_session *s, int l, int n, int op) {
-    rows_task t = {s, l, n, op, 0};
-    if (n > 1) es_pool_run(s->pool, rows_worker, &t);
+/* token_row for i in [0, n) (rows quantized q8_rs bytes apart, 0: not): on
+ * the calling thread for one token, on the pool for several. Clears the
+ * pending residual after a norm. */
+static void run_rows(fwd_call *c, int l, int n, int op, size_t q8_rs) {
+    rows_task t = {.c = c, .l = l, .n = n, .op = op, .q8_rs = q8_rs};
+    if (n > 1) es_pool_run(c->s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
-    s->pending_out = 0;
+    c->pending_out = 0;
 }
 
 /* Bytes of a quantized row of n_in for the matrices w[0..nw) when the rows
@@ -960,16 +743,16 @@ static size_t pre_q8_rs(int n, int nw, const es_tensor *const *w) {
 
 
 /* Attention sublayer of one block: x += Wo . attn(norm(x)). */
-static void attention_block(es_session *s, int l, int n) {
+static void attention_block(fwd_call *c, int l) {
+    es_session *s = c->s;
+    int n = c->n;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
     const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
     size_t rs = pre_q8_rs(n, 3, wqkv);
-    s->q8_rs = rs;
-    run_rows(s, l, n, ROWS_NORM_ATTN);
-    s->q8_rs = 0;
+    run_rows(c, l, n, ROWS_NORM_ATTN, rs);
     /* Ask for this layer's cached K and V rows now: they arrive in cache while
      * the q/k/v matmul streams its weights, instead of one memory latency at
      * a time in the attention (the weight stream of the last step pushed
@@ -994,7 +777,7 @@ static void attention_block(es_session *s, int l, int n) {
     es_pool_run(s->pool, attn_worker, &t);
     if (t.rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     else es_matmul_many(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
-    s->pending_out = 1;            /* x += out: done by the next norm, per token */
+    c->pending_out = 1;            /* x += out: done by the next norm, per token */
 }
 
 /* The epilogue of the gate/up matmul (es_matmul_many_epi), for the
@@ -1016,15 +799,15 @@ static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
 }
 
 /* FFN sublayer: x += W_down . (silu(W_gate . norm(x)) * (W_up . norm(x))). */
-static void ffn_block(es_session *s, int l, int n) {
+static void ffn_block(fwd_call *c, int l) {
+    es_session *s = c->s;
+    int n = c->n;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
     size_t rs = pre_q8_rs(n, 2, wgu);
-    s->q8_rs = rs;
-    run_rows(s, l, n, ROWS_NORM_FFN);
-    s->q8_rs = 0;
+    run_rows(c, l, n, ROWS_NORM_FFN, rs);
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
@@ -1037,7 +820,7 @@ static void ffn_block(es_session *s, int l, int n) {
     float *yd[1] = {s->out};
     if (g.rs) es_matmul_many_pre(s->pool, 1, wd, s->gate, n, yd, ldd, s->glu_q8);
     else es_matmul_many(s->pool, 1, wd, s->gate, n, yd, ldd, s->mm_scratch);
-    s->pending_out = 1;
+    c->pending_out = 1;
 }
 
 /* Output-matmul epilogue: for logits columns [r0, r1) of every row, the
@@ -1105,43 +888,68 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
     return ES_OK;
 }
 
-/* The forward pass over n tokens; the output head runs on the last out_rows
- * positions only (n for es_forward, 1 for es_forward_last). Arguments are
- * checked by the callers; the KV cache is unchanged on failure. */
-static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, int32_t out_rows,
-                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
-    es_status st;
-    if ((st = ensure_scratch(s, n)) != ES_OK) return st;
+/* The output head over the call's last out_rows positions: the pending
+ * residual and the output norm (run_rows ROWS_NORM_OUT, which quantizes
+ * the rows for the head), then logits [out_rows][n_vocab] = W_out . xb,
+ * whose epilogue am_epi takes the argmax of each chunk of logits on the
+ * thread that computed it (am_combine then picks the first largest). */
+static void output_head(fwd_call *c, int out_rows) {
+    es_session *s = c->s;
     const es_model *m = s->model;
-    const es_model_info *in = &m->info;
-
-    /* embedding lookup: x[i] = tok_embd[tokens[i]] */
-    for (int i = 0; i < n; i++) {
-        const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)tokens[i] * m->tok_embd->row_bytes;
-        es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
-    }
-    fill_rope_table(s, n);
-    s->pending_out = 0;
-    es_pool_begin(s->pool);
-    for (int l = 0; l < in->n_layer; l++) {
-        attention_block(s, l, n);
-        ffn_block(s, l, n);
-    }
-    /* output head over positions [n - out_rows, n): logits [out_rows][n_vocab] */
-    s->out_first = n - out_rows;
+    c->out_first = c->n - out_rows;
     const es_tensor *wout[1] = {m->output};
     float *ylog[1] = {s->logits};
-    int64_t ldlog[1] = {in->n_vocab};
+    int64_t ldlog[1] = {m->info.n_vocab};
     size_t rs = pre_q8_rs(out_rows, 1, wout);
-    s->q8_rs = rs;
-    run_rows(s, 0, out_rows, ROWS_NORM_OUT);
-    s->q8_rs = 0;
-    /* the argmax of each chunk of logits by the thread that computed it, in
-     * the matmul's epilogue; then the first largest of the chunks' */
+    run_rows(c, 0, out_rows, ROWS_NORM_OUT, rs);
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
     epi_task at = {s, 0, out_rows, 0};
     es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
+}
+
+/*
+ * The forward pass over n tokens; the output head runs on the last out_rows
+ * positions only (n for es_forward, 1 for es_forward_last). Arguments are
+ * checked by the callers; the KV cache is unchanged on failure.
+ *
+ * Stages, and which function or matmul epilogue does each (an epilogue runs
+ * on the thread that computed those matmul columns, while they are in its
+ * cache, instead of a dispatch of its own):
+ *   embedding      x[i] = tok_embd[tokens[i]]; the RoPE table of the positions
+ *   per layer:
+ *     norm         run_rows ROWS_NORM_ATTN: x += out (the last sublayer's
+ *                  output, pending), xb = rmsnorm(x), quantized for Wq/Wk/Wv
+ *     q, k, v      one matmul over Wq, Wk, Wv; epilogue qkv_epi: biases, q/k
+ *                  norms (qwen3), RoPE, k and v appended to the KV cache
+ *     attention    attn_worker (online softmax over KV blocks); the unit that
+ *                  completes a token slice quantizes its rows for W_o
+ *     output proj. out = W_o . att (added to x by the next norm)
+ *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
+ *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
+ *                  W_down); out = W_down . glu
+ *   head           output_head: x += out, output norm, logits with epilogue
+ *                  am_epi (argmax per chunk)
+ */
+static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, int32_t out_rows,
+                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+    es_status st;
+    if ((st = es_session_ensure_scratch(s, n)) != ES_OK) return st;
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+    fwd_call c = {.s = s, .n = n};
+
+    for (int i = 0; i < n; i++) {   /* embedding */
+        const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)tokens[i] * m->tok_embd->row_bytes;
+        es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
+    }
+    fill_rope_table(s, n);
+    es_pool_begin(s->pool);
+    for (int l = 0; l < in->n_layer; l++) {
+        attention_block(&c, l);     /* norm, q/k/v + RoPE + KV append, attention, output projection */
+        ffn_block(&c, l);           /* norm, gate/up + SwiGLU, down projection */
+    }
+    output_head(&c, out_rows);
     es_pool_end(s->pool);
 
     if (argmax_out)

@@ -12,7 +12,8 @@
  *   threadpool.c  persistent pool: spin while a forward runs, sleep between
  *   kv_cache.c    the KV cache: layout (F16, blocks of positions), append,
  *                 rollback, block loads for the attention
- *   forward.c     sessions, attention, the forward pass
+ *   session.c     sessions: creation, scratch, rollback
+ *   forward.c     attention and the forward pass
  *   sampler.c     es_sample
  *
  * Determinism contract (what makes speculation on vs off byte-identical):
@@ -245,6 +246,62 @@ void es_kv_load(float *dst, const uint16_t *src, size_t n);
 void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used);
 /* Ask for block b of KV head g of layer l (K and V), into L2. */
 void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
+
+/* ---- session.c / forward.c ---------------------------------------------- */
+
+#define ES_MAX_CTX (1 << 20)
+#define ES_MAX_THREADS 256
+#define ES_MAX_GROUP 32     /* query heads attended together per work unit */
+#define KS_MAX_TOKENS 8     /* attention: calls of up to this many tokens split each head group's blocks
+                               across threads (key split, forward.c) */
+#define ATT_Q_TARGET 12     /* queries (tokens x heads of one KV head) a query-split attention unit aims at */
+#define ES_MAX_UNIT_Q (KS_MAX_TOKENS * ES_MAX_GROUP)   /* queries of one attention unit, at most */
+
+/* One KV sequence, its thread pool and the scratch of a call (an opaque
+ * handle outside the library; created and sized in session.c, used by the
+ * forward pass in forward.c). */
+struct es_session {
+    const es_model *model;
+    es_kv kv;               /* the KV cache: capacity kv.n_ctx, valid positions [0, kv.n_past) */
+    int32_t n_threads;
+    es_pool *pool;
+    /* scratch, sized for cap tokens per call */
+    int32_t cap;
+    float *x;               /* [cap][n_embd] residual stream */
+    float *xb;              /* [cap][n_embd] normed input of a sublayer */
+    float *q;               /* [cap][q_dim] */
+    float *k;               /* [cap][kv_dim] */
+    float *v;               /* [cap][kv_dim] */
+    float *att;             /* [cap][q_dim] attention output */
+    float *gate;            /* [cap][n_ff] */
+    float *up;              /* [cap][n_ff] */
+    float *out;             /* [cap][n_embd] sublayer output */
+    float *logits;          /* [cap][n_vocab] */
+    float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
+    int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
+    int32_t q_cap;          /* queries of an attention unit, at most */
+    float *att_ws;          /* [n_threads][ws_floats] attention scratch (es_attn_ws_floats), 64-byte aligned */
+    size_t ws_floats;
+    float *parts;           /* [KS_MAX_TOKENS][n_head][kv.n_blk][es_attn_part_floats] blocks' results (key split) */
+    _Atomic int *grp_done;  /* [n_head] chunks done per head group (key split) */
+    void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
+    float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
+    int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
+    int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
+    _Atomic int *att_done;  /* [cap] attention units (query split) or head groups (key split) done
+                               per token slice */
+    void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
+                               aligned, zeroed at allocation (the padding of a row's last group) */
+    size_t mm_bytes;
+    char err[256];
+};
+
+/* Make room for n tokens per call (session.c). On failure the old buffers are kept. */
+es_status es_session_ensure_scratch(es_session *s, int32_t n);
+/* Floats of one attention block result (o padded to 16 floats, then m and l),
+ * and of one thread's attention scratch (forward.c). */
+int es_attn_part_floats(int hd);
+size_t es_attn_ws_floats(int hd, int q_cap);
 
 /* ---- helpers ----------------------------------------------------------- */
 
