@@ -283,39 +283,43 @@ typedef struct {
 #define SCORE_Q 4
 #endif
 
-/* o[j][0..64) = sum_t a[j][t] * V[t][0..64) for t in [t0, t1), for nj (a
- * constant) queries side by side, each V row (vs floats apart) loaded once;
- * the accumulators start at 0 (cont = 0) or at o[j] (cont = 1, continuing a
- * sum over [0, t0) stored there: a float stored and reloaded is the same float). */
+/* o[j][0..AXPY_D) = sum_t a[j][t] * V[t][0..AXPY_D) for t in [t0, t1), for
+ * nj (a constant) queries side by side, each V row (vs floats apart) loaded
+ * once for all; the accumulators start at 0 (cont = 0) or at o[j] (cont = 1,
+ * continuing a sum over [0, t0) stored there: a float stored and reloaded is
+ * the same float). The dimensions are independent lanes, so AXPY_D changes
+ * no bit; it and AXPY_Q keep the accumulators and the V row in registers. */
 #if defined(__AVX512F__)
-#define AXPY_Q 3   /* 3 queries x 4 accumulators of 16 floats + 4 V vectors fit the 32 registers */
+#define AXPY_Q 3    /* 3 queries x 4 accumulators of 16 floats + 4 V vectors: 16 of the 32 registers */
+#define AXPY_D 64
 #else
-#define AXPY_Q 1
+#define AXPY_Q 2    /* 2 queries x 4 accumulators of 8 floats + 4 V vectors: 12 of 16 (AVX2) */
+#define AXPY_D 32
 #endif
-static inline __attribute__((always_inline)) void axpy_q64(const int nj, float *const *o, const float *const *a,
+static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
                                                            int t0, int t1, const float *vc, size_t vs, int cont) {
-    vaf acc[AXPY_Q][64 / AW];
+    vaf acc[AXPY_Q][AXPY_D / AW];
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 64 / AW; k++) {
+        for (int k = 0; k < AXPY_D / AW; k++) {
             if (cont) memcpy(&acc[j][k], o[j] + AW * k, sizeof acc[j][k]);
             else acc[j][k] = (vaf){0};
         }
     for (int t = t0; t < t1; t++) {
         const float *vr = vc + (size_t)t * vs;
-        vaf v[64 / AW];
-        for (int k = 0; k < 64 / AW; k++) {
+        vaf v[AXPY_D / AW];
+        for (int k = 0; k < AXPY_D / AW; k++) {
             memcpy(&v[k], vr + AW * k, sizeof v[k]);
             IN_REG(v[k]);
         }
         for (int j = 0; j < nj; j++) {
             float av = a[j][t];
-            for (int k = 0; k < 64 / AW; k++) acc[j][k] += av * v[k];
+            for (int k = 0; k < AXPY_D / AW; k++) acc[j][k] += av * v[k];
         }
     }
     /* element by element: with one copy of the whole array GCC kept the
      * accumulators in memory, stored back at every position */
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 64 / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
+        for (int k = 0; k < AXPY_D / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
 }
 
 /* The same for any head size, one query, positions [0, n). */
@@ -406,24 +410,24 @@ static void block_partial(int nq, const float *const *qp, const int *nv, float *
         dst[j][hdr + 1] = sum8(row, nv[j]);
         ap[j] = row;
     }
-    if (hd % 64 != 0) {
+    if (hd % AXPY_D != 0) {
         for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vf, (size_t)hd, nv[j], hd);
         return;
     }
-    /* 64 dimensions at a time; queries side by side over the positions they
-     * all attend, then each query's own last positions */
+    /* AXPY_D dimensions at a time; queries side by side over the positions
+     * they all attend, then each query's own last positions */
     float *op[ES_MAX_UNIT_Q];
-    for (int d0 = 0; d0 < hd; d0 += 64) {
+    for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
         for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
         const float *vc = vf + d0;
         int k = 0;
         for (; k + AXPY_Q <= nq; k += AXPY_Q) {
             int lo = nv[k];
-            axpy_q64(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0);
+            axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0);
             for (int j = k; j < k + AXPY_Q; j++)
-                if (nv[j] > lo) axpy_q64(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
+                if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
         }
-        for (; k < nq; k++) axpy_q64(1, op + k, ap + k, 0, nv[k], vc, (size_t)hd, 0);
+        for (; k < nq; k++) axpy_qd(1, op + k, ap + k, 0, nv[k], vc, (size_t)hd, 0);
     }
 }
 
