@@ -8,7 +8,9 @@
  * forward over 5 tokens) at depth 64, with a rollback after each, twice, the
  * second pair timed; the order of the builds flips every round. It prints
  * per build the median T and V(4) in ms and the median of the per-round
- * V(4)/T ratios.
+ * V(4)/T ratios. `-d DEPTH` (before the libraries) sets the depth, the
+ * number of cached positions each timed forward follows (default 64); the
+ * session's n_ctx is DEPTH + 64.
  *
  *   cd engine_c
  *   for pf in 4096 8192; do
@@ -17,6 +19,7 @@
  *   done
  *   cc -O2 -Iinclude ../bench/forward_ab.c -o /tmp/forward_ab -ldl
  *   /tmp/forward_ab MODEL.gguf 150 /tmp/eng_4096.so /tmp/eng_8192.so
+ *   /tmp/forward_ab MODEL.gguf 40 -d 2048 /tmp/eng_4096.so /tmp/eng_8192.so
  *
  * MODEL.gguf: e.g. the default model, whose path `.venv/bin/python
  * scripts/fetch_model.py` prints (it fetches the file on first use).
@@ -24,7 +27,8 @@
  * may appear several times): two files, for instance a Q4_1 and a Q4_K_M
  * file of one shape, compared on one host at the same time.
  *
- * At most 8 builds; 2 threads each; about 100 MB of memory per build.
+ * At most 8 builds; 2 threads each; about 100 MB of memory per build plus
+ * its KV cache.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -37,7 +41,8 @@
 
 #define MAX_LIBS 8
 #define MAX_ROUNDS 100000
-#define DEPTH 64
+#define DEFAULT_DEPTH 64
+#define MAX_DEPTH (1 << 20)
 
 typedef es_status (*load_fn)(const char *, const es_model_params *, es_model **, char *, size_t);
 typedef es_session_params (*params_fn)(void);
@@ -63,8 +68,9 @@ static int cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Load the model and a session with build `lib`; prefill DEPTH tokens. */
-static int open_build(const char *lib, const char *model, build *b, int32_t *toks) {
+/* Load the model and a session with build `lib`; prefill `depth` tokens
+ * (toks: depth + 8 of them, filled here). */
+static int open_build(const char *lib, const char *model, build *b, int32_t *toks, int depth) {
     void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         fprintf(stderr, "%s\n", dlerror());
@@ -85,9 +91,9 @@ static int open_build(const char *lib, const char *model, build *b, int32_t *tok
     }
     es_model_info info;
     ((info_fn)dlsym(h, "es_model_get_info"))(m, &info);
-    for (int i = 0; i < DEPTH + 8; i++) toks[i] = (int32_t)((i * 7919) % info.n_vocab);
+    for (int i = 0; i < depth + 8; i++) toks[i] = (int32_t)(((int64_t)i * 7919) % info.n_vocab);
     es_session_params p = ((params_fn)dlsym(h, "es_session_default_params"))();
-    p.n_ctx = 256;
+    p.n_ctx = depth + 64;
     p.n_threads = 2;
     if (((session_fn)dlsym(h, "es_session_new"))(m, &p, &b->s, err, sizeof err) != ES_OK) {
         fprintf(stderr, "%s: %s\n", lib, err);
@@ -95,22 +101,35 @@ static int open_build(const char *lib, const char *model, build *b, int32_t *tok
     }
     b->forward = (forward_fn)dlsym(h, "es_forward");
     b->rollback = (rollback_fn)dlsym(h, "es_session_rollback");
-    int32_t am[DEPTH];
-    if (b->forward(b->s, toks, DEPTH, am, NULL, 0) != ES_OK) {
-        fprintf(stderr, "%s: the prefill of %d tokens failed\n", lib, DEPTH);
+    int32_t *am = malloc(sizeof(int32_t) * (size_t)depth);
+    es_status st = am ? b->forward(b->s, toks, depth, am, NULL, 0) : ES_ERR_NOMEM;
+    free(am);
+    if (st != ES_OK) {
+        fprintf(stderr, "%s: the prefill of %d tokens failed\n", lib, depth);
         return -1;
     }
     return 0;
 }
 
 int main(int argc, char **argv) {
-    if (argc < 4 || argc > 3 + MAX_LIBS) {
-        fprintf(stderr, "usage: %s MODEL.gguf ROUNDS LIB.so[@OTHER.gguf] [LIB.so[@OTHER.gguf] ...] (at most %d)\n",
+    char *end;
+    int depth = DEFAULT_DEPTH, first = 3;
+    if (argc > 4 && argv[3][0] == '-' && argv[3][1] == 'd' && !argv[3][2]) {
+        errno = 0;
+        long d = strtol(argv[4], &end, 10);
+        if (errno || end == argv[4] || *end || d < 1 || d > MAX_DEPTH) {
+            fprintf(stderr, "DEPTH must be a whole number in [1, %d], not '%s'\n", MAX_DEPTH, argv[4]);
+            return 2;
+        }
+        depth = (int)d;
+        first = 5;
+    }
+    int nl = argc - first;
+    if (nl < 1 || nl > MAX_LIBS) {
+        fprintf(stderr, "usage: %s MODEL.gguf ROUNDS [-d DEPTH] LIB.so[@OTHER.gguf] [LIB.so[@OTHER.gguf] ...] (at most %d)\n",
                 argv[0], MAX_LIBS);
         return 2;
     }
-    int nl = argc - 3;
-    char *end;
     errno = 0;
     long rl = strtol(argv[2], &end, 10);
     if (errno || end == argv[2] || *end || rl < 1 || rl > MAX_ROUNDS) {
@@ -118,19 +137,25 @@ int main(int argc, char **argv) {
         return 2;
     }
     int rounds = (int)rl;
-    int32_t toks[DEPTH + 8], am[8];
+    int32_t am[8];
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)(depth + 8));
+    if (!toks) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+    }
     build b[MAX_LIBS];
     for (int i = 0; i < nl; i++) {
         char lib[4096];
-        const char *at = strchr(argv[3 + i], '@');
-        size_t n = at ? (size_t)(at - argv[3 + i]) : strlen(argv[3 + i]);
+        const char *arg = argv[first + i];
+        const char *at = strchr(arg, '@');
+        size_t n = at ? (size_t)(at - arg) : strlen(arg);
         if (n >= sizeof lib) {
-            fprintf(stderr, "library path too long: %s\n", argv[3 + i]);
+            fprintf(stderr, "library path too long: %s\n", arg);
             return 2;
         }
-        memcpy(lib, argv[3 + i], n);
+        memcpy(lib, arg, n);
         lib[n] = 0;
-        if (open_build(lib, at ? at + 1 : argv[1], &b[i], toks) != 0) return 1;
+        if (open_build(lib, at ? at + 1 : argv[1], &b[i], toks, depth) != 0) return 1;
     }
     double *t1 = malloc(sizeof(double) * (size_t)(rounds * nl));
     double *t5 = malloc(sizeof(double) * (size_t)(rounds * nl));
@@ -149,16 +174,16 @@ int main(int argc, char **argv) {
              * while after a call and would share the cores with this one) */
             for (int rep = 0; rep < 2 && st1 == ES_OK && st5 == ES_OK; rep++) {
                 a = now_ms();
-                st1 = b[i].forward(b[i].s, toks + DEPTH, 1, am, NULL, 0);
+                st1 = b[i].forward(b[i].s, toks + depth, 1, am, NULL, 0);
                 c = now_ms();
-                b[i].rollback(b[i].s, DEPTH);
+                b[i].rollback(b[i].s, depth);
                 d = now_ms();
-                st5 = b[i].forward(b[i].s, toks + DEPTH, 5, am, NULL, 0);
+                st5 = b[i].forward(b[i].s, toks + depth, 5, am, NULL, 0);
                 e = now_ms();
-                b[i].rollback(b[i].s, DEPTH);
+                b[i].rollback(b[i].s, depth);
             }
             if (st1 != ES_OK || st5 != ES_OK) {
-                fprintf(stderr, "%s: a timed forward failed (status %d, %d)\n", argv[3 + i], st1, st5);
+                fprintf(stderr, "%s: a timed forward failed (status %d, %d)\n", argv[first + i], st1, st5);
                 return 1;
             }
             if (k >= 0) {
@@ -171,11 +196,12 @@ int main(int argc, char **argv) {
         qsort(t1 + i * rounds, (size_t)rounds, sizeof(double), cmp);
         qsort(t5 + i * rounds, (size_t)rounds, sizeof(double), cmp);
         qsort(ratio + i * rounds, (size_t)rounds, sizeof(double), cmp);
-        printf("%-24s T %.3f ms  V(4) %.3f ms  V(4)/T %.3f\n", argv[3 + i], t1[i * rounds + rounds / 2],
+        printf("%-24s depth %d  T %.3f ms  V(4) %.3f ms  V(4)/T %.3f\n", argv[first + i], depth, t1[i * rounds + rounds / 2],
                t5[i * rounds + rounds / 2], ratio[i * rounds + rounds / 2]);
     }
     free(t1);
     free(t5);
     free(ratio);
+    free(toks);
     return 0;
 }

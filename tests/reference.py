@@ -28,6 +28,9 @@ elements are rare but do occur (about one 10-token tiny-model forward in 30).
 within `near` of a boundary until the reference meets the other
 implementation's logits within the tight tolerance, and reports the flips it
 needed, so a test stays tight and still says exactly what it allowed.
+The float16 KV cache (kv_f16) has the same kind of boundary: a key or value
+within a few float32 ulps (NEAR_F16) of the midpoint of two float16 neighbours; those are
+candidates for align_rounding too (stage keys (layer, "k_f16" | "v_f16")).
 On a 30-layer real model (SmolLM2) flips happen in every token and add up:
 two correct float32 / float64 implementations of the same int8 scheme then
 differ by ~0.2 rms / ~0.9 max logit units, and no reference can be tighter
@@ -40,6 +43,7 @@ Model semantics (see /work/shared/MODEL_NOTES.md):
               q, k = RMSNorm per head (* q_norm / k_norm)               (qwen3)
               q, k = RoPE(q, k, pos)   llama: pairs (2i, 2i+1); qwen2/3: pairs (i, i + rope_dim/2);
                                        theta_i = base^(-2i / rope_dim), angle = pos * theta_i
+              k, v = float16(k), float16(v)   the KV cache's type (kv_f16=True, the default)
               a = softmax(q k^T / sqrt(head_dim) + causal mask) v      (GQA: head h uses kv head h // (n_head / n_head_kv))
               x = x + a Wo^T
               h = RMSNorm(x) * ffn_norm
@@ -56,6 +60,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16, QT.F64)
+NEAR_F16 = 4 * 2.0 ** -13   # float16 ulps: four float32 ulps from a float16 midpoint (see align_rounding)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -152,6 +157,37 @@ def near_half_elements(x: np.ndarray, block: int, threshold: float) -> list[tupl
     return [(float(dist[r, c]), int(r), int(c)) for r, c in zip(rows, cols)]
 
 
+def round_f16(x: np.ndarray, flip: set[tuple[int, int]] | None = None) -> np.ndarray:
+    """x [n_rows, n] rounded to float16 from float32 (to nearest even), as x.dtype.
+
+    flip: optional set of (row, col) elements rounded to the other float16
+    neighbour instead (see near_f16_elements)."""
+    x32 = np.asarray(x, dtype=np.float32)
+    h = x32.astype(np.float16)
+    if flip:
+        for r, c in flip:
+            up = h[r, c].astype(np.float64) <= float(x32[r, c])
+            h[r, c] = np.nextafter(h[r, c], np.float16(np.inf if up else -np.inf))
+    return h.astype(x.dtype)
+
+
+def near_f16_elements(x: np.ndarray, threshold: float) -> list[tuple[float, int, int]]:
+    """Elements of x [n_rows, n] whose float32 value lies within `threshold` float16 ulps of the
+    midpoint between two float16 neighbours: (distance in ulps, row, col) triples. Another
+    implementation whose float32 values differ from ours by a few float32 ulps may round those the
+    other way."""
+    x32 = np.asarray(x, dtype=np.float32)
+    v = x32.astype(np.float64)
+    h = x32.astype(np.float16)
+    hf = h.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        other = np.nextafter(h, np.where(hf <= v, np.float16(np.inf), np.float16(-np.inf)).astype(np.float16))
+        of = other.astype(np.float64)
+        dist = np.abs(np.abs(v - hf) / np.abs(of - hf) - 0.5)
+    rows, cols = np.nonzero(np.isfinite(dist) & (dist < threshold))
+    return [(float(dist[r, c]), int(r), int(c)) for r, c in zip(rows, cols)]
+
+
 def _field(reader: gguf.GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -195,20 +231,27 @@ class Reference:
         dtype: compute dtype, np.float64 (default) or np.float32.
         act_quant: emulate the engine's int8 activation quantization (block 32)
             before matmuls with quantized weights (see module docstring).
+        kv_f16: store keys (after RoPE) and values in the KV cache rounded to
+            IEEE float16 as the engine's cache does (rounded from float32, to
+            nearest even); False keeps them in the compute dtype.
     Raises:
         KeyError / ValueError: a key or tensor the architecture needs is missing.
     """
 
-    def __init__(self, path: str, dtype=np.float64, act_quant: bool = False, act_block: int = 32):
+    def __init__(self, path: str, dtype=np.float64, act_quant: bool = False, act_block: int = 32,
+                 kv_f16: bool = True):
         self.path = str(path)
+        self.kv_f16 = kv_f16
         self.dtype = np.dtype(dtype)
         self.act_quant = act_quant
         self.act_block = act_block
         # Rounding-boundary bookkeeping (act_quant only); see near_half_elements.
         # flips: stage key -> {(row, col)} roundings to invert; a stage key is
-        # (layer, "attn_in" | "attn_out_in" | "ffn_in" | "ffn_down_in") or (-1, "output_in").
+        # (layer, "attn_in" | "attn_out_in" | "ffn_in" | "ffn_down_in") or (-1, "output_in"), or
+        # (layer, "k_f16" | "v_f16") for the float16 KV cache (kv_f16).
         self.flips: dict[tuple[int, str], set[tuple[int, int]]] = {}
         self.near_half_threshold: float | None = None
+        self.near_f16_threshold: float = NEAR_F16
         self.near_half: list[tuple[float, tuple[int, str], int, int]] = []   # filled by each forward
         r = gguf.GGUFReader(self.path)
         arch = _field(r, "general.architecture")
@@ -272,6 +315,14 @@ class Reference:
                                near_half_elements(x, self.act_block, self.near_half_threshold)]
         return quantize_activations_q8(x, self.act_block, self.flips.get(key))
 
+    def kv_round(self, x: np.ndarray, key: tuple[int, str]) -> np.ndarray:
+        """Keys or values x [n, kv_dim] rounded to float16 as the engine's cache stores them,
+        with the flips of `key` ((layer, "k_f16" | "v_f16")); candidates for flips (float16
+        midpoints within near_f16_threshold float16 ulps) are collected like act()'s."""
+        if self.near_half_threshold is not None:
+            self.near_half += [(dist, key, r, c) for dist, r, c in near_f16_elements(x, self.near_f16_threshold)]
+        return round_f16(x, self.flips.get(key))
+
     def matmul(self, x: np.ndarray, name: str, xq: np.ndarray | None = None) -> np.ndarray:
         """x [n, n_in] @ W^T -> [n, n_out].
 
@@ -334,6 +385,9 @@ class Reference:
                 k = rms_norm(k, self._w[p + "attn_k_norm.weight"], hp.norm_eps)
             q = rope(q, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
             k = rope(k, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
+            if self.kv_f16:   # the engine's F16 cache
+                k = self.kv_round(k.reshape(n, -1), (il, "k_f16")).reshape(k.shape)
+                v = self.kv_round(v.reshape(n, -1), (il, "v_f16")).reshape(v.shape)
             K = np.concatenate([cache.k[il], k.transpose(1, 0, 2)], axis=1)   # [n_kv, T, hd]
             V = np.concatenate([cache.v[il], v.transpose(1, 0, 2)], axis=1)
             cache.k[il], cache.v[il] = K, V
@@ -407,15 +461,19 @@ class GreedyResult:
 
 
 def align_rounding(R: Reference, tokens: Sequence[int], target: np.ndarray, tol_abs: float,
-                   near: float = 1e-4, max_flips: int = 3, max_tries: int = 60):
+                   near: float = 1e-4, max_flips: int = 3, max_tries: int = 60, near_f16: float | None = None):
     """Reference logits of `tokens` (fresh sequence) aligned to `target` by rounding flips.
 
     Args:
-        R: a Reference with act_quant=True.
+        R: a Reference with act_quant=True or kv_f16=True (the roundings it may invert: the
+            int8 activations' and the float16 KV cache's).
         tokens: the token ids.
         target: logits [n_tokens, n_vocab] of the implementation under test.
         tol_abs: per-element tolerance (logit units) a row must meet.
-        near: only roundings with |x * id - (k + 1/2)| < near may be inverted.
+        near: only roundings with |x * id - (k + 1/2)| < near (int8 activations) may be
+            inverted, and KV cache roundings within near_f16 float16 ulps of a midpoint.
+        near_f16: float16 ulps; the default, NEAR_F16, is four float32 ulps (a float32 value
+            lies a multiple of 2^-13 float16 ulps from a float16 midpoint).
         max_flips: at most this many inverted roundings.
     Returns:
         (logits [n_tokens, n_vocab], flips) where flips lists
@@ -426,9 +484,10 @@ def align_rounding(R: Reference, tokens: Sequence[int], target: np.ndarray, tol_
     rows <= that row, closest to a boundary first; keep the one that brings the
     row within tolerance; repeat.
     """
-    if not R.act_quant:
-        raise ValueError("align_rounding needs act_quant=True")
+    if not (R.act_quant or R.kv_f16):
+        raise ValueError("align_rounding needs act_quant=True or kv_f16=True")
     R.flips, R.near_half_threshold = {}, near
+    R.near_f16_threshold = NEAR_F16 if near_f16 is None else near_f16
     try:
         L = R.forward(tokens)
         used: list = []

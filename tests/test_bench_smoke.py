@@ -111,6 +111,14 @@ def test_forward_ab_compares_two_builds(tmp_path):
         assert m, line
         assert all(_positive(float(v)) for v in m.groups()), line
 
+    deep = subprocess.run([str(exe), str(model), "2", "-d", "150", str(lib)], capture_output=True, text=True,
+                          timeout=300)
+    assert deep.returncode == 0 and "depth 150 " in deep.stdout, deep.stderr
+    for depth in ("0", "x"):
+        bad = subprocess.run([str(exe), str(model), "2", "-d", depth, str(lib)], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and "DEPTH" in bad.stderr, (depth, bad.stderr)
+
     usage = subprocess.run([str(exe), str(model)], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage:" in usage.stderr
     for rounds in ("0", "10abc", "1500000000"):
@@ -148,3 +156,31 @@ def test_quick_keeps_explicit_flags(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["rounds"] == 3 and out["inner"] == 2   # --rounds given, --inner from --quick
+
+
+def test_step_cpu_times_builds_at_depths(tmp_path):
+    """bench/step_cpu.c compiles and prints one CPU-time line per build and depth on a tiny model
+    (no speed asserted); bad arguments give a usage error."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
+    engine = ROOT / "engine_c"
+    subprocess.run(["make", "-s", "-C", str(engine), "BUILD=build/native",
+                    "build/native/libechospec_engine.so"], check=True, timeout=1200)
+    exe = tmp_path / "step_cpu"
+    subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-I", str(engine / "include"),
+                    str(ROOT / "bench" / "step_cpu.c"), "-o", str(exe), "-ldl"], check=True, timeout=300)
+    lib = engine / "build" / "native" / "libechospec_engine.so"
+    r = subprocess.run([str(exe), str(model), "1", "3", "1", "10", "200", "--", str(lib)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [int(re.search(r"depth +(\d+)", line).group(1)) for line in lines] == [10, 200]
+    for line in lines:
+        m = re.search(r"step cpu ([\d.]+) ms \(min ([\d.]+)\)", line)
+        assert m and all(_positive(float(v)) for v in m.groups()), line
+    for args in ([], ["1", "3", "1", "10"], ["0", "3", "1", "10", "--", str(lib)]):
+        bad = subprocess.run([str(exe), str(model), *args], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2, (args, bad.stderr)
+    libm = subprocess.run([str(exe), str(model), "1", "2", "1", "10", "--", "libm.so.6"], capture_output=True,
+                          text=True, timeout=60)
+    assert libm.returncode == 1 and "not an echospec engine build" in libm.stderr, libm.stderr

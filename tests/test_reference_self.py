@@ -229,7 +229,7 @@ def _naive_forward(R: Reference, tokens):
     ("llama", {"n_head": 8, "n_head_kv": 2, "n_embd": 64}),
 ])
 def test_forward_matches_naive_loop(tiny_model, arch, kw):
-    R = Reference(tiny_model(arch=arch, matrix_type="F32", **kw))
+    R = Reference(tiny_model(arch=arch, matrix_type="F32", **kw), kv_f16=False)   # the naive loop keeps K, V float
     toks = [5, 77, 3, 200, 41, 9]
     np.testing.assert_allclose(R.forward(toks), _naive_forward(R, toks), rtol=0, atol=1e-9)
 
@@ -328,3 +328,16 @@ def test_reference_smollm2_answers_sensibly(smollm2_reference, smollm2_tokenizer
     g = R.greedy(ids, 8)
     text = smollm2_tokenizer.decode(g.tokens)
     assert "Paris" in text, text
+
+
+def test_kv_f16_rounds_the_cache_and_moves_logits_a_little(tiny_model):
+    """kv_f16 (the default, as the engine's cache) stores float16 values; the logits move, by far less than O(1)."""
+    path = tiny_model(arch="llama", matrix_type="F32")
+    toks = [3, 50, 100, 150, 200, 7]
+    R16, R32 = Reference(path), Reference(path, kv_f16=False)
+    c16, c32 = R16.new_cache(), R32.new_cache()
+    a, b = R16.forward(toks, c16), R32.forward(toks, c32)
+    for arr in (c16.k[0], c16.v[0]):
+        np.testing.assert_array_equal(arr, arr.astype(np.float16).astype(arr.dtype))
+    assert not np.array_equal(c32.k[0], c32.k[0].astype(np.float16).astype(c32.k[0].dtype))
+    assert 0 < np.abs(a - b).max() < 1e-2 * b.std()

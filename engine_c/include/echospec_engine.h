@@ -136,8 +136,9 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
 /*
  * Create a session (one KV sequence) on `model`.
  * Returns ES_ERR_INVALID_ARG for n_ctx < 0 or n_ctx > ES_MAX_CTX or n_threads < 0
- * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache
- * (2 * n_layer * n_ctx * n_head_kv * head_dim * 4 bytes) cannot be allocated,
+ * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache (IEEE float16: 2 *
+ * n_layer * n_ctx rounded up to 64 * n_head_kv * head_dim * 2 bytes) cannot
+ * be allocated,
  * ES_ERR_INTERNAL when a worker thread cannot be started. On failure *out is
  * NULL and a message goes to err (like es_model_load).
  */

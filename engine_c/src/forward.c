@@ -1,21 +1,15 @@
 /*
- * forward.c - sessions, the KV cache, rollback and the forward pass.
+ * forward.c - sessions, attention and the forward pass.
  *
- * A session owns one KV sequence:
- *   k_cache  float32 [n_layer][n_head_kv][head_dim][k_stride]  (transposed:
- *            the positions of one key dimension are contiguous, so the
- *            scores of 8 or 16 positions are one vector operation per
- *            dimension; k_stride >= n_ctx, see kv_k_stride)
- *   v_cache  float32 [n_layer][n_ctx][n_head_kv * head_dim]
- * Positions [0, n_past) are valid. A forward over N tokens writes positions
- * [n_past, n_past + N) and then advances n_past; rollback only moves n_past
- * back, so a later forward overwrites the removed positions and nothing of
- * them can leak into a result (attention reads positions <= its own).
+ * A session owns one KV sequence (kv_cache.c: F16, blocks of ES_KV_BLOCK
+ * positions; the layout is described in internal.h), a thread pool and the
+ * scratch of one call.
  *
  * Determinism: every per-row operation here (RMSNorm, RoPE, attention for one
  * (position, head), SwiGLU, residual adds, argmax) reads only its own row and
  * the KV positions before it, in a fixed order, so results do not depend on
- * N or on the thread split. es_matmul keeps the same contract.
+ * N or on the thread split (the attention's own contract is above
+ * attend_unit). es_matmul keeps the same contract.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -26,50 +20,9 @@
 #include "internal.h"
 #include "quant.h"
 
-#define ES_MAX_CTX (1 << 20)
-#define ES_MAX_THREADS 256
-#define ES_MAX_GROUP 32     /* query heads attended together per work unit */
-#define ATT_Q_TARGET 12     /* queries (tokens x heads of one KV head) an attention unit aims at */
-#define EARLY_KV_PREFETCH (128 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
-
-struct es_session {
-    const es_model *model;
-    int32_t n_ctx;          /* KV capacity (tokens) */
-    int32_t n_past;         /* valid KV positions (tokens) */
-    int32_t n_threads;
-    es_pool *pool;
-    float *k_cache;         /* [n_layer][n_head_kv][head_dim][k_stride] */
-    size_t k_stride;        /* floats from one key dimension's row to the next */
-    int pending_out;        /* a forward step: x += out is still to be done (by the next norm) */
-    int out_first;          /* a forward step: first position the output head reads */
-    float *v_cache;         /* [n_layer][n_ctx][kv_dim] */
-    /* scratch, sized for cap tokens per call */
-    int32_t cap;
-    float *x;               /* [cap][n_embd] residual stream */
-    float *xb;              /* [cap][n_embd] normed input of a sublayer */
-    float *q;               /* [cap][q_dim] */
-    float *k;               /* [cap][kv_dim] */
-    float *v;               /* [cap][kv_dim] */
-    float *att;             /* [cap][q_dim] attention output */
-    float *gate;            /* [cap][n_ff] */
-    float *up;              /* [cap][n_ff] */
-    float *out;             /* [cap][n_embd] sublayer output */
-    float *logits;          /* [cap][n_vocab] */
-    float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
-    size_t q8_rs;           /* run_rows: also quantize each row written into mm_scratch, rows this many bytes apart (0: no) */
-    int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
-    int32_t q_cap;          /* queries of an attention unit, at most max(group_cap, ATT_Q_TARGET) */
-    float *scores;          /* [n_threads][q_cap][n_ctx] attention weights */
-    void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
-    float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
-    int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
-    int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
-    _Atomic int *att_done;  /* [cap] attention units done per token slice */
-    void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
-                               aligned, zeroed at allocation (the padding of a row's last group) */
-    size_t mm_bytes;
-    char err[256];
-};
+#define EARLY_KV_PREFETCH (64 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
+#define KV_PF_AHEAD 2       /* attention: a unit asks for the block this many ahead of the one it computes */
+#define KS_UNITS_PER_THREAD 8   /* key split: chunks of blocks aim at about this many units a thread */
 
 /* ---- small row kernels (fixed 8-lane accumulation order) ---------------- */
 
@@ -273,229 +226,54 @@ static int32_t argmax_row(const float *x, int n) {
     return 0;
 }
 
-/* ---- session lifecycle --------------------------------------------------- */
-
-es_session_params es_session_default_params(void) {
-    es_session_params p = {0, 0};
-    return p;
-}
-
-static int online_cores(void) {
-    long n = 1;
-#ifdef _SC_NPROCESSORS_ONLN
-    n = sysconf(_SC_NPROCESSORS_ONLN);
-#endif
-    if (n < 1) n = 1;
-    if (n > ES_MAX_THREADS) n = ES_MAX_THREADS;
-    return (int)n;
-}
-
-static void free_scratch(es_session *s) {
-    free(s->x); free(s->xb); free(s->q); free(s->k); free(s->v); free(s->att);
-    free(s->gate); free(s->up); free(s->out); free(s->logits); free(s->rope);
-    free(s->mm_scratch);
-    free(s->glu_q8);
-    free(s->am_val);
-    free(s->am_idx);
-    free((void *)s->att_done);
-    s->att_done = NULL;
-    s->glu_q8 = NULL;
-    s->am_val = NULL;
-    s->am_idx = NULL;
-    s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->out = NULL;
-    s->logits = s->rope = NULL;
-    s->mm_scratch = NULL;
-    s->cap = 0;
-    s->mm_bytes = 0;
-}
-
-static size_t max_scratch_bytes(const es_model *m, int n) {
-    const es_model_info *in = &m->info;
-    size_t b = 0, t;
-    const es_layer *L = &m->layers[0];
-    const es_tensor *ws[] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down, m->output};
-    for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
-        t = es_matmul_scratch_bytes(ws[i]->type, ws[i]->ne[0], n);
-        if (t > b) b = t;
-    }
-    (void)in;
-    return b;
-}
-
-/* Make room for n tokens per call. On failure the old buffers are kept. */
-static es_status ensure_scratch(es_session *s, int32_t n) {
-    if (n <= s->cap) return ES_OK;
-    const es_model_info *in = &s->model->info;
-    size_t q_dim = (size_t)in->n_head * in->head_dim;
-    size_t kv_dim = (size_t)in->n_head_kv * in->head_dim;
-    size_t N = (size_t)n;
-    size_t mm = max_scratch_bytes(s->model, n);
-    size_t mm_alloc = (mm + 63) & ~(size_t)63;
-    float *x = malloc(N * in->n_embd * sizeof(float));
-    float *xb = malloc(N * in->n_embd * sizeof(float));
-    float *q = malloc(N * q_dim * sizeof(float));
-    float *k = malloc(N * kv_dim * sizeof(float));
-    float *v = malloc(N * kv_dim * sizeof(float));
-    float *att = malloc(N * q_dim * sizeof(float));
-    float *gate = malloc(N * in->n_ff * sizeof(float));
-    float *up = malloc(N * in->n_ff * sizeof(float));
-    float *out = malloc(N * in->n_embd * sizeof(float));
-    float *logits = malloc(N * in->n_vocab * sizeof(float));
-    float *rope = malloc(N * in->rope_dim * sizeof(float) + sizeof(float));
-    void *mms = aligned_alloc(64, mm_alloc ? mm_alloc : 64);
-    size_t glu_alloc = (N * es_matmul_q8_row_bytes(ES_TYPE_Q8_0, in->n_ff) + 63) & ~(size_t)63;
-    void *glu = aligned_alloc(64, glu_alloc ? glu_alloc : 64);
-    if (glu) memset(glu, 0, glu_alloc ? glu_alloc : 64);
-    size_t slots = ((size_t)in->n_vocab + ES_EPI_ROWS - 1) / ES_EPI_ROWS;
-    float *am_val = malloc(N * slots * sizeof(float));
-    int32_t *am_idx = malloc(N * slots * sizeof(int32_t));
-    _Atomic int *att_done = malloc(N * sizeof *att_done);
-    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu ||
-        !am_val || !am_idx || !att_done) {
-        free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
-        free(out); free(logits); free(rope); free(mms); free(glu); free(am_val); free(am_idx);
-        free((void *)att_done);
-        es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
-        return ES_ERR_NOMEM;
-    }
-    free_scratch(s);
-    s->x = x; s->xb = xb; s->q = q; s->k = k; s->v = v; s->att = att;
-    s->gate = gate; s->up = up; s->out = out; s->logits = logits; s->rope = rope;
-    s->mm_scratch = mms;
-    s->glu_q8 = glu;
-    s->am_val = am_val;
-    s->am_idx = am_idx;
-    s->att_done = att_done;
-    s->am_slots = (int32_t)slots;
-    s->mm_bytes = mm;
-    s->cap = n;
-    return ES_OK;
-}
-
-/* Floats from one row of the transposed K cache to the next: n_ctx rounded
- * up to whole 64-byte lines, plus one line when that count of lines is even.
- * An odd count of lines puts the rows of one head (read together, a vector
- * of positions at a time) in different L1 sets; with n_ctx a power of two
- * they all fell into one or two sets of the 8-way L1 and evicted each other
- * (the attention of a 5-token step at depth 64, cache hot, one thread:
- * 36.0 -> 27.1 us a layer with n_ctx = 4096, 28.3 -> 26.4 with 512). */
-static size_t kv_k_stride(int32_t n_ctx) {
-    size_t lines = ((size_t)n_ctx + 15) / 16;
-    if (lines % 2 == 0) lines++;
-    return lines * 16;
-}
-
-es_status es_session_new(const es_model *model, const es_session_params *params,
-                         es_session **out, char *err, size_t err_len) {
-    if (out) *out = NULL;
-    if (!model || !out) {
-        es_set_err(err, err_len, "es_session_new: model and out must not be NULL");
-        return ES_ERR_INVALID_ARG;
-    }
-    es_session_params p = params ? *params : es_session_default_params();
-    if (p.n_ctx < 0 || p.n_ctx > ES_MAX_CTX) {
-        es_set_err(err, err_len, "n_ctx %d out of range [0, %d]", (int)p.n_ctx, ES_MAX_CTX);
-        return ES_ERR_INVALID_ARG;
-    }
-    if (p.n_threads < 0 || p.n_threads > ES_MAX_THREADS) {
-        es_set_err(err, err_len, "n_threads %d out of range [0, %d]", (int)p.n_threads, ES_MAX_THREADS);
-        return ES_ERR_INVALID_ARG;
-    }
-    const es_model_info *in = &model->info;
-    int32_t n_ctx = p.n_ctx;
-    if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
-    if (n_ctx < 1) n_ctx = 1;
-    int n_threads = p.n_threads ? p.n_threads : online_cores();
-
-    es_session *s = calloc(1, sizeof *s);
-    if (!s) { es_set_err(err, err_len, "out of memory for the session"); return ES_ERR_NOMEM; }
-    s->model = model;
-    s->n_ctx = n_ctx;
-    s->n_threads = n_threads;
-    size_t kv_dim = (size_t)in->n_head_kv * in->head_dim;
-    size_t kv_elems = (size_t)in->n_layer * (size_t)n_ctx * kv_dim;
-    s->k_stride = kv_k_stride(n_ctx);
-    /* + 16 floats: the last key row may be read one vector past its end
-     * (attend_group's tail block; those lanes are never used) */
-    s->k_cache = calloc((size_t)in->n_layer * kv_dim * s->k_stride + 16, sizeof(float));
-    s->v_cache = malloc(kv_elems * sizeof(float));
-    int grp = in->n_head / in->n_head_kv;
-    s->group_cap = grp < ES_MAX_GROUP ? grp : ES_MAX_GROUP;
-    s->q_cap = s->group_cap > ATT_Q_TARGET ? s->group_cap : ATT_Q_TARGET;
-    s->scores = malloc((size_t)n_threads * (size_t)s->q_cap * (size_t)n_ctx * sizeof(float));
-    if (!s->k_cache || !s->v_cache || !s->scores) {
-        es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)",
-                   (int)n_ctx, 2 * kv_elems * sizeof(float));
-        es_session_free(s);
-        return ES_ERR_NOMEM;
-    }
-    s->pool = es_pool_new(n_threads);
-    if (!s->pool) {
-        es_set_err(err, err_len, "could not start %d worker threads", n_threads - 1);
-        es_session_free(s);
-        return ES_ERR_INTERNAL;
-    }
-    if (ensure_scratch(s, 1) != ES_OK) {
-        es_set_err(err, err_len, "%s", s->err);
-        es_session_free(s);
-        return ES_ERR_NOMEM;
-    }
-    *out = s;
-    return ES_OK;
-}
-
-void es_session_free(es_session *s) {
-    if (!s) return;
-    es_pool_free(s->pool);
-    free_scratch(s);
-    free(s->k_cache);
-    free(s->v_cache);
-    free(s->scores);
-    free(s);
-}
-
-int32_t es_session_n_past(const es_session *s) { return s ? s->n_past : 0; }
-int32_t es_session_n_ctx(const es_session *s) { return s ? s->n_ctx : 0; }
-const char *es_session_last_error(const es_session *s) { return s ? s->err : "session is NULL"; }
-
-es_status es_session_rollback(es_session *s, int32_t n_past) {
-    if (!s) return ES_ERR_INVALID_ARG;
-    if (n_past < 0 || n_past > s->n_past) {
-        es_set_err(s->err, sizeof s->err, "rollback to n_past %d outside [0, %d]",
-                   (int)n_past, (int)s->n_past);
-        return ES_ERR_INVALID_ARG;
-    }
-    s->n_past = n_past;
-    s->err[0] = '\0';
-    return ES_OK;
-}
-
 /* ---- attention ----------------------------------------------------------- */
+
+/*
+ * Attention, softmax(q . K^T / sqrt(head_dim)) . V (GQA), as an online
+ * softmax over the KV blocks of ES_KV_BLOCK (B) positions, which are fixed by
+ * absolute position. The query of token i of a call (position p = n_past + i,
+ * query head h, KV head h / (n_head / n_head_kv)) attends positions [0, p]:
+ * blocks 0 .. p / B, the last one in part. Per query:
+ *   block b, its positions t in [bB, min(bB + B, p + 1)):
+ *     s_t = (sum over d = 0, 1, ... in order of q[d] * k_t[d]) * scale
+ *     m_b = max s_t;  e_t = exp(s_t - m_b)  (exp_cephes, its lanes in expv)
+ *     l_b = sum8 of the e_t (lane j adds e of the block's positions j, j + 8,
+ *           ... in order, then the fixed tree of dot8)
+ *     o_b[d] = sum over t in order of e_t * v_t[d], from 0
+ *   fold, blocks in order: (M, L, O) = block 0's (m, l, o); for b = 1, 2, ...
+ *     M' = max(M, m_b), a = exp(M - M'), c = exp(m_b - M'),
+ *     L = L * a + l_b * c,  O[d] = O[d] * a + o_b[d] * c,  M = M'
+ *   out[d] = O[d] * (1 / L)
+ * Every step is a fixed sequence of float operations on the query's own
+ * inputs and positions. So neither N, nor which queries share a work unit,
+ * nor which thread computes which block, nor the vector width changes a bit:
+ * a query computed in a 5-token verify is bitwise the query of a 1-token step.
+ * Two ways of sharing the work out compute exactly that:
+ *   key split, calls of up to KS_MAX_TOKENS tokens (decode, verify): a unit
+ *     is (KV head, its query heads or a part of them, a chunk of blocks) for
+ *     every token of the call; each block's (m, l, o) goes to s->parts, and
+ *     the unit that completes the last chunk of a head group folds them in
+ *     order. A long context is read by all threads at once.
+ *   query split, longer calls (prefill): a unit is (KV head, heads, a slice
+ *     of tokens) over all the blocks they attend, folding as it goes.
+ * A unit loads each block once into its thread's scratch as float32 (exact)
+ * for all its queries, and the queries share each K and V vector load.
+ */
+
 
 typedef struct {
     es_session *s;
     int layer;
     int n;              /* tokens in this call */
     int per, split;     /* query heads per unit, units per KV head group */
-    int ts, nsl;        /* tokens per unit, token slices */
-    size_t rs;          /* > 0: the unit that completes a token slice quantizes its att rows
-                           into mm_scratch for W_o (rows rs bytes apart) */
+    int ts, nsl;        /* tokens per unit, token slices (query split) */
+    int nch, bpc;       /* key split: chunks of blocks per head group (0: query split), blocks per chunk */
+    int32_t nblk;       /* blocks attended by the call's last token */
+    size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
+                           (query split) attention quantizes those att rows into mm_scratch for
+                           W_o (rows rs bytes apart) */
     _Atomic int next;   /* next work unit to take */
 } attn_task;
-
-/*
- * Attention, softmax(q . K^T / sqrt(head_dim)) . V (GQA), over the queries
- * of one work unit: tokens [i0, i1) of the step times query heads [h0, h1),
- * which all read KV head g. Token i attends positions [0, n_past + i].
- * Every query's result is computed by the same operations, in the same
- * order, as if it were computed alone: score = (sum over d = 0, 1, ... of
- * q[d] * k_t[d], a product then a sum, in order) * scale, a vector of
- * positions at a time; max; exp; the sequential sum over t; a * (1 / sum);
- * then o[d] = 0, o[d] += a_t * v_t[d] for t in order. So the grouping of
- * queries into units and slices, the vector width and the thread split
- * change no bit. The queries of a unit share each K and V row load.
- *   sc: scratch of (i1 - i0) * (h1 - h0) * (n_past + i1) floats
- */
 
 /* Queries of one score slice: up to SCORE_Q side by side, each K vector
  * loaded once for all (2 * SCORE_Q accumulators). */
@@ -505,62 +283,62 @@ typedef struct {
 #define SCORE_Q 4
 #endif
 
-/* o[j][0..64) = sum_t a[j][t] * V[t][0..64) for t in [t0, t1), for nj (a
- * constant) queries side by side, each V row loaded once; the accumulators
- * start at 0 (cont = 0) or at o[j] (cont = 1, continuing a sum over
- * [0, t0) stored there: a float stored and reloaded is the same float). */
+/* o[j][0..AXPY_D) = sum_t a[j][t] * V[t][0..AXPY_D) for t in [t0, t1), for
+ * nj (a constant) queries side by side, each V row (vs floats apart) loaded
+ * once for all; the accumulators start at 0 (cont = 0) or at o[j] (cont = 1,
+ * continuing a sum over [0, t0) stored there: a float stored and reloaded is
+ * the same float). The dimensions are independent lanes, so AXPY_D changes
+ * no bit; it and AXPY_Q keep the accumulators and the V row in registers. */
 #if defined(__AVX512F__)
-#define AXPY_Q 3   /* 3 queries x 4 accumulators of 16 floats + 4 V vectors fit the 32 registers */
+#define AXPY_Q 3    /* 3 queries x 4 accumulators of 16 floats + 4 V vectors: 16 of the 32 registers */
+#define AXPY_D 64
 #else
-#define AXPY_Q 1
+#define AXPY_Q 2    /* 2 queries x 4 accumulators of 8 floats + 4 V vectors: 12 of 16 (AVX2) */
+#define AXPY_D 32
 #endif
-static inline __attribute__((always_inline)) void axpy_q64(const int nj, float *const *o, const float *const *a,
-                                                           int t0, int t1, const float *vc, size_t kv_dim,
-                                                           int cont) {
-    vaf acc[AXPY_Q][64 / AW];
+static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
+                                                           int t0, int t1, const float *vc, size_t vs, int cont) {
+    vaf acc[AXPY_Q][AXPY_D / AW];
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 64 / AW; k++) {
+        for (int k = 0; k < AXPY_D / AW; k++) {
             if (cont) memcpy(&acc[j][k], o[j] + AW * k, sizeof acc[j][k]);
             else acc[j][k] = (vaf){0};
         }
     for (int t = t0; t < t1; t++) {
-        const float *vr = vc + (size_t)t * kv_dim;
-        vaf v[64 / AW];
-        for (int k = 0; k < 64 / AW; k++) {
+        const float *vr = vc + (size_t)t * vs;
+        vaf v[AXPY_D / AW];
+        for (int k = 0; k < AXPY_D / AW; k++) {
             memcpy(&v[k], vr + AW * k, sizeof v[k]);
             IN_REG(v[k]);
         }
         for (int j = 0; j < nj; j++) {
             float av = a[j][t];
-            for (int k = 0; k < 64 / AW; k++) acc[j][k] += av * v[k];
+            for (int k = 0; k < AXPY_D / AW; k++) acc[j][k] += av * v[k];
         }
     }
     /* element by element: with one copy of the whole array GCC kept the
-     * accumulators in memory, stored back at every position (the attention
-     * of a 5-token step: 26.4 -> 23.7 us a layer) */
+     * accumulators in memory, stored back at every position */
     for (int j = 0; j < nj; j++)
-        for (int k = 0; k < 64 / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
+        for (int k = 0; k < AXPY_D / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
 }
 
 /* The same for any head size, one query, positions [0, n). */
-static void axpy_row(float *o, const float *a, const float *vc, size_t kv_dim, int n, int hd) {
+static void axpy_row(float *o, const float *a, const float *vc, size_t vs, int n, int hd) {
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
     for (int t = 0; t < n; t++) {
-        const float *vr = vc + (size_t)t * kv_dim;
+        const float *vr = vc + (size_t)t * vs;
         for (int d = 0; d < hd; d++) o[d] += a[t] * vr[d];
     }
 }
 
 /* Scores of nj (a constant 1..SCORE_Q after inlining) queries q[j] against
- * positions [0, n) of the transposed keys kt ([hd][nc]), AW positions per
- * vector: sc[j * ld + t] = (sum_d q[j][d] * k[d][t]) * scale. The last
- * vector reads up to AW - 1 floats past position n - 1 (inside the cache's
- * allocation) and stores only the lanes below n. */
+ * the n positions (a multiple of 2 * AW) of the transposed keys kt ([hd][nc]):
+ * sc[j * ld + t] = (sum_d q[j][d] * k[d][t]) * scale, two vectors of AW
+ * positions at a time (2 * nj independent sums). */
 static inline __attribute__((always_inline)) void scores_v(const int nj, const float *const *q, int hd,
                                                         const float *kt, size_t nc, int n, float scale,
                                                         float *sc, size_t ld) {
-    int t = 0;
-    for (; t + 2 * AW <= n; t += 2 * AW) {   /* two blocks of AW side by side: 2 * nj independent sums */
+    for (int t = 0; t + 2 * AW <= n; t += 2 * AW) {
         vaf acc[SCORE_Q], acc2[SCORE_Q];
         for (int j = 0; j < nj; j++) acc[j] = acc2[j] = (vaf){0};
         for (int d = 0; d < hd; d++) {
@@ -581,144 +359,254 @@ static inline __attribute__((always_inline)) void scores_v(const int nj, const f
             memcpy(sc + (size_t)j * ld + t + AW, &sv2, sizeof sv2);
         }
     }
-    for (; t < n; t += AW) {   /* the rest; a last partial block reads past n and drops those lanes */
-        vaf acc[SCORE_Q];
-        for (int j = 0; j < nj; j++) acc[j] = (vaf){0};
-        for (int d = 0; d < hd; d++) {
-            vaf kv;
-            memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            IN_REG(kv);
-            for (int j = 0; j < nj; j++) acc[j] += q[j][d] * kv;
-        }
-        size_t m = (size_t)(n - t < AW ? n - t : AW);
-        for (int j = 0; j < nj; j++) {
-            vaf sv = acc[j] * scale;
-            memcpy(sc + (size_t)j * ld + t, &sv, m * sizeof(float));
-        }
-    }
 }
 
-static void attend_unit(es_session *s, int layer, int g, int h0, int h1, int i0, int i1, float *sc) {
-    const es_model_info *in = &s->model->info;
-    int hd = in->head_dim;
-    size_t kv_dim = (size_t)in->n_head_kv * hd;
-    size_t q_dim = (size_t)in->n_head * hd;
-    int nh = h1 - h0, nq = (i1 - i0) * nh;
-    size_t ld = (size_t)s->n_past + (size_t)i1;   /* sc row stride: the longest row */
-    const float *kt = s->k_cache + ((size_t)layer * in->n_head_kv + (size_t)g) * (size_t)hd * s->k_stride;
-    const float *vc = s->v_cache + ((size_t)layer * s->n_ctx) * kv_dim + (size_t)g * hd;
-    float scale = 1.0f / sqrtf((float)hd);
-    const float *qp[ES_MAX_GROUP];
-    float *op[ES_MAX_GROUP], *ap[ES_MAX_GROUP];
-    int len[ES_MAX_GROUP];
-    for (int k = 0; k < nq; k++) {   /* queries by token, then head: rows of one token are side by side */
-        int i = i0 + k / nh, h = h0 + k % nh;
-        qp[k] = s->q + (size_t)i * q_dim + (size_t)h * hd;
-        op[k] = s->att + (size_t)i * q_dim + (size_t)h * hd;
-        ap[k] = sc + (size_t)k * ld;
-        len[k] = s->n_past + i + 1;
+/* Sum of x[0..n) with lane j of 8 adding x[j], x[j + 8], ... in order, then
+ * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
+static inline float sum8(const float *x, int n) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, sizeof v);
+        acc += v;
     }
-    /* V rows are hd floats at a stride of kv_dim: ask for them now, they are
-     * needed after the scores (and are in DRAM after a step's weight stream).
-     * Shorter caches were asked for whole before the q/k/v matmul. */
-    if ((size_t)s->n_past * kv_dim * sizeof(float) > EARLY_KV_PREFETCH)
-        for (size_t t = 0; t < ld; t++)
-            for (int o = 0; o < hd; o += 16) __builtin_prefetch(vc + t * kv_dim + o, 0, 3);
-    /* scores, slices of SCORE_Q queries sharing each K load, each over the
-     * positions of its longest (last) query */
+    float l[8];
+    memcpy(l, &acc, sizeof l);
+    for (; i < n; i++) l[i & 7] += x[i];
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
+int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
+
+/* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
+ * positions (nv ascending); kf [hd][B] and vf [B][hd] are the block as
+ * float32; sc [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. */
+static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
+                          const float *kf, const float *vf, float *sc) {
+    float scale = 1.0f / sqrtf((float)hd);
+    int hdr = es_attn_part_floats(hd) - 16;
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
-        int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q, n = len[k0 + nj - 1];
+        int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
+        float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
         switch (nj) {
-        case 1: scores_v(1, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
-        case 2: scores_v(2, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
-        case 3: scores_v(3, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+        case 1: scores_v(1, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
+        case 2: scores_v(2, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
+        case 3: scores_v(3, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
 #if SCORE_Q > 4
-        case 4: scores_v(4, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
-        case 5: scores_v(5, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
-        default: scores_v(SCORE_Q, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
-#else
-        default: scores_v(SCORE_Q, qp + k0, hd, kt, s->k_stride, n, scale, ap[k0], ld); break;
+        case 4: scores_v(4, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
+        case 5: scores_v(5, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
 #endif
+        default: scores_v(SCORE_Q, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
         }
     }
-    float sum[ES_MAX_GROUP];
-    int nmin = nq > 0 ? len[0] : 0;   /* the first query is the shortest */
-    for (int k = 0; k < nq; k++) {
-        exp_sub_row(ap[k], max_row(ap[k], len[k]), len[k]);
-        sum[k] = 0.0f;
+    const float *ap[ES_MAX_UNIT_Q];
+    for (int j = 0; j < nq; j++) {
+        float *row = sc + (size_t)j * ES_KV_BLOCK;
+        float m = max_row(row, nv[j]);
+        exp_sub_row(row, m, nv[j]);
+        dst[j][hdr] = m;
+        dst[j][hdr + 1] = sum8(row, nv[j]);
+        ap[j] = row;
     }
-    for (int t = 0; t < nmin; t++)       /* the sequential sums, side by side */
-        for (int k = 0; k < nq; k++) sum[k] += ap[k][t];
-    for (int k = 0; k < nq; k++)
-        for (int t = nmin; t < len[k]; t++) sum[k] += ap[k][t];
-    for (int k = 0; k < nq; k++) {
-        float inv = 1.0f / sum[k], *row = ap[k];
-        for (int t = 0; t < len[k]; t++) row[t] = row[t] * inv;
-    }
-    if (hd != 64) {
-        for (int k = 0; k < nq; k++) axpy_row(op[k], ap[k], vc, kv_dim, len[k], hd);
+    if (hd % AXPY_D != 0) {
+        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vf, (size_t)hd, nv[j], hd);
         return;
     }
-    /* queries side by side over the positions they all attend, then each
-     * query's own last positions */
-    int k = 0;
-    for (; k + AXPY_Q <= nq; k += AXPY_Q) {
-        int lo = len[k];
-        axpy_q64(AXPY_Q, op + k, (const float *const *)ap + k, 0, lo, vc, kv_dim, 0);
-        for (int j = k; j < k + AXPY_Q; j++)
-            if (len[j] > lo) axpy_q64(1, op + j, (const float *const *)ap + j, lo, len[j], vc, kv_dim, 1);
+    /* AXPY_D dimensions at a time; queries side by side over the positions
+     * they all attend, then each query's own last positions */
+    float *op[ES_MAX_UNIT_Q];
+    for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
+        for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
+        const float *vc = vf + d0;
+        int k = 0;
+        for (; k + AXPY_Q <= nq; k += AXPY_Q) {
+            int lo = nv[k];
+            axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0);
+            for (int j = k; j < k + AXPY_Q; j++)
+                if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
+        }
+        for (; k < nq; k++) axpy_qd(1, op + k, ap + k, 0, nv[k], vc, (size_t)hd, 0);
     }
-    for (; k < nq; k++) axpy_q64(1, op + k, (const float *const *)ap + k, 0, len[k], vc, kv_dim, 0);
 }
 
-/* Work units: (token slice, KV head, slice of its query heads), taken in
- * turn from a counter. The shape is chosen in attention_block. */
+/* Fold block result p into the running result st (first: st = p). */
+static void fold_part(float *st, const float *p, int hd, int first) {
+    int hdr = es_attn_part_floats(hd) - 16;
+    if (first) {
+        memcpy(st, p, (size_t)(hdr + 2) * sizeof(float));
+        return;
+    }
+    float M = st[hdr], m = p[hdr], M2 = m > M ? m : M;
+    float a = exp_cephes(M - M2), c = exp_cephes(m - M2);
+    st[hdr + 1] = st[hdr + 1] * a + p[hdr + 1] * c;
+    for (int d = 0; d < hd; d++) st[d] = st[d] * a + p[d] * c;
+    st[hdr] = M2;
+}
+
+static void finish_part(float *out, const float *st, int hd) {
+    float inv = 1.0f / st[es_attn_part_floats(hd) - 16 + 1];
+    for (int d = 0; d < hd; d++) out[d] = st[d] * inv;
+}
+
+/* A thread's attention scratch (ws_floats each): kf [hd][B], vf [B][hd],
+ * sc [q_cap][B], st [q_cap][part], bp [q_cap][part]. */
+size_t es_attn_ws_floats(int hd, int q_cap) {
+    return 2 * (size_t)hd * ES_KV_BLOCK + (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
+}
+
+/* Block (i, h, b)'s result in s->parts (key split). */
+static float *part_at(const es_session *s, int i, int h, int32_t b) {
+    const es_model_info *in = &s->model->info;
+    return s->parts + (((size_t)i * in->n_head + (size_t)h) * (size_t)s->kv.n_blk + (size_t)b) * es_attn_part_floats(in->head_dim);
+}
+
+/* The queries of tokens [i0, i1) times heads [h0, h1) (of KV head g) over
+ * blocks [b0, b1): key split (t->nch > 0) stores each block's result in
+ * s->parts; query split (b0 = 0, all blocks) folds them and writes att. */
+static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1, int i0, int i1, int32_t b0,
+                        int32_t b1, float *ws) {
+    const es_model_info *in = &s->model->info;
+    int hd = in->head_dim, pf = es_attn_part_floats(hd);
+    size_t q_dim = (size_t)in->n_head * hd;
+    int nh = h1 - h0, nq = (i1 - i0) * nh;
+    float *kf = ws, *vf = kf + (size_t)hd * ES_KV_BLOCK, *sc = vf + (size_t)hd * ES_KV_BLOCK;
+    float *st = sc + (size_t)s->q_cap * ES_KV_BLOCK, *bp = st + (size_t)s->q_cap * pf;
+    const float *qp[ES_MAX_UNIT_Q];
+    float *dst[ES_MAX_UNIT_Q];
+    int32_t pos[ES_MAX_UNIT_Q];
+    int nv[ES_MAX_UNIT_Q];
+    for (int k = 0; k < nq; k++) {   /* queries by token, then head: positions ascend */
+        int i = i0 + k / nh, h = h0 + k % nh;
+        qp[k] = s->q + (size_t)i * q_dim + (size_t)h * hd;
+        pos[k] = s->kv.n_past + i;
+        if (!t->nch) dst[k] = bp + (size_t)k * pf;
+    }
+    for (int32_t b = b0; b < b1; b++) {
+        int32_t p0 = b * ES_KV_BLOCK;
+        int ka = 0;
+        while (ka < nq && pos[ka] < p0) ka++;
+        if (ka == nq) continue;
+        for (int k = ka; k < nq; k++) {
+            int32_t c = pos[k] + 1 - p0;
+            nv[k] = c < ES_KV_BLOCK ? (int)c : ES_KV_BLOCK;
+            if (t->nch) dst[k] = part_at(s, i0 + k / nh, h0 + k % nh, b);
+        }
+        /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
+         * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
+        for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
+            es_kv_prefetch_block(&s->kv, t->layer, g, bp2);
+        es_kv_load(kf, es_kv_k_block(&s->kv, t->layer, g, b), (size_t)hd * ES_KV_BLOCK);
+        es_kv_load(vf, es_kv_v_block(&s->kv, t->layer, g, b), (size_t)hd * (size_t)nv[nq - 1]);
+        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, kf, vf, sc);
+        if (!t->nch)
+            for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
+    }
+    if (!t->nch)
+        for (int k = 0; k < nq; k++)
+            finish_part(s->att + (size_t)(i0 + k / nh) * q_dim + (size_t)(h0 + k % nh) * hd, st + (size_t)k * pf, hd);
+}
+
+/* Key split: fold the stored block results of tokens [0, n) times heads
+ * [h0, h1), blocks in order, into att. st: es_attn_part_floats(hd) floats. */
+static void fold_group(es_session *s, int n, int h0, int h1, float *st) {
+    const es_model_info *in = &s->model->info;
+    int hd = in->head_dim;
+    size_t q_dim = (size_t)in->n_head * hd;
+    for (int i = 0; i < n; i++)
+        for (int h = h0; h < h1; h++) {
+            int32_t last = (s->kv.n_past + i) / ES_KV_BLOCK;
+            for (int32_t b = 0; b <= last; b++) fold_part(st, part_at(s, i, h, b), hd, b == 0);
+            finish_part(s->att + (size_t)i * q_dim + (size_t)h * hd, st, hd);
+        }
+}
+
+static void quantize_att_rows(es_session *s, const attn_task *t, int i0, int i1) {
+    const es_model_info *in = &s->model->info;
+    int64_t q_dim = (int64_t)in->n_head * in->head_dim;
+    for (int i = i0; i < i1; i++)
+        es_quantize_row_q8(s->att + (size_t)i * (size_t)q_dim, q_dim,
+                           (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->rs));
+}
+
+/* Work units taken in turn from a counter (a thread that was preempted on a
+ * busy host does fewer; the split changes no bit). The shape is chosen in
+ * attn_shape. */
 static void attn_worker(void *ctx, int ith, int nth) {
     attn_task *t = ctx;
     es_session *s = t->s;
     const es_model_info *in = &s->model->info;
-    int grp = in->n_head / in->n_head_kv;
-    int total = t->nsl * in->n_head_kv * t->split;
-    float *sc = s->scores + (size_t)ith * (size_t)s->q_cap * s->n_ctx;
+    int grp = in->n_head / in->n_head_kv, groups = in->n_head_kv * t->split;
+    float *ws = s->att_ws + (size_t)ith * s->ws_floats;
     (void)nth;
-    /* a thread that was preempted (a busy host) does fewer units; the split
-     * changes no bit */
+    int total = t->nch ? groups * t->nch : groups * t->nsl;
     for (int u; (u = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < total;) {
-        int part = u % t->split, g = (u / t->split) % in->n_head_kv, sl = u / (t->split * in->n_head_kv);
+        int c = t->nch ? u % t->nch : 0, gp = t->nch ? u / t->nch : u % groups;
+        int g = gp / t->split, part = gp % t->split;
         int h0 = g * grp + part * t->per;
         int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
-        int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
-        if (h0 < h1 && i0 < i1) attend_unit(s, t->layer, g, h0, h1, i0, i1, sc);
-        /* the last unit of a token slice (acq_rel: it sees the others' att
-         * writes) quantizes the slice's rows for W_o, instead of a dispatch */
-        if (t->rs && atomic_fetch_add_explicit(&s->att_done[sl], 1, memory_order_acq_rel) ==
-                         in->n_head_kv * t->split - 1)
-            for (int i = i0; i < i1; i++)
-                es_quantize_row_q8(s->att + (size_t)i * in->n_head * in->head_dim, (int64_t)in->n_head * in->head_dim,
-                                   (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->rs));
+        if (t->nch) {
+            int32_t b0 = c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
+            if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
+            /* the unit that completes a head group's last chunk (acq_rel: it
+             * sees the other chunks' results) folds them; the last group to be
+             * folded quantizes the att rows for W_o, instead of a dispatch */
+            if (atomic_fetch_add_explicit(&s->grp_done[gp], 1, memory_order_acq_rel) == t->nch - 1) {
+                if (h0 < h1) fold_group(s, t->n, h0, h1, ws);
+                if (t->rs && atomic_fetch_add_explicit(&s->att_done[0], 1, memory_order_acq_rel) == groups - 1)
+                    quantize_att_rows(s, t, 0, t->n);
+            }
+        } else {
+            int sl = u / groups;
+            int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
+            if (h0 < h1 && i0 < i1)
+                attend_unit(s, t, g, h0, h1, i0, i1, 0, (s->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
+            /* the last unit of a token slice (acq_rel: it sees the others' att
+             * writes) quantizes the slice's rows for W_o */
+            if (t->rs && atomic_fetch_add_explicit(&s->att_done[sl], 1, memory_order_acq_rel) == groups - 1)
+                quantize_att_rows(s, t, i0, i1);
+        }
     }
 }
 
-/* The unit shape for n tokens: heads of a KV group split in two only when
- * even one token per unit gives fewer than two units per thread (and more
- * when a group exceeds the scratch), then as many tokens per unit as keep
- * about ATT_Q_TARGET queries, in balanced slices, at least two units per
- * thread where the tokens allow. */
+/* The unit shape for n tokens. Heads of a KV group are split in two only
+ * when the context is short (under about one block per unit; a split reads
+ * K and V once per part) and more when a group exceeds ES_MAX_GROUP. Key
+ * split (n <= KS_MAX_TOKENS): chunks of blocks, about KS_UNITS_PER_THREAD
+ * units a thread. Query split: as many tokens per unit as keep about
+ * ATT_Q_TARGET queries, in balanced slices, at least two units per thread
+ * where the tokens allow. Also resets the counters the workers use. */
 static void attn_shape(const es_session *s, attn_task *t) {
     const es_model_info *in = &s->model->info;
     int grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * s->n_threads;
-    int split = (n * in->n_head_kv < units_min && grp > 1) ? 2 : 1;
+    int64_t span = (int64_t)s->kv.n_past + n;
+    int split = (in->n_head_kv * span < (int64_t)units_min * ES_KV_BLOCK && grp > 1) ? 2 : 1;
     while ((grp + split - 1) / split > s->group_cap) split++;
-    int per = (grp + split - 1) / split;
+    int per = (grp + split - 1) / split, groups = in->n_head_kv * split;
+    t->per = per;
+    t->split = split;
+    t->nblk = (int32_t)((span - 1) / ES_KV_BLOCK + 1);
+    if (n <= KS_MAX_TOKENS) {
+        int want = (KS_UNITS_PER_THREAD * s->n_threads + groups - 1) / groups;
+        int nch = want < t->nblk ? want : t->nblk;
+        t->bpc = (t->nblk + nch - 1) / nch;
+        t->nch = (t->nblk + t->bpc - 1) / t->bpc;
+        t->ts = n;
+        t->nsl = 1;
+        for (int i = 0; i < groups; i++) atomic_store_explicit(&s->grp_done[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&s->att_done[0], 0, memory_order_relaxed);
+        return;
+    }
     int ts = ATT_Q_TARGET / per;
     ts = ts < 1 ? 1 : ts > n ? n : ts;
     int nsl = (n + ts - 1) / ts;
-    while (nsl < n && nsl * in->n_head_kv * split < units_min) nsl++;
+    while (nsl < n && nsl * groups < units_min) nsl++;
     ts = (n + nsl - 1) / nsl;
-    t->per = per;
-    t->split = split;
+    t->nch = 0;
     t->ts = ts;
     t->nsl = (n + ts - 1) / ts;
+    for (int i = 0; i < t->nsl; i++) atomic_store_explicit(&s->att_done[i], 0, memory_order_relaxed);
 }
 
 /* ---- the forward pass ---------------------------------------------------- */
@@ -729,7 +617,7 @@ static void fill_rope_table(es_session *s, int n) {
     const es_model_info *in = &s->model->info;
     int half = in->rope_dim / 2;
     for (int i = 0; i < n; i++) {
-        double pos = (double)(s->n_past + i);
+        double pos = (double)(s->kv.n_past + i);
         for (int j = 0; j < half; j++) {
             double theta = pos * pow((double)in->rope_freq_base, -2.0 * j / (double)in->rope_dim);
             s->rope[(size_t)i * in->rope_dim + 2 * j] = (float)cos(theta);
@@ -742,39 +630,55 @@ static void fill_rope_table(es_session *s, int n) {
 
 enum { ROWS_NORM_ATTN, ROWS_NORM_FFN, ROWS_NORM_OUT };
 
+/* The state of one forward call that passes from stage to stage. */
+typedef struct {
+    es_session *s;
+    int n;                  /* tokens in the call */
+    int pending_out;        /* x += out is still to be done (by the next norm, per token) */
+    int out_first;          /* first position the output head reads */
+} fwd_call;
+
+/* One run_rows dispatch. */
+typedef struct {
+    const fwd_call *c;
+    int l, n, op;
+    size_t q8_rs;           /* also quantize each row written into mm_scratch, rows this many bytes apart (0: no) */
+    _Atomic int next;
+} rows_task;
+
 /* Row i of a step of layer l (each token's row reads and writes only its own
  * data, so the split changes no bit):
  *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
  *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
  *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i])
- * With s->q8_rs set, the row written (xb[i]) is also quantized into
+ * With t->q8_rs set, the row written (xb[i]) is also quantized into
  * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
  * thread, instead of a dispatch of its own. */
-static void quantize_row(es_session *s, int i, const float *x, int64_t n) {
-    if (s->q8_rs) es_quantize_row_q8(x, n, (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * s->q8_rs));
-}
-
-static void token_row(es_session *s, int l, int op, int i) {
+static void token_row(const rows_task *t, int i) {
+    es_session *s = t->c->s;
+    int l = t->l, op = t->op;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     size_t e = (size_t)in->n_embd;
     const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
-    int row = op == ROWS_NORM_OUT ? s->out_first + i : i;
+    int row = op == ROWS_NORM_OUT ? t->c->out_first + i : i;
     float *x = s->x + (size_t)row * e;
-    if (s->pending_out) {
+    if (t->c->pending_out) {
         const float *o = s->out + (size_t)row * e;
         for (size_t k = 0; k < e; k++) x[k] += o[k];
     }
     rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
-    quantize_row(s, i, s->xb + (size_t)i * e, in->n_embd);
+    if (t->q8_rs)
+        es_quantize_row_q8(s->xb + (size_t)i * e, in->n_embd,
+                           (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->q8_rs));
 }
 
 /* The q/k/v matmul's epilogue (es_matmul_many_epi, chunks of whole heads),
  * for rows [r0, r1) of matrix mat (0 q, 1 k, 2 v) of every token i, by the
  * thread that computed them: the bias, the head's RMSNorm (qwen3, q and k),
- * RoPE at position n_past + i (q and k); k then goes to the transposed K
- * cache and v to the V cache. The same operations per element as one
+ * RoPE at position n_past + i (q and k); k and v then go to the KV cache
+ * (rounded to F16 there). The same operations per element as one
  * token's row at a time. */
 /* What an epilogue of a step's matmul needs: the session, the layer, the
  * tokens of the step and (glu_epi) the bytes of a quantized row. */
@@ -797,7 +701,6 @@ static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     const es_tensor *bt = mat == 0 ? L->bq : mat == 1 ? L->bk : L->bv;
     const es_tensor *nt = mat == 0 ? L->q_norm : mat == 1 ? L->k_norm : NULL;
     const float *b = bt ? es_model_vec(m, bt) : NULL, *hn = nt ? es_model_vec(m, nt) : NULL;
-    float *kl = s->k_cache + (size_t)t->l * kv_dim * s->k_stride + s->n_past;   /* [kv_dim][k_stride] */
     for (int i = 0; i < t->n; i++) {
         float *y = base + (size_t)i * dim;
         if (b)
@@ -810,33 +713,24 @@ static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
                 rope_head(yh, cs, in->rope_dim, in->rope_neox);
             }
         }
-        if (mat == 1)
-            for (int64_t r = r0; r < r1; r++) kl[(size_t)r * s->k_stride + i] = y[r];
-        else if (mat == 2)
-            memcpy(s->v_cache + ((size_t)t->l * s->n_ctx + (size_t)s->n_past + (size_t)i) * kv_dim + r0, y + r0,
-                   (size_t)(r1 - r0) * sizeof(float));
+        if (mat == 1) es_kv_put_k(&s->kv, t->l, s->kv.n_past + i, r0, r1, y);
+        else if (mat == 2) es_kv_put_v(&s->kv, t->l, s->kv.n_past + i, r0, r1, y);
     }
 }
 
-typedef struct {
-    es_session *s;
-    int l, n, op;
-    _Atomic int next;
-} rows_task;
-
 static void rows_worker(void *ctx, int ith, int nth) {
     rows_task *t = ctx;
-    for (int i; (i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n;)
-        token_row(t->s, t->l, t->op, i);
+    for (int i; (i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n;) token_row(t, i);
 }
 
-/* token_row for i in [0, n): on the calling thread for one token, on the
- * pool for several. Clears the pending residual after a norm. */
-static void run_rows(es_session *s, int l, int n, int op) {
-    rows_task t = {s, l, n, op, 0};
-    if (n > 1) es_pool_run(s->pool, rows_worker, &t);
+/* token_row for i in [0, n) (rows quantized q8_rs bytes apart, 0: not): on
+ * the calling thread for one token, on the pool for several. Clears the
+ * pending residual after a norm. */
+static void run_rows(fwd_call *c, int l, int n, int op, size_t q8_rs) {
+    rows_task t = {.c = c, .l = l, .n = n, .op = op, .q8_rs = q8_rs};
+    if (n > 1) es_pool_run(c->s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
-    s->pending_out = 0;
+    c->pending_out = 0;
 }
 
 /* Bytes of a quantized row of n_in for the matrices w[0..nw) when the rows
@@ -853,30 +747,24 @@ static size_t pre_q8_rs(int n, int nw, const es_tensor *const *w) {
 
 
 /* Attention sublayer of one block: x += Wo . attn(norm(x)). */
-static void attention_block(es_session *s, int l, int n) {
+static void attention_block(fwd_call *c, int l) {
+    es_session *s = c->s;
+    int n = c->n;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
     const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
     size_t rs = pre_q8_rs(n, 3, wqkv);
-    s->q8_rs = rs;
-    run_rows(s, l, n, ROWS_NORM_ATTN);
-    s->q8_rs = 0;
+    run_rows(c, l, n, ROWS_NORM_ATTN, rs);
     /* Ask for this layer's cached K and V rows now: they arrive in cache while
      * the q/k/v matmul streams its weights, instead of one memory latency at
      * a time in the attention (the weight stream of the last step pushed
      * them out of every cache). */
     {
-        const float *kb = s->k_cache + (size_t)l * kv_dim * s->k_stride;
-        const char *vb = (const char *)(s->v_cache + (size_t)l * s->n_ctx * kv_dim);
-        size_t bytes = (size_t)s->n_past * kv_dim * sizeof(float);
-        if (bytes <= EARLY_KV_PREFETCH) {   /* longer contexts: left to the hardware and attend_group */
-            for (int r = 0; r < kv_dim; r++)
-                for (size_t o = 0; o < (size_t)s->n_past * sizeof(float); o += 64)
-                    __builtin_prefetch((const char *)(kb + (size_t)r * s->k_stride) + o, 0, 2);
-            for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(vb + o, 0, 2);
-        }
+        int32_t used = (s->kv.n_past + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
+        if ((size_t)used * ES_KV_BLOCK * (size_t)kv_dim * sizeof(uint16_t) <= EARLY_KV_PREFETCH)
+            es_kv_prefetch(&s->kv, l, used);   /* longer contexts: sequential streams, left to the hardware */
     }
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
     float *yqkv[3] = {s->q, s->k, s->v};
@@ -888,13 +776,12 @@ static void attention_block(es_session *s, int l, int n) {
     const es_tensor *wo[1] = {L->wo};
     float *yo[1] = {s->out};
     int64_t ldo[1] = {in->n_embd};
-    attn_task t = {s, l, n, 0, 0, 0, 0, es_matmul_q8_row_bytes(L->wo->type, L->wo->ne[0]), 0};
+    attn_task t = {.s = s, .layer = l, .n = n, .rs = es_matmul_q8_row_bytes(L->wo->type, L->wo->ne[0])};
     attn_shape(s, &t);
-    for (int i = 0; t.rs && i < t.nsl; i++) atomic_store_explicit(&s->att_done[i], 0, memory_order_relaxed);
     es_pool_run(s->pool, attn_worker, &t);
     if (t.rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     else es_matmul_many(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
-    s->pending_out = 1;            /* x += out: done by the next norm, per token */
+    c->pending_out = 1;            /* x += out: done by the next norm, per token */
 }
 
 /* The epilogue of the gate/up matmul (es_matmul_many_epi), for the
@@ -916,15 +803,15 @@ static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
 }
 
 /* FFN sublayer: x += W_down . (silu(W_gate . norm(x)) * (W_up . norm(x))). */
-static void ffn_block(es_session *s, int l, int n) {
+static void ffn_block(fwd_call *c, int l) {
+    es_session *s = c->s;
+    int n = c->n;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
     size_t rs = pre_q8_rs(n, 2, wgu);
-    s->q8_rs = rs;
-    run_rows(s, l, n, ROWS_NORM_FFN);
-    s->q8_rs = 0;
+    run_rows(c, l, n, ROWS_NORM_FFN, rs);
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
@@ -937,7 +824,7 @@ static void ffn_block(es_session *s, int l, int n) {
     float *yd[1] = {s->out};
     if (g.rs) es_matmul_many_pre(s->pool, 1, wd, s->gate, n, yd, ldd, s->glu_q8);
     else es_matmul_many(s->pool, 1, wd, s->gate, n, yd, ldd, s->mm_scratch);
-    s->pending_out = 1;
+    c->pending_out = 1;
 }
 
 /* Output-matmul epilogue: for logits columns [r0, r1) of every row, the
@@ -997,51 +884,76 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
             return ES_ERR_INVALID_ARG;
         }
     }
-    if ((int64_t)s->n_past + n > s->n_ctx) {
+    if ((int64_t)s->kv.n_past + n > s->kv.n_ctx) {
         es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d + %d tokens > n_ctx %d",
-                   (int)s->n_past, (int)n, (int)s->n_ctx);
+                   (int)s->kv.n_past, (int)n, (int)s->kv.n_ctx);
         return ES_ERR_CAPACITY;
     }
     return ES_OK;
 }
 
-/* The forward pass over n tokens; the output head runs on the last out_rows
- * positions only (n for es_forward, 1 for es_forward_last). Arguments are
- * checked by the callers; the KV cache is unchanged on failure. */
-static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, int32_t out_rows,
-                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
-    es_status st;
-    if ((st = ensure_scratch(s, n)) != ES_OK) return st;
+/* The output head over the call's last out_rows positions: the pending
+ * residual and the output norm (run_rows ROWS_NORM_OUT, which quantizes
+ * the rows for the head), then logits [out_rows][n_vocab] = W_out . xb,
+ * whose epilogue am_epi takes the argmax of each chunk of logits on the
+ * thread that computed it (am_combine then picks the first largest). */
+static void output_head(fwd_call *c, int out_rows) {
+    es_session *s = c->s;
     const es_model *m = s->model;
-    const es_model_info *in = &m->info;
-
-    /* embedding lookup: x[i] = tok_embd[tokens[i]] */
-    for (int i = 0; i < n; i++) {
-        const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)tokens[i] * m->tok_embd->row_bytes;
-        es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
-    }
-    fill_rope_table(s, n);
-    s->pending_out = 0;
-    es_pool_begin(s->pool);
-    for (int l = 0; l < in->n_layer; l++) {
-        attention_block(s, l, n);
-        ffn_block(s, l, n);
-    }
-    /* output head over positions [n - out_rows, n): logits [out_rows][n_vocab] */
-    s->out_first = n - out_rows;
+    c->out_first = c->n - out_rows;
     const es_tensor *wout[1] = {m->output};
     float *ylog[1] = {s->logits};
-    int64_t ldlog[1] = {in->n_vocab};
+    int64_t ldlog[1] = {m->info.n_vocab};
     size_t rs = pre_q8_rs(out_rows, 1, wout);
-    s->q8_rs = rs;
-    run_rows(s, 0, out_rows, ROWS_NORM_OUT);
-    s->q8_rs = 0;
-    /* the argmax of each chunk of logits by the thread that computed it, in
-     * the matmul's epilogue; then the first largest of the chunks' */
+    run_rows(c, 0, out_rows, ROWS_NORM_OUT, rs);
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
     epi_task at = {s, 0, out_rows, 0};
     es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
+}
+
+/*
+ * The forward pass over n tokens; the output head runs on the last out_rows
+ * positions only (n for es_forward, 1 for es_forward_last). Arguments are
+ * checked by the callers; the KV cache is unchanged on failure.
+ *
+ * Stages, and which function or matmul epilogue does each (an epilogue runs
+ * on the thread that computed those matmul columns, while they are in its
+ * cache, instead of a dispatch of its own):
+ *   embedding      x[i] = tok_embd[tokens[i]]; the RoPE table of the positions
+ *   per layer:
+ *     norm         run_rows ROWS_NORM_ATTN: x += out (the last sublayer's
+ *                  output, pending), xb = rmsnorm(x), quantized for Wq/Wk/Wv
+ *     q, k, v      one matmul over Wq, Wk, Wv; epilogue qkv_epi: biases, q/k
+ *                  norms (qwen3), RoPE, k and v appended to the KV cache
+ *     attention    attn_worker (online softmax over KV blocks); the unit that
+ *                  completes a token slice quantizes its rows for W_o
+ *     output proj. out = W_o . att (added to x by the next norm)
+ *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
+ *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
+ *                  W_down); out = W_down . glu
+ *   head           output_head: x += out, output norm, logits with epilogue
+ *                  am_epi (argmax per chunk)
+ */
+static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, int32_t out_rows,
+                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+    es_status st;
+    if ((st = es_session_ensure_scratch(s, n)) != ES_OK) return st;
+    const es_model *m = s->model;
+    const es_model_info *in = &m->info;
+    fwd_call c = {.s = s, .n = n};
+
+    for (int i = 0; i < n; i++) {   /* embedding */
+        const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)tokens[i] * m->tok_embd->row_bytes;
+        es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
+    }
+    fill_rope_table(s, n);
+    es_pool_begin(s->pool);
+    for (int l = 0; l < in->n_layer; l++) {
+        attention_block(&c, l);     /* norm, q/k/v + RoPE + KV append, attention, output projection */
+        ffn_block(&c, l);           /* norm, gate/up + SwiGLU, down projection */
+    }
+    output_head(&c, out_rows);
     es_pool_end(s->pool);
 
     if (argmax_out)
@@ -1050,7 +962,7 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
         memcpy(logits_out, s->logits + (size_t)(out_rows - 1) * in->n_vocab, (size_t)in->n_vocab * sizeof(float));
     else if (logits_mode == 2)
         memcpy(logits_out, s->logits, (size_t)out_rows * in->n_vocab * sizeof(float));
-    s->n_past += n;
+    s->kv.n_past += n;
     s->err[0] = '\0';
     return ES_OK;
 }

@@ -10,7 +10,10 @@
  *   quant_x86.c   AVX2 / AVX-512 (VNNI) kernels, same signatures as scalar
  *   quant_neon.c  NEON (dotprod) kernels, same signatures as scalar
  *   threadpool.c  persistent pool: spin while a forward runs, sleep between
- *   forward.c     sessions, KV cache, the forward pass, rollback
+ *   kv_cache.c    the KV cache: layout (F16, blocks of positions), append,
+ *                 rollback, block loads for the attention
+ *   session.c     sessions: creation, scratch, rollback
+ *   forward.c     attention and the forward pass
  *   sampler.c     es_sample
  *
  * Determinism contract (what makes speculation on vs off byte-identical):
@@ -182,6 +185,123 @@ void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,
 
 /* SIMD path name compiled in (es_simd_name returns it). */
 const char *es_quant_simd_name(void);
+
+/* ---- kv_cache.c --------------------------------------------------------- */
+
+/* Positions per KV block. The attention's online softmax works a block at a
+ * time, and the blocks are fixed by absolute position ([b * ES_KV_BLOCK,
+ * (b + 1) * ES_KV_BLOCK)), so a query's arithmetic is the same whatever the
+ * call, batch or thread split (forward.c). A multiple of 32 (two 16-lane vectors). */
+#define ES_KV_BLOCK 64
+
+/*
+ * One KV sequence, IEEE binary16 (F16; float32 rounded to nearest even, so a
+ * value above 65504 in magnitude becomes infinity):
+ *   k  [n_layer][n_head_kv][n_blk][head_dim][ES_KV_BLOCK]   a block's keys
+ *        transposed: one key dimension of its positions is contiguous, so the
+ *        scores of 8 or 16 positions are one vector operation per dimension
+ *   v  [n_layer][n_head_kv][n_blk][ES_KV_BLOCK][head_dim]
+ * Each (layer, KV head) is one contiguous run of blocks in k and in v, so an
+ * attention over it reads two sequential streams. Positions [0, n_past) are
+ * valid; a forward writes [n_past, n_past + N) and then advances n_past, and
+ * rollback only moves n_past back: a later forward overwrites the removed
+ * positions, and nothing of them reaches a result (attention reads positions
+ * <= its own).
+ */
+typedef struct {
+    uint16_t *k, *v;            /* owned (anonymous mappings of map_bytes each), zeroed at allocation */
+    size_t map_bytes;
+    int32_t n_ctx;              /* capacity (tokens) */
+    int32_t n_past;             /* valid positions */
+    int32_t n_blk;              /* ceil(n_ctx / ES_KV_BLOCK) */
+    int32_t n_layer, n_head_kv, head_dim;
+} es_kv;
+
+/* Allocate an empty cache of n_ctx positions for the model's shapes. On
+ * failure returns ES_ERR_NOMEM with a message and leaves *kv empty. */
+es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *err, size_t err_len);
+void es_kv_free(es_kv *kv);
+/* Bytes of k and v together. */
+size_t es_kv_bytes(const es_kv *kv);
+/* Keep positions [0, n_past); ES_ERR_INVALID_ARG (cache unchanged) unless
+ * 0 <= n_past <= kv->n_past. */
+es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len);
+/* Elements [r0, r1) of the key (or value) row x ([n_head_kv * head_dim]) of
+ * position pos in layer l, rounded to F16, into the cache. */
+void es_kv_put_k(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x);
+void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x);
+/* Block b of KV head g of layer l: head_dim * ES_KV_BLOCK halves. */
+static inline const uint16_t *es_kv_k_block(const es_kv *kv, int l, int g, int32_t b) {
+    return kv->k + (((size_t)l * (size_t)kv->n_head_kv + (size_t)g) * (size_t)kv->n_blk + (size_t)b) *
+                       (size_t)kv->head_dim * ES_KV_BLOCK;
+}
+static inline const uint16_t *es_kv_v_block(const es_kv *kv, int l, int g, int32_t b) {
+    return kv->v + (((size_t)l * (size_t)kv->n_head_kv + (size_t)g) * (size_t)kv->n_blk + (size_t)b) *
+                       (size_t)kv->head_dim * ES_KV_BLOCK;
+}
+/* dst[i] = float(src[i]) for i in [0, n): exact (every F16 is a float32), so
+ * the SIMD and scalar conversions give the same bits. */
+void es_kv_load(float *dst, const uint16_t *src, size_t n);
+/* Ask the hardware for blocks [0, n_blk_used) of layer l's K and V. */
+void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used);
+/* Ask for block b of KV head g of layer l (K and V), into L2. */
+void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
+
+/* ---- session.c / forward.c ---------------------------------------------- */
+
+#define ES_MAX_CTX (1 << 20)
+#define ES_MAX_THREADS 256
+#define ES_MAX_GROUP 32     /* query heads attended together per work unit */
+#define KS_MAX_TOKENS 8     /* attention: calls of up to this many tokens split each head group's blocks
+                               across threads (key split, forward.c) */
+#define ATT_Q_TARGET 12     /* queries (tokens x heads of one KV head) a query-split attention unit aims at */
+#define ES_MAX_UNIT_Q (KS_MAX_TOKENS * ES_MAX_GROUP)   /* queries of one attention unit, at most */
+
+/* One KV sequence, its thread pool and the scratch of a call (an opaque
+ * handle outside the library; created and sized in session.c, used by the
+ * forward pass in forward.c). */
+struct es_session {
+    const es_model *model;
+    es_kv kv;               /* the KV cache: capacity kv.n_ctx, valid positions [0, kv.n_past) */
+    int32_t n_threads;
+    es_pool *pool;
+    /* scratch, sized for cap tokens per call */
+    int32_t cap;
+    float *x;               /* [cap][n_embd] residual stream */
+    float *xb;              /* [cap][n_embd] normed input of a sublayer */
+    float *q;               /* [cap][q_dim] */
+    float *k;               /* [cap][kv_dim] */
+    float *v;               /* [cap][kv_dim] */
+    float *att;             /* [cap][q_dim] attention output */
+    float *gate;            /* [cap][n_ff] */
+    float *up;              /* [cap][n_ff] */
+    float *out;             /* [cap][n_embd] sublayer output */
+    float *logits;          /* [cap][n_vocab] */
+    float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
+    int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
+    int32_t q_cap;          /* queries of an attention unit, at most */
+    float *att_ws;          /* [n_threads][ws_floats] attention scratch (es_attn_ws_floats), 64-byte aligned */
+    size_t ws_floats;
+    float *parts;           /* [KS_MAX_TOKENS][n_head][kv.n_blk][es_attn_part_floats] blocks' results (key split) */
+    _Atomic int *grp_done;  /* [n_head] chunks done per head group (key split) */
+    void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
+    float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
+    int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
+    int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
+    _Atomic int *att_done;  /* [cap] attention units (query split) or head groups (key split) done
+                               per token slice */
+    void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
+                               aligned, zeroed at allocation (the padding of a row's last group) */
+    size_t mm_bytes;
+    char err[256];
+};
+
+/* Make room for n tokens per call (session.c). On failure the old buffers are kept. */
+es_status es_session_ensure_scratch(es_session *s, int32_t n);
+/* Floats of one attention block result (o padded to 16 floats, then m and l),
+ * and of one thread's attention scratch (forward.c). */
+int es_attn_part_floats(int hd);
+size_t es_attn_ws_floats(int hd, int q_cap);
 
 /* ---- helpers ----------------------------------------------------------- */
 

@@ -1,0 +1,142 @@
+/*
+ * step_cpu.c - the CPU time of one forward step, per build and depth, on a
+ * 1-thread session: a figure a busy host distorts less than wall clock.
+ *
+ * For each build (a shared library, loaded with dlopen) and each DEPTH: a
+ * session of n_ctx DEPTH + 64 and the given thread count, es_forward_last
+ * over DEPTH tokens, then REPS forward calls of N tokens, each followed by
+ * a rollback to DEPTH, each timed with clock_gettime(CLOCK_THREAD_CPUTIME_ID)
+ * on the calling thread. Prints the median and the minimum per build and
+ * depth, and the CPU time of the prefill. With THREADS > 1 the figure
+ * includes the calling thread's spinning and is not the step's cost; use 1.
+ * Time a neighbour takes the core is not counted; its cache and memory
+ * traffic are.
+ *
+ *   cc -O2 -Iengine_c/include bench/step_cpu.c -o /tmp/step_cpu -ldl
+ *   /tmp/step_cpu MODEL.gguf 1 21 1 64 512 2048 -- old.so new.so
+ *
+ * Usage: step_cpu MODEL.gguf THREADS REPS N DEPTH [DEPTH ...] -- LIB.so [LIB.so ...]
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "echospec_engine.h"
+
+#define MAX_DEPTHS 16
+
+typedef es_status (*load_fn)(const char *, const es_model_params *, es_model **, char *, size_t);
+typedef es_status (*info_fn)(const es_model *, es_model_info *);
+typedef es_session_params (*params_fn)(void);
+typedef es_status (*session_fn)(const es_model *, const es_session_params *, es_session **, char *, size_t);
+typedef es_status (*forward_fn)(es_session *, const int32_t *, int32_t, int32_t *, float *, int32_t);
+typedef es_status (*last_fn)(es_session *, const int32_t *, int32_t, int32_t *, float *);
+typedef es_status (*rollback_fn)(es_session *, int32_t);
+typedef void (*sfree_fn)(es_session *);
+
+static double cpu_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
+}
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int run(const char *lib, const char *model, int nth, int reps, int ntok, const int *depths, int nd) {
+    void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "%s\n", dlerror());
+        return 1;
+    }
+    const char *need[] = {"es_model_load", "es_model_get_info", "es_session_default_params", "es_session_new",
+                          "es_forward", "es_forward_last", "es_session_rollback", "es_session_free"};
+    for (size_t i = 0; i < sizeof need / sizeof *need; i++)
+        if (!dlsym(h, need[i])) {
+            fprintf(stderr, "%s: not an echospec engine build (no %s)\n", lib, need[i]);
+            return 1;
+        }
+    char err[256];
+    es_model *m;
+    if (((load_fn)dlsym(h, "es_model_load"))(model, NULL, &m, err, sizeof err) != ES_OK) {
+        fprintf(stderr, "%s: %s\n", lib, err);
+        return 1;
+    }
+    es_model_info info;
+    ((info_fn)dlsym(h, "es_model_get_info"))(m, &info);
+    forward_fn fw = (forward_fn)dlsym(h, "es_forward");
+    last_fn fl = (last_fn)dlsym(h, "es_forward_last");
+    rollback_fn rb = (rollback_fn)dlsym(h, "es_session_rollback");
+    for (int di = 0; di < nd; di++) {
+        int depth = depths[di];
+        es_session_params p = ((params_fn)dlsym(h, "es_session_default_params"))();
+        p.n_ctx = depth + 64;
+        p.n_threads = nth;
+        es_session *s;
+        if (((session_fn)dlsym(h, "es_session_new"))(m, &p, &s, err, sizeof err) != ES_OK) {
+            fprintf(stderr, "%s: %s\n", lib, err);
+            return 1;
+        }
+        int32_t *toks = malloc(sizeof(int32_t) * (size_t)(depth + ntok)), am[64], last;
+        double *v = malloc(sizeof(double) * (size_t)reps);
+        if (!toks || !v) {
+            fprintf(stderr, "out of memory\n");
+            return 1;
+        }
+        for (int k = 0; k < depth + ntok; k++) toks[k] = (int32_t)(((int64_t)k * 7919) % info.n_vocab);
+        double t0 = cpu_ms();
+        if (fl(s, toks, depth, &last, NULL) != ES_OK) {
+            fprintf(stderr, "%s: the prefill of %d tokens failed\n", lib, depth);
+            return 1;
+        }
+        double tp = cpu_ms() - t0;
+        for (int r = 0; r < reps; r++) {
+            double a = cpu_ms();
+            if (fw(s, toks + depth, ntok, am, NULL, 0) != ES_OK) {
+                fprintf(stderr, "%s: a timed forward failed\n", lib);
+                return 1;
+            }
+            v[r] = cpu_ms() - a;
+            rb(s, depth);
+        }
+        qsort(v, (size_t)reps, sizeof(double), cmp);
+        printf("%-28s depth %5d  N %d  threads %d: step cpu %.3f ms (min %.3f)  prefill cpu %.1f ms\n", lib, depth,
+               ntok, nth, v[reps / 2], v[0], tp);
+        ((sfree_fn)dlsym(h, "es_session_free"))(s);
+        free(toks);
+        free(v);
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 8) {
+        fprintf(stderr, "usage: %s MODEL.gguf THREADS REPS N DEPTH [DEPTH ...] -- LIB.so [LIB.so ...]\n", argv[0]);
+        return 2;
+    }
+    int nth = atoi(argv[2]), reps = atoi(argv[3]), ntok = atoi(argv[4]);
+    if (nth < 1 || nth > 256 || reps < 1 || reps > 100000 || ntok < 1 || ntok > 64) {
+        fprintf(stderr, "THREADS in [1, 256], REPS in [1, 100000], N in [1, 64]\n");
+        return 2;
+    }
+    int depths[MAX_DEPTHS], nd = 0, i = 5;
+    for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
+        int d = atoi(argv[i]);
+        if (nd == MAX_DEPTHS || d < 1 || d > (1 << 20) - 64) {
+            fprintf(stderr, "at most %d depths, each in [1, %d]\n", MAX_DEPTHS, (1 << 20) - 64);
+            return 2;
+        }
+        depths[nd++] = d;
+    }
+    if (nd == 0 || i + 1 >= argc) {
+        fprintf(stderr, "give at least one DEPTH, then --, then at least one LIB.so\n");
+        return 2;
+    }
+    for (i++; i < argc; i++)
+        if (run(argv[i], argv[1], nth, reps, ntok, depths, nd) != 0) return 1;
+    return 0;
+}

@@ -1,0 +1,141 @@
+/*
+ * kv_cache.c - the KV cache of a session: allocation, layout, append,
+ * rollback, and the F16 -> float32 block loads the attention uses.
+ * The layout and its invariants are described above es_kv in internal.h.
+ *
+ * Why F16: a decode step at depth reads every cached position of every
+ * layer, and at a few thousand positions those bytes, not the weights, bound
+ * the step; F16 halves them against float32 (llama.cpp's default cache type
+ * is F16 too). The rounding is done once, when a position is written
+ * (es_fp32_to_fp16: round to nearest even), by the same scalar function on
+ * every target, so what the cache holds does not depend on the SIMD path.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "internal.h"
+
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KV_LOAD_AVX512 1
+#elif !defined(ES_FORCE_SCALAR) && defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define KV_LOAD_F16C 1
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define KV_LOAD_NEON 1
+#endif
+
+#ifndef KV_PF_LOCALITY
+#define KV_PF_LOCALITY 2   /* __builtin_prefetch locality of es_kv_prefetch_block: 2 is T1 (into L2) on x86 */
+#endif
+
+es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *err, size_t err_len) {
+    memset(kv, 0, sizeof *kv);
+    kv->n_ctx = n_ctx;
+    kv->n_blk = (n_ctx + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
+    kv->n_layer = in->n_layer;
+    kv->n_head_kv = in->n_head_kv;
+    kv->head_dim = in->head_dim;
+    size_t elems = (size_t)in->n_layer * (size_t)in->n_head_kv * (size_t)kv->n_blk * ES_KV_BLOCK *
+                   (size_t)in->head_dim;
+    /* Anonymous mappings: zeroed (a block's positions past n_past are read by
+     * the score vectors, their lanes dropped, and zeros keep them finite),
+     * committed only when written, and advised as huge pages (Linux): a
+     * step reads each (layer, KV head) as one run, which then crosses a page
+     * every 2 MiB instead of every 4 KiB (fewer TLB misses; the hardware
+     * prefetchers stop at page boundaries). */
+    kv->map_bytes = elems * sizeof(uint16_t);
+    for (int i = 0; i < 2; i++) {
+        void *p = mmap(NULL, kv->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) continue;
+#ifdef MADV_HUGEPAGE
+        madvise(p, kv->map_bytes, MADV_HUGEPAGE);
+#endif
+        if (i == 0) kv->k = p;
+        else kv->v = p;
+    }
+    if (!kv->k || !kv->v) {
+        es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)", (int)n_ctx,
+                   2 * elems * sizeof(uint16_t));
+        es_kv_free(kv);
+        return ES_ERR_NOMEM;
+    }
+    return ES_OK;
+}
+
+void es_kv_free(es_kv *kv) {
+    if (kv->k) munmap(kv->k, kv->map_bytes);
+    if (kv->v) munmap(kv->v, kv->map_bytes);
+    kv->k = kv->v = NULL;
+}
+
+size_t es_kv_bytes(const es_kv *kv) {
+    return 2 * (size_t)kv->n_layer * (size_t)kv->n_head_kv * (size_t)kv->n_blk * ES_KV_BLOCK *
+           (size_t)kv->head_dim * sizeof(uint16_t);
+}
+
+es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
+    if (n_past < 0 || n_past > kv->n_past) {
+        es_set_err(err, err_len, "rollback to n_past %d outside [0, %d]", (int)n_past, (int)kv->n_past);
+        return ES_ERR_INVALID_ARG;
+    }
+    kv->n_past = n_past;
+    return ES_OK;
+}
+
+void es_kv_put_k(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x) {
+    int hd = kv->head_dim;
+    int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *blk = (uint16_t *)es_kv_k_block(kv, l, (int)(r / hd), b);
+        blk[(size_t)(r % hd) * ES_KV_BLOCK + (size_t)t] = es_fp32_to_fp16(x[r]);
+    }
+}
+
+void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x) {
+    int hd = kv->head_dim;
+    int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *blk = (uint16_t *)es_kv_v_block(kv, l, (int)(r / hd), b);
+        blk[(size_t)t * (size_t)hd + (size_t)(r % hd)] = es_fp32_to_fp16(x[r]);
+    }
+}
+
+void es_kv_load(float *dst, const uint16_t *src, size_t n) {
+    size_t i = 0;
+#if defined(KV_LOAD_AVX512)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
+#elif defined(KV_LOAD_F16C)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src + i))));
+#elif defined(KV_LOAD_NEON)
+    for (; i + 8 <= n; i += 8) {
+        float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(src + i));
+        vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(h)));
+        vst1q_f32(dst + i + 4, vcvt_high_f32_f16(h));
+    }
+#endif
+    for (; i < n; i++) dst[i] = es_fp16_to_fp32(src[i]);
+}
+
+void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used) {
+    size_t bytes = (size_t)n_blk_used * ES_KV_BLOCK * (size_t)kv->head_dim * sizeof(uint16_t);
+    for (int g = 0; g < kv->n_head_kv; g++) {
+        const char *kb = (const char *)es_kv_k_block(kv, l, g, 0), *vb = (const char *)es_kv_v_block(kv, l, g, 0);
+        for (size_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kb + o, 0, 2);
+            __builtin_prefetch(vb + o, 0, 2);
+        }
+    }
+}
+
+void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b) {
+    const char *kb = (const char *)es_kv_k_block(kv, l, g, b), *vb = (const char *)es_kv_v_block(kv, l, g, b);
+    for (size_t o = 0; o < (size_t)kv->head_dim * ES_KV_BLOCK * sizeof(uint16_t); o += 64) {
+        __builtin_prefetch(kb + o, 0, KV_PF_LOCALITY);
+        __builtin_prefetch(vb + o, 0, KV_PF_LOCALITY);
+    }
+}
