@@ -170,17 +170,20 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
 /*
  * The driver of every backend's packed kernels: 16-row groups from r0 to r1
  * (the last may be partial: nr rows), each run over the activation rows in
- * tiles of at most PTILE (1..8) rows of near-equal size, so that the group's
- * records stay in cache between tiles. The backend defines PTILE and
+ * tiles of at most PTILE_OF(type) (1..PTILE, PTILE at most 8) rows of
+ * near-equal size, so that the group's records stay in cache between
+ * tiles. PTILE_OF(type) is PTILE unless the backend redefines it (after
+ * including this header). The backend defines PTILE and
  *   static inline void pgroup(const int nt, const int type, const uint8_t *g,
  *       int64_t nb, const uint8_t *x, size_t xs, float *Y, int64_t ldy, int nr, int pf)
  * for one group g (nb records: blocks, or super-blocks for the K types) and a tile of nt (a constant) activation rows
  * x, storing nr outputs per row. pf, a prefetch hint: 0 a later tile of the
  * group, 2 the first group of a chunk or any group when N = 1, else 1.
  */
-#define ES_PTILE_CASE(k, ...)                                                                       \
+#define PTILE_OF(type) PTILE
+#define ES_PTILE_CASE(k, type, ...)                                                                 \
     case k:                                                                                         \
-        if ((k) <= PTILE) pgroup((k) <= PTILE ? (k) : 1, __VA_ARGS__);                              \
+        if ((k) <= PTILE_OF(type)) pgroup((k) <= PTILE_OF(type) ? (k) : 1, type, __VA_ARGS__);     \
         break;
 #define ES_PACKED_KERNEL(name, type)                                                                \
     static void name(const uint8_t *w, size_t gbytes, int64_t r0, int64_t r1, int64_t n_in,         \
@@ -191,7 +194,8 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
             const uint8_t *g = w + (size_t)(r / ES_PACK_ROWS) * gbytes;                             \
             int nr = r1 - r < ES_PACK_ROWS ? (int)(r1 - r) : ES_PACK_ROWS;                          \
             for (int n0 = 0; n0 < N;) {                                                             \
-                int left = (N - n0 + PTILE - 1) / PTILE, nt = (N - n0 + left - 1) / left;           \
+                int left = (N - n0 + PTILE_OF(type) - 1) / PTILE_OF(type);                          \
+                int nt = (N - n0 + left - 1) / left;                                                \
                 const uint8_t *xt = x + (size_t)n0 * x_stride;                                      \
                 float *Yt = Y + (int64_t)n0 * ldy + r;                                              \
                 int pf = n0 > 0 ? 0 : r == r0 || N == 1 ? 2 : 1;                                    \

@@ -1189,8 +1189,13 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
  *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
  *         and 16..31 stay apart for their two scales) */
 #define PSEG_K 8   /* super-block records per segment: 18 KB (Q4_K) to 27 KB (Q6_K) */
-#define KTILE 3    /* most activation rows per khalf_run (int16 and int32 sums and the
-                      accumulator of each row in registers); larger tiles run as two */
+/* Most activation rows per tile of the K types (an int16 and an int32 sum
+ * and the accumulator of each row in registers): the driver's tiles. Two
+ * sub-tiles of a 6-row tile instead were slower at N = 9 (kernel_bench
+ * types, Q6_K): each pass re-makes the weight vectors. */
+#define KTILE 3
+#undef PTILE_OF
+#define PTILE_OF(type) ((type) == ES_TYPE_Q4_K || (type) == ES_TYPE_Q5_K || (type) == ES_TYPE_Q6_K ? KTILE : PTILE)
 
 static inline ES_AI __m256i pk_weights8(const int type, const uint8_t *p, int h, int j, int k) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -1335,13 +1340,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
             __m256 acc[PTILE];
             UNROLL
             for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
-            if (kt && nt <= KTILE) {
-                khalf_run(nt <= KTILE ? nt : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
-            } else if (kt) {   /* two sub-tiles over the segment, which stays in L1 */
-                const int n1 = (nt + 1) / 2;
-                khalf_run(n1 <= KTILE ? n1 : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
-                khalf_run(nt - n1 <= KTILE ? nt - n1 : 1, type, g, s0, s1, h, x + n1 * xs, xs, acc + n1, 0);
-            }
+            if (kt) khalf_run(nt <= KTILE ? nt : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
             else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
             UNROLL
             for (int n = 0; n < nt; n++) part[h][n] = acc[n];
