@@ -110,22 +110,27 @@ def host_isa() -> str:
 def build_engine_module(mode: str, dest: Path) -> Path:
     """Compile echospec._engine with ECHOSPEC_SIMD=mode into dest; returns the extension's path.
 
-    The same cffi build as `pip install` (engine_c/build_ffi.py), with its C and object files in
-    dest instead of the source tree, so the installed module is untouched.
+    The same cffi build as `pip install` (engine_c/build_ffi.py), run on a copy of engine_c's
+    sources in dest (its source paths are relative to the tree it sits in), so the installed
+    module and the source tree are untouched.
     """
+    src = ROOT / "engine_c"
+    for part in ("src", "include"):
+        shutil.copytree(src / part, dest / "engine_c" / part)
+    shutil.copy2(src / "build_ffi.py", dest / "engine_c" / "build_ffi.py")
     code = ("import sys; sys.path.insert(0, 'engine_c'); import build_ffi; "
-            "print(build_ffi.ffibuilder.compile(tmpdir=sys.argv[1]))")
+            "print(build_ffi.ffibuilder.compile(tmpdir='.'))")
     env = dict(os.environ, ECHOSPEC_SIMD=mode)
     log(f"building the engine module with ECHOSPEC_SIMD={mode} in {dest} (about a minute)")
     try:
-        r = subprocess.run([sys.executable, "-c", code, str(dest)], cwd=ROOT, env=env,
+        r = subprocess.run([sys.executable, "-c", code], cwd=dest, env=env,
                            capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BenchError(f"cannot build the engine module with ECHOSPEC_SIMD={mode}: {e}") from e
     if r.returncode != 0:
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-15:])
         raise BenchError(f"building the engine module with ECHOSPEC_SIMD={mode} failed:\n{tail}")
-    so = Path(r.stdout.strip().splitlines()[-1])
+    so = dest / r.stdout.strip().splitlines()[-1]
     if not so.is_file():
         raise BenchError(f"the ECHOSPEC_SIMD={mode} build reported {so}, which does not exist")
     return so

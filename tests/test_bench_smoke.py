@@ -208,6 +208,7 @@ def _shapes_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("qwen3_shapes", SHAPES_SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["qwen3_shapes"] = mod   # its dataclasses look their module up while the class is made
     spec.loader.exec_module(mod)
     return mod
 
