@@ -262,6 +262,9 @@ def write_f16(s: Shape, path: Path, seed: int = 0) -> None:
 
 # ---- llama.cpp's quantizer ------------------------------------------------------------------------
 
+_LLAMA_LOG: list = []   # the log callback installed by quiet_llama_cpp (kept alive while it is set)
+
+
 def _llama_cpp():
     try:
         import llama_cpp
@@ -271,6 +274,14 @@ def _llama_cpp():
             f"bench extra: `pip install -e .[bench]` (or a prebuilt wheel: pip install /work/wheels/"
             f"llama_cpp_python-*.whl)") from e
     return llama_cpp
+
+
+def quiet_llama_cpp() -> None:
+    """Drop llama.cpp's log (a line per tensor while quantizing); errors still reach us as status codes."""
+    lc = _llama_cpp()
+    if not _LLAMA_LOG:
+        _LLAMA_LOG.append(lc.llama_log_callback(lambda level, text, user_data: None))
+        lc.llama_log_set(_LLAMA_LOG[0], ctypes.c_void_p(0))
 
 
 def quantize(src: Path, dst: Path, type_name: str, allow_requantize: bool = False) -> None:
@@ -364,6 +375,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--keep-f16", action="store_true", help="keep the F16 intermediates")
     ap.add_argument("--list", action="store_true", help="print the paths only; make nothing")
+    ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log (a line per tensor)")
     args = ap.parse_args(argv)
     if args.shapes is None and args.types is None and not args.smollm2:
         # the default set: what the issue's table needs first
@@ -380,6 +392,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
+        if not args.list and not args.verbose:
+            try:
+                quiet_llama_cpp()
+            except ShapesError:
+                pass   # reported by the first step that needs llama.cpp, if any does
         for what, types in args.plan:
             if args.list:
                 paths = [smollm2_path(t, args.out) if what == "smollm2" else shape_path(SHAPES[what], t, args.out)
