@@ -2,7 +2,7 @@
 
     python bench/summarize.py bench/results/*.json
 
-One row per file: the model file and setting, our ISA (simd / host), the paired ratios ours/peer of
+One row per file: the model file and setting, our ISA (simd / host), the threads, the paired ratios ours/peer of
 decode and prefill, T ours and the peer's, V(4)/T ours (the peer's), and the load average around
 the run. A run without the peer shows "-" in the ratio columns.
 """
@@ -19,7 +19,7 @@ def row(path: Path) -> str:
     setting = f"{Path(r['model']).name}, depth {r['depth']}"
     if r["prompt_tokens"] != 128:
         setting += f", {r['prompt_tokens']}-token prefill"
-    isa = f"{r['simd']} ({r.get('host_isa', '?')} host)"
+    isa = f"{r['simd']} ({r.get('host_isa', '?')} host), {r['threads']} thr"
 
     def ratio(key: str) -> str:
         return f"{rat[key]:.2f}x" if rat else "-"
