@@ -197,12 +197,14 @@ class PeerRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, model_path: str, threads: int, n_ctx: int):
+    def __init__(self, model_path: str, threads: int, n_ctx: int, flash_attn: bool = False):
         import llama_cpp  # ImportError is reported as peer_error by the caller
 
+        self.flash_attn = flash_attn
         self.llm = llama_cpp.Llama(
             model_path=model_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-            n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+            n_threads=threads, n_threads_batch=threads, logits_all=True, flash_attn=flash_attn,
+            verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.version = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
         self.simd = self._system_info(llama_cpp)
@@ -445,6 +447,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="our engine build: 'installed' (default) imports the installed echospec._engine; "
                          "native, avx512, avx2, scalar compile it with that ECHOSPEC_SIMD into a temporary "
                          "directory first (about a minute), e.g. to measure the AVX2 path on an AVX-512 host")
+    ap.add_argument("--peer-flash-attn", action="store_true",
+                    help="run llama.cpp with flash_attn=True (llama-cpp-python's default is off; its F16 KV "
+                         "cache either way)")
     args = ap.parse_args(argv)
     defaults = dict(rounds=8, warmup=1, inner=5, decode_tokens=64, prompt_tokens=128)
     if args.quick:
@@ -487,7 +492,7 @@ def run(args) -> dict:
         peer_error = "disabled by --no-peer"
     else:
         try:
-            peer = PeerRunner(str(model_path), args.threads, n_ctx)
+            peer = PeerRunner(str(model_path), args.threads, n_ctx, flash_attn=args.peer_flash_attn)
             runners.append(peer)
             log(f"peer: {peer.version}")
         except ImportError as e:
@@ -550,6 +555,7 @@ def run(args) -> dict:
         p = summarize(results[peer.name], plan.ks)
         p["version"] = peer.version
         p["system_info"] = peer.simd
+        p["flash_attn"] = peer.flash_attn
         out["peer"] = p
         out["ratios"] = paired_ratios(results[ours.name], results[peer.name], plan.ks)
         a, b = results[ours.name][0], results[peer.name][0]

@@ -188,6 +188,18 @@ def test_bench_on_qwen3_k_quants(tmp_path):
     assert isinstance(out["goals"]["verify_ratio_4_le_1.4"], bool)   # 1.4 on the qwen3 shapes
 
 
+def test_bench_peer_flash_attn_flag_parses():
+    """--peer-flash-attn is a switch of the peer only (default off, llama-cpp-python's default)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("engine_bench", BENCH)
+    eb = importlib.util.module_from_spec(spec)
+    sys.modules["engine_bench"] = eb
+    spec.loader.exec_module(eb)
+    assert eb.parse_args([]).peer_flash_attn is False
+    assert eb.parse_args(["--peer-flash-attn"]).peer_flash_attn is True
+    assert eb.parse_args(["--simd", "avx2"]).simd == "avx2" and eb.parse_args([]).simd == "installed"
+
+
 def test_bench_simd_build_option(tmp_path):
     """--simd scalar compiles the engine module into a temporary directory and runs that build."""
     model = tmp_path / "tiny.gguf"
