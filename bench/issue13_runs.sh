@@ -7,6 +7,8 @@
 #     ROUNDS  measured rounds per engine (default 4)
 #   ONLY="q4_1 q4_k_m" bench/issue13_runs.sh ...   runs only the named settings
 #   THREADS=1 bench/issue13_runs.sh ...             threads for both engines (default 2)
+#   EXTRA="--peer-flash-attn" TAG=fa bench/issue13_runs.sh ...   more engine_bench flags; TAG goes
+#                                                   into the file names (OUTDIR/NAME.SIMD.tT.TAG.json)
 #
 # Settings: q4_1 (SmolLM2 Q4_1, depth 64), q4_k_m and q8_0 (SmolLM2 requantized), qwen3_06b_q4_k_m
 # (the Qwen3-0.6B shape), q4_1_d2048 (SmolLM2 Q4_1 at depth 2048 with a 2048-token prefill).
@@ -18,6 +20,7 @@ out=${1:?usage: bench/issue13_runs.sh OUTDIR [SIMD [ROUNDS]]}
 simd=${2:-installed}
 rounds=${3:-4}
 threads=${THREADS:-2}
+tag=${TAG:+.$TAG}
 py=.venv/bin/python
 mkdir -p "$out"
 cache=${ECHOSPEC_CACHE:-$HOME/.cache/echospec}
@@ -33,10 +36,10 @@ declare -A extra=([q4_1_d2048]="--depth 2048 --prompt-tokens 2048")
 for name in ${ONLY:-q4_1 q4_k_m q8_0 qwen3_06b_q4_k_m q4_1_d2048}; do
   m=${model[$name]:?unknown setting $name}
   [ -f "$m" ] || { echo "issue13_runs: $m is missing (run bench/qwen3_shapes.py)" >&2; exit 2; }
-  dest=$out/${name}.${simd}.t${threads}.json
+  dest=$out/${name}.${simd}.t${threads}${tag}.json
   echo "issue13_runs: $name ($simd) -> $dest (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
   # shellcheck disable=SC2086
   $py bench/engine_bench.py --json --model "$m" --simd "$simd" --rounds "$rounds" --threads "$threads" \
-    ${extra[$name]:-} > "$dest.tmp"
+    ${extra[$name]:-} ${EXTRA:-} > "$dest.tmp"
   mv "$dest.tmp" "$dest"
 done
