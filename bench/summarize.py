@@ -19,6 +19,8 @@ def row(path: Path) -> str:
     setting = f"{Path(r['model']).name}, depth {r['depth']}"
     if r["prompt_tokens"] != 128:
         setting += f", {r['prompt_tokens']}-token prefill"
+    if p and p.get("flash_attn"):
+        setting += ", peer with flash attention"
     isa = f"{r['simd']} ({r.get('host_isa', '?')} host), {r['threads']} thr"
 
     def ratio(key: str) -> str:
