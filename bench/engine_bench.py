@@ -27,10 +27,14 @@ Usage:
     python bench/engine_bench.py                    # SmolLM2 (fetched on first use), 2 threads, table
     python bench/engine_bench.py --json             # one JSON object on stdout
     python bench/engine_bench.py --model M.gguf --threads 4 --no-peer --quick
+    python bench/engine_bench.py --depth 2048 --prompt-tokens 2048    # long context: T, V, decode at 2048
+    python bench/engine_bench.py --simd avx2        # our AVX2 path, compiled for this run (any x86-64 host)
+Board-shaped files (Qwen3 shapes, K-quants): python bench/qwen3_shapes.py, then --model on its output.
 
 JSON keys: decode_tok_s, prefill_tok_s, verify_ratio (object "K" -> V(K)/T), T_ms, V_ms ("K" -> ms),
 peer (the same keys for llama.cpp, or null), peer_error (why the peer is null), ratios (ours/peer),
-goals, argmax agreement with the peer, and the run's settings (threads, simd, model, rounds, ...).
+goals, argmax agreement with the peer, and the run's settings (threads, simd, simd_build, host_isa,
+model, arch, n_vocab, n_ctx, rounds, ...).
 Progress goes to stderr. Exit status: 0 on success, 2 when the model or the engine is unusable.
 """
 from __future__ import annotations
@@ -39,8 +43,12 @@ import argparse
 import importlib.util
 import json
 import os
+import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +61,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_KS = (1, 2, 4, 8, 16)
-GOAL_V4_OVER_T = 1.3
+GOAL_V4_OVER_T = 1.3          # issue 2 (AVX-512, SmolLM2 Q4_1, depth 64): kept as a regression mark
+# issue 13's goals, on each benchmark file, with the peer in the same run
+GOAL_DECODE_VS_PEER = 1.3     # decode >= 1.3x llama.cpp (SmolLM2 Q4_K_M / Q8_0, Qwen3-0.6B Q4_K_M, depth 2048)
+GOAL_V4_QWEN3 = 1.4           # V(4)/T on the Qwen3 shapes
+GOAL_V4_OTHER = 1.5           # V(4)/T on SmolLM2 Q4_1 and Q4_K_M (with AVX2)
+GOAL_PREFILL_LONG = 1.5       # a 2048-token prefill >= 1.5x llama.cpp
+LONG_PREFILL = 2048
+SIMD_BUILDS = ("installed", "native", "avx512", "avx2", "scalar")
 
 
 class BenchError(RuntimeError):
@@ -65,17 +80,86 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Which engine build runs, and on what CPU
+# ---------------------------------------------------------------------------------------------
+
+def host_isa() -> str:
+    """The host's SIMD level as the engine names them (avx512-vnni, avx2, neon-dotprod, ...)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return "neon-dotprod" if "asimddp" in flags else "neon"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512-vnni"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return machine or "unknown"
+
+
+def build_engine_module(mode: str, dest: Path) -> Path:
+    """Compile echospec._engine with ECHOSPEC_SIMD=mode into dest; returns the extension's path.
+
+    The same cffi build as `pip install` (engine_c/build_ffi.py), run on a copy of engine_c's
+    sources in dest (its source paths are relative to the tree it sits in), so the installed
+    module and the source tree are untouched.
+    """
+    src = ROOT / "engine_c"
+    for part in ("src", "include"):
+        shutil.copytree(src / part, dest / "engine_c" / part)
+    shutil.copy2(src / "build_ffi.py", dest / "engine_c" / "build_ffi.py")
+    code = ("import sys; sys.path.insert(0, 'engine_c'); import build_ffi; "
+            "print(build_ffi.ffibuilder.compile(tmpdir='.'))")
+    env = dict(os.environ, ECHOSPEC_SIMD=mode)
+    log(f"building the engine module with ECHOSPEC_SIMD={mode} in {dest} (about a minute)")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], cwd=dest, env=env,
+                           capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BenchError(f"cannot build the engine module with ECHOSPEC_SIMD={mode}: {e}") from e
+    if r.returncode != 0:
+        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-15:])
+        raise BenchError(f"building the engine module with ECHOSPEC_SIMD={mode} failed:\n{tail}")
+    so = dest / r.stdout.strip().splitlines()[-1]
+    if not so.is_file():
+        raise BenchError(f"the ECHOSPEC_SIMD={mode} build reported {so}, which does not exist")
+    return so
+
+
+def use_engine_module(so: Path) -> None:
+    """Import the extension at `so` as echospec._engine, before echospec.services.common.engine imports it."""
+    import echospec  # noqa: F401  (the parent package must exist first)
+
+    if "echospec.services.common.engine" in sys.modules or "echospec._engine" in sys.modules:
+        raise BenchError("the engine module is already imported; --simd must be applied first")
+    spec = importlib.util.spec_from_file_location("echospec._engine", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["echospec._engine"] = mod
+
+
+# ---------------------------------------------------------------------------------------------
 # Engines behind one small interface: reset(n_past), prefill(tokens), step(tokens) -> argmax
 # ---------------------------------------------------------------------------------------------
 
 class OursRunner:
-    """echospec's C engine through the Python wrapper (services.common.engine)."""
+    """echospec's C engine through the Python wrapper (echospec.services.common.engine)."""
 
     name = "echospec"
 
     def __init__(self, model_path: str, threads: int, n_ctx: int):
         try:
-            from services.common import engine
+            from echospec.services.common import engine
         except ImportError as e:  # echospec._engine missing: the cffi module is not built
             raise BenchError(
                 f"cannot import the engine module ({e}); build it with "
@@ -113,12 +197,14 @@ class PeerRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, model_path: str, threads: int, n_ctx: int):
+    def __init__(self, model_path: str, threads: int, n_ctx: int, flash_attn: bool = False):
         import llama_cpp  # ImportError is reported as peer_error by the caller
 
+        self.flash_attn = flash_attn
         self.llm = llama_cpp.Llama(
             model_path=model_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-            n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+            n_threads=threads, n_threads_batch=threads, logits_all=True, flash_attn=flash_attn,
+            verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.version = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
         self.simd = self._system_info(llama_cpp)
@@ -329,7 +415,12 @@ def make_plan(n_vocab: int, args) -> Plan:
                 ks=tuple(args.ks), inner=args.inner, decode_tokens=args.decode_tokens)
 
 
-MAX_N_CTX = 8192   # the context the benchmark allows (SmolLM2's trained context)
+MAX_N_CTX = 16384   # the largest context the benchmark sets up (depth 8192 and beyond for profiling)
+
+
+def needed_n_ctx(args) -> int:
+    """The KV cache both engines get: the prefill, or the depth plus the longest verify or decode."""
+    return max(args.prompt_tokens, args.depth + max(max(args.ks) + 1, args.decode_tokens)) + 8
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -352,6 +443,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_KS),
                     help="draft lengths K for V(K)/T (default 1,2,4,8,16)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the token ids (default 1234)")
+    ap.add_argument("--simd", choices=SIMD_BUILDS, default="installed",
+                    help="our engine build: 'installed' (default) imports the installed echospec._engine; "
+                         "native, avx512, avx2, scalar compile it with that ECHOSPEC_SIMD into a temporary "
+                         "directory first (about a minute), e.g. to measure the AVX2 path on an AVX-512 host")
+    ap.add_argument("--peer-flash-attn", action="store_true",
+                    help="run llama.cpp with flash_attn=True (llama-cpp-python's default is off; its F16 KV "
+                         "cache either way)")
     args = ap.parse_args(argv)
     defaults = dict(rounds=8, warmup=1, inner=5, decode_tokens=64, prompt_tokens=128)
     if args.quick:
@@ -370,7 +468,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--ks needs positive draft lengths")
     if not 0 <= args.seed < 2 ** 32:
         ap.error(f"--seed {args.seed}: must be in [0, 2^32)")
-    n_ctx = max(args.prompt_tokens, args.depth + max(max(args.ks) + 1, args.decode_tokens)) + 8
+    n_ctx = needed_n_ctx(args)
     if n_ctx > MAX_N_CTX:
         ap.error(f"--depth, --ks, --decode-tokens and --prompt-tokens need a context of {n_ctx} tokens; "
                  f"at most {MAX_N_CTX} (the benchmark's KV cache)")
@@ -379,7 +477,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run(args) -> dict:
     model_path = resolve_model(args.model)
-    n_ctx = max(args.prompt_tokens, args.depth + max(max(args.ks) + 1, args.decode_tokens)) + 8
+    if args.simd != "installed":
+        build_dir = Path(tempfile.mkdtemp(prefix=f"echospec-engine-{args.simd}-"))
+        try:
+            use_engine_module(build_engine_module(args.simd, build_dir))
+        finally:  # the loaded extension stays mapped after its file is removed
+            shutil.rmtree(build_dir, ignore_errors=True)
+    n_ctx = needed_n_ctx(args)
     log(f"model {model_path}, threads {args.threads}, n_ctx {n_ctx}")
     ours = OursRunner(str(model_path), args.threads, n_ctx)
     runners = [ours]
@@ -388,7 +492,7 @@ def run(args) -> dict:
         peer_error = "disabled by --no-peer"
     else:
         try:
-            peer = PeerRunner(str(model_path), args.threads, n_ctx)
+            peer = PeerRunner(str(model_path), args.threads, n_ctx, flash_attn=args.peer_flash_attn)
             runners.append(peer)
             log(f"peer: {peer.version}")
         except ImportError as e:
@@ -426,6 +530,11 @@ def run(args) -> dict:
         "model": str(model_path),
         "threads": args.threads,
         "simd": ours.simd,
+        "simd_build": args.simd,
+        "host_isa": host_isa(),
+        "arch": ours.model.info.arch,
+        "n_vocab": ours.n_vocab,
+        "n_ctx": n_ctx,
         "depth": plan.depth,
         "prompt_tokens": int(plan.prompt.size),
         "decode_tokens": plan.decode_tokens,
@@ -446,6 +555,7 @@ def run(args) -> dict:
         p = summarize(results[peer.name], plan.ks)
         p["version"] = peer.version
         p["system_info"] = peer.simd
+        p["flash_attn"] = peer.flash_attn
         out["peer"] = p
         out["ratios"] = paired_ratios(results[ours.name], results[peer.name], plan.ks)
         a, b = results[ours.name][0], results[peer.name][0]
@@ -455,21 +565,40 @@ def run(args) -> dict:
             "decode_common_prefix": _common_prefix(a.decode_ids, b.decode_ids),
             "decode_tokens": len(a.decode_ids),
         }
-    k4 = "4" if 4 in plan.ks else None
-    out["goals"] = {
-        "decode_at_least_peer": None if peer is None else out["ratios"]["decode_tok_s"] >= 1.0,
-        f"verify_ratio_4_le_{GOAL_V4_OVER_T}": None if k4 is None else out["verify_ratio"][k4] <= GOAL_V4_OVER_T,
-    }
+    out["goals"] = goals(out, plan)
     for r in runners:
         r.close()
     return out
+
+
+def goals(out: dict, plan: Plan) -> dict:
+    """Issue 13's goals that this run measures (None: not measurable without the peer).
+
+    decode_ge_1.3x_peer: on every file (the issue lists SmolLM2 Q4_K_M / Q8_0, the Qwen3-0.6B
+    shape and depth 2048). verify_ratio_4_le_X: X = 1.4 on qwen3 files, 1.5 on the others.
+    prefill_ge_1.5x_peer: only for a prefill of >= 2048 tokens. The issue-2 marks stay:
+    decode_at_least_peer and verify_ratio_4_le_1.3 (AVX-512, SmolLM2 Q4_1, depth 64).
+    """
+    r = out["ratios"]
+    k4 = "4" if 4 in plan.ks else None
+    v4_goal = GOAL_V4_QWEN3 if out["arch"] == "qwen3" else GOAL_V4_OTHER
+    g = {
+        f"decode_ge_{GOAL_DECODE_VS_PEER}x_peer": None if r is None else r["decode_tok_s"] >= GOAL_DECODE_VS_PEER,
+        f"verify_ratio_4_le_{v4_goal}": None if k4 is None else out["verify_ratio"][k4] <= v4_goal,
+    }
+    if plan.prompt.size >= LONG_PREFILL:
+        g[f"prefill_ge_{GOAL_PREFILL_LONG}x_peer"] = None if r is None else r["prefill_tok_s"] >= GOAL_PREFILL_LONG
+    g["decode_at_least_peer"] = None if r is None else r["decode_tok_s"] >= 1.0
+    g[f"verify_ratio_4_le_{GOAL_V4_OVER_T}"] = None if k4 is None else out["verify_ratio"][k4] <= GOAL_V4_OVER_T
+    return g
 
 
 def format_table(res: dict) -> str:
     peer = res["peer"]
     rat = res["ratios"]
     lines = [
-        f"echospec engine bench: {Path(res['model']).name}, threads {res['threads']}, simd {res['simd']}, "
+        f"echospec engine bench: {Path(res['model']).name}, threads {res['threads']}, simd {res['simd']} "
+        f"(build {res['simd_build']}, host {res['host_isa']}), "
         f"depth {res['depth']}, {res['rounds']} rounds"
         f"{' alternating with the peer' if peer is not None else ' (no peer)'} ({res['seconds']} s, "
         f"load average {res['loadavg_1m'][0]:.1f} -> {res['loadavg_1m'][1]:.1f} on {res['cpu_count']} cores)",
@@ -502,8 +631,8 @@ def format_table(res: dict) -> str:
         lines.append(f"argmax agreement with the peer: verify {ag['verify_positions_equal']}/"
                      f"{ag['verify_positions']} positions, decode common prefix "
                      f"{ag['decode_common_prefix']}/{ag['decode_tokens']} tokens")
-    goals = ", ".join(f"{k}: {'-' if v is None else ('yes' if v else 'NO')}" for k, v in res["goals"].items())
-    lines.append(f"goals: {goals}")
+    goal_text = ", ".join(f"{k}: {'-' if v is None else ('yes' if v else 'NO')}" for k, v in res["goals"].items())
+    lines.append(f"goals: {goal_text}")
     return "\n".join(lines)
 
 

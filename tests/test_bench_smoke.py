@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -54,6 +55,16 @@ def test_bench_json_on_tiny_model(tmp_path):
     assert out["depth"] == 64
     assert out["simd"] in ("avx512", "avx2", "neon-dotprod", "neon", "scalar")
     assert out["model"] == str(model)
+    assert out["simd_build"] == "installed"
+    assert isinstance(out["host_isa"], str) and out["host_isa"]
+    assert out["arch"] == "llama" and out["n_vocab"] == 320
+    assert out["n_ctx"] == 64 + 17 + 8   # depth + the longest verify (K = 16) + 8
+    # issue 13's goals (llama: V(4)/T <= 1.5), the issue-2 marks kept; None without the peer
+    assert out["goals"]["decode_ge_1.3x_peer"] is None
+    assert isinstance(out["goals"]["verify_ratio_4_le_1.5"], bool)
+    assert out["goals"]["decode_at_least_peer"] is None
+    assert isinstance(out["goals"]["verify_ratio_4_le_1.3"], bool)
+    assert "prefill_ge_1.5x_peer" not in out["goals"]   # only for a prefill of >= 2048 tokens
     assert "[engine_bench]" in r.stderr  # progress goes to stderr
 
 
@@ -136,8 +147,9 @@ def test_forward_ab_compares_two_builds(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--seed", "-1"], "--seed -1"),
-    (["--depth", "100000"], "at most 8192"),
-    (["--ks", "100000"], "at most 8192"),
+    (["--depth", "100000"], "at most 16384"),
+    (["--ks", "100000"], "at most 16384"),
+    (["--simd", "sse2"], "invalid choice"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--threads", "300"], "at most 256 threads"),
 ])
@@ -184,3 +196,143 @@ def test_step_cpu_times_builds_at_depths(tmp_path):
     libm = subprocess.run([str(exe), str(model), "1", "2", "1", "10", "--", "libm.so.6"], capture_output=True,
                           text=True, timeout=60)
     assert libm.returncode == 1 and "not an echospec engine build" in libm.stderr, libm.stderr
+
+
+def test_bench_long_context_flags(tmp_path):
+    """--depth 2048 --prompt-tokens 2048 sizes the KV cache for both and adds the long-prefill goal."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0", n_ctx_train=4096)
+    r = _run("--model", str(model), "--quick", "--no-peer", "--json", "--depth", "2048",
+             "--prompt-tokens", "2048", "--ks", "1,4", "--rounds", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["depth"] == 2048 and out["prompt_tokens"] == 2048
+    assert out["n_ctx"] == 2048 + 8 + 8   # depth + max(K + 1, decode tokens (8 with --quick)) + 8
+    assert _positive(out["prefill_tok_s"]) and _positive(out["T_ms"])
+    assert out["goals"]["prefill_ge_1.5x_peer"] is None
+
+
+def test_bench_on_qwen3_k_quants(tmp_path):
+    """--model on a qwen3 file with Q4_K matrices and a tied Q6_K head (the board's file types)."""
+    model = tmp_path / "q3.gguf"
+    write_tiny_model(model, arch="qwen3", matrix_type="Q4_K", embd_type="Q6_K", n_embd=256, n_ff=512,
+                     n_head=4, n_head_kv=2, head_dim=128, n_vocab=1000, seed=5)
+    r = _run("--model", str(model), "--quick", "--no-peer", "--json", "--ks", "1,4")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["arch"] == "qwen3" and out["n_vocab"] == 1000
+    assert isinstance(out["goals"]["verify_ratio_4_le_1.4"], bool)   # 1.4 on the qwen3 shapes
+
+
+def test_bench_peer_flash_attn_flag_parses():
+    """--peer-flash-attn is a switch of the peer only (default off, llama-cpp-python's default)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("engine_bench", BENCH)
+    eb = importlib.util.module_from_spec(spec)
+    sys.modules["engine_bench"] = eb
+    spec.loader.exec_module(eb)
+    assert eb.parse_args([]).peer_flash_attn is False
+    assert eb.parse_args(["--peer-flash-attn"]).peer_flash_attn is True
+    assert eb.parse_args(["--simd", "avx2"]).simd == "avx2" and eb.parse_args([]).simd == "installed"
+
+
+def test_bench_simd_build_option(tmp_path):
+    """--simd scalar compiles the engine module into a temporary directory and runs that build."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
+    r = _run("--model", str(model), "--quick", "--no-peer", "--json", "--simd", "scalar", "--ks", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["simd_build"] == "scalar" and out["simd"] == "scalar"
+    assert "ECHOSPEC_SIMD=scalar" in r.stderr
+
+
+# ---- bench/qwen3_shapes.py: the board-shaped benchmark files ----------------------------------
+
+SHAPES_SCRIPT = ROOT / "bench" / "qwen3_shapes.py"
+
+
+def _shapes_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("qwen3_shapes", SHAPES_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["qwen3_shapes"] = mod   # its dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_qwen3_shapes_table_and_vocab():
+    q = _shapes_module()
+    assert [(s.n_embd, s.n_ff, s.n_layer, s.n_head) for s in q.SHAPES.values()] == [
+        (1024, 3072, 28, 16), (2048, 6144, 28, 16), (2560, 9728, 36, 32)]
+    for s in q.SHAPES.values():
+        assert (s.n_head_kv, s.head_dim, s.n_vocab, s.rope_base, s.norm_eps) == (8, 128, 151936, 1e6, 1e-6)
+    tokens, types, merges = q.stand_in_vocab(151936)
+    assert len(tokens) == len(types) == 151936 and len(set(tokens)) == 151936
+    assert merges == ["Ġ t"] and "Ġt" in tokens and "Ġ" in tokens and "t" in tokens
+    assert tokens[151643:151646] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert types[151645] == 3 and types[1000] == 1   # CONTROL, NORMAL
+    assert all(t.isascii() and t.isprintable() and " " not in t for t in tokens[257:151643])
+
+
+def test_qwen3_shapes_f16_file_loads_in_our_engine(tmp_path):
+    """A small shape written by write_f16 loads with the qwen3 hyperparameters and runs."""
+    import numpy as np
+    from echospec.services.common import engine
+
+    q = _shapes_module()
+    s = q.Shape("test", n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, n_vocab=2000)
+    path = tmp_path / "s.gguf"
+    q.write_f16(s, path, seed=1)
+    m = engine.Model(str(path))
+    try:
+        i = m.info
+        assert (i.arch, i.n_vocab, i.n_embd, i.n_layer, i.n_head, i.n_head_kv, i.head_dim, i.n_ff) == \
+            ("qwen3", 2000, 256, 2, 4, 2, 128, 512)
+        assert i.tied_output and i.rope_neox and i.rope_freq_base == 1e6 and i.n_ctx_train == 40960
+        sess = m.new_session(n_ctx=32, n_threads=2)
+        am, _ = sess.forward(np.array([5, 600, 1999], dtype=np.int32))
+        assert am.shape == (3,) and all(0 <= int(x) < 2000 for x in am)
+    finally:
+        m.close()
+
+
+def test_qwen3_shapes_quantize_or_clear_error(tmp_path):
+    """With llama-cpp-python: llama.cpp quantizes a small shape to Q4_K_M and Q8_0, the F16 file is
+    deleted, and our engine loads both. Without it: a clear error naming the bench extra."""
+    q = _shapes_module()
+    s = q.Shape("test", n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, n_vocab=2000)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        with pytest.raises(q.ShapesError, match=r"llama-cpp-python is not installed.*bench"):
+            list(q.make_shape(s, ["Q4_K_M"], tmp_path, seed=0, keep_f16=False))
+        return
+    from echospec.services.common import engine
+
+    paths = list(q.make_shape(s, ["Q4_K_M", "Q8_0"], tmp_path, seed=0, keep_f16=False))
+    assert [p.name for p in paths] == ["qwen3-test-shape.Q4_K_M.gguf", "qwen3-test-shape.Q8_0.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no F16, no .part
+    for p in paths:
+        m = engine.Model(str(p))
+        assert m.info.arch == "qwen3" and m.info.n_vocab == 2000
+        m.close()
+    assert paths[0].stat().st_size < paths[1].stat().st_size
+    again = list(q.make_shape(s, ["Q4_K_M"], tmp_path, seed=0, keep_f16=False))   # kept, not remade
+    assert again == paths[:1]
+
+
+def test_qwen3_shapes_cli(tmp_path):
+    env = dict(os.environ, ECHOSPEC_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--list"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(tmp_path / "bench" / n) for n in (
+        "SmolLM2-135M-Instruct.Q4_K_M.gguf", "SmolLM2-135M-Instruct.Q8_0.gguf",
+        "qwen3-0.6B-shape.Q4_K_M.gguf", "qwen3-0.6B-shape.Q8_0.gguf", "qwen3-1.7B-shape.Q4_K_M.gguf")]
+    r = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--list", "--shapes", "4B", "--types", "Q8_0"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.stdout.split() == [str(tmp_path / "bench" / "qwen3-4B-shape.Q8_0.gguf")]
+    bad = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--shapes", "7B"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "unknown shape '7B'" in bad.stderr

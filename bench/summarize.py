@@ -1,0 +1,50 @@
+"""Print engine_bench.py --json results as the markdown table of issue 13.
+
+    python bench/summarize.py bench/results/*.json
+
+One row per file: the model file and setting, our ISA (simd / host), the threads, the paired ratios ours/peer of
+decode and prefill, T ours and the peer's, V(4)/T ours (the peer's), and the load average around
+the run. A run without the peer shows "-" in the ratio columns.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def row(path: Path) -> str:
+    r = json.loads(path.read_text())
+    p, rat = r.get("peer"), r.get("ratios")
+    setting = f"{Path(r['model']).name}, depth {r['depth']}"
+    if r["prompt_tokens"] != 128:
+        setting += f", {r['prompt_tokens']}-token prefill"
+    if p and p.get("flash_attn"):
+        setting += ", peer with flash attention"
+    isa = f"{r['simd']} ({r.get('host_isa', '?')} host), {r['threads']} thr"
+
+    def ratio(key: str) -> str:
+        return f"{rat[key]:.2f}x" if rat else "-"
+
+    t = f"{r['T_ms']:.2f}" + (f" ({p['T_ms']:.2f})" if p else "")
+    v4 = r["verify_ratio"].get("4")
+    v4s = "-" if v4 is None else f"{v4:.2f}" + (f" ({p['verify_ratio']['4']:.2f})" if p else "")
+    load = "-".join(f"{x:.1f}" for x in r["loadavg_1m"])
+    return (f"| {setting} | {isa} | {ratio('decode_tok_s')} | {t} | {v4s} | {ratio('prefill_tok_s')} "
+            f"| {r['rounds']} | {load} |")
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print("| file / setting | our ISA | decode vs llama.cpp | T ms ours (llama.cpp) | V(4)/T ours (llama.cpp) "
+          "| prefill vs llama.cpp | rounds | load |")
+    print("|---|---|---|---|---|---|---|---|")
+    for a in argv:
+        print(row(Path(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
