@@ -12,7 +12,7 @@ What it measures (all greedy, on fixed pseudo-random token ids, so both engines 
                     V(K) + overhead < (a + 1) * T, so this ratio is the engine's side of the gain
                     condition; 1.0 would make a verify as cheap as a decode step.
 
-Ours runs through services.common.engine.Session.forward, with Session.rollback(depth) after every
+Ours runs through echospec.services.common.engine.Session.forward, with Session.rollback(depth) after every
 timed call so that every repetition runs at the same depth. The peer is llama-cpp-python with
 logits_all=True (its all-positions logits path), Llama.eval of the same tokens at the same n_past,
 followed by the argmax of the rows it returns; setting Llama.n_tokens back to the depth rolls its
