@@ -114,7 +114,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
                 n_ctx: int = 2048, n_threads: int = 0, k: int = 4, max_tokens: int = 256,
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
-                metrics_port: int = -1,
+                metrics_port: int = -1, batch_max: int = 1, prefill_chunk: int = 256,
+                prefix_cache: bool = True,
                 max_message_bytes: int | None = None, ready_timeout_s: float = 180.0) -> Stack:
     """Start draft, verifier and coordinator on ``host``.
 
@@ -127,6 +128,9 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         k, max_tokens: coordinator defaults. min_n, max_n: draft n-gram range.
         adaptive_k: let the live cost model pick each round's draft length (<= k).
         metrics_port: coordinator Prometheus /metrics port (-1: off, 0: a free port).
+        batch_max: verifier sessions per scheduler iteration (>= 2 refuses speculation).
+        prefill_chunk: prompt tokens per prefill step (chunked prefill).
+        prefix_cache: keep finished generations' KV for prefix reuse.
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
@@ -135,7 +139,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
     msg = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
     dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, max_n=max_n, **msg)
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
-                          n_threads=n_threads, max_sessions=max_sessions, **msg)
+                          n_threads=n_threads, max_sessions=max_sessions, batch_max=batch_max,
+                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, **msg)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
                              max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port, **msg)
     if processes:
@@ -157,6 +162,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
             raise StackError(f"draft service: {exc}") from exc
         stack._servers["draft"] = dhandle
         stack.draft_port = dhandle[0].port
+        vcfg = dataclasses.replace(vcfg, draft_target=f"{dcfg.host}:{stack.draft_port}")
         try:
             v = vserver.start(vcfg)
         except Exception as exc:
@@ -193,7 +199,8 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
                      ready_timeout_s: float) -> Stack:
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
-    vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host))
+    vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host),
+                               draft_target=f"{dcfg.host}:{dcfg.port}")
     ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
                                verifier_target=f"{vcfg.host}:{vcfg.port}",
                                draft_target=f"{dcfg.host}:{dcfg.port}")

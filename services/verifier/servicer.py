@@ -6,12 +6,14 @@ session); the service and other sessions carry on.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import grpc
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.engine import simd_name
+from services.verifier.generation_loop import GenerationRequest, RoundEvent, check, run_generation
 from services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome, VerifierCore,
                                         VerifierError, VerifierSession)
 
@@ -31,6 +33,16 @@ def result_to_proto(out: StepOutcome) -> verifier_pb2.StepResult:
         n_past=out.n_past, n_ctx=out.n_ctx)
 
 
+def event_to_proto(ev: RoundEvent) -> verifier_pb2.GenerateTokensResponse:
+    return verifier_pb2.GenerateTokensResponse(
+        result=verifier_pb2.StepResult(
+            tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
+            hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
+            n_past=ev.n_past, n_ctx=ev.n_ctx),
+        wall_ms=ev.wall_ms, proposals=ev.proposals, cached_prompt_tokens=ev.cached_prompt_tokens,
+        spec_reason=ev.spec_reason, finish=ev.finish)
+
+
 def _abort(context: grpc.ServicerContext, exc: VerifierError):
     context.abort(getattr(grpc.StatusCode, exc.kind), exc.message)
 
@@ -38,8 +50,10 @@ def _abort(context: grpc.ServicerContext, exc: VerifierError):
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     """Thin servicer over a VerifierCore (None until the model is loaded and warm)."""
 
-    def __init__(self, core: VerifierCore | None = None):
+    def __init__(self, core: VerifierCore | None = None,
+                 open_draft: Callable[[float | None], Any] | None = None):
         self.core = core
+        self.open_draft = open_draft   # (timeout s) -> DraftLink; None: no draft service
 
     def _core(self, context: grpc.ServicerContext) -> VerifierCore:
         core = self.core
@@ -52,9 +66,45 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         cfg = core.config
         return verifier_pb2.GetConfigResponse(
             model=cfg.model, arch=core.model.info.arch, n_vocab=core.n_vocab, n_ctx=cfg.n_ctx,
-            n_threads=cfg.n_threads, batch_max=1, kv_eviction="none", sparse_attention=False,
-            max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
-            active_sessions=core.active_sessions)
+            n_threads=cfg.n_threads, batch_max=cfg.batch_max, kv_eviction="none",
+            sparse_attention=False, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
+            active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
+            cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk)
+
+    def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
+                       context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:
+        """A whole generation (generation_loop.py); cancelling the call ends it and
+        frees its engine step at once (a step already running finishes first)."""
+        core = self._core(context)
+        req = GenerationRequest(
+            prompt=list(request.prompt), max_tokens=request.max_tokens,
+            eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
+            spec=request.spec, k=request.k, fixed_k=request.fixed_k)
+        cancel = threading.Event()
+        drafts: list[Any] = []
+
+        def _on_end() -> None:
+            cancel.set()
+            core.scheduler.wake()
+            for d in drafts:
+                d.cancel()
+
+        open_draft = None
+        if self.open_draft is not None:
+            timeout = context.time_remaining()
+            timeout = None if timeout is None or timeout > 1e6 else timeout
+
+            def open_draft():
+                d = self.open_draft(timeout)
+                drafts.append(d)
+                return d
+        context.add_callback(_on_end)
+        try:
+            check(core, req)
+            for ev in run_generation(core, req, cancel, open_draft):
+                yield event_to_proto(ev)
+        except VerifierError as exc:
+            _abort(context, exc)
 
     def VerifyStream(self, request_iterator: Iterator[verifier_pb2.VerifyStreamRequest],
                      context: grpc.ServicerContext) -> Iterator[verifier_pb2.VerifyStreamResponse]:
