@@ -321,6 +321,7 @@ class VerifierCore:
         Raises:
             ResourceExhausted: max_sessions in use, or no memory for a KV cache.
         """
+        evicted = []
         with self._lock:
             session, n = self.prefix_cache.take(prompt)
             if session is None:
@@ -331,8 +332,10 @@ class VerifierCore:
                         raise ResourceExhausted(
                             f"{len(self._sessions) + self._gen_active} sessions already open"
                             f" (max_sessions {self.config.max_sessions})")
-                    old.close()
+                    evicted.append(old)
             self._gen_active += 1
+        for old in evicted:
+            old.close()
         if session is not None:
             session.rollback(n)
             return session, n
@@ -385,13 +388,20 @@ class VerifierCore:
         Raises:
             ResourceExhausted: max_sessions already open, or no memory for the KV cache.
         """
+        evicted = []
         with self._lock:
-            if len(self._sessions) >= self.config.max_sessions:
-                raise ResourceExhausted(
-                    f"{len(self._sessions)} sessions already open (max_sessions {self.config.max_sessions})")
+            while len(self._sessions) + self._gen_active + len(self.prefix_cache) >= self.config.max_sessions:
+                old = self.prefix_cache.evict_lru()
+                if old is None:
+                    raise ResourceExhausted(
+                        f"{len(self._sessions) + self._gen_active} sessions already open"
+                        f" (max_sessions {self.config.max_sessions})")
+                evicted.append(old)
             sid = uuid.uuid4().hex
             # reserve the slot before the (slow) allocation
             self._sessions[sid] = None  # type: ignore[assignment]
+        for old in evicted:
+            old.close()
         try:
             es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.config.n_threads)
         except EngineError as exc:
