@@ -1,8 +1,8 @@
 """One generation at the coordinator: the verifier's token stream -> text, stop strings, stats.
 
-No gRPC here: ``link`` yields the verifier's GenerateTokens messages (one per
-engine step: the prefill's first token, then R accepted drafts + the bonus
-token per round) and can be cancelled. The loop itself (drafts, verify,
+No gRPC here: ``link`` yields the verifier's GenerateTokens messages (the
+engine steps finished since the previous message: the prefill's first token,
+then R accepted drafts + the bonus token per round) and can be cancelled. The loop itself (drafts, verify,
 accept, K by cost) runs in the verifier, beside the engine
 (services/verifier/generation_loop.py): no round trip per token.
 
@@ -119,7 +119,7 @@ class _Output:
 
 def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: Any
              ) -> Iterator[Delta | Outcome]:
-    """Consume one generation's token stream; yield Deltas as tokens arrive, then the Outcome.
+    """Consume one generation's token stream; yield a Delta per message, then the Outcome.
 
     Args:
         prompt: prompt token ids (validated by the caller).
@@ -134,22 +134,26 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
     out = _Output(tokenizer, params.stop, params.max_tokens)
     spec, reason = params.spec, params.spec_reason
     first = True
-    for ev in link.events():
-        res = ev.result
-        if ev.spec_reason:
-            reason = ev.spec_reason
-        counters.proposals += ev.proposals
-        if ev.finish:
-            d = out.end(ev.finish)
-        elif first:
-            first = False
-            counters.prefill_ms = res.v_ms
-            counters.t_ms = res.t_ms
-            counters.cached_prompt_tokens = ev.cached_prompt_tokens
-            d = out.take(list(res.tokens))
-        else:
-            counters.add_round(res.k, res.accepted, res.v_ms, ev.wall_ms, res.t_ms)
-            d = out.take(list(res.tokens))
+    for msg in link.events():
+        if msg.spec_reason:
+            reason = msg.spec_reason
+        if first:
+            counters.cached_prompt_tokens = msg.cached_prompt_tokens
+        tokens: list[int] = []
+        for rnd in msg.rounds:
+            res = rnd.result
+            counters.proposals += rnd.proposals
+            if first:
+                first = False
+                counters.prefill_ms = res.v_ms
+                counters.t_ms = res.t_ms
+            else:
+                counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms)
+            tokens.extend(res.tokens)
+        d = out.take(tokens) if tokens else Delta("", [])
+        if msg.finish and not out.finish:
+            e = out.end(msg.finish)
+            d = Delta(d.text + e.text, d.token_ids)
         if d.text or d.token_ids:
             yield d
         if out.finish:

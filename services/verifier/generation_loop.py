@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from services.common.engine import EngineError, sample
 from services.verifier.controller import CostModel, SpecController
@@ -118,6 +118,13 @@ class _Run:
         self.n_ctx = core.config.n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
 
+    def release(self) -> None:
+        """Give the session back (to the prefix cache) once; called before the last event, so a
+        request that follows the generation's end finds its KV."""
+        if self.session is not None:
+            session, self.session = self.session, None
+            self.core.release(session, self.kv_tokens)
+
     def step(self, tokens: list[int], head: str, logits: str) -> Step:
         st = self.core.scheduler.run(Step(self.session, tokens, head, logits), self.cancel)
         self.kv_tokens.extend(tokens)
@@ -172,7 +179,7 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
     except EngineError as exc:
         raise engine_error(exc, "generation") from None
     finally:
-        core.release(session, run.kv_tokens)
+        run.release()
 
 
 def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEvent]:
@@ -210,20 +217,24 @@ def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEven
     if not done:
         produced = 1
         done = produced >= max_tokens
-    yield RoundEvent([first], v_ms=prefill_ms, t_ms=core.t_ms, wall_ms=(time.perf_counter() - t0) * 1e3,
-                     n_past=session.n_past, n_ctx=n_ctx, cached_prompt_tokens=run.cached,
-                     spec_reason=reason, prefill=True)
+    ev = RoundEvent([first], v_ms=prefill_ms, t_ms=core.t_ms, wall_ms=(time.perf_counter() - t0) * 1e3,
+                    n_past=session.n_past, n_ctx=n_ctx, cached_prompt_tokens=run.cached,
+                    spec_reason=reason, prefill=True)
+    if done:
+        run.release()
+    yield ev
     ctl = SpecController(k=req.k, cost=None if req.fixed_k else CostModel())
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
+    r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
     while not done:
         if run.cancel.is_set():
             return
         n_past = session.n_past
         if n_past + 1 > n_ctx:
+            run.release()
             yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
             return
-        r0 = time.perf_counter()
         k_cap = min(req.k, max_tokens - produced - 1, n_ctx - n_past - 1)
         drf: list[int] = []
         hop_ms = None
@@ -279,7 +290,8 @@ def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEven
                 ctl.drop()
         elif draft is not None:
             ctl.on_result(drf, tokens)
-        wall_ms = (time.perf_counter() - r0) * 1e3
+        r1 = time.perf_counter()
+        wall_ms = (r1 - r0) * 1e3
         if ctl.cost is not None:
             # queue time is the other sessions' forwards, not this loop's overhead
             ctl.cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms)
@@ -292,5 +304,9 @@ def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEven
             if produced >= max_tokens:
                 done = True
                 break
-        yield RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                         proposals, spec_reason=new_reason)
+        ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
+                        proposals, spec_reason=new_reason)
+        if done:
+            run.release()
+        yield ev
+        r0 = r1

@@ -6,6 +6,7 @@ session); the service and other sessions carry on.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from typing import Any, Callable, Iterator
 
@@ -33,14 +34,37 @@ def result_to_proto(out: StepOutcome) -> verifier_pb2.StepResult:
         n_past=out.n_past, n_ctx=out.n_ctx)
 
 
-def event_to_proto(ev: RoundEvent) -> verifier_pb2.GenerateTokensResponse:
-    return verifier_pb2.GenerateTokensResponse(
-        result=verifier_pb2.StepResult(
-            tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
-            hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
-            n_past=ev.n_past, n_ctx=ev.n_ctx),
-        wall_ms=ev.wall_ms, proposals=ev.proposals, cached_prompt_tokens=ev.cached_prompt_tokens,
-        spec_reason=ev.spec_reason, finish=ev.finish)
+def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensResponse:
+    """Consecutive events of one generation as one message."""
+    msg = verifier_pb2.GenerateTokensResponse()
+    for ev in evs:
+        msg.rounds.add(
+            result=verifier_pb2.StepResult(
+                tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
+                hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
+                n_past=ev.n_past, n_ctx=ev.n_ctx),
+            wall_ms=ev.wall_ms, proposals=ev.proposals)
+        if ev.prefill:
+            msg.cached_prompt_tokens = ev.cached_prompt_tokens
+        if ev.spec_reason:
+            msg.spec_reason = ev.spec_reason
+        if ev.finish:
+            msg.finish = ev.finish
+            del msg.rounds[-1]          # the context-full event carries no step
+    return msg
+
+
+_END = object()
+
+
+def _drive(events: Iterator[RoundEvent], out: "queue.SimpleQueue") -> None:
+    """Run a generation on its own thread, handing each event to ``out`` (then _END or the error)."""
+    try:
+        for ev in events:
+            out.put(ev)
+        out.put(_END)
+    except BaseException as exc:  # noqa: BLE001 - handed to the RPC's thread, which reports it
+        out.put(exc)
 
 
 def _abort(context: grpc.ServicerContext, exc: VerifierError):
@@ -101,10 +125,34 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         context.add_callback(_on_end)
         try:
             check(core, req)
-            for ev in run_generation(core, req, cancel, open_draft):
-                yield event_to_proto(ev)
         except VerifierError as exc:
             _abort(context, exc)
+        # The loop runs on its own thread, so it never waits for a message to be
+        # sent; this thread sends what it finished, several rounds per message when
+        # the reader is slower than the engine.
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_drive, args=(run_generation(core, req, cancel, open_draft), out),
+                         name="generation", daemon=True).start()
+        done = False
+        while not done:
+            batch = [out.get()]
+            while True:
+                try:
+                    batch.append(out.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is _END:
+                batch.pop()
+                done = True
+            elif isinstance(batch[-1], BaseException):
+                exc = batch.pop()
+                if batch:
+                    yield events_to_proto(batch)
+                if isinstance(exc, VerifierError):
+                    _abort(context, exc)
+                raise exc
+            if batch:
+                yield events_to_proto(batch)
 
     def VerifyStream(self, request_iterator: Iterator[verifier_pb2.VerifyStreamRequest],
                      context: grpc.ServicerContext) -> Iterator[verifier_pb2.VerifyStreamResponse]:
