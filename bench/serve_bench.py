@@ -149,20 +149,29 @@ def concurrency(path: str, args, batch_max: int) -> dict:
         st.stop()
 
 
-def engine_decode(path: str, ids: list[int], n_tokens: int, threads: int, n_ctx: int) -> float:
-    """The engine's own greedy decode rate (tokens / s) on ``ids``: prefill, then one forward per token."""
-    from services.common.engine import Model
-    m = Model(path)
-    try:
-        s = m.new_session(n_ctx=n_ctx, n_threads=threads)
-        tok, _ = s.prefill(ids)
-        t0 = time.perf_counter()
-        for _ in range(n_tokens - 1):
-            am, _ = s.forward([tok])
-            tok = int(am[0])
-        return (n_tokens - 1) / (time.perf_counter() - t0)
-    finally:
-        m.close()
+class EngineDecoder:
+    """The engine's own greedy decode in this process (services.common.engine), model loaded once."""
+
+    def __init__(self, path: str, threads: int, n_ctx: int):
+        from services.common.engine import Model
+        self.model = Model(path)
+        self.threads, self.n_ctx = threads, n_ctx
+
+    def rate(self, ids: list[int], n_tokens: int) -> float:
+        """Tokens / s of n_tokens - 1 decode steps after prefilling ``ids`` (one forward per token)."""
+        s = self.model.new_session(n_ctx=self.n_ctx, n_threads=self.threads)
+        try:
+            tok, _ = s.prefill(ids)
+            t0 = time.perf_counter()
+            for _ in range(n_tokens - 1):
+                am, _ = s.forward([tok])
+                tok = int(am[0])
+            return (n_tokens - 1) / (time.perf_counter() - t0)
+        finally:
+            s.close()
+
+    def close(self) -> None:
+        self.model.close()
 
 
 def plain_decode(path: str, args) -> dict:
@@ -173,7 +182,9 @@ def plain_decode(path: str, args) -> dict:
     try:
         n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
         ids = _prompt_ids(stub, 7, args.prompt_words, n_vocab)
-        stream_one(stub, ids, 8)
+        stream_one(stub, ids, args.decode_tokens)     # warm-up of both, untimed
+        eng = EngineDecoder(path, args.threads, args.n_ctx)
+        eng.rate(ids, args.decode_tokens)
         ratios, stack_r, eng_r, over, t_ms = [], [], [], [], []
         for rnd in range(args.rounds):
             got = {}
@@ -185,10 +196,11 @@ def plain_decode(path: str, args) -> dict:
                     over.append(r["stats"].overhead_ms)
                     t_ms.append(r["stats"].t_ms)
                 else:
-                    got["engine"] = engine_decode(path, ids, args.decode_tokens, args.threads, args.n_ctx)
+                    got["engine"] = eng.rate(ids, args.decode_tokens)
             stack_r.append(got["stack"])
             eng_r.append(got["engine"])
             ratios.append(got["stack"] / got["engine"])
+        eng.close()
         ov, tm = statistics.median(over), statistics.median(t_ms)
         return {"stack_tok_s": round(statistics.median(stack_r), 2),
                 "engine_tok_s": round(statistics.median(eng_r), 2),
