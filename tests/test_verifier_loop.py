@@ -343,3 +343,71 @@ def test_check_refuses_bad_requests(model_path):
                 check(core, GenerationRequest(**args))
     finally:
         core.close()
+
+
+class _OracleDraft:
+    """A draft link that proposes the true continuation (from a plain run) and can fail.
+
+    Args:
+        truth: prompt + the plain run's output. fail_after: raise DraftUnavailable on that
+            proposal (None: never). wrong_every: every n-th proposal starts with a wrong token.
+    """
+
+    def __init__(self, truth: list[int], fail_after: int | None = None, wrong_every: int = 0):
+        self.truth, self.fail_after, self.wrong_every = truth, fail_after, wrong_every
+        self.history: list[int] = []
+        self.asked: list[int] = []
+        self.closed = False
+
+    def append(self, tokens):
+        self.history += list(tokens)
+
+    def send_propose(self, append, n):
+        self.history += list(append)
+        self.asked.append(n)
+
+    def recv_proposal(self):
+        from services.verifier.generation_loop import DraftUnavailable
+        if self.fail_after is not None and len(self.asked) >= self.fail_after:
+            raise DraftUnavailable("draft service unreachable (UNAVAILABLE: test)")
+        assert self.truth[:len(self.history)] == self.history, "the draft history is not the real one"
+        p = self.truth[len(self.history):len(self.history) + self.asked[-1]]
+        if self.wrong_every and len(self.asked) % self.wrong_every == 0 and p:
+            p = [(p[0] + 1) % 320] + p[1:]
+        return p
+
+    def close(self):
+        self.closed = True
+
+    def cancel(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("fixed_k", [True, False])
+@pytest.mark.parametrize("fail_after,wrong_every", [(None, 0), (None, 3), (4, 0)])
+def test_speculative_loop_gives_the_plain_output_with_in_flight_proposals(model_path, fixed_k, fail_after,
+                                                                        wrong_every):
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 60))
+        link = _OracleDraft(prompt + plain, fail_after, wrong_every)
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, fixed_k=fixed_k)
+        check(core, req)
+        evs = list(run_generation(core, req, threading.Event(), lambda: link))
+        out = tokens_of(evs)
+        assert out[:60] == plain[:60] and len(out) <= 61
+        hits = sum(e.accepted for e in evs)
+        drafts = sum(e.k for e in evs)
+        assert hits + sum(e.k - e.accepted for e in evs) == drafts
+        assert sum(e.proposals for e in evs) == len(link.asked) - (1 if fail_after else 0)
+        reasons = [e.spec_reason for e in evs if e.spec_reason]
+        if fail_after is None:
+            assert reasons == [] and hits > 0
+            assert all(e.k <= 4 for e in evs)
+        else:
+            assert len(reasons) == 1 and "draft service unreachable" in reasons[0]
+        assert link.closed
+    finally:
+        core.close()

@@ -202,14 +202,87 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
             draft.close()
 
 
-def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEvent]:
+class _Drafts:
+    """A speculative generation's draft source: the controller over a draft link.
+
+    ``before`` picks the round's draft (and may start an in-flight proposal),
+    ``after`` collects that proposal and updates the controller. A failing
+    draft service ends speculation for the generation (``reason`` says why).
+    """
+
+    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int]):
+        self.link = link
+        self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel())
+        self.synced = 0              # history tokens the draft service has
+        self.in_flight = False
+        self.reason = ""
+        if link is not None:
+            link.append(prompt)      # indexed while the prompt is prefilled
+            self.synced = len(prompt)
+
+    def _lost(self, exc: DraftUnavailable) -> None:
+        self.reason = f"{exc}; decoded plainly from here on"
+        self.link.cancel()
+        self.link = None
+        self.in_flight = False
+        self.ctl.drop()
+
+    def before(self, history: list[int], k_cap: int, room: int) -> tuple[list[int], float | None, int]:
+        """The round's draft, the blocking draft hop's ms (None: none) and the proposals made.
+
+        Args:
+            history: prompt + output so far (the pending token last).
+            k_cap: the most drafts this round may verify. room: output tokens still allowed.
+        """
+        if self.link is None:
+            return [], None, 0
+        drf: list[int] = []
+        hop_ms, proposals = None, 0
+        try:
+            kind, arg = self.ctl.plan(k_cap)
+            if kind == "cached":
+                drf = arg
+            elif kind == "propose":
+                h0 = time.perf_counter()
+                self.link.send_propose(history[self.synced:], max(1, min(arg, room - 1)))
+                self.synced = len(history)
+                proposal = self.link.recv_proposal()
+                hop_ms = (time.perf_counter() - h0) * 1e3
+                proposals = 1
+                drf = self.ctl.on_proposal(proposal, k_cap)
+            if kind != "propose" and k_cap > 0:
+                n_pf = self.ctl.prefetch_size(len(drf))
+                if n_pf:   # in flight while the forward runs
+                    self.link.send_propose(history[self.synced:], n_pf)
+                    self.synced = len(history)
+                    self.in_flight = True
+        except DraftUnavailable as exc:
+            self._lost(exc)
+        return drf, hop_ms, proposals
+
+    def after(self, drf: list[int], tokens: list[int]) -> int:
+        """Update after the round verified ``drf`` and yielded ``tokens``; returns the proposals collected."""
+        if self.link is None:
+            return 0
+        if not self.in_flight:
+            self.ctl.on_result(drf, tokens)
+            return 0
+        self.in_flight = False
+        try:
+            p = self.link.recv_proposal()
+        except DraftUnavailable as exc:
+            self._lost(exc)
+            return 0
+        self.ctl.on_result(drf, tokens)
+        self.ctl.on_prefetch(p, tokens)
+        return 1
+
+
+def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent]:
     core, req, session = run.core, run.req, run.session
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
-    synced = 0
-    if draft is not None:
-        draft.append(history)        # indexed while the prompt is prefilled
-        synced = len(history)
+    drafts = _Drafts(link, req.k, req.fixed_k, history)
     first, prefill_ms = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
@@ -223,9 +296,9 @@ def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEven
     if done:
         run.release()
     yield ev
-    ctl = SpecController(k=req.k, cost=None if req.fixed_k else CostModel())
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
+    cost = drafts.ctl.cost
     r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
     while not done:
         if run.cancel.is_set():
@@ -236,65 +309,22 @@ def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEven
             yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
             return
         k_cap = min(req.k, max_tokens - produced - 1, n_ctx - n_past - 1)
-        drf: list[int] = []
-        hop_ms = None
-        proposals = 0
-        prefetch = False
-        new_reason = ""
-        if draft is not None:
-            try:
-                kind, arg = ctl.plan(k_cap)
-                if kind == "cached":
-                    drf = arg
-                elif kind == "propose":
-                    n_fetch = max(1, min(arg, max_tokens - produced - 1))
-                    h0 = time.perf_counter()
-                    draft.send_propose(history[synced:], n_fetch)
-                    synced = len(history)
-                    proposal = draft.recv_proposal()
-                    hop_ms = (time.perf_counter() - h0) * 1e3
-                    proposals += 1
-                    drf = ctl.on_proposal(proposal, k_cap)
-                if kind != "propose" and k_cap > 0:
-                    n_pf = ctl.prefetch_size(len(drf))
-                    if n_pf:
-                        draft.send_propose(history[synced:], n_pf)
-                        synced = len(history)
-                        prefetch = True
-            except DraftUnavailable as exc:
-                new_reason = f"{exc}; decoded plainly from here on"
-                draft.cancel()
-                draft = None
-                ctl.drop()
-        feed = [history[-1]] + drf
-        st = run.step(feed, "all", mode)
+        drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
+        st = run.step([history[-1]] + drf, "all", mode)
         k = len(drf)
         r = longest_accepted_prefix(drf, st.argmax)
         if r < k:
             session.rollback(n_past + 1 + r)
             del run.kv_tokens[n_past + 1 + r:]
-        bonus = run.choose(st.argmax[r], st.logits_out)
-        tokens = drf[:r] + [bonus]
+        tokens = drf[:r] + [run.choose(st.argmax[r], st.logits_out)]
         if k == 0 and greedy:
             core.observe_decode(st.forward_ms)
-        if draft is not None and prefetch:
-            try:
-                p = draft.recv_proposal()
-                proposals += 1
-                ctl.on_result(drf, tokens)
-                ctl.on_prefetch(p, tokens)
-            except DraftUnavailable as exc:
-                new_reason = f"{exc}; decoded plainly from here on"
-                draft.cancel()
-                draft = None
-                ctl.drop()
-        elif draft is not None:
-            ctl.on_result(drf, tokens)
+        proposals += drafts.after(drf, tokens)
         r1 = time.perf_counter()
         wall_ms = (r1 - r0) * 1e3
-        if ctl.cost is not None:
+        if cost is not None and drafts.link is not None:
             # queue time is the other sessions' forwards, not this loop's overhead
-            ctl.cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms)
+            cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms)
         history.extend(tokens)
         for t in tokens:
             if t in eos:
@@ -305,7 +335,9 @@ def _rounds(run: _Run, draft: Any, reason: str, t0: float) -> Iterator[RoundEven
                 done = True
                 break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                        proposals, spec_reason=new_reason)
+                        proposals)
+        if drafts.reason and drafts.reason != reason:
+            ev.spec_reason = reason = drafts.reason
         if done:
             run.release()
         yield ev
