@@ -20,6 +20,10 @@ per session back to back, in ``_execute``, the one place a future
 bitwise what the session gets alone (each forward is the same call it makes
 alone; the engine's batch-invariance contract covers chunked prefill).
 
+The step-by-step sessions (VerifyStream and the unary RPCs, for debugging and
+bench/round_overhead.py) do not queue here: they take the engine lock
+directly, between iterations.
+
 No thread of its own: a waiting generation whose turn comes runs the
 iteration itself (flat combining), so a lone generation pays no thread
 hand-off per step. Cancellation: ``run`` gives up a step that has not started
