@@ -13,7 +13,8 @@ What it measures (greedy, speculation off unless said otherwise):
                     prompt and threads, in the same run, alternated over --rounds rounds
                     (the engine is driven in this process through services.common.engine,
                     prefill then one forward per token; the stack's rate is (tokens - 1) /
-                    (time of the last token - time of the first)). ratio = median of the
+                    (time of the last token - the verifier's prefill time), request setup and
+                    the first token's trip included). ratio = median of the
                     per-round stack / engine ratios.
     overhead        the stack's round overhead (stats.overhead_ms: a round's wall time in the
                     verifier's loop minus its forward) against T (stats.t_ms), from the
@@ -100,8 +101,11 @@ def stream_one(stub, ids: list[int], max_tokens: int) -> dict:
             last = now
         if msg.HasField("result"):
             result = msg.result
+    # decode time: up to the last token, minus the verifier's prefill (not from the first token's
+    # arrival, which a late first message would shift)
+    decode_s = (last - t0) - result.stats.prefill_ms / 1e3 if last is not None else 0.0
     return {"ids": list(result.token_ids), "ttft_ms": ((first or time.perf_counter()) - t0) * 1e3,
-            "decode_s": (last - first) if first is not None and last is not None else 0.0,
+            "decode_s": decode_s,
             "stats": result.stats, "wall_s": time.perf_counter() - t0}
 
 
