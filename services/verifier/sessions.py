@@ -441,12 +441,18 @@ class VerifierCore:
         return len(idle)
 
     def close(self) -> None:
-        """Close every session (the prefix cache's too), then the model."""
+        """Close every session (the prefix cache's too), then the model.
+
+        Holds the engine lock meanwhile, so a forward still running (a generation
+        whose RPC outlived the server's grace period) finishes first; a later one
+        fails with EngineError (session closed) instead of touching freed memory.
+        """
         with self._lock:
             sessions = [s for s in self._sessions.values() if s is not None]
             cached = self.prefix_cache.clear()
         for s in sessions:
             s.close()
-        for c in cached:
-            c.close()
-        self.model.close()
+        with self.engine_lock:
+            for c in cached:
+                c.close()
+            self.model.close()
