@@ -10,8 +10,8 @@ What it measures (greedy, speculation off unless said otherwise):
                     the same prompt's output run alone (the 1-client level runs the 8
                     prompts one at a time: the baseline of "one at a time").
     plain decode    the stack's greedy decode rate against the engine's own on the same
-                    prompt and threads, in the same run, alternated over --rounds rounds
-                    (the engine is driven in this process through services.common.engine,
+                    prompt, threads and loaded model, in the same run, alternated over --rounds
+                    rounds (the engine is driven in this process through services.common.engine,
                     prefill then one forward per token; the stack's rate is (tokens - 1) /
                     (time of the last token - the verifier's prefill time), request setup and
                     the first token's trip included). ratio = median of the
@@ -154,11 +154,16 @@ def concurrency(path: str, args, batch_max: int) -> dict:
 
 
 class EngineDecoder:
-    """The engine's own greedy decode in this process (services.common.engine), model loaded once."""
+    """The engine's own greedy decode in this process (services.common.engine).
 
-    def __init__(self, path: str, threads: int, n_ctx: int):
-        from services.common.engine import Model
-        self.model = Model(path)
+    Args:
+        model: a loaded Model; the stack's own verifier model, so both sides read the
+            same weights from the same memory (a second copy can land on other pages,
+            e.g. without huge pages, and decode at another speed).
+    """
+
+    def __init__(self, model, threads: int, n_ctx: int):
+        self.model = model
         self.threads, self.n_ctx = threads, n_ctx
 
     def rate(self, ids: list[int], n_tokens: int) -> float:
@@ -174,9 +179,6 @@ class EngineDecoder:
         finally:
             s.close()
 
-    def close(self) -> None:
-        self.model.close()
-
 
 def plain_decode(path: str, args) -> dict:
     st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, prefix_cache=False,
@@ -187,7 +189,7 @@ def plain_decode(path: str, args) -> dict:
         n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
         ids = _prompt_ids(stub, 7, args.prompt_words, n_vocab)
         stream_one(stub, ids, args.decode_tokens)     # warm-up of both, untimed
-        eng = EngineDecoder(path, args.threads, args.n_ctx)
+        eng = EngineDecoder(st.verifier.core.model, args.threads, args.n_ctx)
         eng.rate(ids, args.decode_tokens)
         ratios, stack_r, eng_r, over, t_ms = [], [], [], [], []
         for rnd in range(args.rounds):
@@ -204,7 +206,6 @@ def plain_decode(path: str, args) -> dict:
             stack_r.append(got["stack"])
             eng_r.append(got["engine"])
             ratios.append(got["stack"] / got["engine"])
-        eng.close()
         ov, tm = statistics.median(over), statistics.median(t_ms)
         return {"stack_tok_s": round(statistics.median(stack_r), 2),
                 "engine_tok_s": round(statistics.median(eng_r), 2),
