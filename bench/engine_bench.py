@@ -75,7 +75,7 @@ class OursRunner:
 
     def __init__(self, model_path: str, threads: int, n_ctx: int):
         try:
-            from services.common import engine
+            from echospec.services.common import engine
         except ImportError as e:  # echospec._engine missing: the cffi module is not built
             raise BenchError(
                 f"cannot import the engine module ({e}); build it with "

@@ -135,6 +135,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--n-ctx {args.n_ctx}: the KV capacity is at most {MAX_CTX} tokens", 2)
     if not -1 <= args.metrics_port <= 65535:
         _die(f"--metrics-port {args.metrics_port}: a port is in [0, 65535] (-1: off)", 2)
+    if not 1 <= args.batch_max <= 256:
+        _die(f"--batch-max {args.batch_max}: sessions per engine iteration must be in [1, 256]", 2)
+    if not 1 <= args.prefill_chunk <= 1 << 20:
+        _die(f"--prefill-chunk {args.prefill_chunk}: must be >= 1", 2)
     ports = [p for p in (args.port, args.verifier_port, args.draft_port) if p]
     if len(set(ports)) != len(ports):
         _die("--port, --verifier-port and --draft-port must differ", 2)
@@ -157,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             processes=args.processes, n_ctx=args.n_ctx, n_threads=args.threads,
                             k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k,
                             metrics_port=args.metrics_port, log_level=args.log_level,
-                            log_format=args.log_format)
+                            log_format=args.log_format, batch_max=args.batch_max,
+                            prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache)
     except StackError as exc:
         msg = str(exc)
         if "metrics port" in msg:
@@ -341,6 +346,7 @@ def _result_json(r) -> dict:
             "t_ms": s.t_ms, "v_ms": s.v_ms, "overhead_ms": s.overhead_ms,
             "overhead_share": s.overhead_share, "prefill_ms": s.prefill_ms,
             "gain": s.gain, "gain_verdict": s.gain_verdict,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
         },
     }
 
@@ -642,6 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INFO (default) logs one line per request")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object per line")
+    p.add_argument("--batch-max", type=int, default=1,
+                   help="sessions the verifier's scheduler serves per iteration (default 1; >= 2 refuses"
+                        " speculation)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens per prefill step: a long prompt never stalls others for longer")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not keep finished generations' KV for reuse by prompts sharing a prefix")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ggufgen
-from services.common.engine import ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, EngineError, Model, sample
+from echospec.services.common.engine import ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, EngineError, Model, sample
 
 RNG = np.random.default_rng(1234)
 TOKENS = [int(t) for t in RNG.integers(0, 320, size=48)]
