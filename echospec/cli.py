@@ -168,18 +168,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if "metrics port" in msg:
             msg += " (--metrics-port)"
         _die(msg)
-    print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
-    print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
-    for name, mp in sorted(stack.metrics_ports.items()):
-        who = "all services" if not args.processes else name
-        print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
-              file=sys.stderr)
-    print(f"echospec: coordinator      listening on {stack.target} (spec default: "
-          f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
-    sys.stderr.flush()
+    # the stack is running: a signal from here on (the announcement included) stops it
     try:
+        print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
+        print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
+        for name, mp in sorted(stack.metrics_ports.items()):
+            who = "all services" if not args.processes else name
+            print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
+                  file=sys.stderr)
+        print(f"echospec: coordinator      listening on {stack.target} (spec default: "
+              f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
+        sys.stderr.flush()
+        # short sleeps: the kernel may deliver the signal to another thread (gRPC's, the child
+        # processes' stderr readers), which does not interrupt this sleep; the handler then runs
+        # when it returns
         while True:
-            time.sleep(3600)
+            time.sleep(0.25)
     except Interrupted as sig:
         print(f"echospec: {sig}: shutting down", file=sys.stderr)
     finally:
@@ -713,11 +717,14 @@ def main(argv: list[str] | None = None) -> int:
     """The `echospec` command. SIGINT/SIGTERM are handled from here on: `serve` stops what it
     started (also mid-startup) and exits 0; the client commands exit 130 (SIGINT) or 143."""
     _install_signal_handlers()
+    # the subcommand from the raw arguments: a signal may land while they are still being parsed
+    raw = sys.argv[1:] if argv is None else argv
+    serving = next((a for a in raw if not a.startswith("-")), None) == "serve"
     try:
         args = parse_args(argv)
         return args.fn(args)
     except Interrupted as sig:
-        if getattr(sig, "signum", None) is not None and "args" in locals() and args.fn is cmd_serve:
+        if serving:
             print(f"echospec: {sig} during startup: stopped what was started", file=sys.stderr)
             return 0
         return 128 + sig.signum
