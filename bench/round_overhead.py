@@ -1,20 +1,21 @@
-"""Per-round overhead of the services: round wall time at the coordinator minus V.
+"""Per-round overhead of the services: a round's wall time minus V.
 
 The overhead is the third term of the gain condition V + overhead < (R + 1) * T
 and taxes every plain decode step, so it is measured here on its own:
 
     echo      a bare bidi-stream message round trip (bytes in, bytes back) on
               a server built like ours: the floor of one hop on this machine,
-              with the queue-fed BidiStream, with DirectStream (the coordinator's
-              client), and with DirectStream after an idle gap of --gap-ms (about
-              T: during a verifier forward both sides' gRPC threads sit idle, and
-              waking them after several ms costs more than back-to-back).
-    link      the coordinator's own VerifierLink driven directly against the
-              verifier: per-round wall - v_ms, one sample per round (p50/mean).
+              with the queue-fed BidiStream back to back and after an idle gap
+              of --gap-ms (about T: during a verifier forward both sides' gRPC
+              threads sit idle, and waking them after several ms costs more).
+    link      a VerifierLink (a round trip per step over VerifyStream) driven
+              directly against the verifier: per-round wall - v_ms, one sample
+              per round (p50/mean): what a loop outside the verifier pays.
     complete, generate
               greedy generations through the coordinator (unary Complete and
               streamed Generate), spec off and on; the figure is the result's
-              stats.overhead_ms (mean per round of one generation), p50/mean
+              stats.overhead_ms (mean per round of one generation, measured
+              by the loop in the verifier), p50/mean
               over the generations, and e2e: the client's wall time per round
               beyond prefill and V. Outputs off vs on must be byte-identical.
 
@@ -52,9 +53,10 @@ import grpc  # noqa: E402
 
 from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc,  # noqa: E402
                          verifier_pb2_grpc)
-from services.common import grpc_util  # noqa: E402
-from services.coordinator.clients import BidiStream, DirectStream, VerifierLink  # noqa: E402
-from services.coordinator.stack import start_stack  # noqa: E402
+from echospec.services.common import grpc_util  # noqa: E402
+from echospec.services.common.streams import BidiStream  # noqa: E402
+from echospec.services.coordinator.clients import VerifierLink  # noqa: E402
+from echospec.services.coordinator.stack import start_stack  # noqa: E402
 
 ECHO_METHOD = "/echospec.bench.Echo/Echo"
 PROMPTS = [
@@ -92,17 +94,16 @@ def echo_server(port: int = 0) -> tuple[grpc.Server, int]:
     return h.server, h.port
 
 
-def echo_rtt(target: str, n: int, gap_ms: float = 0.0, direct: bool = False) -> dict:
+def echo_rtt(target: str, n: int, gap_ms: float = 0.0) -> dict:
     """Round trips of a 32-byte message on one bidi stream.
 
     Args:
         gap_ms: idle time before each round trip (a verifier forward of T ms
             leaves both sides' gRPC threads idle that long; waking them costs).
-        direct: DirectStream (the coordinator's client) instead of the queue-fed BidiStream.
     """
     ch = grpc_util.channel(target, 1 << 20)
     method = ch.stream_stream(ECHO_METHOD)
-    s = DirectStream(method) if direct else BidiStream(method)
+    s = BidiStream(method)
     payload = b"x" * 32
     for _ in range(20):
         s.request(payload)
@@ -149,7 +150,7 @@ def _call(stub, stream: bool, **kw) -> cpb.GenerationResult:
 def generations(target: str, prompts: list[str], max_tokens: int, reps: int) -> dict:
     """Complete and Generate (streamed), spec off and on.
 
-    overhead_ms: the result's stats.overhead_ms (coordinator round wall - V).
+    overhead_ms: the result's stats.overhead_ms (the verifier loop's round wall - V).
     e2e_ms: (client wall - prefill - rounds * V) / rounds per generation: what
     the client pays per round beyond the verifier's forwards (request setup,
     tokenizing and, for Generate, streaming the deltas are in it).
@@ -229,9 +230,8 @@ def main() -> int:
     srv, port = echo_server()
     target = f"127.0.0.1:{port}"
     echo = {"bidi": echo_rtt(target, args.echo_rounds),
-            "direct": echo_rtt(target, args.echo_rounds, direct=True),
-            f"direct_after_{args.gap_ms:g}ms_idle": echo_rtt(target, max(50, args.echo_rounds // 20),
-                                                           args.gap_ms, direct=True)}
+            f"bidi_after_{args.gap_ms:g}ms_idle": echo_rtt(target, max(50, args.echo_rounds // 20),
+                                                         args.gap_ms)}
     srv.stop(0)
     results.append({"echo_rtt_ms": echo})
     with tempfile.TemporaryDirectory() as td:

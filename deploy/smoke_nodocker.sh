@@ -55,7 +55,7 @@ model=$("$P" deploy/model_init.py 2> "$WORK/model-init.log") || fail "model-init
 ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$((PORT + 1)) ECHOSPEC_MIN_N=2 ECHOSPEC_MAX_N=5 \
     "$P" -m echospec.services.draft > "$WORK/draft.log" 2>&1 & pids+=($!)
 ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$((PORT + 2)) ECHOSPEC_MODEL="$model" ECHOSPEC_N_THREADS=2 \
-    ECHOSPEC_N_CTX=2048 ECHOSPEC_MAX_SESSIONS=8 \
+    ECHOSPEC_N_CTX=2048 ECHOSPEC_MAX_SESSIONS=8 ECHOSPEC_DRAFT_TARGET=127.0.0.1:$((PORT + 1)) \
     "$P" -m echospec.services.verifier > "$WORK/verifier.log" 2>&1 & pids+=($!)
 ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$PORT ECHOSPEC_MODEL="$model" \
     ECHOSPEC_DRAFT_TARGET=127.0.0.1:$((PORT + 1)) ECHOSPEC_VERIFIER_TARGET=127.0.0.1:$((PORT + 2)) \

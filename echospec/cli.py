@@ -135,6 +135,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--n-ctx {args.n_ctx}: the KV capacity is at most {MAX_CTX} tokens", 2)
     if not -1 <= args.metrics_port <= 65535:
         _die(f"--metrics-port {args.metrics_port}: a port is in [0, 65535] (-1: off)", 2)
+    if not 1 <= args.batch_max <= 256:
+        _die(f"--batch-max {args.batch_max}: sessions per engine iteration must be in [1, 256]", 2)
+    if not 1 <= args.prefill_chunk <= 1 << 20:
+        _die(f"--prefill-chunk {args.prefill_chunk}: must be >= 1", 2)
     ports = [p for p in (args.port, args.verifier_port, args.draft_port) if p]
     if len(set(ports)) != len(ports):
         _die("--port, --verifier-port and --draft-port must differ", 2)
@@ -157,24 +161,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             processes=args.processes, n_ctx=args.n_ctx, n_threads=args.threads,
                             k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k,
                             metrics_port=args.metrics_port, log_level=args.log_level,
-                            log_format=args.log_format)
+                            log_format=args.log_format, batch_max=args.batch_max,
+                            prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache)
     except StackError as exc:
         msg = str(exc)
         if "metrics port" in msg:
             msg += " (--metrics-port)"
         _die(msg)
-    print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
-    print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
-    for name, mp in sorted(stack.metrics_ports.items()):
-        who = "all services" if not args.processes else name
-        print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
-              file=sys.stderr)
-    print(f"echospec: coordinator      listening on {stack.target} (spec default: "
-          f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
-    sys.stderr.flush()
+    # the stack is running: a signal from here on (the announcement included) stops it
     try:
+        print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
+        print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
+        for name, mp in sorted(stack.metrics_ports.items()):
+            who = "all services" if not args.processes else name
+            print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
+                  file=sys.stderr)
+        print(f"echospec: coordinator      listening on {stack.target} (spec default: "
+              f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
+        sys.stderr.flush()
+        # short sleeps: the kernel may deliver the signal to another thread (gRPC's, the child
+        # processes' stderr readers), which does not interrupt this sleep; the handler then runs
+        # when it returns
         while True:
-            time.sleep(3600)
+            time.sleep(0.25)
     except Interrupted as sig:
         print(f"echospec: {sig}: shutting down", file=sys.stderr)
     finally:
@@ -341,6 +350,7 @@ def _result_json(r) -> dict:
             "t_ms": s.t_ms, "v_ms": s.v_ms, "overhead_ms": s.overhead_ms,
             "overhead_share": s.overhead_share, "prefill_ms": s.prefill_ms,
             "gain": s.gain, "gain_verdict": s.gain_verdict,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
         },
     }
 
@@ -642,6 +652,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INFO (default) logs one line per request")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object per line")
+    p.add_argument("--batch-max", type=int, default=1,
+                   help="sessions the verifier's scheduler serves per iteration (default 1; >= 2 refuses"
+                        " speculation)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens per prefill step: a long prompt never stalls others for longer")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not keep finished generations' KV for reuse by prompts sharing a prefix")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
@@ -700,11 +717,14 @@ def main(argv: list[str] | None = None) -> int:
     """The `echospec` command. SIGINT/SIGTERM are handled from here on: `serve` stops what it
     started (also mid-startup) and exits 0; the client commands exit 130 (SIGINT) or 143."""
     _install_signal_handlers()
+    # the subcommand from the raw arguments: a signal may land while they are still being parsed
+    raw = sys.argv[1:] if argv is None else argv
+    serving = next((a for a in raw if not a.startswith("-")), None) == "serve"
     try:
         args = parse_args(argv)
         return args.fn(args)
     except Interrupted as sig:
-        if getattr(sig, "signum", None) is not None and "args" in locals() and args.fn is cmd_serve:
+        if serving:
             print(f"echospec: {sig} during startup: stopped what was started", file=sys.stderr)
             return 0
         return 128 + sig.signum

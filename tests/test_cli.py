@@ -90,7 +90,8 @@ def test_generate_json_fields(server):
     j = json.loads(r.stdout)
     for key in ("text", "token_ids", "finish_reason", "spec_enabled", "spec_reason", "stats"):
         assert key in j
-    for key in ("tries", "hits", "kv_rolls", "draft_tokens", "t_ms", "v_ms", "overhead_ms"):
+    for key in ("tries", "hits", "kv_rolls", "draft_tokens", "t_ms", "v_ms", "overhead_ms",
+                "cached_prompt_tokens"):
         assert key in j["stats"]
     assert j["spec_enabled"] is True
     assert len(j["token_ids"]) <= 12
@@ -250,6 +251,8 @@ def test_readme_grpcurl_examples(server):
     (["serve", "--n-ctx", "2000000000"], "--n-ctx 2000000000"),
     (["serve", "--threads", "100000"], "--threads 100000"),
     (["serve", "--port", "50998", "--verifier-port", "50998"], "must differ"),
+    (["serve", "--batch-max", "0"], "--batch-max 0"),
+    (["serve", "--prefill-chunk", "0"], "--prefill-chunk 0"),
 ])
 def test_bad_cli_arguments_exit_2_with_a_message(args, message):
     r = run([*ECHOSPEC, *args], check=False, timeout=60)

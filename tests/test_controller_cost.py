@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from echospec.services.coordinator.controller import CostModel, SpecController, best_k, expected_accepted
+from echospec.services.verifier.controller import CostModel, SpecController, best_k, expected_accepted
 
 
 def cost(t: float, slope: float, overhead: float = 0.5, hop: float = 0.4) -> CostModel:

@@ -36,7 +36,9 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def stack(model):
-    st = start_stack(model, n_ctx=256, n_threads=1, metrics_port=0)
+    # n_ctx 2048: a generation to the context's end takes hundreds of ms even for the tiny model
+    # (the verifier runs the loop), so the deadline and cancel requests below end mid-generation
+    st = start_stack(model, n_ctx=2048, n_threads=1, metrics_port=0)
     yield st
     st.stop()
 
@@ -70,6 +72,10 @@ def test_one_json_line_per_request_with_every_field(stack, json_log):
         ok = stub.Complete(cpb.CompleteRequest(text="a b a b a b a", max_tokens=12,
                                                spec=common_pb2.SPEC_MODE_ON), timeout=60,
                            metadata=[("x-request-id", "req-ok-1")]).result
+        # the same prompt again: its KV comes from the verifier's prefix cache
+        again = stub.Complete(cpb.CompleteRequest(text="a b a b a b a", max_tokens=4), timeout=60,
+                              metadata=[("x-request-id", "req-again-5")]).result
+        assert again.stats.cached_prompt_tokens > 0
         with pytest.raises(grpc.RpcError) as bad:
             stub.Complete(cpb.CompleteRequest(text="a", max_tokens=10**6), timeout=60,
                           metadata=[("x-request-id", "req-bad-2")])
@@ -78,19 +84,21 @@ def test_one_json_line_per_request_with_every_field(stack, json_log):
             list(stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000), timeout=0.05,
                                metadata=[("x-request-id", "req-late-3")]))
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        call = stub.Generate(cpb.GenerateRequest(text="a b c", max_tokens=200), timeout=60,
+        call = stub.Generate(cpb.GenerateRequest(text="a b c", max_tokens=2000), timeout=60,
                              metadata=[("x-request-id", "req-cancel-4")])
         next(call)
         call.cancel()
-    lines = {ln["request_id"]: ln for ln in wait_lines(json_log, 4)}
-    assert set(lines) >= {"req-ok-1", "req-bad-2", "req-late-3", "req-cancel-4"}, lines
+    lines = {ln["request_id"]: ln for ln in wait_lines(json_log, 5)}
+    assert set(lines) >= {"req-ok-1", "req-bad-2", "req-late-3", "req-cancel-4", "req-again-5"}, lines
     okl = lines["req-ok-1"]
     assert list(okl)[:4] == ["ts", "level", "logger", "message"] and okl["level"] == "INFO"
     assert all(f in okl for f in FIELDS), okl
     assert okl["code"] == "OK" and okl["rpc"] == "Complete" and okl["spec"] is True
     assert okl["tokens_out"] == ok.completion_tokens and okl["prompt_tokens"] == ok.prompt_tokens
     assert okl["tries"] == ok.stats.tries and okl["hits"] == ok.stats.hits
-    assert okl["kv_rolls"] == ok.stats.kv_rolls and okl["cached_tokens"] == 0
+    assert okl["kv_rolls"] == ok.stats.kv_rolls
+    assert okl["cached_tokens"] == ok.stats.cached_prompt_tokens
+    assert lines["req-again-5"]["cached_tokens"] == again.stats.cached_prompt_tokens
     assert okl["finish_reason"] == "length" and okl["prefill_ms"] > 0
     assert 0 < okl["ttft_ms"] <= okl["e2e_ms"]
     assert okl["tokens_per_s"] == pytest.approx(ok.completion_tokens / (okl["e2e_ms"] / 1e3), rel=0.02)
@@ -155,7 +163,7 @@ def test_vllm_named_metrics_in_seconds_and_errors_by_code(stack):
               for _ in range(2)]
         with pytest.raises(grpc.RpcError):
             stub.Complete(cpb.CompleteRequest(text=""), timeout=60)
-        call = stub.Generate(cpb.GenerateRequest(text="a b c", max_tokens=200), timeout=60)
+        call = stub.Generate(cpb.GenerateRequest(text="a b c", max_tokens=2000), timeout=60)
         next(call)
         inflight = samples(scrape(port))
         call.cancel()

@@ -1,7 +1,6 @@
-"""The coordinator's stream clients (services/coordinator/clients.py): DirectStream,
-driven on the calling thread, and the portable queue-fed BidiStream behave the
-same against a real gRPC server on loopback: responses in order, append-only
-sends, the peer's status, end of stream, cancel from another thread, deadline,
+"""The services' bidi stream client (services/common/streams.py, grpcio's public API)
+against a real gRPC server on loopback: responses in order, append-only sends,
+the peer's status, end of stream, cancel from another thread, deadline,
 half-close. No timings are asserted here (speed lives in bench/round_overhead.py).
 """
 from __future__ import annotations
@@ -13,7 +12,7 @@ import grpc
 import pytest
 
 from echospec.services.common import grpc_util
-from echospec.services.coordinator.clients import BidiStream, DirectStream, StreamError, open_stream
+from echospec.services.common.streams import BidiStream
 
 SERVICE = "echospec.test.Echo"
 METHOD = f"/{SERVICE}/Echo"
@@ -57,7 +56,7 @@ def echo():
     h.server.stop(0).wait()
 
 
-KINDS = [BidiStream, DirectStream]
+KINDS = [BidiStream]
 
 
 @pytest.mark.parametrize("cls", KINDS)
@@ -135,39 +134,6 @@ def test_close_half_closes_and_the_server_ends_the_stream(echo, cls):
     s.close()  # idempotent
     assert handler.ended.wait(10)
     s.send(b"after close")  # ignored, no error
-
-
-def test_direct_stream_errors_are_rpc_errors():
-    e = StreamError(grpc.StatusCode.NOT_FOUND, "gone")
-    assert isinstance(e, grpc.RpcError)
-    assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND, "gone")
-
-
-def test_open_stream_prefers_direct_and_falls_back_for_other_callables(echo):
-    method, _ = echo
-    s = open_stream(method)
-    assert isinstance(s, DirectStream)
-    s.close()
-
-    def plain(request_iterator, timeout=None):  # not a grpcio channel callable
-        return iter(())
-
-    with pytest.raises(TypeError):
-        DirectStream(plain)
-    fb = open_stream(plain)
-    assert isinstance(fb, BidiStream)
-    fb.close()
-
-
-def test_many_direct_streams_on_one_channel_all_finish(echo):
-    method, handler = echo
-    for i in range(200):
-        s = DirectStream(method)
-        assert s.request(b"%d" % i) == b"re:%d" % i
-        if i % 2:
-            s.cancel()
-        s.close()
-        assert s._due == 0  # every batch collected: nothing left on the call's queue
 
 
 @pytest.mark.parametrize("cls", KINDS)

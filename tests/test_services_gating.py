@@ -3,7 +3,7 @@ import pytest
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.common.metrics import SpecCounters
-from echospec.services.coordinator.controller import SpecController
+from echospec.services.verifier.controller import SpecController
 from echospec.services.coordinator.gating import MODE_OFF, MODE_ON, MODE_UNSPECIFIED, VerifierCaps, decide_spec
 
 OK_CAPS = VerifierCaps()

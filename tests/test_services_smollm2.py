@@ -98,3 +98,27 @@ def test_random_text_prompts_spec_on_off_identical(stub):
         off = complete(stub, text=text, max_tokens=32, spec=OFF)
         on = complete(stub, text=text, max_tokens=32, spec=ON)
         assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
+
+
+def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2):
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    st = start_stack(smollm2, spec=False, n_ctx=1024, batch_max=8)
+    ch = grpc.insecure_channel(st.target)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        rng = random.Random(8)
+        words = "the a kestrel sky blue red code list one two three falcon river stone".split()
+        jobs = [dict(text=" ".join(rng.choice(words) for _ in range(rng.randrange(3, 40))), max_tokens=24)
+                for _ in range(8)]
+        sequential = [complete(stub, **j) for j in jobs]
+        with ThreadPoolExecutor(8) as pool:
+            concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
+        for a, b in zip(sequential, concurrent):
+            assert list(a.token_ids) == list(b.token_ids) and a.text.encode() == b.text.encode()
+        refused = complete(stub, text=jobs[0]["text"], max_tokens=4, spec=ON)
+        assert not refused.spec_enabled and "batch_max 8 >= 2" in refused.spec_reason
+    finally:
+        ch.close()
+        st.stop()

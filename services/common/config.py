@@ -51,6 +51,12 @@ class VerifierConfig:
     max_k: int = 32              # largest draft a Verify accepts
     max_sessions: int = 64       # sessions holding a KV cache at once
     session_idle_s: float = 300.0  # unary sessions are freed after this idle time
+    draft_target: str = ""       # draft service host:port for speculative generations ("": none)
+    batch_max: int = 1           # sessions per scheduler iteration (>= 2: speculation is refused)
+    batch_tokens: int = 512      # tokens per scheduler iteration
+    prefill_chunk: int = 256     # prompt tokens per prefill step (chunked prefill)
+    prefix_cache: bool = True    # keep finished generations' KV for prefix reuse
+    prefix_cache_sessions: int = 4  # idle sessions (one KV cache each) the prefix cache keeps
     max_workers: int = 96
     max_concurrent_rpcs: int = 88  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES

@@ -60,6 +60,7 @@ class SpecCounters:
     wall_ms_total: float = 0.0
     t_ms: float = 0.0
     prefill_ms: float = 0.0
+    cached_prompt_tokens: int = 0     # prompt tokens whose KV the verifier reused
 
     def add_round(self, k: int, accepted: int, v_ms: float, wall_ms: float, t_ms: float) -> None:
         """Record one verify round.
@@ -67,7 +68,7 @@ class SpecCounters:
         Args:
             k: drafts verified (K >= 0). accepted: R, 0 <= R <= K.
             v_ms: the verifier's forward + rollback time. wall_ms: the round's
-                wall time at the coordinator (draft hop included, if any).
+                wall time in the verifier's generation loop (draft wait included).
             t_ms: the verifier's current T estimate.
         Raises:
             ValueError: R outside [0, K].
@@ -142,7 +143,7 @@ class RequestRecord:
     """What one coordinator request did: the per-request log line and the request metrics.
 
     Times are seconds from the request's arrival; ``ttft_s`` is None until a token is out.
-    ``cached_tokens`` counts prompt tokens whose KV was reused: always 0 (no prefix cache yet).
+    ``cached_tokens`` counts prompt tokens whose KV the verifier's prefix cache supplied.
     """
 
     request_id: str

@@ -1,5 +1,6 @@
-"""CoordinatorService servicer: requests -> prompt + params, gating, the
-generation loop (generation.py) over verifier/draft streams, and results.
+"""CoordinatorService servicer: requests -> prompt + params, gating, one
+GenerateTokens call to the verifier per generation (the loop runs there and
+consults the draft service itself), text and results (generation.py).
 
 Status codes: malformed requests INVALID_ARGUMENT (one prompt form, token ids
 in the vocabulary, non-empty prompt, max_tokens / k / stop limits, chat
@@ -27,10 +28,9 @@ from echospec.services.common.chat_template import ChatTemplate, ChatTemplateErr
 from echospec.services.common.config import CoordinatorConfig
 from echospec.services.common.metrics import PromMetrics, RequestRecord
 from echospec.services.common.tokenizer import Tokenizer
-from echospec.services.coordinator.controller import CostModel
-from echospec.services.coordinator.clients import DraftLink, VerifierFailure, VerifierLink
+from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
-from echospec.services.coordinator.generation import Delta, GenerationParams, Outcome, generate
+from echospec.services.coordinator.generation import Delta, GenerationError, GenerationParams, Outcome, generate
 
 log = logging.getLogger("echospec.coordinator")
 
@@ -70,7 +70,7 @@ def stats_to_proto(c) -> common_pb2.SpecStats:
         mean_acceptance_length=c.mean_acceptance_length,
         mean_accepted_per_round=c.mean_accepted_per_round, t_ms=c.t_ms, v_ms=c.v_ms,
         overhead_ms=c.overhead_ms, overhead_share=c.overhead_share, prefill_ms=c.prefill_ms,
-        gain=gain, gain_verdict=verdict)
+        gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens)
 
 
 def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
@@ -86,7 +86,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     Args:
         config: defaults and limits (spec, k, max_tokens, ...).
         tokenizer, template: built from the GGUF.
-        verifier_channel, draft_channel: channels to the downstream services.
+        verifier_channel, draft_channel: channels to the downstream services
+            (generations reach the draft service through the verifier).
     """
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, template: ChatTemplate,
@@ -209,6 +210,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     rec.finish_reason = _finish_name(ev.finish_reason)
                     rec.spec = ev.spec_enabled
                     rec.counters = ev.counters
+                    rec.cached_tokens = ev.counters.cached_prompt_tokens
                 yield ev
             error = False
         finally:
@@ -234,30 +236,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         timeout = context.time_remaining()
         if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
             timeout = None
-        links: list[Any] = []
-
-        def _cancel() -> None:
-            for link in links:
-                link.cancel()
-
-        verifier = VerifierLink(self.verifier, timeout)
-        links.append(verifier)
-        draft = None
-        if params.spec:
-            draft = DraftLink(self.draft, timeout)
-            links.append(draft)
-        context.add_callback(_cancel)
+        link = GenerationLink(self.verifier, verifier_pb2.GenerateTokensRequest(
+            prompt=prompt, max_tokens=params.max_tokens, eos_ids=sorted(self.tokenizer.eos_ids),
+            sampling=params.sampling, spec=params.spec, k=params.k,
+            fixed_k=not self.config.adaptive_k), timeout)
+        context.add_callback(link.cancel)
         try:
-            # each generation measures its own T, V(K) and overhead (they depend on its context
-            # depth); None: always draft up to k
-            cost = CostModel() if self.config.adaptive_k else None
-            yield from generate(prompt, params, self.tokenizer, verifier, draft, cost=cost)
+            yield from generate(prompt, params, self.tokenizer, link)
         except VerifierFailure as exc:
             if context.is_active():
                 context.abort(exc.code, str(exc))
+        except GenerationError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
-            for link in links:
-                link.close()
+            link.cancel()
 
     def Generate(self, request: coordinator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:

@@ -119,6 +119,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 n_ctx: int = 2048, n_threads: int = 0, k: int = 4, max_tokens: int = 256,
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
                 metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
+                batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
                 max_message_bytes: int | None = None, ready_timeout_s: float = 180.0) -> Stack:
     """Start draft, verifier and coordinator on ``host``.
 
@@ -138,6 +139,9 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
             and draft each serve theirs on a free port (``Stack.metrics_ports``).
         log_level, log_format: the services' logging (processes mode: passed to each child;
             threads mode: the caller configures logging, see services/common/logs.py).
+        batch_max: verifier sessions per scheduler iteration (>= 2 refuses speculation).
+        prefill_chunk: prompt tokens per prefill step (chunked prefill).
+        prefix_cache: keep finished generations' KV for prefix reuse.
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
@@ -150,7 +154,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                        metrics_port=side_metrics)
     side_metrics2 = _free_port(host) if processes and metrics_port >= 0 else -1
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
-                          n_threads=n_threads, max_sessions=max_sessions, **msg, **logc,
+                          n_threads=n_threads, max_sessions=max_sessions, batch_max=batch_max,
+                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, **msg, **logc,
                           metrics_port=side_metrics2)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
                              max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port,
@@ -177,6 +182,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
             raise StackError(f"draft service: {exc}") from exc
         stack._servers["draft"] = dhandle
         stack.draft_port = dhandle[0].port
+        vcfg = dataclasses.replace(vcfg, draft_target=f"{dcfg.host}:{stack.draft_port}")
         try:
             v = vserver.start(vcfg, rpc_metrics)
         except Exception as exc:
@@ -215,7 +221,8 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
                      ready_timeout_s: float) -> Stack:
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
-    vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host))
+    vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host),
+                               draft_target=f"{dcfg.host}:{dcfg.port}")
     ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
                                verifier_target=f"{vcfg.host}:{vcfg.port}",
                                draft_target=f"{dcfg.host}:{dcfg.port}",

@@ -41,6 +41,18 @@ class VerifierServer:
         self.core.close()
 
 
+def _draft_opener(config: VerifierConfig):
+    """(timeout) -> DraftLink on config.draft_target; None when no draft service is configured."""
+    if not config.draft_target:
+        return None
+    from echospec.v1 import draft_pb2_grpc
+    from echospec.services.verifier.draft_link import DraftLink
+
+    stub = draft_pb2_grpc.DraftServiceStub(
+        grpc_util.channel(config.draft_target, config.max_message_bytes))
+    return lambda timeout: DraftLink(stub, timeout)
+
+
 def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     """Bind, load the GGUF into the engine, warm up (measures T), then SERVING.
 
@@ -54,7 +66,7 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics)
-    servicer = VerifierServicer(None)
+    servicer = VerifierServicer(None, _draft_opener(config))
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:   # before the model loads: a busy port is found at once
         try:

@@ -6,14 +6,17 @@ session); the service and other sessions carry on.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+import queue
+import threading
+from typing import Any, Callable, Iterator
 
 import grpc
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from echospec.services.common.engine import simd_name
-from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome, VerifierCore,
-                                        VerifierError, VerifierSession)
+from echospec.services.verifier.generation_loop import GenerationRequest, RoundEvent, check, run_generation
+from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome,
+                                                 VerifierCore, VerifierError, VerifierSession)
 
 log = logging.getLogger("echospec.verifier")
 
@@ -31,6 +34,39 @@ def result_to_proto(out: StepOutcome) -> verifier_pb2.StepResult:
         n_past=out.n_past, n_ctx=out.n_ctx)
 
 
+def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensResponse:
+    """Consecutive events of one generation as one message."""
+    msg = verifier_pb2.GenerateTokensResponse()
+    for ev in evs:
+        msg.rounds.add(
+            result=verifier_pb2.StepResult(
+                tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
+                hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
+                n_past=ev.n_past, n_ctx=ev.n_ctx),
+            wall_ms=ev.wall_ms, proposals=ev.proposals)
+        if ev.prefill:
+            msg.cached_prompt_tokens = ev.cached_prompt_tokens
+        if ev.spec_reason:
+            msg.spec_reason = ev.spec_reason
+        if ev.finish:
+            msg.finish = ev.finish
+            del msg.rounds[-1]          # the context-full event carries no step
+    return msg
+
+
+_END = object()
+
+
+def _drive(events: Iterator[RoundEvent], out: "queue.SimpleQueue") -> None:
+    """Run a generation on its own thread, handing each event to ``out`` (then _END or the error)."""
+    try:
+        for ev in events:
+            out.put(ev)
+        out.put(_END)
+    except BaseException as exc:  # noqa: BLE001 - handed to the RPC's thread, which reports it
+        out.put(exc)
+
+
 def _abort(context: grpc.ServicerContext, exc: VerifierError):
     context.abort(getattr(grpc.StatusCode, exc.kind), exc.message)
 
@@ -38,8 +74,10 @@ def _abort(context: grpc.ServicerContext, exc: VerifierError):
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     """Thin servicer over a VerifierCore (None until the model is loaded and warm)."""
 
-    def __init__(self, core: VerifierCore | None = None):
+    def __init__(self, core: VerifierCore | None = None,
+                 open_draft: Callable[[float | None], Any] | None = None):
         self.core = core
+        self.open_draft = open_draft   # (timeout s) -> DraftLink; None: no draft service
 
     def _core(self, context: grpc.ServicerContext) -> VerifierCore:
         core = self.core
@@ -52,9 +90,69 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         cfg = core.config
         return verifier_pb2.GetConfigResponse(
             model=cfg.model, arch=core.model.info.arch, n_vocab=core.n_vocab, n_ctx=cfg.n_ctx,
-            n_threads=cfg.n_threads, batch_max=1, kv_eviction="none", sparse_attention=False,
-            max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
-            active_sessions=core.active_sessions)
+            n_threads=cfg.n_threads, batch_max=cfg.batch_max, kv_eviction="none",
+            sparse_attention=False, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
+            active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
+            cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk)
+
+    def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
+                       context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:
+        """A whole generation (generation_loop.py); cancelling the call ends it and
+        frees its engine step at once (a step already running finishes first)."""
+        core = self._core(context)
+        req = GenerationRequest(
+            prompt=list(request.prompt), max_tokens=request.max_tokens,
+            eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
+            spec=request.spec, k=request.k, fixed_k=request.fixed_k)
+        cancel = threading.Event()
+        drafts: list[Any] = []
+
+        def _on_end() -> None:
+            cancel.set()
+            core.scheduler.wake()
+            for d in drafts:
+                d.cancel()
+
+        open_draft = None
+        if self.open_draft is not None:
+            timeout = context.time_remaining()
+            timeout = None if timeout is None or timeout > 1e6 else timeout
+
+            def open_draft():
+                d = self.open_draft(timeout)
+                drafts.append(d)
+                return d
+        context.add_callback(_on_end)
+        try:
+            check(core, req)
+        except VerifierError as exc:
+            _abort(context, exc)
+        # The loop runs on its own thread, so it never waits for a message to be
+        # sent; this thread sends what it finished, several rounds per message when
+        # the reader is slower than the engine.
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_drive, args=(run_generation(core, req, cancel, open_draft), out),
+                         name="generation", daemon=True).start()
+        done = False
+        while not done:
+            batch = [out.get()]
+            while True:
+                try:
+                    batch.append(out.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is _END:
+                batch.pop()
+                done = True
+            elif isinstance(batch[-1], BaseException):
+                exc = batch.pop()
+                if batch:
+                    yield events_to_proto(batch)
+                if isinstance(exc, VerifierError):
+                    _abort(context, exc)
+                raise exc
+            if batch:
+                yield events_to_proto(batch)
 
     def VerifyStream(self, request_iterator: Iterator[verifier_pb2.VerifyStreamRequest],
                      context: grpc.ServicerContext) -> Iterator[verifier_pb2.VerifyStreamResponse]:

@@ -20,7 +20,11 @@ Sampling sessions (temperature > 0) only take K = 0 steps: one forward over
 [pending] with the last logits row, and the engine's sampler with the
 session's RNG state (seeded from the request seed).
 Forward calls of all sessions are serialized by one engine lock: each call
-uses every engine thread.
+uses every engine thread. Whole generations (GenerateTokens) run in
+generation_loop.py; their forwards go through the scheduler
+(scheduler.py), which takes the same lock, and their sessions come from and
+return to the prefix cache (prefix_cache.py) through VerifierCore.acquire
+and release.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from typing import Sequence
 
 from echospec.services.common.config import VerifierConfig
 from echospec.services.common.engine import EngineError, Model, Session, sample
+from echospec.services.verifier.prefix_cache import PrefixCache
+from echospec.services.verifier.scheduler import Scheduler
 
 
 class VerifierError(Exception):
@@ -256,11 +262,22 @@ class VerifierSession:
         self.core._forget(self)
 
 
+def engine_error(exc: EngineError, who: str) -> Exception:
+    """An engine failure as the VerifierError the client gets (others stay EngineError)."""
+    if exc.name == "ES_ERR_CAPACITY":
+        return ResourceExhausted(f"{who}: {exc.message}")
+    if exc.name == "ES_ERR_INVALID_ARG":
+        return InvalidArgument(f"{who}: {exc.message}")
+    return exc
+
+
 class VerifierCore:
-    """The loaded model, the engine lock, T, and the session registry.
+    """The loaded model, the engine lock, T, the session registry, the
+    scheduler and the prefix cache.
 
     Args:
-        config: model path, n_ctx, n_threads, max_k, max_sessions, idle timeout.
+        config: model path, n_ctx, n_threads, max_k, max_sessions, idle timeout,
+            batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Raises:
         EngineError: the model cannot be loaded (status and message from the engine).
         InvalidArgument: n_ctx too small or larger than the model's training context.
@@ -279,11 +296,73 @@ class VerifierCore:
         self._named: dict[str, VerifierSession] = {}      # unary (addressable) sessions
         self.t_ms = 0.0
         self._t_alpha = 0.1
+        self.scheduler = Scheduler(self.engine_lock, config.batch_max, config.batch_tokens,
+                                   config.prefill_chunk)
+        self.prefix_cache = PrefixCache(config.prefix_cache_sessions if config.prefix_cache else 0)
+        self._gen_active = 0                              # sessions held by generations
 
     @property
     def active_sessions(self) -> int:
+        """Sessions in use by streams, unary clients and generations (not the idle cached ones)."""
         with self._lock:
-            return len(self._sessions)
+            return len(self._sessions) + self._gen_active
+
+    @property
+    def cached_sessions(self) -> int:
+        with self._lock:
+            return len(self.prefix_cache)
+
+    def acquire(self, prompt: Sequence[int]) -> tuple[Session, int]:
+        """An engine session for a generation of ``prompt``, and how many prompt tokens it already holds.
+
+        Takes the prefix cache's session sharing the longest prefix with the
+        prompt and rolls its KV back to that prefix; else allocates a session
+        (evicting idle cached sessions first when max_sessions are open).
+        Raises:
+            ResourceExhausted: max_sessions in use, or no memory for a KV cache.
+        """
+        evicted = []
+        with self._lock:
+            session, n = self.prefix_cache.take(prompt)
+            if session is None:
+                while (len(self._sessions) + self._gen_active + len(self.prefix_cache)
+                       >= self.config.max_sessions):
+                    old = self.prefix_cache.evict_lru()
+                    if old is None:
+                        raise ResourceExhausted(
+                            f"{len(self._sessions) + self._gen_active} sessions already open"
+                            f" (max_sessions {self.config.max_sessions})")
+                    evicted.append(old)
+            self._gen_active += 1
+        for old in evicted:
+            old.close()
+        if session is not None:
+            session.rollback(n)
+            return session, n
+        try:
+            return self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.config.n_threads), 0
+        except EngineError as exc:
+            with self._lock:
+                self._gen_active -= 1
+            if exc.name == "ES_ERR_NOMEM":
+                raise ResourceExhausted(f"cannot allocate a session: {exc.message}") from None
+            raise
+
+    def release(self, session: Session, kv_tokens: Sequence[int] | None) -> None:
+        """Give back a generation's session.
+
+        Args:
+            kv_tokens: the tokens in its KV cache, in order (positions beyond
+                them are rolled back first); None: free it (state unknown).
+        """
+        keep = kv_tokens is not None and len(kv_tokens) > 0
+        if keep and session.n_past > len(kv_tokens):
+            session.rollback(len(kv_tokens))
+        with self._lock:
+            self._gen_active -= 1
+            evicted = self.prefix_cache.put(session, kv_tokens) if keep else [session]
+        for s in evicted:
+            s.close()
 
     def observe_decode(self, ms: float) -> None:
         """Fold one plain decode step's time into T (exponential moving average)."""
@@ -309,13 +388,20 @@ class VerifierCore:
         Raises:
             ResourceExhausted: max_sessions already open, or no memory for the KV cache.
         """
+        evicted = []
         with self._lock:
-            if len(self._sessions) >= self.config.max_sessions:
-                raise ResourceExhausted(
-                    f"{len(self._sessions)} sessions already open (max_sessions {self.config.max_sessions})")
+            while len(self._sessions) + self._gen_active + len(self.prefix_cache) >= self.config.max_sessions:
+                old = self.prefix_cache.evict_lru()
+                if old is None:
+                    raise ResourceExhausted(
+                        f"{len(self._sessions) + self._gen_active} sessions already open"
+                        f" (max_sessions {self.config.max_sessions})")
+                evicted.append(old)
             sid = uuid.uuid4().hex
             # reserve the slot before the (slow) allocation
             self._sessions[sid] = None  # type: ignore[assignment]
+        for old in evicted:
+            old.close()
         try:
             es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.config.n_threads)
         except EngineError as exc:
@@ -355,9 +441,18 @@ class VerifierCore:
         return len(idle)
 
     def close(self) -> None:
-        """Close every session, then the model."""
+        """Close every session (the prefix cache's too), then the model.
+
+        Holds the engine lock meanwhile, so a forward still running (a generation
+        whose RPC outlived the server's grace period) finishes first; a later one
+        fails with EngineError (session closed) instead of touching freed memory.
+        """
         with self._lock:
             sessions = [s for s in self._sessions.values() if s is not None]
+            cached = self.prefix_cache.clear()
         for s in sessions:
             s.close()
-        self.model.close()
+        with self.engine_lock:
+            for c in cached:
+                c.close()
+            self.model.close()

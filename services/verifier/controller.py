@@ -1,13 +1,21 @@
 """Spec controller: decides, per round, where the draft comes from. Pure logic.
 
-Per round the coordinator has three choices:
+It runs in the verifier's generation loop (generation_loop.py), which consults
+the draft service itself. Per round there are three choices:
     cached  the unused tail of an earlier proposal still continues the
             history (the previous round accepted every draft and the bonus
             token equalled the next cached token): draft from the cache, no
-            draft round trip (one hop on the round's critical path);
+            draft round trip on the round's critical path;
     propose ask the draft service (append the new tokens + propose in one
-            stream message): two hops;
-    none    plain decode step (K = 0): one hop.
+            stream message) and wait for it before the forward;
+    none    plain decode step (K = 0).
+In-flight proposal: when a cached or plain round would leave fewer than k
+cached tokens, the loop also sends a proposal for the history as it stands
+(pending token included) before the round's forward and collects it after:
+the draft service works while the engine does. A proposal made on history h
+predicts the tokens after h; after the round produced the tokens t
+(accepted drafts + bonus) it is still valid when it starts with t, and its
+remainder becomes the cache (``on_prefetch``).
 
 Back-off: a proposal that comes back empty, or a verified draft with R = 0,
 is a miss; after m consecutive misses the next proposal waits
@@ -49,7 +57,7 @@ class CostModel:
     Exponential moving averages (weight ``alpha`` on the newest sample):
         t_ms          plain decode step (the verifier's own T)
         v_ms[K]       verify of K drafts (verifier forward + rollback)
-        overhead_ms   round wall time at the coordinator minus the verifier's time
+        overhead_ms   round wall time in the generation loop minus the forward time
         hop_ms        draft service round trip
     V(K) for a K not yet measured comes from V(K) = T * (1 + slope * K),
     slope fitted to the measured ratios (default ``prior_slope``).
@@ -94,7 +102,6 @@ class CostModel:
                 return self.v_ms[k]
             t = self.v_ms.get(0) or self.t_ms or 1.0
             return t * (1.0 + self.slope() * k)
-
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -216,6 +223,32 @@ class SpecController:
         self.cache = []
         self.misses += 1
         self.skip = min(2 ** (self.misses - 1), self.max_skip)
+
+    def prefetch_size(self, n_draft: int) -> int:
+        """Tokens to ask for in flight during a round that drafts ``n_draft`` cached
+        tokens (0: plain step); 0 when the cache still covers the next round or
+        the back-off is skipping proposals.
+        """
+        if self.k <= 0 or self.skip > 0:
+            return 0
+        if len(self.cache) - n_draft - 1 >= self.k:
+            return 0
+        return max(1, self.fetch_factor * self.k)
+
+    def on_prefetch(self, proposal: list[int], tokens: list[int]) -> None:
+        """Take an in-flight proposal made on the history before a round that yielded ``tokens``.
+
+        It replaces the cache when it starts with ``tokens`` (its remainder
+        continues the new history); an empty proposal is a miss; one that
+        disagrees with the round's tokens is dropped.
+        """
+        if not proposal:
+            if not self.cache:
+                self._miss()
+            return
+        n = len(tokens)
+        if len(proposal) > n and proposal[:n] == list(tokens):
+            self.cache = list(proposal[n:])
 
     def drop(self) -> None:
         """Forget the cache (the draft service went away)."""

@@ -1,0 +1,298 @@
+"""Serving benchmark: the whole stack (coordinator -> verifier -> engine) under concurrent clients.
+
+What it measures (greedy, speculation off unless said otherwise):
+
+    concurrency     for batch_max 1 and 8 (a fresh stack each, prefix cache off so every
+                    request prefills): 1, 2, 4, 8 clients at once, each streaming one
+                    generation of a distinct prompt. aggregate_tok_s = output tokens of all
+                    clients / wall time of the level; ttft_ms = time to the first streamed
+                    token, per client (p50, max); identical = every client's output equals
+                    the same prompt's output run alone (the 1-client level runs the 8
+                    prompts one at a time: the baseline of "one at a time").
+    plain decode    the stack's greedy decode rate against the engine's own on the same
+                    prompt, threads and loaded model, in the same run, alternated over --rounds
+                    rounds (the engine is driven in this process through services.common.engine,
+                    prefill then one forward per token; the stack's rate is (tokens - 1) /
+                    (time of the last token - the verifier's prefill time), request setup and
+                    the first token's trip included). ratio = median of the
+                    per-round stack / engine ratios.
+    overhead        the stack's round overhead (stats.overhead_ms: a round's wall time in the
+                    verifier's loop minus its forward) against T (stats.t_ms), from the
+                    plain decode runs.
+    prefix          a ~--long-tokens prompt sent twice to a stack with the prefix cache on
+                    (max_tokens 1): the first and second TTFT, their ratio and the second's
+                    cached_prompt_tokens.
+
+Usage:
+    .venv/bin/python bench/serve_bench.py                 # SmolLM2 (fetched on first use), a table
+    .venv/bin/python bench/serve_bench.py --json          # one JSON object on stdout
+    .venv/bin/python bench/serve_bench.py --model tiny --quick    # a sanity run in seconds
+Progress goes to stderr. All times are ms unless the key says otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in the services' entry points
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import grpc  # noqa: E402
+
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
+from echospec.services.coordinator.stack import start_stack  # noqa: E402
+
+OFF = common_pb2.SPEC_MODE_OFF
+WORDS = ("the river runs past the old stone mill where a kestrel hunts over blue fields and "
+         "one two three children count the falcons while code lists grow in the red house").split()
+
+
+def log(msg: str) -> None:
+    print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def _model_path(name: str, tmp: Path) -> str:
+    if name == "tiny":
+        from ggufgen import write_tiny_model
+        p = tmp / "tiny-llama.gguf"
+        write_tiny_model(p, arch="llama", n_vocab=320, n_ctx_train=2048, seed=0)
+        return str(p)
+    if name:
+        return name
+    return subprocess.check_output([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
+                                   text=True).strip().splitlines()[-1]
+
+
+def _prompt_ids(stub, seed: int, n_words: int, n_vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(WORDS) for _ in range(n_words))
+    ids = list(stub.Tokenize(cpb.TokenizeRequest(text=text)).token_ids)
+    return ids or [rng.randrange(3, n_vocab) for _ in range(n_words)]
+
+
+def stream_one(stub, ids: list[int], max_tokens: int) -> dict:
+    """One streamed generation: output ids, TTFT, the last token's time, the result's stats."""
+    t0 = time.perf_counter()
+    first = last = None
+    result = None
+    for msg in stub.Generate(cpb.GenerateRequest(token_ids=ids, max_tokens=max_tokens, spec=OFF,
+                                                 temperature=0.0), timeout=1800):
+        now = time.perf_counter()
+        if msg.token_ids:
+            first = now if first is None else first
+            last = now
+        if msg.HasField("result"):
+            result = msg.result
+    # decode time: up to the last token, minus the verifier's prefill (not from the first token's
+    # arrival, which a late first message would shift)
+    decode_s = (last - t0) - result.stats.prefill_ms / 1e3 if last is not None else 0.0
+    return {"ids": list(result.token_ids), "ttft_ms": ((first or time.perf_counter()) - t0) * 1e3,
+            "decode_s": decode_s,
+            "stats": result.stats, "wall_s": time.perf_counter() - t0}
+
+
+def concurrency(path: str, args, batch_max: int) -> dict:
+    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_max=batch_max,
+                     prefix_cache=False, max_tokens=args.max_tokens)
+    ch = grpc.insecure_channel(st.target)
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    try:
+        n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
+        prompts = [_prompt_ids(stub, 100 + i, args.prompt_words, n_vocab) for i in range(max(args.clients))]
+        stream_one(stub, prompts[0], 8)  # warm the channel and the engine
+        levels = {}
+        alone: dict[int, list[int]] = {}
+        for n in args.clients:
+            t0 = time.perf_counter()
+            if n == 1:  # one at a time: every prompt alone, in turn
+                runs = [stream_one(stub, p, args.max_tokens) for p in prompts]
+            else:
+                runs = [None] * n
+                def client(i):  # noqa: E306
+                    runs[i] = stream_one(stub, prompts[i], args.max_tokens)
+                ths = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+                for t in ths:
+                    t.start()
+                for t in ths:
+                    t.join()
+            wall = time.perf_counter() - t0
+            for i, r in enumerate(runs):
+                alone.setdefault(i, r["ids"])
+            toks = sum(len(r["ids"]) for r in runs)
+            ttft = [r["ttft_ms"] for r in runs]
+            levels[str(n)] = {"clients": n, "aggregate_tok_s": round(toks / wall, 2), "tokens": toks,
+                              "seconds": round(wall, 3), "ttft_ms_p50": round(_pct(ttft, 0.5), 2),
+                              "ttft_ms_max": round(max(ttft), 2),
+                              "identical": all(r["ids"] == alone[i] for i, r in enumerate(runs))}
+            log(f"batch_max {batch_max}, {n} clients: {levels[str(n)]['aggregate_tok_s']} tok/s, "
+                f"TTFT p50 {levels[str(n)]['ttft_ms_p50']} ms")
+        base = levels.get("1", {}).get("aggregate_tok_s") or 0.0
+        for lv in levels.values():
+            lv["vs_one_at_a_time"] = round(lv["aggregate_tok_s"] / base, 3) if base else None
+        return levels
+    finally:
+        ch.close()
+        st.stop()
+
+
+class EngineDecoder:
+    """The engine's own greedy decode in this process (services.common.engine).
+
+    Args:
+        model: a loaded Model; the stack's own verifier model, so both sides read the
+            same weights from the same memory (a second copy can land on other pages,
+            e.g. without huge pages, and decode at another speed).
+    """
+
+    def __init__(self, model, threads: int, n_ctx: int):
+        self.model = model
+        self.threads, self.n_ctx = threads, n_ctx
+
+    def rate(self, ids: list[int], n_tokens: int) -> float:
+        """Tokens / s of n_tokens - 1 decode steps after prefilling ``ids`` (one forward per token)."""
+        s = self.model.new_session(n_ctx=self.n_ctx, n_threads=self.threads)
+        try:
+            tok, _ = s.prefill(ids)
+            t0 = time.perf_counter()
+            for _ in range(n_tokens - 1):
+                am, _ = s.forward([tok])
+                tok = int(am[0])
+            return (n_tokens - 1) / (time.perf_counter() - t0)
+        finally:
+            s.close()
+
+
+def plain_decode(path: str, args) -> dict:
+    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, prefix_cache=False,
+                     max_tokens=args.decode_tokens)
+    ch = grpc.insecure_channel(st.target)
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    try:
+        n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
+        ids = _prompt_ids(stub, 7, args.prompt_words, n_vocab)
+        stream_one(stub, ids, args.decode_tokens)     # warm-up of both, untimed
+        eng = EngineDecoder(st.verifier.core.model, args.threads, args.n_ctx)
+        eng.rate(ids, args.decode_tokens)
+        ratios, stack_r, eng_r, over, t_ms = [], [], [], [], []
+        for rnd in range(args.rounds):
+            got = {}
+            for who in (("stack", "engine") if rnd % 2 == 0 else ("engine", "stack")):
+                if who == "stack":
+                    r = stream_one(stub, ids, args.decode_tokens)
+                    n = len(r["ids"])
+                    got["stack"] = (n - 1) / r["decode_s"] if n > 1 and r["decode_s"] > 0 else 0.0
+                    over.append(r["stats"].overhead_ms)
+                    t_ms.append(r["stats"].t_ms)
+                else:
+                    got["engine"] = eng.rate(ids, args.decode_tokens)
+            stack_r.append(got["stack"])
+            eng_r.append(got["engine"])
+            ratios.append(got["stack"] / got["engine"])
+        ov, tm = statistics.median(over), statistics.median(t_ms)
+        return {"stack_tok_s": round(statistics.median(stack_r), 2),
+                "engine_tok_s": round(statistics.median(eng_r), 2),
+                "stack_over_engine": round(statistics.median(ratios), 3),
+                "overhead_ms": round(ov, 4), "t_ms": round(tm, 4),
+                "overhead_share_of_T": round(ov / tm, 4) if tm else None, "rounds": args.rounds,
+                "tokens": args.decode_tokens}
+    finally:
+        ch.close()
+        st.stop()
+
+
+def prefix_reuse(path: str, args) -> dict:
+    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, prefix_cache=True)
+    ch = grpc.insecure_channel(st.target)
+    stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    try:
+        n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
+        stream_one(stub, _prompt_ids(stub, 1, 8, n_vocab), 4)
+        ids: list[int] = []
+        seed = 900
+        while len(ids) < args.long_tokens:
+            ids += _prompt_ids(stub, seed, 64, n_vocab)
+            seed += 1
+        ids = ids[:args.long_tokens]
+        first = stream_one(stub, ids, 1)
+        second = stream_one(stub, ids, 1)
+        return {"prompt_tokens": len(ids), "ttft_first_ms": round(first["ttft_ms"], 2),
+                "ttft_second_ms": round(second["ttft_ms"], 2),
+                "second_over_first": round(second["ttft_ms"] / first["ttft_ms"], 4),
+                "cached_prompt_tokens": second["stats"].cached_prompt_tokens,
+                "identical": first["ids"] == second["ids"]}
+    finally:
+        ch.close()
+        st.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="GGUF path, 'tiny' (a random tiny model) or empty: SmolLM2")
+    ap.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
+    ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--batch-max", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per client generation")
+    ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=4, help="alternated stack/engine decode rounds")
+    ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a sanity run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.max_tokens, args.decode_tokens, args.rounds, args.long_tokens = 16, 32, 2, 300
+    args.clients = [int(x) for x in args.clients.split(",")]
+    if 1 not in args.clients:
+        args.clients.insert(0, 1)
+    with tempfile.TemporaryDirectory() as td:
+        path = _model_path(args.model, Path(td))
+        from echospec.services.common.engine import simd_name
+        out = {"model": Path(path).name, "simd": simd_name(), "threads": args.threads,
+               "cores": os.cpu_count(), "max_tokens": args.max_tokens}
+        out["concurrency"] = {f"batch_max_{bm}": concurrency(path, args, int(bm))
+                              for bm in args.batch_max.split(",")}
+        log("plain decode: stack vs engine")
+        out["plain_decode"] = plain_decode(path, args)
+        log("prefix reuse")
+        out["prefix"] = prefix_reuse(path, args)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"model {out['model']}, SIMD {out['simd']}, threads {out['threads'] or 'all'} of {out['cores']} cores")
+    for bm, levels in out["concurrency"].items():
+        for n, lv in levels.items():
+            print(f"{bm:12} {n:>2} clients: {lv['aggregate_tok_s']:8.1f} tok/s ({lv['vs_one_at_a_time']}x one at"
+                  f" a time), TTFT p50 {lv['ttft_ms_p50']:8.1f} ms max {lv['ttft_ms_max']:8.1f} ms,"
+                  f" identical {lv['identical']}")
+    pd = out["plain_decode"]
+    print(f"plain decode: stack {pd['stack_tok_s']} tok/s, engine {pd['engine_tok_s']} tok/s,"
+          f" ratio {pd['stack_over_engine']}; round overhead {pd['overhead_ms']} ms = "
+          f"{pd['overhead_share_of_T']} of T {pd['t_ms']} ms")
+    px = out["prefix"]
+    print(f"prefix: {px['prompt_tokens']}-token prompt, TTFT {px['ttft_first_ms']} ms then"
+          f" {px['ttft_second_ms']} ms ({px['second_over_first']}), cached {px['cached_prompt_tokens']},"
+          f" identical {px['identical']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The verifier's client of the draft service: one ProposeStream per speculative generation.
+
+Fed incrementally: each request appends the tokens added since the previous
+one. ``send_propose`` starts a proposal without waiting (the engine computes
+meanwhile); ``recv_proposal`` collects it. At most one proposal is in flight.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from echospec.v1 import draft_pb2
+from echospec.services.common.streams import BidiStream
+from echospec.services.verifier.generation_loop import DraftUnavailable
+
+
+class DraftLink:
+    """One draft session over a ProposeStream (grpcio's public stream API).
+
+    Args:
+        stub: DraftServiceStub. timeout: the generation's deadline in seconds (None: none).
+    """
+
+    def __init__(self, stub: Any, timeout: float | None, min_n: int = 0, max_n: int = 0):
+        self._stream = BidiStream(stub.ProposeStream, timeout)
+        self._first = True
+        self._min_n, self._max_n = min_n, max_n
+
+    def _msg(self, append: list[int], k: int) -> draft_pb2.ProposeStreamRequest:
+        m = draft_pb2.ProposeStreamRequest(append=append, k=k)
+        if self._first:
+            m.min_n, m.max_n = self._min_n, self._max_n
+            self._first = False
+        return m
+
+    def append(self, tokens: list[int]) -> None:
+        """Append tokens to the draft history (no response, non-blocking)."""
+        self._stream.send(self._msg(tokens, 0))
+
+    def send_propose(self, append: list[int], n: int) -> None:
+        """Append ``append`` and ask for up to n tokens (non-blocking)."""
+        self._stream.send(self._msg(append, n))
+
+    def recv_proposal(self) -> list[int]:
+        """The proposal asked for by the last ``send_propose``.
+
+        Raises:
+            DraftUnavailable: the stream failed (service down, refused, ended).
+        """
+        try:
+            return list(self._stream.recv().draft)
+        except grpc.RpcError as exc:
+            raise DraftUnavailable(f"draft service unreachable ({exc.code().name}:"
+                                   f" {exc.details()})") from None
+        except StopIteration:
+            raise DraftUnavailable("draft service ended the stream") from None
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def cancel(self) -> None:
+        self._stream.cancel()

@@ -1,0 +1,344 @@
+"""One generation's loop beside the engine: prefill, then decode or draft -> verify rounds.
+
+No gRPC here (the draft link is handed in). The coordinator starts a
+generation (GenerateTokens) and receives one RoundEvent per engine step; it
+detokenizes, matches stop strings and streams, and ends the generation early
+by cancelling (``cancel`` event). Per generation:
+
+    session = VerifierCore.acquire(prompt)   # prefix cache: KV of a shared prefix kept
+    prefill the rest of the prompt in chunks of prefill_chunk tokens (one
+        scheduler step each; the head runs on each chunk's last position)
+        -> the first token
+    per round (until an EOS token, max_tokens output tokens or a full context):
+        k_cap = min(k, max_tokens - produced - 1, n_ctx - n_past - 1)
+        draft = the controller's choice: cached tail | a proposal waited for | none
+        [an in-flight proposal for the current history, collected after the forward]
+        one scheduler step over [pending] + draft -> argmax a[0..K]
+        R = longest prefix with draft[i] == a[i]; roll back the K - R rejected
+        positions; the round yields draft[:R] + [a[R]]
+    VerifierCore.release(session, tokens in its KV)    # back to the prefix cache
+
+The accept rule and its counters are those of sessions.py (tries, hits,
+kv_rolls per round); the rounds' tokens are exactly the tokens plain greedy
+decoding produces, so the output does not depend on the drafts or on the
+prefix cache. A round stops at the first EOS token or at max_tokens: the
+caller's cut-off (stop strings) applies to tokens it already has. The draft
+service failing mid-run ends speculation for this generation (spec_reason
+says why); decoding carries on plainly.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from echospec.services.common.engine import EngineError, sample
+from echospec.services.verifier.controller import CostModel, SpecController
+from echospec.services.verifier.scheduler import Cancelled, Step
+from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, Sampling,
+                                                 engine_error, longest_accepted_prefix)
+
+FINISH_CONTEXT = 4  # echospec.v1.FinishReason
+
+
+class DraftUnavailable(Exception):
+    """The draft service cannot be reached or failed; the reason is the message."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a generation needs (validated by ``check``)."""
+
+    prompt: list[int]
+    max_tokens: int
+    eos_ids: frozenset
+    sampling: Sampling
+    spec: bool = False
+    k: int = 4
+    fixed_k: bool = False
+
+
+@dataclass
+class RoundEvent:
+    """One engine step of a generation (times in ms); the first is the prefill's."""
+
+    tokens: list[int]                 # R accepted drafts then the bonus token (prefill: the first token)
+    k: int = 0                        # drafts verified
+    accepted: int = 0                 # R
+    v_ms: float = 0.0                 # forward (+ rollback) time; the prefill's: all its chunks
+    t_ms: float = 0.0                 # the verifier's T estimate
+    wall_ms: float = 0.0              # the round's wall time in this loop
+    n_past: int = 0
+    n_ctx: int = 0
+    proposals: int = 0                # draft round trips in this round
+    cached_prompt_tokens: int = 0     # prefill only
+    spec_reason: str = ""             # set when speculation stops
+    finish: int = 0                   # FINISH_CONTEXT on a last event without tokens
+    prefill: bool = False
+
+
+def check(core: Any, req: GenerationRequest) -> None:
+    """Refuse a request the loop cannot run.
+
+    Raises:
+        InvalidArgument: empty prompt, prompt that leaves no room in the
+            context, id outside the vocabulary, max_tokens < 1, k outside
+            [1, max_k] on a speculative request.
+        FailedPrecondition: speculation asked for a sampling request.
+    """
+    n_ctx, n_vocab = core.config.n_ctx, core.n_vocab
+    if not req.prompt:
+        raise InvalidArgument("empty prompt: a generation needs at least one token")
+    if len(req.prompt) >= n_ctx:
+        raise InvalidArgument(
+            f"prompt of {len(req.prompt)} tokens does not fit the context of {n_ctx} tokens"
+            f" (at most {n_ctx - 1}, one position is kept for generation)")
+    for i, t in enumerate(req.prompt):
+        if not 0 <= t < n_vocab:
+            raise InvalidArgument(f"prompt[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
+    if req.max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
+    if req.spec:
+        if not 1 <= req.k <= core.config.max_k:
+            raise InvalidArgument(f"k must be in [1, max_k = {core.config.max_k}], got {req.k}")
+        if not req.sampling.greedy:
+            raise FailedPrecondition(
+                f"speculation needs greedy decoding (temperature {req.sampling.temperature})")
+
+
+class _Run:
+    """State of one generation (one thread drives it)."""
+
+    def __init__(self, core: Any, req: GenerationRequest, session: Any, cached: int,
+                 cancel: threading.Event):
+        self.core, self.req, self.session, self.cancel = core, req, session, cancel
+        self.cached = cached
+        self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
+        self.n_ctx = core.config.n_ctx
+        self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
+
+    def release(self) -> None:
+        """Give the session back (to the prefix cache) once; called before the last event, so a
+        request that follows the generation's end finds its KV."""
+        if self.session is not None:
+            session, self.session = self.session, None
+            self.core.release(session, self.kv_tokens)
+
+    def step(self, tokens: list[int], head: str, logits: str) -> Step:
+        st = self.core.scheduler.run(Step(self.session, tokens, head, logits), self.cancel)
+        self.kv_tokens.extend(tokens)
+        return st
+
+    def choose(self, greedy_token: int, logits: Any) -> int:
+        s = self.req.sampling
+        if s.greedy:
+            return int(greedy_token)
+        tok, self.rng = sample(logits[-1], temperature=s.temperature, top_k=s.top_k,
+                               top_p=s.top_p, min_p=s.min_p, rng=self.rng)
+        return tok
+
+    def prefill(self) -> tuple[int, float]:
+        """The rest of the prompt in chunks; returns (first token, forward ms)."""
+        rest = self.req.prompt[self.cached:]
+        chunk = self.core.scheduler.prefill_chunk
+        want = "none" if self.req.sampling.greedy else "last"
+        ms = 0.0
+        st = None
+        for i in range(0, len(rest), chunk):
+            st = self.step(rest[i:i + chunk], "last", want)
+            ms += st.forward_ms
+        return self.choose(st.argmax[0], st.logits_out), ms
+
+
+def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
+                   open_draft: Callable[[], Any] | None = None) -> Iterator[RoundEvent]:
+    """Run one generation; yield a RoundEvent per engine step.
+
+    Args:
+        core: VerifierCore (config, scheduler, acquire/release, T).
+        req: the request (``check`` it first).
+        cancel: set by the caller to end the generation; the scheduler gives up
+            a step that has not started (call core.scheduler.wake() after setting it).
+        open_draft: () -> a draft link (send_propose, recv_proposal, append,
+            close, cancel) for a speculative request, or raises DraftUnavailable;
+            None: no draft service configured.
+    Yields:
+        The prefill's event (tokens = [first token]), then one per round; a last
+        event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
+        silently when cancelled.
+    Raises:
+        InvalidArgument, ResourceExhausted: engine refusals (as VerifierErrors).
+    """
+    session, cached = core.acquire(req.prompt)
+    run = _Run(core, req, session, cached, cancel)
+    try:
+        yield from _loop(run, open_draft)
+    except Cancelled:
+        return
+    except EngineError as exc:
+        raise engine_error(exc, "generation") from None
+    finally:
+        run.release()
+
+
+def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEvent]:
+    req = run.req
+    t0 = time.perf_counter()
+    reason = ""
+    draft = None
+    if req.spec:
+        if open_draft is None:
+            reason = "no draft service configured at the verifier; decoded plainly"
+        else:
+            try:
+                draft = open_draft()
+            except DraftUnavailable as exc:
+                reason = f"{exc}; decoded plainly"
+    try:
+        yield from _rounds(run, draft, reason, t0)
+    finally:
+        if draft is not None:
+            draft.close()
+
+
+class _Drafts:
+    """A speculative generation's draft source: the controller over a draft link.
+
+    ``before`` picks the round's draft (and may start an in-flight proposal),
+    ``after`` collects that proposal and updates the controller. A failing
+    draft service ends speculation for the generation (``reason`` says why).
+    """
+
+    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int]):
+        self.link = link
+        self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel())
+        self.synced = 0              # history tokens the draft service has
+        self.in_flight = False
+        self.reason = ""
+        if link is not None:
+            link.append(prompt)      # indexed while the prompt is prefilled
+            self.synced = len(prompt)
+
+    def _lost(self, exc: DraftUnavailable) -> None:
+        self.reason = f"{exc}; decoded plainly from here on"
+        self.link.cancel()
+        self.link = None
+        self.in_flight = False
+        self.ctl.drop()
+
+    def before(self, history: list[int], k_cap: int, room: int) -> tuple[list[int], float | None, int]:
+        """The round's draft, the blocking draft hop's ms (None: none) and the proposals made.
+
+        Args:
+            history: prompt + output so far (the pending token last).
+            k_cap: the most drafts this round may verify. room: output tokens still allowed.
+        """
+        if self.link is None:
+            return [], None, 0
+        drf: list[int] = []
+        hop_ms, proposals = None, 0
+        try:
+            kind, arg = self.ctl.plan(k_cap)
+            if kind == "cached":
+                drf = arg
+            elif kind == "propose":
+                h0 = time.perf_counter()
+                self.link.send_propose(history[self.synced:], max(1, min(arg, room - 1)))
+                self.synced = len(history)
+                proposal = self.link.recv_proposal()
+                hop_ms = (time.perf_counter() - h0) * 1e3
+                proposals = 1
+                drf = self.ctl.on_proposal(proposal, k_cap)
+            if kind != "propose" and k_cap > 0:
+                n_pf = self.ctl.prefetch_size(len(drf))
+                if n_pf:   # in flight while the forward runs
+                    self.link.send_propose(history[self.synced:], n_pf)
+                    self.synced = len(history)
+                    self.in_flight = True
+        except DraftUnavailable as exc:
+            self._lost(exc)
+        return drf, hop_ms, proposals
+
+    def after(self, drf: list[int], tokens: list[int]) -> int:
+        """Update after the round verified ``drf`` and yielded ``tokens``; returns the proposals collected."""
+        if self.link is None:
+            return 0
+        if not self.in_flight:
+            self.ctl.on_result(drf, tokens)
+            return 0
+        self.in_flight = False
+        try:
+            p = self.link.recv_proposal()
+        except DraftUnavailable as exc:
+            self._lost(exc)
+            return 0
+        self.ctl.on_result(drf, tokens)
+        self.ctl.on_prefetch(p, tokens)
+        return 1
+
+
+def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent]:
+    core, req, session = run.core, run.req, run.session
+    eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
+    history = list(req.prompt)
+    drafts = _Drafts(link, req.k, req.fixed_k, history)
+    first, prefill_ms = run.prefill()
+    history.append(first)
+    produced = 0                     # output tokens so far (EOS excluded)
+    done = first in eos
+    if not done:
+        produced = 1
+        done = produced >= max_tokens
+    ev = RoundEvent([first], v_ms=prefill_ms, t_ms=core.t_ms, wall_ms=(time.perf_counter() - t0) * 1e3,
+                    n_past=session.n_past, n_ctx=n_ctx, cached_prompt_tokens=run.cached,
+                    spec_reason=reason, prefill=True)
+    if done:
+        run.release()
+    yield ev
+    greedy = req.sampling.greedy
+    mode = "none" if greedy else "last"
+    cost = drafts.ctl.cost
+    r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
+    while not done:
+        if run.cancel.is_set():
+            return
+        n_past = session.n_past
+        if n_past + 1 > n_ctx:
+            run.release()
+            yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
+            return
+        k_cap = min(req.k, max_tokens - produced - 1, n_ctx - n_past - 1)
+        drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
+        st = run.step([history[-1]] + drf, "all", mode)
+        k = len(drf)
+        r = longest_accepted_prefix(drf, st.argmax)
+        if r < k:
+            session.rollback(n_past + 1 + r)
+            del run.kv_tokens[n_past + 1 + r:]
+        tokens = drf[:r] + [run.choose(st.argmax[r], st.logits_out)]
+        if k == 0 and greedy:
+            core.observe_decode(st.forward_ms)
+        proposals += drafts.after(drf, tokens)
+        r1 = time.perf_counter()
+        wall_ms = (r1 - r0) * 1e3
+        if cost is not None and drafts.link is not None:
+            # queue time is the other sessions' forwards, not this loop's overhead
+            cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms)
+        history.extend(tokens)
+        for t in tokens:
+            if t in eos:
+                done = True
+                break
+            produced += 1
+            if produced >= max_tokens:
+                done = True
+                break
+        ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
+                        proposals)
+        if drafts.reason and drafts.reason != reason:
+            ev.spec_reason = reason = drafts.reason
+        if done:
+            run.release()
+        yield ev
+        r0 = r1

@@ -1,0 +1,97 @@
+"""Prefix KV reuse: idle engine sessions kept with the tokens whose KV they hold.
+
+When a generation ends, its session goes here with ``tokens`` = the tokens in
+its KV cache (prompt + output except the last, pending, token). A new
+generation takes the entry whose tokens share the longest prefix with its
+prompt, rolls the KV back to that prefix (es_session_rollback: exact) and
+prefills only the rest. The result is bitwise what a cold prefill gives: the
+KV of a position does not depend on how the tokens before it were split
+into forward calls (the engine's batch-invariance contract).
+
+Example: turn 1 of a chat ran prompt P1 and produced A1 (its KV holds P1 + A1
+minus A1's last token). Turn 2's prompt P2 = P1 + A1 + the next user message
+shares len(P1) + len(A1) - 1 tokens with it; only the rest is prefilled.
+
+Bounded: at most ``capacity`` idle sessions (each holds one KV cache of n_ctx
+positions); the least recently used is evicted first. Pure bookkeeping: the
+caller frees what ``put`` and ``evict_lru`` hand back. Not thread-safe (the
+VerifierCore holds its lock around every call).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Sequence
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading positions where a and b hold the same token."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """LRU set of idle sessions keyed by the tokens in their KV cache.
+
+    Args:
+        capacity: most idle sessions kept (0: keep none).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, capacity)
+        self._entries: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, prompt: Sequence[int]) -> tuple[Any, int]:
+        """Remove and return the session sharing the longest prefix with ``prompt``.
+
+        The reusable length is capped at len(prompt) - 1: the prompt's last
+        token is always prefilled (its forward gives the first output token).
+        Returns:
+            (session, reusable tokens), or (None, 0) when no entry shares a token.
+        """
+        best_key, best_n = None, 0
+        limit = len(prompt) - 1
+        for key, (_, toks) in self._entries.items():
+            n = min(common_prefix_len(toks, prompt), limit)
+            if n > best_n:
+                best_key, best_n = key, n
+        if best_key is None:
+            return None, 0
+        session, _ = self._entries.pop(best_key)
+        return session, best_n
+
+    def put(self, session: Any, tokens: Sequence[int]) -> list[Any]:
+        """Keep ``session`` (most recently used) with its KV's tokens.
+
+        Returns:
+            The sessions evicted to stay within capacity (``session`` itself
+            when the capacity is 0 or it holds no tokens); the caller frees them.
+        """
+        if self.capacity == 0 or not tokens:
+            return [session]
+        self._entries[id(session)] = (session, list(tokens))
+        evicted = []
+        while len(self._entries) > self.capacity:
+            evicted.append(self._entries.popitem(last=False)[1][0])
+        return evicted
+
+    def evict_lru(self) -> Any | None:
+        """Remove and return the least recently used session (None when empty)."""
+        if not self._entries:
+            return None
+        return self._entries.popitem(last=False)[1][0]
+
+    def clear(self) -> list[Any]:
+        """Remove every entry; returns their sessions."""
+        out = [s for s, _ in self._entries.values()]
+        self._entries.clear()
+        return out
+
+    def cached_tokens(self) -> int:
+        """Tokens held over all entries."""
+        return sum(len(t) for _, t in self._entries.values())

@@ -1,0 +1,187 @@
+"""The scheduler that owns the engine: every forward of a generation goes through it.
+
+Each generation (generation_loop.py) submits one engine step at a time (a
+prefill chunk, a decode step, or a verify of [pending] + K drafts) and waits
+for its result. Each iteration the scheduler takes, in arrival order, the
+steps waiting at that moment:
+
+    at most ``batch_max`` steps (sessions), and at most ``batch_tokens``
+    tokens in all (the first step is always taken, whatever its size);
+
+then runs them under the engine lock (``_execute``). A session has at most one
+step waiting, and a served session queues its next step behind the others, so
+the order is round-robin: fair across sessions. Prompts are prefilled in
+chunks of ``prefill_chunk`` tokens, one step each, so a short request that
+arrives during a long prefill waits for one chunk, not for the whole prompt.
+
+The engine has no multi-session forward yet: an iteration runs one forward
+per session back to back, in ``_execute``, the one place a future
+``es_forward_batch(sessions, tokens per session)`` replaces. Every step is
+bitwise what the session gets alone (each forward is the same call it makes
+alone; the engine's batch-invariance contract covers chunked prefill).
+
+The step-by-step sessions (VerifyStream and the unary RPCs, for debugging and
+bench/round_overhead.py) do not queue here: they take the engine lock
+directly, between iterations.
+
+No thread of its own: a waiting generation whose turn comes runs the
+iteration itself (flat combining), so a lone generation pays no thread
+hand-off per step. Cancellation: ``run`` gives up a step that has not started
+as soon as the generation's cancel event is set and ``wake`` is called; a step
+that has started finishes first (one forward).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class Cancelled(Exception):
+    """The generation was cancelled while its step waited (the step did not run)."""
+
+
+@dataclass
+class Step:
+    """One session's engine step: feed ``tokens`` at positions [n_past, n_past + N).
+
+    head:
+        "last"  the output head on the last position only (prefill chunks):
+                argmax has one element; logits float32 [1, n_vocab] when
+                ``logits`` is "last".
+        "all"   argmax of every position (decode / verify); logits per ``logits``
+                ("none" or "last").
+    Results (set by the scheduler): argmax, logits, forward_ms, queued_ms, error.
+    """
+
+    session: Any                      # services.common.engine.Session
+    tokens: list[int]
+    head: str = "all"
+    logits: str = "none"
+    argmax: Any = None
+    logits_out: Any = None
+    forward_ms: float = 0.0           # this step's forward
+    queued_ms: float = 0.0            # from submit to the start of its iteration
+    error: BaseException | None = None
+    done: bool = False
+    _t_submit: float = field(default=0.0, repr=False)
+
+
+def select(queue: Sequence[Step], batch_max: int, batch_tokens: int) -> list[int]:
+    """The indices of the queued steps the next iteration runs (a pure policy).
+
+    Arrival order; at most batch_max steps and batch_tokens tokens, the first
+    step always (so a chunk larger than the budget still runs); stops at the
+    first step that does not fit, so no later step overtakes it.
+    """
+    picked: list[int] = []
+    tokens = 0
+    for i, s in enumerate(queue):
+        if len(picked) >= max(1, batch_max):
+            break
+        if picked and tokens + len(s.tokens) > batch_tokens:
+            break
+        picked.append(i)
+        tokens += len(s.tokens)
+    return picked
+
+
+class Scheduler:
+    """Owns the engine for generations (see the module docstring).
+
+    Args:
+        engine_lock: held while a batch runs (the unary/stream sessions of
+            sessions.py take it too).
+        batch_max: sessions per iteration (>= 1).
+        batch_tokens: tokens per iteration (>= 1).
+        prefill_chunk: most prompt tokens per prefill step (>= 1).
+    """
+
+    def __init__(self, engine_lock: threading.Lock, batch_max: int = 1, batch_tokens: int = 512,
+                 prefill_chunk: int = 256):
+        if batch_max < 1 or batch_tokens < 1 or prefill_chunk < 1:
+            raise ValueError(f"batch_max {batch_max}, batch_tokens {batch_tokens} and prefill_chunk"
+                             f" {prefill_chunk} must be >= 1")
+        self.engine_lock = engine_lock
+        self.batch_max = batch_max
+        self.batch_tokens = batch_tokens
+        self.prefill_chunk = prefill_chunk
+        self._cv = threading.Condition()
+        self._queue: list[Step] = []
+        self._busy = False
+        self.iterations = 0               # batches run (for tests and the bench)
+        self.trace: list[list[int]] | None = None   # when a list: id(session) per step of each batch
+
+    @property
+    def waiting(self) -> int:
+        """Steps queued and not started."""
+        with self._cv:
+            return len(self._queue)
+
+    def wake(self) -> None:
+        """Wake every waiting generation (call after setting a cancel event)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def run(self, step: Step, cancel: threading.Event | None = None) -> Step:
+        """Queue ``step`` and wait for its result.
+
+        Returns:
+            The step with its results.
+        Raises:
+            Cancelled: ``cancel`` was set before the step started (it never runs).
+            The step's own error (e.g. EngineError) when its forward failed.
+        """
+        step._t_submit = time.perf_counter()
+        with self._cv:
+            self._queue.append(step)
+            while True:
+                if step.done:
+                    break
+                if cancel is not None and cancel.is_set() and step in self._queue:
+                    self._queue.remove(step)
+                    raise Cancelled()
+                if not self._busy and self._queue:
+                    idx = select(self._queue, self.batch_max, self.batch_tokens)
+                    batch = [self._queue[i] for i in idx]
+                    for i in reversed(idx):
+                        del self._queue[i]
+                    self._busy = True
+                    self._cv.release()
+                    try:
+                        self._execute(batch)
+                    finally:
+                        self._cv.acquire()
+                        self._busy = False
+                        self.iterations += 1
+                        self._cv.notify_all()
+                    continue
+                self._cv.wait()
+        if step.error is not None:
+            raise step.error
+        return step
+
+    def _execute(self, batch: list[Step]) -> None:
+        """One iteration: the forwards of ``batch``, back to back under the engine lock.
+
+        This is where es_forward_batch(sessions, tokens per session) goes once the
+        engine has it: one call, weights read once for every row.
+        """
+        if self.trace is not None:
+            self.trace.append([id(s.session) for s in batch])
+        with self.engine_lock:
+            t_start = time.perf_counter()
+            for s in batch:
+                s.queued_ms = (t_start - s._t_submit) * 1e3
+                t0 = time.perf_counter()
+                try:
+                    if s.head == "last":
+                        am, lg = s.session.prefill(s.tokens, logits=s.logits == "last")
+                        s.argmax, s.logits_out = [am], lg
+                    else:
+                        s.argmax, s.logits_out = s.session.forward(s.tokens, logits=s.logits)
+                except Exception as exc:  # the step's owner re-raises it
+                    s.error = exc
+                s.forward_ms = (time.perf_counter() - t0) * 1e3
+                s.done = True

@@ -1,0 +1,32 @@
+"""Smoke test of bench/serve_bench.py on a tiny random model (no speed is asserted).
+
+The command-line contract: `--json` prints one JSON object with the concurrency levels for each
+batch_max, the plain decode comparison and the prefix reuse figures; outputs under concurrency
+equal the one-at-a-time outputs, and the repeated prompt's second run reuses all but one token.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_serve_bench_json_on_tiny_model():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--model", "tiny", "--quick",
+                        "--threads", "1", "--clients", "1,2,4", "--json"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["concurrency"]) == {"batch_max_1", "batch_max_8"}
+    for levels in out["concurrency"].values():
+        assert set(levels) == {"1", "2", "4"}
+        for lv in levels.values():
+            assert lv["identical"] is True
+            assert lv["aggregate_tok_s"] > 0 and lv["ttft_ms_p50"] > 0
+    pd = out["plain_decode"]
+    assert pd["stack_tok_s"] > 0 and pd["engine_tok_s"] > 0 and pd["t_ms"] > 0
+    px = out["prefix"]
+    assert px["prompt_tokens"] == 300 and px["cached_prompt_tokens"] == 299 and px["identical"] is True

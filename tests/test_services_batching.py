@@ -1,0 +1,119 @@
+"""The stack with the verifier's scheduler at batch_max 8 and its prefix cache, on a tiny model.
+
+8 concurrent clients get byte-identical outputs to 8 sequential runs; the
+coordinator's gating refuses speculation at batch_max >= 2 and says why; a
+second chat turn reuses the first turn's KV (cached_prompt_tokens > 0) and
+its output is byte-identical to a stack without the prefix cache.
+"""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb,
+                         verifier_pb2_grpc)
+from echospec.services.coordinator.stack import start_stack
+
+ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
+N_VOCAB, N_CTX = 320, 512
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model(arch="llama", n_vocab=N_VOCAB, n_ctx_train=512, seed=0)
+
+
+def _stubs(st):
+    ch = grpc.insecure_channel(st.target)
+    vch = grpc.insecure_channel(st.verifier_target)
+    return ch, vch, coordinator_pb2_grpc.CoordinatorServiceStub(ch), verifier_pb2_grpc.VerifierServiceStub(vch)
+
+
+@pytest.fixture(scope="module")
+def batched(model):
+    st = start_stack(model, spec=True, n_ctx=N_CTX, n_threads=1, batch_max=8, prefill_chunk=16)
+    ch, vch, stub, vstub = _stubs(st)
+    yield st, stub, vstub
+    ch.close()
+    vch.close()
+    st.stop()
+
+
+def complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(**kw), timeout=120).result
+
+
+def test_verifier_reports_its_batching_and_prefix_cache(batched):
+    _, _, vstub = batched
+    cfg = vstub.GetConfig(vpb.GetConfigRequest())
+    assert cfg.batch_max == 8 and cfg.prefix_cache and cfg.prefill_chunk == 16
+
+
+def test_gating_refuses_speculation_at_batch_max_8_with_the_reason(batched):
+    _, stub, _ = batched
+    r = complete(stub, text="the cat sat on the mat. the cat sat on the mat.", max_tokens=16, spec=ON)
+    assert not r.spec_enabled
+    assert "batch_max 8 >= 2" in r.spec_reason
+    assert r.stats.tries == 0 and r.stats.draft_tokens == 0
+
+
+def test_eight_concurrent_clients_equal_eight_sequential_at_batch_max_8(batched):
+    st, stub, _ = batched
+    rng = random.Random(11)
+    jobs = [dict(token_ids=[rng.randrange(3, N_VOCAB) for _ in range(rng.randrange(2, 60))],
+                 max_tokens=40) for _ in range(8)]
+    sequential = [complete(stub, **j) for j in jobs]
+    sched = st.verifier.core.scheduler
+    sched.trace = []
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
+    finally:
+        trace, sched.trace = sched.trace, None
+    for a, b in zip(sequential, concurrent):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert a.text.encode() == b.text.encode()
+        assert a.finish_reason == b.finish_reason
+    assert max(len(b) for b in trace) <= 8
+
+
+def test_second_chat_turn_reuses_the_first_turns_kv_and_matches_a_cold_stack(model, batched):
+    _, stub, _ = batched
+    turn1 = [cpb.ChatMessage(role="user", content="the cat sat on the mat")]
+    a1 = complete(stub, messages=turn1, max_tokens=24, spec=OFF)
+    turn2 = turn1 + [cpb.ChatMessage(role="assistant", content=a1.text),
+                     cpb.ChatMessage(role="user", content="and then?")]
+    warm = complete(stub, messages=turn2, max_tokens=24, spec=OFF)
+    assert warm.stats.cached_prompt_tokens > 0
+    assert warm.stats.cached_prompt_tokens < warm.prompt_tokens
+    st = start_stack(model, spec=True, n_ctx=N_CTX, n_threads=1, prefix_cache=False)
+    ch, vch, cold_stub, cold_v = _stubs(st)
+    try:
+        assert not cold_v.GetConfig(vpb.GetConfigRequest()).prefix_cache
+        cold = complete(cold_stub, messages=turn2, max_tokens=24, spec=OFF)
+        assert cold.stats.cached_prompt_tokens == 0
+        assert list(cold.token_ids) == list(warm.token_ids)
+        assert cold.text.encode() == warm.text.encode()
+        again = complete(cold_stub, messages=turn2, max_tokens=24, spec=OFF)
+        assert again.stats.cached_prompt_tokens == 0
+    finally:
+        ch.close()
+        vch.close()
+        st.stop()
+
+
+def test_cancelled_clients_free_their_sessions_at_batch_max_8(batched):
+    _, stub, vstub = batched
+    for i in range(20):
+        it = stub.Generate(cpb.GenerateRequest(text="the cat sat", max_tokens=300), timeout=30)
+        next(it)
+        it.cancel()
+    deadline = time.monotonic() + 10
+    while vstub.GetConfig(vpb.GetConfigRequest()).active_sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
+    cfg = vstub.GetConfig(vpb.GetConfigRequest())
+    assert cfg.active_sessions == 0 and cfg.cached_sessions <= 4

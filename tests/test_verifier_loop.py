@@ -1,0 +1,413 @@
+"""The verifier's generation loop, scheduler and prefix cache, below gRPC.
+
+Pure parts (the scheduler's selection policy, the prefix cache's bookkeeping,
+the controller's in-flight proposal rule) get literal cases; the rest runs a
+VerifierCore on a tiny random GGUF model (tests/ggufgen.py). No timings are
+asserted: orderings are read from the scheduler's trace.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from echospec.services.common.config import VerifierConfig
+from echospec.services.common.engine import Model
+from echospec.services.verifier.controller import SpecController
+from echospec.services.verifier.generation_loop import FINISH_CONTEXT, GenerationRequest, check, run_generation
+from echospec.services.verifier.prefix_cache import PrefixCache, common_prefix_len
+from echospec.services.verifier.scheduler import Cancelled, Scheduler, Step, select
+from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore
+
+N_CTX = 256
+
+
+# -- the scheduler's policy ---------------------------------------------------------------------
+
+def steps(*sizes: int) -> list[Step]:
+    return [Step(session=None, tokens=[1] * n) for n in sizes]
+
+
+SELECT = [
+    ("one per iteration at batch_max 1", (1, 1, 1), 1, 512, [0]),
+    ("batch_max caps the sessions", (1, 1, 1, 1), 3, 512, [0, 1, 2]),
+    ("the token budget caps the tokens", (1, 200, 1), 8, 100, [0]),
+    ("a first step larger than the budget still runs", (300, 1), 8, 100, [0]),
+    ("no later step overtakes one that does not fit", (50, 60, 1), 8, 100, [0]),
+    ("decode steps and a chunk that fit together", (1, 64, 1, 1), 4, 100, [0, 1, 2, 3]),
+    ("an empty queue picks nothing", (), 4, 100, []),
+]
+
+
+@pytest.mark.parametrize("name,sizes,batch_max,budget,want", SELECT, ids=[c[0] for c in SELECT])
+def test_select(name, sizes, batch_max, budget, want):
+    assert select(steps(*sizes), batch_max, budget) == want
+
+
+def test_scheduler_refuses_nonpositive_limits():
+    for kw in (dict(batch_max=0), dict(batch_tokens=0), dict(prefill_chunk=0)):
+        with pytest.raises(ValueError):
+            Scheduler(threading.Lock(), **kw)
+
+
+class _FakeSession:
+    """Records forwards; the first one blocks until ``release`` is set."""
+
+    def __init__(self, log: list, name: str, release: threading.Event | None = None):
+        self.log, self.name, self.release = log, name, release
+
+    def forward(self, tokens, logits="none"):
+        if self.release is not None:
+            self.release.wait(10)
+            self.release = None
+        self.log.append(self.name)
+        return np.zeros(len(tokens), dtype=np.int32), None
+
+
+def test_a_cancelled_waiting_step_never_runs():
+    sched = Scheduler(threading.Lock())
+    log: list = []
+    release = threading.Event()
+    a = threading.Thread(target=lambda: sched.run(Step(_FakeSession(log, "a", release), [1])))
+    a.start()
+    while not sched._busy:
+        time.sleep(0.001)
+    cancel = threading.Event()
+    got: list = []
+
+    def b():
+        try:
+            sched.run(Step(_FakeSession(log, "b"), [1]), cancel)
+        except Cancelled:
+            got.append("cancelled")
+
+    tb = threading.Thread(target=b)
+    tb.start()
+    while sched.waiting < 1:
+        time.sleep(0.001)
+    cancel.set()
+    sched.wake()
+    tb.join(10)
+    release.set()
+    a.join(10)
+    assert got == ["cancelled"] and log == ["a"] and sched.waiting == 0
+
+
+def test_steps_of_several_sessions_share_iterations_up_to_batch_max():
+    sched = Scheduler(threading.Lock(), batch_max=3)
+    sched.trace = []
+    log: list = []
+    release = threading.Event()
+    blocker = threading.Thread(target=lambda: sched.run(Step(_FakeSession(log, "x", release), [1])))
+    blocker.start()
+    while not sched._busy:
+        time.sleep(0.001)
+    threads = [threading.Thread(target=lambda i=i: sched.run(Step(_FakeSession(log, f"s{i}"), [1])))
+               for i in range(5)]
+    for t in threads:
+        t.start()
+    while sched.waiting < 5:
+        time.sleep(0.001)
+    release.set()
+    for t in threads + [blocker]:
+        t.join(10)
+    assert [len(b) for b in sched.trace] == [1, 3, 2]
+    assert sorted(log) == ["s0", "s1", "s2", "s3", "s4", "x"]
+
+
+# -- the prefix cache's bookkeeping ----------------------------------------------------------------
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+
+
+def test_prefix_cache_takes_the_longest_match_and_keeps_the_last_prompt_token():
+    c = PrefixCache(4)
+    assert c.put("a", [1, 2, 3]) == []
+    assert c.put("b", [1, 2, 3, 4, 5]) == []
+    assert c.take([9, 9]) == (None, 0)
+    assert c.take([1, 2, 3, 4, 5]) == ("b", 4)      # the last prompt token is always prefilled
+    assert c.take([1, 2, 7]) == ("a", 2)
+    assert len(c) == 0
+
+
+def test_prefix_cache_evicts_the_least_recently_used():
+    c = PrefixCache(2)
+    c.put("a", [1])
+    c.put("b", [2])
+    assert c.put("c", [3]) == ["a"]
+    assert c.evict_lru() == "b"
+    assert PrefixCache(0).put("d", [1]) == ["d"]     # capacity 0: off
+    assert PrefixCache(2).put("e", []) == ["e"]      # nothing held: nothing to reuse
+
+
+# -- the controller's in-flight proposal --------------------------------------------------------
+
+def test_in_flight_proposal_is_asked_when_the_cache_runs_short():
+    c = SpecController(k=2)
+    assert c.prefetch_size(0) == 8                  # empty cache: ask for fetch_factor * k
+    c.cache = [1, 2, 3, 4, 5, 6]
+    assert c.prefetch_size(2) == 0                  # 6 - 2 - 1 = 3 >= k left after the round
+    assert c.prefetch_size(4) == 8
+    c.cache, c.skip = [], 2
+    assert c.prefetch_size(0) == 0                  # the back-off is skipping proposals
+
+
+def test_in_flight_proposal_is_kept_only_when_it_continues_the_round():
+    c = SpecController(k=2)
+    c.on_prefetch([5, 6, 7, 8], tokens=[5])         # the round produced 5: 6 7 8 follow
+    assert c.cache == [6, 7, 8]
+    c.on_prefetch([1, 2, 3], tokens=[9])            # disagrees: dropped, the cache stays
+    assert c.cache == [6, 7, 8]
+    c.cache = []
+    c.on_prefetch([], tokens=[9])                   # nothing proposed: a miss
+    assert c.misses == 1 and c.skip == 1
+
+
+# -- the loop on the engine ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model):
+    return tiny_model(arch="llama", n_vocab=320, n_ctx_train=512, seed=0)
+
+
+def make_core(path: str, **kw) -> VerifierCore:
+    cfg = VerifierConfig(model=path, n_ctx=N_CTX, n_threads=1, **kw)
+    return VerifierCore(cfg)
+
+
+def generate(core, prompt, max_tokens=16, cancel=None, eos=(), sampling=Sampling()) -> list:
+    req = GenerationRequest(prompt=list(prompt), max_tokens=max_tokens, eos_ids=frozenset(eos),
+                            sampling=sampling)
+    check(core, req)
+    return list(run_generation(core, req, cancel or threading.Event()))
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events for t in e.tokens]
+
+
+def test_chunked_prefill_equals_one_prefill(model_path):
+    prompt = [(i * 37) % 300 + 3 for i in range(150)]
+    whole = make_core(model_path, prefill_chunk=512, prefix_cache=False)
+    chunked = make_core(model_path, prefill_chunk=7, prefix_cache=False)
+    try:
+        assert tokens_of(generate(whole, prompt, 24)) == tokens_of(generate(chunked, prompt, 24))
+    finally:
+        whole.close()
+        chunked.close()
+
+
+def test_rollback_then_prefill_is_bitwise_a_cold_prefill(model_path):
+    # the prefix cache's premise: KV kept, rolled back to a prefix, the rest prefilled
+    prompt = [(i * 11) % 300 + 3 for i in range(90)]
+    m = Model(model_path)
+    try:
+        cold = m.new_session(n_ctx=N_CTX, n_threads=1)
+        _, want = cold.prefill(prompt, logits=True)
+        warm = m.new_session(n_ctx=N_CTX, n_threads=1)
+        warm.prefill(prompt[:70] + [5, 6, 7, 8], logits=False)   # an earlier, diverging sequence
+        warm.rollback(70)
+        _, got = warm.prefill(prompt[70:], logits=True)
+        assert np.array_equal(want, got)
+    finally:
+        m.close()
+
+
+def test_a_short_request_gets_its_first_token_before_a_long_prefill_ends(model_path):
+    core = make_core(model_path, prefill_chunk=16, prefix_cache=False)
+    sched = core.scheduler
+    sched.trace = []
+    orig = sched._execute
+    first_chunk = threading.Event()
+
+    def execute(batch):
+        if not first_chunk.is_set():
+            first_chunk.set()
+            t_end = time.monotonic() + 10
+            while sched.waiting < 1 and time.monotonic() < t_end:   # hold A's first chunk until B queues
+                time.sleep(0.001)
+        orig(batch)
+
+    sched._execute = execute
+    done: dict = {}
+    long_prompt = [(i * 7) % 300 + 3 for i in range(200)]
+
+    def run(name, prompt):
+        done[name] = generate(core, prompt, max_tokens=1)
+
+    try:
+        a = threading.Thread(target=run, args=("a", long_prompt))
+        a.start()
+        assert first_chunk.wait(10)
+        b = threading.Thread(target=run, args=("b", [5, 6, 7]))
+        b.start()
+        a.join(30)
+        b.join(30)
+        a_steps = [s for batch in sched.trace for s in batch]
+        assert len(a_steps) == 200 // 16 + 1 + 1              # A's 13 chunks and B's one prefill
+        sessions = list(dict.fromkeys(a_steps))               # A's session first, then B's
+        b_at = a_steps.index(sessions[1])
+        assert b_at == 1, f"B's prefill ran at iteration {b_at}, after {b_at} of A's chunks"
+        assert a_steps.index(sessions[1]) < len(a_steps) - 1   # before A's last chunk (its first token)
+        assert tokens_of(done["b"]) == tokens_of(generate(core, [5, 6, 7], 1))
+    finally:
+        core.close()
+
+
+def test_prefix_reuse_on_a_second_turn_is_identical_to_a_cold_run(model_path):
+    warm = make_core(model_path)
+    cold = make_core(model_path, prefix_cache=False)
+    try:
+        turn1 = [(i * 13) % 300 + 3 for i in range(40)]
+        out1 = tokens_of(generate(warm, turn1, 20))
+        turn2 = turn1 + out1 + [9, 10, 11, 12]
+        evs = generate(warm, turn2, 20)
+        assert evs[0].cached_prompt_tokens == len(turn1) + len(out1) - 1   # the last output token was pending
+        ref = generate(cold, turn2, 20)
+        assert ref[0].cached_prompt_tokens == 0
+        assert tokens_of(evs) == tokens_of(ref)
+        assert warm.cached_sessions == 1 and cold.cached_sessions == 0
+        # the same prompt again: everything but its last token is reused
+        again = generate(warm, turn2, 20)
+        assert again[0].cached_prompt_tokens == len(turn2) - 1
+        assert tokens_of(again) == tokens_of(ref)
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_prefix_cache_stays_within_its_sessions_and_max_sessions(model_path):
+    core = make_core(model_path, prefix_cache_sessions=2, max_sessions=3)
+    try:
+        for i in range(6):
+            generate(core, [20 + i, 21, 22], 4)
+            assert core.cached_sessions <= 2 and core.active_sessions == 0
+        held = [core.acquire([50 + i, 1])[0] for i in range(3)]   # evicts cached sessions to open
+        assert core.cached_sessions == 0 and core.active_sessions == 3
+        with pytest.raises(Exception, match="max_sessions"):
+            core.acquire([60, 1])
+        for s in held:
+            core.release(s, None)
+        assert core.active_sessions == 0
+    finally:
+        core.close()
+
+
+def test_cancel_ends_the_generation_and_keeps_a_consistent_kv(model_path):
+    core = make_core(model_path)
+    try:
+        cancel = threading.Event()
+        req = GenerationRequest(prompt=[3, 4, 5], max_tokens=200, eos_ids=frozenset(),
+                                sampling=Sampling())
+        got = []
+        for ev in run_generation(core, req, cancel):
+            got.extend(ev.tokens)
+            if len(got) >= 5:
+                cancel.set()
+        assert 5 <= len(got) < 200 and core.active_sessions == 0
+        full = tokens_of(generate(core, [3, 4, 5] + got[:4], 10))   # reuses the cancelled run's KV
+        fresh = make_core(model_path, prefix_cache=False)
+        try:
+            assert full == tokens_of(generate(fresh, [3, 4, 5] + got[:4], 10))
+        finally:
+            fresh.close()
+    finally:
+        core.close()
+
+
+def test_a_full_context_ends_with_finish_context(model_path):
+    core = make_core(model_path)
+    try:
+        evs = generate(core, [3] * (N_CTX - 4), max_tokens=100)
+        assert evs[-1].finish == FINISH_CONTEXT and evs[-1].tokens == []
+        # the prefill's token, then one per step until the KV holds N_CTX positions
+        assert len(tokens_of(evs)) == 1 + 4
+    finally:
+        core.close()
+
+
+def test_check_refuses_bad_requests(model_path):
+    core = make_core(model_path)
+    try:
+        for kw, frag in ((dict(prompt=[]), "empty"), (dict(prompt=[3] * N_CTX), "does not fit"),
+                         (dict(prompt=[400]), "vocabulary"), (dict(max_tokens=0), "max_tokens"),
+                         (dict(spec=True, k=0), "k must be")):
+            args = dict(prompt=[3], max_tokens=4, eos_ids=frozenset(), sampling=Sampling())
+            args.update(kw)
+            with pytest.raises(InvalidArgument, match=frag):
+                check(core, GenerationRequest(**args))
+    finally:
+        core.close()
+
+
+class _OracleDraft:
+    """A draft link that proposes the true continuation (from a plain run) and can fail.
+
+    Args:
+        truth: prompt + the plain run's output. fail_after: raise DraftUnavailable on that
+            proposal (None: never). wrong_every: every n-th proposal starts with a wrong token.
+    """
+
+    def __init__(self, truth: list[int], fail_after: int | None = None, wrong_every: int = 0):
+        self.truth, self.fail_after, self.wrong_every = truth, fail_after, wrong_every
+        self.history: list[int] = []
+        self.asked: list[int] = []
+        self.closed = False
+
+    def append(self, tokens):
+        self.history += list(tokens)
+
+    def send_propose(self, append, n):
+        self.history += list(append)
+        self.asked.append(n)
+
+    def recv_proposal(self):
+        from echospec.services.verifier.generation_loop import DraftUnavailable
+        if self.fail_after is not None and len(self.asked) >= self.fail_after:
+            raise DraftUnavailable("draft service unreachable (UNAVAILABLE: test)")
+        assert self.truth[:len(self.history)] == self.history, "the draft history is not the real one"
+        p = self.truth[len(self.history):len(self.history) + self.asked[-1]]
+        if self.wrong_every and len(self.asked) % self.wrong_every == 0 and p:
+            p = [(p[0] + 1) % 320] + p[1:]
+        return p
+
+    def close(self):
+        self.closed = True
+
+    def cancel(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("fixed_k", [True, False])
+@pytest.mark.parametrize("fail_after,wrong_every", [(None, 0), (None, 3), (4, 0)])
+def test_speculative_loop_gives_the_plain_output_with_in_flight_proposals(model_path, fixed_k, fail_after,
+                                                                        wrong_every):
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 60))
+        link = _OracleDraft(prompt + plain, fail_after, wrong_every)
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, fixed_k=fixed_k)
+        check(core, req)
+        evs = list(run_generation(core, req, threading.Event(), lambda: link))
+        out = tokens_of(evs)
+        assert out[:60] == plain[:60] and len(out) <= 61
+        hits = sum(e.accepted for e in evs)
+        drafts = sum(e.k for e in evs)
+        assert hits + sum(e.k - e.accepted for e in evs) == drafts
+        assert sum(e.proposals for e in evs) == len(link.asked) - (1 if fail_after else 0)
+        reasons = [e.spec_reason for e in evs if e.spec_reason]
+        if fail_after is None:
+            assert reasons == [] and hits > 0
+            assert all(e.k <= 4 for e in evs)
+        else:
+            assert len(reasons) == 1 and "draft service unreachable" in reasons[0]
+        assert link.closed
+    finally:
+        core.close()
