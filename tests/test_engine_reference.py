@@ -39,7 +39,7 @@ from echospec.services.common.engine import Model
 
 TOL_REL = 1e-4       # of the reference logits' std, per element
 NEAR = 1e-4          # a rounding may be inverted only if x * id is this close to k + 1/2
-MAX_FLIPS = 3
+MAX_FLIPS = 6      # roundings within NEAR of a boundary that may be inverted (F16 KV + int8 activations)
 PROMPT = [5, 17, 200, 33, 101, 7, 250, 64, 3, 150]
 
 
