@@ -96,13 +96,15 @@ FKERNEL(k_bf16, ES_TYPE_BF16)
  * them, so a record is 4 quarters (quarter q = rows 4q..4q+3 = bytes
  * 16q..16q+15 of each 64-byte chunk). The 8 weight vectors of one quarter
  * (vector k, lane i = elements 4k..4k+3 of row 4q+i; Q4 nibbles 0..15,
- * Q5 5-bit values 0..31, Q8_0 as stored) stay in registers while every activation row of a tile
- * takes 8 sdot by element with its dword k of the block (an 8-byte load,
- * lane 0): the 4 rows' exact I (Q4_0: minus 8 * qsum; Q5_0: minus 16 * qsum). Then the contract's
- * float steps run on the 4 rows and add to the row's accumulator, blocks
- * in order (the sequential contract). The quarters run one after the other
- * over a segment of PSEG records, so the later ones re-read it from L1;
- * the accumulators carry over between segments in memory (exact). */
+ * Q5 5-bit values 0..31, Q8_0 as stored) stay in registers while every
+ * activation row of a tile takes 8 sdot by element with its dword k of the
+ * block (an 8-byte load, lane 0): the 4 rows' exact I (Q4_0: minus
+ * 8 * qsum, Q5_0: minus 16 * qsum, both in the chain's start value). Then
+ * the contract's float steps run on the 4 rows and add to the row's
+ * accumulator, blocks in order (the sequential contract). The quarters run
+ * one after the other over a segment of PSEG records, so the later ones
+ * re-read it from L1; the accumulators carry over between segments in
+ * memory (exact). */
 
 #define PTILE 6    /* most activation rows per register tile (7 and 8 spill for Q4_0) */
 #define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0), in the A76's 64 KB L1 */

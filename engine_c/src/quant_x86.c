@@ -487,7 +487,8 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
  * 4k..4k+3 of row 8h+i) is made once and every activation row of a tile
  * multiplies its dword k of the block, broadcast, into it before vector
  * k + 1 is made (chunk-major: per row only an int sum and the accumulator
- * stay in registers, so tiles of 6 rows fit in 16 ymm):
+ * stay in registers, Q5 also the first run's int32 sum, so tiles of 6
+ * rows fit in 16 ymm):
  *   Q4_0, Q4_1  unsigned nibbles x int8 with maddubs; the 8 chunk products
  *               add up in int16 (at most 8 * 2 * 15 * 127 = 30480), one madd
  *               with ones makes the 8 rows' I; Q4_0 subtracts 8 * qsum
