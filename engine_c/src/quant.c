@@ -36,11 +36,7 @@
  *              16-element half folded in (so I covers both halves)
  *      Integer sums are exact, so their summation order is free (SIMD uses
  *      dot-product instructions in any order); only the float steps are fixed.
- *   3. Lane types (Q5_0, Q5_1): lane[j % 16] += c for j = 0, 1, 2, ... in
- *      order (lanes start at +0), then Y = the fixed tree es_lane_sum
- *      (quant.h). A lane starting at +0 never becomes -0, so SIMD paths
- *      may add +0 for padding blocks.
- *      Sequential types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): y = +0, then
+ *   3. Every quantized type is sequential: y = +0, then
  *      y += c for j = 0, 1, 2, ... in order (for the K types j runs over
  *      the 32-element sub-blocks, 8 per super-block); Y = y. Their SIMD
  *      kernels run on packed weights (quant.h: es_tensor_pack) with 16
@@ -49,15 +45,17 @@
  *      tree. Unpacked tensors of these types use the scalar kernel.
  * Float weight types (F32, F16, BF16): activations stay float32; weights are
  * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
- * sum) for i = 0, 1, ... in order, then the same tree.
+ * sum) for i = 0, 1, ... in order (lanes start at +0), then Y = the fixed
+ * tree es_lane_sum (quant.h). A lane starting at +0 never becomes -0, so
+ * SIMD paths may add +0 for padding elements.
  *
  * Bitwise equality holds for finite inputs; with NaN weights or activations
  * the results are NaN on every path but NaN payloads may differ.
  *
  * SIMD coverage: AVX-512 VNNI, AVX2 and NEON dotprod have packed kernels
- * for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (NEON without dotprod: none;
- * the weights then stay unpacked and use the scalar kernels). Every path has lane kernels for F32, F16, BF16, Q5_0 and Q5_1
- * (NEON: dotprod or widening multiplies).
+ * for every quantized type (NEON without dotprod: none; the weights then
+ * stay unpacked and use the scalar kernels). Every path has lane kernels
+ * for F32, F16 and BF16.
  *
  * es_matmul (and es_matmul_many, several matrices on one X) cut output rows
  * into contiguous chunks that the pool's threads take from an atomic
@@ -396,8 +394,8 @@ static void ref_quant(unpack_fn up, int two_term, int seq, const uint8_t *w, siz
     }
 REF_QUANT(ref_q4_0, up_q4_0, 0, 1)
 REF_QUANT(ref_q4_1, up_q4_1, 2, 1)
-REF_QUANT(ref_q5_0, up_q5_0, 0, 0)
-REF_QUANT(ref_q5_1, up_q5_1, 1, 0)
+REF_QUANT(ref_q5_0, up_q5_0, 0, 1)
+REF_QUANT(ref_q5_1, up_q5_1, 1, 1)
 REF_QUANT(ref_q8_0, up_q8_0, 0, 1)
 REF_QUANT(ref_q4_k, up_q4_k, 1, 1)
 REF_QUANT(ref_q5_k, up_q5_k, 1, 1)
@@ -511,6 +509,20 @@ static void pack_block(uint32_t type, const uint8_t *b, int r, uint8_t *out) {
         CHUNKS(out, b + (type == ES_TYPE_Q4_1 ? 4 : 2), nq);
         memcpy(out + nq * 64 + 2 * r, b, 2);                                      /* d */
         if (type == ES_TYPE_Q4_1) memcpy(out + nq * 64 + 32 + 2 * r, b + 2, 2);  /* m */
+        break;
+    }
+    case ES_TYPE_Q5_0:
+    case ES_TYPE_Q5_1: {
+        int one = type == ES_TYPE_Q5_1;
+        const uint8_t *qh = b + (one ? 4 : 2);
+        CHUNKS(out, qh + 4, 4);
+        uint32_t h = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+        uint32_t t = 0;   /* bit 4c + b of ggml's qh to bit 8b + c */
+        for (int c = 0; c < 8; c++)
+            for (int e = 0; e < 4; e++) t |= ((h >> (4 * c + e)) & 1u) << (8 * e + c);
+        for (int e = 0; e < 4; e++) out[ES_PK_Q5_QH + 4 * r + e] = (uint8_t)(t >> (8 * e));
+        memcpy(out + ES_PK_Q5_D + 2 * r, b, 2);                  /* d */
+        if (one) memcpy(out + ES_PK_Q5_M + 2 * r, b + 2, 2);    /* m */
         break;
     }
     case ES_TYPE_Q4_K:

@@ -79,7 +79,7 @@ typedef void (*es_mm_kernel)(const uint8_t *w, size_t row_bytes, int64_t r0, int
                              float *Y, int64_t ldy);
 
 /*
- * Packed weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): rows in SIMD lanes.
+ * Packed weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): rows in SIMD lanes.
  * The rows are cut into groups of ES_PACK_ROWS = 16 (the last group padded
  * with zero rows); group g holds, for each block j = 0 .. nb - 1 in order
  * (nb = n_in / es_pack_block_elems(type): blocks of 32, super-blocks of 256
@@ -90,6 +90,13 @@ typedef void (*es_mm_kernel)(const uint8_t *w, size_t row_bytes, int64_t r0, int
  *   Q4_0, Q4_1: qs[kk][r][b] = byte 4 * kk + b of row (16 g + r)'s block j
  *               (kk 0..3; 256 B), then d[r] (f16, 32 B), then for Q4_1
  *               m[r] (f16, 32 B)
+ *   Q5_0, Q5_1: qs[kk][r][b] as Q4_0 (256 B: the low 4 bits), then qh[r]
+ *               (a little-endian uint32 per row, 64 B) whose bit 8b + c is
+ *               the 5th bit of element 4c + b (c 0..7, b 0..3; ggml's qh
+ *               bit 4c + b, regrouped so that byte b of the dword serves
+ *               byte b of every chunk: bit c of it to bit 4 is one shift
+ *               and a mask, as for Q5_K), then d[r] (f16, 32 B), then for
+ *               Q5_1 m[r] (f16, 32 B). 352 B, 384 B.
  *   Q8_0:       qs[k][r][b] = qs[4 * k + b] (k 0..7; 512 B), then d[r]
  *   Q4_K:       qs[p][k][r][b] = qs[32 * p + 4 * k + b] (p 0..3, k 0..7;
  *               2048 B): low nibbles are elements 4k..4k+3 of sub-block
@@ -123,6 +130,8 @@ static inline size_t es_pack_record_bytes(uint32_t type) {
     switch (type) {
     case ES_TYPE_Q4_0: return ES_PACK_ROWS * sizeof(es_block_q4_0);
     case ES_TYPE_Q4_1: return ES_PACK_ROWS * sizeof(es_block_q4_1);
+    case ES_TYPE_Q5_0: return ES_PACK_ROWS * sizeof(es_block_q5_0);
+    case ES_TYPE_Q5_1: return ES_PACK_ROWS * sizeof(es_block_q5_1);
     case ES_TYPE_Q8_0: return ES_PACK_ROWS * sizeof(es_block_q8_0);
     case ES_TYPE_Q4_K: return ES_PACK_ROWS * sizeof(es_block_q4_K);
     case ES_TYPE_Q5_K: return ES_PACK_ROWS * sizeof(es_block_q5_K);
@@ -135,7 +144,10 @@ static inline size_t es_pack_record_bytes(uint32_t type) {
 static inline int64_t es_pack_block_elems(uint32_t type) {
     return type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K ? QK_K : QK;
 }
-/* Byte offsets of the parts of a K-type record (see above). */
+/* Byte offsets of the parts of a Q5_0 / Q5_1 and a K-type record (see above). */
+#define ES_PK_Q5_QH 256
+#define ES_PK_Q5_D 320
+#define ES_PK_Q5_M 352
 #define ES_PK_Q4K_SC 2048
 #define ES_PK_Q4K_D 2240
 #define ES_PK_Q4K_DMIN 2272
@@ -214,11 +226,14 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
         }                                                                                           \
     }
 /* The packed kernels of a backend and its getter (es_x86_packed_kernel,
- * ...): ES_PACKED_KERNELS for Q4_0, Q4_1, Q8_0; ES_PACKED_KERNELS_K also
- * for Q4_K, Q5_K, Q6_K (the backend's pgroup then handles those too). */
+ * ...): ES_PACKED_KERNELS for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0;
+ * ES_PACKED_KERNELS_K also for Q4_K, Q5_K, Q6_K (the backend's pgroup then
+ * handles those too). */
 #define ES_PACKED_KERNELS_3                                                                         \
     ES_PACKED_KERNEL(p_q4_0, ES_TYPE_Q4_0)                                                          \
     ES_PACKED_KERNEL(p_q4_1, ES_TYPE_Q4_1)                                                          \
+    ES_PACKED_KERNEL(p_q5_0, ES_TYPE_Q5_0)                                                          \
+    ES_PACKED_KERNEL(p_q5_1, ES_TYPE_Q5_1)                                                          \
     ES_PACKED_KERNEL(p_q8_0, ES_TYPE_Q8_0)
 #define ES_PACKED_KERNELS(getter)                                                                   \
     ES_PACKED_KERNELS_3                                                                             \
@@ -226,6 +241,8 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
         switch (type) {                                                                             \
         case ES_TYPE_Q4_0: return p_q4_0;                                                           \
         case ES_TYPE_Q4_1: return p_q4_1;                                                           \
+        case ES_TYPE_Q5_0: return p_q5_0;                                                           \
+        case ES_TYPE_Q5_1: return p_q5_1;                                                           \
         case ES_TYPE_Q8_0: return p_q8_0;                                                           \
         default: return NULL;                                                                       \
         }                                                                                           \
@@ -239,6 +256,8 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
         switch (type) {                                                                             \
         case ES_TYPE_Q4_0: return p_q4_0;                                                           \
         case ES_TYPE_Q4_1: return p_q4_1;                                                           \
+        case ES_TYPE_Q5_0: return p_q5_0;                                                           \
+        case ES_TYPE_Q5_1: return p_q5_1;                                                           \
         case ES_TYPE_Q8_0: return p_q8_0;                                                           \
         case ES_TYPE_Q4_K: return p_q4_k;                                                           \
         case ES_TYPE_Q5_K: return p_q5_k;                                                           \

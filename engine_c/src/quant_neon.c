@@ -2,20 +2,10 @@
  * quant_neon.c - NEON (dotprod) matmul kernels for aarch64. Same contract
  * and results (bitwise) as the scalar kernels in quant.c.
  *
- * Packed types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; dotprod builds only):
- * see "packed kernels" below. Without dotprod these types use the scalar
- * kernels (es_neon_packed_kernel returns NULL, so they stay unpacked).
- *
- * Lane types (Q5_0, Q5_1): a group of 16 weight blocks
- * (one es_q8_group of activations) is handled as 4 quads of 4 blocks. A
- * quad is loaded and transposed once into 8 int8x16 vectors (vector k holds
- * elements 4k..4k+3 of block i in 32-bit lane i: the layout of the
- * activation group), so 8 sdot give the 4 exact int32 block sums of the
- * quad, for each of the N activation rows. Quad q feeds accumulator lanes
- * 4q..4q+3; quads past the end of the row are skipped (the same as adding
- * +0). Weights are signed (Q5_0 with its offset 16 removed), so no offset
- * correction is needed. Without the dotprod extension the int8 dot is done
- * with widening multiplies (exact as well).
+ * Quantized types (dotprod builds only): packed kernels, see "packed
+ * kernels" below. Without dotprod they use the scalar kernels
+ * (es_neon_packed_kernel returns NULL, so they stay unpacked). Float types:
+ * lane kernels.
  */
 #include "quant.h"
 
@@ -32,110 +22,6 @@
 #define ES_AI __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
-static inline ES_AI int32x4_t dot4(int32x4_t acc, int8x16_t a, int8x16_t b) {
-#ifdef __ARM_FEATURE_DOTPROD
-    return vdotq_s32(acc, a, b);
-#else
-    int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
-    int32x4_t hi = vpaddlq_s16(vmull_high_s8(a, b));
-    return vaddq_s32(acc, vpaddq_s32(lo, hi));
-#endif
-}
-
-/* One quad of 4 weight blocks, unpacked. */
-typedef struct {
-    int8x16_t w[8];
-    float32x4_t a, b;
-} wquad;
-
-/* 16 bytes at p + i * stride for i < nv (zero otherwise), transposed:
- * out[k] lane i = dword k of block i. */
-static inline ES_AI void load_t4(const uint8_t *p, size_t stride, int nv, uint32x4_t out[4]) {
-    uint32x4_t b[4];
-    UNROLL
-    for (int i = 0; i < 4; i++) b[i] = i < nv ? vreinterpretq_u32_u8(vld1q_u8(p + (size_t)i * stride)) : vdupq_n_u32(0);
-    uint32x4x2_t t0 = vtrnq_u32(b[0], b[1]), t1 = vtrnq_u32(b[2], b[3]);
-    out[0] = vreinterpretq_u32_u64(vzip1q_u64(vreinterpretq_u64_u32(t0.val[0]), vreinterpretq_u64_u32(t1.val[0])));
-    out[1] = vreinterpretq_u32_u64(vzip1q_u64(vreinterpretq_u64_u32(t0.val[1]), vreinterpretq_u64_u32(t1.val[1])));
-    out[2] = vreinterpretq_u32_u64(vzip2q_u64(vreinterpretq_u64_u32(t0.val[0]), vreinterpretq_u64_u32(t1.val[0])));
-    out[3] = vreinterpretq_u32_u64(vzip2q_u64(vreinterpretq_u64_u32(t0.val[1]), vreinterpretq_u64_u32(t1.val[1])));
-}
-
-/* The 32-bit words at p + i * stride (i < nv), unaligned-safe. */
-static inline ES_AI uint32x4_t load_words(const uint8_t *p, size_t stride, int nv) {
-    uint32_t v[4] = {0, 0, 0, 0};
-    for (int i = 0; i < nv && i < 4; i++) memcpy(&v[i], p + (size_t)i * stride, 4);
-    return vld1q_u32(v);
-}
-
-static inline ES_AI float32x4_t half_lo(uint32x4_t v) {
-    return vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(v)));
-}
-static inline ES_AI float32x4_t half_hi(uint32x4_t v) {
-    return vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(v, 16)));
-}
-
-static inline ES_AI void nibbles(const uint32x4_t d[4], int8x16_t w[8]) {
-    const uint8x16_t m4 = vdupq_n_u8(0x0F);
-    UNROLL
-    for (int k = 0; k < 4; k++) {
-        w[k] = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_u32(d[k]), m4));
-        w[k + 4] = vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_u32(d[k]), 4));
-    }
-}
-
-/* The 5th bits of Q5_0 / Q5_1 for chunk k: bits 4k..4k+3 of each block's
- * qh word, one per byte, as bit 4 (t * 0x00204081 spreads a 4-bit t). */
-static inline ES_AI int8x16_t q5_hi(uint32x4_t qh, int k) {
-    uint32x4_t t = vandq_u32(vshlq_u32(qh, vdupq_n_s32(-4 * k)), vdupq_n_u32(0xF));
-    t = vandq_u32(vmulq_u32(t, vdupq_n_u32(0x00204081)), vdupq_n_u32(0x01010101));
-    return vreinterpretq_s8_u32(vshlq_n_u32(t, 4));
-}
-
-static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, wquad *g) {
-    uint32x4_t d[4];
-    load_t4(p + 6, 22, nv, d);
-    nibbles(d, g->w);
-    uint32x4_t qh = load_words(p + 2, 22, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = vsubq_s8(vorrq_s8(g->w[k], q5_hi(qh, k)), vdupq_n_s8(16));
-    g->a = half_lo(vandq_u32(load_words(p, 22, nv), vdupq_n_u32(0xFFFF)));
-}
-
-static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, wquad *g) {
-    uint32x4_t d[4];
-    load_t4(p + 8, 24, nv, d);
-    nibbles(d, g->w);
-    uint32x4_t qh = load_words(p + 4, 24, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = vorrq_s8(g->w[k], q5_hi(qh, k));
-    uint32x4_t dm = load_words(p, 24, nv);
-    g->a = half_lo(dm);
-    g->b = half_hi(dm);
-}
-
-/* Quad q of a group into rows [0, nt): acc[n * 4 + q] += c. */
-static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt, int q,
-                                   float32x4_t *acc, int two) {
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const int8_t *xq = xg->qs + 16 * q;
-        int32x4_t i0 = dot4(vdupq_n_s32(0), g->w[0], vld1q_s8(xq));
-        int32x4_t i1 = dot4(vdupq_n_s32(0), g->w[1], vld1q_s8(xq + 64));
-        i0 = dot4(i0, g->w[2], vld1q_s8(xq + 128));
-        i1 = dot4(i1, g->w[3], vld1q_s8(xq + 192));
-        i0 = dot4(i0, g->w[4], vld1q_s8(xq + 256));
-        i1 = dot4(i1, g->w[5], vld1q_s8(xq + 320));
-        i0 = dot4(i0, g->w[6], vld1q_s8(xq + 384));
-        i1 = dot4(i1, g->w[7], vld1q_s8(xq + 448));
-        int32x4_t I = vaddq_s32(i0, i1);
-        float32x4_t dx = vld1q_f32(xg->d + 4 * q);
-        float32x4_t c = vmulq_f32(vmulq_f32(g->a, dx), vcvtq_f32_s32(I));
-        if (two) c = vaddq_f32(c, vmulq_f32(vmulq_f32(g->b, dx), vld1q_f32(xg->fq + 4 * q)));
-        acc[n * 4 + q] = vaddq_f32(acc[n * 4 + q], c);
-    }
-}
-
 /* The fixed 16-lane tree (es_lane_sum in quant.h) over 4 quad vectors. */
 static inline ES_AI float lane_sum16(const float32x4_t *a) {
     float32x4_t p01 = vpaddq_f32(a[0], a[1]);   /* l0+l1, l2+l3, l4+l5, l6+l7 */
@@ -144,40 +30,6 @@ static inline ES_AI float lane_sum16(const float32x4_t *a) {
     float32x4_t t = vpaddq_f32(s, s);           /* a0+a1, a2+a3, ... */
     return vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 1);
 }
-
-#define QKERNEL(name, unpack, bbytes, two)                                                      \
-    static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
-                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
-        const uint8_t *x = xv;                                                                      \
-        float32x4_t acc[NT * 4];                                                                    \
-        for (int n0 = 0; n0 < N; n0 += NT) {                                                        \
-            int nt = N - n0 < NT ? N - n0 : NT;                                                     \
-            const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
-            for (int64_t r = r0; r < r1; r++) {                                                     \
-                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
-                for (int i = 0; i < nt * 4; i++) acc[i] = vdupq_n_f32(0.0f);                        \
-                for (int64_t gi = 0; gi < ng; gi++) {                                               \
-                    const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
-                    for (int q = 0; q < 4; q++) {                                                   \
-                        int64_t b0 = gi * 16 + q * 4;                                               \
-                        if (b0 >= nb) break;                                                        \
-                        wquad g;                                                                    \
-                        g.b = vdupq_n_f32(0.0f);                                                    \
-                        const uint8_t *p = row + (size_t)b0 * (bbytes);                             \
-                        if (nb - b0 >= 4) unpack(p, 4, &g);                                         \
-                        else unpack(p, (int)(nb - b0), &g);                                         \
-                        quad_rows(&g, xg, x_stride, nt, q, acc, two);                           \
-                    }                                                                               \
-                }                                                                                   \
-                for (int n = 0; n < nt; n++)                                                        \
-                    Y[(int64_t)(n0 + n) * ldy + r] = lane_sum16(acc + 4 * n);                       \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-QKERNEL(k_q5_0, unpack_q5_0, 22, 0)
-QKERNEL(k_q5_1, unpack_q5_1, 24, 1)
 
 /* Float weights: lane i % 16 += w[i] * x[i], 4 vectors of 4 lanes; the
  * ragged end goes through a zero-padded copy (adds +0). */
@@ -239,18 +91,20 @@ FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
 #ifdef __ARM_FEATURE_DOTPROD
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 16 weight rows in the lanes ----
  * A packed record (quant.h) is one block of 16 rows; an int32x4 holds 4 of
  * them, so a record is 4 quarters (quarter q = rows 4q..4q+3 = bytes
  * 16q..16q+15 of each 64-byte chunk). The 8 weight vectors of one quarter
  * (vector k, lane i = elements 4k..4k+3 of row 4q+i; Q4 nibbles 0..15,
- * Q8_0 as stored) stay in registers while every activation row of a tile
- * takes 8 sdot by element with its dword k of the block (an 8-byte load,
- * lane 0): the 4 rows' exact I (Q4_0: minus 8 * qsum). Then the contract's
- * float steps run on the 4 rows and add to the row's accumulator, blocks
- * in order (the sequential contract). The quarters run one after the other
- * over a segment of PSEG records, so the later ones re-read it from L1;
- * the accumulators carry over between segments in memory (exact). */
+ * Q5 5-bit values 0..31, Q8_0 as stored) stay in registers while every
+ * activation row of a tile takes 8 sdot by element with its dword k of the
+ * block (an 8-byte load, lane 0): the 4 rows' exact I (Q4_0: minus
+ * 8 * qsum, Q5_0: minus 16 * qsum, both in the chain's start value). Then
+ * the contract's float steps run on the 4 rows and add to the row's
+ * accumulator, blocks in order (the sequential contract). The quarters run
+ * one after the other over a segment of PSEG records, so the later ones
+ * re-read it from L1; the accumulators carry over between segments in
+ * memory (exact). */
 
 #define PTILE 6    /* most activation rows per register tile (7 and 8 spill for Q4_0) */
 #define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0), in the A76's 64 KB L1 */
@@ -286,6 +140,21 @@ static inline ES_AI void punpack(const int type, const uint8_t *p, int q, pquart
         return;
     }
     const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    if (type == ES_TYPE_Q5_0 || type == ES_TYPE_Q5_1) {
+        /* nibble | (bit c of each byte of qh[r] at bit 4): 0..31, exact as int8 */
+        const uint8x16_t qh = vld1q_u8(p + ES_PK_Q5_QH + 16 * q), m10 = vdupq_n_u8(0x10);
+        uint8x16_t hb[8] = {vshlq_n_u8(qh, 4), vshlq_n_u8(qh, 3), vshlq_n_u8(qh, 2), vshlq_n_u8(qh, 1),
+                            qh, vshrq_n_u8(qh, 1), vshrq_n_u8(qh, 2), vshrq_n_u8(qh, 3)};
+        UNROLL
+        for (int k = 0; k < 4; k++) {
+            uint8x16_t v = vld1q_u8(s + 64 * k);
+            u->w[k] = vreinterpretq_s8_u8(vbslq_u8(m10, hb[k], vandq_u8(v, m4)));
+            u->w[k + 4] = vreinterpretq_s8_u8(vbslq_u8(m10, hb[k + 4], vshrq_n_u8(v, 4)));
+        }
+        u->a = f16x4(p + ES_PK_Q5_D + 8 * q);
+        if (type == ES_TYPE_Q5_1) u->b = f16x4(p + ES_PK_Q5_M + 8 * q);
+        return;
+    }
     UNROLL
     for (int k = 0; k < 4; k++) {
         uint8x16_t v = vld1q_u8(s + 64 * k);
@@ -308,11 +177,12 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
         float d, dq;
         int32_t qsum;
         memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        /* |I| <= 32 * 128 * 127 < 2^22 (Q8_0; Q4_0, Q4_1 less): from_magic is (float)I */
+        /* |I| <= 32 * 128 * 127 < 2^22 (Q8_0; Q4_0, Q4_1 less; Q5_0 at most
+         * 32 * 31 * 127 + 16 * 32 * 127): from_magic is (float)I */
         int32x4_t I = vdupq_n_s32(MAGIC_I);
-        if (type == ES_TYPE_Q4_0) {
+        if (type == ES_TYPE_Q4_0 || type == ES_TYPE_Q5_0) {
             memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-            int32_t st = MAGIC_I - 8 * qsum;
+            int32_t st = MAGIC_I - (type == ES_TYPE_Q5_0 ? 16 : 8) * qsum;
             __asm__("" : "+r"(st));   /* computed in a general register (GCC would use vector ones) */
             I = vdupq_n_s32(st);
         }
@@ -322,6 +192,11 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
             c = vaddq_f32(c, vmulq_n_f32(u->b, dq));
+        }
+        if (type == ES_TYPE_Q5_1) {
+            float fq;
+            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
+            c = vaddq_f32(c, vmulq_n_f32(vmulq_n_f32(u->b, d), fq));
         }
         acc[n] = vaddq_f32(acc[n], c);
     }
@@ -589,8 +464,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) {
     case ES_TYPE_F32: return k_f32;
     case ES_TYPE_F16: return k_f16;
     case ES_TYPE_BF16: return k_bf16;
-    case ES_TYPE_Q5_0: return k_q5_0;
-    case ES_TYPE_Q5_1: return k_q5_1;
     default: return NULL;
     }
 }

@@ -2,18 +2,8 @@
  * quant_x86.c - AVX-512 (VNNI) and AVX2 matmul kernels for x86-64. Same
  * contract and results (bitwise) as the scalar kernels in quant.c.
  *
- * Sequential types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run on packed
- * weights, 16 rows in the lanes (see "packed kernels" in each path).
- * Lane types (Q5_0, Q5_1): a weight row is processed 16 blocks (one
- * es_q8_group of activations) at a time. The 16 blocks are loaded and
- * transposed once into 8 vectors of unsigned bytes, vector k holding
- * elements 4k..4k+3 of block j in 32-bit lane j, which is the layout of the
- * activation group, so 8 vpdpbusd give the 16 exact int32 block sums I at
- * once, for each of the N activation rows, and the float steps of the
- * contract run on 16 lanes that are the 16 accumulator lanes. Signed
- * weights are offset to unsigned (Q5_0: wq + 16, the raw 5-bit value) and
- * the offset times the activation block sum is subtracted again in int32
- * (exact).
+ * Quantized types run on packed weights, 16 rows in the lanes (see
+ * "packed kernels" in each path); float types on the rows as stored.
  */
 #include "quant.h"
 
@@ -32,12 +22,6 @@
 #define ES_AI __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
-/* One group of 16 weight blocks, unpacked. */
-typedef struct {
-    __m512i w[8];   /* unsigned bytes, layout of es_q8_group.qs */
-    __m512 a, b;    /* per-block float factors (b: two-term types) */
-} wgroup;
-
 /* The fixed 16-lane tree (es_lane_sum in quant.h). */
 static inline ES_AI float lane_sum16(__m512 v) {
     v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
@@ -46,454 +30,6 @@ static inline ES_AI float lane_sum16(__m512 v) {
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
     return _mm512_cvtss_f32(v);
 }
-
-static inline ES_AI __m128i ld128(const uint8_t *p, int j, int nv, size_t stride) {
-    return j < nv ? _mm_loadu_si128((const __m128i *)(const void *)(p + (size_t)j * stride))
-                  : _mm_setzero_si128();
-}
-
-/* 16 bytes at p + j * stride for j = 0..15 (zero for j >= nv), transposed:
- * out[k] lane j = dword k of block j. */
-static inline ES_AI void load_t16(const uint8_t *p, size_t stride, int nv, __m512i out[4]) {
-    __m512i z[4];
-    UNROLL
-    for (int i = 0; i < 4; i++) {
-        __m512i v = _mm512_castsi128_si512(ld128(p, i, nv, stride));
-        v = _mm512_inserti32x4(v, ld128(p, i + 4, nv, stride), 1);
-        v = _mm512_inserti32x4(v, ld128(p, i + 8, nv, stride), 2);
-        z[i] = _mm512_inserti32x4(v, ld128(p, i + 12, nv, stride), 3);
-    }
-    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm512_unpacklo_epi64(t0, t2);
-    out[1] = _mm512_unpackhi_epi64(t0, t2);
-    out[2] = _mm512_unpacklo_epi64(t1, t3);
-    out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
-/* The 32-bit word at p + j * stride for j < nv (0 otherwise). */
-static inline ES_AI __m512i gather32(const uint8_t *p, size_t stride, int nv) {
-    uint32_t v[16];
-    UNROLL
-    for (int j = 0; j < 16; j++) {
-        v[j] = 0;
-        if (j < nv) memcpy(&v[j], p + (size_t)j * stride, 4);
-    }
-    return _mm512_loadu_si512(v);
-}
-
-static inline ES_AI __m512 half_lo(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
-static inline ES_AI __m512 half_hi(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
-
-static inline ES_AI void nibbles(const __m512i d[4], __m512i w[8]) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    UNROLL
-    for (int k = 0; k < 4; k++) {
-        w[k] = _mm512_and_si512(d[k], m4);
-        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(d[k], 4), m4);
-    }
-}
-
-/* The 5th bits of Q5_0 / Q5_1: qh holds bit i for element i of each block
- * (32-bit lane j = block j); chunk k gets bits 4k..4k+3, one per byte, as
- * bit 4. (t * 0x00204081 puts bit e of a 4-bit t at bit 8e, without carries.) */
-static inline ES_AI __m512i q5_hi(__m512i qh, int k) {
-    __m512i t = _mm512_and_si512(_mm512_srli_epi32(qh, (unsigned)(4 * k)), _mm512_set1_epi32(0xF));
-    t = _mm512_and_si512(_mm512_mullo_epi32(t, _mm512_set1_epi32(0x00204081)), _mm512_set1_epi32(0x01010101));
-    return _mm512_slli_epi32(t, 4);
-}
-
-static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, wgroup *g) {
-    __m512i d[4];
-    load_t16(p + 6, 22, nv, d);
-    nibbles(d, g->w);
-    __m512i qh = gather32(p + 2, 22, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm512_or_si512(g->w[k], q5_hi(qh, k));
-    g->a = half_lo(_mm512_and_si512(gather32(p, 22, nv), _mm512_set1_epi32(0xFFFF)));
-}
-
-static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, wgroup *g) {
-    __m512i d[4];
-    load_t16(p + 8, 24, nv, d);
-    nibbles(d, g->w);
-    __m512i qh = gather32(p + 4, 24, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm512_or_si512(g->w[k], q5_hi(qh, k));
-    __m512i dm = gather32(p, 24, nv);
-    g->a = half_lo(dm);
-    g->b = half_hi(dm);
-}
-
-/* Multiply one unpacked weight group into activation rows [0, nt).
- * off: the unsigned offset of the weights (I -= off * qsum), two: two-term
- * type (c += (b * d) * (float)qsum). */
-static inline ES_AI void group_rows(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
-                              __m512 *acc, int off_shift, int two) {
-    UNROLL
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const __m512i *xq = (const __m512i *)(const void *)xg->qs;
-        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[0], _mm512_load_si512(xq + 0));
-        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g->w[1], _mm512_load_si512(xq + 1));
-        i0 = _mm512_dpbusd_epi32(i0, g->w[2], _mm512_load_si512(xq + 2));
-        i1 = _mm512_dpbusd_epi32(i1, g->w[3], _mm512_load_si512(xq + 3));
-        i0 = _mm512_dpbusd_epi32(i0, g->w[4], _mm512_load_si512(xq + 4));
-        i1 = _mm512_dpbusd_epi32(i1, g->w[5], _mm512_load_si512(xq + 5));
-        i0 = _mm512_dpbusd_epi32(i0, g->w[6], _mm512_load_si512(xq + 6));
-        i1 = _mm512_dpbusd_epi32(i1, g->w[7], _mm512_load_si512(xq + 7));
-        __m512i I = _mm512_add_epi32(i0, i1);
-        __m512i qsum = _mm512_load_si512((const void *)xg->qsum);
-        if (off_shift) I = _mm512_sub_epi32(I, _mm512_slli_epi32(qsum, (unsigned)off_shift));
-        __m512 dx = _mm512_load_ps(xg->d);
-        __m512 c = _mm512_mul_ps(_mm512_mul_ps(g->a, dx), _mm512_cvtepi32_ps(I));
-        if (two) c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(g->b, dx), _mm512_load_ps(xg->fq)));
-        acc[n] = _mm512_add_ps(acc[n], c);
-    }
-}
-
-/* group_rows for a group of at most 8 blocks (lanes 8..15 of the unpacked
- * group are zero): 256-bit ops, half the work; adds +0 to lanes 8..15. */
-static inline ES_AI void group_rows8(const wgroup *g, const uint8_t *x, size_t x_stride, int nt,
-                                     __m512 *acc, int off_shift, int two) {
-    __m256i w[8];
-    UNROLL
-    for (int k = 0; k < 8; k++) w[k] = _mm512_castsi512_si256(g->w[k]);
-    __m256 a = _mm512_castps512_ps256(g->a), b = _mm512_castps512_ps256(g->b);
-    UNROLL
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const int8_t *xq = xg->qs;
-#define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
-        __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], XQ(0));
-        __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], XQ(1));
-        i0 = _mm256_dpbusd_epi32(i0, w[2], XQ(2));
-        i1 = _mm256_dpbusd_epi32(i1, w[3], XQ(3));
-        i0 = _mm256_dpbusd_epi32(i0, w[4], XQ(4));
-        i1 = _mm256_dpbusd_epi32(i1, w[5], XQ(5));
-        i0 = _mm256_dpbusd_epi32(i0, w[6], XQ(6));
-        i1 = _mm256_dpbusd_epi32(i1, w[7], XQ(7));
-#undef XQ
-        __m256i I = _mm256_add_epi32(i0, i1);
-        __m256i qsum = _mm256_load_si256((const void *)xg->qsum);
-        if (off_shift) I = _mm256_sub_epi32(I, _mm256_slli_epi32(qsum, off_shift));
-        __m256 dx = _mm256_load_ps(xg->d);
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
-        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_load_ps(xg->fq)));
-        acc[n] = _mm512_add_ps(acc[n], _mm512_zextps256_ps512(c));
-    }
-}
-
-/* ---- quads: a ragged end of at most 4 blocks, in 128-bit vectors ---- */
-
-typedef struct {
-    __m128i w[8];
-    __m128 a, b;
-} wquad;
-
-static inline ES_AI void load_t4(const uint8_t *p, size_t stride, int nv, __m128i out[4]) {
-    __m128i z[4];
-    UNROLL
-    for (int i = 0; i < 4; i++) z[i] = ld128(p, i, nv, stride);
-    __m128i t0 = _mm_unpacklo_epi32(z[0], z[1]), t1 = _mm_unpackhi_epi32(z[0], z[1]);
-    __m128i t2 = _mm_unpacklo_epi32(z[2], z[3]), t3 = _mm_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm_unpacklo_epi64(t0, t2);
-    out[1] = _mm_unpackhi_epi64(t0, t2);
-    out[2] = _mm_unpacklo_epi64(t1, t3);
-    out[3] = _mm_unpackhi_epi64(t1, t3);
-}
-
-static inline ES_AI __m128i words4(const uint8_t *p, size_t stride, int nv) {
-    const __m128i idx = _mm_setr_epi32(0, (int)stride, 2 * (int)stride, 3 * (int)stride);
-    __mmask8 m = nv >= 4 ? (__mmask8)0xF : (__mmask8)((1u << nv) - 1);
-    return _mm_mmask_i32gather_epi32(_mm_setzero_si128(), m, idx, p, 1);
-}
-
-static inline ES_AI void nibbles4(const __m128i d[4], __m128i w[8]) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    UNROLL
-    for (int k = 0; k < 4; k++) {
-        w[k] = _mm_and_si128(d[k], m4);
-        w[k + 4] = _mm_and_si128(_mm_srli_epi16(d[k], 4), m4);
-    }
-}
-
-static inline ES_AI __m128 half4_lo(__m128i v) { return _mm_cvtph_ps(_mm_cvtepi32_epi16(v)); }
-static inline ES_AI __m128 half4_hi(__m128i v) { return _mm_cvtph_ps(_mm_cvtepi32_epi16(_mm_srli_epi32(v, 16))); }
-
-static inline ES_AI __m128i q5_hi4(__m128i qh, int k) {
-    __m128i t = _mm_and_si128(_mm_srli_epi32(qh, 4 * k), _mm_set1_epi32(0xF));
-    t = _mm_and_si128(_mm_mullo_epi32(t, _mm_set1_epi32(0x00204081)), _mm_set1_epi32(0x01010101));
-    return _mm_slli_epi32(t, 4);
-}
-
-static inline ES_AI void unpack4_q5_0(const uint8_t *p, int nv, wquad *g) {
-    __m128i d[4];
-    load_t4(p + 6, 22, nv, d);
-    nibbles4(d, g->w);
-    __m128i qh = words4(p + 2, 22, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm_or_si128(g->w[k], q5_hi4(qh, k));
-    g->a = half4_lo(_mm_and_si128(words4(p, 22, nv), _mm_set1_epi32(0xFFFF)));
-}
-
-static inline ES_AI void unpack4_q5_1(const uint8_t *p, int nv, wquad *g) {
-    __m128i d[4];
-    load_t4(p + 8, 24, nv, d);
-    nibbles4(d, g->w);
-    __m128i qh = words4(p + 4, 24, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm_or_si128(g->w[k], q5_hi4(qh, k));
-    __m128i dm = words4(p, 24, nv);
-    g->a = half4_lo(dm);
-    g->b = half4_hi(dm);
-}
-
-/* Quad at lanes 0..3 of a group into rows [0, nt) (adds +0 to lanes 4..15). */
-static inline ES_AI void quad_rows(const wquad *g, const uint8_t *x, size_t x_stride, int nt,
-                                   __m512 *acc, int off_shift, int two) {
-    UNROLL
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const int8_t *xq = xg->qs;
-#define XQ(k) _mm_load_si128((const __m128i *)(const void *)(xq + 64 * (k)))
-        __m128i i0 = _mm_dpbusd_epi32(_mm_setzero_si128(), g->w[0], XQ(0));
-        __m128i i1 = _mm_dpbusd_epi32(_mm_setzero_si128(), g->w[1], XQ(1));
-        i0 = _mm_dpbusd_epi32(i0, g->w[2], XQ(2));
-        i1 = _mm_dpbusd_epi32(i1, g->w[3], XQ(3));
-        i0 = _mm_dpbusd_epi32(i0, g->w[4], XQ(4));
-        i1 = _mm_dpbusd_epi32(i1, g->w[5], XQ(5));
-        i0 = _mm_dpbusd_epi32(i0, g->w[6], XQ(6));
-        i1 = _mm_dpbusd_epi32(i1, g->w[7], XQ(7));
-#undef XQ
-        __m128i I = _mm_add_epi32(i0, i1);
-        if (off_shift) I = _mm_sub_epi32(I, _mm_slli_epi32(_mm_load_si128((const void *)xg->qsum), off_shift));
-        __m128 dx = _mm_load_ps(xg->d);
-        __m128 c = _mm_mul_ps(_mm_mul_ps(g->a, dx), _mm_cvtepi32_ps(I));
-        if (two) c = _mm_add_ps(c, _mm_mul_ps(_mm_mul_ps(g->b, dx), _mm_load_ps(xg->fq)));
-        acc[n] = _mm512_add_ps(acc[n], _mm512_zextps128_ps512(c));
-    }
-}
-
-/* ---- small register tiles over the activation rows ---- */
-
-#define TILE 8   /* most activation rows per register tile */
-
-/* The quad tail (at most 4 blocks, lanes 0..3) of up to TILE activation rows,
- * packed once per kernel call so that one 512-bit vector serves 4 rows:
- * 128-bit lane i of q[t][k] is bytes 64k..64k+15 of row 4t+i's tail group
- * (blocks 0..3), likewise d, fq and qsum (their first 4 entries). Rows past
- * the tile are zero. */
-typedef struct {
-    int8_t q[TILE / 4][8][64];
-    float d[TILE / 4][16], fq[TILE / 4][16];
-    int32_t qsum[TILE / 4][16];
-} xquads;
-
-static inline ES_AI void pack_quads(const uint8_t *xg, size_t x_stride, int nt, xquads *xp) {
-    memset(xp, 0, sizeof *xp);
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *g = (const void *)(xg + (size_t)n * x_stride);
-        int t = n / 4, i = n % 4;
-        for (int k = 0; k < 8; k++) memcpy(&xp->q[t][k][16 * i], g->qs + 64 * k, 16);
-        memcpy(&xp->d[t][4 * i], g->d, 16);
-        memcpy(&xp->fq[t][4 * i], g->fq, 16);
-        memcpy(&xp->qsum[t][4 * i], g->qsum, 16);
-    }
-}
-
-/* quad_rows on packed activations: 4 rows per 512-bit step; row 4t+i's
- * contribution (128-bit lane i) is moved to lanes 0..3 and added to its
- * accumulator (+0 to lanes 4..15), the same values as quad_rows. */
-static inline ES_AI void quad_rows_packed(const wquad *g, const xquads *xp, int nt, __m512 *acc,
-                                          int off_shift, int two) {
-    __m512i w[8];
-    UNROLL
-    for (int k = 0; k < 8; k++) w[k] = _mm512_broadcast_i32x4(g->w[k]);
-    __m512 a = _mm512_broadcast_f32x4(g->a), b = _mm512_broadcast_f32x4(g->b);
-    UNROLL
-    for (int t = 0; t < (nt + 3) / 4; t++) {
-#define XQ(k) _mm512_load_si512((const void *)xp->q[t][k])
-        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], XQ(0));
-        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], XQ(1));
-        i0 = _mm512_dpbusd_epi32(i0, w[2], XQ(2));
-        i1 = _mm512_dpbusd_epi32(i1, w[3], XQ(3));
-        i0 = _mm512_dpbusd_epi32(i0, w[4], XQ(4));
-        i1 = _mm512_dpbusd_epi32(i1, w[5], XQ(5));
-        i0 = _mm512_dpbusd_epi32(i0, w[6], XQ(6));
-        i1 = _mm512_dpbusd_epi32(i1, w[7], XQ(7));
-#undef XQ
-        __m512i I = _mm512_add_epi32(i0, i1);
-        if (off_shift) I = _mm512_sub_epi32(I, _mm512_slli_epi32(_mm512_load_si512((const void *)xp->qsum[t]),
-                                                                 (unsigned)off_shift));
-        __m512 dx = _mm512_load_ps(xp->d[t]);
-        __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
-        if (two) c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_load_ps(xp->fq[t])));
-        UNROLL
-        for (int i = 0; i < 4; i++)
-            if (4 * t + i < nt) acc[4 * t + i] = _mm512_add_ps(acc[4 * t + i], _mm512_maskz_shuffle_f32x4((__mmask16)0x000F, c, c, i));
-    }
-}
-
-/* es_lane_sum of nt accumulators at once, Y[n * ldy] = sum of acc[n]: the
- * same tree, with the pairs of several accumulators added in one vector. */
-static inline ES_AI void lane_sums(const __m512 *acc, int nt, float *Y, int64_t ldy) {
-    if (nt == 1) {
-        Y[0] = lane_sum16(acc[0]);
-        return;
-    }
-    __m512 z = _mm512_setzero_ps(), p[TILE / 2], q[TILE / 4];
-    UNROLL
-    for (int i = 0; i < (nt + 1) / 2; i++) {   /* l0+l1, l2+l3 of two accumulators */
-        __m512 u = acc[2 * i], v = 2 * i + 1 < nt ? acc[2 * i + 1] : z;
-        p[i] = _mm512_add_ps(_mm512_shuffle_ps(u, v, 0x88), _mm512_shuffle_ps(u, v, 0xDD));
-    }
-    UNROLL
-    for (int i = 0; i < (nt + 3) / 4; i++) {   /* (l0+l1)+(l2+l3) of four */
-        __m512 u = p[2 * i], v = 2 * i + 1 < (nt + 1) / 2 ? p[2 * i + 1] : z;
-        q[i] = _mm512_add_ps(_mm512_shuffle_ps(u, v, 0x88), _mm512_shuffle_ps(u, v, 0xDD));
-    }
-    __m512 u = q[0], v = nt > 4 ? q[1] : z;    /* a0+a1, a2+a3 of eight */
-    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xDD));
-    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
-    float out[16] __attribute__((aligned(64)));
-    _mm512_store_ps(out, s);
-    UNROLL
-    for (int n = 0; n < nt; n++) Y[(int64_t)n * ldy] = out[n < 4 ? n : n + 4];
-}
-
-/* Rows [r0, r1) of the weights times a tile of nt (a constant after
- * inlining, 1..TILE) activation rows xt: accumulators stay in registers.
- * name##_row does one weight row: its groups are unpacked here (gb NULL) or
- * were unpacked before (gb[0..nfull], g4b for a quad tail); xp holds the
- * tile's packed quad tail when nt > 1. */
-#define QTILE(name, unpack, unpack4, bbytes, off_shift, two)                                          \
-    static inline ES_AI void name##_row(const int nt, const uint8_t *row, const wgroup *gb,           \
-                                        const wquad *g4b, int64_t nfull, int tail, const uint8_t *xt, \
-                                        size_t x_stride, const xquads *xp, float *Y, int64_t ldy) {   \
-        const uint8_t *xtail = xt + (size_t)nfull * sizeof(es_q8_group);                            \
-        __m512 acc[TILE];                                                                           \
-        UNROLL                                                                                      \
-        for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();                                  \
-        for (int64_t gi = 0; gi < nfull; gi++) {                                                    \
-            wgroup g;                                                                               \
-            if (gb) g = gb[gi];                                                                     \
-            else {                                                                                  \
-                g.b = _mm512_setzero_ps();                                                          \
-                unpack(row + (size_t)gi * 16 * (bbytes), 16, &g);                                   \
-            }                                                                                       \
-            group_rows(&g, xt + (size_t)gi * sizeof(es_q8_group), x_stride, nt, acc, off_shift, two); \
-        }                                                                                           \
-        const uint8_t *p = row + (size_t)nfull * 16 * (bbytes);                                     \
-        if (tail && tail <= 4) {                                                                    \
-            wquad g4;                                                                               \
-            if (g4b) g4 = *g4b;                                                                     \
-            else {                                                                                  \
-                g4.b = _mm_setzero_ps();                                                            \
-                unpack4(p, tail, &g4);                                                              \
-            }                                                                                       \
-            if (nt == 1) quad_rows(&g4, xtail, x_stride, 1, acc, off_shift, two);                   \
-            else quad_rows_packed(&g4, xp, nt, acc, off_shift, two);                                \
-        } else if (tail) {                                                                          \
-            wgroup g;                                                                               \
-            if (gb) g = gb[nfull];                                                                  \
-            else {                                                                                  \
-                g.b = _mm512_setzero_ps();                                                          \
-                unpack(p, tail, &g);                                                                \
-            }                                                                                       \
-            if (tail <= 8) group_rows8(&g, xtail, x_stride, nt, acc, off_shift, two);               \
-            else group_rows(&g, xtail, x_stride, nt, acc, off_shift, two);                          \
-        }                                                                                           \
-        lane_sums(acc, nt, Y, ldy);                                                                 \
-    }                                                                                               \
-    static inline ES_AI void name##_tile(const int nt, const uint8_t *w, size_t row_bytes, int64_t r0, \
-                                         int64_t r1, int64_t nfull, int tail, const uint8_t *xt,      \
-                                         size_t x_stride, const xquads *xp, float *Y, int64_t ldy) {  \
-        for (int64_t r = r0; r < r1; r++) {                                                         \
-            const uint8_t *row = w + (size_t)r * row_bytes;                                         \
-            if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);             \
-            name##_row(nt, row, NULL, NULL, nfull, tail, xt, x_stride, xp, Y + r, ldy);             \
-        }                                                                                           \
-    }
-
-/* fn(nt, ...) with nt a constant 1..TILE. */
-#define QSWITCH(nt, fn, ...)                                                                        \
-    switch (nt) {                                                                                   \
-    case 1: fn(1, __VA_ARGS__); break;                                                              \
-    case 2: fn(2, __VA_ARGS__); break;                                                              \
-    case 3: fn(3, __VA_ARGS__); break;                                                              \
-    case 4: fn(4, __VA_ARGS__); break;                                                              \
-    case 5: fn(5, __VA_ARGS__); break;                                                              \
-    case 6: fn(6, __VA_ARGS__); break;                                                              \
-    case 7: fn(7, __VA_ARGS__); break;                                                              \
-    default: fn(8, __VA_ARGS__); break;                                                             \
-    }
-
-#define PASS 32          /* activation rows per pass: up to 4 tiles */
-#define BUF_GROUPS 16    /* rows of at most this many groups are unpacked once per pass */
-
-/* The kernel: each pass of up to PASS activation rows is cut into tiles of
- * at most TILE rows of near-equal size, each run by a variant compiled for
- * its row count. With one tile, a weight row is unpacked while it is
- * multiplied; with several, it is unpacked once into a buffer that every
- * tile then reads. */
-#define QKERNEL(name, unpack, unpack4, bbytes, off_shift, two)                                      \
-    QTILE(name, unpack, unpack4, bbytes, off_shift, two)                                            \
-    static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
-                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        int64_t nb = n_in / QK, nfull = nb / 16;                                                    \
-        int tail = (int)(nb % 16);                                                                  \
-        const uint8_t *x = xv;                                                                      \
-        for (int n0 = 0; n0 < N; n0 += PASS) {                                                      \
-            int np = N - n0 < PASS ? N - n0 : PASS, nti = 0, t0[PASS / TILE], tn[PASS / TILE];     \
-            for (int n = 0; n < np; nti++) {                                                        \
-                int left = (np - n + TILE - 1) / TILE;                                              \
-                t0[nti] = n0 + n;                                                                   \
-                tn[nti] = (np - n + left - 1) / left;                                               \
-                n += tn[nti];                                                                       \
-            }                                                                                       \
-            xquads xp[PASS / TILE];                                                                 \
-            if (tail && tail <= 4)                                                                  \
-                for (int i = 0; i < nti; i++)                                                       \
-                    if (tn[i] > 1)                                                                  \
-                        pack_quads(x + (size_t)t0[i] * x_stride + (size_t)nfull * sizeof(es_q8_group), \
-                                   x_stride, tn[i], &xp[i]);                                        \
-            if (nti == 1 || nfull + (tail > 4) > BUF_GROUPS) {                                      \
-                for (int i = 0; i < nti; i++) {                                                     \
-                    const uint8_t *xt = x + (size_t)t0[i] * x_stride;                               \
-                    float *Yt = Y + (int64_t)t0[i] * ldy;                                           \
-                    QSWITCH(tn[i], name##_tile, w, row_bytes, r0, r1, nfull, tail, xt, x_stride, &xp[i], Yt, ldy) \
-                }                                                                                   \
-                continue;                                                                           \
-            }                                                                                       \
-            for (int64_t r = r0; r < r1; r++) {                                                     \
-                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
-                if (r + 1 < r1) _mm_prefetch((const char *)(row + row_bytes), _MM_HINT_T0);         \
-                wgroup gb[BUF_GROUPS];                                                              \
-                wquad g4;                                                                           \
-                for (int64_t gi = 0; gi < nfull; gi++) {                                            \
-                    gb[gi].b = _mm512_setzero_ps();                                                 \
-                    unpack(row + (size_t)gi * 16 * (bbytes), 16, &gb[gi]);                          \
-                }                                                                                   \
-                const uint8_t *p = row + (size_t)nfull * 16 * (bbytes);                             \
-                if (tail && tail <= 4) {                                                            \
-                    g4.b = _mm_setzero_ps();                                                        \
-                    unpack4(p, tail, &g4);                                                          \
-                } else if (tail) {                                                                  \
-                    gb[nfull].b = _mm512_setzero_ps();                                              \
-                    unpack(p, tail, &gb[nfull]);                                                    \
-                }                                                                                   \
-                for (int i = 0; i < nti; i++) {                                                     \
-                    const uint8_t *xt = x + (size_t)t0[i] * x_stride;                               \
-                    float *Yt = Y + (int64_t)t0[i] * ldy + r;                                       \
-                    QSWITCH(tn[i], name##_row, row, gb, &g4, nfull, tail, xt, x_stride, &xp[i], Yt, ldy) \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-QKERNEL(k_q5_0, unpack_q5_0, unpack4_q5_0, 22, 4, 0)
-QKERNEL(k_q5_1, unpack_q5_1, unpack4_q5_1, 24, 0, 1)
 
 /* Float weights: lane i % 16 += w[i] * x[i]; masked loads give +0 past the end. */
 static inline ES_AI __m512 load_w16(uint32_t type, const uint8_t *row, int64_t i, __mmask16 m) {
@@ -558,7 +94,7 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * One step multiplies one block of 16 rows (a packed record, quant.h) into
  * each activation row of a tile: 8 vpdpbusd with the activation's dword k
  * broadcast give the 16 rows' exact int32 sums I, then the contract's float
@@ -596,6 +132,19 @@ static inline ES_AI void punpack(const int type, const uint8_t *p, prec *u) {
         __m512i v = _mm512_loadu_si512(p + 64 * k);
         u->w[k] = _mm512_and_si512(v, m4);
         u->w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    if (type == ES_TYPE_Q5_0 || type == ES_TYPE_Q5_1) {
+        /* bit c of each byte of qh[r] to bit 4 (the 5th bit of chunk c), merged: q | (hb & 0x10) */
+        const __m512i qh = _mm512_loadu_si512(p + ES_PK_Q5_QH);
+        UNROLL
+        for (int c = 0; c < 8; c++) {
+            __m512i hb = c <= 4 ? _mm512_slli_epi32(qh, (unsigned)(4 - c)) : _mm512_srli_epi32(qh, (unsigned)(c - 4));
+            u->w[c] = _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x10), hb, u->w[c], 0xEA);
+        }
+        u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + ES_PK_Q5_D)));
+        if (type == ES_TYPE_Q5_1)
+            u->b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + ES_PK_Q5_M)));
+        return;
     }
     u->a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 256)));
     if (type == ES_TYPE_Q4_1) u->b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)));
@@ -763,7 +312,9 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         return;
     }
     const size_t rec = es_pack_record_bytes((uint32_t)type);
-    const unsigned off = type == ES_TYPE_Q8_0 ? 7 : 3;   /* I -= qsum << off (unsigned weights) */
+    /* I -= qsum << off: the weights as unsigned bytes (Q8_0 + 128, Q4_0 + 8, Q5_0 + 16) */
+    const unsigned off = type == ES_TYPE_Q8_0 ? 7 : type == ES_TYPE_Q5_0 ? 4 : 3;
+    const int unsigned_only = type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1;   /* no offset */
     __m512 acc[PTILE];
     UNROLL
     for (int n = 0; n < nt; n++) acc[n] = _mm512_setzero_ps();
@@ -782,7 +333,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
             const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
             const int8_t *q = xg->qs + 4 * jj;
             __m512i i0, i1;
-            if (type == ES_TYPE_Q4_1) {
+            if (unsigned_only) {
                 i0 = dpbusd_b(_mm512_setzero_si512(), u.w[0], q);
             } else {
                 i0 = dpbusd_b(_mm512_set1_epi32(-(xg->qsum[jj] * (1 << off))), u.w[0], q);
@@ -796,6 +347,9 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
             __m512 c = _mm512_mul_ps(_mm512_mul_ps(u.a, _mm512_set1_ps(xg->d[jj])),
                                      _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
             if (type == ES_TYPE_Q4_1) c = _mm512_add_ps(c, _mm512_mul_ps(u.b, _mm512_set1_ps(xg->dq[jj])));
+            if (type == ES_TYPE_Q5_1)
+                c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(u.b, _mm512_set1_ps(xg->d[jj])),
+                                                   _mm512_set1_ps(xg->fq[jj])));
             acc[n] = _mm512_add_ps(acc[n], c);
         }
     }
@@ -811,8 +365,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_F32: return k_f32;
     case ES_TYPE_F16: return k_f16;
     case ES_TYPE_BF16: return k_bf16;
-    case ES_TYPE_Q5_0: return k_q5_0;
-    case ES_TYPE_Q5_1: return k_q5_1;
     default: return NULL;
     }
 }
@@ -820,13 +372,8 @@ const char *es_x86_simd_name(void) { return "avx512"; }
 
 #elif defined(ES_X86_AVX2)
 /*
- * AVX2 path. Lane types (Q5_0, Q5_1): the same transposed layout, a group
- * of 16 blocks handled as two octets of 8 (ymm lanes 0..7 and 8..15 of the
- * accumulator). Packed types (Q4_0, Q4_1, Q8_0, K types): see "packed
- * kernels" below. Int8 dots use maddubs (u8 x s8 -> s16 pairs) + madd: for 4-bit
- * weights all 8 chunk products fit one int16 sum (8 * 2 * 15 * 127 = 30480),
- * for 5-bit ones 4 (4 * 2 * 31 * 127 = 31496); Q8_0 uses |w| x sign(x, w)
- * and widens every chunk. Exact int32 either way.
+ * AVX2 path. Quantized types: packed kernels ("packed kernels" below);
+ * float types: lanes 0..7 and 8..15 of the accumulator in two ymm.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -836,146 +383,12 @@ const char *es_x86_simd_name(void) { return "avx512"; }
 #define ES_AI __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
-typedef struct {
-    __m256i w[8];     /* unsigned 5-bit weights */
-    __m256 a, b;
-} woct;
-
-static inline ES_AI __m128i ld128(const uint8_t *p, int j, int nv, size_t stride) {
-    return j < nv ? _mm_loadu_si128((const __m128i *)(const void *)(p + (size_t)j * stride))
-                  : _mm_setzero_si128();
-}
-
-/* 16 bytes at p + j * stride, j = 0..7 (zero for j >= nv), transposed. */
-static inline ES_AI void load_t8(const uint8_t *p, size_t stride, int nv, __m256i out[4]) {
-    __m256i z[4];
-    UNROLL
-    for (int i = 0; i < 4; i++)
-        z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(ld128(p, i, nv, stride)), ld128(p, i + 4, nv, stride), 1);
-    __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
-    __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm256_unpacklo_epi64(t0, t2);
-    out[1] = _mm256_unpackhi_epi64(t0, t2);
-    out[2] = _mm256_unpacklo_epi64(t1, t3);
-    out[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-
-/* fp16 at p + j * stride + off (j < nv), as 8 floats. */
-static inline ES_AI __m256 halves8(const uint8_t *p, size_t stride, size_t off, int nv) {
-    uint16_t h[8] = {0};
-    for (int j = 0; j < nv && j < 8; j++) memcpy(&h[j], p + (size_t)j * stride + off, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
-}
-
-static inline ES_AI void nibbles8(const __m256i d[4], __m256i w[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    UNROLL
-    for (int k = 0; k < 4; k++) {
-        w[k] = _mm256_and_si256(d[k], m4);
-        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(d[k], 4), m4);
-    }
-}
-
-static inline ES_AI __m256i words8(const uint8_t *p, size_t stride, int nv) {
-    uint32_t v[8] = {0};
-    for (int j = 0; j < nv && j < 8; j++) memcpy(&v[j], p + (size_t)j * stride, 4);
-    return _mm256_loadu_si256((const __m256i *)(const void *)v);
-}
-
-/* The 5th bits of Q5_0 / Q5_1 for chunk k (see the AVX-512 q5_hi). */
-static inline ES_AI __m256i q5_hi8(__m256i qh, int k) {
-    __m256i t = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * k), _mm256_set1_epi32(0xF));
-    t = _mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x00204081)), _mm256_set1_epi32(0x01010101));
-    return _mm256_slli_epi32(t, 4);
-}
-
-static inline ES_AI void unpack_q5_0(const uint8_t *p, int nv, woct *g) {
-    __m256i d[4];
-    load_t8(p + 6, 22, nv, d);
-    nibbles8(d, g->w);
-    __m256i qh = words8(p + 2, 22, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm256_or_si256(g->w[k], q5_hi8(qh, k));
-    g->a = halves8(p, 22, 0, nv);
-}
-
-static inline ES_AI void unpack_q5_1(const uint8_t *p, int nv, woct *g) {
-    __m256i d[4];
-    load_t8(p + 8, 24, nv, d);
-    nibbles8(d, g->w);
-    __m256i qh = words8(p + 4, 24, nv);
-    UNROLL
-    for (int k = 0; k < 8; k++) g->w[k] = _mm256_or_si256(g->w[k], q5_hi8(qh, k));
-    g->a = halves8(p, 24, 0, nv);
-    g->b = halves8(p, 24, 2, nv);
-}
-
-/* Octet h (lanes 8h..8h+7) of 5-bit weights into rows [0, nt):
- * acc[2n + h] += c (4 + 4 chunk products per int16 sum). */
-static inline ES_AI void oct_rows(const woct *g, const uint8_t *x, size_t x_stride, int nt, int h,
-                                  __m256 *acc, int off_shift, int two) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int n = 0; n < nt; n++) {
-        const es_q8_group *xg = (const void *)(x + (size_t)n * x_stride);
-        const int8_t *xq = xg->qs + 32 * h;
-#define XQ(k) _mm256_load_si256((const __m256i *)(const void *)(xq + 64 * (k)))
-        __m256i s0 = _mm256_maddubs_epi16(g->w[0], XQ(0)), s1 = _mm256_maddubs_epi16(g->w[4], XQ(4));
-        UNROLL
-        for (int k = 1; k < 4; k++) {
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(g->w[k], XQ(k)));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(g->w[k + 4], XQ(k + 4)));
-        }
-        __m256i I = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-#undef XQ
-        if (off_shift)
-            I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_load_si256((const void *)(xg->qsum + 8 * h)), off_shift));
-        __m256 dx = _mm256_load_ps(xg->d + 8 * h);
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(g->a, dx), _mm256_cvtepi32_ps(I));
-        if (two) c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(g->b, dx), _mm256_load_ps(xg->fq + 8 * h)));
-        acc[2 * n + h] = _mm256_add_ps(acc[2 * n + h], c);
-    }
-}
-
 static inline ES_AI float lane_sum2x8(__m256 lo, __m256 hi) {
     float l[16];
     _mm256_storeu_ps(l, lo);
     _mm256_storeu_ps(l + 8, hi);
     return es_lane_sum(l);
 }
-
-#define QKERNEL(name, unpack, bbytes, off_shift, two)                                               \
-    static void name(const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1, int64_t n_in,      \
-                     const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {               \
-        int64_t nb = n_in / QK, ng = (nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS;                  \
-        const uint8_t *x = xv;                                                                      \
-        __m256 acc[2 * NT];                                                                         \
-        for (int n0 = 0; n0 < N; n0 += NT) {                                                        \
-            int nt = N - n0 < NT ? N - n0 : NT;                                                     \
-            const uint8_t *xt = x + (size_t)n0 * x_stride;                                          \
-            for (int64_t r = r0; r < r1; r++) {                                                     \
-                const uint8_t *row = w + (size_t)r * row_bytes;                                     \
-                for (int i = 0; i < 2 * nt; i++) acc[i] = _mm256_setzero_ps();                      \
-                for (int64_t gi = 0; gi < ng; gi++) {                                               \
-                    const uint8_t *xg = xt + (size_t)gi * sizeof(es_q8_group);                      \
-                    for (int h = 0; h < 2; h++) {                                                   \
-                        int64_t b0 = gi * 16 + h * 8;                                               \
-                        if (b0 >= nb) break;                                                        \
-                        woct g;                                                                     \
-                        g.b = _mm256_setzero_ps();                                                  \
-                        const uint8_t *p = row + (size_t)b0 * (bbytes);                             \
-                        if (nb - b0 >= 8) unpack(p, 8, &g);                                         \
-                        else unpack(p, (int)(nb - b0), &g);                                         \
-                        oct_rows(&g, xg, x_stride, nt, h, acc, off_shift, two);                     \
-                    }                                                                               \
-                }                                                                                   \
-                for (int n = 0; n < nt; n++)                                                        \
-                    Y[(int64_t)(n0 + n) * ldy + r] = lane_sum2x8(acc[2 * n], acc[2 * n + 1]);       \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-QKERNEL(k_q5_0, unpack_q5_0, 22, 4, 0)
-QKERNEL(k_q5_1, unpack_q5_1, 24, 0, 1)
 
 /* Float weights: lanes 0..7 and 8..15 in two ymm; the ragged end goes
  * through a zero-padded copy (adds +0). */
@@ -1067,17 +480,23 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
-/* ---- packed kernels (Q4_0, Q4_1, Q8_0; K types below): 16 weight rows in the lanes ----
+/* ---- packed kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * A packed record (quant.h) is one block of 16 rows; a ymm holds 8 of them,
  * so a record is two halves (half h = rows 8h..8h+7 = bytes 32h..32h+31 of
  * each 64-byte chunk). Weight vector k of a half (lane i = elements
  * 4k..4k+3 of row 8h+i) is made once and every activation row of a tile
  * multiplies its dword k of the block, broadcast, into it before vector
  * k + 1 is made (chunk-major: per row only an int sum and the accumulator
- * stay in registers, so tiles of 6 rows fit in 16 ymm):
+ * stay in registers, Q5 also the first run's int32 sum, so tiles of 6
+ * rows fit in 16 ymm):
  *   Q4_0, Q4_1  unsigned nibbles x int8 with maddubs; the 8 chunk products
  *               add up in int16 (at most 8 * 2 * 15 * 127 = 30480), one madd
  *               with ones makes the 8 rows' I; Q4_0 subtracts 8 * qsum
+ *   Q5_0, Q5_1  unsigned 5-bit values (nibble | the 5th bit from qh) x
+ *               int8 with maddubs; a pair is at most 2 * 31 * 127 = 7874,
+ *               so 4 chunk products add up in int16 (at most 31496), and
+ *               the two runs of 4 are widened by a madd each; Q5_0
+ *               subtracts 16 * qsum
  *   Q8_0        |w| x sign(x, w) with maddubs (at most 2 * 128 * 127 =
  *               32512), widened by a madd per chunk
  * all exact. Then the contract's float steps run on the 8 rows and add to
@@ -1112,7 +531,11 @@ static inline ES_AI void prows(const int nt, const int type, const uint8_t *p, i
                                const uint8_t *const *xr, int jj, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
     const uint8_t *s = p + 32 * h;
-    __m256i S[PTILE];   /* Q8_0: int32 sums; Q4_0, Q4_1: int16 sums */
+    const int q5 = type == ES_TYPE_Q5_0 || type == ES_TYPE_Q5_1;
+    __m256i S[PTILE];    /* Q8_0: int32 sums; Q4_0, Q4_1: int16 sums; Q5: int16 sums of a run of 4 */
+    __m256i I5[PTILE];   /* Q5: the int32 sum of the first run */
+    __m256i qh = _mm256_setzero_si256();
+    if (q5) qh = _mm256_loadu_si256((const __m256i *)(const void *)(p + ES_PK_Q5_QH + 32 * h));
     UNROLL
     for (int k = 0; k < 8; k++) {
         __m256i w, ws = _mm256_setzero_si256();
@@ -1122,6 +545,10 @@ static inline ES_AI void prows(const int nt, const int type, const uint8_t *p, i
         } else {
             __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64 * (k % 4)));
             w = _mm256_and_si256(k < 4 ? v : _mm256_srli_epi16(v, 4), m4);
+            if (q5) {   /* bit k of each byte of qh to bit 4 */
+                __m256i hb = k <= 4 ? _mm256_slli_epi32(qh, 4 - k) : _mm256_srli_epi32(qh, k - 4);
+                w = _mm256_or_si256(w, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+            }
         }
         UNROLL
         for (int n = 0; n < nt; n++) {
@@ -1131,30 +558,41 @@ static inline ES_AI void prows(const int nt, const int type, const uint8_t *p, i
                 S[n] = k == 0 ? t : _mm256_add_epi32(S[n], t);
             } else {
                 __m256i t = _mm256_maddubs_epi16(w, bx);
-                S[n] = k == 0 ? t : _mm256_add_epi16(S[n], t);
+                S[n] = k == 0 || (q5 && k == 4) ? t : _mm256_add_epi16(S[n], t);
             }
             /* an empty asm on the sum: the compiler would otherwise regroup
              * the (associative) integer adds into a tree over all 8 chunks
              * and keep every product live, spilling them */
             __asm__("" : "+x"(S[n]));
+            if (q5 && k == 3) {
+                I5[n] = _mm256_madd_epi16(S[n], ones);
+                __asm__("" : "+x"(I5[n]));
+            }
         }
     }
-    const __m256 a = f16x8(p + (type == ES_TYPE_Q8_0 ? 512 : 256) + 16 * h);
+    const size_t dof = type == ES_TYPE_Q8_0 ? 512 : q5 ? ES_PK_Q5_D : 256;
+    const __m256 a = f16x8(p + dof + 16 * h);
     UNROLL
     for (int n = 0; n < nt; n++) {
         const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, dq [jj] at their offsets from it */
-        float d, dq;
+        float d, dq, fq;
         int32_t qsum;
         memcpy(&d, b + offsetof(es_q8_group, d), 4);
         __m256i I = type == ES_TYPE_Q8_0 ? S[n] : _mm256_madd_epi16(S[n], ones);
-        if (type == ES_TYPE_Q4_0) {
+        if (q5) I = _mm256_add_epi32(I5[n], I);
+        if (type == ES_TYPE_Q4_0 || type == ES_TYPE_Q5_0) {
             memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-            I = _mm256_sub_epi32(I, _mm256_set1_epi32(8 * qsum));
+            I = _mm256_sub_epi32(I, _mm256_set1_epi32((type == ES_TYPE_Q5_0 ? 16 : 8) * qsum));
         }
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(I));
+        const __m256 dx = _mm256_set1_ps(d);
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
             c = _mm256_add_ps(c, _mm256_mul_ps(f16x8(p + 288 + 16 * h), _mm256_set1_ps(dq)));
+        }
+        if (type == ES_TYPE_Q5_1) {
+            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(f16x8(p + ES_PK_Q5_M + 16 * h), dx), _mm256_set1_ps(fq)));
         }
         acc[n] = _mm256_add_ps(acc[n], c);
     }
@@ -1363,8 +801,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     case ES_TYPE_F32: return k_f32;
     case ES_TYPE_F16: return k_f16;
     case ES_TYPE_BF16: return k_bf16;
-    case ES_TYPE_Q5_0: return k_q5_0;
-    case ES_TYPE_Q5_1: return k_q5_1;
     default: return NULL;
     }
 }

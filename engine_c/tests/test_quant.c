@@ -91,7 +91,7 @@ static wmat make_w(uint32_t type, int64_t n_in, int64_t n_out) {
     m.t.row_bytes = rb;
     m.t.nbytes = rb * (size_t)n_out;
     m.t.data = m.data;
-    /* Q4_0 / Q4_1 / Q8_0: the SIMD kernels read the packed copy (none in a scalar build) */
+    /* quantized types: the SIMD kernels read the packed copy (none in a scalar build) */
     CHECK(es_tensor_pack(&m.t) >= 0);
     return m;
 }
@@ -419,7 +419,7 @@ TEST(test_simd_name) {
 }
 
 TEST(test_pack_per_build) {
-    /* Q4_0 / Q4_1 / Q8_0 are packed (and the packed kernels run, compared
+    /* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 are packed (and the packed kernels run, compared
        with the scalar ones above) exactly where the build has packed
        kernels: AVX-512, AVX2, NEON with dotprod; never in a scalar build.
        Q4_K / Q5_K / Q6_K: AVX-512, AVX2 and NEON with dotprod as well. */
@@ -429,8 +429,9 @@ TEST(test_pack_per_build) {
 #ifdef ES_FORCE_SCALAR
     CHECK(!want && !want_k);
 #endif
-    const uint32_t ts[6] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
-    for (int i = 0; i < 6; i++) {
+    const uint32_t ts[8] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0, ES_TYPE_Q5_1,
+                            ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    for (int i = 0; i < 8; i++) {
         wmat w = make_w(ts[i], 512, 20);
         es_tensor_unpack(&w.t);
         CHECK(w.t.packed == NULL);
@@ -453,6 +454,66 @@ TEST(test_matmul_k_n_1_to_33) {
         for (int N = 1; N <= 33; N++) check_shape(ts[ti], N % 2 ? 768 : 512, N % 3 ? 37 : 16, N, N % 4 ? NULL : pools);
     es_pool_free(pools[0]);
     es_pool_free(pools[1]);
+}
+
+TEST(test_matmul_q5_n_1_to_33) {
+    /* the packed Q5_0 / Q5_1 kernels: every N from 1 to 33, the 576-wide rows
+       of SmolLM2 (18 blocks: a group and a 2-block tail), rows ending in a
+       partial 16-row group, 150 blocks (segments of 64 records) */
+    es_pool *pools[3] = {es_pool_new(2), es_pool_new(3), NULL};
+    const uint32_t ts[2] = {ES_TYPE_Q5_0, ES_TYPE_Q5_1};
+    for (int ti = 0; ti < 2; ti++) {
+        for (int N = 1; N <= 33; N++) check_shape(ts[ti], N % 2 ? 576 : 512, N % 3 ? 37 : 16, N, N % 4 ? NULL : pools);
+        check_shape(ts[ti], 32 * 150, 21, 5, pools);
+    }
+    es_pool_free(pools[0]);
+    es_pool_free(pools[1]);
+}
+
+/* Q5_0 / Q5_1 values from a packed record (quant.h), element e of row r. */
+static float packed_q5_value(uint32_t type, const uint8_t *rec, int r, int e) {
+    int c = (e % 16) / 4, b = e % 4;
+    uint8_t qb = rec[64 * c + 4 * r + b];
+    int q = e < 16 ? qb & 15 : qb >> 4;
+    int chunk = e / 4;   /* elements 4 chunk .. 4 chunk + 3 */
+    q |= ((rec[ES_PK_Q5_QH + 4 * r + b] >> chunk) & 1) << 4;
+    uint16_t dh, mh;
+    memcpy(&dh, rec + ES_PK_Q5_D + 2 * r, 2);
+    if (type == ES_TYPE_Q5_0) return (float)(q - 16) * es_fp16_to_fp32(dh);
+    memcpy(&mh, rec + ES_PK_Q5_M + 2 * r, 2);
+    return (float)q * es_fp16_to_fp32(dh) + es_fp16_to_fp32(mh);
+}
+
+TEST(test_pack_layout_q5) {
+    const uint32_t ts[2] = {ES_TYPE_Q5_0, ES_TYPE_Q5_1};
+    const int64_t n_in = 96, n_out = 21, nb = n_in / 32, ng = 2;
+    for (int ti = 0; ti < 2; ti++) {
+        uint32_t t = ts[ti];
+        size_t rec = es_pack_record_bytes(t);
+        CHECK(rec == 16 * blk_bytes(t));
+        CHECK(es_pack_block_elems(t) == 32);
+        wmat w = make_w(t, n_in, n_out);
+        uint8_t *pk = malloc((size_t)(ng * nb) * rec);
+        memset(pk, 0xAB, (size_t)(ng * nb) * rec);
+        es_pack_rows(t, w.data, w.t.row_bytes, n_in, n_out, pk);
+        float ref[96];
+        int bad = 0;
+        for (int64_t row = 0; row < ng * 16; row++) {
+            if (row < n_out) es_dequantize_row(t, w.data + (size_t)row * w.t.row_bytes, ref, n_in);
+            for (int64_t j = 0; j < nb; j++) {
+                const uint8_t *rp = pk + (size_t)((row / 16) * nb + j) * rec;
+                for (int e = 0; e < 32; e++) {
+                    float v = packed_q5_value(t, rp, (int)(row % 16), e);
+                    float want = row < n_out ? ref[j * 32 + e] : 0.0f;
+                    if (memcmp(&v, &want, 4) != 0 && !(row >= n_out && v == 0.0f)) bad++;
+                }
+            }
+        }
+        if (bad) fprintf(stderr, "  type %u: %d values differ\n", t, bad);
+        CHECK_EQ_INT(bad, 0);
+        free(pk);
+        free_w(&w);
+    }
 }
 
 /* The documented packed layouts (quant.h), read back independently: the
@@ -527,11 +588,13 @@ int main(void) {
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
     RUN(test_matmul_k_n_1_to_33);
+    RUN(test_matmul_q5_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
     RUN(test_unsupported_type);
     RUN(test_simd_name);
     RUN(test_pack_per_build);
     RUN(test_pack_layout_k);
+    RUN(test_pack_layout_q5);
     return harness_report();
 }
