@@ -193,6 +193,7 @@ const char *es_quant_simd_name(void);
  * (b + 1) * ES_KV_BLOCK)), so a query's arithmetic is the same whatever the
  * call, batch or thread split (forward.c). A multiple of 32 (two 16-lane vectors). */
 #define ES_KV_BLOCK 64
+#define ES_MAX_HEAD_DIM 512 /* the largest head_dim a model may declare (attention.key_length) */
 
 /*
  * One KV sequence, IEEE binary16 (F16; float32 rounded to nearest even, so a
@@ -242,6 +243,9 @@ static inline const uint16_t *es_kv_v_block(const es_kv *kv, int l, int g, int32
 /* dst[i] = float(src[i]) for i in [0, n): exact (every F16 is a float32), so
  * the SIMD and scalar conversions give the same bits. */
 void es_kv_load(float *dst, const uint16_t *src, size_t n);
+/* dst[i] = es_fp32_to_fp16(src[i]) for i in [0, n), with the SIMD path's
+ * conversion where there is one (bitwise the scalar function's result). */
+void es_fp32_to_fp16_row(uint16_t *dst, const float *src, int n);
 /* Ask the hardware for blocks [0, n_blk_used) of layer l's K and V. */
 void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used);
 /* Ask for block b of KV head g of layer l (K and V), into L2. */

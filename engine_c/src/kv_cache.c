@@ -85,22 +85,49 @@ es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
     return ES_OK;
 }
 
+/* es_fp32_to_fp16_row: the vector conversions
+ * round to nearest even as the scalar one does, and the scalar one writes a
+ * NaN as the hardware does (quiet, payload truncated), so every target
+ * stores the same bits. */
+void es_fp32_to_fp16_row(uint16_t *dst, const float *src, int n) {
+    int i = 0;
+#if defined(KV_LOAD_AVX512)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(KV_LOAD_F16C)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(KV_LOAD_NEON)
+    for (; i + 8 <= n; i += 8) {
+        float16x8_t h = vcvt_high_f16_f32(vcvt_f16_f32(vld1q_f32(src + i)), vld1q_f32(src + i + 4));
+        vst1q_u16(dst + i, vreinterpretq_u16_f16(h));
+    }
+#endif
+    for (; i < n; i++) dst[i] = es_fp32_to_fp16(src[i]);
+}
+
+/* Rows [r0, r1) of one position's K (or V) vector, whole heads (the q/k/v
+ * epilogue hands out chunks of whole heads). K blocks are stored
+ * dimension-major (a dimension's 64 positions are contiguous, for the score
+ * vectors), V blocks position-major. */
 void es_kv_put_k(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x) {
     int hd = kv->head_dim;
     int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
-    for (int64_t r = r0; r < r1; r++) {
-        uint16_t *blk = (uint16_t *)es_kv_k_block(kv, l, (int)(r / hd), b);
-        blk[(size_t)(r % hd) * ES_KV_BLOCK + (size_t)t] = es_fp32_to_fp16(x[r]);
+    uint16_t h[ES_MAX_HEAD_DIM];
+    for (int64_t g = r0 / hd; g * hd < r1; g++) {
+        es_fp32_to_fp16_row(h, x + g * hd, hd);
+        uint16_t *blk = (uint16_t *)es_kv_k_block(kv, l, (int)g, b) + t;
+        for (int d = 0; d < hd; d++) blk[(size_t)d * ES_KV_BLOCK] = h[d];
     }
 }
 
 void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x) {
     int hd = kv->head_dim;
     int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
-    for (int64_t r = r0; r < r1; r++) {
-        uint16_t *blk = (uint16_t *)es_kv_v_block(kv, l, (int)(r / hd), b);
-        blk[(size_t)t * (size_t)hd + (size_t)(r % hd)] = es_fp32_to_fp16(x[r]);
-    }
+    for (int64_t g = r0 / hd; g * hd < r1; g++)
+        es_fp32_to_fp16_row((uint16_t *)es_kv_v_block(kv, l, (int)g, b) + (size_t)t * (size_t)hd, x + g * hd, hd);
 }
 
 void es_kv_load(float *dst, const uint16_t *src, size_t n) {

@@ -163,7 +163,7 @@ static es_status read_hparams(loader *ld, es_model_info *info) {
         return ES_ERR_FORMAT;
     }
     int64_t hd_def = n_embd % n_head == 0 ? n_embd / n_head : 0;  /* 0: fails the range check */
-    if ((st = hp_int(ld, "attention.key_length", false, hd_def, 2, 512, &head_dim)) != ES_OK)
+    if ((st = hp_int(ld, "attention.key_length", false, hd_def, 2, ES_MAX_HEAD_DIM, &head_dim)) != ES_OK)
         return st;
     if (head_dim % 2 != 0) {
         es_set_err(ld->err, ld->err_len, "model: head_dim (%s.attention.key_length) = %lld is odd",

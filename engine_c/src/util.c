@@ -37,7 +37,7 @@ uint16_t es_fp32_to_fp16(float f) {
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t exp = (x >> 23) & 0xffu;
     uint32_t man = x & 0x7fffffu;
-    if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0));
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0)); /* NaN: quiet, payload truncated, as F16C and FCVT do */
     int32_t e = (int32_t)exp - 127 + 15;
     if (e >= 31) return (uint16_t)(sign | 0x7c00u);
     if (e <= 0) {

@@ -408,6 +408,45 @@ TEST(test_unsupported_type) {
     free_w(&w);
 }
 
+/* The KV cache's F16 row conversion (the SIMD path where the build has one)
+ * is bitwise the scalar es_fp32_to_fp16 on every float32 class: random bit
+ * patterns (NaNs, infinities, subnormals included), rounding ties, the
+ * F16 overflow and underflow edges; and the scalar NaN rule is the
+ * hardware's (quiet, payload truncated). */
+TEST(test_fp16_row) {
+    enum { N = 4099 };
+    static uint32_t bits[N];
+    static const uint32_t edge[] = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7f800001u,
+                                    0xffc00000u, 0x7fffe000u, 0x477fefffu, 0x477ff000u, 0x477fe000u,
+                                    0x33000000u, 0x33000001u, 0x32ffffffu, 0x387fc000u, 0x38800000u,
+                                    0x3f801000u, 0x3f803000u, 0x3f800fffu, 0xc7800000u, 0x00000001u};
+    size_t ne = sizeof edge / sizeof edge[0];
+    for (int i = 0; i < N; i++) {
+        uint32_t r = rnd();
+        bits[i] = i < (int)ne ? edge[i] : (i % 3 == 0 ? r : 0x30000000u + r % 0x18000000u);
+    }
+    float x[N];
+    memcpy(x, bits, sizeof x);
+    uint16_t h[N];
+    for (int n = 1; n <= N; n += n < 40 ? 1 : 509) {
+        memset(h, 0xAB, sizeof h);
+        es_fp32_to_fp16_row(h, x, n);
+        int bad = 0;
+        for (int i = 0; i < n; i++) bad += h[i] != es_fp32_to_fp16(x[i]);
+        CHECK_EQ_INT(bad, 0);
+        CHECK(n == N || h[n] == 0xABAB);
+    }
+    CHECK_EQ_INT(es_fp32_to_fp16(x[4]), 0x7e00);   /* signalling NaN, payload 1: quiet, payload gone */
+    CHECK_EQ_INT(es_fp32_to_fp16(x[5]), 0xfe00);
+    CHECK_EQ_INT(es_fp32_to_fp16(x[6]), 0x7fff);
+    CHECK_EQ_INT(es_fp32_to_fp16(x[7]), 0x7bff);   /* 65519.99: largest finite */
+    CHECK_EQ_INT(es_fp32_to_fp16(x[8]), 0x7c00);   /* 65520 rounds to inf */
+    CHECK_EQ_INT(es_fp32_to_fp16(x[10]), 0x0000);  /* 2^-25: tie to even (0) */
+    CHECK_EQ_INT(es_fp32_to_fp16(x[11]), 0x0001);
+    CHECK_EQ_INT(es_fp32_to_fp16(x[15]), 0x3c00);  /* 1 + 2^-11: tie to even */
+    CHECK_EQ_INT(es_fp32_to_fp16(x[16]), 0x3c02);  /* 1 + 3 * 2^-11: tie to even (up) */
+}
+
 TEST(test_simd_name) {
     const char *s = es_quant_simd_name();
     CHECK(!strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod") ||
@@ -592,6 +631,7 @@ int main(void) {
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
     RUN(test_unsupported_type);
+    RUN(test_fp16_row);
     RUN(test_simd_name);
     RUN(test_pack_per_build);
     RUN(test_pack_layout_k);
