@@ -382,23 +382,26 @@ int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 
 /* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
  * positions (nv ascending); kf [hd][B] and vf [B][hd] are the block as
- * float32; sc [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. */
+ * float32, kf's first ncols (a multiple of 2 * AW, >= nv[nq - 1]) columns
+ * loaded; sc [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1].
+ * A score lane depends only on its query and position, so the scores of
+ * positions past every nv (computed, then dropped) change no kept bit. */
 static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
-                          const float *kf, const float *vf, float *sc) {
+                          const float *kf, const float *vf, float *sc, int ncols) {
     float scale = 1.0f / sqrtf((float)hd);
     int hdr = es_attn_part_floats(hd) - 16;
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
         int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
         float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
         switch (nj) {
-        case 1: scores_v(1, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
-        case 2: scores_v(2, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
-        case 3: scores_v(3, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
+        case 1: scores_v(1, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 2: scores_v(2, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 3: scores_v(3, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
 #if SCORE_Q > 4
-        case 4: scores_v(4, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
-        case 5: scores_v(5, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
+        case 4: scores_v(4, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 5: scores_v(5, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
 #endif
-        default: scores_v(SCORE_Q, qp + k0, hd, kf, ES_KV_BLOCK, ES_KV_BLOCK, scale, sk, ES_KV_BLOCK); break;
+        default: scores_v(SCORE_Q, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
         }
     }
     const float *ap[ES_MAX_UNIT_Q];
@@ -497,9 +500,16 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
          * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
         for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
             es_kv_prefetch_block(&s->kv, t->layer, g, bp2);
-        es_kv_load(kf, es_kv_k_block(&s->kv, t->layer, g, b), (size_t)hd * ES_KV_BLOCK);
+        /* the block's last positions no query attends (the cache's end) are
+         * neither loaded nor scored */
+        int ncols = (nv[nq - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
+        const uint16_t *kb = es_kv_k_block(&s->kv, t->layer, g, b);
+        if (ncols == ES_KV_BLOCK) es_kv_load(kf, kb, (size_t)hd * ES_KV_BLOCK);
+        else
+            for (int d = 0; d < hd; d++)
+                es_kv_load(kf + (size_t)d * ES_KV_BLOCK, kb + (size_t)d * ES_KV_BLOCK, (size_t)ncols);
         es_kv_load(vf, es_kv_v_block(&s->kv, t->layer, g, b), (size_t)hd * (size_t)nv[nq - 1]);
-        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, kf, vf, sc);
+        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, kf, vf, sc, ncols);
         if (!t->nch)
             for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
     }
