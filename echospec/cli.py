@@ -577,6 +577,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     elif cmd == "/history":
                         for m in history:
                             print(f"{m['role']}: {m['content']}")
+                        if not history:
+                            print("(no messages)")
                         sys.stdout.flush()
                     elif cmd == "/help":
                         print(CHAT_COMMANDS, flush=True)
@@ -861,6 +863,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"echospec: {sig} during startup: stopped what was started", file=sys.stderr)
             return 0
         return 128 + sig.signum
+    except KeyboardInterrupt:   # `chat` hands SIGINT back to Python's handler for Ctrl-C
+        print(file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":
