@@ -292,6 +292,8 @@ def test_api_key_and_tls_roots(tmp_path, monkeypatch):
     try:
         with Client(target, root_certificates=crt, api_key="sekrit", timeout=10) as c:
             assert c.tls and c.tokenize("hello") == [5]
+        with Client(target, root_certificates=crt.decode(), api_key="sekrit", timeout=10) as c:
+            assert c.tokenize("hi") == [2]           # PEM text works as PEM bytes do
         # the CA as a file path, the key from the environment, the name checked by override
         monkeypatch.setenv("ECHOSPEC_API_KEY", "sekrit")
         with Client(f"localhost:{port}", root_certificates=str(tmp_path / "ca.pem"),

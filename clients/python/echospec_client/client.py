@@ -176,9 +176,11 @@ MessageLike = Union[Message, Mapping[str, str]]
 # ---- the client -------------------------------------------------------------------
 
 def _read_pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
-    """PEM bytes as given, or read from a file path (str or PathLike)."""
+    """PEM bytes as given (or PEM text), or read from a file path (str or PathLike)."""
     if value is None or isinstance(value, bytes):
         return value
+    if isinstance(value, str) and value.lstrip().startswith("-----BEGIN"):
+        return value.encode("ascii")
     try:
         with open(value, "rb") as f:
             return f.read()
@@ -204,8 +206,8 @@ class Client:
         connect_timeout: the most seconds a call waits for the connection (default 10).
         api_key: sent on every call as ``authorization: Bearer <key>`` metadata; None reads
             the ECHOSPEC_API_KEY environment variable ("" sends nothing).
-        root_certificates: PEM bytes, or a path to a PEM file, of the CA(s) that signed the
-            server's certificate; turns TLS on.
+        root_certificates: PEM bytes (or text), or a path to a PEM file, of the CA(s) that
+            signed the server's certificate; turns TLS on.
         tls: True for TLS with the system's roots when root_certificates is not given; None
             (default) means TLS exactly when a certificate argument is given.
         client_certificate, client_key: PEM bytes or paths, for servers that require a
