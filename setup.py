@@ -1,4 +1,5 @@
-"""Build hooks: generate the gRPC stubs from protos/ and compile the engine via cffi.
+"""Build hooks: generate the gRPC stubs from protos/ (the server's and the light client's) and
+compile the engine via cffi.
 
 Everything else lives in pyproject.toml.
 """
@@ -13,10 +14,13 @@ ROOT = Path(__file__).resolve().parent
 
 
 class BuildPyWithProtos(build_py):
-    """Run scripts/gen_protos.py (protos/ -> echospec/v1/*_pb2*.py) before build_py."""
+    """Run scripts/gen_protos.py (protos/ -> echospec/v1/*_pb2*.py, and the light client's
+    clients/python/echospec_client/v1/*_pb2*.py) before build_py."""
 
     def run(self):
         subprocess.check_call([sys.executable, str(ROOT / "scripts" / "gen_protos.py")], cwd=ROOT)
+        subprocess.check_call([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--client"],
+                              cwd=ROOT)
         super().run()
 
 

@@ -1,15 +1,17 @@
-"""The `echospec` command line: serve, generate, tokenize, detokenize, bench.
+"""The `echospec` command line: serve, generate, chat, tokenize, detokenize, bench.
 
     echospec serve [--port P] [--model PATH] [--spec]
     echospec generate "prompt" [--json] [--spec on|off] [--k K] [--max-tokens N] ...
-    echospec generate --messages chat.json --json
+    echospec generate --messages chat.json --json      (--messages -: standard input)
+    echospec chat --target 127.0.0.1:50051 [--system TEXT]
     echospec tokenize "text" --json
     echospec detokenize 1 2 3 --json
     echospec bench --workloads workloads/seed.jsonl [--json]
 
-generate, tokenize, detokenize and bench talk to a running coordinator given
-by --target host:port. Without --target they start a private stack on
-loopback with the default model (fetched on first use) for the one command.
+generate, chat, tokenize, detokenize and bench talk to a running coordinator given
+by --target host:port, through the light client (echospec_client, clients/python).
+Without --target they start a private stack on loopback with the default model
+(fetched on first use) for the one command.
 Exit status: 0 success, 1 a failure with a message on stderr, 2 bad usage.
 """
 from __future__ import annotations
@@ -220,40 +222,34 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         stack.stop(0.5)
 
 
-def _stub(target: str, timeout_s: float, connect_s: float):
-    """A channel and stub to the coordinator at `target`, connected within
-    min(timeout_s, connect_s) seconds (--timeout bounds the connect wait and the call together;
-    --connect-timeout the connect wait alone).
+def _client(args: argparse.Namespace, target: str):
+    """The light client (echospec_client.Client) to `target` with the command's --timeout (the
+    default per call: connection wait and call together), --connect-timeout, --api-key and
+    TLS options; exits 2 on a certificate file it cannot read."""
+    from echospec_client import Client
 
-    Returns:
-        (channel, stub, seconds left of timeout_s for the call).
-    """
+    try:
+        return Client(target, timeout=args.timeout, connect_timeout=args.connect_timeout,
+                      api_key=args.api_key, root_certificates=args.tls_ca,
+                      tls=True if args.tls else None, server_name=args.tls_server_name)
+    except ValueError as exc:
+        _die(str(exc), 2)
+
+
+def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
+    """Exit with the message of a echospec_client.ClientError: 2 for INVALID_ARGUMENT (arguments
+    the server refuses are bad arguments too, like argparse's), 1 for everything else."""
     import grpc
 
-    from echospec.v1 import coordinator_pb2_grpc
-    from echospec.services.common import grpc_util
+    from echospec_client import ConnectError
 
-    t0 = time.monotonic()
-    ch = grpc_util.channel(target, 64 * 1024 * 1024)
-    wait = min(timeout_s, connect_s)
-    try:
-        grpc.channel_ready_future(ch).result(timeout=wait)
-    except grpc.FutureTimeoutError:
-        ch.close()
-        flag = "--timeout" if timeout_s <= connect_s else "--connect-timeout"
-        _die(f"no coordinator reachable at {target} within {wait:g} s ({flag}); the target "
+    if isinstance(exc, ConnectError):
+        flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
+        _die(f"no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the target "
              f"is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
              f"coordinator with `echospec serve`")
-    left = max(0.001, timeout_s - (time.monotonic() - t0))
-    return ch, coordinator_pb2_grpc.CoordinatorServiceStub(ch), left
-
-
-def _rpc_error(exc) -> "NoReturn":  # noqa: F821
-    import grpc
-
-    # arguments the server refuses are bad arguments too: status 2, like argparse's
-    code = 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
-    _die(f"{exc.code().name}: {exc.details()}", code)
+    code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    _die(f"{exc.code.name}: {exc.details}", code)
 
 
 # ---- argument types (argparse exits 2 with the message) ----------------------------
@@ -294,66 +290,59 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _request(args: argparse.Namespace, messages=None, prompt: str | None = None, max_tokens=None,
-             spec: str | None = None):
-    from echospec.v1 import common_pb2, coordinator_pb2
+def _check_messages(messages) -> None:
+    """Exit 2 with the position of the first message that is not {"role": str, "content": str}."""
+    if not isinstance(messages, list):
+        _die(f"chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            _die(f"messages[{i}] must be a JSON object, got {m!r}", 2)
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                _die(f"messages[{i}].{key} must be a string, got {m.get(key)!r}", 2)
+            try:
+                m[key].encode("utf-8")
+            except UnicodeEncodeError:
+                _die(f"messages[{i}].{key} is not valid Unicode (a lone surrogate)", 2)
 
-    req = coordinator_pb2.CompleteRequest()
+
+def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = None,
+                max_tokens=None, spec: str | None = None) -> dict:
+    """Keyword arguments of Client.complete / Client.stream from the command line."""
+    kw: dict = {}
     if messages is not None:
-        if not isinstance(messages, list):
-            _die(f"chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                _die(f"messages[{i}] must be a JSON object, got {m!r}", 2)
-            for key in ("role", "content"):
-                if not isinstance(m.get(key), str):
-                    _die(f"messages[{i}].{key} must be a string, got {m.get(key)!r}", 2)
-                try:
-                    m[key].encode("utf-8")
-                except UnicodeEncodeError:
-                    _die(f"messages[{i}].{key} is not valid Unicode (a lone surrogate)", 2)
-            req.messages.add(role=m["role"], content=m["content"])
+        _check_messages(messages)
+        kw["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
     else:
-        req.text = prompt or ""
-    req.max_tokens = int(max_tokens if max_tokens is not None else args.max_tokens or 0)
-    req.stop.extend(getattr(args, "stop", None) or [])
-    req.temperature = float(getattr(args, "temperature", 0.0) or 0.0)
-    if getattr(args, "top_p", None) is not None:
-        req.top_p = float(args.top_p)
-    req.top_k = int(getattr(args, "top_k", 0) or 0)
-    req.min_p = float(getattr(args, "min_p", 0.0) or 0.0)
-    req.seed = int(getattr(args, "seed", 0) or 0)  # range checked by _check_seed
+        kw["prompt"] = prompt or ""
+    kw["max_tokens"] = int(max_tokens if max_tokens is not None else args.max_tokens or 0)
+    kw["stop"] = list(getattr(args, "stop", None) or [])
+    kw["temperature"] = float(getattr(args, "temperature", 0.0) or 0.0)
+    kw["top_p"] = getattr(args, "top_p", None)
+    kw["top_k"] = int(getattr(args, "top_k", 0) or 0)
+    kw["min_p"] = float(getattr(args, "min_p", 0.0) or 0.0)
+    kw["seed"] = int(getattr(args, "seed", 0) or 0)  # range checked by the command
     mode = spec if spec is not None else getattr(args, "spec", None)
-    req.spec = {None: common_pb2.SPEC_MODE_UNSPECIFIED, "off": common_pb2.SPEC_MODE_OFF,
-                "on": common_pb2.SPEC_MODE_ON}[mode]
-    req.k = int(getattr(args, "k", 0) or 0)
-    return req
+    kw["spec"] = {None: None, "off": False, "on": True}[mode]
+    kw["k"] = int(getattr(args, "k", 0) or 0)
+    return kw
 
 
 def _result_json(r) -> dict:
-    from echospec.v1 import common_pb2
+    """The JSON of an echospec_client.Result: the result and its stats (the client's timings
+    are added by the caller)."""
+    import dataclasses
 
-    s = r.stats
     return {
         "text": r.text,
         "token_ids": list(r.token_ids),
-        "finish_reason": common_pb2.FinishReason.Name(r.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        "finish_reason": r.finish_reason,
         "spec_enabled": r.spec_enabled,
         "spec_reason": r.spec_reason,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
-        "stats": {
-            "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
-            "rounds": s.rounds, "proposals": s.proposals,
-            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-            "mean_accepted_per_round": s.mean_accepted_per_round,
-            "t_ms": s.t_ms, "v_ms": s.v_ms, "overhead_ms": s.overhead_ms,
-            "overhead_share": s.overhead_share, "prefill_ms": s.prefill_ms,
-            "gain": s.gain, "gain_verdict": s.gain_verdict,
-            "cached_prompt_tokens": s.cached_prompt_tokens,
-        },
+        "stats": dataclasses.asdict(r.stats),
     }
-
 
 def _read_text(flag: str, path: str) -> str:
     try:
@@ -406,86 +395,217 @@ def _load_messages(path: str):
 # ---- generate ------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from echospec.v1 import coordinator_pb2
+    from echospec_client import ClientError
 
     if (args.prompt is None) == (args.messages is None):
         _die("give exactly one of a prompt argument or --messages FILE", 2)
     if not 0 <= args.seed < 2 ** 64:
         _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
     messages = _load_messages(args.messages) if args.messages else None
-    req = _request(args, messages=messages, prompt=args.prompt)
+    kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
-        ch, stub, left = _stub(target, args.timeout, args.connect_timeout)
+        client = _client(args, target)
         try:
-            greq = coordinator_pb2.GenerateRequest.FromString(req.SerializeToString())
-            result, ttft = None, None
-            t0 = time.perf_counter()
-            for msg in stub.Generate(greq, timeout=left):
-                if ttft is None and msg.token_ids:
-                    ttft = time.perf_counter() - t0
-                if msg.text and not args.json:
-                    sys.stdout.write(msg.text)
+            result = None
+            for chunk in client.stream(**kw):
+                if chunk.text and not args.json:
+                    sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-                if msg.HasField("result"):
-                    result = msg.result
-            wall = time.perf_counter() - t0
+                if chunk.result is not None:
+                    result = chunk.result
             if args.json:
                 j = _result_json(result)
-                # measured here, from the call to its last message (connect wait excluded)
-                j["wall_s"] = round(wall, 4)
-                j["ttft_s"] = None if ttft is None else round(ttft, 4)
-                j["tokens_per_s"] = round(j["completion_tokens"] / wall, 2) if wall > 0 else 0.0
+                # measured by the client, from the call to its last message (connect wait excluded)
+                j["wall_s"] = round(result.wall_s, 4)
+                j["ttft_s"] = None if result.ttft_s is None else round(result.ttft_s, 4)
+                j["tokens_per_s"] = round(result.tokens_per_s, 2)
                 print(json.dumps(j, ensure_ascii=False))
                 return 0
             sys.stdout.write("\n")
             if result is not None:
-                j = _result_json(result)
-                st = j["stats"]
-                print(f"[{j['completion_tokens']} tokens, finish: {j['finish_reason']}, spec: "
-                      f"{'on' if j['spec_enabled'] else 'off'}"
-                      f"{' (' + j['spec_reason'] + ')' if j['spec_reason'] else ''}, tries {st['tries']}, "
-                      f"hits {st['hits']}, kv_rolls {st['kv_rolls']}]", file=sys.stderr)
+                st = result.stats
+                print(f"[{result.completion_tokens} tokens, finish: {result.finish_reason}, spec: "
+                      f"{'on' if result.spec_enabled else 'off'}"
+                      f"{' (' + result.spec_reason + ')' if result.spec_reason else ''}, tries "
+                      f"{st.tries}, hits {st.hits}, kv_rolls {st.kv_rolls}]", file=sys.stderr)
             return 0
-        except grpc.RpcError as exc:
-            _rpc_error(exc)
+        except ClientError as exc:
+            _client_error(exc, target)
+        except (TypeError, ValueError) as exc:
+            _die(str(exc), 2)
         finally:
-            ch.close()
+            client.close()
 
 
 # ---- tokenize / detokenize ----------------------------------------------------------
 
-def _unary(args: argparse.Namespace, rpc: str, request):
-    """One unary coordinator call (--target, or a private stack); exits on an RPC error."""
-    import grpc
+def _unary(args: argparse.Namespace, method: str, *call_args):
+    """One unary call of the light client (--target, or a private stack); exits on an error."""
+    from echospec_client import ClientError
 
     with _target(args) as target:
-        ch, stub, left = _stub(target, args.timeout, args.connect_timeout)
+        client = _client(args, target)
         try:
-            return getattr(stub, rpc)(request, timeout=left)
-        except grpc.RpcError as exc:
-            _rpc_error(exc)
+            return getattr(client, method)(*call_args)
+        except ClientError as exc:
+            _client_error(exc, target)
         finally:
-            ch.close()
+            client.close()
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from echospec.v1 import coordinator_pb2
-
-    resp = _unary(args, "Tokenize", coordinator_pb2.TokenizeRequest(text=args.text))
-    ids = list(resp.token_ids)
+    ids = _unary(args, "tokenize", args.text)
     print(json.dumps({"token_ids": ids}) if args.json else " ".join(map(str, ids)))
     return 0
 
 
 def cmd_detokenize(args: argparse.Namespace) -> int:
-    from echospec.v1 import coordinator_pb2
-
-    resp = _unary(args, "Detokenize", coordinator_pb2.DetokenizeRequest(token_ids=args.ids))
-    print(json.dumps({"text": resp.text}, ensure_ascii=False) if args.json else resp.text)
+    text = _unary(args, "detokenize", args.ids)
+    print(json.dumps({"text": text}, ensure_ascii=False) if args.json else text)
     return 0
 
+
+# ---- chat -------------------------------------------------------------------------
+
+CHAT_COMMANDS = ("commands: /reset clears the history (the system prompt stays), /stats prints the "
+                 "last turn's statistics, /history lists the messages, /quit or Ctrl-D ends; "
+                 "Ctrl-C stops a reply; a line starting with // is sent with one / removed")
+
+
+def _turn_line(r) -> str:
+    """One line on a finished turn: its speed and how much of the prompt the prefix cache held."""
+    s = r.stats
+    ttft = "-" if r.ttft_s is None else f"{r.ttft_s:.3f} s"
+    spec = (f", spec: tries {s.tries}, hits {s.hits}" if r.spec_enabled else "")
+    return (f"[{r.completion_tokens} tokens, {r.tokens_per_s:.1f} tok/s, first token {ttft}, "
+            f"prompt {r.prompt_tokens} tokens ({s.cached_prompt_tokens} cached), "
+            f"finish: {r.finish_reason}{spec}]")
+
+
+def _stats_text(r, turns: int, history: list[dict]) -> str:
+    """The /stats report of the last turn `r` (None before the first)."""
+    head = f"session: {turns} turn(s), {len(history)} message(s) in the history"
+    if r is None:
+        return head + "\nno turn yet"
+    s = r.stats
+    ttft = "-" if r.ttft_s is None else f"{r.ttft_s:.3f} s"
+    spec = "on" if r.spec_enabled else "off"
+    if r.spec_reason:
+        spec += f" ({r.spec_reason})"
+    return "\n".join([
+        head,
+        f"last turn: {r.completion_tokens} tokens in {r.wall_s:.3f} s ({r.tokens_per_s:.1f} tok/s), "
+        f"first token after {ttft}, finish: {r.finish_reason}",
+        f"prompt: {r.prompt_tokens} tokens, {s.cached_prompt_tokens} of them cached "
+        f"(cached_prompt_tokens), prefill {s.prefill_ms:.1f} ms",
+        f"speculation: {spec}; tries {s.tries}, hits {s.hits}, kv_rolls {s.kv_rolls}, "
+        f"draft_tokens {s.draft_tokens}, acceptance rate {s.acceptance_rate:.3f}, "
+        f"mean acceptance length {s.mean_acceptance_length:.3f}",
+        f"T {s.t_ms:.2f} ms, V {s.v_ms:.2f} ms, overhead {s.overhead_ms:.2f} ms",
+    ])
+
+
+def _chat_turn(client, kw: dict, history: list[dict]):
+    """Stream one reply to `history` onto stdout. Returns the Result, or None when Ctrl-C
+    stopped it (the call is cancelled). Raises echospec_client.ClientError."""
+    stream = client.stream(messages=history, **kw)
+    result = None
+    try:
+        for chunk in stream:
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            if chunk.result is not None:
+                result = chunk.result
+    except KeyboardInterrupt:
+        stream.close()   # cancels the call; the server frees the generation
+        print("\n(stopped; the turn is dropped)", file=sys.stderr, flush=True)
+        return None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return result
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive multi-turn chat: each line is a user message, the reply streams back, and
+    the history (system prompt, user and assistant messages) is sent again each turn, so the
+    verifier's prefix cache supplies the KV of what the previous turns already prefilled."""
+    from echospec_client import ClientError
+
+    if not 0 <= args.seed < 2 ** 64:
+        _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    kw = _gen_kwargs(args, messages=system)
+    del kw["messages"]
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    with _target(args) as target:
+        client = _client(args, target)
+        try:
+            try:
+                info = client.info()
+            except ClientError as exc:
+                _client_error(exc, target)
+            print(f"echospec chat: {target}, model {info.model}; {CHAT_COMMANDS}",
+                  file=sys.stderr, flush=True)
+            # Ctrl-C stops a reply (or is ignored at the prompt) instead of ending the command
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            history = list(system)
+            last, turns = None, 0
+            while True:
+                try:
+                    line = input("you> ")
+                except EOFError:
+                    print(file=sys.stderr)
+                    return 0
+                except KeyboardInterrupt:
+                    print("\n(Ctrl-D or /quit ends the chat)", file=sys.stderr, flush=True)
+                    continue
+                cmd = line.strip()
+                if not cmd:
+                    continue
+                if cmd.startswith("/") and not cmd.startswith("//"):
+                    if cmd in ("/quit", "/exit"):
+                        return 0
+                    if cmd == "/reset":
+                        history = list(system)
+                        print("(history cleared)", flush=True)
+                    elif cmd == "/stats":
+                        print(_stats_text(last, turns, history), flush=True)
+                    elif cmd == "/history":
+                        for m in history:
+                            print(f"{m['role']}: {m['content']}")
+                        if not history:
+                            print("(no messages)")
+                        sys.stdout.flush()
+                    elif cmd == "/help":
+                        print(CHAT_COMMANDS, flush=True)
+                    else:
+                        print(f"unknown command {cmd.split()[0]}; {CHAT_COMMANDS}", file=sys.stderr,
+                              flush=True)
+                    continue
+                if line.startswith("//"):
+                    line = line[1:]
+                history.append({"role": "user", "content": line})
+                try:
+                    result = _chat_turn(client, kw, history)
+                except ClientError as exc:
+                    print(f"\nechospec: {exc.code.name}: {exc.details} (the turn is dropped; "
+                          f"/reset clears the history)", file=sys.stderr, flush=True)
+                    result = None
+                except KeyboardInterrupt:   # between the prompt and the first chunk
+                    print("\n(stopped; the turn is dropped)", file=sys.stderr, flush=True)
+                    result = None
+                if result is None:
+                    history.pop()
+                    continue
+                history.append({"role": "assistant", "content": result.text})
+                last, turns = result, turns + 1
+                print(_turn_line(result), file=sys.stderr, flush=True)
+        finally:
+            client.close()
 
 # ---- bench ----------------------------------------------------------------------
 
@@ -530,15 +650,13 @@ def _load_workloads(path: str) -> list[dict]:
     return out
 
 
-def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, object]:
+def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
     max_tokens = args.max_tokens or w.get("max_tokens") or 256
-    req = _request(args, messages=w.get("messages"), prompt=w.get("prompt"), max_tokens=max_tokens,
-                   spec=spec)
-    req.temperature = 0.0
-    t0 = time.perf_counter()
-    resp = stub.Complete(req, timeout=timeout)
-    dt = time.perf_counter() - t0
-    r = resp.result
+    kw = _gen_kwargs(args, messages=w.get("messages"), prompt=w.get("prompt"),
+                     max_tokens=max_tokens, spec=spec)
+    kw["temperature"] = 0.0
+    r = client.complete(**kw)
+    dt = r.wall_s
     s = r.stats
     return {"seconds": round(dt, 4), "tokens": r.completion_tokens,
             "tokens_per_s": round(r.completion_tokens / dt, 2) if dt > 0 else 0.0,
@@ -549,30 +667,30 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import grpc
+    from echospec_client import ClientError
 
     if args.threads < 0:
         _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:
-        ch, stub, _ = _stub(target, args.timeout, args.connect_timeout)
+        client = _client(args, target)
         try:
             for i, w in enumerate(workloads, 1):
                 print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
                 if args.warmup and i == 1:
-                    _run_one(stub, args, w, "off", args.timeout)
-                off, roff = _run_one(stub, args, w, "off", args.timeout)
-                on, ron = _run_one(stub, args, w, "on", args.timeout)
-                identical = list(roff.token_ids) == list(ron.token_ids) and roff.text == ron.text
+                    _run_one(client, args, w, "off")
+                off, roff = _run_one(client, args, w, "off")
+                on, ron = _run_one(client, args, w, "on")
+                identical = roff.token_ids == ron.token_ids and roff.text == ron.text
                 row = {"id": w["id"], "kind": w.get("kind", ""), "identical": identical, "off": off, "on": on}
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row, ensure_ascii=False), flush=True)
-        except grpc.RpcError as exc:
-            _rpc_error(exc)
+        except ClientError as exc:
+            _client_error(exc, target)
         finally:
-            ch.close()
+            client.close()
     if not args.json:
         _print_table(rows)
     return 0 if all(r["identical"] for r in rows) else 1
@@ -601,14 +719,24 @@ def _print_table(rows: list[dict]) -> None:
 
 # ---- argument parsing ------------------------------------------------------------
 
-def _add_client_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:
+def _add_client_args(p: argparse.ArgumentParser,
+                     json_help: str | None = "print one JSON object") -> None:
     p.add_argument("--target", type=_utf8,
                    help="coordinator host:port, e.g. 127.0.0.1:50051 (default: start a private stack)")
     p.add_argument("--model", help="GGUF file for a private stack (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--json", action="store_true", help=json_help)
+    if json_help is not None:
+        p.add_argument("--json", action="store_true", help=json_help)
     p.add_argument("--connect-timeout", type=_seconds, default=10.0,
                    help="seconds to wait for the coordinator to accept the connection (default 10; "
                         "--timeout bounds it too)")
+    p.add_argument("--api-key", type=_utf8, default=None,
+                   help="sent as `authorization: Bearer KEY` metadata (default: $ECHOSPEC_API_KEY)")
+    p.add_argument("--tls-ca", metavar="PEM",
+                   help="CA certificate(s) of the coordinator's TLS certificate (turns TLS on)")
+    p.add_argument("--tls", action="store_true",
+                   help="TLS with the system's root certificates (when --tls-ca is not given)")
+    p.add_argument("--tls-server-name", metavar="NAME", type=_utf8,
+                   help="check the server's certificate against NAME instead of the target's host")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -667,6 +795,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat (streamed replies, /reset, /stats)")
+    p.add_argument("--system", type=_utf8, help="system message (default: none; the chat template "
+                                                "may add its own)")
+    _add_client_args(p, json_help=None)
+    _add_sampling_args(p)
+    p.set_defaults(fn=cmd_chat)
 
     p = sub.add_parser("tokenize", help="token ids of TEXT (no special tokens added)")
     p.add_argument("text", type=_utf8)
@@ -728,6 +863,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"echospec: {sig} during startup: stopped what was started", file=sys.stderr)
             return 0
         return 128 + sig.signum
+    except KeyboardInterrupt:   # `chat` hands SIGINT back to Python's handler for Ctrl-C
+        print(file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.echospec-build-stamp
-src_hash=$( (cat pyproject.toml setup.py engine_c/build_ffi.py; find engine_c/src engine_c/include protos -type f | sort | xargs cat; echo "${ECHOSPEC_SIMD:-auto}") | sha256sum | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$src_hash" ] || ! .venv/bin/python -c "import echospec._engine, echospec.v1" 2>/dev/null; then
+src_hash=$( (cat pyproject.toml setup.py engine_c/build_ffi.py; find engine_c/src engine_c/include protos -type f | sort | xargs cat; cat clients/python/setup.py clients/python/pyproject.toml; echo "${ECHOSPEC_SIMD:-auto}") | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$src_hash" ] || ! .venv/bin/python -c "import echospec._engine, echospec.v1, echospec_client.v1.coordinator_pb2_grpc" 2>/dev/null; then
   echo "echospec setup: installing dependencies and building the engine (a few minutes the first time)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel cffi "grpcio-tools<1.86"
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test]"

@@ -228,6 +228,10 @@ def test_readme_grpcurl_examples(server):
     (["serve", "--max-tokens", "-5"], "--max-tokens -5"),
     (["serve", "--host", "nonsense.invalid"], "not an address of this machine"),
     (["generate", "hi", "--seed", "-1", "--target", "127.0.0.1:1"], "--seed -1"),
+    (["chat", "--seed", "-1", "--target", "127.0.0.1:1"], "--seed -1"),
+    (["chat", "--system", "\udcff", "--target", "127.0.0.1:1"], "not valid UTF-8"),
+    (["chat", "--target", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "/nonexistent/ca.pem"),
+    (["tokenize", "x", "--target", "127.0.0.1:1", "--api-key", "\udcff"], "not valid UTF-8"),
     # second trial (session 2): values past the protocol's int32, bytes that are not UTF-8,
     # deadlines that are not positive, an empty --target
     (["generate", "hi", "--top-k", "99999999999", "--target", "127.0.0.1:1"], "out of range"),
@@ -365,6 +369,18 @@ def test_messages_from_stdin(server):
     r = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"]],
                        input="[oops", capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "--messages - (standard input): not valid JSON" in r.stderr
+    # the same messages from a file, and as {"messages": [...]} on stdin: the same output
+    r2 = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"],
+                         "--json", "--max-tokens", "4"], input=json.dumps({"messages": json.loads(chat)}),
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["token_ids"] == j["token_ids"]
+    # an unreachable target: status 1 with the address hint, after stdin was read
+    r = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", f"127.0.0.1:{free_port()}",
+                        "--connect-timeout", "1"], input=chat, capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "no coordinator reachable" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_busy_metrics_port_is_found_before_the_model_loads(tmp_path):
@@ -409,3 +425,83 @@ def test_serve_logs_one_line_per_request(server):
         time.sleep(0.05)
     reqs = [x for x in server["later"] if " INFO echospec.coordinator request " in x]
     assert reqs and "code=OK" in reqs[-1] and "tokens_out=" in reqs[-1], server["later"][-5:]
+
+
+# ---- echospec chat, through a pseudo-terminal ---------------------------------------------------
+
+TURN = re.compile(r"\[(\d+) tokens, ([0-9.]+) tok/s, first token [^,\]]+, prompt (\d+) tokens "
+                  r"\((\d+) cached\), finish: (\w+)")
+
+
+def _chat(target: str, *extra: str):
+    import pexpect
+
+    return pexpect.spawn(sys.executable, ["-m", "echospec.cli", "chat", "--target", target, *extra],
+                         cwd=str(ROOT), encoding="utf-8", timeout=90, echo=False,
+                         env=dict(os.environ, TERM="dumb"))
+
+
+def _turn(child, text: str) -> dict:
+    child.sendline(text)
+    child.expect(TURN)
+    m = child.match
+    turn = {"tokens": int(m.group(1)), "tok_s": float(m.group(2)), "prompt": int(m.group(3)),
+            "cached": int(m.group(4)), "finish": m.group(5)}
+    child.expect("you> ")
+    return turn
+
+
+def test_chat_three_turns_stats_and_reset(server):
+    import pexpect
+
+    child = _chat(server["target"], "--max-tokens", "6", "--system", "be brief")
+    try:
+        child.expect("/reset clears the history")
+        child.expect("you> ")
+        turns = [_turn(child, q) for q in ("a b c", "d e f", "g h")]
+        assert [t["finish"] in ("length", "eos") for t in turns] == [True] * 3, turns
+        # every turn sends the history again, and the prefix cache holds the previous turns
+        assert turns[0]["prompt"] < turns[1]["prompt"] < turns[2]["prompt"], turns
+        assert turns[1]["cached"] > 0 and turns[2]["cached"] > 0, turns
+        assert turns[1]["cached"] < turns[1]["prompt"], turns
+        assert turns[1]["tokens"] == 0 or turns[1]["tok_s"] > 0, turns
+
+        child.sendline("/stats")
+        child.expect(r"session: 3 turn\(s\), 7 message\(s\) in the history")
+        child.expect(r"prompt: (\d+) tokens, (\d+) of them cached")
+        assert int(child.match.group(1)) == turns[2]["prompt"]
+        assert int(child.match.group(2)) == turns[2]["cached"]
+        child.expect("speculation: ")
+        child.expect("you> ")
+
+        child.sendline("/reset")
+        child.expect(r"\(history cleared\)")
+        child.expect("you> ")
+        child.sendline("/history")
+        child.expect("system: be brief")
+        child.expect("you> ")
+        assert "user:" not in child.before
+        # the first question again: the same prompt as the first turn, and (greedy) the same reply
+        again = _turn(child, "a b c")
+        assert (again["prompt"], again["tokens"]) == (turns[0]["prompt"], turns[0]["tokens"]), again
+        child.sendline("/stats")
+        child.expect(r"session: 4 turn\(s\), 3 message\(s\)")
+        child.expect("you> ")
+        child.sendline("/bogus")
+        child.expect("unknown command /bogus")
+        child.expect("you> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+
+
+def test_chat_unreachable_target_exits_1():
+    import pexpect
+
+    child = _chat(f"127.0.0.1:{free_port()}", "--connect-timeout", "1")
+    child.expect("no coordinator reachable")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 1

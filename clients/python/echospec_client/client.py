@@ -1,0 +1,504 @@
+"""`Client`: the echospec coordinator's gRPC API with typed results.
+
+    from echospec_client import Client
+    with Client("127.0.0.1:50051") as c:
+        r = c.chat([{"role": "user", "content": "Say hi"}], max_tokens=32)
+        print(r.text, r.finish_reason, r.stats.cached_prompt_tokens)
+
+Timeouts: a call's `timeout` (seconds) bounds the wait for the connection and the call
+together; the wait for the connection alone is also bounded by `connect_timeout`, so an
+address where nothing listens fails in seconds with `ConnectError`, not at the call's
+deadline. Server errors come back as `ClientError` with the gRPC status; bad arguments to
+these methods raise TypeError or ValueError before anything is sent.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, fields
+from typing import Iterator, Mapping, Sequence, Union
+
+import grpc
+
+from echospec_client.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+API_KEY_ENV = "ECHOSPEC_API_KEY"
+
+
+# ---- typed results --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative-decoding counters and timings of one generation (echospec.v1.SpecStats).
+
+    tries: verify rounds with K >= 1 drafts; hits: accepted drafts; kv_rolls: rejected drafts
+    rolled back (hits + kv_rolls == draft_tokens <= tries * k). acceptance_rate = hits /
+    draft_tokens, mean_acceptance_length = 1 + hits / tries. t_ms, v_ms, overhead_ms,
+    prefill_ms are milliseconds measured by the verifier. cached_prompt_tokens: prompt tokens
+    whose KV the verifier's prefix cache supplied (not prefilled again).
+    """
+
+    tries: int = 0
+    hits: int = 0
+    kv_rolls: int = 0
+    draft_tokens: int = 0
+    rounds: int = 0
+    proposals: int = 0
+    acceptance_rate: float = 0.0
+    mean_acceptance_length: float = 0.0
+    mean_accepted_per_round: float = 0.0
+    t_ms: float = 0.0
+    v_ms: float = 0.0
+    overhead_ms: float = 0.0
+    overhead_share: float = 0.0
+    prefill_ms: float = 0.0
+    gain: bool = False
+    gain_verdict: str = ""
+    cached_prompt_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+    @classmethod
+    def from_proto(cls, s: common_pb2.SpecStats) -> "SpecStats":
+        return cls(**{f.name: getattr(s, f.name) for f in fields(cls)})
+
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
+    common_pb2.FINISH_REASON_EOS: "eos",          # the model's end-of-generation token
+    common_pb2.FINISH_REASON_STOP: "stop",        # a stop string (not in the text)
+    common_pb2.FINISH_REASON_LENGTH: "length",    # max_tokens
+    common_pb2.FINISH_REASON_CONTEXT: "context",  # the verifier's KV cache is full
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished generation.
+
+    text: the whole output; token_ids: its tokens (EOS excluded); finish_reason: "eos",
+    "stop", "length" or "context"; spec_enabled: speculation ran; spec_reason: why it did
+    not, or fell back ("" when it ran throughout). wall_s and ttft_s are this client's own
+    measurements: seconds from sending the request to its last message and to the first
+    token (None when no token came, or for `complete`, which has no first-token time).
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    spec_enabled: bool
+    spec_reason: str
+    stats: SpecStats
+    wall_s: float | None = None
+    ttft_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """completion_tokens / wall_s (0.0 without a wall time)."""
+        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+
+    @classmethod
+    def from_proto(cls, r: coordinator_pb2.GenerationResult, wall_s: float | None = None,
+                   ttft_s: float | None = None) -> "Result":
+        return cls(text=r.text, token_ids=list(r.token_ids), prompt_tokens=r.prompt_tokens,
+                   completion_tokens=r.completion_tokens,
+                   finish_reason=FINISH_REASONS.get(r.finish_reason, str(r.finish_reason)),
+                   spec_enabled=r.spec_enabled, spec_reason=r.spec_reason,
+                   stats=SpecStats.from_proto(r.stats), wall_s=wall_s, ttft_s=ttft_s)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: a text delta (never a split UTF-8 character) and its tokens.
+    The last chunk of a stream carries `result`; the others have result None."""
+
+    text: str
+    token_ids: list[int]
+    result: Result | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message: role "system", "user" or "assistant", and its content."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Info:
+    """The coordinator's configuration (GetInfo)."""
+
+    model: str
+    spec_default: bool
+    k_default: int
+    k_max: int
+    max_tokens_default: int
+    n_ctx: int
+    n_vocab: int
+
+
+class ClientError(Exception):
+    """A call failed. `code` is the grpc.StatusCode (INVALID_ARGUMENT for a request the server
+    refuses, UNAUTHENTICATED for a missing or wrong API key, DEADLINE_EXCEEDED, UNAVAILABLE,
+    RESOURCE_EXHAUSTED under overload, ...), `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, exc: grpc.RpcError) -> "ClientError":
+        return cls(exc.code(), exc.details() or "")
+
+
+class ConnectError(ClientError):
+    """No connection to the target within the wait (`waited_s` seconds). `bound` names what
+    limited the wait: "connect_timeout" or "timeout" (the call's own timeout was shorter)."""
+
+    def __init__(self, target: str, waited_s: float, bound: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE,
+                         f"no coordinator reachable at {target} within {waited_s:g} s")
+        self.target = target
+        self.waited_s = waited_s
+        self.bound = bound
+
+
+MessageLike = Union[Message, Mapping[str, str]]
+
+
+# ---- the client -------------------------------------------------------------------
+
+def _read_pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | None:
+    """PEM bytes as given (or PEM text), or read from a file path (str or PathLike)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and value.lstrip().startswith("-----BEGIN"):
+        return value.encode("ascii")
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{what} {value}: {exc.strerror}") from None
+
+
+def _check_timeout(value: float | None, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+class Client:
+    """A connection to an echospec coordinator.
+
+    Args:
+        target: "host:port" of the coordinator ("[::1]:50051" for IPv6).
+        timeout: default seconds per call, connection wait included (None: no deadline).
+        connect_timeout: the most seconds a call waits for the connection (default 10).
+        api_key: sent on every call as ``authorization: Bearer <key>`` metadata; None reads
+            the ECHOSPEC_API_KEY environment variable ("" sends nothing).
+        root_certificates: PEM bytes (or text), or a path to a PEM file, of the CA(s) that
+            signed the server's certificate; turns TLS on.
+        tls: True for TLS with the system's roots when root_certificates is not given; None
+            (default) means TLS exactly when a certificate argument is given.
+        client_certificate, client_key: PEM bytes or paths, for servers that require a
+            client certificate (mutual TLS).
+        server_name: the name to check the server's certificate against, when it is not the
+            target's host (grpc.ssl_target_name_override).
+        max_message_bytes: the largest message received or sent.
+    Raises:
+        ValueError: a bad timeout or an unreadable certificate file.
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 600.0,
+                 connect_timeout: float = 10.0, api_key: str | None = None,
+                 root_certificates: bytes | str | os.PathLike | None = None,
+                 tls: bool | None = None,
+                 client_certificate: bytes | str | os.PathLike | None = None,
+                 client_key: bytes | str | os.PathLike | None = None,
+                 server_name: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        if not isinstance(target, str) or not target.strip():
+            raise ValueError("target must be host:port, not empty")
+        self.target = target
+        self.timeout = _check_timeout(timeout, "timeout")
+        self.connect_timeout = _check_timeout(connect_timeout, "connect_timeout")
+        key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        if any(c in key for c in "\r\n\0"):
+            raise ValueError("api_key must not contain line breaks or NUL")
+        self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        opts = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 30000),
+            ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        roots = _read_pem(root_certificates, "root_certificates")
+        cert = _read_pem(client_certificate, "client_certificate")
+        pkey = _read_pem(client_key, "client_key")
+        if (cert is None) != (pkey is None):
+            raise ValueError("client_certificate and client_key go together")
+        use_tls = tls if tls is not None else (roots is not None or cert is not None)
+        if use_tls:
+            if server_name:
+                opts.append(("grpc.ssl_target_name_override", server_name))
+            creds = grpc.ssl_channel_credentials(root_certificates=roots, private_key=pkey,
+                                                 certificate_chain=cert)
+            self._channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            if roots is not None or cert is not None:
+                raise ValueError("certificates were given with tls=False")
+            self._channel = grpc.insecure_channel(target, options=opts)
+        self.tls = bool(use_tls)
+        self._connected = False
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the channel is connected.
+
+        Args:
+            timeout: seconds (default: connect_timeout).
+        Raises:
+            ConnectError: not connected within the wait.
+        """
+        wait = self.connect_timeout if timeout is None else timeout
+        self._wait(wait, "connect_timeout" if timeout is None else "timeout", force=True)
+
+    def _wait(self, wait: float | None, bound: str, force: bool = False) -> None:
+        """Wait for the connection with a GetInfo call that waits for the channel to be ready
+        (any answer, an error status included, means the server is there). Done on a client's
+        first call only: later calls on a lost connection fail at once with UNAVAILABLE.
+        (Not grpc.channel_ready_future: its polling thread can outlive the channel and print
+        an exception when the process exits right after.)"""
+        if self._connected and not force:
+            return
+        try:
+            self._stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=wait,
+                               wait_for_ready=True, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ConnectError(self.target, wait, bound) from None
+        self._connected = True
+
+    def _begin(self, timeout: float | None) -> float | None:
+        """Wait for the connection within the call's budget; return the seconds left for the
+        call itself (None: no deadline)."""
+        timeout = self.timeout if timeout is None else _check_timeout(timeout, "timeout")
+        t0 = time.monotonic()
+        if timeout is None:
+            self._wait(self.connect_timeout, "connect_timeout")
+            return None
+        if self.connect_timeout is not None and self.connect_timeout < timeout:
+            self._wait(self.connect_timeout, "connect_timeout")
+        else:
+            self._wait(timeout, "timeout")
+        return max(0.001, timeout - (time.monotonic() - t0))
+
+    def _md(self, request_id: str | None):
+        return self._metadata + ((("x-request-id", request_id),) if request_id else ())
+
+    # -- generation
+
+    def complete(self, prompt: str | None = None, *, messages: Sequence[MessageLike] | None = None,
+                 token_ids: Sequence[int] | None = None, timeout: float | None = None,
+                 request_id: str | None = None, **sampling) -> Result:
+        """One generation, returned when it ends.
+
+        Args:
+            prompt: raw prompt text (special-token text becomes the special token); or
+            messages: chat messages, rendered with the model's chat template; or
+            token_ids: prompt token ids. Exactly one of the three.
+            timeout: seconds for this call (default: the client's).
+            request_id: sent as x-request-id metadata (the server logs it).
+            **sampling: max_tokens (0: the server's default), stop (a list of strings),
+                temperature (<= 0: greedy), top_p, top_k, min_p, seed, spec (True, False, or
+                None for the server's default), k (drafts per round, 0: server default),
+                prediction (expected output text, a draft source), draft_namespace.
+        Returns:
+            The Result, with wall_s measured here.
+        Raises:
+            TypeError, ValueError: bad arguments (nothing is sent).
+            ConnectError: no connection within the wait.
+            ClientError: the call failed (code and details from the server).
+        """
+        req = coordinator_pb2.CompleteRequest()
+        _fill(req, prompt, messages, token_ids, sampling)
+        left = self._begin(timeout)
+        t0 = time.perf_counter()
+        try:
+            resp = self._stub.Complete(req, timeout=left, metadata=self._md(request_id))
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc_error(exc) from None
+        return Result.from_proto(resp.result, wall_s=time.perf_counter() - t0)
+
+    def stream(self, prompt: str | None = None, *, messages: Sequence[MessageLike] | None = None,
+               token_ids: Sequence[int] | None = None, timeout: float | None = None,
+               request_id: str | None = None, **sampling) -> Iterator[Chunk]:
+        """A generation streamed as text deltas; the same arguments as `complete`.
+
+        Yields:
+            Chunk per message; the last one carries the Result (with wall_s and ttft_s
+            measured here). Leaving the loop early (break, an exception, close()) cancels
+            the call, and the server frees the generation.
+        Raises:
+            TypeError, ValueError: bad arguments (raised by the call, before anything is sent).
+            ConnectError, ClientError: as `complete`; a failure mid-stream raises from the
+            iteration.
+        """
+        req = coordinator_pb2.GenerateRequest()
+        _fill(req, prompt, messages, token_ids, sampling)
+        left = self._begin(timeout)
+        return self._iterate(req, left, request_id)
+
+    def _iterate(self, req, left: float | None, request_id: str | None) -> Iterator[Chunk]:
+        t0 = time.perf_counter()
+        ttft = None
+        call = self._stub.Generate(req, timeout=left, metadata=self._md(request_id))
+        try:
+            for msg in call:
+                if ttft is None and msg.token_ids:
+                    ttft = time.perf_counter() - t0
+                result = None
+                if msg.HasField("result"):
+                    result = Result.from_proto(msg.result, wall_s=time.perf_counter() - t0,
+                                               ttft_s=ttft)
+                yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result)
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc_error(exc) from None
+        finally:
+            call.cancel()   # a no-op when the stream ended; frees the generation otherwise
+
+    def chat(self, messages: Sequence[MessageLike], *, timeout: float | None = None,
+             request_id: str | None = None, **sampling) -> Result:
+        """`complete` over chat messages: [{"role": "user", "content": "..."}, ...] or
+        Message objects. For a streamed chat, `stream(messages=...)`."""
+        return self.complete(messages=messages, timeout=timeout, request_id=request_id, **sampling)
+
+    # -- tokens and info
+
+    def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        """Token ids of `text` (no special tokens added; special-token text is parsed)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return list(self._unary("Tokenize", coordinator_pb2.TokenizeRequest(text=text),
+                                timeout).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> str:
+        """The text of `token_ids`."""
+        return self._unary("Detokenize", coordinator_pb2.DetokenizeRequest(
+            token_ids=_int_list(token_ids, "token_ids")), timeout).text
+
+    def info(self, *, timeout: float | None = None) -> Info:
+        """The coordinator's model and defaults."""
+        r = self._unary("GetInfo", coordinator_pb2.GetInfoRequest(), timeout)
+        return Info(model=r.model, spec_default=r.spec_default, k_default=r.k_default,
+                    k_max=r.k_max, max_tokens_default=r.max_tokens_default, n_ctx=r.n_ctx,
+                    n_vocab=r.n_vocab)
+
+    def _unary(self, rpc: str, request, timeout: float | None):
+        left = self._begin(timeout)
+        try:
+            return getattr(self._stub, rpc)(request, timeout=left, metadata=self._md(None))
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc_error(exc) from None
+
+
+# ---- request building -----------------------------------------------------------------
+
+_SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MODE_OFF,
+               True: common_pb2.SPEC_MODE_ON}
+_SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
+             "prediction", "draft_namespace")
+
+
+def _int_list(values, name: str) -> list[int]:
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}[{i}] must be an int, got {v!r}")
+        if not -(2 ** 31) <= v < 2 ** 31:
+            raise ValueError(f"{name}[{i}] = {v} is out of range (a 32-bit integer)")
+        out.append(v)
+    return out
+
+
+def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role', 'content'} mappings or Message objects")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, Message):
+            role, content = m.role, m.content
+        elif isinstance(m, Mapping):
+            role, content = m.get("role"), m.get("content")
+        else:
+            raise TypeError(f"messages[{i}] must be a mapping or a Message, got {m!r}")
+        for key, v in (("role", role), ("content", content)):
+            if not isinstance(v, str):
+                raise TypeError(f"messages[{i}].{key} must be a string, got {v!r}")
+        out.append(coordinator_pb2.ChatMessage(role=role, content=content))
+    return out
+
+
+def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
+    """Set the prompt and sampling fields of a CompleteRequest or GenerateRequest."""
+    given = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, messages or token_ids")
+    unknown = sorted(set(sampling) - set(_SAMPLING))
+    if unknown:
+        raise TypeError(f"unknown argument(s): {', '.join(unknown)}")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        req.text = prompt
+    elif messages is not None:
+        req.messages.extend(_messages(messages))
+    else:
+        req.token_ids.extend(_int_list(token_ids, "token_ids"))
+    stop = sampling.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not all(isinstance(s, str) for s in stop):
+        raise TypeError("stop must be a string or a list of strings")
+    req.stop.extend(stop)
+    spec = sampling.get("spec")
+    if spec not in _SPEC_MODES:
+        raise ValueError(f"spec must be True, False or None, got {spec!r}")
+    req.spec = _SPEC_MODES[spec]
+    try:
+        req.max_tokens = int(sampling.get("max_tokens") or 0)
+        req.temperature = float(sampling.get("temperature") or 0.0)
+        if sampling.get("top_p") is not None:
+            req.top_p = float(sampling["top_p"])
+        req.top_k = int(sampling.get("top_k") or 0)
+        req.min_p = float(sampling.get("min_p") or 0.0)
+        req.seed = int(sampling.get("seed") or 0)
+        req.k = int(sampling.get("k") or 0)
+        req.prediction = sampling.get("prediction") or ""
+        req.draft_namespace = sampling.get("draft_namespace") or ""
+    except (TypeError, ValueError) as exc:   # protobuf's range and type checks
+        raise ValueError(f"bad sampling argument: {exc}") from None

@@ -1,0 +1,318 @@
+"""The light client (clients/python, package echospec_client).
+
+- Its wheel builds without a C compiler (every compiler on PATH and CC/CXX fail and log),
+  is py3-none-any with no extension module, also builds from its sdist (no repository around),
+  and installs into a fresh venv where the server package is not importable; there it runs
+  complete, stream, chat, tokenize, detokenize and info against a running stack.
+- Typed results: each field equals the raw proto's; stream and complete agree; a second chat
+  turn reports cached prompt tokens; errors come back as ClientError with the gRPC code.
+- API key metadata and TLS roots, against a test-double coordinator with TLS that checks
+  `authorization: Bearer <key>` (the real server side is another piece of work).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from echospec_client import Chunk, Client, ClientError, ConnectError, Message, Result, SpecStats
+from ggufgen import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENT_DIR = ROOT / "clients" / "python"
+COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "clang++", "x86_64-linux-gnu-gcc",
+             "aarch64-linux-gnu-gcc", "ld")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from echospec.services.coordinator.stack import start_stack
+
+    path = tmp_path_factory.mktemp("client") / "tiny.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=5)
+    st = start_stack(str(path), port=0, spec=True, n_ctx=256, n_threads=1, log_level="WARNING")
+    yield st
+    st.stop(0.5)
+
+
+# ---- the wheel: pure Python, no compiler, a fresh venv ---------------------------------------
+
+def _no_compiler_env(tmp_path: Path) -> tuple[dict, Path]:
+    """An environment where any C/C++ compiler or linker call fails and is logged."""
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    log = tmp_path / "compiler-calls.log"
+    for name in COMPILERS:
+        f = fake / name
+        f.write_text(f"#!/bin/sh\necho \"{name} $*\" >> {log}\nexit 1\n")
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", CC=str(fake / "cc"),
+               CXX=str(fake / "c++"), LDSHARED=str(fake / "cc"), PIP_NO_INDEX="1",
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env, log
+
+
+def _check_wheel(whl: Path) -> None:
+    assert whl.name.endswith("-py3-none-any.whl"), whl.name
+    names = zipfile.ZipFile(whl).namelist()
+    native = [n for n in names if n.endswith((".so", ".pyd", ".dylib", ".dll", ".c", ".o"))]
+    assert not native, native
+    for mod in ("client.py", "v1/coordinator_pb2.py", "v1/coordinator_pb2_grpc.py",
+                "v1/common_pb2.py"):
+        assert f"echospec_client/{mod}" in names, names
+    assert not any(n.startswith("echospec/") for n in names), names
+    meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("/METADATA"))).decode()
+    reqs = sorted(line.split(":", 1)[1].strip() for line in meta.splitlines()
+                  if line.startswith("Requires-Dist:"))
+    assert [r.split(">=")[0] for r in reqs] == ["grpcio", "protobuf"], reqs
+
+
+USE_SCRIPT = r"""
+import json, sys
+import echospec_client
+from echospec_client import Client, ClientError
+try:
+    import echospec
+    has_server = True
+except ImportError:
+    has_server = False
+out = {"file": echospec_client.__file__, "server_importable": has_server}
+with Client(sys.argv[1], timeout=60) as c:
+    r = c.complete("a b c a b c a b", max_tokens=8, spec=True)
+    chunks = list(c.stream("a b c a b c a b", max_tokens=8, spec=True))
+    ch = c.chat([{"role": "user", "content": "a b c"}], max_tokens=6)
+    ids = c.tokenize("ab ab")
+    out.update(complete=r.text, complete_ids=r.token_ids, finish=r.finish_reason,
+               tries=r.stats.tries, hits=r.stats.hits, kv_rolls=r.stats.kv_rolls,
+               draft_tokens=r.stats.draft_tokens,
+               stream="".join(x.text for x in chunks), stream_ids=chunks[-1].result.token_ids,
+               chat_tokens=ch.completion_tokens, ids=ids, text=c.detokenize(ids),
+               model=c.info().model)
+    try:
+        c.complete("x", max_tokens=-1)
+    except ClientError as exc:
+        out["error"] = exc.code.name
+print(json.dumps(out))
+"""
+
+
+def test_wheel_builds_without_a_compiler_and_runs_in_a_fresh_venv(stack, tmp_path):
+    env, log = _no_compiler_env(tmp_path)
+    # the wheel, built in the repository (stubs generated from ../../protos)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "dist"), str(CLIENT_DIR)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (whl,) = (tmp_path / "dist").glob("*.whl")
+    _check_wheel(whl)
+    # the sdist, unpacked away from the repository, builds the same files
+    r = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                        "print(b.build_sdist(sys.argv[1]))", str(tmp_path / "sdist")],
+                       cwd=CLIENT_DIR, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sdist,) = (tmp_path / "sdist").glob("*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(tmp_path / "unpacked", filter="data")
+    (src,) = (tmp_path / "unpacked").iterdir()
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "dist2"), str(src)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (whl2,) = (tmp_path / "dist2").glob("*.whl")
+    _check_wheel(whl2)
+    assert sorted(zipfile.ZipFile(whl2).namelist()) == sorted(zipfile.ZipFile(whl).namelist())
+    assert not log.exists(), log.read_text()
+
+    # a fresh venv; grpcio and protobuf come from this venv's site-packages through a .pth
+    # (a path line: the server package's editable finder there is not loaded), so the
+    # test needs no network; the wheel itself is installed with --no-deps
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; "
+                                         "print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    import google.protobuf
+    deps = [Path(grpc.__file__).parents[1], Path(google.protobuf.__file__).parents[2]]
+    (site / "deps.pth").write_text("".join(f"{d}\n" for d in sorted(set(map(str, deps)))))
+    r = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", str(whl)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not log.exists(), log.read_text()
+    script = tmp_path / "use.py"
+    script.write_text(USE_SCRIPT)
+    r = subprocess.run([str(py), "-I", str(script), stack.target], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["file"].startswith(str(site)), out["file"]
+    assert out["server_importable"] is False
+    assert out["complete"] == out["stream"] and out["complete_ids"] == out["stream_ids"]
+    assert len(out["complete_ids"]) >= 1 and out["finish"] in ("eos", "length")
+    assert out["hits"] + out["kv_rolls"] == out["draft_tokens"]
+    assert out["chat_tokens"] >= 1
+    assert out["ids"] and out["text"] == "ab ab"
+    assert out["model"].endswith("tiny.gguf")
+    assert out["error"] == "INVALID_ARGUMENT"
+
+
+# ---- typed results against the raw protocol ------------------------------------------------
+
+def test_results_match_the_raw_protocol(stack):
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc, common_pb2
+
+    kw = dict(max_tokens=12, spec=True, k=3)
+    with grpc.insecure_channel(stack.target) as ch:
+        raw = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(
+            coordinator_pb2.CompleteRequest(text="x y z x y z x y", max_tokens=12, k=3,
+                                            spec=common_pb2.SPEC_MODE_ON), timeout=60).result
+    with Client(stack.target, timeout=60) as c:
+        r = c.complete("x y z x y z x y", **kw)
+        chunks = list(c.stream("x y z x y z x y", **kw))
+    assert isinstance(r, Result) and isinstance(r.stats, SpecStats)
+    assert r.text == raw.text and r.token_ids == list(raw.token_ids)
+    assert (r.prompt_tokens, r.completion_tokens, r.spec_enabled, r.spec_reason) == (
+        raw.prompt_tokens, raw.completion_tokens, raw.spec_enabled, raw.spec_reason)
+    assert r.finish_reason == common_pb2.FinishReason.Name(raw.finish_reason).split("_")[-1].lower()
+    for name in ("tries", "hits", "kv_rolls", "draft_tokens", "rounds"):   # greedy: deterministic
+        assert getattr(r.stats, name) == getattr(raw.stats, name), name
+    assert r.stats.tries >= 1 and r.spec_enabled
+    assert all(isinstance(x, Chunk) for x in chunks)
+    assert [x.result is not None for x in chunks] == [False] * (len(chunks) - 1) + [True]
+    last = chunks[-1].result
+    assert "".join(x.text for x in chunks) == last.text == r.text
+    assert sum((x.token_ids for x in chunks), []) == last.token_ids == r.token_ids
+    assert last.ttft_s is not None and 0 < last.ttft_s <= last.wall_s
+    assert r.wall_s > 0 and r.tokens_per_s > 0
+
+
+def test_second_chat_turn_reuses_the_prefix(stack):
+    with Client(stack.target, timeout=60) as c:
+        history = [Message("system", "be brief"), {"role": "user", "content": "a b c d"}]
+        r1 = c.chat(history, max_tokens=6)
+        history += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "e f"}]
+        r2 = c.chat(history, max_tokens=6)
+    assert r2.prompt_tokens > r1.prompt_tokens
+    assert 0 < r2.stats.cached_prompt_tokens < r2.prompt_tokens
+
+
+def test_stream_left_early_and_errors(stack):
+    with Client(stack.target, timeout=60) as c:
+        it = c.stream("a b a b a b", max_tokens=64, spec=False)
+        first = next(it)
+        assert first.result is None
+        it.close()                         # cancels the call; the client keeps working
+        assert c.tokenize("a") == c.tokenize("a")
+        with pytest.raises(ClientError) as e:
+            c.complete("x", max_tokens=-1)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details
+        with pytest.raises(ValueError, match="exactly one"):
+            c.complete("x", messages=[{"role": "user", "content": "y"}])
+        with pytest.raises(TypeError, match=r"messages\[0\].content must be a string"):
+            c.chat([{"role": "user", "content": 5}])
+        with pytest.raises(TypeError, match="unknown argument"):
+            c.complete("x", max_token=3)
+        with pytest.raises(ValueError, match="out of range"):
+            c.detokenize([2 ** 40])
+    with pytest.raises(ValueError, match="positive number"):
+        Client(stack.target, timeout=0)
+
+
+def test_unreachable_target_fails_within_the_connect_timeout():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Client(f"127.0.0.1:{port}", connect_timeout=0.5, timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectError) as e:
+        c.tokenize("x")
+    assert time.monotonic() - t0 < 5
+    assert e.value.bound == "connect_timeout" and e.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(ConnectError) as e:
+        c.complete("x", timeout=0.3)
+    assert e.value.bound == "timeout" and "within 0.3 s" in str(e.value)
+    c.close()
+
+
+# ---- API key and TLS (a test-double coordinator) -------------------------------------------
+
+def _self_signed(tmp_path: Path) -> tuple[bytes, bytes]:
+    """A self-signed certificate for the name echospec.test (and 127.0.0.1) and its key."""
+    openssl = shutil.which("openssl")
+    assert openssl, "the TLS test needs the openssl command"
+    key, crt = tmp_path / "key.pem", tmp_path / "crt.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=echospec.test", "-addext",
+                    "subjectAltName=DNS:echospec.test,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(crt)], check=True, capture_output=True,
+                   timeout=60)
+    return crt.read_bytes(), key.read_bytes()
+
+
+class _KeyedTokenizer:
+    """Tokenize answers the length of the text, only with `authorization: Bearer sekrit`."""
+
+    def __init__(self):
+        from echospec.v1 import coordinator_pb2_grpc
+
+        class Servicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+            def Tokenize(self, request, context):
+                from echospec.v1 import coordinator_pb2
+
+                md = dict(context.invocation_metadata())
+                if md.get("authorization") != "Bearer sekrit":
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+                return coordinator_pb2.TokenizeResponse(token_ids=[len(request.text)])
+
+        self.servicer = Servicer()
+
+
+def test_api_key_and_tls_roots(tmp_path, monkeypatch):
+    from echospec.v1 import coordinator_pb2_grpc
+
+    crt, key = _self_signed(tmp_path)
+    (tmp_path / "ca.pem").write_bytes(crt)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(_KeyedTokenizer().servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, crt)]))
+    server.start()
+    target = f"127.0.0.1:{port}"
+    monkeypatch.delenv("ECHOSPEC_API_KEY", raising=False)
+    try:
+        with Client(target, root_certificates=crt, api_key="sekrit", timeout=10) as c:
+            assert c.tls and c.tokenize("hello") == [5]
+        with Client(target, root_certificates=crt.decode(), api_key="sekrit", timeout=10) as c:
+            assert c.tokenize("hi") == [2]           # PEM text works as PEM bytes do
+        # the CA as a file path, the key from the environment, the name checked by override
+        monkeypatch.setenv("ECHOSPEC_API_KEY", "sekrit")
+        with Client(f"localhost:{port}", root_certificates=str(tmp_path / "ca.pem"),
+                    server_name="echospec.test", timeout=10) as c:
+            assert c.tokenize("abc") == [3]
+        monkeypatch.delenv("ECHOSPEC_API_KEY")
+        for api_key in (None, "wrong"):
+            with Client(target, root_certificates=crt, api_key=api_key, timeout=10) as c:
+                with pytest.raises(ClientError) as e:
+                    c.tokenize("x")
+                assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        # a plaintext client, and a TLS client that does not trust the certificate, never connect
+        for kw in ({}, {"tls": True}):
+            with Client(target, api_key="sekrit", connect_timeout=1, timeout=10, **kw) as c:
+                with pytest.raises(ConnectError):
+                    c.tokenize("x")
+        with pytest.raises(ValueError, match="no-such.pem"):
+            Client(target, root_certificates=str(tmp_path / "no-such.pem"))
+        with pytest.raises(ValueError, match="line breaks"):
+            Client(target, api_key="a\nb")
+    finally:
+        server.stop(0)
