@@ -16,6 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#if !defined(ES_FORCE_SCALAR) && (defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX__)))
+#include <immintrin.h>
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 #include "internal.h"
 #include "quant.h"
@@ -48,6 +53,28 @@ typedef float vaf __attribute__((vector_size(AW * 4)));
 #else   /* NEON: vaf spans two registers; left to the compiler */
 #define IN_REG(v) ((void)0)
 #endif
+
+/* AW floats from AW F16 values of the KV cache, converted in registers. The
+ * conversion is exact (every F16 is a float32), so every target reads the
+ * same floats. */
+static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
+    vaf v;
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
+    __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+    memcpy(&v, &x, sizeof v);
+#elif !defined(ES_FORCE_SCALAR) && defined(__F16C__) && defined(__AVX__)
+    __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+    memcpy(&v, &x, sizeof v);
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+    float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));
+    float32x4_t lo = vcvt_f32_f16(vget_low_f16(h)), hi = vcvt_high_f32_f16(h);
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < AW; i++) v[i] = es_fp16_to_fp32(p[i]);
+#endif
+    return v;
+}
 
 /* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
  * order, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
@@ -297,7 +324,7 @@ typedef struct {
 #define AXPY_D 32
 #endif
 static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
-                                                           int t0, int t1, const float *vc, size_t vs, int cont) {
+                                                           int t0, int t1, const uint16_t *vc, size_t vs, int cont) {
     vaf acc[AXPY_Q][AXPY_D / AW];
     for (int j = 0; j < nj; j++)
         for (int k = 0; k < AXPY_D / AW; k++) {
@@ -305,10 +332,10 @@ static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *c
             else acc[j][k] = (vaf){0};
         }
     for (int t = t0; t < t1; t++) {
-        const float *vr = vc + (size_t)t * vs;
+        const uint16_t *vr = vc + (size_t)t * vs;
         vaf v[AXPY_D / AW];
         for (int k = 0; k < AXPY_D / AW; k++) {
-            memcpy(&v[k], vr + AW * k, sizeof v[k]);
+            v[k] = ld_h(vr + AW * k);
             IN_REG(v[k]);
         }
         for (int j = 0; j < nj; j++) {
@@ -323,11 +350,11 @@ static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *c
 }
 
 /* The same for any head size, one query, positions [0, n). */
-static void axpy_row(float *o, const float *a, const float *vc, size_t vs, int n, int hd) {
+static void axpy_row(float *o, const float *a, const uint16_t *vc, size_t vs, int n, int hd) {
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
     for (int t = 0; t < n; t++) {
-        const float *vr = vc + (size_t)t * vs;
-        for (int d = 0; d < hd; d++) o[d] += a[t] * vr[d];
+        const uint16_t *vr = vc + (size_t)t * vs;
+        for (int d = 0; d < hd; d++) o[d] += a[t] * es_fp16_to_fp32(vr[d]);
     }
 }
 
@@ -336,15 +363,13 @@ static void axpy_row(float *o, const float *a, const float *vc, size_t vs, int n
  * sc[j * ld + t] = (sum_d q[j][d] * k[d][t]) * scale, two vectors of AW
  * positions at a time (2 * nj independent sums). */
 static inline __attribute__((always_inline)) void scores_v(const int nj, const float *const *q, int hd,
-                                                        const float *kt, size_t nc, int n, float scale,
+                                                        const uint16_t *kt, size_t nc, int n, float scale,
                                                         float *sc, size_t ld) {
     for (int t = 0; t + 2 * AW <= n; t += 2 * AW) {
         vaf acc[SCORE_Q], acc2[SCORE_Q];
         for (int j = 0; j < nj; j++) acc[j] = acc2[j] = (vaf){0};
         for (int d = 0; d < hd; d++) {
-            vaf kv, kv2;
-            memcpy(&kv, kt + (size_t)d * nc + t, sizeof kv);
-            memcpy(&kv2, kt + (size_t)d * nc + t + AW, sizeof kv2);
+            vaf kv = ld_h(kt + (size_t)d * nc + t), kv2 = ld_h(kt + (size_t)d * nc + t + AW);
             IN_REG(kv);
             IN_REG(kv2);
             for (int j = 0; j < nj; j++) {
@@ -381,27 +406,28 @@ static inline float sum8(const float *x, int n) {
 int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 
 /* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
- * positions (nv ascending); kf [hd][B] and vf [B][hd] are the block as
- * float32, kf's first ncols (a multiple of 2 * AW, >= nv[nq - 1]) columns
- * loaded; sc [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1].
- * A score lane depends only on its query and position, so the scores of
+ * positions (nv ascending); kb [hd][B] and vb [B][hd] are the block in the
+ * cache (F16, read as float32 in registers); the scores are computed for
+ * its first ncols positions (a multiple of 2 * AW, >= nv[nq - 1]); sc
+ * [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. A
+ * score lane depends only on its query and position, so the scores of
  * positions past every nv (computed, then dropped) change no kept bit. */
 static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
-                          const float *kf, const float *vf, float *sc, int ncols) {
+                          const uint16_t *kb, const uint16_t *vb, float *sc, int ncols) {
     float scale = 1.0f / sqrtf((float)hd);
     int hdr = es_attn_part_floats(hd) - 16;
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
         int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
         float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
         switch (nj) {
-        case 1: scores_v(1, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 2: scores_v(2, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 3: scores_v(3, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 1: scores_v(1, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 2: scores_v(2, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 3: scores_v(3, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
 #if SCORE_Q > 4
-        case 4: scores_v(4, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 5: scores_v(5, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 4: scores_v(4, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 5: scores_v(5, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
 #endif
-        default: scores_v(SCORE_Q, qp + k0, hd, kf, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        default: scores_v(SCORE_Q, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
         }
     }
     const float *ap[ES_MAX_UNIT_Q];
@@ -414,7 +440,7 @@ static void block_partial(int nq, const float *const *qp, const int *nv, float *
         ap[j] = row;
     }
     if (hd % AXPY_D != 0) {
-        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vf, (size_t)hd, nv[j], hd);
+        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vb, (size_t)hd, nv[j], hd);
         return;
     }
     /* AXPY_D dimensions at a time; queries side by side over the positions
@@ -422,7 +448,7 @@ static void block_partial(int nq, const float *const *qp, const int *nv, float *
     float *op[ES_MAX_UNIT_Q];
     for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
         for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
-        const float *vc = vf + d0;
+        const uint16_t *vc = vb + d0;
         int k = 0;
         for (; k + AXPY_Q <= nq; k += AXPY_Q) {
             int lo = nv[k];
@@ -453,10 +479,10 @@ static void finish_part(float *out, const float *st, int hd) {
     for (int d = 0; d < hd; d++) out[d] = st[d] * inv;
 }
 
-/* A thread's attention scratch (ws_floats each): kf [hd][B], vf [B][hd],
- * sc [q_cap][B], st [q_cap][part], bp [q_cap][part]. */
+/* A thread's attention scratch (ws_floats each): sc [q_cap][B],
+ * st [q_cap][part], bp [q_cap][part]. */
 size_t es_attn_ws_floats(int hd, int q_cap) {
-    return 2 * (size_t)hd * ES_KV_BLOCK + (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
+    return (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
 }
 
 /* Block (i, h, b)'s result in s->parts (key split). */
@@ -474,7 +500,7 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
     int hd = in->head_dim, pf = es_attn_part_floats(hd);
     size_t q_dim = (size_t)in->n_head * hd;
     int nh = h1 - h0, nq = (i1 - i0) * nh;
-    float *kf = ws, *vf = kf + (size_t)hd * ES_KV_BLOCK, *sc = vf + (size_t)hd * ES_KV_BLOCK;
+    float *sc = ws;
     float *st = sc + (size_t)s->q_cap * ES_KV_BLOCK, *bp = st + (size_t)s->q_cap * pf;
     const float *qp[ES_MAX_UNIT_Q];
     float *dst[ES_MAX_UNIT_Q];
@@ -500,16 +526,10 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
          * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
         for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
             es_kv_prefetch_block(&s->kv, t->layer, g, bp2);
-        /* the block's last positions no query attends (the cache's end) are
-         * neither loaded nor scored */
+        /* the block's last positions no query attends (the cache's end) are not scored */
         int ncols = (nv[nq - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
-        const uint16_t *kb = es_kv_k_block(&s->kv, t->layer, g, b);
-        if (ncols == ES_KV_BLOCK) es_kv_load(kf, kb, (size_t)hd * ES_KV_BLOCK);
-        else
-            for (int d = 0; d < hd; d++)
-                es_kv_load(kf + (size_t)d * ES_KV_BLOCK, kb + (size_t)d * ES_KV_BLOCK, (size_t)ncols);
-        es_kv_load(vf, es_kv_v_block(&s->kv, t->layer, g, b), (size_t)hd * (size_t)nv[nq - 1]);
-        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, kf, vf, sc, ncols);
+        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, es_kv_k_block(&s->kv, t->layer, g, b),
+                      es_kv_v_block(&s->kv, t->layer, g, b), sc, ncols);
         if (!t->nch)
             for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
     }

@@ -240,9 +240,6 @@ static inline const uint16_t *es_kv_v_block(const es_kv *kv, int l, int g, int32
     return kv->v + (((size_t)l * (size_t)kv->n_head_kv + (size_t)g) * (size_t)kv->n_blk + (size_t)b) *
                        (size_t)kv->head_dim * ES_KV_BLOCK;
 }
-/* dst[i] = float(src[i]) for i in [0, n): exact (every F16 is a float32), so
- * the SIMD and scalar conversions give the same bits. */
-void es_kv_load(float *dst, const uint16_t *src, size_t n);
 /* dst[i] = es_fp32_to_fp16(src[i]) for i in [0, n), with the SIMD path's
  * conversion where there is one (bitwise the scalar function's result). */
 void es_fp32_to_fp16_row(uint16_t *dst, const float *src, int n);

@@ -1,6 +1,6 @@
 /*
  * kv_cache.c - the KV cache of a session: allocation, layout, append,
- * rollback, and the F16 -> float32 block loads the attention uses.
+ * rollback and prefetch (the attention reads the F16 blocks in place).
  * The layout and its invariants are described above es_kv in internal.h.
  *
  * Why F16: a decode step at depth reads every cached position of every
@@ -128,24 +128,6 @@ void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const fl
     int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
     for (int64_t g = r0 / hd; g * hd < r1; g++)
         es_fp32_to_fp16_row((uint16_t *)es_kv_v_block(kv, l, (int)g, b) + (size_t)t * (size_t)hd, x + g * hd, hd);
-}
-
-void es_kv_load(float *dst, const uint16_t *src, size_t n) {
-    size_t i = 0;
-#if defined(KV_LOAD_AVX512)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
-#elif defined(KV_LOAD_F16C)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src + i))));
-#elif defined(KV_LOAD_NEON)
-    for (; i + 8 <= n; i += 8) {
-        float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(src + i));
-        vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(h)));
-        vst1q_f32(dst + i + 4, vcvt_high_f32_f16(h));
-    }
-#endif
-    for (; i < n; i++) dst[i] = es_fp16_to_fp32(src[i]);
 }
 
 void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used) {
