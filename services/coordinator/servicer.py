@@ -269,7 +269,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             rec.prompt_tokens = len(prompt)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        lease, link, events, first, params = self._start(req, prompt, context)
+        started = self._start(req, prompt, context)
+        if started is None:       # the client went away or its deadline passed meanwhile
+            return
+        lease, link, events, first, params = started
         rec.verifier = lease.address
         started = _StartedLink(link, events, first, lease.address, self.pool.report_failure)
         try:
@@ -294,8 +297,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         the pool, which avoids it until its health returns.
 
         Returns:
-            (lease, link, events iterator, first message or None, params). Aborts
-            the RPC on a bad request, with no verifier left, or on a verifier's
+            (lease, link, events iterator, first message or None, params), or None
+            when the RPC ended meanwhile (cancelled, past its deadline). Aborts the
+            RPC on a bad request, with no verifier left, or on a verifier's
             refusal that another verifier would repeat.
         """
         namespace = req.draft_namespace
@@ -335,7 +339,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 link.cancel()
                 lease.release()
                 if ours or not context.is_active():
-                    context.abort(exc.code, str(exc))
+                    return None   # the RPC's own status (CANCELLED, DEADLINE_EXCEEDED) stands
                 if exc.code in DOWN_CODES:
                     self.pool.report_failure(lease.address, f"{exc.code.name}: {exc.details}")
                 if exc.code not in RETRY_CODES:
