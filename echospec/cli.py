@@ -342,6 +342,7 @@ def _result_json(r) -> dict:
         "spec_reason": r.spec_reason,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
+        "verifier": r.verifier,
         "stats": {
             "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
             "rounds": s.rounds, "proposals": s.proposals,

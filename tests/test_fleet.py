@@ -194,7 +194,12 @@ def test_generations_spread_over_three_verifiers_with_single_verifier_output(mod
 
     fleet = Coordinator(model, [b.address for b in three])
     try:
-        assert set(fleet.info()) == {b.address for b in three}
+        info = fleet.info()
+        assert set(info) == {b.address for b in three}
+        # each verifier's load report: 16 sessions of n_ctx positions, all free when idle
+        for v in info.values():
+            assert v.healthy and v.max_sessions == 16
+            assert v.free_kv_tokens == (16 - v.active_sessions) * N_CTX
         with ThreadPoolExecutor(12) as ex:
             spread = list(ex.map(lambda p: _complete(fleet.stub, p), PROMPTS))
     finally:
