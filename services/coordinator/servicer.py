@@ -269,10 +269,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             rec.prompt_tokens = len(prompt)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        started = self._start(req, prompt, context)
-        if started is None:       # the client went away or its deadline passed meanwhile
+        begun = self._start(req, prompt, context)
+        if begun is None:       # the client went away or its deadline passed meanwhile
             return
-        lease, link, events, first, params = started
+        lease, link, events, first, params = begun
         rec.verifier = lease.address
         started = _StartedLink(link, events, first, lease.address, self.pool.report_failure)
         try:
@@ -302,6 +302,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             RPC on a bad request, with no verifier left, or on a verifier's
             refusal that another verifier would repeat.
         """
+        known = self.pool.any_config()
+        if known is not None:   # a bad request is INVALID_ARGUMENT even while no verifier is up
+            try:
+                self.resolve_params(req, VerifierCaps(known.kv_eviction, known.sparse_attention,
+                                                      known.batch_max))
+            except RequestError as exc:
+                context.abort(exc.code, exc.message)
         namespace = req.draft_namespace
         tried: list[str] = []
         failures: list[str] = []
