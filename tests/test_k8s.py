@@ -244,3 +244,21 @@ def test_wiring(rendered):
         assert cfg.from_env(cfg.VerifierConfig, cms["echospec-verifier"]).n_threads == 4
         assert by["verifier"]["resources"]["limits"]["cpu"] == "4"
         assert ds["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/arch"] == "arm64"
+
+
+def test_renderer_matches_kubectl_kustomize_when_installed():
+    """Cross-check of the minimal renderer against the real kustomize, where a kubectl is on
+    PATH (not installable from this project's registries, so CI machines may lack it; the
+    other tests here do not depend on it)."""
+    import shutil
+    import subprocess
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl on PATH: the renderer is not cross-checked on this machine")
+    for d in (BASE, OVERLAY):
+        out = subprocess.run([kubectl, "kustomize", str(d)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        real = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout) if o}
+        mine = {(o["kind"], o["metadata"]["name"]): o for o in render(d)}
+        assert mine == real, d
