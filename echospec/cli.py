@@ -341,8 +341,10 @@ def _result_json(r) -> dict:
         "spec_reason": r.spec_reason,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
+        "verifier": r.verifier,
         "stats": dataclasses.asdict(r.stats),
     }
+
 
 def _read_text(flag: str, path: str) -> str:
     try:

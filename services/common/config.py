@@ -73,7 +73,13 @@ class CoordinatorConfig:
     model: str = ""              # GGUF path: tokenizer and chat template
     host: str = LOOPBACK
     port: int = 50051
-    verifier_target: str = f"{LOOPBACK}:50053"
+    verifier_target: str = f"{LOOPBACK}:50053"   # the one verifier when `verifier` is empty
+    # Verifiers to balance generations over (repeatable --verifier, env comma-separated):
+    # host:port, or dns:///name:port for every address the name resolves to (a headless
+    # Service), re-resolved every verifier_resolve_s. Empty: verifier_target alone.
+    verifier: tuple = ()
+    verifier_poll_s: float = 1.0      # health + load poll of each verifier (seconds)
+    verifier_resolve_s: float = 10.0  # DNS re-resolution of dns:/// verifiers (seconds)
     draft_target: str = f"{LOOPBACK}:50052"
     spec: bool = False           # speculation default when a request leaves it unspecified
     k: int = 4                   # default drafts per round (the most a round drafts)
@@ -103,6 +109,8 @@ def _parse_bool(text: str) -> bool:
 def _convert(kind: type, text: str):
     if kind is bool:
         return _parse_bool(text)
+    if kind is tuple:   # a list: comma-separated in the environment
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     return kind(text)
 
 
@@ -132,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = type(f.default)
         if kind is bool:
             parser.add_argument(opt, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+        elif kind is tuple:
+            parser.add_argument(opt, dest=f.name, default=None, action="append",
+                                help=f"repeatable (env ECHOSPEC_{f.name.upper()}, comma-separated)")
         else:
             parser.add_argument(opt, dest=f.name, default=None, type=kind,
                                 help=f"(env ECHOSPEC_{f.name.upper()}, default {f.default!r})")
@@ -147,5 +158,6 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
         cfg = from_env(cls, environ)
     except ValueError as exc:
         parser.error(str(exc))
-    overrides = {k: v for k, v in vars(ns).items() if v is not None}
+    overrides = {k: (tuple(v) if isinstance(v, list) else v)
+                 for k, v in vars(ns).items() if v is not None}
     return dataclasses.replace(cfg, **overrides)

@@ -158,6 +158,7 @@ class RequestRecord:
     spec: bool = False
     code: str = "OK"
     counters: SpecCounters | None = None
+    verifier: str = ""               # host:port of the verifier that served it ("" : none did)
 
     @property
     def tokens_per_s(self) -> float:
@@ -182,6 +183,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason or None, "spec": self.spec,
             "tries": c.tries, "hits": c.hits, "kv_rolls": c.kv_rolls,
             "draft_tokens": c.draft_tokens, "acceptance_rate": round(c.acceptance_rate, 4),
+            "verifier": self.verifier or None,
         }
 
 
@@ -243,6 +245,15 @@ class PromMetrics(_Registry):
     The project's own counters (README): ``echospec_spec_{tries,hits,kv_rolls,draft_tokens,rounds}
     _total``, ``echospec_generations_total{finish_reason,spec}``, ``echospec_generated_tokens_total``
     and the histograms ``echospec_decode_step_seconds`` (T) and ``echospec_round_overhead_seconds``.
+    Per verifier (label ``verifier``, its host:port; services/coordinator/pool.py):
+        echospec_verifier_healthy                  gauge: 1 while a candidate for new generations
+        echospec_verifier_active_sessions          gauge: the verifier's last reported active sessions
+        echospec_verifier_max_sessions             gauge: its reported session limit
+        echospec_verifier_free_kv_tokens           gauge: its reported free KV positions
+        echospec_verifier_in_flight                gauge: this coordinator's generations on it
+        echospec_verifier_generations_total{code}  counter: generations it served, by final status
+        echospec_verifier_retries_total            counter: generations moved away from it after it
+                                                   failed before their first token
     """
 
     def __init__(self, registry=None) -> None:
@@ -284,6 +295,39 @@ class PromMetrics(_Registry):
                      "generation)")
         self.overhead_s = h("echospec_round_overhead_seconds", "Mean per-round overhead of a "
                             "generation, seconds")
+        g = lambda name, doc: Gauge(name, doc, ["verifier"], registry=r)  # noqa: E731
+        self.v_healthy = g("echospec_verifier_healthy", "1 while the verifier is a candidate for "
+                           "new generations")
+        self.v_active = g("echospec_verifier_active_sessions", "The verifier's last reported "
+                          "active sessions")
+        self.v_max = g("echospec_verifier_max_sessions", "The verifier's reported max_sessions")
+        self.v_free_kv = g("echospec_verifier_free_kv_tokens", "The verifier's reported free KV "
+                           "positions")
+        self.v_in_flight = g("echospec_verifier_in_flight", "This coordinator's generations on "
+                             "the verifier")
+        self.v_generations = Counter("echospec_verifier_generations_total", "Generations the "
+                                     "verifier served, by final status code", ["verifier", "code"],
+                                     registry=r)
+        self.v_retries = Counter("echospec_verifier_retries_total", "Generations moved to another "
+                                 "verifier after this one failed before their first token",
+                                 ["verifier"], registry=r)
+
+    def verifier_state(self, address: str, healthy: bool, active: int, max_sessions: int,
+                       free_kv_tokens: int, in_flight: int) -> None:
+        """Set one verifier's gauges (the pool calls it after each poll and lease)."""
+        self.v_healthy.labels(verifier=address).set(1 if healthy else 0)
+        self.v_active.labels(verifier=address).set(active)
+        self.v_max.labels(verifier=address).set(max_sessions)
+        self.v_free_kv.labels(verifier=address).set(free_kv_tokens)
+        self.v_in_flight.labels(verifier=address).set(in_flight)
+
+    def verifier_forget(self, address: str) -> None:
+        """Drop the gauges of a verifier that left the pool (its counters stay)."""
+        for gauge in (self.v_healthy, self.v_active, self.v_max, self.v_free_kv, self.v_in_flight):
+            try:
+                gauge.remove(address)
+            except KeyError:
+                pass
 
     def request_started(self) -> None:
         self.running.inc()
@@ -298,6 +342,8 @@ class PromMetrics(_Registry):
             self.ttft.observe(rec.ttft_s)
         if rec.tpot_s is not None:
             self.tpot.observe(rec.tpot_s)
+        if rec.verifier:
+            self.v_generations.labels(verifier=rec.verifier, code=rec.code).inc()
         if rec.code != "OK":
             self.errors.labels(code=rec.code).inc()
         elif rec.finish_reason:

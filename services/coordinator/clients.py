@@ -39,6 +39,7 @@ class GenerationLink:
     """
 
     def __init__(self, stub: Any, request: Any, timeout: float | None):
+        self.cancelled = False   # cancel() was called: a CANCELLED status is ours, not the verifier's
         self._call = stub.GenerateTokens(request, timeout=timeout)
 
     def events(self) -> Iterator[Any]:
@@ -55,6 +56,7 @@ class GenerationLink:
 
     def cancel(self) -> None:
         """End the generation at the verifier (any thread; idempotent)."""
+        self.cancelled = True
         self._call.cancel()
 
 

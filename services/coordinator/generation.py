@@ -62,6 +62,7 @@ class Outcome:
     spec_enabled: bool
     spec_reason: str
     counters: SpecCounters = field(default_factory=SpecCounters)
+    verifier: str = ""                 # host:port of the verifier that served it
 
 
 class _Output:

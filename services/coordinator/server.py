@@ -1,5 +1,5 @@
 """CoordinatorService server: bind (NOT_SERVING), load the tokenizer and chat
-template, wait for the verifier, then SERVING."""
+template, start the verifier pool and wait for one healthy verifier, then SERVING."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +14,7 @@ from echospec.services.common.chat_template import ChatTemplate
 from echospec.services.common.config import CoordinatorConfig
 from echospec.services.common.metrics import PromMetrics
 from echospec.services.common.tokenizer import Tokenizer, read_tokenizer_metadata
+from echospec.services.coordinator.pool import Resolver, VerifierPool
 from echospec.services.coordinator.servicer import CoordinatorServicer, RequestError
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
@@ -24,11 +25,11 @@ class CoordinatorServer:
     """A running coordinator: server handle, servicer and its channels."""
 
     def __init__(self, handle: grpc_util.ServerHandle, servicer: CoordinatorServicer,
-                 channels: list[grpc.Channel]):
+                 pool: VerifierPool):
         self.handle = handle
         self.servicer = servicer
         self.port = handle.port
-        self._channels = channels
+        self.pool = pool
 
     @property
     def metrics_port(self) -> int:
@@ -36,11 +37,10 @@ class CoordinatorServer:
         return self.handle.metrics_port
 
     def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, drain for grace_s, stop /metrics, close the downstream channels."""
+        """NOT_SERVING, drain for grace_s, stop /metrics, close the verifier pool."""
         g = self.servicer.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g).wait()
-        for ch in self._channels:
-            ch.close()
+        self.pool.close()
 
 
 def wait_serving(channel: grpc.Channel, service: str, timeout_s: float) -> None:
@@ -64,9 +64,15 @@ def wait_serving(channel: grpc.Channel, service: str, timeout_s: float) -> None:
     raise TimeoutError(f"{service or 'server'} not SERVING after {timeout_s:.0f} s ({last})")
 
 
+def verifier_targets(config: CoordinatorConfig) -> list[str]:
+    """config.verifier (host:port or dns:///name:port each), else [config.verifier_target]."""
+    return list(config.verifier) or [config.verifier_target]
+
+
 def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics=None,
-          extra_registries=()) -> CoordinatorServer:
-    """Bind, load tokenizer + chat template from config.model, wait for the verifier, SERVING.
+          extra_registries=(), resolver: Resolver | None = None) -> CoordinatorServer:
+    """Bind, load tokenizer + chat template from config.model, start the verifier pool, wait
+    for one healthy verifier, SERVING.
 
     The draft service is not waited for: without it generations decode plainly.
 
@@ -76,10 +82,12 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         verifier_wait_s: how long to wait for the verifier's SERVING.
         rpc_metrics: a metrics.RpcMetrics shared with other servers of this process, or None.
         extra_registries: more Prometheus registries for this /metrics (none so far).
+        resolver: (host, port) -> ["ip:port", ...] for dns:/// verifier targets (default:
+            getaddrinfo; tests pass a stand-in).
     Raises:
         PortInUseError: host:port (or the metrics port) cannot be bound.
         ValueError / FileNotFoundError: the GGUF's tokenizer cannot be read.
-        TimeoutError: the verifier did not become SERVING in verifier_wait_s.
+        TimeoutError: no verifier became SERVING in verifier_wait_s.
     """
     if not 1 <= config.k <= config.k_max:
         raise ValueError(f"k = {config.k}: drafts per round must be in [1, k_max = {config.k_max}]")
@@ -88,10 +96,11 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics)
-    vch = grpc_util.channel(config.verifier_target, config.max_message_bytes)
-    dch = grpc_util.channel(config.draft_target, config.max_message_bytes)
+    pool = None
     try:
         metrics = PromMetrics()
+        pool = VerifierPool(verifier_targets(config), config.max_message_bytes,
+                            config.verifier_poll_s, config.verifier_resolve_s, resolver, metrics)
         if config.metrics_port >= 0:
             handle.serve_metrics(config.host, config.metrics_port,
                                  [metrics.registry, *extra_registries])
@@ -100,26 +109,25 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
         tokenizer = Tokenizer(meta)
         template = ChatTemplate.from_metadata(meta)
-        servicer = CoordinatorServicer(config, tokenizer, template, vch, dch, metrics)
+        servicer = CoordinatorServicer(config, tokenizer, template, pool, metrics)
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
         handle.server.start()
-        wait_serving(vch, "echospec.v1.VerifierService", verifier_wait_s)
-        servicer.verifier_config(refresh=True)
+        pool.start()
+        pool.wait_healthy(verifier_wait_s)
     except BaseException:
         handle.stop(0)
-        vch.close()
-        dch.close()
+        if pool is not None:
+            pool.close()
         raise
     handle.set_serving()
-    log.info("coordinator listening on %s:%d (verifier %s, draft %s, spec default %s)",
-             config.host, handle.port, config.verifier_target, config.draft_target,
-             "on" if config.spec else "off")
-    return CoordinatorServer(handle, servicer, [vch, dch])
+    log.info("coordinator listening on %s:%d (verifiers %s: %s, spec default %s)",
+             config.host, handle.port, " ".join(verifier_targets(config)),
+             " ".join(pool.addresses()), "on" if config.spec else "off")
+    return CoordinatorServer(handle, servicer, pool)
 
 
 def serve(config: CoordinatorConfig) -> None:
     """Start and block until SIGINT/SIGTERM, then stop gracefully."""
     srv = start(config)
     grpc_util.wait_for_termination(srv.handle, config.grace_s)
-    for ch in srv._channels:
-        ch.close()
+    srv.pool.close()

@@ -2,27 +2,34 @@
 GenerateTokens call to the verifier per generation (the loop runs there and
 consults the draft service itself), text and results (generation.py).
 
+Each generation goes to one verifier of the pool (pool.py, balancer.py: the
+least-loaded healthy one, or its draft_namespace's own while healthy). A
+verifier that fails before the generation's first token (unreachable, no free
+session, an internal error) is marked failed when unreachable and the
+generation is retried once on another; a failure after the first token ends the
+generation with UNAVAILABLE and a message naming the verifier (nothing is
+replayed: the client has text already). The result names the verifier that
+served it.
+
 Status codes: malformed requests INVALID_ARGUMENT (one prompt form, token ids
 in the vocabulary, non-empty prompt, max_tokens / k / stop limits, chat
 message shape); the verifier's own status is passed through (e.g.
 INVALID_ARGUMENT for a prompt longer than the context, RESOURCE_EXHAUSTED when
-it has no free session); UNAVAILABLE when the verifier cannot be reached. An
-unreachable draft service is not an error: the generation decodes plainly and
-says so in spec_reason.
+no verifier has a free session); UNAVAILABLE when no verifier can be reached or
+one fails mid-generation. An unreachable draft service is not an error: the
+generation decodes plainly and says so in spec_reason.
 """
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 import uuid
 from typing import Any, Iterator
 
 import grpc
 
-from echospec.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, draft_pb2_grpc,
-                         verifier_pb2, verifier_pb2_grpc)
+from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.common import grpc_util
 from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig
@@ -31,6 +38,7 @@ from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import Delta, GenerationError, GenerationParams, Outcome, generate
+from echospec.services.coordinator.pool import NoVerifier, VerifierPool
 
 log = logging.getLogger("echospec.coordinator")
 
@@ -72,12 +80,57 @@ def stats_to_proto(c) -> common_pb2.SpecStats:
         overhead_ms=c.overhead_ms, overhead_share=c.overhead_share, prefill_ms=c.prefill_ms,
         gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens)
 
+# A verifier's failure before a generation's first token with one of these codes moves the
+# generation to another verifier (once); the others (a bad prompt, a deadline) would fail there too.
+RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                         grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
+# ... and these mean the verifier itself is gone: it leaves the candidates until its health returns.
+DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
 
 def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
     return coordinator_pb2.GenerationResult(
         text=o.text, token_ids=o.token_ids, prompt_tokens=o.prompt_tokens,
         completion_tokens=len(o.token_ids), finish_reason=o.finish_reason,
-        spec_enabled=o.spec_enabled, spec_reason=o.spec_reason, stats=stats_to_proto(o.counters))
+        spec_enabled=o.spec_enabled, spec_reason=o.spec_reason, stats=stats_to_proto(o.counters),
+        verifier=o.verifier)
+
+
+class _StartedLink:
+    """A GenerationLink whose first message has arrived: replays it, then the rest; a failure
+    from here on is UNAVAILABLE naming the verifier (the generation is not replayed elsewhere)."""
+
+    def __init__(self, link: GenerationLink, events: Iterator[Any], first: Any, address: str,
+                 on_down: Any):
+        self._link = link
+        self._events = events
+        self._first = first
+        self._address = address
+        self._on_down = on_down
+
+    def events(self) -> Iterator[Any]:
+        if self._first is None:   # the verifier ended the stream at once (generate() reports it)
+            return
+        yield self._first
+        n = 1
+        try:
+            for msg in self._events:
+                n += 1
+                yield msg
+        except VerifierFailure as exc:
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or self._link.cancelled:
+                raise
+            if exc.code in DOWN_CODES:
+                self._on_down(self._address, f"{exc.code.name}: {exc.details}")
+            raise VerifierFailure(
+                grpc.StatusCode.UNAVAILABLE,
+                f"verifier {self._address} failed after {n} message(s) of this generation had "
+                f"arrived ({exc.code.name}: {exc.details}); the generation is not replayed: "
+                f"send the request again") from None
+
+    def cancel(self) -> None:
+        self._link.cancel()
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -86,40 +139,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     Args:
         config: defaults and limits (spec, k, max_tokens, ...).
         tokenizer, template: built from the GGUF.
-        verifier_channel, draft_channel: channels to the downstream services
-            (generations reach the draft service through the verifier).
+        pool: the verifiers (started: polled in the background); generations reach
+            the draft service of each board through its verifier.
     """
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, template: ChatTemplate,
-                 verifier_channel: grpc.Channel, draft_channel: grpc.Channel,
-                 metrics: PromMetrics | None = None):
+                 pool: VerifierPool, metrics: PromMetrics | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.template = template
-        self.verifier = verifier_pb2_grpc.VerifierServiceStub(verifier_channel)
-        self.draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
-        self._lock = threading.Lock()
-        self._vconfig: verifier_pb2.GetConfigResponse | None = None
+        self.pool = pool
         self.metrics = metrics if metrics is not None else PromMetrics()
 
     # -- downstream configuration ------------------------------------------------------------
-    def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
-        """The verifier's GetConfig (cached).
+    def verifier_config(self) -> verifier_pb2.GetConfigResponse:
+        """A healthy verifier's last GetConfig (every verifier serves the same model).
 
         Raises:
-            RequestError: UNAVAILABLE when the verifier cannot be reached.
+            RequestError: UNAVAILABLE when no verifier has answered yet.
         """
-        with self._lock:
-            cached = self._vconfig
-        if cached is not None and not refresh:
-            return cached
-        try:
-            cfg = self.verifier.GetConfig(verifier_pb2.GetConfigRequest(), timeout=10)
-        except grpc.RpcError as exc:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                               f"verifier unavailable: {exc.details()}") from None
-        with self._lock:
-            self._vconfig = cfg
+        cfg = self.pool.any_config()
+        if cfg is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no verifier has answered yet")
         return cfg
 
     # -- request -> prompt and parameters ----------------------------------------------------
@@ -226,23 +267,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         try:
             prompt = self.resolve_prompt(req)
             rec.prompt_tokens = len(prompt)
-            vcfg = self.verifier_config()
-            caps = VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention, vcfg.batch_max)
-            params = self.resolve_params(req, caps)
-            if params.k > vcfg.max_k:
-                raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        timeout = context.time_remaining()
-        if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
-            timeout = None
-        link = GenerationLink(self.verifier, verifier_pb2.GenerateTokensRequest(
-            prompt=prompt, max_tokens=params.max_tokens, eos_ids=sorted(self.tokenizer.eos_ids),
-            sampling=params.sampling, spec=params.spec, k=params.k,
-            fixed_k=not self.config.adaptive_k), timeout)
-        context.add_callback(link.cancel)
+        begun = self._start(req, prompt, context)
+        if begun is None:       # the client went away or its deadline passed meanwhile
+            return
+        lease, link, events, first, params = begun
+        rec.verifier = lease.address
+        started = _StartedLink(link, events, first, lease.address, self.pool.report_failure)
         try:
-            yield from generate(prompt, params, self.tokenizer, link)
+            for ev in generate(prompt, params, self.tokenizer, started):
+                if isinstance(ev, Outcome):
+                    ev.verifier = lease.address
+                yield ev
         except VerifierFailure as exc:
             if context.is_active():
                 context.abort(exc.code, str(exc))
@@ -250,6 +287,78 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             link.cancel()
+            lease.release()
+
+    def _start(self, req: Any, prompt: list[int], context: grpc.ServicerContext):
+        """Start the generation on a verifier and wait for its first message.
+
+        A verifier that fails before the first message with a RETRY_CODES status
+        is left for another (once); one that is unreachable is also reported to
+        the pool, which avoids it until its health returns.
+
+        Returns:
+            (lease, link, events iterator, first message or None, params), or None
+            when the RPC ended meanwhile (cancelled, past its deadline). Aborts the
+            RPC on a bad request, with no verifier left, or on a verifier's
+            refusal that another verifier would repeat.
+        """
+        known = self.pool.any_config()
+        if known is not None:   # a bad request is INVALID_ARGUMENT even while no verifier is up
+            try:
+                self.resolve_params(req, VerifierCaps(known.kv_eviction, known.sparse_attention,
+                                                      known.batch_max))
+            except RequestError as exc:
+                context.abort(exc.code, exc.message)
+        namespace = req.draft_namespace
+        tried: list[str] = []
+        failures: list[str] = []
+        code = grpc.StatusCode.UNAVAILABLE   # a lone verifier's refusal keeps its own code
+        while True:
+            try:
+                lease = self.pool.acquire(namespace, exclude=tried)
+            except NoVerifier as exc:
+                context.abort(code, "; ".join(failures + [str(exc)]))
+            vcfg = lease.config
+            try:
+                params = self.resolve_params(req, VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention,
+                                                               vcfg.batch_max))
+                if params.k > vcfg.max_k:
+                    raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
+            except RequestError as exc:
+                lease.release()
+                context.abort(exc.code, exc.message)
+            timeout = context.time_remaining()
+            if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
+                timeout = None
+            link = GenerationLink(lease.stub, verifier_pb2.GenerateTokensRequest(
+                prompt=prompt, max_tokens=params.max_tokens, eos_ids=sorted(self.tokenizer.eos_ids),
+                sampling=params.sampling, spec=params.spec, k=params.k,
+                fixed_k=not self.config.adaptive_k), timeout)
+            context.add_callback(link.cancel)
+            events = link.events()
+            try:
+                first = next(events)
+                return lease, link, events, first, params
+            except StopIteration:
+                return lease, link, iter(()), None, params
+            except VerifierFailure as exc:
+                ours = link.cancelled    # the client went away (or its deadline passed)
+                link.cancel()
+                lease.release()
+                if ours or not context.is_active():
+                    return None   # the RPC's own status (CANCELLED, DEADLINE_EXCEEDED) stands
+                if exc.code in DOWN_CODES:
+                    self.pool.report_failure(lease.address, f"{exc.code.name}: {exc.details}")
+                if exc.code not in RETRY_CODES:
+                    context.abort(exc.code, str(exc))
+                failures.append(f"verifier {lease.address} failed before the first token "
+                                f"({exc.code.name}: {exc.details})")
+                code = exc.code
+                if tried:   # the retry failed too
+                    context.abort(exc.code, "; ".join(failures))
+                tried.append(lease.address)
+                self.metrics.v_retries.labels(verifier=lease.address).inc()
+                log.warning("%s; retrying on another verifier", failures[-1])
 
     def Generate(self, request: coordinator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
@@ -284,7 +393,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             v = self.verifier_config()
         except RequestError as exc:
             context.abort(exc.code, exc.message)
+        statuses = [coordinator_pb2.VerifierStatus(
+            address=b.address, healthy=b.healthy, active_sessions=b.reported_active,
+            max_sessions=b.max_sessions, free_kv_tokens=b.free_kv_tokens, in_flight=b.in_flight,
+            last_error=b.last_error) for b in self.pool.backends()]
         return coordinator_pb2.GetInfoResponse(
             model=cfg.model, spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
-            max_tokens_default=cfg.max_tokens, verifier_target=cfg.verifier_target,
-            draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab)
+            max_tokens_default=cfg.max_tokens,
+            verifier_target=",".join(s.address for s in statuses),
+            draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses)

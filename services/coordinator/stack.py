@@ -212,6 +212,9 @@ def _args(cfg: Any) -> list[str]:
         opt = "--" + f.name.replace("_", "-")
         if isinstance(v, bool):
             out.append(opt if v else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(v, tuple):
+            for item in v:
+                out += [opt, str(item)]
         else:
             out += [opt, str(v)]
     return out

@@ -312,6 +312,12 @@ class VerifierCore:
         with self._lock:
             return len(self.prefix_cache)
 
+    @property
+    def free_kv_tokens(self) -> int:
+        """KV positions that new sessions can still take: each free session slot holds one
+        n_ctx cache; the prefix cache's idle sessions count as free (they are evicted first)."""
+        return max(0, self.config.max_sessions - self.active_sessions) * self.config.n_ctx
+
     def acquire(self, prompt: Sequence[int]) -> tuple[Session, int]:
         """An engine session for a generation of ``prompt``, and how many prompt tokens it already holds.
 

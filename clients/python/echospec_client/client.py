@@ -84,6 +84,7 @@ class Result:
     not, or fell back ("" when it ran throughout). wall_s and ttft_s are this client's own
     measurements: seconds from sending the request to its last message and to the first
     token (None when no token came, or for `complete`, which has no first-token time).
+    verifier: the address of the verifier that served the generation.
     """
 
     text: str
@@ -94,6 +95,7 @@ class Result:
     spec_enabled: bool
     spec_reason: str
     stats: SpecStats
+    verifier: str = ""
     wall_s: float | None = None
     ttft_s: float | None = None
 
@@ -109,7 +111,8 @@ class Result:
                    completion_tokens=r.completion_tokens,
                    finish_reason=FINISH_REASONS.get(r.finish_reason, str(r.finish_reason)),
                    spec_enabled=r.spec_enabled, spec_reason=r.spec_reason,
-                   stats=SpecStats.from_proto(r.stats), wall_s=wall_s, ttft_s=ttft_s)
+                   stats=SpecStats.from_proto(r.stats), verifier=r.verifier, wall_s=wall_s,
+                   ttft_s=ttft_s)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,302 @@
+"""Several verifiers per coordinator, on loopback (issue 12).
+
+Three boards, each a verifier + draft service pair as two processes, bound to their own
+loopback address (127.0.0.11, .12, .13; a fourth, .14, joins by DNS) on the same ports, as
+pods of a headless Service are. One coordinator in this process balances over them.
+
+- 12 concurrent generations spread over all three (each serves >= 2), with the same
+  output as a run on one verifier, each verifier consulting its own draft service.
+- DNS: a dns:/// target picks up an added address (the resolver is a test double passed
+  to the coordinator's start(); the product resolves with getaddrinfo) and drops a removed one.
+- A verifier killed mid-run: generations it had not started move to the others, started
+  ones end UNAVAILABLE with a message, new ones avoid it until its health returns, and it
+  serves again after a restart.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ggufgen import write_tiny_model  # noqa: E402
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
+from echospec.services.common.config import CoordinatorConfig  # noqa: E402
+from echospec.services.common.lifecycle import PARENT_ENV  # noqa: E402
+from echospec.services.coordinator import server as cserver  # noqa: E402
+from echospec.services.coordinator.balancer import rendezvous_rank  # noqa: E402
+from echospec.services.coordinator.server import wait_serving  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+IPS = ["127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14"]
+N_CTX = 4096
+ON = common_pb2.SPEC_MODE_ON
+PROMPTS = [f"{w} the cat sat on the mat. {w} the cat" for w in
+           ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+            "eleven", "twelve")]
+
+
+def _ports_free_on_all(n: int) -> list[int]:
+    """n ports that are free on every address of IPS."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((IPS[0], 0))
+            cands = [s.getsockname()[1]]
+        cands += [cands[0] + i for i in range(1, n)]
+        ok = True
+        for ip in IPS:
+            for p in cands:
+                with socket.socket() as s:
+                    try:
+                        s.bind((ip, p))
+                    except OSError:
+                        ok = False
+        if ok:
+            return cands
+    raise RuntimeError("no free port pair on every loopback address")
+
+
+class Board:
+    """A verifier + draft pair on one loopback address, as two processes."""
+
+    def __init__(self, ip: str, vport: int, dport: int, model: str):
+        self.ip, self.vport, self.dport, self.model = ip, vport, dport, model
+        self.address = f"{ip}:{vport}"
+        self.draft: subprocess.Popen | None = None
+        self.verifier: subprocess.Popen | None = None
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env[PARENT_ENV] = str(os.getpid())
+        env["OPENBLAS_NUM_THREADS"] = "1"
+        return subprocess.Popen([sys.executable, "-m", f"echospec.services.{name}", *args,
+                                 "--log-level", "WARNING"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL)
+
+    def start_draft(self) -> None:
+        self.draft = self._spawn("draft", ["--host", self.ip, "--port", str(self.dport)])
+
+    def start_verifier(self) -> None:
+        self.verifier = self._spawn("verifier", [
+            "--host", self.ip, "--port", str(self.vport), "--model", self.model,
+            "--n-ctx", str(N_CTX), "--n-threads", "1", "--max-sessions", "16",
+            "--draft-target", f"{self.ip}:{self.dport}"])
+
+    def wait(self, timeout_s: float = 90.0) -> None:
+        for proc, port, svc in ((self.draft, self.dport, "echospec.v1.DraftService"),
+                                (self.verifier, self.vport, "echospec.v1.VerifierService")):
+            with grpc.insecure_channel(f"{self.ip}:{port}") as ch:
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    assert proc.poll() is None, f"{svc} on {self.ip}:{port} exited {proc.returncode}"
+                    try:
+                        wait_serving(ch, svc, 1.0)
+                        break
+                    except TimeoutError:
+                        assert time.monotonic() < deadline, f"{svc} on {self.ip}:{port} not SERVING"
+
+    def stop(self) -> None:
+        for p in (self.verifier, self.draft):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("fleet") / "tiny-4k.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=N_CTX, seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def boards(model):
+    vport, dport = _ports_free_on_all(2)
+    bs = [Board(ip, vport, dport, model) for ip in IPS]
+    try:
+        for b in bs:
+            b.start_draft()
+            b.start_verifier()
+        for b in bs:
+            b.wait()
+        yield bs
+    finally:
+        for b in bs:
+            b.stop()
+
+
+class Coordinator:
+    """An in-process coordinator over some verifier targets, with a stub to it."""
+
+    def __init__(self, model: str, targets, poll_s: float = 0.2, resolve_s: float = 10.0,
+                 resolver=None):
+        cfg = CoordinatorConfig(model=model, port=0, verifier=tuple(targets), verifier_poll_s=poll_s,
+                                verifier_resolve_s=resolve_s, metrics_port=-1, log_level="WARNING")
+        self.server = cserver.start(cfg, verifier_wait_s=60, resolver=resolver)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+
+    def info(self) -> dict:
+        r = self.stub.GetInfo(cpb.GetInfoRequest(), timeout=10)
+        return {v.address: v for v in r.verifiers}
+
+    def wait_for(self, pred, what: str, timeout_s: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.info()
+            if pred(info):
+                return info
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {info}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0)
+
+
+def _complete(stub, prompt: str, max_tokens: int = 48, namespace: str = "", timeout: float = 60):
+    return stub.Complete(cpb.CompleteRequest(text=prompt, max_tokens=max_tokens, spec=ON,
+                                             draft_namespace=namespace), timeout=timeout).result
+
+
+def _owned_namespace(address: str, addresses: list[str]) -> str:
+    """A draft_namespace whose rendezvous owner among ``addresses`` is ``address``."""
+    for i in range(1000):
+        ns = f"tenant-{i}"
+        if rendezvous_rank(ns, addresses)[0] == address:
+            return ns
+    raise AssertionError("no namespace found")
+
+
+def test_generations_spread_over_three_verifiers_with_single_verifier_output(model, boards):
+    three = boards[:3]
+    single = Coordinator(model, [three[0].address])
+    try:
+        with ThreadPoolExecutor(12) as ex:
+            alone = list(ex.map(lambda p: _complete(single.stub, p), PROMPTS))
+    finally:
+        single.close()
+    assert {r.verifier for r in alone} == {three[0].address}
+
+    fleet = Coordinator(model, [b.address for b in three])
+    try:
+        info = fleet.info()
+        assert set(info) == {b.address for b in three}
+        # each verifier's load report: 16 sessions of n_ctx positions, all free when idle
+        for v in info.values():
+            assert v.healthy and v.max_sessions == 16
+            assert v.free_kv_tokens == (16 - v.active_sessions) * N_CTX
+        with ThreadPoolExecutor(12) as ex:
+            spread = list(ex.map(lambda p: _complete(fleet.stub, p), PROMPTS))
+    finally:
+        fleet.close()
+    by_verifier: dict[str, list] = {}
+    for r in spread:
+        by_verifier.setdefault(r.verifier, []).append(r)
+    assert set(by_verifier) == {b.address for b in three}, by_verifier.keys()
+    assert all(len(rs) >= 2 for rs in by_verifier.values()), {a: len(rs) for a, rs in by_verifier.items()}
+    for a, b in zip(alone, spread):
+        assert b.text.encode() == a.text.encode() and list(b.token_ids) == list(a.token_ids)
+        assert b.completion_tokens == 48
+    # each verifier reached the draft service of its own board (speculation ran there)
+    for addr, rs in by_verifier.items():
+        assert all(r.spec_enabled for r in rs)
+        assert sum(r.stats.proposals for r in rs) > 0, f"{addr} never consulted its draft service"
+
+
+def test_dns_name_picks_up_an_added_verifier_and_drops_a_removed_one(model, boards):
+    port = boards[0].vport
+    answers = [boards[0].ip, boards[1].ip]
+    asked: list[tuple[str, int]] = []
+
+    def fake_resolver(host: str, p: int) -> list[str]:   # test double for getaddrinfo
+        asked.append((host, p))
+        return [f"{ip}:{p}" for ip in answers]
+
+    c = Coordinator(model, [f"dns:///verifiers.fleet.test:{port}"], poll_s=0.1, resolve_s=0.2,
+                    resolver=fake_resolver)
+    try:
+        assert asked[0] == ("verifiers.fleet.test", port)
+        assert set(c.info()) == {boards[0].address, boards[1].address}
+        answers.append(boards[3].ip)        # a fourth board joins the Service
+        c.wait_for(lambda i: boards[3].address in i and i[boards[3].address].healthy,
+                   "the added verifier to be healthy")
+        with ThreadPoolExecutor(6) as ex:
+            rs = list(ex.map(lambda p: _complete(c.stub, p, 16), PROMPTS[:6]))
+        assert boards[3].address in {r.verifier for r in rs}
+        answers.remove(boards[0].ip)        # and the first one leaves it
+        c.wait_for(lambda i: set(i) == {boards[1].address, boards[3].address},
+                   "the removed verifier to leave")
+        rs = [_complete(c.stub, p, 8) for p in PROMPTS[:4]]
+        assert boards[0].address not in {r.verifier for r in rs}
+    finally:
+        c.close()
+
+
+def test_killed_verifier_moves_unstarted_fails_started_and_returns_after_restart(model, boards):
+    three = boards[:3]
+    addrs = [b.address for b in three]
+    victim = three[1]
+    ns = _owned_namespace(victim.address, addrs)
+    # poll_s 1: a health poll of the stopped process times out after 2 s, so the pool still
+    # counts the victim healthy while the generations below are sent to it
+    c = Coordinator(model, addrs, poll_s=1.0)
+    try:
+        # started generations: long ones on the victim (its namespace), each past its first message
+        started = [c.stub.Generate(cpb.GenerateRequest(text=p, max_tokens=N_CTX - 64, spec=ON,
+                                                       draft_namespace=ns), timeout=60)
+                   for p in PROMPTS[:2]]
+        for it in started:
+            assert next(it).token_ids
+        assert c.info()[victim.address].in_flight == 2
+        os.kill(victim.verifier.pid, signal.SIGSTOP)
+        try:
+            # not started: sent to the (frozen) victim, no first token yet
+            ex = ThreadPoolExecutor(3)
+            pending = [ex.submit(_complete, c.stub, p, 24, ns) for p in PROMPTS[2:5]]
+            c.wait_for(lambda i: i[victim.address].in_flight == 5, "3 more generations on the victim",
+                       timeout_s=1.5)
+        finally:
+            os.kill(victim.verifier.pid, signal.SIGKILL)
+            victim.verifier.wait(10)
+        for it in started:
+            with pytest.raises(grpc.RpcError) as ei:
+                for _ in it:
+                    pass
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert victim.address in ei.value.details() and "not replayed" in ei.value.details()
+        moved = [f.result(timeout=60) for f in pending]
+        ex.shutdown()
+        assert all(r.verifier in addrs and r.verifier != victim.address for r in moved)
+        assert all(r.completion_tokens == 24 for r in moved)
+        retries = c.server.servicer.metrics.v_retries.labels(verifier=victim.address)._value.get()
+        assert retries == 3
+        # new generations avoid the dead verifier, namespace or not
+        info = c.info()
+        assert not info[victim.address].healthy and info[victim.address].last_error
+        with ThreadPoolExecutor(6) as ex2:
+            rs = list(ex2.map(lambda i: _complete(c.stub, PROMPTS[i], 8, ns if i % 2 else ""),
+                              range(6)))
+        assert victim.address not in {r.verifier for r in rs}
+        # restart: its health returns, and its namespace comes back to it
+        victim.start_verifier()
+        victim.wait()
+        c.wait_for(lambda i: i[victim.address].healthy, "the restarted verifier to be healthy")
+        r = _complete(c.stub, PROMPTS[0], 8, ns)
+        assert r.verifier == victim.address
+    finally:
+        c.close()

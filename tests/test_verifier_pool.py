@@ -1,0 +1,58 @@
+"""services/coordinator/pool.py without servers: targets, DNS membership, failure marking."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echospec.services.coordinator.pool import NoVerifier, VerifierPool, parse_target  # noqa: E402
+
+
+def test_parse_target():
+    assert parse_target("10.0.0.1:50053") == ("static", "10.0.0.1:50053", 0)
+    assert parse_target("[::1]:50053") == ("static", "[::1]:50053", 0)
+    assert parse_target("dns:///echospec-verifier:50053") == ("dns", "echospec-verifier", 50053)
+    for bad in ("", "dns:///noport", "dns:///name:0", "dns:///:50053", "http://x:1"):
+        with pytest.raises(ValueError):
+            parse_target(bad)
+
+
+def test_dns_membership_follows_the_answers_and_survives_a_failed_lookup():
+    answers = [["127.0.0.21", "127.0.0.22"]]
+
+    def resolver(host, port):   # a test double for getaddrinfo
+        if answers[0] is None:
+            raise OSError("temporary failure in name resolution")
+        return [f"{ip}:{port}" for ip in answers[0]]
+
+    pool = VerifierPool(["dns:///v.test:7", "127.0.0.9:8"], 1 << 20, resolver=resolver)
+    try:
+        assert pool.addresses() == ["127.0.0.21:7", "127.0.0.22:7", "127.0.0.9:8"]
+        answers[0] = None
+        pool.resolve()
+        assert pool.addresses() == ["127.0.0.21:7", "127.0.0.22:7", "127.0.0.9:8"]
+        answers[0] = ["127.0.0.22", "127.0.0.23"]
+        pool.resolve()
+        assert pool.addresses() == ["127.0.0.22:7", "127.0.0.23:7", "127.0.0.9:8"]
+        # nothing polled yet: no candidate, and the error says so for each
+        with pytest.raises(NoVerifier, match="not polled yet"):
+            pool.acquire()
+    finally:
+        pool.close()
+
+
+def test_unreachable_verifiers_are_unhealthy_after_a_poll_and_a_reported_failure_sticks():
+    pool = VerifierPool(["127.0.0.1:1"], 1 << 20, poll_s=0.1)   # nothing listens on port 1
+    try:
+        pool.poll()
+        (b,) = pool.backends()
+        assert not b.healthy and "UNAVAILABLE" in b.last_error
+        pool.report_failure("127.0.0.1:1", "UNAVAILABLE: gone")
+        assert pool.backends()[0].last_error == "UNAVAILABLE: gone"
+        with pytest.raises(TimeoutError, match="127.0.0.1:1"):
+            pool.wait_healthy(0.2)
+    finally:
+        pool.close()
