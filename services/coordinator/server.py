@@ -87,9 +87,11 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         raise ValueError(f"max_tokens = {config.max_tokens}: must be in [1, {config.max_tokens_limit}]")
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs, rpc_metrics)
-    vch = grpc_util.channel(config.verifier_target, config.max_message_bytes)
-    dch = grpc_util.channel(config.draft_target, config.max_message_bytes)
+                                    config.max_concurrent_rpcs, rpc_metrics,
+                                    tls=grpc_util.Tls.of(config), api_key=config.api_key)
+    tls = grpc_util.Tls.of(config)
+    vch = grpc_util.channel(config.verifier_target, config.max_message_bytes, tls)
+    dch = grpc_util.channel(config.draft_target, config.max_message_bytes, tls)
     try:
         metrics = PromMetrics()
         if config.metrics_port >= 0:
@@ -111,9 +113,10 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         dch.close()
         raise
     handle.set_serving()
-    log.info("coordinator listening on %s:%d (verifier %s, draft %s, spec default %s)",
+    log.info("coordinator listening on %s:%d (verifier %s, draft %s, spec default %s, %s, %s)",
              config.host, handle.port, config.verifier_target, config.draft_target,
-             "on" if config.spec else "off")
+             "on" if config.spec else "off", "TLS" if config.tls_cert else "plain text",
+             "API key required" if config.api_key else "no API key")
     return CoordinatorServer(handle, servicer, [vch, dch])
 
 
