@@ -24,7 +24,8 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 @pytest.fixture(scope="module")
 def stack(tiny_model):
-    st = start_stack(tiny_model(n_ctx_train=2048), spec=False, n_ctx=1024, n_threads=1, k=4,
+    # n_ctx 8192: a long generation (8000 tokens, about a second) outlasts a disconnect
+    st = start_stack(tiny_model(n_ctx_train=8192), spec=False, n_ctx=8192, n_threads=1, k=4,
                      http_port=0)
     yield st
     st.stop(0.5)
@@ -159,7 +160,7 @@ def test_usage_maps_spec_stats_fields():
 
 def test_models_and_health(stack, client):
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id == "n_ctx_train-2048"   # the GGUF file's stem
+    assert len(models) == 1 and models[0].id == "n_ctx_train-8192"   # the GGUF file's stem
     r = httpx.get(stack.http_url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "SERVING"}
     r = client.chat.completions.create(model="whatever", messages=MESSAGES, max_tokens=2)
@@ -197,7 +198,7 @@ def test_coordinator_refusals_are_400(client, stack):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="m", prompt="hi", max_tokens=10 ** 6)
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model="m", prompt="the cat " * 2000, max_tokens=4, stream=True)
+        client.completions.create(model="m", prompt="the cat " * 8000, max_tokens=4, stream=True)
     assert ei.value.body["code"] == "invalid_argument"
     r = httpx.post(stack.http_url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
@@ -296,7 +297,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
             return vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
 
         before = cancelled()
-        body = {"model": "m", "prompt": "the cat", "max_tokens": 1000, "stream": True, "spec": "off"}
+        body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
         with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
             it = r.iter_lines()
             first = next(it)
@@ -308,3 +309,35 @@ def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
             time.sleep(0.02)
         assert cancelled() == before + 1
         assert sessions() == 0
+
+
+def test_no_free_session_is_429(tiny_model):
+    """max_sessions 1: while a stream holds the verifier's one session, another request is
+    RESOURCE_EXHAUSTED, which the openai client sees as RateLimitError (HTTP 429)."""
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, max_sessions=1,
+                     prefix_cache=False, http_port=0)
+    try:
+        c = openai.OpenAI(base_url=st.http_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        c.completions.create(model="m", prompt="warm", max_tokens=1)   # the client's first-call cost
+        body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
+        with httpx.stream("POST", st.http_url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()         # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")      # the one session is in use
+            with pytest.raises(openai.RateLimitError) as ei:
+                c.completions.create(model="m", prompt="a dog", max_tokens=4)
+            assert ei.value.status_code == 429 and ei.value.body["type"] == "rate_limit_error"
+        c.close()
+    finally:
+        st.stop(0.5)
+
+
+def test_deploy_healthcheck_probes_the_gateway(stack):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "deploy" / "healthcheck.py"
+    spec = importlib.util.spec_from_file_location("deploy_healthcheck_gw", path)
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    target = stack.http_url.removeprefix("http://")
+    assert hc.main([target, "--http"]) == 0
+    assert hc.main([target]) == 1                        # HTTP is not gRPC: the probe says no

@@ -156,3 +156,17 @@ def test_authorized_rule():
     assert auth.authorized("Bearer k", "k") and auth.authorized("bearer k", "k")
     assert not auth.authorized(None, "k") and not auth.authorized("Bearer k2", "k")
     assert not auth.authorized("Basic k", "k") and not auth.authorized("k", "k")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-client-ca", "ca.pem"], "need --tls-cert and --tls-key"),
+    (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "no such file"),
+    (["--http-port", "70000"], "--http-port 70000"),
+])
+def test_serve_refuses_bad_security_options(argv, message, capsys):
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", *argv])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    assert ei.value.code == 2 and message in capsys.readouterr().err

@@ -25,6 +25,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from echospec.services.common import auth
@@ -54,6 +55,28 @@ def _request_id(request: Request) -> str:
     return rid if 0 < len(rid) <= 64 and rid.isprintable() else uuid.uuid4().hex[:16]
 
 
+class ApiKeyMiddleware:
+    """401 in OpenAI's shape for every HTTP request but GET /health without ``Authorization:
+    Bearer <api_key>`` (no check when api_key is ""). Plain ASGI: it leaves ``receive`` alone, so a
+    streaming response still sees the client's disconnect."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.api_key or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        header = Headers(scope=scope).get("authorization")
+        if auth.authorized(header, self.api_key):
+            return await self.app(scope, receive, send)
+        why = "no API key" if header is None else "wrong API key"
+        resp = _error_response(api.ApiError(401, f"{why}: send the header `Authorization: Bearer "
+                                                 f"<key>`", None, "invalid_request_error",
+                                            "invalid_api_key"))
+        await resp(scope, receive, send)
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway's ASGI app; its lifespan opens and closes the channel to the coordinator."""
 
@@ -77,15 +100,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(api.ApiError(exc.status_code, str(exc.detail), None, kind))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if request.url.path != "/health" and \
-                not auth.authorized(request.headers.get("authorization"), config.api_key):
-            why = "no API key" if "authorization" not in request.headers else "wrong API key"
-            return _error_response(api.ApiError(
-                401, f"{why}: send the header `Authorization: Bearer <key>`", None,
-                "invalid_request_error", "invalid_api_key"))
-        return await call_next(request)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     def upstream(request: Request) -> Upstream:
         return request.app.state.upstream
