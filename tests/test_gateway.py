@@ -341,3 +341,32 @@ def test_deploy_healthcheck_probes_the_gateway(stack):
     target = stack.http_url.removeprefix("http://")
     assert hc.main([target, "--http"]) == 0
     assert hc.main([target]) == 1                        # HTTP is not gRPC: the probe says no
+
+
+def test_parse_request_maps_fields():
+    p = api.parse_request({
+        "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]},
+                                   {"role": "user", "content": "hi"}],
+        "max_tokens": 9, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "stop": "END", "seed": 2 ** 63, "n": 1, "stream": True,
+        "stream_options": {"include_usage": True},
+        "prediction": {"type": "content", "content": [{"type": "text", "text": "pred"}]},
+        "spec": "on", "k": 6, "top_k": 40, "min_p": 0.05, "draft_namespace": "ns",
+        "presence_penalty": 0, "user": "u"}, chat=True)
+    r = p.request
+    assert p.chat and p.stream and p.include_usage
+    assert [(m.role, m.content) for m in r.messages] == [("system", "ab"), ("user", "hi")]
+    assert r.max_tokens == 7                                    # max_completion_tokens wins
+    assert (round(r.temperature, 6), round(r.top_p, 6), r.seed) == (0.5, 0.9, 2 ** 63)
+    assert list(r.stop) == ["END"] and r.prediction == "pred"
+    assert (r.spec, r.k, r.top_k, round(r.min_p, 6), r.draft_namespace) == (ON, 6, 40, 0.05, "ns")
+    q = api.parse_request({"prompt": [[5, 6, 7]]}, chat=False).request
+    assert list(q.token_ids) == [5, 6, 7] and not q.HasField("top_p") and q.temperature == 0
+    assert q.max_tokens == 0 and q.spec == common_pb2.SPEC_MODE_UNSPECIFIED   # server defaults
+    with pytest.raises(api.ApiError) as ei:
+        api.parse_request({"prompt": ["a", "b"]}, chat=False)          # one prompt per request
+    assert ei.value.param == "prompt"
+    with pytest.raises(api.ApiError) as ei:
+        api.parse_request({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
+    assert ei.value.param == "stream_options"
