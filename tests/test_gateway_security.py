@@ -103,6 +103,27 @@ def test_grpc_api_key(stack, pki):
         assert "echospec.v1.CoordinatorService" in ProtoReflectionDescriptorDatabase(ch).get_services()
 
 
+def test_refused_calls_give_their_slot_back(stack, pki):
+    """More unauthenticated calls than the coordinator admits at once (max_concurrent_rpcs, 56),
+    then an authenticated one: it is served, and each refusal was counted as UNAUTHENTICATED."""
+    coord = stack._servers["coordinator"]
+    limit = coord.handle.limit
+    req = cpb.CompleteRequest(text="the cat", max_tokens=2)
+    with tls_channel(stack.target, pki) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        for _ in range(limit.limit + 8):
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Complete(req, timeout=10, metadata=[("authorization", "Bearer nope")])
+            assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Complete(req, timeout=30, metadata=[("authorization", auth.bearer(KEY))]
+                             ).result.completion_tokens == 2
+    assert limit.active == 0
+    n = coord.handle.rpc_metrics.registry.get_sample_value(
+        "echospec_rpc_finished_total",
+        {"method": "/echospec.v1.CoordinatorService/Complete", "code": "UNAUTHENTICATED"})
+    assert n >= limit.limit + 8
+
+
 def test_plain_text_client_fails(stack):
     with grpc.insecure_channel(stack.target) as ch:
         h = health_pb2_grpc.HealthStub(ch)

@@ -84,14 +84,17 @@ def _refusing(handler, code: grpc.StatusCode, message: str):
 
 class ApiKeyAuth(grpc.ServerInterceptor):
     """Refuse every RPC but health and reflection with UNAUTHENTICATED unless its metadata holds
-    ``authorization: Bearer <api_key>`` (services/common/auth.py). Placed before the concurrency
-    limit, so a refused call never takes a slot."""
+    ``authorization: Bearer <api_key>`` (services/common/auth.py).
 
-    def __init__(self, api_key: str, metrics=None):
+    It sits inside the concurrency limit (after it in the server's interceptor list): the limit
+    counts every call it admits and releases the slot when the handler ends, so the refusal,
+    which ends at once, gives its slot back and is recorded under UNAUTHENTICATED. (Outside the
+    limit, a refusal would drop the limit's counted handler and leak its slot.)"""
+
+    def __init__(self, api_key: str):
         from echospec.services.common import auth
         self._auth = auth
         self.api_key = api_key
-        self.metrics = metrics      # metrics.RpcMetrics or None
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -101,8 +104,6 @@ class ApiKeyAuth(grpc.ServerInterceptor):
         header = self._auth.metadata_authorization(handler_call_details.invocation_metadata)
         if self._auth.authorized(header, self.api_key):
             return handler
-        if self.metrics is not None:
-            self.metrics.finished_rpc(method, "UNAUTHENTICATED", None)
         why = "no API key" if header is None else "wrong API key"
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
                          f"{why}: send metadata `authorization: Bearer <key>`")
@@ -372,7 +373,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     creds = tls.server_credentials() if tls is not None else None   # ValueError before binding
-    interceptors = ([ApiKeyAuth(api_key, rpc_metrics)] if api_key else []) + [limit]
+    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=message_options(max_message_bytes)
