@@ -311,6 +311,25 @@ def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
         assert sessions() == 0
 
 
+def test_disconnect_before_a_whole_answer_cancels(stack):
+    """Not streamed: a client that gives up waiting (its timeout) also cancels the generation."""
+    coord = stack._servers["coordinator"]
+    method = "/echospec.v1.CoordinatorService/Complete"
+
+    def cancelled() -> float:
+        return coord.handle.rpc_metrics.registry.get_sample_value(
+            "echospec_rpc_finished_total", {"method": method, "code": "CANCELLED"}) or 0.0
+
+    before = cancelled()
+    body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "spec": "off"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.http_url + "/v1/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while cancelled() == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cancelled() == before + 1
+
+
 def test_no_free_session_is_429(tiny_model):
     """max_sessions 1: while a stream holds the verifier's one session, another request is
     RESOURCE_EXHAUSTED, which the openai client sees as RateLimitError (HTTP 429)."""

@@ -11,11 +11,12 @@ a missing or wrong API key 401, overload (no free verifier session, the RPC cap)
 coordinator unreachable 503, its deadline (request_timeout_s) 504. A stream answers with its HTTP
 status once the coordinator's first message (or error) is in, so a refused request gets its error
 code, not a 200 with an error event; an error after that is sent as one ``data: {"error": ...}``
-event and the stream ends. A client that disconnects mid-stream cancels the gRPC call, which ends
-the generation on the verifier and frees its session.
+event and the stream ends. A client that disconnects (mid-stream, or while it waits for a whole
+answer) cancels the gRPC call, which ends the generation on the verifier and frees its session.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -124,7 +125,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             model = await up.model_id()
             if not parsed.stream:
-                result = await up.complete(api.complete_request(parsed.request), rid)
+                result = await _unless_disconnected(
+                    request, up.complete(api.complete_request(parsed.request), rid))
+                if result is None:   # the client is gone: nobody to answer
+                    return Response(status_code=499)
                 return JSONResponse(api.response(chat, api.new_id(chat), model, result))
             stream = up.generate(parsed.request, rid)
             try:
@@ -161,6 +165,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": status}, status_code=200 if status == "SERVING" else 503)
 
     return app
+
+
+async def _unless_disconnected(request: Request, call):
+    """Await ``call`` (a coordinator call), or cancel it when the client disconnects first (which
+    cancels the gRPC call). Returns its result, or None when the client went away. The body has
+    been read, so the only message left to receive is ``http.disconnect``."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(call)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    log.info("client disconnected: generation cancelled")
+    return None
 
 
 async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
