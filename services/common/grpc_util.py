@@ -9,6 +9,11 @@ RESOURCE_EXHAUSTED ("Received message larger than max ..."), at most
 at once; the other ``max_workers - max_concurrent_rpcs`` threads keep health
 and reflection answering under a full load of open streams), and ``stop``
 flips health to NOT_SERVING before draining with a grace period.
+
+Security (both optional, see ``Tls`` and ``ApiKeyAuth``): a server with a certificate listens with
+TLS only (and with a client CA demands client certificates: mTLS, for the internal ports); a server
+with an API key refuses service RPCs without ``authorization: Bearer <key>`` with UNAUTHENTICATED,
+while health and reflection stay open for probes.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Iterable
+from pathlib import Path
+from typing import Any, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -61,6 +67,103 @@ class _ReflectionServicer(reflection.ReflectionServicer):
         return None
 
 
+def _refusing(handler, code: grpc.StatusCode, message: str):
+    """``handler`` with its behaviour replaced by an abort with ``code`` and ``message``."""
+    kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+            else "stream_unary" if handler.stream_unary else "stream_stream")
+    if kind.endswith("_stream"):
+        def stream(request, context):
+            context.abort(code, message)
+            yield  # pragma: no cover - abort raises
+        return handler._replace(**{kind: stream})
+
+    def unary(request, context):
+        context.abort(code, message)
+    return handler._replace(**{kind: unary})
+
+
+class ApiKeyAuth(grpc.ServerInterceptor):
+    """Refuse every RPC but health and reflection with UNAUTHENTICATED unless its metadata holds
+    ``authorization: Bearer <api_key>`` (services/common/auth.py).
+
+    It sits inside the concurrency limit (after it in the server's interceptor list): the limit
+    counts every call it admits and releases the slot when the handler ends, so the refusal,
+    which ends at once, gives its slot back and is recorded under UNAUTHENTICATED. (Outside the
+    limit, a refusal would drop the limit's counted handler and leak its slot.)"""
+
+    def __init__(self, api_key: str):
+        from echospec.services.common import auth
+        self._auth = auth
+        self.api_key = api_key
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or self._auth.is_open_method(method):
+            return handler
+        header = self._auth.metadata_authorization(handler_call_details.invocation_metadata)
+        if self._auth.authorized(header, self.api_key):
+            return handler
+        why = "no API key" if header is None else "wrong API key"
+        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
+                         f"{why}: send metadata `authorization: Bearer <key>`")
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS settings of one service: PEM file paths, "" for none.
+
+    cert, key: the certificate chain and key this service presents, as a server and, when a
+        peer asks for one (mTLS), as a client. For mTLS one certificate serves both ways when it
+        allows both uses (extended key usage serverAuth and clientAuth, or none).
+    client_ca: the server demands client certificates signed by this CA (mTLS).
+    ca: the CA that signed the certificates of the services this one calls; "" calls them
+        over plain text.
+    """
+
+    cert: str = ""
+    key: str = ""
+    client_ca: str = ""
+    ca: str = ""
+
+    @classmethod
+    def of(cls, config: Any) -> "Tls":
+        """The tls_cert, tls_key, tls_client_ca and tls_ca fields of a service config."""
+        return cls(config.tls_cert, config.tls_key, config.tls_client_ca, config.tls_ca)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the setting when a file is missing or a pair is incomplete."""
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls_cert and tls_key go together (give both or neither)")
+        if self.client_ca and not self.cert:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        for name, path in (("tls_cert", self.cert), ("tls_key", self.key),
+                           ("tls_client_ca", self.client_ca), ("tls_ca", self.ca)):
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name} {path}: no such file")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """Credentials of a TLS listener (None: plain text)."""
+        if not self.cert:
+            return None
+        self.validate()
+        ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())],
+            root_certificates=ca, require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """Credentials of a channel to a TLS server signed by ``ca``, presenting cert/key when
+        set (None: plain text)."""
+        if not self.ca:
+            return None
+        self.validate()
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca).read_bytes(),
+            private_key=Path(self.key).read_bytes() if self.key else None,
+            certificate_chain=Path(self.cert).read_bytes() if self.cert else None)
+
+
 class ConcurrencyLimit(grpc.ServerInterceptor):
     """Admit at most `limit` concurrent RPCs of the services under `prefix`; refuse the rest
     with RESOURCE_EXHAUSTED at once. Health and reflection are not counted.
@@ -91,7 +194,7 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         if not admitted:
             if self.metrics is not None:
                 self.metrics.finished_rpc(method, "RESOURCE_EXHAUSTED", None)
-            return handler._replace(**{kind: self._refuse(kind, method)})
+            return self._refuse(handler, method)
         if self.metrics is not None:
             self.metrics.started(method)
         return handler._replace(**{kind: self._counted(kind, behavior, method, time.monotonic())})
@@ -136,18 +239,10 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
                 release(error)
         return unary
 
-    def _refuse(self, kind: str, method: str):
-        message = (f"{method}: {self.limit} RPCs already in progress on this server "
-                   f"(max_concurrent_rpcs); retry later")
-        if kind.endswith("_stream"):
-            def stream(request, context):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-                yield  # pragma: no cover - abort raises
-            return stream
-
-        def unary(request, context):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        return unary
+    def _refuse(self, handler, method: str):
+        return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{method}: {self.limit} RPCs already in progress on this server "
+                         f"(max_concurrent_rpcs); retry later")
 
 
 def status_name(context: grpc.ServicerContext, error: bool = False) -> str:
@@ -175,16 +270,24 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def channel(target: str, max_message_bytes: int) -> grpc.Channel:
-    """An insecure channel to ``target`` ("host:port") with message caps and keepalive."""
-    opts = message_options(max_message_bytes) + [
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options of every channel between the services: message caps, keepalive, fast reconnect."""
+    return message_options(max_message_bytes) + [
         ("grpc.keepalive_time_ms", 30000),
         ("grpc.enable_retries", 0),
         # loopback: reconnect quickly after a restart of the peer
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
-    return grpc.insecure_channel(target, options=opts)
+
+
+def channel(target: str, max_message_bytes: int, tls: Tls | None = None) -> grpc.Channel:
+    """A channel to ``target`` ("host:port") with message caps and keepalive: TLS when
+    ``tls.ca`` is set (see Tls.channel_credentials), else plain text."""
+    creds = tls.channel_credentials() if tls is not None else None
+    if creds is not None:
+        return grpc.secure_channel(target, creds, options=channel_options(max_message_bytes))
+    return grpc.insecure_channel(target, options=channel_options(max_message_bytes))
 
 
 @dataclass
@@ -238,7 +341,7 @@ class ServerHandle:
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
                  service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
-                 rpc_metrics=None) -> ServerHandle:
+                 rpc_metrics=None, tls: Tls | None = None, api_key: str = "") -> ServerHandle:
     """Create a server bound to host:port with health (NOT_SERVING) and reflection.
 
     Register the service's servicers on ``handle.server`` before ``start()``.
@@ -254,9 +357,11 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
             max_workers - max(1, max_workers // 8).
         rpc_metrics: the metrics.RpcMetrics to record into (shared by the servers of one
             process); None: a new one (``handle.rpc_metrics``).
+        tls: listen with TLS (mTLS with ``tls.client_ca``) when ``tls.cert`` is set; else plain.
+        api_key: non-empty: service RPCs need ``authorization: Bearer <api_key>`` (ApiKeyAuth).
     Raises:
         PortInUseError: the address could not be bound.
-        ValueError: max_concurrent_rpcs not below max_workers.
+        ValueError: max_concurrent_rpcs not below max_workers; a TLS file missing.
     """
     names = tuple(service_names)
     if max_concurrent_rpcs is None:
@@ -267,8 +372,10 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     from echospec.services.common.metrics import RpcMetrics
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
+    creds = tls.server_credentials() if tls is not None else None   # ValueError before binding
+    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=[limit],
+                         interceptors=interceptors,
                          options=message_options(max_message_bytes)
                          + [("grpc.so_reuseport", 0)],
                          maximum_concurrent_rpcs=None)
@@ -278,7 +385,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         _ReflectionServicer(names + (health.SERVICE_NAME, reflection.SERVICE_NAME)), server)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(addr)
+        bound = (server.add_secure_port(addr, creds) if creds is not None
+                 else server.add_insecure_port(addr))
     except RuntimeError as exc:
         raise PortInUseError(f"cannot bind {addr}: {exc}") from None
     if bound == 0:

@@ -117,16 +117,19 @@ class VerifierPool:
         poll_s: health + load poll period. resolve_s: DNS re-resolution period.
         resolver: (host, port) -> addresses; default system_resolver (getaddrinfo).
         metrics: a PromMetrics with the per-verifier series, or None.
+        tls: TLS settings of the channels to the verifiers (None: plain text).
     Raises:
         ValueError: a malformed target.
     """
 
     def __init__(self, targets: Sequence[str], max_message_bytes: int, poll_s: float = 1.0,
-                 resolve_s: float = 10.0, resolver: Resolver | None = None, metrics: Any = None):
+                 resolve_s: float = 10.0, resolver: Resolver | None = None, metrics: Any = None,
+                 tls: grpc_util.Tls | None = None):
         if not targets:
             raise ValueError("no verifier target")
         self._targets = [parse_target(t) for t in targets]
         self._max_message_bytes = max_message_bytes
+        self._tls = tls
         self.poll_s = max(0.05, poll_s)
         self.resolve_s = max(0.05, resolve_s)
         self._resolver = resolver or system_resolver
@@ -171,7 +174,7 @@ class VerifierPool:
             for addr, srcs in wanted.items():
                 e = self._entries.get(addr)
                 if e is None:
-                    ch = grpc_util.channel(addr, self._max_message_bytes)
+                    ch = grpc_util.channel(addr, self._max_message_bytes, self._tls)
                     e = _Entry(Backend(addr, last_error="not polled yet"), ch,
                                verifier_pb2_grpc.VerifierServiceStub(ch), health_pb2_grpc.HealthStub(ch))
                     self._entries[addr] = e

@@ -95,12 +95,14 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         raise ValueError(f"max_tokens = {config.max_tokens}: must be in [1, {config.max_tokens_limit}]")
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs, rpc_metrics)
+                                    config.max_concurrent_rpcs, rpc_metrics,
+                                    tls=grpc_util.Tls.of(config), api_key=config.api_key)
     pool = None
     try:
         metrics = PromMetrics()
         pool = VerifierPool(verifier_targets(config), config.max_message_bytes,
-                            config.verifier_poll_s, config.verifier_resolve_s, resolver, metrics)
+                            config.verifier_poll_s, config.verifier_resolve_s, resolver, metrics,
+                            tls=grpc_util.Tls.of(config))
         if config.metrics_port >= 0:
             handle.serve_metrics(config.host, config.metrics_port,
                                  [metrics.registry, *extra_registries])
@@ -120,9 +122,11 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
             pool.close()
         raise
     handle.set_serving()
-    log.info("coordinator listening on %s:%d (verifiers %s: %s, spec default %s)",
+    log.info("coordinator listening on %s:%d (verifiers %s: %s, spec default %s, %s, %s)",
              config.host, handle.port, " ".join(verifier_targets(config)),
-             " ".join(pool.addresses()), "on" if config.spec else "off")
+             " ".join(pool.addresses()), "on" if config.spec else "off",
+             "TLS" if config.tls_cert else "plain text",
+             "API key required" if config.api_key else "no API key")
     return CoordinatorServer(handle, servicer, pool)
 
 

@@ -1,4 +1,5 @@
-"""Start the three services together: ``start_stack`` for `echospec serve` and the tests.
+"""Start the three services together: ``start_stack`` for `echospec serve` and the tests,
+with the HTTP gateway in front of the coordinator when ``http_port >= 0``.
 
 Two modes:
     processes=False (default)  three gRPC servers in this process, each with its
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from echospec.services.common import grpc_util
-from echospec.services.common.config import LOOPBACK, CoordinatorConfig, DraftConfig, VerifierConfig
+from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
+                                             VerifierConfig)
 from echospec.services.common.lifecycle import PARENT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +56,16 @@ class Stack:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _stderr: dict[str, Any] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)   # service -> bound /metrics port
+    http_port: int = 0            # the gateway's port (0: no gateway)
+    tls: bool = False             # the services listen with TLS (the gateway with HTTPS)
+
+    @property
+    def http_url(self) -> str:
+        """The gateway's base URL, e.g. "http://127.0.0.1:8000" ("" without a gateway)."""
+        if not self.http_port:
+            return ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.http_port}"
 
     @property
     def target(self) -> str:
@@ -85,9 +97,9 @@ class Stack:
                 handle.stop(0).wait()
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stop coordinator, then verifier, then draft (graceful). Idempotent."""
+        """Stop gateway, coordinator, then verifier, then draft (graceful). Idempotent."""
         if self.processes:
-            for name in ("coordinator", "verifier", "draft"):
+            for name in ("gateway", "coordinator", "verifier", "draft"):
                 p = self._procs.pop(name, None)
                 if p is not None and p.poll() is None:
                     p.send_signal(signal.SIGTERM)
@@ -97,6 +109,9 @@ class Stack:
                         p.kill()
                         p.wait()
             return
+        g = self._servers.pop("gateway", None)
+        if g is not None:
+            g.stop(grace_s)
         c = self._servers.pop("coordinator", None)
         if c is not None:
             c.stop(grace_s)
@@ -120,7 +135,9 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
                 metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
                 batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
-                max_message_bytes: int | None = None, ready_timeout_s: float = 180.0) -> Stack:
+                max_message_bytes: int | None = None, ready_timeout_s: float = 180.0,
+                http_port: int = -1, api_key: str = "", tls_cert: str = "", tls_key: str = "",
+                tls_ca: str = "", tls_client_ca: str = "") -> Stack:
     """Start draft, verifier and coordinator on ``host``.
 
     Args:
@@ -142,6 +159,16 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         batch_max: verifier sessions per scheduler iteration (>= 2 refuses speculation).
         prefill_chunk: prompt tokens per prefill step (chunked prefill).
         prefix_cache: keep finished generations' KV for prefix reuse.
+        http_port: the OpenAI-compatible gateway's port (-1: no gateway, 0: a free port).
+        api_key: the coordinator and the gateway demand ``authorization: Bearer <api_key>``
+            ("": no key); passed to child processes in the environment, never on a command line.
+        tls_cert, tls_key: every service listens with TLS using this certificate (the gateway
+            with HTTPS); it must name ``host`` (a SAN for the address or name).
+        tls_ca: the CA that signed tls_cert, with which the services verify each other
+            ("": tls_cert itself, right for a self-signed certificate).
+        tls_client_ca: the internal ports (verifier, draft) demand client certificates signed by
+            it (mTLS); the coordinator and verifier present tls_cert, which must then allow client
+            use too. The public ports (coordinator, gateway) rely on the API key instead.
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
@@ -149,31 +176,38 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
     """
     msg = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
     logc = {"log_level": log_level, "log_format": log_format}
+    ca = (tls_ca or tls_cert) if tls_cert else ""
+    public = {"tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": ca}
+    internal = {**public, "tls_client_ca": tls_client_ca}
     side_metrics = _free_port(host) if processes and metrics_port >= 0 else -1
     dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, max_n=max_n, **msg, **logc,
-                       metrics_port=side_metrics)
+                       metrics_port=side_metrics, **internal)
     side_metrics2 = _free_port(host) if processes and metrics_port >= 0 else -1
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
                           n_threads=n_threads, max_sessions=max_sessions, batch_max=batch_max,
                           prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, **msg, **logc,
-                          metrics_port=side_metrics2)
+                          metrics_port=side_metrics2, **internal)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
                              max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port,
-                             **msg, **logc)
+                             api_key=api_key, **msg, **logc, **public)
+    gcfg = None
+    if http_port >= 0:
+        gcfg = GatewayConfig(host=host, port=http_port, api_key=api_key, log_level=log_level,
+                             log_format=log_format, **public)
     if processes:
-        return _start_processes(dcfg, vcfg, ccfg, ready_timeout_s)
-    return _start_threads(dcfg, vcfg, ccfg, ready_timeout_s)
+        return _start_processes(dcfg, vcfg, ccfg, gcfg, ready_timeout_s)
+    return _start_threads(dcfg, vcfg, ccfg, gcfg, ready_timeout_s)
 
 
 def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
-                   ready_timeout_s: float) -> Stack:
+                   gcfg: GatewayConfig | None, ready_timeout_s: float) -> Stack:
     from echospec.services.coordinator import server as cserver
     from echospec.services.draft import server as dserver
     from echospec.services.verifier import server as vserver
 
     from echospec.services.common.metrics import RpcMetrics
 
-    stack = Stack(ccfg.host, 0, 0, 0, processes=False)
+    stack = Stack(ccfg.host, 0, 0, 0, processes=False, tls=bool(ccfg.tls_cert))
     rpc_metrics = RpcMetrics()   # one registry for the three servers of this process
     try:
         try:
@@ -199,6 +233,15 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
         stack.coordinator_port = c.port
         if c.metrics_port:
             stack.metrics_ports["coordinator"] = c.metrics_port
+        if gcfg is not None:
+            from echospec.services.gateway import server as gserver
+            gcfg = dataclasses.replace(gcfg, coordinator_target=f"{ccfg.host}:{c.port}")
+            try:
+                g = gserver.start(gcfg)
+            except Exception as exc:
+                raise StackError(f"gateway: {exc}") from exc
+            stack._servers["gateway"] = g
+            stack.http_port = g.port
     except BaseException:
         stack.stop(0)
         raise
@@ -209,6 +252,8 @@ def _args(cfg: Any) -> list[str]:
     out = []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
+        if f.name == "api_key":   # a secret: in the environment (ECHOSPEC_API_KEY), not in `ps`
+            continue
         opt = "--" + f.name.replace("_", "-")
         if isinstance(v, bool):
             out.append(opt if v else "--no-" + f.name.replace("_", "-"))
@@ -221,7 +266,7 @@ def _args(cfg: Any) -> list[str]:
 
 
 def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
-                     ready_timeout_s: float) -> Stack:
+                     gcfg: GatewayConfig | None, ready_timeout_s: float) -> Stack:
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
     vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host),
@@ -231,20 +276,33 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
                                draft_target=f"{dcfg.host}:{dcfg.port}",
                                metrics_port=(_free_port(host) if ccfg.metrics_port == 0
                                              else ccfg.metrics_port))
-    stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True)
+    stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True, tls=bool(ccfg.tls_cert))
+    services = [("draft", dcfg, "echospec.v1.DraftService"),
+                ("verifier", vcfg, "echospec.v1.VerifierService"),
+                ("coordinator", ccfg, "echospec.v1.CoordinatorService")]
+    if gcfg is not None:
+        gcfg = dataclasses.replace(gcfg, port=gcfg.port or _free_port(host),
+                                   coordinator_target=f"{ccfg.host}:{ccfg.port}")
+        services.append(("gateway", gcfg, ""))
     env = dict(os.environ)
+    env.pop("ECHOSPEC_API_KEY", None)
+    if ccfg.api_key:
+        env["ECHOSPEC_API_KEY"] = ccfg.api_key
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[PARENT_ENV] = str(os.getpid())   # each child dies with this process (lifecycle.py)
     try:
-        for name, cfg, svc in (("draft", dcfg, "echospec.v1.DraftService"),
-                               ("verifier", vcfg, "echospec.v1.VerifierService"),
-                               ("coordinator", ccfg, "echospec.v1.CoordinatorService")):
+        for name, cfg, svc in services:
             p = subprocess.Popen([sys.executable, "-m", f"echospec.services.{name}", *_args(cfg)],
                                  cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             stack._procs[name] = p
             stack._stderr[name] = _StderrTee(p, name)
+            if name == "gateway":
+                _wait_port(name, p, stack._stderr[name], cfg.host, cfg.port, ready_timeout_s)
+                stack.http_port = cfg.port
+                continue
+            tls = grpc_util.Tls(cfg.tls_cert, cfg.tls_key, ca=cfg.tls_ca)
             _wait_process(name, p, stack._stderr[name], f"{cfg.host}:{cfg.port}", svc,
-                          ready_timeout_s)
+                          ready_timeout_s, tls)
             if cfg.metrics_port >= 0:
                 stack.metrics_ports[name] = cfg.metrics_port
     except BaseException:
@@ -281,11 +339,27 @@ class _StderrTee:
         return lines[-1].strip() if lines else "(no message)"
 
 
+def _wait_port(name: str, p: subprocess.Popen, tee: _StderrTee, host: str, port: int,
+               timeout_s: float) -> None:
+    """Wait until the child accepts TCP connections on host:port (the gateway)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if p.poll() is not None:
+            raise StackError(f"{name} exited with status {p.returncode}: {tee.last()}")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise StackError(f"{name}: not listening on {host}:{port} after {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+
 def _wait_process(name: str, p: subprocess.Popen, tee: _StderrTee, target: str, service: str,
-                  timeout_s: float) -> None:
+                  timeout_s: float, tls: grpc_util.Tls | None = None) -> None:
     from echospec.services.coordinator.server import wait_serving
 
-    ch = grpc_util.channel(target, 1 << 20)
+    ch = grpc_util.channel(target, 1 << 20, tls)
     deadline = time.monotonic() + timeout_s
     try:
         while True:

@@ -28,7 +28,8 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
     NgramParams(config.min_n, config.max_n).validate()  # ProposerError names the bad range
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs, rpc_metrics)
+                                    config.max_concurrent_rpcs, rpc_metrics,
+                                    tls=grpc_util.Tls.of(config))
     servicer = DraftServicer(config)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:

@@ -49,7 +49,7 @@ def _draft_opener(config: VerifierConfig):
     from echospec.services.verifier.draft_link import DraftLink
 
     stub = draft_pb2_grpc.DraftServiceStub(
-        grpc_util.channel(config.draft_target, config.max_message_bytes))
+        grpc_util.channel(config.draft_target, config.max_message_bytes, grpc_util.Tls.of(config)))
     return lambda timeout: DraftLink(stub, timeout)
 
 
@@ -65,7 +65,8 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     """
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
-                                    config.max_concurrent_rpcs, rpc_metrics)
+                                    config.max_concurrent_rpcs, rpc_metrics,
+                                    tls=grpc_util.Tls.of(config))
     servicer = VerifierServicer(None, _draft_opener(config))
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:   # before the model loads: a busy port is found at once

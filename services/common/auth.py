@@ -1,0 +1,44 @@
+"""API-key checks shared by the gRPC interceptor (grpc_util.ApiKeyAuth) and the HTTP gateway.
+
+A client authenticates with the header (HTTP) or metadata key (gRPC) ``authorization`` set to
+``Bearer <key>``, as OpenAI's clients send it. The comparison takes the same time whatever the
+prefix of the wrong key that matches (hmac.compare_digest), so a key cannot be guessed byte by byte
+from response times. No gRPC import here.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Iterable
+
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # probes and grpcurl stay open
+
+
+def bearer(api_key: str) -> str:
+    """The ``authorization`` value a client sends for ``api_key``."""
+    return f"Bearer {api_key}"
+
+
+def authorized(header: str | None, api_key: str) -> bool:
+    """True when ``api_key`` is "" (no check) or ``header`` is exactly ``Bearer <api_key>``
+    (the scheme is matched without regard to case, as HTTP says)."""
+    if not api_key:
+        return True
+    if not header:
+        return False
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode("utf-8", "replace"), api_key.encode("utf-8"))
+
+
+def metadata_authorization(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The ``authorization`` value of gRPC invocation metadata (None when absent)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return None
+
+
+def is_open_method(method: str) -> bool:
+    """gRPC methods answered without a key: health checks and reflection."""
+    return method.startswith(OPEN_GRPC_PREFIXES)

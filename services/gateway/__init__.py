@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway over the coordinator's gRPC API."""

@@ -1,0 +1,221 @@
+"""The gateway's HTTP routes (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and
+/v1/models, plus /health. Requests are checked and shaped by openai_api.py; the coordinator is
+called through upstream.py.
+
+    POST /v1/chat/completions, /v1/completions   JSON, or server-sent events when "stream": true
+    GET  /v1/models                              the one model served
+    GET  /health                                 the coordinator's grpc.health.v1 status (no key)
+
+Errors have OpenAI's shape with matching HTTP codes (openai_api.error_from_status): a bad field 400,
+a missing or wrong API key 401, overload (no free verifier session, the RPC cap) 429, the
+coordinator unreachable 503, its deadline (request_timeout_s) 504. A stream answers with its HTTP
+status once the coordinator's first message (or error) is in, so a refused request gets its error
+code, not a 200 with an error event; an error after that is sent as one ``data: {"error": ...}``
+event and the stream ends. A client that disconnects (mid-stream, or while it waits for a whole
+answer) cancels the gRPC call, which ends the generation on the verifier and frees its session.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from echospec.services.common import auth
+from echospec.services.common.config import GatewayConfig
+from echospec.services.gateway import openai_api as api
+from echospec.services.gateway.upstream import GenerationStream, Upstream, UpstreamError
+
+log = logging.getLogger("echospec.gateway")
+
+
+def _json(obj: dict) -> str:
+    # raw UTF-8, not \u escapes: what a client sees of each character is its own bytes
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _event(obj: dict) -> bytes:
+    return f"data: {_json(obj)}\n\n".encode("utf-8")
+
+
+def _error_response(err: api.ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id", "")
+    return rid if 0 < len(rid) <= 64 and rid.isprintable() else uuid.uuid4().hex[:16]
+
+
+class ApiKeyMiddleware:
+    """401 in OpenAI's shape for every HTTP request but GET /health without ``Authorization:
+    Bearer <api_key>`` (no check when api_key is ""). Plain ASGI: it leaves ``receive`` alone, so a
+    streaming response still sees the client's disconnect."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.api_key or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        header = Headers(scope=scope).get("authorization")
+        if auth.authorized(header, self.api_key):
+            return await self.app(scope, receive, send)
+        why = "no API key" if header is None else "wrong API key"
+        resp = _error_response(api.ApiError(401, f"{why}: send the header `Authorization: Bearer "
+                                                 f"<key>`", None, "invalid_request_error",
+                                            "invalid_api_key"))
+        await resp(scope, receive, send)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway's ASGI app; its lifespan opens and closes the channel to the coordinator."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.upstream = Upstream(config)
+        try:
+            yield
+        finally:
+            await app.state.upstream.close()
+
+    app = FastAPI(title="echospec gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(api.ApiError)
+    async def _api_error(request: Request, exc: api.ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(api.ApiError(exc.status_code, str(exc.detail), None, kind))
+
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+
+    def upstream(request: Request) -> Upstream:
+        return request.app.state.upstream
+
+    async def body_of(request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            raise api.ApiError(413, f"request body larger than {config.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > config.max_body_bytes:
+            raise api.ApiError(413, f"request body larger than {config.max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise api.bad(f"the request body is not valid JSON: {exc}") from None
+
+    async def generation(request: Request, chat: bool) -> Response:
+        parsed = api.parse_request(await body_of(request), chat)
+        up = upstream(request)
+        rid = _request_id(request)
+        try:
+            model = await up.model_id()
+            if not parsed.stream:
+                result = await _unless_disconnected(
+                    request, up.complete(api.complete_request(parsed.request), rid))
+                if result is None:   # the client is gone: nobody to answer
+                    return Response(status_code=499)
+                return JSONResponse(api.response(chat, api.new_id(chat), model, result))
+            stream = up.generate(parsed.request, rid)
+            try:
+                first = await stream.__anext__()   # errors before any output keep their HTTP code
+            except BaseException:
+                stream.cancel()
+                raise
+        except UpstreamError as exc:
+            raise api.error_from_status(exc.code, exc.message) from None
+        return StreamingResponse(_sse(parsed, stream, first, api.new_id(chat), model),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        try:
+            model = await upstream(request).model_id()
+        except UpstreamError as exc:
+            raise api.error_from_status(exc.code, exc.message) from None
+        return JSONResponse({"object": "list", "data": [
+            {"id": model, "object": "model", "created": 0, "owned_by": "echospec"}]})
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        status = await upstream(request).health()
+        return JSONResponse({"status": status}, status_code=200 if status == "SERVING" else 503)
+
+    return app
+
+
+async def _unless_disconnected(request: Request, call):
+    """Await ``call`` (a coordinator call), or cancel it when the client disconnects first (which
+    cancels the gRPC call). Returns its result, or None when the client went away. The body has
+    been read, so the only message left to receive is ``http.disconnect``."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(call)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    log.info("client disconnected: generation cancelled")
+    return None
+
+
+async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
+               model: str) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed generation. Each coordinator message's text delta (never a split
+    UTF-8 character) becomes one chunk; then the closing chunk, the usage chunk when asked for, and
+    ``data: [DONE]``. The gRPC call is cancelled when this generator ends for any reason, the
+    client's disconnect included (the server cancels the generator then)."""
+    chat = parsed.chat
+    created = int(time.time())
+    try:
+        if chat:
+            yield _event(api.chunk(chat, rid, created, model, "", role=True))
+        result = None
+        msg = first
+        while msg is not None:
+            if msg.text:
+                yield _event(api.chunk(chat, rid, created, model, msg.text))
+            if msg.HasField("result"):
+                result = msg.result
+            msg = await anext(stream, None)
+        if result is None:
+            raise UpstreamError("INTERNAL", "the coordinator's stream ended without a result")
+        yield _event(api.chunk(chat, rid, created, model, None, result=result))
+        if parsed.include_usage:
+            yield _event(api.usage_chunk(chat, rid, created, model, result))
+        yield b"data: [DONE]\n\n"
+    except UpstreamError as exc:
+        log.info("stream %s ended by the coordinator: %s", rid, exc)
+        yield _event(api.error_from_status(exc.code, exc.message).body())
+    finally:
+        stream.cancel()

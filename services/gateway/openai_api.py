@@ -1,0 +1,360 @@
+"""OpenAI's HTTP API <-> the coordinator's messages: request checks, response and chunk shapes,
+error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contract).
+
+Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
+mean something here are mapped; fields that ask for what echospec does not do (n > 1, logprobs,
+tools, penalties, ...) are refused with a 400 naming the field; unknown fields are refused as
+OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
+    spec             "on" | "off" | null (the server's default): speculation for this request
+    k                drafts per round (0 or null: the server's default)
+    top_k, min_p     sampling (as in vLLM and llama-server)
+    draft_namespace  cross-request draft memory scope ("" shares nothing)
+Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up.
+
+Responses carry OpenAI's fields plus one extra object, ``echospec``:
+    {"spec_enabled": bool, "spec_reason": str, "finish_reason": "eos"|"stop"|"length"|"context",
+     "stats": {tries, hits, kv_rolls, draft_tokens, ..., accepted_prediction_tokens, ...}}
+(in a stream: on the chunk that carries finish_reason).
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from echospec.v1 import common_pb2, coordinator_pb2
+
+
+class ApiError(Exception):
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+# gRPC status (name) -> HTTP status and OpenAI error type
+_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),   # no free session / RPC cap: retry later
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+
+
+def error_from_status(code: str, message: str) -> ApiError:
+    """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name)."""
+    status, kind = _STATUS.get(code, (500, "server_error"))
+    return ApiError(status, message, None, kind, code.lower())
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+# fields accepted and ignored: they change nothing in what is generated
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
+           "prediction", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+           "spec", "k", "top_k", "min_p", "draft_namespace"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                   "functions", "function_call", "response_format"}
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class Parsed:
+    """A checked request: the coordinator's request and how to answer."""
+
+    chat: bool
+    request: coordinator_pb2.GenerateRequest
+    stream: bool = False
+    include_usage: bool = False
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_num(v) or not math.isfinite(v):
+        raise bad(f"{name} must be a number, got {v!r}", name)
+    if not lo <= v <= hi:
+        raise bad(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}", name)
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(f"{name} must be an integer, got {v!r}", name)
+    if not lo <= v <= hi:
+        raise bad(f"{name} must be in [{lo}, {hi}], got {v}", name)
+    return v
+
+
+def _text_content(v: Any, param: str) -> str:
+    """A message or prediction content: a string or a list of {"type": "text", "text": str}."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        parts = []
+        for i, p in enumerate(v):
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise bad(f"{param}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                          f"other content types are not supported", f"{param}[{i}]")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(f"{param} must be a string or a list of text parts, got {type(v).__name__}", param)
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    known = (_CHAT if chat else _COMPLETION) | _IGNORED
+    for name in body:
+        if name not in known:
+            raise bad(f"Unrecognized request argument supplied: {name}", name)
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (not _is_num(v) or v != 0):
+            raise bad(f"{name} is not supported (only 0), got {v!r}", name)
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias is not supported", "logit_bias")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise bad("logprobs are not supported", "logprobs")
+    for name in ("tools", "tool_choice", "functions", "function_call"):
+        if body.get(name) not in (None, [], "none"):
+            raise bad(f"{name}: tool calls are not supported", name)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    if body.get("echo") not in (None, False):
+        raise bad("echo is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of must be 1", "best_of")
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix is not supported", "suffix")
+
+
+def _prompt(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
+    """/v1/completions prompt: a string, a list of one string, token ids, or a list of one list
+    of token ids."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt must not be empty", "prompt")
+        req.text = p
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if not all(0 <= t < 2 ** 31 for t in p):
+            raise bad("prompt token ids must be in [0, 2^31)", "prompt")
+        req.token_ids.extend(p)
+    elif p is None:
+        raise bad("prompt is required", "prompt")
+    else:
+        raise bad("prompt must be a string, a list of token ids, or a list of one of these "
+                  "(one prompt per request)", "prompt")
+
+
+def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object, got {type(m).__name__}", f"messages[{i}]")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
+                      f"messages[{i}].role")
+        content = m.get("content")
+        if content is None:
+            raise bad(f"messages[{i}].content is required", f"messages[{i}].content")
+        req.messages.add(role=_ROLES[role], content=_text_content(content, f"messages[{i}].content"))
+
+
+def parse_request(body: Any, chat: bool) -> Parsed:
+    """Check an OpenAI request body and map it to the coordinator's GenerateRequest.
+
+    Args:
+        body: the parsed JSON body.
+        chat: /v1/chat/completions (True) or /v1/completions (False).
+    Returns:
+        Parsed, whose ``request`` also serves Complete (CompleteRequest has the same fields).
+    Raises:
+        ApiError: 400 naming the first bad field.
+    """
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    _refuse_unsupported(body, chat)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise bad("model must be a string", "model")
+    req = coordinator_pb2.GenerateRequest()
+    (_messages if chat else _prompt)(body, req)
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise bad(f"stream must be a boolean, got {stream!r}", "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise bad("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(so, dict) or set(so) - {"include_usage"} or \
+                so.get("include_usage") not in (None, True, False):
+            raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
+        include_usage = bool(so.get("include_usage"))
+    max_tokens = _integer(body, "max_completion_tokens", 1, 2 ** 31 - 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
+    req.max_tokens = max_tokens or 0
+    t = _number(body, "temperature", 0.0, 2.0)
+    req.temperature = t or 0.0
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    if top_p is not None:
+        req.top_p = top_p
+    seed = _integer(body, "seed", 0, 2 ** 64 - 1)
+    req.seed = seed or 0
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop must be a non-empty string or a list of them", "stop")
+        req.stop.extend(stop)
+    pred = body.get("prediction")
+    if pred is not None:
+        if not isinstance(pred, dict) or pred.get("type") != "content" or "content" not in pred:
+            raise bad("prediction must be {\"type\": \"content\", \"content\": ...}", "prediction")
+        req.prediction = _text_content(pred["content"], "prediction.content")
+    spec = body.get("spec")
+    modes = {None: common_pb2.SPEC_MODE_UNSPECIFIED, "on": common_pb2.SPEC_MODE_ON,
+             "off": common_pb2.SPEC_MODE_OFF}
+    if not isinstance(spec, (str, type(None))) or spec not in modes:
+        raise bad(f"spec must be \"on\", \"off\" or null (the server's default), got {spec!r}", "spec")
+    req.spec = modes[spec]
+    req.k = _integer(body, "k", 0, 1 << 20) or 0
+    req.top_k = _integer(body, "top_k", 0, 2 ** 31 - 1) or 0
+    req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
+    ns = body.get("draft_namespace")
+    if ns is not None:
+        if not isinstance(ns, str):
+            raise bad("draft_namespace must be a string", "draft_namespace")
+        req.draft_namespace = ns
+    return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage)
+
+
+def complete_request(req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.CompleteRequest:
+    """The same request as CompleteRequest (field for field: the proto says so)."""
+    return coordinator_pb2.CompleteRequest.FromString(req.SerializeToString())
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def finish_reason(result: coordinator_pb2.GenerationResult) -> str:
+    """OpenAI's finish_reason: "length" for max_tokens or a full context, else "stop"."""
+    if result.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_CONTEXT):
+        return "length"
+    return "stop"
+
+
+def usage(result: coordinator_pb2.GenerationResult) -> dict:
+    """OpenAI's usage, with the prediction counts and the prefix cache's reused prompt tokens."""
+    s = result.stats
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
+        },
+    }
+
+
+_STAT_FIELDS = [f.name for f in common_pb2.SpecStats.DESCRIPTOR.fields]
+
+
+def extras(result: coordinator_pb2.GenerationResult) -> dict:
+    """The ``echospec`` object: speculation verdict, native finish reason and SpecStats."""
+    s = result.stats
+    return {
+        "spec_enabled": result.spec_enabled,
+        "spec_reason": result.spec_reason,
+        "finish_reason": common_pb2.FinishReason.Name(result.finish_reason)
+        .removeprefix("FINISH_REASON_").lower(),
+        "stats": {name: getattr(s, name) for name in _STAT_FIELDS},
+    }
+
+
+def response(chat: bool, rid: str, model: str, result: coordinator_pb2.GenerationResult) -> dict:
+    """A whole (non-streamed) chat.completion or text_completion."""
+    fr = finish_reason(result)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "logprobs": None, "finish_reason": fr}
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": fr}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(result), "echospec": extras(result)}
+
+
+def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
+          result: coordinator_pb2.GenerationResult | None = None, role: bool = False) -> dict:
+    """One streamed chunk: a text delta, the opening role delta (chat), or the closing chunk with
+    finish_reason and the ``echospec`` object (``result`` given)."""
+    fr = finish_reason(result) if result is not None else None
+    if chat:
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fr}
+    out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": created, "model": model, "choices": [choice]}
+    if result is not None:
+        out["echospec"] = extras(result)
+    return out
+
+
+def usage_chunk(chat: bool, rid: str, created: int, model: str,
+                result: coordinator_pb2.GenerationResult) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage(result)}

@@ -1,0 +1,104 @@
+"""The gateway's HTTP server (uvicorn): ``start`` runs it on a thread of this process (the stack's
+threads mode and the tests), ``serve`` in the main thread until SIGINT/SIGTERM (its own process).
+
+The listening socket is bound before uvicorn starts, so a busy port is reported at once and port 0
+picks a free one (``GatewayServer.port``). HTTPS when config.tls_cert is set, demanding client
+certificates when config.tls_client_ca is.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import threading
+import time
+
+import uvicorn
+
+from echospec.services.common import grpc_util
+from echospec.services.common.config import GatewayConfig
+from echospec.services.common.grpc_util import PortInUseError
+from echospec.services.gateway.app import create_app
+
+log = logging.getLogger("echospec.gateway")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(f"gateway cannot bind {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_config(config: GatewayConfig) -> uvicorn.Config:
+    tls = grpc_util.Tls(config.tls_cert, config.tls_key, config.tls_client_ca, config.tls_ca)
+    tls.validate()   # ValueError naming the setting
+    kw = {}
+    if config.tls_cert:
+        kw = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+        if config.tls_client_ca:
+            kw.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return uvicorn.Config(create_app(config), log_config=None, access_log=False,
+                          log_level=config.log_level.lower(), timeout_graceful_shutdown=2,
+                          lifespan="on", **kw)
+
+
+class GatewayServer:
+    """A gateway running on its own thread and event loop."""
+
+    def __init__(self, config: GatewayConfig, ready_timeout_s: float = 30.0):
+        ucfg = _uvicorn_config(config)
+        self.config = config
+        self._sock = _bind(config.host, config.port)
+        self.port = self._sock.getsockname()[1]
+        self._server = uvicorn.Server(ucfg)
+        self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"gateway did not start on {config.host}:{self.port}")
+            time.sleep(0.01)
+        scheme = "https" if config.tls_cert else "http"
+        log.info("gateway listening on %s://%s:%d (coordinator %s, %s)", scheme, config.host,
+                 self.port, config.coordinator_target,
+                 "API key required" if config.api_key else "no API key")
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop accepting, let requests in progress end for up to grace_s, close the socket."""
+        self._server.should_exit = True
+        self._thread.join(grace_s + 5)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(5)
+        self._sock.close()
+
+
+def start(config: GatewayConfig) -> GatewayServer:
+    """Start the gateway on a thread. Raises PortInUseError, ValueError (a TLS file missing)."""
+    return GatewayServer(config)
+
+
+def serve(config: GatewayConfig) -> None:
+    """Run in the main thread until SIGINT/SIGTERM (uvicorn's handlers), then stop gracefully."""
+    ucfg = _uvicorn_config(config)
+    sock = _bind(config.host, config.port)
+    log.info("gateway listening on %s://%s:%d (coordinator %s)",
+             "https" if config.tls_cert else "http", config.host, sock.getsockname()[1],
+             config.coordinator_target)
+    try:
+        uvicorn.Server(ucfg).run(sockets=[sock])
+    finally:
+        sock.close()

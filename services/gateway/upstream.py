@@ -1,0 +1,122 @@
+"""The gateway's calls to the coordinator over gRPC (grpc.aio): the one module of the gateway that
+imports grpc. Every failure comes out as UpstreamError with the gRPC status name.
+
+Create an Upstream inside the event loop that uses it (grpc.aio binds a channel to its loop).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from echospec.services.common import auth, grpc_util
+from echospec.services.common.config import GatewayConfig
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+
+
+class UpstreamError(Exception):
+    """A coordinator call failed; ``code`` is the grpc.StatusCode name ("INVALID_ARGUMENT", ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _error(exc: grpc.aio.AioRpcError) -> UpstreamError:
+    code = exc.code()
+    return UpstreamError(code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN",
+                         exc.details() or "")
+
+
+class GenerationStream:
+    """One Generate call: iterate for GenerateResponse messages; ``cancel()`` ends the call on the
+    coordinator (which cancels the verifier's generation and frees its session)."""
+
+    def __init__(self, call):
+        self._call = call
+        self._it = call.__aiter__()
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> coordinator_pb2.GenerateResponse:
+        try:
+            return await self._it.__anext__()
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Upstream:
+    """Channel and stubs to the coordinator at ``config.coordinator_target``.
+
+    TLS when ``config.tls_ca`` is set; ``config.api_key`` is sent as ``authorization: Bearer``
+    metadata on every service call (health checks go without it).
+    """
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        tls = grpc_util.Tls(ca=config.tls_ca)
+        creds = tls.channel_credentials()
+        opts = grpc_util.channel_options(config.max_body_bytes + (1 << 20))
+        if creds is not None:
+            self.channel = grpc.aio.secure_channel(config.coordinator_target, creds, options=opts)
+        else:
+            self.channel = grpc.aio.insecure_channel(config.coordinator_target, options=opts)
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._info: coordinator_pb2.GetInfoResponse | None = None
+
+    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        md = (("x-request-id", request_id),)
+        if self.config.api_key:
+            md += (("authorization", auth.bearer(self.config.api_key)),)
+        return md
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def complete(self, req: coordinator_pb2.CompleteRequest,
+                       request_id: str) -> coordinator_pb2.GenerationResult:
+        """One Complete call within config.request_timeout_s. Raises UpstreamError."""
+        try:
+            resp = await self.stub.Complete(req, timeout=self.config.request_timeout_s,
+                                            metadata=self._metadata(request_id))
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+        return resp.result
+
+    def generate(self, req: coordinator_pb2.GenerateRequest, request_id: str) -> GenerationStream:
+        """Start a Generate call (deadline config.request_timeout_s); iterate the result."""
+        return GenerationStream(self.stub.Generate(req, timeout=self.config.request_timeout_s,
+                                                   metadata=self._metadata(request_id)))
+
+    async def model_id(self) -> str:
+        """config.model_name, else the stem of the coordinator's GGUF file name (GetInfo, once).
+        Raises UpstreamError."""
+        if self.config.model_name:
+            return self.config.model_name
+        if self._info is None:
+            try:
+                self._info = await self.stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10,
+                                                     metadata=self._metadata("models"))
+            except grpc.aio.AioRpcError as exc:
+                raise _error(exc) from None
+        return Path(self._info.model).stem or "echospec"
+
+    async def health(self) -> str:
+        """The coordinator's grpc.health.v1 status name ("SERVING", "NOT_SERVING", ...), or the
+        gRPC status name of a failed check ("UNAVAILABLE", ...)."""
+        try:
+            r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                             timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return _error(exc).code
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

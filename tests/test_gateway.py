@@ -1,0 +1,391 @@
+"""The OpenAI-compatible HTTP gateway (services/gateway) in front of a tiny-model stack, driven by
+the official `openai` client and by raw httpx: same text as the gRPC API, usage, error classes and
+codes, SSE framing, and a client disconnect that cancels the generation."""
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from echospec.services.common.config import GatewayConfig
+from echospec.services.coordinator.stack import start_stack
+from echospec.services.gateway import openai_api as api
+from echospec.services.gateway import server as gserver
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb
+from echospec.v1 import verifier_pb2_grpc
+
+ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat on"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    # n_ctx 8192: a long generation (8000 tokens, about a second) outlasts a disconnect
+    st = start_stack(tiny_model(n_ctx_train=8192), spec=False, n_ctx=8192, n_threads=1, k=4,
+                     http_port=0)
+    yield st
+    st.stop(0.5)
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    with grpc.insecure_channel(stack.target) as ch:
+        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    c = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def grpc_complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(**kw), timeout=60).result
+
+
+def grpc_messages():
+    return [cpb.ChatMessage(**m) for m in MESSAGES]
+
+
+def sse_events(resp: httpx.Response) -> list[bytes]:
+    """The raw `data:` payloads of an SSE response, split on the blank line between events."""
+    raw = b"".join(resp.iter_bytes())
+    assert raw.endswith(b"\n\n")
+    events = raw[:-2].split(b"\n\n")
+    for e in events:
+        assert e.startswith(b"data: "), e
+    return [e[len(b"data: "):] for e in events]
+
+
+# -- the same text as gRPC ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["on", "off"])
+def test_chat_matches_grpc_complete(client, stub, spec):
+    r = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, temperature=0,
+                                       extra_body={"spec": spec})
+    g = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=ON if spec == "on" else OFF)
+    assert r.object == "chat.completion" and len(r.choices) == 1
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == g.text
+    assert r.choices[0].finish_reason == api.finish_reason(g)
+    assert r.usage.prompt_tokens == g.prompt_tokens
+    assert r.usage.completion_tokens == g.completion_tokens == len(g.token_ids)
+    assert r.usage.total_tokens == g.prompt_tokens + g.completion_tokens
+    ext = r.model_extra["echospec"]
+    assert ext["spec_enabled"] is (spec == "on") and ext["spec_enabled"] == g.spec_enabled
+    st = ext["stats"]
+    assert st["hits"] + st["kv_rolls"] == st["draft_tokens"]
+    if spec == "on":
+        assert st["tries"] > 0      # the tiny model repeats itself: drafts are proposed
+    else:
+        assert st["tries"] == 0 and ext["spec_reason"]
+
+
+def test_chat_stream_matches_non_stream(client, stub):
+    g = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=ON)
+    chunks = list(client.chat.completions.create(
+        model="any", messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"spec": "on"}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == g.text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == api.finish_reason(g)
+    assert finals[0].model_extra["echospec"]["spec_enabled"] is True
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == g.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == g.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_text_and_token_prompts(client, stub, stream):
+    ids = list(stub.Tokenize(cpb.TokenizeRequest(text="the cat sat")).token_ids)
+    g = grpc_complete(stub, text="the cat sat", max_tokens=30)
+    for prompt in ("the cat sat", ids, [ids]):
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="m", prompt=prompt, max_tokens=30, stream=True))
+        else:
+            r = client.completions.create(model="m", prompt=prompt, max_tokens=30)
+            text = r.choices[0].text
+            assert r.object == "text_completion"
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (g.prompt_tokens,
+                                                                        g.completion_tokens)
+        assert text == g.text
+
+
+def test_prediction_same_text_and_counts(client, stub):
+    base = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=OFF)
+    # a prediction that agrees for a while, then diverges
+    pred = base.text[: len(base.text) // 2] + " something else entirely"
+    for stream in (False, True):
+        kw = dict(model="m", messages=MESSAGES, max_tokens=40, temperature=0,
+                  prediction={"type": "content", "content": pred}, extra_body={"spec": "on"})
+        g = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=ON, prediction=pred)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True,
+                                                         stream_options={"include_usage": True}, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            r = client.chat.completions.create(**kw)
+            text, usage = r.choices[0].message.content, r.usage
+        assert text == g.text == base.text     # a prediction changes speed, never output
+        d = usage.completion_tokens_details
+        assert d.accepted_prediction_tokens == g.stats.accepted_prediction_tokens
+        assert d.rejected_prediction_tokens == g.stats.rejected_prediction_tokens
+
+
+def test_usage_maps_spec_stats_fields():
+    r = cpb.GenerationResult(text="x", prompt_tokens=7, completion_tokens=5,
+                             finish_reason=common_pb2.FINISH_REASON_CONTEXT,
+                             stats=common_pb2.SpecStats(accepted_prediction_tokens=3,
+                                                        rejected_prediction_tokens=2,
+                                                        cached_prompt_tokens=4, hits=6))
+    u = api.usage(r)
+    assert u["total_tokens"] == 12
+    assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 3,
+                                              "rejected_prediction_tokens": 2}
+    assert u["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert api.finish_reason(r) == "length"
+    e = api.extras(r)
+    assert e["finish_reason"] == "context" and e["stats"]["hits"] == 6
+    assert e["stats"]["accepted_prediction_tokens"] == 3
+
+
+def test_models_and_health(stack, client):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == "n_ctx_train-8192"   # the GGUF file's stem
+    r = httpx.get(stack.http_url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "SERVING"}
+    r = client.chat.completions.create(model="whatever", messages=MESSAGES, max_tokens=2)
+    assert r.model == models[0].id
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"stop": [3]}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"spec": "maybe"}, "spec"),
+    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"prediction": {"type": "content"}}, "prediction"),
+    ({"bogus_field": 1}, "bogus_field"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+])
+def test_bad_fields_raise_bad_request(client, extra, param):
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 4}
+    body.update(extra)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.post("/chat/completions", body=body, cast_to=object)
+    err = ei.value.body
+    assert ei.value.status_code == 400 and err["param"] == param and err["type"] == \
+        "invalid_request_error" and err["message"]
+
+
+def test_coordinator_refusals_are_400(client, stack):
+    # limits the coordinator checks (max_tokens), the verifier (prompt beyond n_ctx): both 400
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="m", prompt="hi", max_tokens=10 ** 6)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="m", prompt="the cat " * 8000, max_tokens=4, stream=True)
+    assert ei.value.body["code"] == "invalid_argument"
+    r = httpx.post(stack.http_url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(stack.http_url + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+@pytest.mark.parametrize("code, status", [("INVALID_ARGUMENT", 400), ("UNAUTHENTICATED", 401),
+                                          ("RESOURCE_EXHAUSTED", 429), ("UNAVAILABLE", 503),
+                                          ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 500)])
+def test_status_mapping(code, status):
+    e = api.error_from_status(code, "why")
+    assert e.status == status and e.body()["error"]["message"] == "why"
+
+
+def test_unreachable_coordinator_is_503_and_deadline_504(stack):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]          # nothing listens here once closed
+    down = gserver.start(GatewayConfig(port=0, coordinator_target=f"127.0.0.1:{dead}",
+                                       model_name="m"))
+    slow = gserver.start(GatewayConfig(port=0, coordinator_target=stack.target,
+                                       request_timeout_s=0.005))
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{down.port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as ei:
+            c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+        assert ei.value.status_code == 503
+        assert httpx.get(f"http://127.0.0.1:{down.port}/health").status_code == 503
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{slow.port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as ei:
+            c.completions.create(model="m", prompt="the cat", max_tokens=900,
+                                 extra_body={"spec": "off"})
+        assert ei.value.status_code == 504
+    finally:
+        down.stop(0)
+        slow.stop(0)
+
+
+# -- SSE framing and UTF-8 -------------------------------------------------------------------------
+
+def test_sse_events_are_json_and_end_with_done(stack):
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 30, "stream": True}
+    with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == b"[DONE]"
+    objs = [json.loads(e.decode("utf-8")) for e in events[:-1]]
+    assert all(o["object"] == "chat.completion.chunk" for o in objs)
+    assert objs[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_sse_never_splits_utf8(smollm2_path):
+    """SmolLM2 continues CJK text with CJK characters of several tokens each; every event's bytes
+    must be valid UTF-8 on their own, and the events must add up to the non-streamed text."""
+    st = start_stack(smollm2_path, n_ctx=256, n_threads=1, http_port=0)
+    try:
+        prompt = "日本語の文章です。東京は日本の首都です。京都は古い都です。大阪は"
+        body = {"model": "m", "prompt": prompt, "max_tokens": 24, "stream": True}
+        with httpx.stream("POST", st.http_url + "/v1/completions", json=body, timeout=120) as r:
+            events = sse_events(r)
+        assert events[-1] == b"[DONE]"
+        pieces = [json.loads(e.decode("utf-8", errors="strict"))["choices"][0]["text"]
+                  for e in events[:-1]]
+        text = "".join(pieces)
+        full = httpx.post(st.http_url + "/v1/completions", timeout=120,
+                          json={**body, "stream": False}).json()["choices"][0]["text"]
+        assert text == full
+        assert sum(1 for ch in text if len(ch.encode()) >= 3) >= 3, text   # CJK came out
+        # U+FFFD only where README says: at the very end, for a character max_tokens cut
+        assert "\ufffd" not in text.rstrip("\ufffd")
+        nonempty = [p for p in pieces if p]
+        assert len(nonempty) >= 3 and all("\ufffd" not in p for p in nonempty[:-1])
+    finally:
+        st.stop(0.5)
+
+
+# -- disconnect -------------------------------------------------------------------------------------
+
+def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
+    coord = stack._servers["coordinator"]
+    metrics = coord.handle.rpc_metrics
+    method = "/echospec.v1.CoordinatorService/Generate"
+
+    def cancelled() -> float:
+        return metrics.registry.get_sample_value(
+            "echospec_rpc_finished_total", {"method": method, "code": "CANCELLED"}) or 0.0
+
+    with grpc.insecure_channel(stack.verifier_target) as ch:
+        vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+        def sessions() -> int:
+            return vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
+
+        before = cancelled()
+        body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
+        with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
+            it = r.iter_lines()
+            first = next(it)
+            assert first.startswith("data: ")
+            assert sessions() == 1          # the generation runs
+        # the response is closed: the gateway must cancel the gRPC call
+        deadline = time.monotonic() + 10
+        while (cancelled() == before or sessions() != 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cancelled() == before + 1
+        assert sessions() == 0
+
+
+def test_disconnect_before_a_whole_answer_cancels(stack):
+    """Not streamed: a client that gives up waiting (its timeout) also cancels the generation."""
+    coord = stack._servers["coordinator"]
+    method = "/echospec.v1.CoordinatorService/Complete"
+
+    def cancelled() -> float:
+        return coord.handle.rpc_metrics.registry.get_sample_value(
+            "echospec_rpc_finished_total", {"method": method, "code": "CANCELLED"}) or 0.0
+
+    before = cancelled()
+    body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "spec": "off"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.http_url + "/v1/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while cancelled() == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cancelled() == before + 1
+
+
+def test_no_free_session_is_429(tiny_model):
+    """max_sessions 1: while a stream holds the verifier's one session, another request is
+    RESOURCE_EXHAUSTED, which the openai client sees as RateLimitError (HTTP 429)."""
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, max_sessions=1,
+                     prefix_cache=False, http_port=0)
+    try:
+        c = openai.OpenAI(base_url=st.http_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        c.completions.create(model="m", prompt="warm", max_tokens=1)   # the client's first-call cost
+        body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
+        with httpx.stream("POST", st.http_url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()         # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")      # the one session is in use
+            with pytest.raises(openai.RateLimitError) as ei:
+                c.completions.create(model="m", prompt="a dog", max_tokens=4)
+            assert ei.value.status_code == 429 and ei.value.body["type"] == "rate_limit_error"
+        c.close()
+    finally:
+        st.stop(0.5)
+
+
+def test_deploy_healthcheck_probes_the_gateway(stack):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "deploy" / "healthcheck.py"
+    spec = importlib.util.spec_from_file_location("deploy_healthcheck_gw", path)
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    target = stack.http_url.removeprefix("http://")
+    assert hc.main([target, "--http"]) == 0
+    assert hc.main([target]) == 1                        # HTTP is not gRPC: the probe says no
+
+
+def test_parse_request_maps_fields():
+    p = api.parse_request({
+        "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]},
+                                   {"role": "user", "content": "hi"}],
+        "max_tokens": 9, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "stop": "END", "seed": 2 ** 63, "n": 1, "stream": True,
+        "stream_options": {"include_usage": True},
+        "prediction": {"type": "content", "content": [{"type": "text", "text": "pred"}]},
+        "spec": "on", "k": 6, "top_k": 40, "min_p": 0.05, "draft_namespace": "ns",
+        "presence_penalty": 0, "user": "u"}, chat=True)
+    r = p.request
+    assert p.chat and p.stream and p.include_usage
+    assert [(m.role, m.content) for m in r.messages] == [("system", "ab"), ("user", "hi")]
+    assert r.max_tokens == 7                                    # max_completion_tokens wins
+    assert (round(r.temperature, 6), round(r.top_p, 6), r.seed) == (0.5, 0.9, 2 ** 63)
+    assert list(r.stop) == ["END"] and r.prediction == "pred"
+    assert (r.spec, r.k, r.top_k, round(r.min_p, 6), r.draft_namespace) == (ON, 6, 40, 0.05, "ns")
+    q = api.parse_request({"prompt": [[5, 6, 7]]}, chat=False).request
+    assert list(q.token_ids) == [5, 6, 7] and not q.HasField("top_p") and q.temperature == 0
+    assert q.max_tokens == 0 and q.spec == common_pb2.SPEC_MODE_UNSPECIFIED   # server defaults
+    with pytest.raises(api.ApiError) as ei:
+        api.parse_request({"prompt": ["a", "b"]}, chat=False)          # one prompt per request
+    assert ei.value.param == "prompt"
+    with pytest.raises(api.ApiError) as ei:
+        api.parse_request({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
+    assert ei.value.param == "stream_options"
