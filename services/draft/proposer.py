@@ -141,3 +141,215 @@ def propose_once(tokens: Sequence[int], k: int, params: NgramParams = NgramParam
     p = NgramProposer(params)
     p.append(tokens)
     return p.propose(k)
+
+
+# --- the draft session: several sources over a suffix automaton --------------------------------
+
+SOURCE_NONE = 0        # echospec.v1.DraftSource values
+SOURCE_SUFFIX = 1
+SOURCE_SHARED = 2
+SOURCE_NUMBERED = 3
+SOURCE_PREDICTION = 4
+SOURCE_NAMES = {SOURCE_SUFFIX: "suffix", SOURCE_SHARED: "shared", SOURCE_NUMBERED: "numbered",
+                SOURCE_PREDICTION: "prediction"}
+
+
+class PredictionTracker:
+    """Where the output stands in a client's prediction (token ids).
+
+    While the output agrees with the prediction, ``pos`` advances with it and
+    the draft is prediction[pos:pos + k]. A token that disagrees loses sync;
+    from then on each new output token tries to resynchronise: the last
+    ``resync_n`` output tokens are looked up in the prediction and the first
+    occurrence starting at or after the position where sync was lost wins
+    (else the latest one before it), so an edit that inserts, deletes or
+    replaces text rejoins the prediction where the output does.
+
+    Example (resync_n=2): prediction [1, 2, 3, 4, 5, 6], output 1, 2, 9, 9, 4, 5
+    -> synced through 2, lost at 9, rejoins after (4, 5) -> draft [6].
+    """
+
+    def __init__(self, prediction: list[int], resync_n: int = 3):
+        self.pred = list(prediction)
+        self.resync_n = resync_n
+        self.pos = 0
+        self.synced = bool(self.pred)
+        self.recent: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        for e in range(resync_n, len(self.pred) + 1):
+            self._ends.setdefault(tuple(self.pred[e - resync_n:e]), []).append(e)
+
+    def feed(self, tok: int) -> None:
+        """One more output token."""
+        self.recent.append(tok)
+        if len(self.recent) > self.resync_n:
+            del self.recent[0]
+        if self.synced and self.pos < len(self.pred) and self.pred[self.pos] == tok:
+            self.pos += 1
+            return
+        self.synced = False
+        if len(self.recent) == self.resync_n:
+            ends = self._ends.get(tuple(self.recent))
+            if ends:
+                later = [e for e in ends if e - self.resync_n >= self.pos]
+                self.pos = later[0] if later else ends[-1]
+                self.synced = True
+
+    def propose(self, k: int) -> list[int]:
+        return self.pred[self.pos:self.pos + k] if self.synced else []
+
+
+class NumberTracker:
+    """Numbered-list drafts: "3." after "2." a line ago -> "4.".
+
+    ``digits`` are the token ids of "0".."9" (a tokenizer that writes each
+    digit as its own token); empty turns the source off. Each maximal run of
+    digit tokens that has ended is recorded under the 1..``max_ctx`` tokens
+    before it. When the history ends with such a context and its two latest
+    runs there hold x and x + 1 (the older first), the draft is the digits of
+    x + 2 followed by the tokens that followed both runs alike ("." and " ").
+    """
+
+    def __init__(self, digits: list[int], max_ctx: int = 3):
+        self.value = {t: i for i, t in enumerate(digits)} if len(digits) == 10 else {}
+        self.digits = list(digits)
+        self.max_ctx = max_ctx
+        self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # ctx -> [(value, end)], 2 latest
+        self._start = -1
+
+    def feed(self, h: list[int], i: int) -> None:
+        """h[i] was appended."""
+        if not self.value:
+            return
+        if h[i] in self.value:
+            if self._start < 0:
+                self._start = i
+            return
+        if self._start >= 0:
+            s, self._start = self._start, -1
+            if i - s <= 9:
+                x = int("".join(str(self.value[t]) for t in h[s:i]))
+                for j in range(1, min(self.max_ctx, s) + 1):
+                    lst = self.runs.setdefault(tuple(h[s - j:s]), [])
+                    lst.append((x, i))
+                    del lst[:-2]
+
+    def propose(self, h: list[int], k: int) -> list[int]:
+        if not self.value or not h or h[-1] in self.value or k <= 0:
+            return []
+        for j in range(min(self.max_ctx, len(h)), 0, -1):
+            lst = self.runs.get(tuple(h[-j:]))
+            if lst and len(lst) == 2 and lst[1][0] == lst[0][0] + 1:
+                (_, end_b), (x, end_a) = lst
+                out = [self.digits[int(c)] for c in str(x + 1)]
+                m = 0
+                while end_a + m < len(h) and end_b + m < end_a and h[end_a + m] == h[end_b + m] \
+                        and h[end_a + m] not in self.value and m < 4:
+                    m += 1
+                out += h[end_a:end_a + m]
+                return out[:k]
+        return []
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    """A draft session's settings."""
+
+    suffix: "SuffixParams" = None  # type: ignore[assignment]
+    resync_n: int = 3
+
+    def suffix_params(self):
+        from echospec.services.draft.suffix_index import SuffixParams
+        return self.suffix or SuffixParams()
+
+
+class DraftProposer:
+    """One generation's draft session: prompt + output history and its sources.
+
+    Sources, first non-empty wins: the client's prediction (while synced with
+    the output), a numbered-list continuation, then the session's suffix index
+    or the namespace's shared memory, whichever matches the longer suffix (the
+    session on a tie; the other when the first drafts nothing).
+
+    Args:
+        params: DraftParams. prediction: the client's expected output (token ids).
+        digits: token ids of "0".."9" (numbered lists; [] off).
+        memory: SharedMemory (None: none). namespace: its scope ("" shares nothing).
+    Raises:
+        ProposerError: a prediction or digit token is negative.
+    """
+
+    def __init__(self, params: DraftParams = DraftParams(), prediction: Sequence[int] = (),
+                 digits: Sequence[int] = (), memory=None, namespace: str = ""):
+        from echospec.services.draft.suffix_index import SuffixAutomaton
+        for t in list(prediction) + list(digits):
+            if not isinstance(t, int) or t < 0:
+                raise ProposerError(f"token ids must be ints >= 0, got {t!r}")
+        self.params = params
+        self.sp = params.suffix_params()
+        self.history: list[int] = []
+        self.sam = SuffixAutomaton(self.sp.walk_cap)
+        self.prompt_len = -1           # set by start_output
+        self.prediction = PredictionTracker(list(prediction), params.resync_n) if prediction else None
+        self.numbers = NumberTracker(list(digits))
+        self.memory = memory
+        self.namespace = namespace
+
+    def __len__(self) -> int:
+        return len(self.history)
+
+    def start_output(self) -> None:
+        """Mark the end of the prompt: tokens appended from now on are output."""
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.history)
+
+    def append(self, tokens: Iterable[int]) -> None:
+        """Append tokens (ints >= 0). Raises ProposerError on a bad id."""
+        new = list(tokens)
+        for t in new:
+            if not isinstance(t, int) or t < 0:
+                raise ProposerError(f"token ids must be ints >= 0, got {t!r}")
+        for t in new:
+            self.history.append(t)
+            self.sam.append(t)
+            self.numbers.feed(self.history, len(self.history) - 1)
+            if self.prediction is not None and self.prompt_len >= 0:
+                self.prediction.feed(t)
+
+    def propose(self, k: int) -> tuple[list[int], int, int]:
+        """Up to k draft tokens; returns (draft, matched length, source) with source one of
+        the SOURCE_* values (SOURCE_NONE and [] when no source has a draft).
+
+        Raises:
+            ProposerError: k out of range.
+        """
+        if not (0 <= k <= MAX_K_LIMIT):
+            raise ProposerError(f"k must be in [0, {MAX_K_LIMIT}], got {k}")
+        if k == 0:
+            return [], 0, SOURCE_NONE
+        if self.prediction is not None and self.prompt_len >= 0:
+            d = self.prediction.propose(k)
+            if d:
+                return d, len(self.prediction.recent), SOURCE_PREDICTION
+        d = self.numbers.propose(self.history, k)
+        if d:
+            return d, 0, SOURCE_NUMBERED
+        state, n = self.sam.match()
+        own = (state, n)
+        shared_n = -1
+        if self.memory is not None and self.namespace:
+            sd, shared_n, _ = self.memory.propose(self.namespace, self.history, k, self.sp)
+        order = [SOURCE_SUFFIX, SOURCE_SHARED] if n >= shared_n else [SOURCE_SHARED, SOURCE_SUFFIX]
+        for src in order:
+            if src == SOURCE_SUFFIX:
+                d, _ = self.sam.draft(own[0], own[1], k, self.sp)
+                if d:
+                    return d, n, SOURCE_SUFFIX
+            elif shared_n > 0 and sd:
+                return sd, shared_n, SOURCE_SHARED
+        return [], 0, SOURCE_NONE
+
+    def remember(self) -> None:
+        """Add this session's history to its namespace's shared memory (none for "")."""
+        if self.memory is not None and self.namespace:
+            self.memory.add(self.namespace, self.history)

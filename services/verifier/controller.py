@@ -150,6 +150,7 @@ class SpecController:
     acc_fails: float = 0.0             # decayed rejections (rounds that stopped before K)
     probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
     since_probe: int = 0
+    cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
 
     @property
     def p_accept(self) -> float:
@@ -190,9 +191,10 @@ class SpecController:
             return "none", 0
         return "propose", max(1, self.fetch_factor * self.k)
 
-    def on_proposal(self, draft: list[int], k_cap: int) -> list[int]:
-        """Store a proposal; return this round's draft (its first min(k, k_cap) tokens)."""
+    def on_proposal(self, draft: list[int], k_cap: int, source: int = 0) -> list[int]:
+        """Store a proposal (from ``source``); return this round's draft (its first min(k, k_cap) tokens)."""
         self.cache = list(draft)
+        self.cache_source = source
         if not self.cache:
             self._miss()
             return []
@@ -235,7 +237,7 @@ class SpecController:
             return 0
         return max(1, self.fetch_factor * self.k)
 
-    def on_prefetch(self, proposal: list[int], tokens: list[int]) -> None:
+    def on_prefetch(self, proposal: list[int], tokens: list[int], source: int = 0) -> None:
         """Take an in-flight proposal made on the history before a round that yielded ``tokens``.
 
         It replaces the cache when it starts with ``tokens`` (its remainder
@@ -249,6 +251,7 @@ class SpecController:
         n = len(tokens)
         if len(proposal) > n and proposal[:n] == list(tokens):
             self.cache = list(proposal[n:])
+            self.cache_source = source
 
     def drop(self) -> None:
         """Forget the cache (the draft service went away)."""

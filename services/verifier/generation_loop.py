@@ -74,6 +74,7 @@ class RoundEvent:
     proposals: int = 0                # draft round trips in this round
     cached_prompt_tokens: int = 0     # prefill only
     spec_reason: str = ""             # set when speculation stops
+    source: int = 0                   # echospec.v1.DraftSource of the draft (0: none)
     finish: int = 0                   # FINISH_CONTEXT on a last event without tokens
     prefill: bool = False
 
@@ -216,6 +217,7 @@ class _Drafts:
         self.synced = 0              # history tokens the draft service has
         self.in_flight = False
         self.reason = ""
+        self.source = 0              # DraftSource of the round's draft
         if link is not None:
             link.append(prompt)      # indexed while the prompt is prefilled
             self.synced = len(prompt)
@@ -228,7 +230,8 @@ class _Drafts:
         self.ctl.drop()
 
     def before(self, history: list[int], k_cap: int, room: int) -> tuple[list[int], float | None, int]:
-        """The round's draft, the blocking draft hop's ms (None: none) and the proposals made.
+        """The round's draft, the blocking draft hop's ms (None: none) and the proposals made;
+        the draft's source is then in ``self.source``.
 
         Args:
             history: prompt + output so far (the pending token last).
@@ -238,10 +241,12 @@ class _Drafts:
             return [], None, 0
         drf: list[int] = []
         hop_ms, proposals = None, 0
+        self.source = 0
         try:
             kind, arg = self.ctl.plan(k_cap)
             if kind == "cached":
                 drf = arg
+                self.source = self.ctl.cache_source
             elif kind == "propose":
                 h0 = time.perf_counter()
                 self.link.send_propose(history[self.synced:], max(1, min(arg, room - 1)))
@@ -249,7 +254,8 @@ class _Drafts:
                 proposal = self.link.recv_proposal()
                 hop_ms = (time.perf_counter() - h0) * 1e3
                 proposals = 1
-                drf = self.ctl.on_proposal(proposal, k_cap)
+                drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
+                self.source = self.ctl.cache_source
             if kind != "propose" and k_cap > 0:
                 n_pf = self.ctl.prefetch_size(len(drf))
                 if n_pf:   # in flight while the forward runs
@@ -274,7 +280,7 @@ class _Drafts:
             self._lost(exc)
             return 0
         self.ctl.on_result(drf, tokens)
-        self.ctl.on_prefetch(p, tokens)
+        self.ctl.on_prefetch(p, tokens, getattr(self.link, "last_source", 0))
         return 1
 
 
@@ -335,7 +341,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
                 done = True
                 break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                        proposals)
+                        proposals, source=drafts.source if k else 0)
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
         if done:
