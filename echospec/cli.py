@@ -327,6 +327,9 @@ def _request(args: argparse.Namespace, messages=None, prompt: str | None = None,
     req.spec = {None: common_pb2.SPEC_MODE_UNSPECIFIED, "off": common_pb2.SPEC_MODE_OFF,
                 "on": common_pb2.SPEC_MODE_ON}[mode]
     req.k = int(getattr(args, "k", 0) or 0)
+    if getattr(args, "prediction_file", None):
+        req.prediction = _read_text("--prediction-file", args.prediction_file)
+    req.draft_namespace = getattr(args, "draft_namespace", None) or ""
     return req
 
 
@@ -351,6 +354,10 @@ def _result_json(r) -> dict:
             "overhead_share": s.overhead_share, "prefill_ms": s.prefill_ms,
             "gain": s.gain, "gain_verdict": s.gain_verdict,
             "cached_prompt_tokens": s.cached_prompt_tokens,
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
+            "sources": {x.source: {"draft_tokens": x.draft_tokens, "hits": x.hits, "tries": x.tries}
+                        for x in s.sources},
         },
     }
 
@@ -520,6 +527,9 @@ def _load_workloads(path: str) -> list[dict]:
             for i, m in enumerate(msgs):
                 if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
                     _die(f"{path}:{n}: messages[{i}] needs string role and content", 2)
+        for key in ("prediction", "draft_namespace"):
+            if key in w and not isinstance(w[key], str):
+                _die(f"{path}:{n}: {key} must be a string", 2)
         mt = w.get("max_tokens", 256)
         if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
             _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
@@ -535,6 +545,8 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
     req = _request(args, messages=w.get("messages"), prompt=w.get("prompt"), max_tokens=max_tokens,
                    spec=spec)
     req.temperature = 0.0
+    req.prediction = w.get("prediction", "")
+    req.draft_namespace = w.get("draft_namespace", "")
     t0 = time.perf_counter()
     resp = stub.Complete(req, timeout=timeout)
     dt = time.perf_counter() - t0
@@ -545,7 +557,11 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
             "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
             "t_ms": round(s.t_ms, 3), "v_ms": round(s.v_ms, 3), "overhead_ms": round(s.overhead_ms, 3),
             "overhead_share": round(s.overhead_share, 4), "spec_enabled": r.spec_enabled,
-            "spec_reason": r.spec_reason}, r
+            "spec_reason": r.spec_reason,
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
+            "sources": {x.source: {"draft_tokens": x.draft_tokens, "hits": x.hits, "tries": x.tries}
+                        for x in s.sources}}, r
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -664,6 +680,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
     p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
     p.add_argument("--messages", help="JSON file with a list of chat messages ('-': standard input)")
+    p.add_argument("--prediction-file", help="text file with the expected output (a draft source, "
+                   "like OpenAI's predicted outputs)")
+    p.add_argument("--draft-namespace", type=_utf8, default="",
+                   help="share draft memory with earlier requests of this namespace (default: none)")
     _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
@@ -683,7 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_detokenize)
 
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
-    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens")
+    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens; "
+                   "optional prediction (text) and draft_namespace")
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")

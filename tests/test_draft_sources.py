@@ -184,3 +184,10 @@ def test_a_longer_sequence_than_the_cap_keeps_its_tail():
     assert mem.n_tokens("A") == 10
     assert mem.propose("A", [25, 26], 3, DraftProposer().sp)[0] == [27, 28, 29]
     mem.check_integrity()
+
+
+def test_a_copied_list_line_takes_the_next_number():
+    # the suffix copy of "a .\n" would continue with "3"; the numbered rule makes it "4"
+    h = [NL] + num(1) + [DOT, 61, NL] + num(2) + [DOT, 61, NL] + num(3) + [DOT, 61]
+    draft, _, source = session(h, digits=DIGITS).propose(4)
+    assert source == SOURCE_NUMBERED and draft[:3] == [NL] + num(4) + [DOT]

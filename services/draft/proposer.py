@@ -234,11 +234,14 @@ class NumberTracker:
                     lst.append((x, i))
                     del lst[:-2]
 
-    def propose(self, h: list[int], k: int) -> list[int]:
-        if not self.value or not h or h[-1] in self.value or k <= 0:
+    def propose(self, h: list[int], k: int, extra: Sequence[int] = ()) -> list[int]:
+        """The next number's draft after the history h (followed by ``extra``, draft tokens
+        already proposed), up to k tokens; [] when the rule does not apply."""
+        tail = (h[-self.max_ctx:] + list(extra))[-self.max_ctx:]
+        if not self.value or not tail or tail[-1] in self.value or k <= 0:
             return []
-        for j in range(min(self.max_ctx, len(h)), 0, -1):
-            lst = self.runs.get(tuple(h[-j:]))
+        for j in range(len(tail), 0, -1):
+            lst = self.runs.get(tuple(tail[-j:]))
             if lst and len(lst) == 2 and lst[1][0] == lst[0][0] + 1:
                 (_, end_b), (x, end_a) = lst
                 out = [self.digits[int(c)] for c in str(x + 1)]
@@ -249,6 +252,16 @@ class NumberTracker:
                 out += h[end_a:end_a + m]
                 return out[:k]
         return []
+
+    def correct(self, h: list[int], draft: list[int]) -> list[int] | None:
+        """A draft from another source that starts a number where the rule applies, with the
+        rule's number from there on (the copy would repeat the old one); None: unchanged."""
+        for j in range(1, len(draft)):
+            if draft[j] in self.value and draft[j - 1] not in self.value:
+                d = self.propose(h, len(draft) - j, draft[:j])
+                if d and d != draft[j:j + len(d)]:
+                    return draft[:j] + d
+        return None
 
 
 @dataclass(frozen=True)
@@ -269,7 +282,10 @@ class DraftProposer:
     Sources, first non-empty wins: the client's prediction (while synced with
     the output), a numbered-list continuation, then the session's suffix index
     or the namespace's shared memory, whichever matches the longer suffix (the
-    session on a tie; the other when the first drafts nothing).
+    session on a tie; the other when the first drafts nothing). A suffix or
+    shared draft that runs into the start of a number where the numbered rule
+    applies takes the rule's number from there (source: numbered), so a copied
+    list line does not repeat the old number.
 
     Args:
         params: DraftParams. prediction: the client's expected output (token ids).
@@ -343,10 +359,14 @@ class DraftProposer:
         for src in order:
             if src == SOURCE_SUFFIX:
                 d, _ = self.sam.draft(own[0], own[1], k, self.sp)
-                if d:
-                    return d, n, SOURCE_SUFFIX
-            elif shared_n > 0 and sd:
-                return sd, shared_n, SOURCE_SHARED
+                m = n
+            else:
+                d, m = (sd, shared_n) if shared_n > 0 else ([], 0)
+            if d:
+                fixed = self.numbers.correct(self.history, d) if self.numbers.value else None
+                if fixed is not None:
+                    return fixed, m, SOURCE_NUMBERED
+                return d, m, src
         return [], 0, SOURCE_NONE
 
     def remember(self) -> None:
