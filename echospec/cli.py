@@ -564,11 +564,18 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
                         for x in s.sources}}, r
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import grpc
 
     if args.threads < 0:
         _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
+    if args.repeat < 1:
+        _die(f"--repeat {args.repeat}: must be >= 1", 2)
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:
@@ -578,10 +585,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
                 if args.warmup and i == 1:
                     _run_one(stub, args, w, "off", args.timeout)
-                off, roff = _run_one(stub, args, w, "off", args.timeout)
-                on, ron = _run_one(stub, args, w, "on", args.timeout)
-                identical = list(roff.token_ids) == list(ron.token_ids) and roff.text == ron.text
+                offs, ons, identical = [], [], True
+                for _ in range(args.repeat):   # off and on alternate: load drifts hit both alike
+                    off, roff = _run_one(stub, args, w, "off", args.timeout)
+                    on, ron = _run_one(stub, args, w, "on", args.timeout)
+                    identical &= list(roff.token_ids) == list(ron.token_ids) and roff.text == ron.text
+                    offs.append(off)
+                    ons.append(on)
+                off, on = _median_run(offs), _median_run(ons)
                 row = {"id": w["id"], "kind": w.get("kind", ""), "identical": identical, "off": off, "on": on}
+                if args.repeat > 1:
+                    row["off_seconds"] = [x["seconds"] for x in offs]
+                    row["on_seconds"] = [x["seconds"] for x in ons]
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row, ensure_ascii=False), flush=True)
@@ -709,6 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
+    p.add_argument("--repeat", type=_int32, default=1,
+                   help="off/on pairs per workload, alternating; the table shows the median run of each")
     p.add_argument("--timeout", type=_seconds, default=900.0,
                    help="seconds to connect, and for each generation (default 900)")
     _add_client_args(p, "print one JSON line per workload (as each finishes) instead of the table")

@@ -40,7 +40,8 @@ drafts at hand but none chosen, every probe_every-th round still drafts 2
 tokens, so a stale
 estimate is measured again rather than locking drafting out. T, V(K) and o are
 measured live by each generation (CostModel: they depend on its context depth);
-p is this generation's recency-weighted acceptance (Beta(1, 1) prior), as
+p is this generation's recency-weighted acceptance of the draft's source
+(Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction), as
 in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 """
 from __future__ import annotations
@@ -146,16 +147,21 @@ class SpecController:
     cache: list[int] = field(default_factory=list)
     misses: int = 0
     skip: int = 0
-    acc_hits: float = 0.0              # decayed accepted drafts
-    acc_fails: float = 0.0             # decayed rejections (rounds that stopped before K)
+    # per draft source (DraftSource value): [decayed accepted drafts, decayed rejections
+    # (rounds that stopped before K)]
+    acc: dict = field(default_factory=dict)
     probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
     since_probe: int = 0
     cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
+    eager: bool = False                # back-off rounds still ask in flight (a request with a prediction)
 
     @property
     def p_accept(self) -> float:
-        """Recency-weighted per-token acceptance probability, Beta(1, 1) prior."""
-        return (self.acc_hits + 1.0) / (self.acc_hits + self.acc_fails + 2.0)
+        """Recency-weighted per-token acceptance probability of the cache's source, Beta(1, 1)
+        prior: a source's misses do not hold back another (a prediction that rejoins the output
+        after the suffix index missed drafts at once)."""
+        hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
+        return (hits + 1.0) / (hits + fails + 2.0)
 
     def _choose(self, available: int, hop: bool) -> int:
         if self.cost is None:
@@ -207,8 +213,9 @@ class SpecController:
             self.cache = self.cache[1:] if self.cache and tokens and self.cache[0] == tokens[0] else []
             return
         r = len(tokens) - 1
-        self.acc_hits = self.acc_hits * self.decay + r
-        self.acc_fails = self.acc_fails * self.decay + (1.0 if r < len(draft) else 0.0)
+        hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
+        self.acc[self.cache_source] = (hits * self.decay + r,
+                                       fails * self.decay + (1.0 if r < len(draft) else 0.0))
         if r < len(draft):
             self.cache = []
         else:
@@ -231,7 +238,7 @@ class SpecController:
         tokens (0: plain step); 0 when the cache still covers the next round or
         the back-off is skipping proposals.
         """
-        if self.k <= 0 or self.skip > 0:
+        if self.k <= 0 or (self.skip > 0 and not self.eager):
             return 0
         if len(self.cache) - n_draft - 1 >= self.k:
             return 0

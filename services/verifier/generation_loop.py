@@ -57,6 +57,7 @@ class GenerationRequest:
     spec: bool = False
     k: int = 4
     fixed_k: bool = False
+    eager: bool = False               # the draft session has a prediction (see controller.eager)
 
 
 @dataclass
@@ -211,9 +212,9 @@ class _Drafts:
     draft service ends speculation for the generation (``reason`` says why).
     """
 
-    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int]):
+    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int], eager: bool = False):
         self.link = link
-        self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel())
+        self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel(), eager=eager)
         self.synced = 0              # history tokens the draft service has
         self.in_flight = False
         self.reason = ""
@@ -288,7 +289,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
     core, req, session = run.core, run.req, run.session
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
-    drafts = _Drafts(link, req.k, req.fixed_k, history)
+    drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager)
     first, prefill_ms = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
