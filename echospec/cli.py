@@ -555,6 +555,7 @@ def _run_one(stub, args, w: dict, spec: str, timeout: float) -> tuple[dict, obje
     return {"seconds": round(dt, 4), "tokens": r.completion_tokens,
             "tokens_per_s": round(r.completion_tokens / dt, 2) if dt > 0 else 0.0,
             "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
+            "rounds": s.rounds, "proposals": s.proposals, "prefill_ms": round(s.prefill_ms, 3),
             "t_ms": round(s.t_ms, 3), "v_ms": round(s.v_ms, 3), "overhead_ms": round(s.overhead_ms, 3),
             "overhead_share": round(s.overhead_share, 4), "spec_enabled": r.spec_enabled,
             "spec_reason": r.spec_reason,

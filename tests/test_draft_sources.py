@@ -167,7 +167,7 @@ def test_eviction_keeps_the_bound_and_drafts_only_kept_tokens():
         mem.add("A", doc)
         mem.check_integrity()
         assert mem.n_tokens("A") <= 50
-        kept = {t for d in mem._spaces["A"].docs for t in d}
+        kept = mem.kept_tokens("A")
         for _ in range(5):
             recent = [rng.randrange(8) for _ in range(4)]
             d, _, _ = mem.propose("A", recent, 8, DraftProposer().sp)
@@ -191,3 +191,12 @@ def test_a_copied_list_line_takes_the_next_number():
     h = [NL] + num(1) + [DOT, 61, NL] + num(2) + [DOT, 61, NL] + num(3) + [DOT, 61]
     draft, _, source = session(h, digits=DIGITS).propose(4)
     assert source == SOURCE_NUMBERED and draft[:3] == [NL] + num(4) + [DOT]
+
+
+def test_a_proposal_never_waits_for_an_index_being_extended():
+    mem = SharedMemory()
+    mem.add("A", [1, 2, 3, 4])
+    idx = mem._spaces["A"]
+    with idx.lock:                          # as while another thread adds a generation
+        assert mem.propose("A", [1, 2], 2, DraftProposer().sp) == ([], 0, 1.0)
+    assert mem.propose("A", [1, 2], 2, DraftProposer().sp)[0] == [3, 4]

@@ -15,6 +15,9 @@ Bounds:
 Drafts never point into evicted data: a session keeps no state inside the
 shared index between calls; each proposal walks the session's recent tokens
 from the root of the index as it is now (``ShareIndex.propose``).
+Locking: one lock for the namespace table, one per namespace. A proposal
+never waits: while its namespace's index is being extended or rebuilt (a
+finished generation being added), it drafts nothing from shared memory.
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ WALK_TOKENS = 32  # recent session tokens matched against a shared index per pro
 
 
 class ShareIndex:
-    """One namespace's sequences and their automaton (callers hold the memory's lock)."""
+    """One namespace's sequences and their automaton (callers hold ``lock``)."""
 
     def __init__(self, max_tokens: int):
+        self.lock = threading.Lock()
         self.max_tokens = max_tokens
         self.docs: deque[list[int]] = deque()
         self.n_tokens = 0
@@ -90,11 +94,13 @@ class SharedMemory:
                 while len(self._spaces) > self.max_namespaces:
                     self._spaces.popitem(last=False)
             self._spaces.move_to_end(namespace)
+        with idx.lock:
             idx.add(tokens)
 
     def propose(self, namespace: str, recent: list[int], k: int, params: SuffixParams
                 ) -> tuple[list[int], int, float]:
-        """Draft from ``namespace``'s memory only; ([], 0, 1.0) for "" or an unknown namespace."""
+        """Draft from ``namespace``'s memory only; ([], 0, 1.0) for "", an unknown namespace or
+        one whose index is busy being extended."""
         if not namespace:
             return [], 0, 1.0
         with self._lock:
@@ -102,7 +108,12 @@ class SharedMemory:
             if idx is None:
                 return [], 0, 1.0
             self._spaces.move_to_end(namespace)
+        if not idx.lock.acquire(blocking=False):
+            return [], 0, 1.0
+        try:
             return idx.propose(recent, k, params)
+        finally:
+            idx.lock.release()
 
     def namespaces(self) -> list[str]:
         with self._lock:
@@ -111,10 +122,24 @@ class SharedMemory:
     def n_tokens(self, namespace: str) -> int:
         with self._lock:
             idx = self._spaces.get(namespace)
-            return idx.n_tokens if idx else 0
+        if idx is None:
+            return 0
+        with idx.lock:
+            return idx.n_tokens
+
+    def kept_tokens(self, namespace: str) -> set[int]:
+        """The distinct tokens ``namespace`` holds now (tests)."""
+        with self._lock:
+            idx = self._spaces.get(namespace)
+        if idx is None:
+            return set()
+        with idx.lock:
+            return {t for d in idx.docs for t in d}
 
     def check_integrity(self) -> None:
         with self._lock:
             assert len(self._spaces) <= self.max_namespaces
-            for idx in self._spaces.values():
+            spaces = list(self._spaces.values())
+        for idx in spaces:
+            with idx.lock:
                 idx.check_integrity()
