@@ -1,4 +1,11 @@
-"""Exact-repeat (n-gram) draft proposer. Pure: no gRPC, no engine.
+"""Draft proposers. Pure: no gRPC, no engine.
+
+``DraftProposer`` is the draft service's session (one per generation): the
+client's prediction, numbered lists, the suffix automaton of
+suffix_index.py over the history and the namespace's shared memory
+(memory.py); its docstring gives the order. ``NgramProposer`` is the
+exact-repeat reference: the stateless n-gram rule below, with its literal
+tests; the suffix index's tests check against it on exact repeats.
 
 Rule (one call of :meth:`NgramProposer.propose`): take the longest suffix of
 the history whose length n lies in [min_n, max_n] and that occurred earlier in
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+from echospec.services.draft.suffix_index import SuffixAutomaton, SuffixParams
 
 DEFAULT_MIN_N = 2
 DEFAULT_MAX_N = 5
@@ -266,14 +275,10 @@ class NumberTracker:
 
 @dataclass(frozen=True)
 class DraftParams:
-    """A draft session's settings."""
+    """A draft session's settings: the suffix index's knobs and the prediction's resync length."""
 
-    suffix: "SuffixParams" = None  # type: ignore[assignment]
+    suffix: SuffixParams = SuffixParams()
     resync_n: int = 3
-
-    def suffix_params(self):
-        from echospec.services.draft.suffix_index import SuffixParams
-        return self.suffix or SuffixParams()
 
 
 class DraftProposer:
@@ -297,12 +302,11 @@ class DraftProposer:
 
     def __init__(self, params: DraftParams = DraftParams(), prediction: Sequence[int] = (),
                  digits: Sequence[int] = (), memory=None, namespace: str = ""):
-        from echospec.services.draft.suffix_index import SuffixAutomaton
         for t in list(prediction) + list(digits):
             if not isinstance(t, int) or t < 0:
                 raise ProposerError(f"token ids must be ints >= 0, got {t!r}")
         self.params = params
-        self.sp = params.suffix_params()
+        self.sp = params.suffix
         self.history: list[int] = []
         self.sam = SuffixAutomaton(self.sp.walk_cap)
         self.prompt_len = -1           # set by start_output
