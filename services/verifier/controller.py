@@ -17,10 +17,12 @@ predicts the tokens after h; after the round produced the tokens t
 (accepted drafts + bonus) it is still valid when it starts with t, and its
 remainder becomes the cache (``on_prefetch``).
 
-Back-off: a proposal that comes back empty, or a verified draft with R = 0,
-is a miss; after m consecutive misses the next proposal waits
-min(2 ** (m - 1), max_skip) rounds (plain decode steps in between), so free
-text that finds no drafts pays the draft hop only now and then. Any accepted
+Back-off: a proposal that comes back empty or wrong, or a verified draft with
+R = 0, is a miss; after m consecutive misses the next proposal waits
+min(2 ** (m - 1), max_skip) rounds (plain decode steps in between) and is
+sent in flight, beside a plain step, never on the critical path, so free text
+that finds no drafts pays no draft hop at all; its proposal is drafted from
+the cache the round after, when it still continues the output. Any accepted
 draft (R >= 1) resets the back-off.
 Fetch: a proposal asks for up to ``fetch_factor * k`` tokens (capped by the
 tokens still allowed); the verifier gets at most k of them per round and the
@@ -195,6 +197,8 @@ class SpecController:
         if self.skip > 0:
             self.skip -= 1
             return "none", 0
+        if self.misses > 0:
+            return "none", 0     # backing off: the next proposal goes in flight (prefetch_size)
         return "propose", max(1, self.fetch_factor * self.k)
 
     def on_proposal(self, draft: list[int], k_cap: int, source: int = 0) -> list[int]:
@@ -249,7 +253,7 @@ class SpecController:
 
         It replaces the cache when it starts with ``tokens`` (its remainder
         continues the new history); an empty proposal is a miss; one that
-        disagrees with the round's tokens is dropped.
+        disagrees with the round's tokens is dropped (a miss too when there is no cache).
         """
         if not proposal:
             if not self.cache:
@@ -259,6 +263,8 @@ class SpecController:
         if len(proposal) > n and proposal[:n] == list(tokens):
             self.cache = list(proposal[n:])
             self.cache_source = source
+        elif not self.cache:
+            self._miss()
 
     def drop(self) -> None:
         """Forget the cache (the draft service went away)."""
