@@ -82,16 +82,16 @@ def test_negative_prediction_token_raises():
 
 # --- numbered lists ------------------------------------------------------------------------------
 
-def test_numbered_list_drafts_the_next_number_and_the_shared_punctuation():
-    # "\n1. a\n2. b\n" -> "3."
+def test_numbered_list_drafts_the_next_number_then_the_latest_items_rest():
+    # "\n1. a\n2. b\n" -> "3. b\n" (the number, then a copy of what followed "2")
     h = [NL] + num(1) + [DOT, 61, NL] + num(2) + [DOT, 62, NL]
     p = session(h, digits=DIGITS)
-    assert p.propose(4) == (num(3) + [DOT], 0, SOURCE_NUMBERED)
+    assert p.propose(4) == (num(3) + [DOT, 62, NL], 0, SOURCE_NUMBERED)
 
 
 def test_numbered_list_crosses_to_two_digits():
     h = [NL] + num(8) + [DOT, 61, NL] + num(9) + [DOT, 62, NL]
-    assert session(h, digits=DIGITS).propose(4)[0] == num(10) + [DOT]
+    assert session(h, digits=DIGITS).propose(3)[0] == num(10) + [DOT]
 
 
 def test_numbered_list_needs_a_step_of_one():
@@ -200,3 +200,11 @@ def test_a_proposal_never_waits_for_an_index_being_extended():
     with idx.lock:                          # as while another thread adds a generation
         assert mem.propose("A", [1, 2], 2, DraftProposer().sp) == ([], 0, 1.0)
     assert mem.propose("A", [1, 2], 2, DraftProposer().sp)[0] == [3, 4]
+
+
+def test_a_copied_number_that_is_not_the_latest_item_is_left_alone():
+    # code, not a list: "a = 0\nb = 1\na = " copies "0" (the rule after "= " would say 2)
+    A, B, EQ = 70, 71, 72
+    h = [A, EQ] + num(0) + [NL, B, EQ] + num(1) + [NL, A, EQ]
+    draft, _, source = session(h, digits=DIGITS).propose(3)
+    assert source == SOURCE_SUFFIX and draft[:1] == num(0)

@@ -214,16 +214,23 @@ class NumberTracker:
     ``digits`` are the token ids of "0".."9" (a tokenizer that writes each
     digit as its own token); empty turns the source off. Each maximal run of
     digit tokens that has ended is recorded under the 1..``max_ctx`` tokens
-    before it. When the history ends with such a context and its two latest
-    runs there hold x and x + 1 (the older first), the draft is the digits of
-    x + 2 followed by the tokens that followed both runs alike ("." and " ").
+    before it. The rule applies where the history ends with such a context and
+    its latest runs there count up by one to x: the next number there is x + 1.
+
+    ``propose`` (no copied draft; two runs x - 1, x suffice): the digits of
+    x + 1, then a copy of what followed x (the rest of the latest item).
+    ``correct`` (three runs x - 2, x - 1, x): a copied draft (suffix or shared
+    memory) that writes x there, repeating the latest item, gets x + 1, the
+    rest of the copy kept. A copy that writes any other number, or where the
+    runs do not count up three times, is left alone (code: "= 1" copied after
+    "= 0" and "= 1" is no list).
     """
 
     def __init__(self, digits: list[int], max_ctx: int = 3):
         self.value = {t: i for i, t in enumerate(digits)} if len(digits) == 10 else {}
         self.digits = list(digits)
         self.max_ctx = max_ctx
-        self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # ctx -> [(value, end)], 2 latest
+        self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # ctx -> [(value, end)], 3 latest
         self._start = -1
 
     def feed(self, h: list[int], i: int) -> None:
@@ -241,35 +248,48 @@ class NumberTracker:
                 for j in range(1, min(self.max_ctx, s) + 1):
                     lst = self.runs.setdefault(tuple(h[s - j:s]), [])
                     lst.append((x, i))
-                    del lst[:-2]
+                    del lst[:-3]
 
-    def propose(self, h: list[int], k: int, extra: Sequence[int] = ()) -> list[int]:
-        """The next number's draft after the history h (followed by ``extra``, draft tokens
-        already proposed), up to k tokens; [] when the rule does not apply."""
+    def _rule(self, h: list[int], extra: Sequence[int], need: int = 2) -> tuple[int, int] | None:
+        """(x, end of the latest run) where the rule applies after h + extra: the ``need``
+        latest runs after the context count up by one, x the latest."""
         tail = (h[-self.max_ctx:] + list(extra))[-self.max_ctx:]
-        if not self.value or not tail or tail[-1] in self.value or k <= 0:
-            return []
+        if not self.value or not tail or tail[-1] in self.value:
+            return None
         for j in range(len(tail), 0, -1):
             lst = self.runs.get(tuple(tail[-j:]))
-            if lst and len(lst) == 2 and lst[1][0] == lst[0][0] + 1:
-                (_, end_b), (x, end_a) = lst
-                out = [self.digits[int(c)] for c in str(x + 1)]
-                m = 0
-                while end_a + m < len(h) and end_b + m < end_a and h[end_a + m] == h[end_b + m] \
-                        and h[end_a + m] not in self.value and m < 4:
-                    m += 1
-                out += h[end_a:end_a + m]
-                return out[:k]
-        return []
+            if lst and len(lst) >= need and all(b[0] == a[0] + 1 for a, b in zip(lst[-need:], lst[-need + 1:])):
+                return lst[-1][0], lst[-1][1]
+        return None
+
+    def _digits(self, x: int) -> list[int]:
+        return [self.digits[int(c)] for c in str(x)]
+
+    def propose(self, h: list[int], k: int) -> list[int]:
+        """The next number after the history h, then a copy of what followed the latest one
+        (the rest of its item); up to k tokens; [] when the rule does not apply."""
+        rule = self._rule(h, ()) if k > 0 else None
+        if rule is None:
+            return []
+        x, end = rule
+        return (self._digits(x + 1) + h[end:end + k])[:k]
 
     def correct(self, h: list[int], draft: list[int]) -> list[int] | None:
-        """A draft from another source that starts a number where the rule applies, with the
-        rule's number from there on (the copy would repeat the old one); None: unchanged."""
-        for j in range(1, len(draft)):
-            if draft[j] in self.value and draft[j - 1] not in self.value:
-                d = self.propose(h, len(draft) - j, draft[:j])
-                if d and d != draft[j:j + len(d)]:
-                    return draft[:j] + d
+        """``draft`` with the first number that repeats the latest item replaced by the next
+        one (same length cap); None when no number in it does."""
+        j = 0
+        while j < len(draft):
+            if draft[j] in self.value and (j > 0 or not h or h[-1] not in self.value):
+                e = j
+                while e < len(draft) and draft[e] in self.value:
+                    e += 1
+                if e == len(draft):
+                    return None        # the number may go on past the draft
+                rule = self._rule(h, draft[:j], need=3)
+                if rule is not None and int("".join(str(self.value[t]) for t in draft[j:e])) == rule[0]:
+                    return (draft[:j] + self._digits(rule[0] + 1) + draft[e:])[:len(draft)]
+                j = e
+            j += 1
         return None
 
 
@@ -285,12 +305,12 @@ class DraftProposer:
     """One generation's draft session: prompt + output history and its sources.
 
     Sources, first non-empty wins: the client's prediction (while synced with
-    the output), a numbered-list continuation, then the session's suffix index
-    or the namespace's shared memory, whichever matches the longer suffix (the
-    session on a tie; the other when the first drafts nothing). A suffix or
-    shared draft that runs into the start of a number where the numbered rule
-    applies takes the rule's number from there (source: numbered), so a copied
-    list line does not repeat the old number.
+    the output); the session's suffix index or the namespace's shared memory,
+    whichever matches the longer suffix (the session on a tie; the other when
+    the first drafts nothing); the numbered rule alone. A copied draft that
+    repeats the latest item's number where the numbered rule applies gets the
+    next number instead (source: numbered), so a copied list line does not
+    repeat the old number.
 
     Args:
         params: DraftParams. prediction: the client's expected output (token ids).
@@ -351,18 +371,15 @@ class DraftProposer:
             d = self.prediction.propose(k)
             if d:
                 return d, len(self.prediction.recent), SOURCE_PREDICTION
-        d = self.numbers.propose(self.history, k)
-        if d:
-            return d, 0, SOURCE_NUMBERED
         state, n = self.sam.match()
-        own = (state, n)
         shared_n = -1
+        sd: list[int] = []
         if self.memory is not None and self.namespace:
             sd, shared_n, _ = self.memory.propose(self.namespace, self.history, k, self.sp)
         order = [SOURCE_SUFFIX, SOURCE_SHARED] if n >= shared_n else [SOURCE_SHARED, SOURCE_SUFFIX]
         for src in order:
             if src == SOURCE_SUFFIX:
-                d, _ = self.sam.draft(own[0], own[1], k, self.sp)
+                d, _ = self.sam.draft(state, n, k, self.sp)
                 m = n
             else:
                 d, m = (sd, shared_n) if shared_n > 0 else ([], 0)
@@ -371,6 +388,9 @@ class DraftProposer:
                 if fixed is not None:
                     return fixed, m, SOURCE_NUMBERED
                 return d, m, src
+        d = self.numbers.propose(self.history, k)
+        if d:
+            return d, 0, SOURCE_NUMBERED
         return [], 0, SOURCE_NONE
 
     def remember(self) -> None:
