@@ -28,7 +28,7 @@ import grpc
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 from echospec.services.common.chat_template import ChatTemplate
 from echospec.services.common.tokenizer import Tokenizer
-from echospec.services.coordinator.servicer import digit_tokens
+from echospec.services.coordinator.servicer import digit_tokens, line_break_tokens
 from echospec.services.coordinator.stack import start_stack
 from echospec.services.draft.proposer import DraftProposer, NgramProposer
 
@@ -84,6 +84,7 @@ def main() -> int:
     tok = Tokenizer.from_gguf(model)
     tmpl = ChatTemplate.from_gguf(model)
     digits = digit_tokens(tok)
+    breaks = line_break_tokens(tok)
     works = [json.loads(line) for line in open(ROOT / "workloads" / "seed.jsonl") if line.strip()]
     st = start_stack(model, n_ctx=2048)
     ch = grpc.insecure_channel(st.target)
@@ -102,8 +103,8 @@ def main() -> int:
             row = {"id": w["id"], "tokens": len(out)}
             for k in args.k:
                 row[f"ngram_k{k}"] = replay(prompt, out, NgramProposer, k, table)
-                row[f"sources_k{k}"] = replay(prompt, out, lambda: DraftProposer(prediction=pred,
-                                                                                 digits=digits), k, table)
+                row[f"sources_k{k}"] = replay(prompt, out, lambda: DraftProposer(
+                    prediction=pred, digits=digits, line_breaks=breaks), k, table)
             print(json.dumps(row), flush=True)
     finally:
         ch.close()

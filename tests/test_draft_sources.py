@@ -208,3 +208,21 @@ def test_a_copied_number_that_is_not_the_latest_item_is_left_alone():
     h = [A, EQ] + num(0) + [NL, B, EQ] + num(1) + [NL, A, EQ]
     draft, _, source = session(h, digits=DIGITS).propose(3)
     assert source == SOURCE_SUFFIX and draft[:1] == num(0)
+
+
+def test_with_line_breaks_only_numbers_starting_a_line_count():
+    A, EQ = 70, 72
+    # "= 0 ... = 1 ... = " is not a list once line breaks are known: no numbered draft
+    h = [A, EQ] + num(0) + [NL, A, EQ] + num(1) + [NL, A, EQ]
+    assert session(h, digits=DIGITS, line_breaks=[NL]).propose(3)[2] != SOURCE_NUMBERED
+    # a list at line starts: two items are enough to correct a copy of the latest
+    h = [NL] + num(1) + [DOT, 61, NL] + num(2) + [DOT, 61]
+    draft, _, source = session(h, digits=DIGITS, line_breaks=[NL]).propose(4)
+    assert source == SOURCE_NUMBERED and draft[:3] == [NL] + num(3) + [DOT]
+
+
+def test_a_number_half_written_is_completed():
+    # "...\n8. a\n9. a\n1" -> "0" then the copy (the history wrote the "1" of "10")
+    h = [NL] + num(8) + [DOT, 61, NL] + num(9) + [DOT, 61, NL] + num(1)
+    draft, _, source = session(h, digits=DIGITS, line_breaks=[NL]).propose(3)
+    assert source == SOURCE_NUMBERED and draft == num(0) + [DOT, 61]

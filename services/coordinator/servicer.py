@@ -73,6 +73,18 @@ def digit_tokens(tokenizer: Any) -> list[int]:
     return ids
 
 
+def line_break_tokens(tokenizer: Any) -> list[int]:
+    """Ids of the tokens whose text ends with a line feed (a numbered-list number starts a line)."""
+    out = []
+    for i in range(tokenizer.n_vocab):
+        try:
+            if tokenizer.token_bytes(i).endswith(b"\n"):
+                out.append(i)
+        except (ValueError, KeyError):
+            continue
+    return out
+
+
 def _bad(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -122,6 +134,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._vconfig: verifier_pb2.GetConfigResponse | None = None
         self.metrics = metrics if metrics is not None else PromMetrics()
         self.digit_tokens = digit_tokens(tokenizer)
+        self.line_break_tokens = line_break_tokens(tokenizer) if self.digit_tokens else []
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self, refresh: bool = False) -> verifier_pb2.GetConfigResponse:
@@ -269,6 +282,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             sampling=params.sampling, spec=params.spec, k=params.k,
             fixed_k=not self.config.adaptive_k, prediction=params.prediction,
             digit_tokens=self.digit_tokens if params.spec else [],
+            line_break_tokens=self.line_break_tokens if params.spec else [],
             draft_namespace=params.draft_namespace if params.spec else ""), timeout)
         context.add_callback(link.cancel)
         try:

@@ -219,15 +219,19 @@ class NumberTracker:
 
     ``propose`` (no copied draft; two runs x - 1, x suffice): the digits of
     x + 1, then a copy of what followed x (the rest of the latest item).
-    ``correct`` (three runs x - 2, x - 1, x): a copied draft (suffix or shared
-    memory) that writes x there, repeating the latest item, gets x + 1, the
-    rest of the copy kept. A copy that writes any other number, or where the
-    runs do not count up three times, is left alone (code: "= 1" copied after
-    "= 0" and "= 1" is no list).
+    ``correct``: a copied draft (suffix or shared memory) that writes x there,
+    repeating the latest item, gets x + 1, the rest of the copy kept.
+    With ``line_breaks`` (ids of tokens ending a line) only numbers that start a
+    line count, and two runs x - 1, x suffice for a correction; without, any
+    context counts and a correction needs three (x - 2, x - 1, x). A copy that
+    writes any other number is left alone (code: "= 1" copied after "= 0" and
+    "= 1" is no list).
     """
 
-    def __init__(self, digits: list[int], max_ctx: int = 3):
+    def __init__(self, digits: list[int], max_ctx: int = 3, line_breaks: Sequence[int] = ()):
         self.value = {t: i for i, t in enumerate(digits)} if len(digits) == 10 else {}
+        self.line_breaks = frozenset(line_breaks)
+        self.need = 2 if self.line_breaks else 3   # runs counting up before a copy is corrected
         self.digits = list(digits)
         self.max_ctx = max_ctx
         self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # ctx -> [(value, end)], 3 latest
@@ -243,53 +247,78 @@ class NumberTracker:
             return
         if self._start >= 0:
             s, self._start = self._start, -1
-            if i - s <= 9:
+            if i - s <= 9 and (not self.line_breaks or (s > 0 and h[s - 1] in self.line_breaks)):
                 x = int("".join(str(self.value[t]) for t in h[s:i]))
                 for j in range(1, min(self.max_ctx, s) + 1):
                     lst = self.runs.setdefault(tuple(h[s - j:s]), [])
                     lst.append((x, i))
                     del lst[:-3]
 
-    def _rule(self, h: list[int], extra: Sequence[int], need: int = 2) -> tuple[int, int] | None:
-        """(x, end of the latest run) where the rule applies after h + extra: the ``need``
-        latest runs after the context count up by one, x the latest."""
-        tail = (h[-self.max_ctx:] + list(extra))[-self.max_ctx:]
-        if not self.value or not tail or tail[-1] in self.value:
+    def _rule(self, h: list[int], extra: Sequence[int], need: int = 2
+              ) -> tuple[list[int], int] | None:
+        """Where the rule applies after h + extra: (the digit tokens still to write, end of
+        the latest run). The ``need`` latest runs after the context count up by one to x;
+        the tokens to write are those of x + 1 after any of its digits already written."""
+        look = h[-(self.max_ctx + 10):] + list(extra)
+        p = len(look)
+        while p > 0 and look[p - 1] in self.value:
+            p -= 1
+        written, tail = look[p:], look[:p][-self.max_ctx:]
+        if not self.value or not tail or len(written) >= 10:
             return None
         for j in range(len(tail), 0, -1):
             lst = self.runs.get(tuple(tail[-j:]))
             if lst and len(lst) >= need and all(b[0] == a[0] + 1 for a, b in zip(lst[-need:], lst[-need + 1:])):
-                return lst[-1][0], lst[-1][1]
+                nxt = self._digits(lst[-1][0] + 1)
+                if nxt[:len(written)] != written or len(nxt) == len(written):
+                    return None
+                return nxt[len(written):], lst[-1][1]
         return None
 
     def _digits(self, x: int) -> list[int]:
         return [self.digits[int(c)] for c in str(x)]
 
     def propose(self, h: list[int], k: int) -> list[int]:
-        """The next number after the history h, then a copy of what followed the latest one
-        (the rest of its item); up to k tokens; [] when the rule does not apply."""
+        """The next number after the history h (its digits still to write), then a copy of
+        what followed the latest one (the rest of its item); up to k tokens; [] when the rule
+        does not apply."""
         rule = self._rule(h, ()) if k > 0 else None
         if rule is None:
             return []
-        x, end = rule
-        return (self._digits(x + 1) + h[end:end + k])[:k]
+        digits, end = rule
+        return (digits + h[end:end + k])[:k]
 
     def correct(self, h: list[int], draft: list[int]) -> list[int] | None:
-        """``draft`` with the first number that repeats the latest item replaced by the next
-        one (same length cap); None when no number in it does."""
-        j = 0
-        while j < len(draft):
-            if draft[j] in self.value and (j > 0 or not h or h[-1] not in self.value):
-                e = j
-                while e < len(draft) and draft[e] in self.value:
-                    e += 1
-                if e == len(draft):
-                    return None        # the number may go on past the draft
-                rule = self._rule(h, draft[:j], need=3)
-                if rule is not None and int("".join(str(self.value[t]) for t in draft[j:e])) == rule[0]:
-                    return (draft[:j] + self._digits(rule[0] + 1) + draft[e:])[:len(draft)]
-                j = e
-            j += 1
+        """``draft`` with its first number where the rule applies replaced by the rule's
+        (same length cap); None when it has none or it is already right. Without line breaks
+        only a number that repeats the latest item's is replaced."""
+        for j in range(len(draft)):
+            starts = draft[j] in self.value and (j == 0 or draft[j - 1] not in self.value)
+            partial = j == 0 and bool(h) and h[-1] in self.value   # h ends inside a number
+            if not (starts or partial):
+                continue
+            e = j
+            while e < len(draft) and draft[e] in self.value:
+                e += 1
+            if e == len(draft):
+                return None            # the number may go on past the draft
+            rule = self._rule(h, draft[:j], need=self.need)
+            if rule is None:
+                continue
+            digits, end = rule
+            if draft[j:e] == digits:
+                return None
+            if not self.line_breaks:
+                # only a copy of the latest item's number (h[end - len(digits) ...] is that number)
+                latest = []
+                q = end - 1
+                while q >= 0 and h[q] in self.value:
+                    latest.insert(0, h[q])
+                    q -= 1
+                written = len(self._digits(int("".join(str(self.value[t]) for t in latest)) + 1)) - len(digits)
+                if j == e or draft[j:e] != latest[written:]:
+                    continue
+            return (draft[:j] + digits + draft[e:])[:len(draft)]
         return None
 
 
@@ -314,14 +343,16 @@ class DraftProposer:
 
     Args:
         params: DraftParams. prediction: the client's expected output (token ids).
-        digits: token ids of "0".."9" (numbered lists; [] off).
+        digits: token ids of "0".."9" (numbered lists; [] off). line_breaks: ids of tokens
+            ending a line (numbered-list numbers start a line; [] any context).
         memory: SharedMemory (None: none). namespace: its scope ("" shares nothing).
     Raises:
         ProposerError: a prediction or digit token is negative.
     """
 
     def __init__(self, params: DraftParams = DraftParams(), prediction: Sequence[int] = (),
-                 digits: Sequence[int] = (), memory=None, namespace: str = ""):
+                 digits: Sequence[int] = (), memory=None, namespace: str = "",
+                 line_breaks: Sequence[int] = ()):
         for t in list(prediction) + list(digits):
             if not isinstance(t, int) or t < 0:
                 raise ProposerError(f"token ids must be ints >= 0, got {t!r}")
@@ -331,7 +362,7 @@ class DraftProposer:
         self.sam = SuffixAutomaton(self.sp.walk_cap)
         self.prompt_len = -1           # set by start_output
         self.prediction = PredictionTracker(list(prediction), params.resync_n) if prediction else None
-        self.numbers = NumberTracker(list(digits))
+        self.numbers = NumberTracker(list(digits), line_breaks=line_breaks)
         self.memory = memory
         self.namespace = namespace
 

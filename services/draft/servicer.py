@@ -54,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                                 f"{len(req.digit_tokens)}")
                         proposer = DraftProposer(self._params(req.min_n), list(req.prediction),
                                                  list(req.digit_tokens), self.memory,
-                                                 req.draft_namespace)
+                                                 req.draft_namespace, list(req.line_break_tokens))
                         proposer.append(req.append)
                         proposer.start_output()
                     else:

@@ -24,12 +24,12 @@ class DraftLink:
 
     def __init__(self, stub: Any, timeout: float | None, min_n: int = 0, max_n: int = 0,
                  prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
-                 draft_namespace: str = ""):
+                 draft_namespace: str = "", line_break_tokens: list[int] | None = None):
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n, self._max_n = min_n, max_n
         self._setup = dict(prediction=prediction or [], digit_tokens=digit_tokens or [],
-                           draft_namespace=draft_namespace)
+                           draft_namespace=draft_namespace, line_break_tokens=line_break_tokens or [])
         self.last_source = 0   # echospec.v1.DraftSource of the last proposal received
 
     def _msg(self, append: list[int], k: int) -> draft_pb2.ProposeStreamRequest:
@@ -39,6 +39,7 @@ class DraftLink:
             m.prediction.extend(self._setup["prediction"])
             m.digit_tokens.extend(self._setup["digit_tokens"])
             m.draft_namespace = self._setup["draft_namespace"]
+            m.line_break_tokens.extend(self._setup["line_break_tokens"])
             self._first = False
         return m
 
