@@ -13,7 +13,7 @@ Estimated speedup = output tokens / sum over rounds of V(K_r)/T, with V(K)/T int
 No overheads (draft hop, Python loop) and no cost model: an upper bound of what drafting gives
 at that engine speed.
 
-    .venv/bin/python bench/draft_replay.py [--k 4 8] [--ratios 4:1.26,8:1.89]
+    .venv/bin/python bench/draft_replay.py [--k 4 8 16] [--ratios 1:1.07,2:1.13,4:1.26,8:1.89,16:3.17]
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def replay(prompt: list[int], output: list[int], make, k: int, table) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--ratios", default="4:1.26,8:1.89")
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--ratios", default="1:1.07,2:1.13,4:1.26,8:1.89,16:3.17")
     ap.add_argument("--model")
     args = ap.parse_args()
     table = {int(a): float(b) for a, b in (x.split(":") for x in args.ratios.split(","))}
