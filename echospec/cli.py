@@ -611,7 +611,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _print_table(rows: list[dict]) -> None:
-    hdr = (f"{'workload':<12} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
+    hdr = (f"{'workload':<15} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
            f"{'tokens':>6} {'tries':>5} {'hits':>5} {'kv_rolls':>8} {'T ms':>6} {'V ms':>6} "
            f"{'ovh ms':>6} {'identical':>9}")
     print(hdr)
@@ -619,7 +619,7 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         off, on = r["off"], r["on"]
         net = (off["seconds"] / on["seconds"] - 1.0) * 100 if on["seconds"] > 0 else 0.0
-        print(f"{r['id']:<12} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
+        print(f"{r['id']:<15} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
               f"{off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} {on['tokens']:>6} {on['tries']:>5} "
               f"{on['hits']:>5} {on['kv_rolls']:>8} {on['t_ms']:>6.2f} {on['v_ms']:>6.2f} "
               f"{on['overhead_ms']:>6.2f} {'yes' if r['identical'] else 'NO':>9}")
