@@ -336,7 +336,9 @@ def test_check_refuses_bad_requests(model_path):
     try:
         for kw, frag in ((dict(prompt=[]), "empty"), (dict(prompt=[3] * N_CTX), "does not fit"),
                          (dict(prompt=[400]), "vocabulary"), (dict(max_tokens=0), "max_tokens"),
-                         (dict(spec=True, k=0), "k must be")):
+                         (dict(spec=True, k=0), "k must be"),
+                         (dict(prediction=(3, 320)), r"prediction\[1\] = 320"),
+                         (dict(digit_tokens=(1, 2)), "0 or 10 ids")):
             args = dict(prompt=[3], max_tokens=4, eos_ids=frozenset(), sampling=Sampling())
             args.update(kw)
             with pytest.raises(InvalidArgument, match=frag):

@@ -58,6 +58,8 @@ class GenerationRequest:
     k: int = 4
     fixed_k: bool = False
     eager: bool = False               # the draft session has a prediction (see controller.eager)
+    prediction: tuple = ()            # the draft session's prediction and digit tokens (ids checked:
+    digit_tokens: tuple = ()          # the draft service drafts them)
 
 
 @dataclass
@@ -85,7 +87,8 @@ def check(core: Any, req: GenerationRequest) -> None:
 
     Raises:
         InvalidArgument: empty prompt, prompt that leaves no room in the
-            context, id outside the vocabulary, max_tokens < 1, k outside
+            context, id outside the vocabulary (prompt, prediction, digit tokens),
+            digit tokens other than 0 or 10, max_tokens < 1, k outside
             [1, max_k] on a speculative request.
         FailedPrecondition: speculation asked for a sampling request.
     """
@@ -101,6 +104,12 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise InvalidArgument(f"prompt[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
     if req.max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
+    for name, ids in (("prediction", req.prediction), ("digit_tokens", req.digit_tokens)):
+        for i, t in enumerate(ids):
+            if not 0 <= t < n_vocab:
+                raise InvalidArgument(f"{name}[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
+    if len(req.digit_tokens) not in (0, 10):
+        raise InvalidArgument(f"digit_tokens must hold 0 or 10 ids, got {len(req.digit_tokens)}")
     if req.spec:
         if not 1 <= req.k <= core.config.max_k:
             raise InvalidArgument(f"k must be in [1, max_k = {core.config.max_k}], got {req.k}")
