@@ -128,3 +128,15 @@ def test_exact_repeats_draft_what_the_ngram_reference_drafts():
     h = text + [99] + text[:4]
     params = SuffixParams(min_match=2, depth_factor=4.0)
     assert draft_of(h, 5, params) == propose_once(h, 5, NgramParams(2, 5))[0] == [15, 16, 17, 18, 19]
+
+
+def test_the_one_pass_choice_is_the_best_ranked_candidate():
+    rng = random.Random(11)
+    for _ in range(100):
+        s = sam_of([rng.randrange(4) for _ in range(rng.randrange(2, 80))])
+        for st in range(s.n_states):
+            ranked = s.candidates(st, 1.0)
+            best = s._best(st, 1.0)
+            assert (ranked == []) == (best is None)
+            if ranked:
+                assert (ranked[0][2], ranked[0][3]) == best[:2]

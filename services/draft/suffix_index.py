@@ -145,6 +145,28 @@ class SuffixAutomaton:
         scored.sort(reverse=True)
         return scored
 
+    def _best(self, state: int, bonus: float) -> tuple[int, int, int] | None:
+        """(token, child, total cnt of the candidates) of the best continuation, as the first
+        of ``candidates`` (one pass, no sort); None when there is none."""
+        cnt, recent = self.cnt, self.recent
+        best = None
+        newest, total = -1, 0
+        for t, c in self.next[state].items():
+            if t < 0:
+                continue
+            total += cnt[c]
+            if recent[c] > newest:
+                newest = recent[c]
+        if total == 0 and newest < 0:
+            return None
+        for t, c in self.next[state].items():
+            if t < 0:
+                continue
+            key = (cnt[c] + (bonus if recent[c] == newest else 0.0), recent[c], t)
+            if best is None or key > best[0]:
+                best = (key, t, c)
+        return best[1], best[2], total
+
     def draft(self, state: int, n: int, k: int, params: SuffixParams) -> tuple[list[int], float]:
         """Up to k tokens continuing a match (``state``, length ``n``); returns (draft, confidence).
 
@@ -162,11 +184,10 @@ class SuffixAutomaton:
                 n = length[state]
             if n < params.min_match:
                 break
-            cands = self.candidates(state, params.recency_bonus)
-            if not cands:
+            best = self._best(state, params.recency_bonus)
+            if best is None:
                 break
-            total = sum(self.cnt[c] for _, _, _, c in cands)
-            _, _, tok, child = cands[0]
+            tok, child, total = best
             share = self.cnt[child] / total if total else 1.0
             if prob * share < params.min_prob:
                 break
