@@ -353,6 +353,9 @@ def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = No
     mode = spec if spec is not None else getattr(args, "spec", None)
     kw["spec"] = {None: None, "off": False, "on": True}[mode]
     kw["k"] = int(getattr(args, "k", 0) or 0)
+    if getattr(args, "prediction_file", None):
+        kw["prediction"] = _read_text("--prediction-file", args.prediction_file)
+    kw["draft_namespace"] = getattr(args, "draft_namespace", None) or ""
     return kw
 
 
@@ -670,6 +673,9 @@ def _load_workloads(path: str) -> list[dict]:
             for i, m in enumerate(msgs):
                 if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
                     _die(f"{path}:{n}: messages[{i}] needs string role and content", 2)
+        for key in ("prediction", "draft_namespace"):
+            if key in w and not isinstance(w[key], str):
+                _die(f"{path}:{n}: {key} must be a string", 2)
         mt = w.get("max_tokens", 256)
         if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
             _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
@@ -685,15 +691,26 @@ def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
     kw = _gen_kwargs(args, messages=w.get("messages"), prompt=w.get("prompt"),
                      max_tokens=max_tokens, spec=spec)
     kw["temperature"] = 0.0
+    kw["prediction"] = w.get("prediction", "")
+    kw["draft_namespace"] = w.get("draft_namespace", "")
     r = client.complete(**kw)
     dt = r.wall_s
     s = r.stats
     return {"seconds": round(dt, 4), "tokens": r.completion_tokens,
             "tokens_per_s": round(r.completion_tokens / dt, 2) if dt > 0 else 0.0,
             "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
+            "rounds": s.rounds, "proposals": s.proposals, "prefill_ms": round(s.prefill_ms, 3),
             "t_ms": round(s.t_ms, 3), "v_ms": round(s.v_ms, 3), "overhead_ms": round(s.overhead_ms, 3),
             "overhead_share": round(s.overhead_share, 4), "spec_enabled": r.spec_enabled,
-            "spec_reason": r.spec_reason}, r
+            "spec_reason": r.spec_reason,
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
+            "sources": s.sources}, r
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -701,6 +718,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads < 0:
         _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
+    if args.repeat < 1:
+        _die(f"--repeat {args.repeat}: must be >= 1", 2)
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:
@@ -710,10 +729,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
                 if args.warmup and i == 1:
                     _run_one(client, args, w, "off")
-                off, roff = _run_one(client, args, w, "off")
-                on, ron = _run_one(client, args, w, "on")
-                identical = roff.token_ids == ron.token_ids and roff.text == ron.text
+                offs, ons, identical = [], [], True
+                for _ in range(args.repeat):   # off and on alternate: load drifts hit both alike
+                    off, roff = _run_one(client, args, w, "off")
+                    on, ron = _run_one(client, args, w, "on")
+                    identical &= list(roff.token_ids) == list(ron.token_ids) and roff.text == ron.text
+                    offs.append(off)
+                    ons.append(on)
+                off, on = _median_run(offs), _median_run(ons)
                 row = {"id": w["id"], "kind": w.get("kind", ""), "identical": identical, "off": off, "on": on}
+                if args.repeat > 1:
+                    row["off_seconds"] = [x["seconds"] for x in offs]
+                    row["on_seconds"] = [x["seconds"] for x in ons]
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row, ensure_ascii=False), flush=True)
@@ -727,7 +754,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _print_table(rows: list[dict]) -> None:
-    hdr = (f"{'workload':<12} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
+    hdr = (f"{'workload':<15} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
            f"{'tokens':>6} {'tries':>5} {'hits':>5} {'kv_rolls':>8} {'T ms':>6} {'V ms':>6} "
            f"{'ovh ms':>6} {'identical':>9}")
     print(hdr)
@@ -735,7 +762,7 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         off, on = r["off"], r["on"]
         net = (off["seconds"] / on["seconds"] - 1.0) * 100 if on["seconds"] > 0 else 0.0
-        print(f"{r['id']:<12} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
+        print(f"{r['id']:<15} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
               f"{off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} {on['tokens']:>6} {on['tries']:>5} "
               f"{on['hits']:>5} {on['kv_rolls']:>8} {on['t_ms']:>6.2f} {on['v_ms']:>6.2f} "
               f"{on['overhead_ms']:>6.2f} {'yes' if r['identical'] else 'NO':>9}")
@@ -834,6 +861,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
     p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
     p.add_argument("--messages", help="JSON file with a list of chat messages ('-': standard input)")
+    p.add_argument("--prediction-file", help="text file with the expected output (a draft source, "
+                   "like OpenAI's predicted outputs)")
+    p.add_argument("--draft-namespace", type=_utf8, default="",
+                   help="share draft memory with earlier requests of this namespace (default: none)")
     _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
@@ -860,11 +891,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_detokenize)
 
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
-    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens")
+    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens; "
+                   "optional prediction (text) and draft_namespace")
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
+    p.add_argument("--repeat", type=_int32, default=1,
+                   help="off/on pairs per workload, alternating; the table shows the median run of each")
     p.add_argument("--timeout", type=_seconds, default=900.0,
                    help="seconds to connect, and for each generation (default 900)")
     _add_client_args(p, "print one JSON line per workload (as each finishes) instead of the table")

@@ -110,6 +110,36 @@ def test_generate_spec_on_off_identical(server):
     assert outs[0]["spec_enabled"] is False and outs[0]["spec_reason"]
 
 
+def test_generate_prediction_file_reaches_the_request(server, tmp_path):
+    # the tiny model's T is so short that the cost model seldom drafts: the counts are checked for
+    # consistency here; tests/test_services_drafting.py checks that predictions are accepted
+    plain = json.loads(run([*ECHOSPEC, "generate", "q r s t", "--target", server["target"], "--json",
+                            "--max-tokens", "16", "--spec", "off"]).stdout)
+    f = tmp_path / "prediction.txt"
+    f.write_text(plain["text"], encoding="utf-8")      # the exact output as the prediction
+    j = json.loads(run([*ECHOSPEC, "generate", "q r s t", "--target", server["target"], "--json",
+                        "--max-tokens", "16", "--spec", "on", "--prediction-file", str(f),
+                        "--draft-namespace", "cli-test"]).stdout)
+    assert j["token_ids"] == plain["token_ids"] and j["text"] == plain["text"]
+    st = j["stats"]
+    pred = st["sources"].get("prediction", {"draft_tokens": 0, "hits": 0})
+    assert st["accepted_prediction_tokens"] == pred["hits"]
+    assert st["accepted_prediction_tokens"] + st["rejected_prediction_tokens"] == pred["draft_tokens"]
+    assert set(st["sources"]) <= {"suffix", "shared", "numbered", "prediction"}
+    # and the request the CLI builds carries the file's text and the namespace
+    import argparse
+    from echospec import cli
+    req = cli._request(argparse.Namespace(prediction_file=str(f), draft_namespace="cli-test",
+                                          max_tokens=16), prompt="q r s t")
+    assert req.prediction == plain["text"] and req.draft_namespace == "cli-test"
+
+
+def test_generate_missing_prediction_file(server, tmp_path):
+    r = run([*ECHOSPEC, "generate", "hi", "--target", server["target"], "--prediction-file",
+             str(tmp_path / "nope.txt")], check=False)
+    assert r.returncode == 2 and "--prediction-file" in r.stderr
+
+
 def test_generate_sampling_refuses_spec_with_reason(server):
     r = run([*ECHOSPEC, "generate", "hello", "--target", server["target"], "--json", "--max-tokens", "4",
              "--spec", "on", "--temperature", "0.8", "--seed", "7"])

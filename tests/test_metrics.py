@@ -35,8 +35,9 @@ def test_metrics_match_the_reported_stats(tmp_path):
         with grpc.insecure_channel(st.target) as ch:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
             results = [stub.Complete(cpb.CompleteRequest(text="a b a b a b a", max_tokens=24, k=4,
-                                                         spec=common_pb2.SPEC_MODE_ON), timeout=60).result
-                       for _ in range(2)]
+                                                         spec=common_pb2.SPEC_MODE_ON, prediction=pred),
+                                     timeout=60).result
+                       for pred in ("", " b a b a b a b a b a b")]
             results.append(stub.Complete(cpb.CompleteRequest(text="x y", max_tokens=5,
                                                              spec=common_pb2.SPEC_MODE_OFF), timeout=60).result)
         m = scrape(port)
@@ -44,6 +45,15 @@ def test_metrics_match_the_reported_stats(tmp_path):
                             ("draft_tokens", "draft_tokens"), ("rounds", "rounds")):
             assert m[f"echospec_spec_{name}_total"] == sum(getattr(r.stats, field) for r in results), name
         assert m["echospec_generated_tokens_total"] == sum(r.completion_tokens for r in results)
+        per: dict[tuple[str, str], int] = {}
+        for r in results:
+            for x in r.stats.sources:
+                for name in ("draft_tokens", "hits", "tries"):
+                    per[(x.source, name)] = per.get((x.source, name), 0) + getattr(x, name)
+        assert per, "no draft source reported"
+        for (source, name), v in per.items():
+            assert m[f'echospec_spec_source_{name}_total{{source="{source}"}}'] == v, (source, name)
+        assert sum(v for (_, name), v in per.items() if name == "hits") == sum(r.stats.hits for r in results)
         gens = sum(v for k, v in m.items() if k.startswith("echospec_generations_total{"))
         assert gens == 3
         assert any('spec="off"' in k for k in m if k.startswith("echospec_generations_total{"))

@@ -72,17 +72,20 @@ def test_controller_backs_off_after_misses_and_resets_on_a_hit():
     c = SpecController(k=2, max_skip=4)
     c.on_proposal([], k_cap=2)             # miss 1: skip 1 round
     assert c.plan(2) == ("none", 0)
-    assert c.plan(2)[0] == "propose"
-    c.on_proposal([3, 4], k_cap=2)
-    c.on_result([3, 4], [9])               # R = 0: miss 2: skip 2 rounds
-    assert [c.plan(2)[0] for _ in range(3)] == ["none", "none", "propose"]
+    assert c.plan(2) == ("none", 0)        # backing off: the proposal goes in flight ...
+    assert c.prefetch_size(0) == 8         # ... beside the plain step
+    c.on_prefetch([3, 4], tokens=[9])      # wrong: miss 2, skip 2 rounds
+    assert c.skip == 2
+    assert [c.prefetch_size(0) if c.plan(2)[0] == "none" else -1 for _ in range(3)] == [0, 8, 8]
     c.on_proposal([], 2)
     c.on_proposal([], 2)                   # misses 3, 4: skip capped at max_skip
     assert c.skip == 4
     c.skip = 0
-    c.on_proposal([1, 2], 2)
+    c.on_prefetch([7, 1, 2], tokens=[7])   # a proposal that continues the output
+    assert c.plan(2) == ("cached", [1, 2])
     c.on_result([1, 2], [1, 7])            # R = 1 resets
     assert (c.misses, c.skip) == (0, 0)
+    assert c.plan(2) == ("propose", 8)     # not backing off: proposals block again
 
 
 def test_controller_never_drafts_past_k_cap():

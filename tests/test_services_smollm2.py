@@ -61,7 +61,8 @@ def complete(stub, **kw) -> cpb.GenerationResult:
 
 @pytest.mark.parametrize("workload", load_workloads(), ids=lambda w: w["id"])
 def test_seed_workload_spec_on_off_byte_identical(stub, workload):
-    kw = dict(messages=chat(workload["messages"]), max_tokens=min(MAX_TOKENS, workload["max_tokens"]))
+    kw = dict(messages=chat(workload["messages"]), max_tokens=min(MAX_TOKENS, workload["max_tokens"]),
+              prediction=workload.get("prediction", ""))
     off = complete(stub, spec=OFF, **kw)
     on = complete(stub, spec=ON, **kw)
     assert on.text.encode() == off.text.encode()

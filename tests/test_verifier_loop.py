@@ -161,7 +161,7 @@ def test_in_flight_proposal_is_kept_only_when_it_continues_the_round():
     c = SpecController(k=2)
     c.on_prefetch([5, 6, 7, 8], tokens=[5])         # the round produced 5: 6 7 8 follow
     assert c.cache == [6, 7, 8]
-    c.on_prefetch([1, 2, 3], tokens=[9])            # disagrees: dropped, the cache stays
+    c.on_prefetch([1, 2, 3], tokens=[9])            # disagrees: dropped, the cache stays (no miss)
     assert c.cache == [6, 7, 8]
     c.cache = []
     c.on_prefetch([], tokens=[9])                   # nothing proposed: a miss
@@ -336,7 +336,9 @@ def test_check_refuses_bad_requests(model_path):
     try:
         for kw, frag in ((dict(prompt=[]), "empty"), (dict(prompt=[3] * N_CTX), "does not fit"),
                          (dict(prompt=[400]), "vocabulary"), (dict(max_tokens=0), "max_tokens"),
-                         (dict(spec=True, k=0), "k must be")):
+                         (dict(spec=True, k=0), "k must be"),
+                         (dict(prediction=(3, 320)), r"prediction\[1\] = 320"),
+                         (dict(digit_tokens=(1, 2)), "0 or 10 ids")):
             args = dict(prompt=[3], max_tokens=4, eos_ids=frozenset(), sampling=Sampling())
             args.update(kw)
             with pytest.raises(InvalidArgument, match=frag):
@@ -411,3 +413,20 @@ def test_speculative_loop_gives_the_plain_output_with_in_flight_proposals(model_
         assert link.closed
     finally:
         core.close()
+
+
+def test_backing_off_proposals_go_in_flight_never_blocking():
+    c = SpecController(k=2)
+    assert c.plan(2) == ("propose", 8)              # no miss yet: the first proposal blocks
+    c.on_proposal([], 2)                            # empty: a miss, skip 1
+    c.skip = 3
+    assert c.plan(2) == ("none", 0) and c.prefetch_size(0) == 0   # skipping: nothing asked
+    c.skip = 1
+    assert c.plan(2) == ("none", 0)                 # the last skipped round ...
+    assert c.prefetch_size(0) == 8                  # ... asks in flight
+    assert c.plan(2) == ("none", 0)                 # still backing off: never a blocking proposal
+    c.on_prefetch([4, 5, 6], tokens=[7])            # wrong, no cache: another miss
+    assert c.misses == 2 and c.skip == 2
+    c.skip = 0
+    c.on_prefetch([4, 5, 6], tokens=[4])            # right: its tail is the next round's draft
+    assert c.plan(2) == ("cached", [5, 6])

@@ -24,12 +24,14 @@ T = TypeVar("T")
 
 @dataclass
 class DraftConfig:
-    """Draft service settings (n-gram range of the proposer)."""
+    """Draft service settings (the proposer's shortest match, the shared memory's bounds)."""
 
     host: str = LOOPBACK
     port: int = 50052
-    min_n: int = 2
-    max_n: int = 5
+    min_n: int = 2               # shortest suffix match the suffix index drafts from
+    max_n: int = 5               # checked (min_n <= max_n); the suffix index's matches are unbounded
+    shared_max_tokens: int = 16384   # draft_namespace memory: tokens kept per namespace (~0.4 KB each)
+    shared_max_namespaces: int = 16  # namespaces kept (least recently used evicted)
     max_workers: int = 64
     max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES

@@ -23,7 +23,10 @@ the mean accepted per round, the mean overhead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+SOURCE_PREDICTION = 4   # echospec.v1.DraftSource
+SOURCE_NAMES = {0: "unknown", 1: "suffix", 2: "shared", 3: "numbered", 4: "prediction"}
 
 
 def gain_condition(accepted: float, v_ms: float, overhead_ms: float, t_ms: float
@@ -61,8 +64,11 @@ class SpecCounters:
     t_ms: float = 0.0
     prefill_ms: float = 0.0
     cached_prompt_tokens: int = 0     # prompt tokens whose KV the verifier reused
+    # per draft source (echospec.v1.DraftSource value): [draft_tokens, hits, tries]
+    sources: dict = field(default_factory=dict)
 
-    def add_round(self, k: int, accepted: int, v_ms: float, wall_ms: float, t_ms: float) -> None:
+    def add_round(self, k: int, accepted: int, v_ms: float, wall_ms: float, t_ms: float,
+                  source: int = 0) -> None:
         """Record one verify round.
 
         Args:
@@ -70,11 +76,17 @@ class SpecCounters:
             v_ms: the verifier's forward + rollback time. wall_ms: the round's
                 wall time in the verifier's generation loop (draft wait included).
             t_ms: the verifier's current T estimate.
+            source: the draft's echospec.v1.DraftSource (0: none or unknown).
         Raises:
             ValueError: R outside [0, K].
         """
         if not (0 <= accepted <= k):
             raise ValueError(f"accepted R={accepted} outside [0, K={k}]")
+        if k >= 1:
+            per = self.sources.setdefault(source, [0, 0, 0])
+            per[0] += k
+            per[1] += accepted
+            per[2] += 1
         self.rounds += 1
         if k >= 1:
             self.tries += 1
@@ -89,6 +101,17 @@ class SpecCounters:
     @property
     def acceptance_rate(self) -> float:
         return self.hits / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """Drafts taken from the request's prediction that were accepted."""
+        return self.sources.get(SOURCE_PREDICTION, [0, 0, 0])[1]
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Drafts taken from the request's prediction that were rejected (rolled back)."""
+        d, h, _ = self.sources.get(SOURCE_PREDICTION, [0, 0, 0])
+        return d - h
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -132,6 +155,9 @@ class SpecCounters:
         assert self.hits + self.kv_rolls == self.draft_tokens, self
         assert self.tries <= self.rounds, self
         assert self.hits >= 0 and self.kv_rolls >= 0, self
+        assert sum(v[0] for v in self.sources.values()) == self.draft_tokens, self
+        assert sum(v[1] for v in self.sources.values()) == self.hits, self
+        assert sum(v[2] for v in self.sources.values()) == self.tries, self
 
 
 BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40,
@@ -254,6 +280,8 @@ class PromMetrics(_Registry):
         echospec_verifier_generations_total{code}  counter: generations it served, by final status
         echospec_verifier_retries_total            counter: generations moved away from it after it
                                                    failed before their first token
+    By draft source (label ``source``: suffix, shared, numbered, prediction):
+    ``echospec_spec_source_{draft_tokens,hits,tries}_total``.
     """
 
     def __init__(self, registry=None) -> None:
@@ -311,6 +339,12 @@ class PromMetrics(_Registry):
         self.v_retries = Counter("echospec_verifier_retries_total", "Generations moved to another "
                                  "verifier after this one failed before their first token",
                                  ["verifier"], registry=r)
+        self.source_draft_tokens = Counter("echospec_spec_source_draft_tokens_total", "Draft tokens "
+                                           "verified, by draft source", ["source"], registry=r)
+        self.source_hits = Counter("echospec_spec_source_hits_total", "Accepted draft tokens, by "
+                                   "draft source", ["source"], registry=r)
+        self.source_tries = Counter("echospec_spec_source_tries_total", "Verify rounds with K >= 1, "
+                                    "by draft source", ["source"], registry=r)
 
     def verifier_state(self, address: str, healthy: bool, active: int, max_sessions: int,
                        free_kv_tokens: int, in_flight: int) -> None:
@@ -362,6 +396,11 @@ class PromMetrics(_Registry):
         self.hits.inc(c.hits)
         self.kv_rolls.inc(c.kv_rolls)
         self.draft_tokens.inc(c.draft_tokens)
+        for src, (d, hits, tries) in c.sources.items():
+            name = SOURCE_NAMES.get(src, "unknown")
+            self.source_draft_tokens.labels(source=name).inc(d)
+            self.source_hits.labels(source=name).inc(hits)
+            self.source_tries.labels(source=name).inc(tries)
         if c.t_ms > 0:
             self.t_s.observe(c.t_ms / 1e3)
         if c.rounds:

@@ -41,6 +41,8 @@ class GenerationParams:
     spec: bool                    # gating passed
     spec_reason: str
     k: int
+    prediction: list[int] = field(default_factory=list)   # the request's prediction, tokenized
+    draft_namespace: str = ""
 
 
 @dataclass
@@ -153,7 +155,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
                 counters.prefill_ms = res.v_ms
                 counters.t_ms = res.t_ms
             else:
-                counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms)
+                counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms, rnd.source)
             tokens.extend(res.tokens)
         d = out.take(tokens) if tokens else Delta("", [])
         if msg.finish and not out.finish:

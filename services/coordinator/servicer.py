@@ -33,7 +33,7 @@ from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verif
 from echospec.services.common import grpc_util
 from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig
-from echospec.services.common.metrics import PromMetrics, RequestRecord
+from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord
 from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
@@ -66,19 +66,51 @@ def _finish_name(reason: int) -> str:
     return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
+MAX_NAMESPACE_CHARS = 256
+
+
+def digit_tokens(tokenizer: Any) -> list[int]:
+    """Token ids of "0".."9" when the tokenizer writes every digit as its own token (numbered-list
+    drafts need it: "10" is then the ids of "1" and "0"); [] otherwise (those drafts stay off)."""
+    ids = [tokenizer.token_to_id(str(d)) for d in range(10)]
+    if any(i is None for i in ids):
+        return []
+    probe = "1234567890"
+    if tokenizer.encode(probe) != [ids[int(c)] for c in probe]:
+        return []
+    return ids
+
+
+def line_break_tokens(tokenizer: Any) -> list[int]:
+    """Ids of the tokens whose text ends with a line feed (a numbered-list number starts a line)."""
+    out = []
+    for i in range(tokenizer.n_vocab):
+        try:
+            if tokenizer.token_bytes(i).endswith(b"\n"):
+                out.append(i)
+        except (ValueError, KeyError):
+            continue
+    return out
+
+
 def _bad(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def stats_to_proto(c) -> common_pb2.SpecStats:
     gain, verdict = c.gain()
+    sources = [common_pb2.DraftSourceStats(source=SOURCE_NAMES.get(src, "unknown"), draft_tokens=d,
+                                           hits=h, tries=t)
+               for src, (d, h, t) in sorted(c.sources.items())]
     return common_pb2.SpecStats(
         tries=c.tries, hits=c.hits, kv_rolls=c.kv_rolls, draft_tokens=c.draft_tokens,
         rounds=c.rounds, proposals=c.proposals, acceptance_rate=c.acceptance_rate,
         mean_acceptance_length=c.mean_acceptance_length,
         mean_accepted_per_round=c.mean_accepted_per_round, t_ms=c.t_ms, v_ms=c.v_ms,
         overhead_ms=c.overhead_ms, overhead_share=c.overhead_share, prefill_ms=c.prefill_ms,
-        gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens)
+        gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens,
+        accepted_prediction_tokens=c.accepted_prediction_tokens,
+        rejected_prediction_tokens=c.rejected_prediction_tokens, sources=sources)
 
 # A verifier's failure before a generation's first token with one of these codes moves the
 # generation to another verifier (once); the others (a bad prompt, a deadline) would fail there too.
@@ -150,6 +182,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.template = template
         self.pool = pool
         self.metrics = metrics if metrics is not None else PromMetrics()
+        self.digit_tokens = digit_tokens(tokenizer)
+        self.line_break_tokens = line_break_tokens(tokenizer) if self.digit_tokens else []
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self) -> verifier_pb2.GetConfigResponse:
@@ -232,8 +266,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         decision = decide_spec(req.spec, cfg.spec, req.temperature, top_p, req.min_p, caps)
         sampling = common_pb2.SamplingParams(temperature=max(0.0, req.temperature), top_k=req.top_k,
                                              top_p=top_p, min_p=req.min_p, seed=req.seed)
+        ns = req.draft_namespace
+        if len(ns) > MAX_NAMESPACE_CHARS or not ns.isprintable():
+            raise _bad(f"draft_namespace must be at most {MAX_NAMESPACE_CHARS} printable characters")
+        # the prediction is tokenized like the output: on its own, no BOS
+        prediction = self.tokenizer.encode(req.prediction) if decision.enabled and req.prediction \
+            else []
         return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
-                                spec=decision.enabled, spec_reason=decision.reason, k=k)
+                                spec=decision.enabled, spec_reason=decision.reason, k=k,
+                                prediction=prediction, draft_namespace=ns)
 
     # -- the generation ------------------------------------------------------------------------
     def _run(self, req: Any, context: grpc.ServicerContext, rpc: str) -> Iterator[Delta | Outcome]:
@@ -333,7 +374,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             link = GenerationLink(lease.stub, verifier_pb2.GenerateTokensRequest(
                 prompt=prompt, max_tokens=params.max_tokens, eos_ids=sorted(self.tokenizer.eos_ids),
                 sampling=params.sampling, spec=params.spec, k=params.k,
-                fixed_k=not self.config.adaptive_k), timeout)
+                fixed_k=not self.config.adaptive_k, prediction=params.prediction,
+                digit_tokens=self.digit_tokens if params.spec else [],
+                line_break_tokens=self.line_break_tokens if params.spec else [],
+                draft_namespace=params.draft_namespace if params.spec else ""), timeout)
             context.add_callback(link.cancel)
             events = link.events()
             try:

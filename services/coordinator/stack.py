@@ -149,7 +149,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
             services/common/lifecycle.py), so call this from a thread that outlives the stack:
             the main thread, as `echospec serve` does.
         n_ctx, n_threads: verifier KV capacity per session and engine threads.
-        k, max_tokens: coordinator defaults. min_n, max_n: draft n-gram range.
+        k, max_tokens: coordinator defaults. min_n, max_n: the draft service's shortest suffix
+            match (min_n; max_n is only checked to be >= it).
         adaptive_k: let the live cost model pick each round's draft length (<= k).
         metrics_port: Prometheus /metrics port (-1: off, 0: a free port). Threads mode: one
             /metrics for the three services; processes mode: the coordinator's, and the verifier

@@ -23,9 +23,12 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
         (handle, servicer); ``handle.port`` is the bound port.
     Raises:
         PortInUseError: host:port (or the metrics port) cannot be bound.
-        ProposerError: invalid n-gram range.
+        ProposerError: invalid n-gram range. ValueError: shared memory bounds below 1.
     """
     NgramParams(config.min_n, config.max_n).validate()  # ProposerError names the bad range
+    if config.shared_max_tokens < 1 or config.shared_max_namespaces < 1:
+        raise ValueError(f"shared memory bounds must be >= 1, got shared_max_tokens="
+                         f"{config.shared_max_tokens} shared_max_namespaces={config.shared_max_namespaces}")
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics,
@@ -41,8 +44,9 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
         log.info("draft metrics on http://%s:%d/metrics", config.host, handle.metrics_port)
     handle.server.start()
     handle.set_serving()
-    log.info("draft service listening on %s:%d (n-gram %d..%d)", config.host, handle.port,
-             config.min_n, config.max_n)
+    log.info("draft service listening on %s:%d (suffix index, shortest match %d; shared memory "
+             "%d tokens x %d namespaces)", config.host, handle.port, config.min_n,
+             config.shared_max_tokens, config.shared_max_namespaces)
     return handle, servicer
 
 

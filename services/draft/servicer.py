@@ -1,4 +1,4 @@
-"""DraftService servicer: proto <-> NgramProposer, proposer errors -> INVALID_ARGUMENT."""
+"""DraftService servicer: proto <-> DraftProposer, proposer errors -> INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import logging
@@ -9,16 +9,19 @@ import grpc
 
 from echospec.v1 import draft_pb2, draft_pb2_grpc
 from echospec.services.common.config import DraftConfig
-from echospec.services.draft.proposer import MAX_K_LIMIT, NgramParams, NgramProposer, ProposerError, propose_once
+from echospec.services.draft.memory import SharedMemory
+from echospec.services.draft.proposer import MAX_K_LIMIT, DraftParams, DraftProposer, ProposerError
+from echospec.services.draft.suffix_index import SuffixParams
 
 log = logging.getLogger("echospec.draft")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    """Serves ProposeStream (one proposer per stream) and stateless Propose.
+    """Serves ProposeStream (one DraftProposer per stream) and stateless Propose.
 
     Args:
-        config: n-gram defaults (min_n, max_n).
+        config: defaults (min_n: the shortest match the suffix index drafts from)
+            and the shared memory's bounds.
     """
 
     def __init__(self, config: DraftConfig):
@@ -26,43 +29,61 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._lock = threading.Lock()
         self.active_sessions = 0
         self.total_sessions = 0
+        self.memory = SharedMemory(config.shared_max_tokens, config.shared_max_namespaces)
 
-    def _params(self, min_n: int, max_n: int) -> NgramParams:
-        return NgramParams(min_n or self.config.min_n, max_n or self.config.max_n).validate()
+    def _params(self, min_n: int) -> DraftParams:
+        n = min_n or self.config.min_n
+        if not 1 <= n <= 64:
+            raise ProposerError(f"min_n must be in [1, 64], got {n}")
+        return DraftParams(suffix=SuffixParams(min_match=n))
 
     def ProposeStream(self, request_iterator: Iterator[draft_pb2.ProposeStreamRequest],
                       context: grpc.ServicerContext) -> Iterator[draft_pb2.ProposeStreamResponse]:
-        """The stream is the session: its history lives until the stream ends."""
+        """The stream is the session: its history lives until the stream ends, then goes to
+        its namespace's shared memory (none without a namespace)."""
         with self._lock:
             self.active_sessions += 1
             self.total_sessions += 1
-        proposer: NgramProposer | None = None
+        proposer: DraftProposer | None = None
         try:
             for req in request_iterator:
                 try:
                     if proposer is None:
-                        proposer = NgramProposer(self._params(req.min_n, req.max_n))
-                    proposer.append(req.append)
+                        if len(req.digit_tokens) not in (0, 10):
+                            raise ProposerError(f"digit_tokens must hold 0 or 10 ids, got "
+                                                f"{len(req.digit_tokens)}")
+                        proposer = DraftProposer(self._params(req.min_n), list(req.prediction),
+                                                 list(req.digit_tokens), self.memory,
+                                                 req.draft_namespace, list(req.line_break_tokens))
+                        proposer.append(req.append)
+                        proposer.start_output()
+                    else:
+                        proposer.append(req.append)
                     if req.k < 0 or req.k > MAX_K_LIMIT:
                         raise ProposerError(f"k must be in [0, {MAX_K_LIMIT}], got {req.k}")
                     if req.k == 0:
                         continue
-                    draft, n = proposer.propose(req.k)
+                    draft, n, source = proposer.propose(req.k)
                 except ProposerError as exc:
+                    proposer = None    # a refused stream is not remembered
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 yield draft_pb2.ProposeStreamResponse(draft=draft, matched_n=n,
-                                                      history_len=len(proposer))
+                                                      history_len=len(proposer), source=source)
         finally:
             with self._lock:
                 self.active_sessions -= 1
+            if proposer is not None:
+                proposer.remember()
 
     def Propose(self, request: draft_pb2.ProposeRequest,
                 context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
+        """The suffix index over ``tokens`` alone (no prediction, no shared memory)."""
         if request.k < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k must be >= 1, got {request.k}")
         try:
-            draft, n = propose_once(list(request.tokens), request.k,
-                                    self._params(request.min_n, request.max_n))
+            p = DraftProposer(self._params(request.min_n))
+            p.append(list(request.tokens))
+            draft, n, _ = p.propose(request.k)
         except ProposerError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return draft_pb2.ProposeResponse(draft=draft, matched_n=n)

@@ -17,10 +17,12 @@ predicts the tokens after h; after the round produced the tokens t
 (accepted drafts + bonus) it is still valid when it starts with t, and its
 remainder becomes the cache (``on_prefetch``).
 
-Back-off: a proposal that comes back empty, or a verified draft with R = 0,
-is a miss; after m consecutive misses the next proposal waits
-min(2 ** (m - 1), max_skip) rounds (plain decode steps in between), so free
-text that finds no drafts pays the draft hop only now and then. Any accepted
+Back-off: a proposal that comes back empty or wrong, or a verified draft with
+R = 0, is a miss; after m consecutive misses the next proposal waits
+min(2 ** (m - 1), max_skip) rounds (plain decode steps in between) and is
+sent in flight, beside a plain step, never on the critical path, so free text
+that finds no drafts pays no draft hop at all; its proposal is drafted from
+the cache the round after, when it still continues the output. Any accepted
 draft (R >= 1) resets the back-off.
 Fetch: a proposal asks for up to ``fetch_factor * k`` tokens (capped by the
 tokens still allowed); the verifier gets at most k of them per round and the
@@ -40,7 +42,8 @@ drafts at hand but none chosen, every probe_every-th round still drafts 2
 tokens, so a stale
 estimate is measured again rather than locking drafting out. T, V(K) and o are
 measured live by each generation (CostModel: they depend on its context depth);
-p is this generation's recency-weighted acceptance (Beta(1, 1) prior), as
+p is this generation's recency-weighted acceptance of the draft's source
+(Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction), as
 in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 """
 from __future__ import annotations
@@ -146,15 +149,21 @@ class SpecController:
     cache: list[int] = field(default_factory=list)
     misses: int = 0
     skip: int = 0
-    acc_hits: float = 0.0              # decayed accepted drafts
-    acc_fails: float = 0.0             # decayed rejections (rounds that stopped before K)
+    # per draft source (DraftSource value): [decayed accepted drafts, decayed rejections
+    # (rounds that stopped before K)]
+    acc: dict = field(default_factory=dict)
     probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
     since_probe: int = 0
+    cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
+    eager: bool = False                # back-off rounds still ask in flight (a request with a prediction)
 
     @property
     def p_accept(self) -> float:
-        """Recency-weighted per-token acceptance probability, Beta(1, 1) prior."""
-        return (self.acc_hits + 1.0) / (self.acc_hits + self.acc_fails + 2.0)
+        """Recency-weighted per-token acceptance probability of the cache's source, Beta(1, 1)
+        prior: a source's misses do not hold back another (a prediction that rejoins the output
+        after the suffix index missed drafts at once)."""
+        hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
+        return (hits + 1.0) / (hits + fails + 2.0)
 
     def _choose(self, available: int, hop: bool) -> int:
         if self.cost is None:
@@ -188,11 +197,14 @@ class SpecController:
         if self.skip > 0:
             self.skip -= 1
             return "none", 0
+        if self.misses > 0:
+            return "none", 0     # backing off: the next proposal goes in flight (prefetch_size)
         return "propose", max(1, self.fetch_factor * self.k)
 
-    def on_proposal(self, draft: list[int], k_cap: int) -> list[int]:
-        """Store a proposal; return this round's draft (its first min(k, k_cap) tokens)."""
+    def on_proposal(self, draft: list[int], k_cap: int, source: int = 0) -> list[int]:
+        """Store a proposal (from ``source``); return this round's draft (its first min(k, k_cap) tokens)."""
         self.cache = list(draft)
+        self.cache_source = source
         if not self.cache:
             self._miss()
             return []
@@ -205,8 +217,9 @@ class SpecController:
             self.cache = self.cache[1:] if self.cache and tokens and self.cache[0] == tokens[0] else []
             return
         r = len(tokens) - 1
-        self.acc_hits = self.acc_hits * self.decay + r
-        self.acc_fails = self.acc_fails * self.decay + (1.0 if r < len(draft) else 0.0)
+        hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
+        self.acc[self.cache_source] = (hits * self.decay + r,
+                                       fails * self.decay + (1.0 if r < len(draft) else 0.0))
         if r < len(draft):
             self.cache = []
         else:
@@ -229,18 +242,18 @@ class SpecController:
         tokens (0: plain step); 0 when the cache still covers the next round or
         the back-off is skipping proposals.
         """
-        if self.k <= 0 or self.skip > 0:
+        if self.k <= 0 or (self.skip > 0 and not self.eager):
             return 0
         if len(self.cache) - n_draft - 1 >= self.k:
             return 0
         return max(1, self.fetch_factor * self.k)
 
-    def on_prefetch(self, proposal: list[int], tokens: list[int]) -> None:
+    def on_prefetch(self, proposal: list[int], tokens: list[int], source: int = 0) -> None:
         """Take an in-flight proposal made on the history before a round that yielded ``tokens``.
 
         It replaces the cache when it starts with ``tokens`` (its remainder
         continues the new history); an empty proposal is a miss; one that
-        disagrees with the round's tokens is dropped.
+        disagrees with the round's tokens is dropped (a miss too when there is no cache).
         """
         if not proposal:
             if not self.cache:
@@ -249,6 +262,9 @@ class SpecController:
         n = len(tokens)
         if len(proposal) > n and proposal[:n] == list(tokens):
             self.cache = list(proposal[n:])
+            self.cache_source = source
+        elif not self.cache:
+            self._miss()
 
     def drop(self) -> None:
         """Forget the cache (the draft service went away)."""

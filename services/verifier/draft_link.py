@@ -22,15 +22,24 @@ class DraftLink:
         stub: DraftServiceStub. timeout: the generation's deadline in seconds (None: none).
     """
 
-    def __init__(self, stub: Any, timeout: float | None, min_n: int = 0, max_n: int = 0):
+    def __init__(self, stub: Any, timeout: float | None, min_n: int = 0, max_n: int = 0,
+                 prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
+                 draft_namespace: str = "", line_break_tokens: list[int] | None = None):
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n, self._max_n = min_n, max_n
+        self._setup = dict(prediction=prediction or [], digit_tokens=digit_tokens or [],
+                           draft_namespace=draft_namespace, line_break_tokens=line_break_tokens or [])
+        self.last_source = 0   # echospec.v1.DraftSource of the last proposal received
 
     def _msg(self, append: list[int], k: int) -> draft_pb2.ProposeStreamRequest:
         m = draft_pb2.ProposeStreamRequest(append=append, k=k)
-        if self._first:
+        if self._first:   # the session's setup; its append is the prompt
             m.min_n, m.max_n = self._min_n, self._max_n
+            m.prediction.extend(self._setup["prediction"])
+            m.digit_tokens.extend(self._setup["digit_tokens"])
+            m.draft_namespace = self._setup["draft_namespace"]
+            m.line_break_tokens.extend(self._setup["line_break_tokens"])
             self._first = False
         return m
 
@@ -43,13 +52,15 @@ class DraftLink:
         self._stream.send(self._msg(append, n))
 
     def recv_proposal(self) -> list[int]:
-        """The proposal asked for by the last ``send_propose``.
+        """The proposal asked for by the last ``send_propose`` (its source: ``last_source``).
 
         Raises:
             DraftUnavailable: the stream failed (service down, refused, ended).
         """
         try:
-            return list(self._stream.recv().draft)
+            resp = self._stream.recv()
+            self.last_source = resp.source
+            return list(resp.draft)
         except grpc.RpcError as exc:
             raise DraftUnavailable(f"draft service unreachable ({exc.code().name}:"
                                    f" {exc.details()})") from None

@@ -57,6 +57,9 @@ class GenerationRequest:
     spec: bool = False
     k: int = 4
     fixed_k: bool = False
+    eager: bool = False               # the draft session has a prediction (see controller.eager)
+    prediction: tuple = ()            # the draft session's prediction and digit tokens (ids checked:
+    digit_tokens: tuple = ()          # the draft service drafts them)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class RoundEvent:
     proposals: int = 0                # draft round trips in this round
     cached_prompt_tokens: int = 0     # prefill only
     spec_reason: str = ""             # set when speculation stops
+    source: int = 0                   # echospec.v1.DraftSource of the draft (0: none)
     finish: int = 0                   # FINISH_CONTEXT on a last event without tokens
     prefill: bool = False
 
@@ -83,7 +87,8 @@ def check(core: Any, req: GenerationRequest) -> None:
 
     Raises:
         InvalidArgument: empty prompt, prompt that leaves no room in the
-            context, id outside the vocabulary, max_tokens < 1, k outside
+            context, id outside the vocabulary (prompt, prediction, digit tokens),
+            digit tokens other than 0 or 10, max_tokens < 1, k outside
             [1, max_k] on a speculative request.
         FailedPrecondition: speculation asked for a sampling request.
     """
@@ -99,6 +104,12 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise InvalidArgument(f"prompt[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
     if req.max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
+    for name, ids in (("prediction", req.prediction), ("digit_tokens", req.digit_tokens)):
+        for i, t in enumerate(ids):
+            if not 0 <= t < n_vocab:
+                raise InvalidArgument(f"{name}[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
+    if len(req.digit_tokens) not in (0, 10):
+        raise InvalidArgument(f"digit_tokens must hold 0 or 10 ids, got {len(req.digit_tokens)}")
     if req.spec:
         if not 1 <= req.k <= core.config.max_k:
             raise InvalidArgument(f"k must be in [1, max_k = {core.config.max_k}], got {req.k}")
@@ -210,12 +221,13 @@ class _Drafts:
     draft service ends speculation for the generation (``reason`` says why).
     """
 
-    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int]):
+    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int], eager: bool = False):
         self.link = link
-        self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel())
+        self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel(), eager=eager)
         self.synced = 0              # history tokens the draft service has
         self.in_flight = False
         self.reason = ""
+        self.source = 0              # DraftSource of the round's draft
         if link is not None:
             link.append(prompt)      # indexed while the prompt is prefilled
             self.synced = len(prompt)
@@ -228,7 +240,8 @@ class _Drafts:
         self.ctl.drop()
 
     def before(self, history: list[int], k_cap: int, room: int) -> tuple[list[int], float | None, int]:
-        """The round's draft, the blocking draft hop's ms (None: none) and the proposals made.
+        """The round's draft, the blocking draft hop's ms (None: none) and the proposals made;
+        the draft's source is then in ``self.source``.
 
         Args:
             history: prompt + output so far (the pending token last).
@@ -238,10 +251,12 @@ class _Drafts:
             return [], None, 0
         drf: list[int] = []
         hop_ms, proposals = None, 0
+        self.source = 0
         try:
             kind, arg = self.ctl.plan(k_cap)
             if kind == "cached":
                 drf = arg
+                self.source = self.ctl.cache_source
             elif kind == "propose":
                 h0 = time.perf_counter()
                 self.link.send_propose(history[self.synced:], max(1, min(arg, room - 1)))
@@ -249,7 +264,8 @@ class _Drafts:
                 proposal = self.link.recv_proposal()
                 hop_ms = (time.perf_counter() - h0) * 1e3
                 proposals = 1
-                drf = self.ctl.on_proposal(proposal, k_cap)
+                drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
+                self.source = self.ctl.cache_source
             if kind != "propose" and k_cap > 0:
                 n_pf = self.ctl.prefetch_size(len(drf))
                 if n_pf:   # in flight while the forward runs
@@ -274,7 +290,7 @@ class _Drafts:
             self._lost(exc)
             return 0
         self.ctl.on_result(drf, tokens)
-        self.ctl.on_prefetch(p, tokens)
+        self.ctl.on_prefetch(p, tokens, getattr(self.link, "last_source", 0))
         return 1
 
 
@@ -282,7 +298,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
     core, req, session = run.core, run.req, run.session
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
-    drafts = _Drafts(link, req.k, req.fixed_k, history)
+    drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager)
     first, prefill_ms = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
@@ -335,7 +351,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
                 done = True
                 break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                        proposals)
+                        proposals, source=drafts.source if k else 0)
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
         if done:

@@ -50,7 +50,7 @@ def _draft_opener(config: VerifierConfig):
 
     stub = draft_pb2_grpc.DraftServiceStub(
         grpc_util.channel(config.draft_target, config.max_message_bytes, grpc_util.Tls.of(config)))
-    return lambda timeout: DraftLink(stub, timeout)
+    return lambda timeout, **setup: DraftLink(stub, timeout, **setup)
 
 
 def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:

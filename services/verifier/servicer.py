@@ -43,7 +43,7 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
                 tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
                 hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
                 n_past=ev.n_past, n_ctx=ev.n_ctx),
-            wall_ms=ev.wall_ms, proposals=ev.proposals)
+            wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source)
         if ev.prefill:
             msg.cached_prompt_tokens = ev.cached_prompt_tokens
         if ev.spec_reason:
@@ -77,7 +77,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, core: VerifierCore | None = None,
                  open_draft: Callable[[float | None], Any] | None = None):
         self.core = core
-        self.open_draft = open_draft   # (timeout s) -> DraftLink; None: no draft service
+        self.open_draft = open_draft   # (timeout s, **session setup) -> DraftLink; None: no draft service
 
     def _core(self, context: grpc.ServicerContext) -> VerifierCore:
         core = self.core
@@ -104,7 +104,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         req = GenerationRequest(
             prompt=list(request.prompt), max_tokens=request.max_tokens,
             eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
-            spec=request.spec, k=request.k, fixed_k=request.fixed_k)
+            spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0,
+            prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens))
+        setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
+                     draft_namespace=request.draft_namespace,
+                     line_break_tokens=list(request.line_break_tokens))
         cancel = threading.Event()
         drafts: list[Any] = []
 
@@ -120,7 +124,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             timeout = None if timeout is None or timeout > 1e6 else timeout
 
             def open_draft():
-                d = self.open_draft(timeout)
+                d = self.open_draft(timeout, **setup)
                 drafts.append(d)
                 return d
         context.add_callback(_on_end)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Iterator, Mapping, Sequence, Union
 
 import grpc
@@ -39,6 +39,9 @@ class SpecStats:
     draft_tokens, mean_acceptance_length = 1 + hits / tries. t_ms, v_ms, overhead_ms,
     prefill_ms are milliseconds measured by the verifier. cached_prompt_tokens: prompt tokens
     whose KV the verifier's prefix cache supplied (not prefilled again).
+    accepted/rejected_prediction_tokens: drafts from the request's prediction accepted and
+    rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction") that
+    drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}.
     """
 
     tries: int = 0
@@ -60,10 +63,14 @@ class SpecStats:
     cached_prompt_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    sources: dict = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, s: common_pb2.SpecStats) -> "SpecStats":
-        return cls(**{f.name: getattr(s, f.name) for f in fields(cls)})
+        kw = {f.name: getattr(s, f.name) for f in fields(cls) if f.name != "sources"}
+        kw["sources"] = {x.source: {"draft_tokens": x.draft_tokens, "hits": x.hits, "tries": x.tries}
+                         for x in s.sources}
+        return cls(**kw)
 
 
 FINISH_REASONS = {

@@ -1,0 +1,146 @@
+"""Draft sources through the services on SmolLM2-135M-Instruct Q4_1: predictions (followed,
+resynchronised after an edit, wrong, empty, long, another script), numbered lists on the real
+tokenizer, namespace-scoped shared memory; every output byte-identical to speculation off."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from echospec.services.coordinator.stack import start_stack
+
+ROOT = Path(__file__).resolve().parents[1]
+OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON
+
+
+def workload(wid: str) -> dict:
+    with open(ROOT / "workloads" / "seed.jsonl") as f:
+        return next(w for w in map(json.loads, filter(str.strip, f)) if w["id"] == wid)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def stub(smollm2):
+    st = start_stack(smollm2, spec=False, n_ctx=1024)
+    ch = grpc.insecure_channel(st.target)
+    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    ch.close()
+    st.stop()
+
+
+def chat(messages):
+    return [cpb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(**kw), timeout=600).result
+
+
+def sources(r) -> dict:
+    return {s.source: s for s in r.stats.sources}
+
+
+def on_off(stub, **kw):
+    off = complete(stub, spec=OFF, **kw)
+    on = complete(stub, spec=ON, **kw)
+    assert on.text.encode() == off.text.encode() and list(on.token_ids) == list(off.token_ids)
+    assert on.finish_reason == off.finish_reason
+    s = on.stats
+    assert s.hits + s.kv_rolls == s.draft_tokens
+    assert sum(x.draft_tokens for x in s.sources) == s.draft_tokens
+    assert sum(x.hits for x in s.sources) == s.hits and sum(x.tries for x in s.sources) == s.tries
+    pred = sources(on).get("prediction")
+    if pred is None:
+        assert s.accepted_prediction_tokens == s.rejected_prediction_tokens == 0
+    else:
+        assert s.accepted_prediction_tokens == pred.hits
+        assert s.accepted_prediction_tokens + s.rejected_prediction_tokens == pred.draft_tokens
+    return off, on
+
+
+CODE = workload("code_edit_pred")
+
+
+def test_prediction_of_a_code_edit_is_drafted_and_accepted(stub):
+    off, on = on_off(stub, messages=chat(CODE["messages"]), max_tokens=96, prediction=CODE["prediction"])
+    # the output's first line ("Here's how ...") is not in the prediction; the code is
+    assert on.stats.accepted_prediction_tokens >= 30, on.stats
+
+
+def test_prediction_resynchronises_after_an_edit(stub):
+    kw = dict(messages=chat(CODE["messages"]), max_tokens=96)
+    off = complete(stub, spec=OFF, **kw)
+    lines = off.text.split("\n")
+    assert len(lines) > 8
+    # the prediction is the real output with its third line replaced: drafts must rejoin after it
+    edited = "\n".join(lines[:2] + ["    this line is not in the output at all = 42"] + lines[3:])
+    _, on = on_off(stub, prediction=edited, **kw)
+    head = len(stub.Tokenize(cpb.TokenizeRequest(text="\n".join(lines[:3])), timeout=60).token_ids)
+    assert len(on.token_ids) > head + 40
+    # more prediction tokens accepted than precede the edit: drafting went on after it
+    assert on.stats.accepted_prediction_tokens > head + 20, (on.stats, head)
+
+
+@pytest.mark.parametrize("prediction", [
+    "def totally_different():\n    return [x ** 2 for x in range(10)]\n",   # wrong
+    "",                                                                     # empty
+    CODE["prediction"] * 6,                                                 # longer than max_tokens
+    "Кестрел — небольшой сокол. 小さなハヤブサ。",                          # another script
+])
+def test_any_prediction_gives_the_plain_output(stub, prediction):
+    on_off(stub, messages=chat(CODE["messages"]), max_tokens=48, prediction=prediction)
+
+
+def test_numbered_list_drafts_the_next_number_on_the_real_tokenizer(smollm2):
+    from echospec.services.common.tokenizer import Tokenizer
+    from echospec.services.coordinator.servicer import digit_tokens
+    from echospec.services.draft.proposer import SOURCE_NUMBERED, DraftProposer
+
+    tok = Tokenizer.from_gguf(smollm2)
+    digits = digit_tokens(tok)
+    assert len(digits) == 10
+    p = DraftProposer(digits=digits)
+    p.append(tok.encode("Shopping list:\n1. Apples\n2. Bread\n3. Milk\n"))
+    draft, _, source = p.propose(4)
+    assert source == SOURCE_NUMBERED and tok.decode(draft).startswith("4.")
+    p = DraftProposer(digits=digits)
+    p.append(tok.encode("Steps:\n8. Stir\n9. Serve\n"))
+    draft, _, _ = p.propose(4)
+    assert tok.decode(draft).startswith("10.")
+
+
+def test_numbered_workload_accepts_numbered_drafts(stub):
+    w = workload("numbered")
+    _, on = on_off(stub, messages=chat(w["messages"]), max_tokens=120)
+    num = sources(on).get("numbered")
+    assert num is not None and num.hits >= 3, on.stats
+
+
+def test_namespace_shares_only_within_itself(stub):
+    msgs = chat([{"role": "user", "content": "Describe a kestrel hunting over a meadow in two sentences."}])
+    first = complete(stub, spec=ON, messages=msgs, max_tokens=40, draft_namespace="team-a")
+    # the same request again: team-a's memory holds the answer, team-b's and no namespace's do not
+    _, again = on_off(stub, messages=msgs, max_tokens=40, draft_namespace="team-a")
+    assert list(again.token_ids) == list(first.token_ids)
+    assert sources(again)["shared"].hits >= 10, again.stats
+    _, other = on_off(stub, messages=msgs, max_tokens=40, draft_namespace="team-b")
+    assert "shared" not in sources(other)
+    _, none = on_off(stub, messages=msgs, max_tokens=40)
+    assert "shared" not in sources(none)
+
+
+def test_bad_namespace_is_refused(stub):
+    with pytest.raises(grpc.RpcError) as ei:
+        complete(stub, text="hi", max_tokens=2, draft_namespace="x" * 300)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
