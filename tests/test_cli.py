@@ -129,9 +129,9 @@ def test_generate_prediction_file_reaches_the_request(server, tmp_path):
     # and the request the CLI builds carries the file's text and the namespace
     import argparse
     from echospec import cli
-    req = cli._request(argparse.Namespace(prediction_file=str(f), draft_namespace="cli-test",
-                                          max_tokens=16), prompt="q r s t")
-    assert req.prediction == plain["text"] and req.draft_namespace == "cli-test"
+    kw = cli._gen_kwargs(argparse.Namespace(prediction_file=str(f), draft_namespace="cli-test",
+                                            max_tokens=16), prompt="q r s t")
+    assert kw["prediction"] == plain["text"] and kw["draft_namespace"] == "cli-test"
 
 
 def test_generate_missing_prediction_file(server, tmp_path):

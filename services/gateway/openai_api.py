@@ -13,7 +13,8 @@ Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation spe
 
 Responses carry OpenAI's fields plus one extra object, ``echospec``:
     {"spec_enabled": bool, "spec_reason": str, "finish_reason": "eos"|"stop"|"length"|"context",
-     "stats": {tries, hits, kv_rolls, draft_tokens, ..., accepted_prediction_tokens, ...}}
+     "stats": {tries, hits, kv_rolls, draft_tokens, ..., accepted_prediction_tokens, ...,
+               "sources": {source: {draft_tokens, hits, tries}}}}
 (in a stream: on the chunk that carries finish_reason).
 """
 from __future__ import annotations
@@ -315,7 +316,9 @@ def extras(result: coordinator_pb2.GenerationResult) -> dict:
         "spec_reason": result.spec_reason,
         "finish_reason": common_pb2.FinishReason.Name(result.finish_reason)
         .removeprefix("FINISH_REASON_").lower(),
-        "stats": {name: getattr(s, name) for name in _STAT_FIELDS},
+        "stats": {**{name: getattr(s, name) for name in _STAT_FIELDS if name != "sources"},
+                  "sources": {x.source: {"draft_tokens": x.draft_tokens, "hits": x.hits,
+                                         "tries": x.tries} for x in s.sources}},
     }
 
 
