@@ -66,8 +66,13 @@ class _FakeSession:
         return np.zeros(len(tokens), dtype=np.int32), None
 
 
+def _fake_batch(items):
+    """forward_batch over _FakeSession steps: each session's forward in turn."""
+    return [s.forward(tokens, logits) for s, tokens, head, logits in items]
+
+
 def test_a_cancelled_waiting_step_never_runs():
-    sched = Scheduler(threading.Lock())
+    sched = Scheduler(threading.Lock(), run_batch=_fake_batch)
     log: list = []
     release = threading.Event()
     a = threading.Thread(target=lambda: sched.run(Step(_FakeSession(log, "a", release), [1])))
@@ -96,7 +101,7 @@ def test_a_cancelled_waiting_step_never_runs():
 
 
 def test_steps_of_several_sessions_share_iterations_up_to_batch_max():
-    sched = Scheduler(threading.Lock(), batch_max=3)
+    sched = Scheduler(threading.Lock(), batch_max=3, run_batch=_fake_batch)
     sched.trace = []
     log: list = []
     release = threading.Event()
