@@ -108,6 +108,7 @@ def test_a_bad_item_fails_alone_with_its_kv_unchanged(model):
     assert _same(forward_batch([(c, [4, 9], "all", "all")])[0], want_b)
     # a token out of range alone, beside a good item
     ref.rollback(3)
+    ref.forward([4, 9])                      # c's history now
     want_c = ref.forward([8], logits="last")
     got = forward_batch([(a, [-1], "all", "none"), (c, [8], "all", "last")])
     assert isinstance(got[0], EngineError) and "outside the vocabulary" in got[0].message and a.n_past == 5
