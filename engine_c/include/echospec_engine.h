@@ -236,18 +236,19 @@ typedef struct {
  * results are bitwise what es_forward / es_forward_last give for its session
  * alone, whatever the other items, their order and the thread count.
  *
- * The call runs on the thread pool and scratch of the first item's session
- * (its scratch grows to the batch's total tokens), so it owns every session
- * of the batch for its duration, as es_forward owns one.
+ * The call runs on the thread pool and scratch of the first item that
+ * passes its checks (that session's scratch grows to the batch's total
+ * tokens), and it owns every session of the batch for its duration, as
+ * es_forward owns one: the caller keeps other threads off all of them.
  *
  * Errors, per item (items[i].status, the message on its session): every
- * error es_forward gives, and ES_ERR_INVALID_ARG for a NULL session, a
- * head other than ES_HEAD_ALL / ES_HEAD_LAST, a session on another model
- * than the first item's, or a session that appears in more than one item
- * (all of them fail). A failed item does not run and its KV cache is
- * unchanged; the other items run. ES_ERR_NOMEM (the batch's scratch could not
- * be allocated) fails every item, with the message on the first item's
- * session.
+ * error es_forward gives, and ES_ERR_INVALID_ARG for a NULL session (no
+ * message), a head other than ES_HEAD_ALL / ES_HEAD_LAST, a session on
+ * another model than the first non-NULL session's, or a session that
+ * appears in more than one item (all of them fail). A failed item does not
+ * run and its KV cache is unchanged; the other items run. ES_ERR_NOMEM (the
+ * batch's scratch could not be allocated) fails every item that passed its
+ * checks, and none runs.
  * Returns ES_OK when every item succeeded, else the status of the first item
  * that failed; ES_ERR_INVALID_ARG, touching nothing, when items is NULL or
  * n_items is not in [1, ES_MAX_BATCH].

@@ -3,7 +3,8 @@
  *
  * A session owns one KV sequence (kv_cache.c: F16, blocks of ES_KV_BLOCK
  * positions; the layout is described in internal.h), a thread pool and the
- * scratch of one call.
+ * scratch of one call. es_forward_batch runs the rows of several sessions
+ * as one call on the first one's pool and scratch (fwd_seg, fwd_call).
  *
  * Determinism: every per-row operation here (RMSNorm, RoPE, attention for one
  * (position, head), SwiGLU, residual adds, argmax) reads only its own row and
