@@ -9,6 +9,11 @@ What it measures (greedy, speculation off unless said otherwise):
                     token, per client (p50, max); identical = every client's output equals
                     the same prompt's output run alone (the 1-client level runs the 8
                     prompts one at a time: the baseline of "one at a time").
+    paired          the goal figure, robust to a shared host's drifting load: two stacks
+                    (batch_max 1 and 8, prefix cache off) in this process; --pairs times, in
+                    alternating order, the 8 prompts one at a time on the first and all 8 at
+                    once on the second, seconds apart. ratio = 8-at-once tok/s / one-at-a-time
+                    tok/s of the same pair; median_ratio over the pairs (0 pairs: skipped).
     plain decode    the stack's greedy decode rate against the engine's own on the same
                     prompt, threads and loaded model, in the same run, alternated over --rounds
                     rounds (the engine is driven in this process through services.common.engine,
@@ -153,6 +158,53 @@ def concurrency(path: str, args, batch_max: int) -> dict:
         st.stop()
 
 
+def paired(path: str, args) -> dict:
+    n = max(args.clients)
+    stacks = {b: start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_max=b,
+                             prefix_cache=False, max_tokens=args.max_tokens) for b in (1, n)}
+    chans = {b: grpc.insecure_channel(st.target) for b, st in stacks.items()}
+    stubs = {b: coordinator_pb2_grpc.CoordinatorServiceStub(ch) for b, ch in chans.items()}
+    try:
+        n_vocab = stubs[1].GetInfo(cpb.GetInfoRequest()).n_vocab
+        prompts = [_prompt_ids(stubs[1], 100 + i, args.prompt_words, n_vocab) for i in range(n)]
+        for b in stubs:
+            stream_one(stubs[b], prompts[0], 8)
+
+        def one_at_a_time():
+            return [stream_one(stubs[1], p, args.max_tokens) for p in prompts]
+
+        def at_once():
+            runs = [None] * n
+            def client(i):  # noqa: E306
+                runs[i] = stream_one(stubs[n], prompts[i], args.max_tokens)
+            ths = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+            return runs
+
+        pairs = []
+        for k in range(args.pairs):
+            got = {}
+            for f in ((one_at_a_time, at_once) if k % 2 == 0 else (at_once, one_at_a_time)):
+                t0 = time.perf_counter()
+                runs = f()
+                got[f.__name__] = (runs, sum(len(r["ids"]) for r in runs) / (time.perf_counter() - t0))
+            (ra, sa), (rb, sb) = got["one_at_a_time"], got["at_once"]
+            pairs.append({"one_at_a_time_tok_s": round(sa, 2), "at_once_tok_s": round(sb, 2),
+                          "ratio": round(sb / sa, 3),
+                          "identical": all(a["ids"] == b["ids"] for a, b in zip(ra, rb))})
+            log(f"pair {k}: {n} at once {sb:.1f} tok/s, one at a time {sa:.1f} tok/s, ratio {sb / sa:.2f}")
+        return {"clients": n, "batch_max": n, "pairs": pairs,
+                "median_ratio": round(statistics.median(p["ratio"] for p in pairs), 3)}
+    finally:
+        for ch in chans.values():
+            ch.close()
+        for st in stacks.values():
+            st.stop()
+
+
 class EngineDecoder:
     """The engine's own greedy decode in this process (services.common.engine).
 
@@ -255,11 +307,14 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4, help="alternated stack/engine decode rounds")
     ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="alternated one-at-a-time / all-at-once pairs (0: skip the paired figure)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a sanity run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.decode_tokens, args.rounds, args.long_tokens = 16, 32, 2, 300
+        args.pairs = min(args.pairs, 1)
     args.clients = [int(x) for x in args.clients.split(",")]
     if 1 not in args.clients:
         args.clients.insert(0, 1)
@@ -270,6 +325,9 @@ def main() -> int:
                "cores": os.cpu_count(), "max_tokens": args.max_tokens}
         out["concurrency"] = {f"batch_max_{bm}": concurrency(path, args, int(bm))
                               for bm in args.batch_max.split(",")}
+        if args.pairs > 0:
+            log("paired: one at a time vs all at once, alternated")
+            out["paired"] = paired(path, args)
         log("plain decode: stack vs engine")
         out["plain_decode"] = plain_decode(path, args)
         log("prefix reuse")
@@ -283,6 +341,12 @@ def main() -> int:
             print(f"{bm:12} {n:>2} clients: {lv['aggregate_tok_s']:8.1f} tok/s ({lv['vs_one_at_a_time']}x one at"
                   f" a time), TTFT p50 {lv['ttft_ms_p50']:8.1f} ms max {lv['ttft_ms_max']:8.1f} ms,"
                   f" identical {lv['identical']}")
+    if "paired" in out:
+        pr = out["paired"]
+        print(f"paired: {pr['clients']} clients at once (batch_max {pr['batch_max']}) vs one at a time:"
+              f" median {pr['median_ratio']}x over {len(pr['pairs'])} pairs"
+              f" ({', '.join(str(p['ratio']) for p in pr['pairs'])}),"
+              f" identical {all(p['identical'] for p in pr['pairs'])}")
     pd = out["plain_decode"]
     print(f"plain decode: stack {pd['stack_tok_s']} tok/s, engine {pd['engine_tok_s']} tok/s,"
           f" ratio {pd['stack_over_engine']}; round overhead {pd['overhead_ms']} ms = "

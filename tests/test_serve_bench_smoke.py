@@ -1,7 +1,7 @@
 """Smoke test of bench/serve_bench.py on a tiny random model (no speed is asserted).
 
 The command-line contract: `--json` prints one JSON object with the concurrency levels for each
-batch_max, the plain decode comparison and the prefix reuse figures; outputs under concurrency
+batch_max, the paired figure, the plain decode comparison and the prefix reuse figures; outputs under concurrency
 equal the one-at-a-time outputs, and the repeated prompt's second run reuses all but one token.
 """
 from __future__ import annotations
@@ -26,6 +26,9 @@ def test_serve_bench_json_on_tiny_model():
         for lv in levels.values():
             assert lv["identical"] is True
             assert lv["aggregate_tok_s"] > 0 and lv["ttft_ms_p50"] > 0
+    pr = out["paired"]
+    assert pr["clients"] == 4 and len(pr["pairs"]) == 1 and pr["pairs"][0]["identical"] is True
+    assert pr["median_ratio"] > 0
     pd = out["plain_decode"]
     assert pd["stack_tok_s"] > 0 and pd["engine_tok_s"] > 0 and pd["t_ms"] > 0
     px = out["prefix"]

@@ -114,10 +114,16 @@ def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2):
         jobs = [dict(text=" ".join(rng.choice(words) for _ in range(rng.randrange(3, 40))), max_tokens=24)
                 for _ in range(8)]
         sequential = [complete(stub, **j) for j in jobs]
-        with ThreadPoolExecutor(8) as pool:
-            concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
+        sched = st.verifier.core.scheduler
+        sched.trace = []
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
+        finally:
+            trace, sched.trace = sched.trace, None
         for a, b in zip(sequential, concurrent):
             assert list(a.token_ids) == list(b.token_ids) and a.text.encode() == b.text.encode()
+        assert 2 <= max(len(b) for b in trace) <= 8   # es_forward_batch calls over several sessions
         refused = complete(stub, text=jobs[0]["text"], max_tokens=4, spec=ON)
         assert not refused.spec_enabled and "batch_max 8 >= 2" in refused.spec_reason
     finally:

@@ -66,8 +66,13 @@ class _FakeSession:
         return np.zeros(len(tokens), dtype=np.int32), None
 
 
+def _fake_batch(items):
+    """forward_batch over _FakeSession steps: each session's forward in turn."""
+    return [s.forward(tokens, logits) for s, tokens, head, logits in items]
+
+
 def test_a_cancelled_waiting_step_never_runs():
-    sched = Scheduler(threading.Lock())
+    sched = Scheduler(threading.Lock(), run_batch=_fake_batch)
     log: list = []
     release = threading.Event()
     a = threading.Thread(target=lambda: sched.run(Step(_FakeSession(log, "a", release), [1])))
@@ -96,7 +101,7 @@ def test_a_cancelled_waiting_step_never_runs():
 
 
 def test_steps_of_several_sessions_share_iterations_up_to_batch_max():
-    sched = Scheduler(threading.Lock(), batch_max=3)
+    sched = Scheduler(threading.Lock(), batch_max=3, run_batch=_fake_batch)
     sched.trace = []
     log: list = []
     release = threading.Event()
@@ -430,3 +435,41 @@ def test_backing_off_proposals_go_in_flight_never_blocking():
     c.skip = 0
     c.on_prefetch([4, 5, 6], tokens=[4])            # right: its tail is the next round's draft
     assert c.plan(2) == ("cached", [5, 6])
+
+
+def _slow_batch(ms: float):
+    def run(items):
+        time.sleep(ms / 1e3)
+        return [(np.zeros(len(tokens), dtype=np.int32), None) for _, tokens, _, _ in items]
+    return run
+
+
+def _loops(sched, sessions, rounds):
+    def loop(s):
+        for _ in range(rounds):
+            sched.run(Step(s, [1]))
+        sched.leave(s)
+    threads = [threading.Thread(target=loop, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def test_an_iteration_waits_for_the_last_iterations_sessions():
+    # without the wait, the first session back would start the next iteration alone
+    sched = Scheduler(threading.Lock(), batch_max=3, run_batch=_slow_batch(20), gather=0.5)
+    sched.trace = []
+    _loops(sched, [object() for _ in range(3)], 10)
+    sizes = [len(b) for b in sched.trace]
+    assert sum(sizes) == 30
+    assert sum(sizes) / len(sizes) >= 2.5, sizes
+
+
+def test_a_session_that_left_is_not_waited_for():
+    sched = Scheduler(threading.Lock(), batch_max=2, run_batch=_slow_batch(20), gather=100.0)
+    a, b = object(), object()
+    t0 = time.perf_counter()
+    _loops(sched, [a, b], 1)          # one iteration of both; then both leave
+    sched.run(Step(a, [1]))           # would wait 100 x 20 ms for b had b not left
+    assert time.perf_counter() - t0 < 1.5

@@ -201,6 +201,60 @@ es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_token
 es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_tokens,
                           int32_t *argmax_last, float *logits_last);
 
+/* es_batch_item.head: the rows the output head runs on. */
+enum {
+    ES_HEAD_ALL = 0,            /* every position, as es_forward */
+    ES_HEAD_LAST = 1            /* the last position only, as es_forward_last */
+};
+
+/* Sessions per es_forward_batch call, at most. */
+enum { ES_MAX_BATCH = 64 };
+
+/* One session's part of an es_forward_batch call: its inputs, its outputs
+ * (the caller's memory) and its status. */
+typedef struct {
+    es_session *session;
+    const int32_t *tokens;      /* int32[n_tokens], each in [0, n_vocab) */
+    int32_t n_tokens;           /* >= 1 */
+    int32_t head;               /* ES_HEAD_ALL or ES_HEAD_LAST: head rows = n_tokens or 1 */
+    int32_t *argmax_out;        /* int32[head rows] or NULL */
+    float *logits_out;          /* float32[n_logits_rows * n_vocab] or NULL */
+    int32_t logits_mode;        /* as es_forward, over the head rows: 0 none, 1 the last
+                                   head row, 2 every head row */
+    es_status status;           /* out: this session's result */
+} es_batch_item;
+
+/*
+ * One forward pass over several sessions of one model: item i appends its
+ * n_tokens tokens to its own session at positions [n_past_i, n_past_i +
+ * n_tokens), as es_forward (head ES_HEAD_ALL) or es_forward_last
+ * (ES_HEAD_LAST) would, and writes its argmax and logits the same way.
+ *
+ * The rows of all items go through every matmul together, so each weight
+ * block is read once for the whole batch; RoPE, the KV append and the
+ * attention run per session on its own KV cache and positions. Each item's
+ * results are bitwise what es_forward / es_forward_last give for its session
+ * alone, whatever the other items, their order and the thread count.
+ *
+ * The call runs on the thread pool and scratch of the first item that
+ * passes its checks (that session's scratch grows to the batch's total
+ * tokens), and it owns every session of the batch for its duration, as
+ * es_forward owns one: the caller keeps other threads off all of them.
+ *
+ * Errors, per item (items[i].status, the message on its session): every
+ * error es_forward gives, and ES_ERR_INVALID_ARG for a NULL session (no
+ * message), a head other than ES_HEAD_ALL / ES_HEAD_LAST, a session on
+ * another model than the first non-NULL session's, or a session that
+ * appears in more than one item (all of them fail). A failed item does not
+ * run and its KV cache is unchanged; the other items run. ES_ERR_NOMEM (the
+ * batch's scratch could not be allocated) fails every item that passed its
+ * checks, and none runs.
+ * Returns ES_OK when every item succeeded, else the status of the first item
+ * that failed; ES_ERR_INVALID_ARG, touching nothing, when items is NULL or
+ * n_items is not in [1, ES_MAX_BATCH].
+ */
+es_status es_forward_batch(es_batch_item *items, int32_t n_items);
+
 /*
  * Draw one token from a logits row (float32[n_vocab]). Filters apply in
  * llama.cpp's default order: top_k, then top_p (nucleus, Holtzman et al.

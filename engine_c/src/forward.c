@@ -3,7 +3,8 @@
  *
  * A session owns one KV sequence (kv_cache.c: F16, blocks of ES_KV_BLOCK
  * positions; the layout is described in internal.h), a thread pool and the
- * scratch of one call.
+ * scratch of one call. es_forward_batch runs the rows of several sessions
+ * as one call on the first one's pool and scratch (fwd_seg, fwd_call).
  *
  * Determinism: every per-row operation here (RMSNorm, RoPE, attention for one
  * (position, head), SwiGLU, residual adds, argmax) reads only its own row and
@@ -289,9 +290,11 @@ static int32_t argmax_row(const float *x, int n) {
 
 
 typedef struct {
-    es_session *s;
+    es_session *s;      /* the call's scratch: q, att, att_ws, att_done, mm_scratch */
+    es_session *seq;    /* the session these rows belong to: its KV cache, parts, grp_done */
+    int row0;           /* its rows in the call's scratch: [row0, row0 + n) */
     int layer;
-    int n;              /* tokens in this call */
+    int n;              /* its tokens in this call */
     int per, split;     /* query heads per unit, units per KV head group */
     int ts, nsl;        /* tokens per unit, token slices (query split) */
     int nch, bpc;       /* key split: chunks of blocks per head group (0: query split), blocks per chunk */
@@ -299,8 +302,17 @@ typedef struct {
     size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
                            (query split) attention quantizes those att rows into mm_scratch for
                            W_o (rows rs bytes apart) */
-    _Atomic int next;   /* next work unit to take */
 } attn_task;
+
+/* One attention dispatch over the sessions of a call: the units of t[k] are
+ * [end[k - 1], end[k]) of one counter. */
+typedef struct {
+    es_session *s;
+    const attn_task *t;
+    int nt;
+    int end[ES_MAX_BATCH];
+    _Atomic int next;   /* next work unit to take */
+} attn_batch;
 
 /* Queries of one score slice: up to SCORE_Q side by side, each K vector
  * loaded once for all (2 * SCORE_Q accumulators). */
@@ -502,14 +514,15 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
     int nh = h1 - h0, nq = (i1 - i0) * nh;
     float *sc = ws;
     float *st = sc + (size_t)s->q_cap * ES_KV_BLOCK, *bp = st + (size_t)s->q_cap * pf;
+    const es_kv *kv = &t->seq->kv;
     const float *qp[ES_MAX_UNIT_Q];
     float *dst[ES_MAX_UNIT_Q];
     int32_t pos[ES_MAX_UNIT_Q];
     int nv[ES_MAX_UNIT_Q];
     for (int k = 0; k < nq; k++) {   /* queries by token, then head: positions ascend */
         int i = i0 + k / nh, h = h0 + k % nh;
-        qp[k] = s->q + (size_t)i * q_dim + (size_t)h * hd;
-        pos[k] = s->kv.n_past + i;
+        qp[k] = s->q + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd;
+        pos[k] = kv->n_past + i;
         if (!t->nch) dst[k] = bp + (size_t)k * pf;
     }
     for (int32_t b = b0; b < b1; b++) {
@@ -520,83 +533,91 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
         for (int k = ka; k < nq; k++) {
             int32_t c = pos[k] + 1 - p0;
             nv[k] = c < ES_KV_BLOCK ? (int)c : ES_KV_BLOCK;
-            if (t->nch) dst[k] = part_at(s, i0 + k / nh, h0 + k % nh, b);
+            if (t->nch) dst[k] = part_at(t->seq, i0 + k / nh, h0 + k % nh, b);
         }
         /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
          * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
         for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
-            es_kv_prefetch_block(&s->kv, t->layer, g, bp2);
+            es_kv_prefetch_block(kv, t->layer, g, bp2);
         /* the block's last positions no query attends (the cache's end) are not scored */
         int ncols = (nv[nq - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
-        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, es_kv_k_block(&s->kv, t->layer, g, b),
-                      es_kv_v_block(&s->kv, t->layer, g, b), sc, ncols);
+        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
+                      es_kv_v_block(kv, t->layer, g, b), sc, ncols);
         if (!t->nch)
             for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
     }
     if (!t->nch)
         for (int k = 0; k < nq; k++)
-            finish_part(s->att + (size_t)(i0 + k / nh) * q_dim + (size_t)(h0 + k % nh) * hd, st + (size_t)k * pf, hd);
+            finish_part(s->att + (size_t)(t->row0 + i0 + k / nh) * q_dim + (size_t)(h0 + k % nh) * hd, st + (size_t)k * pf, hd);
 }
 
-/* Key split: fold the stored block results of tokens [0, n) times heads
+/* Key split: fold the stored block results of t's tokens [0, n) times heads
  * [h0, h1), blocks in order, into att. st: es_attn_part_floats(hd) floats. */
-static void fold_group(es_session *s, int n, int h0, int h1, float *st) {
+static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float *st) {
     const es_model_info *in = &s->model->info;
     int hd = in->head_dim;
     size_t q_dim = (size_t)in->n_head * hd;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < t->n; i++)
         for (int h = h0; h < h1; h++) {
-            int32_t last = (s->kv.n_past + i) / ES_KV_BLOCK;
-            for (int32_t b = 0; b <= last; b++) fold_part(st, part_at(s, i, h, b), hd, b == 0);
-            finish_part(s->att + (size_t)i * q_dim + (size_t)h * hd, st, hd);
+            int32_t last = (t->seq->kv.n_past + i) / ES_KV_BLOCK;
+            for (int32_t b = 0; b <= last; b++) fold_part(st, part_at(t->seq, i, h, b), hd, b == 0);
+            finish_part(s->att + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd, st, hd);
         }
 }
 
+/* t's att rows [i0, i1) quantized for W_o into mm_scratch. */
 static void quantize_att_rows(es_session *s, const attn_task *t, int i0, int i1) {
     const es_model_info *in = &s->model->info;
     int64_t q_dim = (int64_t)in->n_head * in->head_dim;
-    for (int i = i0; i < i1; i++)
+    for (int i = t->row0 + i0; i < t->row0 + i1; i++)
         es_quantize_row_q8(s->att + (size_t)i * (size_t)q_dim, q_dim,
                            (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->rs));
 }
 
-/* Work units taken in turn from a counter (a thread that was preempted on a
- * busy host does fewer; the split changes no bit). The shape is chosen in
- * attn_shape. */
-static void attn_worker(void *ctx, int ith, int nth) {
-    attn_task *t = ctx;
+/* Work unit u of task t (the shape is chosen in attn_shape), with the
+ * thread's scratch ws. */
+static void attn_unit(const attn_task *t, int u, float *ws) {
     es_session *s = t->s;
     const es_model_info *in = &s->model->info;
     int grp = in->n_head / in->n_head_kv, groups = in->n_head_kv * t->split;
-    float *ws = s->att_ws + (size_t)ith * s->ws_floats;
-    (void)nth;
-    int total = t->nch ? groups * t->nch : groups * t->nsl;
-    for (int u; (u = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < total;) {
-        int c = t->nch ? u % t->nch : 0, gp = t->nch ? u / t->nch : u % groups;
-        int g = gp / t->split, part = gp % t->split;
-        int h0 = g * grp + part * t->per;
-        int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
-        if (t->nch) {
-            int32_t b0 = c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
-            if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
-            /* the unit that completes a head group's last chunk (acq_rel: it
-             * sees the other chunks' results) folds them; the last group to be
-             * folded quantizes the att rows for W_o, instead of a dispatch */
-            if (atomic_fetch_add_explicit(&s->grp_done[gp], 1, memory_order_acq_rel) == t->nch - 1) {
-                if (h0 < h1) fold_group(s, t->n, h0, h1, ws);
-                if (t->rs && atomic_fetch_add_explicit(&s->att_done[0], 1, memory_order_acq_rel) == groups - 1)
-                    quantize_att_rows(s, t, 0, t->n);
-            }
-        } else {
-            int sl = u / groups;
-            int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
-            if (h0 < h1 && i0 < i1)
-                attend_unit(s, t, g, h0, h1, i0, i1, 0, (s->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
-            /* the last unit of a token slice (acq_rel: it sees the others' att
-             * writes) quantizes the slice's rows for W_o */
-            if (t->rs && atomic_fetch_add_explicit(&s->att_done[sl], 1, memory_order_acq_rel) == groups - 1)
-                quantize_att_rows(s, t, i0, i1);
+    int c = t->nch ? u % t->nch : 0, gp = t->nch ? u / t->nch : u % groups;
+    int g = gp / t->split, part = gp % t->split;
+    int h0 = g * grp + part * t->per;
+    int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
+    if (t->nch) {
+        int32_t b0 = c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
+        if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
+        /* the unit that completes a head group's last chunk (acq_rel: it
+         * sees the other chunks' results) folds them; the last group to be
+         * folded quantizes the att rows for W_o, instead of a dispatch */
+        if (atomic_fetch_add_explicit(&t->seq->grp_done[gp], 1, memory_order_acq_rel) == t->nch - 1) {
+            if (h0 < h1) fold_group(s, t, h0, h1, ws);
+            if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0], 1, memory_order_acq_rel) == groups - 1)
+                quantize_att_rows(s, t, 0, t->n);
         }
+    } else {
+        int sl = u / groups;
+        int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
+        if (h0 < h1 && i0 < i1)
+            attend_unit(s, t, g, h0, h1, i0, i1, 0, (t->seq->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
+        /* the last unit of a token slice (acq_rel: it sees the others' att
+         * writes) quantizes the slice's rows for W_o */
+        if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0 + sl], 1, memory_order_acq_rel) == groups - 1)
+            quantize_att_rows(s, t, i0, i1);
+    }
+}
+
+/* The units of every session of the call, taken in turn from one counter (a
+ * thread that was preempted on a busy host does fewer; the split changes no
+ * bit). A thread's units ascend, so its task index only moves forward. */
+static void attn_worker(void *ctx, int ith, int nth) {
+    attn_batch *ab = ctx;
+    float *ws = ab->s->att_ws + (size_t)ith * ab->s->ws_floats;
+    (void)nth;
+    int k = 0;
+    for (int u; (u = atomic_fetch_add_explicit(&ab->next, 1, memory_order_relaxed)) < ab->end[ab->nt - 1];) {
+        while (u >= ab->end[k]) k++;
+        attn_unit(&ab->t[k], k ? u - ab->end[k - 1] : u, ws);
     }
 }
 
@@ -606,11 +627,12 @@ static void attn_worker(void *ctx, int ith, int nth) {
  * split (n <= KS_MAX_TOKENS): chunks of blocks, about KS_UNITS_PER_THREAD
  * units a thread. Query split: as many tokens per unit as keep about
  * ATT_Q_TARGET queries, in balanced slices, at least two units per thread
- * where the tokens allow. Also resets the counters the workers use. */
-static void attn_shape(const es_session *s, attn_task *t) {
+ * where the tokens allow. Also resets the counters the workers use.
+ * Returns the number of units. */
+static int attn_shape(const es_session *s, attn_task *t) {
     const es_model_info *in = &s->model->info;
     int grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * s->n_threads;
-    int64_t span = (int64_t)s->kv.n_past + n;
+    int64_t span = (int64_t)t->seq->kv.n_past + n;
     int split = (in->n_head_kv * span < (int64_t)units_min * ES_KV_BLOCK && grp > 1) ? 2 : 1;
     while ((grp + split - 1) / split > s->group_cap) split++;
     int per = (grp + split - 1) / split, groups = in->n_head_kv * split;
@@ -624,9 +646,9 @@ static void attn_shape(const es_session *s, attn_task *t) {
         t->nch = (t->nblk + t->bpc - 1) / t->bpc;
         t->ts = n;
         t->nsl = 1;
-        for (int i = 0; i < groups; i++) atomic_store_explicit(&s->grp_done[i], 0, memory_order_relaxed);
-        atomic_store_explicit(&s->att_done[0], 0, memory_order_relaxed);
-        return;
+        for (int i = 0; i < groups; i++) atomic_store_explicit(&t->seq->grp_done[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&s->att_done[t->row0], 0, memory_order_relaxed);
+        return groups * t->nch;
     }
     int ts = ATT_Q_TARGET / per;
     ts = ts < 1 ? 1 : ts > n ? n : ts;
@@ -636,37 +658,63 @@ static void attn_shape(const es_session *s, attn_task *t) {
     t->nch = 0;
     t->ts = ts;
     t->nsl = (n + ts - 1) / ts;
-    for (int i = 0; i < t->nsl; i++) atomic_store_explicit(&s->att_done[i], 0, memory_order_relaxed);
+    for (int i = 0; i < t->nsl; i++) atomic_store_explicit(&s->att_done[t->row0 + i], 0, memory_order_relaxed);
+    return groups * t->nsl;
 }
 
 /* ---- the forward pass ---------------------------------------------------- */
 
+/* One session's rows in a forward call (es_forward: one; es_forward_batch:
+ * one per session that runs): its tokens are rows [row0, row0 + n) of the
+ * call's scratch, and the output head reads its last head_n rows into head
+ * rows [head0, head0 + head_n). */
+typedef struct {
+    es_session *seq;        /* its KV cache: positions seq->kv.n_past + (row - row0) */
+    const int32_t *tokens;  /* [n] */
+    int row0, n;
+    int head0, head_n;
+    int32_t *argmax_out;    /* [head_n] or NULL */
+    float *logits_out;      /* per logits_mode (es_forward), over the head rows */
+    int32_t logits_mode;
+} fwd_seg;
 
+/* The state of one forward call that passes from stage to stage. */
+typedef struct {
+    es_session *s;          /* its thread pool and scratch */
+    int n;                  /* rows in the call: the tokens of every session */
+    const fwd_seg *seg;     /* [nseg] in row order, covering rows [0, n) */
+    int nseg;
+    int pending_out;        /* x += out is still to be done (by the next norm, per token) */
+} fwd_call;
 
-static void fill_rope_table(es_session *s, int n) {
+/* RoPE (cos, sin) table of every row, at its session's position. */
+static void fill_rope_table(const fwd_call *c) {
+    es_session *s = c->s;
     const es_model_info *in = &s->model->info;
     int half = in->rope_dim / 2;
-    for (int i = 0; i < n; i++) {
-        double pos = (double)(s->kv.n_past + i);
-        for (int j = 0; j < half; j++) {
-            double theta = pos * pow((double)in->rope_freq_base, -2.0 * j / (double)in->rope_dim);
-            s->rope[(size_t)i * in->rope_dim + 2 * j] = (float)cos(theta);
-            s->rope[(size_t)i * in->rope_dim + 2 * j + 1] = (float)sin(theta);
+    for (int k = 0; k < c->nseg; k++) {
+        const fwd_seg *g = &c->seg[k];
+        for (int i = g->row0; i < g->row0 + g->n; i++) {
+            double pos = (double)(g->seq->kv.n_past + (i - g->row0));
+            for (int j = 0; j < half; j++) {
+                double theta = pos * pow((double)in->rope_freq_base, -2.0 * j / (double)in->rope_dim);
+                s->rope[(size_t)i * in->rope_dim + 2 * j] = (float)cos(theta);
+                s->rope[(size_t)i * in->rope_dim + 2 * j + 1] = (float)sin(theta);
+            }
         }
     }
+}
+
+/* The row that head row i reads: the last head_n rows of its session. */
+static int head_row(const fwd_call *c, int i) {
+    const fwd_seg *g = c->seg;
+    while (i >= g->head0 + g->head_n) g++;
+    return g->row0 + g->n - g->head_n + (i - g->head0);
 }
 
 /* ---- per-token row work, shared out by token when there are several ---- */
 
 enum { ROWS_NORM_ATTN, ROWS_NORM_FFN, ROWS_NORM_OUT };
-
-/* The state of one forward call that passes from stage to stage. */
-typedef struct {
-    es_session *s;
-    int n;                  /* tokens in the call */
-    int pending_out;        /* x += out is still to be done (by the next norm, per token) */
-    int out_first;          /* first position the output head reads */
-} fwd_call;
 
 /* One run_rows dispatch. */
 typedef struct {
@@ -680,7 +728,7 @@ typedef struct {
  * data, so the split changes no bit):
  *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
  *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
- *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[out_first + i])
+ *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[head_row(i)])
  * With t->q8_rs set, the row written (xb[i]) is also quantized into
  * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
  * thread, instead of a dispatch of its own. */
@@ -692,7 +740,7 @@ static void token_row(const rows_task *t, int i) {
     const es_layer *L = &m->layers[l];
     size_t e = (size_t)in->n_embd;
     const es_tensor *wt = op == ROWS_NORM_ATTN ? L->attn_norm : op == ROWS_NORM_FFN ? L->ffn_norm : m->output_norm;
-    int row = op == ROWS_NORM_OUT ? t->c->out_first + i : i;
+    int row = op == ROWS_NORM_OUT ? head_row(t->c, i) : i;
     float *x = s->x + (size_t)row * e;
     if (t->c->pending_out) {
         const float *o = s->out + (size_t)row * e;
@@ -707,8 +755,8 @@ static void token_row(const rows_task *t, int i) {
 /* The q/k/v matmul's epilogue (es_matmul_many_epi, chunks of whole heads),
  * for rows [r0, r1) of matrix mat (0 q, 1 k, 2 v) of every token i, by the
  * thread that computed them: the bias, the head's RMSNorm (qwen3, q and k),
- * RoPE at position n_past + i (q and k); k and v then go to the KV cache
- * (rounded to F16 there). The same operations per element as one
+ * RoPE at the row's position (q and k); k and v then go to its session's KV
+ * cache (rounded to F16 there). The same operations per element as one
  * token's row at a time. */
 /* What an epilogue of a step's matmul needs: the session, the layer, the
  * tokens of the step and (glu_epi) the bytes of a quantized row. */
@@ -716,6 +764,7 @@ typedef struct {
     es_session *s;
     int l, n;
     size_t rs;
+    const fwd_call *c;      /* qkv_epi: the sessions of the rows */
 } epi_task;
 
 static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
@@ -731,7 +780,10 @@ static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     const es_tensor *bt = mat == 0 ? L->bq : mat == 1 ? L->bk : L->bv;
     const es_tensor *nt = mat == 0 ? L->q_norm : mat == 1 ? L->k_norm : NULL;
     const float *b = bt ? es_model_vec(m, bt) : NULL, *hn = nt ? es_model_vec(m, nt) : NULL;
+    const fwd_seg *g = t->c->seg;
     for (int i = 0; i < t->n; i++) {
+        while (i >= g->row0 + g->n) g++;
+        es_kv *kv = &g->seq->kv;
         float *y = base + (size_t)i * dim;
         if (b)
             for (int64_t r = r0; r < r1; r++) y[r] += b[r];
@@ -743,8 +795,8 @@ static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
                 rope_head(yh, cs, in->rope_dim, in->rope_neox);
             }
         }
-        if (mat == 1) es_kv_put_k(&s->kv, t->l, s->kv.n_past + i, r0, r1, y);
-        else if (mat == 2) es_kv_put_v(&s->kv, t->l, s->kv.n_past + i, r0, r1, y);
+        if (mat == 1) es_kv_put_k(kv, t->l, kv->n_past + (i - g->row0), r0, r1, y);
+        else if (mat == 2) es_kv_put_v(kv, t->l, kv->n_past + (i - g->row0), r0, r1, y);
     }
 }
 
@@ -791,25 +843,34 @@ static void attention_block(fwd_call *c, int l) {
      * the q/k/v matmul streams its weights, instead of one memory latency at
      * a time in the attention (the weight stream of the last step pushed
      * them out of every cache). */
-    {
-        int32_t used = (s->kv.n_past + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
+    for (int k = 0; k < c->nseg; k++) {
+        const es_kv *kv = &c->seg[k].seq->kv;
+        int32_t used = (kv->n_past + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
         if ((size_t)used * ES_KV_BLOCK * (size_t)kv_dim * sizeof(uint16_t) <= EARLY_KV_PREFETCH)
-            es_kv_prefetch(&s->kv, l, used);   /* longer contexts: sequential streams, left to the hardware */
+            es_kv_prefetch(kv, l, used);   /* longer contexts: sequential streams, left to the hardware */
     }
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */
     float *yqkv[3] = {s->q, s->k, s->v};
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
     /* biases, q/k norms, RoPE, and k and v into the caches in the epilogue */
-    epi_task qt = {s, l, n, 0};
+    epi_task qt = {s, l, n, 0, c};
     es_mm_epi epi = {qkv_epi, &qt, 0, hd};
     es_matmul_many_epi(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wo[1] = {L->wo};
     float *yo[1] = {s->out};
     int64_t ldo[1] = {in->n_embd};
-    attn_task t = {.s = s, .layer = l, .n = n, .rs = es_matmul_q8_row_bytes(L->wo->type, L->wo->ne[0])};
-    attn_shape(s, &t);
-    es_pool_run(s->pool, attn_worker, &t);
-    if (t.rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
+    /* each session's attention over its own KV cache, all in one dispatch */
+    size_t wo_rs = es_matmul_q8_row_bytes(L->wo->type, L->wo->ne[0]);
+    attn_task at[ES_MAX_BATCH];
+    attn_batch ab = {.s = s, .t = at, .nt = c->nseg};
+    for (int k = 0; k < c->nseg; k++) {
+        const fwd_seg *g = &c->seg[k];
+        at[k] = (attn_task){.s = s, .seq = g->seq, .row0 = g->row0, .layer = l, .n = g->n, .rs = wo_rs};
+        ab.end[k] = (k ? ab.end[k - 1] : 0) + attn_shape(s, &at[k]);
+    }
+    atomic_store_explicit(&ab.next, 0, memory_order_relaxed);
+    es_pool_run(s->pool, attn_worker, &ab);
+    if (wo_rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     else es_matmul_many(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     c->pending_out = 1;            /* x += out: done by the next norm, per token */
 }
@@ -846,7 +907,7 @@ static void ffn_block(fwd_call *c, int l) {
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
      * the thread that computed those columns, while they are in its cache */
-    epi_task g = {s, l, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff)};
+    epi_task g = {s, l, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff), c};
     es_mm_epi epi = {glu_epi, &g, 1, ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wd[1] = {L->w_down};
@@ -922,7 +983,7 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
     return ES_OK;
 }
 
-/* The output head over the call's last out_rows positions: the pending
+/* The output head over the call's out_rows head rows (head_row): the pending
  * residual and the output norm (run_rows ROWS_NORM_OUT, which quantizes
  * the rows for the head), then logits [out_rows][n_vocab] = W_out . xb,
  * whose epilogue am_epi takes the argmax of each chunk of logits on the
@@ -930,54 +991,59 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
 static void output_head(fwd_call *c, int out_rows) {
     es_session *s = c->s;
     const es_model *m = s->model;
-    c->out_first = c->n - out_rows;
     const es_tensor *wout[1] = {m->output};
     float *ylog[1] = {s->logits};
     int64_t ldlog[1] = {m->info.n_vocab};
     size_t rs = pre_q8_rs(out_rows, 1, wout);
     run_rows(c, 0, out_rows, ROWS_NORM_OUT, rs);
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
-    epi_task at = {s, 0, out_rows, 0};
+    epi_task at = {s, 0, out_rows, 0, c};
     es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
 }
 
 /*
- * The forward pass over n tokens; the output head runs on the last out_rows
- * positions only (n for es_forward, 1 for es_forward_last). Arguments are
- * checked by the callers; the KV cache is unchanged on failure.
+ * The forward pass over the rows of the sessions seg[0..nseg) (in row order,
+ * covering [0, n) with n their total tokens; the output head runs on each
+ * one's last head_n rows), on the pool and scratch of s. Arguments are
+ * checked by the callers; on failure every KV cache is unchanged.
  *
  * Stages, and which function or matmul epilogue does each (an epilogue runs
  * on the thread that computed those matmul columns, while they are in its
- * cache, instead of a dispatch of its own):
+ * cache, instead of a dispatch of its own). Every matmul runs over the rows
+ * of all the sessions; RoPE, the KV append and the attention use each row's
+ * own session:
  *   embedding      x[i] = tok_embd[tokens[i]]; the RoPE table of the positions
  *   per layer:
  *     norm         run_rows ROWS_NORM_ATTN: x += out (the last sublayer's
  *                  output, pending), xb = rmsnorm(x), quantized for Wq/Wk/Wv
  *     q, k, v      one matmul over Wq, Wk, Wv; epilogue qkv_epi: biases, q/k
  *                  norms (qwen3), RoPE, k and v appended to the KV cache
- *     attention    attn_worker (online softmax over KV blocks); the unit that
- *                  completes a token slice quantizes its rows for W_o
+ *     attention    attn_worker (online softmax over KV blocks, each session
+ *                  over its own); the unit that completes a token slice
+ *                  quantizes its rows for W_o
  *     output proj. out = W_o . att (added to x by the next norm)
  *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
  *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
  *                  W_down); out = W_down . glu
  *   head           output_head: x += out, output norm, logits with epilogue
  *                  am_epi (argmax per chunk)
+ *   results        per session: argmax and logits of its head rows, n_past
  */
-static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, int32_t out_rows,
-                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
+    int n = seg[nseg - 1].row0 + seg[nseg - 1].n, out_rows = seg[nseg - 1].head0 + seg[nseg - 1].head_n;
     es_status st;
     if ((st = es_session_ensure_scratch(s, n)) != ES_OK) return st;
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
-    fwd_call c = {.s = s, .n = n};
+    fwd_call c = {.s = s, .n = n, .seg = seg, .nseg = nseg};
 
-    for (int i = 0; i < n; i++) {   /* embedding */
-        const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)tokens[i] * m->tok_embd->row_bytes;
-        es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)i * in->n_embd, in->n_embd);
-    }
-    fill_rope_table(s, n);
+    for (int k = 0; k < nseg; k++)   /* embedding */
+        for (int i = 0; i < seg[k].n; i++) {
+            const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)seg[k].tokens[i] * m->tok_embd->row_bytes;
+            es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)(seg[k].row0 + i) * in->n_embd, in->n_embd);
+        }
+    fill_rope_table(&c);
     es_pool_begin(s->pool);
     for (int l = 0; l < in->n_layer; l++) {
         attention_block(&c, l);     /* norm, q/k/v + RoPE + KV append, attention, output projection */
@@ -986,14 +1052,19 @@ static es_status forward_impl(es_session *s, const int32_t *tokens, int32_t n, i
     output_head(&c, out_rows);
     es_pool_end(s->pool);
 
-    if (argmax_out)
-        for (int i = 0; i < out_rows; i++) argmax_out[i] = am_combine(s, i);
-    if (logits_mode == 1)
-        memcpy(logits_out, s->logits + (size_t)(out_rows - 1) * in->n_vocab, (size_t)in->n_vocab * sizeof(float));
-    else if (logits_mode == 2)
-        memcpy(logits_out, s->logits, (size_t)out_rows * in->n_vocab * sizeof(float));
-    s->kv.n_past += n;
-    s->err[0] = '\0';
+    for (int k = 0; k < nseg; k++) {
+        const fwd_seg *g = &seg[k];
+        if (g->argmax_out)
+            for (int i = 0; i < g->head_n; i++) g->argmax_out[i] = am_combine(s, g->head0 + i);
+        if (g->logits_mode == 1)
+            memcpy(g->logits_out, s->logits + (size_t)(g->head0 + g->head_n - 1) * in->n_vocab,
+                   (size_t)in->n_vocab * sizeof(float));
+        else if (g->logits_mode == 2)
+            memcpy(g->logits_out, s->logits + (size_t)g->head0 * in->n_vocab,
+                   (size_t)g->head_n * in->n_vocab * sizeof(float));
+        g->seq->kv.n_past += g->n;
+        g->seq->err[0] = '\0';
+    }
     return ES_OK;
 }
 
@@ -1002,7 +1073,8 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
     if (!s) return ES_ERR_INVALID_ARG;
     es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
     if (st != ES_OK) return st;
-    return forward_impl(s, tokens, n, n, argmax_out, logits_out, logits_mode);
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode};
+    return forward_impl(s, &g, 1);
 }
 
 es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_last,
@@ -1011,7 +1083,64 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     int32_t mode = logits_last ? 1 : 0;
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
-    return forward_impl(s, tokens, n, 1, argmax_last, logits_last, mode);
+    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode};
+    return forward_impl(s, &g, 1);
+}
+
+/* Item i's own checks (es_forward_batch's contract), with m the batch's model;
+ * the message goes on its session. */
+static es_status check_batch_item(const es_batch_item *items, int32_t n_items, int32_t i, const es_model *m) {
+    const es_batch_item *it = &items[i];
+    es_session *q = it->session;
+    if (!q) return ES_ERR_INVALID_ARG;
+    if (q->model != m) {
+        es_set_err(q->err, sizeof q->err, "batch item %d: its session is on another model than the batch's",
+                   (int)i);
+        return ES_ERR_INVALID_ARG;
+    }
+    for (int32_t j = 0; j < n_items; j++)
+        if (j != i && items[j].session == q) {
+            es_set_err(q->err, sizeof q->err, "batch items %d and %d have the same session", (int)i, (int)j);
+            return ES_ERR_INVALID_ARG;
+        }
+    if (it->head != ES_HEAD_ALL && it->head != ES_HEAD_LAST) {
+        es_set_err(q->err, sizeof q->err, "batch item %d: head %d is not ES_HEAD_ALL or ES_HEAD_LAST",
+                   (int)i, (int)it->head);
+        return ES_ERR_INVALID_ARG;
+    }
+    return check_forward_args(q, it->tokens, it->n_tokens, it->logits_out, it->logits_mode);
+}
+
+es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
+    if (!items || n_items < 1 || n_items > ES_MAX_BATCH) return ES_ERR_INVALID_ARG;
+    const es_model *m = NULL;
+    for (int32_t i = 0; i < n_items && !m; i++)
+        if (items[i].session) m = items[i].session->model;
+    fwd_seg seg[ES_MAX_BATCH];
+    int nseg = 0, rows = 0, heads = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        es_batch_item *it = &items[i];
+        it->status = check_batch_item(items, n_items, i, m);
+        if (it->status != ES_OK) continue;
+        int head_n = it->head == ES_HEAD_LAST ? 1 : it->n_tokens;
+        seg[nseg++] = (fwd_seg){it->session, it->tokens, rows, it->n_tokens, heads, head_n,
+                                it->argmax_out, it->logits_out, it->logits_mode};
+        rows += it->n_tokens;
+        heads += head_n;
+    }
+    if (nseg > 0) {
+        es_session *run = seg[0].seq;
+        es_status st = forward_impl(run, seg, nseg);
+        if (st != ES_OK)   /* the scratch: nothing ran */
+            for (int32_t i = 0; i < n_items; i++)
+                if (items[i].status == ES_OK) {
+                    items[i].status = st;
+                    if (items[i].session != run) es_set_err(items[i].session->err, sizeof items[i].session->err, "%s", run->err);
+                }
+    }
+    for (int32_t i = 0; i < n_items; i++)
+        if (items[i].status != ES_OK) return items[i].status;
+    return ES_OK;
 }
 
 const char *es_simd_name(void) { return es_quant_simd_name(); }

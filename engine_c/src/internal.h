@@ -266,7 +266,8 @@ struct es_session {
     es_kv kv;               /* the KV cache: capacity kv.n_ctx, valid positions [0, kv.n_past) */
     int32_t n_threads;
     es_pool *pool;
-    /* scratch, sized for cap tokens per call */
+    /* scratch, sized for cap tokens per call (es_forward_batch: the tokens of every session of
+       the batch, on the scratch of the session that runs it) */
     int32_t cap;
     float *x;               /* [cap][n_embd] residual stream */
     float *xb;              /* [cap][n_embd] normed input of a sublayer */

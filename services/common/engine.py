@@ -280,6 +280,95 @@ class Session:
         self.close()
 
 
+_HEADS = {"all": lib.ES_HEAD_ALL, "last": lib.ES_HEAD_LAST}
+# sessions per es_forward_batch call (echospec_engine.h); forward_batch splits longer batches
+MAX_BATCH = lib.ES_MAX_BATCH
+
+
+def forward_batch(items: Sequence[tuple["Session", Sequence[int] | np.ndarray, str, str]]
+                  ) -> list[tuple[np.ndarray, np.ndarray | None] | EngineError]:
+    """One forward over several sessions of a model (es_forward_batch).
+
+    The rows of every item go through each matmul together (each weight block
+    is read once for the batch); each item's results are bitwise what
+    Session.forward (head "all") or Session.prefill (head "last") give it
+    alone. The call runs on the first item's session's threads and owns
+    every session of the batch while it runs.
+
+    Args:
+        items: (session, tokens, head, logits) per session, each session at most
+            once. tokens: int ids, N >= 1; head: "all" (every position) or
+            "last" (the last one only); logits: "none", "last" (the last head
+            row) or "all" (every head row).
+    Returns:
+        Per item, in order: (argmax int32 [head rows], logits float32
+        [rows, n_vocab] or None), or the EngineError of that item, which did
+        not run (its KV cache is unchanged; the other items ran).
+    Raises:
+        ValueError: an unknown head or logits name.
+    """
+    results: list = [None] * len(items)
+    for start in range(0, len(items), MAX_BATCH):
+        _forward_batch_call(items[start:start + MAX_BATCH], results, start)
+    return results
+
+
+def _forward_batch_call(items, results: list, offset: int) -> None:
+    c_items = ffi.new("es_batch_item[]", len(items))
+    keep = []          # the buffers the call reads and writes
+    outs = []
+    ran = []
+    for i, (session, tokens, head, logits) in enumerate(items):
+        if head not in _HEADS:
+            raise ValueError(f"head must be 'all' or 'last', not {head!r}")
+        if logits not in _LOGITS_MODES:
+            raise ValueError(f"logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
+        try:
+            session._check()
+            tok = session._tokens(tokens)
+        except EngineError as exc:
+            results[offset + i] = exc
+            continue
+        n = tok.size
+        rows = max(n, 1) if head == "all" else 1
+        am = np.empty(rows, dtype=np.int32)
+        mode = _LOGITS_MODES[logits]
+        out = None
+        if mode == 1:
+            out = np.empty((1, session.n_vocab), dtype=np.float32)
+        elif mode == 2:
+            out = np.empty((rows, session.n_vocab), dtype=np.float32)
+        it = c_items[len(ran)]
+        it.session = session._ptr
+        if n:
+            t = ffi.from_buffer("int32_t[]", tok)
+            keep.append(t)
+            it.tokens = t
+        it.n_tokens = n
+        it.head = _HEADS[head]
+        a = ffi.from_buffer("int32_t[]", am)
+        keep.append(a)
+        it.argmax_out = a
+        if out is not None:
+            o = ffi.from_buffer("float[]", out)
+            keep.append(o)
+            it.logits_out = o
+        it.logits_mode = mode
+        ran.append(i)
+        outs.append((session, am[:n] if head == "all" else am, out))
+    if not ran:
+        return
+    lib.es_forward_batch(c_items, len(ran))
+    for j, i in enumerate(ran):
+        session, am, out = outs[j]
+        st = c_items[j].status
+        if st != 0:
+            results[offset + i] = EngineError(
+                st, ffi.string(lib.es_session_last_error(session._ptr)).decode(errors="replace"))
+        else:
+            results[offset + i] = (am, out)
+
+
 def _int32(v, name: str) -> int:
     """v as a C int32 argument; EngineError(ES_ERR_INVALID_ARG) for a non-integer or one out of range."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):

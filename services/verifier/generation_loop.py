@@ -134,6 +134,7 @@ class _Run:
         request that follows the generation's end finds its KV."""
         if self.session is not None:
             session, self.session = self.session, None
+            self.core.scheduler.leave(session)
             self.core.release(session, self.kv_tokens)
 
     def step(self, tokens: list[int], head: str, logits: str) -> Step:

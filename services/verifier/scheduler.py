@@ -14,11 +14,11 @@ the order is round-robin: fair across sessions. Prompts are prefilled in
 chunks of ``prefill_chunk`` tokens, one step each, so a short request that
 arrives during a long prefill waits for one chunk, not for the whole prompt.
 
-The engine has no multi-session forward yet: an iteration runs one forward
-per session back to back, in ``_execute``, the one place a future
-``es_forward_batch(sessions, tokens per session)`` replaces. Every step is
-bitwise what the session gets alone (each forward is the same call it makes
-alone; the engine's batch-invariance contract covers chunked prefill).
+An iteration is one engine call, ``es_forward_batch`` (``_execute``): the
+rows of every step go through each matmul together, so the weights are read
+once per iteration, not once per session. Every step is bitwise what its
+session gets alone (the engine's batch-invariance contract, across sessions
+and chunked prefill), and a step whose input is bad fails alone.
 
 The step-by-step sessions (VerifyStream and the unary RPCs, for debugging and
 bench/round_overhead.py) do not queue here: they take the engine lock
@@ -26,7 +26,15 @@ directly, between iterations.
 
 No thread of its own: a waiting generation whose turn comes runs the
 iteration itself (flat combining), so a lone generation pays no thread
-hand-off per step. Cancellation: ``run`` gives up a step that has not started
+hand-off per step.
+
+Gathering (batch_max >= 2): the sessions of an iteration come back with their
+next steps one by one, as their loops take the results, and the first one
+back would otherwise start the next iteration alone, halving the batch. So an
+iteration waits, for at most ``gather`` x the last iteration's forward time,
+until every session of the last iteration has queued its next step or left
+(``leave``: its generation ended), or the queue holds batch_max steps. A
+lone generation is never kept waiting: it is the only session it expects. Cancellation: ``run`` gives up a step that has not started
 as soon as the generation's cancel event is set and ``wake`` is called; a step
 that has started finishes first (one forward).
 """
@@ -35,7 +43,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from echospec.services.common.engine import forward_batch
 
 
 class Cancelled(Exception):
@@ -52,7 +62,8 @@ class Step:
                 ``logits`` is "last".
         "all"   argmax of every position (decode / verify); logits per ``logits``
                 ("none" or "last").
-    Results (set by the scheduler): argmax, logits, forward_ms, queued_ms, error.
+    Results (set by the scheduler): argmax, logits, forward_ms (the iteration's
+    forward, shared by every step of the batch), queued_ms, error.
     """
 
     session: Any                      # services.common.engine.Session
@@ -96,10 +107,16 @@ class Scheduler:
         batch_max: sessions per iteration (>= 1).
         batch_tokens: tokens per iteration (>= 1).
         prefill_chunk: most prompt tokens per prefill step (>= 1).
+        run_batch: the engine call of an iteration, with engine.forward_batch's
+            arguments and results (tests pass a fake one).
+        gather: the longest wait for the last iteration's sessions, as a share of
+            its forward time (0: none; see the module docstring).
     """
 
     def __init__(self, engine_lock: threading.Lock, batch_max: int = 1, batch_tokens: int = 512,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256,
+                 run_batch: Callable[[list[tuple[Any, list[int], str, str]]], list[Any]] = forward_batch,
+                 gather: float = 0.5):
         if batch_max < 1 or batch_tokens < 1 or prefill_chunk < 1:
             raise ValueError(f"batch_max {batch_max}, batch_tokens {batch_tokens} and prefill_chunk"
                              f" {prefill_chunk} must be >= 1")
@@ -107,6 +124,10 @@ class Scheduler:
         self.batch_max = batch_max
         self.batch_tokens = batch_tokens
         self.prefill_chunk = prefill_chunk
+        self._run_batch = run_batch
+        self.gather = gather
+        self._expect: set[int] = set()    # id(session) of the last iteration's steps not queued again
+        self._gather_until = 0.0          # perf_counter() deadline of the wait for them
         self._cv = threading.Condition()
         self._queue: list[Step] = []
         self._busy = False
@@ -124,6 +145,19 @@ class Scheduler:
         with self._cv:
             self._cv.notify_all()
 
+    def leave(self, session: Any) -> None:
+        """``session``'s generation ended: the next iteration does not wait for it."""
+        with self._cv:
+            if id(session) in self._expect:
+                self._expect.discard(id(session))
+                self._cv.notify_all()
+
+    def _gather_wait(self) -> float:
+        """Seconds the next iteration still waits for the last one's sessions (0: start now)."""
+        if self.batch_max < 2 or not self._expect or len(self._queue) >= self.batch_max:
+            return 0.0
+        return max(0.0, self._gather_until - time.perf_counter())
+
     def run(self, step: Step, cancel: threading.Event | None = None) -> Step:
         """Queue ``step`` and wait for its result.
 
@@ -136,6 +170,9 @@ class Scheduler:
         step._t_submit = time.perf_counter()
         with self._cv:
             self._queue.append(step)
+            if id(step.session) in self._expect:
+                self._expect.discard(id(step.session))
+                self._cv.notify_all()
             while True:
                 if step.done:
                     break
@@ -143,16 +180,25 @@ class Scheduler:
                     self._queue.remove(step)
                     raise Cancelled()
                 if not self._busy and self._queue:
+                    wait = self._gather_wait()
+                    if wait > 0:
+                        self._cv.wait(wait)
+                        continue
                     idx = select(self._queue, self.batch_max, self.batch_tokens)
                     batch = [self._queue[i] for i in idx]
                     for i in reversed(idx):
                         del self._queue[i]
                     self._busy = True
                     self._cv.release()
+                    t0 = time.perf_counter()
                     try:
                         self._execute(batch)
                     finally:
                         self._cv.acquire()
+                        t1 = time.perf_counter()
+                        self._expect = {id(s.session) for s in batch}
+                        self._expect.difference_update(id(s.session) for s in self._queue)
+                        self._gather_until = t1 + self.gather * (t1 - t0)
                         self._busy = False
                         self.iterations += 1
                         self._cv.notify_all()
@@ -163,10 +209,10 @@ class Scheduler:
         return step
 
     def _execute(self, batch: list[Step]) -> None:
-        """One iteration: the forwards of ``batch``, back to back under the engine lock.
+        """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock.
 
-        This is where es_forward_batch(sessions, tokens per session) goes once the
-        engine has it: one call, weights read once for every row.
+        Each step gets its own result or its own error (a bad step fails alone;
+        the others run).
         """
         if self.trace is not None:
             self.trace.append([id(s.session) for s in batch])
@@ -174,14 +220,17 @@ class Scheduler:
             t_start = time.perf_counter()
             for s in batch:
                 s.queued_ms = (t_start - s._t_submit) * 1e3
-                t0 = time.perf_counter()
-                try:
-                    if s.head == "last":
-                        am, lg = s.session.prefill(s.tokens, logits=s.logits == "last")
-                        s.argmax, s.logits_out = [am], lg
-                    else:
-                        s.argmax, s.logits_out = s.session.forward(s.tokens, logits=s.logits)
-                except Exception as exc:  # the step's owner re-raises it
-                    s.error = exc
-                s.forward_ms = (time.perf_counter() - t0) * 1e3
-                s.done = True
+            try:
+                results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
+            except Exception as exc:  # every step's owner re-raises it
+                results = [exc] * len(batch)
+            ms = (time.perf_counter() - t_start) * 1e3
+        for s, r in zip(batch, results):
+            if isinstance(r, BaseException):
+                s.error = r
+            elif s.head == "last":
+                s.argmax, s.logits_out = [int(r[0][0])], r[1]
+            else:
+                s.argmax, s.logits_out = r
+            s.forward_ms = ms
+            s.done = True

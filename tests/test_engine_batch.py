@@ -1,0 +1,117 @@
+"""es_forward_batch (engine.forward_batch): one forward over several sessions gives each
+session bitwise what Session.forward / Session.prefill give it alone, in any order and
+on any thread count; a bad item fails alone with its KV cache unchanged."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ggufgen import write_tiny_model  # noqa: E402
+
+from echospec.services.common.engine import EngineError, Model, forward_batch
+
+N_VOCAB = 256
+
+# (history prefilled alone, the steps: (tokens, head, logits)) per session
+PLAN = [
+    (70, [(1, "all", "last"), (1, "all", "last")]),     # decode past a KV block boundary
+    (0, [(40, "last", "last"), (30, "last", "none")]),  # a prompt in chunks
+    (10, [(5, "all", "all"), (5, "all", "none")]),      # verifies of [pending] + 4 drafts
+    (60, [(9, "all", "all"), (1, "all", "none")]),
+]
+
+
+@pytest.fixture(scope="module", params=[("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def model(request, tmp_path_factory):
+    arch, mt = request.param
+    path = tmp_path_factory.mktemp("batch") / f"{arch}.gguf"
+    write_tiny_model(path, arch=arch, matrix_type=mt, seed=5)
+    m = Model(str(path))
+    yield m
+    m.close()
+
+
+def _tokens(k: int, pos: int, n: int) -> list[int]:
+    return [(p * 37 + k * 101 + 5) % N_VOCAB for p in range(pos, pos + n)]
+
+
+def _sessions(model, n_threads: int) -> list:
+    out = []
+    for k, (hist, _) in enumerate(PLAN):
+        s = model.new_session(n_ctx=128, n_threads=n_threads)
+        if hist:
+            s.prefill(_tokens(k, 0, hist))
+        out.append(s)
+    return out
+
+
+def _alone(s, tokens, head, logits):
+    if head == "last":
+        tok, lg = s.prefill(tokens, logits=logits != "none")
+        return np.array([tok], dtype=np.int32), lg
+    return s.forward(tokens, logits=logits)
+
+
+def _same(a, b) -> bool:
+    (am, al), (bm, bl) = a, b
+    if not np.array_equal(am, bm) or (al is None) != (bl is None):
+        return False
+    return al is None or np.array_equal(al.view(np.uint32), bl.view(np.uint32))
+
+
+@pytest.mark.parametrize("n_threads,order_seed", [(1, None), (2, 1), (3, 2)])
+def test_forward_batch_equals_each_session_alone(model, n_threads, order_seed):
+    ref_sessions, got_sessions = _sessions(model, 1), _sessions(model, n_threads)
+    order = list(range(len(PLAN)))
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(order)
+    for r in range(2):
+        items, want = [], {}
+        for k in order:
+            hist, steps = PLAN[k]
+            n, head, logits = steps[r]
+            toks = _tokens(k, hist + sum(s[0] for s in steps[:r]), n)
+            want[k] = _alone(ref_sessions[k], toks, head, logits)
+            items.append((got_sessions[k], toks, head, logits))
+        got = forward_batch(items)
+        for k, res in zip(order, got):
+            assert not isinstance(res, EngineError), res
+            assert _same(res, want[k]), f"session {k} round {r}"
+            assert got_sessions[k].n_past == ref_sessions[k].n_past
+
+
+def test_a_bad_item_fails_alone_with_its_kv_unchanged(model):
+    a, b, c = (model.new_session(n_ctx=16, n_threads=2) for _ in range(3))
+    ref = model.new_session(n_ctx=16, n_threads=1)
+    for s in (a, b, c, ref):
+        s.prefill([1, 2, 3])
+    got = forward_batch([(a, [4, 5], "all", "all"), (b, [4, 10 ** 6], "all", "none"),
+                         (c, [4] * 14, "all", "none"), (b, [7], "last", "last")])
+    want = ref.forward([4, 5], logits="all")
+    assert _same(got[0], want) and a.n_past == 5
+    assert isinstance(got[1], EngineError) and got[1].name == "ES_ERR_INVALID_ARG"
+    assert "same session" in got[1].message
+    assert isinstance(got[2], EngineError) and got[2].name == "ES_ERR_CAPACITY" and "KV cache full" in got[2].message
+    assert isinstance(got[3], EngineError) and got[3].name == "ES_ERR_INVALID_ARG"   # b's second item
+    assert b.n_past == 3 and c.n_past == 3
+    # their caches are unchanged: the same step alone now gives the reference
+    ref.rollback(3)
+    want_b = ref.forward([4, 9], logits="all")
+    assert _same(forward_batch([(b, [4, 9], "all", "all")])[0], want_b)
+    ref.rollback(3)
+    assert _same(forward_batch([(c, [4, 9], "all", "all")])[0], want_b)
+    # a token out of range alone, beside a good item
+    ref.rollback(3)
+    ref.forward([4, 9])                      # c's history now
+    want_c = ref.forward([8], logits="last")
+    got = forward_batch([(a, [-1], "all", "none"), (c, [8], "all", "last")])
+    assert isinstance(got[0], EngineError) and "outside the vocabulary" in got[0].message and a.n_past == 5
+    assert _same(got[1], want_c)
+    with pytest.raises(ValueError):
+        forward_batch([(a, [1], "first", "none")])
