@@ -426,7 +426,8 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         }
 }
 
-ES_PACKED_KERNELS_K(es_neon_packed_kernel)
+/* K types: the scalar kernels until the NEON K kernels follow the 256-element contract */
+ES_PACKED_KERNELS(es_neon_packed_kernel)
 #else
 es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 #endif
@@ -459,6 +460,8 @@ int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, e
     return 1;
 }
 
+int es_neon_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) { return 0; }
+
 es_mm_kernel es_neon_kernel(uint32_t type) {
     switch (type) {
     case ES_TYPE_F32: return k_f32;
@@ -482,5 +485,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) { return NULL; }
 es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_neon_simd_name(void) { return NULL; }
 int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) { return 0; }
+int es_neon_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) { return 0; }
 
 #endif

@@ -94,6 +94,28 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
     return 1;
 }
 
+/* K-type activation quantization (contract step 1K), one super-block per step. */
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) {
+    for (int64_t s = s0; s < s1; s++) {
+        es_q8k_block *b = &out[s];
+        const float *xb = x + s * QK_K;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)), m);   /* keeps m when NaN */
+        float d = _mm512_reduce_max_ps(m) / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        for (int i = 0; i < 16; i++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), vid));
+            _mm_storeu_si128((__m128i *)(void *)(b->qs + 16 * i), _mm512_cvtepi32_epi8(q));
+            b->s16[i] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+        for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
+        b->d = d;
+        memset(b->pad, 0, sizeof b->pad);
+    }
+    return 1;
+}
+
 /* ---- packed kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K types below): 16 weight rows in the lanes ----
  * One step multiplies one block of 16 rows (a packed record, quant.h) into
  * each activation row of a tile: 8 vpdpbusd with the activation's dword k
@@ -161,21 +183,20 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
 }
 
 /* ---- packed K types: one record = one super-block of 16 rows ----
- * Sub-block j (0..7) of the record is activation block 8 (s % 2) + j of
- * group s / 2 (s the super-block). Its 8 weight vectors (unsigned: Q4_K
- * nibbles, Q5_K 5-bit, Q6_K 6-bit values) are made from the record with a
- * shift and a mask (vpternlogd merges the high bits), then each row of the
- * tile takes 8 vpdpbusd with its activation dwords broadcast:
- *   Q4_K, Q5_K  I = sc * (the dot), vpmulld (exact: |I| < 2^24)
- *   Q6_K        lo, hi = the dots over elements 0..15 and 16..31 minus
- *               32 * (their activation sums), started at that value in
- *               the vpdpbusd chains; I = sl * lo + sh * hi (vpmulld)
- * and the contract's float steps run on 16 rows. The two-term part
- * (b * d) * (float)J takes (float)J as (float)m * fq, a float product that
- * is exact (|m * qsum| <= 63 * 4064 < 2^24) and so equal to (float)(m *
- * qsum), except that it is -0 where J is +0 (m = 0, qsum < 0); a zero c
- * only ever adds to y, which starts at +0 and so is never -0, and
- * y + (+0) == y + (-0) for every such y: the stored bits are the same. */
+ * The activation row's K record of super-block s (es_q8k_block) holds the
+ * int8 values of its 8 sub-blocks in order. Per sub-block j the 8 weight
+ * vectors (unsigned: Q4_K nibbles, Q5_K 5-bit, Q6_K 6-bit values) are made
+ * from the record with a shift and a mask (vpternlogd merges the high
+ * bits) and every row of the tile takes 8 vpdpbusd with its activation
+ * dwords broadcast; the integer sums of the contract (step 2K), all exact:
+ *   Q4_K, Q5_K  I += sc * D (vpmulld), D the sub-block's dot;
+ *               J = 4 vpdpwssd of the rows' (m[2t], m[2t + 1]) int16 pairs
+ *               with the activation's s32 pairs
+ *   Q6_K        I += sl * lo + sh * hi (lo, hi: the dots of the 16-element
+ *               halves with the unsigned weights), and the - 32 * sum_h
+ *               sc[h] * s16[h] of q - 32 as 8 vpdpwssd of the (-32 sl,
+ *               -32 sh) int16 pairs (|32 * sc| <= 4096) with the s16 pairs
+ * then the contract's float steps run once per super-block on 16 rows. */
 
 /* The 6-bit sub-block scales (S) and mins (M) of a Q4_K / Q5_K record:
  * byte j % 4 of lane r of s[j / 4] / m[j / 4] is sub-block j's (ggml's
@@ -196,6 +217,13 @@ static inline ES_AI __m512i pk_byte(__m512i v, int j) {
     if (j == 3) return _mm512_srli_epi32(v, 24);
     if (j) v = _mm512_srli_epi32(v, (unsigned)(8 * j));
     return _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+}
+
+/* Bytes 2h, 2h + 1 (h 0, 1) of every lane of v as an int16 pair. */
+static inline ES_AI __m512i pk_pair(__m512i v, int h) {
+    const __m128i c = h ? _mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1)
+                        : _mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(c));
 }
 
 /* Chunk k of sub-block j's unsigned weights, 16 rows (record p). */
@@ -221,6 +249,12 @@ static inline ES_AI __m512i pk_weights(const int type, const uint8_t *p, int j, 
     return q;
 }
 
+/* acc + vpdpwssd(w, the int16 pair at q in every lane), broadcast from memory. */
+static inline ES_AI __m512i dpwssd_b(__m512i acc, __m512i w, const int16_t *q) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(const void *)q));
+    return acc;
+}
+
 static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g, int64_t nsb, const uint8_t *x,
                                   size_t xs, float *Y, int64_t ldy, int nr, int pf) {
     const size_t rec = es_pack_record_bytes((uint32_t)type);
@@ -237,60 +271,72 @@ static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g
         const uint8_t *p = g + (size_t)sb * rec;
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + dof)));
-        __m512 b = _mm512_setzero_ps();
-        __m512i S[2], M[2];
-        if (!q6) {
-            /* b = -dmin: the sign bit flipped, exact */
-            b = _mm512_castsi512_ps(_mm512_xor_si512(
-                _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + mof)))),
-                _mm512_set1_epi32((int)0x80000000u)));
-            pk_scales(p + sco, S, M);
-        }
-        const uint8_t *xb = x + (size_t)(sb / 2) * sizeof(es_q8_group);
-        const int j0 = 8 * (int)(sb % 2);
+        const es_q8k_block *xb = (const es_q8k_block *)(const void *)x + sb;   /* row n's: + n * xs bytes */
+#define XROW(n) ((const es_q8k_block *)(const void *)((const uint8_t *)xb + (size_t)(n) * xs))
+        __m512i S[2], M[2], I[PTILE];
+        if (!q6) pk_scales(p + sco, S, M);
+        UNROLL
+        for (int n = 0; n < nt; n++) I[n] = _mm512_setzero_si512();
         UNROLL
         for (int j = 0; j < 8; j++) {
             __m512i w[8];
             UNROLL
             for (int k = 0; k < 8; k++) w[k] = pk_weights(type, p, j, k);
-            __m512i sl, sh = _mm512_setzero_si512();
-            __m512 fm = _mm512_setzero_ps();
+            __m512i sl, sh = _mm512_setzero_si512(), po = _mm512_setzero_si512();
             if (q6) {
                 sl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j)));
                 sh = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j + 16)));
+                /* (-32 sl, -32 sh) as int16 pairs: (sl & 0xFFFF) | sh << 16, times -32 per int16 */
+                po = _mm512_ternarylogic_epi32(_mm512_slli_epi32(sh, 16), sl, _mm512_set1_epi32(0xFFFF), 0xF8);
+                po = _mm512_mullo_epi16(po, _mm512_set1_epi16(-32));
             } else {
                 sl = pk_byte(S[j / 4], j);
-                fm = _mm512_cvtepi32_ps(pk_byte(M[j / 4], j));
             }
-            const int jj = j0 + j;
             UNROLL
             for (int n = 0; n < nt; n++) {
-                const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
-                const int8_t *q = xg->qs + 4 * jj;
-                __m512i i0, i1;
+                const int8_t *q = XROW(n)->qs + 32 * j;
                 if (q6) {
-                    int32_t lo = xg->qlo[jj], hi = xg->qsum[jj] - lo;
-                    i0 = dpbusd_b(_mm512_set1_epi32(-32 * lo), w[0], q);
-                    i1 = dpbusd_b(_mm512_set1_epi32(-32 * hi), w[4], q + 256);
+                    __m512i lo = dpbusd_b(_mm512_setzero_si512(), w[0], q);
+                    __m512i hi = dpbusd_b(_mm512_setzero_si512(), w[4], q + 16);
+                    UNROLL
+                    for (int k = 1; k < 4; k++) {
+                        lo = dpbusd_b(lo, w[k], q + 4 * k);
+                        hi = dpbusd_b(hi, w[k + 4], q + 16 + 4 * k);
+                    }
+                    I[n] = dpwssd_b(I[n], po, XROW(n)->s16 + 2 * j);
+                    I[n] = _mm512_add_epi32(I[n], _mm512_add_epi32(_mm512_mullo_epi32(sl, lo), _mm512_mullo_epi32(sh, hi)));
                 } else {
-                    i0 = dpbusd_b(_mm512_setzero_si512(), w[0], q);
-                    i1 = dpbusd_b(_mm512_setzero_si512(), w[4], q + 256);
+                    __m512i D = dpbusd_b(_mm512_setzero_si512(), w[0], q);
+                    UNROLL
+                    for (int k = 1; k < 8; k++) D = dpbusd_b(D, w[k], q + 4 * k);
+                    I[n] = _mm512_add_epi32(I[n], _mm512_mullo_epi32(sl, D));
                 }
-                UNROLL
-                for (int k = 1; k < 4; k++) {
-                    i0 = dpbusd_b(i0, w[k], q + 64 * k);
-                    i1 = dpbusd_b(i1, w[k + 4], q + 64 * (k + 4));
-                }
-                __m512i I = q6 ? _mm512_add_epi32(_mm512_mullo_epi32(sl, i0), _mm512_mullo_epi32(sh, i1))
-                               : _mm512_mullo_epi32(sl, _mm512_add_epi32(i0, i1));
-                const __m512 dx = _mm512_set1_ps(xg->d[jj]);
-                __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
-                if (!q6)
-                    c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_mul_ps(fm, _mm512_set1_ps(xg->fq[jj]))));
-                acc[n] = _mm512_add_ps(acc[n], c);
             }
         }
+        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + dof)));
+        __m512 b = _mm512_setzero_ps();
+        __m512i mp[4];
+        if (!q6) {
+            /* b = -dmin: the sign bit flipped, exact */
+            b = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + mof)))),
+                _mm512_set1_epi32((int)0x80000000u)));
+            UNROLL
+            for (int t = 0; t < 4; t++) mp[t] = pk_pair(M[t / 2], t % 2);   /* (m[2t], m[2t + 1]) */
+        }
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            const __m512 dx = _mm512_set1_ps(XROW(n)->d);
+            __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I[n]));
+            if (!q6) {
+                __m512i J = dpwssd_b(_mm512_setzero_si512(), mp[0], XROW(n)->s32);
+                UNROLL
+                for (int t = 1; t < 4; t++) J = dpwssd_b(J, mp[t], XROW(n)->s32 + 2 * t);
+                c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_cvtepi32_ps(J)));
+            }
+            acc[n] = _mm512_add_ps(acc[n], c);
+        }
+#undef XROW
     }
     const __mmask16 m = (__mmask16)((1u << nr) - 1);
     UNROLL
@@ -794,7 +840,8 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     }
 }
 
-ES_PACKED_KERNELS_K(es_x86_packed_kernel)
+/* K types: the scalar kernels until the AVX2 K kernels follow the 256-element contract */
+ES_PACKED_KERNELS(es_x86_packed_kernel)
 
 es_mm_kernel es_x86_kernel(uint32_t type) {
     switch (type) {
@@ -805,6 +852,7 @@ es_mm_kernel es_x86_kernel(uint32_t type) {
     }
 }
 const char *es_x86_simd_name(void) { return "avx2"; }
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) { return 0; }
 
 #else /* no x86 SIMD path in this build */
 
@@ -812,5 +860,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) { return NULL; }
 es_mm_kernel es_x86_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_x86_simd_name(void) { return NULL; }
 int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) { return 0; }
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) { return 0; }
 
 #endif
