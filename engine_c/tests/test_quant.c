@@ -513,7 +513,7 @@ TEST(test_pack_per_build) {
        Q4_K / Q5_K / Q6_K: AVX-512, AVX2 and NEON with dotprod as well. */
     const char *s = es_quant_simd_name();
     int want = !strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod");
-    int want_k = !strcmp(s, "avx512") || !strcmp(s, "avx2");
+    int want_k = !strcmp(s, "avx512") || !strcmp(s, "avx2") || !strcmp(s, "neon-dotprod");
 #ifdef ES_FORCE_SCALAR
     CHECK(!want && !want_k);
 #endif
