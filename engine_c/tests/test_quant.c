@@ -447,6 +447,43 @@ TEST(test_matmul_many) {
     es_pool_free(pools[2]);
 }
 
+TEST(test_matmul_many_pre_k) {
+    /* rows pre-quantized with es_quantize_row_act for K weights (Q4_K q/k, Q6_K v)
+       == es_matmul; a call that mixes the formats (Q4_K with Q8_0) ignores the
+       pre-quantized rows (garbage here) and quantizes X per format */
+    es_pool *pool = es_pool_new(2);
+    const int N = 5;
+    const int64_t n_in = 768;
+    wmat a = make_w(ES_TYPE_Q4_K, n_in, 37), b = make_w(ES_TYPE_Q6_K, n_in, 21), c = make_w(ES_TYPE_Q8_0, n_in, 19);
+    float *X = rand_x(N, n_in);
+    void *sc = scratch_for(ES_TYPE_Q8_0, n_in, N);
+    size_t rs = es_matmul_q8_row_bytes(ES_TYPE_Q4_K, n_in);
+    CHECK(rs == 3 * sizeof(es_q8k_block));
+    float *Yr[3], *Y[3];
+    int64_t ld[3] = {37, 21, 19};
+    const es_tensor *W[3] = {&a.t, &b.t, &c.t};
+    for (int i = 0; i < 3; i++) {
+        Yr[i] = malloc(sizeof(float) * (size_t)(N * ld[i]));
+        Y[i] = malloc(sizeof(float) * (size_t)(N * ld[i]));
+        es_matmul(NULL, W[i], X, N, Yr[i], ld[i], sc);
+    }
+    for (int n = 0; n < N; n++) es_quantize_row_act(ES_TYPE_Q6_K, X + n * n_in, n_in, (uint8_t *)sc + (size_t)n * rs);
+    es_matmul_many_pre(pool, 2, W, X, N, Y, ld, sc);
+    for (int i = 0; i < 2; i++) CHECK(memcmp(Y[i], Yr[i], sizeof(float) * (size_t)(N * ld[i])) == 0);
+    const es_tensor *Wm[2] = {&a.t, &c.t};
+    float *Ym[2] = {Y[0], Y[2]};
+    int64_t ldm[2] = {37, 19};
+    memset(sc, 0x5A, es_matmul_scratch_bytes(ES_TYPE_Q8_0, n_in, N));
+    es_matmul_many_pre(pool, 2, Wm, X, N, Ym, ldm, sc);
+    CHECK(memcmp(Y[0], Yr[0], sizeof(float) * (size_t)(N * 37)) == 0);
+    CHECK(memcmp(Y[2], Yr[2], sizeof(float) * (size_t)(N * 19)) == 0);
+    for (int i = 0; i < 3; i++) { free(Y[i]); free(Yr[i]); }
+    free_w(&a); free_w(&b); free_w(&c);
+    free(X);
+    free(sc);
+    es_pool_free(pool);
+}
+
 TEST(test_unsupported_type) {
     wmat w = make_w(ES_TYPE_Q4_0, 32, 2);
     w.t.type = ES_TYPE_Q2_K;
@@ -680,6 +717,7 @@ int main(void) {
     RUN(test_matmul_q5_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
+    RUN(test_matmul_many_pre_k);
     RUN(test_unsupported_type);
     RUN(test_fp16_row);
     RUN(test_simd_name);
