@@ -273,15 +273,13 @@ static void quantize_blocks_ref(const float *x, int64_t n, int64_t j0, int64_t j
         }
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0, lo = 0;
+        int32_t sum = 0;
         for (int i = 0; i < m; i++) {
             int q = (int)nearbyintf(xb[i] * id);
             g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q;
             sum += q;
-            if (i == 15) lo = sum;
         }
-        if (m <= 15) lo = sum;
-        es_q8_set_block(g, jj, d, sum, lo);
+        es_q8_set_block(g, jj, d, sum);
     }
 }
 

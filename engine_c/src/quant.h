@@ -39,7 +39,6 @@ _Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
  *   qsum[j]  sum of the block's 32 int8 values
  *   fq[j]    (float)qsum[j]
  *   dq[j]    d[j] * fq[j]
- *   qlo[j]   sum of the block's first 16 int8 values (Q6_K's half-block scales)
  * Blocks past the end of the row are all zero (d = 0, qsum = 0, fq = 0).
  * One activation row of n_in elements is ceil(n_in / 512) groups.
  */
@@ -49,16 +48,14 @@ typedef struct {
     float d[ES_GROUP_BLOCKS];
     int32_t qsum[ES_GROUP_BLOCKS];
     float fq[ES_GROUP_BLOCKS];
-    int32_t qlo[ES_GROUP_BLOCKS];
     float dq[ES_GROUP_BLOCKS];          /* d[j] * fq[j] (one float multiply) */
-} es_q8_group;                          /* 832 B, a multiple of 64 */
+} es_q8_group;                          /* 768 B, a multiple of 64 */
 
-/* The per-block fields of activation block jj of group g, from its scale d,
- * its int8 sum and the sum of its first 16 values (every quantizer). */
-static inline void es_q8_set_block(es_q8_group *g, int jj, float d, int32_t sum, int32_t lo) {
+/* The per-block fields of activation block jj of group g, from its scale d
+ * and its int8 sum (every quantizer). */
+static inline void es_q8_set_block(es_q8_group *g, int jj, float d, int32_t sum) {
     g->d[jj] = d;
     g->qsum[jj] = sum;
-    g->qlo[jj] = lo;
     g->fq[jj] = (float)sum;
     g->dq[jj] = d * (float)sum;
 }

@@ -168,7 +168,7 @@ static inline ES_AI void punpack(const int type, const uint8_t *p, int q, pquart
 /* One quarter of block jj into the nt rows' acc; xr[n] = row n's
  * es_q8_group of the block. One sdot chain per row (the rows of the tile
  * are the independent chains); the 8-byte loads stay inside the group (at
- * most byte 516 of 832). */
+ * most byte 516 of 768). */
 static inline ES_AI void prows(const int nt, const int type, const pquarter *u, const uint8_t *const *xr, int jj,
                                float32x4_t *acc) {
     UNROLL
@@ -449,16 +449,15 @@ int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, e
         float amax = vmaxnmvq_f32(m);
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32x4_t s = vdupq_n_s32(0), slo = vdupq_n_s32(0);
+        int32x4_t s = vdupq_n_s32(0);
         for (int i = 0; i < 8; i++) {
             int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(xv[i], id));
             s = vaddq_s32(s, q);
-            if (i == 3) slo = s;
             int8x8_t b = vmovn_s16(vcombine_s16(vmovn_s32(q), vdup_n_s16(0)));
             vst1_lane_s32((int32_t *)(void *)(g->qs + 64 * i + 4 * jj), vreinterpret_s32_s8(b), 0);
         }
         int32_t sum = vaddvq_s32(s);
-        es_q8_set_block(g, jj, d, sum, vaddvq_s32(slo));
+        es_q8_set_block(g, jj, d, sum);
     }
     return 1;
 }

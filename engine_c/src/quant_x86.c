@@ -84,12 +84,12 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         __m512 vid = _mm512_set1_ps(id);
         __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
-        int32_t lo = _mm512_reduce_add_epi32(q0), sum = lo + _mm512_reduce_add_epi32(q1);
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         uint32_t w[8];
         _mm_storeu_si128((__m128i *)(void *)w, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(void *)(w + 4), _mm512_cvtepi32_epi8(q1));
         for (int k = 0; k < 8; k++) memcpy(g->qs + 64 * k + 4 * jj, &w[k], 4);
-        es_q8_set_block(g, jj, d, sum, lo);
+        es_q8_set_block(g, jj, d, sum);
     }
     return 1;
 }
@@ -515,13 +515,12 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
         int32_t q[32];
         for (int i = 0; i < 4; i++)
             _mm256_storeu_si256((__m256i *)(void *)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], vid)));
-        int32_t sum = 0, lo = 0;
+        int32_t sum = 0;
         for (int i = 0; i < 32; i++) {
             g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q[i];
             sum += q[i];
-            if (i == 15) lo = sum;
         }
-        es_q8_set_block(g, jj, d, sum, lo);
+        es_q8_set_block(g, jj, d, sum);
     }
     return 1;
 }
