@@ -10,14 +10,16 @@ to exact than the engine (float32) and the tolerances in the tests measure the
 engine's error, not ours. float32 is available for speed.
 
 act_quant=True emulates the engine's activation quantization before every
-matmul whose weight is a quantized (block) type: per block of 32 activations,
+matmul whose weight is a quantized (block) type: per block of 32 activations
+(per super-block of 256 for the K types Q4_K, Q5_K, Q6_K),
     d = max|x| / 127,  id = 1 / d (0 when d == 0),  q = rint(x * id),  x' = q * d
 computed in float32 (rint: round half to even), once per stage input (the
 q/k/v input, the attention output, the FFN input, the down-projection input,
-the output-norm output). The engine does this (as llama.cpp does with q8_0
-activations). Without it the reference and the engine part by about 5% of the
-logit std on tiny models; with it by about 1e-6 of the logit std, so the
-tolerances can be tight enough to catch a subtly wrong kernel.
+the output-norm output) and activation block size. The engine does this (as
+llama.cpp does with q8_0 activations, and q8_K ones for the K types).
+Without it the reference and the engine part by about 5% of the logit std
+on tiny models; with it by about 1e-6 of the logit std, so the tolerances
+can be tight enough to catch a subtly wrong kernel.
 F32, F16 and BF16 weights multiply the float activations unchanged.
 
 Rounding boundaries: when x * id lies within about 1e-5 of k + 1/2, the
@@ -60,6 +62,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16, QT.F64)
+K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)   # activations quantized per 256 (the engine's es_q8k_block)
 NEAR_F16 = 4 * 2.0 ** -13   # float16 ulps: four float32 ulps from a float16 midpoint (see align_rounding)
 
 
@@ -247,7 +250,8 @@ class Reference:
         self.act_block = act_block
         # Rounding-boundary bookkeeping (act_quant only); see near_half_elements.
         # flips: stage key -> {(row, col)} roundings to invert; a stage key is
-        # (layer, "attn_in" | "attn_out_in" | "ffn_in" | "ffn_down_in") or (-1, "output_in"), or
+        # (layer, "attn_in" | "attn_out_in" | "ffn_in" | "ffn_down_in") or (-1, "output_in") (+ "_k" for the
+        # K types' 256-blocks), or
         # (layer, "k_f16" | "v_f16") for the float16 KV cache (kv_f16).
         self.flips: dict[tuple[int, str], set[tuple[int, int]]] = {}
         self.near_half_threshold: float | None = None
@@ -280,6 +284,7 @@ class Reference:
         )
         self._w: dict[str, np.ndarray] = {}
         self._quantized: dict[str, bool] = {}
+        self._block: dict[str, int] = {}   # activation block of a quantized weight: 256 for K types
         for name, t in self.tensors.items():
             a = gguf.quants.dequantize(t.data, t.tensor_type)
             n_el = int(np.prod([int(s) for s in t.shape]))
@@ -291,6 +296,7 @@ class Reference:
                 a = a.reshape(-1)
             self._w[name] = np.ascontiguousarray(a, dtype=self.dtype)
             self._quantized[name] = t.tensor_type not in FLOAT_TYPES
+            self._block[name] = 256 if t.tensor_type in K_TYPES else act_block
         self._out_name = "token_embd.weight" if self.hp.tied else "output.weight"
 
     # ---- building blocks ------------------------------------------------------
@@ -302,18 +308,24 @@ class Reference:
     def has(self, name: str) -> bool:
         return name in self._w
 
-    def act(self, x: np.ndarray, key: tuple[int, str]) -> np.ndarray:
-        """The activation row block `x` [n, n_in] as quantized matmuls see it (x itself without act_quant).
+    def act(self, x: np.ndarray, key: tuple[int, str], names: Sequence[str]) -> dict[int, np.ndarray] | np.ndarray:
+        """The activation row block `x` [n, n_in] as the quantized matmuls `names` see it (x itself
+        without act_quant): a dict activation block size -> quantized rows.
 
-        One stage input is quantized once and shared by the matmuls that read it
-        (q/k/v; gate/up), as the engine does.
+        One stage input is quantized once per block size and shared by the matmuls that read it
+        (q/k/v; gate/up), as the engine does. The stage key of the 256-blocks (K types) is
+        (layer, stage + "_k").
         """
         if not self.act_quant:
             return x
-        if self.near_half_threshold is not None:
-            self.near_half += [(dist, key, r, c) for dist, r, c in
-                               near_half_elements(x, self.act_block, self.near_half_threshold)]
-        return quantize_activations_q8(x, self.act_block, self.flips.get(key))
+        out = {}
+        for blk in sorted({self._block[nm] for nm in names if self._quantized[nm]}):
+            k = key if blk == self.act_block else (key[0], key[1] + "_k")
+            if self.near_half_threshold is not None:
+                self.near_half += [(dist, k, r, c) for dist, r, c in
+                                   near_half_elements(x, blk, self.near_half_threshold)]
+            out[blk] = quantize_activations_q8(x, blk, self.flips.get(k))
+        return out
 
     def kv_round(self, x: np.ndarray, key: tuple[int, str]) -> np.ndarray:
         """Keys or values x [n, kv_dim] rounded to float16 as the engine's cache stores them,
@@ -323,14 +335,15 @@ class Reference:
             self.near_half += [(dist, key, r, c) for dist, r, c in near_f16_elements(x, self.near_f16_threshold)]
         return round_f16(x, self.flips.get(key))
 
-    def matmul(self, x: np.ndarray, name: str, xq: np.ndarray | None = None) -> np.ndarray:
+    def matmul(self, x: np.ndarray, name: str, xq: dict[int, np.ndarray] | np.ndarray | None = None) -> np.ndarray:
         """x [n, n_in] @ W^T -> [n, n_out].
 
-        With act_quant and a quantized W, multiplies xq (from act(); computed
-        here without flips when None) instead of x.
+        With act_quant and a quantized W, multiplies xq[W's activation block] (from act();
+        computed here without flips when None) instead of x.
         """
         if self.act_quant and self._quantized[name]:
-            x = quantize_activations_q8(x, self.act_block) if xq is None else xq
+            blk = self._block[name]
+            x = quantize_activations_q8(x, blk) if not isinstance(xq, dict) else xq[blk]
         return x @ self._w[name].T
 
     def new_cache(self) -> KVCache:
@@ -369,7 +382,7 @@ class Reference:
             p = f"blk.{il}."
             # attention
             h = rms_norm(x, self._w[p + "attn_norm.weight"], hp.norm_eps)
-            hq = self.act(h, (il, "attn_in"))
+            hq = self.act(h, (il, "attn_in"), [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
             q = self.matmul(h, p + "attn_q.weight", hq)
             k = self.matmul(h, p + "attn_k.weight", hq)
             v = self.matmul(h, p + "attn_v.weight", hq)
@@ -399,17 +412,17 @@ class Reference:
             s = np.where(mask[None, None], -np.inf, s)
             a = softmax(s, axis=-1).reshape(hp.n_head_kv, group * n, T) @ V        # [n_kv, group*n, hd]
             a = a.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)
-            x = x + self.matmul(a, p + "attn_output.weight", self.act(a, (il, "attn_out_in")))
+            x = x + self.matmul(a, p + "attn_output.weight", self.act(a, (il, "attn_out_in"), [p + "attn_output.weight"]))
             # feed-forward (SwiGLU)
             h = rms_norm(x, self._w[p + "ffn_norm.weight"], hp.norm_eps)
-            hq = self.act(h, (il, "ffn_in"))
+            hq = self.act(h, (il, "ffn_in"), [p + "ffn_gate.weight", p + "ffn_up.weight"])
             g = self.matmul(h, p + "ffn_gate.weight", hq)
             u = self.matmul(h, p + "ffn_up.weight", hq)
             gu = silu(g) * u
-            x = x + self.matmul(gu, p + "ffn_down.weight", self.act(gu, (il, "ffn_down_in")))
+            x = x + self.matmul(gu, p + "ffn_down.weight", self.act(gu, (il, "ffn_down_in"), [p + "ffn_down.weight"]))
         cache.n_past += n
         h = rms_norm(x, self._w["output_norm.weight"], hp.norm_eps)
-        return self.matmul(h, self._out_name, self.act(h, (-1, "output_in")))
+        return self.matmul(h, self._out_name, self.act(h, (-1, "output_in"), [self._out_name]))
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits [n_tokens, n_vocab] of a fresh sequence."""

@@ -11,7 +11,8 @@ about 2 to 4.5, so that is 2e-4 to 4.5e-4 in logit units).
   * F32 / F16 / BF16: the reference is float64 over the same float weights; the
     engine's float32 arithmetic measured 0.6e-6 to 1.4e-6 of the std here.
   * Quantized types: the engine quantizes activations to int8 per 32-element
-    block before each quantized matmul. The reference emulates that exactly
+    block (per 256-element super-block for Q4_K, Q5_K, Q6_K) before each
+    quantized matmul. The reference emulates that exactly
     (act_quant=True), because without it the two part by 4-7% of the std
     (measured), a gap that would hide a subtly wrong kernel. With it they agree
     to 0.5e-6 to 1e-6 of the std (measured), except where an activation x * id

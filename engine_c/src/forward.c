@@ -569,9 +569,9 @@ static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float 
 static void quantize_att_rows(es_session *s, const attn_task *t, int i0, int i1) {
     const es_model_info *in = &s->model->info;
     int64_t q_dim = (int64_t)in->n_head * in->head_dim;
+    uint32_t wt = s->model->layers[t->layer].wo->type;
     for (int i = t->row0 + i0; i < t->row0 + i1; i++)
-        es_quantize_row_q8(s->att + (size_t)i * (size_t)q_dim, q_dim,
-                           (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->rs));
+        es_quantize_row_act(wt, s->att + (size_t)i * (size_t)q_dim, q_dim, (uint8_t *)s->mm_scratch + (size_t)i * t->rs);
 }
 
 /* Work unit u of task t (the shape is chosen in attn_shape), with the
@@ -721,6 +721,7 @@ typedef struct {
     const fwd_call *c;
     int l, n, op;
     size_t q8_rs;           /* also quantize each row written into mm_scratch, rows this many bytes apart (0: no) */
+    uint32_t q8_type;       /* for this weight type (es_quantize_row_act) */
     _Atomic int next;
 } rows_task;
 
@@ -748,8 +749,7 @@ static void token_row(const rows_task *t, int i) {
     }
     rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
     if (t->q8_rs)
-        es_quantize_row_q8(s->xb + (size_t)i * e, in->n_embd,
-                           (es_q8_group *)(void *)((uint8_t *)s->mm_scratch + (size_t)i * t->q8_rs));
+        es_quantize_row_act(t->q8_type, s->xb + (size_t)i * e, in->n_embd, (uint8_t *)s->mm_scratch + (size_t)i * t->q8_rs);
 }
 
 /* The q/k/v matmul's epilogue (es_matmul_many_epi, chunks of whole heads),
@@ -805,26 +805,32 @@ static void rows_worker(void *ctx, int ith, int nth) {
     for (int i; (i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->n;) token_row(t, i);
 }
 
-/* token_row for i in [0, n) (rows quantized q8_rs bytes apart, 0: not): on
- * the calling thread for one token, on the pool for several. Clears the
- * pending residual after a norm. */
-static void run_rows(fwd_call *c, int l, int n, int op, size_t q8_rs) {
-    rows_task t = {.c = c, .l = l, .n = n, .op = op, .q8_rs = q8_rs};
+/* token_row for i in [0, n) (rows quantized for weight type q8_type, q8_rs
+ * bytes apart, 0: not): on the calling thread for one token, on the pool for
+ * several. Clears the pending residual after a norm. */
+static void run_rows(fwd_call *c, int l, int n, int op, size_t q8_rs, uint32_t q8_type) {
+    rows_task t = {.c = c, .l = l, .n = n, .op = op, .q8_rs = q8_rs, .q8_type = q8_type};
     if (n > 1) es_pool_run(c->s->pool, rows_worker, &t);
     else rows_worker(&t, 0, 1);
     c->pending_out = 0;
 }
 
 /* Bytes of a quantized row of n_in for the matrices w[0..nw) when the rows
- * of a step (n > 1, run on the pool) are to be quantized by run_rows; 0 when
- * one token (run on the calling thread, nothing to save) or all float. */
-static size_t pre_q8_rs(int n, int nw, const es_tensor *const *w) {
-    if (n < 2) return 0;
-    for (int i = 0; i < nw; i++) {
-        size_t rs = es_matmul_q8_row_bytes(w[i]->type, w[i]->ne[0]);
-        if (rs) return rs;
+ * of a step (n > 1, run on the pool) are to be quantized by run_rows, and in
+ * *type the weight type whose activation format they take; 0 when one token
+ * (run on the calling thread, nothing to save), all float, or the quantized
+ * matrices need both formats (32-element and K-type activations: the matmul
+ * then quantizes per format). */
+static size_t pre_q8_rs(int n, int nw, const es_tensor *const *w, uint32_t *type) {
+    size_t rs = 0;
+    for (int i = 0; i < nw && n >= 2; i++) {
+        size_t r = es_matmul_q8_row_bytes(w[i]->type, w[i]->ne[0]);
+        if (r == 0) continue;
+        if (rs && es_act_block_elems(w[i]->type) != es_act_block_elems(*type)) return 0;
+        rs = r;
+        *type = w[i]->type;
     }
-    return 0;
+    return rs;
 }
 
 
@@ -837,8 +843,9 @@ static void attention_block(fwd_call *c, int l) {
     const es_layer *L = &m->layers[l];
     int hd = in->head_dim, q_dim = in->n_head * hd, kv_dim = in->n_head_kv * hd;
     const es_tensor *wqkv[3] = {L->wq, L->wk, L->wv};
-    size_t rs = pre_q8_rs(n, 3, wqkv);
-    run_rows(c, l, n, ROWS_NORM_ATTN, rs);
+    uint32_t qt8 = 0;
+    size_t rs = pre_q8_rs(n, 3, wqkv, &qt8);
+    run_rows(c, l, n, ROWS_NORM_ATTN, rs, qt8);
     /* Ask for this layer's cached K and V rows now: they arrive in cache while
      * the q/k/v matmul streams its weights, instead of one memory latency at
      * a time in the attention (the weight stream of the last step pushed
@@ -888,8 +895,8 @@ static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
         float *g = s->gate + (size_t)i * (size_t)n_ff;
         swiglu_row(g + r0, s->up + (size_t)i * (size_t)n_ff + r0, (size_t)(r1 - r0));
         if (t->rs)
-            es_quantize_blocks_q8(g, n_ff, r0 / QK, (r1 + QK - 1) / QK,
-                                  (es_q8_group *)(void *)((uint8_t *)s->glu_q8 + (size_t)i * t->rs));
+            es_quantize_cols_act(s->model->layers[t->l].w_down->type, g, n_ff, r0, r1,
+                                 (uint8_t *)s->glu_q8 + (size_t)i * t->rs);
     }
 }
 
@@ -901,14 +908,17 @@ static void ffn_block(fwd_call *c, int l) {
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
     const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
-    size_t rs = pre_q8_rs(n, 2, wgu);
-    run_rows(c, l, n, ROWS_NORM_FFN, rs);
+    uint32_t qt8 = 0;
+    size_t rs = pre_q8_rs(n, 2, wgu, &qt8);
+    run_rows(c, l, n, ROWS_NORM_FFN, rs, qt8);
     float *ygu[2] = {s->gate, s->up};
     int64_t ldgu[2] = {in->n_ff, in->n_ff};
     /* SwiGLU and its quantization for W_down in the matmul's epilogue, by
-     * the thread that computed those columns, while they are in its cache */
+     * the thread that computed those columns, while they are in its cache;
+     * chunks of whole activation blocks of W_down's format (K types: 256) */
     epi_task g = {s, l, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff), c};
-    es_mm_epi epi = {glu_epi, &g, 1, ES_EPI_ROWS};
+    int64_t gran = es_act_block_elems(L->w_down->type) > ES_EPI_ROWS ? es_act_block_elems(L->w_down->type) : ES_EPI_ROWS;
+    es_mm_epi epi = {glu_epi, &g, 1, g.rs ? gran : ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wd[1] = {L->w_down};
     int64_t ldd[1] = {in->n_embd};
@@ -994,8 +1004,9 @@ static void output_head(fwd_call *c, int out_rows) {
     const es_tensor *wout[1] = {m->output};
     float *ylog[1] = {s->logits};
     int64_t ldlog[1] = {m->info.n_vocab};
-    size_t rs = pre_q8_rs(out_rows, 1, wout);
-    run_rows(c, 0, out_rows, ROWS_NORM_OUT, rs);
+    uint32_t qt8 = 0;
+    size_t rs = pre_q8_rs(out_rows, 1, wout, &qt8);
+    run_rows(c, 0, out_rows, ROWS_NORM_OUT, rs, qt8);
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
     epi_task at = {s, 0, out_rows, 0, c};
     es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};

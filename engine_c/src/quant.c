@@ -9,40 +9,58 @@
  * compute bitwise the same values (checked by tests/test_quant.c). All files
  * are compiled with -ffp-contract=off and no FMA is used anywhere.
  *
- * Quantized weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K):
+ * Quantized weight types of 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
  *   1. Each activation row is cut into blocks of 32; block j gets
  *        amax = max |x|, d = amax / 127, id = d != 0 ? 1 / d : 0,
  *        q[i] = round-to-nearest-even(x[i] * id)   (int8 in [-127, 127]),
  *        qsum = sum of q[i]                          (int32)
  *      (es_quantize_row_q8; done once per call, shared by all paths).
- *   2. For every activation block j the weight row gives (for K types: the
- *      32-element sub-block j) float factors a, b and exact int32 sums
- *        I = sum_i wq[i] * q[i]     wq = the block's integer weights, with
- *                                     K-quant sub-block scales folded in
- *        J = jm * qsum              jm = the integer min multiplier
+ *   2. For every activation block j the weight row gives float factors a,
+ *      b and exact int32 sums
+ *        I = sum_i wq[i] * q[i]     wq = the block's integer weights
+ *        J = qsum
  *      and the contribution
- *        one-term types (Q4_0, Q5_0, Q8_0, Q6_K):  c = (a * d) * (float)I
- *        two-term types (Q5_1, Q4_K, Q5_K):        c = (a * d) * (float)I + (b * d) * (float)J
- *        Q4_1:                                     c = (a * d) * (float)I + b * dq
- *                                                  (dq = d * (float)qsum, made with the
- *                                                  activation row: one multiply less)
+ *        one-term types (Q4_0, Q5_0, Q8_0):  c = (a * d) * (float)I
+ *        Q5_1:                               c = (a * d) * (float)I + (b * d) * (float)J
+ *        Q4_1:                               c = (a * d) * (float)I + b * dq
+ *                                            (dq = d * (float)qsum, made with the
+ *                                            activation row: one multiply less)
  *      with, per type:
  *        Q4_0  a = d_w, wq = q - 8                  Q5_0  a = d_w, wq = q - 16
  *        Q8_0  a = d_w, wq = q
- *        Q4_1  a = d_w, wq = q, b = m_w, jm = 1      Q5_1  likewise
- *        Q4_K  a = d, wq = sc * q, b = -dmin, jm = m (6-bit sc, m of the
- *              sub-block, ggml's get_scale_min_k4)   Q5_K  likewise
- *        Q6_K  a = d, wq = sc16 * (q - 32) with the int8 scale of each
- *              16-element half folded in (so I covers both halves)
- *      Integer sums are exact, so their summation order is free (SIMD uses
- *      dot-product instructions in any order); only the float steps are fixed.
- *   3. Every quantized type is sequential: y = +0, then
- *      y += c for j = 0, 1, 2, ... in order (for the K types j runs over
- *      the 32-element sub-blocks, 8 per super-block); Y = y. Their SIMD
- *      kernels run on packed weights (quant.h: es_tensor_pack) with 16
- *      weight rows in the lanes of a vector, so one step is one block (one
- *      super-block) of 16 rows and needs neither a transpose nor a lane
- *      tree. Unpacked tensors of these types use the scalar kernel.
+ *        Q4_1  a = d_w, wq = q, b = m_w             Q5_1  likewise
+ *   3. Sequential: y = +0, then y += c for j = 0, 1, 2, ... in order; Y = y.
+ * K types (Q4_K, Q5_K, Q6_K; n_in a multiple of 256):
+ *   1K. Each activation row is cut into super-blocks of 256 (es_q8k_block);
+ *      super-block s gets amax, d, id and q[i] as in step 1 but over its 256
+ *      elements, and the exact sums s16 (per 16 elements) and s32 (per 32)
+ *      (es_quantize_row_q8k).
+ *   2K. For every super-block s the weight row gives float factors a, b and
+ *      exact int32 sums over the whole super-block
+ *        Q4_K, Q5_K  I = sum_j sc[j] * (sum_i q[j][i] * x[j][i])
+ *                    J = sum_j m[j] * s32[j]
+ *                    (j the 32-element sub-block, q its unsigned 4- / 5-bit
+ *                    weights, sc, m its 6-bit scale and min (ggml's
+ *                    get_scale_min_k4), x the activation's int8 values)
+ *                    a = d, b = -dmin
+ *                    c = (a * d_x) * (float)I + (b * d_x) * (float)J
+ *        Q6_K        I = sum_h sc[h] * (sum_i (q[h][i] - 32) * x[h][i])
+ *                    (h the 16-element half-block, sc its int8 scale)
+ *                    a = d
+ *                    c = (a * d_x) * (float)I
+ *      |I| <= 8 * 63 * 32 * 31 * 127 < 2^26 (Q5_K; Q6_K: 16 * 128 * 16 *
+ *      32 * 127 < 2^27), |J| <= 8 * 63 * 4064 < 2^21: int32 is exact;
+ *      (float)I rounds to nearest even like every path's int -> float
+ *      conversion.
+ *   3K. Sequential: y = +0, then y += c for s = 0, 1, 2, ... in order; Y = y.
+ *   The float steps run once per super-block and row: the cost of a K
+ *   weight is mostly its integer dot products.
+ * Integer sums are exact, so their summation order is free (SIMD uses
+ * dot-product instructions in any order); only the float steps are fixed.
+ * The SIMD kernels of the quantized types run on packed weights (quant.h:
+ * es_tensor_pack) with 16 weight rows in the lanes of a vector, so one step
+ * is one block (one super-block) of 16 rows and needs neither a transpose
+ * nor a lane tree. Unpacked tensors of these types use the scalar kernel.
  * Float weight types (F32, F16, BF16): activations stay float32; weights are
  * widened exactly to float32; lane[i % 16] += w[i] * x[i] (a product, then a
  * sum) for i = 0, 1, ... in order (lanes start at +0), then Y = the fixed
@@ -255,16 +273,60 @@ static void quantize_blocks_ref(const float *x, int64_t n, int64_t j0, int64_t j
         }
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0, lo = 0;
+        int32_t sum = 0;
         for (int i = 0; i < m; i++) {
             int q = (int)nearbyintf(xb[i] * id);
             g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q;
             sum += q;
-            if (i == 15) lo = sum;
         }
-        if (m <= 15) lo = sum;
-        es_q8_set_block(g, jj, d, sum, lo);
+        es_q8_set_block(g, jj, d, sum);
     }
+}
+
+/* K-type activations (contract step 1K): super-blocks [s0, s1) of row x. */
+static void quantize_blocks_k_ref(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) {
+    for (int64_t s = s0; s < s1; s++) {
+        es_q8k_block *b = &out[s];
+        const float *xb = x + s * QK_K;
+        float amax = 0.0f;
+        for (int i = 0; i < QK_K; i++) {
+            float a = fabsf(xb[i]);
+            if (a > amax) amax = a;
+        }
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int h = 0; h < 16; h++) {
+            int32_t sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; i++) {
+                int q = (int)nearbyintf(xb[i] * id);
+                b->qs[i] = (int8_t)q;
+                sum += q;
+            }
+            b->s16[h] = (int16_t)sum;
+        }
+        for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
+        b->d = d;
+        memset(b->pad, 0, sizeof b->pad);
+    }
+}
+
+void es_quantize_blocks_q8k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) {
+    if (es_x86_quantize_blocks_k(x, s0, s1, out) || es_neon_quantize_blocks_k(x, s0, s1, out)) return;
+    quantize_blocks_k_ref(x, s0, s1, out);
+}
+
+void es_quantize_row_q8k(const float *x, int64_t n, es_q8k_block *out) { es_quantize_blocks_q8k(x, 0, n / QK_K, out); }
+
+void es_quantize_row_q8k_ref(const float *x, int64_t n, es_q8k_block *out) { quantize_blocks_k_ref(x, 0, n / QK_K, out); }
+
+void es_quantize_row_act(uint32_t type, const float *x, int64_t n, void *out) {
+    if (es_act_block_elems(type) == QK_K) es_quantize_row_q8k(x, n, out);
+    else es_quantize_row_q8(x, n, out);
+}
+
+void es_quantize_cols_act(uint32_t type, const float *x, int64_t n, int64_t e0, int64_t e1, void *out) {
+    if (es_act_block_elems(type) == QK_K) es_quantize_blocks_q8k(x, e0 / QK_K, e1 / QK_K, out);
+    else es_quantize_blocks_q8(x, n, e0 / QK, (e1 + QK - 1) / QK, out);
 }
 
 /* ---- scalar reference kernels ------------------------------------------ */
@@ -387,6 +449,46 @@ static void ref_quant(unpack_fn up, int two_term, int seq, const uint8_t *w, siz
     }
 }
 
+/* K types (contract steps 2K, 3K): one c per super-block; up gives
+ * sub-block j's integer weights with the scales folded in (Q6_K: both
+ * half-block scales) and, for two-term types, its min m as jm. */
+static void ref_quant_k(unpack_fn up, int two_term, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
+                        int64_t n_in, const void *xv, size_t x_stride, int N, float *Y, int64_t ldy) {
+    int64_t ns = n_in / QK_K;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        for (int n = 0; n < N; n++) {
+            const es_q8k_block *xb = (const void *)((const uint8_t *)xv + (size_t)n * x_stride);
+            float y = 0.0f;
+            for (int64_t s = 0; s < ns; s++) {
+                int32_t I = 0, J = 0;
+                float a = 0.0f, b = 0.0f;
+                for (int j = 0; j < 8; j++) {
+                    int wq[32];
+                    int32_t jm = 0;
+                    up(row, 8 * s + j, wq, &a, &b, &jm);
+                    for (int i = 0; i < 32; i++) I += wq[i] * xb[s].qs[32 * j + i];
+                    J += jm * xb[s].s32[j];
+                }
+                float dx = xb[s].d;
+                float c = (a * dx) * (float)I;
+                if (two_term) c = c + (b * dx) * (float)J;
+                y += c;
+            }
+            Y[(int64_t)n * ldy + r] = y;
+        }
+    }
+}
+
+#define REF_QUANT_K(name, up, two)                                                        \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
+                     const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
+        ref_quant_k(up, two, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                      \
+    }
+REF_QUANT_K(ref_q4_k, up_q4_k, 1)
+REF_QUANT_K(ref_q5_k, up_q5_k, 1)
+REF_QUANT_K(ref_q6_k, up_q6_k, 0)
+
 #define REF_QUANT(name, up, two, seq)                                                     \
     static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
                      const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
@@ -397,9 +499,6 @@ REF_QUANT(ref_q4_1, up_q4_1, 2, 1)
 REF_QUANT(ref_q5_0, up_q5_0, 0, 1)
 REF_QUANT(ref_q5_1, up_q5_1, 1, 1)
 REF_QUANT(ref_q8_0, up_q8_0, 0, 1)
-REF_QUANT(ref_q4_k, up_q4_k, 1, 1)
-REF_QUANT(ref_q5_k, up_q5_k, 1, 1)
-REF_QUANT(ref_q6_k, up_q6_k, 0, 1)
 
 /* Float weights: lane[i % 16] += w[i] * x[i]. */
 static void ref_float(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,
@@ -464,13 +563,18 @@ static size_t q8_row_bytes(int64_t n_in) {
     return (size_t)((nb + ES_GROUP_BLOCKS - 1) / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
 }
 
+static size_t q8k_row_bytes(int64_t n_in) { return (size_t)((n_in + QK_K - 1) / QK_K) * sizeof(es_q8k_block); }
+
+/* The larger of the two row formats, so that a scratch serves either. */
 size_t es_matmul_scratch_bytes(uint32_t type, int64_t n_in, int N) {
     if (is_float_type(type) || N <= 0 || n_in <= 0) return 0;
-    return q8_row_bytes(n_in) * (size_t)N;
+    size_t a = q8_row_bytes(n_in), b = q8k_row_bytes(n_in);
+    return (a > b ? a : b) * (size_t)N;
 }
 
 size_t es_matmul_q8_row_bytes(uint32_t type, int64_t n_in) {
-    return is_float_type(type) || n_in <= 0 ? 0 : q8_row_bytes(n_in);
+    if (is_float_type(type) || n_in <= 0) return 0;
+    return es_act_block_elems(type) == QK_K ? q8k_row_bytes(n_in) : q8_row_bytes(n_in);
 }
 
 const char *es_quant_simd_name(void) {
@@ -656,24 +760,62 @@ typedef struct {
     void *scratch;
     size_t rs;
     int force_scalar;
+    int k;   /* K-type rows (es_q8k_block) */
     _Atomic int next;
 } q8_task;
 
 static void q8_worker(void *ctx, int ith, int nth) {
     q8_task *t = ctx;
     for (int n; (n = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->N;) {
-        es_q8_group *g = (es_q8_group *)(void *)((uint8_t *)t->scratch + (size_t)n * t->rs);
-        if (t->force_scalar) es_quantize_row_q8_ref(t->X + (int64_t)n * t->n_in, t->n_in, g);
-        else es_quantize_row_q8(t->X + (int64_t)n * t->n_in, t->n_in, g);
+        void *g = (uint8_t *)t->scratch + (size_t)n * t->rs;
+        const float *x = t->X + (int64_t)n * t->n_in;
+        if (t->k) {
+            if (t->force_scalar) es_quantize_row_q8k_ref(x, t->n_in, g);
+            else es_quantize_row_q8k(x, t->n_in, g);
+        } else if (t->force_scalar) {
+            es_quantize_row_q8_ref(x, t->n_in, g);
+        } else {
+            es_quantize_row_q8(x, t->n_in, g);
+        }
     }
+}
+
+/* 1: a quantized type with K-type activations, 0: one with 32-element
+ * blocks, -1: float or unsupported. */
+static int act_format(uint32_t type) {
+    if (is_float_type(type) || !es_matmul_supported(type)) return -1;
+    return es_act_block_elems(type) == QK_K;
 }
 
 static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int force_scalar, int pre,
                         const es_mm_epi *epi) {
     if (nw < 1 || nw > ES_MATMUL_MAX || N <= 0) return;
-    if (epi) {   /* every matrix supported and of one n_in (joint: of one n_out), a granularity of 16k rows */
-        int ok = epi->gran > 0 && epi->gran % 16 == 0;
+    int fmts = 0;   /* bit f: a matrix with activation format f */
+    for (int i = 0; i < nw; i++)
+        if (act_format(W[i]->type) >= 0) fmts |= 1 << act_format(W[i]->type);
+    if (fmts == 3 && !epi) {   /* both formats: one dispatch per format, each quantizing X */
+        for (int f = 0; f < 2; f++) {
+            const es_tensor *Wf[ES_MATMUL_MAX];
+            float *Yf[ES_MATMUL_MAX];
+            int64_t ldf[ES_MATMUL_MAX];
+            int nf = 0;
+            for (int i = 0; i < nw; i++)
+                if (W[i]->ne[0] != W[0]->ne[0]) {   /* another n_in: NaN rows, as below */
+                    for (int n = 0; f == 0 && n < N; n++)
+                        for (int64_t r = 0; r < W[i]->ne[1]; r++) Y[i][(int64_t)n * ldy[i] + r] = NAN;
+                } else if ((act_format(W[i]->type) == 1) == f) {
+                    Wf[nf] = W[i];
+                    Yf[nf] = Y[i];
+                    ldf[nf++] = ldy[i];
+                }
+            if (nf) matmul_many(pool, nf, Wf, X, N, Yf, ldf, scratch, force_scalar, 0, NULL);
+        }
+        return;
+    }
+    if (epi) {   /* every matrix supported and of one n_in (joint: of one n_out), a granularity of 16k rows,
+                    one activation format */
+        int ok = epi->gran > 0 && epi->gran % 16 == 0 && fmts != 3;
         for (int i = 0; i < nw && ok; i++)
             ok = W[i]->ne[0] == W[0]->ne[0] && es_matmul_supported(W[i]->type) &&
                  (!epi->joint || W[i]->ne[1] == W[0]->ne[1]);
@@ -690,8 +832,8 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
     t.n_in = W[0]->ne[0];
     t.N = N;
     atomic_init(&t.next, 0);
-    int nth = es_pool_size(pool), need_q8 = 0;
-    size_t rs = q8_row_bytes(t.n_in);
+    int nth = es_pool_size(pool), need_q8 = 0, kfmt = fmts == 2;
+    size_t rs = kfmt ? q8k_row_bytes(t.n_in) : q8_row_bytes(t.n_in);
     for (int i = 0; i < nw; i++) {
         uint32_t type = W[i]->type;
         es_mm_kernel k = NULL;
@@ -707,7 +849,8 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
             if (!k) k = es_neon_kernel(type);
         }
         if (!k) k = es_ref_kernel(type);
-        if (!k || W[i]->ne[0] != t.n_in) { /* unsupported: make the failure visible, never crash */
+        if (!k || W[i]->ne[0] != t.n_in || (es_act_block_elems(type) == QK_K && t.n_in % QK_K != 0)) {
+            /* unsupported: make the failure visible, never crash */
             for (int n = 0; n < N; n++)
                 for (int64_t r = 0; r < W[i]->ne[1]; r++) Y[i][(int64_t)n * ldy[i] + r] = NAN;
             continue;
@@ -737,7 +880,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
     t.epi = epi;
     if (epi && epi->joint) t.n_chunks = (t.m[0].n_out + t.m[0].chunk - 1) / t.m[0].chunk;
     if (need_q8 && !pre) {   /* several rows: quantized by the pool's threads, one row each in turn */
-        q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, 0};
+        q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, kfmt, 0};
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
         else q8_worker(&qt, 0, 1);
     }

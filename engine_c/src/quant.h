@@ -39,7 +39,6 @@ _Static_assert(sizeof(es_block_q4_0) == 18 && sizeof(es_block_q4_1) == 20 &&
  *   qsum[j]  sum of the block's 32 int8 values
  *   fq[j]    (float)qsum[j]
  *   dq[j]    d[j] * fq[j]
- *   qlo[j]   sum of the block's first 16 int8 values (Q6_K's half-block scales)
  * Blocks past the end of the row are all zero (d = 0, qsum = 0, fq = 0).
  * One activation row of n_in elements is ceil(n_in / 512) groups.
  */
@@ -49,18 +48,42 @@ typedef struct {
     float d[ES_GROUP_BLOCKS];
     int32_t qsum[ES_GROUP_BLOCKS];
     float fq[ES_GROUP_BLOCKS];
-    int32_t qlo[ES_GROUP_BLOCKS];
     float dq[ES_GROUP_BLOCKS];          /* d[j] * fq[j] (one float multiply) */
-} es_q8_group;                          /* 832 B, a multiple of 64 */
+} es_q8_group;                          /* 768 B, a multiple of 64 */
 
-/* The per-block fields of activation block jj of group g, from its scale d,
- * its int8 sum and the sum of its first 16 values (every quantizer). */
-static inline void es_q8_set_block(es_q8_group *g, int jj, float d, int32_t sum, int32_t lo) {
+/* The per-block fields of activation block jj of group g, from its scale d
+ * and its int8 sum (every quantizer). */
+static inline void es_q8_set_block(es_q8_group *g, int jj, float d, int32_t sum) {
     g->d[jj] = d;
     g->qsum[jj] = sum;
-    g->qlo[jj] = lo;
     g->fq[jj] = (float)sum;
     g->dq[jj] = d * (float)sum;
+}
+
+/*
+ * Quantized activations for the K types (Q4_K, Q5_K, Q6_K): one record per
+ * 256-element super-block (the contract's step 1K in quant.c):
+ *   qs[e]    the int8 value of element e (0..255), in order
+ *   s16[i]   sum of qs[16i .. 16i + 15] (|s16| <= 16 * 127 = 2032)
+ *   s32[j]   sum of qs[32j .. 32j + 31] = s16[2j] + s16[2j + 1] (|s32| <= 4064)
+ *   d        the super-block's scale (float32): x ~= d * q
+ * so that dword t of s16 (of s32) is the int16 pair of half-blocks 2t, 2t + 1
+ * (of sub-blocks 2t, 2t + 1), as multiply-add-pairs instructions take it.
+ * A row of n elements (a multiple of 256) is n / 256 records.
+ */
+typedef struct {
+    int8_t qs[QK_K];
+    int16_t s16[16];
+    int16_t s32[8];
+    float d;
+    uint8_t pad[12];
+} es_q8k_block;   /* 320 B, a multiple of 64 */
+_Static_assert(sizeof(es_q8k_block) == 320, "es_q8k_block size");
+
+/* Elements per activation scale for weight type t: 256 for the K types, whose
+ * activations are es_q8k_block rows, else 32 (es_q8_group rows). */
+static inline int64_t es_act_block_elems(uint32_t t) {
+    return t == ES_TYPE_Q4_K || t == ES_TYPE_Q5_K || t == ES_TYPE_Q6_K ? QK_K : QK;
 }
 
 /* Accumulator lanes of one output element (the sum is split lane[b % 16]). */
@@ -70,7 +93,8 @@ static inline void es_q8_set_block(es_q8_group *g, int jj, float d, int32_t sum,
  * A kernel computes Y[n][r] for r in [r0, r1), n in [0, N).
  *   w, row_bytes   weight rows (row r at w + r * row_bytes)
  *   n_in           elements per row
- *   x, x_stride    quantized types: es_q8_group rows, x_stride bytes apart;
+ *   x, x_stride    K types: es_q8k_block rows, other quantized types:
+ *                  es_q8_group rows, x_stride bytes apart;
  *                  float types: float32 rows of n_in elements, x_stride bytes apart
  *   Y, ldy         output rows ldy floats apart
  */
@@ -300,9 +324,12 @@ void es_matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const floa
 
 /*
  * es_matmul_many with X already quantized: row n of X quantized by
- * es_quantize_row_q8 (or _ref) into scratch + n * es_matmul_q8_row_bytes(
- * W[0]->type, n_in) for n in [0, N) (which lets the caller quantize each row
- * in the same pool task that writes it). Float weight types read X as
+ * es_quantize_row_act(W[0]->type, ...) into scratch + n *
+ * es_matmul_q8_row_bytes(W[0]->type, n_in) for n in [0, N) (which lets the
+ * caller quantize each row in the same pool task that writes it). Float
+ * weight types read X as es_matmul_many does. When the quantized matrices
+ * need both activation formats (es_act_block_elems 32 and 256), the
+ * quantized rows are not used: X is quantized again per format, as
  * es_matmul_many does. The same bits as es_matmul_many.
  */
 void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
@@ -333,9 +360,31 @@ typedef struct {
 void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int pre, const es_mm_epi *epi);
 
-/* Bytes of one quantized activation row of n_in elements in es_matmul's
- * scratch; 0 for float weight types, which read float rows. */
+/* Bytes of one quantized activation row of n_in elements for weight type
+ * `type` (es_q8_group or es_q8k_block rows); 0 for float weight types, which
+ * read float rows. Never more than es_matmul_scratch_bytes(t, n_in, 1) for
+ * any quantized t. */
 size_t es_matmul_q8_row_bytes(uint32_t type, int64_t n_in);
+
+/* Quantize activation row x (n elements) for weight type `type` into out
+ * (es_matmul_q8_row_bytes(type, n) bytes): es_quantize_row_q8k for the K
+ * types, es_quantize_row_q8 for the other quantized types. */
+void es_quantize_row_act(uint32_t type, const float *x, int64_t n, void *out);
+/* The same for elements [e0, e1) only (multiples of es_act_block_elems(type),
+ * or e1 = n), the bytes es_quantize_row_act writes for them; threads may
+ * quantize disjoint ranges of one row. */
+void es_quantize_cols_act(uint32_t type, const float *x, int64_t n, int64_t e0, int64_t e1, void *out);
+
+/* Quantize one activation row of n elements (a multiple of 256) into n / 256
+ * K records (the contract's step 1K); the SIMD version where the build has
+ * one, the _ref one plain C; the same bytes. _blocks: super-blocks [s0, s1)
+ * only. */
+void es_quantize_row_q8k(const float *x, int64_t n, es_q8k_block *out);
+void es_quantize_row_q8k_ref(const float *x, int64_t n, es_q8k_block *out);
+void es_quantize_blocks_q8k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out);
+/* SIMD versions: 1 when done, 0 when this build has none. */
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out);
+int es_neon_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out);
 
 /* Quantize one activation row of n elements into ceil(n / 512) groups
  * (the contract's step 1). es_quantize_row_q8 uses the build's SIMD version

@@ -168,7 +168,7 @@ static inline ES_AI void punpack(const int type, const uint8_t *p, int q, pquart
 /* One quarter of block jj into the nt rows' acc; xr[n] = row n's
  * es_q8_group of the block. One sdot chain per row (the rows of the tile
  * are the independent chains); the 8-byte loads stay inside the group (at
- * most byte 516 of 832). */
+ * most byte 516 of 768). */
 static inline ES_AI void prows(const int nt, const int type, const pquarter *u, const uint8_t *const *xr, int jj,
                                float32x4_t *acc) {
     UNROLL
@@ -222,28 +222,20 @@ static inline ES_AI void pquarter_run(const int nt, const int type, const uint8_
 
 /* ---- packed K types (Q4_K, Q5_K, Q6_K): one record = one super-block of
  * 16 rows = 8 sub-blocks of 32 elements ----
- * Sub-block j of record s is activation block 8 (s % 2) + j of group s / 2.
- * As above, a record is handled in quarters of 4 rows over a segment of
- * PSEG_K records; per quarter and record the d (and dmin) of the 4 rows and
- * their sub-block scales are unpacked once, then per sub-block the 8
- * weight vectors (vector k, lane i = elements 4k..4k+3 of row 4q+i), and
- * every activation row of the tile takes 8 sdot by element:
- *   Q4_K, Q5_K  unsigned 4- / 5-bit weights (0..31: exact as int8); the
- *               dot D (|D| <= 32 * 31 * 127 < 2^22) to float by from_magic;
- *               (float)I = (float)sc * (float)D
- *   Q6_K        q - 32 (-32..31: exact as int8); lo, hi = the dots over
- *               elements 0..15 and 16..31 (|lo|, |hi| <= 16 * 32 * 127),
- *               to float by from_magic; (float)I = (float)sl * lo +
- *               (float)sh * hi
- * then the contract's float steps on the 4 rows. Those float forms of I
- * (and of J = m * qsum in the two-term part: (float)m * fq) are exact:
- * every product is an integer below 2^24 in magnitude (63 * 125984,
- * 128 * 65024, 63 * 4064), and so is Q6_K's sum (|I| < 2^24), so each
- * equals (float)I (or (float)J) except that it may be -0 where I (J) is 0
- * (a zero factor times a negative one; -0 + -0). A product (a * d) * (+-0)
- * or a c that is +-0 only ever adds to y, which starts at +0 and so is
- * never -0, and y + (+0) == y + (-0) for every such y: the stored bits are
- * the same (a NaN or infinite a * d makes c NaN either way). */
+ * The activation row's K record of super-block s (es_q8k_block) holds its
+ * 256 int8 values in order. As above, a record is handled in quarters of 4
+ * rows over a segment of PSEG_K records; per quarter and record the d (and
+ * dmin) of the 4 rows and their sub-block scales and mins are unpacked
+ * once, then per sub-block the 8 weight vectors (vector k, lane i =
+ * elements 4k..4k+3 of row 4q+i), and every activation row of the tile
+ * loads its sub-block's 32 values (two 16-byte loads) and takes 8 sdot by
+ * lane; the integer sums of the contract (step 2K), all exact:
+ *   Q4_K, Q5_K  unsigned 4- / 5-bit weights (0..31: exact as int8);
+ *               I += sc * D (mla), D the sub-block's dot;
+ *               J = sum_j m[j] * s32[j] (8 mlal by lane of the int16 s32)
+ *   Q6_K        q - 32 (-32..31: exact as int8, no offset term);
+ *               I += sl * lo + sh * hi (lo, hi: the halves' dots)
+ * then the contract's float steps run once per super-block on 4 rows. */
 
 #define PSEG_K 8   /* K records per segment: 18 KB (Q4_K) to 27 KB (Q6_K), in the A76's 64 KB L1 */
 
@@ -318,48 +310,35 @@ static inline ES_AI void pk_weights(const int type, const uint8_t *p, int q, con
     }
 }
 
-/* Sub-block j of a record's quarter into the nt rows' acc; xr[n] = row n's
- * es_q8_group of the record, jj = the sub-block's block in it. */
-static inline ES_AI void pk_rows(const int nt, const int type, const pkquarter *u, const int8x16_t w[8], int j,
-                                 const uint8_t *const *xr, int jj, const uint8_t *p, int q, float32x4_t *acc) {
-    float32x4_t sl, sh = vdupq_n_f32(0.0f), fm = vdupq_n_f32(0.0f);   /* scales and min as floats */
+/* Sub-block j's integer sums of a record's quarter into the nt rows' I;
+ * xr[n] = row n's K record of the super-block. */
+static inline ES_AI void pk_rows(const int nt, const int type, const pkquarter *u, const int8x16_t w[8], const int j,
+                                 const es_q8k_block *const *xr, const uint8_t *p, int q, int32x4_t *I) {
+    int32x4_t sl, sh = vdupq_n_s32(0);
     if (type == ES_TYPE_Q6_K) {
         int32_t t0, t1;
         memcpy(&t0, p + ES_PK_Q6K_SC + 32 * j + 4 * q, 4);
         memcpy(&t1, p + ES_PK_Q6K_SC + 32 * j + 16 + 4 * q, 4);
         int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vset_lane_s32(t1, vdup_n_s32(t0), 1)));
-        sl = small_to_f32(vmovl_s16(vget_low_s16(h)));
-        sh = small_to_f32(vmovl_high_s16(h));
+        sl = vmovl_s16(vget_low_s16(h));
+        sh = vmovl_high_s16(h);
     } else {
-        sl = small_to_f32(pk_byte(u->s[j / 4], j));
-        fm = small_to_f32(pk_byte(u->m[j / 4], j));
+        sl = pk_byte(u->s[j / 4], j);
     }
     UNROLL
     for (int n = 0; n < nt; n++) {
-        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, fq [jj] at their offsets from it */
-        float d, fq;
-        memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        float32x4_t fI;   /* (float)I, see above */
-        if (type == ES_TYPE_Q6_K) {
-            int32x4_t lo = vdupq_n_s32(MAGIC_I), hi = vdupq_n_s32(MAGIC_I);
-            UNROLL
-            for (int k = 0; k < 4; k++) {
-                lo = vdotq_lane_s32(lo, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
-                hi = vdotq_lane_s32(hi, w[k + 4], vld1_s8((const int8_t *)(b + 64 * (k + 4))), 0);
-            }
-            fI = vaddq_f32(vmulq_f32(sl, from_magic(lo)), vmulq_f32(sh, from_magic(hi)));
-        } else {
-            int32x4_t D = vdupq_n_s32(MAGIC_I);
-            UNROLL
-            for (int k = 0; k < 8; k++) D = vdotq_lane_s32(D, w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
-            fI = vmulq_f32(sl, from_magic(D));
-        }
-        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), fI);
-        if (type != ES_TYPE_Q6_K) {
-            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
-            c = vaddq_f32(c, vmulq_f32(vmulq_n_f32(u->b, d), vmulq_n_f32(fm, fq)));
-        }
-        acc[n] = vaddq_f32(acc[n], c);
+        const int8x16_t x0 = vld1q_s8(xr[n]->qs + 32 * j), x1 = vld1q_s8(xr[n]->qs + 32 * j + 16);
+        int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);
+        lo = vdotq_laneq_s32(lo, w[0], x0, 0);
+        hi = vdotq_laneq_s32(hi, w[4], x1, 0);
+        lo = vdotq_laneq_s32(lo, w[1], x0, 1);
+        hi = vdotq_laneq_s32(hi, w[5], x1, 1);
+        lo = vdotq_laneq_s32(lo, w[2], x0, 2);
+        hi = vdotq_laneq_s32(hi, w[6], x1, 2);
+        lo = vdotq_laneq_s32(lo, w[3], x0, 3);
+        hi = vdotq_laneq_s32(hi, w[7], x1, 3);
+        if (type == ES_TYPE_Q6_K) I[n] = vmlaq_s32(vmlaq_s32(I[n], sl, lo), sh, hi);
+        else I[n] = vmlaq_s32(I[n], sl, vaddq_s32(lo, hi));
     }
 }
 
@@ -369,23 +348,48 @@ static inline ES_AI void pk_run(const int nt, const int type, const uint8_t *g, 
     const size_t rec = es_pack_record_bytes((uint32_t)type);
     const uint8_t *p = g + (size_t)s0 * rec;
     for (int64_t s = s0; s < s1; s++, p += rec) {
-        const uint8_t *xr[PTILE];
+        const es_q8k_block *xr[PTILE];
         UNROLL
-        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(s / 2) * sizeof(es_q8_group);
-        const int j0 = 8 * (int)(s % 2);
+        for (int n = 0; n < nt; n++) xr[n] = (const es_q8k_block *)(const void *)(x + (size_t)n * xs) + s;
         pkquarter u;
         pk_setup(type, p, q, &u);
+        int32x4_t I[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) I[n] = vdupq_n_s32(0);
         UNROLL
         for (int j = 0; j < 8; j++) {
             int8x16_t w[8];
             pk_weights(type, p, q, j, w);
-            pk_rows(nt, type, &u, w, j, xr, j0 + j, p, q, acc);
-            /* Empty asm statements that take the accumulators and may touch
-               memory: each sub-block's sums are then complete here, before the
-               next sub-block's loads. Without them GCC hoists the loads of all 8
-               sub-blocks and sinks their float steps, and spills registers. */
+            pk_rows(nt, type, &u, w, j, xr, p, q, I);
+            /* Empty asm statements that take the sums and may touch memory:
+               each sub-block's sums are then complete here, before the next
+               sub-block's loads. Without them GCC hoists the loads of all 8
+               sub-blocks, and spills registers. */
             UNROLL
-            for (int n = 0; n < nt; n++) __asm__ volatile("" : "+w"(acc[n]) : : "memory");
+            for (int n = 0; n < nt; n++) __asm__ volatile("" : "+w"(I[n]) : : "memory");
+        }
+        int16x4_t m16[8];
+        if (type != ES_TYPE_Q6_K) {
+            UNROLL
+            for (int j = 0; j < 8; j++) m16[j] = vmovn_s32(pk_byte(u.m[j / 4], j));
+        }
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            const float dx = xr[n]->d;
+            float32x4_t c = vmulq_f32(vmulq_n_f32(u.a, dx), vcvtq_f32_s32(I[n]));
+            if (type != ES_TYPE_Q6_K) {
+                const int16x8_t s32 = vld1q_s16(xr[n]->s32);
+                int32x4_t J = vmull_laneq_s16(m16[0], s32, 0);
+                J = vmlal_laneq_s16(J, m16[1], s32, 1);
+                J = vmlal_laneq_s16(J, m16[2], s32, 2);
+                J = vmlal_laneq_s16(J, m16[3], s32, 3);
+                J = vmlal_laneq_s16(J, m16[4], s32, 4);
+                J = vmlal_laneq_s16(J, m16[5], s32, 5);
+                J = vmlal_laneq_s16(J, m16[6], s32, 6);
+                J = vmlal_laneq_s16(J, m16[7], s32, 7);
+                c = vaddq_f32(c, vmulq_f32(vmulq_n_f32(u.b, dx), vcvtq_f32_s32(J)));
+            }
+            acc[n] = vaddq_f32(acc[n], c);
         }
     }
 }
@@ -445,16 +449,38 @@ int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, e
         float amax = vmaxnmvq_f32(m);
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32x4_t s = vdupq_n_s32(0), slo = vdupq_n_s32(0);
+        int32x4_t s = vdupq_n_s32(0);
         for (int i = 0; i < 8; i++) {
             int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(xv[i], id));
             s = vaddq_s32(s, q);
-            if (i == 3) slo = s;
             int8x8_t b = vmovn_s16(vcombine_s16(vmovn_s32(q), vdup_n_s16(0)));
             vst1_lane_s32((int32_t *)(void *)(g->qs + 64 * i + 4 * jj), vreinterpret_s32_s8(b), 0);
         }
         int32_t sum = vaddvq_s32(s);
-        es_q8_set_block(g, jj, d, sum, vaddvq_s32(slo));
+        es_q8_set_block(g, jj, d, sum);
+    }
+    return 1;
+}
+
+/* K-type activation quantization (contract step 1K), one super-block per step. */
+int es_neon_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) {
+    for (int64_t s = s0; s < s1; s++) {
+        es_q8k_block *b = &out[s];
+        const float *xb = x + s * QK_K;
+        float32x4_t m = vdupq_n_f32(0.0f);
+        for (int i = 0; i < 64; i++) m = vmaxnmq_f32(m, vabsq_f32(vld1q_f32(xb + 4 * i)));   /* NaN is ignored */
+        float d = vmaxnmvq_f32(m) / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int h = 0; h < 16; h++) {
+            int32x4_t q[4];
+            for (int i = 0; i < 4; i++) q[i] = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(xb + 16 * h + 4 * i), id));
+            int16x8_t lo = vcombine_s16(vmovn_s32(q[0]), vmovn_s32(q[1])), hi = vcombine_s16(vmovn_s32(q[2]), vmovn_s32(q[3]));
+            vst1q_s8(b->qs + 16 * h, vcombine_s8(vmovn_s16(lo), vmovn_s16(hi)));
+            b->s16[h] = (int16_t)vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+        }
+        for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
+        b->d = d;
+        memset(b->pad, 0, sizeof b->pad);
     }
     return 1;
 }
@@ -482,5 +508,6 @@ es_mm_kernel es_neon_kernel(uint32_t type) { return NULL; }
 es_mm_kernel es_neon_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_neon_simd_name(void) { return NULL; }
 int es_neon_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) { return 0; }
+int es_neon_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) { return 0; }
 
 #endif

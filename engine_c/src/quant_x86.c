@@ -84,12 +84,34 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         __m512 vid = _mm512_set1_ps(id);
         __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
-        int32_t lo = _mm512_reduce_add_epi32(q0), sum = lo + _mm512_reduce_add_epi32(q1);
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         uint32_t w[8];
         _mm_storeu_si128((__m128i *)(void *)w, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(void *)(w + 4), _mm512_cvtepi32_epi8(q1));
         for (int k = 0; k < 8; k++) memcpy(g->qs + 64 * k + 4 * jj, &w[k], 4);
-        es_q8_set_block(g, jj, d, sum, lo);
+        es_q8_set_block(g, jj, d, sum);
+    }
+    return 1;
+}
+
+/* K-type activation quantization (contract step 1K), one super-block per step. */
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) {
+    for (int64_t s = s0; s < s1; s++) {
+        es_q8k_block *b = &out[s];
+        const float *xb = x + s * QK_K;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)), m);   /* keeps m when NaN */
+        float d = _mm512_reduce_max_ps(m) / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        for (int i = 0; i < 16; i++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), vid));
+            _mm_storeu_si128((__m128i *)(void *)(b->qs + 16 * i), _mm512_cvtepi32_epi8(q));
+            b->s16[i] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+        for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
+        b->d = d;
+        memset(b->pad, 0, sizeof b->pad);
     }
     return 1;
 }
@@ -161,21 +183,20 @@ static inline ES_AI __m512i dpbusd_b(__m512i acc, __m512i w, const int8_t *q) {
 }
 
 /* ---- packed K types: one record = one super-block of 16 rows ----
- * Sub-block j (0..7) of the record is activation block 8 (s % 2) + j of
- * group s / 2 (s the super-block). Its 8 weight vectors (unsigned: Q4_K
- * nibbles, Q5_K 5-bit, Q6_K 6-bit values) are made from the record with a
- * shift and a mask (vpternlogd merges the high bits), then each row of the
- * tile takes 8 vpdpbusd with its activation dwords broadcast:
- *   Q4_K, Q5_K  I = sc * (the dot), vpmulld (exact: |I| < 2^24)
- *   Q6_K        lo, hi = the dots over elements 0..15 and 16..31 minus
- *               32 * (their activation sums), started at that value in
- *               the vpdpbusd chains; I = sl * lo + sh * hi (vpmulld)
- * and the contract's float steps run on 16 rows. The two-term part
- * (b * d) * (float)J takes (float)J as (float)m * fq, a float product that
- * is exact (|m * qsum| <= 63 * 4064 < 2^24) and so equal to (float)(m *
- * qsum), except that it is -0 where J is +0 (m = 0, qsum < 0); a zero c
- * only ever adds to y, which starts at +0 and so is never -0, and
- * y + (+0) == y + (-0) for every such y: the stored bits are the same. */
+ * The activation row's K record of super-block s (es_q8k_block) holds the
+ * int8 values of its 8 sub-blocks in order. Per sub-block j the 8 weight
+ * vectors (unsigned: Q4_K nibbles, Q5_K 5-bit, Q6_K 6-bit values) are made
+ * from the record with a shift and a mask (vpternlogd merges the high
+ * bits) and every row of the tile takes 8 vpdpbusd with its activation
+ * dwords broadcast; the integer sums of the contract (step 2K), all exact:
+ *   Q4_K, Q5_K  I += sc * D (vpmulld), D the sub-block's dot;
+ *               J = 4 vpdpwssd of the rows' (m[2t], m[2t + 1]) int16 pairs
+ *               with the activation's s32 pairs
+ *   Q6_K        I += sl * lo + sh * hi (lo, hi: the dots of the 16-element
+ *               halves with the unsigned weights), and the - 32 * sum_h
+ *               sc[h] * s16[h] of q - 32 as 8 vpdpwssd of the (-32 sl,
+ *               -32 sh) int16 pairs (|32 * sc| <= 4096) with the s16 pairs
+ * then the contract's float steps run once per super-block on 16 rows. */
 
 /* The 6-bit sub-block scales (S) and mins (M) of a Q4_K / Q5_K record:
  * byte j % 4 of lane r of s[j / 4] / m[j / 4] is sub-block j's (ggml's
@@ -196,6 +217,13 @@ static inline ES_AI __m512i pk_byte(__m512i v, int j) {
     if (j == 3) return _mm512_srli_epi32(v, 24);
     if (j) v = _mm512_srli_epi32(v, (unsigned)(8 * j));
     return _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+}
+
+/* Bytes 2h, 2h + 1 (h 0, 1) of every lane of v as an int16 pair. */
+static inline ES_AI __m512i pk_pair(__m512i v, int h) {
+    const __m128i c = h ? _mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1)
+                        : _mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(c));
 }
 
 /* Chunk k of sub-block j's unsigned weights, 16 rows (record p). */
@@ -221,6 +249,12 @@ static inline ES_AI __m512i pk_weights(const int type, const uint8_t *p, int j, 
     return q;
 }
 
+/* acc + vpdpwssd(w, the int16 pair at q in every lane), broadcast from memory. */
+static inline ES_AI __m512i dpwssd_b(__m512i acc, __m512i w, const int16_t *q) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(const void *)q));
+    return acc;
+}
+
 static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g, int64_t nsb, const uint8_t *x,
                                   size_t xs, float *Y, int64_t ldy, int nr, int pf) {
     const size_t rec = es_pack_record_bytes((uint32_t)type);
@@ -237,60 +271,72 @@ static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g
         const uint8_t *p = g + (size_t)sb * rec;
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + dof)));
-        __m512 b = _mm512_setzero_ps();
-        __m512i S[2], M[2];
-        if (!q6) {
-            /* b = -dmin: the sign bit flipped, exact */
-            b = _mm512_castsi512_ps(_mm512_xor_si512(
-                _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + mof)))),
-                _mm512_set1_epi32((int)0x80000000u)));
-            pk_scales(p + sco, S, M);
-        }
-        const uint8_t *xb = x + (size_t)(sb / 2) * sizeof(es_q8_group);
-        const int j0 = 8 * (int)(sb % 2);
+        const es_q8k_block *xb = (const es_q8k_block *)(const void *)x + sb;   /* row n's: + n * xs bytes */
+#define XROW(n) ((const es_q8k_block *)(const void *)((const uint8_t *)xb + (size_t)(n) * xs))
+        __m512i S[2], M[2], I[PTILE];
+        if (!q6) pk_scales(p + sco, S, M);
+        UNROLL
+        for (int n = 0; n < nt; n++) I[n] = _mm512_setzero_si512();
         UNROLL
         for (int j = 0; j < 8; j++) {
             __m512i w[8];
             UNROLL
             for (int k = 0; k < 8; k++) w[k] = pk_weights(type, p, j, k);
-            __m512i sl, sh = _mm512_setzero_si512();
-            __m512 fm = _mm512_setzero_ps();
+            __m512i sl, sh = _mm512_setzero_si512(), po = _mm512_setzero_si512();
             if (q6) {
                 sl = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j)));
                 sh = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + ES_PK_Q6K_SC + 32 * j + 16)));
+                /* (-32 sl, -32 sh) as int16 pairs: (sl & 0xFFFF) | sh << 16, times -32 per int16 */
+                po = _mm512_ternarylogic_epi32(_mm512_slli_epi32(sh, 16), sl, _mm512_set1_epi32(0xFFFF), 0xF8);
+                po = _mm512_mullo_epi16(po, _mm512_set1_epi16(-32));
             } else {
                 sl = pk_byte(S[j / 4], j);
-                fm = _mm512_cvtepi32_ps(pk_byte(M[j / 4], j));
             }
-            const int jj = j0 + j;
             UNROLL
             for (int n = 0; n < nt; n++) {
-                const es_q8_group *xg = (const void *)(xb + (size_t)n * xs);
-                const int8_t *q = xg->qs + 4 * jj;
-                __m512i i0, i1;
+                const int8_t *q = XROW(n)->qs + 32 * j;
                 if (q6) {
-                    int32_t lo = xg->qlo[jj], hi = xg->qsum[jj] - lo;
-                    i0 = dpbusd_b(_mm512_set1_epi32(-32 * lo), w[0], q);
-                    i1 = dpbusd_b(_mm512_set1_epi32(-32 * hi), w[4], q + 256);
+                    __m512i lo = dpbusd_b(_mm512_setzero_si512(), w[0], q);
+                    __m512i hi = dpbusd_b(_mm512_setzero_si512(), w[4], q + 16);
+                    UNROLL
+                    for (int k = 1; k < 4; k++) {
+                        lo = dpbusd_b(lo, w[k], q + 4 * k);
+                        hi = dpbusd_b(hi, w[k + 4], q + 16 + 4 * k);
+                    }
+                    I[n] = dpwssd_b(I[n], po, XROW(n)->s16 + 2 * j);
+                    I[n] = _mm512_add_epi32(I[n], _mm512_add_epi32(_mm512_mullo_epi32(sl, lo), _mm512_mullo_epi32(sh, hi)));
                 } else {
-                    i0 = dpbusd_b(_mm512_setzero_si512(), w[0], q);
-                    i1 = dpbusd_b(_mm512_setzero_si512(), w[4], q + 256);
+                    __m512i D = dpbusd_b(_mm512_setzero_si512(), w[0], q);
+                    UNROLL
+                    for (int k = 1; k < 8; k++) D = dpbusd_b(D, w[k], q + 4 * k);
+                    I[n] = _mm512_add_epi32(I[n], _mm512_mullo_epi32(sl, D));
                 }
-                UNROLL
-                for (int k = 1; k < 4; k++) {
-                    i0 = dpbusd_b(i0, w[k], q + 64 * k);
-                    i1 = dpbusd_b(i1, w[k + 4], q + 64 * (k + 4));
-                }
-                __m512i I = q6 ? _mm512_add_epi32(_mm512_mullo_epi32(sl, i0), _mm512_mullo_epi32(sh, i1))
-                               : _mm512_mullo_epi32(sl, _mm512_add_epi32(i0, i1));
-                const __m512 dx = _mm512_set1_ps(xg->d[jj]);
-                __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I));
-                if (!q6)
-                    c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_mul_ps(fm, _mm512_set1_ps(xg->fq[jj]))));
-                acc[n] = _mm512_add_ps(acc[n], c);
             }
         }
+        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + dof)));
+        __m512 b = _mm512_setzero_ps();
+        __m512i mp[4];
+        if (!q6) {
+            /* b = -dmin: the sign bit flipped, exact */
+            b = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + mof)))),
+                _mm512_set1_epi32((int)0x80000000u)));
+            UNROLL
+            for (int t = 0; t < 4; t++) mp[t] = pk_pair(M[t / 2], t % 2);   /* (m[2t], m[2t + 1]) */
+        }
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            const __m512 dx = _mm512_set1_ps(XROW(n)->d);
+            __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, dx), _mm512_cvtepi32_ps(I[n]));
+            if (!q6) {
+                __m512i J = dpwssd_b(_mm512_setzero_si512(), mp[0], XROW(n)->s32);
+                UNROLL
+                for (int t = 1; t < 4; t++) J = dpwssd_b(J, mp[t], XROW(n)->s32 + 2 * t);
+                c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(b, dx), _mm512_cvtepi32_ps(J)));
+            }
+            acc[n] = _mm512_add_ps(acc[n], c);
+        }
+#undef XROW
     }
     const __mmask16 m = (__mmask16)((1u << nr) - 1);
     UNROLL
@@ -469,13 +515,47 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
         int32_t q[32];
         for (int i = 0; i < 4; i++)
             _mm256_storeu_si256((__m256i *)(void *)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], vid)));
-        int32_t sum = 0, lo = 0;
+        int32_t sum = 0;
         for (int i = 0; i < 32; i++) {
             g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q[i];
             sum += q[i];
-            if (i == 15) lo = sum;
         }
-        es_q8_set_block(g, jj, d, sum, lo);
+        es_q8_set_block(g, jj, d, sum);
+    }
+    return 1;
+}
+
+/* K-type activation quantization (contract step 1K), one super-block per step. */
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t s = s0; s < s1; s++) {
+        es_q8k_block *b = &out[s];
+        const float *xb = x + s * QK_K;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), absmask), m);   /* keeps m when NaN */
+        float t[8];
+        _mm256_storeu_ps(t, m);
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++)
+            if (t[i] > amax) amax = t[i];
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int h = 0; h < 16; h++) {
+            __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h), vid));
+            __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h + 8), vid));
+            __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);   /* the 16 values in order */
+            _mm_storeu_si128((__m128i *)(void *)(b->qs + 16 * h),
+                             _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1)));
+            __m256i v = _mm256_add_epi32(q0, q1);
+            __m128i w = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            w = _mm_add_epi32(w, _mm_shuffle_epi32(w, 0x4E));
+            w = _mm_add_epi32(w, _mm_shuffle_epi32(w, 0xB1));
+            b->s16[h] = (int16_t)_mm_cvtsi128_si32(w);
+        }
+        for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
+        b->d = d;
+        memset(b->pad, 0, sizeof b->pad);
     }
     return 1;
 }
@@ -616,12 +696,11 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
     }
 }
 
-/* Packed K types (quant.h layouts; the float steps and the exact integer
- * sums as in the AVX-512 kernel, whose comment explains the (float)m * fq
- * term): half h of a super-block record is bytes 32h..32h+31 of each 64-byte
- * chunk. Per sub-block j, the 8 weight vectors of the half stay in
- * registers while every row of the tile takes its activation dwords
- * broadcast. int16 sums before the madd with ones (all exact):
+/* Packed K types (quant.h layouts): half h of a super-block record is bytes
+ * 32h..32h+31 of each 64-byte chunk. Per sub-block j, chunk-major: each
+ * weight vector is made once and every row of the tile takes its
+ * activation dword broadcast. int16 sums of a run of chunks before the
+ * madd with the scale pair (all exact):
  *   Q4_K  all 8 chunk products, at most 8 * 2 * 15 * 127 = 30480
  *   Q5_K  4 + 4, at most 4 * 2 * 31 * 127 = 31496
  *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
@@ -666,7 +745,15 @@ static inline ES_AI __m256i pk_byte8(__m256i v, int j) {
     return _mm256_and_si256(v, _mm256_set1_epi32(0xFF));
 }
 
-/* Half h of K records [s0, s1) into acc; pf: prefetch. */
+/* Half h of K records [s0, s1) into acc; pf: prefetch. The integer sums of
+ * the contract (step 2K), all exact: per sub-block j and run of chunks, the
+ * int16 sum S16 of the maddubs products, then one madd of S16 with the
+ * sub-block's scale as an int16 pair (sc, sc) (Q6_K: the half-block's)
+ * adds sc * (the run's dot) to the row's int32 I (|sc * S16| <= 63 * 31496
+ * or 128 * 32004, a pair sum below 2^23). Q6_K adds - 32 * (sl * s16[2j] +
+ * sh * s16[2j + 1]) with a madd of the (-32 sl, -32 sh) int16 pairs;
+ * Q4_K / Q5_K make J with 4 madds of the (m[2t], m[2t + 1]) pairs and the
+ * activation's s32 pairs. The float steps run once per super-block. */
 static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
                                    const uint8_t *x, size_t xs, __m256 *acc, int pf) {
     const size_t rec = es_pack_record_bytes((uint32_t)type);
@@ -674,16 +761,17 @@ static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *
     const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
     const size_t dof = q6 ? ES_PK_Q6K_D : type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
     const size_t mof = type == ES_TYPE_Q4_K ? ES_PK_Q4K_DMIN : ES_PK_Q5K_DMIN;
-    const __m256i ones = _mm256_set1_epi16(1);
+    /* vpshufb controls: byte c of every dword as an int16 pair (c, c); bytes (c, c + 1) as (int16, int16) */
+#define DUP(c) _mm256_setr_epi8(c, -1, c, -1, c + 4, -1, c + 4, -1, c + 8, -1, c + 8, -1, c + 12, -1, c + 12, -1, \
+                                c, -1, c, -1, c + 4, -1, c + 4, -1, c + 8, -1, c + 8, -1, c + 12, -1, c + 12, -1)
+#define PAIR(c) _mm256_setr_epi8(c, -1, c + 1, -1, c + 4, -1, c + 5, -1, c + 8, -1, c + 9, -1, c + 12, -1, c + 13, -1, \
+                                 c, -1, c + 1, -1, c + 4, -1, c + 5, -1, c + 8, -1, c + 9, -1, c + 12, -1, c + 13, -1)
     for (int64_t sb = s0; sb < s1; sb++) {
         const uint8_t *p = g + (size_t)sb * rec;
         if (pf)
             for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-        const __m256 a = f16x8(p + dof + 16 * h);
-        __m256 b = _mm256_setzero_ps();
         __m256i S[2], M[2];
         if (!q6) {
-            b = _mm256_xor_ps(f16x8(p + mof + 16 * h), _mm256_set1_ps(-0.0f));   /* -dmin, exact */
             const uint8_t *sp = p + sco + 32 * h;
             const __m256i u0 = _mm256_loadu_si256((const __m256i *)(const void *)sp);
             const __m256i u1 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 64));
@@ -694,71 +782,70 @@ static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *
             S[1] = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), h2));
             M[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), h2));
         }
-        const uint8_t *xr[PTILE];
+        const es_q8k_block *xr[PTILE];
         UNROLL
-        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(sb / 2) * sizeof(es_q8_group);
-        const int j0 = 8 * (int)(sb % 2);
+        for (int n = 0; n < nt; n++) xr[n] = (const es_q8k_block *)(const void *)(x + (size_t)n * xs) + sb;
+        __m256i I[KTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) I[n] = _mm256_setzero_si256();
         UNROLL
         for (int j = 0; j < 8; j++) {
-            __m256i sl, sh = _mm256_setzero_si256();
-            __m256 fm = _mm256_setzero_ps();
+            __m256i scl, sch = _mm256_setzero_si256();   /* int16 pairs (sc, sc): chunks 0..3, 4..7 */
             if (q6) {
                 const uint8_t *sp = p + ES_PK_Q6K_SC + 32 * j + 8 * h;
-                sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sp));
-                sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(sp + 16)));
+                const __m256i sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sp));
+                const __m256i sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(sp + 16)));
+                scl = _mm256_shuffle_epi8(sl, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                               0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+                sch = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                               0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+                /* (-32 sl, -32 sh) int16 pairs: the low half of scl, the high half of sch, times -32 */
+                const __m256i po = _mm256_mullo_epi16(_mm256_blend_epi16(scl, sch, 0xAA), _mm256_set1_epi16(-32));
+                UNROLL
+                for (int n = 0; n < nt; n++) I[n] = _mm256_add_epi32(I[n], _mm256_madd_epi16(po, bcast32((const uint8_t *)(xr[n]->s16 + 2 * j))));
             } else {
-                sl = pk_byte8(S[j / 4], j);
-                fm = _mm256_cvtepi32_ps(pk_byte8(M[j / 4], j));
+                scl = _mm256_shuffle_epi8(S[j / 4], DUP(j % 4));
             }
-            const int jj = j0 + j;
-            /* chunk-major (see prows): S16[n] the int16 sum of the current
-             * run of chunks, I[n] the int32 sum (Q6_K: the scaled sum) */
-            __m256i S16[KTILE], I[KTILE];
+            __m256i S16[KTILE];
             UNROLL
             for (int k = 0; k < 8; k++) {
                 const __m256i w = pk_weights8(type, p, h, j, k);
+                /* a run ends after 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K) chunks */
+                const int run = type == ES_TYPE_Q4_K ? 8 : type == ES_TYPE_Q5_K ? 4 : 2;
                 UNROLL
                 for (int n = 0; n < nt; n++) {
-                    const uint8_t *q = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, ... [jj] at their offsets from it */
-                    __m256i t = _mm256_maddubs_epi16(w, bcast32(q + 64 * k));
-                    /* a run ends after 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K) chunks */
-                    const int run = type == ES_TYPE_Q4_K ? 8 : type == ES_TYPE_Q5_K ? 4 : 2;
+                    __m256i t = _mm256_maddubs_epi16(w, bcast32((const uint8_t *)xr[n]->qs + 32 * j + 4 * k));
                     S16[n] = k % run == 0 ? t : _mm256_add_epi16(S16[n], t);
                     __asm__("" : "+x"(S16[n]));   /* keeps the adds in this order (see prows) */
                     if (k % run != run - 1) continue;
-                    __m256i t32 = _mm256_madd_epi16(S16[n], ones);
-                    if (q6) {
-                        int32_t qlo, qsum;
-                        memcpy(&qlo, q + offsetof(es_q8_group, qlo), 4);
-                        memcpy(&qsum, q + offsetof(es_q8_group, qsum), 4);
-                        /* I = sl * (lo - 32 qlo) + sh * (hi - 32 (qsum - qlo)), exact in
-                         * any grouping: lo = pairs 0, 1; hi = pairs 2, 3 */
-                        if (k == 1) I[n] = t32;
-                        else if (k == 3) I[n] = _mm256_mullo_epi32(sl, _mm256_sub_epi32(_mm256_add_epi32(I[n], t32), _mm256_set1_epi32(32 * qlo)));
-                        else if (k == 5) I[n] = _mm256_add_epi32(I[n], _mm256_mullo_epi32(sh, _mm256_sub_epi32(t32, _mm256_set1_epi32(32 * (qsum - qlo)))));
-                        else I[n] = _mm256_add_epi32(I[n], _mm256_mullo_epi32(sh, t32));
-                    } else {
-                        I[n] = k < run ? t32 : _mm256_add_epi32(I[n], t32);
-                    }
+                    I[n] = _mm256_add_epi32(I[n], _mm256_madd_epi16(S16[n], q6 && k >= 4 ? sch : scl));
                     __asm__("" : "+x"(I[n]));
                 }
             }
+        }
+        const __m256 a = f16x8(p + dof + 16 * h);
+        __m256 b = _mm256_setzero_ps();
+        __m256i mp[4];
+        if (!q6) {
+            b = _mm256_xor_ps(f16x8(p + mof + 16 * h), _mm256_set1_ps(-0.0f));   /* -dmin, exact */
             UNROLL
-            for (int n = 0; n < nt; n++) {
-                const uint8_t *q = xr[n] + 4 * jj;
-                float d, fq;
-                memcpy(&d, q + offsetof(es_q8_group, d), 4);
-                const __m256i Iw = q6 ? I[n] : _mm256_mullo_epi32(sl, I[n]);
-                const __m256 dx = _mm256_set1_ps(d);
-                __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(Iw));
-                if (!q6) {
-                    memcpy(&fq, q + offsetof(es_q8_group, fq), 4);
-                    c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_mul_ps(fm, _mm256_set1_ps(fq))));
-                }
-                acc[n] = _mm256_add_ps(acc[n], c);
+            for (int t = 0; t < 4; t++) mp[t] = _mm256_shuffle_epi8(M[t / 2], PAIR(2 * (t % 2)));
+        }
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            const __m256 dx = _mm256_set1_ps(xr[n]->d);
+            __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I[n]));
+            if (!q6) {
+                __m256i J = _mm256_madd_epi16(mp[0], bcast32((const uint8_t *)xr[n]->s32));
+                UNROLL
+                for (int t = 1; t < 4; t++) J = _mm256_add_epi32(J, _mm256_madd_epi16(mp[t], bcast32((const uint8_t *)(xr[n]->s32 + 2 * t))));
+                c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_cvtepi32_ps(J)));
             }
+            acc[n] = _mm256_add_ps(acc[n], c);
         }
     }
+#undef DUP
+#undef PAIR
 }
 
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
@@ -812,5 +899,6 @@ es_mm_kernel es_x86_kernel(uint32_t type) { return NULL; }
 es_mm_kernel es_x86_packed_kernel(uint32_t type) { (void)type; return NULL; }
 const char *es_x86_simd_name(void) { return NULL; }
 int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) { return 0; }
+int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_block *out) { return 0; }
 
 #endif

@@ -125,9 +125,13 @@ static void ref_double(const wmat *w, const float *X, int N, double *ref, double
     int quant = w->t.type != ES_TYPE_F32 && w->t.type != ES_TYPE_F16 && w->t.type != ES_TYPE_BF16;
     int64_t ng = (n_in / 32 + 15) / 16;
     es_q8_group *g = aligned_alloc(64, sizeof(es_q8_group) * (size_t)(ng ? ng : 1));
+    es_q8k_block *kb = aligned_alloc(64, sizeof(es_q8k_block) * (size_t)(n_in / 256 + 1));
     for (int n = 0; n < N; n++) {
         const float *x = X + (int64_t)n * n_in;
-        if (quant) {
+        if (quant && blk_elems(w->t.type) == 256) {   /* K types: one scale per 256 */
+            es_quantize_row_q8k(x, n_in, kb);
+            for (int64_t i = 0; i < n_in; i++) xd[i] = kb[i / 256].d * (float)kb[i / 256].qs[i % 256];
+        } else if (quant) {
             es_quantize_row_q8(x, n_in, g);
             for (int64_t i = 0; i < n_in; i++) {
                 int64_t j = i / 32, e = i % 32;
@@ -151,6 +155,7 @@ static void ref_double(const wmat *w, const float *X, int N, double *ref, double
     free(wr);
     free(xd);
     free(g);
+    free(kb);
 }
 
 TEST(test_dequant_literal) {
@@ -251,6 +256,50 @@ TEST(test_quantize_simd_vs_ref) {
         free(b);
         free(x);
     }
+}
+
+TEST(test_quantize_k_activations) {
+    /* K records: one scale per 256, the int16 sums per 16 and 32, the
+       formats' row sizes, SIMD == scalar on ties, zeros, tiny and huge values */
+    float x[512];
+    for (int i = 0; i < 512; i++) x[i] = (float)((i * 37) % 101 - 50) * 0.03f;
+    x[300] = -9.0f;
+    for (int i = 256; i < 272; i++) x[i] = 0.0f;
+    es_q8k_block b[2], c[2];
+    es_quantize_row_q8k(x, 512, b);
+    es_quantize_row_q8k_ref(x, 512, c);
+    CHECK(memcmp(b, c, sizeof b) == 0);
+    CHECK(b[0].d == 1.5f / 127.0f);
+    CHECK(b[1].d == 9.0f / 127.0f && b[1].qs[44] == -127 && b[1].s16[0] == 0);
+    for (int s = 0; s < 2; s++)
+        for (int h = 0; h < 16; h++) {
+            int32_t t = 0;
+            for (int e = 0; e < 16; e++) t += b[s].qs[16 * h + e];
+            CHECK_EQ_INT(t, b[s].s16[h]);
+            if (h % 2) CHECK_EQ_INT(b[s].s16[h - 1] + t, b[s].s32[h / 2]);
+        }
+    CHECK(es_matmul_q8_row_bytes(ES_TYPE_Q4_K, 1024) == 4 * sizeof(es_q8k_block));
+    CHECK(es_matmul_q8_row_bytes(ES_TYPE_Q8_0, 1024) == 2 * sizeof(es_q8_group));
+    for (int n = 256; n <= 4096; n += 256)
+        CHECK(es_matmul_q8_row_bytes(ES_TYPE_Q6_K, n) <= es_matmul_scratch_bytes(ES_TYPE_Q8_0, n, 1));
+    float *y = malloc(sizeof(float) * 1536);
+    for (int i = 0; i < 1536; i++) y[i] = rndf(-3, 3);
+    for (int i = 0; i < 256; i++) y[i] = (float)(i % 64 - 32) * 0.25f;   /* amax 8: ties x * id = k + 1/2 */
+    for (int i = 256; i < 512; i++) y[i] = (i & 1) ? 1e-30f : -3e20f;
+    for (int i = 512; i < 768; i++) y[i] = -0.0f;
+    es_q8k_block *p = aligned_alloc(64, 6 * sizeof *p), *q = aligned_alloc(64, 6 * sizeof *q);
+    es_quantize_row_q8k(y, 1536, p);
+    es_quantize_row_q8k_ref(y, 1536, q);
+    CHECK(memcmp(p, q, 6 * sizeof *p) == 0);
+    CHECK(p[2].d == 0.0f && p[2].s32[7] == 0);
+    /* es_quantize_cols_act over disjoint ranges == the whole row */
+    memset(p, 0xAB, 6 * sizeof *p);
+    es_quantize_cols_act(ES_TYPE_Q5_K, y, 1536, 512, 1536, p);
+    es_quantize_cols_act(ES_TYPE_Q5_K, y, 1536, 0, 512, p);
+    CHECK(memcmp(p, q, 6 * sizeof *p) == 0);
+    free(p);
+    free(q);
+    free(y);
 }
 
 /* Accuracy vs double reference plus all bitwise invariants for one shape. */
@@ -396,6 +445,43 @@ TEST(test_matmul_many) {
     }
     es_pool_free(pools[1]);
     es_pool_free(pools[2]);
+}
+
+TEST(test_matmul_many_pre_k) {
+    /* rows pre-quantized with es_quantize_row_act for K weights (Q4_K q/k, Q6_K v)
+       == es_matmul; a call that mixes the formats (Q4_K with Q8_0) ignores the
+       pre-quantized rows (garbage here) and quantizes X per format */
+    es_pool *pool = es_pool_new(2);
+    const int N = 5;
+    const int64_t n_in = 768;
+    wmat a = make_w(ES_TYPE_Q4_K, n_in, 37), b = make_w(ES_TYPE_Q6_K, n_in, 21), c = make_w(ES_TYPE_Q8_0, n_in, 19);
+    float *X = rand_x(N, n_in);
+    void *sc = scratch_for(ES_TYPE_Q8_0, n_in, N);
+    size_t rs = es_matmul_q8_row_bytes(ES_TYPE_Q4_K, n_in);
+    CHECK(rs == 3 * sizeof(es_q8k_block));
+    float *Yr[3], *Y[3];
+    int64_t ld[3] = {37, 21, 19};
+    const es_tensor *W[3] = {&a.t, &b.t, &c.t};
+    for (int i = 0; i < 3; i++) {
+        Yr[i] = malloc(sizeof(float) * (size_t)(N * ld[i]));
+        Y[i] = malloc(sizeof(float) * (size_t)(N * ld[i]));
+        es_matmul(NULL, W[i], X, N, Yr[i], ld[i], sc);
+    }
+    for (int n = 0; n < N; n++) es_quantize_row_act(ES_TYPE_Q6_K, X + n * n_in, n_in, (uint8_t *)sc + (size_t)n * rs);
+    es_matmul_many_pre(pool, 2, W, X, N, Y, ld, sc);
+    for (int i = 0; i < 2; i++) CHECK(memcmp(Y[i], Yr[i], sizeof(float) * (size_t)(N * ld[i])) == 0);
+    const es_tensor *Wm[2] = {&a.t, &c.t};
+    float *Ym[2] = {Y[0], Y[2]};
+    int64_t ldm[2] = {37, 19};
+    memset(sc, 0x5A, es_matmul_scratch_bytes(ES_TYPE_Q8_0, n_in, N));
+    es_matmul_many_pre(pool, 2, Wm, X, N, Ym, ldm, sc);
+    CHECK(memcmp(Y[0], Yr[0], sizeof(float) * (size_t)(N * 37)) == 0);
+    CHECK(memcmp(Y[2], Yr[2], sizeof(float) * (size_t)(N * 19)) == 0);
+    for (int i = 0; i < 3; i++) { free(Y[i]); free(Yr[i]); }
+    free_w(&a); free_w(&b); free_w(&c);
+    free(X);
+    free(sc);
+    es_pool_free(pool);
 }
 
 TEST(test_unsupported_type) {
@@ -624,12 +710,14 @@ int main(void) {
     RUN(test_dequant_k_literal);
     RUN(test_quantize_activations);
     RUN(test_quantize_simd_vs_ref);
+    RUN(test_quantize_k_activations);
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
     RUN(test_matmul_k_n_1_to_33);
     RUN(test_matmul_q5_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
+    RUN(test_matmul_many_pre_k);
     RUN(test_unsupported_type);
     RUN(test_fp16_row);
     RUN(test_simd_name);
