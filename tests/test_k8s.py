@@ -14,12 +14,14 @@ native gRPC probes GA; k3s releases from then on) and the newest bundled version
 
 Lint: a focused check of what checkov / kube-linter would flag for these workloads
 (non-root, no privilege escalation, read-only root, all capabilities dropped, seccomp,
-resource requests and limits, probes, no host namespaces, no service account token),
+resource requests and limits, probes, no host namespaces, no service account token, the API
+key from a Secret only),
 instead of checkov's few hundred MB of dependencies for the same dozen rules.
 """
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -30,12 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echospec.services.common import config as cfg  # noqa: E402
 
-K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "k3s-rk3588"
 KUSTOMIZE_KEYS = {"apiVersion", "kind", "namespace", "labels", "resources", "images", "patches"}
 CLUSTER_SCOPED = {"Namespace"}
 SCHEMA_VERSIONS = ("1.27.0", "1.37.0")
+# variable names that carry a secret value (not ECHOSPEC_MAX_TOKENS, nor the TLS key's file path)
+SECRET_NAME = re.compile(r"(API_KEY|PASSWORD|SECRET|_TOKEN)$")
 
 
 # -- the minimal renderer ------------------------------------------------------------------------
@@ -133,8 +138,8 @@ def test_objects_pass_the_kubernetes_schemas(rendered):
     import kubernetes_validate
     _, objs = rendered
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ConfigMap"] * 4 + ["DaemonSet", "Deployment", "Namespace",
-                                         "PodDisruptionBudget", "Service", "Service"]
+    assert kinds == ["ConfigMap"] * 5 + ["DaemonSet"] + ["Deployment"] * 2 + ["Namespace"] + \
+        ["PodDisruptionBudget"] * 2 + ["Service"] * 3
     for version in SCHEMA_VERSIONS:
         for o in objs:
             try:
@@ -155,7 +160,7 @@ def test_objects_pass_the_kubernetes_schemas(rendered):
 def test_security_lint(rendered):
     name, objs = rendered
     workloads = [o for o in objs if o["kind"] in ("DaemonSet", "Deployment")]
-    assert len(workloads) == 2
+    assert len(workloads) == 3
     for w in workloads:
         where = f"{name} {w['kind']}/{w['metadata']['name']}"
         pod = w["spec"]["template"]["spec"]
@@ -166,7 +171,9 @@ def test_security_lint(rendered):
         for host in ("hostNetwork", "hostPID", "hostIPC"):
             assert not pod.get(host), f"{where}: {host}"
         host_paths = {v["name"] for v in pod["volumes"] if "hostPath" in v}
-        assert host_paths == {"models"}, where
+        # the model cache only, and only where the model is read (not the stateless gateway)
+        stateless = w["metadata"]["name"] == "echospec-gateway"
+        assert host_paths == (set() if stateless else {"models"}), where
         for c in pod.get("initContainers", []) + pod["containers"]:
             cw = f"{where} container {c['name']}"
             sc = c["securityContext"]
@@ -184,6 +191,15 @@ def test_security_lint(rendered):
                 assert "livenessProbe" in c, cw
             if name != "base":
                 assert not c["image"].endswith(":latest"), f"{cw}: pin the image tag"
+            # secrets never as literal values or on a command line
+            for e in c.get("env", []):
+                if SECRET_NAME.search(e["name"]):
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], f"{cw}: {e}"
+            assert not any("api-key" in a.lower() or "api_key" in a.lower()
+                           for a in c.get("command", []) + c.get("args", [])), cw
+    for cm in (o for o in objs if o["kind"] == "ConfigMap"):
+        assert not any(SECRET_NAME.search(k) for k in cm["data"]), \
+            f"{name} ConfigMap/{cm['metadata']['name']}: a secret belongs in a Secret"
 
 
 def test_probes_are_native_grpc_health_checks(rendered):
@@ -199,6 +215,18 @@ def test_probes_are_native_grpc_health_checks(rendered):
         assert c["livenessProbe"]["grpc"]["port"] == port
     assert by["draft"]["livenessProbe"]["grpc"]["port"] == 50052
     assert "readinessProbe" not in by["draft"]   # a board serves (plainly) without its draft
+
+
+def test_gateway_probes_are_http(rendered):
+    _, objs = rendered
+    gw = _one(objs, "Deployment", "echospec-gateway")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in gw["ports"]}
+    assert ports == {"http": 8000}
+    # ready: GET /health is 200 (its coordinator is SERVING); the app serves /health without a key
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    # alive: its own listener answers (a liveness on /health would restart every gateway while the
+    # coordinators are down)
+    assert gw["livenessProbe"]["tcpSocket"] == {"port": "http"}
 
 
 def test_wiring(rendered):
@@ -244,6 +272,83 @@ def test_wiring(rendered):
         assert cfg.from_env(cfg.VerifierConfig, cms["echospec-verifier"]).n_threads == 4
         assert by["verifier"]["resources"]["limits"]["cpu"] == "4"
         assert ds["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/arch"] == "arm64"
+
+
+def _api_key_ref(container) -> dict:
+    refs = [e for e in container.get("env", []) if e["name"] == "ECHOSPEC_API_KEY"]
+    assert len(refs) == 1, f"container {container['name']}: ECHOSPEC_API_KEY set {len(refs)} times"
+    assert set(refs[0]) == {"name", "valueFrom"} and set(refs[0]["valueFrom"]) == {"secretKeyRef"}
+    return refs[0]["valueFrom"]["secretKeyRef"]
+
+
+def _dockerfile_cmd(target: str) -> list[str]:
+    """The CMD of `target` in deploy/Dockerfile (the stage's exec-form CMD line)."""
+    stage = None
+    for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            stage = line.split()[-1]
+        elif stage == target and line.startswith("CMD "):
+            return yaml.safe_load(line[4:])
+    raise AssertionError(f"no CMD for target {target}")
+
+
+def test_gateway_targets_the_coordinator_service_and_shares_its_key(rendered):
+    name, objs = rendered
+    coord = _one(objs, "Deployment", "echospec-coordinator")
+    gw = _one(objs, "Deployment", "echospec-gateway")
+    grpc_svc = _one(objs, "Service", "echospec")
+    http_svc = _one(objs, "Service", "echospec-gateway")
+    pdb = _one(objs, "PodDisruptionBudget", "echospec-gateway")
+    cms = {o["metadata"]["name"]: o["data"] for o in objs if o["kind"] == "ConfigMap"}
+    cc = coord["spec"]["template"]["spec"]["containers"][0]
+    gpod = gw["spec"]["template"]["spec"]
+    [gc] = gpod["containers"]
+    labels = gw["spec"]["template"]["metadata"]["labels"]
+
+    # the image and entry point of compose's gateway service (its own Dockerfile target)
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    cg = compose["services"]["gateway"]
+    assert cg["build"]["target"] == "gateway"
+    assert gc["image"].partition(":")[0] == cg["image"].partition(":")[0] == "echospec-gateway"
+    cmd = gc["command"][3:] if gc["command"][0] == "taskset" else gc["command"]
+    assert cmd == _dockerfile_cmd("gateway")
+    assert gw["spec"]["replicas"] == 2
+    assert "initContainers" not in gpod    # stateless: no model, no node-local cache
+
+    # its settings: every key a GatewayConfig field; the target is the coordinators' Service
+    fields = {f"ECHOSPEC_{f.upper()}" for f in cfg.GatewayConfig.__dataclass_fields__}
+    assert set(cms["echospec-gateway"]) <= fields, set(cms["echospec-gateway"]) - fields
+    assert [e["configMapRef"]["name"] for e in gc["envFrom"]] == ["echospec-gateway"]
+    g = cfg.from_env(cfg.GatewayConfig, cms["echospec-gateway"])
+    host, _, port = g.coordinator_target.rpartition(":")
+    assert host == grpc_svc["metadata"]["name"]
+    [svc_port] = [p for p in grpc_svc["spec"]["ports"] if p["port"] == int(port)]
+    coord_ports = {p["name"]: p["containerPort"] for p in cc["ports"]}
+    coord_cfg = cfg.from_env(cfg.CoordinatorConfig, cms["echospec-coordinator"])
+    assert coord_ports[svc_port["targetPort"]] == coord_cfg.port == 50051
+    # the coordinators' Service selects coordinators only, the gateway's gateways only
+    assert grpc_svc["spec"]["selector"] != labels
+    assert http_svc["spec"]["type"] == "ClusterIP" and http_svc["spec"]["selector"] == labels
+    [hp] = http_svc["spec"]["ports"]
+    assert {p["name"]: p["containerPort"] for p in gc["ports"]}[hp["targetPort"]] == g.port == 8000
+    assert g.host == "0.0.0.0"
+    assert pdb["spec"]["selector"]["matchLabels"] == labels and pdb["spec"]["minAvailable"] == 1
+
+    # one key for both: the same Secret and key, required (a missing Secret stops the pods
+    # instead of starting them without a key), under the variable both services read
+    assert "api_key" in cfg.GatewayConfig.__dataclass_fields__
+    assert "api_key" in cfg.CoordinatorConfig.__dataclass_fields__
+    ref = _api_key_ref(gc)
+    assert ref == _api_key_ref(cc) == {"name": "echospec-api-key", "key": "api-key"}
+    assert not ref.get("optional")
+    # deploy/README.md's command creates exactly that Secret
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert f"create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
+
+    if name == "k3s-rk3588":
+        assert gc["image"] == "echospec-gateway:rk3588"
+        assert gc["command"][:3] == ["taskset", "-c", "0-3"]   # the A55 cores, as compose's cpuset
+        assert gpod["nodeSelector"]["kubernetes.io/arch"] == "arm64"
 
 
 def test_renderer_matches_kubectl_kustomize_when_installed():
