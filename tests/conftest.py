@@ -6,6 +6,8 @@ Fixtures:
     smollm2_path        path (str) of SmolLM2-135M-Instruct Q4_1, from scripts/fetch_model.py fetch()
     smollm2_reference   reference.Reference over it (float64, act_quant=True), built once per session
     smollm2_tokenizer   object with encode(text) -> list[int] and decode(ids) -> str
+    smollm2_stub        a CoordinatorService stub on a stack over SmolLM2 (speculation off by
+                        default, n_ctx 1024), one stack per test module
 """
 from __future__ import annotations
 
@@ -64,6 +66,19 @@ def tiny_model(tiny_spec):
 def smollm2_path() -> str:
     """The default real model, fetched (or found in the cache) by scripts/fetch_model.py."""
     return str(_load_fetch_model().fetch(verbose=False))
+
+
+@pytest.fixture(scope="module")
+def smollm2_stub(smollm2_path):
+    import grpc
+    from echospec.services.coordinator.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024)
+    ch = grpc.insecure_channel(st.target)
+    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    ch.close()
+    st.stop()
 
 
 @pytest.fixture(scope="session")

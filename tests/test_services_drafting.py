@@ -4,15 +4,12 @@ tokenizer, namespace-scoped shared memory; every output byte-identical to specul
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 
-from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
-from echospec.services.coordinator.stack import start_stack
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb
 
 ROOT = Path(__file__).resolve().parents[1]
 OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON
@@ -24,19 +21,8 @@ def workload(wid: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
-def stub(smollm2):
-    st = start_stack(smollm2, spec=False, n_ctx=1024)
-    ch = grpc.insecure_channel(st.target)
-    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-    ch.close()
-    st.stop()
+def stub(smollm2_stub):
+    return smollm2_stub
 
 
 def chat(messages):
@@ -102,12 +88,12 @@ def test_any_prediction_gives_the_plain_output(stub, prediction):
     on_off(stub, messages=chat(CODE["messages"]), max_tokens=48, prediction=prediction)
 
 
-def test_numbered_list_drafts_the_next_number_on_the_real_tokenizer(smollm2):
+def test_numbered_list_drafts_the_next_number_on_the_real_tokenizer(smollm2_path):
     from echospec.services.common.tokenizer import Tokenizer
     from echospec.services.coordinator.servicer import digit_tokens
     from echospec.services.draft.proposer import SOURCE_NUMBERED, DraftProposer
 
-    tok = Tokenizer.from_gguf(smollm2)
+    tok = Tokenizer.from_gguf(smollm2_path)
     digits = digit_tokens(tok)
     assert len(digits) == 10
     p = DraftProposer(digits=digits)

@@ -5,8 +5,6 @@ max_tokens is kept modest (64) so the file runs in CI time on 2 cores.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -26,25 +24,14 @@ def load_workloads() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
+def stub(smollm2_stub):
+    return smollm2_stub
 
 
 @pytest.fixture(scope="module")
-def stub(smollm2):
-    st = start_stack(smollm2, spec=False, n_ctx=1024)
-    ch = grpc.insecure_channel(st.target)
-    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-    ch.close()
-    st.stop()
-
-
-@pytest.fixture(scope="module")
-def fixed_k_stub(smollm2):
+def fixed_k_stub(smollm2_path):
     # drafts of exactly k (no cost model): the copied EOS lands inside a drafted run
-    st = start_stack(smollm2, spec=False, n_ctx=1024, adaptive_k=False)
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024, adaptive_k=False)
     ch = grpc.insecure_channel(st.target)
     yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
     ch.close()
@@ -101,11 +88,11 @@ def test_random_text_prompts_spec_on_off_identical(stub):
         assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
 
 
-def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2):
+def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2_path):
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    st = start_stack(smollm2, spec=False, n_ctx=1024, batch_max=8)
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024, batch_max=8)
     ch = grpc.insecure_channel(st.target)
     try:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
