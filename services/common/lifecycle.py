@@ -30,3 +30,32 @@ def exit_with_parent() -> None:
         return
     if str(os.getppid()) != want:   # the parent died before prctl took effect
         os._exit(1)
+
+
+def service_main(name: str, config_cls, serve, argv=None, errors: tuple = (),
+                 needs_model: bool = False) -> int:
+    """The body of `python -m echospec.services.NAME`: settings from argv and ECHOSPEC_*,
+    logging, then serve(config) until SIGINT/SIGTERM.
+
+    Returns the exit status: 2 for bad settings (a log option, or no model where needs_model),
+    1 when serve raises one of ``errors`` (a busy port, an unreadable model, ...), each with a
+    one-line message on stderr; 0 after a clean stop.
+    """
+    from echospec.services.common import config as cfg
+    from echospec.services.common import logs
+
+    conf = cfg.load(config_cls, argv, prog=f"python -m echospec.services.{name}")
+    try:
+        logs.setup(conf.log_level, conf.log_format)
+    except ValueError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    if needs_model and not conf.model:
+        print(f"{name}: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
+        return 2
+    try:
+        serve(conf)
+    except errors as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -7,28 +7,18 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from echospec.services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
-import sys
+import sys  # noqa: E402
 
-from echospec.services.common import config as cfg
-from echospec.services.common import logs
-from echospec.services.common.grpc_util import PortInUseError
-from echospec.services.draft.proposer import ProposerError
-from echospec.services.draft.server import serve
+from echospec.services.common import config as cfg  # noqa: E402
+from echospec.services.common.lifecycle import service_main  # noqa: E402
+from echospec.services.common.grpc_util import PortInUseError  # noqa: E402
+from echospec.services.draft.proposer import ProposerError  # noqa: E402
+from echospec.services.draft.server import serve  # noqa: E402
 
 
 def main(argv=None) -> int:
-    conf = cfg.load(cfg.DraftConfig, argv, prog="python -m echospec.services.draft")
-    try:
-        logs.setup(conf.log_level, conf.log_format)
-    except ValueError as exc:
-        print(f"draft: {exc}", file=sys.stderr)
-        return 2
-    try:
-        serve(conf)
-    except (PortInUseError, ProposerError, ValueError) as exc:
-        print(f"draft: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return service_main("draft", cfg.DraftConfig, serve, argv,
+                        (PortInUseError, ProposerError, ValueError))
 
 
 if __name__ == "__main__":

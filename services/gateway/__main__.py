@@ -6,24 +6,14 @@ exit_with_parent()   # first: a child of `echospec serve --processes` never outl
 import sys  # noqa: E402
 
 from echospec.services.common import config as cfg  # noqa: E402
-from echospec.services.common import logs  # noqa: E402
+from echospec.services.common.lifecycle import service_main  # noqa: E402
 from echospec.services.common.grpc_util import PortInUseError  # noqa: E402
 from echospec.services.gateway.server import serve  # noqa: E402
 
 
 def main(argv=None) -> int:
-    conf = cfg.load(cfg.GatewayConfig, argv, prog="python -m echospec.services.gateway")
-    try:
-        logs.setup(conf.log_level, conf.log_format)
-    except ValueError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return 2
-    try:
-        serve(conf)
-    except (PortInUseError, ValueError) as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return service_main("gateway", cfg.GatewayConfig, serve, argv,
+                        (PortInUseError, ValueError))
 
 
 if __name__ == "__main__":

@@ -7,32 +7,19 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from echospec.services.common.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
-import sys
+import sys  # noqa: E402
 
-from echospec.services.common import config as cfg
-from echospec.services.common import logs
-from echospec.services.common.engine import EngineError
-from echospec.services.common.grpc_util import PortInUseError
-from echospec.services.verifier.server import serve
-from echospec.services.verifier.sessions import VerifierError
+from echospec.services.common import config as cfg  # noqa: E402
+from echospec.services.common.lifecycle import service_main  # noqa: E402
+from echospec.services.common.engine import EngineError  # noqa: E402
+from echospec.services.common.grpc_util import PortInUseError  # noqa: E402
+from echospec.services.verifier.server import serve  # noqa: E402
+from echospec.services.verifier.sessions import VerifierError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    conf = cfg.load(cfg.VerifierConfig, argv, prog="python -m echospec.services.verifier")
-    try:
-        logs.setup(conf.log_level, conf.log_format)
-    except ValueError as exc:
-        print(f"verifier: {exc}", file=sys.stderr)
-        return 2
-    if not conf.model:
-        print("verifier: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
-        return 2
-    try:
-        serve(conf)
-    except (PortInUseError, EngineError, VerifierError, ValueError) as exc:
-        print(f"verifier: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return service_main("verifier", cfg.VerifierConfig, serve, argv,
+                        (PortInUseError, EngineError, VerifierError, ValueError), needs_model=True)
 
 
 if __name__ == "__main__":
