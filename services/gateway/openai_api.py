@@ -96,12 +96,21 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite(v: Any) -> bool:
+    """A JSON number that is a finite float (an integer too large for a float is not)."""
+    try:
+        return _is_num(v) and math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     v = body.get(name)
     if v is None:
         return None
-    if not _is_num(v) or not math.isfinite(v):
-        raise bad(f"{name} must be a number, got {v!r}", name)
+    if not _finite(v):
+        shown = repr(v) if not isinstance(v, int) else f"an integer of {len(str(abs(v)))} digits"
+        raise bad(f"{name} must be a number, got {shown}", name)
     if not lo <= v <= hi:
         raise bad(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}", name)
     return float(v)
@@ -163,6 +172,27 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad("suffix is not supported", "suffix")
 
 
+def _lone_surrogate(v: Any, path: str) -> str | None:
+    """The path of the first string in the JSON value ``v`` that is not valid Unicode (a lone
+    surrogate, which JSON's \\ud800 escapes can spell but UTF-8 cannot encode), or None."""
+    stack = [(v, path)]
+    while stack:
+        x, p = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return p
+        elif isinstance(x, list):
+            stack.extend((y, f"{p}[{i}]") for i, y in reversed(list(enumerate(x))))
+        elif isinstance(x, dict):
+            for k, y in reversed(list(x.items())):
+                if _lone_surrogate(k, p) is not None:
+                    return f"a field name in {p}" if p else "a field name"
+                stack.append((y, f"{p}.{k}" if p else str(k)))
+    return None
+
+
 def _prompt(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     """/v1/completions prompt: a string, a list of one string, token ids, or a list of one list
     of token ids."""
@@ -214,6 +244,10 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     """
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        raise bad(f"{where} is not valid Unicode (a lone surrogate such as \\ud800)",
+                  None if where.startswith("a field name") else where)
     _refuse_unsupported(body, chat)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise bad("model must be a string", "model")
