@@ -219,6 +219,34 @@ def _check_tls(args: argparse.Namespace) -> None:
                        ("--tls-ca", args.tls_ca), ("--tls-client-ca", args.tls_client_ca)):
         if path and not Path(path).is_file():
             _die(f"{flag} {path}: no such file", 2)
+    # gRPC reports unusable PEM only as "cannot bind" (TSI_INVALID_ARGUMENT in its log): check here
+    if args.tls_cert:
+        import ssl
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                args.tls_cert, args.tls_key, password=lambda: b"")   # never prompt on the terminal
+        except (ssl.SSLError, OSError) as exc:
+            _die(f"--tls-cert {args.tls_cert} --tls-key {args.tls_key}: not a PEM certificate "
+                 f"chain and its unencrypted private key ({_ssl_reason(exc)})", 2)
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-client-ca", args.tls_client_ca)):
+        if path:
+            _check_ca(flag, path)
+
+
+def _ssl_reason(exc: Exception) -> str:
+    import ssl
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or "OpenSSL cannot read it"   # e.g. KEY_VALUES_MISMATCH
+    return exc.strerror or str(exc)
+
+
+def _check_ca(flag: str, path: str) -> None:
+    """Exit 2 unless `path` is a readable file with at least one PEM CA certificate."""
+    import ssl
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        _die(f"{flag} {path}: not a PEM CA certificate ({_ssl_reason(exc)})", 2)
 
 
 def _url_host(host: str) -> str:
@@ -256,6 +284,8 @@ def _client(args: argparse.Namespace, target: str):
     TLS options; exits 2 on a certificate file it cannot read."""
     from echospec_client import Client
 
+    if args.tls_ca:
+        _check_ca("--tls-ca", args.tls_ca)
     try:
         return Client(target, timeout=args.timeout, connect_timeout=args.connect_timeout,
                       api_key=args.api_key, root_certificates=args.tls_ca,

@@ -75,3 +75,50 @@ def test_unexpected_error_keeps_openai_shape(gateway, monkeypatch):
     r = _post(gateway, "/v1/completions", '{"prompt": "hi"}')
     err = _assert_openai_error(r, 500, None)
     assert err["type"] == "server_error" and "RuntimeError" in err["message"]
+
+
+# -- CLI: TLS files that exist but hold no usable PEM --------------------------------------------
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from test_gateway_security import make_pki
+    return {"a": make_pki(tmp_path_factory.mktemp("pki_a")),
+            "b": make_pki(tmp_path_factory.mktemp("pki_b")),
+            "junk": str(_junk(tmp_path_factory.mktemp("junk")))}
+
+
+def _junk(d):
+    (d / "junk.pem").write_text("hello, not a certificate\n")
+    return d / "junk.pem"
+
+
+@pytest.mark.parametrize("which, message", [
+    # was: "draft service: cannot bind 127.0.0.1:0: Failed to bind ..." (exit 1), from gRPC's
+    # TSI_INVALID_ARGUMENT, after the model had been loaded
+    (lambda p: ["--tls-cert", p["junk"], "--tls-key", p["junk"]], "not a PEM certificate chain"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["b"]["key"]], "KEY_VALUES_MISMATCH"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"], "--tls-ca", p["junk"]],
+     "--tls-ca"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"],
+                "--tls-client-ca", p["a"]["key"]], "--tls-client-ca"),
+], ids=["junk", "key-mismatch", "junk-ca", "key-as-ca"])
+def test_serve_refuses_unusable_pem_before_starting(pki, which, message, capsys):
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", *which(pki)])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and message in err, err
+    assert "cannot bind" not in err and "model file not found" not in err
+
+
+def test_client_command_refuses_unusable_tls_ca(pki, capsys):
+    # was: exit 1 "no coordinator reachable ..." after the connect timeout: the junk CA made
+    # every handshake fail
+    from echospec import cli
+    args = cli.parse_args(["tokenize", "hi", "--target", "127.0.0.1:1", "--connect-timeout", "1",
+                           "--tls-ca", pki["junk"]])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"--tls-ca {pki['junk']}: not a PEM CA certificate" in err, err
