@@ -465,12 +465,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
         client = _client(args, target)
+        open_line = False   # streamed text not ended by a newline yet
         try:
             result = None
             for chunk in client.stream(**kw):
                 if chunk.text and not args.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
+                    open_line = not chunk.text.endswith("\n")
                 if chunk.result is not None:
                     result = chunk.result
             if args.json:
@@ -490,6 +492,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       f"{st.tries}, hits {st.hits}, kv_rolls {st.kv_rolls}]", file=sys.stderr)
             return 0
         except ClientError as exc:
+            if open_line:   # the message goes on a line of its own, not after the partial text
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             _client_error(exc, target)
         except (TypeError, ValueError) as exc:
             _die(str(exc), 2)

@@ -122,3 +122,31 @@ def test_client_command_refuses_unusable_tls_ca(pki, capsys):
         cli.cmd_tokenize(args)
     err = capsys.readouterr().err
     assert ei.value.code == 2 and f"--tls-ca {pki['junk']}: not a PEM CA certificate" in err, err
+
+
+# -- CLI: a generation that fails mid-stream ------------------------------------------------------
+
+def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, capsys):
+    # was: "... But asechospec: UNAVAILABLE: Cancelling all calls" on the terminal when the server
+    # stopped mid-generation (the message glued to the partial text)
+    import grpc
+
+    from echospec import cli
+    from echospec_client import Chunk, ClientError
+
+    class FailingClient:
+        def stream(self, **kw):
+            yield Chunk(text="Once upon a", token_ids=[1, 2])
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "the server went away")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli, "_client", lambda args, target: FailingClient())
+    args = cli.parse_args(["generate", "hi", "--target", "127.0.0.1:1"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_generate(args)
+    out, err = capsys.readouterr()
+    assert ei.value.code == 1
+    assert out == "Once upon a\n"
+    assert err == "echospec: UNAVAILABLE: the server went away\n"
