@@ -150,3 +150,66 @@ def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, caps
     assert ei.value.code == 1
     assert out == "Once upon a\n"
     assert err == "echospec: UNAVAILABLE: the server went away\n"
+
+
+# -- coordinator: the request record of a stream the client leaves -----------------------------
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model):
+    from echospec.services.coordinator.stack import start_stack
+    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, metrics_port=0)
+    yield st
+    st.stop(0.5)
+
+
+def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
+    # was: tokens_out=0 in the request log line (and nothing added to
+    # echospec_generation_tokens_total) for a stream cancelled after hundreds of tokens
+    import io
+    import json
+    import logging
+    import time
+    import urllib.request
+
+    import grpc
+
+    from echospec.services.common import logs
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    def generation_tokens() -> float:
+        port = tiny_stack.metrics_ports["coordinator"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return sum(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith("echospec_generation_tokens_total"))
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.setup("INFO", "json", stream=buf)
+    try:
+        before = generation_tokens()
+        received = 0
+        with grpc.insecure_channel(tiny_stack.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            call = stub.Generate(cpb.GenerateRequest(text="a b c", max_tokens=2000), timeout=60,
+                                 metadata=[("x-request-id", "newuser-cancel")])
+            for msg in call:
+                received += len(msg.token_ids)
+                if received >= 20:
+                    break
+            call.cancel()
+        line = None
+        deadline = time.monotonic() + 10
+        while line is None and time.monotonic() < deadline:
+            for ln in buf.getvalue().splitlines():
+                rec = json.loads(ln)
+                if rec.get("message") == "request" and rec.get("request_id") == "newuser-cancel":
+                    line = rec
+            time.sleep(0.02)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert line is not None and line["code"] == "CANCELLED", line
+    assert line["tokens_out"] >= received >= 20, line
+    assert line["tokens_per_s"] > 0
+    assert generation_tokens() - before == line["tokens_out"]
