@@ -213,3 +213,33 @@ def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
     assert line["tokens_out"] >= received >= 20, line
     assert line["tokens_per_s"] > 0
     assert generation_tokens() - before == line["tokens_out"]
+
+
+# -- `python -m echospec.services.<name>`: ports and durations out of range ----------------------
+
+@pytest.mark.parametrize("cls, argv, env, message", [
+    # was: gRPC bound port 99999 as 34463 (99999 mod 65536) and the service ran there
+    ("VerifierConfig", ["--port", "99999"], {}, "--port / ECHOSPEC_PORT 99999"),
+    ("DraftConfig", [], {"ECHOSPEC_PORT": "70000"}, "--port / ECHOSPEC_PORT 70000"),
+    ("CoordinatorConfig", ["--port", "-1"], {}, "a port is in [0, 65535]"),
+    ("CoordinatorConfig", ["--metrics-port", "65536"], {}, "--metrics-port"),
+    # was: an OverflowError traceback from socket.bind
+    ("GatewayConfig", ["--port", "99999"], {}, "--port / ECHOSPEC_PORT 99999"),
+    # was: a gateway that answered every generation with 504 (a deadline already past)
+    ("GatewayConfig", ["--request-timeout-s", "-1"], {}, "--request-timeout-s"),
+    ("GatewayConfig", ["--request-timeout-s", "nan"], {}, "--request-timeout-s"),
+    ("CoordinatorConfig", ["--verifier-poll-s", "0"], {}, "--verifier-poll-s"),
+])
+def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, message, capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(getattr(cfg, cls), argv, environ=env, prog="svc")
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_service_entry_points_keep_valid_edges():
+    from echospec.services.common import config as cfg
+    assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
+    assert cfg.load(cfg.GatewayConfig, ["--port", "65535"], environ={}).port == 65535
+    assert cfg.load(cfg.DraftConfig, ["--grace-s", "0"], environ={}).grace_s == 0.0
