@@ -157,7 +157,8 @@ def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, caps
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_model):
     from echospec.services.coordinator.stack import start_stack
-    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, metrics_port=0)
+    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, metrics_port=0,
+                     http_port=0)
     yield st
     st.stop(0.5)
 
@@ -243,3 +244,27 @@ def test_service_entry_points_keep_valid_edges():
     assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
     assert cfg.load(cfg.GatewayConfig, ["--port", "65535"], environ={}).port == 65535
     assert cfg.load(cfg.DraftConfig, ["--grace-s", "0"], environ={}).grace_s == 0.0
+
+
+# -- gateway: a request the coordinator refuses names its field ---------------------------------
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"k": 99}, "k"),
+    ("/v1/completions", {"top_p": 0}, "top_p"),
+    ("/v1/completions", {"stop": [str(i) for i in range(17)]}, "stop"),
+    ("/v1/completions", {"prompt": [10 ** 6]}, "prompt"),
+    ("/v1/completions", {"prompt": "a " * 3000}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 3000}]}, "messages"),
+    ("/v1/chat/completions", {"stream": True, "k": 99}, "k"),
+])
+def test_coordinator_refusal_names_the_field(tiny_stack, path, extra, param):
+    # was: "param": null for every refusal that came from the coordinator (README: "a bad field
+    # 400 (with param)")
+    import httpx
+    body = {"max_tokens": 4, **({"messages": [{"role": "user", "content": "hi"}]}
+                                if "chat" in path else {"prompt": "hi"})}
+    body.update(extra)
+    r = httpx.post(tiny_stack.http_url + path, json=body, timeout=60)
+    err = _assert_openai_error(r, 400, param)
+    assert err["code"] == "invalid_argument"

@@ -143,7 +143,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 stream.cancel()
                 raise
         except UpstreamError as exc:
-            raise api.error_from_status(exc.code, exc.message) from None
+            raise api.error_from_status(exc.code, exc.message, chat) from None
         return StreamingResponse(_sse(parsed, stream, first, api.new_id(chat), model),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

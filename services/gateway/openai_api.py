@@ -19,6 +19,7 @@ Responses carry OpenAI's fields plus one extra object, ``echospec``:
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -62,10 +63,33 @@ _STATUS = {
 }
 
 
-def error_from_status(code: str, message: str) -> ApiError:
-    """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name)."""
+# request fields the coordinator's INVALID_ARGUMENT messages start with (servicer.py and the
+# verifier's context check): "k must be in ...", "stop[0] is empty", "verifier: prompt of ..."
+_REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
+_REFUSED_FIELDS = {"max_tokens", "k", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+                   "messages", "prompt", "token_ids", "draft_namespace", "prediction"}
+
+
+def refused_param(message: str, chat: bool) -> str | None:
+    """The request field a coordinator's INVALID_ARGUMENT message names, in OpenAI's terms (the
+    prompt is ``messages`` in a chat request), or None."""
+    if message.startswith("at most") and "stop strings" in message:
+        return "stop"
+    m = _REFUSED.match(message)
+    if m is None or m.group(1) not in _REFUSED_FIELDS:
+        return None
+    name, rest = m.groups()
+    if name in ("prompt", "token_ids"):
+        return "messages" if chat else "prompt"
+    return name + rest
+
+
+def error_from_status(code: str, message: str, chat: bool | None = None) -> ApiError:
+    """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name); with
+    ``chat`` given, a refused request names its field in ``param``."""
     status, kind = _STATUS.get(code, (500, "server_error"))
-    return ApiError(status, message, None, kind, code.lower())
+    param = refused_param(message, chat) if chat is not None and status == 400 else None
+    return ApiError(status, message, param, kind, code.lower())
 
 
 # ---- requests ------------------------------------------------------------------------------
