@@ -126,6 +126,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--http-port {args.http_port}: a port is in [0, 65535] (-1: no gateway)", 2)
     _check_tls(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("ECHOSPEC_API_KEY", "")
+    from echospec.services.common.auth import check_api_key
+    try:
+        check_api_key(api_key)
+    except ValueError as exc:
+        _die(f"{'--api-key' if args.api_key is not None else 'ECHOSPEC_API_KEY'}: {exc}", 2)
     from echospec.services.common.config import CoordinatorConfig
     from echospec.services.common.engine import MAX_CTX, MAX_THREADS
 

@@ -268,3 +268,34 @@ def test_coordinator_refusal_names_the_field(tiny_stack, path, extra, param):
     r = httpx.post(tiny_stack.http_url + path, json=body, timeout=60)
     err = _assert_openai_error(r, 400, param)
     assert err["code"] == "invalid_argument"
+
+
+# -- API keys no client can send ------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["ключ", "trail ", " lead", "tab\there", "\udcff"])
+def test_serve_refuses_an_api_key_no_client_can_send(key, capsys):
+    # was: served, then answered every request 401 (HTTP carries the header as Latin-1) or
+    # failed the client's call with INTERNAL "Invalid metadata" (gRPC metadata is ASCII)
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", "--api-key", key])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--api-key: the API key must" in err, err
+
+
+def test_service_refuses_an_api_key_from_the_environment(capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(cfg.GatewayConfig, [], environ={"ECHOSPEC_API_KEY": "clé"}, prog="svc")
+    assert ei.value.code == 2 and "ECHOSPEC_API_KEY" in capsys.readouterr().err
+    assert cfg.load(cfg.GatewayConfig, [], environ={"ECHOSPEC_API_KEY": "sk-A_b.9~! x"}).api_key
+
+
+@pytest.mark.parametrize("key", ["ключ", "é", " lead"])
+def test_client_refuses_an_api_key_it_cannot_send(key):
+    # was: ClientError INTERNAL "Invalid metadata" from every call, and gRPC's C-core log lines
+    # (a non-ASCII key), or UNAUTHENTICATED for the right key (a space at an end)
+    from echospec_client import Client
+    with pytest.raises(ValueError, match="api_key must"):
+        Client("127.0.0.1:1", api_key=key)

@@ -203,16 +203,23 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
 
 
 def check_ranges(cfg) -> None:
-    """Refuse ports and durations no service can use (gRPC would take port 99999 as 34463, a
-    negative deadline fails every call).
+    """Refuse ports, durations and API keys no service can use (gRPC would take port 99999 as
+    34463, a negative deadline fails every call, a non-ASCII key cannot be sent).
 
     Raises:
         ValueError: naming the first bad field, as option and environment variable.
     """
+    from echospec.services.common.auth import check_api_key
+
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         name = f"--{f.name.replace('_', '-')} / ECHOSPEC_{f.name.upper()}"
-        if f.name == "port" or f.name.endswith("_port"):
+        if f.name == "api_key":
+            try:
+                check_api_key(v)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        elif f.name == "port" or f.name.endswith("_port"):
             lo = -1 if f.name == "metrics_port" else 0
             if not lo <= v <= 65535:
                 raise ValueError(f"{name} {v}: a port is in [{lo}, 65535]"

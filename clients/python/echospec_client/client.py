@@ -236,8 +236,11 @@ class Client:
         self.timeout = _check_timeout(timeout, "timeout")
         self.connect_timeout = _check_timeout(connect_timeout, "connect_timeout")
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
-        if any(c in key for c in "\r\n\0"):
-            raise ValueError("api_key must not contain line breaks or NUL")
+        bad = next((c for c in key if not " " <= c <= "~"), None)
+        if bad is not None:   # gRPC metadata carries printable ASCII only
+            raise ValueError(f"api_key must be printable ASCII, got {bad!r}")
+        if key != key.strip(" "):   # the server compares the key without surrounding spaces
+            raise ValueError("api_key must not begin or end with a space")
         self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
