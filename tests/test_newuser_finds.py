@@ -299,3 +299,30 @@ def test_client_refuses_an_api_key_it_cannot_send(key):
     from echospec_client import Client
     with pytest.raises(ValueError, match="api_key must"):
         Client("127.0.0.1:1", api_key=key)
+
+
+# -- verifier: sampling parameters of a direct GenerateTokens call --------------------------------
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": float("nan")},                  # was: UNKNOWN "Exception iterating responses"
+    {"temperature": float("inf")},
+    {"temperature": 1.0, "min_p": 7.0},              # was: accepted
+    {"temperature": 1.0, "min_p": float("nan")},
+    {"temperature": 1.0, "top_k": -4},               # was: accepted
+])
+def test_verifier_refuses_bad_sampling_up_front(tiny_stack, sampling):
+    import grpc
+
+    from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        req = verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3], max_tokens=3,
+                                                 sampling=common_pb2.SamplingParams(**sampling))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateTokens(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "sampling." in e.value.details()
+        # the verifier still serves
+        ok = list(stub.GenerateTokens(verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3],
+                                                                         max_tokens=3), timeout=30))
+        assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 3
