@@ -658,6 +658,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     continue
                 if line.startswith("//"):
                     line = line[1:]
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError:   # stdin bytes that are not UTF-8 (surrogateescape)
+                    print("echospec: the line is not valid UTF-8 text; it is not sent",
+                          file=sys.stderr, flush=True)
+                    continue
                 history.append({"role": "user", "content": line})
                 try:
                     result = _chat_turn(client, kw, history)

@@ -326,3 +326,56 @@ def test_verifier_refuses_bad_sampling_up_front(tiny_stack, sampling):
         ok = list(stub.GenerateTokens(verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3],
                                                                          max_tokens=3), timeout=30))
         assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 3
+
+
+# -- text that is not UTF-8: the light client and `echospec chat` ----------------------------------
+
+@pytest.mark.parametrize("call, name", [
+    (lambda c: c.stream("a\udcff"), "prompt"),
+    (lambda c: c.complete(messages=[{"role": "user", "content": "\udcff"}]), "messages[0].content"),
+    (lambda c: c.stream("x", stop=["ok", "\udcff"]), "stop[1]"),
+    (lambda c: c.stream("x", prediction="\udcff"), "prediction"),
+    (lambda c: c.tokenize("\udcff"), "text"),
+], ids=["prompt", "message", "stop", "prediction", "tokenize"])
+def test_client_names_text_that_is_not_unicode(call, name):
+    # was: protobuf's "UnicodeEncodeError: 'utf-8' codec can't encode character '\udcff' in
+    # position 0", naming no argument (raised before anything is sent, so no server is needed)
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(ValueError) as e:
+            call(c)
+    assert not isinstance(e.value, UnicodeError)
+    assert str(e.value).startswith(f"{name} is not valid Unicode"), e.value
+
+
+def test_chat_skips_a_line_that_is_not_utf8(monkeypatch, capsys):
+    # stdin bytes that are not UTF-8 reach input() as lone surrogates (surrogateescape);
+    # was: a UnicodeEncodeError traceback that ended the chat
+    import io
+
+    from echospec import cli
+    from echospec_client import Chunk, Client, Result, SpecStats
+    from echospec_client.client import Info
+
+    sent = []
+
+    class ChatClient(Client):
+        def info(self, **kw):
+            return Info("m", False, 4, 32, 256, 2048, 320)
+
+        def stream(self, *a, messages=None, **kw):
+            # the real client's argument checks, then a canned reply instead of a call
+            from echospec_client.client import _fill
+            from echospec_client.v1 import coordinator_pb2
+            _fill(coordinator_pb2.GenerateRequest(), None, messages, None, kw)
+            sent.append(True)
+            r = Result("ok", [1], 3, 1, "eos", False, "", SpecStats(), wall_s=0.1, ttft_s=0.05)
+            return iter([Chunk("ok", [1], r)])
+
+    monkeypatch.setattr(cli, "_client", lambda args, target: ChatClient("127.0.0.1:1"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi \udcff there\nsecond\n/quit\n"))
+    args = cli.parse_args(["chat", "--target", "127.0.0.1:1"])
+    assert cli.cmd_chat(args) == 0
+    out, err = capsys.readouterr()
+    assert "the line is not valid UTF-8 text; it is not sent" in err
+    assert len(sent) == 1 and "ok" in out
