@@ -1,8 +1,9 @@
 """Bad input a new user sent while trying the product from its README, one test per find: each
 failed (a traceback, a misleading message, a wrong count) before its fix.
 
-The gateway cases run the ASGI app in-process (no coordinator is needed: every request here is
-refused before the gateway calls it)."""
+The gateway's own checks run its ASGI app in-process with no coordinator behind it; the CLI cases
+call the command functions in-process; the cases that need the coordinator or the verifier share
+one tiny-model stack (tiny_stack, with the HTTP gateway and metrics)."""
 from __future__ import annotations
 
 import pytest
