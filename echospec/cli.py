@@ -126,6 +126,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--http-port {args.http_port}: a port is in [0, 65535] (-1: no gateway)", 2)
     _check_tls(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("ECHOSPEC_API_KEY", "")
+    from echospec.services.common.auth import check_api_key
+    try:
+        check_api_key(api_key)
+    except ValueError as exc:
+        _die(f"{'--api-key' if args.api_key is not None else 'ECHOSPEC_API_KEY'}: {exc}", 2)
     from echospec.services.common.config import CoordinatorConfig
     from echospec.services.common.engine import MAX_CTX, MAX_THREADS
 
@@ -219,6 +224,34 @@ def _check_tls(args: argparse.Namespace) -> None:
                        ("--tls-ca", args.tls_ca), ("--tls-client-ca", args.tls_client_ca)):
         if path and not Path(path).is_file():
             _die(f"{flag} {path}: no such file", 2)
+    # gRPC reports unusable PEM only as "cannot bind" (TSI_INVALID_ARGUMENT in its log): check here
+    if args.tls_cert:
+        import ssl
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                args.tls_cert, args.tls_key, password=lambda: b"")   # never prompt on the terminal
+        except (ssl.SSLError, OSError) as exc:
+            _die(f"--tls-cert {args.tls_cert} --tls-key {args.tls_key}: not a PEM certificate "
+                 f"chain and its unencrypted private key ({_ssl_reason(exc)})", 2)
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-client-ca", args.tls_client_ca)):
+        if path:
+            _check_ca(flag, path)
+
+
+def _ssl_reason(exc: Exception) -> str:
+    import ssl
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or "OpenSSL cannot read it"   # e.g. KEY_VALUES_MISMATCH
+    return exc.strerror or str(exc)
+
+
+def _check_ca(flag: str, path: str) -> None:
+    """Exit 2 unless `path` is a readable file with at least one PEM CA certificate."""
+    import ssl
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        _die(f"{flag} {path}: not a PEM CA certificate ({_ssl_reason(exc)})", 2)
 
 
 def _url_host(host: str) -> str:
@@ -256,6 +289,8 @@ def _client(args: argparse.Namespace, target: str):
     TLS options; exits 2 on a certificate file it cannot read."""
     from echospec_client import Client
 
+    if args.tls_ca:
+        _check_ca("--tls-ca", args.tls_ca)
     try:
         return Client(target, timeout=args.timeout, connect_timeout=args.connect_timeout,
                       api_key=args.api_key, root_certificates=args.tls_ca,
@@ -438,12 +473,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
         client = _client(args, target)
+        open_line = False   # streamed text not ended by a newline yet
         try:
             result = None
             for chunk in client.stream(**kw):
                 if chunk.text and not args.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
+                    open_line = not chunk.text.endswith("\n")
                 if chunk.result is not None:
                     result = chunk.result
             if args.json:
@@ -463,6 +500,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       f"{st.tries}, hits {st.hits}, kv_rolls {st.kv_rolls}]", file=sys.stderr)
             return 0
         except ClientError as exc:
+            if open_line:   # the message goes on a line of its own, not after the partial text
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             _client_error(exc, target)
         except (TypeError, ValueError) as exc:
             _die(str(exc), 2)
@@ -621,6 +661,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     continue
                 if line.startswith("//"):
                     line = line[1:]
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError:   # stdin bytes that are not UTF-8 (surrogateescape)
+                    print("echospec: the line is not valid UTF-8 text; it is not sent",
+                          file=sys.stderr, flush=True)
+                    continue
                 history.append({"role": "user", "content": line})
                 try:
                     result = _chat_turn(client, kw, history)

@@ -31,6 +31,21 @@ def authorized(header: str | None, api_key: str) -> bool:
     return hmac.compare_digest(token.strip().encode("utf-8", "replace"), api_key.encode("utf-8"))
 
 
+def check_api_key(api_key: str) -> None:
+    """Refuse a key no client could send: HTTP headers and gRPC metadata carry printable ASCII,
+    and the ``Bearer <key>`` value is compared without surrounding spaces.
+
+    Raises:
+        ValueError: a character outside `` `` .. ``~`` (controls, non-ASCII), or a space at
+            either end.
+    """
+    for i, c in enumerate(api_key):
+        if not " " <= c <= "~":
+            raise ValueError(f"the API key must be printable ASCII: character {i + 1} is {c!r}")
+    if api_key != api_key.strip(" "):
+        raise ValueError("the API key must not begin or end with a space")
+
+
 def metadata_authorization(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The ``authorization`` value of gRPC invocation metadata (None when absent)."""
     for key, value in metadata or ():

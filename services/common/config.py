@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, TypeVar
@@ -195,4 +196,38 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
         parser.error(str(exc))
     overrides = {k: (tuple(v) if isinstance(v, list) else v)
                  for k, v in vars(ns).items() if v is not None}
-    return dataclasses.replace(cfg, **overrides)
+    cfg = dataclasses.replace(cfg, **overrides)
+    try:
+        check_ranges(cfg)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
+
+
+def check_ranges(cfg) -> None:
+    """Refuse ports, durations and API keys no service can use (gRPC would take port 99999 as
+    34463, a negative deadline fails every call, a non-ASCII key cannot be sent).
+
+    Raises:
+        ValueError: naming the first bad field, as option and environment variable.
+    """
+    from echospec.services.common.auth import check_api_key
+
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        name = f"--{f.name.replace('_', '-')} / ECHOSPEC_{f.name.upper()}"
+        if f.name == "api_key":
+            try:
+                check_api_key(v)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        elif f.name == "port" or f.name.endswith("_port"):
+            lo = -1 if f.name == "metrics_port" else 0
+            if not lo <= v <= 65535:
+                raise ValueError(f"{name} {v}: a port is in [{lo}, 65535]"
+                                 + (" (-1: off, 0: a free port)" if lo < 0 else " (0: a free port)"))
+        elif f.name.endswith("_s") and isinstance(v, float):
+            ok = math.isfinite(v) and (v >= 0 if f.name == "grace_s" else v > 0)
+            if not ok:
+                raise ValueError(f"{name} {v}: seconds must be a finite number "
+                                 + (">= 0" if f.name == "grace_s" else "> 0"))

@@ -293,6 +293,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     rec.spec = ev.spec_enabled
                     rec.counters = ev.counters
                     rec.cached_tokens = ev.counters.cached_prompt_tokens
+                else:   # counted as they go out, so a cancelled or failed stream reports them too
+                    rec.tokens_out += len(ev.token_ids)
                 yield ev
             error = False
         finally:

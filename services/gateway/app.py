@@ -101,6 +101,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(api.ApiError(exc.status_code, str(exc.detail), None, kind))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the client's fault: still OpenAI's shape (the traceback goes to the log)
+        return _error_response(api.ApiError(500, f"internal error in the gateway: "
+                                                 f"{type(exc).__name__}", None, "server_error"))
+
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     def upstream(request: Request) -> Upstream:
@@ -137,7 +143,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 stream.cancel()
                 raise
         except UpstreamError as exc:
-            raise api.error_from_status(exc.code, exc.message) from None
+            raise api.error_from_status(exc.code, exc.message, chat) from None
         return StreamingResponse(_sse(parsed, stream, first, api.new_id(chat), model),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

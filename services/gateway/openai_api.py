@@ -20,6 +20,7 @@ Responses carry OpenAI's fields plus one extra object, ``echospec``:
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,10 +64,33 @@ _STATUS = {
 }
 
 
-def error_from_status(code: str, message: str) -> ApiError:
-    """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name)."""
+# request fields the coordinator's INVALID_ARGUMENT messages start with (servicer.py and the
+# verifier's context check): "k must be in ...", "stop[0] is empty", "verifier: prompt of ..."
+_REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
+_REFUSED_FIELDS = {"max_tokens", "k", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+                   "messages", "prompt", "token_ids", "draft_namespace", "prediction"}
+
+
+def refused_param(message: str, chat: bool) -> str | None:
+    """The request field a coordinator's INVALID_ARGUMENT message names, in OpenAI's terms (the
+    prompt is ``messages`` in a chat request), or None."""
+    if message.startswith("at most") and "stop strings" in message:
+        return "stop"
+    m = _REFUSED.match(message)
+    if m is None or m.group(1) not in _REFUSED_FIELDS:
+        return None
+    name, rest = m.groups()
+    if name in ("prompt", "token_ids"):
+        return "messages" if chat else "prompt"
+    return name + rest
+
+
+def error_from_status(code: str, message: str, chat: bool | None = None) -> ApiError:
+    """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name); with
+    ``chat`` given, a refused request names its field in ``param``."""
     status, kind = _STATUS.get(code, (500, "server_error"))
-    return ApiError(status, message, None, kind, code.lower())
+    param = refused_param(message, chat) if chat is not None and status == 400 else None
+    return ApiError(status, message, param, kind, code.lower())
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -97,12 +121,21 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite(v: Any) -> bool:
+    """A JSON number that is a finite float (an integer too large for a float is not)."""
+    try:
+        return _is_num(v) and math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     v = body.get(name)
     if v is None:
         return None
-    if not _is_num(v) or not math.isfinite(v):
-        raise bad(f"{name} must be a number, got {v!r}", name)
+    if not _finite(v):
+        shown = repr(v) if not isinstance(v, int) else f"an integer of {len(str(abs(v)))} digits"
+        raise bad(f"{name} must be a number, got {shown}", name)
     if not lo <= v <= hi:
         raise bad(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}", name)
     return float(v)
@@ -164,6 +197,27 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad("suffix is not supported", "suffix")
 
 
+def _lone_surrogate(v: Any, path: str) -> str | None:
+    """The path of the first string in the JSON value ``v`` that is not valid Unicode (a lone
+    surrogate, which JSON's \\ud800 escapes can spell but UTF-8 cannot encode), or None."""
+    stack = [(v, path)]
+    while stack:
+        x, p = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return p
+        elif isinstance(x, list):
+            stack.extend((y, f"{p}[{i}]") for i, y in reversed(list(enumerate(x))))
+        elif isinstance(x, dict):
+            for k, y in reversed(list(x.items())):
+                if _lone_surrogate(k, p) is not None:
+                    return f"a field name in {p}" if p else "a field name"
+                stack.append((y, f"{p}.{k}" if p else str(k)))
+    return None
+
+
 def _prompt(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     """/v1/completions prompt: a string, a list of one string, token ids, or a list of one list
     of token ids."""
@@ -215,6 +269,10 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     """
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        raise bad(f"{where} is not valid Unicode (a lone surrogate such as \\ud800)",
+                  None if where.startswith("a field name") else where)
     _refuse_unsupported(body, chat)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise bad("model must be a string", "model")

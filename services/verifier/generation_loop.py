@@ -116,6 +116,25 @@ def check(core: Any, req: GenerationRequest) -> None:
         if not req.sampling.greedy:
             raise FailedPrecondition(
                 f"speculation needs greedy decoding (temperature {req.sampling.temperature})")
+    check_sampling(req.sampling)
+
+
+def check_sampling(s: Sampling) -> None:
+    """Refuse sampling parameters the engine's sampler rejects mid-generation (the coordinator
+    checks them too; this guards direct callers of the verifier).
+
+    Raises:
+        InvalidArgument: a non-finite temperature, top_p or min_p, min_p outside [0, 1], or
+            top_k < 0.
+    """
+    import math
+    for name, v in (("temperature", s.temperature), ("top_p", s.top_p), ("min_p", s.min_p)):
+        if not math.isfinite(v):
+            raise InvalidArgument(f"sampling.{name} must be finite, got {v}")
+    if not 0.0 <= s.min_p <= 1.0:
+        raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {s.min_p}")
+    if s.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k must be >= 0, got {s.top_k}")
 
 
 class _Run:

@@ -243,8 +243,11 @@ class Client:
         self.timeout = _check_timeout(timeout, "timeout")
         self.connect_timeout = _check_timeout(connect_timeout, "connect_timeout")
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
-        if any(c in key for c in "\r\n\0"):
-            raise ValueError("api_key must not contain line breaks or NUL")
+        bad = next((c for c in key if not " " <= c <= "~"), None)
+        if bad is not None:   # gRPC metadata carries printable ASCII only
+            raise ValueError(f"api_key must be printable ASCII, got {bad!r}")
+        if key != key.strip(" "):   # the server compares the key without surrounding spaces
+            raise ValueError("api_key must not begin or end with a space")
         self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -413,8 +416,8 @@ class Client:
         """Token ids of `text` (no special tokens added; special-token text is parsed)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return list(self._unary("Tokenize", coordinator_pb2.TokenizeRequest(text=text),
-                                timeout).token_ids)
+        request = coordinator_pb2.TokenizeRequest(text=_unicode(text, "text"))
+        return list(self._unary("Tokenize", request, timeout).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> str:
         """The text of `token_ids`."""
@@ -455,6 +458,17 @@ def _int_list(values, name: str) -> list[int]:
     return out
 
 
+def _unicode(v: str, name: str) -> str:
+    """``v`` when it is valid Unicode; a lone surrogate (e.g. bytes that were not UTF-8, read with
+    surrogateescape) is a ValueError naming the argument, not protobuf's UnicodeEncodeError."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode (character {exc.start + 1} is a lone "
+                         f"surrogate {v[exc.start]!r}: bytes that were not UTF-8?)") from None
+    return v
+
+
 def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError("messages must be a list of {'role', 'content'} mappings or Message objects")
@@ -469,6 +483,7 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
         for key, v in (("role", role), ("content", content)):
             if not isinstance(v, str):
                 raise TypeError(f"messages[{i}].{key} must be a string, got {v!r}")
+            _unicode(v, f"messages[{i}].{key}")
         out.append(coordinator_pb2.ChatMessage(role=role, content=content))
     return out
 
@@ -484,7 +499,7 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        req.text = prompt
+        req.text = _unicode(prompt, "prompt")
     elif messages is not None:
         req.messages.extend(_messages(messages))
     else:
@@ -494,7 +509,7 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         stop = [stop]
     if not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a string or a list of strings")
-    req.stop.extend(stop)
+    req.stop.extend(_unicode(s, f"stop[{i}]") for i, s in enumerate(stop))
     spec = sampling.get("spec")
     if spec not in _SPEC_MODES:
         raise ValueError(f"spec must be True, False or None, got {spec!r}")
@@ -508,7 +523,10 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         req.min_p = float(sampling.get("min_p") or 0.0)
         req.seed = int(sampling.get("seed") or 0)
         req.k = int(sampling.get("k") or 0)
-        req.prediction = sampling.get("prediction") or ""
-        req.draft_namespace = sampling.get("draft_namespace") or ""
     except (TypeError, ValueError) as exc:   # protobuf's range and type checks
         raise ValueError(f"bad sampling argument: {exc}") from None
+    for name in ("prediction", "draft_namespace"):
+        v = sampling.get(name) or ""
+        if not isinstance(v, str):
+            raise TypeError(f"{name} must be a str, got {type(v).__name__}")
+        setattr(req, name, _unicode(v, name))

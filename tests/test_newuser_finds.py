@@ -1,0 +1,382 @@
+"""Bad input a new user sent while trying the product from its README, one test per find: each
+failed (a traceback, a misleading message, a wrong count) before its fix.
+
+The gateway's own checks run its ASGI app in-process with no coordinator behind it; the CLI cases
+call the command functions in-process; the cases that need the coordinator or the verifier share
+one tiny-model stack (tiny_stack, with the HTTP gateway and metrics)."""
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from echospec.services.common.config import GatewayConfig
+from echospec.services.gateway import app as gapp
+from echospec.services.gateway import openai_api as api
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    # nothing listens on port 1: a request that reached the coordinator would fail with 503
+    app = gapp.create_app(GatewayConfig(coordinator_target="127.0.0.1:1"))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def _post(client, path: str, raw: str):
+    return client.post(path, content=raw.encode("ascii"), headers={"Content-Type": "application/json"})
+
+
+def _assert_openai_error(r, status: int, param):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    return err
+
+
+# -- gateway: JSON that parses but cannot become a request --------------------------------------
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["\\udfff"], "max_tokens": 2}', "prompt[0]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "\\ud800"}]}]}', "messages[0].content[0].text"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"stop": ["ok", "\\ud800"]}', "stop[1]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"prediction": {"type": "content", "content": "\\ud83d"}}',
+     "prediction.content"),
+    ("/v1/completions", '{"prompt": "hi", "draft_namespace": "\\ud800"}', "draft_namespace"),
+    ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}', None),
+])
+def test_lone_surrogate_is_400_not_500(gateway, path, raw, param):
+    # JSON's \uXXXX escapes can spell a lone surrogate; protobuf cannot hold it (was: a 500 with
+    # a plain-text body and a UnicodeEncodeError traceback in the log)
+    err = _assert_openai_error(_post(gateway, path, raw), 400, param)
+    assert "not valid Unicode" in err["message"]
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p"])
+def test_integer_too_large_for_a_float_is_400(gateway, name):
+    # was: OverflowError in math.isfinite -> 500
+    raw = '{"prompt": "hi", "%s": 1%s}' % (name, "0" * 400)
+    err = _assert_openai_error(_post(gateway, "/v1/completions", raw), 400, name)
+    assert "must be a number" in err["message"] and len(err["message"]) < 200
+
+
+def test_unexpected_error_keeps_openai_shape(gateway, monkeypatch):
+    # a bug anywhere in a route still answers in OpenAI's error shape (was: text/plain
+    # "Internal Server Error", which the openai client cannot parse into an error message)
+    def broken(body, chat):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(api, "parse_request", broken)
+    r = _post(gateway, "/v1/completions", '{"prompt": "hi"}')
+    err = _assert_openai_error(r, 500, None)
+    assert err["type"] == "server_error" and "RuntimeError" in err["message"]
+
+
+# -- CLI: TLS files that exist but hold no usable PEM --------------------------------------------
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from test_gateway_security import make_pki
+    return {"a": make_pki(tmp_path_factory.mktemp("pki_a")),
+            "b": make_pki(tmp_path_factory.mktemp("pki_b")),
+            "junk": str(_junk(tmp_path_factory.mktemp("junk")))}
+
+
+def _junk(d):
+    (d / "junk.pem").write_text("hello, not a certificate\n")
+    return d / "junk.pem"
+
+
+@pytest.mark.parametrize("which, message", [
+    # was: "draft service: cannot bind 127.0.0.1:0: Failed to bind ..." (exit 1), from gRPC's
+    # TSI_INVALID_ARGUMENT, after the model had been loaded
+    (lambda p: ["--tls-cert", p["junk"], "--tls-key", p["junk"]], "not a PEM certificate chain"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["b"]["key"]], "KEY_VALUES_MISMATCH"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"], "--tls-ca", p["junk"]],
+     "--tls-ca"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"],
+                "--tls-client-ca", p["a"]["key"]], "--tls-client-ca"),
+], ids=["junk", "key-mismatch", "junk-ca", "key-as-ca"])
+def test_serve_refuses_unusable_pem_before_starting(pki, which, message, capsys):
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", *which(pki)])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and message in err, err
+    assert "cannot bind" not in err and "model file not found" not in err
+
+
+def test_client_command_refuses_unusable_tls_ca(pki, capsys):
+    # was: exit 1 "no coordinator reachable ..." after the connect timeout: the junk CA made
+    # every handshake fail
+    from echospec import cli
+    args = cli.parse_args(["tokenize", "hi", "--target", "127.0.0.1:1", "--connect-timeout", "1",
+                           "--tls-ca", pki["junk"]])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"--tls-ca {pki['junk']}: not a PEM CA certificate" in err, err
+
+
+# -- CLI: a generation that fails mid-stream ------------------------------------------------------
+
+def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, capsys):
+    # was: "... But asechospec: UNAVAILABLE: Cancelling all calls" on the terminal when the server
+    # stopped mid-generation (the message glued to the partial text)
+    import grpc
+
+    from echospec import cli
+    from echospec_client import Chunk, ClientError
+
+    class FailingClient:
+        def stream(self, **kw):
+            yield Chunk(text="Once upon a", token_ids=[1, 2])
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "the server went away")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli, "_client", lambda args, target: FailingClient())
+    args = cli.parse_args(["generate", "hi", "--target", "127.0.0.1:1"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_generate(args)
+    out, err = capsys.readouterr()
+    assert ei.value.code == 1
+    assert out == "Once upon a\n"
+    assert err == "echospec: UNAVAILABLE: the server went away\n"
+
+
+# -- coordinator: the request record of a stream the client leaves -----------------------------
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model):
+    from echospec.services.coordinator.stack import start_stack
+    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, metrics_port=0,
+                     http_port=0)
+    yield st
+    st.stop(0.5)
+
+
+def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
+    # was: tokens_out=0 in the request log line (and nothing added to
+    # echospec_generation_tokens_total) for a stream cancelled after hundreds of tokens
+    import io
+    import json
+    import logging
+    import time
+    import urllib.request
+
+    import grpc
+
+    from echospec.services.common import logs
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    def generation_tokens() -> float:
+        port = tiny_stack.metrics_ports["coordinator"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return sum(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith("echospec_generation_tokens_total"))
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.setup("INFO", "json", stream=buf)
+    try:
+        before = generation_tokens()
+        received = 0
+        with grpc.insecure_channel(tiny_stack.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            call = stub.Generate(cpb.GenerateRequest(text="a b c", max_tokens=2000), timeout=60,
+                                 metadata=[("x-request-id", "newuser-cancel")])
+            for msg in call:
+                received += len(msg.token_ids)
+                if received >= 20:
+                    break
+            call.cancel()
+        line = None
+        deadline = time.monotonic() + 10
+        while line is None and time.monotonic() < deadline:
+            for ln in buf.getvalue().splitlines():
+                rec = json.loads(ln)
+                if rec.get("message") == "request" and rec.get("request_id") == "newuser-cancel":
+                    line = rec
+            time.sleep(0.02)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert line is not None and line["code"] == "CANCELLED", line
+    assert line["tokens_out"] >= received >= 20, line
+    assert line["tokens_per_s"] > 0
+    assert generation_tokens() - before == line["tokens_out"]
+
+
+# -- `python -m echospec.services.<name>`: ports and durations out of range ----------------------
+
+@pytest.mark.parametrize("cls, argv, env, message", [
+    # was: gRPC bound port 99999 as 34463 (99999 mod 65536) and the service ran there
+    ("VerifierConfig", ["--port", "99999"], {}, "--port / ECHOSPEC_PORT 99999"),
+    ("DraftConfig", [], {"ECHOSPEC_PORT": "70000"}, "--port / ECHOSPEC_PORT 70000"),
+    ("CoordinatorConfig", ["--port", "-1"], {}, "a port is in [0, 65535]"),
+    ("CoordinatorConfig", ["--metrics-port", "65536"], {}, "--metrics-port"),
+    # was: an OverflowError traceback from socket.bind
+    ("GatewayConfig", ["--port", "99999"], {}, "--port / ECHOSPEC_PORT 99999"),
+    # was: a gateway that answered every generation with 504 (a deadline already past)
+    ("GatewayConfig", ["--request-timeout-s", "-1"], {}, "--request-timeout-s"),
+    ("GatewayConfig", ["--request-timeout-s", "nan"], {}, "--request-timeout-s"),
+    ("CoordinatorConfig", ["--verifier-poll-s", "0"], {}, "--verifier-poll-s"),
+])
+def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, message, capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(getattr(cfg, cls), argv, environ=env, prog="svc")
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_service_entry_points_keep_valid_edges():
+    from echospec.services.common import config as cfg
+    assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
+    assert cfg.load(cfg.GatewayConfig, ["--port", "65535"], environ={}).port == 65535
+    assert cfg.load(cfg.DraftConfig, ["--grace-s", "0"], environ={}).grace_s == 0.0
+
+
+# -- gateway: a request the coordinator refuses names its field ---------------------------------
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"k": 99}, "k"),
+    ("/v1/completions", {"top_p": 0}, "top_p"),
+    ("/v1/completions", {"stop": [str(i) for i in range(17)]}, "stop"),
+    ("/v1/completions", {"prompt": [10 ** 6]}, "prompt"),
+    ("/v1/completions", {"prompt": "a " * 3000}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 3000}]}, "messages"),
+    ("/v1/chat/completions", {"stream": True, "k": 99}, "k"),
+])
+def test_coordinator_refusal_names_the_field(tiny_stack, path, extra, param):
+    # was: "param": null for every refusal that came from the coordinator (README: "a bad field
+    # 400 (with param)")
+    import httpx
+    body = {"max_tokens": 4, **({"messages": [{"role": "user", "content": "hi"}]}
+                                if "chat" in path else {"prompt": "hi"})}
+    body.update(extra)
+    r = httpx.post(tiny_stack.http_url + path, json=body, timeout=60)
+    err = _assert_openai_error(r, 400, param)
+    assert err["code"] == "invalid_argument"
+
+
+# -- API keys no client can send ------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["ключ", "trail ", " lead", "tab\there", "\udcff"])
+def test_serve_refuses_an_api_key_no_client_can_send(key, capsys):
+    # was: served, then answered every request 401 (HTTP carries the header as Latin-1) or
+    # failed the client's call with INTERNAL "Invalid metadata" (gRPC metadata is ASCII)
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", "--api-key", key])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--api-key: the API key must" in err, err
+
+
+def test_service_refuses_an_api_key_from_the_environment(capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(cfg.GatewayConfig, [], environ={"ECHOSPEC_API_KEY": "clé"}, prog="svc")
+    assert ei.value.code == 2 and "ECHOSPEC_API_KEY" in capsys.readouterr().err
+    assert cfg.load(cfg.GatewayConfig, [], environ={"ECHOSPEC_API_KEY": "sk-A_b.9~! x"}).api_key
+
+
+@pytest.mark.parametrize("key", ["ключ", "é", " lead"])
+def test_client_refuses_an_api_key_it_cannot_send(key):
+    # was: ClientError INTERNAL "Invalid metadata" from every call, and gRPC's C-core log lines
+    # (a non-ASCII key), or UNAUTHENTICATED for the right key (a space at an end)
+    from echospec_client import Client
+    with pytest.raises(ValueError, match="api_key must"):
+        Client("127.0.0.1:1", api_key=key)
+
+
+# -- verifier: sampling parameters of a direct GenerateTokens call --------------------------------
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": float("nan")},                  # was: UNKNOWN "Exception iterating responses"
+    {"temperature": float("inf")},
+    {"temperature": 1.0, "min_p": 7.0},              # was: accepted
+    {"temperature": 1.0, "min_p": float("nan")},
+    {"temperature": 1.0, "top_k": -4},               # was: accepted
+])
+def test_verifier_refuses_bad_sampling_up_front(tiny_stack, sampling):
+    import grpc
+
+    from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        req = verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3], max_tokens=3,
+                                                 sampling=common_pb2.SamplingParams(**sampling))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateTokens(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "sampling." in e.value.details()
+        # the verifier still serves
+        ok = list(stub.GenerateTokens(verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3],
+                                                                         max_tokens=3), timeout=30))
+        assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 3
+
+
+# -- text that is not UTF-8: the light client and `echospec chat` ----------------------------------
+
+@pytest.mark.parametrize("call, name", [
+    (lambda c: c.stream("a\udcff"), "prompt"),
+    (lambda c: c.complete(messages=[{"role": "user", "content": "\udcff"}]), "messages[0].content"),
+    (lambda c: c.stream("x", stop=["ok", "\udcff"]), "stop[1]"),
+    (lambda c: c.stream("x", prediction="\udcff"), "prediction"),
+    (lambda c: c.tokenize("\udcff"), "text"),
+], ids=["prompt", "message", "stop", "prediction", "tokenize"])
+def test_client_names_text_that_is_not_unicode(call, name):
+    # was: protobuf's "UnicodeEncodeError: 'utf-8' codec can't encode character '\udcff' in
+    # position 0", naming no argument (raised before anything is sent, so no server is needed)
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(ValueError) as e:
+            call(c)
+    assert not isinstance(e.value, UnicodeError)
+    assert str(e.value).startswith(f"{name} is not valid Unicode"), e.value
+
+
+def test_chat_skips_a_line_that_is_not_utf8(monkeypatch, capsys):
+    # stdin bytes that are not UTF-8 reach input() as lone surrogates (surrogateescape);
+    # was: a UnicodeEncodeError traceback that ended the chat
+    import io
+
+    from echospec import cli
+    from echospec_client import Chunk, Client, Result, SpecStats
+    from echospec_client.client import Info
+
+    sent = []
+
+    class ChatClient(Client):
+        def info(self, **kw):
+            return Info("m", False, 4, 32, 256, 2048, 320)
+
+        def stream(self, *a, messages=None, **kw):
+            # the real client's argument checks, then a canned reply instead of a call
+            from echospec_client.client import _fill
+            from echospec_client.v1 import coordinator_pb2
+            _fill(coordinator_pb2.GenerateRequest(), None, messages, None, kw)
+            sent.append(True)
+            r = Result("ok", [1], 3, 1, "eos", False, "", SpecStats(), wall_s=0.1, ttft_s=0.05)
+            return iter([Chunk("ok", [1], r)])
+
+    monkeypatch.setattr(cli, "_client", lambda args, target: ChatClient("127.0.0.1:1"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi \udcff there\nsecond\n/quit\n"))
+    args = cli.parse_args(["chat", "--target", "127.0.0.1:1"])
+    assert cli.cmd_chat(args) == 0
+    out, err = capsys.readouterr()
+    assert "the line is not valid UTF-8 text; it is not sent" in err
+    assert len(sent) == 1 and "ok" in out
