@@ -473,3 +473,25 @@ def test_a_session_that_left_is_not_waited_for():
     _loops(sched, [a, b], 1)          # one iteration of both; then both leave
     sched.run(Step(a, [1]))           # would wait 100 x 20 ms for b had b not left
     assert time.perf_counter() - t0 < 1.5
+
+
+def test_back_off_doubles_to_64_rounds_and_probes_free_text_rarely():
+    c = SpecController(k=4)
+    skips = []
+    for _ in range(9):
+        c.on_proposal([], 4)                        # an empty proposal: a miss
+        skips.append(c.skip)
+    assert skips == [1, 2, 4, 8, 16, 32, 64, 64, 64]
+    # free text: every probe misses; count the proposals over 256 plain rounds
+    c = SpecController(k=4)
+    probes = 0
+    for _ in range(256):
+        kind, _ = c.plan(4)
+        if kind == "propose":
+            probes += 1
+            c.on_proposal([], 4)
+        elif c.prefetch_size(0):
+            probes += 1
+            c.on_prefetch([], tokens=[1])
+        c.on_result([], [1])
+    assert probes <= 10, probes
