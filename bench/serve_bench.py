@@ -241,7 +241,7 @@ def plain_decode(path: str, args) -> dict:
         n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
         ids = _prompt_ids(stub, 7, args.prompt_words, n_vocab)
         stream_one(stub, ids, args.decode_tokens)     # warm-up of both, untimed
-        eng = EngineDecoder(st.verifier.core.model, args.threads, args.n_ctx)
+        eng = EngineDecoder(st.verifier.core.model, st.verifier.core.config.n_threads, args.n_ctx)  # the stack's own count
         eng.rate(ids, args.decode_tokens)
         ratios, stack_r, eng_r, over, t_ms = [], [], [], [], []
         for rnd in range(args.rounds):
@@ -298,7 +298,7 @@ def prefix_reuse(path: str, args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="GGUF path, 'tiny' (a random tiny model) or empty: SmolLM2")
-    ap.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
+    ap.add_argument("--threads", type=int, default=0, help="engine threads (0: the verifier's default, the usable CPUs less one)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--batch-max", default="1,8")
@@ -335,7 +335,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"model {out['model']}, SIMD {out['simd']}, threads {out['threads'] or 'all'} of {out['cores']} cores")
+    print(f"model {out['model']}, SIMD {out['simd']}, threads {out['threads'] or 'default'} of {out['cores']} cores")
     for bm, levels in out["concurrency"].items():
         for n, lv in levels.items():
             print(f"{bm:12} {n:>2} clients: {lv['aggregate_tok_s']:8.1f} tok/s ({lv['vs_one_at_a_time']}x one at"

@@ -142,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.n_ctx < 16:
         _die(f"--n-ctx {args.n_ctx}: the KV capacity must be at least 16 tokens", 2)
     if not 0 <= args.threads <= MAX_THREADS:
-        _die(f"--threads {args.threads}: must be in [0, {MAX_THREADS}] (0: all cores)", 2)
+        _die(f"--threads {args.threads}: must be in [0, {MAX_THREADS}] (0: the usable CPUs less one)", 2)
     if args.n_ctx > MAX_CTX:
         _die(f"--n-ctx {args.n_ctx}: the KV capacity is at most {MAX_CTX} tokens", 2)
     if not -1 <= args.metrics_port <= 65535:
@@ -763,7 +763,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from echospec_client import ClientError
 
     if args.threads < 0:
-        _die(f"--threads {args.threads}: must be >= 0 (0: all cores)", 2)
+        _die(f"--threads {args.threads}: must be >= 0 (0: the usable CPUs less one)", 2)
     if args.repeat < 1:
         _die(f"--repeat {args.repeat}: must be >= 1", 2)
     workloads = _load_workloads(args.workloads)
@@ -868,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", type=_utf8, default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
-    p.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
+    p.add_argument("--threads", type=int, default=0, help="engine threads (0: the usable CPUs less one)")
     p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens, default 2048)")
     p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts)")
     p.add_argument("--fixed-k", action="store_true",

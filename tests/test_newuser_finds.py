@@ -380,3 +380,26 @@ def test_chat_skips_a_line_that_is_not_utf8(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "the line is not valid UTF-8 text; it is not sent" in err
     assert len(sent) == 1 and "ok" in out
+
+
+def test_engine_threads_default_leaves_a_core_to_the_service(monkeypatch):
+    from echospec.services.common import config as cfg
+
+    monkeypatch.setattr(cfg.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert cfg.default_engine_threads() == 1
+    monkeypatch.setattr(cfg.os, "sched_getaffinity", lambda pid: {0})
+    assert cfg.default_engine_threads() == 1
+    monkeypatch.setattr(cfg.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cfg.default_engine_threads() == 7
+
+
+def test_verifier_reports_its_resolved_engine_threads(tiny_model):
+    from echospec.services.common.config import VerifierConfig, default_engine_threads
+    from echospec.services.verifier.sessions import VerifierCore
+
+    for set_threads, want in ((0, default_engine_threads()), (2, 2)):
+        core = VerifierCore(VerifierConfig(model=tiny_model(), n_ctx=64, n_threads=set_threads))
+        try:
+            assert core.config.n_threads == want >= 1
+        finally:
+            core.close()

@@ -54,7 +54,7 @@ class VerifierConfig:
     host: str = LOOPBACK
     port: int = 50053
     n_ctx: int = 2048            # KV capacity per session (tokens)
-    n_threads: int = 0           # engine threads per forward (0: all cores)
+    n_threads: int = 0           # engine threads per forward (0: the CPUs this process may use, less one)
     max_k: int = 32              # largest draft a Verify accepts
     max_sessions: int = 64       # sessions holding a KV cache at once
     session_idle_s: float = 300.0  # unary sessions are freed after this idle time
@@ -231,3 +231,16 @@ def check_ranges(cfg) -> None:
             if not ok:
                 raise ValueError(f"{name} {v}: seconds must be a finite number "
                                  + (">= 0" if f.name == "grace_s" else "> 0"))
+
+
+def default_engine_threads() -> int:
+    """Engine threads when none are set: the CPUs this process may run on, less one (at least 1).
+
+    The verifier's own Python (the generation loops, gRPC) needs a core while the engine
+    computes; on a 2-core host a 2-thread engine beside it decoded slower than a 1-thread one
+    (bench/README.md, serving figures)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, n - 1)

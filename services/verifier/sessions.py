@@ -28,13 +28,14 @@ and release.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from echospec.services.common.config import VerifierConfig
+from echospec.services.common.config import VerifierConfig, default_engine_threads
 from echospec.services.common.engine import EngineError, Model, Session, sample
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
@@ -284,6 +285,8 @@ class VerifierCore:
     """
 
     def __init__(self, config: VerifierConfig):
+        if config.n_threads == 0:
+            config = dataclasses.replace(config, n_threads=default_engine_threads())
         self.config = config
         self.model = Model(config.model)
         info = self.model.info
