@@ -492,6 +492,19 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
+/* The block scale of the contract's step 1 from the lane maxima m of |x|:
+ * d = amax / 127 and *id = 1 / d (0 when d is 0). */
+static inline float act_scale8(__m256 m, float *id) {
+    float t[8];
+    _mm256_storeu_ps(t, m);
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++)
+        if (t[i] > amax) amax = t[i];
+    float d = amax / 127.0f;
+    *id = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
 /* Activation quantization (contract step 1), 32 elements per step. */
 int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es_q8_group *out) {
     if (n % QK != 0) return 0;
@@ -504,13 +517,7 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
             xv[i] = _mm256_loadu_ps(x + j * QK + 8 * i);
             m = _mm256_max_ps(_mm256_and_ps(xv[i], absmask), m);   /* keeps m when NaN */
         }
-        float t[8];
-        _mm256_storeu_ps(t, m);
-        float amax = 0.0f;
-        for (int i = 0; i < 8; i++)
-            if (t[i] > amax) amax = t[i];
-        float d = amax / 127.0f;
-        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float id, d = act_scale8(m, &id);
         __m256 vid = _mm256_set1_ps(id);
         int32_t q[32];
         for (int i = 0; i < 4; i++)
@@ -533,13 +540,7 @@ int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_bloc
         const float *xb = x + s * QK_K;
         __m256 m = _mm256_setzero_ps();
         for (int i = 0; i < 32; i++) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), absmask), m);   /* keeps m when NaN */
-        float t[8];
-        _mm256_storeu_ps(t, m);
-        float amax = 0.0f;
-        for (int i = 0; i < 8; i++)
-            if (t[i] > amax) amax = t[i];
-        float d = amax / 127.0f;
-        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float id, d = act_scale8(m, &id);
         const __m256 vid = _mm256_set1_ps(id);
         for (int h = 0; h < 16; h++) {
             __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h), vid));
