@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrency import sequential_and_concurrent
 
 import grpc
 import pytest
@@ -66,14 +66,8 @@ def test_eight_concurrent_clients_equal_eight_sequential_at_batch_max_8(batched)
     rng = random.Random(11)
     jobs = [dict(token_ids=[rng.randrange(3, N_VOCAB) for _ in range(rng.randrange(2, 60))],
                  max_tokens=40) for _ in range(8)]
-    sequential = [complete(stub, **j) for j in jobs]
-    sched = st.verifier.core.scheduler
-    sched.trace = []
-    try:
-        with ThreadPoolExecutor(8) as pool:
-            concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
-    finally:
-        trace, sched.trace = sched.trace, None
+    sequential, concurrent, trace = sequential_and_concurrent(
+        lambda **j: complete(stub, **j), st.verifier.core.scheduler, jobs)
     for a, b in zip(sequential, concurrent):
         assert list(a.token_ids) == list(b.token_ids)
         assert a.text.encode() == b.text.encode()

@@ -90,7 +90,8 @@ def test_random_text_prompts_spec_on_off_identical(stub):
 
 def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2_path):
     import random
-    from concurrent.futures import ThreadPoolExecutor
+
+    from concurrency import sequential_and_concurrent
 
     st = start_stack(smollm2_path, spec=False, n_ctx=1024, batch_max=8)
     ch = grpc.insecure_channel(st.target)
@@ -100,14 +101,8 @@ def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2_path):
         words = "the a kestrel sky blue red code list one two three falcon river stone".split()
         jobs = [dict(text=" ".join(rng.choice(words) for _ in range(rng.randrange(3, 40))), max_tokens=24)
                 for _ in range(8)]
-        sequential = [complete(stub, **j) for j in jobs]
-        sched = st.verifier.core.scheduler
-        sched.trace = []
-        try:
-            with ThreadPoolExecutor(8) as pool:
-                concurrent = list(pool.map(lambda j: complete(stub, **j), jobs))
-        finally:
-            trace, sched.trace = sched.trace, None
+        sequential, concurrent, trace = sequential_and_concurrent(
+            lambda **j: complete(stub, **j), st.verifier.core.scheduler, jobs)
         for a, b in zip(sequential, concurrent):
             assert list(a.token_ids) == list(b.token_ids) and a.text.encode() == b.text.encode()
         assert 2 <= max(len(b) for b in trace) <= 8   # es_forward_batch calls over several sessions
