@@ -56,6 +56,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from echospec.services.common.tokenizer import bytes_to_unicode
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -127,20 +129,6 @@ def smollm2_path(type_name: str, directory: Path) -> Path:
 
 # ---- the stand-in vocabulary ------------------------------------------------------------------
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def stand_in_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merges of a byte-level BPE vocabulary of exactly n_vocab entries.
 
@@ -151,7 +139,7 @@ def stand_in_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """
     import gguf
 
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)] + ["Ġt"]
     merges = ["Ġ t"]
     types = [int(gguf.TokenType.NORMAL)] * len(tokens)

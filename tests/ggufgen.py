@@ -25,6 +25,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from echospec.services.common.tokenizer import bytes_to_unicode
+
 QK_K = 256
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 GGUF_QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -78,20 +80,6 @@ def qtype(name: str | QT) -> QT:
 
 
 # ---- byte-level BPE vocabulary ---------------------------------------------
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode character map (byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
 
 def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merges of the tiny gpt2-style tokenizer.
