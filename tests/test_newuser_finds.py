@@ -403,3 +403,27 @@ def test_verifier_reports_its_resolved_engine_threads(tiny_model):
             assert core.config.n_threads == want >= 1
         finally:
             core.close()
+
+
+# -- the model's file path stays on the server -----------------------------------------------------
+
+def test_info_reports_the_model_name_not_its_path(tiny_stack):
+    # was: GetInfo.model (and the verifier's GetConfig.model) held the server's absolute file path,
+    # e.g. /home/alice/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf
+    import os
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+    from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        info = coordinator_pb2_grpc.CoordinatorServiceStub(ch).GetInfo(cpb.GetInfoRequest(),
+                                                                         timeout=10)
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        conf = verifier_pb2_grpc.VerifierServiceStub(ch).GetConfig(
+            verifier_pb2.GetConfigRequest(), timeout=10)
+    path = tiny_stack.verifier.core.config.model
+    assert os.path.isabs(path) and os.sep in path
+    assert info.model == conf.model == os.path.basename(path), (info.model, conf.model)
+    assert os.sep not in info.model and info.model.endswith(".gguf")

@@ -122,8 +122,8 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
             pool.close()
         raise
     handle.set_serving()
-    log.info("coordinator listening on %s:%d (verifiers %s: %s, spec default %s, %s, %s)",
-             config.host, handle.port, " ".join(verifier_targets(config)),
+    log.info("coordinator listening on %s:%d (model %s, verifiers %s: %s, spec default %s, %s, "
+             "%s)", config.host, handle.port, config.model, " ".join(verifier_targets(config)),
              " ".join(pool.addresses()), "on" if config.spec else "off",
              "TLS" if config.tls_cert else "plain text",
              "API key required" if config.api_key else "no API key")

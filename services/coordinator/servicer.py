@@ -32,7 +32,7 @@ import grpc
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.common import grpc_util
 from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
-from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord
 from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
@@ -444,7 +444,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_sessions=b.max_sessions, free_kv_tokens=b.free_kv_tokens, in_flight=b.in_flight,
             last_error=b.last_error) for b in self.pool.backends()]
         return coordinator_pb2.GetInfoResponse(
-            model=cfg.model, spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
+            model=model_name(cfg.model), spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
             max_tokens_default=cfg.max_tokens,
             verifier_target=",".join(s.address for s in statuses),
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses)

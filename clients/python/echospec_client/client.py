@@ -142,7 +142,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Info:
-    """The coordinator's configuration (GetInfo)."""
+    """The coordinator's configuration (GetInfo). model: the GGUF file name (the server does
+    not tell its path)."""
 
     model: str
     spec_default: bool
