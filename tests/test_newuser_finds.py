@@ -427,3 +427,74 @@ def test_info_reports_the_model_name_not_its_path(tiny_stack):
     assert os.path.isabs(path) and os.sep in path
     assert info.model == conf.model == os.path.basename(path), (info.model, conf.model)
     assert os.sep not in info.model and info.model.endswith(".gguf")
+
+
+# -- request bytes that are not UTF-8 (a raw gRPC client) --------------------------------------------
+
+def _raw_request(msg, marker: bytes = b"@@") -> bytes:
+    """msg's wire bytes with ``marker`` (in one string field) replaced by two bytes that are not
+    UTF-8; the length prefixes stay right."""
+    data = msg.SerializeToString()
+    assert data.count(marker) == 1
+    return data.replace(marker, b"\xff\xfe")
+
+
+def _raw_call(channel, method: str, raw, streaming_in=False, streaming_out=False):
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, True): channel.stream_stream}[(streaming_in, streaming_out)]
+    call = kind(method, request_serializer=None, response_deserializer=None)
+    out = call(iter(raw) if streaming_in else raw, timeout=30)
+    return list(out) if streaming_out else out
+
+
+@pytest.mark.parametrize("service, method, build, field", [
+    ("coordinator", "CoordinatorService/Tokenize",
+     lambda m: m.coordinator_pb2.TokenizeRequest(text="ab@@"), "text"),
+    ("coordinator", "CoordinatorService/Complete",
+     lambda m: m.coordinator_pb2.CompleteRequest(max_tokens=2, messages=[
+         m.coordinator_pb2.ChatMessage(role="user", content="hi"),
+         m.coordinator_pb2.ChatMessage(role="user", content="x@@")]), "messages[1].content"),
+    ("coordinator", "CoordinatorService/Generate",
+     lambda m: m.coordinator_pb2.GenerateRequest(text="hi", stop=["a", "@@"]), "stop[1]"),
+    ("verifier", "VerifierService/GenerateTokens",
+     lambda m: m.verifier_pb2.GenerateTokensRequest(prompt=[1, 2], draft_namespace="@@"),
+     "draft_namespace"),
+    ("draft", "DraftService/ProposeStream",
+     lambda m: m.draft_pb2.ProposeStreamRequest(append=[1, 2], k=2, draft_namespace="n@@"),
+     "draft_namespace"),
+], ids=["tokenize", "complete", "generate", "verifier", "draft-stream"])
+def test_request_bytes_that_are_not_utf8_name_the_field(tiny_stack, service, method, build, field):
+    # was: INTERNAL "Exception deserializing request!" from grpcio, naming nothing
+    import types
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2, draft_pb2, verifier_pb2
+    mods = types.SimpleNamespace(coordinator_pb2=coordinator_pb2, verifier_pb2=verifier_pb2,
+                                 draft_pb2=draft_pb2)
+    target = {"coordinator": tiny_stack.target, "verifier": tiny_stack.verifier_target,
+              "draft": tiny_stack.draft_target}[service]
+    raw = _raw_request(build(mods))
+    stream_in = method.endswith("ProposeStream")
+    stream_out = stream_in or "Generate" in method
+    with grpc.insecure_channel(target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(ch, f"/echospec.v1.{method}", [raw] if stream_in else raw, stream_in,
+                      stream_out)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert e.value.details().startswith(f"{field} is not valid UTF-8 (byte "), e.value.details()
+
+
+def test_request_bytes_that_are_not_protobuf_say_so(tiny_stack):
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(ch, "/echospec.v1.CoordinatorService/Tokenize", b"\x0a\x05ab")  # truncated
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid echospec.v1.TokenizeRequest" in e.value.details()
+        # the server still answers well-formed requests on the same channel
+        ok = _raw_call(ch, "/echospec.v1.CoordinatorService/Tokenize",
+                       cpb.TokenizeRequest(text="ab").SerializeToString())
+        assert cpb.TokenizeResponse.FromString(ok).token_ids

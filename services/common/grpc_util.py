@@ -14,6 +14,9 @@ Security (both optional, see ``Tls`` and ``ApiKeyAuth``): a server with a certif
 TLS only (and with a client CA demands client certificates: mTLS, for the internal ports); a server
 with an API key refuses service RPCs without ``authorization: Bearer <key>`` with UNAUTHENTICATED,
 while health and reflection stay open for probes.
+
+A request whose bytes do not parse (a string field that is not UTF-8, from a raw client) gets
+INVALID_ARGUMENT naming the field (``DecodeErrors``), not grpcio's INTERNAL.
 """
 from __future__ import annotations
 
@@ -107,6 +110,77 @@ class ApiKeyAuth(grpc.ServerInterceptor):
         why = "no API key" if header is None else "wrong API key"
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
                          f"{why}: send metadata `authorization: Bearer <key>`")
+
+
+class _Undecodable:
+    """What the lenient deserializer returns for bytes protobuf refused: the client's message."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class DecodeErrors(grpc.ServerInterceptor):
+    """Answer a request whose bytes protobuf cannot parse with INVALID_ARGUMENT naming the field
+    (services/common/wire.py: "messages[0].content is not valid UTF-8 ..."), not grpcio's
+    INTERNAL "Exception deserializing request!".
+
+    grpcio deserializes before any handler runs, so this swaps the method's deserializer for one
+    that returns an ``_Undecodable`` instead of raising, and the behaviour aborts on it. Both are
+    public: the handler's ``request_deserializer`` and ``grpc.*_rpc_method_handler``. It is the
+    innermost interceptor: the others wrap its behaviour and keep its deserializer."""
+
+    def __init__(self, prefix: str = "/echospec."):
+        self.prefix = prefix
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.request_deserializer is None or \
+                not method.startswith(self.prefix):
+            return handler
+        desc = _input_descriptor(method)
+        if desc is None:
+            return handler
+        from echospec.services.common import wire
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:   # protobuf's DecodeError; any refusal is the request's fault
+                return _Undecodable(wire.explain(desc, bytes(data), exc))
+
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        behavior = getattr(handler, kind)
+        if handler.request_streaming:
+            def requests_of(iterator, context):
+                for request in iterator:
+                    if isinstance(request, _Undecodable):
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    yield request
+
+            def checked(iterator, context):
+                return behavior(requests_of(iterator, context), context)
+        else:
+            def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return behavior(request, context)
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(checked, request_deserializer=lenient,
+                    response_serializer=handler.response_serializer)
+
+
+def _input_descriptor(method: str):
+    """The request message descriptor of "/package.Service/Method" (None when the default
+    descriptor pool does not know it)."""
+    from google.protobuf import descriptor_pool
+    service, _, name = method.lstrip("/").partition("/")
+    try:
+        return descriptor_pool.Default().FindMethodByName(f"{service}.{name}").input_type
+    except KeyError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -373,7 +447,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     creds = tls.server_credentials() if tls is not None else None   # ValueError before binding
-    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else [])
+    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else []) + [DecodeErrors()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=message_options(max_message_bytes)
