@@ -306,6 +306,10 @@ def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
 
     from echospec_client import ConnectError
 
+    if isinstance(exc, ConnectError) and exc.tls_mismatch:
+        fix = ("drop --tls and --tls-ca" if exc.uses_tls else
+               "add --tls (and --tls-ca CA.pem when a private CA signed its certificate)")
+        _die(f"cannot connect to {target}: {exc.tls_mismatch}: {fix}")
     if isinstance(exc, ConnectError):
         flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
         _die(f"no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the target "

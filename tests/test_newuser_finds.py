@@ -498,3 +498,92 @@ def test_request_bytes_that_are_not_protobuf_say_so(tiny_stack):
         ok = _raw_call(ch, "/echospec.v1.CoordinatorService/Tokenize",
                        cpb.TokenizeRequest(text="ab").SerializeToString())
         assert cpb.TokenizeResponse.FromString(ok).token_ids
+
+
+# -- TLS on one side only ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tls_server(pki):
+    """A gRPC server (health only, no model) that listens with TLS; its target."""
+    from echospec.services.common import grpc_util
+    tls = grpc_util.Tls(cert=pki["a"]["cert"], key=pki["a"]["key"])
+    handle = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.VerifierService"],
+                                    tls=tls)
+    handle.server.start()
+    yield f"127.0.0.1:{handle.port}"
+    handle.stop(0).wait()
+
+
+def test_client_with_tls_against_a_plain_server_says_so(tiny_stack, pki):
+    # was: ConnectError "no coordinator reachable at ... within 30 s" after the whole wait
+    import time
+
+    from echospec_client import Client, ConnectError
+    t0 = time.monotonic()
+    with Client(tiny_stack.target, root_certificates=pki["a"]["ca"], connect_timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("hi")
+    assert time.monotonic() - t0 < 10
+    assert e.value.tls_mismatch and e.value.uses_tls
+    assert "answers in plain text, not TLS" in str(e.value) and "tls=False" in str(e.value)
+
+
+def test_plain_client_against_a_tls_server_says_so(tls_server):
+    from echospec_client import Client, ConnectError
+    with Client(tls_server, connect_timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.info()
+    assert "speaks TLS but this client connects in plain text" in str(e.value), e.value
+    assert "tls=True" in str(e.value)
+
+
+def test_cli_names_the_tls_mismatch(tiny_stack, tls_server, pki, capsys):
+    # was: "no coordinator reachable at ... within 10 s (--connect-timeout)"
+    from echospec import cli
+    for target, extra, want, fix in (
+            (tiny_stack.target, ["--tls", "--tls-ca", pki["a"]["ca"]], "answers in plain text",
+             "drop --tls and --tls-ca"),
+            (tls_server, [], "speaks TLS but this client connects in plain text", "add --tls")):
+        args = cli.parse_args(["tokenize", "hi", "--target", target, *extra])
+        with pytest.raises(SystemExit) as ei:
+            cli.cmd_tokenize(args)
+        err = capsys.readouterr().err
+        assert ei.value.code == 1 and want in err and fix in err, err
+        assert "no coordinator reachable" not in err
+
+
+def test_coordinator_names_a_tls_mismatch_with_its_verifier(tiny_stack, tls_server, pki):
+    # was: last_error "UNAVAILABLE: failed to connect to all addresses; ... Socket closed" (a TLS
+    # verifier) or "... Tls handshake failed ..." (a plain one), in GetInfo and the startup timeout
+    from echospec.services.common import grpc_util
+    from echospec.services.coordinator.pool import VerifierPool
+
+    cases = ((tls_server, None, "speaks TLS but this service connects in plain text: set tls_ca"),
+             (tiny_stack.verifier_target, grpc_util.Tls(ca=pki["a"]["ca"]),
+              "answers in plain text, not TLS, but this service connects with TLS: unset tls_ca"))
+    for target, tls, want in cases:
+        pool = VerifierPool([target], 1 << 20, tls=tls)
+        try:
+            pool.poll()
+            (b,) = pool.backends()
+            assert not b.healthy and b.last_error.startswith(f"the server at {target} "), b
+            assert want in b.last_error, b.last_error
+        finally:
+            pool.close()
+
+
+def test_verifier_names_a_tls_mismatch_with_its_draft_service(tls_server):
+    import grpc
+
+    from echospec.v1 import draft_pb2_grpc
+    from echospec.services.common import grpc_util
+    from echospec.services.verifier.draft_link import DraftLink
+    from echospec.services.verifier.generation_loop import DraftUnavailable
+
+    with grpc.insecure_channel(tls_server) as ch:
+        link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), 10,
+                         tls_mismatch=grpc_util.TlsMismatch(tls_server, None))
+        link.send_propose([1, 2, 3], 2)
+        with pytest.raises(DraftUnavailable, match="speaks TLS but this service connects"):
+            link.recv_proposal()
+        link.cancel()

@@ -20,6 +20,7 @@ INVALID_ARGUMENT naming the field (``DecodeErrors``), not grpcio's INTERNAL.
 """
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -362,6 +363,46 @@ def channel(target: str, max_message_bytes: int, tls: Tls | None = None) -> grpc
     if creds is not None:
         return grpc.secure_channel(target, creds, options=channel_options(max_message_bytes))
     return grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+
+
+class TlsMismatch:
+    """Why a channel to ``target`` does not connect, when the cause is likely TLS on one side
+    only: the service's own channel uses TLS exactly when ``tls.ca`` is set (``channel``), and
+    a probe (echospec_client/tls_probe.py: one TCP connection and ClientHello) asks what the
+    peer speaks. The probe runs at most once per ``every_s`` seconds; ``hint`` returns the last
+    answer in between, so a poll loop can call it on every failure."""
+
+    def __init__(self, target: str, tls: "Tls | None", every_s: float = 10.0,
+                 timeout_s: float = 1.0):
+        self.target = target
+        self.uses_tls = bool(tls is not None and tls.ca)
+        self.every_s = every_s
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._hint = ""
+
+    def hint(self, code: grpc.StatusCode | None = None) -> str:
+        """"" or "the server at X speaks TLS but this service connects in plain text: set
+        tls_ca ..." (or the reverse); a status code other than UNAVAILABLE gives "" without a
+        probe (the peer answered, so the protocols match)."""
+        if code is not None and code != grpc.StatusCode.UNAVAILABLE:
+            return ""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at < self.every_s:
+                return self._hint
+            self._at = now
+        from echospec_client import tls_probe
+        found = tls_probe.mismatch(self.target, self.uses_tls, self.timeout_s)
+        if found:
+            found = found.replace("this client", "this service") + (
+                ": unset tls_ca (--tls-ca / ECHOSPEC_TLS_CA) or serve it with TLS"
+                if self.uses_tls else
+                ": set tls_ca (--tls-ca / ECHOSPEC_TLS_CA) to the CA that signed its certificate")
+        with self._lock:
+            self._hint = found
+        return found
 
 
 @dataclass

@@ -48,9 +48,11 @@ def _draft_opener(config: VerifierConfig):
     from echospec.v1 import draft_pb2_grpc
     from echospec.services.verifier.draft_link import DraftLink
 
+    tls = grpc_util.Tls.of(config)
     stub = draft_pb2_grpc.DraftServiceStub(
-        grpc_util.channel(config.draft_target, config.max_message_bytes, grpc_util.Tls.of(config)))
-    return lambda timeout, **setup: DraftLink(stub, timeout, **setup)
+        grpc_util.channel(config.draft_target, config.max_message_bytes, tls))
+    mismatch = grpc_util.TlsMismatch(config.draft_target, tls)
+    return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch, **setup)
 
 
 def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
