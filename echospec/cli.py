@@ -34,6 +34,7 @@ from typing import Iterator
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 DEFAULT_PORT = 50051
+SHUTDOWN_GRACE_S = 2.0   # `echospec serve`: seconds requests in flight get to finish on SIGINT/SIGTERM
 
 
 class Interrupted(BaseException):
@@ -208,9 +209,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(0.25)
     except Interrupted as sig:
-        print(f"echospec: {sig}: shutting down", file=sys.stderr)
+        print(f"echospec: {sig} received: stopping every service; requests in flight get "
+              f"{SHUTDOWN_GRACE_S:g} s to finish, then end with UNAVAILABLE (shutting down)",
+              file=sys.stderr)
+        stack.stop(SHUTDOWN_GRACE_S, str(sig))
+        print(f"echospec: stopped ({sig})", file=sys.stderr)
     finally:
-        stack.stop(2.0)
+        stack.stop(SHUTDOWN_GRACE_S)   # a no-op after a signal: the stack is stopped
     return 0
 
 

@@ -587,3 +587,66 @@ def test_verifier_names_a_tls_mismatch_with_its_draft_service(tls_server):
         with pytest.raises(DraftUnavailable, match="speaks TLS but this service connects"):
             link.recv_proposal()
         link.cancel()
+
+
+# -- a server stopped with generations in flight -------------------------------------------------------
+
+def test_stop_ends_calls_in_flight_with_unavailable_saying_why(tiny_model, caplog):
+    # was: UNAVAILABLE "Cancelling all calls" (grpcio's words) for every stream and Complete in
+    # flight, and no log line saying what stopped or what became of the calls
+    import logging
+    import threading
+    import time
+
+    import grpc
+
+    from echospec.services.coordinator.stack import start_stack
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
+    got, started = {}, threading.Barrier(3)
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+            def stream():
+                try:
+                    for i, _ in enumerate(stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000),
+                                                        timeout=60)):
+                        if i == 0:
+                            started.wait(30)
+                    got["Generate"] = "finished"
+                except grpc.RpcError as e:
+                    got["Generate"] = (e.code(), e.details())
+
+            def unary():
+                started.wait(30)
+                try:
+                    stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=8000), timeout=60)
+                    got["Complete"] = "finished"
+                except grpc.RpcError as e:
+                    got["Complete"] = (e.code(), e.details())
+
+            threads = [threading.Thread(target=f) for f in (stream, unary)]
+            for t in threads:
+                t.start()
+            started.wait(30)
+            time.sleep(0.2)   # the Complete is under way too
+            port = int(st.target.rpartition(":")[2])
+            with caplog.at_level(logging.INFO, logger="echospec.shutdown"):
+                st.stop(0.3, "SIGTERM")
+            for t in threads:
+                t.join(30)
+    finally:
+        st.stop(0)
+    for rpc in ("Generate", "Complete"):
+        code, details = got[rpc]
+        assert code == grpc.StatusCode.UNAVAILABLE, (rpc, got[rpc])
+        assert details.startswith("the coordinator service is shutting down (SIGTERM); this call "
+                                  "was still running when its 0.3 s grace period"), details
+    lines = [r.getMessage() for r in caplog.records if r.name == "echospec.shutdown"]
+    assert (f"coordinator service on port {port} stopped (SIGTERM): 2 call(s) were in flight; 0 "
+            f"finished within the 0.3 s grace period, 2 cancelled with UNAVAILABLE (shutting down)"
+            in lines), lines
+    assert any(ln.startswith("verifier service on port ") and "stopped (SIGTERM)" in ln
+               for ln in lines), lines

@@ -20,6 +20,7 @@ INVALID_ARGUMENT naming the field (``DecodeErrors``), not grpcio's INTERNAL.
 """
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
@@ -253,6 +254,10 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         self.metrics = metrics      # metrics.RpcMetrics or None
         self._lock = threading.Lock()
         self.active = 0
+        # set by ServerHandle.stop when the grace period ends: every stream still running ends
+        # with UNAVAILABLE and this message at its next message (Shutdown.check in servicers
+        # that run long unary calls)
+        self.shutdown = Shutdown()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -294,10 +299,16 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
                 if not context.add_callback(release):
                     release()
                 error = True
+                messages = behavior(request, context)
                 try:
-                    yield from behavior(request, context)
+                    for message in messages:
+                        self.shutdown.check(context)
+                        yield message
                     error = False
                 finally:
+                    close = getattr(messages, "close", None)
+                    if close is not None:   # a generator left early: run its cleanup now
+                        close()
                     release(error)
             return stream
 
@@ -331,6 +342,25 @@ def status_name(context: grpc.ServicerContext, error: bool = False) -> str:
         remaining = context.time_remaining()
         return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
     return "UNKNOWN" if error else "OK"
+
+
+class Shutdown:
+    """The message calls still running at the end of a server's grace period get: ``check``
+    aborts the calling RPC with UNAVAILABLE and it once ``message`` is set (ServerHandle.stop).
+    Stream handlers are checked between messages by ConcurrencyLimit; a servicer with a long
+    unary call (the coordinator's Complete) calls ``check`` itself as its work advances."""
+
+    def __init__(self):
+        self.message = ""
+
+    def check(self, context: grpc.ServicerContext) -> None:
+        """Abort the RPC of ``context`` with UNAVAILABLE when the server is cancelling its calls."""
+        if self.message:
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.message)
+
+
+CANCEL_WINDOW_S = 0.5   # after the grace period: time for streams to end with the shutdown message
+_stop_log = logging.getLogger("echospec.shutdown")
 
 
 class PortInUseError(RuntimeError):
@@ -440,18 +470,68 @@ class ServerHandle:
         for name in ("",) + self.service_names:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def stop(self, grace_s: float) -> threading.Event:
-        """NOT_SERVING, then stop accepting RPCs and drain for grace_s seconds.
+    @property
+    def name(self) -> str:
+        """The service's short name: "coordinator" for echospec.v1.CoordinatorService."""
+        if not self.service_names:
+            return "server"
+        return self.service_names[0].rpartition(".")[2].removesuffix("Service").lower() or "server"
 
-        Returns the event set when the server has fully stopped.
+    def stop(self, grace_s: float, reason: str = "") -> threading.Event:
+        """NOT_SERVING, stop accepting RPCs, let the calls in flight finish for grace_s seconds,
+        then end the rest with UNAVAILABLE and a message saying the server is shutting down and
+        why (not grpcio's bare "Cancelling all calls"); one log line says what stopped, why and
+        how many calls finished or were cancelled.
+
+        Args:
+            grace_s: seconds the calls in flight get to finish (0: cancel them at once).
+            reason: why it stops, for the message and the log ("SIGTERM"; "" says "stopped").
+        Returns:
+            The event set when the server has fully stopped (at most grace_s + CANCEL_WINDOW_S
+            seconds from now when calls were in flight).
         """
         self.set_not_serving()
-        done = self.server.stop(grace_s)
+        why = reason or "stopped"
+        in_flight = self.limit.active
+        message = (f"the {self.name} service is shutting down ({why}); this call was still "
+                   f"running when its {grace_s:g} s grace period for calls in flight ended and "
+                   f"is cancelled: send it again once the service is back, or to another one")
+        if grace_s > 0 and in_flight:
+            stopped = self.server.stop(grace_s + CANCEL_WINDOW_S)
+            done = threading.Event()   # set once the server stopped and the line is logged
+            threading.Thread(target=self._drain,
+                             args=(grace_s, why, in_flight, message, stopped, done),
+                             name=f"{self.name}-drain", daemon=True).start()
+        else:
+            self.limit.shutdown.message = message
+            done = self.server.stop(grace_s)
+            _stop_log.log(logging.WARNING if in_flight else logging.INFO,
+                          "%s service on port %d stopped (%s): %s", self.name, self.port, why,
+                          f"{in_flight} call(s) in flight cancelled at once (no grace period)"
+                          if in_flight else "no call was in flight")
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
             self.metrics_http = None
         return done
+
+    def _drain(self, grace_s: float, why: str, in_flight: int, message: str,
+               stopped: threading.Event, done: threading.Event) -> None:
+        """Wait for the calls in flight for grace_s, then cancel the rest with ``message``; log
+        the outcome and set ``done`` once the server has ``stopped``."""
+        deadline = time.monotonic() + grace_s
+        while self.limit.active and time.monotonic() < deadline and not stopped.is_set():
+            time.sleep(0.02)
+        left = self.limit.active
+        if left:
+            self.limit.shutdown.message = message
+        stopped.wait()   # grpcio cancels what is left CANCEL_WINDOW_S after the grace period
+        _stop_log.log(logging.WARNING if left else logging.INFO,
+                      "%s service on port %d stopped (%s): %d call(s) were in flight; %d "
+                      "finished within the %g s grace period%s", self.name, self.port, why,
+                      in_flight, in_flight - left, grace_s,
+                      f", {left} cancelled with UNAVAILABLE (shutting down)" if left else "")
+        done.set()
 
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
@@ -513,10 +593,13 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
 
 
 def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
-    """Block until SIGINT/SIGTERM, then stop gracefully (main thread only)."""
+    """Block until SIGINT/SIGTERM, then stop gracefully (main thread only): calls in flight get
+    grace_s seconds, the rest end with UNAVAILABLE naming the signal (ServerHandle.stop)."""
     done = threading.Event()
+    received = []
 
     def _on_signal(signum, frame):  # noqa: ARG001
+        received.append(signal.Signals(signum).name)
         done.set()
 
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -526,7 +609,10 @@ def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        handle.stop(grace_s).wait()
+        why = received[0] if received else "stopped"
+        _stop_log.info("%s service on port %d: %s received, stopping (calls in flight get %g s)",
+                       handle.name, handle.port, why, grace_s)
+        handle.stop(grace_s, why).wait()
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):

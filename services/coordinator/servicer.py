@@ -184,6 +184,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.metrics = metrics if metrics is not None else PromMetrics()
         self.digit_tokens = digit_tokens(tokenizer)
         self.line_break_tokens = line_break_tokens(tokenizer) if self.digit_tokens else []
+        self.shutdown = grpc_util.Shutdown()   # the server's (start() sets it)
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self) -> verifier_pb2.GetConfigResponse:
@@ -295,6 +296,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     rec.cached_tokens = ev.counters.cached_prompt_tokens
                 else:   # counted as they go out, so a cancelled or failed stream reports them too
                     rec.tokens_out += len(ev.token_ids)
+                    # past the server's grace period at shutdown: UNAVAILABLE saying so (Complete
+                    # too, whose unary handler the server's stream check does not see)
+                    self.shutdown.check(context)
                 yield ev
             error = False
         finally:

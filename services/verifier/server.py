@@ -33,11 +33,12 @@ class VerifierServer:
             if n:
                 log.info("freed %d idle unary sessions", n)
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING, drain streams, free every session and the model."""
+    def stop(self, grace_s: float | None = None, reason: str = "") -> None:
+        """Graceful stop: NOT_SERVING, drain streams (then UNAVAILABLE naming ``reason`` for the
+        calls left, grpc_util.ServerHandle.stop), free every session and the model."""
         self._stop.set()
         g = self.core.config.grace_s if grace_s is None else grace_s
-        self.handle.stop(g).wait()
+        self.handle.stop(g, reason).wait()
         self.core.close()
 
 
