@@ -650,3 +650,24 @@ def test_stop_ends_calls_in_flight_with_unavailable_saying_why(tiny_model, caplo
             in lines), lines
     assert any(ln.startswith("verifier service on port ") and "stopped (SIGTERM)" in ln
                for ln in lines), lines
+
+
+def test_client_of_a_server_that_went_away_says_so(tiny_model):
+    # was: UNAVAILABLE "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: Failed
+    # to connect to remote host: Connection refused"
+    import grpc
+
+    from echospec.services.coordinator.stack import start_stack
+    from echospec_client import Client, ClientError
+
+    st = start_stack(tiny_model(), n_ctx=256, n_threads=1)
+    try:
+        c = Client(st.target, connect_timeout=10)
+        assert c.tokenize("ab")
+    finally:
+        st.stop(0)
+    with c:
+        with pytest.raises(ClientError) as e:
+            c.tokenize("ab")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details.startswith(f"the server at {st.target} went away"), e.value.details

@@ -165,8 +165,16 @@ class ClientError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, exc: grpc.RpcError) -> "ClientError":
-        return cls(exc.code(), exc.details() or "")
+    def from_rpc_error(cls, exc: grpc.RpcError, target: str = "") -> "ClientError":
+        """The error of a failed call; a call that could not reach ``target`` any more (the
+        server stopped or restarted after this client connected) says so before grpcio's
+        "failed to connect to all addresses; ..."."""
+        details = exc.details() or ""
+        if target and exc.code() == grpc.StatusCode.UNAVAILABLE and \
+                details.startswith("failed to connect"):
+            details = (f"the server at {target} went away: nothing accepts connections there "
+                       f"now (stopped or restarting?); grpc: {details}")
+        return cls(exc.code(), details)
 
 
 class ConnectError(ClientError):
@@ -404,7 +412,7 @@ class Client:
         try:
             resp = self._stub.Complete(req, timeout=left, metadata=self._md(request_id))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc) from None
+            raise ClientError.from_rpc_error(exc, self.target) from None
         return Result.from_proto(resp.result, wall_s=time.perf_counter() - t0)
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[MessageLike] | None = None,
@@ -440,7 +448,7 @@ class Client:
                                                ttft_s=ttft)
                 yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result)
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc) from None
+            raise ClientError.from_rpc_error(exc, self.target) from None
         finally:
             call.cancel()   # a no-op when the stream ended; frees the generation otherwise
 
@@ -476,7 +484,7 @@ class Client:
         try:
             return getattr(self._stub, rpc)(request, timeout=left, metadata=self._md(None))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc) from None
+            raise ClientError.from_rpc_error(exc, self.target) from None
 
 
 # ---- request building -----------------------------------------------------------------
