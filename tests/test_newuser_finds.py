@@ -671,3 +671,16 @@ def test_client_of_a_server_that_went_away_says_so(tiny_model):
             c.tokenize("ab")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert e.value.details.startswith(f"the server at {st.target} went away"), e.value.details
+
+
+def test_a_generation_ending_after_the_verifier_closed_gives_its_session_back_quietly(tiny_model):
+    # was (seen once in a stop with generations in flight): an EngineError "session is closed"
+    # traceback from the generation's thread, which released its session after close()
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.verifier.sessions import VerifierCore
+
+    core = VerifierCore(VerifierConfig(model=tiny_model(), n_ctx=64, n_threads=1))
+    session, _ = core.acquire([1, 2, 3])
+    core.close()
+    core.release(session, [1, 2])   # no EngineError
+    assert core.active_sessions == 0
