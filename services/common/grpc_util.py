@@ -299,8 +299,9 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
                 if not context.add_callback(release):
                     release()
                 error = True
-                messages = behavior(request, context)
+                messages = None
                 try:
+                    messages = behavior(request, context)
                     for message in messages:
                         self.shutdown.check(context)
                         yield message
