@@ -723,10 +723,12 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
  *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
  *         and 16..31 stay apart for their two scales) */
 #define PSEG_K 8   /* super-block records per segment: 18 KB (Q4_K) to 27 KB (Q6_K) */
-/* Most activation rows per tile of the K types (an int16 and an int32 sum
- * and the accumulator of each row in registers): the driver's tiles. Two
- * sub-tiles of a 6-row tile instead were slower at N = 9 (kernel_bench
- * types, Q6_K): each pass re-makes the weight vectors. */
+/* Most activation rows per tile of the K types: the driver's tiles. Per
+ * row an int16 and an int32 sum stay in registers through a super-block
+ * (10 ymm for 5 rows; the float accumulators are touched once per
+ * super-block and may live in memory), so a verify's 5 rows take one pass
+ * and the weight vectors are made once (kernel_bench types: 3-row tiles,
+ * 3 + 2 passes at N = 5, were 8-14 % slower there). */
 #define KTILE 5
 #undef PTILE_OF
 #define PTILE_OF(type) ((type) == ES_TYPE_Q4_K || (type) == ES_TYPE_Q5_K || (type) == ES_TYPE_Q6_K ? KTILE : PTILE)
