@@ -684,3 +684,36 @@ def test_a_generation_ending_after_the_verifier_closed_gives_its_session_back_qu
     core.close()
     core.release(session, [1, 2])   # no EngineError
     assert core.active_sessions == 0
+
+
+# -- a Complete whose client leaves ----------------------------------------------------------------
+
+def test_complete_cancelled_by_its_client_ends_quietly(tiny_stack, caplog):
+    # was: "ERROR grpc._server Exception calling application: 'NoneType' object has no attribute
+    # 'text'" and a traceback in the coordinator's log for every Complete whose client went away
+    # (the gateway's non-streaming requests when their HTTP client disconnects)
+    import logging
+    import time
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    with caplog.at_level(logging.INFO):
+        with grpc.insecure_channel(tiny_stack.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            fut = stub.Complete.future(cpb.CompleteRequest(text="a b", max_tokens=2000), timeout=60,
+                                       metadata=[("x-request-id", "newuser-complete-cancel")])
+            time.sleep(0.3)
+            assert fut.cancel(), "the generation ended before the client cancelled it"
+            rec = None
+            deadline = time.monotonic() + 10
+            while rec is None and time.monotonic() < deadline:
+                rec = next((r for r in caplog.records if r.getMessage() == "request" and
+                            getattr(r, "fields", {}).get("request_id") == "newuser-complete-cancel"),
+                           None)
+                time.sleep(0.02)
+            time.sleep(0.2)   # the handler's own end comes just after its request line
+    assert rec is not None and rec.fields["code"] == "CANCELLED", rec and rec.fields
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors

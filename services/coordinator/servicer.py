@@ -424,6 +424,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         for ev in self._run(request, context, "Complete"):
             if isinstance(ev, Outcome):
                 outcome = ev
+        if outcome is None:
+            # a generation ends without a result when the call ended first (the client left, its
+            # deadline passed): the status is the call's own, and no one reads the response
+            name = grpc_util.status_name(context)
+            if name == "OK":
+                context.abort(grpc.StatusCode.INTERNAL, "the generation ended without a result")
+            context.abort(grpc.StatusCode[name], "the call ended before its generation")
         return coordinator_pb2.CompleteResponse(result=result_to_proto(outcome))
 
     def Tokenize(self, request, context):
