@@ -717,3 +717,29 @@ def test_complete_cancelled_by_its_client_ends_quietly(tiny_stack, caplog):
     assert rec is not None and rec.fields["code"] == "CANCELLED", rec and rec.fields
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
+
+
+# -- a --target whose port no server can have -----------------------------------------------------
+
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "localhost:0", "[::1]:70000", "host:",
+                                    "127.0.0.1:50o51"])
+def test_cli_refuses_a_target_port_out_of_range_at_once(target, capsys):
+    # was: exit 1 "no coordinator reachable at 127.0.0.1:99999 within 10 s" after the whole
+    # connect wait, as if a server could listen there
+    import time
+
+    from echospec import cli
+    args = cli.parse_args(["tokenize", "hi", "--target", target])
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "is not a number in [1, 65535]" in err, err
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "[::1]:50051", "localhost:65535", "::1",
+                                    "dns:///echospec:50051", "unix:/tmp/echospec.sock", "example.com"])
+def test_client_keeps_every_target_grpc_accepts(target):
+    from echospec_client import Client
+    Client(target).close()

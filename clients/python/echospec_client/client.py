@@ -229,6 +229,29 @@ def _check_timeout(value: float | None, name: str) -> float | None:
     return float(value)
 
 
+_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def _check_target_port(target: str) -> None:
+    """Refuse a host:port target whose port no server can listen on (gRPC would wait the whole
+    connect timeout on it and report nothing reachable). gRPC URIs (dns:///..., unix:...), a
+    bare IPv6 address and a host without a port (gRPC's default 443) are left to gRPC."""
+    if "://" in target or target.startswith(_URI_SCHEMES):
+        return
+    if target.startswith("["):
+        host_end = target.find("]")
+        if host_end < 0 or not target[host_end + 1:].startswith(":"):
+            return
+        port = target[host_end + 2:]
+    else:
+        host, sep, port = target.rpartition(":")
+        if not sep or ":" in host:
+            return
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"target {target!r}: the port {port!r} is not a number in [1, 65535]; "
+                         f"the target is host:port, e.g. 127.0.0.1:50051 or [::1]:50051")
+
+
 class Client:
     """A connection to an echospec coordinator.
 
@@ -248,7 +271,8 @@ class Client:
             target's host (grpc.ssl_target_name_override).
         max_message_bytes: the largest message received or sent.
     Raises:
-        ValueError: a bad timeout or an unreadable certificate file.
+        ValueError: a bad timeout, a host:port target whose port is not in [1, 65535], or an
+            unreadable certificate file.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 600.0,
@@ -261,6 +285,7 @@ class Client:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         if not isinstance(target, str) or not target.strip():
             raise ValueError("target must be host:port, not empty")
+        _check_target_port(target)
         self.target = target
         self.timeout = _check_timeout(timeout, "timeout")
         self.connect_timeout = _check_timeout(connect_timeout, "connect_timeout")
