@@ -743,3 +743,34 @@ def test_cli_refuses_a_target_port_out_of_range_at_once(target, capsys):
 def test_client_keeps_every_target_grpc_accepts(target):
     from echospec_client import Client
     Client(target).close()
+
+
+# -- `python -m echospec.services.<name>` (Compose, k8s) with TLS files that hold no usable PEM -----
+
+@pytest.mark.parametrize("cls", ["DraftConfig", "VerifierConfig", "CoordinatorConfig",
+                                 "GatewayConfig"])
+@pytest.mark.parametrize("which, message", [
+    (lambda p: ["--tls-cert", p["junk"], "--tls-key", p["junk"]], "not a PEM certificate chain"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["b"]["key"]], "KEY_VALUES_MISMATCH"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"], "--tls-ca", p["junk"]],
+     "tls_ca"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"],
+                "--tls-client-ca", p["a"]["key"]], "tls_client_ca"),
+], ids=["junk", "key-mismatch", "junk-ca", "key-as-ca"])
+def test_service_refuses_unusable_pem_at_startup(pki, cls, which, message, capsys):
+    # was: the verifier and the coordinator loaded the model, then exited 1 with "cannot bind
+    # 127.0.0.1:0: Failed to bind to address" (gRPC's TSI_INVALID_ARGUMENT); the gateway died
+    # with an ssl.SSLError "[SSL] PEM lib" traceback from uvicorn
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(getattr(cfg, cls), ["--port", "0", *which(pki)], environ={}, prog="svc")
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and message in err, err
+
+
+def test_service_keeps_usable_pem(pki):
+    from echospec.services.common import config as cfg
+    c = cfg.load(cfg.VerifierConfig, ["--tls-cert", pki["a"]["cert"], "--tls-key", pki["a"]["key"],
+                                      "--tls-ca", pki["a"]["ca"], "--tls-client-ca", pki["a"]["ca"]],
+                 environ={})
+    assert c.tls_cert == pki["a"]["cert"]

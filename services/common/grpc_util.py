@@ -208,7 +208,9 @@ class Tls:
         return cls(config.tls_cert, config.tls_key, config.tls_client_ca, config.tls_ca)
 
     def validate(self) -> None:
-        """Raises ValueError naming the setting when a file is missing or a pair is incomplete."""
+        """Raises ValueError naming the setting when a file is missing, a pair is incomplete, or
+        a file holds no usable PEM (gRPC reports that only as "cannot bind", with
+        TSI_INVALID_ARGUMENT in its own log; uvicorn as an ssl.SSLError traceback)."""
         if bool(self.cert) != bool(self.key):
             raise ValueError("tls_cert and tls_key go together (give both or neither)")
         if self.client_ca and not self.cert:
@@ -217,6 +219,27 @@ class Tls:
                            ("tls_client_ca", self.client_ca), ("tls_ca", self.ca)):
             if path and not Path(path).is_file():
                 raise ValueError(f"{name} {path}: no such file")
+        import ssl
+
+        def reason(exc: Exception) -> str:
+            if isinstance(exc, ssl.SSLError):
+                return exc.reason or "OpenSSL cannot read it"   # e.g. KEY_VALUES_MISMATCH
+            return exc.strerror or str(exc)
+
+        if self.cert:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                    self.cert, self.key, password=lambda: b"")   # never prompt on a terminal
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"tls_cert {self.cert} / tls_key {self.key}: not a PEM certificate "
+                                 f"chain and its unencrypted private key ({reason(exc)})") from None
+        for name, path in (("tls_client_ca", self.client_ca), ("tls_ca", self.ca)):
+            if path:
+                try:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+                except (ssl.SSLError, OSError) as exc:
+                    raise ValueError(f"{name} {path}: not a PEM CA certificate "
+                                     f"({reason(exc)})") from None
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """Credentials of a TLS listener (None: plain text)."""
