@@ -25,6 +25,7 @@ import math
 import signal
 import threading
 import time
+import weakref
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,6 +264,11 @@ class Tls:
             certificate_chain=Path(self.cert).read_bytes() if self.cert else None)
 
 
+class _Slot:
+    """One admitted call's place under a ConcurrencyLimit (see intercept_service)."""
+    __slots__ = ("__weakref__",)
+
+
 class ConcurrencyLimit(grpc.ServerInterceptor):
     """Admit at most `limit` concurrent RPCs of the services under `prefix`; refuse the rest
     with RESOURCE_EXHAUSTED at once. Health and reflection are not counted.
@@ -300,27 +306,35 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
             return self._refuse(handler, method)
         if self.metrics is not None:
             self.metrics.started(method)
-        return handler._replace(**{kind: self._counted(kind, behavior, method, time.monotonic())})
+        release = self._finisher(method, time.monotonic())
+        # A call cancelled while its request message is still on its way never runs its handler
+        # (grpc drops it), so neither the handler's callback nor its finally gives the slot back.
+        # The slot object lives exactly as long as the wrapped handler: when grpc lets go of a
+        # handler it never ran, the finalizer releases the slot (after a run: a no-op).
+        slot = _Slot()
+        weakref.finalize(slot, release)
+        return handler._replace(**{kind: self._counted(kind, behavior, release, slot)})
 
-    def _finisher(self, context, method: str, t0: float):
-        """release(error) once: give the slot back and record the RPC's status code."""
+    def _finisher(self, method: str, t0: float):
+        """release(context, error) once: give the slot back and record the RPC's status code
+        (CANCELLED without a context: the call ended before its handler ran)."""
         done = threading.Lock()
 
-        def release(error: bool = False) -> None:
+        def release(context=None, error: bool = False) -> None:
             if not done.acquire(blocking=False):
                 return
             with self._lock:
                 self.active -= 1
             if self.metrics is not None:
-                self.metrics.finished_rpc(method, status_name(context, error), time.monotonic() - t0)
+                code = status_name(context, error) if context is not None else "CANCELLED"
+                self.metrics.finished_rpc(method, code, time.monotonic() - t0)
         return release
 
-    def _counted(self, kind: str, behavior, method: str, t0: float):
+    def _counted(self, kind: str, behavior, release, slot: "_Slot"):
         if kind.endswith("_stream"):
-            def stream(request, context):
-                release = self._finisher(context, method, t0)
-                if not context.add_callback(release):
-                    release()
+            def stream(request, context, _slot=slot):   # the handler holds its slot
+                if not context.add_callback(lambda: release(context)):
+                    release(context)
                 error = True
                 messages = None
                 try:
@@ -333,20 +347,19 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
                     close = getattr(messages, "close", None)
                     if close is not None:   # a generator left early: run its cleanup now
                         close()
-                    release(error)
+                    release(context, error)
             return stream
 
-        def unary(request, context):
-            release = self._finisher(context, method, t0)
-            if not context.add_callback(release):
-                release()
+        def unary(request, context, _slot=slot):
+            if not context.add_callback(lambda: release(context)):
+                release(context)
             error = True
             try:
                 out = behavior(request, context)
                 error = False
                 return out
             finally:
-                release(error)
+                release(context, error)
         return unary
 
     def _refuse(self, handler, method: str):
