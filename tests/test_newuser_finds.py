@@ -845,3 +845,38 @@ def test_cancel_storm_leaves_no_call_in_flight(tiny_stack):
     while any(in_flight().values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(in_flight().values()), in_flight()
+
+
+# -- megabytes of prompt or prediction text ----------------------------------------------------------
+
+@pytest.mark.parametrize("field", ["text", "prediction"])
+def test_text_too_long_for_any_context_is_refused_before_tokenizing(tiny_stack, field):
+    # was: 4 MB of prediction text was tokenized for ~20 s with the GIL held (every other call
+    # of the coordinator stalled, its verifier's health poll timed out and the next request got
+    # UNAVAILABLE "no healthy verifier"), then failed with RESOURCE_EXHAUSTED "CLIENT: Sent
+    # message larger than max" on the way to the verifier
+    import time
+
+    import grpc
+
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    big = "1 " * 1_000_000
+    req = cpb.CompleteRequest(max_tokens=2, spec=common_pb2.SPEC_MODE_ON,
+                              **({"text": big} if field == "text" else
+                                 {"text": "a b", "prediction": big}))
+    with grpc.insecure_channel(tiny_stack.target,
+                               options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(req, timeout=60)
+        took = time.monotonic() - t0
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        name = "prompt" if field == "text" else "prediction"
+        assert e.value.details().startswith(f"{name} of 2000000 bytes cannot fit the context of "
+                                            f"2048 tokens"), e.value.details()
+        assert took < 5, took
+        # a prompt that fits is served as before
+        ok = stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=2), timeout=60)
+        assert ok.result.completion_tokens == 2

@@ -184,6 +184,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.metrics = metrics if metrics is not None else PromMetrics()
         self.digit_tokens = digit_tokens(tokenizer)
         self.line_break_tokens = line_break_tokens(tokenizer) if self.digit_tokens else []
+        # the most bytes of text one token covers (a normalizer may shrink text before it is
+        # split, by at most 3 bytes to 1: a Hangul syllable composed from its jamo)
+        self.max_token_bytes = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab)) \
+            * (3 if getattr(getattr(tokenizer, "hf", None), "normalizer", None) is not None else 1)
         self.shutdown = grpc_util.Shutdown()   # the server's (start() sets it)
 
     # -- downstream configuration ------------------------------------------------------------
@@ -227,10 +231,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise _bad(f"malformed chat messages: {exc}") from None
         else:
             text = req.text
+        self.check_fits("prompt", text)
         ids = self.tokenizer.encode(text)
         if not ids:
             raise _bad("the prompt encodes to no tokens")
         return ids
+
+    def check_fits(self, field: str, text: str) -> None:
+        """Refuse text that cannot fit a verifier's context before it is tokenized: tokenizing
+        holds the GIL (microseconds per token), so megabytes of text stalled every other call of
+        the coordinator for seconds, its verifier health polls included.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT naming ``field``.
+        """
+        known = self.pool.any_config()
+        if known is None or known.n_ctx <= 0:
+            return      # the verifier refuses a prompt too long for it after tokenizing
+        most = known.n_ctx * self.max_token_bytes
+        if len(text) > most // 4:   # 4 UTF-8 bytes per character at most: count only then
+            n = len(text.encode("utf-8", "surrogatepass"))
+            if n > most:
+                raise _bad(f"{field} of {n} bytes cannot fit the context of {known.n_ctx} tokens "
+                           f"(a token covers at most {self.max_token_bytes} bytes of text)")
 
     def resolve_params(self, req: Any, caps: VerifierCaps) -> GenerationParams:
         """Limits, sampling and the gating verdict of a request.
@@ -270,7 +293,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         ns = req.draft_namespace
         if len(ns) > MAX_NAMESPACE_CHARS or not ns.isprintable():
             raise _bad(f"draft_namespace must be at most {MAX_NAMESPACE_CHARS} printable characters")
-        # the prediction is tokenized like the output: on its own, no BOS
+        # the prediction is tokenized like the output: on its own, no BOS; the output (and so
+        # the part of a prediction it can follow) fits the context
+        if decision.enabled and req.prediction:
+            self.check_fits("prediction", req.prediction)
         prediction = self.tokenizer.encode(req.prediction) if decision.enabled and req.prediction \
             else []
         return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
