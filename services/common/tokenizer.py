@@ -58,6 +58,9 @@ __all__ = [
     "StopMatcher",
 ]
 
+# texts from this length on are encoded with the GIL released (Tokenizer.encode)
+_GIL_FREE_CHARS = 4096
+
 # Token types as GGUF stores them in tokenizer.ggml.token_type (llama.cpp's llama_token_type).
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_UNKNOWN = 2
@@ -399,6 +402,10 @@ class Tokenizer:
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         if not text:
             return []
+        if len(text) >= _GIL_FREE_CHARS:
+            # tokenizers' encode holds the GIL (microseconds per token: a megabyte is seconds of
+            # every other thread of the service waiting); encode_batch releases it, same ids
+            return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def _check_id(self, i: int) -> int:
