@@ -908,3 +908,26 @@ def test_tokenizing_a_long_text_lets_other_threads_run(smollm2_path):
     th.join()
     assert ids == tok.hf.encode(text, add_special_tokens=False).ids and len(ids) == 200_000
     assert ticks[0] >= 0.3 * took / 0.005, (ticks[0], took)
+
+
+def test_tokenize_response_over_the_message_limit_says_so(tiny_stack, monkeypatch):
+    # was: RESOURCE_EXHAUSTED "SERVER: Sent message larger than max (4500005 vs. 4194304)" after
+    # tokenizing 3 MB of SmolLM2 text, a server-side limit worded as if the client sent too much
+    # (here the servicer's limit is lowered: reaching 4 MB takes seconds of tokenizing)
+    import dataclasses
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    servicer = tiny_stack._servers["coordinator"].servicer
+    monkeypatch.setattr(servicer, "config",
+                        dataclasses.replace(servicer.config, max_message_bytes=1000))
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Tokenize(cpb.TokenizeRequest(text="1 " * 1000), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert e.value.details().endswith("more than the server's message limit of 1000 bytes; "
+                                          "tokenize it in parts"), e.value.details()
+        assert len(stub.Tokenize(cpb.TokenizeRequest(text="1 " * 100), timeout=60).token_ids) > 0

@@ -460,7 +460,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.CompleteResponse(result=result_to_proto(outcome))
 
     def Tokenize(self, request, context):
-        return coordinator_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
+        resp = coordinator_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
+        size, limit = resp.ByteSize(), self.config.max_message_bytes
+        if size > limit:   # grpc would end the call with "SERVER: Sent message larger than max"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"text is {len(resp.token_ids)} tokens, a response of {size} bytes: more "
+                          f"than the server's message limit of {limit} bytes; tokenize it in parts")
+        return resp
 
     def Detokenize(self, request, context):
         n_vocab = self.tokenizer.n_vocab
