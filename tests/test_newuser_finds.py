@@ -231,6 +231,12 @@ def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
     ("GatewayConfig", ["--request-timeout-s", "-1"], {}, "--request-timeout-s"),
     ("GatewayConfig", ["--request-timeout-s", "nan"], {}, "--request-timeout-s"),
     ("CoordinatorConfig", ["--verifier-poll-s", "0"], {}, "--verifier-poll-s"),
+    # was: a gateway (or coordinator) that started and dialled a port nothing can listen on,
+    # answering 503 (or "no healthy verifier") to every request
+    ("GatewayConfig", ["--coordinator-target", "127.0.0.1:99999"], {}, "--coordinator-target"),
+    ("CoordinatorConfig", ["--verifier", "10.0.0.1:50053", "--verifier", "10.0.0.2:0"], {},
+     "--verifier / ECHOSPEC_VERIFIER '10.0.0.2:0': the port '0' is not a number in [1, 65535]"),
+    ("VerifierConfig", [], {"ECHOSPEC_DRAFT_TARGET": "draft:"}, "ECHOSPEC_DRAFT_TARGET 'draft:'"),
 ])
 def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, message, capsys):
     from echospec.services.common import config as cfg
@@ -245,6 +251,9 @@ def test_service_entry_points_keep_valid_edges():
     assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
     assert cfg.load(cfg.GatewayConfig, ["--port", "65535"], environ={}).port == 65535
     assert cfg.load(cfg.DraftConfig, ["--grace-s", "0"], environ={}).grace_s == 0.0
+    assert cfg.load(cfg.CoordinatorConfig, ["--verifier", "dns:///echospec-verifier:50053",
+                                            "--verifier", "[::1]:50053"], environ={}).verifier
+    assert cfg.load(cfg.VerifierConfig, [], environ={"ECHOSPEC_DRAFT_TARGET": ""}).draft_target == ""
 
 
 # -- gateway: a request the coordinator refuses names its field ---------------------------------

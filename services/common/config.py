@@ -229,11 +229,39 @@ def check_ranges(cfg) -> None:
             if not lo <= v <= 65535:
                 raise ValueError(f"{name} {v}: a port is in [{lo}, 65535]"
                                  + (" (-1: off, 0: a free port)" if lo < 0 else " (0: a free port)"))
+        elif f.name.endswith("_target") or f.name == "verifier":
+            for t in (v,) if isinstance(v, str) else v:
+                bad = target_port_error(t)
+                if bad:
+                    raise ValueError(f"{name} {t!r}: {bad}")
         elif f.name.endswith("_s") and isinstance(v, float):
             ok = math.isfinite(v) and (v >= 0 if f.name == "grace_s" else v > 0)
             if not ok:
                 raise ValueError(f"{name} {v}: seconds must be a finite number "
                                  + (">= 0" if f.name == "grace_s" else "> 0"))
+
+
+_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def target_port_error(target: str) -> str:
+    """Why a host:port target names a port no server can listen on ("" when it does not: also
+    for "", gRPC URIs such as dns:///name:port, a bare IPv6 address and a host without a port).
+    gRPC would otherwise dial it until every call's deadline and report nothing reachable."""
+    if not target or "://" in target or target.startswith(_URI_SCHEMES):
+        return ""
+    if target.startswith("["):
+        end = target.find("]")
+        if end < 0 or not target[end + 1:].startswith(":"):
+            return ""
+        port = target[end + 2:]
+    else:
+        host, sep, port = target.rpartition(":")
+        if not sep or ":" in host:
+            return ""
+    if port.isascii() and port.isdigit() and 1 <= int(port) <= 65535:
+        return ""
+    return f"the port {port!r} is not a number in [1, 65535] (the target is host:port)"
 
 
 def model_name(path: str) -> str:
