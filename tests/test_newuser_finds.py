@@ -940,3 +940,20 @@ def test_tokenize_response_over_the_message_limit_says_so(tiny_stack, monkeypatc
         assert e.value.details().endswith("more than the server's message limit of 1000 bytes; "
                                           "tokenize it in parts"), e.value.details()
         assert len(stub.Tokenize(cpb.TokenizeRequest(text="1 " * 100), timeout=60).token_ids) > 0
+
+
+def test_serve_names_the_model_whose_tokenizer_is_unusable(tmp_path, capsys):
+    # was: "echospec: coordinator: unsupported pre-tokenizer type tokenizer.ggml.pre=..." (also
+    # "GGUF key tokenizer.ggml.tokens[205] is not valid UTF-8" for a flipped byte in SmolLM2's
+    # vocabulary: a GGUF whose weights the engine loads), naming neither the file nor the model
+    from ggufgen import write_tiny_model
+
+    from echospec import cli
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, tokenizer_pre="no-such-pre")
+    args = cli.parse_args(["serve", "--port", "0", "--model", str(path), "--threads", "1"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 1, err
+    assert f"model {path} is unusable: its tokenizer or chat template: " in err, err

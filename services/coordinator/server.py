@@ -109,9 +109,13 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
                                  [metrics.registry, *extra_registries])
             log.info("coordinator metrics on http://%s:%d/metrics", config.host,
                      handle.metrics_port)
-        meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
-        tokenizer = Tokenizer(meta)
-        template = ChatTemplate.from_metadata(meta)
+        try:
+            meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
+            tokenizer = Tokenizer(meta)
+            template = ChatTemplate.from_metadata(meta)
+        except ValueError as exc:   # ChatTemplateError too; the engine may load what this refuses
+            raise ValueError(f"model {config.model} is unusable: its tokenizer or chat template: "
+                             f"{exc}") from exc
         servicer = CoordinatorServicer(config, tokenizer, template, pool, metrics)
         servicer.shutdown = handle.limit.shutdown
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
