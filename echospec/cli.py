@@ -208,6 +208,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # when it returns
         while True:
             time.sleep(0.25)
+            gone = stack.exited()
+            if gone:   # a child service died (--processes): the stack cannot serve without it
+                print(f"echospec: the {gone}; stopping every service", file=sys.stderr)
+                stack.stop(SHUTDOWN_GRACE_S, "a service exited")
+                return 1
     except Interrupted as sig:
         print(f"echospec: {sig} received: stopping every service; requests in flight get "
               f"{SHUTDOWN_GRACE_S:g} s to finish, then end with UNAVAILABLE (shutting down)",

@@ -957,3 +957,46 @@ def test_serve_names_the_model_whose_tokenizer_is_unusable(tmp_path, capsys):
     err = capsys.readouterr().err
     assert ei.value.code == 1, err
     assert f"model {path} is unusable: its tokenizer or chat template: " in err, err
+
+
+# -- `echospec serve --processes` whose child service dies --------------------------------------------
+
+def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
+    # was: the verifier process killed (OOM killer, kill -9), `echospec serve --processes` went on
+    # running without a word; every request failed with UNAVAILABLE "no healthy verifier" for good
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", tiny_model(), "--port", "0",
+           "--n-ctx", "256", "--threads", "1", "--processes"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=root)
+    try:
+        err = []
+        for line in p.stderr:
+            err.append(line)
+            if "coordinator      listening" in line:
+                break
+        assert p.poll() is None, "".join(err)
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
+                            text=True).stdout
+        verifier = [int(ln.split()[0]) for ln in ps.splitlines() if "echospec.services.verifier" in ln]
+        assert len(verifier) == 1, ps
+        os.kill(verifier[0], signal.SIGKILL)
+        _, rest = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 1, rest
+    assert "echospec: the verifier service exited with status -9 (SIGKILL): " in rest, rest
+    assert "; stopping every service" in rest
+    time.sleep(0.2)
+    left = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p.pid)], capture_output=True,
+                          text=True).stdout.split()
+    assert not left, left

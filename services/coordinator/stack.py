@@ -84,6 +84,26 @@ class Stack:
         """The in-process VerifierServer (threads mode only)."""
         return self._servers.get("verifier")
 
+    def exited(self) -> str:
+        """In process mode, what ended a child service that is no longer running: e.g.
+        "verifier service exited with status -9 (SIGKILL): <its last log line>"; "" while every
+        child runs (and always in threads mode). The others keep serving until stop()."""
+        for name in ("draft", "verifier", "coordinator", "gateway"):
+            p = self._procs.get(name)
+            if p is None or p.poll() is None:
+                continue
+            rc = p.returncode
+            how = f"status {rc}"
+            if rc < 0:
+                try:
+                    how += f" ({signal.Signals(-rc).name})"
+                except ValueError:
+                    pass
+            tee = self._stderr.get(name)
+            last = tee.last(0.5) if tee is not None else "(no message)"
+            return f"{name} service exited with {how}: {last}"
+        return ""
+
     def kill_draft(self) -> None:
         """Stop the draft service abruptly (SIGKILL in process mode, no grace in threads mode)."""
         if self.processes:
