@@ -1000,3 +1000,40 @@ def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
     left = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p.pid)], capture_output=True,
                           text=True).stdout.split()
     assert not left, left
+
+
+# -- the light client's numeric arguments ----------------------------------------------------------
+
+@pytest.mark.parametrize("kw, exc, message", [
+    # was: "bad sampling argument: Value out of range: 1099511627776", naming no argument
+    ({"max_tokens": 2 ** 40}, ValueError, "max_tokens must be in [-2147483648, 2147483647]"),
+    ({"seed": -1}, ValueError, "seed must be in [0, 18446744073709551615], got -1"),
+    # was: "bad sampling argument: could not convert string to float: 'hot'"
+    ({"temperature": "hot"}, TypeError, "temperature must be a number, got 'hot'"),
+    # was: accepted, as max_tokens=5 (int() of the string, of the float)
+    ({"max_tokens": "5"}, TypeError, "max_tokens must be an int, got '5'"),
+    ({"max_tokens": 5.5}, TypeError, "max_tokens must be an int, got 5.5"),
+    ({"k": True}, TypeError, "k must be an int, got True"),
+    ({"top_p": 10 ** 400}, ValueError, "top_p must be a finite number"),
+])
+def test_client_names_the_bad_numeric_argument(kw, exc, message):
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(exc) as e:
+            c.complete("hi", **kw)
+    assert str(e.value).startswith(message), e.value
+
+
+def test_client_keeps_valid_numeric_arguments():
+    import numpy as np
+
+    from echospec_client.client import _fill
+    from echospec_client.v1 import coordinator_pb2
+
+    req = coordinator_pb2.CompleteRequest()
+    _fill(req, "hi", None, None, {"max_tokens": np.int64(7), "seed": 2 ** 64 - 1, "top_k": 0,
+                                  "temperature": 1, "top_p": 0.5, "min_p": np.float32(0.25),
+                                  "k": None})
+    assert (req.max_tokens, req.seed, req.temperature, req.top_p, req.min_p, req.k) == \
+        (7, 2 ** 64 - 1, 1.0, 0.5, 0.25, 0)
+    assert req.HasField("top_p")

@@ -14,6 +14,7 @@ these methods raise TypeError or ValueError before anything is sent.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass, field, fields
@@ -587,17 +588,26 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
     if spec not in _SPEC_MODES:
         raise ValueError(f"spec must be True, False or None, got {spec!r}")
     req.spec = _SPEC_MODES[spec]
-    try:
-        req.max_tokens = int(sampling.get("max_tokens") or 0)
-        req.temperature = float(sampling.get("temperature") or 0.0)
-        if sampling.get("top_p") is not None:
-            req.top_p = float(sampling["top_p"])
-        req.top_k = int(sampling.get("top_k") or 0)
-        req.min_p = float(sampling.get("min_p") or 0.0)
-        req.seed = int(sampling.get("seed") or 0)
-        req.k = int(sampling.get("k") or 0)
-    except (TypeError, ValueError) as exc:   # protobuf's range and type checks
-        raise ValueError(f"bad sampling argument: {exc}") from None
+    for name, lo, hi in (("max_tokens", -2 ** 31, 2 ** 31 - 1), ("top_k", -2 ** 31, 2 ** 31 - 1),
+                         ("k", -2 ** 31, 2 ** 31 - 1), ("seed", 0, 2 ** 64 - 1)):
+        v = sampling.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+        if not lo <= v <= hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+        setattr(req, name, int(v))
+    for name in ("temperature", "top_p", "min_p"):
+        v = sampling.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {v!r}")
+        try:
+            setattr(req, name, float(v))
+        except OverflowError:   # an int too large for a float
+            raise ValueError(f"{name} must be a finite number, got {v}") from None
     for name in ("prediction", "draft_namespace"):
         v = sampling.get(name) or ""
         if not isinstance(v, str):
