@@ -1037,3 +1037,21 @@ def test_client_keeps_valid_numeric_arguments():
     assert (req.max_tokens, req.seed, req.temperature, req.top_p, req.min_p, req.k) == \
         (7, 2 ** 64 - 1, 1.0, 0.5, 0.25, 0)
     assert req.HasField("top_p")
+
+
+def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog):
+    # was: `echospec serve --n-ctx 16384` on a model trained for 8192 served without a word, and
+    # VerifierCore's docstring promised an InvalidArgument it never raised
+    import logging
+
+    from echospec.services.coordinator.stack import start_stack
+
+    with caplog.at_level(logging.WARNING, logger="echospec.verifier"):
+        st = start_stack(tiny_model(n_ctx_train=512), n_ctx=1024, n_threads=1)
+        st.stop(0)
+        st = start_stack(tiny_model(n_ctx_train=512), n_ctx=512, n_threads=1)
+        st.stop(0)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "echospec.verifier"
+                and r.levelno == logging.WARNING]
+    assert warnings == ["n_ctx 1024 is more than the 512 tokens the model was trained for: "
+                        "positions past 512 are extrapolated and the output there is likely poor"]

@@ -90,6 +90,11 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     handle.set_serving()
     log.info("verifier listening on %s:%d (model %s, n_ctx %d, T %.2f ms)", config.host,
              handle.port, config.model, config.n_ctx, core.t_ms)
+    n_train = core.model.info.n_ctx_train
+    if 0 < n_train < config.n_ctx:
+        log.warning("n_ctx %d is more than the %d tokens the model was trained for: positions past "
+                    "%d are extrapolated and the output there is likely poor", config.n_ctx,
+                    n_train, n_train)
     return VerifierServer(handle, servicer, core)
 
 

@@ -281,7 +281,8 @@ class VerifierCore:
             batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Raises:
         EngineError: the model cannot be loaded (status and message from the engine).
-        InvalidArgument: n_ctx too small or larger than the model's training context.
+        InvalidArgument: n_ctx < 8 (a larger n_ctx than the model's training context is
+            allowed: server.start warns).
     """
 
     def __init__(self, config: VerifierConfig):
