@@ -155,6 +155,7 @@ class _Run:
         self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
         self.n_ctx = core.config.n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
+        self.marks = False            # yield FLUSH before waiting (run_generation's marks)
 
     def release(self) -> None:
         """Give the session back (to the prefix cache) once; called before the last event, so a
@@ -190,8 +191,12 @@ class _Run:
         return self.choose(st.argmax[0], st.logits_out), ms
 
 
+FLUSH = object()   # run_generation(marks=True): nothing more is ready yet (the caller may send what it has)
+
+
 def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
-                   open_draft: Callable[[], Any] | None = None) -> Iterator[RoundEvent]:
+                   open_draft: Callable[[], Any] | None = None, marks: bool = False
+                   ) -> Iterator[RoundEvent]:
     """Run one generation; yield a RoundEvent per engine step.
 
     Args:
@@ -202,6 +207,9 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
         open_draft: () -> a draft link (send_propose, recv_proposal, append,
             close, cancel) for a speculative request, or raises DraftUnavailable;
             None: no draft service configured.
+        marks: also yield FLUSH before a plain decoding generation waits for its
+            scheduler (so a caller that runs the generation on its own thread sends
+            the events it holds then, several rounds per message when it lags).
     Yields:
         The prefill's event (tokens = [first token]), then one per round; a last
         event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
@@ -211,6 +219,7 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
     """
     session, cached = core.acquire(req.prompt)
     run = _Run(core, req, session, cached, cancel)
+    run.marks = marks
     try:
         yield from _loop(run, open_draft)
     except Cancelled:
@@ -394,7 +403,10 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
 
     try:
         while True:
-            sched.wait_for(ready, 1.0)
+            if not ready():
+                if run.marks:
+                    yield FLUSH
+                sched.wait_for(ready, 1.0)
             ended = stream.ended
             while stream.out:
                 if cancel.is_set():

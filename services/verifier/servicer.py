@@ -14,7 +14,8 @@ import grpc
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from echospec.services.common.engine import simd_name
-from echospec.services.verifier.generation_loop import GenerationRequest, RoundEvent, check, run_generation
+from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
+                                                        run_generation)
 from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome,
                                                  VerifierCore, VerifierError, VerifierSession)
 
@@ -132,9 +133,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             check(core, req)
         except VerifierError as exc:
             _abort(context, exc)
-        # The loop runs on its own thread, so it never waits for a message to be
-        # sent; this thread sends what it finished, several rounds per message when
-        # the reader is slower than the engine.
+        if not req.spec:
+            # Plain decoding runs in the scheduler's thread (generation_loop._stream): this
+            # thread only reads its rounds and sends what is ready at each FLUSH, several
+            # rounds per message when it lags.
+            try:
+                held: list[RoundEvent] = []
+                for ev in run_generation(core, req, cancel, open_draft, marks=True):
+                    if ev is FLUSH:
+                        if held:
+                            yield events_to_proto(held)
+                            held = []
+                    else:
+                        held.append(ev)
+                if held:
+                    yield events_to_proto(held)
+            except VerifierError as exc:
+                _abort(context, exc)
+            return
+        # The speculative loop runs on its own thread, so it never waits for a message
+        # to be sent; this thread sends what it finished, several rounds per message
+        # when the reader is slower than the engine.
         out: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_drive, args=(run_generation(core, req, cancel, open_draft), out),
                          name="generation", daemon=True).start()
