@@ -250,16 +250,18 @@ class Scheduler:
     def _loop(self) -> None:
         """The streams' thread: runs iterations while any stream is active."""
         with self._cv:
-            while self._streams > 0:
-                if self._busy or not self._queue:
-                    self._cv.wait()
-                    continue
-                wait = self._gather_wait()
-                if wait > 0:
-                    self._cv.wait(wait)
-                    continue
-                self._iterate_locked()
-            self._thread = None
+            try:
+                while self._streams > 0:
+                    if self._busy or not self._queue:
+                        self._cv.wait()
+                        continue
+                    wait = self._gather_wait()
+                    if wait > 0:
+                        self._cv.wait(wait)
+                        continue
+                    self._iterate_locked()
+            finally:
+                self._thread = None
 
     def _iterate_locked(self) -> None:
         """One iteration; called with the condition held, not busy, the queue not empty."""
@@ -269,7 +271,7 @@ class Scheduler:
                 del self._queue[i]
                 self._streams -= 1
                 s.error, s.done = Cancelled(), True
-                s.stream.advance(s)
+                self._advance(s)
         if not self._queue:
             self._cv.notify_all()
             return
