@@ -17,6 +17,9 @@ with one all-at-once round, then runs --reps rounds of N concurrent streamed gen
                         GenerateTokens messages (verifier -> coordinator) and Generate messages
                         (coordinator -> client) per output token
     cpu_ms_per_token    this process's CPU time (user + system) per output token, engine included
+    stack_cpu_ms_per_token
+                        the same less the engine calls' CPU time: the services', gRPC's and the
+                        clients' own cost per token (on the host's other core while the engine runs)
 
 Usage:
     .venv/bin/python bench/serve_profile.py [--clients 8] [--max-tokens 64] [--reps 3] [--model PATH|tiny]
@@ -153,6 +156,8 @@ def main() -> int:
                     "verifier_msgs_per_token": round(vmsgs[0] / toks, 3),
                     "client_msgs_per_token": round(sum(r[1] for r in runs) / toks, 3),
                     "cpu_ms_per_token": round((c1.user - c0.user + c1.system - c0.system) / toks * 1e3, 3),
+                    "stack_cpu_ms_per_token": round((c1.user - c0.user + c1.system - c0.system
+                                                     - sum(c for _, c in calls)) / toks * 1e3, 3),
                     "load": float(open("/proc/loadavg").read().split()[0])}), flush=True)
         finally:
             ch.close()
