@@ -137,8 +137,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             # Plain decoding runs in the scheduler's thread (generation_loop._stream): this
             # thread only reads its rounds and sends what is ready at each FLUSH, several
             # rounds per message when it lags.
+            held: list[RoundEvent] = []
             try:
-                held: list[RoundEvent] = []
                 for ev in run_generation(core, req, cancel, open_draft, marks=True):
                     if ev is FLUSH:
                         if held:
@@ -146,10 +146,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                             held = []
                     else:
                         held.append(ev)
-                if held:
+            except BaseException as exc:  # noqa: BLE001 - the rounds before it go out first
+                if held and not isinstance(exc, GeneratorExit):
                     yield events_to_proto(held)
-            except VerifierError as exc:
-                _abort(context, exc)
+                if isinstance(exc, VerifierError):
+                    _abort(context, exc)
+                raise
+            if held:
+                yield events_to_proto(held)
             return
         # The speculative loop runs on its own thread, so it never waits for a message
         # to be sent; this thread sends what it finished, several rounds per message
