@@ -527,14 +527,24 @@ def _until(sched, ready, timeout: float = 10.0) -> None:
 
 def test_streams_run_back_to_back_without_their_readers():
     # nobody waits on these steps: the scheduler's own thread steps them, every batch whole
-    sched = Scheduler(threading.Lock(), batch_max=3, run_batch=_slow_batch(2))
+    gate = threading.Event()
+    slow = _slow_batch(2)
+
+    def run_batch(items):      # the first forward waits until every stream is queued
+        gate.wait(10)
+        return slow(items)
+    sched = Scheduler(threading.Lock(), batch_max=3, run_batch=run_batch)
     sched.trace = []
+    first = _CountingStream(1)
+    sched.start(Step(object(), [1], stream=first))
     streams = [_CountingStream(5) for _ in range(3)]
     for s in streams:
         sched.start(Step(object(), [1], stream=s))
+    gate.set()
     _until(sched, lambda: all(s.ended for s in streams))
     assert [s.steps for s in streams] == [5, 5, 5] and all(s.error is None for s in streams)
-    assert [len(b) for b in sched.trace] == [3] * 5
+    sizes = [len(b) for b in sched.trace]
+    assert sum(sizes) == 16 and len(sizes) == 6, sizes     # 16 steps in ceil(16 / 3) iterations
 
 
 def test_a_cancelled_stream_stops_and_stop_waits_for_its_forward():
