@@ -78,7 +78,10 @@
  * es_matmul (and es_matmul_many, several matrices on one X) cut output rows
  * into contiguous chunks that the pool's threads take from an atomic
  * counter; a kernel handles its chunk for all N activation rows, unpacking
- * each weight block once per (up to) 32 activation rows.
+ * each weight block once per (up to) 32 activation rows. With a local
+ * output (es_matmul_many_epi, es_mm_epi.local) a chunk [r0, r1) runs as
+ * rows [0, r1 - r0) of the weights from row r0 on into its thread's buffer:
+ * the same rows, so the same values (they depend on nothing but the row).
  */
 #include <math.h>
 #include <stdatomic.h>
