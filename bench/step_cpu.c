@@ -9,8 +9,9 @@
  * makes one forward call of N tokens (the builds alternate, their order
  * flipping each round), each followed by a rollback to DEPTH, each timed with
  * clock_gettime(CLOCK_THREAD_CPUTIME_ID) on the calling thread. Prints the
- * median and the minimum per build and depth, and the CPU time of the
- * prefill. With THREADS > 1 the figure
+ * median and the minimum per build and depth, the CPU time of the prefill,
+ * and per later build the median over the rounds of its time minus the
+ * first build's in the same round. With THREADS > 1 the figure
  * includes the calling thread's spinning and is not the step's cost; use 1.
  * Time a neighbour takes the core is not counted; its cache and memory
  * traffic are.
@@ -132,6 +133,16 @@ static int run_depth(build *bs, int nb, int nth, int reps, int ntok, int depth) 
             b->v[r] = cpu_ms() - a;
             b->rb(b->s, depth);
         }
+    /* per round, each build's time minus the first build's: their median is
+       steadier than the difference of the medians on a drifting host */
+    double *d = malloc(sizeof(double) * (size_t)reps);
+    for (int i = 1; i < nb && d; i++) {
+        for (int r = 0; r < reps; r++) d[r] = bs[i].v[r] - bs[0].v[r];
+        qsort(d, (size_t)reps, sizeof(double), cmp);
+        printf("%-28s depth %5d  N %d: minus %s, median of the rounds %+.3f ms\n", bs[i].path, depth, ntok,
+               bs[0].path, d[reps / 2]);
+    }
+    free(d);
     for (int i = 0; i < nb; i++) {
         build *b = &bs[i];
         qsort(b->v, (size_t)reps, sizeof(double), cmp);
