@@ -41,6 +41,8 @@ static size_t blk_bytes(uint32_t t) {
     switch (t) {
     case ES_TYPE_Q4_0: return 18;
     case ES_TYPE_Q4_1: return 20;
+    case ES_TYPE_Q5_0: return 22;
+    case ES_TYPE_Q5_1: return 24;
     case ES_TYPE_Q8_0: return 34;
     case ES_TYPE_Q4_K: return 144;
     case ES_TYPE_Q5_K: return 176;
@@ -67,7 +69,7 @@ static es_tensor make(uint32_t type, int64_t n_in, int64_t n_out) {
         uint8_t *p = d + b * bb + (type == ES_TYPE_Q6_K ? 208 : 0);
         p[0] = 0;
         p[1] = 0x20;
-        if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K) { p[2] = 0; p[3] = 0xA0; }
+        if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K) { p[2] = 0; p[3] = 0xA0; }
     }
     t.data = d;
     if (es_tensor_pack(&t) < 0) { fprintf(stderr, "out of memory\n"); exit(1); }
@@ -174,8 +176,8 @@ int main(int argc, char **argv) {
 
 static int types_bench(int reps) {
     clk = CLOCK_THREAD_CPUTIME_ID;
-    const uint32_t ts[6] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
-    const char *names[6] = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+    const uint32_t ts[8] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0, ES_TYPE_Q5_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K};
+    const char *names[8] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
     const int Ns[5] = {1, 2, 5, 9, 17};
     const int64_t n = 1024;
     float *X = malloc(sizeof(float) * 17 * n), *Y = malloc(sizeof(float) * 17 * n);
@@ -184,7 +186,7 @@ static int types_bench(int reps) {
     double *tm = malloc(sizeof(double) * (size_t)reps);
     printf("simd %s, 1 thread, cache-hot 1024 x 1024, thread CPU time, median of %d\n", es_quant_simd_name(), reps);
     printf("type  packed  ns/KiB/row at N = 1, 2, 5, 9, 17        ns/256 weights/row at N = 1, 2, 5, 9, 17\n");
-    for (int ti = 0; ti < 6; ti++) {
+    for (int ti = 0; ti < 8; ti++) {
         es_tensor w = make(ts[ti], n, n);
         double kib = (double)w.nbytes / 1024, per[5];
         printf("%-5s %-6s", names[ti], w.packed ? "yes" : "no");

@@ -34,6 +34,7 @@ from typing import Iterator
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 DEFAULT_PORT = 50051
+SHUTDOWN_GRACE_S = 2.0   # `echospec serve`: seconds requests in flight get to finish on SIGINT/SIGTERM
 
 
 class Interrupted(BaseException):
@@ -208,9 +209,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(0.25)
     except Interrupted as sig:
-        print(f"echospec: {sig}: shutting down", file=sys.stderr)
+        print(f"echospec: {sig} received: stopping every service; requests in flight get "
+              f"{SHUTDOWN_GRACE_S:g} s to finish, then end with UNAVAILABLE (shutting down)",
+              file=sys.stderr)
+        stack.stop(SHUTDOWN_GRACE_S, str(sig))
+        print(f"echospec: stopped ({sig})", file=sys.stderr)
     finally:
-        stack.stop(2.0)
+        stack.stop(SHUTDOWN_GRACE_S)   # a no-op after a signal: the stack is stopped
     return 0
 
 
@@ -306,6 +311,10 @@ def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
 
     from echospec_client import ConnectError
 
+    if isinstance(exc, ConnectError) and exc.tls_mismatch:
+        fix = ("drop --tls and --tls-ca" if exc.uses_tls else
+               "add --tls (and --tls-ca CA.pem when a private CA signed its certificate)")
+        _die(f"cannot connect to {target}: {exc.tls_mismatch}: {fix}")
     if isinstance(exc, ConnectError):
         flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
         _die(f"no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the target "

@@ -403,3 +403,284 @@ def test_verifier_reports_its_resolved_engine_threads(tiny_model):
             assert core.config.n_threads == want >= 1
         finally:
             core.close()
+
+
+# -- the model's file path stays on the server -----------------------------------------------------
+
+def test_info_reports_the_model_name_not_its_path(tiny_stack):
+    # was: GetInfo.model (and the verifier's GetConfig.model) held the server's absolute file path,
+    # e.g. /home/alice/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf
+    import os
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+    from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        info = coordinator_pb2_grpc.CoordinatorServiceStub(ch).GetInfo(cpb.GetInfoRequest(),
+                                                                         timeout=10)
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        conf = verifier_pb2_grpc.VerifierServiceStub(ch).GetConfig(
+            verifier_pb2.GetConfigRequest(), timeout=10)
+    path = tiny_stack.verifier.core.config.model
+    assert os.path.isabs(path) and os.sep in path
+    assert info.model == conf.model == os.path.basename(path), (info.model, conf.model)
+    assert os.sep not in info.model and info.model.endswith(".gguf")
+
+
+# -- request bytes that are not UTF-8 (a raw gRPC client) --------------------------------------------
+
+def _raw_request(msg, marker: bytes = b"@@") -> bytes:
+    """msg's wire bytes with ``marker`` (in one string field) replaced by two bytes that are not
+    UTF-8; the length prefixes stay right."""
+    data = msg.SerializeToString()
+    assert data.count(marker) == 1
+    return data.replace(marker, b"\xff\xfe")
+
+
+def _raw_call(channel, method: str, raw, streaming_in=False, streaming_out=False):
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, True): channel.stream_stream}[(streaming_in, streaming_out)]
+    call = kind(method, request_serializer=None, response_deserializer=None)
+    out = call(iter(raw) if streaming_in else raw, timeout=30)
+    return list(out) if streaming_out else out
+
+
+@pytest.mark.parametrize("service, method, build, field", [
+    ("coordinator", "CoordinatorService/Tokenize",
+     lambda m: m.coordinator_pb2.TokenizeRequest(text="ab@@"), "text"),
+    ("coordinator", "CoordinatorService/Complete",
+     lambda m: m.coordinator_pb2.CompleteRequest(max_tokens=2, messages=[
+         m.coordinator_pb2.ChatMessage(role="user", content="hi"),
+         m.coordinator_pb2.ChatMessage(role="user", content="x@@")]), "messages[1].content"),
+    ("coordinator", "CoordinatorService/Generate",
+     lambda m: m.coordinator_pb2.GenerateRequest(text="hi", stop=["a", "@@"]), "stop[1]"),
+    ("verifier", "VerifierService/GenerateTokens",
+     lambda m: m.verifier_pb2.GenerateTokensRequest(prompt=[1, 2], draft_namespace="@@"),
+     "draft_namespace"),
+    ("draft", "DraftService/ProposeStream",
+     lambda m: m.draft_pb2.ProposeStreamRequest(append=[1, 2], k=2, draft_namespace="n@@"),
+     "draft_namespace"),
+], ids=["tokenize", "complete", "generate", "verifier", "draft-stream"])
+def test_request_bytes_that_are_not_utf8_name_the_field(tiny_stack, service, method, build, field):
+    # was: INTERNAL "Exception deserializing request!" from grpcio, naming nothing
+    import types
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2, draft_pb2, verifier_pb2
+    mods = types.SimpleNamespace(coordinator_pb2=coordinator_pb2, verifier_pb2=verifier_pb2,
+                                 draft_pb2=draft_pb2)
+    target = {"coordinator": tiny_stack.target, "verifier": tiny_stack.verifier_target,
+              "draft": tiny_stack.draft_target}[service]
+    raw = _raw_request(build(mods))
+    stream_in = method.endswith("ProposeStream")
+    stream_out = stream_in or "Generate" in method
+    with grpc.insecure_channel(target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(ch, f"/echospec.v1.{method}", [raw] if stream_in else raw, stream_in,
+                      stream_out)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert e.value.details().startswith(f"{field} is not valid UTF-8 (byte "), e.value.details()
+
+
+def test_request_bytes_that_are_not_protobuf_say_so(tiny_stack):
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(ch, "/echospec.v1.CoordinatorService/Tokenize", b"\x0a\x05ab")  # truncated
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid echospec.v1.TokenizeRequest" in e.value.details()
+        # the server still answers well-formed requests on the same channel
+        ok = _raw_call(ch, "/echospec.v1.CoordinatorService/Tokenize",
+                       cpb.TokenizeRequest(text="ab").SerializeToString())
+        assert cpb.TokenizeResponse.FromString(ok).token_ids
+
+
+# -- TLS on one side only ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tls_server(pki):
+    """A gRPC server (health only, no model) that listens with TLS; its target."""
+    from echospec.services.common import grpc_util
+    tls = grpc_util.Tls(cert=pki["a"]["cert"], key=pki["a"]["key"])
+    handle = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.VerifierService"],
+                                    tls=tls)
+    handle.server.start()
+    yield f"127.0.0.1:{handle.port}"
+    handle.stop(0).wait()
+
+
+def test_client_with_tls_against_a_plain_server_says_so(tiny_stack, pki):
+    # was: ConnectError "no coordinator reachable at ... within 30 s" after the whole wait
+    import time
+
+    from echospec_client import Client, ConnectError
+    t0 = time.monotonic()
+    with Client(tiny_stack.target, root_certificates=pki["a"]["ca"], connect_timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("hi")
+    assert time.monotonic() - t0 < 10
+    assert e.value.tls_mismatch and e.value.uses_tls
+    assert "answers in plain text, not TLS" in str(e.value) and "tls=False" in str(e.value)
+
+
+def test_plain_client_against_a_tls_server_says_so(tls_server):
+    from echospec_client import Client, ConnectError
+    with Client(tls_server, connect_timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.info()
+    assert "speaks TLS but this client connects in plain text" in str(e.value), e.value
+    assert "tls=True" in str(e.value)
+
+
+def test_cli_names_the_tls_mismatch(tiny_stack, tls_server, pki, capsys):
+    # was: "no coordinator reachable at ... within 10 s (--connect-timeout)"
+    from echospec import cli
+    for target, extra, want, fix in (
+            (tiny_stack.target, ["--tls", "--tls-ca", pki["a"]["ca"]], "answers in plain text",
+             "drop --tls and --tls-ca"),
+            (tls_server, [], "speaks TLS but this client connects in plain text", "add --tls")):
+        args = cli.parse_args(["tokenize", "hi", "--target", target, *extra])
+        with pytest.raises(SystemExit) as ei:
+            cli.cmd_tokenize(args)
+        err = capsys.readouterr().err
+        assert ei.value.code == 1 and want in err and fix in err, err
+        assert "no coordinator reachable" not in err
+
+
+def test_coordinator_names_a_tls_mismatch_with_its_verifier(tiny_stack, tls_server, pki):
+    # was: last_error "UNAVAILABLE: failed to connect to all addresses; ... Socket closed" (a TLS
+    # verifier) or "... Tls handshake failed ..." (a plain one), in GetInfo and the startup timeout
+    from echospec.services.common import grpc_util
+    from echospec.services.coordinator.pool import VerifierPool
+
+    cases = ((tls_server, None, "speaks TLS but this service connects in plain text: set tls_ca"),
+             (tiny_stack.verifier_target, grpc_util.Tls(ca=pki["a"]["ca"]),
+              "answers in plain text, not TLS, but this service connects with TLS: unset tls_ca"))
+    for target, tls, want in cases:
+        pool = VerifierPool([target], 1 << 20, tls=tls)
+        try:
+            pool.poll()
+            (b,) = pool.backends()
+            assert not b.healthy and b.last_error.startswith(f"the server at {target} "), b
+            assert want in b.last_error, b.last_error
+        finally:
+            pool.close()
+
+
+def test_verifier_names_a_tls_mismatch_with_its_draft_service(tls_server):
+    import grpc
+
+    from echospec.v1 import draft_pb2_grpc
+    from echospec.services.common import grpc_util
+    from echospec.services.verifier.draft_link import DraftLink
+    from echospec.services.verifier.generation_loop import DraftUnavailable
+
+    with grpc.insecure_channel(tls_server) as ch:
+        link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), 10,
+                         tls_mismatch=grpc_util.TlsMismatch(tls_server, None))
+        link.send_propose([1, 2, 3], 2)
+        with pytest.raises(DraftUnavailable, match="speaks TLS but this service connects"):
+            link.recv_proposal()
+        link.cancel()
+
+
+# -- a server stopped with generations in flight -------------------------------------------------------
+
+def test_stop_ends_calls_in_flight_with_unavailable_saying_why(tiny_model, caplog):
+    # was: UNAVAILABLE "Cancelling all calls" (grpcio's words) for every stream and Complete in
+    # flight, and no log line saying what stopped or what became of the calls
+    import logging
+    import threading
+    import time
+
+    import grpc
+
+    from echospec.services.coordinator.stack import start_stack
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
+    got, started = {}, threading.Barrier(3)
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+            def stream():
+                try:
+                    for i, _ in enumerate(stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000),
+                                                        timeout=60)):
+                        if i == 0:
+                            started.wait(30)
+                    got["Generate"] = "finished"
+                except grpc.RpcError as e:
+                    got["Generate"] = (e.code(), e.details())
+
+            def unary():
+                started.wait(30)
+                try:
+                    stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=8000), timeout=60)
+                    got["Complete"] = "finished"
+                except grpc.RpcError as e:
+                    got["Complete"] = (e.code(), e.details())
+
+            threads = [threading.Thread(target=f) for f in (stream, unary)]
+            for t in threads:
+                t.start()
+            started.wait(30)
+            time.sleep(0.2)   # the Complete is under way too
+            port = int(st.target.rpartition(":")[2])
+            with caplog.at_level(logging.INFO, logger="echospec.shutdown"):
+                st.stop(0.3, "SIGTERM")
+            for t in threads:
+                t.join(30)
+    finally:
+        st.stop(0)
+    for rpc in ("Generate", "Complete"):
+        code, details = got[rpc]
+        assert code == grpc.StatusCode.UNAVAILABLE, (rpc, got[rpc])
+        assert details.startswith("the coordinator service is shutting down (SIGTERM); this call "
+                                  "was still running when its 0.3 s grace period"), details
+    lines = [r.getMessage() for r in caplog.records if r.name == "echospec.shutdown"]
+    assert (f"coordinator service on port {port} stopped (SIGTERM): 2 call(s) were in flight; 0 "
+            f"finished within the 0.3 s grace period, 2 cancelled with UNAVAILABLE (shutting down)"
+            in lines), lines
+    assert any(ln.startswith("verifier service on port ") and "stopped (SIGTERM)" in ln
+               for ln in lines), lines
+
+
+def test_client_of_a_server_that_went_away_says_so(tiny_model):
+    # was: UNAVAILABLE "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: Failed
+    # to connect to remote host: Connection refused"
+    import grpc
+
+    from echospec.services.coordinator.stack import start_stack
+    from echospec_client import Client, ClientError
+
+    st = start_stack(tiny_model(), n_ctx=256, n_threads=1)
+    try:
+        c = Client(st.target, connect_timeout=10)
+        assert c.tokenize("ab")
+    finally:
+        st.stop(0)
+    with c:
+        with pytest.raises(ClientError) as e:
+            c.tokenize("ab")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details.startswith(f"the server at {st.target} went away"), e.value.details
+
+
+def test_a_generation_ending_after_the_verifier_closed_gives_its_session_back_quietly(tiny_model):
+    # was (seen once in a stop with generations in flight): an EngineError "session is closed"
+    # traceback from the generation's thread, which released its session after close()
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.verifier.sessions import VerifierCore
+
+    core = VerifierCore(VerifierConfig(model=tiny_model(), n_ctx=64, n_threads=1))
+    session, _ = core.acquire([1, 2, 3])
+    core.close()
+    core.release(session, [1, 2])   # no EngineError
+    assert core.active_sessions == 0

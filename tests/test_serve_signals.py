@@ -112,12 +112,19 @@ def test_sigterm_at_any_moment_leaves_nothing_running(model, processes, delay_s)
         return   # ended before its handlers were installed: nothing had been started
     assert rc == 0, err
     assert "Traceback" not in err, err
+    if delay_s is None:   # a running stack says what stops, why, and what became of the calls
+        assert "echospec: SIGTERM received: stopping every service; requests in flight get 2 s" \
+            in err, err
+        assert "echospec: stopped (SIGTERM)" in err, err
+        for name, port in zip(("coordinator", "verifier", "draft"), ports):
+            assert f"{name} service on port {port} stopped (SIGTERM): no call was in flight" \
+                in err, err
 
 
 def test_sigint_after_listening_with_processes(model):
     rc, err, left, ports = run_and_signal(model, True, None, signal.SIGINT)
     assert (rc, left) == (0, []), err
-    assert "SIGINT: shutting down" in err
+    assert "SIGINT received: stopping every service" in err and "stopped (SIGINT)" in err, err
 
 
 def test_a_failed_start_still_exits_non_zero(tmp_path):

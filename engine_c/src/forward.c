@@ -27,7 +27,9 @@
 #include "quant.h"
 
 #define EARLY_KV_PREFETCH (64 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
+#ifndef KV_PF_AHEAD
 #define KV_PF_AHEAD 2       /* attention: a unit asks for the block this many ahead of the one it computes */
+#endif
 #define KS_UNITS_PER_THREAD 8   /* key split: chunks of blocks aim at about this many units a thread */
 
 /* ---- small row kernels (fixed 8-lane accumulation order) ---------------- */
@@ -461,14 +463,20 @@ static void block_partial(int nq, const float *const *qp, const int *nv, float *
     for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
         for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
         const uint16_t *vc = vb + d0;
-        int k = 0;
-        for (; k + AXPY_Q <= nq; k += AXPY_Q) {
-            int lo = nv[k];
-            axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0);
-            for (int j = k; j < k + AXPY_Q; j++)
+        /* groups of AXPY_Q, the last one smaller (GQA groups of 2, as in
+         * Qwen3, then read each V row once for both queries) */
+        for (int k = 0; k < nq; k += AXPY_Q) {
+            int nj = nq - k < AXPY_Q ? nq - k : AXPY_Q, lo = nv[k];
+            switch (nj) {
+            case 1: axpy_qd(1, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+#if AXPY_Q > 2
+            case 2: axpy_qd(2, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+#endif
+            default: axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+            }
+            for (int j = k + 1; j < k + nj; j++)
                 if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
         }
-        for (; k < nq; k++) axpy_qd(1, op + k, ap + k, 0, nv[k], vc, (size_t)hd, 0);
     }
 }
 

@@ -492,17 +492,38 @@ FKERNEL(k_f32, ES_TYPE_F32)
 FKERNEL(k_f16, ES_TYPE_F16)
 FKERNEL(k_bf16, ES_TYPE_BF16)
 
-/* The block scale of the contract's step 1 from the lane maxima m of |x|:
- * d = amax / 127 and *id = 1 / d (0 when d is 0). */
+/* The block scale of the contract's step 1 from the lane maxima m of |x|
+ * (never NaN: max keeps the running maximum when |x| is NaN): d = amax /
+ * 127 and *id = 1 / d (0 when d is 0). The maximum of the 8 lanes in any
+ * order is the same value. */
 static inline float act_scale8(__m256 m, float *id) {
-    float t[8];
-    _mm256_storeu_ps(t, m);
-    float amax = 0.0f;
-    for (int i = 0; i < 8; i++)
-        if (t[i] > amax) amax = t[i];
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_movehdup_ps(v));
+    float amax = _mm_cvtss_f32(v);
     float d = amax / 127.0f;
     *id = d != 0.0f ? 1.0f / d : 0.0f;
     return d;
+}
+
+/* The low byte of each int32 of q0..q3 (a truncation, like (int8_t) and
+ * AVX-512's vpmovdb), the 32 bytes in order. */
+static inline __m256i low_bytes32(__m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+    const __m256i lo = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    /* per 128-bit lane: dword 0 = bytes of q0, dword 1 of q1 (shifted), ... */
+    __m256i b = _mm256_or_si256(
+        _mm256_or_si256(_mm256_shuffle_epi8(q0, lo), _mm256_slli_si256(_mm256_shuffle_epi8(q1, lo), 4)),
+        _mm256_or_si256(_mm256_slli_si256(_mm256_shuffle_epi8(q2, lo), 8), _mm256_slli_si256(_mm256_shuffle_epi8(q3, lo), 12)));
+    /* dwords (q0 lo, q1 lo, q2 lo, q3 lo, q0 hi, q1 hi, q2 hi, q3 hi) to (q0 lo, q0 hi, q1 lo, ...) */
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline int32_t hsum8(__m256i v) {
+    __m128i w = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    w = _mm_add_epi32(w, _mm_shuffle_epi32(w, 0x4E));
+    w = _mm_add_epi32(w, _mm_shuffle_epi32(w, 0xB1));
+    return _mm_cvtsi128_si32(w);
 }
 
 /* Activation quantization (contract step 1), 32 elements per step. */
@@ -519,14 +540,13 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
         }
         float id, d = act_scale8(m, &id);
         __m256 vid = _mm256_set1_ps(id);
-        int32_t q[32];
-        for (int i = 0; i < 4; i++)
-            _mm256_storeu_si256((__m256i *)(void *)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], vid)));
-        int32_t sum = 0;
-        for (int i = 0; i < 32; i++) {
-            g->qs[(i / 4) * 64 + jj * 4 + i % 4] = (int8_t)q[i];
-            sum += q[i];
-        }
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], vid));
+        /* integer sums are exact, so any order */
+        int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        uint32_t w[8];
+        _mm256_storeu_si256((__m256i *)(void *)w, low_bytes32(q[0], q[1], q[2], q[3]));
+        for (int k = 0; k < 8; k++) memcpy(g->qs + 64 * k + 4 * jj, &w[k], 4);
         es_q8_set_block(g, jj, d, sum);
     }
     return 1;
@@ -548,11 +568,7 @@ int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_bloc
             __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);   /* the 16 values in order */
             _mm_storeu_si128((__m128i *)(void *)(b->qs + 16 * h),
                              _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1)));
-            __m256i v = _mm256_add_epi32(q0, q1);
-            __m128i w = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            w = _mm_add_epi32(w, _mm_shuffle_epi32(w, 0x4E));
-            w = _mm_add_epi32(w, _mm_shuffle_epi32(w, 0xB1));
-            b->s16[h] = (int16_t)_mm_cvtsi128_si32(w);
+            b->s16[h] = (int16_t)hsum8(_mm256_add_epi32(q0, q1));
         }
         for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
         b->d = d;
@@ -707,11 +723,13 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
  *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
  *         and 16..31 stay apart for their two scales) */
 #define PSEG_K 8   /* super-block records per segment: 18 KB (Q4_K) to 27 KB (Q6_K) */
-/* Most activation rows per tile of the K types (an int16 and an int32 sum
- * and the accumulator of each row in registers): the driver's tiles. Two
- * sub-tiles of a 6-row tile instead were slower at N = 9 (kernel_bench
- * types, Q6_K): each pass re-makes the weight vectors. */
-#define KTILE 3
+/* Most activation rows per tile of the K types: the driver's tiles. Per
+ * row an int16 and an int32 sum stay in registers through a super-block
+ * (10 ymm for 5 rows; the float accumulators are touched once per
+ * super-block and may live in memory), so a verify's 5 rows take one pass
+ * and the weight vectors are made once (kernel_bench types: 3-row tiles,
+ * 3 + 2 passes at N = 5, were 8-14 % slower there). */
+#define KTILE 5
 #undef PTILE_OF
 #define PTILE_OF(type) ((type) == ES_TYPE_Q4_K || (type) == ES_TYPE_Q5_K || (type) == ES_TYPE_Q6_K ? KTILE : PTILE)
 

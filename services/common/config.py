@@ -233,6 +233,13 @@ def check_ranges(cfg) -> None:
                                  + (">= 0" if f.name == "grace_s" else "> 0"))
 
 
+def model_name(path: str) -> str:
+    """The name a service reports for its model: the GGUF file name without its directories
+    ("SmolLM2-135M-Instruct.Q4_1.gguf"). The full path stays in the server's own logs: a
+    client has no use for the server's file layout and should not learn it."""
+    return os.path.basename(str(path).rstrip("/\\")) or str(path)
+
+
 def default_engine_threads() -> int:
     """Engine threads when none are set: the CPUs this process may run on, less one (at least 1).
 

@@ -14,9 +14,14 @@ Security (both optional, see ``Tls`` and ``ApiKeyAuth``): a server with a certif
 TLS only (and with a client CA demands client certificates: mTLS, for the internal ports); a server
 with an API key refuses service RPCs without ``authorization: Bearer <key>`` with UNAUTHENTICATED,
 while health and reflection stay open for probes.
+
+A request whose bytes do not parse (a string field that is not UTF-8, from a raw client) gets
+INVALID_ARGUMENT naming the field (``DecodeErrors``), not grpcio's INTERNAL.
 """
 from __future__ import annotations
 
+import logging
+import math
 import signal
 import threading
 import time
@@ -109,6 +114,77 @@ class ApiKeyAuth(grpc.ServerInterceptor):
                          f"{why}: send metadata `authorization: Bearer <key>`")
 
 
+class _Undecodable:
+    """What the lenient deserializer returns for bytes protobuf refused: the client's message."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class DecodeErrors(grpc.ServerInterceptor):
+    """Answer a request whose bytes protobuf cannot parse with INVALID_ARGUMENT naming the field
+    (services/common/wire.py: "messages[0].content is not valid UTF-8 ..."), not grpcio's
+    INTERNAL "Exception deserializing request!".
+
+    grpcio deserializes before any handler runs, so this swaps the method's deserializer for one
+    that returns an ``_Undecodable`` instead of raising, and the behaviour aborts on it. Both are
+    public: the handler's ``request_deserializer`` and ``grpc.*_rpc_method_handler``. It is the
+    innermost interceptor: the others wrap its behaviour and keep its deserializer."""
+
+    def __init__(self, prefix: str = "/echospec."):
+        self.prefix = prefix
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.request_deserializer is None or \
+                not method.startswith(self.prefix):
+            return handler
+        desc = _input_descriptor(method)
+        if desc is None:
+            return handler
+        from echospec.services.common import wire
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:   # protobuf's DecodeError; any refusal is the request's fault
+                return _Undecodable(wire.explain(desc, bytes(data), exc))
+
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        behavior = getattr(handler, kind)
+        if handler.request_streaming:
+            def requests_of(iterator, context):
+                for request in iterator:
+                    if isinstance(request, _Undecodable):
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    yield request
+
+            def checked(iterator, context):
+                return behavior(requests_of(iterator, context), context)
+        else:
+            def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return behavior(request, context)
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(checked, request_deserializer=lenient,
+                    response_serializer=handler.response_serializer)
+
+
+def _input_descriptor(method: str):
+    """The request message descriptor of "/package.Service/Method" (None when the default
+    descriptor pool does not know it)."""
+    from google.protobuf import descriptor_pool
+    service, _, name = method.lstrip("/").partition("/")
+    try:
+        return descriptor_pool.Default().FindMethodByName(f"{service}.{name}").input_type
+    except KeyError:
+        return None
+
+
 @dataclass(frozen=True)
 class Tls:
     """TLS settings of one service: PEM file paths, "" for none.
@@ -178,6 +254,10 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         self.metrics = metrics      # metrics.RpcMetrics or None
         self._lock = threading.Lock()
         self.active = 0
+        # set by ServerHandle.stop when the grace period ends: every stream still running ends
+        # with UNAVAILABLE and this message at its next message (Shutdown.check in servicers
+        # that run long unary calls)
+        self.shutdown = Shutdown()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -219,10 +299,17 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
                 if not context.add_callback(release):
                     release()
                 error = True
+                messages = None
                 try:
-                    yield from behavior(request, context)
+                    messages = behavior(request, context)
+                    for message in messages:
+                        self.shutdown.check(context)
+                        yield message
                     error = False
                 finally:
+                    close = getattr(messages, "close", None)
+                    if close is not None:   # a generator left early: run its cleanup now
+                        close()
                     release(error)
             return stream
 
@@ -258,6 +345,25 @@ def status_name(context: grpc.ServicerContext, error: bool = False) -> str:
     return "UNKNOWN" if error else "OK"
 
 
+class Shutdown:
+    """The message calls still running at the end of a server's grace period get: ``check``
+    aborts the calling RPC with UNAVAILABLE and it once ``message`` is set (ServerHandle.stop).
+    Stream handlers are checked between messages by ConcurrencyLimit; a servicer with a long
+    unary call (the coordinator's Complete) calls ``check`` itself as its work advances."""
+
+    def __init__(self):
+        self.message = ""
+
+    def check(self, context: grpc.ServicerContext) -> None:
+        """Abort the RPC of ``context`` with UNAVAILABLE when the server is cancelling its calls."""
+        if self.message:
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.message)
+
+
+CANCEL_WINDOW_S = 0.5   # after the grace period: time for streams to end with the shutdown message
+_stop_log = logging.getLogger("echospec.shutdown")
+
+
 class PortInUseError(RuntimeError):
     """The server could not bind host:port (taken or not permitted)."""
 
@@ -288,6 +394,46 @@ def channel(target: str, max_message_bytes: int, tls: Tls | None = None) -> grpc
     if creds is not None:
         return grpc.secure_channel(target, creds, options=channel_options(max_message_bytes))
     return grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+
+
+class TlsMismatch:
+    """Why a channel to ``target`` does not connect, when the cause is likely TLS on one side
+    only: the service's own channel uses TLS exactly when ``tls.ca`` is set (``channel``), and
+    a probe (echospec_client/tls_probe.py: one TCP connection and ClientHello) asks what the
+    peer speaks. The probe runs at most once per ``every_s`` seconds; ``hint`` returns the last
+    answer in between, so a poll loop can call it on every failure."""
+
+    def __init__(self, target: str, tls: "Tls | None", every_s: float = 10.0,
+                 timeout_s: float = 1.0):
+        self.target = target
+        self.uses_tls = bool(tls is not None and tls.ca)
+        self.every_s = every_s
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._hint = ""
+
+    def hint(self, code: grpc.StatusCode | None = None) -> str:
+        """"" or "the server at X speaks TLS but this service connects in plain text: set
+        tls_ca ..." (or the reverse); a status code other than UNAVAILABLE gives "" without a
+        probe (the peer answered, so the protocols match)."""
+        if code is not None and code != grpc.StatusCode.UNAVAILABLE:
+            return ""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at < self.every_s:
+                return self._hint
+            self._at = now
+        from echospec_client import tls_probe
+        found = tls_probe.mismatch(self.target, self.uses_tls, self.timeout_s)
+        if found:
+            found = found.replace("this client", "this service") + (
+                ": unset tls_ca (--tls-ca / ECHOSPEC_TLS_CA) or serve it with TLS"
+                if self.uses_tls else
+                ": set tls_ca (--tls-ca / ECHOSPEC_TLS_CA) to the CA that signed its certificate")
+        with self._lock:
+            self._hint = found
+        return found
 
 
 @dataclass
@@ -325,18 +471,68 @@ class ServerHandle:
         for name in ("",) + self.service_names:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def stop(self, grace_s: float) -> threading.Event:
-        """NOT_SERVING, then stop accepting RPCs and drain for grace_s seconds.
+    @property
+    def name(self) -> str:
+        """The service's short name: "coordinator" for echospec.v1.CoordinatorService."""
+        if not self.service_names:
+            return "server"
+        return self.service_names[0].rpartition(".")[2].removesuffix("Service").lower() or "server"
 
-        Returns the event set when the server has fully stopped.
+    def stop(self, grace_s: float, reason: str = "") -> threading.Event:
+        """NOT_SERVING, stop accepting RPCs, let the calls in flight finish for grace_s seconds,
+        then end the rest with UNAVAILABLE and a message saying the server is shutting down and
+        why (not grpcio's bare "Cancelling all calls"); one log line says what stopped, why and
+        how many calls finished or were cancelled.
+
+        Args:
+            grace_s: seconds the calls in flight get to finish (0: cancel them at once).
+            reason: why it stops, for the message and the log ("SIGTERM"; "" says "stopped").
+        Returns:
+            The event set when the server has fully stopped (at most grace_s + CANCEL_WINDOW_S
+            seconds from now when calls were in flight).
         """
         self.set_not_serving()
-        done = self.server.stop(grace_s)
+        why = reason or "stopped"
+        in_flight = self.limit.active
+        message = (f"the {self.name} service is shutting down ({why}); this call was still "
+                   f"running when its {grace_s:g} s grace period for calls in flight ended and "
+                   f"is cancelled: send it again once the service is back, or to another one")
+        if grace_s > 0 and in_flight:
+            stopped = self.server.stop(grace_s + CANCEL_WINDOW_S)
+            done = threading.Event()   # set once the server stopped and the line is logged
+            threading.Thread(target=self._drain,
+                             args=(grace_s, why, in_flight, message, stopped, done),
+                             name=f"{self.name}-drain", daemon=True).start()
+        else:
+            self.limit.shutdown.message = message
+            done = self.server.stop(grace_s)
+            _stop_log.log(logging.WARNING if in_flight else logging.INFO,
+                          "%s service on port %d stopped (%s): %s", self.name, self.port, why,
+                          f"{in_flight} call(s) in flight cancelled at once (no grace period)"
+                          if in_flight else "no call was in flight")
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
             self.metrics_http = None
         return done
+
+    def _drain(self, grace_s: float, why: str, in_flight: int, message: str,
+               stopped: threading.Event, done: threading.Event) -> None:
+        """Wait for the calls in flight for grace_s, then cancel the rest with ``message``; log
+        the outcome and set ``done`` once the server has ``stopped``."""
+        deadline = time.monotonic() + grace_s
+        while self.limit.active and time.monotonic() < deadline and not stopped.is_set():
+            time.sleep(0.02)
+        left = self.limit.active
+        if left:
+            self.limit.shutdown.message = message
+        stopped.wait()   # grpcio cancels what is left CANCEL_WINDOW_S after the grace period
+        _stop_log.log(logging.WARNING if left else logging.INFO,
+                      "%s service on port %d stopped (%s): %d call(s) were in flight; %d "
+                      "finished within the %g s grace period%s", self.name, self.port, why,
+                      in_flight, in_flight - left, grace_s,
+                      f", {left} cancelled with UNAVAILABLE (shutting down)" if left else "")
+        done.set()
 
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
@@ -373,7 +569,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     creds = tls.server_credentials() if tls is not None else None   # ValueError before binding
-    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else [])
+    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else []) + [DecodeErrors()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=message_options(max_message_bytes)
@@ -398,10 +594,13 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
 
 
 def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
-    """Block until SIGINT/SIGTERM, then stop gracefully (main thread only)."""
+    """Block until SIGINT/SIGTERM, then stop gracefully (main thread only): calls in flight get
+    grace_s seconds, the rest end with UNAVAILABLE naming the signal (ServerHandle.stop)."""
     done = threading.Event()
+    received = []
 
     def _on_signal(signum, frame):  # noqa: ARG001
+        received.append(signal.Signals(signum).name)
         done.set()
 
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -411,7 +610,10 @@ def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        handle.stop(grace_s).wait()
+        why = received[0] if received else "stopped"
+        _stop_log.info("%s service on port %d: %s received, stopping (calls in flight get %g s)",
+                       handle.name, handle.port, why, grace_s)
+        handle.stop(grace_s, why).wait()
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):

@@ -89,6 +89,7 @@ class _Entry:
     config: Any = None             # the last GetConfigResponse
     sources: set = field(default_factory=set)   # the targets that list this address
     removed: bool = False
+    tls_mismatch: Any = None       # grpc_util.TlsMismatch of this address
 
 
 class Lease:
@@ -176,7 +177,8 @@ class VerifierPool:
                 if e is None:
                     ch = grpc_util.channel(addr, self._max_message_bytes, self._tls)
                     e = _Entry(Backend(addr, last_error="not polled yet"), ch,
-                               verifier_pb2_grpc.VerifierServiceStub(ch), health_pb2_grpc.HealthStub(ch))
+                               verifier_pb2_grpc.VerifierServiceStub(ch), health_pb2_grpc.HealthStub(ch),
+                               tls_mismatch=grpc_util.TlsMismatch(addr, self._tls))
                     self._entries[addr] = e
                     log.info("verifier %s joined (%s)", addr, ", ".join(sorted(srcs)))
                     self._wake.set()
@@ -216,6 +218,9 @@ class VerifierPool:
             except (grpc.RpcError, _NotServing) as exc:
                 why = exc.args[0] if isinstance(exc, _NotServing) else \
                     f"{exc.code().name}: {exc.details()}"
+                hint = "" if isinstance(exc, _NotServing) else e.tls_mismatch.hint(exc.code())
+                if hint:
+                    why = f"{hint} ({why})"
                 with self._lock:
                     if b.healthy:
                         log.warning("verifier %s is unhealthy (%s)", b.address, why)

@@ -36,10 +36,11 @@ class CoordinatorServer:
         """The bound /metrics port (0: metrics off)."""
         return self.handle.metrics_port
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, drain for grace_s, stop /metrics, close the verifier pool."""
+    def stop(self, grace_s: float | None = None, reason: str = "") -> None:
+        """NOT_SERVING, drain for grace_s (then UNAVAILABLE naming ``reason`` for the calls
+        left, grpc_util.ServerHandle.stop), stop /metrics, close the verifier pool."""
         g = self.servicer.config.grace_s if grace_s is None else grace_s
-        self.handle.stop(g).wait()
+        self.handle.stop(g, reason).wait()
         self.pool.close()
 
 
@@ -112,6 +113,7 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         tokenizer = Tokenizer(meta)
         template = ChatTemplate.from_metadata(meta)
         servicer = CoordinatorServicer(config, tokenizer, template, pool, metrics)
+        servicer.shutdown = handle.limit.shutdown
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
         handle.server.start()
         pool.start()
@@ -122,8 +124,8 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
             pool.close()
         raise
     handle.set_serving()
-    log.info("coordinator listening on %s:%d (verifiers %s: %s, spec default %s, %s, %s)",
-             config.host, handle.port, " ".join(verifier_targets(config)),
+    log.info("coordinator listening on %s:%d (model %s, verifiers %s: %s, spec default %s, %s, "
+             "%s)", config.host, handle.port, config.model, " ".join(verifier_targets(config)),
              " ".join(pool.addresses()), "on" if config.spec else "off",
              "TLS" if config.tls_cert else "plain text",
              "API key required" if config.api_key else "no API key")

@@ -32,7 +32,7 @@ import grpc
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.common import grpc_util
 from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
-from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord
 from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
@@ -184,6 +184,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.metrics = metrics if metrics is not None else PromMetrics()
         self.digit_tokens = digit_tokens(tokenizer)
         self.line_break_tokens = line_break_tokens(tokenizer) if self.digit_tokens else []
+        self.shutdown = grpc_util.Shutdown()   # the server's (start() sets it)
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self) -> verifier_pb2.GetConfigResponse:
@@ -295,6 +296,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     rec.cached_tokens = ev.counters.cached_prompt_tokens
                 else:   # counted as they go out, so a cancelled or failed stream reports them too
                     rec.tokens_out += len(ev.token_ids)
+                    # past the server's grace period at shutdown: UNAVAILABLE saying so (Complete
+                    # too, whose unary handler the server's stream check does not see)
+                    self.shutdown.check(context)
                 yield ev
             error = False
         finally:
@@ -444,7 +448,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_sessions=b.max_sessions, free_kv_tokens=b.free_kv_tokens, in_flight=b.in_flight,
             last_error=b.last_error) for b in self.pool.backends()]
         return coordinator_pb2.GetInfoResponse(
-            model=cfg.model, spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
+            model=model_name(cfg.model), spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
             max_tokens_default=cfg.max_tokens,
             verifier_target=",".join(s.address for s in statuses),
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses)

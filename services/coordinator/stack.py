@@ -96,8 +96,10 @@ class Stack:
             if handle is not None:
                 handle.stop(0).wait()
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Stop gateway, coordinator, then verifier, then draft (graceful). Idempotent."""
+    def stop(self, grace_s: float = 1.0, reason: str = "") -> None:
+        """Stop gateway, coordinator, then verifier, then draft (graceful: calls in flight get
+        grace_s seconds, then end with UNAVAILABLE naming ``reason``, e.g. "SIGTERM"; in process
+        mode each child gets SIGTERM, which names itself). Idempotent."""
         if self.processes:
             for name in ("gateway", "coordinator", "verifier", "draft"):
                 p = self._procs.pop(name, None)
@@ -114,13 +116,13 @@ class Stack:
             g.stop(grace_s)
         c = self._servers.pop("coordinator", None)
         if c is not None:
-            c.stop(grace_s)
+            c.stop(grace_s, reason)
         v = self._servers.pop("verifier", None)
         if v is not None:
-            v.stop(grace_s)
+            v.stop(grace_s, reason)
         d = self._servers.pop("draft", None)
         if d is not None:
-            d[0].stop(grace_s).wait()
+            d[0].stop(grace_s, reason).wait()
 
 
 def _free_port(host: str) -> int:

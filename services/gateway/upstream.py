@@ -99,7 +99,8 @@ class Upstream:
                                                    metadata=self._metadata(request_id)))
 
     async def model_id(self) -> str:
-        """config.model_name, else the stem of the coordinator's GGUF file name (GetInfo, once).
+        """config.model_name, else the stem of the coordinator's GGUF file name (GetInfo, once;
+        the stem of a path too, from a coordinator that reported one).
         Raises UpstreamError."""
         if self.config.model_name:
             return self.config.model_name

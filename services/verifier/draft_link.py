@@ -20,11 +20,15 @@ class DraftLink:
 
     Args:
         stub: DraftServiceStub. timeout: the generation's deadline in seconds (None: none).
+        tls_mismatch: a grpc_util.TlsMismatch of the draft target, or None: an unreachable
+            draft service is then reported with the likely cause when TLS is on one side only.
     """
 
     def __init__(self, stub: Any, timeout: float | None, min_n: int = 0, max_n: int = 0,
                  prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
-                 draft_namespace: str = "", line_break_tokens: list[int] | None = None):
+                 draft_namespace: str = "", line_break_tokens: list[int] | None = None,
+                 tls_mismatch: Any = None):
+        self._tls_mismatch = tls_mismatch
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n, self._max_n = min_n, max_n
@@ -62,8 +66,9 @@ class DraftLink:
             self.last_source = resp.source
             return list(resp.draft)
         except grpc.RpcError as exc:
-            raise DraftUnavailable(f"draft service unreachable ({exc.code().name}:"
-                                   f" {exc.details()})") from None
+            hint = self._tls_mismatch.hint(exc.code()) if self._tls_mismatch is not None else ""
+            raise DraftUnavailable(f"draft service unreachable ({hint + '; ' if hint else ''}"
+                                   f"{exc.code().name}: {exc.details()})") from None
         except StopIteration:
             raise DraftUnavailable("draft service ended the stream") from None
 

@@ -33,11 +33,12 @@ class VerifierServer:
             if n:
                 log.info("freed %d idle unary sessions", n)
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING, drain streams, free every session and the model."""
+    def stop(self, grace_s: float | None = None, reason: str = "") -> None:
+        """Graceful stop: NOT_SERVING, drain streams (then UNAVAILABLE naming ``reason`` for the
+        calls left, grpc_util.ServerHandle.stop), free every session and the model."""
         self._stop.set()
         g = self.core.config.grace_s if grace_s is None else grace_s
-        self.handle.stop(g).wait()
+        self.handle.stop(g, reason).wait()
         self.core.close()
 
 
@@ -48,9 +49,11 @@ def _draft_opener(config: VerifierConfig):
     from echospec.v1 import draft_pb2_grpc
     from echospec.services.verifier.draft_link import DraftLink
 
+    tls = grpc_util.Tls.of(config)
     stub = draft_pb2_grpc.DraftServiceStub(
-        grpc_util.channel(config.draft_target, config.max_message_bytes, grpc_util.Tls.of(config)))
-    return lambda timeout, **setup: DraftLink(stub, timeout, **setup)
+        grpc_util.channel(config.draft_target, config.max_message_bytes, tls))
+    mismatch = grpc_util.TlsMismatch(config.draft_target, tls)
+    return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch, **setup)
 
 
 def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from echospec.services.common.config import model_name
 from echospec.services.common.engine import simd_name
 from echospec.services.verifier.generation_loop import GenerationRequest, RoundEvent, check, run_generation
 from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome,
@@ -89,7 +90,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         core = self._core(context)
         cfg = core.config
         return verifier_pb2.GetConfigResponse(
-            model=cfg.model, arch=core.model.info.arch, n_vocab=core.n_vocab, n_ctx=cfg.n_ctx,
+            model=model_name(cfg.model), arch=core.model.info.arch, n_vocab=core.n_vocab, n_ctx=cfg.n_ctx,
             n_threads=cfg.n_threads, batch_max=cfg.batch_max, kv_eviction="none",
             sparse_attention=False, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
             active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,

@@ -365,8 +365,11 @@ class VerifierCore:
                 them are rolled back first); None: free it (state unknown).
         """
         keep = kv_tokens is not None and len(kv_tokens) > 0
-        if keep and session.n_past > len(kv_tokens):
-            session.rollback(len(kv_tokens))
+        try:
+            if keep and session.n_past > len(kv_tokens):
+                session.rollback(len(kv_tokens))
+        except EngineError:   # close() freed it meanwhile: a generation that outlived a stop
+            keep = False
         with self._lock:
             self._gen_active -= 1
             evicted = self.prefix_cache.put(session, kv_tokens) if keep else [session]

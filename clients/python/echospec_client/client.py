@@ -17,7 +17,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, fields
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Iterator, Mapping, NoReturn, Sequence, Union
 
 import grpc
 
@@ -142,7 +142,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Info:
-    """The coordinator's configuration (GetInfo)."""
+    """The coordinator's configuration (GetInfo). model: the GGUF file name (the server does
+    not tell its path)."""
 
     model: str
     spec_default: bool
@@ -164,20 +165,41 @@ class ClientError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, exc: grpc.RpcError) -> "ClientError":
-        return cls(exc.code(), exc.details() or "")
+    def from_rpc_error(cls, exc: grpc.RpcError, target: str = "") -> "ClientError":
+        """The error of a failed call; a call that could not reach ``target`` any more (the
+        server stopped or restarted after this client connected) says so before grpcio's
+        "failed to connect to all addresses; ..."."""
+        details = exc.details() or ""
+        if target and exc.code() == grpc.StatusCode.UNAVAILABLE and \
+                details.startswith("failed to connect"):
+            details = (f"the server at {target} went away: nothing accepts connections there "
+                       f"now (stopped or restarting?); grpc: {details}")
+        return cls(exc.code(), details)
 
 
 class ConnectError(ClientError):
     """No connection to the target within the wait (`waited_s` seconds). `bound` names what
-    limited the wait: "connect_timeout" or "timeout" (the call's own timeout was shorter)."""
+    limited the wait: "connect_timeout" or "timeout" (the call's own timeout was shorter).
 
-    def __init__(self, target: str, waited_s: float, bound: str):
-        super().__init__(grpc.StatusCode.UNAVAILABLE,
-                         f"no coordinator reachable at {target} within {waited_s:g} s")
+    `tls_mismatch` is "" or why the connection likely failed: the server speaks TLS and this
+    client plain text, or the other way round (tls_probe.py; then `waited_s` is the time until
+    the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS."""
+
+    def __init__(self, target: str, waited_s: float, bound: str, tls_mismatch: str = "",
+                 uses_tls: bool = False):
+        if tls_mismatch:
+            fix = ("connect without TLS (tls=False, no root_certificates)" if uses_tls else
+                   "connect with TLS (tls=True, or root_certificates= the CA's PEM for a "
+                   "private CA)")
+            message = f"cannot connect to {target}: {tls_mismatch}; {fix}"
+        else:
+            message = f"no coordinator reachable at {target} within {waited_s:g} s"
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
         self.target = target
         self.waited_s = waited_s
         self.bound = bound
+        self.tls_mismatch = tls_mismatch
+        self.uses_tls = uses_tls
 
 
 MessageLike = Union[Message, Mapping[str, str]]
@@ -301,20 +323,46 @@ class Client:
         self._wait(wait, "connect_timeout" if timeout is None else "timeout", force=True)
 
     def _wait(self, wait: float | None, bound: str, force: bool = False) -> None:
-        """Wait for the connection with a GetInfo call that waits for the channel to be ready
-        (any answer, an error status included, means the server is there). Done on a client's
-        first call only: later calls on a lost connection fail at once with UNAVAILABLE.
+        """Wait for the connection with a GetInfo call (any answer, an error status included,
+        means the server is there). Done on a client's first call only: later calls on a lost
+        connection fail at once with UNAVAILABLE.
+
+        The first attempt does not wait for the channel to be ready: when it fails with
+        UNAVAILABLE and a TLS probe finds the server speaking the other protocol (a TLS client
+        and a plain-text server, or the reverse), ConnectError says so at once. Otherwise a
+        second call waits for the channel (the server may be starting) for the rest of `wait`.
         (Not grpc.channel_ready_future: its polling thread can outlive the channel and print
         an exception when the process exits right after.)"""
         if self._connected and not force:
             return
+        t0 = time.monotonic()
         try:
             self._stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=wait,
-                               wait_for_ready=True, metadata=self._metadata)
+                               metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ConnectError(self.target, wait, bound) from None
+                self._connect_failed(wait, bound)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._check_tls_mismatch(time.monotonic() - t0, bound)
+                left = None if wait is None else max(0.001, wait - (time.monotonic() - t0))
+                try:
+                    self._stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=left,
+                                       wait_for_ready=True, metadata=self._metadata)
+                except grpc.RpcError as again:
+                    if again.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self._connect_failed(wait, bound)
         self._connected = True
+
+    def _check_tls_mismatch(self, waited_s: float, bound: str) -> None:
+        """Raise ConnectError when the server likely speaks the other protocol (TLS or not)."""
+        from echospec_client import tls_probe
+        hint = tls_probe.mismatch(self.target, self.tls, timeout_s=2.0)
+        if hint:
+            raise ConnectError(self.target, round(waited_s, 3), bound, hint, self.tls)
+
+    def _connect_failed(self, wait: float | None, bound: str) -> NoReturn:
+        self._check_tls_mismatch(wait or 0.0, bound)
+        raise ConnectError(self.target, wait, bound) from None
 
     def _begin(self, timeout: float | None) -> float | None:
         """Wait for the connection within the call's budget; return the seconds left for the
@@ -364,7 +412,7 @@ class Client:
         try:
             resp = self._stub.Complete(req, timeout=left, metadata=self._md(request_id))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc) from None
+            raise ClientError.from_rpc_error(exc, self.target) from None
         return Result.from_proto(resp.result, wall_s=time.perf_counter() - t0)
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[MessageLike] | None = None,
@@ -400,7 +448,7 @@ class Client:
                                                ttft_s=ttft)
                 yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result)
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc) from None
+            raise ClientError.from_rpc_error(exc, self.target) from None
         finally:
             call.cancel()   # a no-op when the stream ended; frees the generation otherwise
 
@@ -436,7 +484,7 @@ class Client:
         try:
             return getattr(self._stub, rpc)(request, timeout=left, metadata=self._md(None))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc) from None
+            raise ClientError.from_rpc_error(exc, self.target) from None
 
 
 # ---- request building -----------------------------------------------------------------
