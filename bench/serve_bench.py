@@ -14,6 +14,11 @@ What it measures (greedy, speculation off unless said otherwise):
                     alternating order, the 8 prompts one at a time on the first and all 8 at
                     once on the second, seconds apart. ratio = 8-at-once tok/s / one-at-a-time
                     tok/s of the same pair; median_ratio over the pairs (0 pairs: skipped).
+                    Each pair also runs the same work on the engine alone (engine_pairs: the
+                    prompts one at a time, prefill then a forward per token, against all of
+                    them at once, one es_forward_batch per step), on the batch_max 8 stack's
+                    own loaded model and threads: engine_median_ratio is the most the stack
+                    could reach at that minute, stack_share = median_ratio / engine_median_ratio.
     plain decode    the stack's greedy decode rate against the engine's own on the same
                     prompt, threads and loaded model, in the same run, alternated over --rounds
                     rounds (the engine is driven in this process through services.common.engine,
@@ -184,7 +189,9 @@ def paired(path: str, args) -> dict:
                 t.join()
             return runs
 
-        pairs = []
+        core = stacks[n].verifier.core
+        eng = EngineBatch(core.model, core.config.n_threads, args.n_ctx)
+        pairs, eng_pairs = [], []
         for k in range(args.pairs):
             got = {}
             for f in ((one_at_a_time, at_once) if k % 2 == 0 else (at_once, one_at_a_time)):
@@ -195,9 +202,19 @@ def paired(path: str, args) -> dict:
             pairs.append({"one_at_a_time_tok_s": round(sa, 2), "at_once_tok_s": round(sb, 2),
                           "ratio": round(sb / sa, 3),
                           "identical": all(a["ids"] == b["ids"] for a, b in zip(ra, rb))})
-            log(f"pair {k}: {n} at once {sb:.1f} tok/s, one at a time {sa:.1f} tok/s, ratio {sb / sa:.2f}")
-        return {"clients": n, "batch_max": n, "pairs": pairs,
-                "median_ratio": round(statistics.median(p["ratio"] for p in pairs), 3)}
+            lens = [max(1, len(r["ids"])) for r in rb]
+            e = {}
+            for mode in (("one", "all") if k % 2 == 0 else ("all", "one")):
+                e[mode] = eng.rate(prompts, lens, at_once=mode == "all")
+            eng_pairs.append({"one_at_a_time_tok_s": round(e["one"], 2), "at_once_tok_s": round(e["all"], 2),
+                              "ratio": round(e["all"] / e["one"], 3)})
+            log(f"pair {k}: {n} at once {sb:.1f} tok/s, one at a time {sa:.1f} tok/s, ratio {sb / sa:.2f}"
+                f" (engine alone {e['all'] / e['one']:.2f})")
+        med = statistics.median(p["ratio"] for p in pairs)
+        eng_med = statistics.median(p["ratio"] for p in eng_pairs)
+        return {"clients": n, "batch_max": n, "pairs": pairs, "median_ratio": round(med, 3),
+                "engine_pairs": eng_pairs, "engine_median_ratio": round(eng_med, 3),
+                "stack_share": round(med / eng_med, 3)}
     finally:
         for ch in chans.values():
             ch.close()
@@ -230,6 +247,44 @@ class EngineDecoder:
             return (n_tokens - 1) / (time.perf_counter() - t0)
         finally:
             s.close()
+
+
+class EngineBatch:
+    """The paired figure's work on the engine alone (services.common.engine, in this process).
+
+    Args:
+        model: the stack's own loaded Model (see EngineDecoder). threads, n_ctx: as the stack's.
+    """
+
+    def __init__(self, model, threads: int, n_ctx: int):
+        self.model, self.threads, self.n_ctx = model, threads, n_ctx
+
+    def rate(self, prompts: list[list[int]], lens: list[int], at_once: bool) -> float:
+        """Tokens / s of greedy generations of lens[i] tokens from prompts[i]: one after another
+        (prefill, then a forward per token), or all at once (the prefills in one es_forward_batch,
+        then one es_forward_batch per step over the sessions still generating)."""
+        from echospec.services.common.engine import forward_batch
+        ss = [self.model.new_session(n_ctx=self.n_ctx, n_threads=self.threads) for _ in prompts]
+        try:
+            t0 = time.perf_counter()
+            if not at_once:
+                for s, p, n in zip(ss, prompts, lens):
+                    tok, _ = s.prefill(p)
+                    for _ in range(n - 1):
+                        am, _ = s.forward([tok])
+                        tok = int(am[0])
+            else:
+                res = forward_batch([(s, p, "last", "none") for s, p in zip(ss, prompts)])
+                toks = [int(r[0][0]) for r in res]
+                for step in range(1, max(lens)):
+                    live = [i for i, n in enumerate(lens) if step < n]
+                    res = forward_batch([(ss[i], [toks[i]], "all", "none") for i in live])
+                    for i, r in zip(live, res):
+                        toks[i] = int(r[0][0])
+            return sum(lens) / (time.perf_counter() - t0)
+        finally:
+            for s in ss:
+                s.close()
 
 
 def plain_decode(path: str, args) -> dict:
@@ -346,7 +401,8 @@ def main() -> int:
         print(f"paired: {pr['clients']} clients at once (batch_max {pr['batch_max']}) vs one at a time:"
               f" median {pr['median_ratio']}x over {len(pr['pairs'])} pairs"
               f" ({', '.join(str(p['ratio']) for p in pr['pairs'])}),"
-              f" identical {all(p['identical'] for p in pr['pairs'])}")
+              f" identical {all(p['identical'] for p in pr['pairs'])}; the engine alone"
+              f" {pr['engine_median_ratio']}x, the stack's share {pr['stack_share']}")
     pd = out["plain_decode"]
     print(f"plain decode: stack {pd['stack_tok_s']} tok/s, engine {pd['engine_tok_s']} tok/s,"
           f" ratio {pd['stack_over_engine']}; round overhead {pd['overhead_ms']} ms = "

@@ -21,6 +21,11 @@ from pathlib import Path
 # several times slower, so default it to one thread (set before numpy loads).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests fork children (pexpect's pty spawn) while gRPC servers run threads in
+# this process; grpcio's fork handlers then print "skipping fork() handlers"
+# and can break the child before its exec. Nothing here uses gRPC across a
+# fork, so leave the handlers out (read when grpc is first imported).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest  # noqa: E402
 

@@ -29,6 +29,7 @@ def test_serve_bench_json_on_tiny_model():
     pr = out["paired"]
     assert pr["clients"] == 4 and len(pr["pairs"]) == 1 and pr["pairs"][0]["identical"] is True
     assert pr["median_ratio"] > 0
+    assert len(pr["engine_pairs"]) == 1 and pr["engine_median_ratio"] > 0 and pr["stack_share"] > 0
     pd = out["plain_decode"]
     assert pd["stack_tok_s"] > 0 and pd["engine_tok_s"] > 0 and pd["t_ms"] > 0
     px = out["prefix"]

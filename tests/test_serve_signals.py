@@ -108,8 +108,10 @@ def test_sigterm_at_any_moment_leaves_nothing_running(model, processes, delay_s)
     rc, err, left, ports = run_and_signal(model, processes, delay_s)
     assert left == [], f"still running: {left}\n{err}"
     assert all(port_free(pt) for pt in ports), err
-    if delay_s is not None and delay_s < 0.2 and rc == -signal.SIGTERM:
-        return   # ended before its handlers were installed: nothing had been started
+    if delay_s is not None and rc == -signal.SIGTERM and not err.strip():
+        # ended before main() installed its handlers (still importing: 0.05 s always, later
+        # moments on a loaded host): it printed nothing and, as checked above, left nothing
+        return
     assert rc == 0, err
     assert "Traceback" not in err, err
     if delay_s is None:   # a running stack says what stops, why, and what became of the calls

@@ -495,3 +495,71 @@ def test_back_off_doubles_to_64_rounds_and_probes_free_text_rarely():
             c.on_prefetch([], tokens=[1])
         c.on_result([], [1])
     assert probes <= 10, probes
+
+
+class _CountingStream:
+    """A stream of ``n`` steps (Scheduler.start); records how it ended."""
+
+    def __init__(self, n: int):
+        self.left, self.steps, self.ended, self.error = n, 0, False, None
+        self.stopped = False
+
+    def advance(self, step):
+        if step.error is not None:
+            self.fail(step.error)
+            return None
+        self.steps += 1
+        self.left -= 1
+        if self.left == 0:
+            self.ended = True
+            return None
+        return [1]
+
+    def fail(self, exc):
+        self.error, self.ended = exc, True
+
+
+def _until(sched, ready, timeout: float = 10.0) -> None:
+    t_end = time.monotonic() + timeout
+    while not ready() and time.monotonic() < t_end:
+        sched.wait_for(ready, 0.5)
+
+
+def test_streams_run_back_to_back_without_their_readers():
+    # nobody waits on these steps: the scheduler's own thread steps them, every batch whole
+    gate = threading.Event()
+    slow = _slow_batch(2)
+
+    def run_batch(items):      # the first forward waits until every stream is queued
+        gate.wait(10)
+        return slow(items)
+    sched = Scheduler(threading.Lock(), batch_max=3, run_batch=run_batch)
+    sched.trace = []
+    first = _CountingStream(1)
+    sched.start(Step(object(), [1], stream=first))
+    streams = [_CountingStream(5) for _ in range(3)]
+    for s in streams:
+        sched.start(Step(object(), [1], stream=s))
+    gate.set()
+    _until(sched, lambda: all(s.ended for s in streams))
+    assert [s.steps for s in streams] == [5, 5, 5] and all(s.error is None for s in streams)
+    sizes = [len(b) for b in sched.trace]
+    assert sum(sizes) == 16 and len(sizes) == 6, sizes     # 16 steps in ceil(16 / 3) iterations
+
+
+def test_a_cancelled_stream_stops_and_stop_waits_for_its_forward():
+    sched = Scheduler(threading.Lock(), batch_max=2, run_batch=_slow_batch(5))
+    cancel = threading.Event()
+    a, b = _CountingStream(10_000), _CountingStream(10_000)
+    sched.start(Step(object(), [1], stream=a, cancel=cancel))
+    sched.start(Step(object(), [1], stream=b))
+    _until(sched, lambda: a.steps >= 2)
+    cancel.set()
+    sched.wake()
+    _until(sched, lambda: a.ended)
+    assert a.ended and isinstance(a.error, Cancelled)
+    n = a.steps
+    sched.stop(b)                  # returns once b's forward (if one runs) is over
+    m = b.steps
+    time.sleep(0.05)
+    assert a.steps == n and b.steps == m and sched.waiting == 0

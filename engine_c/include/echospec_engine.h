@@ -177,6 +177,9 @@ es_status es_session_rollback(es_session *session, int32_t n_past);
  *   logits_mode 0: no logits; 1: the last position's row only (n_logits_rows = 1);
  *               2: every position (n_logits_rows = n_tokens)
  *
+ * With logits_mode 0 the argmax is taken from the output projection chunk by
+ * chunk while each chunk is in cache, and no logits row is written anywhere;
+ * the result is the same as the argmax of the logits the other modes return.
  * The weights are read once per call, not once per token. Each output element
  * is computed by the same sequence of floating-point operations whatever
  * n_tokens and the thread count are, so one call over N tokens is bitwise

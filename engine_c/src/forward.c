@@ -869,7 +869,7 @@ static void attention_block(fwd_call *c, int l) {
     int64_t ldqkv[3] = {q_dim, kv_dim, kv_dim};
     /* biases, q/k norms, RoPE, and k and v into the caches in the epilogue */
     epi_task qt = {s, l, n, 0, c};
-    es_mm_epi epi = {qkv_epi, &qt, 0, hd};
+    es_mm_epi epi = {.fn = qkv_epi, .ctx = &qt, .joint = 0, .gran = hd};
     es_matmul_many_epi(s->pool, 3, wqkv, s->xb, n, yqkv, ldqkv, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wo[1] = {L->wo};
     float *yo[1] = {s->out};
@@ -926,7 +926,7 @@ static void ffn_block(fwd_call *c, int l) {
      * chunks of whole activation blocks of W_down's format (K types: 256) */
     epi_task g = {s, l, n, es_matmul_q8_row_bytes(L->w_down->type, in->n_ff), c};
     int64_t gran = es_act_block_elems(L->w_down->type) > ES_EPI_ROWS ? es_act_block_elems(L->w_down->type) : ES_EPI_ROWS;
-    es_mm_epi epi = {glu_epi, &g, 1, g.rs ? gran : ES_EPI_ROWS};
+    es_mm_epi epi = {.fn = glu_epi, .ctx = &g, .joint = 1, .gran = g.rs ? gran : ES_EPI_ROWS};
     es_matmul_many_epi(s->pool, 2, wgu, s->xb, n, ygu, ldgu, s->mm_scratch, rs != 0, &epi);
     const es_tensor *wd[1] = {L->w_down};
     int64_t ldd[1] = {in->n_embd};
@@ -936,31 +936,43 @@ static void ffn_block(fwd_call *c, int l) {
     c->pending_out = 1;
 }
 
-/* Output-matmul epilogue: for logits columns [r0, r1) of every row, the
- * value and index of the first largest non-NaN logit (index -1 when all are
- * NaN), in slot r0 / ES_EPI_ROWS. */
-static void am_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
+/* Output-matmul epilogue, local form (es_mm_epi.local_fn): for logits
+ * columns [r0, r1) of every head row i, at y[i * ldl + (r - r0)], the value
+ * and index of the first largest non-NaN logit in slot r0 / ES_EPI_ROWS:
+ * index -1 when all are NaN, and in the chunk at r0 = 0 when the row's
+ * first logit is NaN (argmax_row's result is then 0 whatever follows). */
+static void am_local(void *ctx, int mat, int64_t r0, int64_t r1, const float *y, int64_t ldl) {
     const epi_task *t = ctx;
     (void)mat;
     es_session *s = t->s;
-    int64_t nv = s->model->info.n_vocab;
+    int64_t len = r1 - r0;
     for (int i = 0; i < t->n; i++) {
-        const float *row = s->logits + (size_t)i * (size_t)nv;
+        const float *row = y + (size_t)i * (size_t)ldl;   /* logit r at row[r - r0] */
         size_t slot = (size_t)i * (size_t)s->am_slots + (size_t)(r0 / ES_EPI_ROWS);
-        int64_t k = r0;
-        while (k < r1 && row[k] != row[k]) k++;   /* argmax_row needs a first value that is not NaN */
-        int32_t idx = k < r1 ? (int32_t)(k + argmax_row(row + k, (int)(r1 - k))) : -1;
-        s->am_idx[slot] = idx;
+        int64_t k = 0;
+        if (r0 != 0 || row[0] == row[0])
+            while (k < len && row[k] != row[k]) k++;   /* argmax_row needs a first value that is not NaN */
+        else
+            k = len;
+        int32_t idx = k < len ? (int32_t)(k + argmax_row(row + k, (int)(len - k))) : -1;
+        s->am_idx[slot] = idx < 0 ? -1 : (int32_t)r0 + idx;
         s->am_val[slot] = idx >= 0 ? row[idx] : 0.0f;
     }
 }
 
+/* The same over the logits written to s->logits (es_mm_epi.fn). */
+static void am_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
+    const epi_task *t = ctx;
+    const es_session *s = t->s;
+    am_local(ctx, mat, r0, r1, s->logits + r0, s->model->info.n_vocab);
+}
+
 /* argmax_row of logits row i from the chunks' results: 0 when the first
- * logit is NaN, else the first index of the largest non-NaN logit (chunks
- * in order, a later chunk only when strictly larger). */
+ * logit is NaN (the first chunk's index -1), else the first index of the
+ * largest non-NaN logit (chunks in order, a later chunk only when strictly
+ * larger). */
 static int32_t am_combine(const es_session *s, int i) {
-    if (s->logits[(size_t)i * (size_t)s->model->info.n_vocab] != s->logits[(size_t)i * (size_t)s->model->info.n_vocab])
-        return 0;
+    if (s->am_idx[(size_t)i * (size_t)s->am_slots] == -1) return 0;
     int32_t best = -1;
     float bv = 0.0f;
     for (int32_t c = 0; c < s->am_slots; c++) {
@@ -1003,10 +1015,14 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
 
 /* The output head over the call's out_rows head rows (head_row): the pending
  * residual and the output norm (run_rows ROWS_NORM_OUT, which quantizes
- * the rows for the head), then logits [out_rows][n_vocab] = W_out . xb,
- * whose epilogue am_epi takes the argmax of each chunk of logits on the
- * thread that computed it (am_combine then picks the first largest). */
-static void output_head(fwd_call *c, int out_rows) {
+ * the rows for the head), then logits [out_rows][n_vocab] = W_out . xb in
+ * one matmul over all the head rows (a verify's K + 1 rows read each weight
+ * group once), whose epilogue takes the argmax of each chunk of logits on
+ * the thread that computed it (am_combine then picks the first largest).
+ * When no session wants logits (want_logits 0), the chunks go to the
+ * thread's buffer in s->head_tmp instead of s->logits (am_local): no logits
+ * row is written. */
+static void output_head(fwd_call *c, int out_rows, int want_logits) {
     es_session *s = c->s;
     const es_model *m = s->model;
     const es_tensor *wout[1] = {m->output};
@@ -1017,7 +1033,10 @@ static void output_head(fwd_call *c, int out_rows) {
     run_rows(c, 0, out_rows, ROWS_NORM_OUT, rs, qt8);
     memset(s->am_idx, 0xFE, (size_t)out_rows * (size_t)s->am_slots * sizeof(int32_t));
     epi_task at = {s, 0, out_rows, 0, c};
-    es_mm_epi epi = {am_epi, &at, 1, ES_EPI_ROWS};
+    es_mm_epi epi = {.fn = am_epi, .ctx = &at, .joint = 1, .gran = ES_EPI_ROWS};
+    if (!want_logits)
+        epi = (es_mm_epi){.ctx = &at, .gran = ES_EPI_ROWS, .local_fn = am_local, .local = s->head_tmp,
+                          .local_floats = s->head_tmp_floats};
     es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
 }
 
@@ -1046,7 +1065,8 @@ static void output_head(fwd_call *c, int out_rows) {
  *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
  *                  W_down); out = W_down . glu
  *   head           output_head: x += out, output norm, logits with epilogue
- *                  am_epi (argmax per chunk)
+ *                  am_epi (argmax per chunk; am_local on per-thread chunks
+ *                  when no logits are wanted)
  *   results        per session: argmax and logits of its head rows, n_past
  */
 static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
@@ -1068,7 +1088,9 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         attention_block(&c, l);     /* norm, q/k/v + RoPE + KV append, attention, output projection */
         ffn_block(&c, l);           /* norm, gate/up + SwiGLU, down projection */
     }
-    output_head(&c, out_rows);
+    int want_logits = 0;
+    for (int k = 0; k < nseg; k++) want_logits |= seg[k].logits_mode != 0;
+    output_head(&c, out_rows, want_logits);
     es_pool_end(s->pool);
 
     for (int k = 0; k < nseg; k++) {

@@ -252,6 +252,10 @@ void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
 
 #define ES_MAX_CTX (1 << 20)
 #define ES_MAX_THREADS 256
+/* Bytes of a thread's output-matmul chunk when only the argmax is wanted: the
+ * chunk's logits of every head row stay in that thread's L1 / L2 between the
+ * kernel that writes them and the epilogue that reduces them. */
+#define ES_HEAD_TMP_BYTES (16 * 1024)
 #define ES_MAX_GROUP 32     /* query heads attended together per work unit */
 #define KS_MAX_TOKENS 8     /* attention: calls of up to this many tokens split each head group's blocks
                                across threads (key split, forward.c) */
@@ -288,8 +292,12 @@ struct es_session {
     _Atomic int *grp_done;  /* [n_head] chunks done per head group (key split) */
     void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
     float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
-    int32_t *am_idx;        /* and index in the row (-1: only NaNs; < -1: no chunk starts there) */
+    int32_t *am_idx;        /* and index in the row (-1: only NaNs, or in slot 0: the first logit is
+                               NaN; < -1: no chunk starts there) */
     int32_t am_slots;       /* ceil(n_vocab / ES_EPI_ROWS) */
+    float *head_tmp;        /* [n_threads][head_tmp_floats] an output-matmul chunk per thread when only
+                               the argmax is wanted (am_local), 64-byte aligned */
+    size_t head_tmp_floats; /* max(ES_HEAD_TMP_BYTES / 4, cap * ES_EPI_ROWS), a multiple of 16 */
     _Atomic int *att_done;  /* [cap] attention units (query split) or head groups (key split) done
                                per token slice */
     void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte

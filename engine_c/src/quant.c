@@ -78,7 +78,10 @@
  * es_matmul (and es_matmul_many, several matrices on one X) cut output rows
  * into contiguous chunks that the pool's threads take from an atomic
  * counter; a kernel handles its chunk for all N activation rows, unpacking
- * each weight block once per (up to) 32 activation rows.
+ * each weight block once per (up to) 32 activation rows. With a local
+ * output (es_matmul_many_epi, es_mm_epi.local) a chunk [r0, r1) runs as
+ * rows [0, r1 - r0) of the weights from row r0 on into its thread's buffer:
+ * the same rows, so the same values (they depend on nothing but the row).
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -703,6 +706,7 @@ typedef struct {
     es_mm_kernel k;
     const uint8_t *w;
     size_t row_bytes;
+    int64_t rb_rows;        /* rows per row_bytes: 1, or ES_PACK_ROWS when packed (row_bytes a group) */
     int64_t n_out;
     const void *x;          /* es_q8_group rows or float rows */
     size_t x_stride;
@@ -747,6 +751,15 @@ static void mm_worker(void *ctx, int ith, int nth) {
         const mm_mat *m = &t->m[i];
         int64_t r0 = (c - m->first) * m->chunk;
         int64_t r1 = r0 + m->chunk < m->n_out ? r0 + m->chunk : m->n_out;
+        if (t->epi && t->epi->local) {
+            /* the chunk as rows [0, r1 - r0) of the weights from row r0 on (r0 is a multiple of
+               rb_rows), into this thread's buffer with rows r1 - r0 floats apart */
+            float *y = t->epi->local + (size_t)ith * t->epi->local_floats;
+            m->k(m->w + (size_t)(r0 / m->rb_rows) * m->row_bytes, m->row_bytes, 0, r1 - r0, t->n_in, m->x,
+                 m->x_stride, t->N, y, r1 - r0);
+            t->epi->local_fn(t->epi->ctx, i, r0, r1, y, r1 - r0);
+            continue;
+        }
         m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
         if (t->epi) t->epi->fn(t->epi->ctx, i, r0, r1);
     }
@@ -813,17 +826,24 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         }
         return;
     }
-    if (epi) {   /* every matrix supported and of one n_in (joint: of one n_out), a granularity of 16k rows,
-                    one activation format */
+    if (epi) {   /* every matrix supported and of one n_in (joint: of one n_out; K types: a multiple of 256),
+                    a granularity of 16k rows, one activation format; local: not joint, room for a chunk */
         int ok = epi->gran > 0 && epi->gran % 16 == 0 && fmts != 3;
+        if (epi->local) ok = ok && !epi->joint && epi->local_fn && epi->local_floats / (size_t)N >= (size_t)epi->gran;
         for (int i = 0; i < nw && ok; i++)
             ok = W[i]->ne[0] == W[0]->ne[0] && es_matmul_supported(W[i]->type) &&
-                 (!epi->joint || W[i]->ne[1] == W[0]->ne[1]);
+                 (!epi->joint || W[i]->ne[1] == W[0]->ne[1]) &&
+                 (es_act_block_elems(W[i]->type) != QK_K || W[i]->ne[0] % QK_K == 0);
         if (!ok) {
             matmul_many(pool, nw, W, X, N, Y, ldy, scratch, force_scalar, pre, NULL);
-            if (epi->joint) epi->fn(epi->ctx, -1, 0, W[0]->ne[1]);
-            else
+            if (epi->local) {
+                if (epi->local_fn)
+                    for (int i = 0; i < nw; i++) epi->local_fn(epi->ctx, i, 0, W[i]->ne[1], Y[i], ldy[i]);
+            } else if (epi->joint) {
+                epi->fn(epi->ctx, -1, 0, W[0]->ne[1]);
+            } else {
                 for (int i = 0; i < nw; i++) epi->fn(epi->ctx, i, 0, W[i]->ne[1]);
+            }
             return;
         }
     }
@@ -840,10 +860,12 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         const uint8_t *wd = W[i]->data;
         size_t rb = W[i]->row_bytes;
         int64_t gran = 4;   /* chunk granularity in rows */
+        int64_t rb_rows = 1;
         if (!force_scalar && W[i]->packed != NULL && (k = packed_kernel(type)) != NULL) {
             wd = W[i]->packed;
             rb = (size_t)(W[i]->ne[0] / es_pack_block_elems(type)) * es_pack_record_bytes(type);
             gran = ES_PACK_ROWS;
+            rb_rows = ES_PACK_ROWS;
         } else if (!force_scalar && es_pack_record_bytes(type) == 0) {
             k = es_x86_kernel(type);
             if (!k) k = es_neon_kernel(type);
@@ -859,6 +881,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         m->k = k;
         m->w = wd;
         m->row_bytes = rb;
+        m->rb_rows = rb_rows;
         m->n_out = W[i]->ne[1];
         m->Y = Y[i];
         m->ldy = ldy[i];
@@ -873,6 +896,10 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         int64_t chunk = (m->n_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
         if (epi) gran = epi->gran;   /* a multiple of 4 and 16 */
         m->chunk = chunk < 16 ? (gran > 16 ? gran : 16) : (chunk + gran - 1) / gran * gran;
+        if (epi && epi->local) {   /* at most the thread's buffer (checked above: room for gran rows) */
+            int64_t cap = (int64_t)(epi->local_floats / (size_t)N) / gran * gran;
+            if (m->chunk > cap) m->chunk = cap;
+        }
         m->first = t.n_chunks;
         t.n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
     }

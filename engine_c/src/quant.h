@@ -345,17 +345,32 @@ void es_matmul_many_pre(es_pool *pool, int nw, const es_tensor *const *W, const 
  *   joint = 1: the matrices have one shape; a chunk is rows [r0, r1) of
  *              every matrix, and mat = -1.
  *   joint = 0: chunks of each matrix on their own; mat = its index in W.
- * Matrices of other n_in, an unsupported type or a bad gran: the plain
- * dispatch, then the epilogue over whole matrices on the calling thread.
- * The same Y bits as es_matmul_many.
+ * Local output (local_fn set instead of fn; joint = 0): a chunk is not
+ * written to Y but into its thread's buffer, local + ith * local_floats
+ * (ith the pool thread, 0 .. es_pool_size(pool) - 1), with rows of the
+ * chunk's width: the thread then calls local_fn(ctx, mat, r0, r1, y, ldl)
+ * with y[n * ldl + (r - r0)] the value Y[mat][n][r] would have, for r in
+ * [r0, r1), n in [0, N). Chunks are then at most local_floats / N rows
+ * (a multiple of gran; local_floats >= N * gran), so a chunk's output stays
+ * in that thread's cache and the full rows are never written to memory
+ * (the argmax of the logits when the logits themselves are not wanted).
+ * Matrices of other n_in, an unsupported type, a bad gran, or a local
+ * buffer too small for one chunk (or local with joint): the plain dispatch
+ * into Y, then the epilogue over whole matrices on the calling thread
+ * (local_fn with y = Y[mat], ldl = ldy[mat]). The same bits as
+ * es_matmul_many, in Y or in the y of the epilogue.
  */
 #define ES_EPI_ROWS 32
 typedef void (*es_mm_epilogue)(void *ctx, int mat, int64_t r0, int64_t r1);
+typedef void (*es_mm_local_epilogue)(void *ctx, int mat, int64_t r0, int64_t r1, const float *y, int64_t ldl);
 typedef struct {
     es_mm_epilogue fn;
     void *ctx;
     int joint;
     int64_t gran;
+    es_mm_local_epilogue local_fn;   /* with local: replaces fn */
+    float *local;                    /* [es_pool_size(pool)][local_floats] */
+    size_t local_floats;
 } es_mm_epi;
 void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int pre, const es_mm_epi *epi);

@@ -33,11 +33,14 @@ static void free_scratch(es_session *s) {
     free(s->glu_q8);
     free(s->am_val);
     free(s->am_idx);
+    free(s->head_tmp);
     free((void *)s->att_done);
     s->att_done = NULL;
     s->glu_q8 = NULL;
     s->am_val = NULL;
     s->am_idx = NULL;
+    s->head_tmp = NULL;
+    s->head_tmp_floats = 0;
     s->x = s->xb = s->q = s->k = s->v = s->att = s->gate = s->up = s->out = NULL;
     s->logits = s->rope = NULL;
     s->mm_scratch = NULL;
@@ -85,11 +88,15 @@ es_status es_session_ensure_scratch(es_session *s, int32_t n) {
     size_t slots = ((size_t)in->n_vocab + ES_EPI_ROWS - 1) / ES_EPI_ROWS;
     float *am_val = malloc(N * slots * sizeof(float));
     int32_t *am_idx = malloc(N * slots * sizeof(int32_t));
+    size_t ht = N * ES_EPI_ROWS > ES_HEAD_TMP_BYTES / sizeof(float) ? N * ES_EPI_ROWS : ES_HEAD_TMP_BYTES / sizeof(float);
+    ht = (ht + 15) & ~(size_t)15;   /* each thread's buffer on its own cache lines */
+    float *head_tmp = aligned_alloc(64, (size_t)s->n_threads * ht * sizeof(float));
     _Atomic int *att_done = malloc(N * sizeof *att_done);
     if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu ||
-        !am_val || !am_idx || !att_done) {
+        !am_val || !am_idx || !head_tmp || !att_done) {
         free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
         free(out); free(logits); free(rope); free(mms); free(glu); free(am_val); free(am_idx);
+        free(head_tmp);
         free((void *)att_done);
         es_set_err(s->err, sizeof s->err, "out of memory for scratch of %d tokens", (int)n);
         return ES_ERR_NOMEM;
@@ -101,6 +108,8 @@ es_status es_session_ensure_scratch(es_session *s, int32_t n) {
     s->glu_q8 = glu;
     s->am_val = am_val;
     s->am_idx = am_idx;
+    s->head_tmp = head_tmp;
+    s->head_tmp_floats = ht;
     s->att_done = att_done;
     s->am_slots = (int32_t)slots;
     s->mm_bytes = mm;

@@ -447,6 +447,91 @@ TEST(test_matmul_many) {
     es_pool_free(pools[2]);
 }
 
+/* What test_matmul_local's epilogue saw. */
+typedef struct {
+    float *Z;            /* [N][n_out] the chunks' values, assembled */
+    int *cover;          /* [n_out] chunks that held each row */
+    int64_t n_out;
+    int N;
+    const float *local;  /* the buffers given to the driver, and their extent */
+    size_t local_floats, nth;
+    int bad;             /* a chunk outside its thread's buffer, or misshaped */
+} local_seen;
+
+static void local_record(void *ctx, int mat, int64_t r0, int64_t r1, const float *y, int64_t ldl) {
+    local_seen *ls = ctx;
+    int in_buf = y >= ls->local && y < ls->local + ls->nth * ls->local_floats;
+    if (mat != 0 || r0 < 0 || r1 > ls->n_out || r0 >= r1) { ls->bad = 1; return; }
+    if (in_buf && (ldl != r1 - r0 || r0 % 32 != 0 || (size_t)(r1 - r0) * (size_t)ls->N > ls->local_floats ||
+                   (size_t)(y - ls->local) % ls->local_floats != 0))
+        ls->bad = 1;
+    for (int64_t r = r0; r < r1; r++) {
+        ls->cover[r]++;
+        for (int n = 0; n < ls->N; n++) ls->Z[(int64_t)n * ls->n_out + r] = y[(int64_t)n * ldl + (r - r0)];
+    }
+}
+
+TEST(test_matmul_local) {
+    /* es_mm_epi.local: every chunk's values reach the epilogue from the thread's
+       buffer, bitwise es_matmul's, each row in one chunk of at most
+       local_floats / N rows; Y is not written. A buffer too small for one
+       chunk, or local with joint, falls back to Y and one epilogue call. */
+    es_pool *pools[3] = {NULL, es_pool_new(2), es_pool_new(3)};
+    const int Ns[4] = {1, 2, 5, 33};
+    const int64_t n_in = 512, n_out = 301;
+    for (size_t ti = 0; ti < sizeof all_types / sizeof all_types[0]; ti++) {
+        wmat w = make_w(all_types[ti], n_in, n_out);
+        const es_tensor *W[1] = {&w.t};
+        for (int ni = 0; ni < 4; ni++) {
+            int N = Ns[ni];
+            float *X = rand_x(N, n_in);
+            void *sc = scratch_for(ES_TYPE_Q4_K, n_in, N);
+            float *Yr = malloc(sizeof(float) * (size_t)(N * n_out)), *Y = malloc(sizeof(float) * (size_t)(N * n_out));
+            float *Z = malloc(sizeof(float) * (size_t)(N * n_out));
+            int *cover = malloc(sizeof(int) * (size_t)n_out);
+            es_matmul(NULL, W[0], X, N, Yr, n_out, sc);
+            for (int p = 0; p < 3; p++)
+                for (int v = 0; v < 4; v++) {
+                    /* buffers of 1 and 3 chunks of 32 rows (+ a ragged end), too small, joint */
+                    size_t lf = v == 0 ? (size_t)N * 32 : v == 1 ? (size_t)N * 96 + 17 : (size_t)N * 32 - 1;
+                    size_t nth = (size_t)es_pool_size(pools[p]);
+                    float *local = malloc(sizeof(float) * nth * lf);
+                    local_seen ls = {Z, cover, n_out, N, local, lf, nth, 0};
+                    memset(Z, 0xFF, sizeof(float) * (size_t)(N * n_out));
+                    memset(Y, 0x6B, sizeof(float) * (size_t)(N * n_out));
+                    memset(cover, 0, sizeof(int) * (size_t)n_out);
+                    es_mm_epi epi = {.ctx = &ls, .joint = v == 3, .gran = 32, .local_fn = local_record,
+                                     .local = local, .local_floats = lf};
+                    float *Yp[1] = {Y};
+                    int64_t ld[1] = {n_out};
+                    es_matmul_many_epi(pools[p], 1, W, X, N, Yp, ld, sc, 0, &epi);
+                    CHECK_EQ_INT(ls.bad, 0);
+                    int once = 1;
+                    for (int64_t r = 0; r < n_out; r++) once &= cover[r] == 1;
+                    CHECK(once);
+                    int same = memcmp(Z, Yr, sizeof(float) * (size_t)(N * n_out)) == 0;
+                    if (!same)
+                        fprintf(stderr, "  type %u, N %d, pool %d, buffer %d: local values differ\n", all_types[ti],
+                                N, p, v);
+                    CHECK(same);
+                    int untouched = 1;
+                    for (int64_t i = 0; i < (int64_t)N * n_out; i++) {
+                        uint32_t u;
+                        memcpy(&u, &Y[i], 4);
+                        untouched &= u == 0x6B6B6B6Bu;
+                    }
+                    if (v < 2) CHECK(untouched);
+                    else CHECK(memcmp(Y, Yr, sizeof(float) * (size_t)(N * n_out)) == 0);   /* the fallback */
+                    free(local);
+                }
+            free(X); free(sc); free(Yr); free(Y); free(Z); free(cover);
+        }
+        free_w(&w);
+    }
+    es_pool_free(pools[1]);
+    es_pool_free(pools[2]);
+}
+
 TEST(test_matmul_many_pre_k) {
     /* rows pre-quantized with es_quantize_row_act for K weights (Q4_K q/k, Q6_K v)
        == es_matmul; a call that mixes the formats (Q4_K with Q8_0) ignores the
@@ -718,6 +803,7 @@ int main(void) {
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
     RUN(test_matmul_many_pre_k);
+    RUN(test_matmul_local);
     RUN(test_unsupported_type);
     RUN(test_fp16_row);
     RUN(test_simd_name);

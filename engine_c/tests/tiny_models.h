@@ -11,10 +11,13 @@
  *   MODELS[2] qwen2-f32     qwen2 (q/k/v biases), F32 matrices, n_embd 64, 2 layers
  * All have n_vocab N_VOCAB (320, not a multiple of 64, so kernel tails run)
  * and a training context of 256. write_model(&MODELS[i], path) writes one.
+ * A copy of a spec with head set (HEAD_DUP, HEAD_NAN, HEAD_NAN0) writes
+ * the same model with an edited output head (see head_edit).
  * Included by one test file each (static definitions).
  */
 #ifndef ES_TEST_TINY_MODELS_H
 #define ES_TEST_TINY_MODELS_H
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,9 +170,8 @@ static void rand_block(uint64_t *s, uint32_t type, int64_t n_in, float scale, bu
     }
 }
 
-/* A random matrix [n_out rows][n_in] of `type`, added as `name`. */
-static void add_matrix(gguf_w *w, const char *name, uint32_t type, int64_t n_in, int64_t n_out,
-                       float scale) {
+/* A random matrix [n_out rows][n_in] of `type`, into b. */
+static void gen_matrix(gguf_w *w, uint32_t type, int64_t n_in, int64_t n_out, float scale, buf *bp) {
     buf b = {0};
     float a = scale * 1.732f / isqrt_up(n_in); /* uniform [-a, a): std ~ scale / sqrt(n_in) */
     for (int64_t r = 0; r < n_out; r++) {
@@ -189,8 +191,45 @@ static void add_matrix(gguf_w *w, const char *name, uint32_t type, int64_t n_in,
             for (int64_t j = 0; j < n_in / per; j++) rand_block(&w->seed, type, n_in, scale, &b);
         }
     }
+    *bp = b;
+}
+
+/* A random matrix [n_out rows][n_in] of `type`, added as `name`. */
+static void add_matrix(gguf_w *w, const char *name, uint32_t type, int64_t n_in, int64_t n_out,
+                       float scale) {
+    buf b;
+    gen_matrix(w, type, n_in, n_out, scale, &b);
     add_tensor(w, name, type, n_in, n_out, &b);
     free(b.p);
+}
+
+/* Output-head edits (model_spec.head), for the argmax's ties and NaN rules:
+ *   HEAD_DUP   row r copies row (r mod n_out / 2) rounded down to even: every
+ *              logit equals those of 3 other rows, one next to it (the same
+ *              chunk of the matmul) and two n_out / 2 away (other chunks)
+ *   HEAD_NAN   HEAD_DUP, and rows 7k + 3 have a NaN scale (NaN logits)
+ *   HEAD_NAN0  HEAD_NAN, and row 0 too (a NaN first logit)
+ * NaN rows need an untied head of type Q8_0, Q6_K or F32. */
+enum { HEAD_PLAIN, HEAD_DUP, HEAD_NAN, HEAD_NAN0 };
+static void head_edit(int head, uint32_t type, int64_t n_out, buf *b) {
+    size_t rb = b->n / (size_t)n_out;
+    for (int64_t r = 0; r < n_out && head != HEAD_PLAIN; r++) {
+        int64_t src = (r % (n_out / 2)) & ~(int64_t)1;
+        if (src != r) memcpy(b->p + (size_t)r * rb, b->p + (size_t)src * rb, rb);
+    }
+    for (int64_t r = 0; r < n_out && head >= HEAD_NAN; r++) {
+        if (!(r % 7 == 3 || (head == HEAD_NAN0 && r == 0))) continue;
+        uint8_t *row = b->p + (size_t)r * rb;
+        if (type == ES_TYPE_F32) {
+            float nan = NAN;
+            memcpy(row, &nan, 4);
+        } else {
+            size_t off = type == ES_TYPE_Q8_0 ? 0 : type == ES_TYPE_Q6_K ? 208 : rb;   /* the f16 scale d */
+            if (off + 2 > rb) { fprintf(stderr, "head_edit: NaN rows of type %u\n", type); exit(2); }
+            row[off] = 0x00;
+            row[off + 1] = 0x7E;   /* f16 quiet NaN */
+        }
+    }
 }
 
 /* A random F32 vector: center + uniform [-spread, spread). */
@@ -211,21 +250,22 @@ typedef struct {
     uint32_t embd_type, output_type; /* output_type 0: tied */
     layer_types layers[2];
     uint64_t seed;
+    int head;                        /* HEAD_PLAIN, or an edit of the output head (head_edit) */
 } model_spec;
 
 static const model_spec MODELS[MAX_MODELS] = {
     {"llama-q4_1", "llama", 192, 3, 1, 64, 512, 2, ES_TYPE_Q8_0, 0,
      {{ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1},
       {ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1}},
-     0x5eed0001},
+     0x5eed0001, HEAD_PLAIN},
     {"qwen3-mixed", "qwen3", 256, 4, 2, 64, 512, 2, ES_TYPE_Q8_0, ES_TYPE_Q6_K,
      {{ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K},
       {ES_TYPE_Q8_0, ES_TYPE_Q4_0, ES_TYPE_Q5_0, ES_TYPE_Q5_1, ES_TYPE_Q5_K, ES_TYPE_F16, ES_TYPE_BF16}},
-     0x5eed0002},
+     0x5eed0002, HEAD_PLAIN},
     {"qwen2-f32", "qwen2", 64, 4, 2, 16, 128, 2, ES_TYPE_F32, 0,
      {{ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32},
       {ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32}},
-     0x5eed0003},
+     0x5eed0003, HEAD_PLAIN},
 };
 
 /* Write the model of `ms` to `path`. Returns 0 on success. */
@@ -250,7 +290,11 @@ static int write_model(const model_spec *ms, const char *path) {
 
     const int E = ms->n_embd, Q = ms->n_head * ms->head_dim, KV = ms->n_head_kv * ms->head_dim;
     const int qwen2 = strcmp(ms->arch, "qwen2") == 0, qwen3 = strcmp(ms->arch, "qwen3") == 0;
-    add_matrix(&w, "token_embd.weight", ms->embd_type, E, N_VOCAB, 2.0f);
+    buf hb;
+    gen_matrix(&w, ms->embd_type, E, N_VOCAB, 2.0f, &hb);
+    if (!ms->output_type) head_edit(ms->head, ms->embd_type, N_VOCAB, &hb);
+    add_tensor(&w, "token_embd.weight", ms->embd_type, E, N_VOCAB, &hb);
+    free(hb.p);
     char name[64];
     for (int il = 0; il < ms->n_layer; il++) {
         const layer_types *t = &ms->layers[il];
@@ -276,7 +320,12 @@ static int write_model(const model_spec *ms, const char *path) {
 #undef NAME
     }
     add_vector(&w, "output_norm.weight", E, 1.0f, 0.2f);
-    if (ms->output_type) add_matrix(&w, "output.weight", ms->output_type, E, N_VOCAB, 2.0f);
+    if (ms->output_type) {
+        gen_matrix(&w, ms->output_type, E, N_VOCAB, 2.0f, &hb);
+        head_edit(ms->head, ms->output_type, N_VOCAB, &hb);
+        add_tensor(&w, "output.weight", ms->output_type, E, N_VOCAB, &hb);
+        free(hb.p);
+    }
 
     buf out = {0};
     put(&out, "GGUF", 4);

@@ -25,9 +25,17 @@ prefix cache. A round stops at the first EOS token or at max_tokens: the
 caller's cut-off (stop strings) applies to tokens it already has. The draft
 service failing mid-run ends speculation for this generation (spec_reason
 says why); decoding carries on plainly.
+
+Plain decoding (no draft link, from the start or once the draft service is
+lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
+thread takes each step's token and queues the next step right after the
+forward, and this generator only reads the tokens, so a batch of decoding
+sessions never waits for the generations' threads between iterations. The
+rounds and their events are those of the step-by-step loop.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import dataclass
@@ -147,6 +155,7 @@ class _Run:
         self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
         self.n_ctx = core.config.n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
+        self.marks = False            # yield FLUSH before waiting (run_generation's marks)
 
     def release(self) -> None:
         """Give the session back (to the prefix cache) once; called before the last event, so a
@@ -182,8 +191,12 @@ class _Run:
         return self.choose(st.argmax[0], st.logits_out), ms
 
 
+FLUSH = object()   # run_generation(marks=True): nothing more is ready yet (the caller may send what it has)
+
+
 def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
-                   open_draft: Callable[[], Any] | None = None) -> Iterator[RoundEvent]:
+                   open_draft: Callable[[], Any] | None = None, marks: bool = False
+                   ) -> Iterator[RoundEvent]:
     """Run one generation; yield a RoundEvent per engine step.
 
     Args:
@@ -194,6 +207,9 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
         open_draft: () -> a draft link (send_propose, recv_proposal, append,
             close, cancel) for a speculative request, or raises DraftUnavailable;
             None: no draft service configured.
+        marks: also yield FLUSH before a plain decoding generation waits for its
+            scheduler (so a caller that runs the generation on its own thread sends
+            the events it holds then, several rounds per message when it lags).
     Yields:
         The prefill's event (tokens = [first token]), then one per round; a last
         event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
@@ -203,6 +219,7 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
     """
     session, cached = core.acquire(req.prompt)
     run = _Run(core, req, session, cached, cancel)
+    run.marks = marks
     try:
         yield from _loop(run, open_draft)
     except Cancelled:
@@ -314,6 +331,111 @@ class _Drafts:
         return 1
 
 
+_CONTEXT = object()   # a stream's mark: the KV cache is full
+
+
+class _PlainStream:
+    """A plain decoding generation driven by the scheduler (Scheduler.start): ``advance`` runs in
+    the scheduler's iteration right after each forward; the reader takes ``out``.
+
+    ``out`` entries: (token, forward ms, T ms, wall ms, n_past, last) per round, then _CONTEXT when
+    the KV cache is full. ``ended``: no further round (set after its last entry); ``error``: why the
+    stream failed (Cancelled when it was dropped on cancel).
+    """
+
+    def __init__(self, run: _Run, produced: int, r0: float):
+        self.run = run
+        self.produced = produced
+        self.r0 = r0
+        self.greedy = run.req.sampling.greedy
+        self.out: collections.deque = collections.deque()
+        self.ended = False
+        self.stopped = False
+        self.error: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.ended = True
+
+    def advance(self, st: Step) -> list[int] | None:
+        """Take a round's result; the next round's tokens, or None when the generation ended."""
+        if st.error is not None:
+            self.fail(st.error)
+            return None
+        run = self.run
+        core, req = run.core, run.req
+        run.kv_tokens.extend(st.tokens)
+        tok = run.choose(st.argmax[0], st.logits_out)
+        if self.greedy:
+            core.observe_decode(st.forward_ms)
+        now = time.perf_counter()
+        wall_ms = (now - self.r0) * 1e3
+        self.r0 = now
+        last = tok in req.eos_ids
+        if not last:
+            self.produced += 1
+            last = self.produced >= req.max_tokens
+        n_past = run.session.n_past
+        full = not last and n_past + 1 > run.n_ctx
+        self.out.append((tok, st.forward_ms, core.t_ms, wall_ms, n_past, last))
+        if full:
+            self.out.append(_CONTEXT)
+        if last or full:
+            self.ended = True
+            return None
+        return [tok]
+
+
+def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator[RoundEvent]:
+    """The rest of a generation as plain decoding rounds, stepped by the scheduler."""
+    core, session, n_ctx = run.core, run.session, run.n_ctx
+    if session.n_past + 1 > n_ctx:
+        run.release()
+        yield RoundEvent([], t_ms=core.t_ms, n_past=session.n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
+        return
+    sched, cancel = core.scheduler, run.cancel
+    stream = _PlainStream(run, produced, r0)
+    mode = "none" if stream.greedy else "last"
+    sched.start(Step(session, [history[-1]], "all", mode, stream=stream, cancel=cancel))
+
+    def ready() -> bool:
+        return bool(stream.out) or stream.ended or cancel.is_set()
+
+    try:
+        while True:
+            if not ready():
+                if run.marks:
+                    yield FLUSH
+                sched.wait_for(ready, 1.0)
+            ended = stream.ended
+            while stream.out:
+                if cancel.is_set():
+                    return
+                item = stream.out.popleft()
+                if item is _CONTEXT:
+                    sched.stop(stream)
+                    run.release()
+                    yield RoundEvent([], t_ms=core.t_ms, n_past=session.n_past, n_ctx=n_ctx,
+                                     finish=FINISH_CONTEXT)
+                    return
+                tok, fwd_ms, t_ms, wall_ms, n_past, last = item
+                ev = RoundEvent([tok], 0, 0, fwd_ms, t_ms, wall_ms, n_past, n_ctx, 0)
+                if last:
+                    sched.stop(stream)
+                    run.release()
+                yield ev
+                if last:
+                    return
+            if cancel.is_set():
+                return
+            if ended:
+                if stream.error is not None and not isinstance(stream.error, Cancelled):
+                    raise stream.error
+                return
+    finally:
+        sched.stop(stream)
+
+
 def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent]:
     core, req, session = run.core, run.req, run.session
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
@@ -338,6 +460,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
     r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
     while not done:
         if run.cancel.is_set():
+            return
+        if drafts.link is None:
+            yield from _stream(run, history, produced, r0)
             return
         n_past = session.n_past
         if n_past + 1 > n_ctx:

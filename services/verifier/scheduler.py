@@ -24,9 +24,21 @@ The step-by-step sessions (VerifyStream and the unary RPCs, for debugging and
 bench/round_overhead.py) do not queue here: they take the engine lock
 directly, between iterations.
 
-No thread of its own: a waiting generation whose turn comes runs the
-iteration itself (flat combining), so a lone generation pays no thread
-hand-off per step.
+A step that waits (``run``) needs no thread of the scheduler's: a waiting
+generation whose turn comes runs the iteration itself (flat combining), so a
+lone generation pays no thread hand-off per step.
+
+Continuing steps (``start``; plain decoding): a step with a ``stream`` is not
+waited for. Right after its forward, in the iteration's own thread, the
+scheduler calls ``stream.advance(step)``, which takes the result (the next
+token, its checks, the output for the generation's reader) and returns the
+next step's tokens, or None when the generation ended. The next step goes to
+the back of the queue before the iteration ends, so a batch of decoding
+sessions runs back to back without waiting for any generation's thread: the
+readers take their tokens while the next forward runs. While any stream is
+active a thread of the scheduler's runs the iterations (it ends with the last
+stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
+no forward of it runs.
 
 Gathering (batch_max >= 2): the sessions of an iteration come back with their
 next steps one by one, as their loops take the results, and the first one
@@ -76,6 +88,8 @@ class Step:
     queued_ms: float = 0.0            # from submit to the start of its iteration
     error: BaseException | None = None
     done: bool = False
+    stream: Any = None                # a continuing step's owner (see ``start``); None: ``run`` waits
+    cancel: threading.Event | None = None   # a stream's cancel event (set: it is dropped)
     _t_submit: float = field(default=0.0, repr=False)
 
 
@@ -131,6 +145,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._queue: list[Step] = []
         self._busy = False
+        self._streams = 0                 # active streams (queued or running)
+        self._running: list[Step] = []    # the steps of the iteration that runs
+        self._thread: threading.Thread | None = None   # runs iterations while streams are active
         self.iterations = 0               # batches run (for tests and the bench)
         self.trace: list[list[int]] | None = None   # when a list: id(session) per step of each batch
 
@@ -184,29 +201,124 @@ class Scheduler:
                     if wait > 0:
                         self._cv.wait(wait)
                         continue
-                    idx = select(self._queue, self.batch_max, self.batch_tokens)
-                    batch = [self._queue[i] for i in idx]
-                    for i in reversed(idx):
-                        del self._queue[i]
-                    self._busy = True
-                    self._cv.release()
-                    t0 = time.perf_counter()
-                    try:
-                        self._execute(batch)
-                    finally:
-                        self._cv.acquire()
-                        t1 = time.perf_counter()
-                        self._expect = {id(s.session) for s in batch}
-                        self._expect.difference_update(id(s.session) for s in self._queue)
-                        self._gather_until = t1 + self.gather * (t1 - t0)
-                        self._busy = False
-                        self.iterations += 1
-                        self._cv.notify_all()
+                    self._iterate_locked()
                     continue
                 self._cv.wait()
         if step.error is not None:
             raise step.error
         return step
+
+    def start(self, step: Step) -> None:
+        """Queue a continuing step (``step.stream`` set; see the module docstring) and return.
+
+        ``step.stream.advance(step)`` is called after each of its forwards (its
+        error, a Cancelled when its cancel event was set first, in ``step.error``)
+        and returns the next step's tokens or None (the stream ends).
+        """
+        step._t_submit = time.perf_counter()
+        with self._cv:
+            self._queue.append(step)
+            self._streams += 1
+            if id(step.session) in self._expect:
+                self._expect.discard(id(step.session))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def stop(self, stream: Any) -> None:
+        """End ``stream``: it gets no further step; returns once none of its forwards runs."""
+        with self._cv:
+            stream.stopped = True
+            while True:
+                for i, s in enumerate(self._queue):
+                    if s.stream is stream:
+                        del self._queue[i]
+                        self._streams -= 1
+                        self._cv.notify_all()
+                        return
+                if not any(s.stream is stream for s in self._running):
+                    return
+                self._cv.wait()
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
+        """Wait until ``ready()`` (checked after each iteration and on ``wake``) or the timeout."""
+        with self._cv:
+            if not ready():
+                self._cv.wait(timeout)
+
+    def _loop(self) -> None:
+        """The streams' thread: runs iterations while any stream is active."""
+        with self._cv:
+            try:
+                while self._streams > 0:
+                    if self._busy or not self._queue:
+                        self._cv.wait()
+                        continue
+                    wait = self._gather_wait()
+                    if wait > 0:
+                        self._cv.wait(wait)
+                        continue
+                    self._iterate_locked()
+            finally:
+                self._thread = None
+
+    def _iterate_locked(self) -> None:
+        """One iteration; called with the condition held, not busy, the queue not empty."""
+        for i in range(len(self._queue) - 1, -1, -1):   # cancelled streams leave before selection
+            s = self._queue[i]
+            if s.stream is not None and s.cancel is not None and s.cancel.is_set():
+                del self._queue[i]
+                self._streams -= 1
+                s.error, s.done = Cancelled(), True
+                self._advance(s)
+        if not self._queue:
+            self._cv.notify_all()
+            return
+        idx = select(self._queue, self.batch_max, self.batch_tokens)
+        batch = [self._queue[i] for i in idx]
+        for i in reversed(idx):
+            del self._queue[i]
+        self._busy = True
+        self._running = batch
+        self._cv.release()
+        t0 = time.perf_counter()
+        nexts: list[Any] | None = None
+        try:
+            self._execute(batch)
+            nexts = [self._advance(s) if s.stream is not None else None for s in batch]
+        finally:
+            self._cv.acquire()
+            t1 = time.perf_counter()
+            if nexts is None:   # the iteration itself failed: its streams end with it
+                nexts = [None] * len(batch)
+                for s in batch:
+                    if s.stream is not None:
+                        s.stream.fail(RuntimeError("the scheduler's iteration failed"))
+            for s, nxt in zip(batch, nexts):
+                if s.stream is None:
+                    continue
+                if nxt is None or getattr(s.stream, "stopped", False):
+                    self._streams -= 1
+                    continue
+                n = Step(s.session, nxt, s.head, s.logits, stream=s.stream, cancel=s.cancel)
+                n._t_submit = t1
+                self._queue.append(n)
+            self._expect = {id(s.session) for s in batch if s.stream is None}
+            self._expect.difference_update(id(s.session) for s in self._queue)
+            self._gather_until = t1 + self.gather * (t1 - t0)
+            self._busy = False
+            self._running = []
+            self.iterations += 1
+            self._cv.notify_all()
+
+    @staticmethod
+    def _advance(step: Step) -> list[int] | None:
+        try:
+            return step.stream.advance(step)
+        except Exception as exc:  # noqa: BLE001 - the stream's reader re-raises it
+            step.stream.fail(exc)
+            return None
 
     def _execute(self, batch: list[Step]) -> None:
         """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock.

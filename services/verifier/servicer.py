@@ -15,7 +15,8 @@ import grpc
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from echospec.services.common.config import model_name
 from echospec.services.common.engine import simd_name
-from echospec.services.verifier.generation_loop import GenerationRequest, RoundEvent, check, run_generation
+from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
+                                                        run_generation)
 from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome,
                                                  VerifierCore, VerifierError, VerifierSession)
 
@@ -133,9 +134,31 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             check(core, req)
         except VerifierError as exc:
             _abort(context, exc)
-        # The loop runs on its own thread, so it never waits for a message to be
-        # sent; this thread sends what it finished, several rounds per message when
-        # the reader is slower than the engine.
+        if not req.spec:
+            # Plain decoding runs in the scheduler's thread (generation_loop._stream): this
+            # thread only reads its rounds and sends what is ready at each FLUSH, several
+            # rounds per message when it lags.
+            held: list[RoundEvent] = []
+            try:
+                for ev in run_generation(core, req, cancel, open_draft, marks=True):
+                    if ev is FLUSH:
+                        if held:
+                            yield events_to_proto(held)
+                            held = []
+                    else:
+                        held.append(ev)
+            except BaseException as exc:  # noqa: BLE001 - the rounds before it go out first
+                if held and not isinstance(exc, GeneratorExit):
+                    yield events_to_proto(held)
+                if isinstance(exc, VerifierError):
+                    _abort(context, exc)
+                raise
+            if held:
+                yield events_to_proto(held)
+            return
+        # The speculative loop runs on its own thread, so it never waits for a message
+        # to be sent; this thread sends what it finished, several rounds per message
+        # when the reader is slower than the engine.
         out: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_drive, args=(run_generation(core, req, cancel, open_draft), out),
                          name="generation", daemon=True).start()
