@@ -348,23 +348,42 @@ def main(argv: list[str] | None = None) -> int:
 def derive_counts(counted: dict, depths: list[int]) -> None:
     """Fill a missing (shape, N, depth) count from another depth of the same shape plus the growth
     another shape with the same attention (layers, heads, KV heads, head_dim) showed between those
-    depths: the steps differ only in attention, which does not depend on the weights."""
+    depths (the steps differ only in attention, which does not depend on the weights); else linear
+    in the depth from the two deepest counts of the same shape (a decode step's attention grows by
+    the same loops per attended position)."""
     def att(sh: str) -> tuple:
         s = SHAPES[sh]
         return (s["layers"], s["heads"], s["kv_heads"], s["head_dim"])
-    for sh in SHAPES:
-        for n in (1, 5):
-            for d in depths:
-                if (sh, n, d) in counted:
-                    continue
-                for (sh2, n2, d2), c2 in list(counted.items()):
-                    if n2 != n or d2 == d or sh2 == sh or (sh, n, d2) not in counted:
+
+    def across() -> None:
+        for sh in SHAPES:
+            for n in (1, 5):
+                for d in depths:
+                    if (sh, n, d) in counted:
                         continue
-                    if att(sh2) == att(sh) and (sh2, n, d) in counted:
-                        counted[(sh, n, d)] = counted[(sh, n, d2)] + counted[(sh2, n, d)] - c2
-                        log(f"note: {sh} N {n} depth {d}: counted at depth {d2} plus {sh2}'s growth "
-                            f"from {d2} to {d}")
-                        break
+                    for (sh2, n2, d2), c2 in list(counted.items()):
+                        if (n2 == n and d2 != d and sh2 != sh and att(sh2) == att(sh)
+                                and (sh, n, d2) in counted and (sh2, n, d) in counted):
+                            counted[(sh, n, d)] = counted[(sh, n, d2)] + counted[(sh2, n, d)] - c2
+                            log(f"note: {sh} N {n} depth {d}: counted at depth {d2} plus {sh2}'s growth "
+                                f"from {d2} to {d}")
+                            break
+
+    def linear() -> None:
+        for sh in SHAPES:
+            for n in (1, 5):
+                have = sorted(d for (s2, n2, d) in counted if s2 == sh and n2 == n)
+                for d in depths:
+                    if (sh, n, d) in counted or len(have) < 2:
+                        continue
+                    d1, d2 = have[-2], have[-1]
+                    c1, c2 = counted[(sh, n, d1)], counted[(sh, n, d2)]
+                    counted[(sh, n, d)] = c1 + (c2 - c1) * (d - d1) / (d2 - d1)
+                    log(f"note: {sh} N {n} depth {d}: linear in the depth from the counts at {d1} and {d2}")
+
+    across()
+    linear()
+    across()
 
 
 def estimate_table(depth: int, loops: dict, cyc: dict, acyc: dict, ains: dict, counted: dict, mca: str,
