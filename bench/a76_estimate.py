@@ -41,6 +41,7 @@ qemu-user and the Q4_K_M files bench/qwen3_shapes.py writes):
     python3 bench/a76_estimate.py --count ~/.cache/echospec/bench/qwen3-0.6B-shape.Q4_K_M.gguf \
         --count ~/.cache/echospec/bench/qwen3-1.7B-shape.Q4_K_M.gguf --count-depths 64
     python3 bench/a76_estimate.py --insns Qwen3-0.6B 1 64 263.54 ...   # counts from an earlier run
+    python3 bench/a76_estimate.py --check    # only: are the loops still found (.ci/aarch64.sh runs it)
 Prints the per-record cycle table and the estimates (markdown). These are estimates, not
 measurements: see bench/README.md, "A76 estimate".
 """
@@ -177,6 +178,8 @@ def kv_bytes(s: dict, depth: int) -> int:
 def innermost_loops(asm: str, fn: str) -> list[list[str]]:
     """The bodies of the innermost loops (a backward branch with no loop inside) of function fn."""
     lines = asm.split("\n")
+    if f"{fn}:" not in lines:
+        return []
     a = lines.index(f"{fn}:")
     b = next(i for i in range(a, len(lines)) if lines[i].strip().startswith(".size"))
     labels = {}
@@ -277,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="instructions per forward counted before (e.g. Qwen3-0.6B 1 64 263.54), instead of "
                          "--count; may be repeated")
     ap.add_argument("--depths", default="64,2048", help="comma-separated KV depths of the estimate")
+    ap.add_argument("--check", action="store_true",
+                    help="only compile and check that every loop the estimate needs is found (no llvm-mca, "
+                         "no qemu); exit 1 with the missing ones listed otherwise")
     args = ap.parse_args(argv)
     depths = [int(d) for d in args.depths.split(",")]
     count_depths = [int(d) for d in args.count_depths.split(",")] if args.count_depths else depths
@@ -287,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         compile_asm(ENGINE / "src" / "forward.c", tmp / "forward.s")
         loops = inner_loops((tmp / "quant_neon.s").read_text())
         aloops = attention_loops((tmp / "forward.s").read_text())
+        missing = [f"{t} nt {nt}" for t in TYPES for nt in range(1, PTILE + 1) if nt not in loops.get(t, {})]
+        missing += [f"attention {k[0]} {k[1]}" for k in [("scores", j) for j in range(1, SCORE_Q + 1)]
+                    + [("axpy", j) for j in range(1, AXPY_Q + 1)] + [("exp", AW)] if k not in aloops]
+        if missing:
+            log("a76_estimate: loops not found in the NEON build's assembly (the kernels changed; update "
+                "inner_loops / attention_loops): " + ", ".join(missing))
+            return 1
+        if args.check:
+            log(f"a76_estimate: all {sum(len(v) for v in loops.values())} matmul and {len(aloops)} attention "
+                "loops found")
+            return 0
         models = [(m, c) for m, c in (("llvm-mca-19", "neoverse-n1"), ("llvm-mca-14", "cortex-a76"))
                   if shutil.which(m)]
         if not models:
