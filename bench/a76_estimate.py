@@ -16,22 +16,32 @@ estimated from the aarch64 machine code of the NEON kernels:
      "neoverse-n1" model describes the Neoverse N1, the server version of the A76 core (same
      pipelines: 2 load, 2 ASIMD V0/V1, 3 integer). The step estimate is printed for each model
      found (the N1 one is the estimate; the A57 one a pessimistic bound).
-  2. instructions per forward (optional, --count MODEL.gguf): bench/a76_count.c (aarch64, one
-     thread) runs under qemu-aarch64 with bench/a76_insn_plugin.so, which counts executed
-     instructions; REPS = 2 minus REPS = 0, halved, is one forward (N = 1 and N = 5).
-  3. the step model: per matrix of the Qwen3 shape (types as llama.cpp's Q4_K_M rule gives them),
-     records x cycles per record at the tile size the driver uses (N = 1: nt 1; N = 5: one tile
-     of 5), over 4 threads at 2.4 GHz, against the memory floor bytes / 20 GB/s (the RK3588's
-     STREAM figure); a matrix takes the larger of the two (roofline per matrix), plus the rest of
-     the step (norms, RoPE, attention at depth 64, activation quantization, the argmax) from the
-     qemu count minus the matmul loops' instructions when given (else a rough count, see
-     rest_instructions), at 1 and at 2 instructions per cycle over the 4 threads: a range, since
-     that code (attention, norms, quantization of activations) was not put through llvm-mca.
+  2. attention loops: engine_c/src/forward.c is compiled the same way; the inner loops of the
+     attention over the F16 KV cache (block_partial, inlined into attend_unit: the score slices of
+     1..4 queries, the p.v accumulation of 1..2 queries, expv) go through llvm-mca too; their
+     cost per attended position follows from how a unit groups the queries (attention_per_position).
+  3. instructions per forward (--count MODEL.gguf, or --insns from an earlier run):
+     bench/a76_count.c (aarch64, one thread) runs under qemu-aarch64 with bench/a76_insn_plugin.so,
+     which counts executed instructions and prints the count at marker system calls the program
+     makes around its N = 1 and N = 5 forwards (after the prefill). A depth not counted for one
+     shape is derived from another shape with the same attention (derive_counts).
+  4. the step model, per depth: per matrix of the Qwen3 shape (types as llama.cpp's Q4_K_M rule
+     gives them), records x cycles per record at the tile size the driver uses (N = 1: nt 1;
+     N = 5: one tile of 5), over 4 threads at 2.4 GHz, against the memory floor bytes / 20 GB/s
+     (the RK3588's STREAM figure); a matrix takes the larger of the two (roofline per matrix);
+     the attention likewise takes the larger of its loops' cycles over 4 threads and the F16 KV
+     cache's bytes / 20 GB/s; plus the rest of the step (norms, RoPE, activation quantization,
+     SwiGLU, the argmax, loop overheads) = the qemu count minus the matmul and attention loops'
+     instructions (else a rough count, rest_instructions), at 1 and at 2 instructions per cycle
+     over the 4 threads: a range, since that code was not put through llvm-mca.
 
-Run (from the repository root; needs gcc-aarch64-linux-gnu, llvm-mca-14 or -19, and for --count
-qemu-user and a Q4_K_M file such as bench/qwen3_shapes.py writes):
-    python3 bench/a76_estimate.py
-    python3 bench/a76_estimate.py --count ~/.cache/echospec/bench/qwen3-0.6B-shape.Q4_K_M.gguf
+Run (from the repository root; needs gcc-aarch64-linux-gnu, llvm-mca-14 and/or -19, and for --count
+qemu-user and the Q4_K_M files bench/qwen3_shapes.py writes):
+    python3 bench/a76_estimate.py                      # loops and the estimate, rest counted roughly
+    python3 bench/a76_estimate.py --count ~/.cache/echospec/bench/qwen3-0.6B-shape.Q4_K_M.gguf \
+        --count ~/.cache/echospec/bench/qwen3-1.7B-shape.Q4_K_M.gguf --count-depths 64
+    python3 bench/a76_estimate.py --insns Qwen3-0.6B 1 64 263.54 ...   # counts from an earlier run
+    python3 bench/a76_estimate.py --check    # only: are the loops still found (.ci/aarch64.sh runs it)
 Prints the per-record cycle table and the estimates (markdown). These are estimates, not
 measurements: see bench/README.md, "A76 estimate".
 """
@@ -49,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "engine_c"
 CC = "aarch64-linux-gnu-gcc"
-CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fPIC", "-D_GNU_SOURCE", "-mcpu=cortex-a76.cortex-a55",
+CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fPIC", "-D_GNU_SOURCE", "-pthread", "-mcpu=cortex-a76.cortex-a55",
           f"-I{ENGINE / 'include'}", f"-I{ENGINE / 'src'}"]
 TYPES = ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 SDOT_PER_ROW = {"q4_0": 8, "q4_1": 8, "q8_0": 8, "q4_k": 64, "q5_k": 64, "q6_k": 64}
@@ -66,8 +76,9 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def compile_asm(out: Path) -> None:
-    cmd = [CC, *CFLAGS, "-S", str(ENGINE / "src" / "quant_neon.c"), "-o", str(out)]
+def compile_asm(src: Path, out: Path) -> None:
+    """src to aarch64 assembly with the neon-a76 build's flags (engine_c/Makefile)."""
+    cmd = [CC, *CFLAGS, "-S", str(src), "-o", str(out)]
     log(" ".join(cmd))
     subprocess.run(cmd, check=True)
 
@@ -149,26 +160,90 @@ SHAPES = {
 }
 
 
-def rest_instructions(s: dict, n: int, depth: int) -> float:
-    """Instructions of a step outside the matmul inner loops, a rough count used when no qemu
-    count is given: per layer and token 2 RMSNorms and the q/k norms and RoPE (~10 instructions
-    per element), activation quantization of 4 inputs (~2 per element), attention over depth + n
-    positions (~1 per multiply-add, 16-wide NEON sums: ~1/3), SwiGLU (~20 per element), and the
-    argmax over the vocabulary (~1 per logit)."""
+def rest_instructions(s: dict, n: int) -> float:
+    """Instructions of a step outside the matmul and attention inner loops, a rough count used when
+    no qemu count is given: per layer and token 2 RMSNorms and the q/k norms and RoPE (~10
+    instructions per element), activation quantization of 4 inputs (~2 per element), SwiGLU (~20
+    per element), and the argmax over the vocabulary (~1 per logit)."""
     per_tok_layer = (10 * (2 * s["hidden"] + (s["heads"] + s["kv_heads"]) * s["head_dim"])
-                     + 2 * (3 * s["hidden"] + s["ffn"])
-                     + (2 * s["heads"] * s["head_dim"] * (depth + n)) / 3
-                     + 20 * s["ffn"])
+                     + 2 * (3 * s["hidden"] + s["ffn"]) + 20 * s["ffn"])
     return n * (s["layers"] * per_tok_layer + s["vocab"])
 
 
 def kv_bytes(s: dict, depth: int) -> int:
-    return s["layers"] * s["kv_heads"] * s["head_dim"] * 2 * 4 * depth   # K and V, float32
+    """Bytes of the F16 KV cache a step reads at this depth (K and V of every layer and KV head)."""
+    return s["layers"] * s["kv_heads"] * s["head_dim"] * 2 * 2 * depth
 
 
-def count_forward(model: Path, n: int, depth: int, tmp: Path, base: dict) -> int:
-    """Guest instructions of one forward over n tokens (qemu-aarch64 + the counting plugin); the
-    REPS = 0 run (load and prefill only) is made once per model and depth, in base."""
+def innermost_loops(asm: str, fn: str) -> list[list[str]]:
+    """The bodies of the innermost loops (a backward branch with no loop inside) of function fn."""
+    lines = asm.split("\n")
+    if f"{fn}:" not in lines:
+        return []
+    a = lines.index(f"{fn}:")
+    b = next(i for i in range(a, len(lines)) if lines[i].strip().startswith(".size"))
+    labels = {}
+    for i in range(a, b):
+        m = re.match(r"^(\.L\w+):", lines[i])
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i in range(a, b):
+        f = lines[i].split()
+        if f and (f[0].startswith("b") or f[0] in ("cbz", "cbnz", "tbz", "tbnz")):
+            tgt = f[-1]
+            if tgt in labels and labels[tgt] < i:
+                loops.append((labels[tgt], i))
+    inner = [L for L in loops if not any(o != L and L[0] <= o[0] and o[1] <= L[1] for o in loops)]
+    return [[x.strip() for x in lines[s:e + 1] if x.startswith("\t") and not x.strip().startswith((".", "//"))]
+            for s, e in inner]
+
+
+SCORE_Q, AXPY_Q, AXPY_D, AW = 4, 2, 32, 8   # forward.c's NEON values
+
+
+def attention_loops(asm: str) -> dict[tuple[str, int], list[str]]:
+    """The attention's inner loops in forward.c's NEON build (block_partial, inlined into
+    attend_unit), told apart by their F16 conversions and multiplies:
+      ("scores", nj): one dimension d of 2 * AW = 16 positions for nj queries: 4 fcvtl, 4 nj fmul;
+      ("axpy", nj):  one position of AXPY_D = 32 dimensions for nj queries: 8 fcvtl, 8 nj fmul;
+      ("exp", 8):    expv on AW = 8 scores (exp_sub_row): fcvtzs and scvtf, no fcvtl."""
+    out: dict[tuple[str, int], list[str]] = {}
+    for body in innermost_loops(asm, "attend_unit"):
+        ops = [x.split()[0] for x in body]
+        cv, mul = sum(o.startswith("fcvtl") for o in ops), ops.count("fmul")
+        if cv == 4 and mul % 4 == 0 and 1 <= mul // 4 <= SCORE_Q:
+            key = ("scores", mul // 4)
+        elif cv == 8 and mul % 8 == 0 and 1 <= mul // 8 <= AXPY_Q:
+            key = ("axpy", mul // 8)
+        elif cv == 0 and "fcvtzs" in ops and "scvtf" in ops:
+            key = ("exp", AW)
+        else:
+            continue
+        if key not in out or len(body) > len(out[key]):
+            out[key] = body
+    return out
+
+
+def attention_per_position(s: dict, n: int, per_iter: dict) -> float:
+    """Cycles (or instructions) of the attention loops per layer, KV head and attended position of a
+    call over n tokens, from per_iter {loop key: cycles per iteration}: the n * (heads / kv_heads)
+    queries of a KV group (one unit) take score slices of up to SCORE_Q queries (head_dim / 16
+    iterations each per 16 positions), axpy pairs (head_dim / AXPY_D iterations each) and expv
+    over their scores (one iteration per AW)."""
+    nq = n * (s["heads"] // s["kv_heads"])
+    hd = s["head_dim"]
+    slices = [SCORE_Q] * (nq // SCORE_Q) + ([nq % SCORE_Q] if nq % SCORE_Q else [])
+    c = sum(per_iter[("scores", j)] for j in slices) * hd / (2 * AW)
+    c += ((nq // AXPY_Q) * per_iter[("axpy", AXPY_Q)] + (nq % AXPY_Q) * per_iter[("axpy", 1)]) * hd / AXPY_D
+    c += nq * per_iter[("exp", AW)] / AW
+    return c
+
+
+def count_forward(model: Path, depth: int, ns: list[int], reps: int, tmp: Path) -> dict[int, int]:
+    """{N: guest instructions of one forward over N tokens} at KV depth `depth`, from one qemu-aarch64
+    run of bench/a76_count.c with the counting plugin (it prints the count at marker system calls
+    around each N's REPS forwards; the load and the prefill fall outside)."""
     lib = ENGINE / "build" / "aarch64-neon-a76" / "libechospec_engine.a"
     subprocess.run(["make", "-s", "-C", str(ENGINE), f"-j{os.cpu_count()}", "BUILD=build/aarch64-neon-a76",
                     f"CC={CC}", "SIMD=neon-a76", "build/aarch64-neon-a76/libechospec_engine.a"], check=True)
@@ -178,42 +253,58 @@ def count_forward(model: Path, n: int, depth: int, tmp: Path, base: dict) -> int
                         "-o", str(exe), "-lm", "-pthread"], check=True)
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(ROOT / "bench" / "a76_insn_plugin.c"), "-o",
                         str(plugin)], check=True)
-    counts = []
-    for reps in (0, 2):
-        if reps == 0 and (model, depth) in base:
-            counts.append(base[(model, depth)])
-            continue
-        r = subprocess.run(["qemu-aarch64", "-cpu", "cortex-a76", "-L", "/usr/aarch64-linux-gnu", "-plugin",
-                            str(plugin), str(exe), str(model), str(depth), str(n), str(reps)],
-                           capture_output=True, text=True, check=True)
-        counts.append(int(re.search(r"insns (\d+)", r.stderr).group(1)))
-        log(f"  qemu: {model.name} depth {depth} N {n} reps {reps}: {counts[-1]} instructions")
-    base[(model, depth)] = counts[0]
-    return (counts[1] - counts[0]) // 2
+    cmd = ["nice", "qemu-aarch64", "-cpu", "cortex-a76", "-L", "/usr/aarch64-linux-gnu", "-plugin", str(plugin),
+           str(exe), str(model), str(depth), str(reps), *map(str, ns)]
+    log(" ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    marks = [(int(a), int(b)) for a, b in re.findall(r"mark (\d+) insns (\d+)", r.stderr)]
+    out = {}
+    for k, n in enumerate(ns):
+        (n0, c0), (n1, c1) = marks[2 * k], marks[2 * k + 1]
+        assert n0 == n1 == n, marks
+        out[n] = (c1 - c0) // reps
+        log(f"  qemu: {model.name} depth {depth} N {n}: {out[n]} instructions per forward")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--asm", type=Path, help="use this assembly of quant_neon.c instead of compiling it")
     ap.add_argument("--count", type=Path, action="append", default=[],
                     help="a Qwen3-shaped Q4_K_M GGUF to count instructions per forward on under qemu "
-                         "(the shape is told from its name: 0.6B or 1.7B); may be given twice")
-    ap.add_argument("--insns", nargs=3, action="append", default=[], metavar=("SHAPE", "N", "MILLIONS"),
-                    help="instructions per forward counted before (e.g. Qwen3-0.6B 1 345.1), instead of "
+                         "(the shape is told from its name: 0.6B or 1.7B); may be repeated")
+    ap.add_argument("--count-depths", default=None,
+                    help="comma-separated depths of the qemu runs (default: --depths); each run prefills "
+                         "its depth, which is most of its time under qemu")
+    ap.add_argument("--reps", type=int, default=1, help="forwards per N in a qemu run (the count is exact: 1)")
+    ap.add_argument("--insns", nargs=4, action="append", default=[], metavar=("SHAPE", "N", "DEPTH", "MILLIONS"),
+                    help="instructions per forward counted before (e.g. Qwen3-0.6B 1 64 263.54), instead of "
                          "--count; may be repeated")
-    ap.add_argument("--depth", type=int, default=64, help="KV depth of the step (default 64)")
-    ap.add_argument("--count-depth", type=int, default=None,
-                    help="prefill depth of the qemu runs (default --depth; each run prefills it, which "
-                         "is most of its time under qemu: 1.7B at depth 64 takes about 10 minutes a run)")
+    ap.add_argument("--depths", default="64,2048", help="comma-separated KV depths of the estimate")
+    ap.add_argument("--check", action="store_true",
+                    help="only compile and check that every loop the estimate needs is found (no llvm-mca, "
+                         "no qemu); exit 1 with the missing ones listed otherwise")
     args = ap.parse_args(argv)
+    depths = [int(d) for d in args.depths.split(",")]
+    count_depths = [int(d) for d in args.count_depths.split(",")] if args.count_depths else depths
 
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
-        asm_path = args.asm or tmp / "quant_neon.s"
-        if not args.asm:
-            compile_asm(asm_path)
-        loops = inner_loops(asm_path.read_text())
-        models = [(m, c) for m, c in (("llvm-mca-14", "cortex-a76"), ("llvm-mca-19", "neoverse-n1"))
+        compile_asm(ENGINE / "src" / "quant_neon.c", tmp / "quant_neon.s")
+        compile_asm(ENGINE / "src" / "forward.c", tmp / "forward.s")
+        loops = inner_loops((tmp / "quant_neon.s").read_text())
+        aloops = attention_loops((tmp / "forward.s").read_text())
+        missing = [f"{t} nt {nt}" for t in TYPES for nt in range(1, PTILE + 1) if nt not in loops.get(t, {})]
+        missing += [f"attention {k[0]} {k[1]}" for k in [("scores", j) for j in range(1, SCORE_Q + 1)]
+                    + [("axpy", j) for j in range(1, AXPY_Q + 1)] + [("exp", AW)] if k not in aloops]
+        if missing:
+            log("a76_estimate: loops not found in the NEON build's assembly (the kernels changed; update "
+                "inner_loops / attention_loops): " + ", ".join(missing))
+            return 1
+        if args.check:
+            log(f"a76_estimate: all {sum(len(v) for v in loops.values())} matmul and {len(aloops)} attention "
+                "loops found")
+            return 0
+        models = [(m, c) for m, c in (("llvm-mca-19", "neoverse-n1"), ("llvm-mca-14", "cortex-a76"))
                   if shutil.which(m)]
         if not models:
             log("no llvm-mca-14 or llvm-mca-19 on PATH")
@@ -232,55 +323,127 @@ def main(argv: list[str] | None = None) -> int:
                     row.append(f"{cyc[(m, t, nt)]:.0f}")
                 print(f"| {t} | {nt} | " + " | ".join(row) + f" | {16 * BYTES[t]} |")
 
-        counted: dict = {(sh, int(n)): float(m) * 1e6 for sh, n, m in args.insns}
-        base: dict = {}
+        acyc: dict[str, dict] = {m: {} for m, _ in models}
+        ains = {k: float(len(b)) for k, b in aloops.items()}
+        print("\n## Attention loops (forward.c, F16 KV cache), cycles per iteration\n")
+        print("| loop | queries | multiply-adds/iter | instr/iter | loads | stores | "
+              + " | ".join(f"{m} {c}" for m, c in models) + " |")
+        print("|---|---|---|---|---|---|" + "---|" * len(models))
+        for key in sorted(aloops):
+            body = aloops[key]
+            ops = [x.split()[0] for x in body]
+            ld = sum(o.startswith("ld") for o in ops)
+            st = sum(o.startswith("st") for o in ops)
+            macs = {"scores": 2 * AW * key[1], "axpy": AXPY_D * key[1], "exp": 0}[key[0]]
+            row = []
+            for m, c in models:
+                acyc[m][key] = mca_cycles(body, m, c, tmp)
+                row.append(f"{acyc[m][key]:.1f}")
+            print(f"| {key[0]} | {key[1]} | {macs or '-'} | {len(body)} | {ld} | {st} | " + " | ".join(row) + " |")
+
+        counted: dict = {(sh, int(n), int(d)): float(m) * 1e6 for sh, n, d, m in args.insns}
         for model in args.count:
             shape = "Qwen3-1.7B" if "1.7B" in model.name else "Qwen3-0.6B"
-            for n in (1, 5):
-                counted[(shape, n)] = count_forward(model, n, args.count_depth or args.depth, tmp, base)
+            for d in count_depths:
+                for n, c in count_forward(model, d, [1, 5], args.reps, tmp).items():
+                    counted[(shape, n, d)] = c
+        if counted:
+            print("\n## Instructions per forward (qemu-aarch64, NEON build, 1 thread), millions\n")
+            print("| shape | N | depth | instructions |")
+            print("|---|---|---|---|")
+            for k in sorted(counted):
+                print(f"| {k[0]} | {k[1]} | {k[2]} | {counted[k] / 1e6:.2f} |")
+        derive_counts(counted, depths)
 
         for mca, cpu in models:
-            estimate_table(args, loops, cyc, counted, mca, cpu)
+            for d in depths:
+                estimate_table(d, loops, {k[1:]: v for k, v in cyc.items() if k[0] == mca},
+                               acyc[mca], ains, counted, mca, cpu)
     return 0
 
 
-def estimate_table(args: argparse.Namespace, loops: dict, cyc: dict, counted: dict, best: str, cpu: str) -> None:
-    """The step estimate (markdown) with the cycles of llvm-mca `best` (-mcpu=cpu)."""
-    print(f"\n## Estimate per step on the RK3588 (4 x A76 at 2.4 GHz, 20 GB/s), depth {args.depth}, "
-          f"cycles from {best} -mcpu={cpu}\n")
-    print("| model | N | weight MB/step | memory floor ms | matmul compute ms (4 thr) | matmul instr M "
-          "| qemu instr/forward M | rest ms (IPC 1 / 2) | T or V(4) est. ms (IPC 1 / 2) |")
+def derive_counts(counted: dict, depths: list[int]) -> None:
+    """Fill a missing (shape, N, depth) count from another depth of the same shape plus the growth
+    another shape with the same attention (layers, heads, KV heads, head_dim) showed between those
+    depths (the steps differ only in attention, which does not depend on the weights); else linear
+    in the depth from the two deepest counts of the same shape (a decode step's attention grows by
+    the same loops per attended position)."""
+    def att(sh: str) -> tuple:
+        s = SHAPES[sh]
+        return (s["layers"], s["heads"], s["kv_heads"], s["head_dim"])
+
+    def across() -> None:
+        for sh in SHAPES:
+            for n in (1, 5):
+                for d in depths:
+                    if (sh, n, d) in counted:
+                        continue
+                    for (sh2, n2, d2), c2 in list(counted.items()):
+                        if (n2 == n and d2 != d and sh2 != sh and att(sh2) == att(sh)
+                                and (sh, n, d2) in counted and (sh2, n, d) in counted):
+                            counted[(sh, n, d)] = counted[(sh, n, d2)] + counted[(sh2, n, d)] - c2
+                            log(f"note: {sh} N {n} depth {d}: counted at depth {d2} plus {sh2}'s growth "
+                                f"from {d2} to {d}")
+                            break
+
+    def linear() -> None:
+        for sh in SHAPES:
+            for n in (1, 5):
+                have = sorted(d for (s2, n2, d) in counted if s2 == sh and n2 == n)
+                for d in depths:
+                    if (sh, n, d) in counted or len(have) < 2:
+                        continue
+                    d1, d2 = have[-2], have[-1]
+                    c1, c2 = counted[(sh, n, d1)], counted[(sh, n, d2)]
+                    counted[(sh, n, d)] = c1 + (c2 - c1) * (d - d1) / (d2 - d1)
+                    log(f"note: {sh} N {n} depth {d}: linear in the depth from the counts at {d1} and {d2}")
+
+    across()
+    linear()
+    across()
+
+
+def estimate_table(depth: int, loops: dict, cyc: dict, acyc: dict, ains: dict, counted: dict, mca: str,
+                   cpu: str) -> None:
+    """The step estimate (markdown) at a KV depth with the cycles of llvm-mca `mca` (-mcpu=cpu)."""
+    print(f"\n## Estimate per step on the RK3588 (4 x A76 at 2.4 GHz, 20 GB/s), depth {depth}, "
+          f"cycles from {mca} -mcpu={cpu}\n")
+    print("| model | N | weight MB | matmul: memory / compute ms | KV MB | attention: memory / compute ms "
+          "| qemu instr M (matmul + attention loops + rest) | rest ms (IPC 1 / 2) | step ms (IPC 1 / 2) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, s in SHAPES.items():
         plan = llama_q4_k_m_plan(**s)
         res: dict[int, tuple[float, float]] = {}
         for n in (1, 5):
             nt = n if n <= PTILE else None
-            tot_ms = 0.0
-            mem_ms_all = comp_ms_all = instr = 0.0
+            mm_ms = mem_ms_all = comp_ms_all = instr = 0.0
             wbytes = 0
             for _, t, n_in, n_out, count in plan:
                 recs = (n_out + 15) // 16 * (n_in // ELEMS[t]) * count
                 b = recs * 16 * BYTES[t]
                 wbytes += b
-                c_ms = recs * cyc[(best, t, nt)] / THREADS / (GHZ * 1e6)
+                c_ms = recs * cyc[(t, nt)] / THREADS / (GHZ * 1e6)
                 m_ms = b / (STREAM_GBS * 1e6)
                 instr += recs * 4 * len(loops[t][nt])
                 comp_ms_all += c_ms
                 mem_ms_all += m_ms
-                tot_ms += max(c_ms, m_ms)
-            kvb = kv_bytes(s, args.depth)
-            tot_ms += kvb / (STREAM_GBS * 1e6)
-            q = counted.get((name, n))
-            rest_instr = (q - instr) if q else rest_instructions(s, n, args.depth)
-            if q and (args.count_depth or args.depth) != args.depth:
-                log(f"note: {name}: the rest is counted at depth {args.count_depth}, not {args.depth}")
+                mm_ms += max(c_ms, m_ms)
+            kvb = kv_bytes(s, depth)
+            units = s["layers"] * s["kv_heads"] * (depth + n)   # attended positions x KV heads x layers
+            a_comp = units * attention_per_position(s, n, acyc) / THREADS / (GHZ * 1e6)
+            a_mem = kvb / (STREAM_GBS * 1e6)
+            a_instr = units * attention_per_position(s, n, ains)
+            q = counted.get((name, n, depth))
+            rest_instr = (q - instr - a_instr) if q else rest_instructions(s, n)
             # the rest at 1 and at 2 instructions per cycle, shared out by the pool's 4 threads
             rest_ms = [max(rest_instr, 0) / ipc / THREADS / (GHZ * 1e6) for ipc in (1, 2)]
-            res[n] = (tot_ms + rest_ms[0], tot_ms + rest_ms[1])
-            print(f"| {name} | {n} | {wbytes / 1e6:.0f} | {(wbytes + kvb) / (STREAM_GBS * 1e6):.1f} "
-                  f"| {comp_ms_all:.1f} | {instr / 1e6:.0f} | {q / 1e6 if q else float('nan'):.0f} "
-                  f"| {rest_ms[0]:.1f} / {rest_ms[1]:.1f} | {res[n][0]:.1f} / {res[n][1]:.1f} |")
+            base = mm_ms + max(a_comp, a_mem)
+            res[n] = (base + rest_ms[0], base + rest_ms[1])
+            qs = (f"{q / 1e6:.0f} ({instr / 1e6:.0f} + {a_instr / 1e6:.0f} + {rest_instr / 1e6:.0f})" if q
+                  else f"- ({instr / 1e6:.0f} + {a_instr / 1e6:.0f} + ~{rest_instr / 1e6:.0f} rough)")
+            print(f"| {name} | {n} | {wbytes / 1e6:.0f} | {mem_ms_all:.1f} / {comp_ms_all:.1f} | {kvb / 1e6:.1f} "
+                  f"| {a_mem:.1f} / {a_comp:.1f} | {qs} | {rest_ms[0]:.1f} / {rest_ms[1]:.1f} "
+                  f"| {res[n][0]:.1f} / {res[n][1]:.1f} |")
         print(f"| {name} | V(4)/T | | | | | | | {res[5][0] / res[1][0]:.2f} / {res[5][1] / res[1][1]:.2f} |")
 
 
