@@ -199,21 +199,23 @@ def innermost_loops(asm: str, fn: str) -> list[list[str]]:
             for s, e in inner]
 
 
-SCORE_Q, AXPY_Q, AXPY_D, AW = 4, 2, 32, 8   # forward.c's NEON values
+SCORE_Q, AXPY_Q, AXPY_D, AW = 4, 2, 32, 4   # forward.c's NEON values
 
 
 def attention_loops(asm: str) -> dict[tuple[str, int], list[str]]:
     """The attention's inner loops in forward.c's NEON build (block_partial, inlined into
     attend_unit), told apart by their F16 conversions and multiplies:
-      ("scores", nj): one dimension d of 2 * AW = 16 positions for nj queries: 4 fcvtl, 4 nj fmul;
+      ("scores", nj): one dimension d of 2 * AW = 8 positions for nj queries: 2 fcvtl, 2 nj fmul;
       ("axpy", nj):  one position of AXPY_D = 32 dimensions for nj queries: 8 fcvtl, 8 nj fmul;
-      ("exp", 8):    expv on AW = 8 scores (exp_sub_row): fcvtzs and scvtf, no fcvtl."""
+      ("exp", AW):   expv on AW = 4 scores (exp_sub_row): fcvtzs and scvtf, no fcvtl.
+    (one fcvtl converts 4 halves: an AW-lane load is AW / 4 of them)"""
     out: dict[tuple[str, int], list[str]] = {}
     for body in innermost_loops(asm, "attend_unit"):
         ops = [x.split()[0] for x in body]
         cv, mul = sum(o.startswith("fcvtl") for o in ops), ops.count("fmul")
-        if cv == 4 and mul % 4 == 0 and 1 <= mul // 4 <= SCORE_Q:
-            key = ("scores", mul // 4)
+        sv = 2 * AW // 4   # fcvtl (and fmul per query) of a score step
+        if cv == sv and mul % sv == 0 and 1 <= mul // sv <= SCORE_Q:
+            key = ("scores", mul // sv)
         elif cv == 8 and mul % 8 == 0 and 1 <= mul // 8 <= AXPY_Q:
             key = ("axpy", mul // 8)
         elif cv == 0 and "fcvtzs" in ops and "scvtf" in ops:

@@ -38,10 +38,13 @@
 typedef float v8f __attribute__((vector_size(32)));
 /* AW lanes, for loops whose lanes are independent elements (attention over
  * positions or dimensions): the width changes no element's operations, so
- * it follows the registers of the target (16 on AVX-512, 8 on AVX2 / NEON,
- * where 16-lane accumulators would spill). */
+ * it follows the registers of the target: 16 on AVX-512, 8 on AVX2 (where
+ * 16-lane accumulators would spill), 4 on aarch64 (one NEON register; GCC
+ * keeps 8-lane vectors, two registers each, on the stack in these loops). */
 #if defined(__AVX512F__)
 #define AW 16
+#elif defined(__aarch64__)
+#define AW 4
 #else
 #define AW 8
 #endif
@@ -53,7 +56,7 @@ typedef float vaf __attribute__((vector_size(AW * 4)));
  * arithmetic, bound the loop (AVX-512: 12 loads per position for 3 queries). */
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX__)   /* vaf is one ymm or zmm register */
 #define IN_REG(v) __asm__("" : "+v"(v))
-#else   /* NEON: vaf spans two registers; left to the compiler */
+#else   /* other targets (NEON: one q register): left to the compiler */
 #define IN_REG(v) ((void)0)
 #endif
 
@@ -69,10 +72,8 @@ static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
     __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
     memcpy(&v, &x, sizeof v);
 #elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
-    float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));
-    float32x4_t lo = vcvt_f32_f16(vget_low_f16(h)), hi = vcvt_high_f32_f16(h);
+    float32x4_t lo = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
     memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
 #else
     for (int i = 0; i < AW; i++) v[i] = es_fp16_to_fp32(p[i]);
 #endif
