@@ -85,31 +85,9 @@ def compile_asm(src: Path, out: Path) -> None:
 
 def inner_loops(asm: str) -> dict[str, dict[int, list[str]]]:
     """{type: {nt: loop body instructions}} of the packed kernels' innermost loops."""
-    lines = asm.split("\n")
     out: dict[str, dict[int, list[str]]] = {}
     for t in TYPES:
-        fn = f"p_{t}"
-        try:
-            a = lines.index(f"{fn}:")
-        except ValueError:
-            continue
-        b = next(i for i in range(a, len(lines)) if lines[i].strip().startswith(".size"))
-        labels = {}
-        for i in range(a, b):
-            m = re.match(r"^(\.L\w+):", lines[i])
-            if m:
-                labels[m.group(1)] = i
-        loops = []
-        for i in range(a, b):
-            f = lines[i].split()
-            if f and (f[0].startswith("b") or f[0] in ("cbz", "cbnz", "tbz", "tbnz")):
-                tgt = f[-1]
-                if tgt in labels and labels[tgt] < i:
-                    loops.append((labels[tgt], i))
-        inner = [L for L in loops if not any(o != L and L[0] <= o[0] and o[1] <= L[1] for o in loops)]
-        for s, e in inner:
-            body = [x.strip() for x in lines[s:e + 1]
-                    if x.startswith("\t") and not x.strip().startswith((".", "//"))]
+        for body in innermost_loops(asm, f"p_{t}"):
             sd = sum(1 for x in body if x.startswith("sdot"))
             if sd == 0 or sd % SDOT_PER_ROW[t]:
                 continue

@@ -76,21 +76,10 @@ typedef struct {
 
 static step_out g_ref[N_SESS][ROUNDS];
 
-static es_session *new_session(const es_model *m, int n_threads, int n_ctx) {
-    es_session_params sp = es_session_default_params();
-    sp.n_ctx = n_ctx;
-    sp.n_threads = n_threads;
-    es_session *s = NULL;
-    char err[256] = "";
-    es_status st = es_session_new(m, &sp, &s, err, sizeof err);
-    if (st != ES_OK) fprintf(stderr, "  es_session_new: %s\n", err);
-    CHECK_EQ_INT(st, ES_OK);
-    return s;
-}
 
 /* A session of session k's history (prefilled alone). */
 static es_session *session_with_history(const es_model *m, int k, int n_threads) {
-    es_session *s = new_session(m, n_threads, N_CTX);
+    es_session *s = tm_session(m, n_threads, N_CTX);
     if (s && SPECS[k].hist > 0) {
         int32_t t[N_CTX];
         step_tokens(k, 0, SPECS[k].hist, t);
@@ -171,7 +160,7 @@ static void failures(const es_model *m, const es_model *other, const char *mname
     static int32_t toks[N_SESS][MAX_STEP];
     es_session *ss[N_SESS];
     for (int k = 0; k < N_SESS; k++) ss[k] = session_with_history(m, k, 2);
-    es_session *small = new_session(m, 2, 8), *foreign = new_session(other, 1, 16);
+    es_session *small = tm_session(m, 2, 8), *foreign = tm_session(other, 1, 16);
     if (!small || !foreign) return;
     int32_t six[6] = {1, 2, 3, 4, 5, 6};
     CHECK_EQ_INT(es_forward(small, six, 6, NULL, NULL, 0), ES_OK);

@@ -61,17 +61,6 @@ static int32_t ref_argmax(const float *x, int n) {
 
 static int32_t tok(int pos) { return (int32_t)((pos * 53 + 11) % N_VOCAB); }
 
-static es_session *new_session(const es_model *m, int n_threads) {
-    es_session_params sp = es_session_default_params();
-    sp.n_ctx = N_CTX;
-    sp.n_threads = n_threads;
-    es_session *s = NULL;
-    char err[256] = "";
-    es_status st = es_session_new(m, &sp, &s, err, sizeof err);
-    if (st != ES_OK) fprintf(stderr, "  es_session_new: %s\n", err);
-    CHECK_EQ_INT(st, ES_OK);
-    return s;
-}
 
 static int32_t g_first[N_CALLS][MAX_ROWS];   /* the 1-thread run's argmax */
 
@@ -80,7 +69,7 @@ typedef struct {
 } head_stats;
 
 static void run_threads(const es_model *m, const char *name, int head, int nt, head_stats *hs) {
-    es_session *a = new_session(m, nt), *b = new_session(m, nt);
+    es_session *a = tm_session(m, nt, N_CTX), *b = tm_session(m, nt, N_CTX);
     if (!a || !b) return;
     CHECK_EQ_INT(es_session_ensure_scratch(a, MAX_ROWS), ES_OK);
     memset(a->logits, PATTERN, (size_t)a->cap * N_VOCAB * sizeof(float));
