@@ -727,8 +727,8 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
  * row an int16 and an int32 sum stay in registers through a super-block
  * (10 ymm for 5 rows; the float accumulators are touched once per
  * super-block and may live in memory), so a verify's 5 rows take one pass
- * and the weight vectors are made once (kernel_bench types: 3-row tiles,
- * 3 + 2 passes at N = 5, were 8-14 % slower there). */
+ * and the weight vectors are made once (3-row tiles took 3 + 2 passes and
+ * were slower: bench/README.md, "AVX2 verify cost"). */
 #define KTILE 5
 #undef PTILE_OF
 #define PTILE_OF(type) ((type) == ES_TYPE_Q4_K || (type) == ES_TYPE_Q5_K || (type) == ES_TYPE_Q6_K ? KTILE : PTILE)
