@@ -1,6 +1,7 @@
 """Print engine_bench.py --json results as the markdown table of issue 13.
 
     python bench/summarize.py bench/results/*.json
+    python bench/summarize.py bench/results/session6-2026-12-01     (a directory: its *.json files)
 
 One row per file: the model file and setting, our ISA (simd / host), the threads, the paired ratios ours/peer of
 decode and prefill, T ours and the peer's, V(4)/T ours (the peer's), and the load average around
@@ -38,11 +39,32 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
+    paths = []
+    for a in argv:
+        p = Path(a)
+        if p.is_dir():
+            found = sorted(p.glob("*.json"))
+            if not found:
+                print(f"summarize: no .json files in {p}", file=sys.stderr)
+                return 2
+            paths += found
+        elif p.is_file():
+            paths.append(p)
+        else:
+            print(f"summarize: {p}: no such file or directory", file=sys.stderr)
+            return 2
+    rows = []
+    for p in paths:
+        try:
+            rows.append(row(p))
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"summarize: {p} is not an engine_bench.py --json result ({e!r})", file=sys.stderr)
+            return 2
     print("| file / setting | our ISA | decode vs llama.cpp | T ms ours (llama.cpp) | V(4)/T ours (llama.cpp) "
           "| prefill vs llama.cpp | rounds | load |")
     print("|---|---|---|---|---|---|---|---|")
-    for a in argv:
-        print(row(Path(a)))
+    for r in rows:
+        print(r)
     return 0
 
 

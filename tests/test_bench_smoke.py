@@ -67,6 +67,22 @@ def test_bench_json_on_tiny_model(tmp_path):
     assert "prefill_ge_1.5x_peer" not in out["goals"]   # only for a prefill of >= 2048 tokens
     assert "[engine_bench]" in r.stderr  # progress goes to stderr
 
+    # bench/summarize.py turns the JSON into the issue-13 table row, given the file or its directory
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "tiny.json").write_text(r.stdout)
+    summ = [sys.executable, str(ROOT / "bench" / "summarize.py")]
+    for arg in (tmp_path / "res" / "tiny.json", tmp_path / "res"):
+        t = subprocess.run([*summ, str(arg)], capture_output=True, text=True, timeout=60)
+        assert t.returncode == 0, t.stderr
+        lines = t.stdout.splitlines()
+        assert lines[0].startswith("| file / setting |") and len(lines) == 3, t.stdout
+        assert lines[2].startswith("| tiny.gguf, depth 64, 32-token prefill | ") and "| - |" in lines[2], lines[2]
+    # a missing path, a non-result file and an empty directory: exit 2, a message, no table
+    (tmp_path / "empty").mkdir()
+    for arg in (tmp_path / "nope.json", tmp_path / "tiny.gguf", tmp_path / "empty"):
+        t = subprocess.run([*summ, str(arg)], capture_output=True, text=True, timeout=60)
+        assert t.returncode == 2 and t.stdout == "" and "summarize:" in t.stderr, (arg, t)
+
 
 def test_bench_table_and_peer_absent_or_present(tmp_path):
     """The default (human) output is a table; the peer column is '-' with --no-peer."""
