@@ -175,6 +175,8 @@ def test_models_and_health(stack, client):
 @pytest.mark.parametrize("extra, param", [
     ({"n": 2}, "n"),
     ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 1.5}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
     ({"stop": [3]}, "stop"),
@@ -194,6 +196,8 @@ def test_bad_fields_raise_bad_request(client, extra, param):
     err = ei.value.body
     assert ei.value.status_code == 400 and err["param"] == param and err["type"] == \
         "invalid_request_error" and err["message"]
+    if extra == {"top_p": 0}:   # the coordinator's wording for the same value
+        assert err["message"] == "top_p must be in (0, 1] (leave it unset or 1 for off), got 0"
 
 
 def test_coordinator_refusals_are_400(client, stack):

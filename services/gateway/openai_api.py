@@ -298,6 +298,8 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     req.temperature = t or 0.0
     top_p = _number(body, "top_p", 0.0, 1.0)
     if top_p is not None:
+        if top_p <= 0:   # the coordinator's rule and wording: a nucleus keeps some probability
+            raise bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {body['top_p']!r}", "top_p")
         req.top_p = top_p
     seed = _integer(body, "seed", 0, 2 ** 64 - 1)
     req.seed = seed or 0
