@@ -47,7 +47,8 @@ class ApiError(Exception):
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
+    """A 400 the gateway gives itself, coded like the coordinator's INVALID_ARGUMENT refusals."""
+    return ApiError(400, message, param, code="invalid_argument")
 
 
 # gRPC status (name) -> HTTP status and OpenAI error type
@@ -296,9 +297,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     req.max_tokens = max_tokens or 0
     t = _number(body, "temperature", 0.0, 2.0)
     req.temperature = t or 0.0
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_p = _number(body, "top_p", -math.inf, math.inf)
     if top_p is not None:
-        if top_p <= 0:   # the coordinator's rule and wording: a nucleus keeps some probability
+        if not 0 < top_p <= 1:   # the coordinator's rule and wording: a nucleus keeps some probability
             raise bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {body['top_p']!r}", "top_p")
         req.top_p = top_p
     seed = _integer(body, "seed", 0, 2 ** 64 - 1)
