@@ -1055,3 +1055,28 @@ def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog
                 and r.levelno == logging.WARNING]
     assert warnings == ["n_ctx 1024 is more than the 512 tokens the model was trained for: "
                         "positions past 512 are extrapolated and the output there is likely poor"]
+
+
+# -- a plain generation that fills the context, without the prefix cache -------------------------
+
+@pytest.mark.parametrize("prompt_len", [3, 62, 63])
+def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, prompt_len):
+    # was: with --no-prefix-cache the last event read n_past from the session it had just given
+    # back (closed): UNAVAILABLE "generation: session is closed" after the streamed text, and the
+    # gateway answered 503 with the whole answer lost
+    from echospec.services.coordinator.stack import start_stack
+    from echospec_client import Client
+
+    results = {}
+    for cache in (False, True):
+        st = start_stack(tiny_model(), n_ctx=64, n_threads=1, prefix_cache=cache)
+        try:
+            with Client(st.target, connect_timeout=10) as c:
+                results[cache] = c.complete(token_ids=[5] * prompt_len, max_tokens=200, spec=False)
+        finally:
+            st.stop(0)
+    off, on = results[False], results[True]
+    assert off.finish_reason == "context", off
+    # every position holds a token, and the last one produced needs none
+    assert off.completion_tokens == 64 - prompt_len + 1 and off.token_ids == on.token_ids
+    assert (off.finish_reason, off.text) == (on.finish_reason, on.text)

@@ -389,9 +389,10 @@ class _PlainStream:
 def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator[RoundEvent]:
     """The rest of a generation as plain decoding rounds, stepped by the scheduler."""
     core, session, n_ctx = run.core, run.session, run.n_ctx
-    if session.n_past + 1 > n_ctx:
-        run.release()
-        yield RoundEvent([], t_ms=core.t_ms, n_past=session.n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
+    n_past = session.n_past
+    if n_past + 1 > n_ctx:
+        run.release()   # may close the session (no prefix cache): n_past was read before
+        yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
         return
     sched, cancel = core.scheduler, run.cancel
     stream = _PlainStream(run, produced, r0)
@@ -414,8 +415,9 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
                 item = stream.out.popleft()
                 if item is _CONTEXT:
                     sched.stop(stream)
-                    run.release()
-                    yield RoundEvent([], t_ms=core.t_ms, n_past=session.n_past, n_ctx=n_ctx,
+                    n_past = session.n_past
+                    run.release()   # may close the session (no prefix cache)
+                    yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx,
                                      finish=FINISH_CONTEXT)
                     return
                 tok, fwd_ms, t_ms, wall_ms, n_past, last = item
