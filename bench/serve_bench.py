@@ -14,6 +14,8 @@ What it measures (greedy, speculation off unless said otherwise):
                     alternating order, the 8 prompts one at a time on the first and all 8 at
                     once on the second, seconds apart. ratio = 8-at-once tok/s / one-at-a-time
                     tok/s of the same pair; median_ratio over the pairs (0 pairs: skipped).
+                    Before the pairs one untimed round of each side (and of the engine's
+                    all-at-once side) warms the stacks (--no-pair-warmup: none).
                     Each pair also runs the same work on the engine alone (engine_pairs: the
                     prompts one at a time, prefill then a forward per token, against all of
                     them at once, one es_forward_batch per step), on the batch_max 8 stack's
@@ -193,6 +195,10 @@ def paired(path: str, args) -> dict:
 
         core = stacks[n].verifier.core
         eng = EngineBatch(core.model, core.config.n_threads, core.config.batch_threads, args.n_ctx)
+        if args.pair_warmup:   # one untimed round of each side: the first all-at-once round on a
+            one_at_a_time()    # fresh stack pays its sessions' first-touch page faults
+            at_once()
+            eng.rate(prompts, [args.max_tokens] * n, at_once=True)
         pairs, eng_pairs = [], []
         for k in range(args.pairs):
             got = {}
@@ -214,7 +220,7 @@ def paired(path: str, args) -> dict:
                 f" (engine alone {e['all'] / e['one']:.2f})")
         med = statistics.median(p["ratio"] for p in pairs)
         eng_med = statistics.median(p["ratio"] for p in eng_pairs)
-        return {"clients": n, "batch_max": n, "threads": core.config.n_threads,
+        return {"clients": n, "batch_max": n, "threads": core.config.n_threads, "warmup": args.pair_warmup,
                 "batch_threads": core.config.batch_threads,
                 "iterations_by_threads": {str(k): v for k, v in sorted(core.scheduler.threads_used.items())},
                 "pairs": pairs, "median_ratio": round(med, 3),
@@ -380,6 +386,8 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=1000)
     ap.add_argument("--pairs", type=int, default=3,
                     help="alternated one-at-a-time / all-at-once pairs (0: skip the paired figure)")
+    ap.add_argument("--pair-warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="one untimed round of each side before the pairs (--no-pair-warmup: none)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a sanity run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
