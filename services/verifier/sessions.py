@@ -276,18 +276,17 @@ class VerifierCore:
     """The loaded model, the engine lock, T, the session registry, the
     scheduler and the prefix cache.
 
-    Args:
-        config: model path, n_ctx, n_threads, max_k, max_sessions, idle timeout,
-            batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Engine threads: every session's pool has max(n_threads, batch_threads)
     threads; a forward over one session (a lone generation's iteration, the
     step-by-step sessions) runs on n_threads of them, an iteration of the
     scheduler that batches >= 2 sessions on batch_threads. With both 0 that
     is the usable CPUs less one for one session (a lone stream's Python keeps
-    a core) and every usable CPU for a batch (the per-token Python of many
-    streams costs less than the second core gives their batched forward).
-    The config kept here has both resolved.
+    a core) and every usable CPU for a batch (bench/README.md, serve_bench
+    session 7). The config kept here has both resolved.
 
+    Args:
+        config: model path, n_ctx, n_threads, batch_threads, max_k, max_sessions, idle
+            timeout, batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Raises:
         EngineError: the model cannot be loaded (status and message from the engine).
         InvalidArgument: n_ctx < 8 (a larger n_ctx than the model's training context is
