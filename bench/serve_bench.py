@@ -14,6 +14,8 @@ What it measures (greedy, speculation off unless said otherwise):
                     alternating order, the 8 prompts one at a time on the first and all 8 at
                     once on the second, seconds apart. ratio = 8-at-once tok/s / one-at-a-time
                     tok/s of the same pair; median_ratio over the pairs (0 pairs: skipped).
+                    Before the pairs one untimed round of each side (and of the engine's
+                    all-at-once side) warms the stacks (--no-pair-warmup: none).
                     Each pair also runs the same work on the engine alone (engine_pairs: the
                     prompts one at a time, prefill then a forward per token, against all of
                     them at once, one es_forward_batch per step), on the batch_max 8 stack's
@@ -120,7 +122,8 @@ def stream_one(stub, ids: list[int], max_tokens: int) -> dict:
 
 
 def concurrency(path: str, args, batch_max: int) -> dict:
-    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_max=batch_max,
+    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_threads=args.batch_threads,
+                     batch_max=batch_max,
                      prefix_cache=False, max_tokens=args.max_tokens)
     ch = grpc.insecure_channel(st.target)
     stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
@@ -165,7 +168,8 @@ def concurrency(path: str, args, batch_max: int) -> dict:
 
 def paired(path: str, args) -> dict:
     n = max(args.clients)
-    stacks = {b: start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_max=b,
+    stacks = {b: start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_threads=args.batch_threads,
+                             batch_max=b,
                              prefix_cache=False, max_tokens=args.max_tokens) for b in (1, n)}
     chans = {b: grpc.insecure_channel(st.target) for b, st in stacks.items()}
     stubs = {b: coordinator_pb2_grpc.CoordinatorServiceStub(ch) for b, ch in chans.items()}
@@ -190,7 +194,11 @@ def paired(path: str, args) -> dict:
             return runs
 
         core = stacks[n].verifier.core
-        eng = EngineBatch(core.model, core.config.n_threads, args.n_ctx)
+        eng = EngineBatch(core.model, core.config.n_threads, core.config.batch_threads, args.n_ctx)
+        if args.pair_warmup:   # one untimed round of each side: the first all-at-once round on a
+            one_at_a_time()    # fresh stack pays its sessions' first-touch page faults
+            at_once()
+            eng.rate(prompts, [args.max_tokens] * n, at_once=True)
         pairs, eng_pairs = [], []
         for k in range(args.pairs):
             got = {}
@@ -212,7 +220,10 @@ def paired(path: str, args) -> dict:
                 f" (engine alone {e['all'] / e['one']:.2f})")
         med = statistics.median(p["ratio"] for p in pairs)
         eng_med = statistics.median(p["ratio"] for p in eng_pairs)
-        return {"clients": n, "batch_max": n, "pairs": pairs, "median_ratio": round(med, 3),
+        return {"clients": n, "batch_max": n, "threads": core.config.n_threads, "warmup": args.pair_warmup,
+                "batch_threads": core.config.batch_threads,
+                "iterations_by_threads": {str(k): v for k, v in sorted(core.scheduler.threads_used.items())},
+                "pairs": pairs, "median_ratio": round(med, 3),
                 "engine_pairs": eng_pairs, "engine_median_ratio": round(eng_med, 3),
                 "stack_share": round(med / eng_med, 3)}
     finally:
@@ -253,19 +264,24 @@ class EngineBatch:
     """The paired figure's work on the engine alone (services.common.engine, in this process).
 
     Args:
-        model: the stack's own loaded Model (see EngineDecoder). threads, n_ctx: as the stack's.
+        model: the stack's own loaded Model (see EngineDecoder). threads, batch_threads, n_ctx:
+            as the stack's verifier (a forward over one session on ``threads``, one over two
+            or more on ``batch_threads``, as its scheduler does).
     """
 
-    def __init__(self, model, threads: int, n_ctx: int):
-        self.model, self.threads, self.n_ctx = model, threads, n_ctx
+    def __init__(self, model, threads: int, batch_threads: int, n_ctx: int):
+        self.model, self.threads, self.batch_threads, self.n_ctx = model, threads, batch_threads, n_ctx
 
     def rate(self, prompts: list[list[int]], lens: list[int], at_once: bool) -> float:
         """Tokens / s of greedy generations of lens[i] tokens from prompts[i]: one after another
         (prefill, then a forward per token), or all at once (the prefills in one es_forward_batch,
         then one es_forward_batch per step over the sessions still generating)."""
         from echospec.services.common.engine import forward_batch
-        ss = [self.model.new_session(n_ctx=self.n_ctx, n_threads=self.threads) for _ in prompts]
+        ss = [self.model.new_session(n_ctx=self.n_ctx, n_threads=max(self.threads, self.batch_threads))
+              for _ in prompts]
         try:
+            for s in ss:
+                s.threads = self.threads
             t0 = time.perf_counter()
             if not at_once:
                 for s, p, n in zip(ss, prompts, lens):
@@ -274,10 +290,12 @@ class EngineBatch:
                         am, _ = s.forward([tok])
                         tok = int(am[0])
             else:
+                ss[0].threads = self.batch_threads if len(ss) > 1 else self.threads
                 res = forward_batch([(s, p, "last", "none") for s, p in zip(ss, prompts)])
                 toks = [int(r[0][0]) for r in res]
                 for step in range(1, max(lens)):
                     live = [i for i, n in enumerate(lens) if step < n]
+                    ss[live[0]].threads = self.batch_threads if len(live) > 1 else self.threads
                     res = forward_batch([(ss[i], [toks[i]], "all", "none") for i in live])
                     for i, r in zip(live, res):
                         toks[i] = int(r[0][0])
@@ -288,7 +306,7 @@ class EngineBatch:
 
 
 def plain_decode(path: str, args) -> dict:
-    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, prefix_cache=False,
+    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_threads=args.batch_threads, prefix_cache=False,
                      max_tokens=args.decode_tokens)
     ch = grpc.insecure_channel(st.target)
     stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
@@ -326,7 +344,7 @@ def plain_decode(path: str, args) -> dict:
 
 
 def prefix_reuse(path: str, args) -> dict:
-    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, prefix_cache=True)
+    st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_threads=args.batch_threads, prefix_cache=True)
     ch = grpc.insecure_channel(st.target)
     stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
     try:
@@ -353,7 +371,11 @@ def prefix_reuse(path: str, args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="GGUF path, 'tiny' (a random tiny model) or empty: SmolLM2")
-    ap.add_argument("--threads", type=int, default=0, help="engine threads (0: the verifier's default, the usable CPUs less one)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="engine threads of a forward over one session (0: the verifier's default, the usable CPUs less one)")
+    ap.add_argument("--batch-threads", type=int, default=0,
+                    help="engine threads of an iteration over >= 2 sessions (0: the verifier's default,"
+                         " every usable CPU when --threads is 0)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--batch-max", default="1,8")
@@ -364,6 +386,8 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=1000)
     ap.add_argument("--pairs", type=int, default=3,
                     help="alternated one-at-a-time / all-at-once pairs (0: skip the paired figure)")
+    ap.add_argument("--pair-warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="one untimed round of each side before the pairs (--no-pair-warmup: none)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a sanity run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -377,6 +401,7 @@ def main() -> int:
         path = _model_path(args.model, Path(td))
         from echospec.services.common.engine import simd_name
         out = {"model": Path(path).name, "simd": simd_name(), "threads": args.threads,
+               "batch_threads": args.batch_threads, "load_avg_start": os.getloadavg()[0],
                "cores": os.cpu_count(), "max_tokens": args.max_tokens}
         out["concurrency"] = {f"batch_max_{bm}": concurrency(path, args, int(bm))
                               for bm in args.batch_max.split(",")}
@@ -387,6 +412,7 @@ def main() -> int:
         out["plain_decode"] = plain_decode(path, args)
         log("prefix reuse")
         out["prefix"] = prefix_reuse(path, args)
+    out["load_avg_end"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(out))
         return 0

@@ -16,6 +16,11 @@ with one all-at-once round, then runs --reps rounds of N concurrent streamed gen
     verifier_msgs_per_token, client_msgs_per_token
                         GenerateTokens messages (verifier -> coordinator) and Generate messages
                         (coordinator -> client) per output token
+    engine_alone_forward_ms
+                        right after the round, the median of 20 es_forward_batch calls of the N
+                        sessions' shape (N sessions x 1 token, about the round's context) on the
+                        engine alone, on the verifier's model and batch_threads: forward_ms
+                        over it is what running beside the stack's Python costs the forward
     cpu_ms_per_token    this process's CPU time (user + system) per output token, engine included
     stack_cpu_ms_per_token
                         the same less the engine calls' CPU time: the services', gRPC's and the
@@ -71,6 +76,28 @@ class _TimedLib:
         return r
 
 
+def engine_alone_ms(core, prompts: list, extra: int, calls: int = 20) -> float:
+    """Median ms of an es_forward_batch of len(prompts) sessions x 1 token, each session at its
+    prompt plus ``extra`` tokens, on the verifier's model and batch_threads."""
+    cfg = core.config
+    ss = [core.model.new_session(n_ctx=cfg.n_ctx, n_threads=core.pool_threads) for _ in prompts]
+    try:
+        for s, p in zip(ss, prompts):
+            s.prefill(list(p) + [p[-1]] * extra)
+        ss[0].threads = cfg.batch_threads if len(ss) > 1 else cfg.n_threads
+        ts = []
+        for i in range(calls):
+            t0 = time.perf_counter()
+            engine_mod.forward_batch([(s, [7 + i], "all", "none") for s in ss])
+            ts.append((time.perf_counter() - t0) * 1e3)
+            for s in ss:
+                s.rollback(s.n_past - 1)
+        return statistics.median(ts)
+    finally:
+        for s in ss:
+            s.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
@@ -78,12 +105,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--batch-threads", type=int, default=0)
     args = ap.parse_args()
     n = args.clients
     with tempfile.TemporaryDirectory() as td:
         path = sb._model_path(args.model, Path(td))
-        st = start_stack(path, n_ctx=2048, n_threads=args.threads, batch_max=n, prefix_cache=False,
-                         max_tokens=args.max_tokens)
+        st = start_stack(path, n_ctx=2048, n_threads=args.threads, batch_threads=args.batch_threads,
+                         batch_max=n, prefix_cache=False, max_tokens=args.max_tokens)
         sched = st.verifier.core.scheduler
         calls: list = []
         iters: list = []          # (start, end, sorted submit times) per iteration
@@ -144,6 +172,8 @@ def main() -> int:
                 wall = time.perf_counter() - t0
                 c1 = os.times()
                 toks = sum(len(r[0]) for r in runs)
+                round_calls = list(calls)     # the round's engine calls (not the engine-alone ones)
+                alone_ms = engine_alone_ms(st.verifier.core, prompts, args.max_tokens // 2)
                 gaps = [(b[2][-1] - a[3]) * 1e3 for a, b in zip(iters, iters[1:]) if len(b[2]) == n]
                 fwd = sum(it[1] for it in iters)
                 print(json.dumps({
@@ -151,13 +181,15 @@ def main() -> int:
                     "rows": round(sum(len(it[2]) for it in iters) / max(1, len(iters)), 2),
                     "forward_share": round(fwd / wall, 3),
                     "forward_ms": round(fwd / max(1, len(iters)) * 1e3, 2),
-                    "engine_cpu_share": round(sum(c for _, c in calls) / max(1e-9, sum(w for w, _ in calls)), 3),
+                    "engine_alone_forward_ms": round(alone_ms, 2),
+                    "engine_cpu_share": round(sum(c for _, c in round_calls)
+                                              / max(1e-9, sum(w for w, _ in round_calls)), 3),
                     "gap_ms": round(statistics.median(gaps), 3) if gaps else None,
                     "verifier_msgs_per_token": round(vmsgs[0] / toks, 3),
                     "client_msgs_per_token": round(sum(r[1] for r in runs) / toks, 3),
                     "cpu_ms_per_token": round((c1.user - c0.user + c1.system - c0.system) / toks * 1e3, 3),
                     "stack_cpu_ms_per_token": round((c1.user - c0.user + c1.system - c0.system
-                                                     - sum(c for _, c in calls)) / toks * 1e3, 3),
+                                                     - sum(c for _, c in round_calls)) / toks * 1e3, 3),
                     "load": float(open("/proc/loadavg").read().split()[0])}), flush=True)
         finally:
             ch.close()

@@ -115,3 +115,40 @@ def test_a_bad_item_fails_alone_with_its_kv_unchanged(model):
     assert _same(got[1], want_c)
     with pytest.raises(ValueError):
         forward_batch([(a, [1], "first", "none")])
+
+
+def test_thread_count_per_call_is_bitwise_neutral(model):
+    """Session.threads changes how many of the pool's threads a call uses between calls;
+    the results alone and batched (the first item's count runs the batch) stay the
+    reference's, and a count outside [1, pool_threads] is refused, unchanged."""
+    ref_sessions, got_sessions = _sessions(model, 1), _sessions(model, 3)
+    for s in got_sessions:
+        assert s.pool_threads == 3 and s.threads == 3
+    counts = [1, 3, 2, 1, 2, 3]
+    for r in range(6):
+        items, want = [], []
+        for k, (ref, got) in enumerate(zip(ref_sessions, got_sessions)):
+            toks = [(r * 7 + k * 13 + i) % model.info.n_vocab for i in range(1 + (k + r) % 3)]
+            want.append(_alone(ref, toks, "all", "last"))
+            got.threads = counts[(r + k) % len(counts)]
+            assert got.threads == counts[(r + k) % len(counts)]
+            items.append((got, toks, "all", "last"))
+        if r % 2:   # every session alone, on its own count
+            res = [forward_batch([it])[0] for it in items]
+        else:
+            res = forward_batch(items)
+        for k, (g, w) in enumerate(zip(res, want)):
+            assert not isinstance(g, EngineError), g
+            assert _same(g, w), f"session {k} round {r}"
+    s = got_sessions[0]
+    s.threads = 2
+    for bad in (0, -1, 4, 2 ** 31 - 1):
+        with pytest.raises(EngineError) as ei:
+            s.threads = bad
+        assert ei.value.name == "ES_ERR_INVALID_ARG" and "out of range" in ei.value.message
+        assert s.threads == 2
+    with pytest.raises(EngineError):
+        s.threads = 1.5
+    s.close()
+    with pytest.raises(EngineError):
+        s.threads = 1

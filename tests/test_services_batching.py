@@ -112,3 +112,41 @@ def test_cancelled_clients_free_their_sessions_at_batch_max_8(batched):
         time.sleep(0.02)
     cfg = vstub.GetConfig(vpb.GetConfigRequest())
     assert cfg.active_sessions == 0 and cfg.cached_sessions <= 4
+
+
+def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model):
+    """n_threads 1, batch_threads 2: sessions get a pool of 2; an iteration over one session
+    runs on 1 thread, one over several on 2 (the engine's count per call), and 8 concurrent
+    clients still get exactly the sequential outputs. GetConfig reports both counts."""
+    st = start_stack(model, spec=False, n_ctx=N_CTX, n_threads=1, batch_threads=2, batch_max=8,
+                     prefill_chunk=16, prefix_cache=False)
+    ch, vch, stub, vstub = _stubs(st)
+    try:
+        cfg = vstub.GetConfig(vpb.GetConfigRequest())
+        assert (cfg.n_threads, cfg.batch_threads) == (1, 2)
+        core = st.verifier.core
+        es = core.new_engine_session()
+        assert (es.pool_threads, es.threads) == (2, 1)
+        es.close()
+        rng = random.Random(5)
+        jobs = [dict(token_ids=[rng.randrange(3, N_VOCAB) for _ in range(rng.randrange(2, 40))],
+                     max_tokens=24) for _ in range(8)]
+        used0 = dict(core.scheduler.threads_used)
+        sequential, concurrent, trace = sequential_and_concurrent(
+            lambda **j: complete(stub, **j), core.scheduler, jobs)
+        for a, b in zip(sequential, concurrent):
+            assert list(a.token_ids) == list(b.token_ids)
+        used = core.scheduler.threads_used
+        assert used.get(1, 0) > used0.get(1, 0)      # the sequential runs: one session each
+        assert used.get(2, 0) - used0.get(2, 0) == sum(1 for b in trace if len(b) >= 2) > 0
+    finally:
+        ch.close()
+        vch.close()
+        st.stop()
+
+
+def test_batch_threads_out_of_range_is_refused(model):
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.verifier.sessions import InvalidArgument, VerifierCore
+    with pytest.raises(InvalidArgument, match="batch_threads"):
+        VerifierCore(VerifierConfig(model=model, batch_threads=-1))

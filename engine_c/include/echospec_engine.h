@@ -148,6 +148,26 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
 /* Free a session, its KV cache and its threads. NULL is a no-op. */
 void es_session_free(es_session *session);
 
+/*
+ * Let the session's next calls (es_forward, es_forward_last, and the
+ * es_forward_batch calls that run on its pool) use n_threads of its pool's
+ * threads, the caller included: n_threads in [1, the pool's size] (the
+ * n_threads it was created with, or the online cores for 0); the pool's
+ * other workers sleep. A new session uses its whole pool. Results are
+ * bitwise the same whatever the count (the engine's contract); only the
+ * speed changes. Call it between calls, from the thread that owns the
+ * session.
+ * Errors: ES_ERR_INVALID_ARG when session is NULL or n_threads is out of
+ * range (the message on the session; the count is then unchanged).
+ */
+es_status es_session_set_threads(es_session *session, int32_t n_threads);
+
+/* Threads the session's next call uses (es_session_set_threads); 0 for NULL. */
+int32_t es_session_threads(const es_session *session);
+
+/* Threads of the session's pool, fixed at es_session_new; 0 for NULL. */
+int32_t es_session_pool_threads(const es_session *session);
+
 /* Positions held in the KV cache (tokens). */
 int32_t es_session_n_past(const es_session *session);
 
@@ -241,7 +261,9 @@ typedef struct {
  *
  * The call runs on the thread pool and scratch of the first item that
  * passes its checks (that session's scratch grows to the batch's total
- * tokens), and it owns every session of the batch for its duration, as
+ * tokens), with that session's thread count (es_session_set_threads; the
+ * other sessions' counts do not matter), and it owns every session of the
+ * batch for its duration, as
  * es_forward owns one: the caller keeps other threads off all of them.
  *
  * Errors, per item (items[i].status, the message on its session): every

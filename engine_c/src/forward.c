@@ -640,7 +640,7 @@ static void attn_worker(void *ctx, int ith, int nth) {
  * Returns the number of units. */
 static int attn_shape(const es_session *s, attn_task *t) {
     const es_model_info *in = &s->model->info;
-    int grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * s->n_threads;
+    int nth = es_pool_size(s->pool), grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * nth;
     int64_t span = (int64_t)t->seq->kv.n_past + n;
     int split = (in->n_head_kv * span < (int64_t)units_min * ES_KV_BLOCK && grp > 1) ? 2 : 1;
     while ((grp + split - 1) / split > s->group_cap) split++;
@@ -649,7 +649,7 @@ static int attn_shape(const es_session *s, attn_task *t) {
     t->split = split;
     t->nblk = (int32_t)((span - 1) / ES_KV_BLOCK + 1);
     if (n <= KS_MAX_TOKENS) {
-        int want = (KS_UNITS_PER_THREAD * s->n_threads + groups - 1) / groups;
+        int want = (KS_UNITS_PER_THREAD * nth + groups - 1) / groups;
         int nch = want < t->nblk ? want : t->nblk;
         t->bpc = (t->nblk + nch - 1) / nch;
         t->nch = (t->nblk + t->bpc - 1) / t->bpc;

@@ -154,10 +154,21 @@ typedef void (*es_task_fn)(void *ctx, int ith, int nth);
 /* A pool of n_threads - 1 workers plus the calling thread. NULL on failure. */
 es_pool *es_pool_new(int n_threads);
 void es_pool_free(es_pool *pool);
+/* Threads a run uses (the active ones; the pool's size unless set lower). */
 int es_pool_size(const es_pool *pool);
-/* Run fn(ctx, ith, nth) for ith in [0, nth) (the caller runs ith = 0) and
- * return when all are done. Workers spin between es_pool_begin and
- * es_pool_end (one forward call) and sleep otherwise. */
+/* Threads of the pool (fixed at es_pool_new). */
+int es_pool_capacity(const es_pool *pool);
+/* Let the next runs use the first n threads, n in [1, capacity] (-1 otherwise,
+ * nothing changes); the other workers sleep. Call between runs, outside
+ * es_pool_begin/end, from the thread that runs the pool. */
+int es_pool_set_active(es_pool *pool, int n);
+/* 1 when worker ith (1 <= ith < capacity) sleeps on its condition variable
+ * at this moment, else 0 (for tests). */
+int es_pool_asleep(const es_pool *pool, int ith);
+/* Run fn(ctx, ith, nth) for ith in [0, nth), nth = es_pool_size (the caller
+ * runs ith = 0), and return when all are done. The workers of the run spin
+ * between es_pool_begin and es_pool_end (one forward call) and sleep
+ * otherwise. */
 void es_pool_run(es_pool *pool, es_task_fn fn, void *ctx);
 void es_pool_begin(es_pool *pool);
 void es_pool_end(es_pool *pool);
@@ -268,7 +279,7 @@ void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
 struct es_session {
     const es_model *model;
     es_kv kv;               /* the KV cache: capacity kv.n_ctx, valid positions [0, kv.n_past) */
-    int32_t n_threads;
+    int32_t n_threads;      /* threads of the pool (es_session_set_threads: how many a call uses) */
     es_pool *pool;
     /* scratch, sized for cap tokens per call (es_forward_batch: the tokens of every session of
        the batch, on the scratch of the session that runs it) */

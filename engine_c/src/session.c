@@ -186,6 +186,20 @@ void es_session_free(es_session *s) {
     free(s);
 }
 
+es_status es_session_set_threads(es_session *s, int32_t n_threads) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    if (n_threads < 1 || n_threads > s->n_threads || es_pool_set_active(s->pool, n_threads) != 0) {
+        es_set_err(s->err, sizeof s->err, "n_threads %d out of range [1, %d] (the session's pool)",
+                   (int)n_threads, (int)s->n_threads);
+        return ES_ERR_INVALID_ARG;
+    }
+    s->err[0] = '\0';
+    return ES_OK;
+}
+
+int32_t es_session_threads(const es_session *s) { return s ? es_pool_size(s->pool) : 0; }
+int32_t es_session_pool_threads(const es_session *s) { return s ? s->n_threads : 0; }
+
 int32_t es_session_n_past(const es_session *s) { return s ? s->kv.n_past : 0; }
 int32_t es_session_n_ctx(const es_session *s) { return s ? s->kv.n_ctx : 0; }
 const char *es_session_last_error(const es_session *s) { return s ? s->err : "session is NULL"; }

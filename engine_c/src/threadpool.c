@@ -1,15 +1,19 @@
 /*
- * threadpool.c - a persistent pool of n_threads - 1 workers plus the caller.
+ * threadpool.c - a persistent pool of n_threads - 1 workers plus the caller,
+ * of which a run uses the first `active` (es_pool_set_active; all of them by
+ * default).
  *
- * Dispatch is a generation counter: es_pool_run stores the task, bumps
- * `gen` (release) and runs ith = 0 itself; each worker that sees a new
- * generation runs its share and decrements `pending`; the caller spins until
- * pending is 0. Between es_pool_begin and es_pool_end (one forward call)
- * workers spin on `gen` with a pause instruction, so a run costs about a
- * microsecond of synchronisation. Outside that window an idle worker spins
- * for a short while after each task and then sleeps on a condition variable
- * (inside the window too, after a long gap); es_pool_run wakes sleepers.
- * C11 atomics and pthreads only; no global state.
+ * Dispatch: each worker has its own generation counter. es_pool_run stores
+ * the task, bumps the counter of each worker the run uses (release) and runs
+ * ith = 0 itself; a worker that sees its counter move runs its share and
+ * decrements `pending`; the caller spins until pending is 0. Workers the run
+ * does not use see nothing and keep sleeping. Between es_pool_begin and
+ * es_pool_end (one forward call) the workers of that call spin on their
+ * counter with a pause instruction, so a run costs about a microsecond of
+ * synchronisation. Outside that window, and always for a worker the call
+ * does not use, an idle worker spins for a short while after its task and
+ * then sleeps on its condition variable; es_pool_run wakes the sleepers it
+ * needs. C11 atomics and pthreads only; no global state.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -28,67 +32,73 @@
 #endif
 
 /* Pause iterations a worker spins before it sleeps on the condition
- * variable: long inside begin/end (the gaps between the runs of one forward
- * call are short), short outside. A pause is ~20-140 cycles. Every
- * YIELD_EVERY spins the thread yields, so that an oversubscribed pool
- * (more threads than free cores) still makes progress. */
+ * variable: long inside begin/end for a worker of the call (the gaps between
+ * the runs of one forward call are short), short otherwise. A pause is
+ * ~20-140 cycles. Every YIELD_EVERY spins the thread yields, so that an
+ * oversubscribed pool (more threads than free cores) still makes progress. */
 #define SPIN_ACTIVE 50000
 #define SPIN_IDLE 2000
 #define YIELD_EVERY 256
 
+/* One worker's state, on its own cache line (the caller writes `gen` of
+ * every worker it uses, each worker spins on its own). */
 typedef struct {
+    _Alignas(64) _Atomic unsigned gen;  /* bumped once per run that uses this worker */
+    _Atomic int asleep;                 /* 1 while in (or entering) pthread_cond_wait */
+    pthread_cond_t cv;
     es_pool *pool;
     int ith;
-} worker_arg;
+} worker;
 
 struct es_pool {
     int n;                      /* threads incl. the caller */
+    int active;                 /* threads a run uses, in [1, n]; set between runs by the owner */
     pthread_t *threads;         /* [n - 1] */
-    worker_arg *args;           /* [n - 1] */
+    worker *w;                  /* [n - 1]: worker ith is w[ith - 1] */
     int n_started;
-    _Atomic unsigned gen;       /* bumped once per run */
+    int n_cv;                   /* condition variables initialised in w */
     _Atomic int pending;        /* workers still running the current task */
-    _Atomic int spin;           /* 1 between es_pool_begin and es_pool_end */
+    _Atomic int spin;           /* between es_pool_begin and es_pool_end: the threads of the call, else 0 */
     _Atomic int stop;
-    _Atomic int sleepers;       /* workers in (or entering) pthread_cond_wait */
-    es_task_fn fn;              /* valid for the current generation */
+    es_task_fn fn;              /* valid for the current run */
     void *ctx;
+    int nth;                    /* threads of the current run */
     pthread_mutex_t mu;
-    pthread_cond_t cv;
 };
 
-/* Wait until the generation moves past `seen` or the pool stops. */
-static unsigned wait_gen(es_pool *pool, unsigned seen) {
+/* Wait until w's generation moves past `seen` or the pool stops. */
+static unsigned wait_gen(worker *w, unsigned seen) {
+    es_pool *pool = w->pool;
     for (int spins = 0;; spins++) {
-        unsigned g = atomic_load(&pool->gen);
+        unsigned g = atomic_load(&w->gen);
         if (g != seen || atomic_load(&pool->stop)) return g;
-        int limit = atomic_load_explicit(&pool->spin, memory_order_relaxed) ? SPIN_ACTIVE : SPIN_IDLE;
+        int limit = w->ith < atomic_load_explicit(&pool->spin, memory_order_relaxed) ? SPIN_ACTIVE : SPIN_IDLE;
         if (spins < limit) {
             cpu_relax();
             if (spins % YIELD_EVERY == YIELD_EVERY - 1) sched_yield();
             continue;
         }
-        /* sleepers++ then re-check gen (seq_cst); es_pool_run bumps gen then
-         * reads sleepers (seq_cst): one of the two sees the other. */
+        /* asleep = 1 then re-check gen (seq_cst); es_pool_run bumps gen then
+         * reads asleep (seq_cst): one of the two sees the other. */
         pthread_mutex_lock(&pool->mu);
-        atomic_fetch_add(&pool->sleepers, 1);
-        while (atomic_load(&pool->gen) == seen && !atomic_load(&pool->stop))
-            pthread_cond_wait(&pool->cv, &pool->mu);
-        atomic_fetch_sub(&pool->sleepers, 1);
+        atomic_store(&w->asleep, 1);
+        while (atomic_load(&w->gen) == seen && !atomic_load(&pool->stop))
+            pthread_cond_wait(&w->cv, &pool->mu);
+        atomic_store(&w->asleep, 0);
         pthread_mutex_unlock(&pool->mu);
         spins = 0;
     }
 }
 
 static void *worker_main(void *p) {
-    worker_arg *a = p;
-    es_pool *pool = a->pool;
+    worker *w = p;
+    es_pool *pool = w->pool;
     unsigned seen = 0;
     for (;;) {
-        unsigned g = wait_gen(pool, seen);
+        unsigned g = wait_gen(w, seen);
         if (atomic_load(&pool->stop)) break;
         seen = g;
-        pool->fn(pool->ctx, a->ith, pool->n);
+        pool->fn(pool->ctx, w->ith, pool->nth);
         atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel);
     }
     return NULL;
@@ -97,7 +107,7 @@ static void *worker_main(void *p) {
 static void stop_workers(es_pool *pool) {
     pthread_mutex_lock(&pool->mu);
     atomic_store_explicit(&pool->stop, 1, memory_order_release);
-    pthread_cond_broadcast(&pool->cv);
+    for (int i = 0; i < pool->n_cv; i++) pthread_cond_signal(&pool->w[i].cv);
     pthread_mutex_unlock(&pool->mu);
     for (int i = 0; i < pool->n_started; i++) pthread_join(pool->threads[i], NULL);
 }
@@ -107,31 +117,35 @@ es_pool *es_pool_new(int n_threads) {
     es_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return NULL;
     pool->n = n_threads;
-    atomic_init(&pool->gen, 0);
+    pool->active = n_threads;
     atomic_init(&pool->pending, 0);
     atomic_init(&pool->spin, 0);
     atomic_init(&pool->stop, 0);
-    atomic_init(&pool->sleepers, 0);
     if (pthread_mutex_init(&pool->mu, NULL) != 0) {
-        free(pool);
-        return NULL;
-    }
-    if (pthread_cond_init(&pool->cv, NULL) != 0) {
-        pthread_mutex_destroy(&pool->mu);
         free(pool);
         return NULL;
     }
     if (n_threads > 1) {
         pool->threads = calloc((size_t)n_threads - 1, sizeof *pool->threads);
-        pool->args = calloc((size_t)n_threads - 1, sizeof *pool->args);
-        if (!pool->threads || !pool->args) {
+        pool->w = aligned_alloc(64, (size_t)(n_threads - 1) * sizeof *pool->w);
+        if (!pool->threads || !pool->w) {
             es_pool_free(pool);
             return NULL;
         }
         for (int i = 0; i < n_threads - 1; i++) {
-            pool->args[i].pool = pool;
-            pool->args[i].ith = i + 1;
-            if (pthread_create(&pool->threads[i], NULL, worker_main, &pool->args[i]) != 0) {
+            worker *w = &pool->w[i];
+            atomic_init(&w->gen, 0);
+            atomic_init(&w->asleep, 0);
+            w->pool = pool;
+            w->ith = i + 1;
+            if (pthread_cond_init(&w->cv, NULL) != 0) {
+                es_pool_free(pool);
+                return NULL;
+            }
+            pool->n_cv++;
+        }
+        for (int i = 0; i < n_threads - 1; i++) {
+            if (pthread_create(&pool->threads[i], NULL, worker_main, &pool->w[i]) != 0) {
                 es_pool_free(pool);
                 return NULL;
             }
@@ -144,39 +158,59 @@ es_pool *es_pool_new(int n_threads) {
 void es_pool_free(es_pool *pool) {
     if (!pool) return;
     stop_workers(pool);
-    pthread_cond_destroy(&pool->cv);
+    for (int i = 0; i < pool->n_cv; i++) pthread_cond_destroy(&pool->w[i].cv);
     pthread_mutex_destroy(&pool->mu);
     free(pool->threads);
-    free(pool->args);
+    free(pool->w);
     free(pool);
 }
 
-int es_pool_size(const es_pool *pool) { return pool ? pool->n : 1; }
+int es_pool_size(const es_pool *pool) { return pool ? pool->active : 1; }
+
+int es_pool_capacity(const es_pool *pool) { return pool ? pool->n : 1; }
+
+int es_pool_asleep(const es_pool *pool, int ith) {
+    if (!pool || ith < 1 || ith >= pool->n) return 0;
+    return atomic_load(&pool->w[ith - 1].asleep);
+}
+
+int es_pool_set_active(es_pool *pool, int n) {
+    if (!pool) return n == 1 ? 0 : -1;
+    if (n < 1 || n > pool->n) return -1;
+    pool->active = n;
+    return 0;
+}
 
 void es_pool_run(es_pool *pool, es_task_fn fn, void *ctx) {
-    if (!pool || pool->n == 1) {
+    if (!pool || pool->active == 1) {
         fn(ctx, 0, 1);
         return;
     }
+    int nth = pool->active;
     pool->fn = fn;
     pool->ctx = ctx;
-    atomic_store_explicit(&pool->pending, pool->n - 1, memory_order_relaxed);
-    atomic_fetch_add(&pool->gen, 1);
-    if (atomic_load(&pool->sleepers) > 0) {
+    pool->nth = nth;
+    atomic_store_explicit(&pool->pending, nth - 1, memory_order_relaxed);
+    int wake = 0;
+    for (int i = 0; i < nth - 1; i++) atomic_fetch_add(&pool->w[i].gen, 1);
+    for (int i = 0; i < nth - 1; i++) wake |= atomic_load(&pool->w[i].asleep);
+    if (wake) {
         pthread_mutex_lock(&pool->mu);
-        pthread_cond_broadcast(&pool->cv);
+        for (int i = 0; i < nth - 1; i++)
+            if (atomic_load(&pool->w[i].asleep)) pthread_cond_signal(&pool->w[i].cv);
         pthread_mutex_unlock(&pool->mu);
     }
-    fn(ctx, 0, pool->n);
+    fn(ctx, 0, nth);
     for (int spins = 0; atomic_load_explicit(&pool->pending, memory_order_acquire) != 0; spins++) {
         cpu_relax();
         if (spins % YIELD_EVERY == YIELD_EVERY - 1) sched_yield();
     }
 }
 
-/* Workers keep spinning between runs until es_pool_end (up to SPIN_ACTIVE). */
+/* The workers of the next runs (the active ones) keep spinning between runs
+ * until es_pool_end (up to SPIN_ACTIVE); the others sleep. */
 void es_pool_begin(es_pool *pool) {
-    if (pool) atomic_store_explicit(&pool->spin, 1, memory_order_relaxed);
+    if (pool) atomic_store_explicit(&pool->spin, pool->active, memory_order_relaxed);
 }
 
 void es_pool_end(es_pool *pool) {

@@ -11,7 +11,10 @@
  * argmax-only steps. Every round's argmax and logits are compared bitwise
  * with the same steps run alone, session by session, on 1 thread; the
  * batches run on 1, 2 and 3 threads and in three orders of the items (so
- * another session's pool and scratch run the call each time).
+ * another session's pool and scratch run the call each time). Sessions with
+ * a pool of 3 threads also run every round alone and batched with their
+ * thread count (es_session_set_threads) changed before each call, bitwise
+ * the reference again; out-of-range counts fail with a message.
  *
  * Failures: items with a token out of the vocabulary, a step past the KV
  * capacity, a bad head, logits_mode 2 without a buffer, a duplicated
@@ -154,6 +157,68 @@ static void batched(const es_model *m, const char *mname) {
         }
 }
 
+/* Sessions with a pool of 3 threads whose count (es_session_set_threads)
+ * changes before every call: each round runs once alone per session, on
+ * rotating counts, and once as a batch whose first item's count (the one
+ * that runs it) changes each round; both are the reference bitwise. Out of
+ * range counts fail with a message and leave the count as it was. */
+static void flipped_threads(const es_model *m, const char *mname) {
+    static step_out got[N_SESS];
+    static int32_t toks[N_SESS][MAX_STEP];
+    es_session *alone[N_SESS], *ss[N_SESS];
+    for (int k = 0; k < N_SESS; k++) {
+        alone[k] = session_with_history(m, k, 3);
+        ss[k] = session_with_history(m, k, 3);
+    }
+    for (int k = 0; k < N_SESS; k++) {
+        if (!alone[k] || !ss[k]) goto out;
+        CHECK_EQ_INT(es_session_pool_threads(ss[k]), 3);
+        CHECK_EQ_INT(es_session_threads(ss[k]), 3);
+    }
+    for (int r = 0; r < ROUNDS; r++) {
+        for (int k = 0; k < N_SESS; k++) {
+            int nt = 1 + (k + r) % 3;
+            CHECK_EQ_INT(es_session_set_threads(alone[k], nt), ES_OK);
+            CHECK_EQ_INT(es_session_threads(alone[k]), nt);
+            CHECK_EQ_INT(step_alone(alone[k], k, r, &got[k]), ES_OK);
+            int same = same_out(&got[k], &g_ref[k][r], k, r);
+            if (!same) fprintf(stderr, "  %s: alone on %d of 3 threads, round %d: session %d differs\n", mname, nt, r, k);
+            CHECK(same);
+        }
+        es_batch_item items[N_SESS];
+        for (int j = 0; j < N_SESS; j++) {
+            int k = ORDERS[r % 3][j];
+            CHECK_EQ_INT(es_session_set_threads(ss[k], 1 + (2 * j + r) % 3), ES_OK);
+            items[j] = item_for(ss[k], k, r, toks[k], &got[k]);
+        }
+        CHECK_EQ_INT(es_forward_batch(items, N_SESS), ES_OK);
+        for (int j = 0; j < N_SESS; j++) {
+            int k = ORDERS[r % 3][j];
+            int same = same_out(&got[k], &g_ref[k][r], k, r);
+            if (!same)
+                fprintf(stderr, "  %s: batch on %d of 3 threads, round %d: session %d differs\n", mname,
+                        1 + r % 3, r, k);
+            CHECK(same);
+        }
+    }
+    /* bad counts: ES_ERR_INVALID_ARG with a message; the count stays */
+    CHECK_EQ_INT(es_session_set_threads(ss[0], 2), ES_OK);
+    const int32_t bad[] = {0, -1, 4, ES_MAX_THREADS + 1, INT32_MIN};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_EQ_INT(es_session_set_threads(ss[0], bad[i]), ES_ERR_INVALID_ARG);
+        CHECK(strstr(es_session_last_error(ss[0]), "out of range") != NULL);
+        CHECK_EQ_INT(es_session_threads(ss[0]), 2);
+    }
+    CHECK_EQ_INT(es_session_set_threads(NULL, 1), ES_ERR_INVALID_ARG);
+    CHECK_EQ_INT(es_session_threads(NULL), 0);
+    CHECK_EQ_INT(es_session_pool_threads(NULL), 0);
+out:
+    for (int k = 0; k < N_SESS; k++) {
+        es_session_free(alone[k]);
+        es_session_free(ss[k]);
+    }
+}
+
 /* One batch with failing items among good ones. */
 static void failures(const es_model *m, const es_model *other, const char *mname) {
     static step_out got[N_SESS], bad_out;
@@ -261,6 +326,7 @@ static void batch_model(int which) {
     if (m && other) {
         reference(m);
         batched(m, MODELS[which].name);
+        flipped_threads(m, MODELS[which].name);
         failures(m, other, MODELS[which].name);
     }
     es_model_free(m);

@@ -54,7 +54,7 @@ class VerifierConfig:
     host: str = LOOPBACK
     port: int = 50053
     n_ctx: int = 2048            # KV capacity per session (tokens)
-    n_threads: int = 0           # engine threads per forward (0: the CPUs this process may use, less one)
+    n_threads: int = 0           # engine threads of a one-session forward (0: the usable CPUs less one)
     max_k: int = 32              # largest draft a Verify accepts
     max_sessions: int = 64       # sessions holding a KV cache at once
     session_idle_s: float = 300.0  # unary sessions are freed after this idle time
@@ -64,6 +64,9 @@ class VerifierConfig:
     prefill_chunk: int = 256     # prompt tokens per prefill step (chunked prefill)
     prefix_cache: bool = True    # keep finished generations' KV for prefix reuse
     prefix_cache_sessions: int = 4  # idle sessions (one KV cache each) the prefix cache keeps
+    # engine threads of a scheduler iteration that batches >= 2 sessions (0: the CPUs this
+    # process may use when n_threads is 0, else n_threads)
+    batch_threads: int = 0
     max_workers: int = 96
     max_concurrent_rpcs: int = 88  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -271,14 +274,18 @@ def model_name(path: str) -> str:
     return os.path.basename(str(path).rstrip("/\\")) or str(path)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; os.cpu_count() where that is unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_engine_threads() -> int:
     """Engine threads when none are set: the CPUs this process may run on, less one (at least 1).
 
     The verifier's own Python (the generation loops, gRPC) needs a core while the engine
     computes; on a 2-core host a 2-thread engine beside it decoded slower than a 1-thread one
     (bench/README.md, serving figures)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, n - 1)
+    return max(1, usable_cpus() - 1)

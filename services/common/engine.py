@@ -186,6 +186,33 @@ class Session:
         self._check()
         return lib.es_session_n_ctx(self._ptr)
 
+    @property
+    def pool_threads(self) -> int:
+        """Threads of the session's pool, the caller included (fixed at creation)."""
+        self._check()
+        return lib.es_session_pool_threads(self._ptr)
+
+    @property
+    def threads(self) -> int:
+        """Threads the next call uses (the whole pool unless set lower)."""
+        self._check()
+        return lib.es_session_threads(self._ptr)
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        """Run the next calls on ``n`` of the pool's threads (es_session_set_threads).
+
+        The pool's other workers sleep. Results are bitwise the same for any count;
+        forward_batch uses its first item's count.
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG when n is not in [1, pool_threads]
+                (the count is then unchanged).
+        """
+        self._check()
+        st = lib.es_session_set_threads(self._ptr, _int32(n, "threads"))
+        if st != 0:
+            self._raise(st)
+
     def forward(self, tokens: Sequence[int] | np.ndarray, logits: str = "none"
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """Append ``tokens`` to the sequence and run the model over them.
@@ -292,8 +319,8 @@ def forward_batch(items: Sequence[tuple["Session", Sequence[int] | np.ndarray, s
     The rows of every item go through each matmul together (each weight block
     is read once for the batch); each item's results are bitwise what
     Session.forward (head "all") or Session.prefill (head "last") give it
-    alone. The call runs on the first item's session's threads and owns
-    every session of the batch while it runs.
+    alone. The call runs on the first item's session's threads (as many as
+    its ``threads``) and owns every session of the batch while it runs.
 
     Args:
         items: (session, tokens, head, logits) per session, each session at most

@@ -153,7 +153,8 @@ def _free_port(host: str) -> int:
 
 def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str = LOOPBACK,
                 verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
-                n_ctx: int = 2048, n_threads: int = 0, k: int = 4, max_tokens: int = 256,
+                n_ctx: int = 2048, n_threads: int = 0, batch_threads: int = 0, k: int = 4,
+                max_tokens: int = 256,
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
                 metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
                 batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
@@ -170,7 +171,9 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
             gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
             services/common/lifecycle.py), so call this from a thread that outlives the stack:
             the main thread, as `echospec serve` does.
-        n_ctx, n_threads: verifier KV capacity per session and engine threads.
+        n_ctx, n_threads: verifier KV capacity per session and engine threads of a forward
+            over one session. batch_threads: of a scheduler iteration over >= 2 sessions
+            (VerifierConfig.batch_threads; 0: its default).
         k, max_tokens: coordinator defaults. min_n, max_n: the draft service's shortest suffix
             match (min_n; max_n is only checked to be >= it).
         adaptive_k: let the live cost model pick each round's draft length (<= k).
@@ -207,7 +210,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                        metrics_port=side_metrics, **internal)
     side_metrics2 = _free_port(host) if processes and metrics_port >= 0 else -1
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
-                          n_threads=n_threads, max_sessions=max_sessions, batch_max=batch_max,
+                          n_threads=n_threads, batch_threads=batch_threads,
+                          max_sessions=max_sessions, batch_max=batch_max,
                           prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, **msg, **logc,
                           metrics_port=side_metrics2, **internal)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,

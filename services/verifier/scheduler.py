@@ -40,6 +40,12 @@ active a thread of the scheduler's runs the iterations (it ends with the last
 stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
+Engine threads (``threads`` = (one, many)): an iteration over one session
+runs on ``one`` thread(s) of the sessions' pools, one that batches two or
+more sessions on ``many`` (set on the batch's sessions before the call;
+es_forward_batch runs on its first item's pool and count). Results do not
+depend on the count (the engine's contract), only the speed does.
+
 Gathering (batch_max >= 2): the sessions of an iteration come back with their
 next steps one by one, as their loops take the results, and the first one
 back would otherwise start the next iteration alone, halving the batch. So an
@@ -57,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from echospec.services.common.engine import forward_batch
+from echospec.services.common.engine import EngineError, forward_batch
 
 
 class Cancelled(Exception):
@@ -125,12 +131,15 @@ class Scheduler:
             arguments and results (tests pass a fake one).
         gather: the longest wait for the last iteration's sessions, as a share of
             its forward time (0: none; see the module docstring).
+        threads: (engine threads of an iteration over one session, of one over two or
+            more), set on the sessions (Session.threads) before each call; None: the
+            sessions' counts are left as they are.
     """
 
     def __init__(self, engine_lock: threading.Lock, batch_max: int = 1, batch_tokens: int = 512,
                  prefill_chunk: int = 256,
                  run_batch: Callable[[list[tuple[Any, list[int], str, str]]], list[Any]] = forward_batch,
-                 gather: float = 0.5):
+                 gather: float = 0.5, threads: tuple[int, int] | None = None):
         if batch_max < 1 or batch_tokens < 1 or prefill_chunk < 1:
             raise ValueError(f"batch_max {batch_max}, batch_tokens {batch_tokens} and prefill_chunk"
                              f" {prefill_chunk} must be >= 1")
@@ -140,6 +149,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self._run_batch = run_batch
         self.gather = gather
+        self.threads = threads
+        self.threads_used: dict[int, int] = {}   # engine threads -> iterations run on that many
         self._expect: set[int] = set()    # id(session) of the last iteration's steps not queued again
         self._gather_until = 0.0          # perf_counter() deadline of the wait for them
         self._cv = threading.Condition()
@@ -333,6 +344,14 @@ class Scheduler:
             for s in batch:
                 s.queued_ms = (t_start - s._t_submit) * 1e3
             try:
+                if self.threads is not None:
+                    n = self.threads[0] if len(batch) == 1 else self.threads[1]
+                    self.threads_used[n] = self.threads_used.get(n, 0) + 1
+                    for s in batch:
+                        try:
+                            s.session.threads = n
+                        except EngineError:   # a closed session: its own item fails below
+                            pass
                 results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
             except Exception as exc:  # every step's owner re-raises it
                 results = [exc] * len(batch)

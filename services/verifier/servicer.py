@@ -96,7 +96,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             sparse_attention=False, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
             active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
             cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk,
-            max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens)
+            max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
+            batch_threads=cfg.batch_threads)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:

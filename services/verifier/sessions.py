@@ -35,8 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from echospec.services.common.config import VerifierConfig, default_engine_threads
-from echospec.services.common.engine import EngineError, Model, Session, sample
+from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
+from echospec.services.common.engine import MAX_THREADS, EngineError, Model, Session, sample
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
 
@@ -276,19 +276,32 @@ class VerifierCore:
     """The loaded model, the engine lock, T, the session registry, the
     scheduler and the prefix cache.
 
+    Engine threads: every session's pool has max(n_threads, batch_threads)
+    threads; a forward over one session (a lone generation's iteration, the
+    step-by-step sessions) runs on n_threads of them, an iteration of the
+    scheduler that batches >= 2 sessions on batch_threads. With both 0 that
+    is the usable CPUs less one for one session (a lone stream's Python keeps
+    a core) and every usable CPU for a batch (bench/README.md, serve_bench
+    session 7). The config kept here has both resolved.
+
     Args:
-        config: model path, n_ctx, n_threads, max_k, max_sessions, idle timeout,
-            batch_max, batch_tokens, prefill_chunk, prefix cache settings.
+        config: model path, n_ctx, n_threads, batch_threads, max_k, max_sessions, idle
+            timeout, batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Raises:
         EngineError: the model cannot be loaded (status and message from the engine).
         InvalidArgument: n_ctx < 8 (a larger n_ctx than the model's training context is
-            allowed: server.start warns).
+            allowed: server.start warns), or batch_threads outside [0, MAX_THREADS].
     """
 
     def __init__(self, config: VerifierConfig):
-        if config.n_threads == 0:
-            config = dataclasses.replace(config, n_threads=default_engine_threads())
+        if not 0 <= config.batch_threads <= MAX_THREADS:
+            raise InvalidArgument(f"batch_threads must be in [0, {MAX_THREADS}], got {config.batch_threads}")
+        auto = config.n_threads == 0
+        n_threads = default_engine_threads() if auto else config.n_threads
+        batch_threads = config.batch_threads or (usable_cpus() if auto else n_threads)
+        config = dataclasses.replace(config, n_threads=n_threads, batch_threads=batch_threads)
         self.config = config
+        self.pool_threads = max(n_threads, batch_threads)
         self.model = Model(config.model)
         info = self.model.info
         self.n_vocab = info.n_vocab
@@ -301,7 +314,7 @@ class VerifierCore:
         self.t_ms = 0.0
         self._t_alpha = 0.1
         self.scheduler = Scheduler(self.engine_lock, config.batch_max, config.batch_tokens,
-                                   config.prefill_chunk)
+                                   config.prefill_chunk, threads=(n_threads, batch_threads))
         self.prefix_cache = PrefixCache(config.prefix_cache_sessions if config.prefix_cache else 0)
         self._gen_active = 0                              # sessions held by generations
 
@@ -321,6 +334,20 @@ class VerifierCore:
         """KV positions that new sessions can still take: each free session slot holds one
         n_ctx cache; the prefix cache's idle sessions count as free (they are evicted first)."""
         return max(0, self.config.max_sessions - self.active_sessions) * self.config.n_ctx
+
+    def new_engine_session(self) -> Session:
+        """An engine session with the verifier's pool, set to n_threads (one session's forwards).
+
+        Raises:
+            EngineError: as Model.new_session.
+        """
+        es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.pool_threads)
+        try:
+            es.threads = self.config.n_threads
+        except EngineError:
+            es.close()
+            raise
+        return es
 
     def acquire(self, prompt: Sequence[int]) -> tuple[Session, int]:
         """An engine session for a generation of ``prompt``, and how many prompt tokens it already holds.
@@ -350,7 +377,7 @@ class VerifierCore:
             session.rollback(n)
             return session, n
         try:
-            return self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.config.n_threads), 0
+            return self.new_engine_session(), 0
         except EngineError as exc:
             with self._lock:
                 self._gen_active -= 1
@@ -416,7 +443,7 @@ class VerifierCore:
         for old in evicted:
             old.close()
         try:
-            es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.config.n_threads)
+            es = self.new_engine_session()
         except EngineError as exc:
             with self._lock:
                 self._sessions.pop(sid, None)
