@@ -217,6 +217,72 @@ def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
     assert generation_tokens() - before == line["tokens_out"]
 
 
+def _request_log_line(tiny_stack, request_id: str, call_it) -> dict:
+    """Run call_it(stub) with the coordinator's JSON log captured; its "request" line."""
+    import io
+    import json
+    import logging
+    import time
+
+    import grpc
+
+    from echospec.services.common import logs
+    from echospec.v1 import coordinator_pb2_grpc
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.setup("INFO", "json", stream=buf)
+    try:
+        with grpc.insecure_channel(tiny_stack.target) as ch:
+            call_it(coordinator_pb2_grpc.CoordinatorServiceStub(ch))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for ln in buf.getvalue().splitlines():
+                rec = json.loads(ln)
+                if rec.get("message") == "request" and rec.get("request_id") == request_id:
+                    return rec
+            time.sleep(0.02)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    raise AssertionError(f"no request line for {request_id}")
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_request_line_of_an_unfinished_generation_keeps_what_it_did(tiny_stack, how):
+    # was: a --spec on generation cancelled after 169 tokens (or past its deadline) logged
+    # prefill_ms=0 spec=False tries=0 hits=0 kv_rolls=0: the line kept only a finished
+    # generation's figures
+    import grpc
+
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb
+
+    rid = f"newuser-unfinished-{how}"
+    req = cpb.GenerateRequest(text="a b c a b c a b c", max_tokens=2000, spec=common_pb2.SPEC_MODE_ON)
+
+    def call_it(stub):
+        got = 0
+        call = stub.Generate(req, timeout=60 if how == "cancel" else 0.4,
+                             metadata=[("x-request-id", rid)])
+        try:
+            for msg in call:
+                got += len(msg.token_ids)
+                if how == "cancel" and got >= 150:
+                    break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+        call.cancel()
+        assert got >= (150 if how == "cancel" else 1)
+
+    line = _request_log_line(tiny_stack, rid, call_it)
+    assert line["code"] == ("CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"), line
+    assert line["spec"] is True, line
+    assert line["prefill_ms"] > 0, line
+    assert line["tries"] > 0 and line["draft_tokens"] > 0, line
+    assert line["draft_tokens"] >= line["hits"] >= 0 and line["verifier"], line
+
+
 # -- `python -m echospec.services.<name>`: ports and durations out of range ----------------------
 
 @pytest.mark.parametrize("cls, argv, env, message", [
