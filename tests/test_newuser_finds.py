@@ -283,6 +283,83 @@ def test_request_line_of_an_unfinished_generation_keeps_what_it_did(tiny_stack, 
     assert line["draft_tokens"] >= line["hits"] >= 0 and line["verifier"], line
 
 
+# -- the coordinator's health while no verifier answers ---------------------------------------------
+
+def test_coordinator_health_follows_its_verifiers(tiny_model):
+    # was: the verifier killed, the coordinator's grpc.health.v1 (service name and "") kept
+    # answering SERVING (so did the gateway's /health and the readiness probes) while every
+    # request failed with UNAVAILABLE "no healthy verifier", and GetInfo kept the dead verifier's
+    # last active_sessions
+    import threading
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
+    from echospec.services.coordinator import server as cserver
+    from echospec.services.verifier import server as vserver
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    model = tiny_model(n_ctx_train=8192)
+    vcfg = VerifierConfig(model=model, port=0, n_ctx=8192, n_threads=1)
+    v = vserver.start(vcfg)
+    vport = v.port
+    c = cserver.start(CoordinatorConfig(model=model, port=0, verifier_target=f"127.0.0.1:{vport}",
+                                        verifier_poll_s=0.1), verifier_wait_s=30)
+    v2 = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+            def statuses() -> set:
+                return {health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                        for name in ("", cserver.SERVICE_NAME)}
+
+            def wait_for(status, timeout_s=5.0) -> float:
+                t0 = time.monotonic()
+                while statuses() != {status}:
+                    assert time.monotonic() - t0 < timeout_s, statuses()
+                    time.sleep(0.02)
+                return time.monotonic() - t0
+
+            SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                                    health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert statuses() == {SERVING}
+            # a generation holds a session while the verifier dies
+            call = stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000), timeout=30)
+
+            def drain():
+                try:
+                    for _ in call:
+                        pass
+                except grpc.RpcError:   # UNAVAILABLE naming the verifier that went away
+                    pass
+            threading.Thread(target=drain, daemon=True).start()
+            deadline = time.monotonic() + 10
+            while stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].active_sessions < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            v.stop(0)
+            wait_for(NOT_SERVING)
+            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0]
+            assert not info.healthy and info.last_error, info
+            assert info.active_sessions == 0 and info.free_kv_tokens == 0, info
+            # the verifier comes back on its port: SERVING again
+            v2 = vserver.start(VerifierConfig(model=model, port=vport, n_ctx=8192, n_threads=1))
+            wait_for(SERVING)
+            assert stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=3), timeout=10).result
+            assert stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].healthy
+    finally:
+        c.stop(0)
+        v.stop(0)
+        if v2 is not None:
+            v2.stop(0)
+    # stopped: NOT_SERVING for good, whatever the pool last saw
+    assert not c.handle.set_serving()
+
+
 # -- `python -m echospec.services.<name>`: ports and durations out of range ----------------------
 
 @pytest.mark.parametrize("cls, argv, env, message", [
