@@ -641,7 +641,9 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
 
 def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     """Block until SIGINT/SIGTERM, then stop gracefully (main thread only): calls in flight get
-    grace_s seconds, the rest end with UNAVAILABLE naming the signal (ServerHandle.stop)."""
+    grace_s seconds, the rest end with UNAVAILABLE naming the signal and, under `echospec serve
+    --processes`, why it stopped the stack (ServerHandle.stop, lifecycle.stop_reason)."""
+    from echospec.services.common.lifecycle import stop_reason
     done = threading.Event()
     received = []
 
@@ -656,8 +658,8 @@ def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        why = received[0] if received else "stopped"
-        _stop_log.info("%s service on port %d: %s received, stopping (calls in flight get %g s)",
+        why = stop_reason(received[0]) if received else "stopped"
+        _stop_log.info("%s service on port %d stopping (%s); calls in flight get %g s",
                        handle.name, handle.port, why, grace_s)
         handle.stop(grace_s, why).wait()
 
