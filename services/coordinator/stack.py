@@ -165,9 +165,10 @@ class Stack:
     def stop(self, grace_s: float = 1.0, reason: str = "") -> None:
         """Stop gateway, coordinator, then verifier, then draft (graceful: calls in flight get
         grace_s seconds, then end with UNAVAILABLE naming ``reason``, e.g. "SIGTERM"; in process
-        mode each child gets SIGTERM, and its message names ``reason`` too). Idempotent."""
+        mode each child gets SIGTERM, which names itself, and ``reason`` too unless it is a
+        signal's name: "SIGTERM from echospec serve, because <reason>"). Idempotent."""
         if self.processes:
-            if reason and self._reason_file:
+            if reason and reason not in signal.Signals.__members__ and self._reason_file:
                 try:
                     Path(self._reason_file).write_text(reason)
                 except OSError:
