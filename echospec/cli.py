@@ -208,10 +208,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # when it returns
         while True:
             time.sleep(0.25)
+            # the draft service is optional: a dead one is restarted (a few times) and the
+            # verifier decodes plainly meanwhile
+            for note in stack.revive():
+                print(f"echospec: the {note}", file=sys.stderr)
             gone = stack.exited()
-            if gone:   # a child service died (--processes): the stack cannot serve without it
+            if gone:   # a verifier, coordinator or gateway child died: the stack cannot serve
                 print(f"echospec: the {gone}; stopping every service", file=sys.stderr)
-                stack.stop(SHUTDOWN_GRACE_S, "a service exited")
+                # the children's shutdown names the cause: "... exited with status -9 (SIGKILL)"
+                stack.stop(SHUTDOWN_GRACE_S, "the " + gone.partition(": ")[0])
                 return 1
     except Interrupted as sig:
         print(f"echospec: {sig} received: stopping every service; requests in flight get "

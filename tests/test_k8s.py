@@ -212,7 +212,10 @@ def test_probes_are_native_grpc_health_checks(rendered):
         c = by[cname]
         for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["grpc"] == {"port": port, "service": service}, (cname, probe)
-        assert c["livenessProbe"]["grpc"]["port"] == port
+    assert by["verifier"]["livenessProbe"]["grpc"]["port"] == 50053
+    # the coordinator's health follows its verifiers (NOT_SERVING while none is healthy): its
+    # liveness is its listener, so a board outage does not restart every coordinator
+    assert by["coordinator"]["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
     assert by["draft"]["livenessProbe"]["grpc"]["port"] == 50052
     assert "readinessProbe" not in by["draft"]   # a board serves (plainly) without its draft
 

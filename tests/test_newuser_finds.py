@@ -217,6 +217,149 @@ def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
     assert generation_tokens() - before == line["tokens_out"]
 
 
+def _request_log_line(tiny_stack, request_id: str, call_it) -> dict:
+    """Run call_it(stub) with the coordinator's JSON log captured; its "request" line."""
+    import io
+    import json
+    import logging
+    import time
+
+    import grpc
+
+    from echospec.services.common import logs
+    from echospec.v1 import coordinator_pb2_grpc
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.setup("INFO", "json", stream=buf)
+    try:
+        with grpc.insecure_channel(tiny_stack.target) as ch:
+            call_it(coordinator_pb2_grpc.CoordinatorServiceStub(ch))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for ln in buf.getvalue().splitlines():
+                rec = json.loads(ln)
+                if rec.get("message") == "request" and rec.get("request_id") == request_id:
+                    return rec
+            time.sleep(0.02)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    raise AssertionError(f"no request line for {request_id}")
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_request_line_of_an_unfinished_generation_keeps_what_it_did(tiny_stack, how):
+    # was: a --spec on generation cancelled after 169 tokens (or past its deadline) logged
+    # prefill_ms=0 spec=False tries=0 hits=0 kv_rolls=0: the line kept only a finished
+    # generation's figures
+    import grpc
+
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb
+
+    rid = f"newuser-unfinished-{how}"
+    req = cpb.GenerateRequest(text="a b c a b c a b c", max_tokens=2000, spec=common_pb2.SPEC_MODE_ON)
+
+    def call_it(stub):
+        got = 0
+        call = stub.Generate(req, timeout=60 if how == "cancel" else 0.4,
+                             metadata=[("x-request-id", rid)])
+        try:
+            for msg in call:
+                got += len(msg.token_ids)
+                if how == "cancel" and got >= 150:
+                    break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+        call.cancel()
+        assert got >= (150 if how == "cancel" else 1)
+
+    line = _request_log_line(tiny_stack, rid, call_it)
+    assert line["code"] == ("CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"), line
+    assert line["spec"] is True, line
+    assert line["prefill_ms"] > 0, line
+    assert line["tries"] > 0 and line["draft_tokens"] > 0, line
+    assert line["draft_tokens"] >= line["hits"] >= 0 and line["verifier"], line
+
+
+# -- the coordinator's health while no verifier answers ---------------------------------------------
+
+def test_coordinator_health_follows_its_verifiers(tiny_model):
+    # was: the verifier killed, the coordinator's grpc.health.v1 (service name and "") kept
+    # answering SERVING (so did the gateway's /health and the readiness probes) while every
+    # request failed with UNAVAILABLE "no healthy verifier", and GetInfo kept the dead verifier's
+    # last active_sessions
+    import threading
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
+    from echospec.services.coordinator import server as cserver
+    from echospec.services.verifier import server as vserver
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    model = tiny_model(n_ctx_train=8192)
+    vcfg = VerifierConfig(model=model, port=0, n_ctx=8192, n_threads=1)
+    v = vserver.start(vcfg)
+    vport = v.port
+    c = cserver.start(CoordinatorConfig(model=model, port=0, verifier_target=f"127.0.0.1:{vport}",
+                                        verifier_poll_s=0.1), verifier_wait_s=30)
+    v2 = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+            def statuses() -> set:
+                return {health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                        for name in ("", cserver.SERVICE_NAME)}
+
+            def wait_for(status, timeout_s=5.0) -> float:
+                t0 = time.monotonic()
+                while statuses() != {status}:
+                    assert time.monotonic() - t0 < timeout_s, statuses()
+                    time.sleep(0.02)
+                return time.monotonic() - t0
+
+            SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                                    health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert statuses() == {SERVING}
+            # a generation holds a session while the verifier dies
+            call = stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000), timeout=30)
+
+            def drain():
+                try:
+                    for _ in call:
+                        pass
+                except grpc.RpcError:   # UNAVAILABLE naming the verifier that went away
+                    pass
+            threading.Thread(target=drain, daemon=True).start()
+            deadline = time.monotonic() + 10
+            while stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].active_sessions < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            v.stop(0)
+            wait_for(NOT_SERVING)
+            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0]
+            assert not info.healthy and info.last_error, info
+            assert info.active_sessions == 0 and info.free_kv_tokens == 0, info
+            # the verifier comes back on its port: SERVING again
+            v2 = vserver.start(VerifierConfig(model=model, port=vport, n_ctx=8192, n_threads=1))
+            wait_for(SERVING)
+            assert stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=3), timeout=10).result
+            assert stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].healthy
+    finally:
+        c.stop(0)
+        v.stop(0)
+        if v2 is not None:
+            v2.stop(0)
+    # stopped: NOT_SERVING for good, whatever the pool last saw
+    assert not c.handle.set_serving()
+
+
 # -- `python -m echospec.services.<name>`: ports and durations out of range ----------------------
 
 @pytest.mark.parametrize("cls, argv, env, message", [
@@ -1000,6 +1143,80 @@ def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
     left = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p.pid)], capture_output=True,
                           text=True).stdout.split()
     assert not left, left
+
+
+def test_serve_processes_keeps_serving_when_the_draft_service_dies(tiny_model):
+    # was: the draft child killed, `echospec serve --processes` stopped every service ("the draft
+    # service exited ...; stopping every service") and the client in flight was told "the
+    # coordinator service is shutting down (SIGTERM)", though a verifier serves without its
+    # draft service. A verifier that dies still stops the stack, and the services' shutdown
+    # now names that cause, not only SIGTERM.
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    import grpc
+
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", tiny_model(), "--port", "0",
+           "--n-ctx", "256", "--threads", "1", "--processes", "--spec"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=root)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+
+    def wait_line(pattern: str, timeout_s: float = 30) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for ln in list(err):
+                if re.search(pattern, ln):
+                    return ln
+            assert p.poll() is None or timeout_s == 0, "".join(err)
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in:\n" + "".join(err))
+
+    def child(name: str) -> list[int]:
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
+                            text=True).stdout
+        return [int(ln.split()[0]) for ln in ps.splitlines() if f"echospec.services.{name}" in ln]
+
+    try:
+        target = re.search(r"coordinator +listening on (\S+) ", wait_line("coordinator +listening")).group(1)
+        [draft] = child("draft")
+        os.kill(draft, signal.SIGKILL)
+        line = wait_line(r"echospec: the draft service exited with status -9 \(SIGKILL\)")
+        assert "decodes plainly" in line and "restarted it (1 of 3)" in line, line
+        with grpc.insecure_channel(target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            r = stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=8,
+                                                  spec=common_pb2.SPEC_MODE_ON), timeout=20)
+            assert r.result.completion_tokens > 0
+        assert p.poll() is None and "stopping every service" not in "".join(err)
+        deadline = time.monotonic() + 10
+        while not (child("draft") and child("draft")[0] != draft):
+            assert time.monotonic() < deadline, "the draft service was not restarted"
+            time.sleep(0.05)
+        # a dead verifier still stops the stack, and the services say why
+        [verifier] = child("verifier")
+        os.kill(verifier, signal.SIGKILL)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    time.sleep(0.2)
+    out = "".join(err)
+    assert p.returncode == 1, out
+    assert "echospec: the verifier service exited with status -9 (SIGKILL): " in out, out
+    assert ("coordinator service on port " in out and "SIGTERM from echospec serve, because the "
+            "verifier service exited with status -9 (SIGKILL))" in out), out
 
 
 # -- the light client's numeric arguments ----------------------------------------------------------

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -484,6 +484,8 @@ class ServerHandle:
     rpc_metrics: object                  # metrics.RpcMetrics
     metrics_http: object = None          # the /metrics server when this service runs one
     metrics_port: int = 0
+    stopping: bool = False               # stop() was called: health stays NOT_SERVING
+    _health_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def serve_metrics(self, host: str, port: int, extra_registries=()) -> int:
         """Serve /metrics (this server's RPC metrics plus `extra_registries`) on host:port.
@@ -497,15 +499,21 @@ class ServerHandle:
             raise PortInUseError(f"metrics port {host}:{port}: {exc.strerror}") from None
         return self.metrics_port
 
-    def set_serving(self) -> None:
-        """Health: SERVING for "" and every service name."""
-        for name in ("",) + self.service_names:
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    def set_serving(self) -> bool:
+        """Health: SERVING for "" and every service name; a no-op once stop() was called.
+        Returns whether it now says SERVING."""
+        with self._health_lock:
+            if self.stopping:
+                return False
+            for name in ("",) + self.service_names:
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            return True
 
     def set_not_serving(self) -> None:
         """Health: NOT_SERVING for "" and every service name."""
-        for name in ("",) + self.service_names:
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        with self._health_lock:
+            for name in ("",) + self.service_names:
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     @property
     def name(self) -> str:
@@ -527,6 +535,8 @@ class ServerHandle:
             The event set when the server has fully stopped (at most grace_s + CANCEL_WINDOW_S
             seconds from now when calls were in flight).
         """
+        with self._health_lock:
+            self.stopping = True
         self.set_not_serving()
         why = reason or "stopped"
         in_flight = self.limit.active
@@ -631,7 +641,9 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
 
 def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     """Block until SIGINT/SIGTERM, then stop gracefully (main thread only): calls in flight get
-    grace_s seconds, the rest end with UNAVAILABLE naming the signal (ServerHandle.stop)."""
+    grace_s seconds, the rest end with UNAVAILABLE naming the signal and, under `echospec serve
+    --processes`, why it stopped the stack (ServerHandle.stop, lifecycle.stop_reason)."""
+    from echospec.services.common.lifecycle import stop_reason
     done = threading.Event()
     received = []
 
@@ -646,8 +658,8 @@ def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        why = received[0] if received else "stopped"
-        _stop_log.info("%s service on port %d: %s received, stopping (calls in flight get %g s)",
+        why = stop_reason(received[0]) if received else "stopped"
+        _stop_log.info("%s service on port %d stopping (%s); calls in flight get %g s",
                        handle.name, handle.port, why, grace_s)
         handle.stop(grace_s, why).wait()
 

@@ -5,6 +5,9 @@ started it (named by ECHOSPEC_PARENT_PID) dies in any way, even SIGKILL, the ker
 process SIGTERM (Linux PR_SET_PDEATHSIG), so no service outlives the `echospec serve` that
 started it and keeps holding its port. The kernel's trigger is the end of the parent *thread*
 that forked the child, so the parent starts its children from its main thread.
+
+`stop_reason` names why the parent stopped the stack (a child service that died), so the calls
+a service cancels at shutdown say the real cause, not only SIGTERM.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import signal
 import sys
 
 PARENT_ENV = "ECHOSPEC_PARENT_PID"
+# a file where the parent writes why it stops the stack before it sends SIGTERM to each child
+STOP_REASON_ENV = "ECHOSPEC_STOP_REASON_FILE"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -30,6 +35,21 @@ def exit_with_parent() -> None:
         return
     if str(os.getppid()) != want:   # the parent died before prctl took effect
         os._exit(1)
+
+
+def stop_reason(signame: str) -> str:
+    """Why this service stops on ``signame``: the signal's name, followed by the reason the
+    parent `echospec serve` left in STOP_REASON_ENV's file when it stopped the stack, e.g.
+    "SIGTERM from echospec serve, because the verifier service exited with status -9 (SIGKILL)"."""
+    path = os.environ.get(STOP_REASON_ENV)
+    if not path:
+        return signame
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            why = f.read(500).strip()
+    except OSError:
+        return signame
+    return f"{signame} from echospec serve, because {why}" if why else signame
 
 
 def service_main(name: str, config_cls, serve, argv=None, errors: tuple = (),

@@ -124,8 +124,8 @@ class _Output:
         return "".join(self.text_parts)
 
 
-def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: Any
-             ) -> Iterator[Delta | Outcome]:
+def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: Any,
+             counters: SpecCounters | None = None) -> Iterator[Delta | Outcome]:
     """Consume one generation's token stream; yield a Delta per message, then the Outcome.
 
     Args:
@@ -134,10 +134,13 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
         tokenizer: Tokenizer (incremental_decoder, eos_ids).
         link: GenerationLink (events(), cancel()). Its failures propagate
             (VerifierFailure) and end the generation.
+        counters: where the stats go as messages arrive (default: a new SpecCounters); the
+            caller's object holds the figures so far when the generation ends without an
+            Outcome (cancelled, past its deadline, the verifier lost).
     Yields:
         Delta (non-empty ones only), then one Outcome.
     """
-    counters = SpecCounters()
+    counters = SpecCounters() if counters is None else counters
     out = _Output(tokenizer, params.stop, params.max_tokens)
     spec, reason = params.spec, params.spec_reason
     first = True

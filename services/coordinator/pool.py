@@ -14,6 +14,11 @@ active_sessions, max_sessions, free_kv_tokens). A call that fails to reach a
 verifier marks it unhealthy at once (``report_failure``); only a later poll
 that finds it SERVING makes it a candidate again. The choice itself is
 balancer.choose (pure).
+
+``on_health(serving, why)`` is called whenever the pool goes from "some verifier healthy" to
+"none" or back (the coordinator's own grpc.health.v1 status follows it, so a probe or the gateway
+sees NOT_SERVING while no verifier is reachable). A verifier found unhealthy loses its last load
+report (active sessions, free KV): those figures described a verifier that no longer answers.
 """
 from __future__ import annotations
 
@@ -141,6 +146,9 @@ class VerifierPool:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_resolve = 0.0
+        self.on_health: Callable[[bool, str], None] | None = None
+        self._published: bool | None = None
+        self._publish_lock = threading.Lock()
         self.resolve()
 
     # -- membership -------------------------------------------------------------------------
@@ -189,8 +197,7 @@ class VerifierPool:
             for addr, e in list(self._entries.items()):
                 if addr not in wanted and not e.removed:
                     e.removed = True
-                    e.backend.healthy = False
-                    e.backend.last_error = "no longer listed by its DNS name"
+                    _mark_down(e.backend, "no longer listed by its DNS name")
                     log.info("verifier %s left (no longer resolved)", addr)
                 if e.removed and e.backend.in_flight == 0:
                     to_close.append(self._entries.pop(addr))
@@ -198,6 +205,7 @@ class VerifierPool:
             e.channel.close()
             if self._metrics is not None:
                 self._metrics.verifier_forget(e.backend.address)
+        self._publish()
 
     # -- health and load ----------------------------------------------------------------------
     def poll(self) -> None:
@@ -224,8 +232,7 @@ class VerifierPool:
                 with self._lock:
                     if b.healthy:
                         log.warning("verifier %s is unhealthy (%s)", b.address, why)
-                    b.healthy = False
-                    b.last_error = why
+                    _mark_down(b, why)
             else:
                 with self._lock:
                     if not b.healthy:
@@ -239,6 +246,7 @@ class VerifierPool:
                     b.free_kv_tokens = cfg.free_kv_tokens
                     b.in_flight_at_report = mine
             self._export(b)
+        self._publish()
 
     def report_failure(self, address: str, why: str) -> None:
         """A call could not reach ``address``: out of the candidates until a poll finds it SERVING."""
@@ -249,10 +257,36 @@ class VerifierPool:
             if e.backend.healthy:
                 log.warning("verifier %s failed a call (%s); avoided until its health returns",
                             address, why)
-            e.backend.healthy = False
-            e.backend.last_error = why
+            _mark_down(e.backend, why)
         self._export(e.backend)
+        self._publish()
         self._wake.set()
+
+    def serving(self) -> bool:
+        """True while at least one listed verifier is healthy."""
+        with self._lock:
+            return any(e.backend.healthy and not e.removed for e in self._entries.values())
+
+    def watch(self, on_health: Callable[[bool, str], None]) -> None:
+        """Call ``on_health(serving, why)`` now with the current state, then on every change:
+        serving is False while no verifier is healthy (why: each verifier's last error)."""
+        with self._publish_lock:
+            self.on_health = on_health
+            self._published = None
+        self._publish()
+
+    def _publish(self) -> None:
+        """Call on_health when serving() changed since the last call (in order: one at a time)."""
+        with self._publish_lock:
+            now = self.serving()
+            if now == self._published:
+                return
+            self._published = now
+            with self._lock:
+                why = "; ".join(f"{a}: {e.backend.last_error or 'excluded'}"
+                                for a, e in sorted(self._entries.items())) or "none listed"
+            if self.on_health is not None:
+                self.on_health(now, why)
 
     def _export(self, b: Backend) -> None:
         if self._metrics is not None:
@@ -369,3 +403,12 @@ class VerifierPool:
 
 class _NotServing(Exception):
     pass
+
+
+def _mark_down(b: Backend, why: str) -> None:
+    """Out of the candidates, with its last load report cleared (caller holds the pool lock)."""
+    b.healthy = False
+    b.last_error = why
+    b.reported_active = 0
+    b.free_kv_tokens = 0
+    b.in_flight_at_report = 0

@@ -1,5 +1,7 @@
 """CoordinatorService server: bind (NOT_SERVING), load the tokenizer and chat
-template, start the verifier pool and wait for one healthy verifier, then SERVING."""
+template, start the verifier pool and wait for one healthy verifier, then SERVING.
+From then on health follows the verifiers: NOT_SERVING while none is healthy, SERVING
+again when one is."""
 from __future__ import annotations
 
 import logging
@@ -128,12 +130,32 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
             pool.close()
         raise
     handle.set_serving()
+    pool.watch(_follow_verifiers(handle))
     log.info("coordinator listening on %s:%d (model %s, verifiers %s: %s, spec default %s, %s, "
              "%s)", config.host, handle.port, config.model, " ".join(verifier_targets(config)),
              " ".join(pool.addresses()), "on" if config.spec else "off",
              "TLS" if config.tls_cert else "plain text",
              "API key required" if config.api_key else "no API key")
     return CoordinatorServer(handle, servicer, pool)
+
+
+def _follow_verifiers(handle: grpc_util.ServerHandle):
+    """The pool's on_health: the coordinator's health is NOT_SERVING while no verifier is
+    healthy (readiness probes and the gateway's /health see it) and SERVING again once one is."""
+    state = {"serving": True}
+
+    def on_health(serving: bool, why: str) -> None:
+        if serving == state["serving"]:
+            return
+        if serving:
+            if handle.set_serving():
+                state["serving"] = True
+                log.info("coordinator SERVING again: a verifier is healthy")
+        else:
+            state["serving"] = False
+            handle.set_not_serving()
+            log.warning("coordinator NOT_SERVING: no verifier is healthy (%s)", why)
+    return on_health
 
 
 def serve(config: CoordinatorConfig) -> None:

@@ -33,7 +33,7 @@ from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verif
 from echospec.services.common import grpc_util
 from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig, model_name
-from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord
+from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord, SpecCounters
 from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
@@ -329,6 +329,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             error = False
         finally:
             rec.e2e_s = time.perf_counter() - rec.t0
+            if rec.counters is not None:
+                rec.cached_tokens = rec.counters.cached_prompt_tokens
             rec.code = grpc_util.status_name(context, error)
             if rec.code != "OK":
                 rec.finish_reason = ""
@@ -347,9 +349,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return
         lease, link, events, first, params = begun
         rec.verifier = lease.address
+        # the record holds the gating verdict and the stats so far from here on, so a generation
+        # that ends without an Outcome (cancelled, deadline, verifier lost) logs what it did
+        rec.spec = params.spec
+        rec.counters = SpecCounters()
         started = _StartedLink(link, events, first, lease.address, self.pool.report_failure)
         try:
-            for ev in generate(prompt, params, self.tokenizer, started):
+            for ev in generate(prompt, params, self.tokenizer, started, rec.counters):
                 if isinstance(ev, Outcome):
                     ev.verifier = lease.address
                 yield ev

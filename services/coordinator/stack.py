@@ -12,6 +12,11 @@ Two modes:
 Every port defaults to 0 (a free port); the coordinator's is the public one.
 The draft and verifier start first; the coordinator waits for the verifier.
 
+In process mode a child that dies is seen by ``Stack.exited`` (the verifier, coordinator or
+gateway: the stack cannot serve without it) or ``Stack.revive`` (the draft service: optional,
+since a verifier without it decodes plainly with the same output; restarted on its port up to
+DRAFT_RESTARTS times).
+
 Example:
     stack = start_stack("/root/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf", port=50051, spec=True)
     print(stack.target)      # "127.0.0.1:50051"
@@ -25,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,9 +40,10 @@ from typing import Any
 from echospec.services.common import grpc_util
 from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
                                              VerifierConfig)
-from echospec.services.common.lifecycle import PARENT_ENV
+from echospec.services.common.lifecycle import PARENT_ENV, STOP_REASON_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
+DRAFT_RESTARTS = 3     # times `revive` starts a dead draft child again
 
 
 class StackError(RuntimeError):
@@ -56,6 +63,9 @@ class Stack:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _stderr: dict[str, Any] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)   # service -> bound /metrics port
+    _launch: dict[str, tuple] = field(default_factory=dict)      # name -> (argv, env) of its child
+    _restarts: dict[str, int] = field(default_factory=dict)      # name -> times revive restarted it
+    _reason_file: str = ""        # where stop() leaves its reason for the children (lifecycle.py)
     http_port: int = 0            # the gateway's port (0: no gateway)
     tls: bool = False             # the services listen with TLS (the gateway with HTTPS)
 
@@ -84,25 +94,61 @@ class Stack:
         """The in-process VerifierServer (threads mode only)."""
         return self._servers.get("verifier")
 
+    def _death(self, name: str) -> str:
+        """ "<name> service exited with status -9 (SIGKILL): <its last log line>"."""
+        rc = self._procs[name].returncode
+        how = f"status {rc}"
+        if rc < 0:
+            try:
+                how += f" ({signal.Signals(-rc).name})"
+            except ValueError:
+                pass
+        tee = self._stderr.get(name)
+        last = tee.last(0.5) if tee is not None else "(no message)"
+        return f"{name} service exited with {how}: {last}"
+
     def exited(self) -> str:
-        """In process mode, what ended a child service that is no longer running: e.g.
-        "verifier service exited with status -9 (SIGKILL): <its last log line>"; "" while every
-        child runs (and always in threads mode). The others keep serving until stop()."""
-        for name in ("draft", "verifier", "coordinator", "gateway"):
+        """In process mode, what ended a child service the stack cannot serve without (the
+        verifier, coordinator or gateway) that is no longer running: e.g. "verifier service
+        exited with status -9 (SIGKILL): <its last log line>"; "" while they run (and always in
+        threads mode). The others keep running until stop(). The draft service is ``revive``'s."""
+        for name in ("verifier", "coordinator", "gateway"):
             p = self._procs.get(name)
-            if p is None or p.poll() is None:
-                continue
-            rc = p.returncode
-            how = f"status {rc}"
-            if rc < 0:
-                try:
-                    how += f" ({signal.Signals(-rc).name})"
-                except ValueError:
-                    pass
-            tee = self._stderr.get(name)
-            last = tee.last(0.5) if tee is not None else "(no message)"
-            return f"{name} service exited with {how}: {last}"
+            if p is not None and p.poll() is not None:
+                return self._death(name)
         return ""
+
+    def revive(self) -> list[str]:
+        """In process mode, restart a draft child that died (on its port, up to DRAFT_RESTARTS
+        times; the verifier reconnects by itself and decodes plainly meanwhile). Call it from the
+        thread that started the stack (the child dies with that thread, lifecycle.py).
+
+        Returns:
+            One message per death found, saying its cause and what follows: e.g. "draft service
+            exited with status -9 (SIGKILL): ...; the verifier decodes plainly without it (same
+            output) until it is back; restarted it (1 of 3)". [] when nothing died.
+        """
+        p = self._procs.get("draft")
+        if p is None or p.poll() is None or "draft" not in self._launch:
+            return []
+        msg = (f"{self._death('draft')}; the verifier decodes plainly without it (same output, "
+               f"spec_reason says so)")
+        n = self._restarts.get("draft", 0)
+        if n >= DRAFT_RESTARTS:
+            del self._procs["draft"]
+            return [f"{msg}; not restarted again after {n} restarts: speculation stays off "
+                    f"until the stack is restarted"]
+        self._restarts["draft"] = n + 1
+        self._spawn("draft")
+        return [f"{msg} until it is back; restarted it ({n + 1} of {DRAFT_RESTARTS})"]
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        argv, env = self._launch[name]
+        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+        self._procs[name] = p
+        self._stderr[name] = _StderrTee(p, name)
+        return p
 
     def kill_draft(self) -> None:
         """Stop the draft service abruptly (SIGKILL in process mode, no grace in threads mode)."""
@@ -119,8 +165,14 @@ class Stack:
     def stop(self, grace_s: float = 1.0, reason: str = "") -> None:
         """Stop gateway, coordinator, then verifier, then draft (graceful: calls in flight get
         grace_s seconds, then end with UNAVAILABLE naming ``reason``, e.g. "SIGTERM"; in process
-        mode each child gets SIGTERM, which names itself). Idempotent."""
+        mode each child gets SIGTERM, which names itself, and ``reason`` too unless it is a
+        signal's name: "SIGTERM from echospec serve, because <reason>"). Idempotent."""
         if self.processes:
+            if reason and reason not in signal.Signals.__members__ and self._reason_file:
+                try:
+                    Path(self._reason_file).write_text(reason)
+                except OSError:
+                    pass
             for name in ("gateway", "coordinator", "verifier", "draft"):
                 p = self._procs.pop(name, None)
                 if p is not None and p.poll() is None:
@@ -130,6 +182,9 @@ class Stack:
                     except subprocess.TimeoutExpired:
                         p.kill()
                         p.wait()
+            if self._reason_file:
+                Path(self._reason_file).unlink(missing_ok=True)
+                self._reason_file = ""
             return
         g = self._servers.pop("gateway", None)
         if g is not None:
@@ -317,12 +372,14 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
         env["ECHOSPEC_API_KEY"] = ccfg.api_key
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[PARENT_ENV] = str(os.getpid())   # each child dies with this process (lifecycle.py)
+    fd, stack._reason_file = tempfile.mkstemp(prefix="echospec-stop-")
+    os.close(fd)
+    env[STOP_REASON_ENV] = stack._reason_file
     try:
         for name, cfg, svc in services:
-            p = subprocess.Popen([sys.executable, "-m", f"echospec.services.{name}", *_args(cfg)],
-                                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            stack._procs[name] = p
-            stack._stderr[name] = _StderrTee(p, name)
+            stack._launch[name] = ([sys.executable, "-m", f"echospec.services.{name}",
+                                    *_args(cfg)], env)
+            p = stack._spawn(name)
             if name == "gateway":
                 _wait_port(name, p, stack._stderr[name], cfg.host, cfg.port, ready_timeout_s)
                 stack.http_port = cfg.port
