@@ -1055,3 +1055,45 @@ def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog
                 and r.levelno == logging.WARNING]
     assert warnings == ["n_ctx 1024 is more than the 512 tokens the model was trained for: "
                         "positions past 512 are extrapolated and the output there is likely poor"]
+
+
+# -- session 7 new-user trial ----------------------------------------------------------------------
+
+def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_model, caplog):
+    # was: SIGTERM cut HTTP streams off after uvicorn's own 2 s (no error event, no clean end of
+    # the chunked body: curl exit 18) and logged "Cancel 1 running task(s)" with a traceback
+    import json
+    import logging
+    import threading
+    import time
+
+    import httpx
+
+    from echospec.services.coordinator.stack import start_stack
+
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, http_port=0)
+    events = []
+    try:
+        with caplog.at_level(logging.INFO), httpx.Client(timeout=30) as c:
+            with c.stream("POST", st.http_url + "/v1/completions",
+                          json={"prompt": "a b", "max_tokens": 8000, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                events.append(next(line for line in lines if line))
+                t0 = time.monotonic()
+                stopper = threading.Thread(target=st.stop, args=(0.5, "SIGTERM"))
+                stopper.start()
+                events += [line for line in lines if line]   # raises if the body is cut off
+                waited = time.monotonic() - t0
+                stopper.join(30)
+    finally:
+        st.stop(0)
+    assert 0.4 < waited < 3, waited
+    last = events[-1]
+    assert last.startswith("data: {"), events[-3:]
+    err = json.loads(last[len("data: "):])["error"]
+    assert err["code"] == "unavailable"
+    assert err["message"].startswith("the gateway is shutting down (SIGTERM); this stream was still "
+                                     "running when its 0.5 s grace period"), err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
