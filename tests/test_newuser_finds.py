@@ -1097,3 +1097,33 @@ def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_mod
                                      "running when its 0.5 s grace period"), err
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
         [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_gateway_sampling_without_a_seed_varies_and_reports_its_seed(tiny_stack):
+    # was: four calls at temperature 1.5 without a seed returned the same text (the coordinator's
+    # seed 0 is a fixed constant); OpenAI's calls without a seed vary
+    import grpc
+    import httpx
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    def post(**extra):
+        r = httpx.post(tiny_stack.http_url + "/v1/completions", timeout=30,
+                       json={"prompt": "My favourite word is", "max_tokens": 8, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["echospec"].get("seed")
+
+    drawn = [post(temperature=1.5) for _ in range(4)]
+    assert len({seed for _, seed in drawn}) == 4 and all(seed for _, seed in drawn), drawn
+    assert len({text for text, _ in drawn}) > 1, drawn
+    text, seed = drawn[0]
+    assert post(temperature=1.5, seed=seed) == (text, seed)   # the reported seed replays it
+    assert post(temperature=1.5, seed=0) == post(temperature=1.5, seed=0)
+    assert post()[1] is None   # greedy: no seed in play
+    # the gRPC API keeps seed 0 (unset) as the engine's fixed constant: reproducible (README)
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        texts = {stub.Complete(cpb.CompleteRequest(text="My favourite word is", max_tokens=8,
+                                                   temperature=1.5), timeout=30).result.text
+                 for _ in range(2)}
+    assert len(texts) == 1, texts

@@ -167,7 +167,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     request.app.state.shutdown)
                 if result is None:   # the client is gone: nobody to answer
                     return Response(status_code=499)
-                return JSONResponse(api.response(chat, api.new_id(chat), model, result))
+                return JSONResponse(api.response(chat, api.new_id(chat), model, result, parsed.seed))
             stream = up.generate(parsed.request, rid)
             try:
                 first = await stream.__anext__()   # errors before any output keep their HTTP code
@@ -264,7 +264,7 @@ async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
             msg = nxt.result()
         if result is None:
             raise UpstreamError("INTERNAL", "the coordinator's stream ended without a result")
-        yield _event(api.chunk(chat, rid, created, model, None, result=result))
+        yield _event(api.chunk(chat, rid, created, model, None, result=result, seed=parsed.seed))
         if parsed.include_usage:
             yield _event(api.usage_chunk(chat, rid, created, model, result))
         yield b"data: [DONE]\n\n"
