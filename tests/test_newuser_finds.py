@@ -1002,7 +1002,7 @@ def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
     assert not left, left
 
 
-# -- the light client's numeric arguments ----------------------------------------------------------
+# -- the light client's arguments, checked before anything is sent ---------------------------------
 
 @pytest.mark.parametrize("kw, exc, message", [
     # was: "bad sampling argument: Value out of range: 1099511627776", naming no argument
@@ -1014,14 +1014,25 @@ def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
     ({"max_tokens": "5"}, TypeError, "max_tokens must be an int, got '5'"),
     ({"max_tokens": 5.5}, TypeError, "max_tokens must be an int, got 5.5"),
     ({"k": True}, TypeError, "k must be an int, got True"),
-    ({"top_p": 10 ** 400}, ValueError, "top_p must be a finite number"),
+    ({"top_p": 10 ** 400}, ValueError, "top_p must be within float32's range (about ±3.4e38)"),
+    # was: stored as inf (float32 overflow), then the server's "temperature must be finite, got inf"
+    ({"temperature": 1e39}, ValueError, "temperature must be within float32's range (about "
+                                        "±3.4e38), got 1e+39"),
+    # was: "" silently dropped, while ["a", ""] reached the server's INVALID_ARGUMENT
+    ({"stop": ""}, ValueError, "stop is an empty string: a stop string needs at least one"),
+    ({"stop": ["a", ""]}, ValueError, "stop[1] is an empty string"),
+    # was: ClientError INTERNAL "Invalid metadata" and a gRPC core log line
+    ({"request_id": "a\nb"}, ValueError, "request_id must be printable ASCII (it is sent as gRPC "
+                                         "metadata), got 'a\\nb'"),
+    ({"request_id": 5}, TypeError, "request_id must be a str, got int"),
 ])
-def test_client_names_the_bad_numeric_argument(kw, exc, message):
+def test_client_names_the_bad_argument(kw, exc, message):
     from echospec_client import Client
     with Client("127.0.0.1:1") as c:
-        with pytest.raises(exc) as e:
-            c.complete("hi", **kw)
-    assert str(e.value).startswith(message), e.value
+        for call in (c.complete, lambda *a, **k: next(c.stream(*a, **k))):
+            with pytest.raises(exc) as e:
+                call("hi", **kw)
+            assert str(e.value).startswith(message), e.value
 
 
 def test_client_keeps_valid_numeric_arguments():
@@ -1127,3 +1138,33 @@ def test_gateway_sampling_without_a_seed_varies_and_reports_its_seed(tiny_stack)
                                                    temperature=1.5), timeout=30).result.text
                  for _ in range(2)}
     assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize("argv, message", [
+    # was: "set exactly one of text, messages, token_ids (the prompt is empty)" from the server
+    (["generate", ""], "the prompt text is empty"),
+    # was: INVALID_ARGUMENT from the server after connecting (and the client dropped stop="")
+    (["generate", "hi", "--stop", "x", "--stop", ""], "--stop '': a stop string needs at least one"),
+    # was: "model file not found: /dev/null"
+    (["serve", "--model", "/dev/null", "--port", "0", "--http-port", "-1"],
+     "model /dev/null is not a regular file"),
+])
+def test_cli_names_what_is_wrong_with_its_input(argv, message, capsys):
+    from echospec import cli
+    args = cli.parse_args([*argv, *(["--target", "127.0.0.1:1"] if argv[0] == "generate" else [])])
+    with pytest.raises(SystemExit) as ei:
+        args.fn(args)
+    err = capsys.readouterr().err
+    assert ei.value.code in (1, 2) and message in err, err
+
+
+def test_coordinator_says_the_prompt_text_is_empty(tiny_stack):
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(cpb.CompleteRequest(text=""),
+                                                                     timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith("the prompt is empty: text is empty"), ei.value.details()

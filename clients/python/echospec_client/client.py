@@ -431,6 +431,7 @@ class Client:
             ConnectError: no connection within the wait.
             ClientError: the call failed (code and details from the server).
         """
+        _check_request_id(request_id)
         req = coordinator_pb2.CompleteRequest()
         _fill(req, prompt, messages, token_ids, sampling)
         left = self._begin(timeout)
@@ -455,6 +456,7 @@ class Client:
             ConnectError, ClientError: as `complete`; a failure mid-stream raises from the
             iteration.
         """
+        _check_request_id(request_id)
         req = coordinator_pb2.GenerateRequest()
         _fill(req, prompt, messages, token_ids, sampling)
         left = self._begin(timeout)
@@ -562,6 +564,22 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     return out
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_request_id(request_id) -> None:
+    """A request_id gRPC metadata can carry (printable ASCII), else TypeError/ValueError before
+    anything is sent (gRPC itself would fail the call with INTERNAL "Invalid metadata")."""
+    if request_id is None:
+        return
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    bad = next((c for c in request_id if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"request_id must be printable ASCII (it is sent as gRPC metadata), "
+                         f"got {request_id!r} (character {bad!r})")
+
+
 def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
     """Set the prompt and sampling fields of a CompleteRequest or GenerateRequest."""
     given = [x is not None for x in (prompt, messages, token_ids)]
@@ -578,12 +596,18 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         req.messages.extend(_messages(messages))
     else:
         req.token_ids.extend(_int_list(token_ids, "token_ids"))
-    stop = sampling.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not all(isinstance(s, str) for s in stop):
+    stop = sampling.get("stop")
+    names = ["stop"] if isinstance(stop, str) else None
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Sequence) or \
+            not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a string or a list of strings")
-    req.stop.extend(_unicode(s, f"stop[{i}]") for i, s in enumerate(stop))
+    names = names or [f"stop[{i}]" for i in range(len(stop))]
+    for name, s in zip(names, stop):
+        if not s:   # the server refuses it too: an empty string would stop before any output
+            raise ValueError(f"{name} is an empty string: a stop string needs at least one "
+                             f"character")
+    req.stop.extend(_unicode(s, name) for name, s in zip(names, stop))
     spec = sampling.get("spec")
     if spec not in _SPEC_MODES:
         raise ValueError(f"spec must be True, False or None, got {spec!r}")
@@ -605,9 +629,13 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")
         try:
-            setattr(req, name, float(v))
+            f = float(v)
         except OverflowError:   # an int too large for a float
-            raise ValueError(f"{name} must be a finite number, got {v}") from None
+            f = None
+        if f is None or (math.isfinite(f) and abs(f) > _FLOAT32_MAX):
+            # the field is a float32: protobuf would store inf without a word
+            raise ValueError(f"{name} must be within float32's range (about ±3.4e38), got {v}")
+        setattr(req, name, f)
     for name in ("prediction", "draft_namespace"):
         v = sampling.get(name) or ""
         if not isinstance(v, str):
