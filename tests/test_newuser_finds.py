@@ -1168,3 +1168,20 @@ def test_coordinator_says_the_prompt_text_is_empty(tiny_stack):
                                                                      timeout=30)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ei.value.details().startswith("the prompt is empty: text is empty"), ei.value.details()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ECHOSPEC_MIN_N": "abc"}, "ECHOSPEC_MIN_N"),
+    # was: exit 1 (a startup failure) for a setting that parses but is out of range
+    ({"ECHOSPEC_MIN_N": "0"}, "--min-n / ECHOSPEC_MIN_N, --max-n / ECHOSPEC_MAX_N: n-gram range"),
+    ({"ECHOSPEC_MIN_N": "4", "ECHOSPEC_MAX_N": "3"}, "min_n=4 max_n=3"),
+])
+def test_draft_entry_point_exits_2_for_every_bad_setting(env, message, monkeypatch, capsys):
+    from echospec.services.draft.__main__ import main
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        code = main(["--port", "0"])
+    except SystemExit as exc:   # argparse's exit for a setting that does not parse
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
