@@ -318,6 +318,8 @@ def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
 
     from echospec_client import ConnectError
 
+    if isinstance(exc, ConnectError) and exc.cause:
+        _die(f"cannot connect to {target}: {exc.cause}")
     if isinstance(exc, ConnectError) and exc.tls_mismatch:
         fix = ("drop --tls and --tls-ca" if exc.uses_tls else
                "add --tls (and --tls-ca CA.pem when a private CA signed its certificate)")
@@ -997,6 +999,10 @@ def main(argv: list[str] | None = None) -> int:
     # the subcommand from the raw arguments: a signal may land while they are still being parsed
     raw = sys.argv[1:] if argv is None else argv
     serving = next((a for a in raw if not a.startswith("-")), None) == "serve"
+    if not serving and "GRPC_VERBOSITY" not in os.environ:
+        # gRPC core's own log lines (a failed TLS handshake, ...) are not for the user of a client
+        # command: the command says what went wrong. Read when grpc loads, which is later.
+        os.environ["GRPC_VERBOSITY"] = "NONE"
     try:
         args = parse_args(argv)
         return args.fn(args)

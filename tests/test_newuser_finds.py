@@ -1185,3 +1185,41 @@ def test_draft_entry_point_exits_2_for_every_bad_setting(env, message, monkeypat
     except SystemExit as exc:   # argparse's exit for a setting that does not parse
         code = exc.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+def _cli_subprocess(*argv: str):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    return subprocess.run([sys.executable, "-m", "echospec.cli", *argv], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_cli_says_the_tls_certificate_did_not_verify(tls_server, pki):
+    # was: gRPC core's "ssl_transport_security.cc ... CERTIFICATE_VERIFY_FAILED" lines, then
+    # "no coordinator reachable at ... within 3 s"
+    r = _cli_subprocess("tokenize", "hi", "--target", tls_server, "--tls-ca", pki["b"]["ca"],
+                        "--connect-timeout", "3")
+    assert r.returncode == 1, r.stderr
+    assert f"cannot connect to {tls_server}: the TLS certificate of the server at {tls_server} " \
+           f"did not verify" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr   # one line: no log lines of gRPC core
+
+
+def test_client_says_the_certificate_is_for_another_name(tls_server, pki):
+    from echospec_client import Client, ConnectError
+    with Client(tls_server, root_certificates=pki["a"]["ca"], server_name="other.example",
+                connect_timeout=3) as c:
+        with pytest.raises(ConnectError) as ei:
+            c.wait_ready()
+    assert "did not verify" in ei.value.cause and "'other.example'" in ei.value.cause, ei.value
+
+
+def test_cli_says_the_port_answers_http_not_grpc(tiny_stack):
+    # was: "no coordinator reachable at ..." for --target at the HTTP gateway's port
+    target = f"127.0.0.1:{tiny_stack.http_port}"
+    r = _cli_subprocess("tokenize", "hi", "--target", target, "--connect-timeout", "3")
+    assert r.returncode == 1, r.stderr
+    assert f"the server at {target} answers HTTP/1, not gRPC: is it the HTTP gateway's port?" \
+        in r.stderr, r.stderr

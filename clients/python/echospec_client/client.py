@@ -184,11 +184,15 @@ class ConnectError(ClientError):
 
     `tls_mismatch` is "" or why the connection likely failed: the server speaks TLS and this
     client plain text, or the other way round (tls_probe.py; then `waited_s` is the time until
-    the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS."""
+    the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS.
+    `cause` is "" or another likely reason found the same way: the server's TLS certificate did
+    not verify, or the port answers HTTP (the HTTP gateway), not gRPC."""
 
     def __init__(self, target: str, waited_s: float, bound: str, tls_mismatch: str = "",
-                 uses_tls: bool = False):
-        if tls_mismatch:
+                 uses_tls: bool = False, cause: str = ""):
+        if cause:
+            message = f"cannot connect to {target}: {cause}"
+        elif tls_mismatch:
             fix = ("connect without TLS (tls=False, no root_certificates)" if uses_tls else
                    "connect with TLS (tls=True, or root_certificates= the CA's PEM for a "
                    "private CA)")
@@ -201,6 +205,7 @@ class ConnectError(ClientError):
         self.bound = bound
         self.tls_mismatch = tls_mismatch
         self.uses_tls = uses_tls
+        self.cause = cause
 
 
 MessageLike = Union[Message, Mapping[str, str]]
@@ -322,6 +327,8 @@ class Client:
                 raise ValueError("certificates were given with tls=False")
             self._channel = grpc.insecure_channel(target, options=opts)
         self.tls = bool(use_tls)
+        self._roots = roots                  # for the diagnosis of a failed connection
+        self._server_name = server_name or None
         self._connected = False
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
@@ -380,11 +387,17 @@ class Client:
         self._connected = True
 
     def _check_tls_mismatch(self, waited_s: float, bound: str) -> None:
-        """Raise ConnectError when the server likely speaks the other protocol (TLS or not)."""
+        """Raise ConnectError when the server likely speaks the other protocol (TLS or not), or
+        its certificate does not verify, or it answers HTTP, not gRPC."""
         from echospec_client import tls_probe
         hint = tls_probe.mismatch(self.target, self.tls, timeout_s=2.0)
         if hint:
             raise ConnectError(self.target, round(waited_s, 3), bound, hint, self.tls)
+        cause = tls_probe.other_cause(self.target, self.tls, self._roots, self._server_name,
+                                      timeout_s=2.0)
+        if cause:
+            raise ConnectError(self.target, round(waited_s, 3), bound, uses_tls=self.tls,
+                               cause=cause)
 
     def _connect_failed(self, wait: float | None, bound: str) -> NoReturn:
         self._check_tls_mismatch(wait or 0.0, bound)
