@@ -214,7 +214,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                             ("messages", len(req.messages) > 0),
                                             ("token_ids", len(req.token_ids) > 0)) if present]
         if not forms:   # proto3 cannot tell an empty text from none
-            raise _bad("the prompt is empty: text is empty and no messages or token_ids are set")
+            raise _bad("the prompt is empty: text is empty and no messages or token_ids are set "
+                       "(set exactly one of them)")
         if len(forms) != 1:
             raise _bad(f"set exactly one of text, messages, token_ids (got {', '.join(forms)})")
         if forms[0] == "token_ids":
