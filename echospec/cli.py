@@ -105,8 +105,10 @@ def _check_model(path: str) -> None:
     p = Path(path)
     if p.is_dir():
         _die(f"model {path} is a directory, not a GGUF file")
-    if not p.is_file():
+    if not p.exists():
         _die(f"model file not found: {path}")
+    if not p.is_file():
+        _die(f"model {path} is not a regular file (a GGUF file is needed)")
     from echospec.services.common.engine import EngineError, Model
     try:
         Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
@@ -321,6 +323,8 @@ def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
 
     from echospec_client import ConnectError
 
+    if isinstance(exc, ConnectError) and exc.cause:
+        _die(f"cannot connect to {target}: {exc.cause}")
     if isinstance(exc, ConnectError) and exc.tls_mismatch:
         fix = ("drop --tls and --tls-ca" if exc.uses_tls else
                "add --tls (and --tls-ca CA.pem when a private CA signed its certificate)")
@@ -399,6 +403,8 @@ def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = No
         kw["prompt"] = prompt or ""
     kw["max_tokens"] = int(max_tokens if max_tokens is not None else args.max_tokens or 0)
     kw["stop"] = list(getattr(args, "stop", None) or [])
+    if "" in kw["stop"]:
+        _die("--stop '': a stop string needs at least one character", 2)
     kw["temperature"] = float(getattr(args, "temperature", 0.0) or 0.0)
     kw["top_p"] = getattr(args, "top_p", None)
     kw["top_k"] = int(getattr(args, "top_k", 0) or 0)
@@ -486,6 +492,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.messages is None):
         _die("give exactly one of a prompt argument or --messages FILE", 2)
+    if args.prompt == "":
+        _die("the prompt text is empty: give some text to continue", 2)
     if not 0 <= args.seed < 2 ** 64:
         _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
     messages = _load_messages(args.messages) if args.messages else None
@@ -996,6 +1004,10 @@ def main(argv: list[str] | None = None) -> int:
     # the subcommand from the raw arguments: a signal may land while they are still being parsed
     raw = sys.argv[1:] if argv is None else argv
     serving = next((a for a in raw if not a.startswith("-")), None) == "serve"
+    if not serving and "GRPC_VERBOSITY" not in os.environ:
+        # gRPC core's own log lines (a failed TLS handshake, ...) are not for the user of a client
+        # command: the command says what went wrong. Read when grpc loads, which is later.
+        os.environ["GRPC_VERBOSITY"] = "NONE"
     try:
         args = parse_args(argv)
         return args.fn(args)

@@ -1219,7 +1219,7 @@ def test_serve_processes_keeps_serving_when_the_draft_service_dies(tiny_model):
             "verifier service exited with status -9 (SIGKILL))" in out), out
 
 
-# -- the light client's numeric arguments ----------------------------------------------------------
+# -- the light client's arguments, checked before anything is sent ---------------------------------
 
 @pytest.mark.parametrize("kw, exc, message", [
     # was: "bad sampling argument: Value out of range: 1099511627776", naming no argument
@@ -1231,14 +1231,25 @@ def test_serve_processes_keeps_serving_when_the_draft_service_dies(tiny_model):
     ({"max_tokens": "5"}, TypeError, "max_tokens must be an int, got '5'"),
     ({"max_tokens": 5.5}, TypeError, "max_tokens must be an int, got 5.5"),
     ({"k": True}, TypeError, "k must be an int, got True"),
-    ({"top_p": 10 ** 400}, ValueError, "top_p must be a finite number"),
+    ({"top_p": 10 ** 400}, ValueError, "top_p must be within float32's range (about ±3.4e38)"),
+    # was: stored as inf (float32 overflow), then the server's "temperature must be finite, got inf"
+    ({"temperature": 1e39}, ValueError, "temperature must be within float32's range (about "
+                                        "±3.4e38), got 1e+39"),
+    # was: "" silently dropped, while ["a", ""] reached the server's INVALID_ARGUMENT
+    ({"stop": ""}, ValueError, "stop is an empty string: a stop string needs at least one"),
+    ({"stop": ["a", ""]}, ValueError, "stop[1] is an empty string"),
+    # was: ClientError INTERNAL "Invalid metadata" and a gRPC core log line
+    ({"request_id": "a\nb"}, ValueError, "request_id must be printable ASCII (it is sent as gRPC "
+                                         "metadata), got 'a\\nb'"),
+    ({"request_id": 5}, TypeError, "request_id must be a str, got int"),
 ])
-def test_client_names_the_bad_numeric_argument(kw, exc, message):
+def test_client_names_the_bad_argument(kw, exc, message):
     from echospec_client import Client
     with Client("127.0.0.1:1") as c:
-        with pytest.raises(exc) as e:
-            c.complete("hi", **kw)
-    assert str(e.value).startswith(message), e.value
+        for call in (c.complete, lambda *a, **k: next(c.stream(*a, **k))):
+            with pytest.raises(exc) as e:
+                call("hi", **kw)
+            assert str(e.value).startswith(message), e.value
 
 
 def test_client_keeps_valid_numeric_arguments():
@@ -1297,3 +1308,160 @@ def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, p
     # every position holds a token, and the last one produced needs none
     assert off.completion_tokens == 64 - prompt_len + 1 and off.token_ids == on.token_ids
     assert (off.finish_reason, off.text) == (on.finish_reason, on.text)
+
+
+# -- session 7 new-user trial ----------------------------------------------------------------------
+
+def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_model, caplog):
+    # was: SIGTERM cut HTTP streams off after uvicorn's own 2 s (no error event, no clean end of
+    # the chunked body: curl exit 18) and logged "Cancel 1 running task(s)" with a traceback
+    import json
+    import logging
+    import threading
+    import time
+
+    import httpx
+
+    from echospec.services.coordinator.stack import start_stack
+
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, http_port=0)
+    events = []
+    try:
+        with caplog.at_level(logging.INFO), httpx.Client(timeout=30) as c:
+            with c.stream("POST", st.http_url + "/v1/completions",
+                          json={"prompt": "a b", "max_tokens": 8000, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                events.append(next(line for line in lines if line))
+                t0 = time.monotonic()
+                stopper = threading.Thread(target=st.stop, args=(0.5, "SIGTERM"))
+                stopper.start()
+                events += [line for line in lines if line]   # raises if the body is cut off
+                waited = time.monotonic() - t0
+                stopper.join(30)
+    finally:
+        st.stop(0)
+    assert 0.4 < waited < 3, waited
+    last = events[-1]
+    assert last.startswith("data: {"), events[-3:]
+    err = json.loads(last[len("data: "):])["error"]
+    assert err["code"] == "unavailable"
+    assert err["message"].startswith("the gateway is shutting down (SIGTERM); this stream was still "
+                                     "running when its 0.5 s grace period"), err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_gateway_sampling_without_a_seed_varies_and_reports_its_seed(tiny_stack):
+    # was: four calls at temperature 1.5 without a seed returned the same text (the coordinator's
+    # seed 0 is a fixed constant); OpenAI's calls without a seed vary
+    import grpc
+    import httpx
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    def post(**extra):
+        r = httpx.post(tiny_stack.http_url + "/v1/completions", timeout=30,
+                       json={"prompt": "My favourite word is", "max_tokens": 8, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["echospec"].get("seed")
+
+    drawn = [post(temperature=1.5) for _ in range(4)]
+    assert len({seed for _, seed in drawn}) == 4 and all(seed for _, seed in drawn), drawn
+    assert len({text for text, _ in drawn}) > 1, drawn
+    text, seed = drawn[0]
+    assert post(temperature=1.5, seed=seed) == (text, seed)   # the reported seed replays it
+    assert post(temperature=1.5, seed=0) == post(temperature=1.5, seed=0)
+    assert post()[1] is None   # greedy: no seed in play
+    # the gRPC API keeps seed 0 (unset) as the engine's fixed constant: reproducible (README)
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        texts = {stub.Complete(cpb.CompleteRequest(text="My favourite word is", max_tokens=8,
+                                                   temperature=1.5), timeout=30).result.text
+                 for _ in range(2)}
+    assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize("argv, message", [
+    # was: "set exactly one of text, messages, token_ids (the prompt is empty)" from the server
+    (["generate", ""], "the prompt text is empty"),
+    # was: INVALID_ARGUMENT from the server after connecting (and the client dropped stop="")
+    (["generate", "hi", "--stop", "x", "--stop", ""], "--stop '': a stop string needs at least one"),
+    # was: "model file not found: /dev/null"
+    (["serve", "--model", "/dev/null", "--port", "0", "--http-port", "-1"],
+     "model /dev/null is not a regular file"),
+])
+def test_cli_names_what_is_wrong_with_its_input(argv, message, capsys):
+    from echospec import cli
+    args = cli.parse_args([*argv, *(["--target", "127.0.0.1:1"] if argv[0] == "generate" else [])])
+    with pytest.raises(SystemExit) as ei:
+        args.fn(args)
+    err = capsys.readouterr().err
+    assert ei.value.code in (1, 2) and message in err, err
+
+
+def test_coordinator_says_the_prompt_text_is_empty(tiny_stack):
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(cpb.CompleteRequest(text=""),
+                                                                     timeout=30)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith("the prompt is empty: text is empty"), ei.value.details()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ECHOSPEC_MIN_N": "abc"}, "ECHOSPEC_MIN_N"),
+    # was: exit 1 (a startup failure) for a setting that parses but is out of range
+    ({"ECHOSPEC_MIN_N": "0"}, "--min-n / ECHOSPEC_MIN_N, --max-n / ECHOSPEC_MAX_N: n-gram range"),
+    ({"ECHOSPEC_MIN_N": "4", "ECHOSPEC_MAX_N": "3"}, "min_n=4 max_n=3"),
+])
+def test_draft_entry_point_exits_2_for_every_bad_setting(env, message, monkeypatch, capsys):
+    from echospec.services.draft.__main__ import main
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        code = main(["--port", "0"])
+    except SystemExit as exc:   # argparse's exit for a setting that does not parse
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def _cli_subprocess(*argv: str):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    return subprocess.run([sys.executable, "-m", "echospec.cli", *argv], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_cli_says_the_tls_certificate_did_not_verify(tls_server, pki):
+    # was: gRPC core's "ssl_transport_security.cc ... CERTIFICATE_VERIFY_FAILED" lines, then
+    # "no coordinator reachable at ... within 3 s"
+    r = _cli_subprocess("tokenize", "hi", "--target", tls_server, "--tls-ca", pki["b"]["ca"],
+                        "--connect-timeout", "3")
+    assert r.returncode == 1, r.stderr
+    assert f"cannot connect to {tls_server}: the TLS certificate of the server at {tls_server} " \
+           f"did not verify" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr   # one line: no log lines of gRPC core
+
+
+def test_client_says_the_certificate_is_for_another_name(tls_server, pki):
+    from echospec_client import Client, ConnectError
+    with Client(tls_server, root_certificates=pki["a"]["ca"], server_name="other.example",
+                connect_timeout=3) as c:
+        with pytest.raises(ConnectError) as ei:
+            c.wait_ready()
+    assert "did not verify" in ei.value.cause and "'other.example'" in ei.value.cause, ei.value
+
+
+def test_cli_says_the_port_answers_http_not_grpc(tiny_stack):
+    # was: "no coordinator reachable at ..." for --target at the HTTP gateway's port
+    target = f"127.0.0.1:{tiny_stack.http_port}"
+    r = _cli_subprocess("tokenize", "hi", "--target", target, "--connect-timeout", "3")
+    assert r.returncode == 1, r.stderr
+    assert f"the server at {target} answers HTTP/1, not gRPC: is it the HTTP gateway's port?" \
+        in r.stderr, r.stderr

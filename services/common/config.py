@@ -134,6 +134,7 @@ class GatewayConfig:
     tls_ca: str = ""             # PEM CA of the coordinator's certificate ("": plain text to it)
     api_key: str = ""            # HTTP clients send `Authorization: Bearer <api_key>`; it is also
                                  # sent on to the coordinator ("": no check)
+    grace_s: float = 2.0         # on shutdown: seconds requests in flight get to finish
 
 
 def _parse_bool(text: str) -> bool:

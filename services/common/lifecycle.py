@@ -53,12 +53,15 @@ def stop_reason(signame: str) -> str:
 
 
 def service_main(name: str, config_cls, serve, argv=None, errors: tuple = (),
-                 needs_model: bool = False) -> int:
+                 needs_model: bool = False, check=None) -> int:
     """The body of `python -m echospec.services.NAME`: settings from argv and ECHOSPEC_*,
     logging, then serve(config) until SIGINT/SIGTERM.
 
-    Returns the exit status: 2 for bad settings (a log option, or no model where needs_model),
-    1 when serve raises one of ``errors`` (a busy port, an unreadable model, ...), each with a
+    ``check(config)`` (optional) raises ValueError for settings the service cannot use; like
+    a setting that does not parse, that exits 2.
+
+    Returns the exit status: 2 for bad settings (a log option, a ``check`` refusal, or no model
+    where needs_model), 1 when serve raises one of ``errors`` (a busy port, an unreadable model, ...), each with a
     one-line message on stderr; 0 after a clean stop.
     """
     from echospec.services.common import config as cfg
@@ -73,6 +76,12 @@ def service_main(name: str, config_cls, serve, argv=None, errors: tuple = (),
     if needs_model and not conf.model:
         print(f"{name}: no model (--model PATH or ECHOSPEC_MODEL)", file=sys.stderr)
         return 2
+    if check is not None:
+        try:
+            check(conf)
+        except ValueError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            return 2
     try:
         serve(conf)
     except errors as exc:

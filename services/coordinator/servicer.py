@@ -213,9 +213,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         forms = [name for name, present in (("text", bool(req.text)),
                                             ("messages", len(req.messages) > 0),
                                             ("token_ids", len(req.token_ids) > 0)) if present]
+        if not forms:   # proto3 cannot tell an empty text from none
+            raise _bad("the prompt is empty: text is empty and no messages or token_ids are set "
+                       "(set exactly one of them)")
         if len(forms) != 1:
-            raise _bad("set exactly one of text, messages, token_ids"
-                       + (f" (got {', '.join(forms)})" if forms else " (the prompt is empty)"))
+            raise _bad(f"set exactly one of text, messages, token_ids (got {', '.join(forms)})")
         if forms[0] == "token_ids":
             n_vocab = self.tokenizer.n_vocab
             ids = list(req.token_ids)

@@ -188,7 +188,7 @@ class Stack:
             return
         g = self._servers.pop("gateway", None)
         if g is not None:
-            g.stop(grace_s)
+            g.stop(grace_s, reason)
         c = self._servers.pop("coordinator", None)
         if c is not None:
             c.stop(grace_s, reason)

@@ -12,13 +12,21 @@ import sys  # noqa: E402
 from echospec.services.common import config as cfg  # noqa: E402
 from echospec.services.common.lifecycle import service_main  # noqa: E402
 from echospec.services.common.grpc_util import PortInUseError  # noqa: E402
-from echospec.services.draft.proposer import ProposerError  # noqa: E402
+from echospec.services.draft.proposer import NgramParams, ProposerError  # noqa: E402
 from echospec.services.draft.server import serve  # noqa: E402
+
+
+def _check(conf: cfg.DraftConfig) -> None:
+    """The n-gram range (--min-n, --max-n) as a bad setting: ValueError naming them."""
+    try:
+        NgramParams(conf.min_n, conf.max_n).validate()
+    except ProposerError as exc:
+        raise ValueError(f"--min-n / ECHOSPEC_MIN_N, --max-n / ECHOSPEC_MAX_N: {exc}") from None
 
 
 def main(argv=None) -> int:
     return service_main("draft", cfg.DraftConfig, serve, argv,
-                        (PortInUseError, ProposerError, ValueError))
+                        (PortInUseError, ProposerError, ValueError), check=_check)
 
 
 if __name__ == "__main__":

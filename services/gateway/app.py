@@ -11,7 +11,10 @@ a missing or wrong API key 401, overload (no free verifier session, the RPC cap)
 coordinator unreachable 503, its deadline (request_timeout_s) 504. A stream answers with its HTTP
 status once the coordinator's first message (or error) is in, so a refused request gets its error
 code, not a 200 with an error event; an error after that is sent as one ``data: {"error": ...}``
-event and the stream ends. A client that disconnects (mid-stream, or while it waits for a whole
+event and the stream ends. On shutdown (SIGINT/SIGTERM, GatewayServer.stop) requests in flight get
+the grace period (config.grace_s) to finish; a stream still running then gets one error event naming
+the shutdown and ends cleanly, an answer still awaited gets 503 (the same wording as the gRPC
+services' UNAVAILABLE). A client that disconnects (mid-stream, or while it waits for a whole
 answer) cancels the gRPC call, which ends the generation on the verifier and frees its session.
 """
 from __future__ import annotations
@@ -56,6 +59,33 @@ def _request_id(request: Request) -> str:
     return rid if 0 < len(rid) <= 64 and rid.isprintable() else uuid.uuid4().hex[:16]
 
 
+class Shutdown:
+    """The gateway's shutdown signal. ``begin(reason)`` (any thread, a signal handler included)
+    starts the grace period; ``over()`` returns when it has ended, for the requests still running.
+    Created inside the app's event loop (the lifespan)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.reason = ""
+        self._loop = asyncio.get_running_loop()
+        self._started = asyncio.Event()
+
+    def begin(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason or "stopped"
+        self._loop.call_soon_threadsafe(self._started.set)
+
+    async def over(self) -> None:
+        await self._started.wait()
+        await asyncio.sleep(self.grace_s)
+
+    def error(self, what: str) -> api.ApiError:
+        return api.error_from_status(
+            "UNAVAILABLE", f"the gateway is shutting down ({self.reason}); this {what} was still "
+                           f"running when its {self.grace_s:g} s grace period for requests in "
+                           f"flight ended and was cancelled")
+
+
 class ApiKeyMiddleware:
     """401 in OpenAI's shape for every HTTP request but GET /health without ``Authorization:
     Bearer <api_key>`` (no check when api_key is ""). Plain ASGI: it leaves ``receive`` alone, so a
@@ -84,6 +114,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.upstream = Upstream(config)
+        app.state.shutdown = Shutdown(config.grace_s)
         try:
             yield
         finally:
@@ -132,10 +163,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model = await up.model_id()
             if not parsed.stream:
                 result = await _unless_disconnected(
-                    request, up.complete(api.complete_request(parsed.request), rid))
+                    request, up.complete(api.complete_request(parsed.request), rid),
+                    request.app.state.shutdown)
                 if result is None:   # the client is gone: nobody to answer
                     return Response(status_code=499)
-                return JSONResponse(api.response(chat, api.new_id(chat), model, result))
+                return JSONResponse(api.response(chat, api.new_id(chat), model, result, parsed.seed))
             stream = up.generate(parsed.request, rid)
             try:
                 first = await stream.__anext__()   # errors before any output keep their HTTP code
@@ -144,7 +176,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 raise
         except UpstreamError as exc:
             raise api.error_from_status(exc.code, exc.message, chat) from None
-        return StreamingResponse(_sse(parsed, stream, first, api.new_id(chat), model),
+        return StreamingResponse(_sse(parsed, stream, first, api.new_id(chat), model,
+                                      request.app.state.shutdown),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -173,36 +206,44 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-async def _unless_disconnected(request: Request, call):
+async def _unless_disconnected(request: Request, call, shutdown: Shutdown):
     """Await ``call`` (a coordinator call), or cancel it when the client disconnects first (which
     cancels the gRPC call). Returns its result, or None when the client went away. The body has
-    been read, so the only message left to receive is ``http.disconnect``."""
+    been read, so the only message left to receive is ``http.disconnect``. Raises the shutdown's
+    503 when the gateway's grace period ends first."""
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
     task = asyncio.ensure_future(call)
     watch = asyncio.ensure_future(disconnected())
+    stop = asyncio.ensure_future(shutdown.over())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
+        stop.cancel()
         if not task.done():
             task.cancel()
     if task in done:
         return task.result()
+    if stop in done:
+        raise shutdown.error("request")
     log.info("client disconnected: generation cancelled")
     return None
 
 
 async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
-               model: str) -> AsyncIterator[bytes]:
+               model: str, shutdown: Shutdown) -> AsyncIterator[bytes]:
     """The SSE body of a streamed generation. Each coordinator message's text delta (never a split
     UTF-8 character) becomes one chunk; then the closing chunk, the usage chunk when asked for, and
     ``data: [DONE]``. The gRPC call is cancelled when this generator ends for any reason, the
-    client's disconnect included (the server cancels the generator then)."""
+    client's disconnect included (the server cancels the generator then). When the gateway's
+    shutdown grace period ends first, one error event naming the shutdown ends the stream."""
     chat = parsed.chat
     created = int(time.time())
+    stop = asyncio.ensure_future(shutdown.over())
+    nxt = None
     try:
         if chat:
             yield _event(api.chunk(chat, rid, created, model, "", role=True))
@@ -213,10 +254,17 @@ async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
                 yield _event(api.chunk(chat, rid, created, model, msg.text))
             if msg.HasField("result"):
                 result = msg.result
-            msg = await anext(stream, None)
+            nxt = asyncio.ensure_future(anext(stream, None))
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                log.info("stream %s cancelled: %s", rid, shutdown.error("stream").message)
+                yield _event(shutdown.error("stream").body())
+                return
+            msg = nxt.result()
         if result is None:
             raise UpstreamError("INTERNAL", "the coordinator's stream ended without a result")
-        yield _event(api.chunk(chat, rid, created, model, None, result=result))
+        yield _event(api.chunk(chat, rid, created, model, None, result=result, seed=parsed.seed))
         if parsed.include_usage:
             yield _event(api.usage_chunk(chat, rid, created, model, result))
         yield b"data: [DONE]\n\n"
@@ -224,4 +272,7 @@ async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
         log.info("stream %s ended by the coordinator: %s", rid, exc)
         yield _event(api.error_from_status(exc.code, exc.message).body())
     finally:
+        stop.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
         stream.cancel()

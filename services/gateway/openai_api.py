@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class Parsed:
     stream: bool = False
     include_usage: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None      # the seed a sampling request used (reported), None when greedy
 
 
 def _is_num(v: Any) -> bool:
@@ -303,6 +305,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
             raise bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {body['top_p']!r}", "top_p")
         req.top_p = top_p
     seed = _integer(body, "seed", 0, 2 ** 64 - 1)
+    if seed is None and req.temperature > 0:
+        # OpenAI's calls without a seed vary; the coordinator's seed 0 is a fixed constant
+        seed = secrets.randbelow(2 ** 64 - 1) + 1
     req.seed = seed or 0
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -330,7 +335,8 @@ def parse_request(body: Any, chat: bool) -> Parsed:
         if not isinstance(ns, str):
             raise bad("draft_namespace must be a string", "draft_namespace")
         req.draft_namespace = ns
-    return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage)
+    return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage,
+                  seed=req.seed if req.temperature > 0 else None)
 
 
 def complete_request(req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.CompleteRequest:
@@ -369,10 +375,12 @@ def usage(result: coordinator_pb2.GenerationResult) -> dict:
 _STAT_FIELDS = [f.name for f in common_pb2.SpecStats.DESCRIPTOR.fields]
 
 
-def extras(result: coordinator_pb2.GenerationResult) -> dict:
-    """The ``echospec`` object: speculation verdict, native finish reason and SpecStats."""
+def extras(result: coordinator_pb2.GenerationResult, seed: int | None = None) -> dict:
+    """The ``echospec`` object: speculation verdict, native finish reason and SpecStats, and the
+    seed of a sampling request (the one it gave, or the one drawn for it)."""
     s = result.stats
-    return {
+    seed_field = {} if seed is None else {"seed": seed}
+    return {**seed_field,
         "spec_enabled": result.spec_enabled,
         "spec_reason": result.spec_reason,
         "finish_reason": common_pb2.FinishReason.Name(result.finish_reason)
@@ -383,7 +391,8 @@ def extras(result: coordinator_pb2.GenerationResult) -> dict:
     }
 
 
-def response(chat: bool, rid: str, model: str, result: coordinator_pb2.GenerationResult) -> dict:
+def response(chat: bool, rid: str, model: str, result: coordinator_pb2.GenerationResult,
+             seed: int | None = None) -> dict:
     """A whole (non-streamed) chat.completion or text_completion."""
     fr = finish_reason(result)
     if chat:
@@ -393,11 +402,12 @@ def response(chat: bool, rid: str, model: str, result: coordinator_pb2.Generatio
         choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": fr}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(result), "echospec": extras(result)}
+            "usage": usage(result), "echospec": extras(result, seed)}
 
 
 def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
-          result: coordinator_pb2.GenerationResult | None = None, role: bool = False) -> dict:
+          result: coordinator_pb2.GenerationResult | None = None, role: bool = False,
+          seed: int | None = None) -> dict:
     """One streamed chunk: a text delta, the opening role delta (chat), or the closing chunk with
     finish_reason and the ``echospec`` object (``result`` given)."""
     fr = finish_reason(result) if result is not None else None
@@ -413,7 +423,7 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created, "model": model, "choices": [choice]}
     if result is not None:
-        out["echospec"] = extras(result)
+        out["echospec"] = extras(result, seed)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import ssl
 import threading
@@ -46,9 +47,28 @@ def _uvicorn_config(config: GatewayConfig) -> uvicorn.Config:
         kw = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
         if config.tls_client_ca:
             kw.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    # uvicorn cancels what still runs timeout_graceful_shutdown after a stop begins (a truncated
+    # response and a traceback): the app ends its own requests at config.grace_s, so give it more
     return uvicorn.Config(create_app(config), log_config=None, access_log=False,
-                          log_level=config.log_level.lower(), timeout_graceful_shutdown=2,
-                          lifespan="on", **kw)
+                          log_level=config.log_level.lower(),
+                          timeout_graceful_shutdown=config.grace_s + 1, lifespan="on", **kw)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that also starts the app's shutdown grace period (app.Shutdown) when it
+    is asked to exit, by a signal or by ``stop``."""
+
+    def begin_shutdown(self, reason: str) -> None:
+        shutdown = getattr(self.config.app.state, "shutdown", None)
+        if shutdown is not None:   # None before the lifespan has started
+            shutdown.begin(reason)
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        shutdown = getattr(self.config.app.state, "shutdown", None)
+        if shutdown is not None:
+            shutdown.begin(signal.Signals(sig).name)
 
 
 class GatewayServer:
@@ -59,7 +79,7 @@ class GatewayServer:
         self.config = config
         self._sock = _bind(config.host, config.port)
         self.port = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(ucfg)
+        self._server = _Server(ucfg)
         self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + ready_timeout_s
@@ -76,9 +96,14 @@ class GatewayServer:
     def _run(self) -> None:
         asyncio.run(self._server.serve(sockets=[self._sock]))
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        """Stop accepting, let requests in progress end for up to grace_s, close the socket."""
-        self._server.should_exit = True
+    def stop(self, grace_s: float = 2.0, reason: str = "") -> None:
+        """Stop accepting, let requests in progress end for up to grace_s, then end the rest with
+        an error naming ``reason`` (e.g. "SIGTERM"; "" says "stopped"); close the socket."""
+        self._server.config.timeout_graceful_shutdown = grace_s + 1
+        shutdown = getattr(self._server.config.app.state, "shutdown", None)
+        if shutdown is not None:
+            shutdown.grace_s = grace_s
+        self._server.begin_shutdown(reason)
         self._thread.join(grace_s + 5)
         if self._thread.is_alive():
             self._server.force_exit = True
@@ -99,6 +124,6 @@ def serve(config: GatewayConfig) -> None:
              "https" if config.tls_cert else "http", config.host, sock.getsockname()[1],
              config.coordinator_target)
     try:
-        uvicorn.Server(ucfg).run(sockets=[sock])
+        _Server(ucfg).run(sockets=[sock])
     finally:
         sock.close()

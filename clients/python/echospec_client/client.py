@@ -184,11 +184,15 @@ class ConnectError(ClientError):
 
     `tls_mismatch` is "" or why the connection likely failed: the server speaks TLS and this
     client plain text, or the other way round (tls_probe.py; then `waited_s` is the time until
-    the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS."""
+    the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS.
+    `cause` is "" or another likely reason found the same way: the server's TLS certificate did
+    not verify, or the port answers HTTP (the HTTP gateway), not gRPC."""
 
     def __init__(self, target: str, waited_s: float, bound: str, tls_mismatch: str = "",
-                 uses_tls: bool = False):
-        if tls_mismatch:
+                 uses_tls: bool = False, cause: str = ""):
+        if cause:
+            message = f"cannot connect to {target}: {cause}"
+        elif tls_mismatch:
             fix = ("connect without TLS (tls=False, no root_certificates)" if uses_tls else
                    "connect with TLS (tls=True, or root_certificates= the CA's PEM for a "
                    "private CA)")
@@ -201,6 +205,7 @@ class ConnectError(ClientError):
         self.bound = bound
         self.tls_mismatch = tls_mismatch
         self.uses_tls = uses_tls
+        self.cause = cause
 
 
 MessageLike = Union[Message, Mapping[str, str]]
@@ -322,6 +327,8 @@ class Client:
                 raise ValueError("certificates were given with tls=False")
             self._channel = grpc.insecure_channel(target, options=opts)
         self.tls = bool(use_tls)
+        self._roots = roots                  # for the diagnosis of a failed connection
+        self._server_name = server_name or None
         self._connected = False
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
@@ -380,11 +387,17 @@ class Client:
         self._connected = True
 
     def _check_tls_mismatch(self, waited_s: float, bound: str) -> None:
-        """Raise ConnectError when the server likely speaks the other protocol (TLS or not)."""
+        """Raise ConnectError when the server likely speaks the other protocol (TLS or not), or
+        its certificate does not verify, or it answers HTTP, not gRPC."""
         from echospec_client import tls_probe
         hint = tls_probe.mismatch(self.target, self.tls, timeout_s=2.0)
         if hint:
             raise ConnectError(self.target, round(waited_s, 3), bound, hint, self.tls)
+        cause = tls_probe.other_cause(self.target, self.tls, self._roots, self._server_name,
+                                      timeout_s=2.0)
+        if cause:
+            raise ConnectError(self.target, round(waited_s, 3), bound, uses_tls=self.tls,
+                               cause=cause)
 
     def _connect_failed(self, wait: float | None, bound: str) -> NoReturn:
         self._check_tls_mismatch(wait or 0.0, bound)
@@ -431,6 +444,7 @@ class Client:
             ConnectError: no connection within the wait.
             ClientError: the call failed (code and details from the server).
         """
+        _check_request_id(request_id)
         req = coordinator_pb2.CompleteRequest()
         _fill(req, prompt, messages, token_ids, sampling)
         left = self._begin(timeout)
@@ -455,6 +469,7 @@ class Client:
             ConnectError, ClientError: as `complete`; a failure mid-stream raises from the
             iteration.
         """
+        _check_request_id(request_id)
         req = coordinator_pb2.GenerateRequest()
         _fill(req, prompt, messages, token_ids, sampling)
         left = self._begin(timeout)
@@ -562,6 +577,22 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     return out
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_request_id(request_id) -> None:
+    """A request_id gRPC metadata can carry (printable ASCII), else TypeError/ValueError before
+    anything is sent (gRPC itself would fail the call with INTERNAL "Invalid metadata")."""
+    if request_id is None:
+        return
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    bad = next((c for c in request_id if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"request_id must be printable ASCII (it is sent as gRPC metadata), "
+                         f"got {request_id!r} (character {bad!r})")
+
+
 def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
     """Set the prompt and sampling fields of a CompleteRequest or GenerateRequest."""
     given = [x is not None for x in (prompt, messages, token_ids)]
@@ -578,12 +609,18 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         req.messages.extend(_messages(messages))
     else:
         req.token_ids.extend(_int_list(token_ids, "token_ids"))
-    stop = sampling.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not all(isinstance(s, str) for s in stop):
+    stop = sampling.get("stop")
+    names = ["stop"] if isinstance(stop, str) else None
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Sequence) or \
+            not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a string or a list of strings")
-    req.stop.extend(_unicode(s, f"stop[{i}]") for i, s in enumerate(stop))
+    names = names or [f"stop[{i}]" for i in range(len(stop))]
+    for name, s in zip(names, stop):
+        if not s:   # the server refuses it too: an empty string would stop before any output
+            raise ValueError(f"{name} is an empty string: a stop string needs at least one "
+                             f"character")
+    req.stop.extend(_unicode(s, name) for name, s in zip(names, stop))
     spec = sampling.get("spec")
     if spec not in _SPEC_MODES:
         raise ValueError(f"spec must be True, False or None, got {spec!r}")
@@ -605,9 +642,13 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{name} must be a number, got {v!r}")
         try:
-            setattr(req, name, float(v))
+            f = float(v)
         except OverflowError:   # an int too large for a float
-            raise ValueError(f"{name} must be a finite number, got {v}") from None
+            f = None
+        if f is None or (math.isfinite(f) and abs(f) > _FLOAT32_MAX):
+            # the field is a float32: protobuf would store inf without a word
+            raise ValueError(f"{name} must be within float32's range (about ±3.4e38), got {v}")
+        setattr(req, name, f)
     for name in ("prediction", "draft_namespace"):
         v = sampling.get(name) or ""
         if not isinstance(v, str):

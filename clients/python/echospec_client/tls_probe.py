@@ -82,3 +82,50 @@ def mismatch(target: str, uses_tls: bool, timeout_s: float = 2.0) -> str:
     if not uses_tls and answer == TLS:
         return f"the server at {target} speaks TLS but this client connects in plain text"
     return ""
+
+
+# what a gRPC client sends first (HTTP/2's connection preface); an HTTP/1 server answers it with
+# an HTTP/1 status line
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_NOT_GRPC = "is it the HTTP gateway's port? The coordinator's gRPC port is another (50051 by default)"
+
+
+def other_cause(target: str, uses_tls: bool, root_pem: bytes | None = None,
+                server_name: str | None = None, timeout_s: float = 2.0) -> str:
+    """"" or why a client that uses the right protocol (TLS or not) still cannot connect, when
+    one more connection can tell: the server's certificate does not verify with ``root_pem``
+    (None: the system's roots) for ``server_name`` (None: the target's host), or the server
+    answers HTTP/1 (HTTPS without h2), not gRPC (the HTTP gateway's port)."""
+    addr = split_target(target)
+    if addr is None:
+        return ""
+    try:
+        sock = socket.create_connection(addr, timeout=timeout_s)
+    except OSError:
+        return ""
+    try:
+        if not uses_tls:
+            sock.sendall(_H2_PREFACE)
+            if sock.recv(16).startswith(b"HTTP/"):
+                return f"the server at {target} answers HTTP/1, not gRPC: {_NOT_GRPC}"
+            return ""
+        ctx = ssl.create_default_context(cadata=root_pem.decode("ascii", "replace")
+                                         if root_pem else None)
+        try:
+            ctx.set_alpn_protocols(["h2"])
+        except NotImplementedError:
+            pass
+        name = server_name or addr[0]
+        try:
+            with ctx.wrap_socket(sock, server_hostname=name) as tls:
+                if tls.selected_alpn_protocol() != "h2":   # every gRPC server agrees to h2
+                    return f"the server at {target} answers HTTPS, not gRPC: {_NOT_GRPC}"
+        except ssl.SSLCertVerificationError as exc:
+            return (f"the TLS certificate of the server at {target} did not verify "
+                    f"({exc.verify_message}) with "
+                    f"{'the given CA' if root_pem else 'the system CAs'} for the name {name!r}")
+        return ""
+    except (OSError, ValueError):   # reset, timed out, an unusable CA (the channel reports it)
+        return ""
+    finally:
+        sock.close()
