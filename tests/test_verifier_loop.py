@@ -303,6 +303,29 @@ def test_prefix_cache_stays_within_its_sessions_and_max_sessions(model_path):
         core.close()
 
 
+def test_a_miss_on_a_full_prefix_cache_reuses_its_oldest_session_blank(model_path):
+    # the entry the returning session would evict anyway lends its engine session (KV pages
+    # already in memory) instead of a new allocation; the output is a cold run's
+    core = make_core(model_path, prefix_cache_sessions=2)
+    cold = make_core(model_path, prefix_cache=False)
+    try:
+        generate(core, [20, 21, 22], 4)
+        s1, n1 = core.acquire([30, 31, 32])       # a miss, the cache not full: a new session
+        core.release(s1, [30, 31])
+        assert n1 == 0 and core.cached_sessions == 2
+        lru = core.prefix_cache._entries[next(iter(core.prefix_cache._entries))][0]
+        s2, n2 = core.acquire([40, 41, 42])       # a miss on a full cache: its oldest, rolled back
+        assert s2 is lru and n2 == 0 and s2.n_past == 0 and core.cached_sessions == 1
+        core.release(s2, None)
+        got = generate(core, [50, 51, 52, 53], 12)
+        assert got[0].cached_prompt_tokens == 0
+        assert tokens_of(got) == tokens_of(generate(cold, [50, 51, 52, 53], 12))
+        assert core.cached_sessions == 2 and core.active_sessions == 0
+    finally:
+        core.close()
+        cold.close()
+
+
 def test_cancel_ends_the_generation_and_keeps_a_consistent_kv(model_path):
     core = make_core(model_path)
     try:

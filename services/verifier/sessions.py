@@ -353,14 +353,20 @@ class VerifierCore:
         """An engine session for a generation of ``prompt``, and how many prompt tokens it already holds.
 
         Takes the prefix cache's session sharing the longest prefix with the
-        prompt and rolls its KV back to that prefix; else allocates a session
-        (evicting idle cached sessions first when max_sessions are open).
+        prompt and rolls its KV back to that prefix; else, when the cache is
+        full (its least recently used entry would be evicted when this
+        generation's session comes back anyway), takes that entry rolled back
+        to 0, whose KV pages are already in memory (a new session's first
+        forward pays their page faults); else allocates a session (evicting
+        idle cached sessions first when max_sessions are open).
         Raises:
             ResourceExhausted: max_sessions in use, or no memory for a KV cache.
         """
         evicted = []
         with self._lock:
             session, n = self.prefix_cache.take(prompt)
+            if session is None and 0 < self.prefix_cache.capacity <= len(self.prefix_cache):
+                session, n = self.prefix_cache.evict_lru(), 0
             if session is None:
                 while (len(self._sessions) + self._gen_active + len(self.prefix_cache)
                        >= self.config.max_sessions):
