@@ -1465,3 +1465,13 @@ def test_cli_says_the_port_answers_http_not_grpc(tiny_stack):
     assert r.returncode == 1, r.stderr
     assert f"the server at {target} answers HTTP/1, not gRPC: is it the HTTP gateway's port?" \
         in r.stderr, r.stderr
+
+
+def test_standalone_coordinator_reports_no_draft_target_it_was_not_given():
+    # was: GetInfo's draft_target said 127.0.0.1:50052, the coordinator's own unused default, while
+    # its verifier used another draft service
+    from echospec.services.common import config as cfg
+
+    assert cfg.load(cfg.CoordinatorConfig, [], environ={}).draft_target == ""
+    assert cfg.load(cfg.CoordinatorConfig, ["--draft-target", "draft:50052"],
+                    environ={}).draft_target == "draft:50052"

@@ -94,7 +94,9 @@ class CoordinatorConfig:
     verifier: tuple = ()
     verifier_poll_s: float = 1.0      # health + load poll of each verifier (seconds)
     verifier_resolve_s: float = 10.0  # DNS re-resolution of dns:/// verifiers (seconds)
-    draft_target: str = f"{LOOPBACK}:50052"
+    # The draft service its verifiers use, as GetInfo reports it ("": not said). The coordinator
+    # itself never calls it: each verifier asks the one of its own --draft-target.
+    draft_target: str = ""
     spec: bool = False           # speculation default when a request leaves it unspecified
     k: int = 4                   # default drafts per round (the most a round drafts)
     adaptive_k: bool = True      # the live cost model picks each round's draft length <= k
