@@ -100,6 +100,20 @@ def _prompt_ids(stub, seed: int, n_words: int, n_vocab: int) -> list[int]:
     return ids or [rng.randrange(3, n_vocab) for _ in range(n_words)]
 
 
+def in_threads(n: int, fn) -> list:
+    """fn(0), ..., fn(n - 1), each on its own thread, all at once; their results in order."""
+    runs: list = [None] * n
+
+    def one(i: int) -> None:
+        runs[i] = fn(i)
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return runs
+
+
 def stream_one(stub, ids: list[int], max_tokens: int) -> dict:
     """One streamed generation: output ids, TTFT, the last token's time, the result's stats."""
     t0 = time.perf_counter()
@@ -138,14 +152,7 @@ def concurrency(path: str, args, batch_max: int) -> dict:
             if n == 1:  # one at a time: every prompt alone, in turn
                 runs = [stream_one(stub, p, args.max_tokens) for p in prompts]
             else:
-                runs = [None] * n
-                def client(i):  # noqa: E306
-                    runs[i] = stream_one(stub, prompts[i], args.max_tokens)
-                ths = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-                for t in ths:
-                    t.start()
-                for t in ths:
-                    t.join()
+                runs = in_threads(n, lambda i: stream_one(stub, prompts[i], args.max_tokens))
             wall = time.perf_counter() - t0
             for i, r in enumerate(runs):
                 alone.setdefault(i, r["ids"])
@@ -183,15 +190,7 @@ def paired(path: str, args) -> dict:
             return [stream_one(stubs[1], p, args.max_tokens) for p in prompts]
 
         def at_once():
-            runs = [None] * n
-            def client(i):  # noqa: E306
-                runs[i] = stream_one(stubs[n], prompts[i], args.max_tokens)
-            ths = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-            for t in ths:
-                t.start()
-            for t in ths:
-                t.join()
-            return runs
+            return in_threads(n, lambda i: stream_one(stubs[n], prompts[i], args.max_tokens))
 
         core = stacks[n].verifier.core
         eng = EngineBatch(core.model, core.config.n_threads, core.config.batch_threads, args.n_ctx)

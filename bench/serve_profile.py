@@ -42,7 +42,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -145,21 +144,14 @@ def main() -> int:
             prompts = [sb._prompt_ids(stub, 100 + i, 24, n_vocab) for i in range(n)]
 
             def at_once(max_tokens: int) -> list:
-                runs: list = [None] * n
-
                 def client(i):
                     ids, msgs = [], 0
                     for m in stub.Generate(cpb.GenerateRequest(token_ids=prompts[i], max_tokens=max_tokens,
                                                                spec=sb.OFF, temperature=0.0), timeout=600):
                         msgs += 1
                         ids.extend(m.token_ids)
-                    runs[i] = (ids, msgs)
-                ths = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-                for t in ths:
-                    t.start()
-                for t in ths:
-                    t.join()
-                return runs
+                    return ids, msgs
+                return sb.in_threads(n, client)
 
             at_once(8)
             for rep in range(args.reps):
