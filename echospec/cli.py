@@ -46,18 +46,28 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+_received: list[int] = []   # the first SIGINT/SIGTERM, once it has arrived
+
+
 def _install_signal_handlers() -> None:
     """SIGINT/SIGTERM raise `Interrupted` once; later signals are ignored, so the cleanup that
     the first one started (stopping services, freeing ports) runs to its end."""
-    raised = []
 
     def handler(signum, frame):  # noqa: ARG001
-        if not raised:
-            raised.append(signum)
+        if not _received:
+            _received.append(signum)
             raise Interrupted(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+def _raise_if_interrupted() -> None:
+    """Raise `Interrupted` for a signal whose exception was lost: Python ignores exceptions raised
+    where it runs callbacks (an import lock's weakref callback, a ``__del__``), so the handler's
+    raise can vanish while startup goes on. A loop that waits calls this to stop anyway."""
+    if _received:
+        raise Interrupted(_received[0])
 
 
 def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
@@ -209,6 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # processes' stderr readers), which does not interrupt this sleep; the handler then runs
         # when it returns
         while True:
+            _raise_if_interrupted()
             time.sleep(0.25)
             # the draft service is optional: a dead one is restarted (a few times) and the
             # verifier decodes plainly meanwhile
