@@ -481,6 +481,22 @@ def test_verifier_refuses_bad_sampling_up_front(tiny_stack, sampling):
         assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 3
 
 
+@pytest.mark.parametrize("field", ["prediction", "digit_tokens", "line_break_tokens"])
+def test_verifier_refuses_token_lists_outside_the_vocabulary(tiny_stack, field):
+    # line_break_tokens was passed on to the draft service unchecked
+    import grpc
+
+    from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        ids = list(range(9)) + [10 ** 9]   # ten ids (digit_tokens needs 0 or 10), the last one bad
+        req = verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3], max_tokens=3, **{field: ids})
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateTokens(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert f"{field}[9] = 1000000000 is outside the vocabulary" in e.value.details()
+
+
 # -- text that is not UTF-8: the light client and `echospec chat` ----------------------------------
 
 @pytest.mark.parametrize("call, name", [

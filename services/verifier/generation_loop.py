@@ -66,8 +66,9 @@ class GenerationRequest:
     k: int = 4
     fixed_k: bool = False
     eager: bool = False               # the draft session has a prediction (see controller.eager)
-    prediction: tuple = ()            # the draft session's prediction and digit tokens (ids checked:
-    digit_tokens: tuple = ()          # the draft service drafts them)
+    prediction: tuple = ()            # the draft session's prediction, digit and line-break tokens
+    digit_tokens: tuple = ()          # (ids checked: the draft service drafts them)
+    line_break_tokens: tuple = ()
 
 
 @dataclass
@@ -95,7 +96,7 @@ def check(core: Any, req: GenerationRequest) -> None:
 
     Raises:
         InvalidArgument: empty prompt, prompt that leaves no room in the
-            context, id outside the vocabulary (prompt, prediction, digit tokens),
+            context, id outside the vocabulary (prompt, prediction, digit and line-break tokens),
             digit tokens other than 0 or 10, max_tokens < 1, k outside
             [1, max_k] on a speculative request.
         FailedPrecondition: speculation asked for a sampling request.
@@ -112,7 +113,8 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise InvalidArgument(f"prompt[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
     if req.max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
-    for name, ids in (("prediction", req.prediction), ("digit_tokens", req.digit_tokens)):
+    for name, ids in (("prediction", req.prediction), ("digit_tokens", req.digit_tokens),
+                      ("line_break_tokens", req.line_break_tokens)):
         for i, t in enumerate(ids):
             if not 0 <= t < n_vocab:
                 raise InvalidArgument(f"{name}[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
