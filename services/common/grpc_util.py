@@ -29,7 +29,7 @@ import weakref
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -283,6 +283,7 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         self.metrics = metrics      # metrics.RpcMetrics or None
         self._lock = threading.Lock()
         self.active = 0
+        self._local: set = set()    # the contexts of in-process calls running (local_stream)
         # set by ServerHandle.stop when the grace period ends: every stream still running ends
         # with UNAVAILABLE and this message at its next message (Shutdown.check in servicers
         # that run long unary calls)
@@ -292,21 +293,13 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self.prefix):
             return handler
-        with self._lock:
-            admitted = self.active < self.limit
-            if admitted:
-                self.active += 1
         kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
                 else "stream_unary" if handler.stream_unary else "stream_stream")
         behavior = getattr(handler, kind)
         method = handler_call_details.method
-        if not admitted:
-            if self.metrics is not None:
-                self.metrics.finished_rpc(method, "RESOURCE_EXHAUSTED", None)
+        release = self._admit(method)
+        if release is None:
             return self._refuse(handler, method)
-        if self.metrics is not None:
-            self.metrics.started(method)
-        release = self._finisher(method, time.monotonic())
         # A call cancelled while its request message is still on its way never runs its handler
         # (grpc drops it), so neither the handler's callback nor its finally gives the slot back.
         # The slot object lives exactly as long as the wrapped handler: when grpc lets go of a
@@ -314,6 +307,50 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         slot = _Slot()
         weakref.finalize(slot, release)
         return handler._replace(**{kind: self._counted(kind, behavior, release, slot)})
+
+    def _admit(self, method: str):
+        """Count a call of ``method`` in: its release function, or None when `limit` calls are
+        already running (recorded as RESOURCE_EXHAUSTED)."""
+        with self._lock:
+            admitted = self.active < self.limit
+            if admitted:
+                self.active += 1
+        if not admitted:
+            if self.metrics is not None:
+                self.metrics.finished_rpc(method, "RESOURCE_EXHAUSTED", None)
+            return None
+        if self.metrics is not None:
+            self.metrics.started(method)
+        return self._finisher(method, time.monotonic())
+
+    def local_stream(self, method: str, behavior, request, context) -> Iterator:
+        """A server-streaming handler called from this process (services/common/inproc.py) under
+        the same rules as a call from the network: admitted or refused with RESOURCE_EXHAUSTED,
+        counted in the metrics and in `active` (a stopping server waits for it), checked against
+        the shutdown message between messages, and ended by `end_local` when the server's grace
+        period is over. ``context`` is inproc's ServicerContext stand-in."""
+        release = self._admit(method)
+        if release is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method}: {self.limit} RPCs already in progress on this server "
+                          f"(max_concurrent_rpcs); retry later")
+        with self._lock:
+            self._local.add(context)
+        if not context.add_callback(lambda: self._forget_local(context)):
+            self._forget_local(context)
+        return self._counted("unary_stream", behavior, release, None)(request, context)
+
+    def _forget_local(self, context) -> None:
+        with self._lock:
+            self._local.discard(context)
+
+    def end_local(self, message: str) -> None:
+        """End every in-process call still running with UNAVAILABLE and ``message`` (what gRPC
+        does to the network's calls when a stopping server's grace period is over)."""
+        with self._lock:
+            live = list(self._local)
+        for context in live:
+            context.end(grpc.StatusCode.UNAVAILABLE, message)
 
     def _finisher(self, method: str, t0: float):
         """release(context, error) once: give the slot back and record the RPC's status code
@@ -551,6 +588,7 @@ class ServerHandle:
                              name=f"{self.name}-drain", daemon=True).start()
         else:
             self.limit.shutdown.message = message
+            self.limit.end_local(message)
             done = self.server.stop(grace_s)
             _stop_log.log(logging.WARNING if in_flight else logging.INFO,
                           "%s service on port %d stopped (%s): %s", self.name, self.port, why,
@@ -572,6 +610,7 @@ class ServerHandle:
         left = self.limit.active
         if left:
             self.limit.shutdown.message = message
+            self.limit.end_local(message)
         stopped.wait()   # grpcio cancels what is left CANCEL_WINDOW_S after the grace period
         _stop_log.log(logging.WARNING if left else logging.INFO,
                       "%s service on port %d stopped (%s): %d call(s) were in flight; %d "

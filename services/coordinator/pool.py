@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
-from echospec.services.common import grpc_util
+from echospec.services.common import grpc_util, inproc
 from echospec.services.coordinator.balancer import Backend, choose
 
 log = logging.getLogger("echospec.coordinator")
@@ -184,8 +184,10 @@ class VerifierPool:
                 e = self._entries.get(addr)
                 if e is None:
                     ch = grpc_util.channel(addr, self._max_message_bytes, self._tls)
+                    # GenerateTokens to a verifier of this process skips the network
+                    stub = inproc.LocalVerifierStub(verifier_pb2_grpc.VerifierServiceStub(ch), addr)
                     e = _Entry(Backend(addr, last_error="not polled yet"), ch,
-                               verifier_pb2_grpc.VerifierServiceStub(ch), health_pb2_grpc.HealthStub(ch),
+                               stub, health_pb2_grpc.HealthStub(ch),
                                tls_mismatch=grpc_util.TlsMismatch(addr, self._tls))
                     self._entries[addr] = e
                     log.info("verifier %s joined (%s)", addr, ", ".join(sorted(srcs)))

@@ -5,7 +5,7 @@ import logging
 import threading
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
-from echospec.services.common import grpc_util
+from echospec.services.common import grpc_util, inproc
 from echospec.services.common.config import VerifierConfig
 from echospec.services.verifier.servicer import VerifierServicer
 from echospec.services.verifier.sessions import VerifierCore
@@ -37,6 +37,7 @@ class VerifierServer:
         """Graceful stop: NOT_SERVING, drain streams (then UNAVAILABLE naming ``reason`` for the
         calls left, grpc_util.ServerHandle.stop), free every session and the model."""
         self._stop.set()
+        inproc.unregister(f"{self.core.config.host}:{self.port}", self.servicer)
         g = self.core.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g, reason).wait()
         self.core.close()
@@ -88,6 +89,8 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
         raise
     servicer.core = core
     handle.set_serving()
+    # a coordinator of this process calls GenerateTokens directly (inproc.py)
+    inproc.register(f"{config.host}:{handle.port}", servicer, handle)
     log.info("verifier listening on %s:%d (model %s, n_ctx %d, T %.2f ms)", config.host,
              handle.port, config.model, config.n_ctx, core.t_ms)
     n_train = core.model.info.n_ctx_train
