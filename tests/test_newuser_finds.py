@@ -1491,3 +1491,26 @@ def test_standalone_coordinator_reports_no_draft_target_it_was_not_given():
     assert cfg.load(cfg.CoordinatorConfig, [], environ={}).draft_target == ""
     assert cfg.load(cfg.CoordinatorConfig, ["--draft-target", "draft:50052"],
                     environ={}).draft_target == "draft:50052"
+
+
+# -- an IPv6 --host ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_stack_on_ipv6_loopback_serves(tiny_model, processes):
+    # was: the services' targets were built as "::1:PORT" (no brackets): the coordinator never
+    # reached its verifier and `echospec serve --host ::1` failed after 180 s
+    import grpc
+
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from echospec.services.coordinator.stack import start_stack
+    st = start_stack(tiny_model(n_ctx_train=512), host="::1", n_ctx=256, n_threads=1,
+                     processes=processes, ready_timeout_s=60, http_port=0, log_level="WARNING")
+    try:
+        assert st.target.startswith("[::1]:") and st.verifier_target.startswith("[::1]:")
+        assert st.http_url.startswith("http://[::1]:")
+        with grpc.insecure_channel(st.target) as ch:
+            res = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(
+                coordinator_pb2.CompleteRequest(text="hi", max_tokens=4), timeout=30)
+        assert len(res.result.token_ids) == 4
+    finally:
+        st.stop(0.5)

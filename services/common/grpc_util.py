@@ -620,6 +620,11 @@ class ServerHandle:
         done.set()
 
 
+def host_port(host: str, port: int) -> str:
+    """"host:port" for a gRPC target or URL, an IPv6 literal in brackets ("[::1]:50051")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
                  service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
                  rpc_metrics=None, tls: Tls | None = None, api_key: str = "") -> ServerHandle:
@@ -664,7 +669,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         _ReflectionServicer(names + (health.SERVICE_NAME, reflection.SERVICE_NAME)), server)
-    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    addr = host_port(host, port)
     try:
         bound = (server.add_secure_port(addr, creds) if creds is not None
                  else server.add_insecure_port(addr))

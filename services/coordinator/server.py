@@ -109,8 +109,8 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         if config.metrics_port >= 0:
             handle.serve_metrics(config.host, config.metrics_port,
                                  [metrics.registry, *extra_registries])
-            log.info("coordinator metrics on http://%s:%d/metrics", config.host,
-                     handle.metrics_port)
+            log.info("coordinator metrics on http://%s/metrics",
+                     grpc_util.host_port(config.host, handle.metrics_port))
         try:
             meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
             tokenizer = Tokenizer(meta)
@@ -131,8 +131,8 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         raise
     handle.set_serving()
     pool.watch(_follow_verifiers(handle))
-    log.info("coordinator listening on %s:%d (model %s, verifiers %s: %s, spec default %s, %s, "
-             "%s)", config.host, handle.port, config.model, " ".join(verifier_targets(config)),
+    log.info("coordinator listening on %s (model %s, verifiers %s: %s, spec default %s, %s, "
+             "%s)", grpc_util.host_port(config.host, handle.port), config.model, " ".join(verifier_targets(config)),
              " ".join(pool.addresses()), "on" if config.spec else "off",
              "TLS" if config.tls_cert else "plain text",
              "API key required" if config.api_key else "no API key")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from echospec.services.common import grpc_util
+from echospec.services.common.grpc_util import host_port
 from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
                                              VerifierConfig)
 from echospec.services.common.lifecycle import PARENT_ENV, STOP_REASON_ENV
@@ -74,20 +75,19 @@ class Stack:
         """The gateway's base URL, e.g. "http://127.0.0.1:8000" ("" without a gateway)."""
         if not self.http_port:
             return ""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{'https' if self.tls else 'http'}://{host}:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://{host_port(self.host, self.http_port)}"
 
     @property
     def target(self) -> str:
-        return f"{self.host}:{self.coordinator_port}"
+        return host_port(self.host, self.coordinator_port)
 
     @property
     def verifier_target(self) -> str:
-        return f"{self.host}:{self.verifier_port}"
+        return host_port(self.host, self.verifier_port)
 
     @property
     def draft_target(self) -> str:
-        return f"{self.host}:{self.draft_port}"
+        return host_port(self.host, self.draft_port)
 
     @property
     def verifier(self) -> Any:
@@ -201,7 +201,8 @@ class Stack:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]   # IPv6 for "::1"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -298,15 +299,15 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
             raise StackError(f"draft service: {exc}") from exc
         stack._servers["draft"] = dhandle
         stack.draft_port = dhandle[0].port
-        vcfg = dataclasses.replace(vcfg, draft_target=f"{dcfg.host}:{stack.draft_port}")
+        vcfg = dataclasses.replace(vcfg, draft_target=host_port(dcfg.host, stack.draft_port))
         try:
             v = vserver.start(vcfg, rpc_metrics)
         except Exception as exc:
             raise StackError(f"verifier: {exc}") from exc
         stack._servers["verifier"] = v
         stack.verifier_port = v.port
-        ccfg = dataclasses.replace(ccfg, verifier_target=f"{vcfg.host}:{v.port}",
-                                   draft_target=f"{dcfg.host}:{stack.draft_port}")
+        ccfg = dataclasses.replace(ccfg, verifier_target=host_port(vcfg.host, v.port),
+                                   draft_target=host_port(dcfg.host, stack.draft_port))
         try:
             c = cserver.start(ccfg, verifier_wait_s=ready_timeout_s, rpc_metrics=rpc_metrics)
         except Exception as exc:
@@ -317,7 +318,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
             stack.metrics_ports["coordinator"] = c.metrics_port
         if gcfg is not None:
             from echospec.services.gateway import server as gserver
-            gcfg = dataclasses.replace(gcfg, coordinator_target=f"{ccfg.host}:{c.port}")
+            gcfg = dataclasses.replace(gcfg, coordinator_target=host_port(ccfg.host, c.port))
             try:
                 g = gserver.start(gcfg)
             except Exception as exc:
@@ -352,10 +353,10 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
     vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host),
-                               draft_target=f"{dcfg.host}:{dcfg.port}")
+                               draft_target=host_port(dcfg.host, dcfg.port))
     ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
-                               verifier_target=f"{vcfg.host}:{vcfg.port}",
-                               draft_target=f"{dcfg.host}:{dcfg.port}",
+                               verifier_target=host_port(vcfg.host, vcfg.port),
+                               draft_target=host_port(dcfg.host, dcfg.port),
                                metrics_port=(_free_port(host) if ccfg.metrics_port == 0
                                              else ccfg.metrics_port))
     stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True, tls=bool(ccfg.tls_cert))
@@ -364,7 +365,7 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
                 ("coordinator", ccfg, "echospec.v1.CoordinatorService")]
     if gcfg is not None:
         gcfg = dataclasses.replace(gcfg, port=gcfg.port or _free_port(host),
-                                   coordinator_target=f"{ccfg.host}:{ccfg.port}")
+                                   coordinator_target=host_port(ccfg.host, ccfg.port))
         services.append(("gateway", gcfg, ""))
     env = dict(os.environ)
     env.pop("ECHOSPEC_API_KEY", None)
@@ -385,7 +386,7 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
                 stack.http_port = cfg.port
                 continue
             tls = grpc_util.Tls(cfg.tls_cert, cfg.tls_key, ca=cfg.tls_ca)
-            _wait_process(name, p, stack._stderr[name], f"{cfg.host}:{cfg.port}", svc,
+            _wait_process(name, p, stack._stderr[name], host_port(cfg.host, cfg.port), svc,
                           ready_timeout_s, tls)
             if cfg.metrics_port >= 0:
                 stack.metrics_ports[name] = cfg.metrics_port
@@ -435,7 +436,8 @@ def _wait_port(name: str, p: subprocess.Popen, tee: _StderrTee, host: str, port:
             return
         except OSError:
             if time.monotonic() >= deadline:
-                raise StackError(f"{name}: not listening on {host}:{port} after {timeout_s:.0f} s")
+                raise StackError(f"{name}: not listening on {host_port(host, port)} after "
+                                 f"{timeout_s:.0f} s")
             time.sleep(0.05)
 
 

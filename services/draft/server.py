@@ -41,11 +41,12 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
         except BaseException:
             handle.server.stop(0)
             raise
-        log.info("draft metrics on http://%s:%d/metrics", config.host, handle.metrics_port)
+        log.info("draft metrics on http://%s/metrics",
+                 grpc_util.host_port(config.host, handle.metrics_port))
     handle.server.start()
     handle.set_serving()
-    log.info("draft service listening on %s:%d (suffix index, shortest match %d; shared memory "
-             "%d tokens x %d namespaces)", config.host, handle.port, config.min_n,
+    log.info("draft service listening on %s (suffix index, shortest match %d; shared memory "
+             "%d tokens x %d namespaces)", grpc_util.host_port(config.host, handle.port), config.min_n,
              config.shared_max_tokens, config.shared_max_namespaces)
     return handle, servicer
 

@@ -37,7 +37,7 @@ class VerifierServer:
         """Graceful stop: NOT_SERVING, drain streams (then UNAVAILABLE naming ``reason`` for the
         calls left, grpc_util.ServerHandle.stop), free every session and the model."""
         self._stop.set()
-        inproc.unregister(f"{self.core.config.host}:{self.port}", self.servicer)
+        inproc.unregister(grpc_util.host_port(self.core.config.host, self.port), self.servicer)
         g = self.core.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g, reason).wait()
         self.core.close()
@@ -79,7 +79,8 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
         except BaseException:
             handle.server.stop(0)
             raise
-        log.info("verifier metrics on http://%s:%d/metrics", config.host, handle.metrics_port)
+        log.info("verifier metrics on http://%s/metrics",
+                 grpc_util.host_port(config.host, handle.metrics_port))
     handle.server.start()
     try:
         core = VerifierCore(config)
@@ -90,9 +91,9 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     servicer.core = core
     handle.set_serving()
     # a coordinator of this process calls GenerateTokens directly (inproc.py)
-    inproc.register(f"{config.host}:{handle.port}", servicer, handle)
-    log.info("verifier listening on %s:%d (model %s, n_ctx %d, T %.2f ms)", config.host,
-             handle.port, config.model, config.n_ctx, core.t_ms)
+    inproc.register(grpc_util.host_port(config.host, handle.port), servicer, handle)
+    log.info("verifier listening on %s (model %s, n_ctx %d, T %.2f ms)",
+             grpc_util.host_port(config.host, handle.port), config.model, config.n_ctx, core.t_ms)
     n_train = core.model.info.n_ctx_train
     if 0 < n_train < config.n_ctx:
         log.warning("n_ctx %d is more than the %d tokens the model was trained for: positions past "
