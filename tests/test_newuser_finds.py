@@ -1514,3 +1514,33 @@ def test_a_stack_on_ipv6_loopback_serves(tiny_model, processes):
         assert len(res.result.token_ids) == 4
     finally:
         st.stop(0.5)
+
+
+# -- one set of chat roles and content shapes on gRPC, the client and HTTP ------------------------
+
+def test_chat_roles_and_text_parts_are_the_same_everywhere(tiny_stack):
+    # were: gRPC took tool but not developer, HTTP developer but not tool; HTTP took content as a
+    # list of text parts, the client (and so `generate --messages`) refused it
+    import httpx
+
+    from echospec_client import Client
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "ok"}, {"role": "tool", "content": "42"}]
+    developer = [{"role": "developer", "content": [{"type": "text", "text": "be "},
+                                                   {"type": "text", "text": "brief"}]}] + system[1:]
+    with Client(tiny_stack.target) as c:
+        a = c.complete(messages=system, max_tokens=6)
+        b = c.complete(messages=developer, max_tokens=6)
+        with pytest.raises(TypeError, match=r"messages\[0\]\.content\[0\] must be a text part"):
+            c.complete(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert a.prompt_tokens == b.prompt_tokens and a.token_ids == b.token_ids
+    for msgs in (system, developer):
+        r = httpx.post(tiny_stack.http_url + "/v1/chat/completions", timeout=60,
+                       json={"messages": msgs, "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == a.prompt_tokens
+        assert r.json()["choices"][0]["message"]["content"] == a.text
+    r = httpx.post(tiny_stack.http_url + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "robot", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 400
+    assert "assistant, developer, system, tool, user" in r.json()["error"]["message"]

@@ -37,7 +37,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from echospec.services.common.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
 
-__all__ = ["ChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE", "VALID_ROLES", "validate_messages"]
+__all__ = ["ChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE", "VALID_ROLES", "ROLE_ALIASES",
+           "validate_messages"]
 
 # The fallback for a GGUF without tokenizer.chat_template: plain ChatML, no default system message.
 # Each message -> "<|im_start|>{role}\n{content}<|im_end|>\n"; generation prompt
@@ -49,7 +50,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-VALID_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+VALID_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
+# roles taken under another name: "developer" is OpenAI's newer name for the system message
+ROLE_ALIASES: dict[str, str] = {"developer": "system"}
 _KEYS = frozenset({"role", "content"})
 
 
@@ -62,14 +65,15 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
 
     Args:
         messages: a non-empty list (or tuple) of mappings, each with exactly the keys ``"role"``
-            (a str in `VALID_ROLES`) and ``"content"`` (a str, may be empty).
+            (a str in `VALID_ROLES`; "developer" becomes "system") and ``"content"`` (a str,
+            may be empty).
 
     Returns:
         A new list of new ``{"role": ..., "content": ...}`` dicts.
 
     Raises:
         ChatTemplateError: the first problem found, naming the message index and field, e.g.
-            ``"messages[1].role: 'robot' is not one of assistant, system, tool, user"``.
+            ``"messages[1].role: 'robot' is not one of assistant, developer, system, tool, user"``.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of message objects, got {type(messages).__name__}")
@@ -95,7 +99,7 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
                                     f"{', '.join(sorted(VALID_ROLES))}")
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
     return out
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
+from echospec.services.common.chat_template import ROLE_ALIASES, VALID_ROLES
 
 
 class ApiError(Exception):
@@ -105,7 +106,8 @@ _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "st
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "response_format"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# the roles gRPC takes (chat_template.VALID_ROLES), under the name the template renders
+_ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
 
 
 @dataclass

@@ -135,7 +135,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Message:
-    """A chat message: role "system", "user" or "assistant", and its content."""
+    """A chat message: role "system" (or "developer", its OpenAI name), "user", "assistant" or
+    "tool", and its content (the server checks the role)."""
 
     role: str
     content: str
@@ -558,6 +559,20 @@ def _unicode(v: str, name: str) -> str:
     return v
 
 
+def _text_parts(v, name: str):
+    """A content given as OpenAI's list of text parts, [{"type": "text", "text": str}, ...], joined
+    into one string (as the HTTP gateway does); anything else is returned for the caller's check."""
+    if not isinstance(v, (list, tuple)):
+        return v
+    parts = []
+    for j, p in enumerate(v):
+        if not (isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            raise TypeError(f"{name}[{j}] must be a text part {{'type': 'text', 'text': str}}; other "
+                            f"content types are not supported, got {p!r}")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
 def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError("messages must be a list of {'role', 'content'} mappings or Message objects")
@@ -569,6 +584,7 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
             role, content = m.get("role"), m.get("content")
         else:
             raise TypeError(f"messages[{i}] must be a mapping or a Message, got {m!r}")
+        content = _text_parts(content, f"messages[{i}].content")
         for key, v in (("role", role), ("content", content)):
             if not isinstance(v, str):
                 raise TypeError(f"messages[{i}].{key} must be a string, got {v!r}")
