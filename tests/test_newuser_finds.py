@@ -1544,3 +1544,20 @@ def test_chat_roles_and_text_parts_are_the_same_everywhere(tiny_stack):
                    json={"messages": [{"role": "robot", "content": "x"}], "max_tokens": 2})
     assert r.status_code == 400
     assert "assistant, developer, system, tool, user" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, message", [
+    # were: "max_tokens must be in [1, 2147483647], got 0" and "k must be in [0, 1048576], got -1",
+    # ranges the server does not have (its own: [1, 8192] and [1, 32])
+    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"max_tokens": 100000}, "max_tokens must be in [1, 8192], got 100000"),
+    ({"max_tokens": 2 ** 40}, "max_tokens must be <= 2147483647 (the largest value the API carries)"),
+    ({"k": -1}, "k must be >= 0, got -1"),
+    ({"k": 33}, "k must be in [1, 32] (0: server default 4), got 33"),
+])
+def test_gateway_range_messages_name_the_real_limits(tiny_stack, body, message):
+    import httpx
+    r = httpx.post(tiny_stack.http_url + "/v1/completions", timeout=30,
+                   json={"prompt": "Hi", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"], r.text

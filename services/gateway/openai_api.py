@@ -146,14 +146,22 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     return float(v)
 
 
-def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None:
+    """An integer field, >= lo and <= hi. With the default hi (the wire's int32 limit) the
+    coordinator applies the server's own upper limit and names it in its message."""
     v = body.get(name)
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool):
         raise bad(f"{name} must be an integer, got {v!r}", name)
-    if not lo <= v <= hi:
-        raise bad(f"{name} must be in [{lo}, {hi}], got {v}", name)
+    if v < lo:
+        raise bad(f"{name} must be >= {lo}, got {v}", name)
+    if v > hi:
+        raise bad(f"{name} must be <= {hi}" + (" (the largest value the API carries)"
+                                              if hi == _INT32_MAX else "") + f", got {v}", name)
     return v
 
 
@@ -295,9 +303,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
                 so.get("include_usage") not in (None, True, False):
             raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
         include_usage = bool(so.get("include_usage"))
-    max_tokens = _integer(body, "max_completion_tokens", 1, 2 ** 31 - 1) if chat else None
+    max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, 2 ** 31 - 1)
+        max_tokens = _integer(body, "max_tokens", 1)
     req.max_tokens = max_tokens or 0
     t = _number(body, "temperature", 0.0, 2.0)
     req.temperature = t or 0.0
@@ -329,8 +337,8 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     if not isinstance(spec, (str, type(None))) or spec not in modes:
         raise bad(f"spec must be \"on\", \"off\" or null (the server's default), got {spec!r}", "spec")
     req.spec = modes[spec]
-    req.k = _integer(body, "k", 0, 1 << 20) or 0
-    req.top_k = _integer(body, "top_k", 0, 2 ** 31 - 1) or 0
+    req.k = _integer(body, "k", 0) or 0
+    req.top_k = _integer(body, "top_k", 0) or 0
     req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
     ns = body.get("draft_namespace")
     if ns is not None:
