@@ -497,6 +497,26 @@ def test_verifier_refuses_token_lists_outside_the_vocabulary(tiny_stack, field):
         assert f"{field}[9] = 1000000000 is outside the vocabulary" in e.value.details()
 
 
+@pytest.mark.parametrize("field, value, message", [
+    # were accepted (the coordinator checks both; the verifier's port is reachable on its own)
+    ("eos_ids", [2, 10 ** 9], "eos_ids holds 1000000000, outside the vocabulary"),
+    ("eos_ids", [-5], "eos_ids holds -5, outside the vocabulary"),
+    ("draft_namespace", "a\x07b", "draft_namespace must be at most 256 printable characters"),
+    ("draft_namespace", "n" * 257, "draft_namespace must be at most 256 printable characters"),
+])
+def test_verifier_refuses_bad_eos_ids_and_namespaces(tiny_stack, field, value, message):
+    import grpc
+
+    from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        req = verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3], max_tokens=3, **{field: value})
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GenerateTokens(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert message in e.value.details()
+
+
 # -- text that is not UTF-8: the light client and `echospec chat` ----------------------------------
 
 @pytest.mark.parametrize("call, name", [

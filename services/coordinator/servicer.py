@@ -39,6 +39,7 @@ from echospec.services.coordinator.clients import GenerationLink, VerifierFailur
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import Delta, GenerationError, GenerationParams, Outcome, generate
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
+from echospec.services.draft.memory import namespace_problem
 
 log = logging.getLogger("echospec.coordinator")
 
@@ -64,9 +65,6 @@ def _request_id(context: grpc.ServicerContext) -> str:
 def _finish_name(reason: int) -> str:
     """echospec.v1.FinishReason value -> "eos", "stop", "length", ... (the proto's own names)."""
     return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-
-
-MAX_NAMESPACE_CHARS = 256
 
 
 def digit_tokens(tokenizer: Any) -> list[int]:
@@ -293,8 +291,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         sampling = common_pb2.SamplingParams(temperature=max(0.0, req.temperature), top_k=req.top_k,
                                              top_p=top_p, min_p=req.min_p, seed=req.seed)
         ns = req.draft_namespace
-        if len(ns) > MAX_NAMESPACE_CHARS or not ns.isprintable():
-            raise _bad(f"draft_namespace must be at most {MAX_NAMESPACE_CHARS} printable characters")
+        if namespace_problem(ns):
+            raise _bad(namespace_problem(ns))
         # the prediction is tokenized like the output: on its own, no BOS; the output (and so
         # the part of a prediction it can follow) fits the context
         if decision.enabled and req.prediction:

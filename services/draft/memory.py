@@ -29,6 +29,16 @@ from collections import OrderedDict, deque
 
 from echospec.services.draft.suffix_index import SuffixAutomaton, SuffixParams
 
+MAX_NAMESPACE_CHARS = 256
+
+
+def namespace_problem(ns: str) -> str:
+    """Why ``ns`` cannot name a namespace ("" when it can): at most MAX_NAMESPACE_CHARS printable
+    characters (the coordinator and the verifier refuse the request with it)."""
+    if len(ns) > MAX_NAMESPACE_CHARS or not ns.isprintable():
+        return f"draft_namespace must be at most {MAX_NAMESPACE_CHARS} printable characters"
+    return ""
+
 WALK_TOKENS = 32  # recent session tokens matched against a shared index per proposal
 
 

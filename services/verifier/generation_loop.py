@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 
 from echospec.services.common.engine import EngineError, sample
 from echospec.services.verifier.controller import CostModel, SpecController
+from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
 from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, Sampling,
                                                  engine_error, longest_accepted_prefix)
@@ -69,6 +70,7 @@ class GenerationRequest:
     prediction: tuple = ()            # the draft session's prediction, digit and line-break tokens
     digit_tokens: tuple = ()          # (ids checked: the draft service drafts them)
     line_break_tokens: tuple = ()
+    draft_namespace: str = ""
 
 
 @dataclass
@@ -96,8 +98,9 @@ def check(core: Any, req: GenerationRequest) -> None:
 
     Raises:
         InvalidArgument: empty prompt, prompt that leaves no room in the
-            context, id outside the vocabulary (prompt, prediction, digit and line-break tokens),
-            digit tokens other than 0 or 10, max_tokens < 1, k outside
+            context, id outside the vocabulary (prompt, prediction, digit and line-break tokens,
+            EOS ids), a draft_namespace the draft service would not take, digit tokens other than
+            0 or 10, max_tokens < 1, k outside
             [1, max_k] on a speculative request.
         FailedPrecondition: speculation asked for a sampling request.
     """
@@ -118,6 +121,11 @@ def check(core: Any, req: GenerationRequest) -> None:
         for i, t in enumerate(ids):
             if not 0 <= t < n_vocab:
                 raise InvalidArgument(f"{name}[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
+    for t in sorted(req.eos_ids):
+        if not 0 <= t < n_vocab:
+            raise InvalidArgument(f"eos_ids holds {t}, outside the vocabulary [0, {n_vocab})")
+    if namespace_problem(req.draft_namespace):
+        raise InvalidArgument(namespace_problem(req.draft_namespace))
     if len(req.digit_tokens) not in (0, 10):
         raise InvalidArgument(f"digit_tokens must hold 0 or 10 ids, got {len(req.digit_tokens)}")
     if req.spec:
