@@ -27,6 +27,10 @@
 #define KV_LOAD_NEON 1
 #endif
 
+#ifndef KV_HUGE_RUN
+#define KV_HUGE_RUN ((size_t)2 << 20)   /* bytes of a (layer, KV head) run from which the cache takes huge pages */
+#endif
+
 #ifndef KV_PF_LOCALITY
 #define KV_PF_LOCALITY 2   /* __builtin_prefetch locality of es_kv_prefetch_block: 2 is T1 (into L2) on x86 */
 #endif
@@ -41,17 +45,23 @@ es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *er
     size_t elems = (size_t)in->n_layer * (size_t)in->n_head_kv * (size_t)kv->n_blk * ES_KV_BLOCK *
                    (size_t)in->head_dim;
     /* Anonymous mappings: zeroed (a block's positions past n_past are read by
-     * the score vectors, their lanes dropped, and zeros keep them finite),
-     * committed only when written, and advised as huge pages (Linux): a
-     * step reads each (layer, KV head) as one run, which then crosses a page
+     * the score vectors, their lanes dropped, and zeros keep them finite) and
+     * committed only when written. A step reads each (layer, KV head) as one
+     * run of n_ctx positions; when a run fills a 2 MiB page or more, the
+     * mapping is advised as huge pages (Linux), so the run crosses a page
      * every 2 MiB instead of every 4 KiB (fewer TLB misses; the hardware
-     * prefetchers stop at page boundaries). */
+     * prefetchers stop at page boundaries). Shorter runs stay on 4 KiB
+     * pages, even where transparent huge pages are on for every mapping: a
+     * 2 MiB page then holds the starts of several runs, and a new session's
+     * first token would make the kernel zero every page of the cache (about
+     * 47 MB for SmolLM2 at n_ctx 2048) where 4 KiB pages zero what is used. */
     kv->map_bytes = elems * sizeof(uint16_t);
+    size_t run_bytes = (size_t)kv->n_blk * ES_KV_BLOCK * (size_t)in->head_dim * sizeof(uint16_t);
     for (int i = 0; i < 2; i++) {
         void *p = mmap(NULL, kv->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) continue;
-#ifdef MADV_HUGEPAGE
-        madvise(p, kv->map_bytes, MADV_HUGEPAGE);
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+        madvise(p, kv->map_bytes, run_bytes >= KV_HUGE_RUN ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
 #endif
         if (i == 0) kv->k = p;
         else kv->v = p;
