@@ -363,6 +363,7 @@ def _int32(text: str) -> int:
 
 
 MAX_TIMEOUT_S = 1e6   # about 11.5 days
+FLOAT32_MAX = 3.4028234663852886e38   # the protocol's temperature, top_p and min_p are float32
 
 
 def _seconds(text: str) -> float:
@@ -401,6 +402,36 @@ def _check_messages(messages) -> None:
                 m[key].encode("utf-8")
             except UnicodeEncodeError:
                 _die(f"messages[{i}].{key} is not valid Unicode (a lone surrogate)", 2)
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """Exit 2 on a sampling or limit flag that no coordinator accepts, before anything connects
+    or a private stack starts: `generate`, `chat` and `bench` check their flags here, so a bad
+    one is reported once with the same message (chat sends one request per line). The ranges are
+    the coordinator's that do not depend on its configuration; the upper bounds of --max-tokens
+    and --k are the server's to check (chat checks --k against the k_max GetInfo reports)."""
+    def bad(flag: str, v, why: str) -> None:
+        _die(f"{flag} {f'{v:g}' if isinstance(v, float) else v}: {why}", 2)
+
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed < 2 ** 64:
+        bad("--seed", seed, "must be in [0, 2^64)")
+    for flag, name, why in (("--max-tokens", "max_tokens", "must be >= 0 (0: the server's default)"),
+                            ("--k", "k", "must be >= 0 (0: the server's default)"),
+                            ("--top-k", "top_k", "must be >= 0 (0: off)")):
+        v = getattr(args, name, 0)
+        if v < 0:
+            bad(flag, v, why)
+    for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--min-p", "min_p")):
+        v = getattr(args, name, None)
+        if v is not None and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+            bad(flag, v, "must be a finite number (within float32's range)")
+    top_p = getattr(args, "top_p", None)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        bad("--top-p", top_p, "must be in (0, 1] (leave it out or 1 for off)")
+    min_p = getattr(args, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        bad("--min-p", min_p, "must be in [0, 1] (0: off)")
 
 
 def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = None,
@@ -505,8 +536,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _die("give exactly one of a prompt argument or --messages FILE", 2)
     if args.prompt == "":
         _die("the prompt text is empty: give some text to continue", 2)
-    if not 0 <= args.seed < 2 ** 64:
-        _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
+    _check_sampling_flags(args)
     messages = _load_messages(args.messages) if args.messages else None
     kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
@@ -643,8 +673,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     verifier's prefix cache supplies the KV of what the previous turns already prefilled."""
     from echospec_client import ClientError
 
-    if not 0 <= args.seed < 2 ** 64:
-        _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
+    _check_sampling_flags(args)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     kw = _gen_kwargs(args, messages=system)
     del kw["messages"]
@@ -659,6 +688,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 info = client.info()
             except ClientError as exc:
                 _client_error(exc, target)
+            if info.k_max and args.k > info.k_max:   # the one server limit GetInfo reports
+                _die(f"--k {args.k}: must be in [0, {info.k_max}] (0: the server's default "
+                     f"{info.k_default})", 2)
             print(f"echospec chat: {target}, model {info.model}; {CHAT_COMMANDS}",
                   file=sys.stderr, flush=True)
             # Ctrl-C stops a reply (or is ignored at the prompt) instead of ending the command
@@ -804,6 +836,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _die(f"--threads {args.threads}: must be >= 0 (0: the usable CPUs less one)", 2)
     if args.repeat < 1:
         _die(f"--repeat {args.repeat}: must be >= 1", 2)
+    _check_sampling_flags(args)
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:

@@ -332,8 +332,29 @@ def test_bench_checks_every_workload_before_running(tmp_path, line, message):
 
 def test_server_refused_arguments_exit_2(server):
     """An argument the server refuses (INVALID_ARGUMENT) is a bad argument: status 2."""
-    r = run([*ECHOSPEC, "generate", "hi", "--max-tokens", "-1", "--target", server["target"]], check=False)
+    # past the server's max_tokens limit (8192 by default): only the server knows its limit
+    r = run([*ECHOSPEC, "generate", "hi", "--max-tokens", "100000", "--target", server["target"]],
+            check=False)
     assert r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr and "max_tokens" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flag", [["--max-tokens", "-1"], ["--top-p", "0"], ["--top-k", "-2"],
+                                  ["--min-p", "1.5"], ["--k", "-1"], ["--temperature", "nan"]])
+def test_chat_checks_its_sampling_flags_at_startup_like_generate(server, flag):
+    # was: chat printed INVALID_ARGUMENT after every line it read, then exited 0
+    gen = run([*ECHOSPEC, "generate", "hi", *flag, "--target", server["target"]], check=False)
+    chat = subprocess.run([*ECHOSPEC, "chat", *flag, "--target", server["target"]],
+                          input="hi\nhello\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert gen.returncode == chat.returncode == 2, (gen.stderr, chat.stderr)
+    message = gen.stderr.strip()
+    assert message.startswith(f"echospec: {flag[0]} ") and message in chat.stderr, chat.stderr
+    assert chat.stdout == "" and "echospec chat:" not in chat.stderr   # nothing was sent
+
+
+def test_chat_k_above_the_servers_k_max_exits_2(server):
+    r = subprocess.run([*ECHOSPEC, "chat", "--k", "99", "--target", server["target"]],
+                       input="hi\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "--k 99: must be in [0, 32]" in r.stderr, r.stderr
 
 
 def test_top_p_zero_is_refused(server):
