@@ -697,11 +697,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             history = list(system)
             last, turns = None, 0
+            # a prompt is for a person at a terminal: piped lines get none (it would land on
+            # stdout between the replies, and the last one would end the output unterminated)
+            interactive = sys.stdin.isatty()
             while True:
                 try:
-                    line = input("you> ")
+                    line = input("you> " if interactive else "")
                 except EOFError:
-                    print(file=sys.stderr)
+                    if interactive:   # Ctrl-D: end the prompt's line
+                        print(file=sys.stderr)
                     return 0
                 except KeyboardInterrupt:
                     print("\n(Ctrl-D or /quit ends the chat)", file=sys.stderr, flush=True)
@@ -921,7 +925,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="in (0, 1]; 1: off (default)")
     p.add_argument("--top-k", type=_int32, default=0, help=">= 0; 0: off (default)")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off (default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed in [0, 2^64) (default 0, a fixed seed like any other: the "
+                        "same request samples the same output; give different seeds for "
+                        "different samples); greedy decoding does not use it")
     p.add_argument("--stop", action="append", type=_utf8, help="stop string (repeatable)")
     p.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds for the connection and the call together (default 600)")

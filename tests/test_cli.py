@@ -357,6 +357,22 @@ def test_chat_k_above_the_servers_k_max_exits_2(server):
     assert r.returncode == 2 and "--k 99: must be in [0, 32]" in r.stderr, r.stderr
 
 
+def test_chat_with_piped_stdin_prints_no_prompt(server):
+    # was: "you> " before each line on stdout, and at EOF the output ended "you> you> " with no
+    # newline; a terminal still gets the prompt (test_chat_three_turns_stats_and_reset)
+    r = subprocess.run([*ECHOSPEC, "chat", "--max-tokens", "3", "--target", server["target"]],
+                       input="hi\nhello\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "you>" not in r.stdout and "you>" not in r.stderr
+    assert r.stdout.endswith("\n") and r.stderr.count("tokens, ") == 2, (r.stdout, r.stderr)
+
+
+def test_generate_help_says_what_seed_does():
+    r = run([*ECHOSPEC, "generate", "--help"])
+    text = " ".join(r.stdout.split())
+    assert "--seed SEED sampling seed in [0, 2^64) (default 0, a fixed seed" in text, r.stdout
+
+
 def test_top_p_zero_is_refused(server):
     from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
     import grpc
