@@ -327,26 +327,28 @@ def _client(args: argparse.Namespace, target: str):
         _die(str(exc), 2)
 
 
-def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
+def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
     """Exit with the message of a echospec_client.ClientError: 2 for INVALID_ARGUMENT (arguments
-    the server refuses are bad arguments too, like argparse's), 1 for everything else."""
+    the server refuses are bad arguments too, like argparse's), 1 for everything else. `what`
+    (e.g. "workload 2/5 'code'") starts the message when the failing call needs naming."""
     import grpc
 
     from echospec_client import ConnectError
 
+    pre = f"{what}: " if what else ""
     if isinstance(exc, ConnectError) and exc.cause:
-        _die(f"cannot connect to {target}: {exc.cause}")
+        _die(f"{pre}cannot connect to {target}: {exc.cause}")
     if isinstance(exc, ConnectError) and exc.tls_mismatch:
         fix = ("drop --tls and --tls-ca" if exc.uses_tls else
                "add --tls (and --tls-ca CA.pem when a private CA signed its certificate)")
-        _die(f"cannot connect to {target}: {exc.tls_mismatch}: {fix}")
+        _die(f"{pre}cannot connect to {target}: {exc.tls_mismatch}: {fix}")
     if isinstance(exc, ConnectError):
         flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
-        _die(f"no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the target "
-             f"is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
+        _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the "
+             f"target is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
              f"coordinator with `echospec serve`")
     code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
-    _die(f"{exc.code.name}: {exc.details}", code)
+    _die(f"{pre}{exc.code.name}: {exc.details}", code)
 
 
 # ---- argument types (argparse exits 2 with the message) ----------------------------
@@ -845,6 +847,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = []
     with _target(args) as target:
         client = _client(args, target)
+        i, w = 0, workloads[0]
         try:
             for i, w in enumerate(workloads, 1):
                 print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
@@ -866,7 +869,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(row, ensure_ascii=False), flush=True)
         except ClientError as exc:
-            _client_error(exc, target)
+            # the run stops at the first failure (a server that is down would fail every later
+            # workload too), with the finished rows shown and the failed workload named
+            if not args.json and rows:
+                _print_table(rows)
+                sys.stdout.flush()
+            _client_error(exc, target, f"workload {i}/{len(workloads)} {w['id']!r} failed "
+                                       f"({len(rows)} finished)")
         finally:
             client.close()
     if not args.json:

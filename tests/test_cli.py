@@ -192,6 +192,29 @@ def test_bench_json_lines(server, tmp_path):
         assert row["off"]["tries"] == 0
 
 
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_bench_failing_workload_is_named_and_finished_rows_are_printed(server, tmp_path, as_json):
+    # was: the run ended with only "echospec: INVALID_ARGUMENT: ..." (no workload named) and the
+    # table of the workloads already finished was never printed
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps(w) for w in [
+        {"id": "first", "max_tokens": 2, "prompt": "a b a b"},
+        {"id": "bad-ns", "max_tokens": 2, "prompt": "x", "draft_namespace": "a\tb"},  # refused
+        {"id": "third", "max_tokens": 2, "prompt": "x"},
+    ]) + "\n")
+    r = run([*ECHOSPEC, "bench", "--workloads", str(wl), "--target", server["target"],
+             "--no-warmup", *(["--json"] if as_json else [])], check=False)
+    assert r.returncode == 2, r.stderr
+    assert "workload 2/3 'bad-ns' failed (1 finished): INVALID_ARGUMENT: draft_namespace" in r.stderr
+    if as_json:
+        rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+        assert [x["id"] for x in rows] == ["first"] and rows[0]["identical"] is True
+    else:
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("workload") and lines[2].startswith("first ")
+        assert "identical: 1/1" in r.stdout and "third" not in r.stdout
+
+
 def test_serve_port_taken(tiny, server):
     r = run([*ECHOSPEC, "serve", "--model", tiny, "--port", str(server["port"])], check=False, timeout=60)
     assert r.returncode != 0 and "already in use" in r.stderr
