@@ -327,26 +327,28 @@ def _client(args: argparse.Namespace, target: str):
         _die(str(exc), 2)
 
 
-def _client_error(exc, target: str) -> "NoReturn":  # noqa: F821
+def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
     """Exit with the message of a echospec_client.ClientError: 2 for INVALID_ARGUMENT (arguments
-    the server refuses are bad arguments too, like argparse's), 1 for everything else."""
+    the server refuses are bad arguments too, like argparse's), 1 for everything else. `what`
+    (e.g. "workload 2/5 'code'") starts the message when the failing call needs naming."""
     import grpc
 
     from echospec_client import ConnectError
 
+    pre = f"{what}: " if what else ""
     if isinstance(exc, ConnectError) and exc.cause:
-        _die(f"cannot connect to {target}: {exc.cause}")
+        _die(f"{pre}cannot connect to {target}: {exc.cause}")
     if isinstance(exc, ConnectError) and exc.tls_mismatch:
         fix = ("drop --tls and --tls-ca" if exc.uses_tls else
                "add --tls (and --tls-ca CA.pem when a private CA signed its certificate)")
-        _die(f"cannot connect to {target}: {exc.tls_mismatch}: {fix}")
+        _die(f"{pre}cannot connect to {target}: {exc.tls_mismatch}: {fix}")
     if isinstance(exc, ConnectError):
         flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
-        _die(f"no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the target "
-             f"is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
+        _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the "
+             f"target is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
              f"coordinator with `echospec serve`")
     code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
-    _die(f"{exc.code.name}: {exc.details}", code)
+    _die(f"{pre}{exc.code.name}: {exc.details}", code)
 
 
 # ---- argument types (argparse exits 2 with the message) ----------------------------
@@ -363,6 +365,7 @@ def _int32(text: str) -> int:
 
 
 MAX_TIMEOUT_S = 1e6   # about 11.5 days
+FLOAT32_MAX = 3.4028234663852886e38   # the protocol's temperature, top_p and min_p are float32
 
 
 def _seconds(text: str) -> float:
@@ -401,6 +404,36 @@ def _check_messages(messages) -> None:
                 m[key].encode("utf-8")
             except UnicodeEncodeError:
                 _die(f"messages[{i}].{key} is not valid Unicode (a lone surrogate)", 2)
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """Exit 2 on a sampling or limit flag that no coordinator accepts, before anything connects
+    or a private stack starts: `generate`, `chat` and `bench` check their flags here, so a bad
+    one is reported once with the same message (chat sends one request per line). The ranges are
+    the coordinator's that do not depend on its configuration; the upper bounds of --max-tokens
+    and --k are the server's to check (chat checks --k against the k_max GetInfo reports)."""
+    def bad(flag: str, v, why: str) -> None:
+        _die(f"{flag} {f'{v:g}' if isinstance(v, float) else v}: {why}", 2)
+
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed < 2 ** 64:
+        bad("--seed", seed, "must be in [0, 2^64)")
+    for flag, name, why in (("--max-tokens", "max_tokens", "must be >= 0 (0: the server's default)"),
+                            ("--k", "k", "must be >= 0 (0: the server's default)"),
+                            ("--top-k", "top_k", "must be >= 0 (0: off)")):
+        v = getattr(args, name, 0)
+        if v < 0:
+            bad(flag, v, why)
+    for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--min-p", "min_p")):
+        v = getattr(args, name, None)
+        if v is not None and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+            bad(flag, v, "must be a finite number (within float32's range)")
+    top_p = getattr(args, "top_p", None)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        bad("--top-p", top_p, "must be in (0, 1] (leave it out or 1 for off)")
+    min_p = getattr(args, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        bad("--min-p", min_p, "must be in [0, 1] (0: off)")
 
 
 def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = None,
@@ -505,8 +538,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _die("give exactly one of a prompt argument or --messages FILE", 2)
     if args.prompt == "":
         _die("the prompt text is empty: give some text to continue", 2)
-    if not 0 <= args.seed < 2 ** 64:
-        _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
+    _check_sampling_flags(args)
     messages = _load_messages(args.messages) if args.messages else None
     kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
     with _target(args) as target:
@@ -643,8 +675,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     verifier's prefix cache supplies the KV of what the previous turns already prefilled."""
     from echospec_client import ClientError
 
-    if not 0 <= args.seed < 2 ** 64:
-        _die(f"--seed {args.seed}: must be in [0, 2^64)", 2)
+    _check_sampling_flags(args)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     kw = _gen_kwargs(args, messages=system)
     del kw["messages"]
@@ -659,17 +690,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 info = client.info()
             except ClientError as exc:
                 _client_error(exc, target)
+            if info.k_max and args.k > info.k_max:   # the one server limit GetInfo reports
+                _die(f"--k {args.k}: must be in [0, {info.k_max}] (0: the server's default "
+                     f"{info.k_default})", 2)
             print(f"echospec chat: {target}, model {info.model}; {CHAT_COMMANDS}",
                   file=sys.stderr, flush=True)
             # Ctrl-C stops a reply (or is ignored at the prompt) instead of ending the command
             signal.signal(signal.SIGINT, signal.default_int_handler)
             history = list(system)
             last, turns = None, 0
+            # a prompt is for a person at a terminal: piped lines get none (it would land on
+            # stdout between the replies, and the last one would end the output unterminated)
+            interactive = sys.stdin.isatty()
             while True:
                 try:
-                    line = input("you> ")
+                    line = input("you> " if interactive else "")
                 except EOFError:
-                    print(file=sys.stderr)
+                    if interactive:   # Ctrl-D: end the prompt's line
+                        print(file=sys.stderr)
                     return 0
                 except KeyboardInterrupt:
                     print("\n(Ctrl-D or /quit ends the chat)", file=sys.stderr, flush=True)
@@ -804,10 +842,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _die(f"--threads {args.threads}: must be >= 0 (0: the usable CPUs less one)", 2)
     if args.repeat < 1:
         _die(f"--repeat {args.repeat}: must be >= 1", 2)
+    _check_sampling_flags(args)
     workloads = _load_workloads(args.workloads)
     rows = []
     with _target(args) as target:
         client = _client(args, target)
+        i, w = 0, workloads[0]
         try:
             for i, w in enumerate(workloads, 1):
                 print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
@@ -829,7 +869,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(row, ensure_ascii=False), flush=True)
         except ClientError as exc:
-            _client_error(exc, target)
+            # the run stops at the first failure (a server that is down would fail every later
+            # workload too), with the finished rows shown and the failed workload named
+            if not args.json and rows:
+                _print_table(rows)
+                sys.stdout.flush()
+            _client_error(exc, target, f"workload {i}/{len(workloads)} {w['id']!r} failed "
+                                       f"({len(rows)} finished)")
         finally:
             client.close()
     if not args.json:
@@ -888,7 +934,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="in (0, 1]; 1: off (default)")
     p.add_argument("--top-k", type=_int32, default=0, help=">= 0; 0: off (default)")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off (default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed in [0, 2^64) (default 0, a fixed seed like any other: the "
+                        "same request samples the same output; give different seeds for "
+                        "different samples); greedy decoding does not use it")
     p.add_argument("--stop", action="append", type=_utf8, help="stop string (repeatable)")
     p.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds for the connection and the call together (default 600)")

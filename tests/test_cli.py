@@ -192,6 +192,29 @@ def test_bench_json_lines(server, tmp_path):
         assert row["off"]["tries"] == 0
 
 
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_bench_failing_workload_is_named_and_finished_rows_are_printed(server, tmp_path, as_json):
+    # was: the run ended with only "echospec: INVALID_ARGUMENT: ..." (no workload named) and the
+    # table of the workloads already finished was never printed
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps(w) for w in [
+        {"id": "first", "max_tokens": 2, "prompt": "a b a b"},
+        {"id": "bad-ns", "max_tokens": 2, "prompt": "x", "draft_namespace": "a\tb"},  # refused
+        {"id": "third", "max_tokens": 2, "prompt": "x"},
+    ]) + "\n")
+    r = run([*ECHOSPEC, "bench", "--workloads", str(wl), "--target", server["target"],
+             "--no-warmup", *(["--json"] if as_json else [])], check=False)
+    assert r.returncode == 2, r.stderr
+    assert "workload 2/3 'bad-ns' failed (1 finished): INVALID_ARGUMENT: draft_namespace" in r.stderr
+    if as_json:
+        rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+        assert [x["id"] for x in rows] == ["first"] and rows[0]["identical"] is True
+    else:
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("workload") and lines[2].startswith("first ")
+        assert "identical: 1/1" in r.stdout and "third" not in r.stdout
+
+
 def test_serve_port_taken(tiny, server):
     r = run([*ECHOSPEC, "serve", "--model", tiny, "--port", str(server["port"])], check=False, timeout=60)
     assert r.returncode != 0 and "already in use" in r.stderr
@@ -332,8 +355,45 @@ def test_bench_checks_every_workload_before_running(tmp_path, line, message):
 
 def test_server_refused_arguments_exit_2(server):
     """An argument the server refuses (INVALID_ARGUMENT) is a bad argument: status 2."""
-    r = run([*ECHOSPEC, "generate", "hi", "--max-tokens", "-1", "--target", server["target"]], check=False)
+    # past the server's max_tokens limit (8192 by default): only the server knows its limit
+    r = run([*ECHOSPEC, "generate", "hi", "--max-tokens", "100000", "--target", server["target"]],
+            check=False)
     assert r.returncode == 2 and "INVALID_ARGUMENT" in r.stderr and "max_tokens" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flag", [["--max-tokens", "-1"], ["--top-p", "0"], ["--top-k", "-2"],
+                                  ["--min-p", "1.5"], ["--k", "-1"], ["--temperature", "nan"]])
+def test_chat_checks_its_sampling_flags_at_startup_like_generate(server, flag):
+    # was: chat printed INVALID_ARGUMENT after every line it read, then exited 0
+    gen = run([*ECHOSPEC, "generate", "hi", *flag, "--target", server["target"]], check=False)
+    chat = subprocess.run([*ECHOSPEC, "chat", *flag, "--target", server["target"]],
+                          input="hi\nhello\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert gen.returncode == chat.returncode == 2, (gen.stderr, chat.stderr)
+    message = gen.stderr.strip()
+    assert message.startswith(f"echospec: {flag[0]} ") and message in chat.stderr, chat.stderr
+    assert chat.stdout == "" and "echospec chat:" not in chat.stderr   # nothing was sent
+
+
+def test_chat_k_above_the_servers_k_max_exits_2(server):
+    r = subprocess.run([*ECHOSPEC, "chat", "--k", "99", "--target", server["target"]],
+                       input="hi\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "--k 99: must be in [0, 32]" in r.stderr, r.stderr
+
+
+def test_chat_with_piped_stdin_prints_no_prompt(server):
+    # was: "you> " before each line on stdout, and at EOF the output ended "you> you> " with no
+    # newline; a terminal still gets the prompt (test_chat_three_turns_stats_and_reset)
+    r = subprocess.run([*ECHOSPEC, "chat", "--max-tokens", "3", "--target", server["target"]],
+                       input="hi\nhello\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "you>" not in r.stdout and "you>" not in r.stderr
+    assert r.stdout.endswith("\n") and r.stderr.count("tokens, ") == 2, (r.stdout, r.stderr)
+
+
+def test_generate_help_says_what_seed_does():
+    r = run([*ECHOSPEC, "generate", "--help"])
+    text = " ".join(r.stdout.split())
+    assert "--seed SEED sampling seed in [0, 2^64) (default 0, a fixed seed" in text, r.stdout
 
 
 def test_top_p_zero_is_refused(server):

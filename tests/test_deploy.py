@@ -412,6 +412,49 @@ def test_readme_documents_every_compose_variable():
     assert not missing, f"variables not documented in deploy/README.md: {missing}"
 
 
+def _env_table_settings() -> list[str]:
+    """The variables of deploy/README.md's "Set these in deploy/.env" table (its first column)."""
+    readme = (DEPLOY / "README.md").read_text()
+    start = readme.index("Set these in `deploy/.env`")
+    rows = re.findall(r"^\|(.*?)\|", readme[start:].split("\n\n", 2)[1], re.M)
+    names = [n for cell in rows for n in re.findall(r"`(ECHOSPEC_[A-Z0-9_]+)`", cell)]
+    assert len(names) > 20, f"the .env table was not found: {names}"
+    return names
+
+
+def test_every_documented_env_setting_reaches_compose():
+    """A setting the README tells users to put in deploy/.env is read by docker-compose.yml
+    (was: ECHOSPEC_SHARED_MAX_TOKENS and ECHOSPEC_SHARED_MAX_NAMESPACES were listed but never
+    passed to the draft service, so setting them did nothing)."""
+    compose = (DEPLOY / "docker-compose.yml").read_text()
+    used = set(re.findall(r"\$\{(ECHOSPEC_[A-Z0-9_]+)", compose))
+    missing = [n for n in _env_table_settings() if n not in used]
+    assert not missing, f"documented in deploy/README.md's .env table, unused by compose: {missing}"
+
+
+def test_passed_through_settings_keep_the_services_defaults(config: dict):
+    from echospec.services.common import config as cfg
+
+    env = {name: config["services"][name]["environment"] for name in ("draft", "verifier")}
+    assert env["draft"]["ECHOSPEC_SHARED_MAX_TOKENS"] == str(cfg.DraftConfig.shared_max_tokens)
+    assert env["draft"]["ECHOSPEC_SHARED_MAX_NAMESPACES"] == str(cfg.DraftConfig.shared_max_namespaces)
+    assert env["verifier"]["ECHOSPEC_BATCH_THREADS"] == str(cfg.VerifierConfig.batch_threads)
+
+
+def test_readme_says_what_compose_publishes(config: dict):
+    """deploy/README.md's service table names each published port: the draft's and verifier's
+    /metrics too (was: "no"), and ECHOSPEC_TAG counts the four images (was: "three")."""
+    readme = (DEPLOY / "README.md").read_text()
+    table = {m.group(1): m.group(2) for m in re.finditer(
+        r"^\| `([a-z-]+)`\s*\| `echospec-[a-z]+`\s*\|[^|]*\|([^|]*)\|", readme, re.M)}
+    for name in SERVICES:
+        for p in config["services"][name].get("ports", []):
+            assert f"127.0.0.1:{p['published']}" in table[name], (name, table[name])
+    images = {s["image"].split(":")[0] for s in config["services"].values()}
+    tag_row = next(line for line in readme.splitlines() if line.startswith("| `ECHOSPEC_TAG`"))
+    assert "four images" in tag_row and len(images) == 4
+
+
 def test_compose_variables_are_service_config_fields(config: dict):
     """Every ECHOSPEC_* a service gets is a field of its config dataclass (no silent typo)."""
     import dataclasses

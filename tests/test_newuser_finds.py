@@ -36,6 +36,21 @@ def _assert_openai_error(r, status: int, param):
 
 # -- gateway: JSON that parses but cannot become a request --------------------------------------
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_body_too_large_is_413_with_a_code(chunked):
+    # was: {"error": {..., "code": null}} while every 400 carries one
+    app = gapp.create_app(GatewayConfig(coordinator_target="127.0.0.1:1", max_body_bytes=64))
+    body = b'{"prompt": "' + b"x" * 100 + b'"}'
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", content=iter([body]) if chunked else body,
+                   headers={"Content-Type": "application/json"})
+        ok = _post(c, "/v1/completions", '{"prompt": ')   # a 400 (not JSON), for its code
+    err = _assert_openai_error(r, 413, None)
+    assert err["message"] == "request body larger than 64 bytes"
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == _assert_openai_error(ok, 400, None)["code"] == "invalid_argument"
+
+
 @pytest.mark.parametrize("path,raw,param", [
     ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
     ("/v1/completions", '{"prompt": ["\\udfff"], "max_tokens": 2}', "prompt[0]"),

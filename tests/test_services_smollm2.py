@@ -111,3 +111,25 @@ def test_eight_concurrent_clients_at_batch_max_8_equal_sequential(smollm2_path):
     finally:
         ch.close()
         st.stop()
+
+
+def test_readme_grpcurl_prediction_example_prints_what_it_says(stub):
+    """The README's grpcurl prediction example, sent as written: the reply is the prediction and
+    the stats hold the accepted_prediction_tokens count the README quotes, under grpcurl's
+    snake_case name (was: the README said "acceptedPredictionTokens" while the example's output
+    left the prediction, 0 accepted and rejected_prediction_tokens 3)."""
+    import re
+
+    from google.protobuf import json_format
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## grpcurl", 1)[1].split("```", 2)[1]
+    cmd = next(line for line in block.splitlines() if '"prediction"' in line)
+    req = json_format.Parse(re.search(r"-d '(.*?)'", cmd).group(1), cpb.CompleteRequest())
+    quoted = re.search(r'"accepted_prediction_tokens": "(\d+)"', block)
+    assert quoted, "the README no longer quotes the count"
+    r = stub.Complete(req, timeout=120).result
+    assert r.text == req.prediction and r.spec_enabled
+    printed = json.loads(json_format.MessageToJson(r, preserving_proto_field_name=True))  # grpcurl's form
+    assert printed["stats"]["accepted_prediction_tokens"] == quoted.group(1)
+    assert "rejected_prediction_tokens" not in printed["stats"]

@@ -143,13 +143,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def upstream(request: Request) -> Upstream:
         return request.app.state.upstream
 
+    def too_large() -> api.ApiError:
+        # the request as sent is refused, like the 400s the gateway and the coordinator give
+        # (INVALID_ARGUMENT): the same code, not a retryable one
+        return api.ApiError(413, f"request body larger than {config.max_body_bytes} bytes",
+                            code="invalid_argument")
+
     async def body_of(request: Request):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            raise api.ApiError(413, f"request body larger than {config.max_body_bytes} bytes")
+            raise too_large()
         raw = await request.body()
         if len(raw) > config.max_body_bytes:
-            raise api.ApiError(413, f"request body larger than {config.max_body_bytes} bytes")
+            raise too_large()
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
