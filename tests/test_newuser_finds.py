@@ -1596,3 +1596,38 @@ def test_gateway_range_messages_name_the_real_limits(tiny_stack, body, message):
                    json={"prompt": "Hi", "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"], r.text
+
+
+def test_a_full_verifier_is_named_busy_not_unhealthy(tiny_model):
+    # was: "... no healthy verifier (known: 127.0.0.1:P (excluded))" for a healthy, full verifier
+    import grpc
+
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from echospec.services.coordinator.stack import start_stack
+    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, max_sessions=1,
+                     max_tokens=2000, log_level="WARNING")
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            held = stub.Generate(coordinator_pb2.GenerateRequest(text="a", max_tokens=2000), timeout=60)
+            next(held)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(coordinator_pb2.CompleteRequest(text="b", max_tokens=2), timeout=30)
+            held.cancel()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        details = e.value.details()
+        assert "no healthy verifier" not in details and "(excluded)" not in details, details
+        assert ("already tried for this request" in details or "busy" in details), details
+        assert "verifier: verifier" not in details, details
+    finally:
+        st.stop(0.5)
+
+
+def test_a_verifier_failure_names_the_verifier_once():
+    # was: "verifier: verifier 127.0.0.1:P failed after 51 message(s) ..."
+    import grpc
+
+    from echospec.services.coordinator.clients import VerifierFailure
+    mid = "verifier 127.0.0.1:9 failed after 51 message(s) of this generation had arrived"
+    assert str(VerifierFailure(grpc.StatusCode.UNAVAILABLE, mid)) == mid
+    assert str(VerifierFailure(grpc.StatusCode.INVALID_ARGUMENT, "bad k")) == "verifier: bad k"

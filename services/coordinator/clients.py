@@ -21,7 +21,8 @@ class VerifierFailure(Exception):
     """The verifier refused or failed a request: ``code`` is the grpc.StatusCode."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"verifier: {details}")
+        # "verifier: " names the source, unless the details already start by naming the verifier
+        super().__init__(details if details.startswith("verifier ") else f"verifier: {details}")
         self.code = code
         self.details = details
 

@@ -50,6 +50,20 @@ class NoVerifier(Exception):
     """No healthy verifier can take the generation (the message lists why each is out)."""
 
 
+def _why_not(e: "_Entry", tried: bool) -> str:
+    """Why a known verifier was not chosen, for NoVerifier's message."""
+    b = e.backend
+    if b.last_error:
+        return b.last_error
+    if tried:
+        return "already tried for this request"
+    if e.removed:
+        return "no longer listed"
+    if e.config is None or not b.healthy:
+        return "not ready"
+    return f"healthy, busy ({b.estimated_active}/{b.max_sessions} sessions)"
+
+
 def _join(host: str, port: int) -> str:
     try:
         if ipaddress.ip_address(host).version == 6:
@@ -307,9 +321,10 @@ class VerifierPool:
             entries = {a: e for a, e in self._entries.items() if not e.removed and e.config is not None}
             b = choose([e.backend for e in entries.values()], namespace, exclude)
             if b is None:
-                known = ", ".join(f"{a} ({e.backend.last_error or 'excluded'})"
+                skip = set(exclude)
+                known = ", ".join(f"{a} ({_why_not(e, a in skip)})"
                                   for a, e in sorted(self._entries.items())) or "none"
-                raise NoVerifier(f"no healthy verifier (known: {known})")
+                raise NoVerifier(f"no verifier can take this generation (known: {known})")
             e = entries[b.address]
             b.in_flight += 1
             b.served += 1
