@@ -331,9 +331,7 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         period is over. ``context`` is inproc's ServicerContext stand-in."""
         release = self._admit(method)
         if release is None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{method}: {self.limit} RPCs already in progress on this server "
-                          f"(max_concurrent_rpcs); retry later")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._refusal(method))
         with self._lock:
             self._local.add(context)
         if not context.add_callback(lambda: self._forget_local(context)):
@@ -399,10 +397,12 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
                 release(context, error)
         return unary
 
+    def _refusal(self, method: str) -> str:
+        return (f"{method}: {self.limit} RPCs already in progress on this server "
+                f"(max_concurrent_rpcs); retry later")
+
     def _refuse(self, handler, method: str):
-        return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"{method}: {self.limit} RPCs already in progress on this server "
-                         f"(max_concurrent_rpcs); retry later")
+        return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, self._refusal(method))
 
 
 def status_name(context: grpc.ServicerContext, error: bool = False) -> str:

@@ -22,7 +22,6 @@ report (active sessions, free KV): those figures described a verifier that no lo
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -64,19 +63,10 @@ def _why_not(e: "_Entry", tried: bool) -> str:
     return f"healthy, busy ({b.estimated_active}/{b.max_sessions} sessions)"
 
 
-def _join(host: str, port: int) -> str:
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            return f"[{host}]:{port}"
-    except ValueError:
-        pass
-    return f"{host}:{port}"
-
-
 def system_resolver(host: str, port: int) -> list[str]:
     """Every address ``host`` resolves to (getaddrinfo, TCP), as sorted unique "ip:port"."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({_join(info[4][0], port) for info in infos})
+    return sorted({grpc_util.host_port(info[4][0], port) for info in infos})
 
 
 def parse_target(target: str) -> tuple[str, str, int]:
