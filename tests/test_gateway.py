@@ -237,6 +237,9 @@ def test_unreachable_coordinator_is_503_and_deadline_504(stack):
         with pytest.raises(openai.InternalServerError) as ei:
             c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
         assert ei.value.status_code == 503
+        # says what it means before gRPC's list of addresses and socket errors
+        assert (f"the gateway cannot reach the coordinator at 127.0.0.1:{dead} ("
+                in ei.value.body["message"]), ei.value.body
         assert httpx.get(f"http://127.0.0.1:{down.port}/health").status_code == 503
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{slow.port}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as ei:

@@ -27,18 +27,25 @@ class UpstreamError(Exception):
         self.message = message
 
 
-def _error(exc: grpc.aio.AioRpcError) -> UpstreamError:
+_NO_CONNECTION = ("failed to connect", "Connection refused", "DNS resolution failed")
+
+
+def _error(exc: grpc.aio.AioRpcError, target: str) -> UpstreamError:
     code = exc.code()
-    return UpstreamError(code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN",
-                         exc.details() or "")
+    details = exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NO_CONNECTION):
+        # gRPC's own text lists addresses and socket errors; say first what it means
+        details = f"the gateway cannot reach the coordinator at {target} ({details})"
+    return UpstreamError(code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN", details)
 
 
 class GenerationStream:
     """One Generate call: iterate for GenerateResponse messages; ``cancel()`` ends the call on the
     coordinator (which cancels the verifier's generation and frees its session)."""
 
-    def __init__(self, call):
+    def __init__(self, call, target: str):
         self._call = call
+        self._target = target
         self._it = call.__aiter__()
 
     def __aiter__(self) -> "GenerationStream":
@@ -48,7 +55,7 @@ class GenerationStream:
         try:
             return await self._it.__anext__()
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc) from None
+            raise _error(exc, self._target) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -90,13 +97,14 @@ class Upstream:
             resp = await self.stub.Complete(req, timeout=self.config.request_timeout_s,
                                             metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc) from None
+            raise _error(exc, self.config.coordinator_target) from None
         return resp.result
 
     def generate(self, req: coordinator_pb2.GenerateRequest, request_id: str) -> GenerationStream:
         """Start a Generate call (deadline config.request_timeout_s); iterate the result."""
         return GenerationStream(self.stub.Generate(req, timeout=self.config.request_timeout_s,
-                                                   metadata=self._metadata(request_id)))
+                                                   metadata=self._metadata(request_id)),
+                                self.config.coordinator_target)
 
     async def model_id(self) -> str:
         """config.model_name, else the stem of the coordinator's GGUF file name (GetInfo, once;
@@ -109,7 +117,7 @@ class Upstream:
                 self._info = await self.stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10,
                                                      metadata=self._metadata("models"))
             except grpc.aio.AioRpcError as exc:
-                raise _error(exc) from None
+                raise _error(exc, self.config.coordinator_target) from None
         return Path(self._info.model).stem or "echospec"
 
     async def health(self) -> str:
@@ -119,5 +127,5 @@ class Upstream:
             r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
                                              timeout=5)
         except grpc.aio.AioRpcError as exc:
-            return _error(exc).code
+            return _error(exc, self.config.coordinator_target).code
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
