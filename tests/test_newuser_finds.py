@@ -1631,3 +1631,34 @@ def test_a_verifier_failure_names_the_verifier_once():
     mid = "verifier 127.0.0.1:9 failed after 51 message(s) of this generation had arrived"
     assert str(VerifierFailure(grpc.StatusCode.UNAVAILABLE, mid)) == mid
     assert str(VerifierFailure(grpc.StatusCode.INVALID_ARGUMENT, "bad k")) == "verifier: bad k"
+
+
+@pytest.mark.parametrize("ending", ["length", "stop"])
+def test_in_process_generate_tokens_is_counted_with_its_status(tiny_stack, ending):
+    # was: every in-process GenerateTokens counted CANCELLED on the verifier's /metrics: the
+    # coordinator stopped reading at the last token, before the verifier's handler returned
+    import re
+    import urllib.request
+
+    from echospec_client import Client
+
+    def counts() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{tiny_stack.metrics_ports['coordinator']}/metrics",
+                                      timeout=10).read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'echospec_rpc_finished_total\{code="(\w+)",method="/echospec\.v1\.VerifierService/'
+            r'GenerateTokens"\} (\S+)', text)}
+
+    with Client(tiny_stack.target) as c:
+        text = c.complete("count with me", max_tokens=40).text
+        before = counts()
+        if ending == "length":
+            r = c.complete("count with me", max_tokens=5)
+            assert r.finish_reason == "length"
+        else:   # a stop string: the coordinator cancels the verifier's generation
+            r = c.complete("count with me", max_tokens=40, stop=[text[4:8]])
+            assert r.finish_reason == "stop"
+        after = counts()
+    want = "OK" if ending == "length" else "CANCELLED"
+    assert after.get(want, 0) == before.get(want, 0) + 1, (before, after)
+    assert sum(after.values()) == sum(before.values()) + 1, (before, after)

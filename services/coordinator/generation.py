@@ -144,7 +144,8 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
     out = _Output(tokenizer, params.stop, params.max_tokens)
     spec, reason = params.spec, params.spec_reason
     first = True
-    for msg in link.events():
+    events = link.events()
+    for msg in events:
         if msg.spec_reason:
             reason = msg.spec_reason
         if first:
@@ -168,6 +169,13 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
             yield d
         if out.finish:
             break
+    if out.finish in (FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT):
+        # the verifier stops at the same EOS ids, max_tokens and context: one more read lets its
+        # call end by itself, with status OK (an in-process call ends only when read to its end)
+        try:
+            next(events, None)
+        except Exception:  # noqa: BLE001 - the output is complete; a failure after it changes nothing
+            pass
     link.cancel()   # a no-op after the verifier ended the stream; stops it after a stop string
     if not out.finish:
         raise GenerationError("the verifier ended the generation without EOS, max_tokens or a full context")
