@@ -391,19 +391,32 @@ def _utf8(text: str) -> str:
 
 
 def _check_messages(messages) -> None:
-    """Exit 2 with the position of the first message that is not {"role": str, "content": str}."""
+    """Exit 2 with the position of the first message that is not {"role": str, "content": ...},
+    the content a string or OpenAI's list of text parts [{"type": "text", "text": str}, ...]."""
     if not isinstance(messages, list):
         _die(f"chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             _die(f"messages[{i}] must be a JSON object, got {m!r}", 2)
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                _die(f"messages[{i}].{key} must be a string, got {m.get(key)!r}", 2)
+        content = m.get("content")
+        texts = {f"messages[{i}].role": m.get("role")}
+        if isinstance(content, list):
+            for j, p in enumerate(content):
+                if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                    _die(f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", "
+                         f"\"text\": ...}}; other content types are not supported, got {p!r}", 2)
+                texts[f"messages[{i}].content[{j}].text"] = p["text"]
+        elif not isinstance(content, str):
+            _die(f"messages[{i}].content must be a string or a list of text parts, got {content!r}", 2)
+        else:
+            texts[f"messages[{i}].content"] = content
+        for name, v in texts.items():
+            if not isinstance(v, str):
+                _die(f"{name} must be a string, got {v!r}", 2)
             try:
-                m[key].encode("utf-8")
+                v.encode("utf-8")
             except UnicodeEncodeError:
-                _die(f"messages[{i}].{key} is not valid Unicode (a lone surrogate)", 2)
+                _die(f"{name} is not valid Unicode (a lone surrogate)", 2)
 
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:
@@ -411,7 +424,7 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
     or a private stack starts: `generate`, `chat` and `bench` check their flags here, so a bad
     one is reported once with the same message (chat sends one request per line). The ranges are
     the coordinator's that do not depend on its configuration; the upper bounds of --max-tokens
-    and --k are the server's to check (chat checks --k against the k_max GetInfo reports)."""
+    and --k are the server's to check (chat checks them against the limits GetInfo reports)."""
     def bad(flag: str, v, why: str) -> None:
         _die(f"{flag} {f'{v:g}' if isinstance(v, float) else v}: {why}", 2)
 
@@ -690,9 +703,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 info = client.info()
             except ClientError as exc:
                 _client_error(exc, target)
-            if info.k_max and args.k > info.k_max:   # the one server limit GetInfo reports
+            # the server's limits GetInfo reports, with the server's words for them
+            if info.k_max and args.k > info.k_max:
                 _die(f"--k {args.k}: must be in [0, {info.k_max}] (0: the server's default "
                      f"{info.k_default})", 2)
+            if info.max_tokens_limit and args.max_tokens > info.max_tokens_limit:
+                _die(f"--max-tokens {args.max_tokens}: max_tokens must be in "
+                     f"[1, {info.max_tokens_limit}]", 2)
             print(f"echospec chat: {target}, model {info.model}; {CHAT_COMMANDS}",
                   file=sys.stderr, flush=True)
             # Ctrl-C stops a reply (or is ignored at the prompt) instead of ending the command

@@ -380,6 +380,42 @@ def test_chat_k_above_the_servers_k_max_exits_2(server):
     assert r.returncode == 2 and "--k 99: must be in [0, 32]" in r.stderr, r.stderr
 
 
+def test_chat_max_tokens_above_the_servers_limit_exits_2(server):
+    # was: every turn failed with INVALID_ARGUMENT and the chat exited 0 (GetInfo now reports
+    # max_tokens_limit)
+    r = subprocess.run([*ECHOSPEC, "chat", "--max-tokens", "999999", "--target", server["target"]],
+                       input="hi\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "--max-tokens 999999: max_tokens must be in [1, 8192]" in r.stderr, r.stderr
+
+
+def test_generate_messages_takes_text_parts(server, tmp_path):
+    # was: "messages[1].content must be a string, got [{'type': 'text', ...}]" though the client
+    # and the gateway take OpenAI's text parts
+    parts = tmp_path / "parts.json"
+    parts.write_text(json.dumps([{"role": "developer", "content": "Be brief."}, {
+        "role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Say hi"}]))
+    a, b = (run([*ECHOSPEC, "generate", "--messages", str(f), "--max-tokens", "6", "--json",
+                 "--target", server["target"]]) for f in (parts, plain))
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]))
+    r = run([*ECHOSPEC, "generate", "--messages", str(bad), "--target", server["target"]], check=False)
+    assert r.returncode == 2 and "messages[0].content[0] must be a text part" in r.stderr, r.stderr
+
+
+def test_an_ipv6_target_without_brackets_is_refused_at_once():
+    # was: a 10 s wait, then "no coordinator reachable at ::1:51051"
+    t0 = time.monotonic()
+    r = run([*ECHOSPEC, "tokenize", "hi", "--target", "::1:51051"], check=False)
+    assert r.returncode == 2, r.stderr
+    assert "an IPv6 address with a port goes in brackets, e.g. [::1]:51051" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 8
+
+
 def test_chat_with_piped_stdin_prints_no_prompt(server):
     # was: "you> " before each line on stdout, and at EOF the output ended "you> you> " with no
     # newline; a terminal still gets the prompt (test_chat_three_turns_stats_and_reset)

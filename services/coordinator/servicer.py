@@ -494,6 +494,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             last_error=b.last_error) for b in self.pool.backends()]
         return coordinator_pb2.GetInfoResponse(
             model=model_name(cfg.model), spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
-            max_tokens_default=cfg.max_tokens,
+            max_tokens_default=cfg.max_tokens, max_tokens_limit=cfg.max_tokens_limit,
             verifier_target=",".join(s.address for s in statuses),
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses)

@@ -86,11 +86,11 @@ class GatewayServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"gateway did not start on {config.host}:{self.port}")
+                raise RuntimeError(f"gateway did not start on {grpc_util.host_port(config.host, self.port)}")
             time.sleep(0.01)
         scheme = "https" if config.tls_cert else "http"
-        log.info("gateway listening on %s://%s:%d (coordinator %s, %s)", scheme, config.host,
-                 self.port, config.coordinator_target,
+        log.info("gateway listening on %s://%s (coordinator %s, %s)", scheme,
+                 grpc_util.host_port(config.host, self.port), config.coordinator_target,
                  "API key required" if config.api_key else "no API key")
 
     def _run(self) -> None:
@@ -120,9 +120,9 @@ def serve(config: GatewayConfig) -> None:
     """Run in the main thread until SIGINT/SIGTERM (uvicorn's handlers), then stop gracefully."""
     ucfg = _uvicorn_config(config)
     sock = _bind(config.host, config.port)
-    log.info("gateway listening on %s://%s:%d (coordinator %s)",
-             "https" if config.tls_cert else "http", config.host, sock.getsockname()[1],
-             config.coordinator_target)
+    log.info("gateway listening on %s://%s (coordinator %s, %s)",
+             "https" if config.tls_cert else "http", grpc_util.host_port(config.host, sock.getsockname()[1]),
+             config.coordinator_target, "API key required" if config.api_key else "no API key")
     try:
         _Server(ucfg).run(sockets=[sock])
     finally:

@@ -13,6 +13,7 @@ these methods raise TypeError or ValueError before anything is sent.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import os
@@ -154,6 +155,7 @@ class Info:
     max_tokens_default: int
     n_ctx: int
     n_vocab: int
+    max_tokens_limit: int = 0   # the largest max_tokens a request may ask (0: not reported)
 
 
 class ClientError(Exception):
@@ -252,8 +254,15 @@ def _check_target_port(target: str) -> None:
         port = target[host_end + 2:]
     else:
         host, sep, port = target.rpartition(":")
-        if not sep or ":" in host:
+        if not sep:
             return
+        if ":" in host:   # an IPv6 address: a port after it needs the address in brackets
+            try:
+                ipaddress.ip_address(target)
+                return    # a bare IPv6 address: gRPC's default port
+            except ValueError:
+                raise ValueError(f"target {target!r}: an IPv6 address with a port goes in brackets, "
+                                 f"e.g. [{host}]:{port}") from None
     if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"target {target!r}: the port {port!r} is not a number in [1, 65535]; "
                          f"the target is host:port, e.g. 127.0.0.1:50051 or [::1]:50051")
@@ -519,7 +528,7 @@ class Client:
         r = self._unary("GetInfo", coordinator_pb2.GetInfoRequest(), timeout)
         return Info(model=r.model, spec_default=r.spec_default, k_default=r.k_default,
                     k_max=r.k_max, max_tokens_default=r.max_tokens_default, n_ctx=r.n_ctx,
-                    n_vocab=r.n_vocab)
+                    n_vocab=r.n_vocab, max_tokens_limit=r.max_tokens_limit)
 
     def _unary(self, rpc: str, request, timeout: float | None):
         left = self._begin(timeout)
