@@ -391,32 +391,16 @@ def _utf8(text: str) -> str:
 
 
 def _check_messages(messages) -> None:
-    """Exit 2 with the position of the first message that is not {"role": str, "content": ...},
-    the content a string or OpenAI's list of text parts [{"type": "text", "text": str}, ...]."""
+    """Exit 2 naming the first message the client would refuse (a role and a content: a string or
+    OpenAI's list of text parts)."""
+    from echospec_client.client import check_messages
+
     if not isinstance(messages, list):
         _die(f"chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            _die(f"messages[{i}] must be a JSON object, got {m!r}", 2)
-        content = m.get("content")
-        texts = {f"messages[{i}].role": m.get("role")}
-        if isinstance(content, list):
-            for j, p in enumerate(content):
-                if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                    _die(f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", "
-                         f"\"text\": ...}}; other content types are not supported, got {p!r}", 2)
-                texts[f"messages[{i}].content[{j}].text"] = p["text"]
-        elif not isinstance(content, str):
-            _die(f"messages[{i}].content must be a string or a list of text parts, got {content!r}", 2)
-        else:
-            texts[f"messages[{i}].content"] = content
-        for name, v in texts.items():
-            if not isinstance(v, str):
-                _die(f"{name} must be a string, got {v!r}", 2)
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                _die(f"{name} is not valid Unicode (a lone surrogate)", 2)
+    try:
+        check_messages(messages)
+    except (TypeError, ValueError) as exc:
+        _die(str(exc), 2)
 
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:

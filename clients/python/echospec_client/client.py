@@ -582,6 +582,12 @@ def _text_parts(v, name: str):
     return "".join(parts)
 
 
+def check_messages(messages) -> None:
+    """Raise what `Client.chat` and `Client.complete` raise for ``messages`` before sending
+    anything: TypeError or ValueError naming the first bad message and field."""
+    _messages(messages)
+
+
 def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError("messages must be a list of {'role', 'content'} mappings or Message objects")
