@@ -13,6 +13,7 @@ metrics, the shutdown message and the end of the grace period).
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -151,7 +152,6 @@ class LocalCall:
 
 
 def _exhausted(gen: Any) -> bool:
-    import inspect
     return inspect.getgeneratorstate(gen) == inspect.GEN_CLOSED
 
 
