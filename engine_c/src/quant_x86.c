@@ -597,13 +597,14 @@ int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_bloc
  *   Q8_0        |w| x sign(x, w) with maddubs (at most 2 * 128 * 127 =
  *               32512), widened by a madd per chunk
  * all exact. Then the contract's float steps run on the 8 rows and add to
- * the row's accumulator, blocks in order (the sequential contract). The
- * halves run one after the other over a segment of PSEG records, so the
- * second re-reads it from L1; the accumulators carry over between segments
- * in memory (exact). The first tile of a group prefetches the weight stream
+ * the row's accumulator, blocks in order (the sequential contract). A group
+ * of 16 rows takes both halves at once (prows2: one broadcast of each
+ * activation dword for 16 weight rows); a last group of 8 rows or fewer
+ * runs one half (prows) over segments of PSEG records, the accumulators
+ * carried over between segments in memory (exact). The first tile of a group prefetches the weight stream
  * into L2 like the AVX-512 kernel (same distance; not measured separately). */
 
-#define PTILE 6    /* most activation rows per tile (16 ymm: per row an int sum and an accumulator) */
+#define PTILE 5    /* most activation rows per tile (16 ymm: prows2 keeps two int sums per row) */
 #define PSEG 64    /* records per segment: 18 KB (Q4_0) to 34 KB (Q8_0) */
 #ifndef ES_PF_BYTES
 #define ES_PF_BYTES 8192
@@ -617,6 +618,42 @@ static inline ES_AI __m256i bcast32(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* The float steps of the contract for half h of the record at p: the rows'
+ * exact int sums S (Q8_0: int32; Q4_0, Q4_1: int16 pairs; Q5: int16 pairs
+ * of the second run, I5 the first run's int32) times the scales, added to
+ * the rows' acc. */
+static inline ES_AI void pepi(const int nt, const int type, const uint8_t *p, int h, const uint8_t *const *xr,
+                              int jj, const __m256i *S, const __m256i *I5, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int q5 = type == ES_TYPE_Q5_0 || type == ES_TYPE_Q5_1;
+    const size_t dof = type == ES_TYPE_Q8_0 ? 512 : q5 ? ES_PK_Q5_D : 256;
+    const __m256 a = f16x8(p + dof + 16 * h);
+    UNROLL
+    for (int n = 0; n < nt; n++) {
+        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, dq [jj] at their offsets from it */
+        float d, dq, fq;
+        int32_t qsum;
+        memcpy(&d, b + offsetof(es_q8_group, d), 4);
+        __m256i I = type == ES_TYPE_Q8_0 ? S[n] : _mm256_madd_epi16(S[n], ones);
+        if (q5) I = _mm256_add_epi32(I5[n], I);
+        if (type == ES_TYPE_Q4_0 || type == ES_TYPE_Q5_0) {
+            memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
+            I = _mm256_sub_epi32(I, _mm256_set1_epi32((type == ES_TYPE_Q5_0 ? 16 : 8) * qsum));
+        }
+        const __m256 dx = _mm256_set1_ps(d);
+        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
+        if (type == ES_TYPE_Q4_1) {
+            memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
+            c = _mm256_add_ps(c, _mm256_mul_ps(f16x8(p + 288 + 16 * h), _mm256_set1_ps(dq)));
+        }
+        if (type == ES_TYPE_Q5_1) {
+            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(f16x8(p + ES_PK_Q5_M + 16 * h), dx), _mm256_set1_ps(fq)));
+        }
+        acc[n] = _mm256_add_ps(acc[n], c);
+    }
 }
 
 /* Half h of the record at p (block jj of the activation groups xr[n]) into
@@ -667,32 +704,7 @@ static inline ES_AI void prows(const int nt, const int type, const uint8_t *p, i
             }
         }
     }
-    const size_t dof = type == ES_TYPE_Q8_0 ? 512 : q5 ? ES_PK_Q5_D : 256;
-    const __m256 a = f16x8(p + dof + 16 * h);
-    UNROLL
-    for (int n = 0; n < nt; n++) {
-        const uint8_t *b = xr[n] + 4 * jj;   /* qs[4 jj]; d, qsum, dq [jj] at their offsets from it */
-        float d, dq, fq;
-        int32_t qsum;
-        memcpy(&d, b + offsetof(es_q8_group, d), 4);
-        __m256i I = type == ES_TYPE_Q8_0 ? S[n] : _mm256_madd_epi16(S[n], ones);
-        if (q5) I = _mm256_add_epi32(I5[n], I);
-        if (type == ES_TYPE_Q4_0 || type == ES_TYPE_Q5_0) {
-            memcpy(&qsum, b + offsetof(es_q8_group, qsum), 4);
-            I = _mm256_sub_epi32(I, _mm256_set1_epi32((type == ES_TYPE_Q5_0 ? 16 : 8) * qsum));
-        }
-        const __m256 dx = _mm256_set1_ps(d);
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
-        if (type == ES_TYPE_Q4_1) {
-            memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
-            c = _mm256_add_ps(c, _mm256_mul_ps(f16x8(p + 288 + 16 * h), _mm256_set1_ps(dq)));
-        }
-        if (type == ES_TYPE_Q5_1) {
-            memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
-            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(f16x8(p + ES_PK_Q5_M + 16 * h), dx), _mm256_set1_ps(fq)));
-        }
-        acc[n] = _mm256_add_ps(acc[n], c);
-    }
+    pepi(nt, type, p, h, xr, jj, S, I5, acc);
 }
 
 /* Half h of records [s0, s1) (s0 a multiple of 16) into acc; pf: prefetch. */
@@ -709,6 +721,85 @@ static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *
             if (pf)
                 for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
             prows(nt, type, p, h, xr, jj, acc);
+        }
+    }
+}
+
+/* Both halves of the record at p into the nt rows' acc0 (rows 0..7 of the
+ * record) and acc1 (rows 8..15): as prows, but each activation dword is
+ * broadcast once for the 16 weight rows (per chunk and row one broadcast
+ * and two products instead of two of each). Per row two int sums stay in
+ * registers (10 ymm for 5 rows); Q5's first-run sums and the float
+ * accumulators are touched once per record and may live in memory. */
+static inline ES_AI void prows2(const int nt, const int type, const uint8_t *p, const uint8_t *const *xr, int jj,
+                                __m256 *acc0, __m256 *acc1) {
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+    const int q5 = type == ES_TYPE_Q5_0 || type == ES_TYPE_Q5_1;
+    __m256i S0[PTILE], S1[PTILE];
+    __m256i I0[PTILE], I1[PTILE];   /* Q5: the first run's int32 sums (left to memory) */
+    UNROLL
+    for (int k = 0; k < 8; k++) {
+        __m256i w0, w1, ws0 = _mm256_setzero_si256(), ws1 = _mm256_setzero_si256();
+        if (type == ES_TYPE_Q8_0) {
+            ws0 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * k));
+            ws1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * k + 32));
+            w0 = _mm256_abs_epi8(ws0);
+            w1 = _mm256_abs_epi8(ws1);
+        } else {
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * (k % 4)));
+            __m256i v1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + 64 * (k % 4) + 32));
+            w0 = _mm256_and_si256(k < 4 ? v0 : _mm256_srli_epi16(v0, 4), m4);
+            w1 = _mm256_and_si256(k < 4 ? v1 : _mm256_srli_epi16(v1, 4), m4);
+            if (q5) {   /* bit k of each byte of qh to bit 4 */
+                const __m256i b4 = _mm256_set1_epi8(0x10);
+                __m256i h0 = _mm256_loadu_si256((const __m256i *)(const void *)(p + ES_PK_Q5_QH));
+                __m256i h1 = _mm256_loadu_si256((const __m256i *)(const void *)(p + ES_PK_Q5_QH + 32));
+                h0 = k <= 4 ? _mm256_slli_epi32(h0, 4 - k) : _mm256_srli_epi32(h0, k - 4);
+                h1 = k <= 4 ? _mm256_slli_epi32(h1, 4 - k) : _mm256_srli_epi32(h1, k - 4);
+                w0 = _mm256_or_si256(w0, _mm256_and_si256(h0, b4));
+                w1 = _mm256_or_si256(w1, _mm256_and_si256(h1, b4));
+            }
+        }
+        UNROLL
+        for (int n = 0; n < nt; n++) {
+            __m256i bx = bcast32(xr[n] + 4 * jj + 64 * k);
+            if (type == ES_TYPE_Q8_0) {
+                __m256i t0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(bx, ws0)), ones);
+                __m256i t1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(bx, ws1)), ones);
+                S0[n] = k == 0 ? t0 : _mm256_add_epi32(S0[n], t0);
+                S1[n] = k == 0 ? t1 : _mm256_add_epi32(S1[n], t1);
+            } else {
+                __m256i t0 = _mm256_maddubs_epi16(w0, bx), t1 = _mm256_maddubs_epi16(w1, bx);
+                S0[n] = k == 0 || (q5 && k == 4) ? t0 : _mm256_add_epi16(S0[n], t0);
+                S1[n] = k == 0 || (q5 && k == 4) ? t1 : _mm256_add_epi16(S1[n], t1);
+            }
+            __asm__("" : "+x"(S0[n]), "+x"(S1[n]));   /* keeps the adds in this order (see prows) */
+            if (q5 && k == 3) {
+                I0[n] = _mm256_madd_epi16(S0[n], ones);
+                I1[n] = _mm256_madd_epi16(S1[n], ones);
+            }
+        }
+    }
+    pepi(nt, type, p, 0, xr, jj, S0, I0, acc0);
+    pepi(nt, type, p, 1, xr, jj, S1, I1, acc1);
+}
+
+/* Records [0, nb) of both halves into acc0, acc1 (zeroed here); pf: prefetch. */
+static inline ES_AI void pboth_run(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
+                                   size_t xs, __m256 *acc0, __m256 *acc1, int pf) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    UNROLL
+    for (int n = 0; n < nt; n++) acc0[n] = acc1[n] = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < nb; j0 += ES_GROUP_BLOCKS) {
+        const uint8_t *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(j0 / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
+        int nj = nb - j0 < ES_GROUP_BLOCKS ? (int)(nb - j0) : ES_GROUP_BLOCKS;
+        const uint8_t *p = g + (size_t)j0 * rec;
+        for (int jj = 0; jj < nj; jj++, p += rec) {
+            if (pf)
+                for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+            prows2(nt, type, p, xr, jj, acc0, acc1);
         }
     }
 }
@@ -878,16 +969,20 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
     const int kt = type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K;
     const int64_t seg = kt ? PSEG_K : PSEG;
-    for (int64_t s0 = 0; s0 < nb; s0 += seg) {
-        int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
-        for (int h = 0; h < nh; h++) {
-            __m256 acc[PTILE];
-            UNROLL
-            for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
-            if (kt) khalf_run(nt <= KTILE ? nt : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
-            else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
-            UNROLL
-            for (int n = 0; n < nt; n++) part[h][n] = acc[n];
+    if (nh == 2 && !kt) {   /* both halves in one pass: prows2 */
+        pboth_run(nt, type, g, nb, x, xs, part[0], part[1], pf);
+    } else {
+        for (int64_t s0 = 0; s0 < nb; s0 += seg) {
+            int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
+            for (int h = 0; h < nh; h++) {
+                __m256 acc[PTILE];
+                UNROLL
+                for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
+                if (kt) khalf_run(nt <= KTILE ? nt : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+                else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+                UNROLL
+                for (int n = 0; n < nt; n++) part[h][n] = acc[n];
+            }
         }
     }
     for (int h = 0; h < nh; h++) {

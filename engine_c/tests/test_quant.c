@@ -666,13 +666,15 @@ TEST(test_matmul_k_n_1_to_33) {
     es_pool_free(pools[1]);
 }
 
-TEST(test_matmul_q5_n_1_to_33) {
-    /* the packed Q5_0 / Q5_1 kernels: every N from 1 to 33, the 576-wide rows
-       of SmolLM2 (18 blocks: a group and a 2-block tail), rows ending in a
-       partial 16-row group, 150 blocks (segments of 64 records) */
+TEST(test_matmul_blocks_n_1_to_33) {
+    /* the packed kernels of the 32-element block types: every N from 1 to 33
+       (register tiles and their splits), the 576-wide rows of SmolLM2 (18
+       blocks: a group and a 2-block tail), rows ending in a partial 16-row
+       group (37: a last group of 5 rows, one half) or in full groups (16:
+       both halves at once), 150 blocks (segments of 64 records) */
     es_pool *pools[3] = {es_pool_new(2), es_pool_new(3), NULL};
-    const uint32_t ts[2] = {ES_TYPE_Q5_0, ES_TYPE_Q5_1};
-    for (int ti = 0; ti < 2; ti++) {
+    const uint32_t ts[5] = {ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0, ES_TYPE_Q5_1, ES_TYPE_Q8_0};
+    for (int ti = 0; ti < 5; ti++) {
         for (int N = 1; N <= 33; N++) check_shape(ts[ti], N % 2 ? 576 : 512, N % 3 ? 37 : 16, N, N % 4 ? NULL : pools);
         check_shape(ts[ti], 32 * 150, 21, 5, pools);
     }
@@ -799,7 +801,7 @@ int main(void) {
     RUN(test_matmul_all_types);
     RUN(test_matmul_n_1_to_17);
     RUN(test_matmul_k_n_1_to_33);
-    RUN(test_matmul_q5_n_1_to_33);
+    RUN(test_matmul_blocks_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
     RUN(test_matmul_many_pre_k);
