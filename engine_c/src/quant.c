@@ -724,18 +724,43 @@ typedef struct {
     int64_t n_chunks;
     const es_mm_epi *epi;   /* es_matmul_many_epi: each chunk then its epilogue; joint:
                                chunk c is rows [c * m[0].chunk, ...) of every matrix */
-    _Atomic int64_t next;   /* next chunk to take */
+    int nth;                /* threads of the dispatch: regions of rg */
+    struct {
+        _Atomic uint64_t lohi;   /* the chunks [lo, hi) a thread has left: lo | hi << 32 */
+        char pad[56];
+    } rg[ES_MAX_THREADS];
 } mm_task;
 
+/* The next chunk for thread ith: the front of its own region, else the
+ * back of another's (-1 when none is left). */
+static int64_t mm_take(mm_task *t, int ith) {
+    for (int d = 0; d < t->nth; d++) {
+        _Atomic uint64_t *r = &t->rg[(ith + d) % t->nth].lohi;
+        uint64_t v = atomic_load_explicit(r, memory_order_relaxed);
+        for (;;) {
+            uint64_t lo = v & 0xFFFFFFFFu, hi = v >> 32;
+            if (lo >= hi) break;
+            uint64_t nv = d == 0 ? v + 1 : (hi - 1) << 32 | lo;
+            if (atomic_compare_exchange_weak_explicit(r, &v, nv, memory_order_relaxed, memory_order_relaxed))
+                return d == 0 ? (int64_t)lo : (int64_t)(hi - 1);
+        }
+    }
+    return -1;
+}
+
 /* Output rows are cut into contiguous chunks (about 8 per thread and
- * matrix) that the threads take in turn from an atomic counter, so a thread
- * that was preempted (or runs on a slower core) does fewer of them. Which
- * thread computes a row never changes its value. */
+ * matrix). Each thread owns a contiguous region of them and takes its
+ * chunks in order, so its weight stream runs on from one chunk to the next
+ * and the prefetches ahead of a chunk serve its next one; a thread whose
+ * region is done takes chunks from the back of another's, so a thread that
+ * was preempted (or runs on a slower core) does fewer of them. Which thread
+ * computes a row never changes its value. */
 static void mm_worker(void *ctx, int ith, int nth) {
     mm_task *t = ctx;
+    (void)nth;
     for (;;) {
-        int64_t c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
-        if (c >= t->n_chunks) break;
+        int64_t c = mm_take(t, ith);
+        if (c < 0) break;
         if (t->epi && t->epi->joint) {   /* rows [r0, r1) of every matrix, then the epilogue on them */
             int64_t r0 = c * t->m[0].chunk;
             int64_t r1 = r0 + t->m[0].chunk < t->m[0].n_out ? r0 + t->m[0].chunk : t->m[0].n_out;
@@ -848,10 +873,9 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         }
     }
     mm_task t;
-    memset(&t, 0, sizeof t);
+    memset(&t, 0, offsetof(mm_task, rg));   /* rg: set below for the threads of the dispatch */
     t.n_in = W[0]->ne[0];
     t.N = N;
-    atomic_init(&t.next, 0);
     int nth = es_pool_size(pool), need_q8 = 0, kfmt = fmts == 2;
     size_t rs = kfmt ? q8k_row_bytes(t.n_in) : q8_row_bytes(t.n_in);
     for (int i = 0; i < nw; i++) {
@@ -911,6 +935,9 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
         else q8_worker(&qt, 0, 1);
     }
+    t.nth = pool ? nth : 1;
+    for (int i = 0; i < t.nth; i++)
+        atomic_init(&t.rg[i].lohi, (uint64_t)(t.n_chunks * i / t.nth) | (uint64_t)(t.n_chunks * (i + 1) / t.nth) << 32);
     if (pool) es_pool_run(pool, mm_worker, &t);
     else mm_worker(&t, 0, 1);
 }
