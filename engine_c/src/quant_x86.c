@@ -784,12 +784,10 @@ static inline ES_AI void prows2(const int nt, const int type, const uint8_t *p, 
     pepi(nt, type, p, 1, xr, jj, S1, I1, acc1);
 }
 
-/* Records [0, nb) of both halves into acc0, acc1 (zeroed here); pf: prefetch. */
+/* Records [0, nb) of both halves into acc0, acc1; pf: prefetch. */
 static inline ES_AI void pboth_run(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
                                    size_t xs, __m256 *acc0, __m256 *acc1, int pf) {
     const size_t rec = es_pack_record_bytes((uint32_t)type);
-    UNROLL
-    for (int n = 0; n < nt; n++) acc0[n] = acc1[n] = _mm256_setzero_ps();
     for (int64_t j0 = 0; j0 < nb; j0 += ES_GROUP_BLOCKS) {
         const uint8_t *xr[PTILE];
         UNROLL
@@ -814,16 +812,11 @@ static inline ES_AI void pboth_run(const int nt, const int type, const uint8_t *
  *   Q6_K  2 + 2 + 2 + 2, at most 2 * 2 * 63 * 127 = 32004 (elements 0..15
  *         and 16..31 stay apart for their two scales) */
 #define PSEG_K 8   /* super-block records per segment: 18 KB (Q4_K) to 27 KB (Q6_K) */
-/* Most activation rows per tile of the K types: the driver's tiles. Per
- * row an int16 and an int32 sum stay in registers through a super-block
- * (10 ymm for 5 rows; the float accumulators are touched once per
- * super-block and may live in memory), so a verify's 5 rows take one pass
- * and the weight vectors are made once (3-row tiles took 3 + 2 passes and
- * were slower: bench/README.md, "AVX2 verify cost"). */
-#define KTILE 5
-#undef PTILE_OF
-#define PTILE_OF(type) ((type) == ES_TYPE_Q4_K || (type) == ES_TYPE_Q5_K || (type) == ES_TYPE_Q6_K ? KTILE : PTILE)
-
+/* Most rows of a K tile that takes both halves at once (krecord with nh =
+ * 2). Larger tiles run the halves one after the other: with both, the
+ * scale pairs and the weight vectors of two halves beside the rows' sums
+ * spill out of 16 ymm, and a 3- or 5-row tile is slower than two passes. */
+#define KBOTH 2
 static inline ES_AI __m256i pk_weights8(const int type, const uint8_t *p, int h, int j, int k) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const uint8_t *s = p + 32 * h + 64 * k;
@@ -855,18 +848,20 @@ static inline ES_AI __m256i pk_byte8(__m256i v, int j) {
     return _mm256_and_si256(v, _mm256_set1_epi32(0xFF));
 }
 
-/* Half h of K records [s0, s1) into acc; pf: prefetch. The integer sums of
- * the contract (step 2K), all exact: per sub-block j and run of chunks, the
- * int16 sum S16 of the maddubs products, then one madd of S16 with the
- * sub-block's scale as an int16 pair (sc, sc) (Q6_K: the half-block's)
- * adds sc * (the run's dot) to the row's int32 I (|sc * S16| <= 63 * 31496
- * or 128 * 32004, a pair sum below 2^23). Q6_K adds - 32 * (sl * s16[2j] +
- * sh * s16[2j + 1]) with a madd of the (-32 sl, -32 sh) int16 pairs;
- * Q4_K / Q5_K make J with 4 madds of the (m[2t], m[2t + 1]) pairs and the
- * activation's s32 pairs. The float steps run once per super-block. */
-static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
-                                   const uint8_t *x, size_t xs, __m256 *acc, int pf) {
-    const size_t rec = es_pack_record_bytes((uint32_t)type);
+/* Halves h0 .. h0 + nh - 1 (nh a constant 1 or 2) of the K record at p
+ * into acc[hh][n] (hh = h - h0). The integer sums of the contract (step
+ * 2K), all exact: per sub-block j and run of chunks, the int16 sum S16 of
+ * the maddubs products, then one madd of S16 with the sub-block's scale as
+ * an int16 pair (sc, sc) (Q6_K: the half-block's) adds sc * (the run's dot)
+ * to the row's int32 I (|sc * S16| <= 63 * 31496 or 128 * 32004, a pair sum
+ * below 2^23). Q6_K adds - 32 * (sl * s16[2j] + sh * s16[2j + 1]) with a
+ * madd of the (-32 sl, -32 sh) int16 pairs; Q4_K / Q5_K make J with 4 madds
+ * of the (m[2t], m[2t + 1]) pairs and the activation's s32 pairs. The float
+ * steps run once per super-block. With nh = 2 each activation dword is
+ * broadcast once for the 16 weight rows, and per row the two int16 sums
+ * stay in registers (10 ymm for 5 rows); the int32 sums may live in memory. */
+static inline ES_AI void krecord(const int nt, const int type, const int nh, const uint8_t *p, int h0,
+                                 const es_q8k_block *const *xr, __m256 (*acc)[PTILE]) {
     const int q6 = type == ES_TYPE_Q6_K;
     const size_t sco = type == ES_TYPE_Q4_K ? ES_PK_Q4K_SC : ES_PK_Q5K_SC;
     const size_t dof = q6 ? ES_PK_Q6K_D : type == ES_TYPE_Q4_K ? ES_PK_Q4K_D : ES_PK_Q5K_D;
@@ -876,86 +871,112 @@ static inline ES_AI void khalf_run(const int nt, const int type, const uint8_t *
                                 c, -1, c, -1, c + 4, -1, c + 4, -1, c + 8, -1, c + 8, -1, c + 12, -1, c + 12, -1)
 #define PAIR(c) _mm256_setr_epi8(c, -1, c + 1, -1, c + 4, -1, c + 5, -1, c + 8, -1, c + 9, -1, c + 12, -1, c + 13, -1, \
                                  c, -1, c + 1, -1, c + 4, -1, c + 5, -1, c + 8, -1, c + 9, -1, c + 12, -1, c + 13, -1)
-    for (int64_t sb = s0; sb < s1; sb++) {
-        const uint8_t *p = g + (size_t)sb * rec;
-        if (pf)
-            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-        __m256i S[2], M[2];
-        if (!q6) {
-            const uint8_t *sp = p + sco + 32 * h;
+    __m256i S[2][2], M[2][2];
+    if (!q6) {
+        UNROLL
+        for (int hh = 0; hh < nh; hh++) {
+            const uint8_t *sp = p + sco + 32 * (h0 + hh);
             const __m256i u0 = _mm256_loadu_si256((const __m256i *)(const void *)sp);
             const __m256i u1 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 64));
             const __m256i u2 = _mm256_loadu_si256((const __m256i *)(const void *)(sp + 128));
             const __m256i m6 = _mm256_set1_epi8(0x3F), m4 = _mm256_set1_epi8(0x0F), h2 = _mm256_set1_epi8(0x30);
-            S[0] = _mm256_and_si256(u0, m6);
-            M[0] = _mm256_and_si256(u1, m6);
-            S[1] = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), h2));
-            M[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), h2));
+            S[hh][0] = _mm256_and_si256(u0, m6);
+            M[hh][0] = _mm256_and_si256(u1, m6);
+            S[hh][1] = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), h2));
+            M[hh][1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_and_si256(_mm256_srli_epi32(u1, 2), h2));
         }
-        const es_q8k_block *xr[PTILE];
+    }
+    __m256i I[2][PTILE];
+    UNROLL
+    for (int hh = 0; hh < nh; hh++)
         UNROLL
-        for (int n = 0; n < nt; n++) xr[n] = (const es_q8k_block *)(const void *)(x + (size_t)n * xs) + sb;
-        __m256i I[KTILE];
+        for (int n = 0; n < nt; n++) I[hh][n] = _mm256_setzero_si256();
+    UNROLL
+    for (int j = 0; j < 8; j++) {
+        __m256i scl[2], sch[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   /* int16 pairs (sc, sc): chunks 0..3, 4..7 */
         UNROLL
-        for (int n = 0; n < nt; n++) I[n] = _mm256_setzero_si256();
-        UNROLL
-        for (int j = 0; j < 8; j++) {
-            __m256i scl, sch = _mm256_setzero_si256();   /* int16 pairs (sc, sc): chunks 0..3, 4..7 */
+        for (int hh = 0; hh < nh; hh++) {
             if (q6) {
-                const uint8_t *sp = p + ES_PK_Q6K_SC + 32 * j + 8 * h;
+                const uint8_t *sp = p + ES_PK_Q6K_SC + 32 * j + 8 * (h0 + hh);
                 const __m256i sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sp));
                 const __m256i sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(sp + 16)));
-                scl = _mm256_shuffle_epi8(sl, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                                               0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
-                sch = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                                               0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+                scl[hh] = _mm256_shuffle_epi8(sl, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                                   0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+                sch[hh] = _mm256_shuffle_epi8(sh, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                                   0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
                 /* (-32 sl, -32 sh) int16 pairs: the low half of scl, the high half of sch, times -32 */
-                const __m256i po = _mm256_mullo_epi16(_mm256_blend_epi16(scl, sch, 0xAA), _mm256_set1_epi16(-32));
+                const __m256i po = _mm256_mullo_epi16(_mm256_blend_epi16(scl[hh], sch[hh], 0xAA), _mm256_set1_epi16(-32));
                 UNROLL
-                for (int n = 0; n < nt; n++) I[n] = _mm256_add_epi32(I[n], _mm256_madd_epi16(po, bcast32((const uint8_t *)(xr[n]->s16 + 2 * j))));
+                for (int n = 0; n < nt; n++)
+                    I[hh][n] = _mm256_add_epi32(I[hh][n], _mm256_madd_epi16(po, bcast32((const uint8_t *)(xr[n]->s16 + 2 * j))));
             } else {
-                scl = _mm256_shuffle_epi8(S[j / 4], DUP(j % 4));
+                scl[hh] = _mm256_shuffle_epi8(S[hh][j / 4], DUP(j % 4));
             }
-            __m256i S16[KTILE];
+        }
+        __m256i S16[2][PTILE];
+        UNROLL
+        for (int k = 0; k < 8; k++) {
+            __m256i w[2];
             UNROLL
-            for (int k = 0; k < 8; k++) {
-                const __m256i w = pk_weights8(type, p, h, j, k);
-                /* a run ends after 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K) chunks */
-                const int run = type == ES_TYPE_Q4_K ? 8 : type == ES_TYPE_Q5_K ? 4 : 2;
+            for (int hh = 0; hh < nh; hh++) w[hh] = pk_weights8(type, p, h0 + hh, j, k);
+            /* a run ends after 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K) chunks */
+            const int run = type == ES_TYPE_Q4_K ? 8 : type == ES_TYPE_Q5_K ? 4 : 2;
+            UNROLL
+            for (int n = 0; n < nt; n++) {
+                const __m256i bx = bcast32((const uint8_t *)xr[n]->qs + 32 * j + 4 * k);
                 UNROLL
-                for (int n = 0; n < nt; n++) {
-                    __m256i t = _mm256_maddubs_epi16(w, bcast32((const uint8_t *)xr[n]->qs + 32 * j + 4 * k));
-                    S16[n] = k % run == 0 ? t : _mm256_add_epi16(S16[n], t);
-                    __asm__("" : "+x"(S16[n]));   /* keeps the adds in this order (see prows) */
+                for (int hh = 0; hh < nh; hh++) {
+                    __m256i t = _mm256_maddubs_epi16(w[hh], bx);
+                    S16[hh][n] = k % run == 0 ? t : _mm256_add_epi16(S16[hh][n], t);
+                    __asm__("" : "+x"(S16[hh][n]));   /* keeps the adds in this order (see prows) */
                     if (k % run != run - 1) continue;
-                    I[n] = _mm256_add_epi32(I[n], _mm256_madd_epi16(S16[n], q6 && k >= 4 ? sch : scl));
-                    __asm__("" : "+x"(I[n]));
+                    I[hh][n] = _mm256_add_epi32(I[hh][n], _mm256_madd_epi16(S16[hh][n], q6 && k >= 4 ? sch[hh] : scl[hh]));
+                    if (nh == 1) __asm__("" : "+x"(I[hh][n]));
                 }
             }
         }
+    }
+    UNROLL
+    for (int hh = 0; hh < nh; hh++) {
+        const int h = h0 + hh;
         const __m256 a = f16x8(p + dof + 16 * h);
         __m256 b = _mm256_setzero_ps();
         __m256i mp[4];
         if (!q6) {
             b = _mm256_xor_ps(f16x8(p + mof + 16 * h), _mm256_set1_ps(-0.0f));   /* -dmin, exact */
             UNROLL
-            for (int t = 0; t < 4; t++) mp[t] = _mm256_shuffle_epi8(M[t / 2], PAIR(2 * (t % 2)));
+            for (int t = 0; t < 4; t++) mp[t] = _mm256_shuffle_epi8(M[hh][t / 2], PAIR(2 * (t % 2)));
         }
         UNROLL
         for (int n = 0; n < nt; n++) {
             const __m256 dx = _mm256_set1_ps(xr[n]->d);
-            __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I[n]));
+            __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I[hh][n]));
             if (!q6) {
                 __m256i J = _mm256_madd_epi16(mp[0], bcast32((const uint8_t *)xr[n]->s32));
                 UNROLL
                 for (int t = 1; t < 4; t++) J = _mm256_add_epi32(J, _mm256_madd_epi16(mp[t], bcast32((const uint8_t *)(xr[n]->s32 + 2 * t))));
                 c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(b, dx), _mm256_cvtepi32_ps(J)));
             }
-            acc[n] = _mm256_add_ps(acc[n], c);
+            acc[hh][n] = _mm256_add_ps(acc[hh][n], c);
         }
     }
 #undef DUP
 #undef PAIR
+}
+
+/* Halves h0 .. h0 + nh - 1 of K records [s0, s1) into acc; pf: prefetch. */
+static inline ES_AI void krun(const int nt, const int type, const int nh, const uint8_t *g, int64_t s0, int64_t s1,
+                              int h0, const uint8_t *x, size_t xs, __m256 (*acc)[PTILE], int pf) {
+    const size_t rec = es_pack_record_bytes((uint32_t)type);
+    for (int64_t sb = s0; sb < s1; sb++) {
+        const uint8_t *p = g + (size_t)sb * rec;
+        if (pf)
+            for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
+        const es_q8k_block *xr[PTILE];
+        UNROLL
+        for (int n = 0; n < nt; n++) xr[n] = (const es_q8k_block *)(const void *)(x + (size_t)n * xs) + sb;
+        krecord(nt, type, nh, p, h0, xr, acc);
+    }
 }
 
 /* One group of 16 weight rows (nb records at g) times a tile of nt (a
@@ -969,16 +990,20 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
         for (size_t o = 0; o < ES_PF_BYTES; o += 64) _mm_prefetch((const char *)(g + o), _MM_HINT_T1);
     const int kt = type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K || type == ES_TYPE_Q6_K;
     const int64_t seg = kt ? PSEG_K : PSEG;
+    UNROLL
+    for (int n = 0; n < nt; n++) part[0][n] = part[1][n] = _mm256_setzero_ps();
     if (nh == 2 && !kt) {   /* both halves in one pass: prows2 */
         pboth_run(nt, type, g, nb, x, xs, part[0], part[1], pf);
-    } else {
+    } else if (nh == 2 && nt <= KBOTH) {   /* K types, a small tile: both halves in one pass */
+        krun(nt, type, 2, g, 0, nb, 0, x, xs, part, pf);
+    } else {   /* one half, over segments */
         for (int64_t s0 = 0; s0 < nb; s0 += seg) {
             int64_t s1 = nb - s0 < seg ? nb : s0 + seg;
             for (int h = 0; h < nh; h++) {
                 __m256 acc[PTILE];
                 UNROLL
-                for (int n = 0; n < nt; n++) acc[n] = s0 == 0 ? _mm256_setzero_ps() : part[h][n];
-                if (kt) khalf_run(nt <= KTILE ? nt : 1, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+                for (int n = 0; n < nt; n++) acc[n] = part[h][n];
+                if (kt) krun(nt, type, 1, g, s0, s1, h, x, xs, (__m256 (*)[PTILE])acc, pf && h == 0);
                 else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
                 UNROLL
                 for (int n = 0; n < nt; n++) part[h][n] = acc[n];
