@@ -373,8 +373,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0,
                     help="engine threads of a forward over one session (0: the verifier's default, the usable CPUs less one)")
     ap.add_argument("--batch-threads", type=int, default=0,
-                    help="engine threads of an iteration over >= 2 sessions (0: the verifier's default,"
-                         " every usable CPU when --threads is 0)")
+                    help="engine threads of an iteration over >= 2 sessions or a prefill chunk of >= 16"
+                         " tokens (0: the verifier's default, every usable CPU when --threads is 0)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--batch-max", default="1,8")

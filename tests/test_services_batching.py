@@ -116,8 +116,10 @@ def test_cancelled_clients_free_their_sessions_at_batch_max_8(batched):
 
 def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model):
     """n_threads 1, batch_threads 2: sessions get a pool of 2; an iteration over one session
-    runs on 1 thread, one over several on 2 (the engine's count per call), and 8 concurrent
-    clients still get exactly the sequential outputs. GetConfig reports both counts."""
+    runs on 1 thread, one over several, or a prefill chunk of MANY_TOKENS or more, on 2 (the
+    engine's count per call), and 8 concurrent clients still get exactly the sequential
+    outputs. GetConfig reports both counts."""
+    from echospec.services.verifier.scheduler import MANY_TOKENS
     st = start_stack(model, spec=False, n_ctx=N_CTX, n_threads=1, batch_threads=2, batch_max=8,
                      prefill_chunk=16, prefix_cache=False)
     ch, vch, stub, vstub = _stubs(st)
@@ -131,14 +133,21 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model):
         rng = random.Random(5)
         jobs = [dict(token_ids=[rng.randrange(3, N_VOCAB) for _ in range(rng.randrange(2, 40))],
                      max_tokens=24) for _ in range(8)]
-        used0 = dict(core.scheduler.threads_used)
+        calls = []   # (sessions, tokens, engine threads) of every iteration
+        run_batch = core.scheduler._run_batch
+
+        def recording(items):
+            calls.append((len(items), sum(len(it[1]) for it in items), items[0][0].threads))
+            return run_batch(items)
+        core.scheduler._run_batch = recording
         sequential, concurrent, trace = sequential_and_concurrent(
             lambda **j: complete(stub, **j), core.scheduler, jobs)
         for a, b in zip(sequential, concurrent):
             assert list(a.token_ids) == list(b.token_ids)
-        used = core.scheduler.threads_used
-        assert used.get(1, 0) > used0.get(1, 0)      # the sequential runs: one session each
-        assert used.get(2, 0) - used0.get(2, 0) == sum(1 for b in trace if len(b) >= 2) > 0
+        for n_sessions, n_tokens, threads in calls:
+            assert threads == (2 if n_sessions >= 2 or n_tokens >= MANY_TOKENS else 1), calls
+        kinds = {(n >= 2, t >= MANY_TOKENS) for n, t, _ in calls}
+        assert {(False, False), (False, True), (True, False)} <= kinds   # decode, a prefill chunk, a batch
     finally:
         ch.close()
         vch.close()

@@ -64,8 +64,9 @@ class VerifierConfig:
     prefill_chunk: int = 256     # prompt tokens per prefill step (chunked prefill)
     prefix_cache: bool = True    # keep finished generations' KV for prefix reuse
     prefix_cache_sessions: int = 4  # idle sessions (one KV cache each) the prefix cache keeps
-    # engine threads of a scheduler iteration that batches >= 2 sessions (0: the CPUs this
-    # process may use when n_threads is 0, else n_threads)
+    # engine threads of a scheduler iteration that batches >= 2 sessions or feeds one a
+    # prefill chunk of >= 16 tokens (0: the CPUs this process may use when n_threads is 0,
+    # else n_threads)
     batch_threads: int = 0
     max_workers: int = 96
     max_concurrent_rpcs: int = 88  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)

@@ -228,8 +228,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
             services/common/lifecycle.py), so call this from a thread that outlives the stack:
             the main thread, as `echospec serve` does.
         n_ctx, n_threads: verifier KV capacity per session and engine threads of a forward
-            over one session. batch_threads: of a scheduler iteration over >= 2 sessions
-            (VerifierConfig.batch_threads; 0: its default).
+            over one session. batch_threads: of a scheduler iteration over >= 2 sessions or
+            a prefill chunk of >= 16 tokens (VerifierConfig.batch_threads; 0: its default).
         k, max_tokens: coordinator defaults. min_n, max_n: the draft service's shortest suffix
             match (min_n; max_n is only checked to be >= it).
         adaptive_k: let the live cost model pick each round's draft length (<= k).

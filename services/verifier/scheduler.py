@@ -42,9 +42,13 @@ no forward of it runs.
 
 Engine threads (``threads`` = (one, many)): an iteration over one session
 runs on ``one`` thread(s) of the sessions' pools, one that batches two or
-more sessions on ``many`` (set on the batch's sessions before the call;
-es_forward_batch runs on its first item's pool and count). Results do not
-depend on the count (the engine's contract), only the speed does.
+more sessions, or feeds one session MANY_TOKENS or more (a prefill chunk), on
+``many`` (set on the batch's sessions before the call; es_forward_batch runs
+on its first item's pool and count). A decode step is bound by memory and
+gains little from another thread, which a lone stream's Python then lacks; a
+prefill chunk is bound by arithmetic, and its stream has nothing to send yet.
+Results do not depend on the count (the engine's contract), only the speed
+does.
 
 Gathering (batch_max >= 2): the sessions of an iteration come back with their
 next steps one by one, as their loops take the results, and the first one
@@ -64,6 +68,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from echospec.services.common.engine import EngineError, forward_batch
+
+
+MANY_TOKENS = 16   # an iteration over one session of this many tokens runs on ``many`` threads
 
 
 class Cancelled(Exception):
@@ -345,7 +352,8 @@ class Scheduler:
                 s.queued_ms = (t_start - s._t_submit) * 1e3
             try:
                 if self.threads is not None:
-                    n = self.threads[0] if len(batch) == 1 else self.threads[1]
+                    one = len(batch) == 1 and len(batch[0].tokens) < MANY_TOKENS
+                    n = self.threads[0] if one else self.threads[1]
                     self.threads_used[n] = self.threads_used.get(n, 0) + 1
                     for s in batch:
                         try:
