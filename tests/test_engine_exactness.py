@@ -255,10 +255,11 @@ def test_rollback_outside_range_raises(small_model, target):
         assert _continues_like_fresh(s, TOKENS[:5], TOKENS[5:8])
 
 
-@pytest.mark.parametrize("bad", [[1.7], [1, 2.0], ["3"], [[1, 2]], 5, [True]])
+@pytest.mark.parametrize("bad", [[1.7], [1, 2.0], ["3"], [[1, 2]], 5, [True],
+                                 [2 ** 31], [5, -2 ** 31 - 1], [2 ** 70]])
 def test_tokens_must_be_integers(small_model, bad):
-    """Floats, strings, nested lists and scalars are refused, not truncated or wrapped
-    (found by the new-user trial: [1.7] ran token 1)."""
+    """Floats, strings, nested lists, scalars and ids outside int32 are refused, not truncated
+    or wrapped (found by the new-user trial: [1.7] ran token 1)."""
     with small_model.new_session(n_ctx=32, n_threads=1) as s:
         s.forward(TOKENS[:3])
         with pytest.raises(EngineError) as ei:

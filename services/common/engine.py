@@ -166,6 +166,9 @@ class Session:
         if st != 0:
             raise EngineError(st, ffi.string(err).decode(errors="replace"))
         self._ptr = out[0]
+        # the thread count the next call uses, kept here: every cffi call releases and retakes
+        # the GIL, and the scheduler sets the count before each forward (see the setter)
+        self._threads = lib.es_session_threads(self._ptr)
 
     def _check(self) -> None:
         if self._ptr is None:
@@ -196,7 +199,7 @@ class Session:
     def threads(self) -> int:
         """Threads the next call uses (the whole pool unless set lower)."""
         self._check()
-        return lib.es_session_threads(self._ptr)
+        return self._threads
 
     @threads.setter
     def threads(self, n: int) -> None:
@@ -209,9 +212,12 @@ class Session:
                 (the count is then unchanged).
         """
         self._check()
+        if type(n) is int and n == self._threads:   # no C call (no GIL hand-off) between two forwards
+            return
         st = lib.es_session_set_threads(self._ptr, _int32(n, "threads"))
         if st != 0:
             self._raise(st)
+        self._threads = n
 
     def forward(self, tokens: Sequence[int] | np.ndarray, logits: str = "none"
                 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -272,6 +278,11 @@ class Session:
         return int(am[0]), out
 
     def _tokens(self, tokens) -> np.ndarray:
+        if type(tokens) is list and all(type(t) is int for t in tokens):   # the scheduler's steps
+            try:
+                return np.array(tokens, dtype=np.int32)
+            except OverflowError:
+                raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32") from None
         raw = np.asarray(tokens)
         if raw.ndim != 1:
             raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be a 1-D sequence, got shape {raw.shape}")
