@@ -707,24 +707,6 @@ static inline ES_AI void prows(const int nt, const int type, const uint8_t *p, i
     pepi(nt, type, p, h, xr, jj, S, I5, acc);
 }
 
-/* Half h of records [s0, s1) (s0 a multiple of 16) into acc; pf: prefetch. */
-static inline ES_AI void phalf_run(const int nt, const int type, const uint8_t *g, int64_t s0, int64_t s1, int h,
-                                   const uint8_t *x, size_t xs, __m256 *acc, int pf) {
-    const size_t rec = es_pack_record_bytes((uint32_t)type);
-    for (int64_t j0 = s0; j0 < s1; j0 += ES_GROUP_BLOCKS) {
-        const uint8_t *xr[PTILE];
-        UNROLL
-        for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(j0 / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
-        int nj = s1 - j0 < ES_GROUP_BLOCKS ? (int)(s1 - j0) : ES_GROUP_BLOCKS;
-        const uint8_t *p = g + (size_t)j0 * rec;
-        for (int jj = 0; jj < nj; jj++, p += rec) {
-            if (pf)
-                for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-            prows(nt, type, p, h, xr, jj, acc);
-        }
-    }
-}
-
 /* Both halves of the record at p into the nt rows' acc0 (rows 0..7 of the
  * record) and acc1 (rows 8..15): as prows, but each activation dword is
  * broadcast once for the 16 weight rows (per chunk and row one broadcast
@@ -784,20 +766,23 @@ static inline ES_AI void prows2(const int nt, const int type, const uint8_t *p, 
     pepi(nt, type, p, 1, xr, jj, S1, I1, acc1);
 }
 
-/* Records [0, nb) of both halves into acc0, acc1; pf: prefetch. */
-static inline ES_AI void pboth_run(const int nt, const int type, const uint8_t *g, int64_t nb, const uint8_t *x,
-                                   size_t xs, __m256 *acc0, __m256 *acc1, int pf) {
+/* Halves h0 .. h0 + nh - 1 (nh a constant 1 or 2) of records [s0, s1) (s0
+ * a multiple of 16) into acc[hh][n] (prows, or prows2 for both); pf:
+ * prefetch. */
+static inline ES_AI void prun(const int nt, const int type, const int nh, const uint8_t *g, int64_t s0, int64_t s1,
+                              int h0, const uint8_t *x, size_t xs, __m256 (*acc)[PTILE], int pf) {
     const size_t rec = es_pack_record_bytes((uint32_t)type);
-    for (int64_t j0 = 0; j0 < nb; j0 += ES_GROUP_BLOCKS) {
+    for (int64_t j0 = s0; j0 < s1; j0 += ES_GROUP_BLOCKS) {
         const uint8_t *xr[PTILE];
         UNROLL
         for (int n = 0; n < nt; n++) xr[n] = x + (size_t)n * xs + (size_t)(j0 / ES_GROUP_BLOCKS) * sizeof(es_q8_group);
-        int nj = nb - j0 < ES_GROUP_BLOCKS ? (int)(nb - j0) : ES_GROUP_BLOCKS;
+        int nj = s1 - j0 < ES_GROUP_BLOCKS ? (int)(s1 - j0) : ES_GROUP_BLOCKS;
         const uint8_t *p = g + (size_t)j0 * rec;
         for (int jj = 0; jj < nj; jj++, p += rec) {
             if (pf)
                 for (size_t o = 0; o < rec; o += 64) _mm_prefetch((const char *)(p + ES_PF_BYTES + o), _MM_HINT_T1);
-            prows2(nt, type, p, xr, jj, acc0, acc1);
+            if (nh == 2) prows2(nt, type, p, xr, jj, acc[0], acc[1]);
+            else prows(nt, type, p, h0, xr, jj, acc[0]);
         }
     }
 }
@@ -993,7 +978,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
     UNROLL
     for (int n = 0; n < nt; n++) part[0][n] = part[1][n] = _mm256_setzero_ps();
     if (nh == 2 && !kt) {   /* both halves in one pass: prows2 */
-        pboth_run(nt, type, g, nb, x, xs, part[0], part[1], pf);
+        prun(nt, type, 2, g, 0, nb, 0, x, xs, part, pf);
     } else if (nh == 2 && nt <= KBOTH) {   /* K types, a small tile: both halves in one pass */
         krun(nt, type, 2, g, 0, nb, 0, x, xs, part, pf);
     } else {   /* one half, over segments */
@@ -1004,7 +989,7 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
                 UNROLL
                 for (int n = 0; n < nt; n++) acc[n] = part[h][n];
                 if (kt) krun(nt, type, 1, g, s0, s1, h, x, xs, (__m256 (*)[PTILE])acc, pf && h == 0);
-                else phalf_run(nt, type, g, s0, s1, h, x, xs, acc, pf && h == 0);
+                else prun(nt, type, 1, g, s0, s1, h, x, xs, (__m256 (*)[PTILE])acc, pf && h == 0);
                 UNROLL
                 for (int n = 0; n < nt; n++) part[h][n] = acc[n];
             }
