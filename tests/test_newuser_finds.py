@@ -404,6 +404,34 @@ def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, mes
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cls, argv, message", [
+    # was: a gateway that started and answered every request 413 "larger than 0 bytes"
+    ("GatewayConfig", ["--max-body-bytes", "0"], "--max-body-bytes / ECHOSPEC_MAX_BODY_BYTES 0"),
+    ("CoordinatorConfig", ["--max-message-bytes", "-1"], "--max-message-bytes"),
+    # was: a coordinator that refused every request with a stop string ("at most -1")
+    ("CoordinatorConfig", ["--max-stop", "-1"], "--max-stop / ECHOSPEC_MAX_STOP -1"),
+    # was: exit 1 with "k = -1: ..." from the servicer, not naming the option
+    ("CoordinatorConfig", ["--k", "-1"], "--k / ECHOSPEC_K -1: drafts per round must be in [1, 32]"),
+    ("CoordinatorConfig", ["--k-max", "8", "--k", "9"], "--k / ECHOSPEC_K 9"),
+    ("CoordinatorConfig", ["--k-max", "0"], "--k-max / ECHOSPEC_K_MAX 0"),
+    ("CoordinatorConfig", ["--max-tokens-limit", "0"], "--max-tokens-limit"),
+    # was: verifiers that started with these and refused every speculative round / misbehaved
+    ("VerifierConfig", ["--max-k", "0"], "--max-k / ECHOSPEC_MAX_K 0"),
+    ("VerifierConfig", ["--prefix-cache-sessions", "-1"], "--prefix-cache-sessions"),
+    # was: exit 1 with "0 sessions already open (max_sessions 0)"
+    ("VerifierConfig", ["--max-sessions", "0"], "--max-sessions / ECHOSPEC_MAX_SESSIONS 0"),
+    ("DraftConfig", ["--max-workers", "8", "--max-concurrent-rpcs", "8"],
+     "--max-concurrent-rpcs / ECHOSPEC_MAX_CONCURRENT_RPCS 8: RPCs at once (below max_workers) "
+     "must be in [1, 7]"),
+])
+def test_service_entry_points_refuse_integer_settings_out_of_range(cls, argv, message, capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(getattr(cfg, cls), argv, environ={}, prog="svc")
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_service_entry_points_keep_valid_edges():
     from echospec.services.common import config as cfg
     assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
@@ -412,6 +440,12 @@ def test_service_entry_points_keep_valid_edges():
     assert cfg.load(cfg.CoordinatorConfig, ["--verifier", "dns:///echospec-verifier:50053",
                                             "--verifier", "[::1]:50053"], environ={}).verifier
     assert cfg.load(cfg.VerifierConfig, [], environ={"ECHOSPEC_DRAFT_TARGET": ""}).draft_target == ""
+    for cls in (cfg.DraftConfig, cfg.VerifierConfig, cfg.CoordinatorConfig, cfg.GatewayConfig):
+        assert cfg.load(cls, [], environ={}) == cls()      # every default is in range
+    c = cfg.load(cfg.CoordinatorConfig, ["--k-max", "8", "--k", "8", "--max-stop", "0"], environ={})
+    assert (c.k, c.k_max, c.max_stop) == (8, 8, 0)
+    assert cfg.load(cfg.VerifierConfig, ["--prefix-cache-sessions", "0", "--max-k", "1"],
+                    environ={}).prefix_cache_sessions == 0
 
 
 # -- gateway: a request the coordinator refuses names its field ---------------------------------
