@@ -344,7 +344,8 @@ def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
         _die(f"{pre}cannot connect to {target}: {exc.tls_mismatch}: {fix}")
     if isinstance(exc, ConnectError):
         flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
-        _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the "
+        why = f": {exc.reason}" if exc.reason else ""
+        _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}){why}; the "
              f"target is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
              f"coordinator with `echospec serve`")
     code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1

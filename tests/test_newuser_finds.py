@@ -415,7 +415,7 @@ def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, mes
     ("CoordinatorConfig", ["--k-max", "8", "--k", "9"], "--k / ECHOSPEC_K 9"),
     ("CoordinatorConfig", ["--k-max", "0"], "--k-max / ECHOSPEC_K_MAX 0"),
     ("CoordinatorConfig", ["--max-tokens-limit", "0"], "--max-tokens-limit"),
-    # was: verifiers that started with these and refused every speculative round / misbehaved
+    # was: verifiers that started with these settings
     ("VerifierConfig", ["--max-k", "0"], "--max-k / ECHOSPEC_MAX_K 0"),
     ("VerifierConfig", ["--prefix-cache-sessions", "-1"], "--prefix-cache-sessions"),
     # was: exit 1 with "0 sessions already open (max_sessions 0)"
@@ -1696,3 +1696,42 @@ def test_in_process_generate_tokens_is_counted_with_its_status(tiny_stack, endin
     want = "OK" if ending == "length" else "CANCELLED"
     assert after.get(want, 0) == before.get(want, 0) + 1, (before, after)
     assert sum(after.values()) == sum(before.values()) + 1, (before, after)
+
+
+# -- why a target never answered --------------------------------------------------------------
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_says_why_nothing_answered():
+    # was: "no coordinator reachable at 127.0.0.1:P within 0.5 s" for a refused port and a host
+    # name that does not resolve alike: a typo in the port and one in the name read the same
+    from echospec_client import Client, ConnectError
+    port = _closed_port()
+    with Client(f"127.0.0.1:{port}", connect_timeout=0.5, timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("x")
+    assert e.value.reason == f"connection refused: nothing listens on port {port} of 127.0.0.1"
+    assert str(e.value).endswith(f"within 0.5 s ({e.value.reason})"), str(e.value)
+    with Client("no-such-host.invalid:50051", connect_timeout=0.5, timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("x")
+    assert e.value.reason.startswith("the host name 'no-such-host.invalid' does not resolve ("), \
+        e.value.reason
+
+
+def test_cli_says_why_nothing_answered(capsys):
+    from echospec import cli
+    port = _closed_port()
+    args = cli.parse_args(["tokenize", "hi", "--target", f"127.0.0.1:{port}",
+                           "--connect-timeout", "0.5"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 1, err
+    assert (f"no coordinator reachable at 127.0.0.1:{port} within 0.5 s (--connect-timeout): "
+            f"connection refused: nothing listens on port {port} of 127.0.0.1; ") in err, err

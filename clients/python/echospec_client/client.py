@@ -189,10 +189,12 @@ class ConnectError(ClientError):
     client plain text, or the other way round (tls_probe.py; then `waited_s` is the time until
     the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS.
     `cause` is "" or another likely reason found the same way: the server's TLS certificate did
-    not verify, or the port answers HTTP (the HTTP gateway), not gRPC."""
+    not verify, or the port answers HTTP (the HTTP gateway), not gRPC. `reason` is "" or why no
+    TCP connection opened at the end of the wait (the host name does not resolve, connection
+    refused, no answer); it ends the message in parentheses."""
 
     def __init__(self, target: str, waited_s: float, bound: str, tls_mismatch: str = "",
-                 uses_tls: bool = False, cause: str = ""):
+                 uses_tls: bool = False, cause: str = "", reason: str = ""):
         if cause:
             message = f"cannot connect to {target}: {cause}"
         elif tls_mismatch:
@@ -201,7 +203,8 @@ class ConnectError(ClientError):
                    "private CA)")
             message = f"cannot connect to {target}: {tls_mismatch}; {fix}"
         else:
-            message = f"no coordinator reachable at {target} within {waited_s:g} s"
+            message = f"no coordinator reachable at {target} within {waited_s:g} s" + (
+                f" ({reason})" if reason else "")
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
         self.target = target
         self.waited_s = waited_s
@@ -209,6 +212,7 @@ class ConnectError(ClientError):
         self.tls_mismatch = tls_mismatch
         self.uses_tls = uses_tls
         self.cause = cause
+        self.reason = reason
 
 
 MessageLike = Union[Message, Mapping[str, str]]
@@ -410,8 +414,10 @@ class Client:
                                cause=cause)
 
     def _connect_failed(self, wait: float | None, bound: str) -> NoReturn:
+        from echospec_client import tls_probe
         self._check_tls_mismatch(wait or 0.0, bound)
-        raise ConnectError(self.target, wait, bound) from None
+        reason = tls_probe.tcp_failure(self.target, timeout_s=1.0)
+        raise ConnectError(self.target, wait, bound, reason=reason) from None
 
     def _begin(self, timeout: float | None) -> float | None:
         """Wait for the connection within the call's budget; return the seconds left for the
