@@ -766,6 +766,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------
 
+_WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
+                              "draft_namespace"})
+
+
 def _load_workloads(path: str) -> list[dict]:
     from echospec.services.common.config import CoordinatorConfig
 
@@ -786,6 +790,10 @@ def _load_workloads(path: str) -> list[dict]:
         if w["id"] in ids:
             _die(f"{path}:{n}: duplicate workload id {w['id']!r}", 2)
         ids.add(w["id"])
+        unknown = sorted(set(w) - _WORKLOAD_FIELDS)
+        if unknown:   # a misspelt max_tokens would otherwise run with the default silently
+            _die(f"{path}:{n}: unknown field {unknown[0]!r} (a workload has "
+                 f"{', '.join(sorted(_WORKLOAD_FIELDS))})", 2)
         msgs, prompt = w.get("messages"), w.get("prompt")
         if (msgs is None) == (prompt is None):
             _die(f"{path}:{n}: give exactly one of messages or prompt", 2)

@@ -1735,3 +1735,22 @@ def test_cli_says_why_nothing_answered(capsys):
     assert ei.value.code == 1, err
     assert (f"no coordinator reachable at 127.0.0.1:{port} within 0.5 s (--connect-timeout): "
             f"connection refused: nothing listens on port {port} of 127.0.0.1; ") in err, err
+
+
+def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
+    # was: {"max_token": 4} ran the workload with the default 256 tokens, silently
+    from echospec import cli
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4, "prediction": "y", '
+                 '"draft_namespace": "n"}\n{"id": "typo", "prompt": "x", "max_token": 4}\n')
+    with pytest.raises(SystemExit) as ei:
+        cli._load_workloads(str(f))
+    err = capsys.readouterr().err
+    assert ei.value.code == 2, err
+    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, id, kind, " \
+           "max_tokens, messages, prediction, prompt)" in err, err
+    f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4}\n')
+    assert cli._load_workloads(str(f))[0]["max_tokens"] == 4
+    import pathlib
+    seed = pathlib.Path(__file__).resolve().parents[1] / "workloads" / "seed.jsonl"
+    assert len(cli._load_workloads(str(seed))) == 7
