@@ -1754,3 +1754,16 @@ def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
     import pathlib
     seed = pathlib.Path(__file__).resolve().parents[1] / "workloads" / "seed.jsonl"
     assert len(cli._load_workloads(str(seed))) == 7
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_gateway_takes_a_request_id_header_that_is_not_ascii(tiny_stack, stream):
+    # was: 500 "internal error in the gateway: ExecuteBatchError": the header went on to the
+    # coordinator as gRPC metadata, which carries ASCII only
+    import httpx
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2, "stream": stream}
+    for rid in ("caf\u00e9-1".encode("utf-8"), b"ok-id-7"):
+        r = httpx.post(tiny_stack.http_url + "/v1/completions", json=body, timeout=60,
+                       headers={"x-request-id": rid})
+        assert r.status_code == 200, r.text
+        assert ("data: [DONE]" in r.text) if stream else r.json()["choices"][0]["text"]
