@@ -1767,3 +1767,24 @@ def test_gateway_takes_a_request_id_header_that_is_not_ascii(tiny_stack, stream)
                        headers={"x-request-id": rid})
         assert r.status_code == 200, r.text
         assert ("data: [DONE]" in r.text) if stream else r.json()["choices"][0]["text"]
+
+
+def test_draft_propose_names_one_range_for_k():
+    # was: "k must be >= 1, got 0" but "k must be in [0, 1024], got 1025" for the same field
+    import grpc
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft import server as dserver
+    from echospec.v1 import draft_pb2, draft_pb2_grpc
+    handle, _ = dserver.start(DraftConfig(port=0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            for k in (0, -3, 1025):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=k), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == f"k must be in [1, 1024], got {k}"
+            r = stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2, 1], k=1024), timeout=10)
+            assert list(r.draft)[:2] == [2, 1]
+    finally:
+        handle.stop(0)
