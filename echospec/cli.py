@@ -349,7 +349,10 @@ def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
              f"target is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
              f"coordinator with `echospec serve`")
     code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
-    _die(f"{pre}{exc.code.name}: {exc.details}", code)
+    hint = ("; give it more time with --timeout SECONDS" if exc.code ==
+            grpc.StatusCode.DEADLINE_EXCEEDED and exc.details.startswith("the call did not")
+            else "")
+    _die(f"{pre}{exc.code.name}: {exc.details}{hint}", code)
 
 
 # ---- argument types (argparse exits 2 with the message) ----------------------------

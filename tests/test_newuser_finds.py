@@ -1788,3 +1788,22 @@ def test_draft_propose_names_one_range_for_k():
             assert list(r.draft)[:2] == [2, 1]
     finally:
         handle.stop(0)
+
+
+@pytest.mark.parametrize("how", ["complete", "stream"])
+def test_client_says_its_own_timeout_ran_out(tiny_stack, how):
+    # was: "DEADLINE_EXCEEDED: Stream removed (Deadline Exceeded)" (or "Deadline Exceeded"):
+    # grpcio's words, naming neither the timeout nor whose it was
+    import grpc
+    from echospec_client import Client, ClientError
+    with Client(tiny_stack.target, timeout=30) as c:
+        c.info()   # connected: the whole timeout below goes to the call
+        with pytest.raises(ClientError) as e:
+            if how == "complete":
+                c.complete("Once upon a time", max_tokens=8192, timeout=0.01)
+            else:
+                for _ in c.stream("Once upon a time", max_tokens=8192, timeout=0.01):
+                    pass
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert e.value.details.startswith("the call did not finish within its timeout of 0.01 s "
+                                      "(grpc: "), e.value.details

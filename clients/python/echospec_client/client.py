@@ -169,11 +169,16 @@ class ClientError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, exc: grpc.RpcError, target: str = "") -> "ClientError":
+    def from_rpc_error(cls, exc: grpc.RpcError, target: str = "",
+                       timeout_s: float | None = None) -> "ClientError":
         """The error of a failed call; a call that could not reach ``target`` any more (the
         server stopped or restarted after this client connected) says so before grpcio's
-        "failed to connect to all addresses; ..."."""
+        "failed to connect to all addresses; ...", and one that ran out of its own
+        ``timeout_s`` says so before grpcio's "Deadline Exceeded" (or "Stream removed")."""
         details = exc.details() or ""
+        if timeout_s is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            details = (f"the call did not finish within its timeout of {timeout_s:g} s "
+                       f"(grpc: {details})")
         if target and exc.code() == grpc.StatusCode.UNAVAILABLE and \
                 details.startswith("failed to connect"):
             details = (f"the server at {target} went away: nothing accepts connections there "
@@ -433,6 +438,10 @@ class Client:
             self._wait(timeout, "timeout")
         return max(0.001, timeout - (time.monotonic() - t0))
 
+    def _total(self, timeout: float | None) -> float | None:
+        """A call's whole timeout (the connection wait included; None: no deadline)."""
+        return self.timeout if timeout is None else timeout
+
     def _md(self, request_id: str | None):
         return self._metadata + ((("x-request-id", request_id),) if request_id else ())
 
@@ -468,7 +477,7 @@ class Client:
         try:
             resp = self._stub.Complete(req, timeout=left, metadata=self._md(request_id))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc, self.target) from None
+            raise ClientError.from_rpc_error(exc, self.target, self._total(timeout)) from None
         return Result.from_proto(resp.result, wall_s=time.perf_counter() - t0)
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[MessageLike] | None = None,
@@ -489,9 +498,10 @@ class Client:
         req = coordinator_pb2.GenerateRequest()
         _fill(req, prompt, messages, token_ids, sampling)
         left = self._begin(timeout)
-        return self._iterate(req, left, request_id)
+        return self._iterate(req, left, request_id, self._total(timeout))
 
-    def _iterate(self, req, left: float | None, request_id: str | None) -> Iterator[Chunk]:
+    def _iterate(self, req, left: float | None, request_id: str | None,
+                 total: float | None = None) -> Iterator[Chunk]:
         t0 = time.perf_counter()
         ttft = None
         call = self._stub.Generate(req, timeout=left, metadata=self._md(request_id))
@@ -505,7 +515,7 @@ class Client:
                                                ttft_s=ttft)
                 yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result)
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc, self.target) from None
+            raise ClientError.from_rpc_error(exc, self.target, total) from None
         finally:
             call.cancel()   # a no-op when the stream ended; frees the generation otherwise
 
@@ -541,7 +551,7 @@ class Client:
         try:
             return getattr(self._stub, rpc)(request, timeout=left, metadata=self._md(None))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc, self.target) from None
+            raise ClientError.from_rpc_error(exc, self.target, self._total(timeout)) from None
 
 
 # ---- request building -----------------------------------------------------------------
