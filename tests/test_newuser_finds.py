@@ -1807,3 +1807,37 @@ def test_client_says_its_own_timeout_ran_out(tiny_stack, how):
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert e.value.details.startswith("the call did not finish within its timeout of 0.01 s "
                                       "(grpc: "), e.value.details
+
+
+def _fetch_model_module():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "fetch_model.py"
+    spec = importlib.util.spec_from_file_location("fetch_model_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_cache_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    # was: a FileExistsError traceback from `echospec serve` (and every command without --model)
+    from echospec import cli
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(not_a_dir))
+    with pytest.raises(RuntimeError) as e:
+        _fetch_model_module().fetch(verbose=False)
+    assert str(e.value).startswith(f"cannot use {not_a_dir} as the model cache (ECHOSPEC_CACHE): "
+                                   "a file, not a directory; "), str(e.value)
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(not_a_dir / "sub"))
+    with pytest.raises(SystemExit) as ei:
+        cli._default_model()
+    err = capsys.readouterr().err
+    assert ei.value.code == 1 and "Not a directory" in err and "Traceback" not in err, err
+
+
+def test_empty_model_cache_variable_is_the_default(monkeypatch):
+    # was: ECHOSPEC_CACHE="" made the cache the current directory (the model was downloaded there)
+    import pathlib
+    monkeypatch.setenv("ECHOSPEC_CACHE", "")
+    assert _fetch_model_module().cache_dir() == pathlib.Path.home() / ".cache" / "echospec"
