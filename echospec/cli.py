@@ -970,10 +970,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
     p.add_argument("--threads", type=int, default=0, help="engine threads (0: the usable CPUs less one)")
     p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens, default 2048)")
-    p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts)")
+    p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts; default 4, at most 32)")
     p.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens (default: the live cost model picks each round's length)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="max_tokens of a request that sets none (default 256, at most 8192)")
     p.add_argument("--processes", action="store_true", help="run each service in its own process")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus /metrics on this port (-1: off, 0: a free port); with "
@@ -987,7 +988,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions the verifier's scheduler serves per iteration (default 1; >= 2 refuses"
                         " speculation)")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens per prefill step: a long prompt never stalls others for longer")
+                   help="prompt tokens per prefill step (default 256): a long prompt never stalls"
+                        " others for longer")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep finished generations' KV for reuse by prompts sharing a prefix")
     p.add_argument("--http-port", type=int, default=-1,

@@ -1841,3 +1841,18 @@ def test_empty_model_cache_variable_is_the_default(monkeypatch):
     import pathlib
     monkeypatch.setenv("ECHOSPEC_CACHE", "")
     assert _fetch_model_module().cache_dir() == pathlib.Path.home() / ".cache" / "echospec"
+
+
+def test_serve_help_gives_the_defaults_of_its_numeric_options(capsys):
+    # was: "--k K  default drafts per round (the most a round drafts)" and "--max-tokens
+    # default max_tokens": a new user could not tell the values from --help
+    import re
+    from echospec import cli
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--help"])
+    out = re.sub(r"\s+", " ", capsys.readouterr().out)
+    for opt, default in (("--k K", "default 4"), ("--max-tokens MAX_TOKENS", "default 256"),
+                         ("--prefill-chunk PREFILL_CHUNK", "default 256"),
+                         ("--n-ctx N_CTX", "default 2048")):
+        text = out.split(f" {opt} ", 1)[1].split(" --", 1)[0]
+        assert default in text, (opt, text)
