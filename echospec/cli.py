@@ -128,6 +128,28 @@ def _check_model(path: str) -> None:
 
 # ---- serve -------------------------------------------------------------------
 
+def _exposure_warning(host: str, api_key: str, mtls: bool) -> str:
+    """"" for a loopback --host; else what the address exposes that README's "Exposure" says to
+    protect: the internal verifier and draft ports (without mTLS), and the coordinator and the
+    gateway (without an API key)."""
+    import ipaddress
+
+    h = host.strip("[]")
+    try:
+        if h == "localhost" or ipaddress.ip_address(h).is_loopback:
+            return ""
+    except ValueError:
+        pass   # a host name: it may resolve to a public address
+    parts = []
+    if not mtls:
+        parts.append("the internal verifier and draft ports listen there too, where anyone who "
+                     "reaches them can open sessions (add --tls-client-ca, or keep the address "
+                     "on a private network)")
+    if not api_key:
+        parts.append("the coordinator and the gateway answer anyone (add --api-key)")
+    return f"--host {host} is not loopback: " + "; ".join(parts) if parts else ""
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from echospec.services.coordinator.stack import StackError, start_stack
 
@@ -214,6 +236,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"echospec: coordinator      listening on {stack.target} (spec default: "
               f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
               f"Ctrl-C stops", file=sys.stderr)
+        warning = _exposure_warning(args.host, api_key, bool(args.tls_client_ca))
+        if warning:
+            print(f"echospec: warning: {warning}", file=sys.stderr)
         sys.stderr.flush()
         # short sleeps: the kernel may deliver the signal to another thread (gRPC's, the child
         # processes' stderr readers), which does not interrupt this sleep; the handler then runs

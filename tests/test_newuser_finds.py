@@ -1856,3 +1856,19 @@ def test_serve_help_gives_the_defaults_of_its_numeric_options(capsys):
                          ("--n-ctx N_CTX", "default 2048")):
         text = out.split(f" {opt} ", 1)[1].split(" --", 1)[0]
         assert default in text, (opt, text)
+
+
+def test_serve_warns_of_what_a_public_host_exposes():
+    # was: `echospec serve --host 0.0.0.0` put the internal verifier and draft ports (and a
+    # coordinator without an API key) on every interface without a word; README's "Exposure"
+    # says to keep them on loopback or behind mTLS
+    from echospec.cli import _exposure_warning
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+        assert _exposure_warning(host, "", False) == "", host
+    w = _exposure_warning("0.0.0.0", "", False)
+    assert w.startswith("--host 0.0.0.0 is not loopback: the internal verifier and draft ports")
+    assert "--tls-client-ca" in w and "(add --api-key)" in w, w
+    w = _exposure_warning("10.0.0.5", "key", False)
+    assert "--tls-client-ca" in w and "--api-key" not in w, w
+    assert "--api-key" in _exposure_warning("board.local", "", True)
+    assert _exposure_warning("0.0.0.0", "key", True) == ""
