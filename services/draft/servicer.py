@@ -78,8 +78,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Propose(self, request: draft_pb2.ProposeRequest,
                 context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
         """The suffix index over ``tokens`` alone (no prediction, no shared memory)."""
-        if request.k < 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k must be >= 1, got {request.k}")
+        if not 1 <= request.k <= MAX_K_LIMIT:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"k must be in [1, {MAX_K_LIMIT}], got {request.k}")
         try:
             p = DraftProposer(self._params(request.min_n))
             p.append(list(request.tokens))

@@ -55,8 +55,12 @@ def _error_response(err: api.ApiError) -> JSONResponse:
 
 
 def _request_id(request: Request) -> str:
+    """The client's ``x-request-id`` header when gRPC metadata can carry it (up to 64 printable
+    ASCII characters: a UTF-8 header reaches here as Latin-1 text, printable but not ASCII),
+    else a new id."""
     rid = request.headers.get("x-request-id", "")
-    return rid if 0 < len(rid) <= 64 and rid.isprintable() else uuid.uuid4().hex[:16]
+    return rid if 0 < len(rid) <= 64 and rid.isascii() and rid.isprintable() \
+        else uuid.uuid4().hex[:16]
 
 
 class Shutdown:

@@ -169,11 +169,16 @@ class ClientError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, exc: grpc.RpcError, target: str = "") -> "ClientError":
+    def from_rpc_error(cls, exc: grpc.RpcError, target: str = "",
+                       timeout_s: float | None = None) -> "ClientError":
         """The error of a failed call; a call that could not reach ``target`` any more (the
         server stopped or restarted after this client connected) says so before grpcio's
-        "failed to connect to all addresses; ..."."""
+        "failed to connect to all addresses; ...", and one that ran out of its own
+        ``timeout_s`` says so before grpcio's "Deadline Exceeded" (or "Stream removed")."""
         details = exc.details() or ""
+        if timeout_s is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            details = (f"the call did not finish within its timeout of {timeout_s:g} s "
+                       f"(grpc: {details})")
         if target and exc.code() == grpc.StatusCode.UNAVAILABLE and \
                 details.startswith("failed to connect"):
             details = (f"the server at {target} went away: nothing accepts connections there "
@@ -189,10 +194,12 @@ class ConnectError(ClientError):
     client plain text, or the other way round (tls_probe.py; then `waited_s` is the time until
     the first failed attempt, not the whole wait). `uses_tls`: this client connects with TLS.
     `cause` is "" or another likely reason found the same way: the server's TLS certificate did
-    not verify, or the port answers HTTP (the HTTP gateway), not gRPC."""
+    not verify, or the port answers HTTP (the HTTP gateway), not gRPC. `reason` is "" or why no
+    TCP connection opened at the end of the wait (the host name does not resolve, connection
+    refused, no answer); it ends the message in parentheses."""
 
     def __init__(self, target: str, waited_s: float, bound: str, tls_mismatch: str = "",
-                 uses_tls: bool = False, cause: str = ""):
+                 uses_tls: bool = False, cause: str = "", reason: str = ""):
         if cause:
             message = f"cannot connect to {target}: {cause}"
         elif tls_mismatch:
@@ -201,7 +208,8 @@ class ConnectError(ClientError):
                    "private CA)")
             message = f"cannot connect to {target}: {tls_mismatch}; {fix}"
         else:
-            message = f"no coordinator reachable at {target} within {waited_s:g} s"
+            message = f"no coordinator reachable at {target} within {waited_s:g} s" + (
+                f" ({reason})" if reason else "")
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
         self.target = target
         self.waited_s = waited_s
@@ -209,6 +217,7 @@ class ConnectError(ClientError):
         self.tls_mismatch = tls_mismatch
         self.uses_tls = uses_tls
         self.cause = cause
+        self.reason = reason
 
 
 MessageLike = Union[Message, Mapping[str, str]]
@@ -410,8 +419,10 @@ class Client:
                                cause=cause)
 
     def _connect_failed(self, wait: float | None, bound: str) -> NoReturn:
+        from echospec_client import tls_probe
         self._check_tls_mismatch(wait or 0.0, bound)
-        raise ConnectError(self.target, wait, bound) from None
+        reason = tls_probe.tcp_failure(self.target, timeout_s=1.0)
+        raise ConnectError(self.target, wait, bound, reason=reason) from None
 
     def _begin(self, timeout: float | None) -> float | None:
         """Wait for the connection within the call's budget; return the seconds left for the
@@ -426,6 +437,10 @@ class Client:
         else:
             self._wait(timeout, "timeout")
         return max(0.001, timeout - (time.monotonic() - t0))
+
+    def _total(self, timeout: float | None) -> float | None:
+        """A call's whole timeout (the connection wait included; None: no deadline)."""
+        return self.timeout if timeout is None else timeout
 
     def _md(self, request_id: str | None):
         return self._metadata + ((("x-request-id", request_id),) if request_id else ())
@@ -462,7 +477,7 @@ class Client:
         try:
             resp = self._stub.Complete(req, timeout=left, metadata=self._md(request_id))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc, self.target) from None
+            raise ClientError.from_rpc_error(exc, self.target, self._total(timeout)) from None
         return Result.from_proto(resp.result, wall_s=time.perf_counter() - t0)
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[MessageLike] | None = None,
@@ -483,9 +498,10 @@ class Client:
         req = coordinator_pb2.GenerateRequest()
         _fill(req, prompt, messages, token_ids, sampling)
         left = self._begin(timeout)
-        return self._iterate(req, left, request_id)
+        return self._iterate(req, left, request_id, self._total(timeout))
 
-    def _iterate(self, req, left: float | None, request_id: str | None) -> Iterator[Chunk]:
+    def _iterate(self, req, left: float | None, request_id: str | None,
+                 total: float | None = None) -> Iterator[Chunk]:
         t0 = time.perf_counter()
         ttft = None
         call = self._stub.Generate(req, timeout=left, metadata=self._md(request_id))
@@ -499,7 +515,7 @@ class Client:
                                                ttft_s=ttft)
                 yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result)
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc, self.target) from None
+            raise ClientError.from_rpc_error(exc, self.target, total) from None
         finally:
             call.cancel()   # a no-op when the stream ended; frees the generation otherwise
 
@@ -535,7 +551,7 @@ class Client:
         try:
             return getattr(self._stub, rpc)(request, timeout=left, metadata=self._md(None))
         except grpc.RpcError as exc:
-            raise ClientError.from_rpc_error(exc, self.target) from None
+            raise ClientError.from_rpc_error(exc, self.target, self._total(timeout)) from None
 
 
 # ---- request building -----------------------------------------------------------------

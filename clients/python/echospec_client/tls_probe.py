@@ -72,6 +72,31 @@ def probe(target: str, timeout_s: float = 2.0) -> str:
         sock.close()
 
 
+def tcp_failure(target: str, timeout_s: float = 1.0) -> str:
+    """"" or why no TCP connection to ``target`` opens, as a phrase for a connect error: the
+    host name does not resolve, nothing listens on the port (refused), or no answer (timed out,
+    unreachable). "" also for a target this probe cannot dial."""
+    addr = split_target(target)
+    if addr is None:
+        return ""
+    host, port = addr
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"the host name {host!r} does not resolve ({exc.strerror})"
+    except (OSError, UnicodeError) as exc:
+        return f"the host name {host!r} does not resolve ({exc})"
+    try:
+        socket.create_connection(addr, timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return f"connection refused: nothing listens on port {port} of {host}"
+    except socket.timeout:
+        return f"no answer from {host} port {port} within {timeout_s:g} s"
+    except OSError as exc:
+        return f"cannot open a connection to {host} port {port} ({exc.strerror or exc})"
+    return ""
+
+
 def mismatch(target: str, uses_tls: bool, timeout_s: float = 2.0) -> str:
     """"" unless the server at ``target`` likely speaks the other protocol than the client; then a
     sentence saying so ("the server at X speaks TLS but this client connects in plain text")."""
