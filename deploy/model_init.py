@@ -10,7 +10,7 @@ Environment:
                           (sha256 checked) unless already cached.
                           Set (e.g. Qwen3-1.7B-Q4_K_M.gguf): the file must be
                           in the volume already or in the import directory.
-    ECHOSPEC_CACHE        the volume's mount point (default /models)
+    ECHOSPEC_CACHE        the volume's mount point (default, also when empty: /models)
     ECHOSPEC_IMPORT_DIR   read-only bind mount of a host directory holding
                           user GGUF files (default /import)
 
@@ -96,7 +96,7 @@ def place_user_model(name: str, cache: Path, import_dir: Path) -> Path:
 
 
 def main() -> int:
-    cache = Path(os.environ.get("ECHOSPEC_CACHE", "/models"))
+    cache = Path(os.environ.get("ECHOSPEC_CACHE") or "/models")   # empty: the default, not the cwd
     import_dir = Path(os.environ.get("ECHOSPEC_IMPORT_DIR", "/import"))
     name = os.environ.get("ECHOSPEC_MODEL_FILE", "").strip()
     try:

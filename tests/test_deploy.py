@@ -339,6 +339,20 @@ def test_model_init_uses_a_file_put_in_the_volume_by_hand(tmp_path: Path, monkey
     assert not (cache / "hand.gguf").is_symlink()
 
 
+def test_model_init_empty_cache_is_the_default_not_the_current_directory(tmp_path: Path, monkeypatch,
+                                                                        capsys):
+    # was: ECHOSPEC_CACHE="" made the current directory the model volume
+    mi = _load("model_init")
+    _model_init_env(tmp_path, monkeypatch, "hand.gguf")
+    monkeypatch.setenv("ECHOSPEC_CACHE", "")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hand.gguf").write_bytes(_gguf_bytes())
+    monkeypatch.chdir(work)
+    assert mi.main() == 1
+    assert "model volume (/models)" in capsys.readouterr().err
+
+
 def test_services_mount_the_import_dir_for_the_links(config: dict):
     svcs = config["services"]
     for name in ("model-init", "verifier", "coordinator"):

@@ -1873,3 +1873,22 @@ def test_serve_warns_of_what_a_public_host_exposes():
     assert "--tls-client-ca" in w and "--api-key" not in w, w
     assert "--api-key" in _exposure_warning("board.local", "", True)
     assert _exposure_warning("0.0.0.0", "key", True) == ""
+
+
+@pytest.mark.parametrize("ns", ["a\x00b", "tab\there", "n" * 257])
+def test_draft_service_refuses_a_namespace_the_coordinator_refuses(tiny_stack, ns):
+    # was: the draft service, called directly, took any draft_namespace (control characters,
+    # any length) into its shared memory
+    import grpc
+
+    from echospec.v1 import draft_pb2, draft_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.draft_target) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+                append=[1, 2, 3, 1, 2], k=2, draft_namespace=ns)]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "draft_namespace must be at most 256 printable characters" in e.value.details()
+        ok = list(stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+            append=[1, 2, 3, 1, 2], k=2, draft_namespace="team-a")]), timeout=30))
+        assert len(ok) == 1

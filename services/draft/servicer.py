@@ -9,7 +9,7 @@ import grpc
 
 from echospec.v1 import draft_pb2, draft_pb2_grpc
 from echospec.services.common.config import DraftConfig
-from echospec.services.draft.memory import SharedMemory
+from echospec.services.draft.memory import SharedMemory, namespace_problem
 from echospec.services.draft.proposer import MAX_K_LIMIT, DraftParams, DraftProposer, ProposerError
 from echospec.services.draft.suffix_index import SuffixParams
 
@@ -52,6 +52,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         if len(req.digit_tokens) not in (0, 10):
                             raise ProposerError(f"digit_tokens must hold 0 or 10 ids, got "
                                                 f"{len(req.digit_tokens)}")
+                        if namespace_problem(req.draft_namespace):
+                            raise ProposerError(namespace_problem(req.draft_namespace))
                         proposer = DraftProposer(self._params(req.min_n), list(req.prediction),
                                                  list(req.digit_tokens), self.memory,
                                                  req.draft_namespace, list(req.line_break_tokens))
