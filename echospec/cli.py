@@ -544,6 +544,8 @@ def _load_messages(path: str):
         path = "- (standard input)"
     else:
         text = _read_text("--messages", path)
+    if not text.strip():
+        _die(f"--messages {path}: the input is empty: expected a JSON list of chat messages", 2)
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:

@@ -495,6 +495,11 @@ def test_messages_from_stdin(server):
     r = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"]],
                        input="[oops", capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "--messages - (standard input): not valid JSON" in r.stderr
+    for empty in ("", " \n"):   # was: "not valid JSON (... char 0)"
+        r = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"]],
+                           input=empty, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 2 and "--messages - (standard input): the input is empty" in r.stderr, \
+            r.stderr
     # the same messages from a file, and as {"messages": [...]} on stdin: the same output
     r2 = subprocess.run([*ECHOSPEC, "generate", "--messages", "-", "--target", server["target"],
                          "--json", "--max-tokens", "4"], input=json.dumps({"messages": json.loads(chat)}),
