@@ -187,6 +187,9 @@ def test_models_and_health(stack, client):
     ({"prediction": {"type": "content"}}, "prediction"),
     ({"bogus_field": 1}, "bogus_field"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
 ])
 def test_bad_fields_raise_bad_request(client, extra, param):
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 4}
@@ -371,6 +374,17 @@ def test_deploy_healthcheck_probes_the_gateway(stack):
     target = stack.http_url.removeprefix("http://")
     assert hc.main([target, "--http"]) == 0
     assert hc.main([target]) == 1                        # HTTP is not gRPC: the probe says no
+
+
+def test_openai_fields_at_their_defaults_are_accepted():
+    # was: 400 "Unrecognized request argument supplied: modalities" for a client's null default
+    body = {"messages": MESSAGES, "modalities": None, "audio": None, "reasoning_effort": None,
+            "web_search_options": None}
+    assert api.parse_request(body, chat=True).request.max_tokens == 0
+    assert api.parse_request({"messages": MESSAGES, "modalities": ["text"]}, chat=True)
+    with pytest.raises(api.ApiError) as ei:    # chat fields are not completion fields
+        api.parse_request({"prompt": "hi", "modalities": None}, chat=False)
+    assert ei.value.param == "modalities"
 
 
 def test_parse_request_maps_fields():

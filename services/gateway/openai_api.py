@@ -104,7 +104,11 @@ _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "st
            "prediction", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
            "spec", "k", "top_k", "min_p", "draft_namespace"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "functions", "function_call", "response_format"}
+                   "functions", "function_call", "response_format", "modalities", "audio",
+                   "reasoning_effort", "web_search_options"}
+# OpenAI chat fields for what echospec does not do: taken only as null (clients send their
+# defaults) or, for modalities, text alone
+_CHAT_NULL_ONLY = {"audio", "reasoning_effort", "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 # the roles gRPC takes (chat_template.VALID_ROLES), under the name the template renders
 _ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
@@ -199,6 +203,13 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if body.get(name) not in (None, [], "none"):
             raise bad(f"{name}: tool calls are not supported", name)
+    if chat:
+        for name in sorted(_CHAT_NULL_ONLY):
+            if body.get(name) is not None:
+                raise bad(f"{name} is not supported (only null), got {body[name]!r}", name)
+        if body.get("modalities") not in (None, ["text"]):
+            raise bad(f"modalities: only [\"text\"] is supported, got {body['modalities']!r}",
+                      "modalities")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
