@@ -697,6 +697,16 @@ def _chat_turn(client, kw: dict, history: list[dict]):
     return result
 
 
+def _drop_oldest_turn(history: list[dict], start: int) -> bool:
+    """Drop the oldest turn after the system messages (history[:start]): its user message and
+    the replies up to the next user message. False when only the newest user message is left."""
+    users = [i for i in range(start, len(history)) if history[i]["role"] == "user"]
+    if len(users) < 2:
+        return False
+    del history[users[0]:users[1]]
+    return True
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat: each line is a user message, the reply streams back, and
     the history (system prompt, user and assistant messages) is sent again each turn, so the
@@ -776,15 +786,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
                           file=sys.stderr, flush=True)
                     continue
                 history.append({"role": "user", "content": line})
-                try:
-                    result = _chat_turn(client, kw, history)
-                except ClientError as exc:
-                    print(f"\nechospec: {exc.code.name}: {exc.details} (the turn is dropped; "
-                          f"/reset clears the history)", file=sys.stderr, flush=True)
-                    result = None
-                except KeyboardInterrupt:   # between the prompt and the first chunk
-                    print("\n(stopped; the turn is dropped)", file=sys.stderr, flush=True)
-                    result = None
+                dropped = 0
+                while True:
+                    try:
+                        result = _chat_turn(client, kw, history)
+                    except ClientError as exc:
+                        # a history that outgrew the context loses its oldest turns, one at a time
+                        if "fit the context" in exc.details and _drop_oldest_turn(history, len(system)):
+                            dropped += 1
+                            continue
+                        print(f"\nechospec: {exc.code.name}: {exc.details} (the turn is dropped; "
+                              f"/reset clears the history)", file=sys.stderr, flush=True)
+                        result = None
+                    except KeyboardInterrupt:   # between the prompt and the first chunk
+                        print("\n(stopped; the turn is dropped)", file=sys.stderr, flush=True)
+                        result = None
+                    break
+                if dropped:
+                    print(f"(the history outgrew the server's context: the oldest {dropped} "
+                          f"turn(s) were dropped)", file=sys.stderr, flush=True)
                 if result is None:
                     history.pop()
                     continue

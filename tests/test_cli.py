@@ -426,6 +426,19 @@ def test_chat_with_piped_stdin_prints_no_prompt(server):
     assert r.stdout.endswith("\n") and r.stderr.count("tokens, ") == 2, (r.stdout, r.stderr)
 
 
+def test_chat_drops_the_oldest_turns_when_the_history_outgrows_the_context(server):
+    # was: once the history outgrew n_ctx (256 here) every turn failed with "does not fit the
+    # context" until /reset
+    lines = [" ".join(f"w{t}{i}" for i in range(18)) for t in range(8)]
+    r = subprocess.run([*ECHOSPEC, "chat", "--max-tokens", "4", "--target", server["target"]],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "fit the context" not in r.stderr, r.stderr
+    assert r.stderr.count("tokens, ") == 8, r.stderr          # every turn got a reply
+    assert "turn(s) were dropped)" in r.stderr, r.stderr
+
+
 def test_generate_help_says_what_seed_does():
     r = run([*ECHOSPEC, "generate", "--help"])
     text = " ".join(r.stdout.split())
