@@ -1892,3 +1892,24 @@ def test_draft_service_refuses_a_namespace_the_coordinator_refuses(tiny_stack, n
         ok = list(stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
             append=[1, 2, 3, 1, 2], k=2, draft_namespace="team-a")]), timeout=30))
         assert len(ok) == 1
+
+
+# -- the engine library, called as a library user would ----------------------------------------
+
+@pytest.mark.parametrize("reader", ["engine", "gguf_reader"])
+def test_model_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, reader):
+    # was: Model(path) and gguf_reader.read(path) blocked forever in open() on a named pipe (it
+    # waits for a writer) instead of saying it is not a regular file; run in a child process so a
+    # regression fails on the timeout instead of hanging the suite
+    import os
+    import subprocess
+    import sys
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    code = {"engine": "from echospec.services.common.engine import Model as load",
+            "gguf_reader": "from echospec.services.common.gguf_reader import read as load"}[reader]
+    code += f"\ntry:\n    load({str(fifo)!r})\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "not a" in r.stdout and "regular file" in r.stdout and str(fifo) in r.stdout, r.stdout
+    assert r.stdout.startswith("EngineError ES_ERR_IO" if reader == "engine" else "OSError"), r.stdout
