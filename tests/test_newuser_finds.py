@@ -1913,3 +1913,18 @@ def test_model_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, reader):
     assert r.returncode == 0, r.stderr
     assert "not a" in r.stdout and "regular file" in r.stdout and str(fifo) in r.stdout, r.stdout
     assert r.stdout.startswith("EngineError ES_ERR_IO" if reader == "engine" else "OSError"), r.stdout
+
+
+@pytest.mark.parametrize("logits", ["none", "all", "last", 1, None])
+def test_prefill_logits_must_be_a_bool(tiny_model, logits):
+    # was: prefill(tokens, logits="none") returned logits (a non-empty string is true) and
+    # logits="all" returned the last row only, silently
+    from echospec.services.common.engine import Model
+    with Model(tiny_model()) as m, m.new_session(n_ctx=32, n_threads=1) as s:
+        with pytest.raises(TypeError, match="prefill's logits must be True or False"):
+            s.prefill([1, 2, 3], logits=logits)
+        assert s.n_past == 0
+        tok, out = s.prefill([1, 2, 3], logits=False)
+        assert out is None and s.n_past == 3
+        tok2, out = s.prefill([4], logits=True)
+        assert out.shape == (1, m.info.n_vocab) and int(out[0].argmax()) == tok2

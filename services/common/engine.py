@@ -264,9 +264,13 @@ class Session:
             (greedy token after the last position, logits or None); bitwise what
             forward() gives for that position.
         Raises:
+            TypeError: logits is not a bool (e.g. forward()'s "none"/"last"/"all").
             EngineError: as forward(); the KV cache is then unchanged.
         """
         self._check()
+        if not isinstance(logits, (bool, np.bool_)):
+            raise TypeError(f"prefill's logits must be True or False, not {logits!r} (it returns the last "
+                            f"position's logits only; forward() takes 'none', 'last' or 'all')")
         tok = self._tokens(tokens)
         am = np.empty(1, dtype=np.int32)
         out = np.empty((1, self.n_vocab), dtype=np.float32) if logits else None
