@@ -1928,3 +1928,28 @@ def test_prefill_logits_must_be_a_bool(tiny_model, logits):
         assert out is None and s.n_past == 3
         tok2, out = s.prefill([4], logits=True)
         assert out.shape == (1, m.info.n_vocab) and int(out[0].argmax()) == tok2
+
+
+@pytest.mark.parametrize("bad, exc, message", [
+    (lambda s: ("not a session", [1], "all", "none"), TypeError, "items[64]: the session must be a Session, not str"),
+    (lambda s: (s, [1], "all"), TypeError, "items[64] must be a (session, tokens, head, logits) tuple"),
+    (lambda s: (s, [1], "first", "none"), ValueError, "items[64]: head must be 'all' or 'last', not 'first'"),
+    (lambda s: (s, [1], ["all"], "none"), ValueError, "items[64]: head must be 'all' or 'last'"),
+    (lambda s: (s, [1], "last", True), ValueError, "items[64]: logits must be one of"),
+])
+def test_forward_batch_checks_every_item_before_running_any(tiny_model, bad, exc, message):
+    # was: a batch longer than MAX_BATCH ran its first 64 items (their KV caches grew) before
+    # the bad item 64 raised, so the caller lost those results; a non-Session raised
+    # AttributeError '_check', a short tuple 'not enough values to unpack', a list head
+    # 'unhashable type'
+    from echospec.services.common import engine as E
+    assert E.MAX_BATCH == 64
+    with E.Model(tiny_model()) as m:
+        sessions = [m.new_session(n_ctx=16, n_threads=1) for _ in range(E.MAX_BATCH + 1)]
+        items = [(s, [1, 2], "last", "none") for s in sessions[:-1]] + [bad(sessions[-1])]
+        with pytest.raises(exc) as e:
+            E.forward_batch(items)
+        assert message in str(e.value), str(e.value)
+        assert all(s.n_past == 0 for s in sessions)
+        out = E.forward_batch(items[:-1] + [(sessions[-1], [1], "all", "none")])
+        assert all(not isinstance(r, Exception) for r in out) and sessions[0].n_past == 2
