@@ -390,6 +390,20 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a sanity run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    for flag, least in (("threads", 0), ("batch_threads", 0), ("n_ctx", 1), ("max_tokens", 1), ("prompt_words", 1),
+                        ("decode_tokens", 1), ("rounds", 1), ("long_tokens", 1), ("pairs", 0)):
+        if getattr(args, flag) < least:
+            ap.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
+    for flag in ("clients", "batch_max"):
+        raw = getattr(args, flag)
+        try:
+            ok = all(int(x) >= 1 for x in raw.split(","))
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--{flag.replace('_', '-')} needs comma-separated integers >= 1, got {raw!r}")
+    if args.model not in ("", "tiny") and not Path(args.model).is_file():
+        ap.error(f"--model {args.model}: no such file (a GGUF path, 'tiny' or empty for SmolLM2)")
     if args.quick:
         args.max_tokens, args.decode_tokens, args.rounds, args.long_tokens = 16, 32, 2, 300
         args.pairs = min(args.pairs, 1)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 def row(path: Path) -> str:
     r = json.loads(path.read_text())
+    if not isinstance(r, dict):
+        raise TypeError(f"the top level is a JSON {type(r).__name__}, not an object")
     p, rat = r.get("peer"), r.get("ratios")
     setting = f"{Path(r['model']).name}, depth {r['depth']}"
     if r["prompt_tokens"] != 128:
@@ -57,8 +59,14 @@ def main(argv: list[str]) -> int:
     for p in paths:
         try:
             rows.append(row(p))
-        except (ValueError, KeyError, TypeError) as e:
-            print(f"summarize: {p} is not an engine_bench.py --json result ({e!r})", file=sys.stderr)
+        except UnicodeDecodeError as e:
+            print(f"summarize: {p} is not an engine_bench.py --json result (not UTF-8 text: byte {e.start})",
+                  file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            why = f"{type(e).__name__}: {e}"
+            why = why if len(why) <= 200 else why[:200] + "..."
+            print(f"summarize: {p} is not an engine_bench.py --json result ({why})", file=sys.stderr)
             return 2
     print("| file / setting | our ISA | decode vs llama.cpp | T ms ours (llama.cpp) | V(4)/T ours (llama.cpp) "
           "| prefill vs llama.cpp | rounds | load |")

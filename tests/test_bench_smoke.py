@@ -77,11 +77,16 @@ def test_bench_json_on_tiny_model(tmp_path):
         lines = t.stdout.splitlines()
         assert lines[0].startswith("| file / setting |") and len(lines) == 3, t.stdout
         assert lines[2].startswith("| tiny.gguf, depth 64, 32-token prefill | ") and "| - |" in lines[2], lines[2]
-    # a missing path, a non-result file and an empty directory: exit 2, a message, no table
+    # a missing path, a non-result file (binary, a JSON list, a wrong field) and an empty directory:
+    # exit 2, a one-line message (not the binary file's bytes, not a traceback), no table
     (tmp_path / "empty").mkdir()
-    for arg in (tmp_path / "nope.json", tmp_path / "tiny.gguf", tmp_path / "empty"):
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "field.json").write_text('{"model": "x", "depth": 1}')
+    for arg in (tmp_path / "nope.json", tmp_path / "tiny.gguf", tmp_path / "empty", tmp_path / "list.json",
+                tmp_path / "field.json"):
         t = subprocess.run([*summ, str(arg)], capture_output=True, text=True, timeout=60)
         assert t.returncode == 2 and t.stdout == "" and "summarize:" in t.stderr, (arg, t)
+        assert len(t.stderr) < 400 and t.stderr.count("\n") == 1 and "Traceback" not in t.stderr, (arg, t.stderr)
 
 
 def test_bench_table_and_peer_absent_or_present(tmp_path):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,3 +36,21 @@ def test_serve_bench_json_on_tiny_model():
     assert pd["stack_tok_s"] > 0 and pd["engine_tok_s"] > 0 and pd["t_ms"] > 0
     px = out["prefix"]
     assert px["prompt_tokens"] == 300 and px["cached_prompt_tokens"] == 299 and px["identical"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--clients", "0"], "--clients needs comma-separated integers >= 1, got '0'"),
+    (["--clients", "1,x"], "--clients needs comma-separated integers >= 1"),
+    (["--batch-max", "0"], "--batch-max needs comma-separated integers >= 1"),
+    (["--rounds", "-1"], "--rounds must be >= 1, got -1"),
+    (["--pairs", "-1"], "--pairs must be >= 0, got -1"),
+    (["--decode-tokens", "0"], "--decode-tokens must be >= 1, got 0"),
+    (["--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: no such file"),
+])
+def test_serve_bench_argument_errors(args, message):
+    # was: --clients 0 a traceback (max() of an empty sequence), --rounds -1 and --pairs -1 a run,
+    # a missing --model a StackError traceback after starting the stack
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--quick", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""

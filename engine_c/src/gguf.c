@@ -761,7 +761,10 @@ es_status es_gguf_open(const char *path, es_gguf **out, char *err, size_t err_le
         es_set_err(err, err_len, "gguf: path and out must not be NULL");
         return ES_ERR_INVALID_ARG;
     }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO (or a device) for reading would otherwise wait for a writer;
+     * the fstat below then refuses it. The file is only mapped, never read(), so the flag
+     * changes nothing for a regular file. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         es_set_err(err, err_len, "gguf: cannot open '%s': %s", path, strerror(errno));
         return ES_ERR_IO;

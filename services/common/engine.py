@@ -264,9 +264,13 @@ class Session:
             (greedy token after the last position, logits or None); bitwise what
             forward() gives for that position.
         Raises:
+            TypeError: logits is not a bool (e.g. forward()'s "none"/"last"/"all").
             EngineError: as forward(); the KV cache is then unchanged.
         """
         self._check()
+        if not isinstance(logits, (bool, np.bool_)):
+            raise TypeError(f"prefill's logits must be True or False, not {logits!r} (it returns the last "
+                            f"position's logits only; forward() takes 'none', 'last' or 'all')")
         tok = self._tokens(tokens)
         am = np.empty(1, dtype=np.int32)
         out = np.empty((1, self.n_vocab), dtype=np.float32) if logits else None
@@ -343,8 +347,20 @@ def forward_batch(items: Sequence[tuple["Session", Sequence[int] | np.ndarray, s
         [rows, n_vocab] or None), or the EngineError of that item, which did
         not run (its KV cache is unchanged; the other items ran).
     Raises:
+        TypeError: an item is not a 4-tuple or its first element is not a Session.
         ValueError: an unknown head or logits name.
+        Both are raised before any item runs (a batch longer than MAX_BATCH included).
     """
+    for i, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) != 4:
+            raise TypeError(f"items[{i}] must be a (session, tokens, head, logits) tuple, not {item!r:.80}")
+        session, _, head, logits = item
+        if not isinstance(session, Session):
+            raise TypeError(f"items[{i}]: the session must be a Session, not {type(session).__name__}")
+        if not isinstance(head, str) or head not in _HEADS:
+            raise ValueError(f"items[{i}]: head must be 'all' or 'last', not {head!r}")
+        if not isinstance(logits, str) or logits not in _LOGITS_MODES:
+            raise ValueError(f"items[{i}]: logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
     results: list = [None] * len(items)
     for start in range(0, len(items), MAX_BATCH):
         _forward_batch_call(items[start:start + MAX_BATCH], results, start)
@@ -356,11 +372,7 @@ def _forward_batch_call(items, results: list, offset: int) -> None:
     keep = []          # the buffers the call reads and writes
     outs = []
     ran = []
-    for i, (session, tokens, head, logits) in enumerate(items):
-        if head not in _HEADS:
-            raise ValueError(f"head must be 'all' or 'last', not {head!r}")
-        if logits not in _LOGITS_MODES:
-            raise ValueError(f"logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
+    for i, (session, tokens, head, logits) in enumerate(items):   # checked by forward_batch
         try:
             session._check()
             tok = session._tokens(tokens)

@@ -18,8 +18,10 @@ Byte layout (little-endian)::
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -344,8 +346,18 @@ def read(path: str | os.PathLike[str]) -> GGUFFile:
         OSError: the file cannot be opened or mapped.
         GGUFFormatError: see `parse`.
     """
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
+    # O_NONBLOCK: a FIFO opened for reading would otherwise wait for a writer (the file is only mapped)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fsdecode(path))
+    with open(fd, "rb") as fh:
+        size = st.st_size
         if size == 0:
             return parse(b"")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
