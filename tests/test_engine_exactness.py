@@ -406,3 +406,20 @@ def test_sampling_respects_top_k(rows):
     row = rows[1]
     allowed = set(np.argsort(-row)[:3].tolist())
     assert set(_draws(row, 60, seed=9, temperature=5.0, top_k=3)) <= allowed
+
+
+def test_forward_logits_that_is_not_a_name_is_a_value_error(small_model):
+    # was: TypeError "unhashable type: 'list'" for logits=["all"]
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        for bad in (["all"], {"all": 1}, 1):
+            with pytest.raises(ValueError, match="logits must be one of"):
+                s.forward(TOKENS[:2], logits=bad)
+        assert s.n_past == 0
+
+
+def test_session_threads_reads_back_a_python_int(small_model):
+    # was: a numpy integer set as the count came back as that numpy integer
+    import numpy as np
+    with small_model.new_session(n_ctx=32, n_threads=2) as s:
+        s.threads = np.int64(1)
+        assert type(s.threads) is int and s.threads == 1

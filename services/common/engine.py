@@ -214,10 +214,11 @@ class Session:
         self._check()
         if type(n) is int and n == self._threads:   # no C call (no GIL hand-off) between two forwards
             return
-        st = lib.es_session_set_threads(self._ptr, _int32(n, "threads"))
+        v = _int32(n, "threads")
+        st = lib.es_session_set_threads(self._ptr, v)
         if st != 0:
             self._raise(st)
-        self._threads = n
+        self._threads = v
 
     def forward(self, tokens: Sequence[int] | np.ndarray, logits: str = "none"
                 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -234,7 +235,7 @@ class Session:
                 ES_ERR_CAPACITY (n_past + N > n_ctx). The KV cache is then unchanged.
         """
         self._check()
-        if logits not in _LOGITS_MODES:
+        if not isinstance(logits, str) or logits not in _LOGITS_MODES:
             raise ValueError(f"logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
         tok = self._tokens(tokens)
         n = tok.size
