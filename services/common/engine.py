@@ -235,8 +235,7 @@ class Session:
                 ES_ERR_CAPACITY (n_past + N > n_ctx). The KV cache is then unchanged.
         """
         self._check()
-        if not isinstance(logits, str) or logits not in _LOGITS_MODES:
-            raise ValueError(f"logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
+        _check_logits(logits)
         tok = self._tokens(tokens)
         n = tok.size
         am = np.empty(max(n, 1), dtype=np.int32)
@@ -360,8 +359,7 @@ def forward_batch(items: Sequence[tuple["Session", Sequence[int] | np.ndarray, s
             raise TypeError(f"items[{i}]: the session must be a Session, not {type(session).__name__}")
         if not isinstance(head, str) or head not in _HEADS:
             raise ValueError(f"items[{i}]: head must be 'all' or 'last', not {head!r}")
-        if not isinstance(logits, str) or logits not in _LOGITS_MODES:
-            raise ValueError(f"items[{i}]: logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
+        _check_logits(logits, f"items[{i}]: ")
     results: list = [None] * len(items)
     for start in range(0, len(items), MAX_BATCH):
         _forward_batch_call(items[start:start + MAX_BATCH], results, start)
@@ -418,6 +416,12 @@ def _forward_batch_call(items, results: list, offset: int) -> None:
                 st, ffi.string(lib.es_session_last_error(session._ptr)).decode(errors="replace"))
         else:
             results[offset + i] = (am, out)
+
+
+def _check_logits(logits, where: str = "") -> None:
+    """ValueError unless ``logits`` is one of the names of _LOGITS_MODES."""
+    if not isinstance(logits, str) or logits not in _LOGITS_MODES:
+        raise ValueError(f"{where}logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
 
 
 def _int32(v, name: str) -> int:
