@@ -123,9 +123,9 @@ def main() -> int:
             return r
         execute = sched._execute
 
-        def timed_execute(batch):
+        def timed_execute(batch, *rest):
             iters.append([time.perf_counter(), 0.0, sorted(s._t_submit for s in batch), 0.0])
-            execute(batch)
+            execute(batch, *rest)
             iters[-1][3] = time.perf_counter()
         sched._run_batch = timed_batch
         sched._execute = timed_execute

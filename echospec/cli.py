@@ -186,6 +186,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(f"--batch-max {args.batch_max}: sessions per engine iteration must be in [1, 256]", 2)
     if not 1 <= args.prefill_chunk <= 1 << 20:
         _die(f"--prefill-chunk {args.prefill_chunk}: must be >= 1", 2)
+    if not 1 <= args.decode_steps <= 1024:
+        _die(f"--decode-steps {args.decode_steps}: greedy steps per engine call must be in [1, 1024]", 2)
     ports = [p for p in (args.port, args.verifier_port, args.draft_port, max(args.http_port, 0)) if p]
     if len(set(ports)) != len(ports):
         _die("--port, --verifier-port, --draft-port and --http-port must differ", 2)
@@ -211,7 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             metrics_port=args.metrics_port, log_level=args.log_level,
                             log_format=args.log_format, batch_max=args.batch_max,
                             prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
-                            http_port=args.http_port, api_key=api_key,
+                            decode_steps=args.decode_steps, http_port=args.http_port, api_key=api_key,
                             tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
                             tls_ca=args.tls_ca or "", tls_client_ca=args.tls_client_ca or "")
     except StackError as exc:
@@ -1037,6 +1039,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens per prefill step (default 256): a long prompt never stalls"
                         " others for longer")
+    p.add_argument("--decode-steps", type=int, default=8,
+                   help="greedy steps the engine runs per call for a generation that runs alone"
+                        " (default 8; 1: one call per token); anything else that arrives ends a run"
+                        " after its current step")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep finished generations' KV for reuse by prompts sharing a prefix")
     p.add_argument("--http-port", type=int, default=-1,

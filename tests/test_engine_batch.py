@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufgen import write_tiny_model  # noqa: E402
 
+from echospec._engine import ffi
 from echospec.services.common.engine import EngineError, Model, forward_batch
 
 N_VOCAB = 256
@@ -152,3 +153,50 @@ def test_thread_count_per_call_is_bitwise_neutral(model):
     s.close()
     with pytest.raises(EngineError):
         s.threads = 1
+
+
+# -- es_decode (Session.decode): greedy steps in one engine call ---------------------------------
+
+def test_decode_equals_one_forward_per_token(model):
+    ref = model.new_session(n_ctx=64, n_threads=1)
+    tok0, _ = ref.prefill(_tokens(0, 0, 12))
+    want, cur = [], tok0
+    for _ in range(20):
+        cur = int(ref.forward([cur])[0][0])
+        want.append(cur)
+    for threads in (1, 2):
+        s = model.new_session(n_ctx=64, n_threads=threads)
+        assert s.prefill(_tokens(0, 0, 12))[0] == tok0
+        got, ms = s.decode(tok0, 20)
+        assert got == want and len(ms) == 20 and all(t > 0 for t in ms)
+        assert s.n_past == 12 + 20
+        # a stop id ends the run after the step that produced it (its first occurrence)
+        s.rollback(12)
+        j = next(i for i in range(10, -1, -1) if want[i] not in want[:i])
+        got, _ = s.decode(tok0, 20, stop_ids=[-5, want[j]])
+        assert got == want[:j + 1] and s.n_past == 12 + j + 1
+        # a set interrupt: one step
+        s.rollback(12)
+        flag = ffi.new("int32_t *", 1)
+        assert s.decode(tok0, 20, interrupt=flag)[0] == want[:1] and s.n_past == 13
+        s.close()
+    ref.close()
+
+
+def test_decode_refusals_leave_the_kv_unchanged(model):
+    s = model.new_session(n_ctx=16, n_threads=1)
+    tok0, _ = s.prefill(_tokens(1, 0, 12))
+    for kw, status in ((dict(max_steps=0), "INVALID_ARG"), (dict(max_steps=5), "CAPACITY"),
+                       (dict(max_steps=2, token=model.info.n_vocab), "INVALID_ARG"),
+                       (dict(max_steps=2, token=-1), "INVALID_ARG")):
+        args = dict(token=tok0) | kw
+        with pytest.raises(EngineError) as e:
+            s.decode(args.pop("token"), **args)
+        assert e.value.name == f"ES_ERR_{status}" and str(e.value), kw
+        assert s.n_past == 12
+    with pytest.raises(EngineError, match="max_steps must be an integer"):
+        s.decode(tok0, 2.5)
+    with pytest.raises(EngineError, match="stop id must be an integer"):
+        s.decode(tok0, 2, stop_ids=["x"])
+    assert s.decode(tok0, 4)[0] and s.n_past == 16   # the room that is left
+    s.close()

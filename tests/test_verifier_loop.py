@@ -230,13 +230,13 @@ def test_a_short_request_gets_its_first_token_before_a_long_prefill_ends(model_p
     orig = sched._execute
     first_chunk = threading.Event()
 
-    def execute(batch):
+    def execute(batch, *rest):
         if not first_chunk.is_set():
             first_chunk.set()
             t_end = time.monotonic() + 10
             while sched.waiting < 1 and time.monotonic() < t_end:   # hold A's first chunk until B queues
                 time.sleep(0.001)
-        orig(batch)
+        orig(batch, *rest)
 
     sched._execute = execute
     done: dict = {}
@@ -586,3 +586,75 @@ def test_a_cancelled_stream_stops_and_stop_waits_for_its_forward():
     m = b.steps
     time.sleep(0.05)
     assert a.steps == n and b.steps == m and sched.waiting == 0
+
+
+# -- in-engine decoding (decode_steps) -----------------------------------------------------------
+
+def _events(core, prompt, max_tokens, eos=()):
+    return [(e.tokens, e.n_past) for e in generate(core, prompt, max_tokens, eos=eos)]
+
+
+def test_a_lone_greedy_generation_decodes_several_steps_per_engine_call(model_path):
+    one, many = make_core(model_path, decode_steps=1), make_core(model_path, decode_steps=8)
+    try:
+        prompt = [5, 9, 13, 17, 21]
+        for core in (one, many):
+            core.scheduler.iterations = 0
+        want = _events(one, prompt, 40)
+        calls_one = one.scheduler.iterations
+        assert _events(many, prompt, 40) == want     # the same tokens, one event per token
+        assert len(want) == 40 and calls_one == 40
+        assert many.scheduler.iterations <= 1 + 1 + 39 // 8 + 1   # prefill, then runs of <= 8 steps
+        toks = [t for ev, _ in want for t in ev]
+        # max_tokens inside a run, and an EOS id inside one (its first occurrence past the first
+        # run), end the generation on the same token as one step per call
+        assert _events(many, prompt, 13) == want[:13]
+        j = next(i for i in range(12, 30) if toks[i] not in toks[:i])
+        assert _events(many, prompt, 40, eos=[toks[j]]) == _events(one, prompt, 40, eos=[toks[j]]) == want[:j + 1]
+        # a full KV cache inside a run: the same tokens and the same FINISH_CONTEXT end
+        long = [3] * (N_CTX - 12)
+        ends = [[(e.tokens, e.n_past, e.finish) for e in generate(c, long, 100)] for c in (one, many)]
+        assert ends[0] == ends[1] and ends[1][-1][2] == FINISH_CONTEXT
+    finally:
+        one.close()
+        many.close()
+
+
+def test_in_engine_decoding_gives_way_to_a_second_generation(model_path):
+    """A generation that arrives while another's in-engine run goes on ends that run after its
+    current step (at batch_max 1 the two then alternate), and each output is its solo output."""
+    core = VerifierCore(VerifierConfig(model=model_path, n_ctx=2048, n_threads=1, decode_steps=1024))
+    try:
+        a_prompt, b_prompt = [7, 8, 9], [40, 41, 42, 43]
+        solo_a, solo_b = (tokens_of(generate(core, p, n)) for p, n in ((a_prompt, 1500), (b_prompt, 32)))
+        core.scheduler.trace = []
+        out: dict = {}
+
+        def run_b():
+            out["b"] = tokens_of(generate(core, b_prompt, 32))
+
+        b = threading.Thread(target=run_b)
+        orig = core.scheduler._execute
+
+        def execute(batch, run_decode=False):
+            if run_decode and not b.is_alive() and "b" not in out:
+                b.start()   # B arrives while A's first run (up to 1024 steps) goes on
+            orig(batch, run_decode)
+
+        core.scheduler._execute = execute
+        req = GenerationRequest(prompt=a_prompt, max_tokens=1500, eos_ids=frozenset(), sampling=Sampling())
+        got_a = tokens_of(run_generation(core, req, threading.Event()))
+        b.join(60)
+        assert got_a == solo_a and out["b"] == solo_b
+        # one trace entry per engine step: B's steps came before A's run could end
+        ids = [e[0] for e in core.scheduler.trace]
+        a_id = ids[0]
+        first_b = next(i for i, x in enumerate(ids) if x != a_id)
+        assert first_b < 1 + 1024 and ids[first_b:].count(a_id) > 0, first_b
+    finally:
+        core.close()
+
+
+def test_decode_steps_must_be_positive():
+    with pytest.raises(ValueError):
+        Scheduler(threading.Lock(), decode_steps=0)

@@ -224,6 +224,33 @@ es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_token
 es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_tokens,
                           int32_t *argmax_last, float *logits_last);
 
+/*
+ * Greedy decoding in the engine: up to max_steps single-token steps, each
+ * fed the previous step's argmax, without returning to the caller between
+ * them. Step i runs es_forward over one token (token for step 0, then
+ * tokens_out[i - 1]) and writes its greedy next token to tokens_out[i];
+ * each step is bitwise that es_forward call, so the tokens are those of
+ * max_steps calls made one by one.
+ *   stop_ids   int32[n_stop] (NULL when n_stop is 0): the run ends after a
+ *              step whose token is one of them (EOS), the token included
+ *   interrupt  NULL, or an int32 another thread may set while the run goes
+ *              on: when it is not 0 after a step, the run ends there (a
+ *              scheduler that has other work, a cancelled request). At
+ *              least one step runs whatever its value.
+ *   tokens_out int32[max_steps]
+ *   ms_out     float32[max_steps] or NULL: each step's wall time (ms)
+ *   n_out      out: the steps done, also on error
+ * After the run the KV cache holds token and tokens_out[0 .. n_out - 2]:
+ * the last token has not been fed yet (it is the next call's token).
+ * Errors: ES_ERR_INVALID_ARG (max_steps < 1, n_stop < 0, a NULL array it
+ * needs, token out of range), ES_ERR_CAPACITY (n_past + max_steps > n_ctx),
+ * both before any step; an error of step i (as es_forward's) ends the run
+ * with n_out = i and the KV cache as after step i - 1.
+ */
+es_status es_decode(es_session *session, int32_t token, int32_t max_steps, const int32_t *stop_ids,
+                    int32_t n_stop, const int32_t *interrupt, int32_t *tokens_out, float *ms_out,
+                    int32_t *n_out);
+
 /* es_batch_item.head: the rows the output head runs on. */
 enum {
     ES_HEAD_ALL = 0,            /* every position, as es_forward */

@@ -16,6 +16,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #if !defined(ES_FORCE_SCALAR) && (defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX__)))
 #include <immintrin.h>
@@ -1127,6 +1128,46 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     if (st != ES_OK) return st;
     fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode};
     return forward_impl(s, &g, 1);
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
+}
+
+es_status es_decode(es_session *s, int32_t token, int32_t max_steps, const int32_t *stop_ids, int32_t n_stop,
+                    const int32_t *interrupt, int32_t *tokens_out, float *ms_out, int32_t *n_out) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    if (n_out) *n_out = 0;
+    if (!n_out || !tokens_out || max_steps < 1 || n_stop < 0 || (n_stop > 0 && !stop_ids)) {
+        es_set_err(s->err, sizeof s->err,
+                   "decode needs max_steps >= 1 (got %d), n_stop >= 0 (got %d), tokens_out, n_out%s",
+                   (int)max_steps, (int)n_stop, n_stop > 0 ? " and stop_ids" : "");
+        return ES_ERR_INVALID_ARG;
+    }
+    /* the whole run's room up front, so that a full cache is an error before any step */
+    es_status st = check_forward_args(s, &token, 1, NULL, 0);
+    if (st != ES_OK) return st;
+    if ((int64_t)s->kv.n_past + max_steps > s->kv.n_ctx) {
+        es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d + %d decode steps > n_ctx %d",
+                   (int)s->kv.n_past, (int)max_steps, (int)s->kv.n_ctx);
+        return ES_ERR_CAPACITY;
+    }
+    int32_t cur = token;
+    for (int32_t i = 0; i < max_steps; i++) {
+        double t0 = ms_out ? now_ms() : 0.0;
+        if ((st = check_forward_args(s, &cur, 1, NULL, 0)) != ES_OK) return st;
+        fwd_seg g = {s, &cur, 0, 1, 0, 1, &tokens_out[i], NULL, 0};
+        if ((st = forward_impl(s, &g, 1)) != ES_OK) return st;
+        if (ms_out) ms_out[i] = (float)(now_ms() - t0);
+        *n_out = i + 1;
+        cur = tokens_out[i];
+        for (int32_t j = 0; j < n_stop; j++)
+            if (stop_ids[j] == cur) return ES_OK;
+        if (interrupt && __atomic_load_n(interrupt, __ATOMIC_ACQUIRE)) return ES_OK;
+    }
+    return ES_OK;
 }
 
 /* Item i's own checks (es_forward_batch's contract), with m the batch's model;

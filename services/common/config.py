@@ -62,6 +62,7 @@ class VerifierConfig:
     batch_max: int = 1           # sessions per scheduler iteration (>= 2: speculation is refused)
     batch_tokens: int = 512      # tokens per scheduler iteration
     prefill_chunk: int = 256     # prompt tokens per prefill step (chunked prefill)
+    decode_steps: int = 8        # greedy steps per engine call of a generation that runs alone
     prefix_cache: bool = True    # keep finished generations' KV for prefix reuse
     prefix_cache_sessions: int = 4  # idle sessions (one KV cache each) the prefix cache keeps
     # engine threads of a scheduler iteration that batches >= 2 sessions or feeds one a
@@ -281,6 +282,7 @@ _INT_RANGES: dict[str, tuple] = {
     "batch_max": (1, 256, "sessions per iteration"),
     "batch_tokens": (1, _BIG, "tokens per iteration"),
     "prefill_chunk": (1, _BIG, "prompt tokens per prefill step"),
+    "decode_steps": (1, 1024, "greedy steps per engine call"),
     "prefix_cache_sessions": (0, _BIG, "idle sessions kept (0: none)"),
     "k_max": (1, _BIG, "the largest k a request may ask for"),
     "max_tokens_limit": (1, _BIG, "the largest max_tokens a request may ask for"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -280,6 +280,42 @@ class Session:
         if st != 0:
             self._raise(st)
         return int(am[0]), out
+
+    def decode(self, token: int, max_steps: int, stop_ids: Sequence[int] = (),
+               interrupt: Any = None) -> tuple[list[int], list[float]]:
+        """Greedy decoding in the engine (es_decode): up to ``max_steps`` one-token steps, each fed
+        the previous step's argmax, with no return to Python between them.
+
+        Args:
+            token: the first step's token (not yet in the KV cache).
+            max_steps: >= 1; n_past + max_steps must fit in n_ctx.
+            stop_ids: the run ends after the step that produces one of them (EOS).
+            interrupt: None, or an ``ffi.new("int32_t *")`` another thread may set to
+                non-zero: the run ends after the step that is running (at least one runs).
+        Returns:
+            (tokens, ms): the steps' greedy tokens, bitwise those of one forward() per step,
+            and each step's wall time. The KV cache then holds ``token`` and every returned
+            token but the last.
+        Raises:
+            EngineError: bad arguments, a run past n_ctx, or a step's own failure; the KV
+                cache is then as before the call (steps done before a failing one are rolled back).
+        """
+        self._check()
+        n = _int32(max_steps, "max_steps")
+        n0 = lib.es_session_n_past(self._ptr)
+        stops = [_int32(t, "stop id") for t in stop_ids]
+        out = ffi.new("int32_t[]", max(n, 1))
+        ms = ffi.new("float[]", max(n, 1))
+        n_out = ffi.new("int32_t *")
+        st = lib.es_decode(self._ptr, _int32(token, "token"), n, ffi.new("int32_t[]", stops) if stops else ffi.NULL,
+                           len(stops), interrupt if interrupt is not None else ffi.NULL, out, ms, n_out)
+        if st != 0:
+            msg = ffi.string(lib.es_session_last_error(self._ptr)).decode(errors="replace")
+            if n_out[0]:
+                lib.es_session_rollback(self._ptr, n0)
+            raise EngineError(st, msg)
+        k = n_out[0]
+        return list(out[0:k]), list(ms[0:k])
 
     def _tokens(self, tokens) -> np.ndarray:
         if type(tokens) is list and all(type(t) is int for t in tokens):   # the scheduler's steps

@@ -214,7 +214,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
                 metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
                 batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
-                max_message_bytes: int | None = None, ready_timeout_s: float = 180.0,
+                decode_steps: int = 8, max_message_bytes: int | None = None, ready_timeout_s: float = 180.0,
                 http_port: int = -1, api_key: str = "", tls_cert: str = "", tls_key: str = "",
                 tls_ca: str = "", tls_client_ca: str = "") -> Stack:
     """Start draft, verifier and coordinator on ``host``.
@@ -240,6 +240,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
             threads mode: the caller configures logging, see services/common/logs.py).
         batch_max: verifier sessions per scheduler iteration (>= 2 refuses speculation).
         prefill_chunk: prompt tokens per prefill step (chunked prefill).
+        decode_steps: greedy steps per engine call of a generation that runs alone (1: a
+            call per token).
         prefix_cache: keep finished generations' KV for prefix reuse.
         http_port: the OpenAI-compatible gateway's port (-1: no gateway, 0: a free port).
         api_key: the coordinator and the gateway demand ``authorization: Bearer <api_key>``
@@ -268,7 +270,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
                           n_threads=n_threads, batch_threads=batch_threads,
                           max_sessions=max_sessions, batch_max=batch_max,
-                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, **msg, **logc,
+                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                          decode_steps=decode_steps, **msg, **logc,
                           metrics_port=side_metrics2, **internal)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
                              max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port,

@@ -351,6 +351,10 @@ class _PlainStream:
     ``out`` entries: (token, forward ms, T ms, wall ms, n_past, last) per round, then _CONTEXT when
     the KV cache is full. ``ended``: no further round (set after its last entry); ``error``: why the
     stream failed (Cancelled when it was dropped on cancel).
+
+    A greedy stream lets the engine run several steps in one call when it is alone
+    (``decode_max``, the steps left before max_tokens or a full KV cache; the EOS ids stop
+    the run): a step's result is then several tokens, each taken as its own round.
     """
 
     def __init__(self, run: _Run, produced: int, r0: float):
@@ -362,6 +366,14 @@ class _PlainStream:
         self.ended = False
         self.stopped = False
         self.error: BaseException | None = None
+        self.stop_ids = tuple(run.req.eos_ids) if self.greedy else ()
+        self.decode_max = self._room(run.session.n_past)
+
+    def _room(self, n_past: int) -> int:
+        """Greedy steps the next call may run: none past max_tokens or the KV capacity (0: not greedy)."""
+        if not self.greedy:
+            return 0
+        return max(1, min(self.run.req.max_tokens - self.produced, self.run.n_ctx - n_past))
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -374,26 +386,34 @@ class _PlainStream:
             return None
         run = self.run
         core, req = run.core, run.req
-        run.kv_tokens.extend(st.tokens)
-        tok = run.choose(st.argmax[0], st.logits_out)
-        if self.greedy:
-            core.observe_decode(st.forward_ms)
         now = time.perf_counter()
         wall_ms = (now - self.r0) * 1e3
         self.r0 = now
-        last = tok in req.eos_ids
-        if not last:
-            self.produced += 1
-            last = self.produced >= req.max_tokens
-        n_past = run.session.n_past
-        full = not last and n_past + 1 > run.n_ctx
-        self.out.append((tok, st.forward_ms, core.t_ms, wall_ms, n_past, last))
-        if full:
-            self.out.append(_CONTEXT)
-        if last or full:
-            self.ended = True
-            return None
-        return [tok]
+        if st.step_ms is not None:   # an in-engine run: its steps' tokens, fed one after another
+            toks, step_ms = [int(t) for t in st.argmax], st.step_ms
+            run.kv_tokens.extend(st.tokens + toks[:-1])
+            wall = [wall_ms - sum(step_ms[1:])] + step_ms[1:]
+        else:
+            toks, step_ms, wall = [run.choose(st.argmax[0], st.logits_out)], [st.forward_ms], [wall_ms]
+            run.kv_tokens.extend(st.tokens)
+        n_past = run.session.n_past - len(toks)
+        for tok, ms, w in zip(toks, step_ms, wall):
+            n_past += 1
+            if self.greedy:
+                core.observe_decode(ms)
+            last = tok in req.eos_ids
+            if not last:
+                self.produced += 1
+                last = self.produced >= req.max_tokens
+            full = not last and n_past + 1 > run.n_ctx
+            self.out.append((tok, ms, core.t_ms, w, n_past, last))
+            if full:
+                self.out.append(_CONTEXT)
+            if last or full:
+                self.ended = True
+                return None
+        self.decode_max = self._room(n_past)
+        return [toks[-1]]
 
 
 def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator[RoundEvent]:
@@ -407,7 +427,8 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
     sched, cancel = core.scheduler, run.cancel
     stream = _PlainStream(run, produced, r0)
     mode = "none" if stream.greedy else "last"
-    sched.start(Step(session, [history[-1]], "all", mode, stream=stream, cancel=cancel))
+    sched.start(Step(session, [history[-1]], "all", mode, stream=stream, cancel=cancel,
+                     decode=stream.decode_max, stop_ids=stream.stop_ids))
 
     def ready() -> bool:
         return bool(stream.out) or stream.ended or cancel.is_set()

@@ -40,6 +40,15 @@ active a thread of the scheduler's runs the iterations (it ends with the last
 stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
+In-engine decoding (``decode_steps`` > 1): a greedy stream's step that runs
+alone, with nothing else queued, may become one Session.decode call of up to
+``decode_steps`` greedy steps (the stream's ``decode_max`` caps it below
+max_tokens and the KV capacity; its EOS ids end it), so a lone generation
+pays no Python between its tokens. Anything that arrives meanwhile (a step
+queued, a stream stopped, ``wake`` after a cancel) sets the run's interrupt,
+and the engine returns after the step that runs. The tokens are bitwise one
+forward per token (es_decode's contract).
+
 Engine threads (``threads`` = (one, many)): an iteration over one session
 runs on ``one`` thread(s) of the sessions' pools, one that batches two or
 more sessions, or feeds one session MANY_TOKENS or more (a prefill chunk), on
@@ -67,7 +76,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from echospec.services.common.engine import EngineError, forward_batch
+from echospec.services.common.engine import EngineError, ffi, forward_batch
 
 
 MANY_TOKENS = 16   # an iteration over one session of this many tokens runs on ``many`` threads
@@ -87,6 +96,11 @@ class Step:
                 ``logits`` is "last".
         "all"   argmax of every position (decode / verify); logits per ``logits``
                 ("none" or "last").
+    decode > 1 (a greedy stream's step of one token, no logits): when the
+    step runs alone, the engine may run up to ``decode`` greedy steps in one
+    call (Session.decode), each fed the last one's token, ending after a
+    token of ``stop_ids``; argmax is then every step's token and step_ms each
+    step's time.
     Results (set by the scheduler): argmax, logits, forward_ms (the iteration's
     forward, shared by every step of the batch), queued_ms, error.
     """
@@ -103,6 +117,9 @@ class Step:
     done: bool = False
     stream: Any = None                # a continuing step's owner (see ``start``); None: ``run`` waits
     cancel: threading.Event | None = None   # a stream's cancel event (set: it is dropped)
+    decode: int = 0                   # most greedy steps in one engine call (see above)
+    stop_ids: tuple = ()
+    step_ms: list | None = None       # an in-engine run's per-step times
     _t_submit: float = field(default=0.0, repr=False)
 
 
@@ -141,15 +158,21 @@ class Scheduler:
         threads: (engine threads of an iteration over one session, of one over two or
             more), set on the sessions (Session.threads) before each call; None: the
             sessions' counts are left as they are.
+        decode_steps: most greedy steps one engine call runs for a stream that is alone
+            (Session.decode; 1: one forward per call). The call ends early when anything
+            else arrives (a step, a stop, a cancel: ``wake``), after the step that runs.
     """
 
     def __init__(self, engine_lock: threading.Lock, batch_max: int = 1, batch_tokens: int = 512,
                  prefill_chunk: int = 256,
                  run_batch: Callable[[list[tuple[Any, list[int], str, str]]], list[Any]] = forward_batch,
-                 gather: float = 0.5, threads: tuple[int, int] | None = None):
-        if batch_max < 1 or batch_tokens < 1 or prefill_chunk < 1:
-            raise ValueError(f"batch_max {batch_max}, batch_tokens {batch_tokens} and prefill_chunk"
-                             f" {prefill_chunk} must be >= 1")
+                 gather: float = 0.5, threads: tuple[int, int] | None = None, decode_steps: int = 1):
+        if batch_max < 1 or batch_tokens < 1 or prefill_chunk < 1 or decode_steps < 1:
+            raise ValueError(f"batch_max {batch_max}, batch_tokens {batch_tokens}, prefill_chunk"
+                             f" {prefill_chunk} and decode_steps {decode_steps} must be >= 1")
+        self.decode_steps = decode_steps
+        # set (under _cv) whenever other work arrives; an in-engine decode run reads it after each step
+        self._interrupt = ffi.new("int32_t *")
         self.engine_lock = engine_lock
         self.batch_max = batch_max
         self.batch_tokens = batch_tokens
@@ -176,8 +199,10 @@ class Scheduler:
             return len(self._queue)
 
     def wake(self) -> None:
-        """Wake every waiting generation (call after setting a cancel event)."""
+        """Wake every waiting generation (call after setting a cancel event); ends a running
+        in-engine decode run after its current step."""
         with self._cv:
+            self._interrupt[0] = 1
             self._cv.notify_all()
 
     def leave(self, session: Any) -> None:
@@ -205,6 +230,7 @@ class Scheduler:
         step._t_submit = time.perf_counter()
         with self._cv:
             self._queue.append(step)
+            self._interrupt[0] = 1
             if id(step.session) in self._expect:
                 self._expect.discard(id(step.session))
                 self._cv.notify_all()
@@ -236,6 +262,7 @@ class Scheduler:
         step._t_submit = time.perf_counter()
         with self._cv:
             self._queue.append(step)
+            self._interrupt[0] = 1
             self._streams += 1
             if id(step.session) in self._expect:
                 self._expect.discard(id(step.session))
@@ -248,6 +275,7 @@ class Scheduler:
         """End ``stream``: it gets no further step; returns once none of its forwards runs."""
         with self._cv:
             stream.stopped = True
+            self._interrupt[0] = 1
             while True:
                 for i, s in enumerate(self._queue):
                     if s.stream is stream:
@@ -297,13 +325,17 @@ class Scheduler:
         batch = [self._queue[i] for i in idx]
         for i in reversed(idx):
             del self._queue[i]
+        # alone and nothing else waiting: the engine may run several greedy steps in one call
+        run_decode = (self.decode_steps > 1 and len(batch) == 1 and not self._queue
+                      and batch[0].decode > 1 and len(batch[0].tokens) == 1)
+        self._interrupt[0] = 0
         self._busy = True
         self._running = batch
         self._cv.release()
         t0 = time.perf_counter()
         nexts: list[Any] | None = None
         try:
-            self._execute(batch)
+            self._execute(batch, run_decode)
             nexts = [self._advance(s) if s.stream is not None else None for s in batch]
         finally:
             self._cv.acquire()
@@ -319,7 +351,8 @@ class Scheduler:
                 if nxt is None or getattr(s.stream, "stopped", False):
                     self._streams -= 1
                     continue
-                n = Step(s.session, nxt, s.head, s.logits, stream=s.stream, cancel=s.cancel)
+                n = Step(s.session, nxt, s.head, s.logits, stream=s.stream, cancel=s.cancel,
+                         decode=getattr(s.stream, "decode_max", 0), stop_ids=s.stop_ids)
                 n._t_submit = t1
                 self._queue.append(n)
             self._expect = {id(s.session) for s in batch if s.stream is None}
@@ -338,8 +371,9 @@ class Scheduler:
             step.stream.fail(exc)
             return None
 
-    def _execute(self, batch: list[Step]) -> None:
-        """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock.
+    def _execute(self, batch: list[Step], run_decode: bool = False) -> None:
+        """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock
+        (run_decode: the lone step's in-engine decode run instead, Session.decode).
 
         Each step gets its own result or its own error (a bad step fails alone;
         the others run).
@@ -360,7 +394,15 @@ class Scheduler:
                             s.session.threads = n
                         except EngineError:   # a closed session: its own item fails below
                             pass
-                results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
+                if run_decode:
+                    s = batch[0]
+                    toks, s.step_ms = s.session.decode(s.tokens[0], min(s.decode, self.decode_steps),
+                                                       s.stop_ids, self._interrupt)
+                    results = [(toks, None)]
+                    if self.trace is not None:   # one entry per engine step
+                        self.trace.extend([[id(s.session)]] * (len(toks) - 1))
+                else:
+                    results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
             except Exception as exc:  # every step's owner re-raises it
                 results = [exc] * len(batch)
             ms = (time.perf_counter() - t_start) * 1e3

@@ -315,7 +315,8 @@ class VerifierCore:
         self.t_ms = 0.0
         self._t_alpha = 0.1
         self.scheduler = Scheduler(self.engine_lock, config.batch_max, config.batch_tokens,
-                                   config.prefill_chunk, threads=(n_threads, batch_threads))
+                                   config.prefill_chunk, threads=(n_threads, batch_threads),
+                                   decode_steps=config.decode_steps)
         self.prefix_cache = PrefixCache(config.prefix_cache_sessions if config.prefix_cache else 0)
         self._gen_active = 0                              # sessions held by generations
 
