@@ -235,6 +235,19 @@ def test_invalid_token_id_leaves_state(small_model, bad):
         assert _continues_like_fresh(s, TOKENS[:5], TOKENS[5:9])
 
 
+@pytest.mark.parametrize("bad", [
+    [5, 2 ** 64 - 1], np.array([5, 2 ** 64 - 1], dtype=np.uint64), np.array([5, 2 ** 32 + 3], dtype=np.uint64),
+    [5, 2 ** 31], np.array([5, -(2 ** 63)], dtype=np.int64)], ids=["list", "uint64", "uint64-wrap", "int32+1", "int64"])
+def test_token_id_outside_int32_is_quoted_as_sent(small_model, bad):
+    """The message quotes the id the caller sent (a cast to int64 made uint64 2**64-1 read "token -1")."""
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        with pytest.raises(EngineError) as ei:
+            s.forward(bad)
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert f"token {int(bad[1])} at index 1 does not fit in int32" in ei.value.message
+        assert s.n_past == 0
+
+
 def test_empty_forward_raises(small_model):
     with small_model.new_session(n_ctx=32, n_threads=1) as s:
         s.forward(TOKENS[:3])

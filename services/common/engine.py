@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import numpy as np
 
@@ -286,16 +286,16 @@ class Session:
             try:
                 return np.array(tokens, dtype=np.int32)
             except OverflowError:
-                raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32") from None
+                _raise_token_not_int32(tokens)
         raw = np.asarray(tokens)
         if raw.ndim != 1:
             raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be a 1-D sequence, got shape {raw.shape}")
         if raw.size and not np.issubdtype(raw.dtype, np.integer):
             raise EngineError(ES_ERR_INVALID_ARG, f"token ids must be integers, got {raw.dtype}")
-        arr = np.ascontiguousarray(raw.astype(np.int64))
-        if arr.size and (arr.min() < -(2 ** 31) or arr.max() >= 2 ** 31):
-            raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32")
-        return arr.astype(np.int32)
+        # Range check on the values as given: a cast to int64 first would turn uint64 2**64-1 into -1.
+        if raw.size and (int(raw.min()) < -(2 ** 31) or int(raw.max()) >= 2 ** 31):
+            _raise_token_not_int32(raw.tolist())
+        return np.ascontiguousarray(raw.astype(np.int32))
 
     def rollback(self, n_past: int) -> None:
         """Truncate the KV cache to its first ``n_past`` positions (exact).
@@ -422,6 +422,13 @@ def _check_logits(logits, where: str = "") -> None:
     """ValueError unless ``logits`` is one of the names of _LOGITS_MODES."""
     if not isinstance(logits, str) or logits not in _LOGITS_MODES:
         raise ValueError(f"{where}logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
+
+
+def _raise_token_not_int32(tokens: list) -> NoReturn:
+    """EngineError(ES_ERR_INVALID_ARG) quoting the first token id (a Python int) outside int32."""
+    i, t = next((i, t) for i, t in enumerate(tokens) if not -(2 ** 31) <= t < 2 ** 31)
+    raise EngineError(ES_ERR_INVALID_ARG, f"token {t} at index {i} does not fit in int32 "
+                                          f"[{-(2 ** 31)}, {2 ** 31 - 1}]")
 
 
 def _int32(v, name: str) -> int:
