@@ -381,6 +381,21 @@ def test_sampling_top_k_must_be_int32(rows, top_k):
         sample(rows[0], temperature=1.0, top_k=top_k, rng=7)
 
 
+@pytest.mark.parametrize("rng, err", [(1.5, TypeError), (7.0, TypeError), (True, TypeError), (np.bool_(False), TypeError),
+                                      ("7", TypeError), (None, TypeError), (2 ** 64, ValueError),
+                                      (-(2 ** 63) - 1, ValueError)])
+def test_sampling_rng_must_be_a_64bit_integer(rows, rng, err):
+    """A float seed was truncated by int() (1.5 drew as seed 1); a bool or a 65-bit int passed silently."""
+    with pytest.raises(err, match="rng"):
+        sample(rows[0], temperature=1.0, rng=rng)
+
+
+def test_sampling_rng_accepts_both_64bit_readings(rows):
+    assert sample(rows[0], temperature=1.0, rng=-1) == sample(rows[0], temperature=1.0, rng=2 ** 64 - 1)
+    assert sample(rows[0], temperature=1.0, rng=np.uint64(2 ** 64 - 1)) == sample(rows[0], temperature=1.0, rng=-1)
+    assert sample(rows[0], temperature=1.0, rng=np.int64(9)) == sample(rows[0], temperature=1.0, rng=9)
+
+
 def test_sampling_same_seed_same_tokens(rows):
     kw = dict(temperature=1.5, top_k=50, top_p=0.95, min_p=0.01)
     for row in rows[:3]:

@@ -448,13 +448,20 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
         logits_row: float32 [n_vocab].
         temperature: <= 0 means greedy argmax.
         top_k: <= 0 off. top_p: >= 1 off. min_p: <= 0 off.
-        rng: 64-bit xorshift64* state (seed it from the request seed).
+        rng: 64-bit xorshift64* state (seed it from the request seed): an int in
+            [-2**63, 2**64); a negative one is read as its two's complement.
     Returns:
-        (token id, the advanced rng state).
+        (token id, the advanced rng state, in [0, 2**64)).
     Raises:
+        TypeError: rng is not an integer (a float or bool would be silently truncated).
         ValueError: logits_row is empty or not 1-D, a parameter is NaN, top_k is not an
-            int32, or (sampling) a logit is NaN or +inf or every logit is -inf.
+            int32, rng is outside [-2**63, 2**64), or (sampling) a logit is NaN or +inf
+            or every logit is -inf.
     """
+    if isinstance(rng, (bool, np.bool_)) or not isinstance(rng, (int, np.integer)):
+        raise TypeError(f"rng must be an integer (a 64-bit seed or state), not {type(rng).__name__} {rng!r}")
+    if not -(2 ** 63) <= int(rng) < 2 ** 64:
+        raise ValueError(f"rng = {int(rng)} is outside the 64-bit range [{-(2 ** 63)}, {2 ** 64 - 1}]")
     row = np.asarray(logits_row, dtype=np.float32)
     if row.ndim != 1:
         raise ValueError(f"logits_row must be 1-D, got shape {row.shape}")
