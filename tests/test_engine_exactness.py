@@ -363,8 +363,27 @@ def test_sampling_rejects_2d_rows_and_inf_logits(rows):
 def test_sampling_rejects_nan_logits(rows):
     row = rows[0].copy()
     row[:] = np.nan
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="logit 0 is NaN"):
         sample(row, temperature=0.8, rng=7)
+
+
+@pytest.mark.parametrize("temp", [0.0, -1.0, 0.8])
+@pytest.mark.parametrize("at", [0, 17, 319])
+def test_sampling_refuses_a_nan_logit_at_any_temperature(rows, temp, at):
+    """Greedy returned the NaN's index when it was first (and passed over it elsewhere)."""
+    row = rows[0].copy()
+    row[at] = np.nan
+    with pytest.raises(ValueError, match=f"logit {at} is NaN"):
+        sample(row, temperature=temp, rng=7)
+
+
+def test_sampling_refusals_name_the_cause(rows):
+    row = rows[0].copy()
+    row[40] = np.inf
+    with pytest.raises(ValueError, match="logit 40 is \\+inf"):
+        sample(row, temperature=0.8, rng=7)
+    with pytest.raises(ValueError, match="top_p is NaN"):
+        sample(rows[0], temperature=0.8, top_p=float("nan"), rng=7)
 
 
 def test_sampling_rejects_rows_without_a_finite_logit(rows):

@@ -446,7 +446,7 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
 
     Args:
         logits_row: float32 [n_vocab].
-        temperature: <= 0 means greedy argmax.
+        temperature: <= 0 means greedy: the first index of the largest logit.
         top_k: <= 0 off. top_p: >= 1 off. min_p: <= 0 off.
         rng: 64-bit xorshift64* state (seed it from the request seed): an int in
             [-2**63, 2**64); a negative one is read as its two's complement.
@@ -455,8 +455,8 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     Raises:
         TypeError: rng is not an integer (a float or bool would be silently truncated).
         ValueError: logits_row is empty or not 1-D, a parameter is NaN, top_k is not an
-            int32, rng is outside [-2**63, 2**64), or (sampling) a logit is NaN or +inf
-            or every logit is -inf.
+            int32, rng is outside [-2**63, 2**64), a logit is NaN (greedy too: the
+            message names its position), or (sampling) a logit is +inf or every logit is -inf.
     """
     if isinstance(rng, (bool, np.bool_)) or not isinstance(rng, (int, np.integer)):
         raise TypeError(f"rng must be an integer (a 64-bit seed or state), not {type(rng).__name__} {rng!r}")
@@ -478,6 +478,18 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     st = ffi.new("uint64_t *", int(rng) & 0xFFFFFFFFFFFFFFFF)
     tok = lib.es_sample(ffi.from_buffer("float[]", row), row.size, p, st)
     if tok < 0:
-        raise ValueError("es_sample rejected its arguments: NaN in temperature, top_p or min_p, "
-                         "or (temperature > 0) a NaN or +inf logit or no finite logit")
+        raise ValueError(_sample_refusal(row, p))
     return int(tok), int(st[0])
+
+
+def _sample_refusal(row: np.ndarray, p) -> str:
+    """Why es_sample returned -1 for these arguments (its rules, in its order)."""
+    for name in ("temperature", "top_p", "min_p"):
+        if np.isnan(getattr(p, name)):
+            return f"{name} is NaN"
+    nan = np.flatnonzero(np.isnan(row))
+    if nan.size:
+        return f"logit {int(nan[0])} is NaN ({nan.size} NaN logits): no token can be chosen"
+    if np.isposinf(row).any():
+        return f"logit {int(np.flatnonzero(np.isposinf(row))[0])} is +inf: sampling (temperature > 0) needs finite logits"
+    return "no finite logit: every logit is -inf"
