@@ -387,12 +387,31 @@ def test_openai_fields_at_their_defaults_are_accepted():
     assert ei.value.param == "modalities"
 
 
+def test_max_tokens_and_max_completion_tokens_must_agree(client):
+    """Both given and different: 400 naming both (max_completion_tokens silently won); equal: one limit."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 7}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.post("/chat/completions", body=body, cast_to=object)
+    err = ei.value.body
+    assert ei.value.status_code == 400 and err["param"] == "max_completion_tokens"
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_argument"
+    assert err["message"] == ("max_tokens (9) and max_completion_tokens (7) differ: give one of them "
+                              "(they name the same limit)")
+    assert api.parse_request({"messages": MESSAGES, "max_tokens": 7, "max_completion_tokens": 7},
+                             chat=True).request.max_tokens == 7
+    assert api.parse_request({"messages": MESSAGES, "max_tokens": 5}, chat=True).request.max_tokens == 5
+    assert api.parse_request({"messages": MESSAGES, "max_completion_tokens": 6},
+                             chat=True).request.max_tokens == 6
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, max_completion_tokens=3)
+    assert r.usage.completion_tokens <= 3
+
+
 def test_parse_request_maps_fields():
     p = api.parse_request({
         "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                      {"type": "text", "text": "b"}]},
                                    {"role": "user", "content": "hi"}],
-        "max_tokens": 9, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
         "stop": "END", "seed": 2 ** 63, "n": 1, "stream": True,
         "stream_options": {"include_usage": True},
         "prediction": {"type": "content", "content": [{"type": "text", "text": "pred"}]},
@@ -401,7 +420,7 @@ def test_parse_request_maps_fields():
     r = p.request
     assert p.chat and p.stream and p.include_usage
     assert [(m.role, m.content) for m in r.messages] == [("system", "ab"), ("user", "hi")]
-    assert r.max_tokens == 7                                    # max_completion_tokens wins
+    assert r.max_tokens == 7
     assert (round(r.temperature, 6), round(r.top_p, 6), r.seed) == (0.5, 0.9, 2 ** 63)
     assert list(r.stop) == ["END"] and r.prediction == "pred"
     assert (r.spec, r.k, r.top_k, round(r.min_p, 6), r.draft_namespace) == (ON, 6, 40, 0.05, "ns")

@@ -314,9 +314,14 @@ def parse_request(body: Any, chat: bool) -> Parsed:
                 so.get("include_usage") not in (None, True, False):
             raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
         include_usage = bool(so.get("include_usage"))
-    max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
+    max_tokens = _integer(body, "max_tokens", 1)
+    if chat:   # OpenAI's newer name of max_tokens: one limit, so two different values are refused
+        mct = _integer(body, "max_completion_tokens", 1)
+        if mct is not None and max_tokens is not None and mct != max_tokens:
+            raise bad(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) differ: give one of them "
+                      f"(they name the same limit)", "max_completion_tokens")
+        if mct is not None:
+            max_tokens = mct
     req.max_tokens = max_tokens or 0
     t = _number(body, "temperature", 0.0, 2.0)
     req.temperature = t or 0.0
