@@ -122,6 +122,29 @@ def test_completions_text_and_token_prompts(client, stub, stream):
         assert text == g.text
 
 
+@pytest.mark.parametrize("temperature", [-1.0, 0.0, 0.7, 2.5, 30.0])
+def test_temperature_one_rule_over_http_and_grpc(client, stub, temperature):
+    """Any finite temperature, <= 0 greedy, on both surfaces (HTTP refused -1 and 2.5 with
+    "must be in [0, 2]" while gRPC took them); the same value gives the same text."""
+    g = grpc_complete(stub, text="the cat sat", max_tokens=12, temperature=temperature, seed=11)
+    r = client.completions.create(model="m", prompt="the cat sat", max_tokens=12, temperature=temperature,
+                                  seed=11)
+    assert r.choices[0].text == g.text
+    if temperature <= 0:
+        assert g.text == grpc_complete(stub, text="the cat sat", max_tokens=12).text   # greedy
+
+
+def test_temperature_beyond_float32_refused_over_http_and_grpc(client, stub):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="m", prompt="hi", max_tokens=2, temperature=1e39)
+    assert ei.value.body["param"] == "temperature"
+    assert ei.value.body["message"] == ("temperature must be a finite float32 (within about ±3.4e38; "
+                                        "<= 0 is greedy), got 1e+39")
+    with pytest.raises(grpc.RpcError) as gi:    # protobuf stores 1e39 in the float32 field as inf
+        grpc_complete(stub, text="hi", max_tokens=2, temperature=1e39)
+    assert gi.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature must be finite" in gi.value.details()
+
+
 def test_prediction_same_text_and_counts(client, stub):
     base = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=OFF)
     # a prediction that agrees for a while, then diverges

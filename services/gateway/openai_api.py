@@ -9,7 +9,8 @@ OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
     draft_namespace  cross-request draft memory scope ("" shares nothing)
-Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up.
+Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
+temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
 Responses carry OpenAI's fields plus one extra object, ``echospec``:
     {"spec_enabled": bool, "spec_reason": str, "finish_reason": "eos"|"stop"|"length"|"context",
@@ -151,6 +152,7 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
 
 
 _INT32_MAX = 2 ** 31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38   # the wire's temperature, top_p and min_p are float32
 
 
 def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None:
@@ -323,7 +325,12 @@ def parse_request(body: Any, chat: bool) -> Parsed:
         if mct is not None:
             max_tokens = mct
     req.max_tokens = max_tokens or 0
-    t = _number(body, "temperature", 0.0, 2.0)
+    # the coordinator's rule (coordinator.proto): any finite float32, <= 0 greedy; wider than
+    # OpenAI's [0, 2], so every request OpenAI takes means the same here
+    t = _number(body, "temperature", -math.inf, math.inf)
+    if t is not None and abs(t) > _FLOAT32_MAX:
+        raise bad(f"temperature must be a finite float32 (within about ±3.4e38; <= 0 is greedy), "
+                  f"got {body['temperature']!r}", "temperature")
     req.temperature = t or 0.0
     top_p = _number(body, "top_p", -math.inf, math.inf)
     if top_p is not None:
