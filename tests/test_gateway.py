@@ -429,6 +429,30 @@ def test_max_tokens_and_max_completion_tokens_must_agree(client):
     assert r.usage.completion_tokens <= 3
 
 
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_max_tokens_below_one_names_the_range_over_http(client, name, value):
+    """HTTP refuses 0 (it asks for no tokens) and says the range (was: "must be >= 1, got 0")."""
+    body = {"model": "m", "messages": MESSAGES, name: value}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.post("/chat/completions", body=body, cast_to=object)
+    assert ei.value.body["param"] == name
+    assert ei.value.body["message"] == (f"{name} must be in [1, max_tokens_limit] (the server's limit, 8192 by "
+                                        f"default); leave it out for the server's default, got {value}")
+
+
+def test_max_tokens_zero_over_grpc_is_the_server_default(stub):
+    """proto3 cannot tell 0 from unset: 0 means the coordinator's default (GetInfo's max_tokens_default)."""
+    default = stub.GetInfo(cpb.GetInfoRequest(), timeout=10).max_tokens_default
+    g0 = grpc_complete(stub, text="the cat sat", max_tokens=0)
+    assert g0.token_ids == grpc_complete(stub, text="the cat sat", max_tokens=default).token_ids
+    assert g0.token_ids == grpc_complete(stub, text="the cat sat").token_ids
+    with pytest.raises(grpc.RpcError) as gi:
+        grpc_complete(stub, text="the cat sat", max_tokens=-3)
+    assert gi.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert gi.value.details() == "max_tokens must be in [1, 8192], got -3"
+
+
 def test_parse_request_maps_fields():
     p = api.parse_request({
         "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},

@@ -30,6 +30,7 @@ from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.common.chat_template import ROLE_ALIASES, VALID_ROLES
+from echospec.services.common.config import CoordinatorConfig
 
 
 class ApiError(Exception):
@@ -168,6 +169,18 @@ def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None
     if v > hi:
         raise bad(f"{name} must be <= {hi}" + (" (the largest value the API carries)"
                                               if hi == _INT32_MAX else "") + f", got {v}", name)
+    return v
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    """max_tokens or max_completion_tokens: an integer >= 1. The upper limit is the coordinator's
+    (it names it when refusing); 0 is refused here because the wire's 0 means "the server's default"
+    (proto3 cannot tell 0 from unset), and an explicit 0 asks for no tokens, which OpenAI refuses."""
+    v = _integer(body, name, -(2 ** 31))
+    if v is not None and v < 1:
+        raise bad(f"{name} must be in [1, max_tokens_limit] (the server's limit, "
+                  f"{CoordinatorConfig.max_tokens_limit} by default); leave it out for the server's default, "
+                  f"got {v}", name)
     return v
 
 
@@ -316,9 +329,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
                 so.get("include_usage") not in (None, True, False):
             raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
         include_usage = bool(so.get("include_usage"))
-    max_tokens = _integer(body, "max_tokens", 1)
+    max_tokens = _max_tokens(body, "max_tokens")
     if chat:   # OpenAI's newer name of max_tokens: one limit, so two different values are refused
-        mct = _integer(body, "max_completion_tokens", 1)
+        mct = _max_tokens(body, "max_completion_tokens")
         if mct is not None and max_tokens is not None and mct != max_tokens:
             raise bad(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) differ: give one of them "
                       f"(they name the same limit)", "max_completion_tokens")
