@@ -176,7 +176,7 @@ def _max_tokens(body: dict, name: str) -> int | None:
     """max_tokens or max_completion_tokens: an integer >= 1. The upper limit is the coordinator's
     (it names it when refusing); 0 is refused here because the wire's 0 means "the server's default"
     (proto3 cannot tell 0 from unset), and an explicit 0 asks for no tokens, which OpenAI refuses."""
-    v = _integer(body, name, -(2 ** 31))
+    v = _integer(body, name, -math.inf)   # type and int32 checks; the lower bound below
     if v is not None and v < 1:
         raise bad(f"{name} must be in [1, max_tokens_limit] (the server's limit, "
                   f"{CoordinatorConfig.max_tokens_limit} by default); leave it out for the server's default, "
