@@ -378,18 +378,26 @@ def main() -> int:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--batch-max", default="1,8")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per client generation")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per client generation (default 64)")
     ap.add_argument("--prompt-words", type=int, default=24)
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=4, help="alternated stack/engine decode rounds")
-    ap.add_argument("--long-tokens", type=int, default=1000)
-    ap.add_argument("--pairs", type=int, default=3,
-                    help="alternated one-at-a-time / all-at-once pairs (0: skip the paired figure)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="plain decode length (default 128)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternated stack/engine decode rounds (default 4)")
+    ap.add_argument("--long-tokens", type=int, default=None, help="prefix reuse prompt length (default 1000)")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="alternated one-at-a-time / all-at-once pairs (0: skip the paired figure; default 3)")
     ap.add_argument("--pair-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="one untimed round of each side before the pairs (--no-pair-warmup: none)")
-    ap.add_argument("--quick", action="store_true", help="small sizes: a sanity run")
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes, a sanity run: --max-tokens 16 --decode-tokens 32 --rounds 2 --long-tokens 300"
+                         " --pairs 1 (flags given explicitly keep their values)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    defaults = dict(max_tokens=64, decode_tokens=128, rounds=4, long_tokens=1000, pairs=3)
+    if args.quick:
+        defaults.update(max_tokens=16, decode_tokens=32, rounds=2, long_tokens=300, pairs=1)
+    for name, value in defaults.items():   # explicit flags win over --quick
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for flag, least in (("threads", 0), ("batch_threads", 0), ("n_ctx", 1), ("max_tokens", 1), ("prompt_words", 1),
                         ("decode_tokens", 1), ("rounds", 1), ("long_tokens", 1), ("pairs", 0)):
         if getattr(args, flag) < least:
@@ -404,9 +412,6 @@ def main() -> int:
             ap.error(f"--{flag.replace('_', '-')} needs comma-separated integers >= 1, got {raw!r}")
     if args.model not in ("", "tiny") and not Path(args.model).is_file():
         ap.error(f"--model {args.model}: no such file (a GGUF path, 'tiny' or empty for SmolLM2)")
-    if args.quick:
-        args.max_tokens, args.decode_tokens, args.rounds, args.long_tokens = 16, 32, 2, 300
-        args.pairs = min(args.pairs, 1)
     args.clients = [int(x) for x in args.clients.split(",")]
     if 1 not in args.clients:
         args.clients.insert(0, 1)

@@ -235,6 +235,19 @@ def test_invalid_token_id_leaves_state(small_model, bad):
         assert _continues_like_fresh(s, TOKENS[:5], TOKENS[5:9])
 
 
+@pytest.mark.parametrize("bad", [
+    [5, 2 ** 64 - 1], np.array([5, 2 ** 64 - 1], dtype=np.uint64), np.array([5, 2 ** 32 + 3], dtype=np.uint64),
+    [5, 2 ** 31], np.array([5, -(2 ** 63)], dtype=np.int64)], ids=["list", "uint64", "uint64-wrap", "int32+1", "int64"])
+def test_token_id_outside_int32_is_quoted_as_sent(small_model, bad):
+    """The message quotes the id the caller sent (a cast to int64 made uint64 2**64-1 read "token -1")."""
+    with small_model.new_session(n_ctx=32, n_threads=1) as s:
+        with pytest.raises(EngineError) as ei:
+            s.forward(bad)
+        assert ei.value.status == ES_ERR_INVALID_ARG
+        assert f"token {int(bad[1])} at index 1 does not fit in int32" in ei.value.message
+        assert s.n_past == 0
+
+
 def test_empty_forward_raises(small_model):
     with small_model.new_session(n_ctx=32, n_threads=1) as s:
         s.forward(TOKENS[:3])
@@ -350,8 +363,27 @@ def test_sampling_rejects_2d_rows_and_inf_logits(rows):
 def test_sampling_rejects_nan_logits(rows):
     row = rows[0].copy()
     row[:] = np.nan
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="logit 0 is NaN"):
         sample(row, temperature=0.8, rng=7)
+
+
+@pytest.mark.parametrize("temp", [0.0, -1.0, 0.8])
+@pytest.mark.parametrize("at", [0, 17, 319])
+def test_sampling_refuses_a_nan_logit_at_any_temperature(rows, temp, at):
+    """Greedy returned the NaN's index when it was first (and passed over it elsewhere)."""
+    row = rows[0].copy()
+    row[at] = np.nan
+    with pytest.raises(ValueError, match=f"logit {at} is NaN"):
+        sample(row, temperature=temp, rng=7)
+
+
+def test_sampling_refusals_name_the_cause(rows):
+    row = rows[0].copy()
+    row[40] = np.inf
+    with pytest.raises(ValueError, match="logit 40 is \\+inf"):
+        sample(row, temperature=0.8, rng=7)
+    with pytest.raises(ValueError, match="top_p is NaN"):
+        sample(rows[0], temperature=0.8, top_p=float("nan"), rng=7)
 
 
 def test_sampling_rejects_rows_without_a_finite_logit(rows):
@@ -366,6 +398,21 @@ def test_sampling_rejects_rows_without_a_finite_logit(rows):
 def test_sampling_top_k_must_be_int32(rows, top_k):
     with pytest.raises(ValueError, match="top_k"):
         sample(rows[0], temperature=1.0, top_k=top_k, rng=7)
+
+
+@pytest.mark.parametrize("rng, err", [(1.5, TypeError), (7.0, TypeError), (True, TypeError), (np.bool_(False), TypeError),
+                                      ("7", TypeError), (None, TypeError), (2 ** 64, ValueError),
+                                      (-(2 ** 63) - 1, ValueError)])
+def test_sampling_rng_must_be_a_64bit_integer(rows, rng, err):
+    """A float seed was truncated by int() (1.5 drew as seed 1); a bool or a 65-bit int passed silently."""
+    with pytest.raises(err, match="rng"):
+        sample(rows[0], temperature=1.0, rng=rng)
+
+
+def test_sampling_rng_accepts_both_64bit_readings(rows):
+    assert sample(rows[0], temperature=1.0, rng=-1) == sample(rows[0], temperature=1.0, rng=2 ** 64 - 1)
+    assert sample(rows[0], temperature=1.0, rng=np.uint64(2 ** 64 - 1)) == sample(rows[0], temperature=1.0, rng=-1)
+    assert sample(rows[0], temperature=1.0, rng=np.int64(9)) == sample(rows[0], temperature=1.0, rng=9)
 
 
 def test_sampling_same_seed_same_tokens(rows):

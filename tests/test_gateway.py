@@ -122,6 +122,29 @@ def test_completions_text_and_token_prompts(client, stub, stream):
         assert text == g.text
 
 
+@pytest.mark.parametrize("temperature", [-1.0, 0.0, 0.7, 2.5, 30.0])
+def test_temperature_one_rule_over_http_and_grpc(client, stub, temperature):
+    """Any finite temperature, <= 0 greedy, on both surfaces (HTTP refused -1 and 2.5 with
+    "must be in [0, 2]" while gRPC took them); the same value gives the same text."""
+    g = grpc_complete(stub, text="the cat sat", max_tokens=12, temperature=temperature, seed=11)
+    r = client.completions.create(model="m", prompt="the cat sat", max_tokens=12, temperature=temperature,
+                                  seed=11)
+    assert r.choices[0].text == g.text
+    if temperature <= 0:
+        assert g.text == grpc_complete(stub, text="the cat sat", max_tokens=12).text   # greedy
+
+
+def test_temperature_beyond_float32_refused_over_http_and_grpc(client, stub):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="m", prompt="hi", max_tokens=2, temperature=1e39)
+    assert ei.value.body["param"] == "temperature"
+    assert ei.value.body["message"] == ("temperature must be a finite float32 (within about ±3.4e38; "
+                                        "<= 0 is greedy), got 1e+39")
+    with pytest.raises(grpc.RpcError) as gi:    # protobuf stores 1e39 in the float32 field as inf
+        grpc_complete(stub, text="hi", max_tokens=2, temperature=1e39)
+    assert gi.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature must be finite" in gi.value.details()
+
+
 def test_prediction_same_text_and_counts(client, stub):
     base = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=OFF)
     # a prediction that agrees for a while, then diverges
@@ -387,12 +410,55 @@ def test_openai_fields_at_their_defaults_are_accepted():
     assert ei.value.param == "modalities"
 
 
+def test_max_tokens_and_max_completion_tokens_must_agree(client):
+    """Both given and different: 400 naming both (max_completion_tokens silently won); equal: one limit."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 7}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.post("/chat/completions", body=body, cast_to=object)
+    err = ei.value.body
+    assert ei.value.status_code == 400 and err["param"] == "max_completion_tokens"
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_argument"
+    assert err["message"] == ("max_tokens (9) and max_completion_tokens (7) differ: give one of them "
+                              "(they name the same limit)")
+    assert api.parse_request({"messages": MESSAGES, "max_tokens": 7, "max_completion_tokens": 7},
+                             chat=True).request.max_tokens == 7
+    assert api.parse_request({"messages": MESSAGES, "max_tokens": 5}, chat=True).request.max_tokens == 5
+    assert api.parse_request({"messages": MESSAGES, "max_completion_tokens": 6},
+                             chat=True).request.max_tokens == 6
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, max_completion_tokens=3)
+    assert r.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_max_tokens_below_one_names_the_range_over_http(client, name, value):
+    """HTTP refuses 0 (it asks for no tokens) and says the range (was: "must be >= 1, got 0")."""
+    body = {"model": "m", "messages": MESSAGES, name: value}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.post("/chat/completions", body=body, cast_to=object)
+    assert ei.value.body["param"] == name
+    assert ei.value.body["message"] == (f"{name} must be in [1, max_tokens_limit] (the server's limit, 8192 by "
+                                        f"default); leave it out for the server's default, got {value}")
+
+
+def test_max_tokens_zero_over_grpc_is_the_server_default(stub):
+    """proto3 cannot tell 0 from unset: 0 means the coordinator's default (GetInfo's max_tokens_default)."""
+    default = stub.GetInfo(cpb.GetInfoRequest(), timeout=10).max_tokens_default
+    g0 = grpc_complete(stub, text="the cat sat", max_tokens=0)
+    assert g0.token_ids == grpc_complete(stub, text="the cat sat", max_tokens=default).token_ids
+    assert g0.token_ids == grpc_complete(stub, text="the cat sat").token_ids
+    with pytest.raises(grpc.RpcError) as gi:
+        grpc_complete(stub, text="the cat sat", max_tokens=-3)
+    assert gi.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert gi.value.details() == "max_tokens must be in [1, 8192], got -3"
+
+
 def test_parse_request_maps_fields():
     p = api.parse_request({
         "model": "x", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                      {"type": "text", "text": "b"}]},
                                    {"role": "user", "content": "hi"}],
-        "max_tokens": 9, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9,
         "stop": "END", "seed": 2 ** 63, "n": 1, "stream": True,
         "stream_options": {"include_usage": True},
         "prediction": {"type": "content", "content": [{"type": "text", "text": "pred"}]},
@@ -401,7 +467,7 @@ def test_parse_request_maps_fields():
     r = p.request
     assert p.chat and p.stream and p.include_usage
     assert [(m.role, m.content) for m in r.messages] == [("system", "ab"), ("user", "hi")]
-    assert r.max_tokens == 7                                    # max_completion_tokens wins
+    assert r.max_tokens == 7
     assert (round(r.temperature, 6), round(r.top_p, 6), r.seed) == (0.5, 0.9, 2 ** 63)
     assert list(r.stop) == ["END"] and r.prediction == "pred"
     assert (r.spec, r.k, r.top_k, round(r.min_p, 6), r.draft_namespace) == (ON, 6, 40, 0.05, "ns")

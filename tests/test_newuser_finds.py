@@ -530,6 +530,34 @@ def test_verifier_refuses_bad_sampling_up_front(tiny_stack, sampling):
         assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 3
 
 
+def test_float_refusals_quote_the_value_sent_not_its_float32_error(tiny_stack):
+    """The wire's float32 fields printed their binary error: "got 0.30000001192092896" for 0.3."""
+    import grpc
+
+    from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        for kw, message in (({"top_p": 1.2}, "top_p must be in (0, 1] (leave it unset or 1 for off), got 1.2"),
+                            ({"min_p": 1.3}, "min_p must be in [0, 1], got 1.3")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(coordinator_pb2.CompleteRequest(text="hi", max_tokens=2, **kw), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == message
+        r = stub.Complete(coordinator_pb2.CompleteRequest(text="hi", max_tokens=2, temperature=0.3,
+                                                          spec=common_pb2.SPEC_MODE_ON), timeout=30)
+        assert "temperature 0.3 > 0" in r.result.spec_reason, r.result.spec_reason
+    with grpc.insecure_channel(tiny_stack.verifier_target) as ch:
+        vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        for kw, code, message in (
+                ({"sampling": common_pb2.SamplingParams(temperature=1.0, min_p=1.3)},
+                 grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_p must be in [0, 1], got 1.3"),
+                ({"sampling": common_pb2.SamplingParams(temperature=0.3), "spec": True, "k": 2},
+                 grpc.StatusCode.FAILED_PRECONDITION, "speculation needs greedy decoding (temperature 0.3)")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(prompt=[1, 2, 3], max_tokens=3, **kw),
+                                          timeout=30))
+            assert e.value.code() == code and e.value.details().endswith(message), e.value.details()
+
+
 @pytest.mark.parametrize("field", ["prediction", "digit_tokens", "line_break_tokens"])
 def test_verifier_refuses_token_lists_outside_the_vocabulary(tiny_stack, field):
     # line_break_tokens was passed on to the draft service unchecked
@@ -1618,7 +1646,8 @@ def test_chat_roles_and_text_parts_are_the_same_everywhere(tiny_stack):
 @pytest.mark.parametrize("body, message", [
     # were: "max_tokens must be in [1, 2147483647], got 0" and "k must be in [0, 1048576], got -1",
     # ranges the server does not have (its own: [1, 8192] and [1, 32])
-    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"max_tokens": 0}, "max_tokens must be in [1, max_tokens_limit] (the server's limit, 8192 by default); "
+                        "leave it out for the server's default, got 0"),
     ({"max_tokens": 100000}, "max_tokens must be in [1, 8192], got 100000"),
     ({"max_tokens": 2 ** 40}, "max_tokens must be <= 2147483647 (the largest value the API carries)"),
     ({"k": -1}, "k must be >= 0, got -1"),

@@ -38,6 +38,19 @@ def test_serve_bench_json_on_tiny_model():
     assert px["prompt_tokens"] == 300 and px["cached_prompt_tokens"] == 299 and px["identical"] is True
 
 
+def test_serve_bench_quick_keeps_explicit_flags():
+    """--quick presets only the sizes not given (it overwrote --rounds 3 with 2, --long-tokens with 300)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--model", "tiny", "--quick",
+                        "--threads", "1", "--clients", "1", "--batch-max", "1", "--pairs", "0",
+                        "--rounds", "3", "--long-tokens", "40", "--json"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["plain_decode"]["rounds"] == 3 and out["prefix"]["prompt_tokens"] == 40   # given
+    assert out["max_tokens"] == 16 and out["plain_decode"]["tokens"] == 32                # --quick's
+    assert "paired" not in out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--clients", "0"], "--clients needs comma-separated integers >= 1, got '0'"),
     (["--clients", "1,x"], "--clients needs comma-separated integers >= 1"),

@@ -36,6 +36,27 @@ def test_gating_table(name, mode, default, temp, top_p, min_p, caps, enabled, re
         assert reason in d.reason
 
 
+def test_gating_quotes_float32_values_as_sent():
+    """The wire's float32 0.3 reads back as 0.30000001192092896; the reason quotes 0.3, and keeps
+    the digits a float32 holds (was: ':g', 0.123457 for 0.12345679)."""
+    import numpy as np
+    f32 = lambda x: float(np.float32(x))
+    d = decide_spec(MODE_ON, False, f32(0.12345679), f32(0.3), f32(1e-7), OK_CAPS)
+    assert "temperature 0.12345679 > 0" in d.reason and "top_p 0.3 < 1" in d.reason
+    assert "min_p 1e-07 > 0" in d.reason
+
+
+@pytest.mark.parametrize("sent, shown", [(0.3, "0.3"), (1.3, "1.3"), (0.7, "0.7"), (100.0, "100.0"), (-1.0, "-1.0"),
+                                         (0.0, "0.0"), (1e-45, "1e-45"), (3.4028234663852886e38, "3.4028235e+38"),
+                                         (0.12345679, "0.12345679"), (float("inf"), "inf"), (float("nan"), "nan")])
+def test_f32_str_is_the_shortest_float32_spelling(sent, shown):
+    import numpy as np
+    from echospec.services.common.floats import f32_str
+    wire = float(np.float32(sent))
+    assert f32_str(wire) == shown
+    assert str(np.float32(wire)) == str(np.float32(shown))   # reads back as the same float32
+
+
 def test_gating_lists_every_violated_rule():
     d = decide_spec(MODE_ON, False, 0.5, 0.5, 0.1, VerifierCaps("sliding", True, 4))
     for frag in ("temperature", "top_p", "min_p", "KV eviction", "sparse", "batch_max"):

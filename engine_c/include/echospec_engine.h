@@ -314,11 +314,13 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items);
  * token is drawn from the softmax of the kept logits / temperature, using
  * and advancing the caller's 64-bit RNG state (xorshift64*; seed it with any
  * nonzero value; 0 is replaced by a fixed constant). Same state, same logits,
- * same token. Greedy (temperature <= 0) returns the argmax and leaves *rng
- * unchanged.
+ * same token. Greedy (temperature <= 0) returns the first index of the
+ * largest logit (+inf allowed) and leaves *rng unchanged.
  * Errors: returns -1 when logits or rng is NULL, n_vocab <= 0, a parameter
- * (temperature, top_p, min_p) is NaN, or, when sampling (temperature > 0),
- * a logit is NaN or +inf or every logit is -inf.
+ * (temperature, top_p, min_p) is NaN, a logit is NaN (greedy or sampling),
+ * or, when sampling (temperature > 0), a logit is +inf or every logit is
+ * -inf. (es_forward's argmax differs on NaN: it never picks a NaN after the
+ * first logit and gives 0 when the first is NaN.)
  */
 int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params *params,
                   uint64_t *rng);

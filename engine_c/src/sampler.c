@@ -30,10 +30,15 @@ static float next_uniform(uint64_t *state) {
     return (float)(r >> 40) * (1.0f / 16777216.0f);
 }
 
+/* The first index of the largest logit, or -1 when a logit is NaN (no order
+ * puts a NaN above or below the others, so no argmax is right). */
 static int32_t greedy(const float *logits, int32_t n) {
+    if (isnan(logits[0])) return -1;
     int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
+    for (int32_t i = 1; i < n; i++) {
+        if (isnan(logits[i])) return -1;
         if (logits[i] > logits[best]) best = i;
+    }
     return best;
 }
 
@@ -44,7 +49,7 @@ int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params 
     for (int32_t i = 0; i < n_vocab; i++)   /* +inf would make every softmax weight NaN */
         if (isnan(logits[i]) || logits[i] == INFINITY) return -1;
     cand *c = malloc((size_t)n_vocab * sizeof *c);
-    if (!c) return greedy(logits, n_vocab);
+    if (!c) return greedy(logits, n_vocab);   /* no NaN (checked above), so never -1 here */
     for (int32_t i = 0; i < n_vocab; i++) { c[i].logit = logits[i]; c[i].id = i; }
     qsort(c, (size_t)n_vocab, sizeof *c, cand_cmp);
     if (c[0].logit == -INFINITY) {   /* no finite logit: every softmax weight would be NaN */

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
@@ -322,16 +322,16 @@ class Session:
             try:
                 return np.array(tokens, dtype=np.int32)
             except OverflowError:
-                raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32") from None
+                _raise_token_not_int32(tokens)
         raw = np.asarray(tokens)
         if raw.ndim != 1:
             raise EngineError(ES_ERR_INVALID_ARG, f"tokens must be a 1-D sequence, got shape {raw.shape}")
         if raw.size and not np.issubdtype(raw.dtype, np.integer):
             raise EngineError(ES_ERR_INVALID_ARG, f"token ids must be integers, got {raw.dtype}")
-        arr = np.ascontiguousarray(raw.astype(np.int64))
-        if arr.size and (arr.min() < -(2 ** 31) or arr.max() >= 2 ** 31):
-            raise EngineError(ES_ERR_INVALID_ARG, "token id does not fit in int32")
-        return arr.astype(np.int32)
+        # Range check on the values as given: a cast to int64 first would turn uint64 2**64-1 into -1.
+        if raw.size and (int(raw.min()) < -(2 ** 31) or int(raw.max()) >= 2 ** 31):
+            _raise_token_not_int32(raw.tolist())
+        return np.ascontiguousarray(raw.astype(np.int32))
 
     def rollback(self, n_past: int) -> None:
         """Truncate the KV cache to its first ``n_past`` positions (exact).
@@ -460,6 +460,13 @@ def _check_logits(logits, where: str = "") -> None:
         raise ValueError(f"{where}logits must be one of {sorted(_LOGITS_MODES)}, not {logits!r}")
 
 
+def _raise_token_not_int32(tokens: list) -> NoReturn:
+    """EngineError(ES_ERR_INVALID_ARG) quoting the first token id (a Python int) outside int32."""
+    i, t = next((i, t) for i, t in enumerate(tokens) if not -(2 ** 31) <= t < 2 ** 31)
+    raise EngineError(ES_ERR_INVALID_ARG, f"token {t} at index {i} does not fit in int32 "
+                                          f"[{-(2 ** 31)}, {2 ** 31 - 1}]")
+
+
 def _int32(v, name: str) -> int:
     """v as a C int32 argument; EngineError(ES_ERR_INVALID_ARG) for a non-integer or one out of range."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -475,15 +482,22 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
 
     Args:
         logits_row: float32 [n_vocab].
-        temperature: <= 0 means greedy argmax.
+        temperature: <= 0 means greedy: the first index of the largest logit.
         top_k: <= 0 off. top_p: >= 1 off. min_p: <= 0 off.
-        rng: 64-bit xorshift64* state (seed it from the request seed).
+        rng: 64-bit xorshift64* state (seed it from the request seed): an int in
+            [-2**63, 2**64); a negative one is read as its two's complement.
     Returns:
-        (token id, the advanced rng state).
+        (token id, the advanced rng state, in [0, 2**64)).
     Raises:
+        TypeError: rng is not an integer (a float or bool would be silently truncated).
         ValueError: logits_row is empty or not 1-D, a parameter is NaN, top_k is not an
-            int32, or (sampling) a logit is NaN or +inf or every logit is -inf.
+            int32, rng is outside [-2**63, 2**64), a logit is NaN (greedy too: the
+            message names its position), or (sampling) a logit is +inf or every logit is -inf.
     """
+    if isinstance(rng, (bool, np.bool_)) or not isinstance(rng, (int, np.integer)):
+        raise TypeError(f"rng must be an integer (a 64-bit seed or state), not {type(rng).__name__} {rng!r}")
+    if not -(2 ** 63) <= int(rng) < 2 ** 64:
+        raise ValueError(f"rng = {int(rng)} is outside the 64-bit range [{-(2 ** 63)}, {2 ** 64 - 1}]")
     row = np.asarray(logits_row, dtype=np.float32)
     if row.ndim != 1:
         raise ValueError(f"logits_row must be 1-D, got shape {row.shape}")
@@ -500,6 +514,18 @@ def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top
     st = ffi.new("uint64_t *", int(rng) & 0xFFFFFFFFFFFFFFFF)
     tok = lib.es_sample(ffi.from_buffer("float[]", row), row.size, p, st)
     if tok < 0:
-        raise ValueError("es_sample rejected its arguments: NaN in temperature, top_p or min_p, "
-                         "or (temperature > 0) a NaN or +inf logit or no finite logit")
+        raise ValueError(_sample_refusal(row, p))
     return int(tok), int(st[0])
+
+
+def _sample_refusal(row: np.ndarray, p) -> str:
+    """Why es_sample returned -1 for these arguments (its rules, in its order)."""
+    for name in ("temperature", "top_p", "min_p"):
+        if np.isnan(getattr(p, name)):
+            return f"{name} is NaN"
+    nan = np.flatnonzero(np.isnan(row))
+    if nan.size:
+        return f"logit {int(nan[0])} is NaN ({nan.size} NaN logits): no token can be chosen"
+    if np.isposinf(row).any():
+        return f"logit {int(np.flatnonzero(np.isposinf(row))[0])} is +inf: sampling (temperature > 0) needs finite logits"
+    return "no finite logit: every logit is -inf"

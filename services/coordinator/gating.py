@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from echospec.services.common.floats import f32_str
+
 MODE_UNSPECIFIED, MODE_OFF, MODE_ON = 0, 1, 2  # echospec.v1.SpecMode values
 
 
@@ -54,11 +56,11 @@ def decide_spec(mode: int, server_default: bool, temperature: float, top_p: floa
                                    " server runs without --spec")
     reasons = []
     if temperature > 0:
-        reasons.append(f"temperature {temperature:g} > 0 (speculation needs greedy decoding)")
+        reasons.append(f"temperature {f32_str(temperature)} > 0 (speculation needs greedy decoding)")
     if top_p < 1:
-        reasons.append(f"top_p {top_p:g} < 1 (speculation needs greedy decoding)")
+        reasons.append(f"top_p {f32_str(top_p)} < 1 (speculation needs greedy decoding)")
     if min_p > 0:
-        reasons.append(f"min_p {min_p:g} > 0 (speculation needs greedy decoding)")
+        reasons.append(f"min_p {f32_str(min_p)} > 0 (speculation needs greedy decoding)")
     if caps.kv_eviction != "none":
         reasons.append(f"verifier KV eviction is {caps.kv_eviction!r} (needs 'none')")
     if caps.sparse_attention:

@@ -33,6 +33,7 @@ from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verif
 from echospec.services.common import grpc_util
 from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig, model_name
+from echospec.services.common.floats import f32_str
 from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord, SpecCounters
 from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
@@ -277,13 +278,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         top_p = req.top_p if req.HasField("top_p") else 1.0
         for name, v in (("temperature", req.temperature), ("top_p", top_p), ("min_p", req.min_p)):
             if math.isnan(v) or math.isinf(v):
-                raise _bad(f"{name} must be finite, got {v}")
+                raise _bad(f"{name} must be finite, got {f32_str(v)}")
         if req.top_k < 0:
             raise _bad(f"top_k must be >= 0, got {req.top_k}")
         if not 0.0 < top_p <= 1.0:
-            raise _bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {top_p}")
+            raise _bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {f32_str(top_p)}")
         if not 0.0 <= req.min_p <= 1.0:
-            raise _bad(f"min_p must be in [0, 1], got {req.min_p}")
+            raise _bad(f"min_p must be in [0, 1], got {f32_str(req.min_p)}")
         if req.spec not in (common_pb2.SPEC_MODE_UNSPECIFIED, common_pb2.SPEC_MODE_OFF,
                             common_pb2.SPEC_MODE_ON):
             raise _bad(f"unknown spec mode {req.spec}")

@@ -9,7 +9,8 @@ OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
     draft_namespace  cross-request draft memory scope ("" shares nothing)
-Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up.
+Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
+temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
 Responses carry OpenAI's fields plus one extra object, ``echospec``:
     {"spec_enabled": bool, "spec_reason": str, "finish_reason": "eos"|"stop"|"length"|"context",
@@ -29,6 +30,7 @@ from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.common.chat_template import ROLE_ALIASES, VALID_ROLES
+from echospec.services.common.config import CoordinatorConfig
 
 
 class ApiError(Exception):
@@ -151,6 +153,7 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
 
 
 _INT32_MAX = 2 ** 31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38   # the wire's temperature, top_p and min_p are float32
 
 
 def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None:
@@ -166,6 +169,18 @@ def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None
     if v > hi:
         raise bad(f"{name} must be <= {hi}" + (" (the largest value the API carries)"
                                               if hi == _INT32_MAX else "") + f", got {v}", name)
+    return v
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    """max_tokens or max_completion_tokens: an integer >= 1. The upper limit is the coordinator's
+    (it names it when refusing); 0 is refused here because the wire's 0 means "the server's default"
+    (proto3 cannot tell 0 from unset), and an explicit 0 asks for no tokens, which OpenAI refuses."""
+    v = _integer(body, name, -math.inf)   # type and int32 checks; the lower bound below
+    if v is not None and v < 1:
+        raise bad(f"{name} must be in [1, max_tokens_limit] (the server's limit, "
+                  f"{CoordinatorConfig.max_tokens_limit} by default); leave it out for the server's default, "
+                  f"got {v}", name)
     return v
 
 
@@ -314,11 +329,21 @@ def parse_request(body: Any, chat: bool) -> Parsed:
                 so.get("include_usage") not in (None, True, False):
             raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
         include_usage = bool(so.get("include_usage"))
-    max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
+    max_tokens = _max_tokens(body, "max_tokens")
+    if chat:   # OpenAI's newer name of max_tokens: one limit, so two different values are refused
+        mct = _max_tokens(body, "max_completion_tokens")
+        if mct is not None and max_tokens is not None and mct != max_tokens:
+            raise bad(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) differ: give one of them "
+                      f"(they name the same limit)", "max_completion_tokens")
+        if mct is not None:
+            max_tokens = mct
     req.max_tokens = max_tokens or 0
-    t = _number(body, "temperature", 0.0, 2.0)
+    # the coordinator's rule (coordinator.proto): any finite float32, <= 0 greedy; wider than
+    # OpenAI's [0, 2], so every request OpenAI takes means the same here
+    t = _number(body, "temperature", -math.inf, math.inf)
+    if t is not None and abs(t) > _FLOAT32_MAX:
+        raise bad(f"temperature must be a finite float32 (within about ±3.4e38; <= 0 is greedy), "
+                  f"got {body['temperature']!r}", "temperature")
     req.temperature = t or 0.0
     top_p = _number(body, "top_p", -math.inf, math.inf)
     if top_p is not None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from echospec.services.common.engine import EngineError, sample
+from echospec.services.common.floats import f32_str
 from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
@@ -133,7 +134,7 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise InvalidArgument(f"k must be in [1, max_k = {core.config.max_k}], got {req.k}")
         if not req.sampling.greedy:
             raise FailedPrecondition(
-                f"speculation needs greedy decoding (temperature {req.sampling.temperature})")
+                f"speculation needs greedy decoding (temperature {f32_str(req.sampling.temperature)})")
     check_sampling(req.sampling)
 
 
@@ -148,9 +149,9 @@ def check_sampling(s: Sampling) -> None:
     import math
     for name, v in (("temperature", s.temperature), ("top_p", s.top_p), ("min_p", s.min_p)):
         if not math.isfinite(v):
-            raise InvalidArgument(f"sampling.{name} must be finite, got {v}")
+            raise InvalidArgument(f"sampling.{name} must be finite, got {f32_str(v)}")
     if not 0.0 <= s.min_p <= 1.0:
-        raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {s.min_p}")
+        raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {f32_str(s.min_p)}")
     if s.top_k < 0:
         raise InvalidArgument(f"sampling.top_k must be >= 0, got {s.top_k}")
 

@@ -37,6 +37,7 @@ from typing import Sequence
 
 from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
 from echospec.services.common.engine import MAX_THREADS, EngineError, Model, Session, sample
+from echospec.services.common.floats import f32_str
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
 
@@ -206,7 +207,7 @@ class VerifierSession:
             self._check_tokens(drf, "draft")
             if k and not self.sampling.greedy:
                 raise FailedPrecondition(
-                    f"session {self.sid} samples (temperature {self.sampling.temperature}):"
+                    f"session {self.sid} samples (temperature {f32_str(self.sampling.temperature)}):"
                     " drafts are verified for greedy sessions only")
             n_past = self._session.n_past
             if n_past + 1 + k > self.n_ctx:
