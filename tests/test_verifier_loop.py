@@ -620,6 +620,21 @@ def test_a_lone_greedy_generation_decodes_several_steps_per_engine_call(model_pa
         many.close()
 
 
+def test_an_in_engine_run_lasts_about_decode_run_ms_at_the_current_t(model_path):
+    """On a slow model (T = 25 ms here) a run takes DECODE_RUN_MS / T = 2 steps, not decode_steps,
+    so the client still gets tokens every ~50 ms; the tokens are the same."""
+    core = make_core(model_path, decode_steps=8)
+    try:
+        want = tokens_of(generate(core, [5, 9, 13], 40))
+        core.observe_decode = lambda ms: None
+        core.t_ms = 25.0
+        core.scheduler.iterations = 0
+        assert tokens_of(generate(core, [5, 9, 13], 40)) == want
+        assert core.scheduler.iterations == 1 + 39 // 2 + 1   # the prefill, then runs of 2 steps
+    finally:
+        core.close()
+
+
 def test_in_engine_decoding_gives_way_to_a_second_generation(model_path):
     """A generation that arrives while another's in-engine run goes on ends that run after its
     current step (at batch_max 1 the two then alternate), and each output is its solo output."""

@@ -50,6 +50,9 @@ from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgu
                                                  engine_error, longest_accepted_prefix)
 
 FINISH_CONTEXT = 4  # echospec.v1.FinishReason
+# An in-engine decode run (Scheduler decode_steps) takes at most about this long at the current T,
+# so a stream's tokens still reach its client at least this often on a slow model.
+DECODE_RUN_MS = 50.0
 
 
 class DraftUnavailable(Exception):
@@ -354,8 +357,9 @@ class _PlainStream:
     stream failed (Cancelled when it was dropped on cancel).
 
     A greedy stream lets the engine run several steps in one call when it is alone
-    (``decode_max``, the steps left before max_tokens or a full KV cache; the EOS ids stop
-    the run): a step's result is then several tokens, each taken as its own round.
+    (``decode_max``: the steps left before max_tokens or a full KV cache, and no more than
+    DECODE_RUN_MS of them at the current T; the EOS ids stop the run): a step's result is
+    then several tokens, each taken as its own round.
     """
 
     def __init__(self, run: _Run, produced: int, r0: float):
@@ -371,10 +375,13 @@ class _PlainStream:
         self.decode_max = self._room(run.session.n_past)
 
     def _room(self, n_past: int) -> int:
-        """Greedy steps the next call may run: none past max_tokens or the KV capacity (0: not greedy)."""
+        """Greedy steps the next call may run: none past max_tokens or the KV capacity, about
+        DECODE_RUN_MS of them at the current T (0: not greedy)."""
         if not self.greedy:
             return 0
-        return max(1, min(self.run.req.max_tokens - self.produced, self.run.n_ctx - n_past))
+        t_ms = self.run.core.t_ms
+        paced = int(DECODE_RUN_MS / t_ms) if t_ms > 0 else 1 << 30
+        return max(1, min(self.run.req.max_tokens - self.produced, self.run.n_ctx - n_past, paced))
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
