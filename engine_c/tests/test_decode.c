@@ -22,18 +22,7 @@
 
 static char g_dir[256];
 
-static es_model *load(int which) {
-    char path[512];
-    snprintf(path, sizeof path, "%s/%s.gguf", g_dir, MODELS[which].name);
-    CHECK_EQ_INT(write_model(&MODELS[which], path), 0);
-    es_model *m = NULL;
-    char err[256] = "";
-    es_status st = es_model_load(path, NULL, &m, err, sizeof err);
-    if (st != ES_OK) fprintf(stderr, "  %s: es_model_load: %s\n", MODELS[which].name, err);
-    CHECK_EQ_INT(st, ES_OK);
-    unlink(path);
-    return m;
-}
+static es_model *load(int which) { return tm_load(g_dir, which); }
 
 /* A session on m with the prompt prefilled; *first: the greedy token after it. */
 static es_session *prompted(const es_model *m, int n_threads, int n_ctx, int32_t *first) {

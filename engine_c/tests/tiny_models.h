@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -355,6 +356,21 @@ static inline es_session *tm_session(const es_model *m, int n_threads, int n_ctx
     if (st != ES_OK) fprintf(stderr, "  es_session_new: %s\n", err);
     CHECK_EQ_INT(st, ES_OK);
     return s;
+}
+
+/* Model `which` of MODELS written to DIR and loaded (needs harness.h): fails the test with
+ * es_model_load's message when it cannot be loaded; the file is removed again. */
+static inline es_model *tm_load(const char *dir, int which) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s.gguf", dir, MODELS[which].name);
+    CHECK_EQ_INT(write_model(&MODELS[which], path), 0);
+    es_model *m = NULL;
+    char err[256] = "";
+    es_status st = es_model_load(path, NULL, &m, err, sizeof err);
+    if (st != ES_OK) fprintf(stderr, "  %s: es_model_load: %s\n", MODELS[which].name, err);
+    CHECK_EQ_INT(st, ES_OK);
+    unlink(path);
+    return m;
 }
 
 #endif /* ES_TEST_TINY_MODELS_H */
