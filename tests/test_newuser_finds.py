@@ -1982,3 +1982,21 @@ def test_forward_batch_checks_every_item_before_running_any(tiny_model, bad, exc
         assert all(s.n_past == 0 for s in sessions)
         out = E.forward_batch(items[:-1] + [(sessions[-1], [1], "all", "none")])
         assert all(not isinstance(r, Exception) for r in out) and sessions[0].n_past == 2
+
+
+def test_readme_decode_steps_paragraph_matches_the_scheduler():
+    # was: README said a stop string ends an in-engine decode run after its current step, but
+    # stop strings are matched by the coordinator on the tokens a run returns (the verifier never
+    # sees them): with --decode-steps 1024 a stop string hit at token 3 took the whole 1024-step
+    # run (6.8 s). The range of --decode-steps was not given either.
+    import pathlib
+    import re
+    from echospec.services.common import config
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    para = " ".join(text.split("A greedy generation that runs alone goes further", 1)[1]
+                    .split("`--decode-steps 1` goes back", 1)[0].split())
+    lo, hi, _ = config._INT_RANGES["decode_steps"]
+    assert f"in [{lo}, {hi}]" in para, para
+    enders = re.search(r"anything else needs the engine \(([^)]*)\)", para).group(1)
+    assert "stop string" not in enders, enders
+    assert "Stop strings are matched by the coordinator" in para
