@@ -2000,3 +2000,17 @@ def test_readme_decode_steps_paragraph_matches_the_scheduler():
     enders = re.search(r"anything else needs the engine \(([^)]*)\)", para).group(1)
     assert "stop string" not in enders, enders
     assert "Stop strings are matched by the coordinator" in para
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("decode_steps", "abc", "greedy steps per engine call must be a whole number in [1, 1024]"),
+    ("batch_max", "1e3", "sessions per iteration must be a whole number in [1, 256]"),
+    ("max_concurrent_rpcs", "", "RPCs at once (below max_workers) must be a whole number in [1, --max-workers -1]"),
+])
+def test_a_non_integer_env_setting_names_the_range(field, value, want):
+    # was: "ECHOSPEC_DECODE_STEPS='abc': invalid literal for int() with base 10: 'abc'"
+    from echospec.services.common import config
+    key = f"ECHOSPEC_{field.upper()}"
+    with pytest.raises(ValueError) as e:
+        config.from_env(config.VerifierConfig, {key: value})
+    assert str(e.value) == f"{key}={value!r}: {want}"

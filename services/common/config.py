@@ -173,6 +173,8 @@ def from_env(cls: type[T], environ: Mapping[str, str] | None = None) -> T:
             try:
                 values[f.name] = _convert(kind, env[key])
             except ValueError as exc:
+                if kind is int and f.name in _INT_RANGES:   # what it takes, not int()'s words
+                    raise ValueError(f"{key}={env[key]!r}: {_int_range_text(f.name)}") from None
                 raise ValueError(f"{key}={env[key]!r}: {exc}") from None
     return cls(**values)
 
@@ -213,6 +215,17 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
     except ValueError as exc:
         parser.error(str(exc))
     return cfg
+
+
+def _int_range_text(name: str) -> str:
+    """'<what> must be a whole number in [lo, hi]' for an _INT_RANGES field (a bound that is
+    another field is named as its option)."""
+    lo, hi, what = _INT_RANGES[name]
+    if isinstance(hi, str):
+        hi = f"--{hi.replace('_', '-')}"
+    elif isinstance(hi, tuple):
+        hi = f"--{hi[0].replace('_', '-')} {hi[1]:+d}"
+    return f"{what} must be a whole number in [{lo}, {hi}]"
 
 
 def check_ranges(cfg) -> None:

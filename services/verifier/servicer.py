@@ -97,7 +97,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
             cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk,
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
-            batch_threads=cfg.batch_threads)
+            batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:
