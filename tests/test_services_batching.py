@@ -115,11 +115,12 @@ def test_cancelled_clients_free_their_sessions_at_batch_max_8(batched):
     assert cfg.active_sessions == 0 and cfg.cached_sessions <= 4
 
 
-def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model):
+def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model, monkeypatch):
     """n_threads 1, batch_threads 2: sessions get a pool of 2; an iteration over one session
-    runs on 1 thread, one over several, or a prefill chunk of MANY_TOKENS or more, on 2 (the
-    engine's count per call), and 8 concurrent clients still get exactly the sequential
-    outputs. GetConfig reports both counts."""
+    runs on 1 thread, one over several, a prefill chunk of MANY_TOKENS or more, or an in-engine
+    decode run on 2 (the engine's count per call), and 8 concurrent clients still get exactly
+    the sequential outputs. GetConfig reports both counts."""
+    from echospec.services.common import engine as engine_mod
     from echospec.services.verifier.scheduler import MANY_TOKENS
     st = start_stack(model, spec=False, n_ctx=N_CTX, n_threads=1, batch_threads=2, batch_max=8,
                      prefill_chunk=16, prefix_cache=False)
@@ -141,6 +142,13 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model):
             calls.append((len(items), sum(len(it[1]) for it in items), items[0][0].threads))
             return run_batch(items)
         core.scheduler._run_batch = recording
+        runs = []   # engine threads of every in-engine decode run
+        decode = engine_mod.Session.decode
+
+        def recording_decode(self, *a, **kw):
+            runs.append(self.threads)
+            return decode(self, *a, **kw)
+        monkeypatch.setattr(engine_mod.Session, "decode", recording_decode)
         sequential, concurrent, trace = sequential_and_concurrent(
             lambda **j: complete(stub, **j), core.scheduler, jobs)
         for a, b in zip(sequential, concurrent):
@@ -148,7 +156,8 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model):
         for n_sessions, n_tokens, threads in calls:
             assert threads == (2 if n_sessions >= 2 or n_tokens >= MANY_TOKENS else 1), calls
         kinds = {(n >= 2, t >= MANY_TOKENS) for n, t, _ in calls}
-        assert {(False, False), (False, True), (True, False)} <= kinds   # decode, a prefill chunk, a batch
+        assert {(False, False), (False, True), (True, False)} <= kinds   # a short chunk, a long one, a batch
+        assert runs and set(runs) == {2}, runs   # the sequential clients' decode runs
     finally:
         ch.close()
         vch.close()
