@@ -1040,7 +1040,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill step (default 256): a long prompt never stalls"
                         " others for longer")
     p.add_argument("--decode-steps", type=int, default=8,
-                   help="greedy steps the engine runs per call for a generation that runs alone"
+                   help="greedy steps the engine runs per call for each decoding generation when nothing else waits"
                         " (default 8; 1: one call per token); anything else that arrives ends a run"
                         " after its current step")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

@@ -1993,7 +1993,7 @@ def test_readme_decode_steps_paragraph_matches_the_scheduler():
     import re
     from echospec.services.common import config
     text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    para = " ".join(text.split("A greedy generation that runs alone goes further", 1)[1]
+    para = " ".join(text.split("Greedy decoding goes further", 1)[1]
                     .split("`--decode-steps 1` goes back", 1)[0].split())
     lo, hi, _ = config._INT_RANGES["decode_steps"]
     assert f"in [{lo}, {hi}]" in para, para

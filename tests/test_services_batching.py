@@ -120,7 +120,7 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model, m
     runs on 1 thread, one over several, a prefill chunk of MANY_TOKENS or more, or an in-engine
     decode run on 2 (the engine's count per call), and 8 concurrent clients still get exactly
     the sequential outputs. GetConfig reports both counts."""
-    from echospec.services.common import engine as engine_mod
+    from echospec.services.verifier import scheduler as sched_mod
     from echospec.services.verifier.scheduler import MANY_TOKENS
     st = start_stack(model, spec=False, n_ctx=N_CTX, n_threads=1, batch_threads=2, batch_max=8,
                      prefill_chunk=16, prefix_cache=False)
@@ -142,13 +142,13 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model, m
             calls.append((len(items), sum(len(it[1]) for it in items), items[0][0].threads))
             return run_batch(items)
         core.scheduler._run_batch = recording
-        runs = []   # engine threads of every in-engine decode run
-        decode = engine_mod.Session.decode
+        runs = []   # engine threads of every in-engine decode run (its first session's count)
+        decode = sched_mod.decode_batch
 
-        def recording_decode(self, *a, **kw):
-            runs.append(self.threads)
-            return decode(self, *a, **kw)
-        monkeypatch.setattr(engine_mod.Session, "decode", recording_decode)
+        def recording_decode(items, interrupt=None):
+            runs.append(items[0][0].threads)
+            return decode(items, interrupt)
+        monkeypatch.setattr(sched_mod, "decode_batch", recording_decode)
         sequential, concurrent, trace = sequential_and_concurrent(
             lambda **j: complete(stub, **j), core.scheduler, jobs)
         for a, b in zip(sequential, concurrent):
@@ -157,7 +157,7 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model, m
             assert threads == (2 if n_sessions >= 2 or n_tokens >= MANY_TOKENS else 1), calls
         kinds = {(n >= 2, t >= MANY_TOKENS) for n, t, _ in calls}
         assert {(False, False), (False, True), (True, False)} <= kinds   # a short chunk, a long one, a batch
-        assert runs and set(runs) == {2}, runs   # the sequential clients' decode runs
+        assert runs and set(runs) == {2}, runs   # decode runs, alone or batched
     finally:
         ch.close()
         vch.close()

@@ -670,6 +670,46 @@ def test_in_engine_decoding_gives_way_to_a_second_generation(model_path):
         core.close()
 
 
+def test_greedy_generations_batched_together_decode_several_steps_per_call(model_path, monkeypatch):
+    """batch_max 4, three greedy generations at once: their iterations become decode runs over
+    several sessions (several engine steps of each per call), each output is its solo output,
+    and a generation that ends (max_tokens, EOS) leaves the run alone."""
+    from echospec.services.verifier import scheduler as sched_mod
+    core = VerifierCore(VerifierConfig(model=model_path, n_ctx=N_CTX, n_threads=1, batch_max=4,
+                                       decode_steps=8, prefix_cache=False))
+    try:
+        jobs = [([7, 8, 9], 80, ()), ([40, 41, 42, 43], 50, ()), ([90, 3], 80, None)]
+        solo = [tokens_of(generate(core, p, n)) for p, n, _ in jobs]
+        eos = solo[2][60]   # the third stops at an EOS id part way (its first occurrence or earlier)
+        jobs[2] = (jobs[2][0], 80, (eos,))
+        solo[2] = solo[2][:solo[2].index(eos) + 1]
+        runs = []   # per decode_batch call: the tokens each session got
+        real = sched_mod.decode_batch
+
+        def recording(items, interrupt=None):
+            res = real(items, interrupt)
+            runs.append([len(r[0]) for r in res])
+            return res
+        monkeypatch.setattr(sched_mod, "decode_batch", recording)
+        out: dict = {}
+        start = threading.Barrier(3)
+
+        def run(i):
+            start.wait()
+            p, n, e = jobs[i]
+            out[i] = tokens_of(generate(core, p, n, eos=e))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [out[i] for i in range(3)] == solo
+        assert any(len(r) >= 2 and max(r) >= 2 for r in runs), runs   # several sessions, several steps
+        assert sum(max(r) for r in runs) < sum(len(x) for x in solo)  # fewer engine calls than tokens
+    finally:
+        core.close()
+
+
 def test_decode_steps_must_be_positive():
     with pytest.raises(ValueError):
         Scheduler(threading.Lock(), decode_steps=0)

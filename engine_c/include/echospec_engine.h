@@ -251,6 +251,37 @@ es_status es_decode(es_session *session, int32_t token, int32_t max_steps, const
                     int32_t n_stop, const int32_t *interrupt, int32_t *tokens_out, float *ms_out,
                     int32_t *n_out);
 
+/* One session's part of an es_decode_batch call (es_decode's arguments). */
+typedef struct {
+    es_session *session;
+    int32_t token;              /* the first step's token */
+    int32_t max_steps;          /* >= 1; n_past + max_steps <= n_ctx */
+    const int32_t *stop_ids;    /* int32[n_stop] or NULL when n_stop is 0 */
+    int32_t n_stop;
+    int32_t *tokens_out;        /* int32[max_steps] */
+    int32_t n_out;              /* out: this session's steps done */
+    es_status status;           /* out: this session's result */
+} es_decode_item;
+
+/*
+ * es_decode for several sessions at once: each step is one es_forward_batch
+ * over the sessions still decoding (one token each, fed its own last
+ * argmax), so the weights are read once per step for all of them, and each
+ * session's tokens are bitwise what es_decode gives it alone. A session
+ * leaves the run after a token of its stop_ids or its max_steps; the run
+ * ends when none is left, or after a step when *interrupt is not 0 (at
+ * least one step runs). ms_out: float32[the largest max_steps] or NULL, the
+ * wall time of each step of the run; *n_steps (out, may be NULL): the
+ * run's steps.
+ * Errors: an item with bad arguments (as es_decode's) or a step that fails
+ * for it fails alone, with its status and n_out set and its KV cache as
+ * after its last step done; the others go on. Returns ES_OK when every item
+ * succeeded, else the first item's failure; ES_ERR_INVALID_ARG for
+ * items NULL or n_items outside [1, ES_MAX_BATCH] (nothing runs).
+ */
+es_status es_decode_batch(es_decode_item *items, int32_t n_items, const int32_t *interrupt, float *ms_out,
+                          int32_t *n_steps);
+
 /* es_batch_item.head: the rows the output head runs on. */
 enum {
     ES_HEAD_ALL = 0,            /* every position, as es_forward */

@@ -1130,46 +1130,6 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     return forward_impl(s, &g, 1);
 }
 
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
-}
-
-es_status es_decode(es_session *s, int32_t token, int32_t max_steps, const int32_t *stop_ids, int32_t n_stop,
-                    const int32_t *interrupt, int32_t *tokens_out, float *ms_out, int32_t *n_out) {
-    if (!s) return ES_ERR_INVALID_ARG;
-    if (n_out) *n_out = 0;
-    if (!n_out || !tokens_out || max_steps < 1 || n_stop < 0 || (n_stop > 0 && !stop_ids)) {
-        es_set_err(s->err, sizeof s->err,
-                   "decode needs max_steps >= 1 (got %d), n_stop >= 0 (got %d), tokens_out, n_out%s",
-                   (int)max_steps, (int)n_stop, n_stop > 0 ? " and stop_ids" : "");
-        return ES_ERR_INVALID_ARG;
-    }
-    /* the whole run's room up front, so that a full cache is an error before any step */
-    es_status st = check_forward_args(s, &token, 1, NULL, 0);
-    if (st != ES_OK) return st;
-    if ((int64_t)s->kv.n_past + max_steps > s->kv.n_ctx) {
-        es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d + %d decode steps > n_ctx %d",
-                   (int)s->kv.n_past, (int)max_steps, (int)s->kv.n_ctx);
-        return ES_ERR_CAPACITY;
-    }
-    int32_t cur = token;
-    for (int32_t i = 0; i < max_steps; i++) {
-        double t0 = ms_out ? now_ms() : 0.0;
-        if ((st = check_forward_args(s, &cur, 1, NULL, 0)) != ES_OK) return st;
-        fwd_seg g = {s, &cur, 0, 1, 0, 1, &tokens_out[i], NULL, 0};
-        if ((st = forward_impl(s, &g, 1)) != ES_OK) return st;
-        if (ms_out) ms_out[i] = (float)(now_ms() - t0);
-        *n_out = i + 1;
-        cur = tokens_out[i];
-        for (int32_t j = 0; j < n_stop; j++)
-            if (stop_ids[j] == cur) return ES_OK;
-        if (interrupt && __atomic_load_n(interrupt, __ATOMIC_ACQUIRE)) return ES_OK;
-    }
-    return ES_OK;
-}
-
 /* Item i's own checks (es_forward_batch's contract), with m the batch's model;
  * the message goes on its session. */
 static es_status check_batch_item(const es_batch_item *items, int32_t n_items, int32_t i, const es_model *m) {
@@ -1224,6 +1184,98 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
     for (int32_t i = 0; i < n_items; i++)
         if (items[i].status != ES_OK) return items[i].status;
     return ES_OK;
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
+}
+
+/* Item i's own checks (es_decode_batch's contract); the message goes on its session. */
+static es_status check_decode_item(const es_decode_item *items, int32_t n_items, int32_t i) {
+    const es_decode_item *it = &items[i];
+    es_session *q = it->session;
+    if (!q) return ES_ERR_INVALID_ARG;
+    if (!it->tokens_out || it->max_steps < 1 || it->n_stop < 0 || (it->n_stop > 0 && !it->stop_ids)) {
+        es_set_err(q->err, sizeof q->err, "decode needs max_steps >= 1 (got %d), n_stop >= 0 (got %d)%s",
+                   (int)it->max_steps, (int)it->n_stop,
+                   !it->tokens_out ? " and tokens_out" : it->n_stop > 0 && !it->stop_ids ? " and stop_ids" : "");
+        return ES_ERR_INVALID_ARG;
+    }
+    for (int32_t j = 0; j < i; j++)
+        if (items[j].session == q) {
+            es_set_err(q->err, sizeof q->err, "decode items %d and %d have the same session", (int)j, (int)i);
+            return ES_ERR_INVALID_ARG;
+        }
+    es_status st = check_forward_args(q, &it->token, 1, NULL, 0);
+    if (st != ES_OK) return st;
+    if ((int64_t)q->kv.n_past + it->max_steps > q->kv.n_ctx) {   /* the whole run's room up front */
+        es_set_err(q->err, sizeof q->err, "KV cache full: n_past %d + %d decode steps > n_ctx %d",
+                   (int)q->kv.n_past, (int)it->max_steps, (int)q->kv.n_ctx);
+        return ES_ERR_CAPACITY;
+    }
+    return ES_OK;
+}
+
+es_status es_decode_batch(es_decode_item *items, int32_t n_items, const int32_t *interrupt, float *ms_out,
+                          int32_t *n_steps) {
+    if (n_steps) *n_steps = 0;
+    if (!items || n_items < 1 || n_items > ES_MAX_BATCH) return ES_ERR_INVALID_ARG;
+    int32_t cur[ES_MAX_BATCH], live[ES_MAX_BATCH], n_live = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        items[i].n_out = 0;
+        items[i].status = check_decode_item(items, n_items, i);
+        if (items[i].status == ES_OK) {
+            cur[i] = items[i].token;
+            live[n_live++] = i;
+        }
+    }
+    es_batch_item b[ES_MAX_BATCH];
+    for (int32_t step = 0; n_live > 0; step++) {
+        for (int32_t k = 0; k < n_live; k++) {
+            es_decode_item *it = &items[live[k]];
+            b[k] = (es_batch_item){.session = it->session, .tokens = &cur[live[k]], .n_tokens = 1,
+                                   .head = ES_HEAD_ALL, .argmax_out = &it->tokens_out[step]};
+        }
+        double t0 = ms_out ? now_ms() : 0.0;
+        es_forward_batch(b, n_live);
+        if (ms_out) ms_out[step] = (float)(now_ms() - t0);
+        if (n_steps) *n_steps = step + 1;
+        int32_t kept = 0;
+        for (int32_t k = 0; k < n_live; k++) {
+            int32_t i = live[k];
+            es_decode_item *it = &items[i];
+            if (b[k].status != ES_OK) {   /* its KV cache as after its last step done */
+                it->status = b[k].status;
+                continue;
+            }
+            it->n_out = step + 1;
+            cur[i] = it->tokens_out[step];
+            int stop = it->n_out == it->max_steps;
+            for (int32_t j = 0; j < it->n_stop && !stop; j++) stop = it->stop_ids[j] == cur[i];
+            if (!stop) live[kept++] = i;
+        }
+        n_live = kept;
+        if (interrupt && __atomic_load_n(interrupt, __ATOMIC_ACQUIRE)) break;
+    }
+    for (int32_t i = 0; i < n_items; i++)
+        if (items[i].status != ES_OK) return items[i].status;
+    return ES_OK;
+}
+
+es_status es_decode(es_session *s, int32_t token, int32_t max_steps, const int32_t *stop_ids, int32_t n_stop,
+                    const int32_t *interrupt, int32_t *tokens_out, float *ms_out, int32_t *n_out) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    if (n_out) *n_out = 0;
+    if (!n_out) {
+        es_set_err(s->err, sizeof s->err, "decode needs n_out");
+        return ES_ERR_INVALID_ARG;
+    }
+    es_decode_item it = {s, token, max_steps, stop_ids, n_stop, tokens_out, 0, ES_OK};
+    es_status st = es_decode_batch(&it, 1, interrupt, ms_out, NULL);
+    *n_out = it.n_out;
+    return st;
 }
 
 const char *es_simd_name(void) { return es_quant_simd_name(); }

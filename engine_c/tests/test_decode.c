@@ -5,6 +5,10 @@
  * id ends the run after the step that produced it; a set interrupt ends it
  * after one step; bad arguments and a run that would overflow the KV cache
  * fail before any step with a message, the KV cache untouched.
+ * es_decode_batch: four sessions with their own prompts, step budgets and
+ * stop ids decode together, each bitwise what es_decode gives it alone, on
+ * 1 and 2 threads; items with bad arguments fail alone; an interrupt ends
+ * the run after one step for every session.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -94,6 +98,89 @@ TEST(decode_llama_q4_1) { decode_model(0); }
 TEST(decode_qwen3_mixed_kquants) { decode_model(1); }
 TEST(decode_qwen2_f32) { decode_model(2); }
 
+#define NB 4
+
+static void decode_batch_model(int which) {
+    es_model *m = load(which);
+    if (!m) return;
+    static const int budget[NB] = {20, 7, 20, 13};
+    int32_t first[NB], ref[NB][STEPS], nref[NB];
+    int32_t stops[NB][1];
+    /* each alone, with a stop id taken from its own output for sessions 2 and 3 */
+    for (int k = 0; k < NB; k++) {
+        es_session *s = tm_session(m, 1, N_CTX);
+        if (!s) { es_model_free(m); return; }
+        int32_t p[PROMPT];
+        for (int i = 0; i < PROMPT; i++) p[i] = (int32_t)((i * 53 + k * 29 + 7) % N_VOCAB);
+        CHECK_EQ_INT(es_forward_last(s, p, PROMPT, &first[k], NULL), ES_OK);
+        int32_t all[STEPS], n = 0;
+        CHECK_EQ_INT(es_decode(s, first[k], budget[k], NULL, 0, NULL, all, NULL, &n), ES_OK);
+        stops[k][0] = k >= 2 ? all[budget[k] / 2] : -1;
+        CHECK_EQ_INT(es_session_rollback(s, PROMPT), ES_OK);
+        CHECK_EQ_INT(es_decode(s, first[k], budget[k], stops[k], 1, NULL, ref[k], NULL, &nref[k]), ES_OK);
+        if (k >= 2) CHECK(nref[k] <= budget[k] / 2 + 1);
+        es_session_free(s);
+    }
+    for (int nt = 1; nt <= 2; nt++) {
+        es_session *ss[NB];
+        es_decode_item it[NB];
+        int32_t out[NB][STEPS];
+        float ms[STEPS];
+        for (int k = 0; k < NB; k++) {
+            ss[k] = tm_session(m, nt, N_CTX);
+            int32_t p[PROMPT], f = -1;
+            for (int i = 0; i < PROMPT; i++) p[i] = (int32_t)((i * 53 + k * 29 + 7) % N_VOCAB);
+            CHECK_EQ_INT(es_forward_last(ss[k], p, PROMPT, &f, NULL), ES_OK);
+            it[k] = (es_decode_item){ss[k], first[k], budget[k], stops[k], 1, out[k], -1, ES_ERR_INTERNAL};
+        }
+        int32_t steps = -1;
+        CHECK_EQ_INT(es_decode_batch(it, NB, NULL, ms, &steps), ES_OK);
+        int most = 0;
+        for (int k = 0; k < NB; k++) {
+            CHECK_EQ_INT(it[k].status, ES_OK);
+            CHECK_EQ_INT(it[k].n_out, nref[k]);
+            CHECK(memcmp(out[k], ref[k], sizeof(int32_t) * (size_t)nref[k]) == 0);
+            CHECK_EQ_INT(es_session_n_past(ss[k]), PROMPT + nref[k]);
+            if (nref[k] > most) most = nref[k];
+        }
+        CHECK_EQ_INT(steps, most);
+        /* bad items fail alone: a token out of range, a run past n_ctx, a session twice */
+        for (int k = 0; k < NB; k++) CHECK_EQ_INT(es_session_rollback(ss[k], PROMPT), ES_OK);
+        es_decode_item bad[NB + 1];
+        memcpy(bad, it, sizeof it);
+        bad[1].token = N_VOCAB;
+        bad[3].max_steps = N_CTX;
+        bad[NB] = it[0];
+        CHECK(es_decode_batch(bad, NB + 1, NULL, NULL, NULL) != ES_OK);
+        CHECK_EQ_INT(bad[1].status, ES_ERR_INVALID_ARG);
+        CHECK_EQ_INT(bad[3].status, ES_ERR_CAPACITY);
+        CHECK_EQ_INT(bad[NB].status, ES_ERR_INVALID_ARG);   /* the same session as item 0 */
+        CHECK_EQ_INT(bad[1].n_out + bad[3].n_out + bad[NB].n_out, 0);
+        CHECK_EQ_INT(es_session_n_past(ss[1]), PROMPT);
+        CHECK_EQ_INT(es_session_n_past(ss[3]), PROMPT);
+        for (int k = 0; k <= 2; k += 2) {
+            CHECK_EQ_INT(bad[k].status, ES_OK);
+            CHECK(memcmp(out[k], ref[k], sizeof(int32_t) * (size_t)nref[k]) == 0);
+        }
+        /* an interrupt already set: one step each */
+        for (int k = 0; k < NB; k++) CHECK_EQ_INT(es_session_rollback(ss[k], PROMPT), ES_OK);
+        int32_t stop_now = 1;
+        CHECK_EQ_INT(es_decode_batch(it, NB, &stop_now, NULL, &steps), ES_OK);
+        CHECK_EQ_INT(steps, 1);
+        for (int k = 0; k < NB; k++) {
+            CHECK_EQ_INT(it[k].n_out, 1);
+            CHECK_EQ_INT(out[k][0], ref[k][0]);
+        }
+        for (int k = 0; k < NB; k++) es_session_free(ss[k]);
+    }
+    CHECK_EQ_INT(es_decode_batch(NULL, 1, NULL, NULL, NULL), ES_ERR_INVALID_ARG);
+    es_model_free(m);
+}
+
+TEST(decode_batch_llama_q4_1) { decode_batch_model(0); }
+TEST(decode_batch_qwen3_mixed_kquants) { decode_batch_model(1); }
+TEST(decode_batch_qwen2_f32) { decode_batch_model(2); }
+
 /* Refusals: before any step, the KV cache unchanged, a message on the session. */
 TEST(decode_refusals) {
     es_model *m = load(0);
@@ -136,6 +223,9 @@ int main(void) {
     RUN(decode_llama_q4_1);
     RUN(decode_qwen3_mixed_kquants);
     RUN(decode_qwen2_f32);
+    RUN(decode_batch_llama_q4_1);
+    RUN(decode_batch_qwen3_mixed_kquants);
+    RUN(decode_batch_qwen2_f32);
     RUN(decode_refusals);
     rmdir(g_dir);
     return harness_report();

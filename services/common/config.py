@@ -62,7 +62,7 @@ class VerifierConfig:
     batch_max: int = 1           # sessions per scheduler iteration (>= 2: speculation is refused)
     batch_tokens: int = 512      # tokens per scheduler iteration
     prefill_chunk: int = 256     # prompt tokens per prefill step (chunked prefill)
-    decode_steps: int = 8        # greedy steps per engine call of a generation that runs alone
+    decode_steps: int = 8        # greedy steps per engine call of each decoding generation
     prefix_cache: bool = True    # keep finished generations' KV for prefix reuse
     prefix_cache_sessions: int = 4  # idle sessions (one KV cache each) the prefix cache keeps
     # engine threads of a scheduler iteration that batches >= 2 sessions or feeds one a

@@ -300,22 +300,10 @@ class Session:
             EngineError: bad arguments, a run past n_ctx, or a step's own failure; the KV
                 cache is then as before the call (steps done before a failing one are rolled back).
         """
-        self._check()
-        n = _int32(max_steps, "max_steps")
-        n0 = lib.es_session_n_past(self._ptr)
-        stops = [_int32(t, "stop id") for t in stop_ids]
-        out = ffi.new("int32_t[]", max(n, 1))
-        ms = ffi.new("float[]", max(n, 1))
-        n_out = ffi.new("int32_t *")
-        st = lib.es_decode(self._ptr, _int32(token, "token"), n, ffi.new("int32_t[]", stops) if stops else ffi.NULL,
-                           len(stops), interrupt if interrupt is not None else ffi.NULL, out, ms, n_out)
-        if st != 0:
-            msg = ffi.string(lib.es_session_last_error(self._ptr)).decode(errors="replace")
-            if n_out[0]:
-                lib.es_session_rollback(self._ptr, n0)
-            raise EngineError(st, msg)
-        k = n_out[0]
-        return list(out[0:k]), list(ms[0:k])
+        r = decode_batch([(self, token, max_steps, stop_ids)], interrupt)[0]
+        if isinstance(r, EngineError):
+            raise r
+        return r
 
     def _tokens(self, tokens) -> np.ndarray:
         if type(tokens) is list and all(type(t) is int for t in tokens):   # the scheduler's steps
@@ -452,6 +440,70 @@ def _forward_batch_call(items, results: list, offset: int) -> None:
                 st, ffi.string(lib.es_session_last_error(session._ptr)).decode(errors="replace"))
         else:
             results[offset + i] = (am, out)
+
+
+def decode_batch(items: Sequence[tuple["Session", int, int, Sequence[int]]], interrupt: Any = None
+                 ) -> list[tuple[list[int], list[float]] | EngineError]:
+    """Greedy decoding in the engine for several sessions at once (es_decode_batch).
+
+    Each step is one forward over the sessions still decoding, each fed its own last token;
+    each session's tokens are bitwise what Session.decode gives it alone. The call runs on the
+    first item's session's threads and owns every session while it runs.
+
+    Args:
+        items: (session, token, max_steps, stop_ids) per session, each session at most once
+            (as Session.decode's arguments).
+        interrupt: None, or an ``ffi.new("int32_t *")`` another thread may set to non-zero: the
+            run ends after the step that is running (at least one runs).
+    Returns:
+        Per item, in order: (tokens, ms: each of its steps' wall time), or the EngineError of
+        that item (bad arguments, a run past n_ctx or a failed step), whose KV cache is then
+        as before the call (steps it did before a failure are rolled back).
+    Raises:
+        TypeError: an item is not a 4-tuple of a Session and its arguments; raised before any
+            item runs, as is ValueError for more than MAX_BATCH items.
+    """
+    if len(items) > MAX_BATCH:
+        raise ValueError(f"decode_batch takes at most {MAX_BATCH} sessions, got {len(items)}")
+    results: list = [None] * len(items)
+    c_items = ffi.new("es_decode_item[]", max(len(items), 1))
+    keep, ran = [], []
+    for i, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) != 4 or not isinstance(item[0], Session):
+            raise TypeError(f"items[{i}] must be a (session, token, max_steps, stop_ids) tuple, not {item!r:.80}")
+    most = 1
+    for i, (session, token, max_steps, stop_ids) in enumerate(items):
+        try:
+            session._check()
+            it = c_items[len(ran)]
+            it.session = session._ptr
+            it.token = _int32(token, "token")
+            it.max_steps = _int32(max_steps, "max_steps")
+            stops = [_int32(t, "stop id") for t in stop_ids]
+        except EngineError as exc:
+            results[i] = exc
+            continue
+        out = ffi.new("int32_t[]", max(it.max_steps, 1))
+        st = ffi.new("int32_t[]", stops) if stops else ffi.NULL
+        keep += [out, st]
+        it.tokens_out, it.stop_ids, it.n_stop = out, st, len(stops)
+        most = max(most, it.max_steps)
+        ran.append((i, session, lib.es_session_n_past(session._ptr), out))
+    if not ran:
+        return results
+    ms = ffi.new("float[]", most)
+    n_steps = ffi.new("int32_t *")
+    lib.es_decode_batch(c_items, len(ran), interrupt if interrupt is not None else ffi.NULL, ms, n_steps)
+    for j, (i, session, n0, out) in enumerate(ran):
+        c = c_items[j]
+        if c.status != 0:
+            msg = ffi.string(lib.es_session_last_error(session._ptr)).decode(errors="replace")
+            if lib.es_session_n_past(session._ptr) != n0:
+                lib.es_session_rollback(session._ptr, n0)
+            results[i] = EngineError(c.status, msg)
+        else:
+            results[i] = (list(out[0:c.n_out]), list(ms[0:c.n_out]))
+    return results
 
 
 def _check_logits(logits, where: str = "") -> None:

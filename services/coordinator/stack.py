@@ -240,7 +240,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
             threads mode: the caller configures logging, see services/common/logs.py).
         batch_max: verifier sessions per scheduler iteration (>= 2 refuses speculation).
         prefill_chunk: prompt tokens per prefill step (chunked prefill).
-        decode_steps: greedy steps per engine call of a generation that runs alone (1: a
+        decode_steps: greedy steps per engine call of each decoding generation (1: a
             call per token).
         prefix_cache: keep finished generations' KV for prefix reuse.
         http_port: the OpenAI-compatible gateway's port (-1: no gateway, 0: a free port).

@@ -356,7 +356,7 @@ class _PlainStream:
     the KV cache is full. ``ended``: no further round (set after its last entry); ``error``: why the
     stream failed (Cancelled when it was dropped on cancel).
 
-    A greedy stream lets the engine run several steps in one call when it is alone
+    A greedy stream lets the engine run several steps in one call when nothing else waits
     (``decode_max``: the steps left before max_tokens or a full KV cache, and no more than
     DECODE_RUN_MS of them at the current T; the EOS ids stop the run): a step's result is
     then several tokens, each taken as its own round.

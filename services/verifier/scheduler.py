@@ -40,11 +40,12 @@ active a thread of the scheduler's runs the iterations (it ends with the last
 stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
-In-engine decoding (``decode_steps`` > 1): a greedy stream's step that runs
-alone, with nothing else queued, may become one Session.decode call of up to
-``decode_steps`` greedy steps (the stream's ``decode_max`` caps it below
-max_tokens and the KV capacity; its EOS ids end it), so a lone generation
-pays no Python between its tokens. Anything that arrives meanwhile (a step
+In-engine decoding (``decode_steps`` > 1): an iteration whose steps are all
+greedy streams' steps, with nothing else queued, may become one
+engine.decode_batch call of up to ``decode_steps`` greedy steps of each (a
+stream's ``decode_max`` caps it below max_tokens and the KV capacity; its EOS
+ids end it for that stream), so decoding generations pay no Python between
+their tokens. Anything that arrives meanwhile (a step
 queued, a stream stopped, ``wake`` after a cancel) sets the run's interrupt,
 and the engine returns after the step that runs. The tokens are bitwise one
 forward per token (es_decode's contract).
@@ -77,7 +78,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from echospec.services.common.engine import EngineError, ffi, forward_batch
+from echospec.services.common.engine import EngineError, decode_batch, ffi, forward_batch
 
 
 MANY_TOKENS = 16   # an iteration over one session of this many tokens runs on ``many`` threads
@@ -97,11 +98,11 @@ class Step:
                 ``logits`` is "last".
         "all"   argmax of every position (decode / verify); logits per ``logits``
                 ("none" or "last").
-    decode > 1 (a greedy stream's step of one token, no logits): when the
-    step runs alone, the engine may run up to ``decode`` greedy steps in one
-    call (Session.decode), each fed the last one's token, ending after a
-    token of ``stop_ids``; argmax is then every step's token and step_ms each
-    step's time.
+    decode > 1 (a greedy stream's step of one token, no logits): when every
+    step of its iteration is one and nothing else waits, the engine may run
+    up to ``decode`` greedy steps of it in one call (engine.decode_batch),
+    each fed the last one's token, ending after a token of ``stop_ids``;
+    argmax is then every step's token and step_ms each step's time.
     Results (set by the scheduler): argmax, logits, forward_ms (the iteration's
     forward, shared by every step of the batch), queued_ms, error.
     """
@@ -159,9 +160,10 @@ class Scheduler:
         threads: (engine threads of an iteration over one session, of one over two or
             more), set on the sessions (Session.threads) before each call; None: the
             sessions' counts are left as they are.
-        decode_steps: most greedy steps one engine call runs for a stream that is alone
-            (Session.decode; 1: one forward per call). The call ends early when anything
-            else arrives (a step, a stop, a cancel: ``wake``), after the step that runs.
+        decode_steps: most greedy steps one engine call runs for each of the greedy streams
+            of an iteration when nothing else waits (engine.decode_batch; 1: one forward per
+            call). The call ends early when anything else arrives (a step, a stop, a cancel:
+            ``wake``), after the step that runs.
     """
 
     def __init__(self, engine_lock: threading.Lock, batch_max: int = 1, batch_tokens: int = 512,
@@ -326,9 +328,10 @@ class Scheduler:
         batch = [self._queue[i] for i in idx]
         for i in reversed(idx):
             del self._queue[i]
-        # alone and nothing else waiting: the engine may run several greedy steps in one call
-        run_decode = (self.decode_steps > 1 and len(batch) == 1 and not self._queue
-                      and batch[0].decode > 1 and len(batch[0].tokens) == 1)
+        # nothing else waiting and every step a greedy stream's: the engine may run several
+        # steps of each in one call
+        run_decode = (self.decode_steps > 1 and not self._queue
+                      and all(s.decode > 1 and len(s.tokens) == 1 for s in batch))
         self._interrupt[0] = 0
         self._busy = True
         self._running = batch
@@ -374,7 +377,7 @@ class Scheduler:
 
     def _execute(self, batch: list[Step], run_decode: bool = False) -> None:
         """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock
-        (run_decode: the lone step's in-engine decode run instead, Session.decode).
+        (run_decode: the steps' in-engine decode run instead, engine.decode_batch).
 
         Each step gets its own result or its own error (a bad step fails alone;
         the others run).
@@ -396,12 +399,20 @@ class Scheduler:
                         except EngineError:   # a closed session: its own item fails below
                             pass
                 if run_decode:
-                    s = batch[0]
-                    toks, s.step_ms = s.session.decode(s.tokens[0], min(s.decode, self.decode_steps),
-                                                       s.stop_ids, self._interrupt)
-                    results = [(toks, None)]
+                    runs = decode_batch([(s.session, s.tokens[0], min(s.decode, self.decode_steps), s.stop_ids)
+                                         for s in batch], self._interrupt)
+                    results = []
+                    for s, r in zip(batch, runs):
+                        if isinstance(r, EngineError):
+                            results.append(r)
+                        else:
+                            s.step_ms = r[1]
+                            results.append((r[0], None))
                     if self.trace is not None:   # one entry per engine step
-                        self.trace.extend([[id(s.session)]] * (len(toks) - 1))
+                        lens = [len(r[0]) for r in results if not isinstance(r, EngineError)]
+                        for k in range(1, max(lens, default=1)):
+                            self.trace.append([id(s.session) for s, r in zip(batch, results)
+                                               if not isinstance(r, EngineError) and len(r[0]) > k])
                 else:
                     results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
             except Exception as exc:  # every step's owner re-raises it
