@@ -41,11 +41,12 @@ stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
 In-engine decoding (``decode_steps`` > 1): an iteration whose steps are all
-greedy streams' steps, with nothing else queued, may become one
-engine.decode_batch call of up to ``decode_steps`` greedy steps of each (a
-stream's ``decode_max`` caps it below max_tokens and the KV capacity; its EOS
-ids end it for that stream), so decoding generations pay no Python between
-their tokens. Anything that arrives meanwhile (a step
+greedy streams' decode steps, while nothing but such steps waits, may become
+one engine.decode_batch call of up to ``decode_steps`` greedy steps of each
+(a stream's ``decode_max`` caps it below max_tokens and the KV capacity; its
+EOS ids end it for that stream), so decoding generations pay no Python
+between their tokens; streams left out by batch_max take their runs in
+turn. Anything that arrives meanwhile (a step
 queued, a stream stopped, ``wake`` after a cancel) sets the run's interrupt,
 and the engine returns after the step that runs. The tokens are bitwise one
 forward per token (es_decode's contract).
@@ -328,10 +329,12 @@ class Scheduler:
         batch = [self._queue[i] for i in idx]
         for i in reversed(idx):
             del self._queue[i]
-        # nothing else waiting and every step a greedy stream's: the engine may run several
-        # steps of each in one call
-        run_decode = (self.decode_steps > 1 and not self._queue
-                      and all(s.decode > 1 and len(s.tokens) == 1 for s in batch))
+        # every step of the batch, and every step still waiting, a greedy stream's decode step:
+        # the engine may run several steps of each in one call (the waiting streams take their
+        # runs in turn)
+        run_decode = (self.decode_steps > 1
+                      and all(s.decode > 1 and len(s.tokens) == 1 for s in batch)
+                      and all(s.decode > 1 and len(s.tokens) == 1 for s in self._queue))
         self._interrupt[0] = 0
         self._busy = True
         self._running = batch
