@@ -710,6 +710,43 @@ def test_greedy_generations_batched_together_decode_several_steps_per_call(model
         core.close()
 
 
+def test_streams_at_batch_max_1_take_decode_runs_in_turn(model_path, monkeypatch):
+    """batch_max 1, two greedy generations at once: each iteration is a decode run of one of
+    them (several steps) while the other's step waits, and the runs alternate between them."""
+    from echospec.services.verifier import scheduler as sched_mod
+    core = VerifierCore(VerifierConfig(model=model_path, n_ctx=N_CTX, n_threads=1, batch_max=1,
+                                       decode_steps=4, prefix_cache=False))
+    try:
+        prompts = [[7, 8, 9], [40, 41, 42, 43]]
+        solo = [tokens_of(generate(core, p, 60)) for p in prompts]
+        runs = []   # per decode_batch call: (session, steps)
+        real = sched_mod.decode_batch
+
+        def recording(items, interrupt=None):
+            res = real(items, interrupt)
+            runs.append((id(items[0][0]), len(res[0][0])))
+            return res
+        monkeypatch.setattr(sched_mod, "decode_batch", recording)
+        out: dict = {}
+        start = threading.Barrier(2)
+
+        def run(i):
+            start.wait()
+            out[i] = tokens_of(generate(core, prompts[i], 60))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [out[0], out[1]] == solo
+        assert sum(n for _, n in runs) > len(runs)   # runs of several steps
+        owners = [o for o, _ in runs]
+        both = [i for i in range(1, len(owners)) if owners[i] != owners[i - 1]]
+        assert len(set(owners)) == 2 and len(both) >= 4, runs   # the two take turns
+    finally:
+        core.close()
+
+
 def test_decode_steps_must_be_positive():
     with pytest.raises(ValueError):
         Scheduler(threading.Lock(), decode_steps=0)
