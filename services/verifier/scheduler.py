@@ -46,10 +46,10 @@ one engine.decode_batch call of up to ``decode_steps`` greedy steps of each
 (a stream's ``decode_max`` caps it below max_tokens and the KV capacity; its
 EOS ids end it for that stream), so decoding generations pay no Python
 between their tokens; streams left out by batch_max take their runs in
-turn. Anything that arrives meanwhile (a step
-queued, a stream stopped, ``wake`` after a cancel) sets the run's interrupt,
-and the engine returns after the step that runs. The tokens are bitwise one
-forward per token (es_decode's contract).
+turn. Anything that arrives meanwhile (a step queued, a stream stopped,
+``wake`` after a cancel) sets the run's interrupt, and the engine returns
+after the step that runs. The tokens are bitwise one forward per token
+(es_decode's contract).
 
 Engine threads (``threads`` = (one, many)): an iteration over one session
 runs on ``one`` thread(s) of the sessions' pools, one that batches two or
