@@ -747,6 +747,19 @@ def test_streams_at_batch_max_1_take_decode_runs_in_turn(model_path, monkeypatch
         core.close()
 
 
+def test_t_comes_from_single_steps_not_from_decode_runs(model_path):
+    """T (the speculation cost model's plain-round time) is fed by single steps on the
+    one-session threads; a decode run's steps go on the batch threads and are left out."""
+    for steps, fed in ((1, True), (8, False)):
+        core = make_core(model_path, decode_steps=steps)
+        try:
+            core.t_ms = 123.0
+            generate(core, [5, 9, 13], 20)
+            assert (core.t_ms != 123.0) == fed, (steps, core.t_ms)
+        finally:
+            core.close()
+
+
 def test_decode_steps_must_be_positive():
     with pytest.raises(ValueError):
         Scheduler(threading.Lock(), decode_steps=0)

@@ -407,7 +407,9 @@ class _PlainStream:
         n_past = run.session.n_past - len(toks)
         for tok, ms, w in zip(toks, step_ms, wall):
             n_past += 1
-            if self.greedy:
+            # T is a single step's time on the one-session threads: what a speculative
+            # generation's plain round costs (a run's steps go on the batch threads)
+            if self.greedy and st.step_ms is None:
                 core.observe_decode(ms)
             last = tok in req.eos_ids
             if not last:
