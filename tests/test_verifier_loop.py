@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -670,11 +671,46 @@ def test_in_engine_decoding_gives_way_to_a_second_generation(model_path):
         core.close()
 
 
+def _record_decode_runs(monkeypatch, first_waits_for: Callable[[], bool] | None = None) -> list:
+    """Per scheduler decode_batch call from now on: [(id(session), tokens it got)] per item.
+    first_waits_for: the first call waits (up to 10 s) until it is true."""
+    from echospec.services.verifier import scheduler as sched_mod
+    runs: list = []
+    real = sched_mod.decode_batch
+
+    def recording(items, interrupt=None):
+        if first_waits_for is not None and not runs:
+            t_end = time.monotonic() + 10
+            while not first_waits_for() and time.monotonic() < t_end:
+                time.sleep(0.001)
+        res = real(items, interrupt)
+        runs.append([(id(it[0]), len(r[0])) for it, r in zip(items, res)])
+        return res
+    monkeypatch.setattr(sched_mod, "decode_batch", recording)
+    return runs
+
+
+def _at_once(core, jobs) -> list:
+    """Greedy generations of (prompt, max_tokens, eos ids) started together; their tokens."""
+    out: dict = {}
+    start = threading.Barrier(len(jobs))
+
+    def run(i):
+        start.wait()
+        p, n, e = jobs[i]
+        out[i] = tokens_of(generate(core, p, n, eos=e))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [out.get(i) for i in range(len(jobs))]
+
+
 def test_greedy_generations_batched_together_decode_several_steps_per_call(model_path, monkeypatch):
     """batch_max 4, three greedy generations at once: their iterations become decode runs over
     several sessions (several engine steps of each per call), each output is its solo output,
     and a generation that ends (max_tokens, EOS) leaves the run alone."""
-    from echospec.services.verifier import scheduler as sched_mod
     core = VerifierCore(VerifierConfig(model=model_path, n_ctx=N_CTX, n_threads=1, batch_max=4,
                                        decode_steps=8, prefix_cache=False))
     try:
@@ -683,29 +719,11 @@ def test_greedy_generations_batched_together_decode_several_steps_per_call(model
         eos = solo[2][60]   # the third stops at an EOS id part way (its first occurrence or earlier)
         jobs[2] = (jobs[2][0], 80, (eos,))
         solo[2] = solo[2][:solo[2].index(eos) + 1]
-        runs = []   # per decode_batch call: the tokens each session got
-        real = sched_mod.decode_batch
-
-        def recording(items, interrupt=None):
-            res = real(items, interrupt)
-            runs.append([len(r[0]) for r in res])
-            return res
-        monkeypatch.setattr(sched_mod, "decode_batch", recording)
-        out: dict = {}
-        start = threading.Barrier(3)
-
-        def run(i):
-            start.wait()
-            p, n, e = jobs[i]
-            out[i] = tokens_of(generate(core, p, n, eos=e))
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert [out[i] for i in range(3)] == solo
-        assert any(len(r) >= 2 and max(r) >= 2 for r in runs), runs   # several sessions, several steps
-        assert sum(max(r) for r in runs) < sum(len(x) for x in solo)  # fewer engine calls than tokens
+        runs = _record_decode_runs(monkeypatch, lambda: core.scheduler.waiting >= 1)
+        assert _at_once(core, jobs) == solo
+        steps = [[n for _, n in r] for r in runs]
+        assert any(len(r) >= 2 and max(r) >= 2 for r in steps), runs   # several sessions, several steps
+        assert sum(max(r) for r in steps) < sum(len(x) for x in solo)  # fewer engine calls than tokens
     finally:
         core.close()
 
@@ -713,34 +731,17 @@ def test_greedy_generations_batched_together_decode_several_steps_per_call(model
 def test_streams_at_batch_max_1_take_decode_runs_in_turn(model_path, monkeypatch):
     """batch_max 1, two greedy generations at once: each iteration is a decode run of one of
     them (several steps) while the other's step waits, and the runs alternate between them."""
-    from echospec.services.verifier import scheduler as sched_mod
     core = VerifierCore(VerifierConfig(model=model_path, n_ctx=N_CTX, n_threads=1, batch_max=1,
                                        decode_steps=4, prefix_cache=False))
     try:
         prompts = [[7, 8, 9], [40, 41, 42, 43]]
         solo = [tokens_of(generate(core, p, 60)) for p in prompts]
-        runs = []   # per decode_batch call: (session, steps)
-        real = sched_mod.decode_batch
-
-        def recording(items, interrupt=None):
-            res = real(items, interrupt)
-            runs.append((id(items[0][0]), len(res[0][0])))
-            return res
-        monkeypatch.setattr(sched_mod, "decode_batch", recording)
-        out: dict = {}
-        start = threading.Barrier(2)
-
-        def run(i):
-            start.wait()
-            out[i] = tokens_of(generate(core, prompts[i], 60))
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert [out[0], out[1]] == solo
-        assert sum(n for _, n in runs) > len(runs)   # runs of several steps
-        owners = [o for o, _ in runs]
+        # the first run waits for the other generation's step, so both are there from the start
+        runs = _record_decode_runs(monkeypatch, lambda: core.scheduler.waiting >= 1)
+        assert _at_once(core, [(p, 60, ()) for p in prompts]) == solo
+        assert all(len(r) == 1 for r in runs), runs   # one session per call at batch_max 1
+        assert sum(r[0][1] for r in runs) > len(runs)   # runs of several steps
+        owners = [r[0][0] for r in runs]
         both = [i for i in range(1, len(owners)) if owners[i] != owners[i - 1]]
         assert len(set(owners)) == 2 and len(both) >= 4, runs   # the two take turns
     finally:
