@@ -671,9 +671,9 @@ def test_in_engine_decoding_gives_way_to_a_second_generation(model_path):
         core.close()
 
 
-def _record_decode_runs(monkeypatch, first_waits_for: Callable[[], bool] | None = None) -> list:
+def _record_decode_runs(monkeypatch, first_waits_for: Callable[[list], bool] | None = None) -> list:
     """Per scheduler decode_batch call from now on: [(id(session), tokens it got)] per item.
-    first_waits_for: the first call waits (up to 10 s) until it is true."""
+    first_waits_for: the first call waits (up to 10 s) until it is true of the call's items."""
     from echospec.services.verifier import scheduler as sched_mod
     runs: list = []
     real = sched_mod.decode_batch
@@ -681,7 +681,7 @@ def _record_decode_runs(monkeypatch, first_waits_for: Callable[[], bool] | None 
     def recording(items, interrupt=None):
         if first_waits_for is not None and not runs:
             t_end = time.monotonic() + 10
-            while not first_waits_for() and time.monotonic() < t_end:
+            while not first_waits_for(items) and time.monotonic() < t_end:
                 time.sleep(0.001)
         res = real(items, interrupt)
         runs.append([(id(it[0]), len(r[0])) for it, r in zip(items, res)])
@@ -719,7 +719,7 @@ def test_greedy_generations_batched_together_decode_several_steps_per_call(model
         eos = solo[2][60]   # the third stops at an EOS id part way (its first occurrence or earlier)
         jobs[2] = (jobs[2][0], 80, (eos,))
         solo[2] = solo[2][:solo[2].index(eos) + 1]
-        runs = _record_decode_runs(monkeypatch, lambda: core.scheduler.waiting >= 1)
+        runs = _record_decode_runs(monkeypatch, lambda items: len(items) >= 2 or core.scheduler.waiting >= 1)
         assert _at_once(core, jobs) == solo
         steps = [[n for _, n in r] for r in runs]
         assert any(len(r) >= 2 and max(r) >= 2 for r in steps), runs   # several sessions, several steps
@@ -737,7 +737,7 @@ def test_streams_at_batch_max_1_take_decode_runs_in_turn(model_path, monkeypatch
         prompts = [[7, 8, 9], [40, 41, 42, 43]]
         solo = [tokens_of(generate(core, p, 60)) for p in prompts]
         # the first run waits for the other generation's step, so both are there from the start
-        runs = _record_decode_runs(monkeypatch, lambda: core.scheduler.waiting >= 1)
+        runs = _record_decode_runs(monkeypatch, lambda items: core.scheduler.waiting >= 1)
         assert _at_once(core, [(p, 60, ()) for p in prompts]) == solo
         assert all(len(r) == 1 for r in runs), runs   # one session per call at batch_max 1
         assert sum(r[0][1] for r in runs) > len(runs)   # runs of several steps
