@@ -405,16 +405,25 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, self._refusal(method))
 
 
+DEADLINE_SLACK_S = 0.05
+"""A call that ends this close to its deadline ended by the deadline: the client's timer starts
+when it sends the call, the server's when the call arrives, so the client's deadline fires first
+and its cancel can reach the server a few ms before the server's own deadline."""
+
+
 def status_name(context: grpc.ServicerContext, error: bool = False) -> str:
     """The status an RPC ends (or ended) with, as a grpc.StatusCode name: the code the handler
-    set (abort), else CANCELLED / DEADLINE_EXCEEDED when the call is no longer active, else
-    UNKNOWN when the handler raised (`error`), else OK."""
+    set (abort), else CANCELLED / DEADLINE_EXCEEDED when the call is no longer active (within
+    DEADLINE_SLACK_S of its deadline: DEADLINE_EXCEEDED), else UNKNOWN when the handler raised
+    (`error`), else OK."""
     code = context.code()
     if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
         return code.name
     if not context.is_active():
         remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED"
     return "UNKNOWN" if error else "OK"
 
 
