@@ -193,7 +193,7 @@ def paired(path: str, args) -> dict:
             return in_threads(n, lambda i: stream_one(stubs[n], prompts[i], args.max_tokens))
 
         core = stacks[n].verifier.core
-        eng = EngineBatch(core.model, decode_threads(core.config), core.config.batch_threads, args.n_ctx)
+        eng = EngineBatch(core.model, core.config.n_threads, core.config.batch_threads, args.n_ctx)
         if args.pair_warmup:   # one untimed round of each side: the first all-at-once round on a
             one_at_a_time()    # fresh stack pays its sessions' first-touch page faults
             at_once()
@@ -264,8 +264,8 @@ class EngineBatch:
 
     Args:
         model: the stack's own loaded Model (see EngineDecoder). threads, batch_threads, n_ctx:
-            as the stack's verifier (a lone session's decode on ``threads``, decode_threads; a
-            forward over two or more on ``batch_threads``, as its scheduler does).
+            as the stack's verifier (a forward over one session on ``threads``, one over two
+            or more on ``batch_threads``, as its scheduler does).
     """
 
     def __init__(self, model, threads: int, batch_threads: int, n_ctx: int):
@@ -304,12 +304,6 @@ class EngineBatch:
                 s.close()
 
 
-def decode_threads(cfg) -> int:
-    """The engine threads of a lone greedy generation's decode steps in the stack: its in-engine
-    runs go on batch_threads (scheduler.py), single steps (decode_steps 1) on n_threads."""
-    return cfg.batch_threads if cfg.decode_steps > 1 else cfg.n_threads
-
-
 def plain_decode(path: str, args) -> dict:
     st = start_stack(path, n_ctx=args.n_ctx, n_threads=args.threads, batch_threads=args.batch_threads, prefix_cache=False,
                      max_tokens=args.decode_tokens)
@@ -319,7 +313,7 @@ def plain_decode(path: str, args) -> dict:
         n_vocab = stub.GetInfo(cpb.GetInfoRequest()).n_vocab
         ids = _prompt_ids(stub, 7, args.prompt_words, n_vocab)
         stream_one(stub, ids, args.decode_tokens)     # warm-up of both, untimed
-        eng = EngineDecoder(st.verifier.core.model, decode_threads(st.verifier.core.config), args.n_ctx)
+        eng = EngineDecoder(st.verifier.core.model, st.verifier.core.config.n_threads, args.n_ctx)  # the stack's own count
         eng.rate(ids, args.decode_tokens)
         ratios, stack_r, eng_r, over, t_ms = [], [], [], [], []
         for rnd in range(args.rounds):

@@ -53,14 +53,15 @@ after the step that runs. The tokens are bitwise one forward per token
 
 Engine threads (``threads`` = (one, many)): an iteration over one session
 runs on ``one`` thread(s) of the sessions' pools, one that batches two or
-more sessions, feeds one session MANY_TOKENS or more (a prefill chunk), or is
-an in-engine decode run, on ``many`` (set on the batch's sessions before the
-call; es_forward_batch runs on its first item's pool and count). A single
-step of a lone generation (a verify round, a sampled token) is followed by
-the generation's Python, which then keeps a core; a prefill chunk is bound
-by arithmetic and its stream has nothing to send yet, and a decode run has
-no Python between its steps. Results do not depend on the count (the
-engine's contract), only the speed does.
+more sessions (a decode run over them too), or feeds one session MANY_TOKENS
+or more (a prefill chunk), on ``many`` (set on the batch's sessions before the
+call; es_forward_batch runs on its first item's pool and count). A lone
+session's steps and decode runs keep to ``one``: the default leaves a core to
+the services' Python and the clients, and a step on every core waits for its
+slowest thread whenever anything else runs (bench/README.md, serve_bench
+session 10). A prefill chunk is bound by arithmetic, and its stream has
+nothing to send yet. Results do not depend on the count (the engine's
+contract), only the speed does.
 
 Gathering (batch_max >= 2): the sessions of an iteration come back with their
 next steps one by one, as their loops take the results, and the first one
@@ -393,7 +394,7 @@ class Scheduler:
                 s.queued_ms = (t_start - s._t_submit) * 1e3
             try:
                 if self.threads is not None:
-                    one = len(batch) == 1 and len(batch[0].tokens) < MANY_TOKENS and not run_decode
+                    one = len(batch) == 1 and len(batch[0].tokens) < MANY_TOKENS
                     n = self.threads[0] if one else self.threads[1]
                     self.threads_used[n] = self.threads_used.get(n, 0) + 1
                     for s in batch:

@@ -278,14 +278,14 @@ class VerifierCore:
     scheduler and the prefix cache.
 
     Engine threads: every session's pool has max(n_threads, batch_threads)
-    threads; a forward over one session (a lone generation's verify round or
-    sampled step, the step-by-step sessions) runs on n_threads of them, an
-    iteration of the scheduler that batches >= 2 sessions, feeds one a prefill
-    chunk of scheduler.MANY_TOKENS or more, or runs a greedy generation's
-    in-engine decode run, on batch_threads. With both 0 that is the usable
-    CPUs less one for one session's step (its Python keeps a core) and every
-    usable CPU for the others (bench/README.md, serve_bench sessions 7 and
-    10). The config kept here has both resolved.
+    threads; a forward over one session (a lone generation's decode step or
+    decode run, the step-by-step sessions) runs on n_threads of them, an
+    iteration of the scheduler that batches >= 2 sessions or feeds one a
+    prefill chunk of scheduler.MANY_TOKENS or more on batch_threads. With both
+    0 that is the usable CPUs less one for one session (a core kept for the
+    services' Python and anything else on the host) and every usable CPU for a
+    batch or a prefill (bench/README.md, serve_bench sessions 7 and 10). The
+    config kept here has both resolved.
 
     Args:
         config: model path, n_ctx, n_threads, batch_threads, max_k, max_sessions, idle
