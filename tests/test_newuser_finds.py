@@ -1239,7 +1239,7 @@ def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
             if "coordinator      listening" in line:
                 break
         assert p.poll() is None, "".join(err)
-        ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
                             text=True).stdout
         verifier = [int(ln.split()[0]) for ln in ps.splitlines() if "echospec.services.verifier" in ln]
         assert len(verifier) == 1, ps
@@ -1296,7 +1296,7 @@ def test_serve_processes_keeps_serving_when_the_draft_service_dies(tiny_model):
         raise AssertionError(f"no {pattern!r} in:\n" + "".join(err))
 
     def child(name: str) -> list[int]:
-        ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
                             text=True).stdout
         return [int(ln.split()[0]) for ln in ps.splitlines() if f"echospec.services.{name}" in ln]
 

@@ -671,18 +671,24 @@ def test_in_engine_decoding_gives_way_to_a_second_generation(model_path):
         core.close()
 
 
-def _record_decode_runs(monkeypatch, first_waits_for: Callable[[list], bool] | None = None) -> list:
+def _record_decode_runs(monkeypatch, core=None, waits_for: Callable[[list], bool] | None = None) -> list:
     """Per scheduler decode_batch call from now on: [(id(session), tokens it got)] per item.
-    first_waits_for: the first call waits (up to 10 s) until it is true of the call's items."""
+    waits_for: each decode run of core's scheduler first waits (up to 10 s, before it takes the
+    engine lock) until it is true of the run's steps."""
     from echospec.services.verifier import scheduler as sched_mod
     runs: list = []
     real = sched_mod.decode_batch
+    if waits_for is not None:
+        execute = core.scheduler._execute
+
+        def held(batch, run_decode=False):
+            t_end = time.monotonic() + 10
+            while run_decode and not waits_for(batch) and time.monotonic() < t_end:
+                time.sleep(0.001)
+            execute(batch, run_decode)
+        core.scheduler._execute = held
 
     def recording(items, interrupt=None):
-        if first_waits_for is not None and not runs:
-            t_end = time.monotonic() + 10
-            while not first_waits_for(items) and time.monotonic() < t_end:
-                time.sleep(0.001)
         res = real(items, interrupt)
         runs.append([(id(it[0]), len(r[0])) for it, r in zip(items, res)])
         return res
@@ -690,8 +696,9 @@ def _record_decode_runs(monkeypatch, first_waits_for: Callable[[list], bool] | N
     return runs
 
 
-def _at_once(core, jobs) -> list:
-    """Greedy generations of (prompt, max_tokens, eos ids) started together; their tokens."""
+def _at_once(core, jobs, finished: list | None = None) -> list:
+    """Greedy generations of (prompt, max_tokens, eos ids) started together; their tokens.
+    finished: each generation's index is appended to it as it ends."""
     out: dict = {}
     start = threading.Barrier(len(jobs))
 
@@ -699,6 +706,8 @@ def _at_once(core, jobs) -> list:
         start.wait()
         p, n, e = jobs[i]
         out[i] = tokens_of(generate(core, p, n, eos=e))
+        if finished is not None:
+            finished.append(i)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
@@ -719,8 +728,13 @@ def test_greedy_generations_batched_together_decode_several_steps_per_call(model
         eos = solo[2][60]   # the third stops at an EOS id part way (its first occurrence or earlier)
         jobs[2] = (jobs[2][0], 80, (eos,))
         solo[2] = solo[2][:solo[2].index(eos) + 1]
-        runs = _record_decode_runs(monkeypatch, lambda items: len(items) >= 2 or core.scheduler.waiting >= 1)
-        assert _at_once(core, jobs) == solo
+        # a run waits until it holds several sessions or another step waits (so the sessions meet
+        # in runs whatever the threads' timing), or the others have ended
+        finished: list = []
+        runs = _record_decode_runs(
+            monkeypatch, core,
+            lambda batch: len(batch) >= 2 or core.scheduler.waiting >= 1 or len(finished) + len(batch) >= 3)
+        assert _at_once(core, jobs, finished) == solo
         steps = [[n for _, n in r] for r in runs]
         assert any(len(r) >= 2 and max(r) >= 2 for r in steps), runs   # several sessions, several steps
         assert sum(max(r) for r in steps) < sum(len(x) for x in solo)  # fewer engine calls than tokens
@@ -736,9 +750,11 @@ def test_streams_at_batch_max_1_take_decode_runs_in_turn(model_path, monkeypatch
     try:
         prompts = [[7, 8, 9], [40, 41, 42, 43]]
         solo = [tokens_of(generate(core, p, 60)) for p in prompts]
-        # the first run waits for the other generation's step, so both are there from the start
-        runs = _record_decode_runs(monkeypatch, lambda items: core.scheduler.waiting >= 1)
-        assert _at_once(core, [(p, 60, ()) for p in prompts]) == solo
+        # a run waits until the other generation's step waits too (a step queued meanwhile ends
+        # the run after one step), or the other has ended: the two meet whatever the timing
+        finished: list = []
+        runs = _record_decode_runs(monkeypatch, core, lambda batch: core.scheduler.waiting >= 1 or bool(finished))
+        assert _at_once(core, [(p, 60, ()) for p in prompts], finished) == solo
         assert all(len(r) == 1 for r in runs), runs   # one session per call at batch_max 1
         assert sum(r[0][1] for r in runs) > len(runs)   # runs of several steps
         owners = [r[0][0] for r in runs]
