@@ -75,6 +75,7 @@ that has started finishes first (one forward).
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -333,9 +334,8 @@ class Scheduler:
         # every step of the batch, and every step still waiting, a greedy stream's decode step:
         # the engine may run several steps of each in one call (the waiting streams take their
         # runs in turn)
-        run_decode = (self.decode_steps > 1
-                      and all(s.decode > 1 and len(s.tokens) == 1 for s in batch)
-                      and all(s.decode > 1 and len(s.tokens) == 1 for s in self._queue))
+        run_decode = self.decode_steps > 1 and all(s.decode > 1 and len(s.tokens) == 1
+                                                   for s in itertools.chain(batch, self._queue))
         self._interrupt[0] = 0
         self._busy = True
         self._running = batch
