@@ -157,10 +157,12 @@ def test_batched_iterations_run_on_batch_threads_with_identical_outputs(model, m
         for n_sessions, n_tokens, threads in calls:
             assert threads == (2 if n_sessions >= 2 or n_tokens >= MANY_TOKENS else 1), calls
         kinds = {(n >= 2, t >= MANY_TOKENS) for n, t, _ in calls}
-        assert {(False, False), (False, True), (True, False)} <= kinds   # a short chunk, a long one, a batch
+        assert {(False, False), (False, True)} <= kinds   # a short chunk, a long one
         for n_sessions, threads in runs:
             assert threads == (2 if n_sessions >= 2 else 1), runs
-        assert {n >= 2 for n, _ in runs} == {False, True}, runs   # runs alone and batched
+        # lone decode runs (the sequential clients), and batches: of forwards or of decode runs
+        assert any(n == 1 for n, _ in runs), runs
+        assert any(n >= 2 for n, _, _ in calls) or any(n >= 2 for n, _ in runs), (calls, runs)
     finally:
         ch.close()
         vch.close()
