@@ -7,7 +7,12 @@
  * activation row n: never on N, on the thread split or on the SIMD path.
  * The scalar kernels below are the definition; quant_x86.c and quant_neon.c
  * compute bitwise the same values (checked by tests/test_quant.c). All files
- * are compiled with -ffp-contract=off and no FMA is used anywhere.
+ * are compiled with -ffp-contract=off: the compiler never fuses a multiply
+ * and an add. The one fused step is fma(a, b, c) where the contract below
+ * says so (step 3 of the 32-element block types): a single rounding of
+ * a * b + c, the same on every path (fmaf in C, vfmadd on x86, fmla on
+ * NEON; tests/test_engine_build.py allows FMA instructions only in the
+ * matmul kernels).
  *
  * Quantized weight types of 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
  *   1. Each activation row is cut into blocks of 32; block j gets
@@ -19,17 +24,19 @@
  *      b and exact int32 sums
  *        I = sum_i wq[i] * q[i]     wq = the block's integer weights
  *        J = qsum
- *      and the contribution
- *        one-term types (Q4_0, Q5_0, Q8_0):  c = (a * d) * (float)I
- *        Q5_1:                               c = (a * d) * (float)I + (b * d) * (float)J
- *        Q4_1:                               c = (a * d) * (float)I + b * dq
- *                                            (dq = d * (float)qsum, made with the
- *                                            activation row: one multiply less)
  *      with, per type:
  *        Q4_0  a = d_w, wq = q - 8                  Q5_0  a = d_w, wq = q - 16
  *        Q8_0  a = d_w, wq = q
  *        Q4_1  a = d_w, wq = q, b = m_w             Q5_1  likewise
- *   3. Sequential: y = +0, then y += c for j = 0, 1, 2, ... in order; Y = y.
+ *   3. Sequential and fused: y = +0, then for j = 0, 1, 2, ... in order
+ *        every type:  y = fma(a * d, (float)I, y)
+ *        then Q5_1:   y = fma(b * d, (float)J, y)
+ *             Q4_1:   y = fma(b, dq, y)   (dq = d * (float)qsum, made with
+ *                                          the activation row)
+ *      and Y = y. A fused step is one instruction where a multiply and an
+ *      add would be two; the per-block float steps are a large part of a
+ *      packed kernel's work once the integer dot products are cheap (VNNI,
+ *      sdot), and the rounding is as good.
  * K types (Q4_K, Q5_K, Q6_K; n_in a multiple of 256):
  *   1K. Each activation row is cut into super-blocks of 256 (es_q8k_block);
  *      super-block s gets amax, d, id and q[i] as in step 1 but over its 256
@@ -415,9 +422,9 @@ static void up_q6_k(const uint8_t *row, int64_t j, int *wq, float *a, float *b, 
 
 #define REF_NT 32   /* activation rows per pass */
 
-/* two_term: 0 one-term, 1 two-term with (b * d) * (float)J, 2 Q4_1's b * dq;
- * seq: the sequential types (one accumulator instead of the lanes). */
-static void ref_quant(unpack_fn up, int two_term, int seq, const uint8_t *w, size_t row_bytes,
+/* Contract steps 2 and 3. two_term: 0 one-term, 1 Q5_1's (b * d, J), 2
+ * Q4_1's (b, dq). */
+static void ref_quant(unpack_fn up, int two_term, const uint8_t *w, size_t row_bytes,
                       int64_t r0, int64_t r1, int64_t n_in, const void *xv, size_t x_stride,
                       int N, float *Y, int64_t ldy) {
     int64_t nb = n_in / QK;
@@ -425,8 +432,8 @@ static void ref_quant(unpack_fn up, int two_term, int seq, const uint8_t *w, siz
         int nt = N - n0 < REF_NT ? N - n0 : REF_NT;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
-            float lanes[REF_NT][ES_LANES];
-            memset(lanes, 0, sizeof lanes);
+            float y[REF_NT];
+            for (int n = 0; n < nt; n++) y[n] = 0.0f;
             for (int64_t j = 0; j < nb; j++) {
                 int wq[32];
                 float a = 0.0f, b = 0.0f;
@@ -440,14 +447,12 @@ static void ref_quant(unpack_fn up, int two_term, int seq, const uint8_t *w, siz
                     int32_t I = 0;
                     for (int i = 0; i < 32; i++) I += wq[i] * g->qs[(i / 4) * 64 + jj * 4 + i % 4];
                     float dx = g->d[jj];
-                    float c = (a * dx) * (float)I;
-                    if (two_term == 1) c = c + (b * dx) * (float)(jm * g->qsum[jj]);
-                    if (two_term == 2) c = c + b * g->dq[jj];
-                    lanes[n][seq ? 0 : j % ES_LANES] += c;
+                    y[n] = fmaf(a * dx, (float)I, y[n]);
+                    if (two_term == 1) y[n] = fmaf(b * dx, (float)(jm * g->qsum[jj]), y[n]);
+                    if (two_term == 2) y[n] = fmaf(b, g->dq[jj], y[n]);
                 }
             }
-            for (int n = 0; n < nt; n++)
-                Y[(int64_t)(n0 + n) * ldy + r] = seq ? lanes[n][0] : es_lane_sum(lanes[n]);
+            for (int n = 0; n < nt; n++) Y[(int64_t)(n0 + n) * ldy + r] = y[n];
         }
     }
 }
@@ -492,16 +497,16 @@ REF_QUANT_K(ref_q4_k, up_q4_k, 1)
 REF_QUANT_K(ref_q5_k, up_q5_k, 1)
 REF_QUANT_K(ref_q6_k, up_q6_k, 0)
 
-#define REF_QUANT(name, up, two, seq)                                                     \
+#define REF_QUANT(name, up, two)                                                          \
     static void name(const uint8_t *w, size_t rb, int64_t r0, int64_t r1, int64_t n_in,   \
                      const void *x, size_t xs, int N, float *Y, int64_t ldy) {            \
-        ref_quant(up, two, seq, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                   \
+        ref_quant(up, two, w, rb, r0, r1, n_in, x, xs, N, Y, ldy);                        \
     }
-REF_QUANT(ref_q4_0, up_q4_0, 0, 1)
-REF_QUANT(ref_q4_1, up_q4_1, 2, 1)
-REF_QUANT(ref_q5_0, up_q5_0, 0, 1)
-REF_QUANT(ref_q5_1, up_q5_1, 1, 1)
-REF_QUANT(ref_q8_0, up_q8_0, 0, 1)
+REF_QUANT(ref_q4_0, up_q4_0, 0)
+REF_QUANT(ref_q4_1, up_q4_1, 2)
+REF_QUANT(ref_q5_0, up_q5_0, 0)
+REF_QUANT(ref_q5_1, up_q5_1, 1)
+REF_QUANT(ref_q8_0, up_q8_0, 0)
 
 /* Float weights: lane[i % 16] += w[i] * x[i]. */
 static void ref_float(uint32_t type, const uint8_t *w, size_t row_bytes, int64_t r0, int64_t r1,

@@ -188,17 +188,16 @@ static inline ES_AI void prows(const int nt, const int type, const pquarter *u, 
         }
         UNROLL
         for (int k = 0; k < 8; k++) I = vdotq_lane_s32(I, u->w[k], vld1_s8((const int8_t *)(b + 64 * k)), 0);
-        float32x4_t c = vmulq_f32(vmulq_n_f32(u->a, d), from_magic(I));
+        acc[n] = vfmaq_f32(acc[n], vmulq_n_f32(u->a, d), from_magic(I));
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
-            c = vaddq_f32(c, vmulq_n_f32(u->b, dq));
+            acc[n] = vfmaq_n_f32(acc[n], u->b, dq);
         }
         if (type == ES_TYPE_Q5_1) {
             float fq;
             memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
-            c = vaddq_f32(c, vmulq_n_f32(vmulq_n_f32(u->b, d), fq));
+            acc[n] = vfmaq_n_f32(acc[n], vmulq_n_f32(u->b, d), fq);
         }
-        acc[n] = vaddq_f32(acc[n], c);
     }
 }
 

@@ -390,13 +390,12 @@ static inline ES_AI void pgroup(const int nt, const int type, const uint8_t *g, 
                 i0 = dpbusd_b(i0, u.w[k], q + 64 * k);
                 i1 = dpbusd_b(i1, u.w[k + 1], q + 64 * (k + 1));
             }
-            __m512 c = _mm512_mul_ps(_mm512_mul_ps(u.a, _mm512_set1_ps(xg->d[jj])),
-                                     _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)));
-            if (type == ES_TYPE_Q4_1) c = _mm512_add_ps(c, _mm512_mul_ps(u.b, _mm512_set1_ps(xg->dq[jj])));
+            acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(u.a, _mm512_set1_ps(xg->d[jj])),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), acc[n]);
+            if (type == ES_TYPE_Q4_1) acc[n] = _mm512_fmadd_ps(u.b, _mm512_set1_ps(xg->dq[jj]), acc[n]);
             if (type == ES_TYPE_Q5_1)
-                c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(u.b, _mm512_set1_ps(xg->d[jj])),
-                                                   _mm512_set1_ps(xg->fq[jj])));
-            acc[n] = _mm512_add_ps(acc[n], c);
+                acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(u.b, _mm512_set1_ps(xg->d[jj])), _mm512_set1_ps(xg->fq[jj]),
+                                         acc[n]);
         }
     }
     const __mmask16 m = (__mmask16)((1u << nr) - 1);
@@ -643,16 +642,15 @@ static inline ES_AI void pepi(const int nt, const int type, const uint8_t *p, in
             I = _mm256_sub_epi32(I, _mm256_set1_epi32((type == ES_TYPE_Q5_0 ? 16 : 8) * qsum));
         }
         const __m256 dx = _mm256_set1_ps(d);
-        __m256 c = _mm256_mul_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I));
+        acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(a, dx), _mm256_cvtepi32_ps(I), acc[n]);
         if (type == ES_TYPE_Q4_1) {
             memcpy(&dq, b + offsetof(es_q8_group, dq), 4);
-            c = _mm256_add_ps(c, _mm256_mul_ps(f16x8(p + 288 + 16 * h), _mm256_set1_ps(dq)));
+            acc[n] = _mm256_fmadd_ps(f16x8(p + 288 + 16 * h), _mm256_set1_ps(dq), acc[n]);
         }
         if (type == ES_TYPE_Q5_1) {
             memcpy(&fq, b + offsetof(es_q8_group, fq), 4);
-            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(f16x8(p + ES_PK_Q5_M + 16 * h), dx), _mm256_set1_ps(fq)));
+            acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(p + ES_PK_Q5_M + 16 * h), dx), _mm256_set1_ps(fq), acc[n]);
         }
-        acc[n] = _mm256_add_ps(acc[n], c);
     }
 }
 
