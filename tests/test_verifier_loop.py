@@ -780,3 +780,64 @@ def test_t_comes_from_single_steps_not_from_decode_runs(model_path):
 def test_decode_steps_must_be_positive():
     with pytest.raises(ValueError):
         Scheduler(threading.Lock(), decode_steps=0)
+
+
+class _NoDrafts:
+    """A draft link that finds nothing (free text): every proposal comes back empty. Records the
+    history length and size of each proposal it is asked for."""
+
+    def __init__(self):
+        self.history: list[int] = []
+        self.asked: list[tuple[int, int]] = []
+        self.closed = False
+
+    def append(self, tokens):
+        self.history += list(tokens)
+
+    def send_propose(self, append, n):
+        self.history += list(append)
+        self.asked.append((len(self.history), n))
+
+    def recv_proposal(self):
+        return []
+
+    def close(self):
+        self.closed = True
+
+    def cancel(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("max_tokens,eos_after", [(200, None), (37, None), (200, 40)])
+def test_the_back_off_plain_rounds_of_a_speculative_generation_run_in_the_engine(model_path, monkeypatch,
+                                                                                max_tokens, eos_after):
+    """Free text: proposals come back empty, the controller backs off for 1, 2, 4, ... rounds, and
+    those rounds (no draft traffic) run as in-engine decode runs. The output, the events (one per
+    token) and the proposals (asked at the same points of the history) are those of one engine
+    call per round (decode_steps 1); max_tokens and an EOS id inside a run end it the same way."""
+    prompt = [(i * 7) % 300 + 3 for i in range(10)]
+    results = []
+    for steps in (1, 8):
+        core = make_core(model_path, decode_steps=steps, prefix_cache=False)
+        try:
+            plain = tokens_of(generate(core, prompt, max_tokens))
+            eos_at = None   # an EOS id: the first token new to the output after eos_after tokens
+            if eos_after is not None:
+                eos_at = next(i for i in range(eos_after, len(plain)) if plain[i] not in plain[:i])
+            eos = frozenset([plain[eos_at]]) if eos_at is not None else frozenset()
+            runs = _record_decode_runs(monkeypatch)
+            link = _NoDrafts()
+            req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=eos, sampling=Sampling(),
+                                    spec=True, k=4)
+            check(core, req)
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            want = plain[:eos_at + 1] if eos_at is not None else plain
+            assert tokens_of(evs) == want and all(len(e.tokens) == 1 and e.k == 0 for e in evs)
+            assert [e.n_past for e in evs[1:]] == list(range(len(prompt) + 1, len(prompt) + len(want)))
+            results.append((link.asked, [len(r[0][1:]) and r[0][1] for r in runs]))
+            assert link.closed
+        finally:
+            core.close()
+    (asked1, runs1), (asked8, runs8) = results
+    assert asked1 == asked8 and len(asked1) >= 3
+    assert runs1 == [] and max(runs8) > 1 and sum(runs8) >= len(want) // 2, runs8

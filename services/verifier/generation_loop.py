@@ -179,9 +179,15 @@ class _Run:
             self.core.scheduler.leave(session)
             self.core.release(session, self.kv_tokens)
 
-    def step(self, tokens: list[int], head: str, logits: str) -> Step:
-        st = self.core.scheduler.run(Step(self.session, tokens, head, logits), self.cancel)
+    def step(self, tokens: list[int], head: str, logits: str, decode: int = 0,
+             stop_ids: tuple = ()) -> Step:
+        """One engine step; with decode > 1 (one greedy token, no logits) the scheduler may run
+        up to ``decode`` steps in one call (Step.decode): argmax is then every step's token."""
+        st = self.core.scheduler.run(Step(self.session, tokens, head, logits, decode=decode,
+                                          stop_ids=stop_ids), self.cancel)
         self.kv_tokens.extend(tokens)
+        if st.step_ms is not None:   # the run fed each token but the last
+            self.kv_tokens.extend(int(t) for t in st.argmax[:-1])
         return st
 
     def choose(self, greedy_token: int, logits: Any) -> int:
@@ -326,6 +332,23 @@ class _Drafts:
         except DraftUnavailable as exc:
             self._lost(exc)
         return drf, hop_ms, proposals
+
+    def quiet_rounds(self) -> int:
+        """Rounds from this one on that are plain steps with no draft traffic, after ``before``
+        chose no draft: the back-off's skipped rounds (the controller neither proposes nor asks
+        in flight until its skip count runs out), unbounded with K = 0, else 1. A greedy
+        generation may run them in one engine call (``skipped`` then counts the rest)."""
+        ctl = self.ctl
+        if self.link is None or self.in_flight or ctl.cache:
+            return 1
+        if ctl.k <= 0:
+            return 1 << 30
+        return max(1, ctl.skip)
+
+    def skipped(self, n: int) -> None:
+        """n more plain rounds ran inside this one (at most quiet_rounds() - 1)."""
+        if self.ctl.k > 0:
+            self.ctl.skip = max(0, self.ctl.skip - n)
 
     def after(self, drf: list[int], tokens: list[int]) -> int:
         """Update after the round verified ``drf`` and yielded ``tokens``; returns the proposals collected."""
@@ -514,7 +537,35 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
             return
         k_cap = min(req.k, max_tokens - produced - 1, n_ctx - n_past - 1)
         drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
-        st = run.step([history[-1]] + drf, "all", mode)
+        n_run = 1
+        if greedy and not drf:
+            # the back-off's plain rounds as one in-engine run, paced like a plain stream's
+            t_ms = core.t_ms
+            paced = int(DECODE_RUN_MS / t_ms) if t_ms > 0 else 1 << 30
+            n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past, paced))
+        st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
+                      stop_ids=tuple(eos) if n_run > 1 else ())
+        if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
+            toks = [int(t) for t in st.argmax]
+            drafts.skipped(len(toks) - 1)
+            r1 = time.perf_counter()
+            walls = [(r1 - r0) * 1e3 - sum(st.step_ms[1:])] + list(st.step_ms[1:])
+            n_past = session.n_past - len(toks)
+            for tok, ms, w in zip(toks, st.step_ms, walls):
+                n_past += 1
+                history.append(tok)
+                done = tok in eos
+                if not done:
+                    produced += 1
+                    done = produced >= max_tokens
+                ev = RoundEvent([tok], 0, 0, ms, core.t_ms, w, n_past, n_ctx, 0)
+                if done:
+                    run.release()
+                yield ev
+                if done:
+                    return
+            r0 = r1
+            continue
         k = len(drf)
         r = longest_accepted_prefix(drf, st.argmax)
         if r < k:

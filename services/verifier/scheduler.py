@@ -41,7 +41,8 @@ stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
 In-engine decoding (``decode_steps`` > 1): an iteration whose steps are all
-greedy streams' decode steps, while nothing but such steps waits, may become
+greedy decode steps (a plain stream's, or the back-off rounds of a speculative
+generation, generation_loop._rounds), while nothing but such steps waits, may become
 one engine.decode_batch call of up to ``decode_steps`` greedy steps of each
 (a stream's ``decode_max`` caps it below max_tokens and the KV capacity; its
 EOS ids end it for that stream), so decoding generations pay no Python
@@ -101,7 +102,7 @@ class Step:
                 ``logits`` is "last".
         "all"   argmax of every position (decode / verify); logits per ``logits``
                 ("none" or "last").
-    decode > 1 (a greedy stream's step of one token, no logits): when every
+    decode > 1 (a greedy step of one token, no logits): when every
     step of its iteration is one and nothing else waits, the engine may run
     up to ``decode`` greedy steps of it in one call (engine.decode_batch),
     each fed the last one's token, ending after a token of ``stop_ids``;
