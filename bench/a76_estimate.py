@@ -182,16 +182,16 @@ SCORE_Q, AXPY_Q, AXPY_D, AW = 4, 2, 32, 4   # forward.c's NEON values
 
 def attention_loops(asm: str) -> dict[tuple[str, int], list[str]]:
     """The attention's inner loops in forward.c's NEON build (block_partial, inlined into
-    attend_unit), told apart by their F16 conversions and multiplies:
-      ("scores", nj): one dimension d of 2 * AW = 8 positions for nj queries: 2 fcvtl, 2 nj fmul;
-      ("axpy", nj):  one position of AXPY_D = 32 dimensions for nj queries: 8 fcvtl, 8 nj fmul;
+    attend_unit), told apart by their F16 conversions and fused multiply-adds:
+      ("scores", nj): one dimension d of 2 * AW = 8 positions for nj queries: 2 fcvtl, 2 nj fmla;
+      ("axpy", nj):  one position of AXPY_D = 32 dimensions for nj queries: 8 fcvtl, 8 nj fmla;
       ("exp", AW):   expv on AW = 4 scores (exp_sub_row): fcvtzs and scvtf, no fcvtl.
     (one fcvtl converts 4 halves: an AW-lane load is AW / 4 of them)"""
     out: dict[tuple[str, int], list[str]] = {}
     for body in innermost_loops(asm, "attend_unit"):
         ops = [x.split()[0] for x in body]
-        cv, mul = sum(o.startswith("fcvtl") for o in ops), ops.count("fmul")
-        sv = 2 * AW // 4   # fcvtl (and fmul per query) of a score step
+        cv, mul = sum(o.startswith("fcvtl") for o in ops), ops.count("fmla")
+        sv = 2 * AW // 4   # fcvtl (and fmla per query) of a score step
         if cv == sv and mul % sv == 0 and 1 <= mul // sv <= SCORE_Q:
             key = ("scores", mul // sv)
         elif cv == 8 and mul % 8 == 0 and 1 <= mul // 8 <= AXPY_Q:

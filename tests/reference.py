@@ -495,7 +495,7 @@ def align_rounding(R: Reference, tokens: Sequence[int], target: np.ndarray, tol_
 
     Method: find the first row over tolerance; try the candidate roundings of
     rows <= that row, closest to a boundary first; keep the one that brings the
-    row within tolerance; repeat.
+    rows up to that one within tolerance; repeat.
     """
     if not (R.act_quant or R.kv_f16):
         raise ValueError("align_rounding needs act_quant=True or kv_f16=True")
@@ -516,7 +516,9 @@ def align_rounding(R: Reference, tokens: Sequence[int], target: np.ndarray, tol_
                 for _, key, rr, cc in used + [cand]:
                     R.flips.setdefault(key, set()).add((rr, cc))
                 L2 = R.forward(tokens)
-                e = float(np.abs(target[r] - L2[r]).max())
+                # row r and every row before it: a flip that mends row r may break an earlier one
+                # (a float16 K or V rounding reaches every later position)
+                e = float(np.abs(target[:r + 1] - L2[:r + 1]).max())
                 if best is None or e < best[0]:
                     best = (e, cand, L2)
             if best is None or best[0] > tol_abs:

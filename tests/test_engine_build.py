@@ -38,7 +38,10 @@ def test_links_only_libc_libm_pthreads(built_lib):
     assert needed and needed <= allowed, needed
 
 
-FMA_ALLOWED = re.compile(r"(?:p_q[458]_[01]|ref_quant|ref_q[458]_[01])(?:\.\w+)*")
+# the packed kernels of the 32-element block types and their scalar reference (quant.c, step 3);
+# the attention's score and value sums (forward.c, the contract above attend_unit)
+FMA_ALLOWED = re.compile(r"(?:p_q[458]_[01]|ref_quant|ref_q[458]_[01]"
+                         r"|attend_unit|block_partial|scores_v|axpy_qd|axpy_row|fma_a)(?:\.\w+)*")
 
 
 def fma_by_function(disassembly: str, x86: bool) -> dict[str, int]:
@@ -61,8 +64,8 @@ def test_fused_multiply_add_only_where_the_contract_has_it(built_lib):
     """Every build must compute the same bits as the scalar one: -ffp-contract=off
     everywhere, so the compiler fuses nothing (GCC 12 emits vfmaddsub for interleaved
     a*b -/+ c*d loops even under -ffp-contract=off), and the only fused steps are the
-    explicit ones of the matmul contract (quant.c, step 3): the packed kernels of the
-    32-element block types and their scalar reference."""
+    explicit ones of the contracts: the matmul's (quant.c, step 3: the packed kernels of
+    the 32-element block types and their scalar reference) and the attention's sums."""
     import platform
     x86 = platform.machine() in ("x86_64", "AMD64")
     unstripped = built_lib.parent / "libechospec_engine.so"

@@ -96,7 +96,10 @@ def test_attention_over_several_blocks_matches_reference(tiny_spec):
     got = np.concatenate(rows)
     R = Reference(spec.path, act_quant=True)
     tol = 1e-4 * float(R.forward(toks).std())
-    ref, flips = align_rounding(R, toks, got, tol, near=1e-4, max_flips=8)
+    # K and V values that are small against their terms (cancellation) differ from the float64
+    # reference by tens of float32 ulps, so their float16 roundings are searched 64 ulps wide
+    ref, flips = align_rounding(R, toks, got, tol, near=1e-4, max_flips=8, near_f16=64 * 2.0 ** -13,
+                                max_tries=150)
     err = np.abs(got - ref).max()
     print(f"200 positions: max |engine - ref| {err:.3g} ({err / ref.std():.2e} of std); flips {flips}")
     assert err <= tol, np.abs(got - ref).max(axis=1)

@@ -81,6 +81,36 @@ static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
     return v;
 }
 
+/* a * b + c on AW lanes with one rounding (fmaf's): the attention's fused
+ * steps (see the contract above attend_unit), the same bits on every target. */
+static inline __attribute__((always_inline)) vaf fma_a(vaf a, vaf b, vaf c) {
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
+    __m512 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &c, sizeof z);
+    z = _mm512_fmadd_ps(x, y, z);
+    memcpy(&c, &z, sizeof c);
+#elif !defined(ES_FORCE_SCALAR) && defined(__FMA__) && defined(__AVX__)
+    __m256 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &c, sizeof z);
+    z = _mm256_fmadd_ps(x, y, z);
+    memcpy(&c, &z, sizeof c);
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+    float32x4_t x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &c, sizeof z);
+    z = vfmaq_f32(z, x, y);
+    memcpy(&c, &z, sizeof c);
+#else
+    for (int i = 0; i < AW; i++) c[i] = fmaf(a[i], b[i], c[i]);
+#endif
+    return c;
+}
+
 /* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
  * order, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
 static inline float dot8(const float *a, const float *b, int n) {
@@ -109,7 +139,8 @@ static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) 
  * The rotated pairs are gathered first and the two outputs computed in
  * separate loops: GCC 12 turns the interleaved form into vfmaddsub even under
  * -ffp-contract=off, which would break bitwise equality with the scalar build
- * (tests/test_engine_build.py checks the library for FMA instructions). */
+ * (tests/test_engine_build.py allows FMA instructions only where a contract
+ * has them). */
 static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
     enum { MAXH = 256 };            /* head_dim <= 512 (checked at load) */
     float x0[MAXH], x1[MAXH], c[MAXH], sn[MAXH], y0[MAXH], y1[MAXH];
@@ -267,15 +298,17 @@ static int32_t argmax_row(const float *x, int n) {
  * query head h, KV head h / (n_head / n_head_kv)) attends positions [0, p]:
  * blocks 0 .. p / B, the last one in part. Per query:
  *   block b, its positions t in [bB, min(bB + B, p + 1)):
- *     s_t = (sum over d = 0, 1, ... in order of q[d] * k_t[d]) * scale
+ *     s_t = z * scale, z = +0 then z = fma(q[d], k_t[d], z) for d = 0, 1, ...
  *     m_b = max s_t;  e_t = exp(s_t - m_b)  (exp_cephes, its lanes in expv)
  *     l_b = sum8 of the e_t (lane j adds e of the block's positions j, j + 8,
  *           ... in order, then the fixed tree of dot8)
- *     o_b[d] = sum over t in order of e_t * v_t[d], from 0
+ *     o_b[d] = +0 then o_b[d] = fma(e_t, v_t[d], o_b[d]) for t in order
  *   fold, blocks in order: (M, L, O) = block 0's (m, l, o); for b = 1, 2, ...
  *     M' = max(M, m_b), a = exp(M - M'), c = exp(m_b - M'),
  *     L = L * a + l_b * c,  O[d] = O[d] * a + o_b[d] * c,  M = M'
  *   out[d] = O[d] * (1 / L)
+ * (fma: a * b + c with one rounding, fmaf's; one instruction where a multiply
+ * and an add would be two, in the loops that bound a long context's prefill.)
  * Every step is a fixed sequence of float operations on the query's own
  * inputs and positions. So neither N, nor which queries share a work unit,
  * nor which thread computes which block, nor the vector width changes a bit:
@@ -356,7 +389,7 @@ static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *c
         }
         for (int j = 0; j < nj; j++) {
             float av = a[j][t];
-            for (int k = 0; k < AXPY_D / AW; k++) acc[j][k] += av * v[k];
+            for (int k = 0; k < AXPY_D / AW; k++) acc[j][k] = fma_a(va_splat(av), v[k], acc[j][k]);
         }
     }
     /* element by element: with one copy of the whole array GCC kept the
@@ -370,7 +403,7 @@ static void axpy_row(float *o, const float *a, const uint16_t *vc, size_t vs, in
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
     for (int t = 0; t < n; t++) {
         const uint16_t *vr = vc + (size_t)t * vs;
-        for (int d = 0; d < hd; d++) o[d] += a[t] * es_fp16_to_fp32(vr[d]);
+        for (int d = 0; d < hd; d++) o[d] = fmaf(a[t], es_fp16_to_fp32(vr[d]), o[d]);
     }
 }
 
@@ -390,8 +423,8 @@ static inline __attribute__((always_inline)) void scores_v(const int nj, const f
             IN_REG(kv2);
             for (int j = 0; j < nj; j++) {
                 float qv = q[j][d];
-                acc[j] += qv * kv;
-                acc2[j] += qv * kv2;
+                acc[j] = fma_a(va_splat(qv), kv, acc[j]);
+                acc2[j] = fma_a(va_splat(qv), kv2, acc2[j]);
             }
         }
         for (int j = 0; j < nj; j++) {
