@@ -85,30 +85,15 @@ static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
  * steps (see the contract above attend_unit), the same bits on every target. */
 static inline __attribute__((always_inline)) vaf fma_a(vaf a, vaf b, vaf c) {
 #if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
-    __m512 x, y, z;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    memcpy(&z, &c, sizeof z);
-    z = _mm512_fmadd_ps(x, y, z);
-    memcpy(&c, &z, sizeof c);
+    return (vaf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif !defined(ES_FORCE_SCALAR) && defined(__FMA__) && defined(__AVX__)
-    __m256 x, y, z;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    memcpy(&z, &c, sizeof z);
-    z = _mm256_fmadd_ps(x, y, z);
-    memcpy(&c, &z, sizeof c);
+    return (vaf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
-    float32x4_t x, y, z;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    memcpy(&z, &c, sizeof z);
-    z = vfmaq_f32(z, x, y);
-    memcpy(&c, &z, sizeof c);
+    return (vaf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
 #else
     for (int i = 0; i < AW; i++) c[i] = fmaf(a[i], b[i], c[i]);
-#endif
     return c;
+#endif
 }
 
 /* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
