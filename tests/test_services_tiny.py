@@ -437,3 +437,29 @@ def test_port_taken_is_a_clear_error(tiny_model, stack):
     from echospec.services.coordinator.stack import StackError
     with pytest.raises(StackError, match="cannot bind"):
         start_stack(tiny_model, draft_port=stack.draft_port, n_ctx=N_CTX)
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    ({"temperature": float("nan")}, "temperature must be finite"),
+    ({"temperature": float("inf")}, "temperature must be finite"),
+    ({"min_p": float("nan")}, "min_p must be finite"),
+    ({"top_p": float("nan")}, "top_p must be finite"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+])
+def test_verifier_sessions_refuse_sampling_the_engine_cannot_run(vstub, bad, fragment):
+    """CreateSession and a VerifyStream's prefill refuse the sampling settings GenerateTokens
+    refuses, with INVALID_ARGUMENT, before a session opens (they used to open it, then fail the
+    prefill with UNKNOWN and leave the unary session open)."""
+    bad_sampling = common_pb2.SamplingParams(**{"temperature": 0.7, **bad})
+    before = vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
+    with pytest.raises(grpc.RpcError) as ei:
+        vstub.CreateSession(vpb.CreateSessionRequest(sampling=bad_sampling))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in ei.value.details()
+    first = vpb.VerifyStreamRequest(prefill=vpb.PrefillRequest(tokens=[11, 12, 13], sampling=bad_sampling))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(vstub.VerifyStream(iter([first]), timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in ei.value.details()
+    assert vstub.GetConfig(vpb.GetConfigRequest()).active_sessions == before
+    sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=common_pb2.SamplingParams())).session_id
+    assert vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=[11, 12, 13])).result.tokens
+    vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))

@@ -6,6 +6,7 @@ session); the service and other sessions carry on.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from typing import Any, Callable, Iterator
@@ -16,7 +17,7 @@ from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from echospec.services.common.config import model_name
 from echospec.services.common.engine import simd_name
 from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
-                                                        run_generation)
+                                                        check_sampling, run_generation)
 from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome,
                                                  VerifierCore, VerifierError, VerifierSession)
 
@@ -24,9 +25,18 @@ log = logging.getLogger("echospec.verifier")
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
-    """SamplingParams -> Sampling (top_p <= 0 or >= 1 reads as off)."""
-    top_p = p.top_p if 0.0 < p.top_p < 1.0 else 1.0
+    """SamplingParams -> Sampling (top_p <= 0 or >= 1 reads as off; NaN stays NaN, which
+    check_sampling refuses)."""
+    top_p = p.top_p if 0.0 < p.top_p < 1.0 or math.isnan(p.top_p) else 1.0
     return Sampling(temperature=p.temperature, top_k=p.top_k, top_p=top_p, min_p=p.min_p, seed=p.seed)
+
+
+def checked_sampling(p: common_pb2.SamplingParams) -> Sampling:
+    """sampling_from_proto, refused (InvalidArgument) where the engine's sampler would fail
+    mid-generation: a session never opens with settings it cannot run."""
+    s = sampling_from_proto(p)
+    check_sampling(s)
+    return s
 
 
 def result_to_proto(out: StepOutcome) -> verifier_pb2.StepResult:
@@ -206,7 +216,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 if not holder:
                     if kind != "prefill":
                         raise FailedPrecondition("the first message of a VerifyStream must be prefill")
-                    holder.append(core.open(sampling_from_proto(req.prefill.sampling), named=False))
+                    holder.append(core.open(checked_sampling(req.prefill.sampling), named=False))
                     if not context.is_active():
                         return
                     out = holder[0].prefill(req.prefill.tokens)
@@ -223,7 +233,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def CreateSession(self, request, context):
         core = self._core(context)
         try:
-            s = core.open(sampling_from_proto(request.sampling), named=True)
+            s = core.open(checked_sampling(request.sampling), named=True)
         except VerifierError as exc:
             _abort(context, exc)
         return verifier_pb2.CreateSessionResponse(session_id=s.sid, n_ctx=s.n_ctx)
