@@ -764,17 +764,42 @@ def test_streams_at_batch_max_1_take_decode_runs_in_turn(model_path, monkeypatch
         core.close()
 
 
-def test_t_comes_from_single_steps_not_from_decode_runs(model_path):
-    """T (the speculation cost model's plain-round time) is fed by single steps on the
-    one-session threads; a decode run's steps go on the batch threads and are left out."""
-    for steps, fed in ((1, True), (8, False)):
+def test_t_comes_from_one_sessions_steps_single_or_in_a_run(model_path):
+    """T (the speculation cost model's plain-round time, and a run's pacing) is fed by one
+    session's steps on the one-session threads: single steps and the steps of a lone run, so
+    generations that decode in runs keep it current (a stale T from deep contexts once stayed for
+    every later short generation); the steps of a run over several sessions are left out."""
+    from echospec.services.verifier.generation_loop import _PlainStream
+    for steps in (1, 8):
         core = make_core(model_path, decode_steps=steps)
         try:
-            core.t_ms = 1.0   # (runs of up to 50 steps at this T)
+            core.t_ms = 1.0   # far off (runs of up to 50 steps at this T)
+            core.scheduler.iterations = 0
             generate(core, [5, 9, 13], 20)
-            assert (core.t_ms != 1.0) == fed, (steps, core.t_ms)
+            assert core.t_ms != 1.0, steps
+            assert steps == 1 or core.scheduler.iterations <= 4   # the prefill, then runs
         finally:
             core.close()
+
+    class _Core:
+        t_ms = 5.0
+        fed: list = []
+
+        def observe_decode(self, ms):
+            self.fed.append(ms)
+
+    class _RunStub:
+        core, n_ctx, kv_tokens = _Core(), 256, []
+        req = GenerationRequest(prompt=[1], max_tokens=50, eos_ids=frozenset(), sampling=Sampling())
+
+        class session:
+            n_past = 10
+
+    for shared, fed in ((True, []), (False, [1.5, 2.5])):
+        _Core.fed = []
+        stream = _PlainStream(_RunStub(), 1, time.perf_counter())
+        stream.advance(Step(None, [7], "all", "none", argmax=[8, 9], step_ms=[1.5, 2.5], shared=shared))
+        assert _Core.fed == fed, shared
 
 
 def test_decode_steps_must_be_positive():

@@ -430,9 +430,9 @@ class _PlainStream:
         n_past = run.session.n_past - len(toks)
         for tok, ms, w in zip(toks, step_ms, wall):
             n_past += 1
-            # T is a single step's time on the one-session threads: what a speculative
-            # generation's plain round costs (a run's steps go on the batch threads)
-            if self.greedy and st.step_ms is None:
+            # T is one session's step on the one-session threads: a single step, or a step of a
+            # run of this session alone (a batched run's steps are several sessions' forwards)
+            if self.greedy and (st.step_ms is None or not st.shared):
                 core.observe_decode(ms)
             last = tok in req.eos_ids
             if not last:
@@ -553,6 +553,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
             n_past = session.n_past - len(toks)
             for tok, ms, w in zip(toks, st.step_ms, walls):
                 n_past += 1
+                if not st.shared:   # a step of this session alone: a sample of T
+                    core.observe_decode(ms)
                 history.append(tok)
                 done = tok in eos
                 if not done:

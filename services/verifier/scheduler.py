@@ -126,6 +126,7 @@ class Step:
     decode: int = 0                   # most greedy steps in one engine call (see above)
     stop_ids: tuple = ()
     step_ms: list | None = None       # an in-engine run's per-step times
+    shared: bool = False              # its iteration ran other sessions' steps too (a batch)
     _t_submit: float = field(default=0.0, repr=False)
 
 
@@ -431,4 +432,5 @@ class Scheduler:
             else:
                 s.argmax, s.logits_out = r
             s.forward_ms = ms
+            s.shared = len(batch) > 1
             s.done = True
