@@ -173,3 +173,23 @@ def test_draft_service_refuses_negative_token_ids(draft_stub):
     big = 2**31 - 1
     r = draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[big, 7, big, 7, big], k=1), timeout=10)
     assert list(r.draft) == [7]
+
+
+@pytest.mark.parametrize("ns, message", [
+    ("\x00\n/../", "draft_namespace must hold printable characters only, got U+0000 at position 0"),
+    ("team\u200b", "draft_namespace must hold printable characters only, got U+200B at position 4"),
+    ("\x00" * 300, "draft_namespace must be at most 256 characters, got 300"),
+    ("n" * 257, "draft_namespace must be at most 256 characters, got 257"),
+])
+def test_bad_namespace_message_names_the_rule_it_breaks(draft_stub, ns, message):
+    # was: "must be at most 256 printable characters" for a short name holding a control
+    # character, which reads like a length problem
+    from echospec.v1 import draft_pb2
+    with pytest.raises(grpc.RpcError) as ei:
+        list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+            append=[1, 2, 1, 2], k=2, draft_namespace=ns)]), timeout=10))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == message
+    ok = list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+        append=[1, 2, 1, 2], k=2, draft_namespace="n" * 256)]), timeout=10))
+    assert len(ok) == 1
