@@ -416,6 +416,19 @@ def test_an_ipv6_target_without_brackets_is_refused_at_once():
     assert time.monotonic() - t0 < 8
 
 
+@pytest.mark.parametrize("target, where", [("bad target", "character 4 is a space"),
+                                           ("127.0.0.1:50051\t", "character 16 is U+0009")])
+def test_a_target_with_a_space_is_refused_at_once(target, where):
+    # was: a wait of the whole timeout, then "no coordinator reachable at bad target within 2 s
+    # (--timeout); ... start a coordinator with `echospec serve`", no reason given
+    t0 = time.monotonic()
+    r = run([*ECHOSPEC, "generate", "Hi", "--target", target, "--timeout", "5"], check=False)
+    assert r.returncode == 2, r.stderr
+    assert f"target {target!r} is not a valid host:port ({where}); the target is host:port" \
+        in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 4
+
+
 def test_chat_with_piped_stdin_prints_no_prompt(server):
     # was: "you> " before each line on stdout, and at EOF the output ended "you> you> " with no
     # newline; a terminal still gets the prompt (test_chat_three_turns_stats_and_reset)
@@ -467,6 +480,17 @@ def test_timeout_bounds_the_connect_wait_with_an_address_hint():
     r = run([*ECHOSPEC, "tokenize", "x", "--timeout", "1", "--target", f"127.0.0.1:{free_port()}"],
             check=False, timeout=60)
     assert r.returncode == 1 and "within 1 s" in r.stderr
+
+
+def test_a_timeout_too_short_for_a_running_coordinator_says_deadline_exceeded(server):
+    # was: "no coordinator reachable at 127.0.0.1:P within 0.001 s (--timeout); ... start a
+    # coordinator with `echospec serve`" with a coordinator running there
+    r = run([*ECHOSPEC, "generate", "Hi", "--target", server["target"], "--timeout", "0.001"],
+            check=False, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "DEADLINE_EXCEEDED: the call did not finish within its timeout of 0.001 s" in r.stderr, \
+        r.stderr
+    assert "--timeout SECONDS" in r.stderr and "echospec serve" not in r.stderr, r.stderr
 
 
 def test_unknown_option_prints_the_subcommands_usage():

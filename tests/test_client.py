@@ -245,6 +245,32 @@ def test_unreachable_target_fails_within_the_connect_timeout():
     c.close()
 
 
+def test_a_call_timeout_at_a_server_that_does_not_answer_is_deadline_exceeded():
+    # was: ConnectError "no coordinator reachable at 127.0.0.1:P within 0.3 s" (the CLI added
+    # "start a coordinator with `echospec serve`") although a server accepted the connection:
+    # the call's own timeout ran out (a listening socket that never answers stands in for a
+    # coordinator too busy to answer in time)
+    import socket
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        target = f"127.0.0.1:{srv.getsockname()[1]}"
+        with Client(target, connect_timeout=10, timeout=30) as c:
+            with pytest.raises(ClientError) as e:
+                c.complete("x", timeout=0.3)
+        assert not isinstance(e.value, ConnectError), e.value
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+        assert e.value.details == (f"the call did not finish within its timeout of 0.3 s (the "
+                                   f"server at {target} accepts connections but did not answer "
+                                   f"in time)")
+        # the connect wait for a server that does not answer stays a ConnectError
+        with Client(target, connect_timeout=0.3, timeout=30) as c:
+            with pytest.raises(ConnectError) as e:
+                c.complete("x")
+        assert e.value.bound == "connect_timeout"
+
+
 # ---- API key and TLS (a test-double coordinator) -------------------------------------------
 
 def _self_signed(tmp_path: Path) -> tuple[bytes, bytes]:

@@ -437,8 +437,40 @@ def test_max_tokens_below_one_names_the_range_over_http(client, name, value):
     with pytest.raises(openai.BadRequestError) as ei:
         client.post("/chat/completions", body=body, cast_to=object)
     assert ei.value.body["param"] == name
-    assert ei.value.body["message"] == (f"{name} must be in [1, max_tokens_limit] (the server's limit, 8192 by "
-                                        f"default); leave it out for the server's default, got {value}")
+    assert ei.value.body["message"] == (f"{name} must be in [1, 8192] (leave it out for the "
+                                        f"server's default), got {value}")
+
+
+def test_max_tokens_messages_give_the_coordinators_own_range(client, stack, monkeypatch):
+    # was: 0 said "[1, max_tokens_limit] (the server's limit, 8192 by default)", 1e9 "[1, 8192]":
+    # the gateway's guess beside the coordinator's number, which need not be 8192
+    import dataclasses
+    servicer = stack._servers["coordinator"].servicer
+    monkeypatch.setattr(servicer, "config", dataclasses.replace(servicer.config, max_tokens_limit=300))
+    for value, message in ((0, "max_tokens must be in [1, 300] (leave it out for the server's "
+                               "default), got 0"),
+                           (10 ** 9, "max_tokens must be in [1, 300], got 1000000000")):
+        for stream in (False, True):
+            r = httpx.post(stack.http_url + "/v1/completions", timeout=60,
+                           json={"prompt": "hi", "max_tokens": value, "stream": stream})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["message"], err["param"], err["code"]) == \
+                (message, "max_tokens", "invalid_argument"), err
+    r = httpx.post(stack.http_url + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 300})
+    assert r.status_code == 200, r.text
+
+
+def test_max_tokens_below_one_without_a_coordinator_gives_the_default_range():
+    # the limit cannot be asked: the message says where the range's upper end comes from
+    from starlette.testclient import TestClient
+    from echospec.services.gateway import app as gapp
+    with TestClient(gapp.create_app(GatewayConfig(coordinator_target="127.0.0.1:1"))) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        "max_tokens must be in [1, max_tokens_limit] (the server's limit, 8192 by default); "
+        "leave it out for the server's default, got 0")
 
 
 def test_max_tokens_zero_over_grpc_is_the_server_default(stub):

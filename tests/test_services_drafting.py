@@ -130,3 +130,66 @@ def test_bad_namespace_is_refused(stub):
     with pytest.raises(grpc.RpcError) as ei:
         complete(stub, text="hi", max_tokens=2, draft_namespace="x" * 300)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def draft_stub():
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft import server as dserver
+    from echospec.v1 import draft_pb2_grpc
+    handle, _ = dserver.start(DraftConfig(port=0))
+    ch = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    yield draft_pb2_grpc.DraftServiceStub(ch)
+    ch.close()
+    handle.stop(0)
+
+
+def test_draft_service_refuses_max_n_below_min_n(draft_stub):
+    # was: min_n 5, max_n 2 answered an empty draft, as if nothing matched
+    from echospec.v1 import draft_pb2
+    with pytest.raises(grpc.RpcError) as ei:
+        draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=4, min_n=5, max_n=2),
+                           timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "max_n must be >= min_n (0: server default), got min_n=5 max_n=2"
+    with pytest.raises(grpc.RpcError) as ei:   # against the server's default min_n (2)
+        list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+            append=[1, 2, 1, 2], k=2, max_n=1)]), timeout=10))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "max_n must be >= min_n (0: server default), got min_n=2 max_n=1"
+    r = draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 3, 1, 2], k=2, min_n=2, max_n=2),
+                           timeout=10)
+    assert list(r.draft) == [3, 1]
+
+
+def test_draft_service_refuses_negative_token_ids(draft_stub):
+    # the draft service loads no model: it cannot know the vocabulary, so only negative ids are
+    # refused (the verifier checks the vocabulary of the tokens it drafts for)
+    from echospec.v1 import draft_pb2
+    with pytest.raises(grpc.RpcError) as ei:
+        draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, -1, 1], k=4), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "token ids must be ints >= 0, got -1"
+    big = 2**31 - 1
+    r = draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[big, 7, big, 7, big], k=1), timeout=10)
+    assert list(r.draft) == [7]
+
+
+@pytest.mark.parametrize("ns, message", [
+    ("\x00\n/../", "draft_namespace must hold printable characters only, got U+0000 at position 0"),
+    ("team\u200b", "draft_namespace must hold printable characters only, got U+200B at position 4"),
+    ("\x00" * 300, "draft_namespace must be at most 256 characters, got 300"),
+    ("n" * 257, "draft_namespace must be at most 256 characters, got 257"),
+])
+def test_bad_namespace_message_names_the_rule_it_breaks(draft_stub, ns, message):
+    # was: "must be at most 256 printable characters" for a short name holding a control
+    # character, which reads like a length problem
+    from echospec.v1 import draft_pb2
+    with pytest.raises(grpc.RpcError) as ei:
+        list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+            append=[1, 2, 1, 2], k=2, draft_namespace=ns)]), timeout=10))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == message
+    ok = list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
+        append=[1, 2, 1, 2], k=2, draft_namespace="n" * 256)]), timeout=10))
+    assert len(ok) == 1

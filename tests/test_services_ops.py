@@ -206,3 +206,22 @@ def test_verifier_overload_refuses_at_once_and_health_answers(tmp_path):
             st.close()
         srv.stop(0)
         ch.close()
+
+
+def test_startup_line_names_each_verifier_once(tmp_path, caplog):
+    # was: "verifiers 127.0.0.1:43135: 127.0.0.1:43135", the target and the address it resolved
+    # to, the same string twice
+    import logging
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=0)
+    with caplog.at_level(logging.INFO, logger="echospec.coordinator"):
+        st = start_stack(str(path), n_ctx=256, n_threads=1)
+        st.stop()
+    lines = [r.getMessage() for r in caplog.records if "coordinator listening on" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert f"verifier {st.verifier_target}, spec default" in lines[0], lines[0]
+    from echospec.services.coordinator.server import verifiers_text
+    assert verifiers_text(["a:1", "b:2"], ["b:2", "a:1"]) == "verifiers a:1 b:2"
+    assert verifiers_text(["dns:///v:1"], ["10.0.0.1:1", "10.0.0.2:1"]) == \
+        "verifier dns:///v:1 (resolved to 10.0.0.1:1 10.0.0.2:1)"

@@ -425,6 +425,26 @@ def test_tokenize_detokenize_round_trip(stub):
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_tokenize_and_detokenize_refuse_more_than_the_context_holds(stub, stack):
+    # was: Tokenize took any text up to gRPC's message limit (4 MB took 9 s of CPU with the GIL
+    # held), unlike Complete's prompt text; Detokenize any number of ids
+    most = N_CTX * stack._servers["coordinator"].servicer.max_token_bytes
+    text = "ab " * (most // 3 + 1)
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Tokenize(cpb.TokenizeRequest(text=text), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+    assert ei.value.details().startswith(
+        f"text of {len(text)} bytes cannot fit the context of {N_CTX} tokens (at most {most} "
+        f"bytes: "), ei.value.details()
+    assert stub.Tokenize(cpb.TokenizeRequest(text="ab " * 20), timeout=60).token_ids
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Detokenize(cpb.DetokenizeRequest(token_ids=[5] * (N_CTX + 1)), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+    assert ei.value.details() == (f"token_ids of {N_CTX + 1} tokens cannot fit the context of "
+                                  f"{N_CTX} tokens (at most {N_CTX} ids)")
+    assert stub.Detokenize(cpb.DetokenizeRequest(token_ids=[5] * N_CTX), timeout=60).text
+
+
 def test_unusable_model_is_a_clear_error(tmp_path):
     from echospec.services.coordinator.stack import StackError
     bad = tmp_path / "bad.gguf"

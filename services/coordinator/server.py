@@ -72,6 +72,15 @@ def verifier_targets(config: CoordinatorConfig) -> list[str]:
     return list(config.verifier) or [config.verifier_target]
 
 
+def verifiers_text(targets: list[str], addresses: list[str]) -> str:
+    """"verifiers A B" for the startup line; the addresses the targets resolved to follow in
+    parentheses only when they differ from the targets (a dns:/// name)."""
+    text = "verifier" + ("s " if len(targets) > 1 else " ") + " ".join(targets)
+    if sorted(targets) != sorted(addresses):
+        text += f" (resolved to {' '.join(addresses) or 'no address yet'})"
+    return text
+
+
 def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics=None,
           extra_registries=(), resolver: Resolver | None = None) -> CoordinatorServer:
     """Bind, load tokenizer + chat template from config.model, start the verifier pool, wait
@@ -131,9 +140,9 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         raise
     handle.set_serving()
     pool.watch(_follow_verifiers(handle))
-    log.info("coordinator listening on %s (model %s, verifiers %s: %s, spec default %s, %s, "
-             "%s)", grpc_util.host_port(config.host, handle.port), config.model, " ".join(verifier_targets(config)),
-             " ".join(pool.addresses()), "on" if config.spec else "off",
+    log.info("coordinator listening on %s (model %s, %s, spec default %s, %s, "
+             "%s)", grpc_util.host_port(config.host, handle.port), config.model,
+             verifiers_text(verifier_targets(config), pool.addresses()), "on" if config.spec else "off",
              "TLS" if config.tls_cert else "plain text",
              "API key required" if config.api_key else "no API key")
     return CoordinatorServer(handle, servicer, pool)

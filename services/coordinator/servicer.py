@@ -254,7 +254,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             n = len(text.encode("utf-8", "surrogatepass"))
             if n > most:
                 raise _bad(f"{field} of {n} bytes cannot fit the context of {known.n_ctx} tokens "
-                           f"(a token covers at most {self.max_token_bytes} bytes of text)")
+                           f"(at most {most} bytes: a token covers at most "
+                           f"{self.max_token_bytes} bytes of text)")
 
     def resolve_params(self, req: Any, caps: VerifierCaps) -> GenerationParams:
         """Limits, sampling and the gating verdict of a request.
@@ -467,6 +468,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.CompleteResponse(result=result_to_proto(outcome))
 
     def Tokenize(self, request, context):
+        try:
+            self.check_fits("text", request.text)
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
         resp = coordinator_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
         size, limit = resp.ByteSize(), self.config.max_message_bytes
         if size > limit:   # grpc would end the call with "SERVER: Sent message larger than max"
@@ -476,6 +481,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return resp
 
     def Detokenize(self, request, context):
+        known = self.pool.any_config()
+        n = len(request.token_ids)
+        if known is not None and 0 < known.n_ctx < n:
+            # no generation holds more tokens than the context; millions of ids would be
+            # checked and decoded for a second with the GIL held, into a reply over the limit
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"token_ids of {n} tokens cannot fit the context of {known.n_ctx} "
+                          f"tokens (at most {known.n_ctx} ids)")
         n_vocab = self.tokenizer.n_vocab
         for i, t in enumerate(request.token_ids):
             if not 0 <= t < n_vocab:

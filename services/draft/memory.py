@@ -33,10 +33,15 @@ MAX_NAMESPACE_CHARS = 256
 
 
 def namespace_problem(ns: str) -> str:
-    """Why ``ns`` cannot name a namespace ("" when it can): at most MAX_NAMESPACE_CHARS printable
-    characters (the coordinator and the verifier refuse the request with it)."""
-    if len(ns) > MAX_NAMESPACE_CHARS or not ns.isprintable():
-        return f"draft_namespace must be at most {MAX_NAMESPACE_CHARS} printable characters"
+    """Why ``ns`` cannot name a namespace ("" when it can): at most MAX_NAMESPACE_CHARS characters,
+    all printable; the message names the rule broken (the coordinator, the verifier and the draft
+    service refuse the request with it)."""
+    if len(ns) > MAX_NAMESPACE_CHARS:
+        return f"draft_namespace must be at most {MAX_NAMESPACE_CHARS} characters, got {len(ns)}"
+    for i, c in enumerate(ns):
+        if not c.isprintable():
+            return (f"draft_namespace must hold printable characters only, got U+{ord(c):04X} "
+                    f"at position {i}")
     return ""
 
 WALK_TOKENS = 32  # recent session tokens matched against a shared index per proposal

@@ -166,8 +166,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise api.bad(f"the request body is not valid JSON: {exc}") from None
 
     async def generation(request: Request, chat: bool) -> Response:
-        parsed = api.parse_request(await body_of(request), chat)
         up = upstream(request)
+        try:
+            parsed = api.parse_request(await body_of(request), chat)
+        except api.MaxTokensBelowOne as exc:
+            limit = await up.max_tokens_limit()
+            raise exc if limit is None else exc.with_limit(limit) from None
         rid = _request_id(request)
         try:
             model = await up.model_id()

@@ -172,15 +172,29 @@ def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None
     return v
 
 
+class MaxTokensBelowOne(ApiError):
+    """max_tokens (or max_completion_tokens) < 1: a 400 whose range's upper end is the
+    coordinator's max_tokens_limit, which only the coordinator knows (``with_limit`` names it)."""
+
+    def __init__(self, name: str, value: int):
+        super().__init__(400, f"{name} must be in [1, max_tokens_limit] (the server's limit, "
+                              f"{CoordinatorConfig.max_tokens_limit} by default); leave it out "
+                              f"for the server's default, got {value}", name, code="invalid_argument")
+        self.name, self.value = name, value
+
+    def with_limit(self, limit: int) -> ApiError:
+        """The error naming the coordinator's range, in its words for a value above it."""
+        return bad(f"{self.name} must be in [1, {limit}] (leave it out for the server's default), "
+                   f"got {self.value}", self.name)
+
+
 def _max_tokens(body: dict, name: str) -> int | None:
     """max_tokens or max_completion_tokens: an integer >= 1. The upper limit is the coordinator's
     (it names it when refusing); 0 is refused here because the wire's 0 means "the server's default"
     (proto3 cannot tell 0 from unset), and an explicit 0 asks for no tokens, which OpenAI refuses."""
     v = _integer(body, name, -math.inf)   # type and int32 checks; the lower bound below
     if v is not None and v < 1:
-        raise bad(f"{name} must be in [1, max_tokens_limit] (the server's limit, "
-                  f"{CoordinatorConfig.max_tokens_limit} by default); leave it out for the server's default, "
-                  f"got {v}", name)
+        raise MaxTokensBelowOne(name, v)
     return v
 
 

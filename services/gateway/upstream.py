@@ -120,6 +120,16 @@ class Upstream:
                 raise _error(exc, self.config.coordinator_target) from None
         return Path(self._info.model).stem or "echospec"
 
+    async def max_tokens_limit(self) -> int | None:
+        """The coordinator's max_tokens_limit (GetInfo, asked each time: a coordinator restarted
+        with another limit is seen), None when it cannot be asked."""
+        try:
+            info = await self.stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=5,
+                                           metadata=self._metadata("max_tokens_limit"))
+        except grpc.aio.AioRpcError:
+            return None
+        return info.max_tokens_limit or None
+
     async def health(self) -> str:
         """The coordinator's grpc.health.v1 status name ("SERVING", "NOT_SERVING", ...), or the
         gRPC status name of a failed check ("UNAVAILABLE", ...)."""

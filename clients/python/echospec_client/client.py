@@ -251,11 +251,17 @@ _URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 
 
 def _check_target_port(target: str) -> None:
-    """Refuse a host:port target whose port no server can listen on (gRPC would wait the whole
-    connect timeout on it and report nothing reachable). gRPC URIs (dns:///..., unix:...), a
+    """Refuse a target holding a space or a control character, or a host:port target whose port
+    no server can listen on (gRPC would wait the whole connect timeout on it and report nothing
+    reachable). gRPC URIs (dns:///..., unix:...), a
     bare IPv6 address and a host without a port (gRPC's default 443) are left to gRPC."""
     if "://" in target or target.startswith(_URI_SCHEMES):
         return
+    for i, c in enumerate(target):   # no host name or address holds one (gRPC: DNS fails)
+        if c.isspace() or not c.isprintable():
+            raise ValueError(f"target {target!r} is not a valid host:port (character {i + 1} is "
+                             f"{'a space' if c == ' ' else f'U+{ord(c):04X}'}); the target is "
+                             f"host:port, e.g. 127.0.0.1:50051 or [::1]:50051")
     if target.startswith("["):
         host_end = target.find("]")
         if host_end < 0 or not target[host_end + 1:].startswith(":"):
@@ -296,8 +302,8 @@ class Client:
             target's host (grpc.ssl_target_name_override).
         max_message_bytes: the largest message received or sent.
     Raises:
-        ValueError: a bad timeout, a host:port target whose port is not in [1, 65535], or an
-            unreadable certificate file.
+        ValueError: a bad timeout, a target holding a space or a control character, a host:port
+            target whose port is not in [1, 65535], or an unreadable certificate file.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 600.0,
@@ -393,7 +399,7 @@ class Client:
                                metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._connect_failed(wait, bound)
+                self._connect_failed(wait, bound, call=not force)
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._check_tls_mismatch(time.monotonic() - t0, bound)
                 left = None if wait is None else max(0.001, wait - (time.monotonic() - t0))
@@ -402,7 +408,7 @@ class Client:
                                        wait_for_ready=True, metadata=self._metadata)
                 except grpc.RpcError as again:
                     if again.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        self._connect_failed(wait, bound)
+                        self._connect_failed(wait, bound, call=not force)
         self._connected = True
 
     def _check_tls_mismatch(self, waited_s: float, bound: str) -> None:
@@ -418,10 +424,21 @@ class Client:
             raise ConnectError(self.target, round(waited_s, 3), bound, uses_tls=self.tls,
                                cause=cause)
 
-    def _connect_failed(self, wait: float | None, bound: str) -> NoReturn:
+    def _connect_failed(self, wait: float | None, bound: str, call: bool = False) -> NoReturn:
+        """Raise ConnectError naming why nothing answered within `wait`; for a call (`call`)
+        whose own timeout bounded the wait at a server that accepts connections, ClientError
+        DEADLINE_EXCEEDED instead."""
         from echospec_client import tls_probe
         self._check_tls_mismatch(wait or 0.0, bound)
         reason = tls_probe.tcp_failure(self.target, timeout_s=1.0)
+        if call and not reason and bound == "timeout" and \
+                tls_probe.split_target(self.target) is not None:
+            # a TCP connection opens: a server is there and the call's own timeout ran out
+            # before it answered, not a connect wait for nothing
+            raise ClientError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"the call did not finish within its timeout of {wait:g} s (the "
+                              f"server at {self.target} accepts connections but did not answer "
+                              f"in time)") from None
         raise ConnectError(self.target, wait, bound, reason=reason) from None
 
     def _begin(self, timeout: float | None) -> float | None:
