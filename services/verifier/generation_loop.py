@@ -371,6 +371,18 @@ class _Drafts:
 _CONTEXT = object()   # a stream's mark: the KV cache is full
 
 
+def _paced_steps(t_ms: float) -> int:
+    """Steps of an in-engine run that last about DECODE_RUN_MS at T = t_ms (unbounded while T
+    is unknown), so a slow model still hands tokens out that often."""
+    return int(DECODE_RUN_MS / t_ms) if t_ms > 0 else 1 << 30
+
+
+def _run_walls(wall_ms: float, step_ms: list) -> list:
+    """Per-step wall times of an in-engine run whose whole round took wall_ms: the first step
+    carries the round's Python and hand-off, the others their own engine time."""
+    return [wall_ms - sum(step_ms[1:])] + list(step_ms[1:])
+
+
 class _PlainStream:
     """A plain decoding generation driven by the scheduler (Scheduler.start): ``advance`` runs in
     the scheduler's iteration right after each forward; the reader takes ``out``.
@@ -402,9 +414,8 @@ class _PlainStream:
         DECODE_RUN_MS of them at the current T (0: not greedy)."""
         if not self.greedy:
             return 0
-        t_ms = self.run.core.t_ms
-        paced = int(DECODE_RUN_MS / t_ms) if t_ms > 0 else 1 << 30
-        return max(1, min(self.run.req.max_tokens - self.produced, self.run.n_ctx - n_past, paced))
+        return max(1, min(self.run.req.max_tokens - self.produced, self.run.n_ctx - n_past,
+                          _paced_steps(self.run.core.t_ms)))
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -423,7 +434,7 @@ class _PlainStream:
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, fed one after another
             toks, step_ms = [int(t) for t in st.argmax], st.step_ms
             run.kv_tokens.extend(st.tokens + toks[:-1])
-            wall = [wall_ms - sum(step_ms[1:])] + step_ms[1:]
+            wall = _run_walls(wall_ms, step_ms)
         else:
             toks, step_ms, wall = [run.choose(st.argmax[0], st.logits_out)], [st.forward_ms], [wall_ms]
             run.kv_tokens.extend(st.tokens)
@@ -540,16 +551,15 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
         n_run = 1
         if greedy and not drf:
             # the back-off's plain rounds as one in-engine run, paced like a plain stream's
-            t_ms = core.t_ms
-            paced = int(DECODE_RUN_MS / t_ms) if t_ms > 0 else 1 << 30
-            n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past, paced))
+            n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past,
+                               _paced_steps(core.t_ms)))
         st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
                       stop_ids=tuple(eos) if n_run > 1 else ())
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
             toks = [int(t) for t in st.argmax]
             drafts.skipped(len(toks) - 1)
             r1 = time.perf_counter()
-            walls = [(r1 - r0) * 1e3 - sum(st.step_ms[1:])] + list(st.step_ms[1:])
+            walls = _run_walls((r1 - r0) * 1e3, st.step_ms)
             n_past = session.n_past - len(toks)
             for tok, ms, w in zip(toks, st.step_ms, walls):
                 n_past += 1

@@ -333,7 +333,7 @@ class Scheduler:
         batch = [self._queue[i] for i in idx]
         for i in reversed(idx):
             del self._queue[i]
-        # every step of the batch, and every step still waiting, a greedy stream's decode step:
+        # every step of the batch, and every step still waiting, a greedy decode step:
         # the engine may run several steps of each in one call (the waiting streams take their
         # runs in turn)
         run_decode = self.decode_steps > 1 and all(s.decode > 1 and len(s.tokens) == 1
