@@ -1115,9 +1115,46 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _numeric_options(ap: argparse.ArgumentParser) -> set[str]:
+    """The option strings of ap and its subcommands that take one number."""
+    out: set[str] = set()
+    for a in ap._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sp in a.choices.values():
+                out |= _numeric_options(sp)
+        elif a.option_strings and a.nargs is None and a.type in (int, float, _int32, _seconds):
+            out.update(a.option_strings)
+    return out
+
+
+def _join_negative_values(argv: list[str], numeric: set[str]) -> list[str]:
+    """`--temperature -inf` as `--temperature=-inf`: argparse takes a value that starts with a
+    dash for an option unless it looks like -1 or -.5, so -inf, -nan and -1e-3 would otherwise
+    end in "expected one argument"."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + argv[i:]
+        if a in numeric and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{a}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line; an unknown option is reported with its subcommand's usage."""
     ap = build_parser()
+    argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv), _numeric_options(ap))
     args, extra = ap.parse_known_args(argv)
     if extra:
         sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))

@@ -673,3 +673,25 @@ def test_chat_unreachable_target_exits_1():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 1
+
+
+@pytest.mark.parametrize("value,expect", [("-inf", float("-inf")), ("-1e-3", -1e-3), ("-.5", -0.5),
+                                          ("-2", -2.0)])
+def test_a_negative_number_in_any_notation_is_an_options_value(value, expect):
+    # was: `--temperature -inf` and `--temperature -1e-3` ended in argparse's "expected one
+    # argument": it takes a dash-led word for an option unless it looks like -1 or -.5
+    from echospec.cli import parse_args
+    args = parse_args(["generate", "hi", "--temperature", value, "--top-p", "1"])
+    assert args.temperature == expect and args.top_p == 1.0 and args.prompt == "hi"
+    nan = parse_args(["chat", "--min-p", "-nan"]).min_p
+    assert nan != nan
+    # a dash-led word that is not a number is still an option, and after `--` nothing is joined
+    assert parse_args(["generate", "--temperature", "-1", "--", "-5"]).prompt == "-5"
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "hi", "--temperature", "--top-p"])
+
+
+def test_a_negative_temperature_reaches_the_range_checks():
+    r = run([*ECHOSPEC, "generate", "hi", "--temperature", "-inf", "--target", "127.0.0.1:1"],
+            check=False)
+    assert r.returncode == 2 and "--temperature -inf: must be a finite number" in r.stderr, r.stderr
