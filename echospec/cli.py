@@ -1184,6 +1184,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:   # `chat` hands SIGINT back to Python's handler for Ctrl-C
         print(file=sys.stderr)
         return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # the reader of stdout went away (`... | head`): stop quietly, as a command killed by
+        # SIGPIPE would; stdout goes to /dev/null so the flush at exit does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -695,3 +695,19 @@ def test_a_negative_temperature_reaches_the_range_checks():
     r = run([*ECHOSPEC, "generate", "hi", "--temperature", "-inf", "--target", "127.0.0.1:1"],
             check=False)
     assert r.returncode == 2 and "--temperature -inf: must be a finite number" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["generate", "Count from 1 to 1000: 1, 2, 3,", "--max-tokens", "200"],
+                                 ["generate", "Count from 1 to 1000: 1, 2, 3,", "--max-tokens", "20",
+                                  "--json"],
+                                 ["tokenize", "hi"]])
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(server, cmd):
+    # was: `echospec generate ... | head -c 20` printed a BrokenPipeError traceback
+    p = subprocess.Popen([*ECHOSPEC, *cmd, "--target", server["target"]], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT)
+    if cmd[0] == "generate" and "--json" not in cmd:
+        p.stdout.read(5)   # the first streamed text, then the reader goes away
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
