@@ -160,6 +160,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not -1 <= args.http_port <= 65535:
         _die(f"--http-port {args.http_port}: a port is in [0, 65535] (-1: no gateway)", 2)
     _check_tls(args)
+    if args.api_key == "":
+        # `--api-key "$KEY"` with KEY unset would otherwise start a server that answers anyone
+        _die('--api-key "": an empty key turns the check off; give a key, or leave --api-key out '
+             "for a server without one", 2)
     api_key = args.api_key if args.api_key is not None else os.environ.get("ECHOSPEC_API_KEY", "")
     from echospec.services.common.auth import check_api_key
     try:

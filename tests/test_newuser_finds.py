@@ -486,6 +486,17 @@ def test_serve_refuses_an_api_key_no_client_can_send(key, capsys):
     assert ei.value.code == 2 and "--api-key: the API key must" in err, err
 
 
+def test_serve_refuses_an_empty_api_key_flag(capsys, monkeypatch):
+    # was: `--api-key "$KEY"` with KEY unset started a server that answered anyone
+    from echospec import cli
+    monkeypatch.delenv("ECHOSPEC_API_KEY", raising=False)
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", "--api-key", ""])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and '--api-key "": an empty key turns the check off' in err, err
+
+
 def test_service_refuses_an_api_key_from_the_environment(capsys):
     from echospec.services.common import config as cfg
     with pytest.raises(SystemExit) as ei:
