@@ -319,12 +319,32 @@ def _url_host(host: str) -> str:
 
 # ---- client helpers ------------------------------------------------------------
 
+def _check_target_form(target: str) -> None:
+    """Exit 2 for a --target that is a URL or has no port: gRPC would dial the URL's text, or
+    port 443, and the command would wait out the connect timeout and report nothing reachable.
+    gRPC's own target URIs (dns:///host:port, unix:path, ...) pass."""
+    example = "the target is host:port, e.g. 127.0.0.1:50051 or [::1]:50051"
+    scheme = target.split("://", 1)[0].lower() if "://" in target else ""
+    if scheme in ("http", "https", "grpc", "grpcs"):
+        _die(f"--target {target}: a URL; {example} (the HTTP gateway's URL is for HTTP clients)", 2)
+    if scheme or target.startswith(("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")):
+        return
+    if target.startswith("["):
+        has_port = "]:" in target
+    else:
+        host, sep, _ = target.rpartition(":")
+        has_port = bool(sep) and ":" not in host   # more colons: a bare IPv6 address
+    if not has_port:
+        _die(f"--target {target}: no port; {example}", 2)
+
+
 @contextmanager
 def _target(args: argparse.Namespace) -> Iterator[str]:
     """Yield a coordinator host:port: --target, or a private stack for this command."""
     if args.target is not None:
         if not args.target.strip():
             _die("--target must be host:port, not empty", 2)
+        _check_target_form(args.target)
         yield args.target
         return
     from echospec.services.coordinator.stack import StackError, start_stack

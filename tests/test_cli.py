@@ -711,3 +711,21 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(server, cmd)
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 128 + signal.SIGPIPE, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("target,message", [
+    ("127.0.0.1", "--target 127.0.0.1: no port"), ("nonsense", "--target nonsense: no port"),
+    ("::1", "--target ::1: no port"), ("[::1]", "--target [::1]: no port"),
+    ("http://127.0.0.1:50051", "--target http://127.0.0.1:50051: a URL")])
+def test_a_target_without_a_port_or_a_url_is_refused_at_once(target, message):
+    # was: the command waited out the connect timeout (10 s), then said nothing was reachable
+    t0 = time.monotonic()
+    r = run([*ECHOSPEC, "tokenize", "hi", "--target", target, "--connect-timeout", "30"], check=False)
+    assert r.returncode == 2 and message in r.stderr and "host:port" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 25
+
+
+def test_a_grpc_uri_target_is_left_to_grpc():
+    r = run([*ECHOSPEC, "tokenize", "hi", "--target", "dns:///127.0.0.1:1", "--connect-timeout", "1"],
+            check=False)
+    assert r.returncode == 1 and "no coordinator reachable at dns:///127.0.0.1:1" in r.stderr, r.stderr
