@@ -329,11 +329,20 @@ def _check_target_form(target: str) -> None:
         _die(f"--target {target}: a URL; {example} (the HTTP gateway's URL is for HTTP clients)", 2)
     if scheme or target.startswith(("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")):
         return
+    import ipaddress
+
     if target.startswith("["):
         has_port = "]:" in target
     else:
         host, sep, _ = target.rpartition(":")
-        has_port = bool(sep) and ":" not in host   # more colons: a bare IPv6 address
+        if ":" in host:   # a bare IPv6 address has no port; anything else the client explains
+            try:
+                ipaddress.IPv6Address(target)
+            except ValueError:
+                return
+            has_port = False
+        else:
+            has_port = bool(sep)
     if not has_port:
         _die(f"--target {target}: no port; {example}", 2)
 
