@@ -331,6 +331,8 @@ def _check_target_form(target: str) -> None:
         return
     import ipaddress
 
+    if any(c.isspace() or not c.isprintable() for c in target):
+        return   # the client names the character
     if target.startswith("["):
         has_port = "]:" in target
     else:
