@@ -8,8 +8,10 @@
 Timeouts: a call's `timeout` (seconds) bounds the wait for the connection and the call
 together; the wait for the connection alone is also bounded by `connect_timeout`, so an
 address where nothing listens fails in seconds with `ConnectError`, not at the call's
-deadline. Server errors come back as `ClientError` with the gRPC status; bad arguments to
-these methods raise TypeError or ValueError before anything is sent.
+deadline. Server errors come back as `ClientError` with the gRPC status; arguments the
+protocol cannot carry (a wrong type, a value outside its field's range) raise TypeError or
+ValueError before anything is sent, and values the server refuses (max_tokens=-1, a NaN
+temperature) come back as ClientError INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
