@@ -456,17 +456,22 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _check_messages(messages) -> None:
+def _check_messages(messages, where: str = "") -> None:
     """Exit 2 naming the first message the client would refuse (a role and a content: a string or
-    OpenAI's list of text parts)."""
+    OpenAI's list of text parts); `where` (the file) starts the message."""
     from echospec_client.client import check_messages
 
+    at = f"{where}: " if where else ""
     if not isinstance(messages, list):
-        _die(f"chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
+        _die(f"{at}chat messages must be a JSON list of objects, got {type(messages).__name__}", 2)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            _die(f'{at}messages[{i}] must be a JSON object with "role" and "content", got '
+                 f"{json.dumps(m)[:80]}", 2)
     try:
         check_messages(messages)
     except (TypeError, ValueError) as exc:
-        _die(str(exc), 2)
+        _die(f"{at}{exc}", 2)
 
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:
@@ -581,6 +586,7 @@ def _load_messages(path: str):
         path = "- (standard input)"
     else:
         text = _read_text("--messages", path)
+    text = text.removeprefix("\ufeff")   # the byte order mark some Windows editors write
     if not text.strip():
         _die(f"--messages {path}: the input is empty: expected a JSON list of chat messages", 2)
     try:
@@ -591,6 +597,7 @@ def _load_messages(path: str):
         data = data["messages"]
     if not isinstance(data, list) or not data:
         _die(f"--messages {path}: expected a non-empty JSON list of chat messages", 2)
+    _check_messages(data, f"--messages {path}")
     return data
 
 

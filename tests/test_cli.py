@@ -729,3 +729,25 @@ def test_a_grpc_uri_target_is_left_to_grpc():
     r = run([*ECHOSPEC, "tokenize", "hi", "--target", "dns:///127.0.0.1:1", "--connect-timeout", "1"],
             check=False)
     assert r.returncode == 1 and "no coordinator reachable at dns:///127.0.0.1:1" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("content,message", [
+    ('[{"role": "user"}]', "--messages {f}: messages[0].content must be a string or a list of text parts, got None"),
+    ("[1, 2]", '--messages {f}: messages[0] must be a JSON object with "role" and "content", got 1')])
+def test_a_bad_message_in_a_messages_file_is_named_with_the_file(tmp_path, content, message):
+    # was: no file name, and "a mapping or a Message" (the Python client's words)
+    f = tmp_path / "chat.json"
+    f.write_text(content)
+    r = run([*ECHOSPEC, "generate", "--messages", str(f), "--target", "127.0.0.1:1"], check=False)
+    assert r.returncode == 2 and message.format(f=f) in r.stderr, r.stderr
+
+
+def test_a_messages_file_may_start_with_a_byte_order_mark(server, tmp_path):
+    # was: refused as not valid JSON ("Unexpected UTF-8 BOM"): Windows editors write one
+    plain, bom = tmp_path / "plain.json", tmp_path / "bom.json"
+    text = json.dumps([{"role": "user", "content": "Say hi"}])
+    plain.write_text(text)
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    out = [run([*ECHOSPEC, "generate", "--messages", str(p), "--max-tokens", "4", "--json",
+                "--target", server["target"]]).stdout for p in (plain, bom)]
+    assert json.loads(out[0])["text"] == json.loads(out[1])["text"]

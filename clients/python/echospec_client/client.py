@@ -637,7 +637,8 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
         content = _text_parts(content, f"messages[{i}].content")
         for key, v in (("role", role), ("content", content)):
             if not isinstance(v, str):
-                raise TypeError(f"messages[{i}].{key} must be a string, got {v!r}")
+                what = "a string or a list of text parts" if key == "content" else "a string"
+                raise TypeError(f"messages[{i}].{key} must be {what}, got {v!r}")
             _unicode(v, f"messages[{i}].{key}")
         out.append(coordinator_pb2.ChatMessage(role=role, content=content))
     return out
