@@ -1126,6 +1126,28 @@ def test_cancel_storm_leaves_no_call_in_flight(tiny_stack):
 
 # -- megabytes of prompt or prediction text ----------------------------------------------------------
 
+@pytest.mark.parametrize("spec", ["SPEC_MODE_OFF", "SPEC_MODE_DEFAULT"])
+def test_a_prediction_too_long_for_the_context_is_refused_whether_or_not_it_speculates(tiny_stack, spec):
+    # was: refused with spec on, accepted and ignored with spec off or the server's default off:
+    # a request's validity depended on the server's --spec
+    import grpc
+
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    req = cpb.CompleteRequest(text="a b", max_tokens=2, spec=getattr(common_pb2, spec),
+                              prediction="1 " * 1_000_000)
+    with grpc.insecure_channel(tiny_stack.target,
+                               options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(req, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert e.value.details().startswith("prediction of 2000000 bytes cannot fit the context")
+        small = stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=2, spec=getattr(common_pb2, spec),
+                                                  prediction="a b c"), timeout=60)
+        assert small.result.completion_tokens == 2
+
+
 @pytest.mark.parametrize("field", ["text", "prediction"])
 def test_text_too_long_for_any_context_is_refused_before_tokenizing(tiny_stack, field):
     # was: 4 MB of prediction text was tokenized for ~20 s with the GIL held (every other call

@@ -296,8 +296,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if namespace_problem(ns):
             raise _bad(namespace_problem(ns))
         # the prediction is tokenized like the output: on its own, no BOS; the output (and so
-        # the part of a prediction it can follow) fits the context
-        if decision.enabled and req.prediction:
+        # the part of a prediction it can follow) fits the context. The size is checked whether
+        # or not this request speculates (it is only tokenized when it does), so whether a
+        # request is valid does not depend on the server's default --spec.
+        if req.prediction:
             self.check_fits("prediction", req.prediction)
         prediction = self.tokenizer.encode(req.prediction) if decision.enabled and req.prediction \
             else []
