@@ -1126,7 +1126,7 @@ def test_cancel_storm_leaves_no_call_in_flight(tiny_stack):
 
 # -- megabytes of prompt or prediction text ----------------------------------------------------------
 
-@pytest.mark.parametrize("spec", ["SPEC_MODE_OFF", "SPEC_MODE_DEFAULT"])
+@pytest.mark.parametrize("spec", ["SPEC_MODE_OFF", "SPEC_MODE_UNSPECIFIED"])
 def test_a_prediction_too_long_for_the_context_is_refused_whether_or_not_it_speculates(tiny_stack, spec):
     # was: refused with spec on, accepted and ignored with spec off or the server's default off:
     # a request's validity depended on the server's --spec
