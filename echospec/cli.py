@@ -441,7 +441,7 @@ def _seconds(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
     if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+        raise argparse.ArgumentTypeError(f"{text} is not a finite positive number of seconds")
     if v > MAX_TIMEOUT_S:   # gRPC turns larger deadlines into an immediate DEADLINE_EXCEEDED
         raise argparse.ArgumentTypeError(f"{text} seconds: at most {MAX_TIMEOUT_S:.0f}")
     return v
