@@ -4,6 +4,8 @@ codes, SSE framing, and a client disconnect that cancels the generation."""
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import time
 
 import grpc
@@ -365,6 +367,30 @@ def test_disconnect_before_a_whole_answer_cancels(stack):
     while cancelled() == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert cancelled() == before + 1
+
+
+def test_disconnect_while_sending_the_body_is_one_info_line(stack, caplog):
+    """A client that leaves in the middle of its request body: nothing can be answered; the
+    gateway says so in one INFO line, with no ERROR and no traceback (uvicorn's included)."""
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            time.sleep(0.3)
+
+        def seen():
+            return [r for r in caplog.records if r.levelno >= logging.ERROR or
+                    (r.name == "echospec.gateway" and "request body" in r.getMessage())]
+
+        deadline = time.monotonic() + 20
+        while not seen() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)   # anything logged after the line would be this request's too
+    errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+    lines = [r for r in seen() if r.name == "echospec.gateway"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
 
 
 def test_no_free_session_is_429(tiny_model):

@@ -15,7 +15,9 @@ event and the stream ends. On shutdown (SIGINT/SIGTERM, GatewayServer.stop) requ
 the grace period (config.grace_s) to finish; a stream still running then gets one error event naming
 the shutdown and ends cleanly, an answer still awaited gets 503 (the same wording as the gRPC
 services' UNAVAILABLE). A client that disconnects (mid-stream, or while it waits for a whole
-answer) cancels the gRPC call, which ends the generation on the verifier and frees its session.
+answer) cancels the gRPC call, which ends the generation on the verifier and frees its session;
+one that disconnects while still sending its request body is only logged (INFO): there is nothing
+to call and no one to answer.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from echospec.services.common import auth
@@ -168,7 +171,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def generation(request: Request, chat: bool) -> Response:
         up = upstream(request)
         try:
-            parsed = api.parse_request(await body_of(request), chat)
+            body = await body_of(request)
+        except ClientDisconnect:
+            log.info("client disconnected while sending its request body: nothing to answer")
+            return Response(status_code=499)
+        try:
+            parsed = api.parse_request(body, chat)
         except api.MaxTokensBelowOne as exc:
             limit = await up.max_tokens_limit()
             raise exc if limit is None else exc.with_limit(limit) from None
