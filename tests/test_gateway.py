@@ -321,7 +321,7 @@ def test_sse_never_splits_utf8(smollm2_path):
 
 # -- disconnect -------------------------------------------------------------------------------------
 
-def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
+def test_disconnect_mid_stream_cancels_and_frees_the_session(stack, caplog):
     coord = stack._servers["coordinator"]
     metrics = coord.handle.rpc_metrics
     method = "/echospec.v1.CoordinatorService/Generate"
@@ -338,17 +338,21 @@ def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
 
         before = cancelled()
         body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
-        with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
-            it = r.iter_lines()
-            first = next(it)
-            assert first.startswith("data: ")
-            assert sessions() == 1          # the generation runs
-        # the response is closed: the gateway must cancel the gRPC call
-        deadline = time.monotonic() + 10
-        while (cancelled() == before or sessions() != 0) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        with caplog.at_level(logging.INFO, logger="echospec.gateway"):
+            with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
+                it = r.iter_lines()
+                first = next(it)
+                assert first.startswith("data: ")
+                assert sessions() == 1          # the generation runs
+            # the response is closed: the gateway must cancel the gRPC call
+            deadline = time.monotonic() + 10
+            while (cancelled() == before or sessions() != 0) and time.monotonic() < deadline:
+                time.sleep(0.02)
         assert cancelled() == before + 1
         assert sessions() == 0
+        gone = [r for r in caplog.records if r.name == "echospec.gateway"
+                and r.getMessage() == "client disconnected: generation cancelled"]
+        assert len(gone) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_disconnect_before_a_whole_answer_cancels(stack):
@@ -399,7 +403,7 @@ def test_disconnect_before_the_first_token_cancels_the_prefill(stack, monkeypatc
         return prefill(self)
 
     monkeypatch.setattr(gl._Run, "prefill", held_prefill)
-    rid = f"gw-early-leave-{path.rsplit('/', 1)[1]}"
+    rid = "gw-early-leave" + path.replace("/", "-")
     body = {"model": "m", "max_tokens": 50, "stream": True, "spec": "off"}
     body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "the cat sat on"})
     raw = json.dumps(body).encode()
