@@ -260,15 +260,15 @@ async def _unless_disconnected(call, gone: asyncio.Future, shutdown: Shutdown):
     task = asyncio.ensure_future(call)
     stop = asyncio.ensure_future(shutdown.over())
     try:
-        await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.cancel()
         if not task.done():
             task.cancel()
-    if gone.done() and not gone.cancelled():
+    if gone in done:
         log.info("client disconnected: generation cancelled")
         return _GONE
-    if task.done() and not task.cancelled():
+    if task in done:
         return task.result()
     raise shutdown.error("request")
 
