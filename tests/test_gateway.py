@@ -4,6 +4,9 @@ codes, SSE framing, and a client disconnect that cancels the generation."""
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import threading
 import time
 
 import grpc
@@ -318,7 +321,7 @@ def test_sse_never_splits_utf8(smollm2_path):
 
 # -- disconnect -------------------------------------------------------------------------------------
 
-def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
+def test_disconnect_mid_stream_cancels_and_frees_the_session(stack, caplog):
     coord = stack._servers["coordinator"]
     metrics = coord.handle.rpc_metrics
     method = "/echospec.v1.CoordinatorService/Generate"
@@ -335,17 +338,21 @@ def test_disconnect_mid_stream_cancels_and_frees_the_session(stack):
 
         before = cancelled()
         body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
-        with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
-            it = r.iter_lines()
-            first = next(it)
-            assert first.startswith("data: ")
-            assert sessions() == 1          # the generation runs
-        # the response is closed: the gateway must cancel the gRPC call
-        deadline = time.monotonic() + 10
-        while (cancelled() == before or sessions() != 0) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        with caplog.at_level(logging.INFO, logger="echospec.gateway"):
+            with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
+                it = r.iter_lines()
+                first = next(it)
+                assert first.startswith("data: ")
+                assert sessions() == 1          # the generation runs
+            # the response is closed: the gateway must cancel the gRPC call
+            deadline = time.monotonic() + 10
+            while (cancelled() == before or sessions() != 0) and time.monotonic() < deadline:
+                time.sleep(0.02)
         assert cancelled() == before + 1
         assert sessions() == 0
+        gone = [r for r in caplog.records if r.name == "echospec.gateway"
+                and r.getMessage() == "client disconnected: generation cancelled"]
+        assert len(gone) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_disconnect_before_a_whole_answer_cancels(stack):
@@ -365,6 +372,98 @@ def test_disconnect_before_a_whole_answer_cancels(stack):
     while cancelled() == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert cancelled() == before + 1
+
+
+def _coordinator_record(caplog, rid: str):
+    """The coordinator's one INFO ``request`` line of the call with x-request-id ``rid``."""
+    return next((r for r in caplog.records if r.getMessage() == "request" and
+                 getattr(r, "fields", {}).get("request_id") == rid), None)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_before_the_first_token_cancels_the_prefill(stack, monkeypatch, caplog, path):
+    """A stream whose client leaves before any output: the gateway cancels the gRPC call while the
+    prefill still runs, not once the first token is out. The verifier's prefill is held here until
+    the test lets it go, standing for a long prompt on a slow host: the cancel must reach the
+    coordinator while it is held (a gateway that waits for the first message never sends it)."""
+    from echospec.services.verifier import generation_loop as gl
+    coord = stack._servers["coordinator"]
+    method = "/echospec.v1.CoordinatorService/Generate"
+
+    def cancelled() -> float:
+        return coord.handle.rpc_metrics.registry.get_sample_value(
+            "echospec_rpc_finished_total", {"method": method, "code": "CANCELLED"}) or 0.0
+
+    entered, release = threading.Event(), threading.Event()
+    prefill = gl._Run.prefill
+
+    def held_prefill(self):
+        entered.set()
+        release.wait(60)
+        return prefill(self)
+
+    monkeypatch.setattr(gl._Run, "prefill", held_prefill)
+    rid = "gw-early-leave" + path.replace("/", "-")
+    body = {"model": "m", "max_tokens": 50, "stream": True, "spec": "off"}
+    body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "the cat sat on"})
+    raw = json.dumps(body).encode()
+    before = cancelled()
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
+    try:
+        with caplog.at_level(logging.INFO):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nx-request-id: {rid}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+                          .encode() + raw)
+                assert entered.wait(30), "the prefill never started"
+            deadline = time.monotonic() + 20
+            while cancelled() == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert cancelled() == before + 1, "the gRPC call was not cancelled during the prefill"
+            release.set()
+            rec = None
+            deadline = time.monotonic() + 20
+            while rec is None and time.monotonic() < deadline:
+                rec = _coordinator_record(caplog, rid)
+                time.sleep(0.02)
+    finally:
+        release.set()
+    assert rec is not None and rec.fields["code"] == "CANCELLED", rec and rec.fields
+    assert rec.fields["tokens_out"] == 0, rec.fields
+    gone = [r for r in caplog.records if r.name == "echospec.gateway"
+            and r.getMessage() == "client disconnected: generation cancelled"]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO
+    with grpc.insecure_channel(stack.verifier_target) as ch:   # the session is freed
+        vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        deadline = time.monotonic() + 20
+        while vstub.GetConfig(vpb.GetConfigRequest()).active_sessions and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert vstub.GetConfig(vpb.GetConfigRequest()).active_sessions == 0
+
+
+def test_disconnect_while_sending_the_body_is_one_info_line(stack, caplog):
+    """A client that leaves in the middle of its request body: nothing can be answered; the
+    gateway says so in one INFO line, with no ERROR and no traceback (uvicorn's included)."""
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            time.sleep(0.3)
+
+        def seen():
+            return [r for r in caplog.records if r.levelno >= logging.ERROR or
+                    (r.name == "echospec.gateway" and "request body" in r.getMessage())]
+
+        deadline = time.monotonic() + 20
+        while not seen() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)   # anything logged after the line would be this request's too
+    errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+    lines = [r for r in seen() if r.name == "echospec.gateway"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
 
 
 def test_no_free_session_is_429(tiny_model):

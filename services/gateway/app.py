@@ -14,8 +14,10 @@ code, not a 200 with an error event; an error after that is sent as one ``data: 
 event and the stream ends. On shutdown (SIGINT/SIGTERM, GatewayServer.stop) requests in flight get
 the grace period (config.grace_s) to finish; a stream still running then gets one error event naming
 the shutdown and ends cleanly, an answer still awaited gets 503 (the same wording as the gRPC
-services' UNAVAILABLE). A client that disconnects (mid-stream, or while it waits for a whole
-answer) cancels the gRPC call, which ends the generation on the verifier and frees its session.
+services' UNAVAILABLE). A client that disconnects (before a stream's first message, mid-stream, or
+while it waits for a whole answer) cancels the gRPC call at once, which ends the generation on the
+verifier (its prefill too) and frees its session; one that disconnects while still sending its
+request body is only logged (INFO): there is nothing to call and no one to answer.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from echospec.services.common import auth
@@ -168,32 +171,48 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def generation(request: Request, chat: bool) -> Response:
         up = upstream(request)
         try:
-            parsed = api.parse_request(await body_of(request), chat)
+            body = await body_of(request)
+        except ClientDisconnect:
+            log.info("client disconnected while sending its request body: nothing to answer")
+            return Response(status_code=499)
+        try:
+            parsed = api.parse_request(body, chat)
         except api.MaxTokensBelowOne as exc:
             limit = await up.max_tokens_limit()
             raise exc if limit is None else exc.with_limit(limit) from None
         rid = _request_id(request)
+        shutdown = request.app.state.shutdown
+        gone = _disconnected(request)
         try:
             model = await up.model_id()
             if not parsed.stream:
-                result = await _unless_disconnected(
-                    request, up.complete(api.complete_request(parsed.request), rid),
-                    request.app.state.shutdown)
-                if result is None:   # the client is gone: nobody to answer
+                try:
+                    result = await _unless_disconnected(
+                        up.complete(api.complete_request(parsed.request), rid), gone, shutdown)
+                finally:
+                    gone.cancel()
+                if result is _GONE:   # nobody to answer
                     return Response(status_code=499)
                 return JSONResponse(api.response(chat, api.new_id(chat), model, result, parsed.seed))
             stream = up.generate(parsed.request, rid)
             try:
-                first = await stream.__anext__()   # errors before any output keep their HTTP code
+                # errors before any output keep their HTTP code; a client that leaves during the
+                # prefill cancels it now, not when the first token comes out
+                first = await _unless_disconnected(stream.__anext__(), gone, shutdown)
             except BaseException:
                 stream.cancel()
                 raise
-        except UpstreamError as exc:
-            raise api.error_from_status(exc.code, exc.message, chat) from None
-        return StreamingResponse(_sse(parsed, stream, first, api.new_id(chat), model,
-                                      request.app.state.shutdown),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            if first is _GONE:
+                stream.cancel()
+                return Response(status_code=499)
+        except BaseException as exc:
+            gone.cancel()
+            if isinstance(exc, UpstreamError):
+                raise api.error_from_status(exc.code, exc.message, chat) from None
+            raise
+        return _EventStream(_sse(parsed, stream, first, api.new_id(chat), model, shutdown, gone),
+                            media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -220,40 +239,62 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-async def _unless_disconnected(request: Request, call, shutdown: Shutdown):
-    """Await ``call`` (a coordinator call), or cancel it when the client disconnects first (which
-    cancels the gRPC call). Returns its result, or None when the client went away. The body has
-    been read, so the only message left to receive is ``http.disconnect``. Raises the shutdown's
-    503 when the gateway's grace period ends first."""
-    async def disconnected() -> None:
+_GONE = object()   # _unless_disconnected: the client disconnected first
+
+
+def _disconnected(request: Request) -> asyncio.Future:
+    """A task that ends when the client disconnects. Started once the body has been read, so the
+    only message left to receive is ``http.disconnect``; the caller cancels it when done."""
+    async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    return asyncio.ensure_future(watch())
+
+
+async def _unless_disconnected(call, gone: asyncio.Future, shutdown: Shutdown):
+    """Await ``call`` (a coordinator call, or a stream's first message), or cancel it when the
+    client disconnects first (``gone``, from _disconnected, ends): a unary call is cancelled with
+    it, a stream's caller cancels its call. Returns its result, or _GONE when the client went away
+    (logged). Raises the shutdown's 503 when the gateway's grace period ends first."""
     task = asyncio.ensure_future(call)
-    watch = asyncio.ensure_future(disconnected())
     stop = asyncio.ensure_future(shutdown.over())
     try:
-        done, _ = await asyncio.wait({task, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
         stop.cancel()
         if not task.done():
             task.cancel()
+    if gone in done:
+        log.info("client disconnected: generation cancelled")
+        return _GONE
     if task in done:
         return task.result()
-    if stop in done:
-        raise shutdown.error("request")
-    log.info("client disconnected: generation cancelled")
-    return None
+    raise shutdown.error("request")
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse without Starlette's own disconnect listener (ASGI spec < 2.4), which
+    would cancel the body generator from outside: _sse watches the disconnect itself, so it can
+    say so and end the gRPC call the same way whatever the server's spec version."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:   # the connection is gone (servers of spec 2.4 raise it from send)
+            pass
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
-               model: str, shutdown: Shutdown) -> AsyncIterator[bytes]:
+               model: str, shutdown: Shutdown, gone: asyncio.Future) -> AsyncIterator[bytes]:
     """The SSE body of a streamed generation. Each coordinator message's text delta (never a split
     UTF-8 character) becomes one chunk; then the closing chunk, the usage chunk when asked for, and
-    ``data: [DONE]``. The gRPC call is cancelled when this generator ends for any reason, the
-    client's disconnect included (the server cancels the generator then). When the gateway's
-    shutdown grace period ends first, one error event naming the shutdown ends the stream."""
+    ``data: [DONE]``. The gRPC call is cancelled when this generator ends for any reason; the
+    client's disconnect (``gone``, from _disconnected, ends) ends it at once, even while the next
+    message is awaited. When the gateway's shutdown grace period ends first, one error event naming
+    the shutdown ends the stream."""
     chat = parsed.chat
     created = int(time.time())
     stop = asyncio.ensure_future(shutdown.over())
@@ -269,7 +310,10 @@ async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
             if msg.HasField("result"):
                 result = msg.result
             nxt = asyncio.ensure_future(anext(stream, None))
-            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({nxt, stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                log.info("client disconnected: generation cancelled")
+                return
             if not nxt.done():
                 nxt.cancel()
                 log.info("stream %s cancelled: %s", rid, shutdown.error("stream").message)
@@ -287,6 +331,7 @@ async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
         yield _event(api.error_from_status(exc.code, exc.message).body())
     finally:
         stop.cancel()
+        gone.cancel()
         if nxt is not None and not nxt.done():
             nxt.cancel()
         stream.cancel()
