@@ -1499,6 +1499,57 @@ def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_mod
         [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(tiny_model, monkeypatch):
+    # a stream whose prefill outlasts the shutdown grace: no event was sent yet, so it gets the
+    # HTTP 503 an unanswered request gets, not a 200 cut off
+    import threading
+    import time
+
+    import httpx
+
+    from echospec.services.coordinator.stack import start_stack
+    from echospec.services.verifier import generation_loop as gl
+
+    entered, release = threading.Event(), threading.Event()
+    prefill = gl._Run.prefill
+
+    def held_prefill(self):
+        entered.set()
+        release.wait(60)
+        return prefill(self)
+
+    monkeypatch.setattr(gl._Run, "prefill", held_prefill)
+    st = start_stack(tiny_model(), n_threads=1, http_port=0)
+    answer = {}
+
+    def post():
+        try:
+            answer["r"] = httpx.post(st.http_url + "/v1/completions", timeout=30,
+                                     json={"prompt": "a b", "max_tokens": 8, "stream": True})
+        except httpx.HTTPError as exc:
+            answer["error"] = exc
+
+    try:
+        client = threading.Thread(target=post)
+        client.start()
+        assert entered.wait(30), "the prefill never started"
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=st.stop, args=(0.5, "SIGTERM"))
+        stopper.start()
+        client.join(20)
+        waited = time.monotonic() - t0
+        release.set()
+        stopper.join(30)
+    finally:
+        release.set()
+        st.stop(0)
+    r = answer.get("r")
+    assert r is not None, answer
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"].startswith("the gateway is shutting down (SIGTERM)"), r.text
+    assert 0.4 < waited < 10, waited
+
+
 def test_gateway_sampling_without_a_seed_varies_and_reports_its_seed(tiny_stack):
     # was: four calls at temperature 1.5 without a seed returned the same text (the coordinator's
     # seed 0 is a fixed constant); OpenAI's calls without a seed vary
