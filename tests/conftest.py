@@ -150,3 +150,25 @@ def chatml(user: str, system: str = SMOLLM2_SYSTEM) -> str:
     return (f"<|im_start|>system\n{system}<|im_end|>\n"
             f"<|im_start|>user\n{user}<|im_end|>\n"
             f"<|im_start|>assistant\n")
+
+
+@pytest.fixture
+def held_prefill(monkeypatch):
+    """Hold every in-process verifier's prefill until the test lets it go: returns (entered,
+    release), two threading.Events; entered is set once a prefill waits. Stands for a long
+    prompt on a slow host without timing anything; released at teardown whatever happens."""
+    import threading
+
+    from echospec.services.verifier import generation_loop as gl
+
+    entered, release = threading.Event(), threading.Event()
+    prefill = gl._Run.prefill
+
+    def held(self):
+        entered.set()
+        release.wait(60)
+        return prefill(self)
+
+    monkeypatch.setattr(gl._Run, "prefill", held)
+    yield entered, release
+    release.set()

@@ -381,12 +381,11 @@ def _coordinator_record(caplog, rid: str):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_disconnect_before_the_first_token_cancels_the_prefill(stack, monkeypatch, caplog, path):
+def test_disconnect_before_the_first_token_cancels_the_prefill(stack, held_prefill, caplog, path):
     """A stream whose client leaves before any output: the gateway cancels the gRPC call while the
     prefill still runs, not once the first token is out. The verifier's prefill is held here until
     the test lets it go, standing for a long prompt on a slow host: the cancel must reach the
     coordinator while it is held (a gateway that waits for the first message never sends it)."""
-    from echospec.services.verifier import generation_loop as gl
     coord = stack._servers["coordinator"]
     method = "/echospec.v1.CoordinatorService/Generate"
 
@@ -394,15 +393,7 @@ def test_disconnect_before_the_first_token_cancels_the_prefill(stack, monkeypatc
         return coord.handle.rpc_metrics.registry.get_sample_value(
             "echospec_rpc_finished_total", {"method": method, "code": "CANCELLED"}) or 0.0
 
-    entered, release = threading.Event(), threading.Event()
-    prefill = gl._Run.prefill
-
-    def held_prefill(self):
-        entered.set()
-        release.wait(60)
-        return prefill(self)
-
-    monkeypatch.setattr(gl._Run, "prefill", held_prefill)
+    entered, release = held_prefill
     rid = "gw-early-leave" + path.replace("/", "-")
     body = {"model": "m", "max_tokens": 50, "stream": True, "spec": "off"}
     body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "the cat sat on"})

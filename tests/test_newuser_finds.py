@@ -1499,7 +1499,7 @@ def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_mod
         [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(tiny_model, monkeypatch):
+def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(tiny_model, held_prefill):
     # a stream whose prefill outlasts the shutdown grace: no event was sent yet, so it gets the
     # HTTP 503 an unanswered request gets, not a 200 cut off
     import threading
@@ -1508,17 +1508,8 @@ def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(
     import httpx
 
     from echospec.services.coordinator.stack import start_stack
-    from echospec.services.verifier import generation_loop as gl
 
-    entered, release = threading.Event(), threading.Event()
-    prefill = gl._Run.prefill
-
-    def held_prefill(self):
-        entered.set()
-        release.wait(60)
-        return prefill(self)
-
-    monkeypatch.setattr(gl._Run, "prefill", held_prefill)
+    entered, release = held_prefill
     st = start_stack(tiny_model(), n_threads=1, http_port=0)
     answer = {}
 
