@@ -325,11 +325,13 @@ def _check_target_form(target: str) -> None:
     gRPC's own target URIs (dns:///host:port, unix:path, ...) pass."""
     import ipaddress
 
+    from echospec_client.client import _URI_SCHEMES
+
     example = "the target is host:port, e.g. 127.0.0.1:50051 or [::1]:50051"
     scheme = target.split("://", 1)[0].lower() if "://" in target else ""
     if scheme in ("http", "https", "grpc", "grpcs"):
         _die(f"--target {target}: a URL; {example} (the HTTP gateway's URL is for HTTP clients)", 2)
-    if scheme or target.startswith(("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")):
+    if scheme or target.startswith(_URI_SCHEMES):
         return
     if any(c.isspace() or not c.isprintable() for c in target):
         return   # the client names the character
