@@ -70,8 +70,15 @@ def _raise_if_interrupted() -> None:
         raise Interrupted(_received[0])
 
 
+def _say(msg: str) -> None:
+    """One "echospec: ..." line on stderr, in a single write: `serve --processes` copies its
+    children's log lines to the same descriptor from other threads, which print()'s separate
+    write of the newline would let in mid-line."""
+    sys.stderr.write(f"echospec: {msg}\n")
+
+
 def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
-    print(f"echospec: {msg}", file=sys.stderr)
+    _say(msg)
     sys.exit(code)
 
 
@@ -208,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_bind(name, flag, args.host, port)
     model = args.model or _default_model()
     _check_model(model)
-    print(f"echospec: loading {model} ...", file=sys.stderr)
+    _say(f"loading {model} ...")
     try:
         stack = start_stack(model, port=args.port, spec=args.spec, host=args.host,
                             verifier_port=args.verifier_port, draft_port=args.draft_port,
@@ -227,24 +234,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _die(msg)
     # the stack is running: a signal from here on (the announcement included) stops it
     try:
-        print(f"echospec: draft service    listening on {stack.draft_target}", file=sys.stderr)
-        print(f"echospec: verifier service listening on {stack.verifier_target}", file=sys.stderr)
+        _say(f"draft service    listening on {stack.draft_target}")
+        _say(f"verifier service listening on {stack.verifier_target}")
         for name, mp in sorted(stack.metrics_ports.items()):
             who = "all services" if not args.processes else name
-            print(f"echospec: metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})",
-                  file=sys.stderr)
+            _say(f"metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})")
         if stack.http_url:
-            print(f"echospec: HTTP gateway     on {stack.http_url}/v1 (OpenAI-compatible)",
-                  file=sys.stderr)
+            _say(f"HTTP gateway     on {stack.http_url}/v1 (OpenAI-compatible)")
         security = ", ".join(s for s in ("TLS" if args.tls_cert else "",
                                          "mTLS on internal ports" if args.tls_client_ca else "",
                                          "API key required" if api_key else "") if s)
-        print(f"echospec: coordinator      listening on {stack.target} (spec default: "
-              f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
-              f"Ctrl-C stops", file=sys.stderr)
+        _say(f"coordinator      listening on {stack.target} (spec default: "
+             f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
+             f"Ctrl-C stops")
         warning = _exposure_warning(args.host, api_key, bool(args.tls_client_ca))
         if warning:
-            print(f"echospec: warning: {warning}", file=sys.stderr)
+            _say(f"warning: {warning}")
         sys.stderr.flush()
         # short sleeps: the kernel may deliver the signal to another thread (gRPC's, the child
         # processes' stderr readers), which does not interrupt this sleep; the handler then runs
@@ -255,19 +260,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # the draft service is optional: a dead one is restarted (a few times) and the
             # verifier decodes plainly meanwhile
             for note in stack.revive():
-                print(f"echospec: the {note}", file=sys.stderr)
+                _say(f"the {note}")
             gone = stack.exited()
             if gone:   # a verifier, coordinator or gateway child died: the stack cannot serve
-                print(f"echospec: the {gone}; stopping every service", file=sys.stderr)
+                _say(f"the {gone}; stopping every service")
                 # the children's shutdown names the cause: "... exited with status -9 (SIGKILL)"
                 stack.stop(SHUTDOWN_GRACE_S, "the " + gone.partition(": ")[0])
                 return 1
     except Interrupted as sig:
-        print(f"echospec: {sig} received: stopping every service; requests in flight get "
-              f"{SHUTDOWN_GRACE_S:g} s to finish, then end with UNAVAILABLE (shutting down)",
-              file=sys.stderr)
+        _say(f"{sig} received: stopping every service; requests in flight get "
+             f"{SHUTDOWN_GRACE_S:g} s to finish, then end with UNAVAILABLE (shutting down)")
         stack.stop(SHUTDOWN_GRACE_S, str(sig))
-        print(f"echospec: stopped ({sig})", file=sys.stderr)
+        _say(f"stopped ({sig})")
     finally:
         stack.stop(SHUTDOWN_GRACE_S)   # a no-op after a signal: the stack is stopped
     return 0

@@ -586,6 +586,39 @@ def test_serve_processes_prints_every_metrics_url(tiny):
     assert p.returncode == 0
 
 
+# The parent of `serve --processes` announces its ports on stderr while threads copy the children's
+# log lines to it: every line of both must come out whole (a line printed in two writes, or
+# sys.stderr's TextIOWrapper shared between threads, once lost the metrics announcements).
+_INTERLEAVE = """
+import subprocess, sys
+from echospec.cli import _say
+from echospec.services.coordinator.stack import _StderrTee
+n = int(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c",
+                          f"import sys\\nfor i in range({n}): sys.stderr.write(f'child {{i}}\\\\n')"],
+                         stderr=subprocess.PIPE)
+tee = _StderrTee(child, "child")
+for i in range(n):
+    _say(f"metrics          on http://127.0.0.1:{i}/metrics (main)")
+child.wait()
+tee.last()
+"""
+
+
+def test_announcements_and_child_lines_stay_whole():
+    n = 20000
+    r = subprocess.run([sys.executable, "-c", _INTERLEAVE, str(n)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.splitlines()
+    main = [x for x in lines if re.fullmatch(r"echospec: metrics +on http://127\.0\.0\.1:\d+/metrics "
+                                             r"\(main\)", x)]
+    child = [x for x in lines if re.fullmatch(r"child \d+", x)]
+    whole = set(main) | set(child)
+    assert (len(main), len(child), len(lines)) == (n, n, 2 * n), \
+        [x for x in lines if x not in whole][:5]
+
+
 def test_serve_logs_one_line_per_request(server):
     run([*ECHOSPEC, "generate", "a b a b", "--target", server["target"], "--max-tokens", "3"])
     deadline = time.monotonic() + 10
