@@ -232,6 +232,41 @@ def test_cancelled_stream_logs_and_counts_the_tokens_it_sent(tiny_stack):
     assert generation_tokens() - before == line["tokens_out"]
 
 
+def test_stream_ended_by_shutdown_logs_the_tokens_the_client_got(tiny_model, caplog):
+    # was: tokens_out counted each message before the shutdown check that then refused to send
+    # it, so a stream still running at the end of the grace period logged more than it sent
+    import logging
+    import threading
+
+    import grpc
+
+    from echospec.services.coordinator.stack import start_stack
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
+    received = 0
+    try:
+        with caplog.at_level(logging.INFO), grpc.insecure_channel(st.target) as ch:
+            call = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(
+                cpb.GenerateRequest(text="a b", max_tokens=8000), timeout=60,
+                metadata=[("x-request-id", "shutdown-count")])
+            stopper = None
+            with pytest.raises(grpc.RpcError) as err:
+                for msg in call:
+                    received += len(msg.token_ids)
+                    if stopper is None:
+                        stopper = threading.Thread(target=st.stop, args=(0.3, "SIGTERM"))
+                        stopper.start()
+            stopper.join(30)
+    finally:
+        st.stop(0)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    recs = [r for r in caplog.records if r.name == "echospec.coordinator" and r.getMessage() == "request"
+            and r.fields.get("request_id") == "shutdown-count"]
+    assert len(recs) == 1 and recs[0].fields["code"] == "UNAVAILABLE", [r.fields for r in recs]
+    assert 0 < recs[0].fields["tokens_out"] == received < 8000, (recs[0].fields, received)
+
+
 def _request_log_line(tiny_stack, request_id: str, call_it) -> dict:
     """Run call_it(stub) with the coordinator's JSON log captured; its "request" line."""
     import io

@@ -324,12 +324,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     rec.spec = ev.spec_enabled
                     rec.counters = ev.counters
                     rec.cached_tokens = ev.counters.cached_prompt_tokens
-                else:   # counted as they go out, so a cancelled or failed stream reports them too
-                    rec.tokens_out += len(ev.token_ids)
+                else:
                     # past the server's grace period at shutdown: UNAVAILABLE saying so (Complete
                     # too, whose unary handler the server's stream check does not see)
                     self.shutdown.check(context)
                 yield ev
+                # counted once taken: gRPC asks for the next message after sending this one, so a
+                # cancelled, failed or shut-down stream reports what the client was sent, and a
+                # message its end stopped (the server's shutdown check between messages) is not
+                if not isinstance(ev, Outcome):
+                    rec.tokens_out += len(ev.token_ids)
             error = False
         finally:
             rec.e2e_s = time.perf_counter() - rec.t0
