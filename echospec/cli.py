@@ -71,10 +71,9 @@ def _raise_if_interrupted() -> None:
 
 
 def _say(msg: str) -> None:
-    """One "echospec: ..." line on stderr, in a single write: `serve --processes` copies its
-    children's log lines to the same descriptor from other threads, which print()'s separate
-    write of the newline would let in mid-line."""
-    sys.stderr.write(f"echospec: {msg}\n")
+    """One "echospec: ..." line on stderr, whole beside the lines other threads log (logs.py)."""
+    from echospec.services.common import logs
+    logs.write_stderr_line(f"echospec: {msg}")
 
 
 def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821

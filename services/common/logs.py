@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import time
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -70,3 +72,27 @@ def setup(level: str = "INFO", fmt: str = "text", stream=None) -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(lv)
+
+
+def write_stderr_line(line: str | bytes) -> None:
+    """Write one line to stderr as a single write(2) on its descriptor, a newline added when it
+    has none. sys.stderr's TextIOWrapper is not safe to share between threads (CPython
+    gh-118138: lines come out split into each other, or lost), and print() writes the newline
+    apart; a pipe takes a write of up to PIPE_BUF (4 KiB) bytes whole, so lines from threads (the
+    announcements of `echospec serve`, its children's log lines) never mix."""
+    raw = line if isinstance(line, bytes) else line.encode("utf-8", "backslashreplace")
+    if not raw.endswith(b"\n"):
+        raw += b"\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # replaced by an object with no descriptor
+        with _STDERR_LOCK:
+            sys.stderr.write(raw.decode("utf-8", "replace"))
+            sys.stderr.flush()
+        return
+    view = memoryview(raw)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+_STDERR_LOCK = threading.Lock()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echospec.services.common import grpc_util
+from echospec.services.common import grpc_util, logs
 from echospec.services.common.grpc_util import host_port
 from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
                                              VerifierConfig)
@@ -399,26 +399,6 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
     return stack
 
 
-def _write_stderr_line(raw: bytes) -> None:
-    """Write one line to our stderr as a single write(2) on its descriptor. sys.stderr's
-    TextIOWrapper is not safe to share between threads (CPython gh-118138: lines come out
-    split into each other, or lost), and the main thread prints its announcements on it; a
-    pipe takes a write of up to PIPE_BUF (4 KiB) bytes whole."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):   # replaced by an object with no descriptor
-        with _STDERR_LOCK:
-            sys.stderr.write(raw.decode(errors="replace"))
-            sys.stderr.flush()
-        return
-    view = memoryview(raw)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-_STDERR_LOCK = threading.Lock()
-
-
 class _StderrTee:
     """Copy a child's stderr lines to ours (its logs) and keep the last ones for error messages.
     The pipe is always drained, so a child that logs a lot never blocks on it."""
@@ -435,7 +415,7 @@ class _StderrTee:
             line = raw.decode(errors="replace").rstrip("\n")
             self.lines = (self.lines + [line])[-self._keep:]
             try:
-                _write_stderr_line(raw if raw.endswith(b"\n") else raw + b"\n")
+                logs.write_stderr_line(raw)
             except (OSError, ValueError):   # our stderr is closed: keep draining
                 pass
 
