@@ -35,6 +35,7 @@ from echospec.services.common.chat_template import ChatTemplate, ChatTemplateErr
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
 from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord, SpecCounters
+from echospec.services.common.text import clip
 from echospec.services.common.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
@@ -49,6 +50,7 @@ class RequestError(Exception):
     """A request the coordinator refuses; ``code`` is a grpc.StatusCode."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
+        message = clip(message)   # it may quote a client's value of any size
         super().__init__(message)
         self.code = code
         self.message = message
@@ -328,12 +330,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     # past the server's grace period at shutdown: UNAVAILABLE saying so (Complete
                     # too, whose unary handler the server's stream check does not see)
                     self.shutdown.check(context)
-                yield ev
-                # counted once taken: gRPC asks for the next message after sending this one, so a
-                # cancelled, failed or shut-down stream reports what the client was sent, and a
-                # message its end stopped (the server's shutdown check between messages) is not
-                if not isinstance(ev, Outcome):
+                    # counted as they go out, after that check (a message it refuses is not
+                    # sent), so a cancelled, failed or shut-down stream reports them too
                     rec.tokens_out += len(ev.token_ids)
+                yield ev
             error = False
         finally:
             rec.e2e_s = time.perf_counter() - rec.t0
