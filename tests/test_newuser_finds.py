@@ -2152,3 +2152,110 @@ class _EndedContext:
 def test_a_client_deadline_is_logged_as_deadline_exceeded_not_cancelled(remaining, name):
     from echospec.services.common.grpc_util import status_name
     assert status_name(_EndedContext(remaining)) == name
+
+
+# -- session 13 new-user trial --------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [
+    '{"prompt": "hi", "max_tokens": 2, "seed": %s}' % ("9" * 4301),
+    '{"prompt": "hi", "foo": %s}' % ("9" * 4301)], ids=["seed", "unknown-field"])
+def test_an_integer_of_too_many_digits_is_400_not_500(gateway, raw, caplog):
+    # was: a 500 and a traceback in the log per request (Python's int() limit of 4300 digits)
+    import logging
+    with caplog.at_level(logging.INFO):
+        err = _assert_openai_error(_post(gateway, "/v1/completions", raw), 400, None)
+    assert err["message"] == "the request body holds an integer of more than 4300 digits", err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_huge_bad_value_gives_a_short_error(gateway):
+    # was: the whole value (and an unknown key twice: in message and param) in the 400 body
+    key = "k" * 3_000_000
+    r = _post(gateway, "/v1/completions", '{"prompt": "hi", "%s": 1}' % key)
+    assert r.status_code == 400 and len(r.content) < 2000, len(r.content)
+    err = r.json()["error"]
+    assert "characters, some left out" in err["message"] and len(err["param"]) <= 200
+    r = _post(gateway, "/v1/chat/completions",
+              '{"messages": [{"role": "%s", "content": "hi"}]}' % ("x" * 3_000_000))
+    assert r.status_code == 400 and len(r.content) < 2000, len(r.content)
+    assert r.json()["error"]["message"].startswith("messages[0].role must be one of")
+
+
+def test_a_huge_bad_role_is_invalid_argument_not_resource_exhausted(tiny_stack):
+    # was: the coordinator quoted the whole role; over 16 KiB of status message the client got
+    # RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") instead
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    with grpc.insecure_channel(tiny_stack.target) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Complete(cpb.CompleteRequest(messages=[cpb.ChatMessage(role="x" * 20000, content="hi")],
+                                              max_tokens=2), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    details = err.value.details()
+    assert details.startswith("malformed chat messages: messages[0].role: 'xxx") and \
+        "characters, some left out" in details and details.endswith("tool, user") and len(details) <= 1000
+
+
+def test_max_completion_tokens_over_the_limit_is_named_as_sent(tiny_stack):
+    # was: "max_tokens must be in [1, N], got M" with param max_tokens, a field never sent
+    import httpx
+    r = httpx.post(tiny_stack.http_url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 6})
+    err = _assert_openai_error(r, 400, "max_completion_tokens")
+    assert err["message"].startswith("max_completion_tokens must be in [1, "), err
+
+
+def test_a_tool_call_history_is_refused_as_unsupported(gateway):
+    # was: "messages[1].content is required" for OpenAI's usual assistant turn with tool_calls
+    raw = ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, '
+           '"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},'
+           ' {"role": "tool", "tool_call_id": "c1", "content": "42"}]}')
+    err = _assert_openai_error(_post(gateway, "/v1/chat/completions", raw), 400, "messages[1].tool_calls")
+    assert "tool calls are not supported" in err["message"]
+
+
+def test_a_top_p_that_rounds_to_zero_says_so(gateway):
+    # was: "top_p must be in (0, 1] ..., got 0.0" for a value the user sent inside (0, 1]
+    err = _assert_openai_error(_post(gateway, "/v1/completions", '{"prompt": "hi", "top_p": 1e-50}'),
+                               400, "top_p")
+    assert err["message"].startswith("top_p 1e-50 rounds to 0 as the float32"), err
+
+
+def test_a_target_with_spaces_stops_a_service_at_startup(tmp_path):
+    # was: the gateway started and answered every request 503; the coordinator waited 120 s
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "echospec.services.gateway", "--port", "0",
+                        "--coordinator-target", "not a target"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--coordinator-target / ECHOSPEC_COORDINATOR_TARGET 'not a target': it holds a space" \
+        in r.stderr, r.stderr
+
+
+def test_the_gateway_names_its_request_timeout_when_it_runs_out():
+    # was: only gRPC's "Stream removed (Deadline Exceeded)" in the 504
+    import grpc
+
+    from echospec.services.gateway.upstream import _error
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                               grpc.aio.Metadata(), details="Deadline Exceeded")
+    err = _error(exc, "127.0.0.1:50051", 0.5)
+    assert err.code == "DEADLINE_EXCEEDED"
+    assert err.message == ("the generation did not finish within the gateway's request timeout of "
+                           "0.5 s (--request-timeout-s, ECHOSPEC_REQUEST_TIMEOUT_S) (Deadline Exceeded)")
+    assert api.error_from_status(err.code, err.message).status == 504
+
+
+def test_a_model_can_be_retrieved_by_its_id(tiny_stack):
+    # was: 404 for GET /v1/models/{id} (the openai client's models.retrieve)
+    import httpx
+    listed = httpx.get(tiny_stack.http_url + "/v1/models", timeout=30).json()["data"][0]
+    r = httpx.get(f"{tiny_stack.http_url}/v1/models/{listed['id']}", timeout=30)
+    assert r.status_code == 200 and r.json() == listed
+    r = httpx.get(tiny_stack.http_url + "/v1/models/gpt-4o", timeout=30)
+    err = _assert_openai_error(r, 404, "model")
+    assert err["code"] == "model_not_found" and "'gpt-4o' is not served here" in err["message"]

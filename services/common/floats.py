@@ -12,7 +12,8 @@ import struct
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _as_f32(x: float) -> float:
+def as_f32(x: float) -> float:
+    """``x`` rounded to the nearest float32, as the wire carries it."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
@@ -24,11 +25,11 @@ def f32_str(v: float) -> str:
     v = float(v)
     if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
         return repr(v) if math.isfinite(v) else str(v)
-    target = _as_f32(v)
+    target = as_f32(v)
     for digits in range(1, 10):   # 9 significant digits round-trip every float32
         s = f"{v:.{digits}g}"
         try:
-            if _as_f32(float(s)) == target:
+            if as_f32(float(s)) == target:
                 return repr(float(s))   # Python's float spelling: '100.0', not '1e+02'
         except OverflowError:   # rounded up past float32's largest value
             continue

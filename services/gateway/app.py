@@ -4,6 +4,7 @@ called through upstream.py.
 
     POST /v1/chat/completions, /v1/completions   JSON, or server-sent events when "stream": true
     GET  /v1/models                              the one model served
+    GET  /v1/models/{id}                         that model's object (404 for any other id)
     GET  /health                                 the coordinator's grpc.health.v1 status (no key)
 
 Errors have OpenAI's shape with matching HTTP codes (openai_api.error_from_status): a bad field 400,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -37,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from echospec.services.common import auth
 from echospec.services.common.config import GatewayConfig
+from echospec.services.common.text import clip
 from echospec.services.gateway import openai_api as api
 from echospec.services.gateway.upstream import GenerationStream, Upstream, UpstreamError
 
@@ -55,6 +58,11 @@ def _event(obj: dict) -> bytes:
 def _error_response(err: api.ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _model_object(model: str) -> dict:
+    """The one model served, as OpenAI's model object."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "echospec"}
 
 
 def _request_id(request: Request) -> str:
@@ -167,6 +175,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise api.bad(f"the request body is not valid JSON: {exc}") from None
+        except ValueError:   # Python's limit on the digits of an int it converts
+            raise api.bad(f"the request body holds an integer of more than "
+                          f"{sys.get_int_max_str_digits()} digits") from None
 
     async def generation(request: Request, chat: bool) -> Response:
         up = upstream(request)
@@ -208,7 +219,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except BaseException as exc:
             gone.cancel()
             if isinstance(exc, UpstreamError):
-                raise api.error_from_status(exc.code, exc.message, chat) from None
+                raise api.error_from_status(exc.code, exc.message, chat, parsed.max_tokens_name) from None
             raise
         return _EventStream(_sse(parsed, stream, first, api.new_id(chat), model, shutdown, gone),
                             media_type="text/event-stream",
@@ -228,8 +239,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model = await upstream(request).model_id()
         except UpstreamError as exc:
             raise api.error_from_status(exc.code, exc.message) from None
-        return JSONResponse({"object": "list", "data": [
-            {"id": model, "object": "model", "created": 0, "owned_by": "echospec"}]})
+        return JSONResponse({"object": "list", "data": [_model_object(model)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        try:
+            served = await upstream(request).model_id()
+        except UpstreamError as exc:
+            raise api.error_from_status(exc.code, exc.message) from None
+        if model_id != served:
+            raise api.ApiError(404, f"the model {clip(model_id, 200)!r} is not served here "
+                               f"(this server serves {served!r})", "model", code="model_not_found")
+        return JSONResponse(_model_object(served))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

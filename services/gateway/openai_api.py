@@ -30,6 +30,8 @@ from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.common.chat_template import ROLE_ALIASES, VALID_ROLES
+from echospec.services.common.floats import as_f32
+from echospec.services.common.text import clip
 from echospec.services.common.config import CoordinatorConfig
 
 
@@ -38,10 +40,11 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type_: str = "invalid_request_error", code: str | None = None):
+        message = clip(message)   # it may quote a client's value (or name an unknown key) of any size
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else clip(param, 200)
         self.type = type_
         self.code = code
 
@@ -72,7 +75,7 @@ _STATUS = {
 # request fields the coordinator's INVALID_ARGUMENT messages start with (servicer.py and the
 # verifier's context check): "k must be in ...", "stop[0] is empty", "verifier: prompt of ..."
 _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
-_REFUSED_FIELDS = {"max_tokens", "k", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+_REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
                    "messages", "prompt", "token_ids", "draft_namespace", "prediction"}
 
 
@@ -90,10 +93,14 @@ def refused_param(message: str, chat: bool) -> str | None:
     return name + rest
 
 
-def error_from_status(code: str, message: str, chat: bool | None = None) -> ApiError:
+def error_from_status(code: str, message: str, chat: bool | None = None,
+                      max_tokens_name: str = "max_tokens") -> ApiError:
     """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name); with
-    ``chat`` given, a refused request names its field in ``param``."""
+    ``chat`` given, a refused request names its field in ``param``. ``max_tokens_name``: the
+    field that carried the limit (a chat request's max_completion_tokens), named in its place."""
     status, kind = _STATUS.get(code, (500, "server_error"))
+    if max_tokens_name != "max_tokens" and message.startswith("max_tokens "):
+        message = max_tokens_name + message[len("max_tokens"):]
     param = refused_param(message, chat) if chat is not None and status == 400 else None
     return ApiError(status, message, param, kind, code.lower())
 
@@ -126,6 +133,7 @@ class Parsed:
     include_usage: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None      # the seed a sampling request used (reported), None when greedy
+    max_tokens_name: str = "max_tokens"   # the field that set the limit (errors name it)
 
 
 def _is_num(v: Any) -> bool:
@@ -303,6 +311,11 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         if role not in _ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
                       f"messages[{i}].role")
+        if m.get("tool_calls") or m.get("function_call"):
+            # the request's "tools" are refused too: a history of tool calls cannot come from us
+            key = "tool_calls" if m.get("tool_calls") else "function_call"
+            raise bad(f"messages[{i}].{key}: tool calls are not supported (a message's text goes in "
+                      f"its content)", f"messages[{i}].{key}")
         content = m.get("content")
         if content is None:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content")
@@ -344,13 +357,14 @@ def parse_request(body: Any, chat: bool) -> Parsed:
             raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
         include_usage = bool(so.get("include_usage"))
     max_tokens = _max_tokens(body, "max_tokens")
+    max_tokens_name = "max_tokens"
     if chat:   # OpenAI's newer name of max_tokens: one limit, so two different values are refused
         mct = _max_tokens(body, "max_completion_tokens")
         if mct is not None and max_tokens is not None and mct != max_tokens:
             raise bad(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) differ: give one of them "
                       f"(they name the same limit)", "max_completion_tokens")
-        if mct is not None:
-            max_tokens = mct
+        if mct is not None and max_tokens is None:
+            max_tokens, max_tokens_name = mct, "max_completion_tokens"
     req.max_tokens = max_tokens or 0
     # the coordinator's rule (coordinator.proto): any finite float32, <= 0 greedy; wider than
     # OpenAI's [0, 2], so every request OpenAI takes means the same here
@@ -363,6 +377,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     if top_p is not None:
         if not 0 < top_p <= 1:   # the coordinator's rule and wording: a nucleus keeps some probability
             raise bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {body['top_p']!r}", "top_p")
+        if as_f32(top_p) == 0:
+            raise bad(f"top_p {body['top_p']!r} rounds to 0 as the float32 the coordinator takes: the "
+                      f"smallest top_p is about 1.4e-45", "top_p")
         req.top_p = top_p
     seed = _integer(body, "seed", 0, 2 ** 64 - 1)
     if seed is None and req.temperature > 0:
@@ -396,7 +413,7 @@ def parse_request(body: Any, chat: bool) -> Parsed:
             raise bad("draft_namespace must be a string", "draft_namespace")
         req.draft_namespace = ns
     return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage,
-                  seed=req.seed if req.temperature > 0 else None)
+                  seed=req.seed if req.temperature > 0 else None, max_tokens_name=max_tokens_name)
 
 
 def complete_request(req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.CompleteRequest:

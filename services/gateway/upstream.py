@@ -30,12 +30,17 @@ class UpstreamError(Exception):
 _NO_CONNECTION = ("failed to connect", "Connection refused", "DNS resolution failed")
 
 
-def _error(exc: grpc.aio.AioRpcError, target: str) -> UpstreamError:
+def _error(exc: grpc.aio.AioRpcError, target: str, timeout_s: float | None = None) -> UpstreamError:
+    """The UpstreamError of a failed call to the coordinator at ``target``; ``timeout_s``: the
+    gateway's deadline of a generation, named when it ran out."""
     code = exc.code()
     details = exc.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NO_CONNECTION):
         # gRPC's own text lists addresses and socket errors; say first what it means
         details = f"the gateway cannot reach the coordinator at {target} ({details})"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+        details = (f"the generation did not finish within the gateway's request timeout of "
+                   f"{timeout_s:g} s (--request-timeout-s, ECHOSPEC_REQUEST_TIMEOUT_S) ({details})")
     return UpstreamError(code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN", details)
 
 
@@ -43,9 +48,10 @@ class GenerationStream:
     """One Generate call: iterate for GenerateResponse messages; ``cancel()`` ends the call on the
     coordinator (which cancels the verifier's generation and frees its session)."""
 
-    def __init__(self, call, target: str):
+    def __init__(self, call, target: str, timeout_s: float):
         self._call = call
         self._target = target
+        self._timeout_s = timeout_s
         self._it = call.__aiter__()
 
     def __aiter__(self) -> "GenerationStream":
@@ -55,7 +61,7 @@ class GenerationStream:
         try:
             return await self._it.__anext__()
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc, self._target) from None
+            raise _error(exc, self._target, self._timeout_s) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -97,14 +103,14 @@ class Upstream:
             resp = await self.stub.Complete(req, timeout=self.config.request_timeout_s,
                                             metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc, self.config.coordinator_target) from None
+            raise _error(exc, self.config.coordinator_target, self.config.request_timeout_s) from None
         return resp.result
 
     def generate(self, req: coordinator_pb2.GenerateRequest, request_id: str) -> GenerationStream:
         """Start a Generate call (deadline config.request_timeout_s); iterate the result."""
         return GenerationStream(self.stub.Generate(req, timeout=self.config.request_timeout_s,
                                                    metadata=self._metadata(request_id)),
-                                self.config.coordinator_target)
+                                self.config.coordinator_target, self.config.request_timeout_s)
 
     async def model_id(self) -> str:
         """config.model_name, else the stem of the coordinator's GGUF file name (GetInfo, once;
