@@ -2259,3 +2259,12 @@ def test_a_model_can_be_retrieved_by_its_id(tiny_stack):
     r = httpx.get(tiny_stack.http_url + "/v1/models/gpt-4o", timeout=30)
     err = _assert_openai_error(r, 404, "model")
     assert err["code"] == "model_not_found" and "'gpt-4o' is not served here" in err["message"]
+
+
+@pytest.mark.parametrize("name", ["prompt_cache_key", "safety_identifier"])
+def test_newer_openai_metadata_fields_are_accepted(gateway, name):
+    # was: 400 "Unrecognized request argument" for fields newer openai SDKs send, which change
+    # nothing in what is generated (the request then reaches the coordinator: 503, none behind)
+    r = _post(gateway, "/v1/chat/completions",
+              '{"messages": [{"role": "user", "content": "hi"}], "%s": "abc"}' % name)
+    _assert_openai_error(r, 503, None)

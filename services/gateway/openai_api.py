@@ -108,7 +108,8 @@ def error_from_status(code: str, message: str, chat: bool | None = None,
 # ---- requests ------------------------------------------------------------------------------
 
 # fields accepted and ignored: they change nothing in what is generated
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+            "prompt_cache_key", "safety_identifier"}
 _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
            "prediction", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
            "spec", "k", "top_k", "min_p", "draft_namespace"}
