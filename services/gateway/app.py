@@ -219,7 +219,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except BaseException as exc:
             gone.cancel()
             if isinstance(exc, UpstreamError):
-                raise api.error_from_status(exc.code, exc.message, chat, parsed.max_tokens_name) from None
+                raise api.error_from_status(exc.code, exc.message, chat,
+                                            parsed.max_tokens_name) from None
             raise
         return _EventStream(_sse(parsed, stream, first, api.new_id(chat), model, shutdown, gone),
                             media_type="text/event-stream",

@@ -75,8 +75,9 @@ _STATUS = {
 # request fields the coordinator's INVALID_ARGUMENT messages start with (servicer.py and the
 # verifier's context check): "k must be in ...", "stop[0] is empty", "verifier: prompt of ..."
 _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
-_REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
-                   "messages", "prompt", "token_ids", "draft_namespace", "prediction"}
+_REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
+                   "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
+                   "prediction"}
 
 
 def refused_param(message: str, chat: bool) -> str | None:
