@@ -1139,8 +1139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_detokenize)
 
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
-    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt), max_tokens; "
-                   "optional prediction (text) and draft_namespace")
+    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt); optional "
+                   "max_tokens (default 256), prediction (text) and draft_namespace")
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
