@@ -26,6 +26,7 @@ stderr saying which.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import ssl
 import sys
@@ -75,6 +76,8 @@ def check_http(target: str, timeout: float = 2.0) -> tuple[bool, str]:
         return False, f"HTTP {e.code}"
     except (urllib.error.URLError, OSError) as e:
         return False, str(e)
+    except http.client.HTTPException as e:   # not HTTP at all (a gRPC port): BadStatusLine, ...
+        return False, f"{url} does not answer HTTP ({type(e).__name__})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -483,3 +483,13 @@ def test_compose_variables_are_service_config_fields(config: dict):
         assert env - fields == set(), f"{name}: not fields of {cls.__name__}: {sorted(env - fields)}"
     init_env = set(config["services"]["model-init"]["environment"])
     assert init_env == {"ECHOSPEC_CACHE", "ECHOSPEC_MODEL_FILE", "ECHOSPEC_IMPORT_DIR"}
+
+
+def test_healthcheck_http_against_a_grpc_port_says_so_in_one_line(health_server, capsys):
+    # was: a traceback ending in http.client.BadStatusLine (the exit status was 1 all the same)
+    hc = _load("healthcheck")
+    _, target = health_server
+    assert hc.main([target, "--http"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "does not answer HTTP" in err, err

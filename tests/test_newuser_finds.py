@@ -1065,9 +1065,9 @@ def test_client_keeps_every_target_grpc_accepts(target):
     (lambda p: ["--tls-cert", p["junk"], "--tls-key", p["junk"]], "not a PEM certificate chain"),
     (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["b"]["key"]], "KEY_VALUES_MISMATCH"),
     (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"], "--tls-ca", p["junk"]],
-     "tls_ca"),
+     "--tls-ca / ECHOSPEC_TLS_CA"),
     (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"],
-                "--tls-client-ca", p["a"]["key"]], "tls_client_ca"),
+                "--tls-client-ca", p["a"]["key"]], "--tls-client-ca / ECHOSPEC_TLS_CLIENT_CA"),
 ], ids=["junk", "key-mismatch", "junk-ca", "key-as-ca"])
 def test_service_refuses_unusable_pem_at_startup(pki, cls, which, message, capsys):
     # was: the verifier and the coordinator loaded the model, then exited 1 with "cannot bind
@@ -2268,3 +2268,86 @@ def test_newer_openai_metadata_fields_are_accepted(gateway, name):
     r = _post(gateway, "/v1/chat/completions",
               '{"messages": [{"role": "user", "content": "hi"}], "%s": "abc"}' % name)
     _assert_openai_error(r, 503, None)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ECHOSPEC_PREFIX_CACHE": ""}, "ECHOSPEC_PREFIX_CACHE='': not a boolean (on/off, true/false, "
+                                    "yes/no, 1/0)"),
+    ({"ECHOSPEC_PREFIX_CACHE": "maybe"}, "ECHOSPEC_PREFIX_CACHE='maybe': not a boolean"),
+])
+def test_an_empty_or_unknown_boolean_setting_is_refused(env, message):
+    # was: an empty ECHOSPEC_PREFIX_CACHE quietly turned the prefix cache off
+    from echospec.services.common import config
+    with pytest.raises(ValueError) as e:
+        config.from_env(config.VerifierConfig, env)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("cls, fields, message", [
+    ("GatewayConfig", {"coordinator_target": ""},
+     "--coordinator-target / ECHOSPEC_COORDINATOR_TARGET is empty"),
+    ("CoordinatorConfig", {"verifier_target": ""},
+     "--verifier-target / ECHOSPEC_VERIFIER_TARGET is empty (and --verifier names none)"),
+    ("DraftConfig", {"host": ""}, "--host / ECHOSPEC_HOST is empty"),
+    ("DraftConfig", {"log_level": "bogus"},
+     "--log-level / ECHOSPEC_LOG_LEVEL 'bogus': one of DEBUG, INFO, WARNING, ERROR (any case)"),
+    ("DraftConfig", {"log_format": "xml"}, "--log-format / ECHOSPEC_LOG_FORMAT 'xml': one of text, json"),
+])
+def test_settings_no_service_can_run_with_name_the_setting(cls, fields, message):
+    # was: the gateway started and answered 500 to everything; the coordinator bound its port
+    # and then exited 1; an empty host failed in gRPC's words; log settings named no option
+    import dataclasses
+
+    from echospec.services.common import config
+    cfg = dataclasses.replace(getattr(config, cls)(), **fields)
+    with pytest.raises(ValueError) as e:
+        config.check_ranges(cfg)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_verifier_list_with_no_item_is_refused_and_log_format_takes_any_case():
+    from echospec.services.common import config
+    with pytest.raises(ValueError, match="a comma-separated list with no item in it"):
+        config.from_env(config.CoordinatorConfig, {"ECHOSPEC_VERIFIER": " , "})
+    assert config.from_env(config.CoordinatorConfig, {"ECHOSPEC_VERIFIER": ""}).verifier == ()
+    config.check_ranges(config.DraftConfig(log_format="JSON", log_level="info"))
+
+
+def test_tls_setting_messages_name_the_option_and_variable(tmp_path):
+    # was: "tls_cert and tls_key go together", in neither spelling a user types
+    from echospec.services.common.grpc_util import Tls
+    with pytest.raises(ValueError) as e:
+        Tls(str(tmp_path / "c.pem"), "", "", "").validate()
+    assert str(e.value) == ("--tls-cert / ECHOSPEC_TLS_CERT and --tls-key / ECHOSPEC_TLS_KEY go "
+                            "together (give both or neither)")
+
+
+def test_a_coordinator_waiting_for_its_verifier_says_so(monkeypatch, caplog):
+    # was: 120 s of silence (one "joined" line), then exit 1
+    import logging
+
+    from echospec.services.coordinator import pool as pool_mod
+    monkeypatch.setattr(pool_mod, "WAIT_LOG_S", 0.2)
+    pool = pool_mod.VerifierPool(["127.0.0.1:1"], 1 << 20, poll_s=0.1)   # nothing listens on 1
+    pool.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="echospec.coordinator"):
+            with pytest.raises(TimeoutError):
+                pool.wait_healthy(0.7)
+        assert "127.0.0.1:1 (" in pool.state_text()
+    finally:
+        pool.close()
+    waits = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("waiting for a verifier to be SERVING")]
+    assert waits and "127.0.0.1:1 (" in waits[-1], waits
+
+
+def test_the_client_refuses_unusable_certificates_and_long_request_ids():
+    # was: a 3 s wait then "no coordinator reachable" (gRPC only logged "Could not load any root
+    # certificate"); a 20 KB request id got RESOURCE_EXHAUSTED from the server
+    from echospec_client import Client
+    with pytest.raises(ValueError, match="root_certificates: not a PEM CA certificate"):
+        Client("127.0.0.1:1", root_certificates=b"garbage")
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(ValueError, match="request_id must be at most 64 characters"):
+            c.complete("a", request_id="r" * 65)

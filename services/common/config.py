@@ -145,16 +145,20 @@ def _parse_bool(text: str) -> bool:
     t = text.strip().lower()
     if t in ("1", "true", "yes", "on"):
         return True
-    if t in ("0", "false", "no", "off", ""):
+    if t in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"not a boolean: {text!r}")
+    # empty too: an unset value in a compose or env file must not quietly mean off
+    raise ValueError(f"not a boolean (on/off, true/false, yes/no, 1/0): {text!r}")
 
 
 def _convert(kind: type, text: str):
     if kind is bool:
         return _parse_bool(text)
-    if kind is tuple:   # a list: comma-separated in the environment
-        return tuple(part.strip() for part in text.split(",") if part.strip())
+    if kind is tuple:   # a list: comma-separated in the environment ("": none)
+        items = tuple(part.strip() for part in text.split(",") if part.strip())
+        if text.strip() and not items:
+            raise ValueError("a comma-separated list with no item in it")
+        return items
     return kind(text)
 
 
@@ -228,6 +232,11 @@ def _int_range_text(name: str) -> str:
     return f"{what} must be a whole number in [{lo}, {hi}]"
 
 
+def setting_name(field: str) -> str:
+    """A service setting as its users spell it: "--tls-cert / ECHOSPEC_TLS_CERT"."""
+    return f"--{field.replace('_', '-')} / ECHOSPEC_{field.upper()}"
+
+
 def check_ranges(cfg) -> None:
     """Refuse ports, durations, API keys and integer settings no service can use (gRPC would take
     port 99999 as 34463, a negative deadline fails every call, a non-ASCII key cannot be sent, a
@@ -240,7 +249,7 @@ def check_ranges(cfg) -> None:
 
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        name = f"--{f.name.replace('_', '-')} / ECHOSPEC_{f.name.upper()}"
+        name = setting_name(f.name)
         if f.name == "api_key":
             try:
                 check_api_key(v)
@@ -251,7 +260,20 @@ def check_ranges(cfg) -> None:
             if not lo <= v <= 65535:
                 raise ValueError(f"{name} {v}: a port is in [{lo}, 65535]"
                                  + (" (-1: off, 0: a free port)" if lo < 0 else " (0: a free port)"))
+        elif f.name in ("log_level", "log_format"):
+            from echospec.services.common import logs
+            choices = logs.LEVELS if f.name == "log_level" else logs.FORMATS
+            if not isinstance(v, str) or v.upper() not in (c.upper() for c in choices):
+                raise ValueError(f"{name} {v!r}: one of {', '.join(choices)} (any case)")
+        elif f.name == "host" and not v.strip():
+            raise ValueError(f"{name} is empty: the address to listen on (127.0.0.1: this machine "
+                             f"only, 0.0.0.0: every interface)")
         elif f.name.endswith("_target") or f.name == "verifier":
+            if f.name == "coordinator_target" and not v.strip():
+                raise ValueError(f"{name} is empty: the coordinator's host:port")
+            if f.name == "verifier_target" and not v.strip() and not getattr(cfg, "verifier", ()):
+                raise ValueError(f"{name} is empty (and --verifier names none): the verifier's "
+                                 f"host:port")
             for t in (v,) if isinstance(v, str) else v:
                 bad = target_port_error(t)
                 if bad:
@@ -271,7 +293,7 @@ def check_ranges(cfg) -> None:
             hi = getattr(cfg, hi[0]) + hi[1]
         v = getattr(cfg, n)
         if not lo <= v <= hi:
-            raise ValueError(f"--{n.replace('_', '-')} / ECHOSPEC_{n.upper()} {v}: {what} "
+            raise ValueError(f"{setting_name(n)} {v}: {what} "
                              f"must be in [{lo}, {hi}]")
 
 

@@ -36,6 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _base as _reflection_base
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from echospec.services.common.config import setting_name
+
 
 class _ReflectionServicer(reflection.ReflectionServicer):
     """grpc_reflection's servicer, plus the symbols the upb descriptor pool does not find by
@@ -213,13 +215,15 @@ class Tls:
         a file holds no usable PEM (gRPC reports that only as "cannot bind", with
         TSI_INVALID_ARGUMENT in its own log; uvicorn as an ssl.SSLError traceback)."""
         if bool(self.cert) != bool(self.key):
-            raise ValueError("tls_cert and tls_key go together (give both or neither)")
+            raise ValueError(f"{setting_name('tls_cert')} and {setting_name('tls_key')} go together (give both or "
+                             f"neither)")
         if self.client_ca and not self.cert:
-            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+            raise ValueError(f"{setting_name('tls_client_ca')} (mTLS) needs {setting_name('tls_cert')} and "
+                             f"{setting_name('tls_key')}")
         for name, path in (("tls_cert", self.cert), ("tls_key", self.key),
                            ("tls_client_ca", self.client_ca), ("tls_ca", self.ca)):
             if path and not Path(path).is_file():
-                raise ValueError(f"{name} {path}: no such file")
+                raise ValueError(f"{setting_name(name)} {path}: no such file")
         import ssl
 
         def reason(exc: Exception) -> str:
@@ -232,14 +236,15 @@ class Tls:
                 ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
                     self.cert, self.key, password=lambda: b"")   # never prompt on a terminal
             except (ssl.SSLError, OSError) as exc:
-                raise ValueError(f"tls_cert {self.cert} / tls_key {self.key}: not a PEM certificate "
+                raise ValueError(f"{setting_name('tls_cert')} {self.cert}, {setting_name('tls_key')} {self.key}: "
+                                 f"not a PEM certificate "
                                  f"chain and its unencrypted private key ({reason(exc)})") from None
         for name, path in (("tls_client_ca", self.client_ca), ("tls_ca", self.ca)):
             if path:
                 try:
                     ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
                 except (ssl.SSLError, OSError) as exc:
-                    raise ValueError(f"{name} {path}: not a PEM CA certificate "
+                    raise ValueError(f"{setting_name(name)} {path}: not a PEM CA certificate "
                                      f"({reason(exc)})") from None
 
     def server_credentials(self) -> grpc.ServerCredentials | None:

@@ -63,10 +63,10 @@ def setup(level: str = "INFO", fmt: str = "text", stream=None) -> None:
     lv = level.upper()
     if lv not in LEVELS:
         raise ValueError(f"log level {level!r}: one of {', '.join(LEVELS)}")
-    if fmt not in FORMATS:
+    if fmt.lower() not in FORMATS:
         raise ValueError(f"log format {fmt!r}: one of {', '.join(FORMATS)}")
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

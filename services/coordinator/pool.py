@@ -37,6 +37,7 @@ from echospec.services.common import grpc_util, inproc
 from echospec.services.coordinator.balancer import Backend, choose
 
 log = logging.getLogger("echospec.coordinator")
+WAIT_LOG_S = 10.0   # wait_healthy says what it waits for this often
 
 VERIFIER_SERVICE = "echospec.v1.VerifierService"
 DNS_PREFIX = "dns:///"
@@ -366,18 +367,28 @@ class VerifierPool:
         Raises:
             TimeoutError: none within timeout_s (names each verifier's last error).
         """
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline, said = t0 + timeout_s, t0
         while True:
             with self._lock:
                 if any(e.backend.healthy and not e.removed for e in self._entries.values()):
                     return
-                known = ", ".join(f"{a} ({e.backend.last_error})"
-                                  for a, e in sorted(self._entries.items())) or "none resolved"
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no verifier SERVING after {timeout_s:.0f} s: {known}")
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"no verifier SERVING after {timeout_s:.0f} s: {self.state_text()}")
+            if now - said >= WAIT_LOG_S:   # a verifier loading a large model takes minutes
+                said = now
+                log.info("waiting for a verifier to be SERVING (%.0f s of %.0f s): %s", now - t0,
+                         timeout_s, self.state_text())
             if self._thread is None:
                 self.poll()
             time.sleep(min(0.05, self.poll_s))
+
+    def state_text(self) -> str:
+        """Each verifier with its last error: "127.0.0.1:50053 (UNAVAILABLE: ...)"."""
+        with self._lock:
+            return ", ".join(f"{a} ({e.backend.last_error or 'no answer yet'})"
+                             for a, e in sorted(self._entries.items())) or "none resolved"
 
     def _run(self) -> None:
         while not self._stop.is_set():

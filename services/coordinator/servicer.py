@@ -200,7 +200,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """
         cfg = self.pool.any_config()
         if cfg is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no verifier has answered yet")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"no verifier has answered yet: {self.pool.state_text()}")
         return cfg
 
     # -- request -> prompt and parameters ----------------------------------------------------

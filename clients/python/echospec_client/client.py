@@ -240,6 +240,36 @@ def _read_pem(value: bytes | str | os.PathLike | None, what: str) -> bytes | Non
         raise ValueError(f"{what} {value}: {exc.strerror}") from None
 
 
+def _check_pem(roots: bytes | None, cert: bytes | None, pkey: bytes | None) -> None:
+    """ValueError when the PEM given cannot serve: gRPC itself only logs "Could not load any
+    root certificate" and then fails every call as if the server were down."""
+    import ssl
+    import tempfile
+
+    def reason(exc: Exception) -> str:
+        return getattr(exc, "reason", None) or str(exc)
+
+    if roots is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
+                cadata=roots.decode("latin-1"))
+        except (ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"root_certificates: not a PEM CA certificate ({reason(exc)})") from None
+    if cert is not None and pkey is not None:
+        with tempfile.TemporaryDirectory() as d:   # load_cert_chain reads files only
+            paths = []
+            for name, data in (("cert.pem", cert), ("key.pem", pkey)):
+                paths.append(os.path.join(d, name))
+                with open(paths[-1], "wb") as f:
+                    f.write(data)
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+                    paths[0], paths[1], password=lambda: b"")   # never prompt on a terminal
+            except ssl.SSLError as exc:
+                raise ValueError(f"client_certificate / client_key: not a PEM certificate chain "
+                                 f"and its unencrypted private key ({reason(exc)})") from None
+
+
 def _check_timeout(value: float | None, name: str) -> float | None:
     if value is None:
         return None
@@ -342,6 +372,7 @@ class Client:
         pkey = _read_pem(client_key, "client_key")
         if (cert is None) != (pkey is None):
             raise ValueError("client_certificate and client_key go together")
+        _check_pem(roots, cert, pkey)
         use_tls = tls if tls is not None else (roots is not None or cert is not None)
         if use_tls:
             if server_name:
@@ -506,8 +537,10 @@ class Client:
 
         Yields:
             Chunk per message; the last one carries the Result (with wall_s and ttft_s
-            measured here). Leaving the loop early (break, an exception, close()) cancels
-            the call, and the server frees the generation.
+            measured here). Closing the generator cancels the call, and the server frees the
+            generation: leaving a ``for`` loop over ``stream(...)`` early does (break, an
+            exception); a stream kept in a variable needs ``close()`` (or
+            ``contextlib.closing``), else it runs on until it is garbage-collected.
         Raises:
             TypeError, ValueError: bad arguments (raised by the call, before anything is sent).
             ConnectError, ClientError: as `complete`; a failure mid-stream raises from the
@@ -654,10 +687,16 @@ def _check_request_id(request_id) -> None:
         return
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    if len(request_id) > MAX_REQUEST_ID:
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID} characters (the server logs "
+                         f"it with the request), got {len(request_id)}")
     bad = next((c for c in request_id if not " " <= c <= "~"), None)
     if bad is not None:
         raise ValueError(f"request_id must be printable ASCII (it is sent as gRPC metadata), "
                          f"got {request_id!r} (character {bad!r})")
+
+
+MAX_REQUEST_ID = 64   # the coordinator takes ids up to this long and makes its own for others
 
 
 def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
