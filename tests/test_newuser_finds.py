@@ -2351,3 +2351,34 @@ def test_the_client_refuses_unusable_certificates_and_long_request_ids():
     with Client("127.0.0.1:1") as c:
         with pytest.raises(ValueError, match="request_id must be at most 64 characters"):
             c.complete("a", request_id="r" * 65)
+
+
+def test_a_verifier_max_k_below_the_coordinator_k_max_is_what_getinfo_says(tiny_model):
+    # was: GetInfo said k_max 32 while the verifier refused k above its --max-k, and a request
+    # using the server's default k above that max_k failed too
+    import grpc
+
+    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
+    from echospec.services.coordinator import server as cserver
+    from echospec.services.verifier import server as vserver
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    model = tiny_model()
+    v = vserver.start(VerifierConfig(model=model, port=0, n_threads=1, max_k=2))
+    c = cserver.start(CoordinatorConfig(model=model, port=0, k=4,
+                                        verifier_target=f"127.0.0.1:{v.port}"), verifier_wait_s=30)
+    on = common_pb2.SPEC_MODE_ON
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
+            assert (info.k_max, info.k_default) == (2, 2), info
+            r = stub.Complete(cpb.CompleteRequest(text="a b a b", max_tokens=8, spec=on), timeout=60)
+            assert r.result.completion_tokens > 0 and r.result.spec_enabled
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=2, spec=on, k=3), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "k 3 exceeds the verifier's max_k 2" in err.value.details()
+    finally:
+        c.stop(0)
+        v.stop(0)

@@ -189,7 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         opt = "--" + f.name.replace("_", "-")
         kind = type(f.default)
         if kind is bool:
-            parser.add_argument(opt, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+            parser.add_argument(opt, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                                help=f"(env ECHOSPEC_{f.name.upper()}: on/off, true/false, yes/no, "
+                                     f"1/0; default {'on' if f.default else 'off'})")
         elif kind is tuple:
             parser.add_argument(opt, dest=f.name, default=None, action="append",
                                 help=f"repeatable (env ECHOSPEC_{f.name.upper()}, comma-separated)")

@@ -411,7 +411,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 params = self.resolve_params(req, VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention,
                                                                vcfg.batch_max))
                 if params.k > vcfg.max_k:
-                    raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
+                    if req.k:   # asked for: refused; the server's default is the server's to fit
+                        raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
+                    params.k = vcfg.max_k
             except RequestError as exc:
                 lease.release()
                 context.abort(exc.code, exc.message)
@@ -513,8 +515,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             address=b.address, healthy=b.healthy, active_sessions=b.reported_active,
             max_sessions=b.max_sessions, free_kv_tokens=b.free_kv_tokens, in_flight=b.in_flight,
             last_error=b.last_error) for b in self.pool.backends()]
+        k_max = min(cfg.k_max, v.max_k)   # what a verifier takes (GetConfig's max_k) too
         return coordinator_pb2.GetInfoResponse(
-            model=model_name(cfg.model), spec_default=cfg.spec, k_default=cfg.k, k_max=cfg.k_max,
+            model=model_name(cfg.model), spec_default=cfg.spec, k_default=min(cfg.k, k_max),
+            k_max=k_max,
             max_tokens_default=cfg.max_tokens, max_tokens_limit=cfg.max_tokens_limit,
             verifier_target=",".join(s.address for s in statuses),
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses)
