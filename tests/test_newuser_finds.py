@@ -2382,3 +2382,14 @@ def test_a_verifier_max_k_below_the_coordinator_k_max_is_what_getinfo_says(tiny_
     finally:
         c.stop(0)
         v.stop(0)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"prediction": 0}, TypeError), ({"prediction": []}, TypeError),
+    ({"draft_namespace": False}, TypeError), ({"spec": 1}, ValueError)])
+def test_the_client_refuses_falsy_values_of_the_wrong_type(kwargs, error):
+    # was: prediction=0 or [] and draft_namespace=False went out as "", spec=1 as True
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(error):
+            c.complete("a", **kwargs)

@@ -728,6 +728,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
                              f"character")
     req.stop.extend(_unicode(s, name) for name, s in zip(names, stop))
     spec = sampling.get("spec")
+    if not (spec is None or isinstance(spec, bool)):   # 1 == True: a dict lookup would take it
+        raise ValueError(f"spec must be True, False or None, got {spec!r}")
     if spec not in _SPEC_MODES:
         raise ValueError(f"spec must be True, False or None, got {spec!r}")
     req.spec = _SPEC_MODES[spec]
@@ -756,7 +758,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
             raise ValueError(f"{name} must be within float32's range (about ±3.4e38), got {v}")
         setattr(req, name, f)
     for name in ("prediction", "draft_namespace"):
-        v = sampling.get(name) or ""
-        if not isinstance(v, str):
+        v = sampling.get(name)
+        v = "" if v is None else v
+        if not isinstance(v, str):   # 0, [] or False too: they are not "none"
             raise TypeError(f"{name} must be a str, got {type(v).__name__}")
         setattr(req, name, _unicode(v, name))
