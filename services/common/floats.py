@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import struct
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38   # the wire's temperature, top_p and min_p are float32
 
 
 def as_f32(x: float) -> float:
@@ -23,7 +23,7 @@ def f32_str(v: float) -> str:
     100.0 -> '100.0', 1.401298464324817e-45 -> '1e-45'; 'inf', '-inf', 'nan' as str() prints
     them; a value outside float32's range (not from the wire) as repr()."""
     v = float(v)
-    if not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+    if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
         return repr(v) if math.isfinite(v) else str(v)
     target = as_f32(v)
     for digits in range(1, 10):   # 9 significant digits round-trip every float32

@@ -234,20 +234,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generation(request, chat=False)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
+    async def served_model(request: Request) -> str:
         try:
-            model = await upstream(request).model_id()
+            return await upstream(request).model_id()
         except UpstreamError as exc:
             raise api.error_from_status(exc.code, exc.message) from None
-        return JSONResponse({"object": "list", "data": [_model_object(model)]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_object(await served_model(request))]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> JSONResponse:
-        try:
-            served = await upstream(request).model_id()
-        except UpstreamError as exc:
-            raise api.error_from_status(exc.code, exc.message) from None
+        served = await served_model(request)
         if model_id != served:
             raise api.ApiError(404, f"the model {clip(model_id, 200)!r} is not served here "
                                f"(this server serves {served!r})", "model", code="model_not_found")

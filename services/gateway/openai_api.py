@@ -30,7 +30,7 @@ from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.common.chat_template import ROLE_ALIASES, VALID_ROLES
-from echospec.services.common.floats import as_f32
+from echospec.services.common.floats import FLOAT32_MAX, as_f32
 from echospec.services.common.text import clip
 from echospec.services.common.config import CoordinatorConfig
 
@@ -163,7 +163,6 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
 
 
 _INT32_MAX = 2 ** 31 - 1
-_FLOAT32_MAX = 3.4028234663852886e38   # the wire's temperature, top_p and min_p are float32
 
 
 def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None:
@@ -371,7 +370,7 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     # the coordinator's rule (coordinator.proto): any finite float32, <= 0 greedy; wider than
     # OpenAI's [0, 2], so every request OpenAI takes means the same here
     t = _number(body, "temperature", -math.inf, math.inf)
-    if t is not None and abs(t) > _FLOAT32_MAX:
+    if t is not None and abs(t) > FLOAT32_MAX:
         raise bad(f"temperature must be a finite float32 (within about ±3.4e38; <= 0 is greedy), "
                   f"got {body['temperature']!r}", "temperature")
     req.temperature = t or 0.0
