@@ -9,7 +9,7 @@
  * to N = 1, plus a per-shape breakdown at N = 1.
  *
  *   cc -O2 -march=native -ffp-contract=off -D_GNU_SOURCE -Iengine_c/include -Iengine_c/src \
- *      bench/kernel_bench.c engine_c/src/{quant,quant_x86,quant_neon,threadpool,util}.c \
+ *      bench/kernel_bench.c engine_c/src/{quant,matmul,quant_avx512,quant_avx2,quant_neon,threadpool,util}.c \
  *      -o /tmp/kernel_bench -lm -pthread
  *   /tmp/kernel_bench [n_threads=2] [reps=15] [wall|cpu]
  *   /tmp/kernel_bench types [reps=15]     per-type compute cost (see types_bench)

@@ -1,6 +1,7 @@
 /*
- * quant.h - private interface between the matmul driver (quant.c) and the
- * SIMD kernel files (quant_x86.c, quant_neon.c). See the determinism
+ * quant.h - private interface between the matmul driver (matmul.c), the
+ * scalar kernels (quant.c) and the SIMD kernel files (quant_avx512.c,
+ * quant_avx2.c, quant_neon.c). See the determinism
  * contract at the top of quant.c: every kernel here computes each output
  * element with exactly the same float operations as the scalar reference.
  */
@@ -202,6 +203,9 @@ size_t es_tensor_pack_size(const es_tensor *t);
 int es_tensor_pack_into(es_tensor *t, uint8_t *dst);
 es_mm_kernel es_x86_packed_kernel(uint32_t type);
 es_mm_kernel es_neon_packed_kernel(uint32_t type);
+/* The packed kernel of this build for a type (x86's, else NEON's), NULL
+ * when none (quant.c; the driver in matmul.c runs it on packed tensors). */
+es_mm_kernel es_packed_kernel(uint32_t type);
 
 /*
  * The driver of every backend's packed kernels: 16-row groups from r0 to r1
@@ -289,6 +293,16 @@ es_mm_kernel es_neon_packed_kernel(uint32_t type);
         default: return NULL;                                                                       \
         }                                                                                           \
     }
+
+/* The x86 path of this build, one at most: ES_X86_AVX512 (quant_avx512.c)
+ * or ES_X86_AVX2 (quant_avx2.c, which also holds the es_x86_* getters of a
+ * build with neither). */
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define ES_X86_AVX512 1
+#elif !defined(ES_FORCE_SCALAR) && defined(__AVX2__) && defined(__F16C__)
+#define ES_X86_AVX2 1
+#endif
 
 /* The scalar reference kernel of a type, NULL when unsupported. */
 es_mm_kernel es_ref_kernel(uint32_t type);

@@ -80,7 +80,8 @@ def check(cc: str = "cc", n_blocks: int = 64, seed: int = 1) -> list[str]:
     with tempfile.TemporaryDirectory() as td:
         tdp = Path(td)
         (tdp / "main.c").write_text(C_MAIN)
-        srcs = [str(ENGINE / "src" / f) for f in ("quant.c", "quant_x86.c", "quant_neon.c", "threadpool.c", "util.c")]
+        srcs = [str(ENGINE / "src" / f) for f in ("quant.c", "matmul.c", "quant_avx512.c", "quant_avx2.c", "quant_neon.c",
+                                                   "threadpool.c", "util.c")]
         exe = tdp / "dq"
         subprocess.run([cc, "-std=c11", "-O1", "-ffp-contract=off", "-D_GNU_SOURCE", "-DES_FORCE_SCALAR",
                         f"-I{ENGINE / 'include'}", f"-I{ENGINE / 'src'}", str(tdp / "main.c"), *srcs,
