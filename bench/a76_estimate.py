@@ -16,7 +16,7 @@ estimated from the aarch64 machine code of the NEON kernels:
      "neoverse-n1" model describes the Neoverse N1, the server version of the A76 core (same
      pipelines: 2 load, 2 ASIMD V0/V1, 3 integer). The step estimate is printed for each model
      found (the N1 one is the estimate; the A57 one a pessimistic bound).
-  2. attention loops: engine_c/src/forward.c is compiled the same way; the inner loops of the
+  2. attention loops: engine_c/src/attention.c is compiled the same way; the inner loops of the
      attention over the F16 KV cache (block_partial, inlined into attend_unit: the score slices of
      1..4 queries, the p.v accumulation of 1..2 queries, expv) go through llvm-mca too; their
      cost per attended position follows from how a unit groups the queries (attention_per_position).
@@ -177,11 +177,11 @@ def innermost_loops(asm: str, fn: str) -> list[list[str]]:
             for s, e in inner]
 
 
-SCORE_Q, AXPY_Q, AXPY_D, AW = 4, 2, 32, 4   # forward.c's NEON values
+SCORE_Q, AXPY_Q, AXPY_D, AW = 4, 2, 32, 4   # attention.c's NEON values
 
 
 def attention_loops(asm: str) -> dict[tuple[str, int], list[str]]:
-    """The attention's inner loops in forward.c's NEON build (block_partial, inlined into
+    """The attention's inner loops in attention.c's NEON build (block_partial, inlined into
     attend_unit), told apart by their F16 conversions and fused multiply-adds:
       ("scores", nj): one dimension d of 2 * AW = 8 positions for nj queries: 2 fcvtl, 2 nj fmla;
       ("axpy", nj):  one position of AXPY_D = 32 dimensions for nj queries: 8 fcvtl, 8 nj fmla;
@@ -270,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
         compile_asm(ENGINE / "src" / "quant_neon.c", tmp / "quant_neon.s")
-        compile_asm(ENGINE / "src" / "forward.c", tmp / "forward.s")
+        compile_asm(ENGINE / "src" / "attention.c", tmp / "attention.s")
         loops = inner_loops((tmp / "quant_neon.s").read_text())
-        aloops = attention_loops((tmp / "forward.s").read_text())
+        aloops = attention_loops((tmp / "attention.s").read_text())
         missing = [f"{t} nt {nt}" for t in TYPES for nt in range(1, PTILE + 1) if nt not in loops.get(t, {})]
         missing += [f"attention {k[0]} {k[1]}" for k in [("scores", j) for j in range(1, SCORE_Q + 1)]
                     + [("axpy", j) for j in range(1, AXPY_Q + 1)] + [("exp", AW)] if k not in aloops]
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
 
         acyc: dict[str, dict] = {m: {} for m, _ in models}
         ains = {k: float(len(b)) for k, b in aloops.items()}
-        print("\n## Attention loops (forward.c, F16 KV cache), cycles per iteration\n")
+        print("\n## Attention loops (attention.c, F16 KV cache), cycles per iteration\n")
         print("| loop | queries | multiply-adds/iter | instr/iter | loads | stores | "
               + " | ".join(f"{m} {c}" for m, c in models) + " |")
         print("|---|---|---|---|---|---|" + "---|" * len(models))

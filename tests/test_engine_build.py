@@ -39,7 +39,7 @@ def test_links_only_libc_libm_pthreads(built_lib):
 
 
 # the packed kernels of the 32-element block types and their scalar reference (quant.c, step 3);
-# the attention's score and value sums (forward.c, the contract above attend_unit)
+# the attention's score and value sums (attention.c, the contract above attend_unit)
 FMA_ALLOWED = re.compile(r"(?:p_q[458]_[01]|ref_quant|ref_q[458]_[01]"
                          r"|attend_unit|block_partial|scores_v|axpy_qd|axpy_row|fma_a)(?:\.\w+)*")
 

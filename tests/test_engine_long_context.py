@@ -1,7 +1,7 @@
 """Long context on tiny models: a KV cache filled to n_ctx 4096, rollback and verify at its end.
 
 The attention works by KV blocks of 64 positions fixed by absolute position
-(engine_c/src/forward.c): calls of up to 8 tokens split each head's blocks
+(engine_c/src/attention.c): calls of up to 8 tokens split each head's blocks
 across threads (key split), longer calls split the tokens (query split). Both
 must give every query bitwise the result it has alone. Checked here with
 np.array_equal (bitwise):

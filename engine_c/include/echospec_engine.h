@@ -186,6 +186,13 @@ const char *es_session_last_error(const es_session *session);
  */
 es_status es_session_rollback(es_session *session, int32_t n_past);
 
+/* logits_mode of es_forward and es_batch_item: which logits rows are written. */
+enum {
+    ES_LOGITS_NONE = 0,         /* none (the argmax only) */
+    ES_LOGITS_LAST = 1,         /* the last position's (or head row's) row */
+    ES_LOGITS_ALL = 2           /* every position's (or head row's) row */
+};
+
 /*
  * Run the model over n_tokens new tokens at positions [n_past, n_past + n_tokens)
  * and append them to the KV cache.
@@ -194,10 +201,11 @@ es_status es_session_rollback(es_session *session, int32_t n_past);
  *   argmax_out  int32[n_tokens] or NULL: greedy next token after each position
  *               (ties go to the lowest id)
  *   logits_out  float32[n_logits_rows * n_vocab] or NULL
- *   logits_mode 0: no logits; 1: the last position's row only (n_logits_rows = 1);
- *               2: every position (n_logits_rows = n_tokens)
+ *   logits_mode ES_LOGITS_NONE (0): no logits; ES_LOGITS_LAST (1): the last
+ *               position's row only (n_logits_rows = 1); ES_LOGITS_ALL (2):
+ *               every position (n_logits_rows = n_tokens)
  *
- * With logits_mode 0 the argmax is taken from the output projection chunk by
+ * With ES_LOGITS_NONE the argmax is taken from the output projection chunk by
  * chunk while each chunk is in cache, and no logits row is written anywhere;
  * the result is the same as the argmax of the logits the other modes return.
  * The weights are read once per call, not once per token. Each output element
@@ -300,8 +308,8 @@ typedef struct {
     int32_t head;               /* ES_HEAD_ALL or ES_HEAD_LAST: head rows = n_tokens or 1 */
     int32_t *argmax_out;        /* int32[head rows] or NULL */
     float *logits_out;          /* float32[n_logits_rows * n_vocab] or NULL */
-    int32_t logits_mode;        /* as es_forward, over the head rows: 0 none, 1 the last
-                                   head row, 2 every head row */
+    int32_t logits_mode;        /* as es_forward, over the head rows: ES_LOGITS_NONE,
+                                   ES_LOGITS_LAST (the last head row), ES_LOGITS_ALL */
     es_status status;           /* out: this session's result */
 } es_batch_item;
 

@@ -1,16 +1,40 @@
 /*
- * forward.c - sessions, attention and the forward pass.
+ * forward.c - the forward pass, top to bottom (forward_impl), and the calls
+ * over it: es_forward, es_forward_last, es_forward_batch, es_decode(_batch).
  *
  * A session owns one KV sequence (kv_cache.c: F16, blocks of ES_KV_BLOCK
  * positions; the layout is described in internal.h), a thread pool and the
  * scratch of one call. es_forward_batch runs the rows of several sessions
  * as one call on the first one's pool and scratch (fwd_seg, fwd_call).
  *
+ * The stages of forward_impl, and which function or matmul epilogue does
+ * each (an epilogue runs on the thread that computed those matmul columns,
+ * while they are in its cache, instead of a dispatch of its own). Every matmul runs over the rows
+ * of all the sessions; RoPE, the KV append and the attention use each row's
+ * own session:
+ *   embedding      x[i] = tok_embd[tokens[i]]; the RoPE table of the positions
+ *   per layer:
+ *     norm         run_rows ROWS_NORM_ATTN: x += out (the last sublayer's
+ *                  output, pending), xb = rmsnorm(x), quantized for Wq/Wk/Wv
+ *     q, k, v      one matmul over Wq, Wk, Wv; epilogue qkv_epi: biases, q/k
+ *                  norms (qwen3), RoPE, k and v appended to the KV cache
+ *     attention    es_attn_worker (attention.c: online softmax over KV
+ *                  blocks, each session over its own); the unit that completes a token slice
+ *                  quantizes its rows for W_o
+ *     output proj. out = W_o . att (added to x by the next norm)
+ *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
+ *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
+ *                  W_down); out = W_down . glu
+ *   head           output_head: x += out, output norm, logits with epilogue
+ *                  am_epi (argmax per chunk; am_local on per-thread chunks
+ *                  when no logits are wanted)
+ *   results        per session: argmax and logits of its head rows, n_past
+ *
  * Determinism: every per-row operation here (RMSNorm, RoPE, attention for one
  * (position, head), SwiGLU, residual adds, argmax) reads only its own row and
  * the KV positions before it, in a fixed order, so results do not depend on
  * N or on the thread split (the attention's own contract is above
- * attend_unit). es_matmul keeps the same contract.
+ * attend_unit in attention.c). es_matmul keeps the same contract.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -18,107 +42,15 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#if !defined(ES_FORCE_SCALAR) && (defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX__)))
-#include <immintrin.h>
-#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
-#include <arm_neon.h>
-#endif
 
+#include "attention.h"
 #include "internal.h"
 #include "quant.h"
+#include "rowops.h"
 
 #define EARLY_KV_PREFETCH (64 * 1024)   /* a layer's K or V up to this many bytes is prefetched whole */
-#ifndef KV_PF_AHEAD
-#define KV_PF_AHEAD 2       /* attention: a unit asks for the block this many ahead of the one it computes */
-#endif
-#define KS_UNITS_PER_THREAD 8   /* key split: chunks of blocks aim at about this many units a thread */
 
-/* ---- small row kernels (fixed 8-lane accumulation order) ---------------- */
-
-/* 8 float lanes as a GCC vector (lowered to AVX, SSE or NEON as the target has). */
-typedef float v8f __attribute__((vector_size(32)));
-/* AW lanes, for loops whose lanes are independent elements (attention over
- * positions or dimensions): the width changes no element's operations, so
- * it follows the registers of the target: 16 on AVX-512, 8 on AVX2 (where
- * 16-lane accumulators would spill), 4 on aarch64 (one NEON register; GCC
- * keeps 8-lane vectors, two registers each, on the stack in these loops). */
-#if defined(__AVX512F__)
-#define AW 16
-#elif defined(__aarch64__)
-#define AW 4
-#else
-#define AW 8
-#endif
-typedef float vaf __attribute__((vector_size(AW * 4)));
-
-/* Keep a loaded vector in a register. Where one K or V vector feeds the
- * products of several queries, GCC folds the load into each multiply as a
- * memory operand, one 64-byte load per product, and the loads, not the
- * arithmetic, bound the loop (AVX-512: 12 loads per position for 3 queries). */
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX__)   /* vaf is one ymm or zmm register */
-#define IN_REG(v) __asm__("" : "+v"(v))
-#else   /* other targets (NEON: one q register): left to the compiler */
-#define IN_REG(v) ((void)0)
-#endif
-
-/* AW floats from AW F16 values of the KV cache, converted in registers. The
- * conversion is exact (every F16 is a float32), so every target reads the
- * same floats. */
-static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
-    vaf v;
-#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
-    __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
-    memcpy(&v, &x, sizeof v);
-#elif !defined(ES_FORCE_SCALAR) && defined(__F16C__) && defined(__AVX__)
-    __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
-    memcpy(&v, &x, sizeof v);
-#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
-    float32x4_t lo = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
-    memcpy(&v, &lo, sizeof lo);
-#else
-    for (int i = 0; i < AW; i++) v[i] = es_fp16_to_fp32(p[i]);
-#endif
-    return v;
-}
-
-/* a * b + c on AW lanes with one rounding (fmaf's): the attention's fused
- * steps (see the contract above attend_unit), the same bits on every target. */
-static inline __attribute__((always_inline)) vaf fma_a(vaf a, vaf b, vaf c) {
-#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
-    return (vaf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif !defined(ES_FORCE_SCALAR) && defined(__FMA__) && defined(__AVX__)
-    return (vaf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
-    return (vaf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
-#else
-    for (int i = 0; i < AW; i++) c[i] = fmaf(a[i], b[i], c[i]);
-    return c;
-#endif
-}
-
-/* Dot product with lane j accumulating elements j, j + 8, j + 16, ... in
- * order, then ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
-static inline float dot8(const float *a, const float *b, int n) {
-    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f x, y;
-        memcpy(&x, a + i, sizeof x);
-        memcpy(&y, b + i, sizeof y);
-        acc += x * y;
-    }
-    float l[8];
-    memcpy(l, &acc, sizeof l);
-    for (; i < n; i++) l[i & 7] += a[i] * b[i];
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
-/* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; x and y may alias. */
-static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
-    float ss = dot8(x, x, n) / (float)n;
-    float inv = 1.0f / sqrtf(ss + eps);
-    for (int i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
-}
+/* ---- row kernels of the forward pass (the shared ones are in rowops.h) ---- */
 
 /* Rotate one head in place. cs = [rope_dim/2] (cos, sin) pairs for this position.
  * The rotated pairs are gathered first and the two outputs computed in
@@ -144,552 +76,6 @@ static void rope_head(float *h, const float *cs, int rope_dim, int neox) {
     }
 }
 
-/*
- * exp(x) for float32: Cephes' expf (range reduction by ln 2, a degree-6
- * polynomial, scaling by 2^n through the exponent bits); relative error about
- * 2e-7. expv (below) is the same sequence of IEEE operations on AW lanes
- * (floor is truncate-then-adjust in both, exact for the clamped range), so
- * the lane and scalar forms give the same bits on every target, with no
- * libm call.
- */
-
-#define EXP_LO -87.0f
-#define EXP_HI 88.0f
-
-static inline float exp_cephes(float x) {
-    x = x < EXP_LO ? EXP_LO : x;
-    x = x > EXP_HI ? EXP_HI : x;
-    float fx = x * 1.44269504088896341f + 0.5f;
-    float n = (float)(int32_t)fx;
-    n = n > fx ? n + -1.0f : n;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float z = r * r;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, sizeof scale);
-    return y * scale;
-}
-
-/* AW lanes of int32, and a lane-wise select m ? a : b (m from a vector
- * comparison: -1 or 0). */
-typedef int32_t vai __attribute__((vector_size(AW * 4)));
-static inline vaf va_splat(float a) { return (vaf){0} + a; }
-static inline vaf va_sel(vai m, vaf a, vaf b) {
-    vai ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    vai r = (ai & m) | (bi & ~m);
-    vaf out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
-
-/* exp_cephes on AW lanes (16 on AVX-512: half the instructions of 8). */
-static inline vaf expv(vaf x) {
-    x = va_sel(x < va_splat(EXP_LO), va_splat(EXP_LO), x);
-    x = va_sel(x > va_splat(EXP_HI), va_splat(EXP_HI), x);
-    vaf fx = x * va_splat(1.44269504088896341f) + va_splat(0.5f);
-    vaf n = __builtin_convertvector(__builtin_convertvector(fx, vai), vaf);
-    n = va_sel(n > fx, n + va_splat(-1.0f), n);
-    vaf r = x - n * va_splat(0.693359375f);
-    r = r - n * va_splat(-2.12194440e-4f);
-    vaf z = r * r;
-    vaf y = va_splat(1.9875691500e-4f);
-    y = y * r + va_splat(1.3981999507e-3f);
-    y = y * r + va_splat(8.3334519073e-3f);
-    y = y * r + va_splat(4.1665795894e-2f);
-    y = y * r + va_splat(1.6666665459e-1f);
-    y = y * r + va_splat(5.0000001201e-1f);
-    y = y * z + r + va_splat(1.0f);
-    vai e = (__builtin_convertvector(n, vai) + 127) << 23;
-    vaf scale;
-    memcpy(&scale, &e, sizeof scale);
-    return y * scale;
-}
-
-/* x[i] = exp(x[i] - m) for i in [0, n). */
-static void exp_sub_row(float *x, float m, int n) {
-    int i = 0;
-    for (; i + AW <= n; i += AW) {
-        vaf v;
-        memcpy(&v, x + i, sizeof v);
-        v = expv(v - va_splat(m));
-        memcpy(x + i, &v, sizeof v);
-    }
-    if (i < n) {   /* the tail as one vector (expv's lanes are exp_cephes) */
-        vaf v = {0};
-        memcpy(&v, x + i, (size_t)(n - i) * sizeof(float));
-        v = expv(v - va_splat(m));
-        memcpy(x + i, &v, (size_t)(n - i) * sizeof(float));
-    }
-}
-
-/* g[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i in [0, n). */
-static void swiglu_row(float *g, const float *u, size_t n) {
-    size_t i = 0;
-    for (; i + AW <= n; i += AW) {
-        vaf gv, uv;
-        memcpy(&gv, g + i, sizeof gv);
-        memcpy(&uv, u + i, sizeof uv);
-        gv = (gv / (va_splat(1.0f) + expv(-gv))) * uv;
-        memcpy(g + i, &gv, sizeof gv);
-    }
-    for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_cephes(-g[i]))) * u[i];
-}
-
-/* The largest of x[0..n), n >= 1, as a scalar loop of "x[i] > best" from
- * best = x[0] finds it (NaNs after x[0] are passed over; NaN when x[0] is
- * NaN): by AW lanes, exact in any order. */
-static float max_row(const float *x, int n) {
-    int t = 0;
-    float m = x[0];
-    if (n >= AW) {
-        vaf mv = va_splat(x[0]);
-        for (; t + AW <= n; t += AW) {
-            vaf v;
-            memcpy(&v, x + t, sizeof v);
-            mv = va_sel(v > mv, v, mv);
-        }
-        for (int l = 0; l < AW; l++) m = mv[l] > m ? mv[l] : m;
-    }
-    for (; t < n; t++) m = x[t] > m ? x[t] : m;
-    return m;
-}
-
-/* The first index of the largest value (NaNs are never chosen; 0 when x[0]
- * is NaN): max_row, then the first element equal to it. */
-static int32_t argmax_row(const float *x, int n) {
-    float bv = max_row(x, n);
-    if (bv != bv) return 0;   /* x[0] is NaN */
-    for (int j = 0; j < n; j++)
-        if (x[j] == bv) return j;
-    return 0;
-}
-
-/* ---- attention ----------------------------------------------------------- */
-
-/*
- * Attention, softmax(q . K^T / sqrt(head_dim)) . V (GQA), as an online
- * softmax over the KV blocks of ES_KV_BLOCK (B) positions, which are fixed by
- * absolute position. The query of token i of a call (position p = n_past + i,
- * query head h, KV head h / (n_head / n_head_kv)) attends positions [0, p]:
- * blocks 0 .. p / B, the last one in part. Per query:
- *   block b, its positions t in [bB, min(bB + B, p + 1)):
- *     s_t = z * scale, z = +0 then z = fma(q[d], k_t[d], z) for d = 0, 1, ...
- *     m_b = max s_t;  e_t = exp(s_t - m_b)  (exp_cephes, its lanes in expv)
- *     l_b = sum8 of the e_t (lane j adds e of the block's positions j, j + 8,
- *           ... in order, then the fixed tree of dot8)
- *     o_b[d] = +0 then o_b[d] = fma(e_t, v_t[d], o_b[d]) for t in order
- *   fold, blocks in order: (M, L, O) = block 0's (m, l, o); for b = 1, 2, ...
- *     M' = max(M, m_b), a = exp(M - M'), c = exp(m_b - M'),
- *     L = L * a + l_b * c,  O[d] = O[d] * a + o_b[d] * c,  M = M'
- *   out[d] = O[d] * (1 / L)
- * (fma: a * b + c with one rounding, fmaf's; one instruction where a multiply
- * and an add would be two, in the loops that bound a long context's prefill.)
- * Every step is a fixed sequence of float operations on the query's own
- * inputs and positions. So neither N, nor which queries share a work unit,
- * nor which thread computes which block, nor the vector width changes a bit:
- * a query computed in a 5-token verify is bitwise the query of a 1-token step.
- * Two ways of sharing the work out compute exactly that:
- *   key split, calls of up to KS_MAX_TOKENS tokens (decode, verify): a unit
- *     is (KV head, its query heads or a part of them, a chunk of blocks) for
- *     every token of the call; each block's (m, l, o) goes to s->parts, and
- *     the unit that completes the last chunk of a head group folds them in
- *     order. A long context is read by all threads at once.
- *   query split, longer calls (prefill): a unit is (KV head, heads, a slice
- *     of tokens) over all the blocks they attend, folding as it goes.
- * A unit loads each block once into its thread's scratch as float32 (exact)
- * for all its queries, and the queries share each K and V vector load.
- */
-
-
-typedef struct {
-    es_session *s;      /* the call's scratch: q, att, att_ws, att_done, mm_scratch */
-    es_session *seq;    /* the session these rows belong to: its KV cache, parts, grp_done */
-    int row0;           /* its rows in the call's scratch: [row0, row0 + n) */
-    int layer;
-    int n;              /* its tokens in this call */
-    int per, split;     /* query heads per unit, units per KV head group */
-    int ts, nsl;        /* tokens per unit, token slices (query split) */
-    int nch, bpc;       /* key split: chunks of blocks per head group (0: query split), blocks per chunk */
-    int32_t nblk;       /* blocks attended by the call's last token */
-    size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
-                           (query split) attention quantizes those att rows into mm_scratch for
-                           W_o (rows rs bytes apart) */
-} attn_task;
-
-/* One attention dispatch over the sessions of a call: the units of t[k] are
- * [end[k - 1], end[k]) of one counter. */
-typedef struct {
-    es_session *s;
-    const attn_task *t;
-    int nt;
-    int end[ES_MAX_BATCH];
-    _Atomic int next;   /* next work unit to take */
-} attn_batch;
-
-/* Queries of one score slice: up to SCORE_Q side by side, each K vector
- * loaded once for all (2 * SCORE_Q accumulators). */
-#if defined(__AVX512F__)
-#define SCORE_Q 6
-#else
-#define SCORE_Q 4
-#endif
-
-/* o[j][0..AXPY_D) = sum_t a[j][t] * V[t][0..AXPY_D) for t in [t0, t1), for
- * nj (a constant) queries side by side, each V row (vs floats apart) loaded
- * once for all; the accumulators start at 0 (cont = 0) or at o[j] (cont = 1,
- * continuing a sum over [0, t0) stored there: a float stored and reloaded is
- * the same float). The dimensions are independent lanes, so AXPY_D changes
- * no bit; it and AXPY_Q keep the accumulators and the V row in registers. */
-#if defined(__AVX512F__)
-#define AXPY_Q 3    /* 3 queries x 4 accumulators of 16 floats + 4 V vectors: 16 of the 32 registers */
-#define AXPY_D 64
-#else
-#define AXPY_Q 2    /* 2 queries x 4 accumulators of 8 floats + 4 V vectors: 12 of 16 (AVX2) */
-#define AXPY_D 32
-#endif
-static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
-                                                           int t0, int t1, const uint16_t *vc, size_t vs, int cont) {
-    vaf acc[AXPY_Q][AXPY_D / AW];
-    for (int j = 0; j < nj; j++)
-        for (int k = 0; k < AXPY_D / AW; k++) {
-            if (cont) memcpy(&acc[j][k], o[j] + AW * k, sizeof acc[j][k]);
-            else acc[j][k] = (vaf){0};
-        }
-    for (int t = t0; t < t1; t++) {
-        const uint16_t *vr = vc + (size_t)t * vs;
-        vaf v[AXPY_D / AW];
-        for (int k = 0; k < AXPY_D / AW; k++) {
-            v[k] = ld_h(vr + AW * k);
-            IN_REG(v[k]);
-        }
-        for (int j = 0; j < nj; j++) {
-            float av = a[j][t];
-            for (int k = 0; k < AXPY_D / AW; k++) acc[j][k] = fma_a(va_splat(av), v[k], acc[j][k]);
-        }
-    }
-    /* element by element: with one copy of the whole array GCC kept the
-     * accumulators in memory, stored back at every position */
-    for (int j = 0; j < nj; j++)
-        for (int k = 0; k < AXPY_D / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
-}
-
-/* The same for any head size, one query, positions [0, n). */
-static void axpy_row(float *o, const float *a, const uint16_t *vc, size_t vs, int n, int hd) {
-    for (int d = 0; d < hd; d++) o[d] = 0.0f;
-    for (int t = 0; t < n; t++) {
-        const uint16_t *vr = vc + (size_t)t * vs;
-        for (int d = 0; d < hd; d++) o[d] = fmaf(a[t], es_fp16_to_fp32(vr[d]), o[d]);
-    }
-}
-
-/* Scores of nj (a constant 1..SCORE_Q after inlining) queries q[j] against
- * the n positions (a multiple of 2 * AW) of the transposed keys kt ([hd][nc]):
- * sc[j * ld + t] = (sum_d q[j][d] * k[d][t]) * scale, two vectors of AW
- * positions at a time (2 * nj independent sums). */
-static inline __attribute__((always_inline)) void scores_v(const int nj, const float *const *q, int hd,
-                                                        const uint16_t *kt, size_t nc, int n, float scale,
-                                                        float *sc, size_t ld) {
-    for (int t = 0; t + 2 * AW <= n; t += 2 * AW) {
-        vaf acc[SCORE_Q], acc2[SCORE_Q];
-        for (int j = 0; j < nj; j++) acc[j] = acc2[j] = (vaf){0};
-        for (int d = 0; d < hd; d++) {
-            vaf kv = ld_h(kt + (size_t)d * nc + t), kv2 = ld_h(kt + (size_t)d * nc + t + AW);
-            IN_REG(kv);
-            IN_REG(kv2);
-            for (int j = 0; j < nj; j++) {
-                float qv = q[j][d];
-                acc[j] = fma_a(va_splat(qv), kv, acc[j]);
-                acc2[j] = fma_a(va_splat(qv), kv2, acc2[j]);
-            }
-        }
-        for (int j = 0; j < nj; j++) {
-            vaf sv = acc[j] * scale, sv2 = acc2[j] * scale;
-            memcpy(sc + (size_t)j * ld + t, &sv, sizeof sv);
-            memcpy(sc + (size_t)j * ld + t + AW, &sv2, sizeof sv2);
-        }
-    }
-}
-
-/* Sum of x[0..n) with lane j of 8 adding x[j], x[j + 8], ... in order, then
- * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
-static inline float sum8(const float *x, int n) {
-    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f v;
-        memcpy(&v, x + i, sizeof v);
-        acc += v;
-    }
-    float l[8];
-    memcpy(l, &acc, sizeof l);
-    for (; i < n; i++) l[i & 7] += x[i];
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
-/* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
-int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
-
-/* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
- * positions (nv ascending); kb [hd][B] and vb [B][hd] are the block in the
- * cache (F16, read as float32 in registers); the scores are computed for
- * its first ncols positions (a multiple of 2 * AW, >= nv[nq - 1]); sc
- * [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. A
- * score lane depends only on its query and position, so the scores of
- * positions past every nv (computed, then dropped) change no kept bit. */
-static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
-                          const uint16_t *kb, const uint16_t *vb, float *sc, int ncols) {
-    float scale = 1.0f / sqrtf((float)hd);
-    int hdr = es_attn_part_floats(hd) - 16;
-    for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
-        int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
-        float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
-        switch (nj) {
-        case 1: scores_v(1, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 2: scores_v(2, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 3: scores_v(3, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-#if SCORE_Q > 4
-        case 4: scores_v(4, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 5: scores_v(5, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-#endif
-        default: scores_v(SCORE_Q, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        }
-    }
-    const float *ap[ES_MAX_UNIT_Q];
-    for (int j = 0; j < nq; j++) {
-        float *row = sc + (size_t)j * ES_KV_BLOCK;
-        float m = max_row(row, nv[j]);
-        exp_sub_row(row, m, nv[j]);
-        dst[j][hdr] = m;
-        dst[j][hdr + 1] = sum8(row, nv[j]);
-        ap[j] = row;
-    }
-    if (hd % AXPY_D != 0) {
-        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vb, (size_t)hd, nv[j], hd);
-        return;
-    }
-    /* AXPY_D dimensions at a time; queries side by side over the positions
-     * they all attend, then each query's own last positions */
-    float *op[ES_MAX_UNIT_Q];
-    for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
-        for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
-        const uint16_t *vc = vb + d0;
-        /* groups of AXPY_Q, the last one smaller (GQA groups of 2, as in
-         * Qwen3, then read each V row once for both queries) */
-        for (int k = 0; k < nq; k += AXPY_Q) {
-            int nj = nq - k < AXPY_Q ? nq - k : AXPY_Q, lo = nv[k];
-            switch (nj) {
-            case 1: axpy_qd(1, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
-#if AXPY_Q > 2
-            case 2: axpy_qd(2, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
-#endif
-            default: axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
-            }
-            for (int j = k + 1; j < k + nj; j++)
-                if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
-        }
-    }
-}
-
-/* Fold block result p into the running result st (first: st = p). */
-static void fold_part(float *st, const float *p, int hd, int first) {
-    int hdr = es_attn_part_floats(hd) - 16;
-    if (first) {
-        memcpy(st, p, (size_t)(hdr + 2) * sizeof(float));
-        return;
-    }
-    float M = st[hdr], m = p[hdr], M2 = m > M ? m : M;
-    float a = exp_cephes(M - M2), c = exp_cephes(m - M2);
-    st[hdr + 1] = st[hdr + 1] * a + p[hdr + 1] * c;
-    for (int d = 0; d < hd; d++) st[d] = st[d] * a + p[d] * c;
-    st[hdr] = M2;
-}
-
-static void finish_part(float *out, const float *st, int hd) {
-    float inv = 1.0f / st[es_attn_part_floats(hd) - 16 + 1];
-    for (int d = 0; d < hd; d++) out[d] = st[d] * inv;
-}
-
-/* A thread's attention scratch (ws_floats each): sc [q_cap][B],
- * st [q_cap][part], bp [q_cap][part]. */
-size_t es_attn_ws_floats(int hd, int q_cap) {
-    return (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
-}
-
-/* Block (i, h, b)'s result in s->parts (key split). */
-static float *part_at(const es_session *s, int i, int h, int32_t b) {
-    const es_model_info *in = &s->model->info;
-    return s->parts + (((size_t)i * in->n_head + (size_t)h) * (size_t)s->kv.n_blk + (size_t)b) * es_attn_part_floats(in->head_dim);
-}
-
-/* The queries of tokens [i0, i1) times heads [h0, h1) (of KV head g) over
- * blocks [b0, b1): key split (t->nch > 0) stores each block's result in
- * s->parts; query split (b0 = 0, all blocks) folds them and writes att. */
-static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1, int i0, int i1, int32_t b0,
-                        int32_t b1, float *ws) {
-    const es_model_info *in = &s->model->info;
-    int hd = in->head_dim, pf = es_attn_part_floats(hd);
-    size_t q_dim = (size_t)in->n_head * hd;
-    int nh = h1 - h0, nq = (i1 - i0) * nh;
-    float *sc = ws;
-    float *st = sc + (size_t)s->q_cap * ES_KV_BLOCK, *bp = st + (size_t)s->q_cap * pf;
-    const es_kv *kv = &t->seq->kv;
-    const float *qp[ES_MAX_UNIT_Q];
-    float *dst[ES_MAX_UNIT_Q];
-    int32_t pos[ES_MAX_UNIT_Q];
-    int nv[ES_MAX_UNIT_Q];
-    for (int k = 0; k < nq; k++) {   /* queries by token, then head: positions ascend */
-        int i = i0 + k / nh, h = h0 + k % nh;
-        qp[k] = s->q + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd;
-        pos[k] = kv->n_past + i;
-        if (!t->nch) dst[k] = bp + (size_t)k * pf;
-    }
-    for (int32_t b = b0; b < b1; b++) {
-        int32_t p0 = b * ES_KV_BLOCK;
-        int ka = 0;
-        while (ka < nq && pos[ka] < p0) ka++;
-        if (ka == nq) continue;
-        for (int k = ka; k < nq; k++) {
-            int32_t c = pos[k] + 1 - p0;
-            nv[k] = c < ES_KV_BLOCK ? (int)c : ES_KV_BLOCK;
-            if (t->nch) dst[k] = part_at(t->seq, i0 + k / nh, h0 + k % nh, b);
-        }
-        /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
-         * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
-        for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
-            es_kv_prefetch_block(kv, t->layer, g, bp2);
-        /* the block's last positions no query attends (the cache's end) are not scored */
-        int ncols = (nv[nq - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
-        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
-                      es_kv_v_block(kv, t->layer, g, b), sc, ncols);
-        if (!t->nch)
-            for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
-    }
-    if (!t->nch)
-        for (int k = 0; k < nq; k++)
-            finish_part(s->att + (size_t)(t->row0 + i0 + k / nh) * q_dim + (size_t)(h0 + k % nh) * hd, st + (size_t)k * pf, hd);
-}
-
-/* Key split: fold the stored block results of t's tokens [0, n) times heads
- * [h0, h1), blocks in order, into att. st: es_attn_part_floats(hd) floats. */
-static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float *st) {
-    const es_model_info *in = &s->model->info;
-    int hd = in->head_dim;
-    size_t q_dim = (size_t)in->n_head * hd;
-    for (int i = 0; i < t->n; i++)
-        for (int h = h0; h < h1; h++) {
-            int32_t last = (t->seq->kv.n_past + i) / ES_KV_BLOCK;
-            for (int32_t b = 0; b <= last; b++) fold_part(st, part_at(t->seq, i, h, b), hd, b == 0);
-            finish_part(s->att + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd, st, hd);
-        }
-}
-
-/* t's att rows [i0, i1) quantized for W_o into mm_scratch. */
-static void quantize_att_rows(es_session *s, const attn_task *t, int i0, int i1) {
-    const es_model_info *in = &s->model->info;
-    int64_t q_dim = (int64_t)in->n_head * in->head_dim;
-    uint32_t wt = s->model->layers[t->layer].wo->type;
-    for (int i = t->row0 + i0; i < t->row0 + i1; i++)
-        es_quantize_row_act(wt, s->att + (size_t)i * (size_t)q_dim, q_dim, (uint8_t *)s->mm_scratch + (size_t)i * t->rs);
-}
-
-/* Work unit u of task t (the shape is chosen in attn_shape), with the
- * thread's scratch ws. */
-static void attn_unit(const attn_task *t, int u, float *ws) {
-    es_session *s = t->s;
-    const es_model_info *in = &s->model->info;
-    int grp = in->n_head / in->n_head_kv, groups = in->n_head_kv * t->split;
-    int c = t->nch ? u % t->nch : 0, gp = t->nch ? u / t->nch : u % groups;
-    int g = gp / t->split, part = gp % t->split;
-    int h0 = g * grp + part * t->per;
-    int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
-    if (t->nch) {
-        int32_t b0 = c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
-        if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
-        /* the unit that completes a head group's last chunk (acq_rel: it
-         * sees the other chunks' results) folds them; the last group to be
-         * folded quantizes the att rows for W_o, instead of a dispatch */
-        if (atomic_fetch_add_explicit(&t->seq->grp_done[gp], 1, memory_order_acq_rel) == t->nch - 1) {
-            if (h0 < h1) fold_group(s, t, h0, h1, ws);
-            if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0], 1, memory_order_acq_rel) == groups - 1)
-                quantize_att_rows(s, t, 0, t->n);
-        }
-    } else {
-        int sl = u / groups;
-        int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
-        if (h0 < h1 && i0 < i1)
-            attend_unit(s, t, g, h0, h1, i0, i1, 0, (t->seq->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
-        /* the last unit of a token slice (acq_rel: it sees the others' att
-         * writes) quantizes the slice's rows for W_o */
-        if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0 + sl], 1, memory_order_acq_rel) == groups - 1)
-            quantize_att_rows(s, t, i0, i1);
-    }
-}
-
-/* The units of every session of the call, taken in turn from one counter (a
- * thread that was preempted on a busy host does fewer; the split changes no
- * bit). A thread's units ascend, so its task index only moves forward. */
-static void attn_worker(void *ctx, int ith, int nth) {
-    attn_batch *ab = ctx;
-    float *ws = ab->s->att_ws + (size_t)ith * ab->s->ws_floats;
-    (void)nth;
-    int k = 0;
-    for (int u; (u = atomic_fetch_add_explicit(&ab->next, 1, memory_order_relaxed)) < ab->end[ab->nt - 1];) {
-        while (u >= ab->end[k]) k++;
-        attn_unit(&ab->t[k], k ? u - ab->end[k - 1] : u, ws);
-    }
-}
-
-/* The unit shape for n tokens. Heads of a KV group are split in two only
- * when the context is short (under about one block per unit; a split reads
- * K and V once per part) and more when a group exceeds ES_MAX_GROUP. Key
- * split (n <= KS_MAX_TOKENS): chunks of blocks, about KS_UNITS_PER_THREAD
- * units a thread. Query split: as many tokens per unit as keep about
- * ATT_Q_TARGET queries, in balanced slices, at least two units per thread
- * where the tokens allow. Also resets the counters the workers use.
- * Returns the number of units. */
-static int attn_shape(const es_session *s, attn_task *t) {
-    const es_model_info *in = &s->model->info;
-    int nth = es_pool_size(s->pool), grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * nth;
-    int64_t span = (int64_t)t->seq->kv.n_past + n;
-    int split = (in->n_head_kv * span < (int64_t)units_min * ES_KV_BLOCK && grp > 1) ? 2 : 1;
-    while ((grp + split - 1) / split > s->group_cap) split++;
-    int per = (grp + split - 1) / split, groups = in->n_head_kv * split;
-    t->per = per;
-    t->split = split;
-    t->nblk = (int32_t)((span - 1) / ES_KV_BLOCK + 1);
-    if (n <= KS_MAX_TOKENS) {
-        int want = (KS_UNITS_PER_THREAD * nth + groups - 1) / groups;
-        int nch = want < t->nblk ? want : t->nblk;
-        t->bpc = (t->nblk + nch - 1) / nch;
-        t->nch = (t->nblk + t->bpc - 1) / t->bpc;
-        t->ts = n;
-        t->nsl = 1;
-        for (int i = 0; i < groups; i++) atomic_store_explicit(&t->seq->grp_done[i], 0, memory_order_relaxed);
-        atomic_store_explicit(&s->att_done[t->row0], 0, memory_order_relaxed);
-        return groups * t->nch;
-    }
-    int ts = ATT_Q_TARGET / per;
-    ts = ts < 1 ? 1 : ts > n ? n : ts;
-    int nsl = (n + ts - 1) / ts;
-    while (nsl < n && nsl * groups < units_min) nsl++;
-    ts = (n + nsl - 1) / nsl;
-    t->nch = 0;
-    t->ts = ts;
-    t->nsl = (n + ts - 1) / ts;
-    for (int i = 0; i < t->nsl; i++) atomic_store_explicit(&s->att_done[t->row0 + i], 0, memory_order_relaxed);
-    return groups * t->nsl;
-}
-
 /* ---- the forward pass ---------------------------------------------------- */
 
 /* One session's rows in a forward call (es_forward: one; es_forward_batch:
@@ -703,7 +89,7 @@ typedef struct {
     int head0, head_n;
     int32_t *argmax_out;    /* [head_n] or NULL */
     float *logits_out;      /* per logits_mode (es_forward), over the head rows */
-    int32_t logits_mode;
+    int32_t logits_mode;    /* ES_LOGITS_* */
 } fwd_seg;
 
 /* The state of one forward call that passes from stage to stage. */
@@ -901,10 +287,10 @@ static void attention_block(fwd_call *c, int l) {
     for (int k = 0; k < c->nseg; k++) {
         const fwd_seg *g = &c->seg[k];
         at[k] = (attn_task){.s = s, .seq = g->seq, .row0 = g->row0, .layer = l, .n = g->n, .rs = wo_rs};
-        ab.end[k] = (k ? ab.end[k - 1] : 0) + attn_shape(s, &at[k]);
+        ab.end[k] = (k ? ab.end[k - 1] : 0) + es_attn_shape(s, &at[k]);
     }
     atomic_store_explicit(&ab.next, 0, memory_order_relaxed);
-    es_pool_run(s->pool, attn_worker, &ab);
+    es_pool_run(s->pool, es_attn_worker, &ab);
     if (wo_rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     else es_matmul_many(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
     c->pending_out = 1;            /* x += out: done by the next norm, per token */
@@ -1014,7 +400,8 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
         es_set_err(s->err, sizeof s->err, "forward needs n_tokens >= 1 (got %d)", (int)n);
         return ES_ERR_INVALID_ARG;
     }
-    if (mode < 0 || mode > 2 || (mode != 0 && !logits_out)) {
+    if ((mode != ES_LOGITS_NONE && mode != ES_LOGITS_LAST && mode != ES_LOGITS_ALL) ||
+        (mode != ES_LOGITS_NONE && !logits_out)) {
         es_set_err(s->err, sizeof s->err, "logits_mode %d invalid or logits_out NULL", (int)mode);
         return ES_ERR_INVALID_ARG;
     }
@@ -1066,28 +453,7 @@ static void output_head(fwd_call *c, int out_rows, int want_logits) {
  * one's last head_n rows), on the pool and scratch of s. Arguments are
  * checked by the callers; on failure every KV cache is unchanged.
  *
- * Stages, and which function or matmul epilogue does each (an epilogue runs
- * on the thread that computed those matmul columns, while they are in its
- * cache, instead of a dispatch of its own). Every matmul runs over the rows
- * of all the sessions; RoPE, the KV append and the attention use each row's
- * own session:
- *   embedding      x[i] = tok_embd[tokens[i]]; the RoPE table of the positions
- *   per layer:
- *     norm         run_rows ROWS_NORM_ATTN: x += out (the last sublayer's
- *                  output, pending), xb = rmsnorm(x), quantized for Wq/Wk/Wv
- *     q, k, v      one matmul over Wq, Wk, Wv; epilogue qkv_epi: biases, q/k
- *                  norms (qwen3), RoPE, k and v appended to the KV cache
- *     attention    attn_worker (online softmax over KV blocks, each session
- *                  over its own); the unit that completes a token slice
- *                  quantizes its rows for W_o
- *     output proj. out = W_o . att (added to x by the next norm)
- *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
- *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
- *                  W_down); out = W_down . glu
- *   head           output_head: x += out, output norm, logits with epilogue
- *                  am_epi (argmax per chunk; am_local on per-thread chunks
- *                  when no logits are wanted)
- *   results        per session: argmax and logits of its head rows, n_past
+ * The stages are in the map at the top of this file.
  */
 static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     int n = seg[nseg - 1].row0 + seg[nseg - 1].n, out_rows = seg[nseg - 1].head0 + seg[nseg - 1].head_n;
@@ -1109,7 +475,7 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         ffn_block(&c, l);           /* norm, gate/up + SwiGLU, down projection */
     }
     int want_logits = 0;
-    for (int k = 0; k < nseg; k++) want_logits |= seg[k].logits_mode != 0;
+    for (int k = 0; k < nseg; k++) want_logits |= seg[k].logits_mode != ES_LOGITS_NONE;
     output_head(&c, out_rows, want_logits);
     es_pool_end(s->pool);
 
@@ -1117,10 +483,10 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         const fwd_seg *g = &seg[k];
         if (g->argmax_out)
             for (int i = 0; i < g->head_n; i++) g->argmax_out[i] = am_combine(s, g->head0 + i);
-        if (g->logits_mode == 1)
+        if (g->logits_mode == ES_LOGITS_LAST)
             memcpy(g->logits_out, s->logits + (size_t)(g->head0 + g->head_n - 1) * in->n_vocab,
                    (size_t)in->n_vocab * sizeof(float));
-        else if (g->logits_mode == 2)
+        else if (g->logits_mode == ES_LOGITS_ALL)
             memcpy(g->logits_out, s->logits + (size_t)g->head0 * in->n_vocab,
                    (size_t)g->head_n * in->n_vocab * sizeof(float));
         g->seq->kv.n_past += g->n;
@@ -1141,7 +507,7 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
 es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_last,
                           float *logits_last) {
     if (!s) return ES_ERR_INVALID_ARG;
-    int32_t mode = logits_last ? 1 : 0;
+    int32_t mode = logits_last ? ES_LOGITS_LAST : ES_LOGITS_NONE;
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
     fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode};
@@ -1226,7 +592,7 @@ static es_status check_decode_item(const es_decode_item *items, int32_t n_items,
             es_set_err(q->err, sizeof q->err, "decode items %d and %d have the same session", (int)j, (int)i);
             return ES_ERR_INVALID_ARG;
         }
-    es_status st = check_forward_args(q, &it->token, 1, NULL, 0);
+    es_status st = check_forward_args(q, &it->token, 1, NULL, ES_LOGITS_NONE);
     if (st != ES_OK) return st;
     if ((int64_t)q->kv.n_past + it->max_steps > q->kv.n_ctx) {   /* the whole run's room up front */
         es_set_err(q->err, sizeof q->err, "KV cache full: n_past %d + %d decode steps > n_ctx %d",

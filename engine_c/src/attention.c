@@ -1,0 +1,409 @@
+/*
+ * attention.c - the attention of the forward pass: softmax(q . K^T /
+ * sqrt(head_dim)) . V over each session's own KV cache (kv_cache.c),
+ * shared out across the pool in work units (es_attn_shape, es_attn_worker;
+ * attention.h). forward.c calls it once per layer, between the q/k/v matmul
+ * and the output projection.
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+#include "internal.h"
+#include "quant.h"
+#include "rowops.h"
+
+#ifndef KV_PF_AHEAD
+#define KV_PF_AHEAD 2       /* attention: a unit asks for the block this many ahead of the one it computes */
+#endif
+#define KS_UNITS_PER_THREAD 8   /* key split: chunks of blocks aim at about this many units a thread */
+
+/*
+ * Attention, softmax(q . K^T / sqrt(head_dim)) . V (GQA), as an online
+ * softmax over the KV blocks of ES_KV_BLOCK (B) positions, which are fixed by
+ * absolute position. The query of token i of a call (position p = n_past + i,
+ * query head h, KV head h / (n_head / n_head_kv)) attends positions [0, p]:
+ * blocks 0 .. p / B, the last one in part. Per query:
+ *   block b, its positions t in [bB, min(bB + B, p + 1)):
+ *     s_t = z * scale, z = +0 then z = fma(q[d], k_t[d], z) for d = 0, 1, ...
+ *     m_b = max s_t;  e_t = exp(s_t - m_b)  (exp_cephes, its lanes in expv)
+ *     l_b = sum8 of the e_t (lane j adds e of the block's positions j, j + 8,
+ *           ... in order, then the fixed tree of dot8)
+ *     o_b[d] = +0 then o_b[d] = fma(e_t, v_t[d], o_b[d]) for t in order
+ *   fold, blocks in order: (M, L, O) = block 0's (m, l, o); for b = 1, 2, ...
+ *     M' = max(M, m_b), a = exp(M - M'), c = exp(m_b - M'),
+ *     L = L * a + l_b * c,  O[d] = O[d] * a + o_b[d] * c,  M = M'
+ *   out[d] = O[d] * (1 / L)
+ * (fma: a * b + c with one rounding, fmaf's; one instruction where a multiply
+ * and an add would be two, in the loops that bound a long context's prefill.)
+ * Every step is a fixed sequence of float operations on the query's own
+ * inputs and positions. So neither N, nor which queries share a work unit,
+ * nor which thread computes which block, nor the vector width changes a bit:
+ * a query computed in a 5-token verify is bitwise the query of a 1-token step.
+ * Two ways of sharing the work out compute exactly that:
+ *   key split, calls of up to KS_MAX_TOKENS tokens (decode, verify): a unit
+ *     is (KV head, its query heads or a part of them, a chunk of blocks) for
+ *     every token of the call; each block's (m, l, o) goes to s->parts, and
+ *     the unit that completes the last chunk of a head group folds them in
+ *     order. A long context is read by all threads at once.
+ *   query split, longer calls (prefill): a unit is (KV head, heads, a slice
+ *     of tokens) over all the blocks they attend, folding as it goes.
+ * A unit loads each block once into its thread's scratch as float32 (exact)
+ * for all its queries, and the queries share each K and V vector load.
+ */
+
+/* Queries of one score slice: up to SCORE_Q side by side, each K vector
+ * loaded once for all (2 * SCORE_Q accumulators). */
+#if defined(__AVX512F__)
+#define SCORE_Q 6
+#else
+#define SCORE_Q 4
+#endif
+
+/* o[j][0..AXPY_D) = sum_t a[j][t] * V[t][0..AXPY_D) for t in [t0, t1), for
+ * nj (a constant) queries side by side, each V row (vs floats apart) loaded
+ * once for all; the accumulators start at 0 (cont = 0) or at o[j] (cont = 1,
+ * continuing a sum over [0, t0) stored there: a float stored and reloaded is
+ * the same float). The dimensions are independent lanes, so AXPY_D changes
+ * no bit; it and AXPY_Q keep the accumulators and the V row in registers. */
+#if defined(__AVX512F__)
+#define AXPY_Q 3    /* 3 queries x 4 accumulators of 16 floats + 4 V vectors: 16 of the 32 registers */
+#define AXPY_D 64
+#else
+#define AXPY_Q 2    /* 2 queries x 4 accumulators of 8 floats + 4 V vectors: 12 of 16 (AVX2) */
+#define AXPY_D 32
+#endif
+static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
+                                                           int t0, int t1, const uint16_t *vc, size_t vs, int cont) {
+    vaf acc[AXPY_Q][AXPY_D / AW];
+    for (int j = 0; j < nj; j++)
+        for (int k = 0; k < AXPY_D / AW; k++) {
+            if (cont) memcpy(&acc[j][k], o[j] + AW * k, sizeof acc[j][k]);
+            else acc[j][k] = (vaf){0};
+        }
+    for (int t = t0; t < t1; t++) {
+        const uint16_t *vr = vc + (size_t)t * vs;
+        vaf v[AXPY_D / AW];
+        for (int k = 0; k < AXPY_D / AW; k++) {
+            v[k] = ld_h(vr + AW * k);
+            IN_REG(v[k]);
+        }
+        for (int j = 0; j < nj; j++) {
+            float av = a[j][t];
+            for (int k = 0; k < AXPY_D / AW; k++) acc[j][k] = fma_a(va_splat(av), v[k], acc[j][k]);
+        }
+    }
+    /* element by element: with one copy of the whole array GCC kept the
+     * accumulators in memory, stored back at every position */
+    for (int j = 0; j < nj; j++)
+        for (int k = 0; k < AXPY_D / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
+}
+
+/* The same for any head size, one query, positions [0, n). */
+static void axpy_row(float *o, const float *a, const uint16_t *vc, size_t vs, int n, int hd) {
+    for (int d = 0; d < hd; d++) o[d] = 0.0f;
+    for (int t = 0; t < n; t++) {
+        const uint16_t *vr = vc + (size_t)t * vs;
+        for (int d = 0; d < hd; d++) o[d] = fmaf(a[t], es_fp16_to_fp32(vr[d]), o[d]);
+    }
+}
+
+/* Scores of nj (a constant 1..SCORE_Q after inlining) queries q[j] against
+ * the n positions (a multiple of 2 * AW) of the transposed keys kt ([hd][nc]):
+ * sc[j * ld + t] = (sum_d q[j][d] * k[d][t]) * scale, two vectors of AW
+ * positions at a time (2 * nj independent sums). */
+static inline __attribute__((always_inline)) void scores_v(const int nj, const float *const *q, int hd,
+                                                        const uint16_t *kt, size_t nc, int n, float scale,
+                                                        float *sc, size_t ld) {
+    for (int t = 0; t + 2 * AW <= n; t += 2 * AW) {
+        vaf acc[SCORE_Q], acc2[SCORE_Q];
+        for (int j = 0; j < nj; j++) acc[j] = acc2[j] = (vaf){0};
+        for (int d = 0; d < hd; d++) {
+            vaf kv = ld_h(kt + (size_t)d * nc + t), kv2 = ld_h(kt + (size_t)d * nc + t + AW);
+            IN_REG(kv);
+            IN_REG(kv2);
+            for (int j = 0; j < nj; j++) {
+                float qv = q[j][d];
+                acc[j] = fma_a(va_splat(qv), kv, acc[j]);
+                acc2[j] = fma_a(va_splat(qv), kv2, acc2[j]);
+            }
+        }
+        for (int j = 0; j < nj; j++) {
+            vaf sv = acc[j] * scale, sv2 = acc2[j] * scale;
+            memcpy(sc + (size_t)j * ld + t, &sv, sizeof sv);
+            memcpy(sc + (size_t)j * ld + t + AW, &sv2, sizeof sv2);
+        }
+    }
+}
+
+/* Sum of x[0..n) with lane j of 8 adding x[j], x[j + 8], ... in order, then
+ * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
+static inline float sum8(const float *x, int n) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, sizeof v);
+        acc += v;
+    }
+    float l[8];
+    memcpy(l, &acc, sizeof l);
+    for (; i < n; i++) l[i & 7] += x[i];
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
+int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
+
+/* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
+ * positions (nv ascending); kb [hd][B] and vb [B][hd] are the block in the
+ * cache (F16, read as float32 in registers); the scores are computed for
+ * its first ncols positions (a multiple of 2 * AW, >= nv[nq - 1]); sc
+ * [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. A
+ * score lane depends only on its query and position, so the scores of
+ * positions past every nv (computed, then dropped) change no kept bit. */
+static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
+                          const uint16_t *kb, const uint16_t *vb, float *sc, int ncols) {
+    float scale = 1.0f / sqrtf((float)hd);
+    int hdr = es_attn_part_floats(hd) - 16;
+    for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
+        int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
+        float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
+        switch (nj) {
+        case 1: scores_v(1, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 2: scores_v(2, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 3: scores_v(3, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+#if SCORE_Q > 4
+        case 4: scores_v(4, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 5: scores_v(5, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+#endif
+        default: scores_v(SCORE_Q, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        }
+    }
+    const float *ap[ES_MAX_UNIT_Q];
+    for (int j = 0; j < nq; j++) {
+        float *row = sc + (size_t)j * ES_KV_BLOCK;
+        float m = max_row(row, nv[j]);
+        exp_sub_row(row, m, nv[j]);
+        dst[j][hdr] = m;
+        dst[j][hdr + 1] = sum8(row, nv[j]);
+        ap[j] = row;
+    }
+    if (hd % AXPY_D != 0) {
+        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vb, (size_t)hd, nv[j], hd);
+        return;
+    }
+    /* AXPY_D dimensions at a time; queries side by side over the positions
+     * they all attend, then each query's own last positions */
+    float *op[ES_MAX_UNIT_Q];
+    for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
+        for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
+        const uint16_t *vc = vb + d0;
+        /* groups of AXPY_Q, the last one smaller (GQA groups of 2, as in
+         * Qwen3, then read each V row once for both queries) */
+        for (int k = 0; k < nq; k += AXPY_Q) {
+            int nj = nq - k < AXPY_Q ? nq - k : AXPY_Q, lo = nv[k];
+            switch (nj) {
+            case 1: axpy_qd(1, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+#if AXPY_Q > 2
+            case 2: axpy_qd(2, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+#endif
+            default: axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+            }
+            for (int j = k + 1; j < k + nj; j++)
+                if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
+        }
+    }
+}
+
+/* Fold block result p into the running result st (first: st = p). */
+static void fold_part(float *st, const float *p, int hd, int first) {
+    int hdr = es_attn_part_floats(hd) - 16;
+    if (first) {
+        memcpy(st, p, (size_t)(hdr + 2) * sizeof(float));
+        return;
+    }
+    float M = st[hdr], m = p[hdr], M2 = m > M ? m : M;
+    float a = exp_cephes(M - M2), c = exp_cephes(m - M2);
+    st[hdr + 1] = st[hdr + 1] * a + p[hdr + 1] * c;
+    for (int d = 0; d < hd; d++) st[d] = st[d] * a + p[d] * c;
+    st[hdr] = M2;
+}
+
+static void finish_part(float *out, const float *st, int hd) {
+    float inv = 1.0f / st[es_attn_part_floats(hd) - 16 + 1];
+    for (int d = 0; d < hd; d++) out[d] = st[d] * inv;
+}
+
+/* A thread's attention scratch (ws_floats each): sc [q_cap][B],
+ * st [q_cap][part], bp [q_cap][part]. */
+size_t es_attn_ws_floats(int hd, int q_cap) {
+    return (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
+}
+
+/* Block (i, h, b)'s result in s->parts (key split). */
+static float *part_at(const es_session *s, int i, int h, int32_t b) {
+    const es_model_info *in = &s->model->info;
+    return s->parts + (((size_t)i * in->n_head + (size_t)h) * (size_t)s->kv.n_blk + (size_t)b) * es_attn_part_floats(in->head_dim);
+}
+
+/* The queries of tokens [i0, i1) times heads [h0, h1) (of KV head g) over
+ * blocks [b0, b1): key split (t->nch > 0) stores each block's result in
+ * s->parts; query split (b0 = 0, all blocks) folds them and writes att. */
+static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1, int i0, int i1, int32_t b0,
+                        int32_t b1, float *ws) {
+    const es_model_info *in = &s->model->info;
+    int hd = in->head_dim, pf = es_attn_part_floats(hd);
+    size_t q_dim = (size_t)in->n_head * hd;
+    int nh = h1 - h0, nq = (i1 - i0) * nh;
+    float *sc = ws;
+    float *st = sc + (size_t)s->q_cap * ES_KV_BLOCK, *bp = st + (size_t)s->q_cap * pf;
+    const es_kv *kv = &t->seq->kv;
+    const float *qp[ES_MAX_UNIT_Q];
+    float *dst[ES_MAX_UNIT_Q];
+    int32_t pos[ES_MAX_UNIT_Q];
+    int nv[ES_MAX_UNIT_Q];
+    for (int k = 0; k < nq; k++) {   /* queries by token, then head: positions ascend */
+        int i = i0 + k / nh, h = h0 + k % nh;
+        qp[k] = s->q + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd;
+        pos[k] = kv->n_past + i;
+        if (!t->nch) dst[k] = bp + (size_t)k * pf;
+    }
+    for (int32_t b = b0; b < b1; b++) {
+        int32_t p0 = b * ES_KV_BLOCK;
+        int ka = 0;
+        while (ka < nq && pos[ka] < p0) ka++;
+        if (ka == nq) continue;
+        for (int k = ka; k < nq; k++) {
+            int32_t c = pos[k] + 1 - p0;
+            nv[k] = c < ES_KV_BLOCK ? (int)c : ES_KV_BLOCK;
+            if (t->nch) dst[k] = part_at(t->seq, i0 + k / nh, h0 + k % nh, b);
+        }
+        /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
+         * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
+        for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
+            es_kv_prefetch_block(kv, t->layer, g, bp2);
+        /* the block's last positions no query attends (the cache's end) are not scored */
+        int ncols = (nv[nq - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
+        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
+                      es_kv_v_block(kv, t->layer, g, b), sc, ncols);
+        if (!t->nch)
+            for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
+    }
+    if (!t->nch)
+        for (int k = 0; k < nq; k++)
+            finish_part(s->att + (size_t)(t->row0 + i0 + k / nh) * q_dim + (size_t)(h0 + k % nh) * hd, st + (size_t)k * pf, hd);
+}
+
+/* Key split: fold the stored block results of t's tokens [0, n) times heads
+ * [h0, h1), blocks in order, into att. st: es_attn_part_floats(hd) floats. */
+static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float *st) {
+    const es_model_info *in = &s->model->info;
+    int hd = in->head_dim;
+    size_t q_dim = (size_t)in->n_head * hd;
+    for (int i = 0; i < t->n; i++)
+        for (int h = h0; h < h1; h++) {
+            int32_t last = (t->seq->kv.n_past + i) / ES_KV_BLOCK;
+            for (int32_t b = 0; b <= last; b++) fold_part(st, part_at(t->seq, i, h, b), hd, b == 0);
+            finish_part(s->att + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd, st, hd);
+        }
+}
+
+/* t's att rows [i0, i1) quantized for W_o into mm_scratch. */
+static void quantize_att_rows(es_session *s, const attn_task *t, int i0, int i1) {
+    const es_model_info *in = &s->model->info;
+    int64_t q_dim = (int64_t)in->n_head * in->head_dim;
+    uint32_t wt = s->model->layers[t->layer].wo->type;
+    for (int i = t->row0 + i0; i < t->row0 + i1; i++)
+        es_quantize_row_act(wt, s->att + (size_t)i * (size_t)q_dim, q_dim, (uint8_t *)s->mm_scratch + (size_t)i * t->rs);
+}
+
+/* Work unit u of task t (the shape is chosen in es_attn_shape), with the
+ * thread's scratch ws. */
+static void attn_unit(const attn_task *t, int u, float *ws) {
+    es_session *s = t->s;
+    const es_model_info *in = &s->model->info;
+    int grp = in->n_head / in->n_head_kv, groups = in->n_head_kv * t->split;
+    int c = t->nch ? u % t->nch : 0, gp = t->nch ? u / t->nch : u % groups;
+    int g = gp / t->split, part = gp % t->split;
+    int h0 = g * grp + part * t->per;
+    int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
+    if (t->nch) {
+        int32_t b0 = c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
+        if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
+        /* the unit that completes a head group's last chunk (acq_rel: it
+         * sees the other chunks' results) folds them; the last group to be
+         * folded quantizes the att rows for W_o, instead of a dispatch */
+        if (atomic_fetch_add_explicit(&t->seq->grp_done[gp], 1, memory_order_acq_rel) == t->nch - 1) {
+            if (h0 < h1) fold_group(s, t, h0, h1, ws);
+            if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0], 1, memory_order_acq_rel) == groups - 1)
+                quantize_att_rows(s, t, 0, t->n);
+        }
+    } else {
+        int sl = u / groups;
+        int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
+        if (h0 < h1 && i0 < i1)
+            attend_unit(s, t, g, h0, h1, i0, i1, 0, (t->seq->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
+        /* the last unit of a token slice (acq_rel: it sees the others' att
+         * writes) quantizes the slice's rows for W_o */
+        if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0 + sl], 1, memory_order_acq_rel) == groups - 1)
+            quantize_att_rows(s, t, i0, i1);
+    }
+}
+
+/* The units of every session of the call, taken in turn from one counter (a
+ * thread that was preempted on a busy host does fewer; the split changes no
+ * bit). A thread's units ascend, so its task index only moves forward. */
+void es_attn_worker(void *ctx, int ith, int nth) {
+    attn_batch *ab = ctx;
+    float *ws = ab->s->att_ws + (size_t)ith * ab->s->ws_floats;
+    (void)nth;
+    int k = 0;
+    for (int u; (u = atomic_fetch_add_explicit(&ab->next, 1, memory_order_relaxed)) < ab->end[ab->nt - 1];) {
+        while (u >= ab->end[k]) k++;
+        attn_unit(&ab->t[k], k ? u - ab->end[k - 1] : u, ws);
+    }
+}
+
+/* The unit shape for n tokens. Heads of a KV group are split in two only
+ * when the context is short (under about one block per unit; a split reads
+ * K and V once per part) and more when a group exceeds ES_MAX_GROUP. Key
+ * split (n <= KS_MAX_TOKENS): chunks of blocks, about KS_UNITS_PER_THREAD
+ * units a thread. Query split: as many tokens per unit as keep about
+ * ATT_Q_TARGET queries, in balanced slices, at least two units per thread
+ * where the tokens allow. Also resets the counters the workers use.
+ * Returns the number of units. */
+int es_attn_shape(const es_session *s, attn_task *t) {
+    const es_model_info *in = &s->model->info;
+    int nth = es_pool_size(s->pool), grp = in->n_head / in->n_head_kv, n = t->n, units_min = 2 * nth;
+    int64_t span = (int64_t)t->seq->kv.n_past + n;
+    int split = (in->n_head_kv * span < (int64_t)units_min * ES_KV_BLOCK && grp > 1) ? 2 : 1;
+    while ((grp + split - 1) / split > s->group_cap) split++;
+    int per = (grp + split - 1) / split, groups = in->n_head_kv * split;
+    t->per = per;
+    t->split = split;
+    t->nblk = (int32_t)((span - 1) / ES_KV_BLOCK + 1);
+    if (n <= KS_MAX_TOKENS) {
+        int want = (KS_UNITS_PER_THREAD * nth + groups - 1) / groups;
+        int nch = want < t->nblk ? want : t->nblk;
+        t->bpc = (t->nblk + nch - 1) / nch;
+        t->nch = (t->nblk + t->bpc - 1) / t->bpc;
+        t->ts = n;
+        t->nsl = 1;
+        for (int i = 0; i < groups; i++) atomic_store_explicit(&t->seq->grp_done[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&s->att_done[t->row0], 0, memory_order_relaxed);
+        return groups * t->nch;
+    }
+    int ts = ATT_Q_TARGET / per;
+    ts = ts < 1 ? 1 : ts > n ? n : ts;
+    int nsl = (n + ts - 1) / ts;
+    while (nsl < n && nsl * groups < units_min) nsl++;
+    ts = (n + nsl - 1) / nsl;
+    t->nch = 0;
+    t->ts = ts;
+    t->nsl = (n + ts - 1) / ts;
+    for (int i = 0; i < t->nsl; i++) atomic_store_explicit(&s->att_done[t->row0 + i], 0, memory_order_relaxed);
+    return groups * t->nsl;
+}

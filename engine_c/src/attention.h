@@ -1,0 +1,50 @@
+/*
+ * attention.h - the attention's entry points for the forward pass
+ * (attention.c; the contract is above attend_unit there). Private to the
+ * engine.
+ *
+ * A layer's attention over the sessions of a call: one attn_task per
+ * session, es_attn_shape on each (its units follow the previous task's in
+ * attn_batch.end), then es_pool_run(pool, es_attn_worker, &batch).
+ */
+#ifndef ES_ATTENTION_H
+#define ES_ATTENTION_H
+
+#include <stdatomic.h>
+
+#include "internal.h"
+
+typedef struct {
+    es_session *s;      /* the call's scratch: q, att, att_ws, att_done, mm_scratch */
+    es_session *seq;    /* the session these rows belong to: its KV cache, parts, grp_done */
+    int row0;           /* its rows in the call's scratch: [row0, row0 + n) */
+    int layer;
+    int n;              /* its tokens in this call */
+    int per, split;     /* query heads per unit, units per KV head group */
+    int ts, nsl;        /* tokens per unit, token slices (query split) */
+    int nch, bpc;       /* key split: chunks of blocks per head group (0: query split), blocks per chunk */
+    int32_t nblk;       /* blocks attended by the call's last token */
+    size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
+                           (query split) attention quantizes those att rows into mm_scratch for
+                           W_o (rows rs bytes apart) */
+} attn_task;
+
+/* One attention dispatch over the sessions of a call: the units of t[k] are
+ * [end[k - 1], end[k]) of one counter. */
+typedef struct {
+    es_session *s;
+    const attn_task *t;
+    int nt;
+    int end[ES_MAX_BATCH];
+    _Atomic int next;   /* next work unit to take */
+} attn_batch;
+
+/* Shape t's work units (t->s, seq, row0, layer, n and rs set; the rest is
+ * filled in) and reset the counters the workers use. Returns the number of
+ * units. */
+int es_attn_shape(const es_session *s, attn_task *t);
+/* es_task_fn over an attn_batch: the units of every task, taken in turn
+ * from ab->next (set to 0 before the run). */
+void es_attn_worker(void *ctx, int ith, int nth);
+
+#endif /* ES_ATTENTION_H */
