@@ -5,15 +5,25 @@
  * Files and their owners of concern:
  *   gguf.c        GGUF v2/v3 reader over mmap, with every field checked
  *   model.c       es_model: hyperparameters and per-layer tensor binding
- *   quant.c       block structs, scalar reference kernels, row dequantizers,
- *                 activation quantization, es_matmul driver
- *   quant_x86.c   AVX2 / AVX-512 (VNNI) kernels, same signatures as scalar
+ *   quant.c       block layouts, the kernels' determinism contract, scalar
+ *                 reference kernels, row dequantizers, activation
+ *                 quantization, weight packing (quant.h)
+ *   matmul.c      the es_matmul driver: chunks over the pool, activation
+ *                 quantization per call, kernel choice, scratch sizing
+ *   quant_avx512.c  AVX-512 (VNNI) kernels, same signatures as scalar
+ *   quant_avx2.c  AVX2 kernels, same signatures as scalar (and the es_x86_*
+ *                 getters of a build without AVX-512)
  *   quant_neon.c  NEON (dotprod) kernels, same signatures as scalar
  *   threadpool.c  persistent pool: spin while a forward runs, sleep between
  *   kv_cache.c    the KV cache: layout (F16, blocks of positions), append,
  *                 rollback, block loads for the attention
  *   session.c     sessions: creation, scratch, rollback
- *   forward.c     attention and the forward pass
+ *   attention.c   the attention: online softmax over KV blocks, its work
+ *                 units (attention.h)
+ *   forward.c     the forward pass (its stage map at the top) and the
+ *                 es_forward / es_decode calls
+ *   rowops.h      small row kernels shared by forward.c and attention.c
+ *                 (exp, RMSNorm, SwiGLU, max / argmax, the lane types)
  *   sampler.c     es_sample
  *
  * Determinism contract (what makes speculation on vs off byte-identical):
@@ -173,7 +183,7 @@ void es_pool_run(es_pool *pool, es_task_fn fn, void *ctx);
 void es_pool_begin(es_pool *pool);
 void es_pool_end(es_pool *pool);
 
-/* ---- quant.c / quant_x86.c / quant_neon.c ------------------------------ */
+/* ---- quant.c / matmul.c / quant_avx512.c / quant_avx2.c / quant_neon.c -- */
 
 /* Dequantize n elements (a multiple of the block size) of a row to float. */
 void es_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);
@@ -202,7 +212,7 @@ const char *es_quant_simd_name(void);
 /* Positions per KV block. The attention's online softmax works a block at a
  * time, and the blocks are fixed by absolute position ([b * ES_KV_BLOCK,
  * (b + 1) * ES_KV_BLOCK)), so a query's arithmetic is the same whatever the
- * call, batch or thread split (forward.c). A multiple of 32 (two 16-lane vectors). */
+ * call, batch or thread split (attention.c). A multiple of 32 (two 16-lane vectors). */
 #define ES_KV_BLOCK 64
 #define ES_MAX_HEAD_DIM 512 /* the largest head_dim a model may declare (attention.key_length) */
 
@@ -269,13 +279,13 @@ void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
 #define ES_HEAD_TMP_BYTES (16 * 1024)
 #define ES_MAX_GROUP 32     /* query heads attended together per work unit */
 #define KS_MAX_TOKENS 8     /* attention: calls of up to this many tokens split each head group's blocks
-                               across threads (key split, forward.c) */
+                               across threads (key split, attention.c) */
 #define ATT_Q_TARGET 12     /* queries (tokens x heads of one KV head) a query-split attention unit aims at */
 #define ES_MAX_UNIT_Q (KS_MAX_TOKENS * ES_MAX_GROUP)   /* queries of one attention unit, at most */
 
 /* One KV sequence, its thread pool and the scratch of a call (an opaque
  * handle outside the library; created and sized in session.c, used by the
- * forward pass in forward.c). */
+ * forward pass in forward.c and attention.c). */
 struct es_session {
     const es_model *model;
     es_kv kv;               /* the KV cache: capacity kv.n_ctx, valid positions [0, kv.n_past) */
@@ -320,7 +330,7 @@ struct es_session {
 /* Make room for n tokens per call (session.c). On failure the old buffers are kept. */
 es_status es_session_ensure_scratch(es_session *s, int32_t n);
 /* Floats of one attention block result (o padded to 16 floats, then m and l),
- * and of one thread's attention scratch (forward.c). */
+ * and of one thread's attention scratch (attention.c). */
 int es_attn_part_floats(int hd);
 size_t es_attn_ws_floats(int hd, int q_cap);
 
