@@ -2,7 +2,8 @@
  * echospec_engine.h - the only public header of the echospec C engine.
  *
  * A zero-dependency (libc, libm, pthreads) inference engine for GGUF models
- * of the llama, qwen2 and qwen3 architectures, built for speculative
+ * of the llama, qwen2, qwen3, qwen3moe, qwen3vl and qwen3vlmoe architectures
+ * (qwen3vl / qwen3vlmoe: the text decoder), built for speculative
  * decoding: one forward call over N new tokens returns the greedy argmax of
  * every position, so prefill, a decode step (N = 1) and the verification of
  * K drafts (N = K + 1) are the same call, and the result of every output
@@ -65,7 +66,7 @@ typedef struct {
 
 /* Hyperparameters of a loaded model, as read from the GGUF metadata. */
 typedef struct {
-    char arch[16];              /* "llama", "qwen2" or "qwen3" */
+    char arch[16];              /* "llama", "qwen2", "qwen3", "qwen3moe", "qwen3vl" or "qwen3vlmoe" */
     int32_t n_vocab;            /* tokens */
     int32_t n_ctx_train;        /* tokens the model was trained for */
     int32_t n_embd;             /* hidden size */
@@ -79,7 +80,18 @@ typedef struct {
     int32_t rope_neox;          /* 1: pairs (i, i + rope_dim/2) (qwen2/3); 0: pairs (2i, 2i+1) (llama) */
     float norm_eps;             /* RMSNorm epsilon */
     int32_t tied_output;        /* 1 when output.weight is absent and token_embd is reused */
-    int64_t weight_bytes;       /* bytes of tensor data read per decode step */
+    int64_t weight_bytes;       /* bytes of tensor data read per decode step (mixture of experts:
+                                   with n_expert_used of the n_expert experts of each layer) */
+    int64_t file_weight_bytes;  /* bytes of all the tensor data the forward pass uses */
+    int32_t n_expert;           /* experts per layer (mixture of experts), 0 when dense */
+    int32_t n_expert_used;      /* experts each token runs (top-k of the router), 0 when dense */
+    int32_t n_ff_exp;           /* SwiGLU hidden size of one expert, 0 when dense */
+    int32_t rope_sections[4];   /* multimodal RoPE (qwen3vl*): rotation pairs of t, h, w and the
+                                   4th section, interleaved (pair j: h when j % 3 == 1 and
+                                   j < 3 * sections[1], w when j % 3 == 2 and j < 3 * sections[2],
+                                   else t); all 0 for plain RoPE */
+    int32_t n_deepstack;        /* qwen3vl*: layers that add the vision tower's deepstack
+                                   features (kept for images; text adds nothing), else 0 */
 } es_model_info;
 
 /* Session parameters; get the defaults from es_session_default_params(). */
@@ -177,6 +189,12 @@ int32_t es_session_n_ctx(const es_session *session);
 /* Message of the last failed call on this session ("" if none). Valid until the next call. */
 const char *es_session_last_error(const es_session *session);
 
+/* Expert matrices (one expert's gate, up and down count as one) that the
+ * session's last forward call read, summed over the layers; 0 for a dense
+ * model. A call over K + 1 rows reads the union of the experts its rows
+ * chose, once (the batch's runner session counts a batch's). */
+int64_t es_session_experts_read(const es_session *session);
+
 /*
  * Truncate the KV cache to its first n_past positions (the half-open range
  * [n_past, old n_past) is removed). Exact: a later forward gives bitwise the
@@ -219,6 +237,20 @@ enum {
  */
 es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_tokens,
                      int32_t *argmax_out, float *logits_out, int32_t logits_mode);
+
+/*
+ * es_forward with the rotary positions given: pos_thw int32[n_tokens][3]
+ * holds each token's (t, h, w) position of the multimodal RoPE (qwen3vl,
+ * qwen3vlmoe; es_model_info.rope_sections), or is NULL for t = h = w = the
+ * token's KV position, which is es_forward (text). Models without sections
+ * rotate by t. The KV cache, the attention's causal order and the outputs
+ * are as es_forward's; a call with pos_thw (p, p, p) for each KV position p
+ * is bitwise es_forward.
+ * Errors: as es_forward, and ES_ERR_INVALID_ARG for a negative position.
+ */
+es_status es_forward_positions(es_session *session, const int32_t *tokens, int32_t n_tokens,
+                               const int32_t *pos_thw, int32_t *argmax_out, float *logits_out,
+                               int32_t logits_mode);
 
 /*
  * es_forward for prefill: the same pass over n_tokens new tokens, but the

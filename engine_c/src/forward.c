@@ -90,6 +90,7 @@ typedef struct {
     int32_t *argmax_out;    /* [head_n] or NULL */
     float *logits_out;      /* per logits_mode (es_forward), over the head rows */
     int32_t logits_mode;    /* ES_LOGITS_* */
+    const int32_t *pos_thw; /* [n][3] RoPE positions (es_forward_positions) or NULL: the KV positions */
 } fwd_seg;
 
 /* The state of one forward call that passes from stage to stage. */
@@ -101,7 +102,19 @@ typedef struct {
     int pending_out;        /* x += out is still to be done (by the next norm, per token) */
 } fwd_call;
 
-/* RoPE (cos, sin) table of every row, at its session's position. */
+/* The rotation angle of pair j of a row at (t, h, w): the multimodal
+ * RoPE's interleaved sections (Qwen3-VL; transformers' layout: pair j takes
+ * h when j % 3 == 1 and j < 3 * sections[1], w when j % 3 == 2 and j < 3 *
+ * sections[2], else t), or t alone for models without sections. */
+static double rope_pos(const es_model_info *in, int j, const int32_t *thw) {
+    if (in->rope_sections[0] + in->rope_sections[1] + in->rope_sections[2] == 0) return thw[0];
+    if (j % 3 == 1 && j < 3 * in->rope_sections[1]) return thw[1];
+    if (j % 3 == 2 && j < 3 * in->rope_sections[2]) return thw[2];
+    return thw[0];
+}
+
+/* RoPE (cos, sin) table of every row, at its session's position (or the
+ * (t, h, w) positions its segment gives). */
 static void fill_rope_table(const fwd_call *c) {
     es_session *s = c->s;
     const es_model_info *in = &s->model->info;
@@ -109,8 +122,11 @@ static void fill_rope_table(const fwd_call *c) {
     for (int k = 0; k < c->nseg; k++) {
         const fwd_seg *g = &c->seg[k];
         for (int i = g->row0; i < g->row0 + g->n; i++) {
-            double pos = (double)(g->seq->kv.n_past + (i - g->row0));
+            int32_t p = g->seq->kv.n_past + (i - g->row0);
+            int32_t thw[3] = {p, p, p};
+            if (g->pos_thw) memcpy(thw, g->pos_thw + 3 * (size_t)(i - g->row0), sizeof thw);
             for (int j = 0; j < half; j++) {
+                double pos = rope_pos(in, j, thw);
                 double theta = pos * pow((double)in->rope_freq_base, -2.0 * j / (double)in->rope_dim);
                 s->rope[(size_t)i * in->rope_dim + 2 * j] = (float)cos(theta);
                 s->rope[(size_t)i * in->rope_dim + 2 * j + 1] = (float)sin(theta);
@@ -321,6 +337,12 @@ static void ffn_block(fwd_call *c, int l) {
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     const es_layer *L = &m->layers[l];
+    if (L->exp_gate) {   /* mixture of experts (moe.c) */
+        run_rows(c, l, n, ROWS_NORM_FFN, 0, 0);
+        es_moe_ffn(s, l, n);
+        c->pending_out = 1;
+        return;
+    }
     const es_tensor *wgu[2] = {L->w_gate, L->w_up};              /* gate, up [n][n_ff] */
     uint32_t qt8 = 0;
     size_t rs = pre_q8_rs(n, 2, wgu, &qt8);
@@ -462,6 +484,7 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     const es_model *m = s->model;
     const es_model_info *in = &m->info;
     fwd_call c = {.s = s, .n = n, .seg = seg, .nseg = nseg};
+    s->moe_experts_read = 0;
 
     for (int k = 0; k < nseg; k++)   /* embedding */
         for (int i = 0; i < seg[k].n; i++) {
@@ -500,7 +523,22 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
     if (!s) return ES_ERR_INVALID_ARG;
     es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL};
+    return forward_impl(s, &g, 1);
+}
+
+es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, const int32_t *pos_thw,
+                               int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
+    if (st != ES_OK) return st;
+    for (int32_t i = 0; pos_thw && i < 3 * n; i++)
+        if (pos_thw[i] < 0) {
+            es_set_err(s->err, sizeof s->err, "position %d of token %d is negative (%d)", (int)(i % 3),
+                       (int)(i / 3), (int)pos_thw[i]);
+            return ES_ERR_INVALID_ARG;
+        }
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw};
     return forward_impl(s, &g, 1);
 }
 
@@ -510,7 +548,7 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     int32_t mode = logits_last ? ES_LOGITS_LAST : ES_LOGITS_NONE;
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode};
+    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL};
     return forward_impl(s, &g, 1);
 }
 
@@ -551,7 +589,7 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
         if (it->status != ES_OK) continue;
         int head_n = it->head == ES_HEAD_LAST ? 1 : it->n_tokens;
         seg[nseg++] = (fwd_seg){it->session, it->tokens, rows, it->n_tokens, heads, head_n,
-                                it->argmax_out, it->logits_out, it->logits_mode};
+                                it->argmax_out, it->logits_out, it->logits_mode, NULL};
         rows += it->n_tokens;
         heads += head_n;
     }

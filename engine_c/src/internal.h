@@ -140,6 +140,11 @@ typedef struct {
     const es_tensor *w_gate;        /* [n_ff][n_embd] */
     const es_tensor *w_up;          /* [n_ff][n_embd] */
     const es_tensor *w_down;        /* [n_embd][n_ff] */
+    /* mixture of experts (qwen3moe, qwen3vlmoe; NULL otherwise, and w_gate/w_up/w_down are NULL) */
+    const es_tensor *gate_inp;      /* router [n_expert][n_embd] */
+    es_tensor *exp_gate;            /* [n_expert] views of ffn_gate_exps: each [n_ff_exp][n_embd] */
+    es_tensor *exp_up;              /* [n_expert] views of ffn_up_exps:   each [n_ff_exp][n_embd] */
+    es_tensor *exp_down;            /* [n_expert] views of ffn_down_exps: each [n_embd][n_ff_exp] */
 } es_layer;
 
 struct es_model {
@@ -149,6 +154,8 @@ struct es_model {
     const es_tensor *output_norm;   /* [n_embd] */
     const es_tensor *output;        /* [n_vocab][n_embd]; == tok_embd when tied */
     es_layer *layers;               /* [n_layer] */
+    es_tensor *expert_views;        /* owned: [n_layer][3][n_expert] 2-D views of the 3-D expert
+                                       tensors (each expert a matrix of its own), NULL when dense */
     /* float copies of small vectors (norms, biases), converted at load time */
     float *f32_pool;                /* owned */
 };
@@ -277,6 +284,8 @@ void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
  * chunk's logits of every head row stay in that thread's L1 / L2 between the
  * kernel that writes them and the epilogue that reduces them. */
 #define ES_HEAD_TMP_BYTES (16 * 1024)
+#define ES_MAX_EXPERT 512   /* experts per layer a model may declare (expert_count) */
+#define ES_MAX_EXPERT_USED 16   /* experts per token (expert_used_count) */
 #define ES_MAX_GROUP 32     /* query heads attended together per work unit */
 #define KS_MAX_TOKENS 8     /* attention: calls of up to this many tokens split each head group's blocks
                                across threads (key split, attention.c) */
@@ -324,8 +333,32 @@ struct es_session {
     void *glu_q8;           /* [cap] SwiGLU output rows quantized for W_down (glu_epi), 64-byte
                                aligned, zeroed at allocation (the padding of a row's last group) */
     size_t mm_bytes;
+    /* mixture of experts (moe.c): the scratch of one chunk of moe_cap rows (NULL when dense) */
+    int32_t moe_cap;        /* rows of a chunk, at most ES_MOE_CHUNK */
+    float *moe_logits;      /* [moe_cap][n_expert] router logits, then probabilities */
+    int32_t *moe_sel;       /* [moe_cap][n_expert_used] chosen experts, in rank order */
+    float *moe_w;           /* [moe_cap][n_expert_used] their weights */
+    int32_t *moe_slot;      /* [moe_cap][n_expert_used] their slot in the expert-sorted rows */
+    int32_t *moe_start;     /* [n_expert + 1] each expert's first slot */
+    int32_t *moe_fill;      /* [n_expert] */
+    float *moe_x;           /* [moe_cap * n_expert_used][n_embd] the input row of each slot */
+    float *moe_g, *moe_u;   /* [moe_cap * n_expert_used][n_ff_exp] gate (then SwiGLU), up */
+    float *moe_d;           /* [moe_cap * n_expert_used][n_embd] each slot's expert output */
+    void *moe_q8;           /* es_matmul_grouped's scratch for moe_cap * n_expert_used rows, 64-byte aligned */
+    int64_t moe_experts_read;   /* experts (gate, up, down) read by the last forward call, over all layers */
     char err[256];
 };
+
+/* Rows of one mixture-of-experts chunk (moe.c): longer calls run in chunks. */
+#define ES_MOE_CHUNK 256
+
+/* The mixture-of-experts FFN of layer l over rows [0, n) of s->xb into
+ * s->out (moe.c; the contract there). */
+void es_moe_ffn(es_session *s, int l, int n);
+/* Size the session's moe_* scratch for calls of n rows (nothing for a dense
+ * model); ES_ERR_NOMEM with the message on s, the old buffers kept. */
+es_status es_moe_scratch(es_session *s, int32_t n);
+void es_moe_scratch_free(es_session *s);
 
 /* Make room for n tokens per call (session.c). On failure the old buffers are kept. */
 es_status es_session_ensure_scratch(es_session *s, int32_t n);
@@ -339,6 +372,11 @@ size_t es_attn_ws_floats(int hd, int q_cap);
 float es_fp16_to_fp32(uint16_t h);
 uint16_t es_fp32_to_fp16(float f);
 float es_bf16_to_fp32(uint16_t h);
+
+/* Bytes of memory this process may still take (Linux: MemAvailable, which
+ * counts the page cache that can be dropped; else the free physical pages);
+ * -1 when unknown. */
+int64_t es_mem_available(void);
 
 /* Format into a caller buffer (never overflows; NULL buf is a no-op). */
 void es_set_err(char *buf, size_t len, const char *fmt, ...)

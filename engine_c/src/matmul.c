@@ -57,13 +57,14 @@ typedef struct {
     int64_t ldy;
     int64_t chunk;          /* rows per chunk (a multiple of 4; of 16 when packed) */
     int64_t first;          /* index of its first chunk in the dispatch */
+    int64_t n_in;           /* elements per row */
+    int N;                  /* activation rows */
 } mm_mat;
 
 typedef struct {
     int nw;
-    mm_mat m[ES_MATMUL_MAX];
-    int64_t n_in;
-    int N;
+    mm_mat *m;              /* [nw]: own, or es_matmul_grouped's */
+    mm_mat own[ES_MATMUL_MAX];
     int64_t n_chunks;
     const es_mm_epi *epi;   /* es_matmul_many_epi: each chunk then its epilogue; joint:
                                chunk c is rows [c * m[0].chunk, ...) of every matrix */
@@ -109,13 +110,17 @@ static void mm_worker(void *ctx, int ith, int nth) {
             int64_t r1 = r0 + t->m[0].chunk < t->m[0].n_out ? r0 + t->m[0].chunk : t->m[0].n_out;
             for (int i = 0; i < t->nw; i++) {
                 const mm_mat *m = &t->m[i];
-                m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
+                m->k(m->w, m->row_bytes, r0, r1, m->n_in, m->x, m->x_stride, m->N, m->Y, m->ldy);
             }
             t->epi->fn(t->epi->ctx, -1, r0, r1);
             continue;
         }
-        int i = 0;
-        while (i + 1 < t->nw && c >= t->m[i + 1].first) i++;
+        int i = 0, hi = t->nw - 1;   /* the last matrix whose first chunk is <= c */
+        while (i < hi) {
+            int mid = (i + hi + 1) / 2;
+            if (t->m[mid].first <= c) i = mid;
+            else hi = mid - 1;
+        }
         const mm_mat *m = &t->m[i];
         int64_t r0 = (c - m->first) * m->chunk;
         int64_t r1 = r0 + m->chunk < m->n_out ? r0 + m->chunk : m->n_out;
@@ -123,12 +128,12 @@ static void mm_worker(void *ctx, int ith, int nth) {
             /* the chunk as rows [0, r1 - r0) of the weights from row r0 on (r0 is a multiple of
                rb_rows), into this thread's buffer with rows r1 - r0 floats apart */
             float *y = t->epi->local + (size_t)ith * t->epi->local_floats;
-            m->k(m->w + (size_t)(r0 / m->rb_rows) * m->row_bytes, m->row_bytes, 0, r1 - r0, t->n_in, m->x,
-                 m->x_stride, t->N, y, r1 - r0);
+            m->k(m->w + (size_t)(r0 / m->rb_rows) * m->row_bytes, m->row_bytes, 0, r1 - r0, m->n_in, m->x,
+                 m->x_stride, m->N, y, r1 - r0);
             t->epi->local_fn(t->epi->ctx, i, r0, r1, y, r1 - r0);
             continue;
         }
-        m->k(m->w, m->row_bytes, r0, r1, t->n_in, m->x, m->x_stride, t->N, m->Y, m->ldy);
+        m->k(m->w, m->row_bytes, r0, r1, m->n_in, m->x, m->x_stride, m->N, m->Y, m->ldy);
         if (t->epi) t->epi->fn(t->epi->ctx, i, r0, r1);
     }
 }
@@ -166,6 +171,30 @@ static void q8_worker(void *ctx, int ith, int nth) {
 static int act_format(uint32_t type) {
     if (is_float_type(type) || !es_matmul_supported(type)) return -1;
     return es_act_block_elems(type) == QK_K;
+}
+
+/* The kernel of W for this build into m (k, w, row_bytes, rb_rows): the
+ * packed SIMD kernel of a packed tensor, the lane SIMD kernel of a type that
+ * is never packed, else the scalar reference (force_scalar: always); m->k
+ * NULL when the type is unsupported. Returns the chunk granularity in rows. */
+static int64_t pick_kernel(const es_tensor *W, int force_scalar, mm_mat *m) {
+    uint32_t type = W->type;
+    m->k = NULL;
+    m->w = W->data;
+    m->row_bytes = W->row_bytes;
+    m->rb_rows = 1;
+    if (!force_scalar && W->packed != NULL && (m->k = es_packed_kernel(type)) != NULL) {
+        m->w = W->packed;
+        m->row_bytes = (size_t)(W->ne[0] / es_pack_block_elems(type)) * es_pack_record_bytes(type);
+        m->rb_rows = ES_PACK_ROWS;
+        return ES_PACK_ROWS;
+    }
+    if (!force_scalar && es_pack_record_bytes(type) == 0) {
+        m->k = es_x86_kernel(type);
+        if (!m->k) m->k = es_neon_kernel(type);
+    }
+    if (!m->k) m->k = es_ref_kernel(type);
+    return 4;
 }
 
 static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
@@ -217,44 +246,29 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
     }
     mm_task t;
     memset(&t, 0, offsetof(mm_task, rg));   /* rg: set below for the threads of the dispatch */
-    t.n_in = W[0]->ne[0];
-    t.N = N;
+    t.m = t.own;
+    int64_t n_in = W[0]->ne[0];
     int nth = es_pool_size(pool), need_q8 = 0, kfmt = fmts == 2;
-    size_t rs = kfmt ? q8k_row_bytes(t.n_in) : q8_row_bytes(t.n_in);
+    size_t rs = kfmt ? q8k_row_bytes(n_in) : q8_row_bytes(n_in);
     for (int i = 0; i < nw; i++) {
         uint32_t type = W[i]->type;
-        es_mm_kernel k = NULL;
-        const uint8_t *wd = W[i]->data;
-        size_t rb = W[i]->row_bytes;
-        int64_t gran = 4;   /* chunk granularity in rows */
-        int64_t rb_rows = 1;
-        if (!force_scalar && W[i]->packed != NULL && (k = es_packed_kernel(type)) != NULL) {
-            wd = W[i]->packed;
-            rb = (size_t)(W[i]->ne[0] / es_pack_block_elems(type)) * es_pack_record_bytes(type);
-            gran = ES_PACK_ROWS;
-            rb_rows = ES_PACK_ROWS;
-        } else if (!force_scalar && es_pack_record_bytes(type) == 0) {
-            k = es_x86_kernel(type);
-            if (!k) k = es_neon_kernel(type);
-        }
-        if (!k) k = es_ref_kernel(type);
-        if (!k || W[i]->ne[0] != t.n_in || (es_act_block_elems(type) == QK_K && t.n_in % QK_K != 0)) {
+        mm_mat *m = &t.m[t.nw];
+        int64_t gran = pick_kernel(W[i], force_scalar, m);
+        if (!m->k || W[i]->ne[0] != n_in || (es_act_block_elems(type) == QK_K && n_in % QK_K != 0)) {
             /* unsupported: make the failure visible, never crash */
             for (int n = 0; n < N; n++)
                 for (int64_t r = 0; r < W[i]->ne[1]; r++) Y[i][(int64_t)n * ldy[i] + r] = NAN;
             continue;
         }
-        mm_mat *m = &t.m[t.nw++];
-        m->k = k;
-        m->w = wd;
-        m->row_bytes = rb;
-        m->rb_rows = rb_rows;
+        t.nw++;
+        m->n_in = n_in;
+        m->N = N;
         m->n_out = W[i]->ne[1];
         m->Y = Y[i];
         m->ldy = ldy[i];
         if (is_float_type(type)) {
             m->x = X;
-            m->x_stride = (size_t)t.n_in * sizeof(float);
+            m->x_stride = (size_t)n_in * sizeof(float);
         } else {
             m->x = scratch;
             m->x_stride = rs;
@@ -274,7 +288,7 @@ static void matmul_many(es_pool *pool, int nw, const es_tensor *const *W, const 
     t.epi = epi;
     if (epi && epi->joint) t.n_chunks = (t.m[0].n_out + t.m[0].chunk - 1) / t.m[0].chunk;
     if (need_q8 && !pre) {   /* several rows: quantized by the pool's threads, one row each in turn */
-        q8_task qt = {X, t.n_in, N, scratch, rs, force_scalar, kfmt, 0};
+        q8_task qt = {X, n_in, N, scratch, rs, force_scalar, kfmt, 0};
         if (pool && N > 1) es_pool_run(pool, q8_worker, &qt);
         else q8_worker(&qt, 0, 1);
     }
@@ -309,4 +323,119 @@ void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const 
 void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,
                float *Y, int64_t ldy, void *scratch) {
     es_matmul_path(pool, W, X, N, Y, ldy, scratch, 0);
+}
+
+/* ---- grouped: each matrix on rows of its own (the experts of a layer) ---- */
+
+/* The activation rows of the groups that need quantizing, one job per
+ * distinct (X, n_in, format), rows shared out in turn over all jobs. */
+typedef struct {
+    const float *X;
+    int64_t n_in;
+    int N, k;           /* rows; K-type rows */
+    uint8_t *dst;       /* quantized rows, rs bytes apart */
+    size_t rs;
+    int64_t row0;       /* index of its first row in the task */
+} gq_job;
+
+typedef struct {
+    const gq_job *job;
+    int nj;
+    int64_t rows;
+    _Atomic int64_t next;
+} gq_task;
+
+static void gq_worker(void *ctx, int ith, int nth) {
+    gq_task *t = ctx;
+    (void)ith;
+    (void)nth;
+    int j = 0;
+    for (int64_t r; (r = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->rows;) {
+        while (j + 1 < t->nj && r >= t->job[j + 1].row0) j++;
+        const gq_job *q = &t->job[j];
+        int64_t n = r - q->row0;
+        const float *x = q->X + n * q->n_in;
+        if (q->k) es_quantize_row_q8k(x, q->n_in, (es_q8k_block *)(void *)(q->dst + (size_t)n * q->rs));
+        else es_quantize_row_q8(x, q->n_in, (es_q8_group *)(void *)(q->dst + (size_t)n * q->rs));
+    }
+}
+
+size_t es_matmul_grouped_scratch(int ng, const es_mm_group *g) {
+    size_t b = 0;
+    for (int i = 0; i < ng; i++) b += ((es_matmul_q8_row_bytes(g[i].W->type, g[i].W->ne[0]) * (size_t)g[i].N) + 63) & ~(size_t)63;
+    return b;
+}
+
+void es_matmul_grouped(es_pool *pool, int ng, const es_mm_group *g, void *scratch) {
+    if (ng < 1) return;
+    mm_mat *mats = malloc((size_t)ng * sizeof *mats);
+    gq_job *jobs = malloc((size_t)ng * sizeof *jobs);
+    mm_task *t = malloc(sizeof *t);
+    if (!mats || !jobs || !t) {   /* make the failure visible, never crash */
+        for (int i = 0; i < ng; i++)
+            for (int n = 0; n < g[i].N; n++)
+                for (int64_t r = 0; r < g[i].W->ne[1]; r++) g[i].Y[(int64_t)n * g[i].ldy + r] = NAN;
+        free(mats); free(jobs); free(t);
+        return;
+    }
+    memset(t, 0, offsetof(mm_task, rg));
+    t->m = mats;
+    int nth = pool ? es_pool_size(pool) : 1, nj = 0;
+    int64_t total_out = 0, q_rows = 0;
+    uint8_t *q = scratch;
+    for (int i = 0; i < ng; i++) total_out += g[i].W->ne[1];
+    /* a chunk of about total / (8 * threads) rows, at least one packed group */
+    int64_t target = (total_out + (int64_t)nth * 8 - 1) / ((int64_t)nth * 8);
+    for (int i = 0; i < ng; i++) {
+        const es_tensor *W = g[i].W;
+        mm_mat *m = &mats[t->nw];
+        int64_t gran = pick_kernel(W, 0, m);
+        int64_t n_in = W->ne[0];
+        if (!m->k || g[i].N < 1 || (es_act_block_elems(W->type) == QK_K && n_in % QK_K != 0)) {
+            for (int n = 0; n < g[i].N; n++)
+                for (int64_t r = 0; r < W->ne[1]; r++) g[i].Y[(int64_t)n * g[i].ldy + r] = NAN;
+            continue;
+        }
+        t->nw++;
+        m->n_in = n_in;
+        m->N = g[i].N;
+        m->n_out = W->ne[1];
+        m->Y = g[i].Y;
+        m->ldy = g[i].ldy;
+        if (is_float_type(W->type)) {
+            m->x = g[i].X;
+            m->x_stride = (size_t)n_in * sizeof(float);
+        } else {
+            int kf = es_act_block_elems(W->type) == QK_K;
+            size_t rs = es_matmul_q8_row_bytes(W->type, n_in);
+            int same = -1;   /* the rows quantized for an earlier matrix (gate and up of one expert) */
+            for (int j = nj - 1; j >= 0 && j >= nj - 2 && same < 0; j--)
+                if (jobs[j].X == g[i].X && jobs[j].n_in == n_in && jobs[j].k == kf && jobs[j].N == g[i].N) same = j;
+            if (same < 0) {
+                jobs[nj] = (gq_job){g[i].X, n_in, g[i].N, kf, q, rs, q_rows};
+                q += ((rs * (size_t)g[i].N) + 63) & ~(size_t)63;
+                q_rows += g[i].N;
+                same = nj++;
+            }
+            m->x = jobs[same].dst;
+            m->x_stride = rs;
+        }
+        m->chunk = target < gran ? gran : (target + gran - 1) / gran * gran;
+        if (m->chunk < 16) m->chunk = 16;
+        m->first = t->n_chunks;
+        t->n_chunks += (m->n_out + m->chunk - 1) / m->chunk;
+    }
+    if (t->nw > 0) {
+        gq_task qt = {jobs, nj, q_rows, 0};
+        if (pool && q_rows > 1) es_pool_run(pool, gq_worker, &qt);
+        else if (q_rows > 0) gq_worker(&qt, 0, 1);
+        t->nth = nth;
+        for (int i = 0; i < t->nth; i++)
+            atomic_init(&t->rg[i].lohi, (uint64_t)(t->n_chunks * i / t->nth) | (uint64_t)(t->n_chunks * (i + 1) / t->nth) << 32);
+        if (pool) es_pool_run(pool, mm_worker, t);
+        else mm_worker(t, 0, 1);
+    }
+    free(mats);
+    free(jobs);
+    free(t);
 }

@@ -15,6 +15,15 @@
  *   blk.N.ffn_norm.weight        [n_embd]
  *   blk.N.ffn_gate/ffn_up.weight [n_embd, n_ff]
  *   blk.N.ffn_down.weight        [n_ff, n_embd]
+ * Mixture of experts (qwen3moe, qwen3vlmoe), instead of ffn_gate/up/down:
+ *   blk.N.ffn_gate_inp.weight    [n_embd, n_expert]                the router
+ *   blk.N.ffn_gate_exps.weight   [n_embd, n_ff_exp, n_expert]      expert e's gate is the
+ *   blk.N.ffn_up_exps.weight     [n_embd, n_ff_exp, n_expert]      matrix e of the 3-D tensor
+ *   blk.N.ffn_down_exps.weight   [n_ff_exp, n_embd, n_expert]
+ * Each expert's matrices become 2-D views (model.expert_views) that the
+ * matmuls, the packing and the byte counts treat like any other matrix.
+ * qwen3vl / qwen3vlmoe: the text decoder of Qwen3-VL: qwen3 / qwen3moe plus
+ * rope.dimension_sections (multimodal RoPE) and n_deepstack_layers.
  *
  * 1-D tensors (norms, biases) are converted to float once, into f32_pool;
  * es_model_vec returns that view.
@@ -122,8 +131,30 @@ static es_status hp_float(const loader *ld, const char *suffix, double def, doub
     return ES_OK;
 }
 
+/* The architectures this engine runs, and what sets them apart. */
+static const struct arch_desc {
+    const char *name;
+    bool qkv_bias;      /* qwen2: biases on q, k, v */
+    bool qk_norm;       /* qwen3*: RMSNorm over each head of q and k */
+    bool moe;           /* mixture of experts instead of one SwiGLU FFN */
+    bool mrope;         /* multimodal RoPE sections, deepstack layers (Qwen3-VL) */
+} archs[] = {
+    { "llama",      false, false, false, false },
+    { "qwen2",      true,  false, false, false },
+    { "qwen3",      false, true,  false, false },
+    { "qwen3moe",   false, true,  true,  false },
+    { "qwen3vl",    false, true,  false, true  },
+    { "qwen3vlmoe", false, true,  true,  true  },
+};
+
+static const struct arch_desc *arch_of(const char *name) {
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
+        if (strcmp(archs[i].name, name) == 0) return &archs[i];
+    return NULL;
+}
+
 /* general.architecture -> info->arch and ld->arch. Missing or not a string:
- * ES_ERR_FORMAT; not llama/qwen2/qwen3: ES_ERR_UNSUPPORTED naming it. */
+ * ES_ERR_FORMAT; not one of archs: ES_ERR_UNSUPPORTED naming it. */
 static es_status read_arch(loader *ld, es_model_info *info) {
     const es_gguf_kv *kv = es_gguf_find_kv(ld->g, "general.architecture");
     if (kv == NULL || kv->type != GGUF_T_STRING) {
@@ -131,10 +162,10 @@ static es_status read_arch(loader *ld, es_model_info *info) {
                    kv == NULL ? "missing" : "not a string");
         return ES_ERR_FORMAT;
     }
-    static const char *const known[] = { "llama", "qwen2", "qwen3" };
-    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
-        if (kv->str_len == strlen(known[i]) && memcmp(kv->str, known[i], kv->str_len) == 0) {
-            snprintf(info->arch, sizeof info->arch, "%s", known[i]);
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++) {
+        const char *a = archs[i].name;
+        if (kv->str_len == strlen(a) && memcmp(kv->str, a, kv->str_len) == 0) {
+            snprintf(info->arch, sizeof info->arch, "%s", a);
             ld->arch = info->arch;
             return ES_OK;
         }
@@ -142,8 +173,61 @@ static es_status read_arch(loader *ld, es_model_info *info) {
     int shown = kv->str_len > 32 ? 32 : (int)kv->str_len;
     es_set_err(ld->err, ld->err_len,
                "model: unsupported architecture '%.*s' (general.architecture; supported: llama, "
-               "qwen2, qwen3)", shown, kv->str);
+               "qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe)", shown, kv->str);
     return ES_ERR_UNSUPPORTED;
+}
+
+/* "<arch>.rope.dimension_sections": 4 non-negative integers (int32 or
+ * uint32 array; llama.cpp's converter writes 4, padding with 0) whose sum
+ * is 1 .. rope_dim / 2, into info->rope_sections. */
+static es_status read_sections(const loader *ld, es_model_info *info) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.rope.dimension_sections", ld->arch);
+    const es_gguf_kv *kv = es_gguf_find_kv(ld->g, key);
+    if (kv == NULL) {
+        es_set_err(ld->err, ld->err_len, "model: missing key %s", key);
+        return ES_ERR_FORMAT;
+    }
+    if (kv->type != GGUF_T_ARRAY || (kv->arr_type != GGUF_T_INT32 && kv->arr_type != GGUF_T_UINT32) ||
+        kv->arr_len < 3 || kv->arr_len > 4) {
+        es_set_err(ld->err, ld->err_len, "model: %s must be an array of 3 or 4 integers", key);
+        return ES_ERR_FORMAT;
+    }
+    int64_t sum = 0;
+    for (uint64_t i = 0; i < 4; i++) {
+        int32_t v = 0;
+        if (i < kv->arr_len) memcpy(&v, (const uint8_t *)kv->arr_data + 4 * i, 4);
+        if (v < 0 || v > info->rope_dim) {
+            es_set_err(ld->err, ld->err_len, "model: %s[%d] = %d out of range 0..%d", key, (int)i,
+                       (int)v, (int)info->rope_dim);
+            return ES_ERR_FORMAT;
+        }
+        info->rope_sections[i] = v;
+        sum += v;
+    }
+    if (sum < 1 || sum > info->rope_dim / 2) {
+        es_set_err(ld->err, ld->err_len, "model: %s sums to %lld; expected 1..%d (rope_dim / 2)", key,
+                   (long long)sum, (int)(info->rope_dim / 2));
+        return ES_ERR_FORMAT;
+    }
+    return ES_OK;
+}
+
+/* The mixture-of-experts keys: expert_count (2..ES_MAX_EXPERT), expert_used_count
+ * (1..min(expert_count, ES_MAX_EXPERT_USED)), expert_feed_forward_length
+ * (default: feed_forward_length / expert_used_count, as llama.cpp). */
+static es_status read_moe(const loader *ld, es_model_info *info) {
+    int64_t ne, nu, ff;
+    es_status st;
+    if ((st = hp_int(ld, "expert_count", true, 0, 2, ES_MAX_EXPERT, &ne)) != ES_OK) return st;
+    int64_t hi = ne < ES_MAX_EXPERT_USED ? ne : ES_MAX_EXPERT_USED;
+    if ((st = hp_int(ld, "expert_used_count", true, 0, 1, hi, &nu)) != ES_OK) return st;
+    int64_t def = info->n_ff > 0 ? info->n_ff / nu : 0;
+    if ((st = hp_int(ld, "expert_feed_forward_length", def == 0, def, 1, 1 << 20, &ff)) != ES_OK) return st;
+    info->n_expert = (int32_t)ne;
+    info->n_expert_used = (int32_t)nu;
+    info->n_ff_exp = (int32_t)ff;
+    return ES_OK;
 }
 
 /* Every hyperparameter except n_vocab (taken from token_embd), range-checked. */
@@ -152,7 +236,9 @@ static es_status read_hparams(loader *ld, es_model_info *info) {
     es_status st;
     if ((st = hp_int(ld, "block_count", true, 0, 1, 1024, &n_layer)) != ES_OK) return st;
     if ((st = hp_int(ld, "embedding_length", true, 0, 1, 65536, &n_embd)) != ES_OK) return st;
-    if ((st = hp_int(ld, "feed_forward_length", true, 0, 1, 1 << 20, &n_ff)) != ES_OK) return st;
+    const struct arch_desc *ad = arch_of(ld->arch);
+    if ((st = hp_int(ld, "feed_forward_length", !ad->moe, 0, ad->moe ? 0 : 1, 1 << 20, &n_ff)) != ES_OK)
+        return st;
     if ((st = hp_int(ld, "attention.head_count", true, 0, 1, 1024, &n_head)) != ES_OK) return st;
     if ((st = hp_int(ld, "attention.head_count_kv", false, n_head, 1, n_head, &n_head_kv)) != ES_OK)
         return st;
@@ -195,6 +281,13 @@ static es_status read_hparams(loader *ld, es_model_info *info) {
     info->n_ctx_train = (int32_t)n_ctx;
     info->rope_dim = (int32_t)rope_dim;
     info->rope_neox = is_llama ? 0 : 1;
+    if (ad->moe && (st = read_moe(ld, info)) != ES_OK) return st;
+    if (ad->mrope) {
+        int64_t nds;
+        if ((st = read_sections(ld, info)) != ES_OK) return st;
+        if ((st = hp_int(ld, "n_deepstack_layers", false, 0, 0, n_layer, &nds)) != ES_OK) return st;
+        info->n_deepstack = (int32_t)nds;
+    }
     return ES_OK;
 }
 
@@ -242,11 +335,53 @@ static es_status bind(const loader *ld, const char *name, int kind, int64_t ne0,
     return ES_OK;
 }
 
-/* Bind the tensors of block il into *L. On failure *L is partly filled. */
-static es_status bind_layer(const loader *ld, const es_model_info *hp, int il, es_layer *L) {
+/* Find the 3-D expert tensor `name`, [ne0, ne1, n_expert], and cut it into
+ * n_expert 2-D views views[e] = its matrix e ([ne0, ne1]), which the rest
+ * of the engine treats as matrices of their own. */
+static es_status bind_experts(const loader *ld, const char *name, int64_t ne0, int64_t ne1, int64_t n_expert,
+                              es_tensor *views) {
+    const es_tensor *t = es_gguf_find_tensor(ld->g, name);
+    if (t == NULL) {
+        es_set_err(ld->err, ld->err_len, "model: missing tensor '%s' (architecture %s)", name, ld->arch);
+        return ES_ERR_MISSING_TENSOR;
+    }
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != n_expert || t->ne[3] != 1) {
+        es_set_err(ld->err, ld->err_len,
+                   "model: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, %lld, %lld]", name,
+                   (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3],
+                   (long long)ne0, (long long)ne1, (long long)n_expert);
+        return ES_ERR_MISSING_TENSOR;
+    }
+    if (is_float_type(t->type) && t->type != ES_TYPE_F32 && t->type != ES_TYPE_F16) {
+        es_set_err(ld->err, ld->err_len, "model: tensor '%s' has type %s, which the expert matmuls do not take",
+                   name, es_type_name(t->type));
+        return ES_ERR_UNSUPPORTED;
+    }
+    size_t mat_bytes = (size_t)ne1 * t->row_bytes;   /* nbytes = n_expert * mat_bytes, checked by the reader */
+    for (int64_t e = 0; e < n_expert; e++) {
+        es_tensor *v = &views[e];
+        memset(v, 0, sizeof *v);
+        v->name = t->name;   /* the 3-D tensor's (not owned) */
+        v->type = t->type;
+        v->n_dims = 2;
+        v->ne[0] = ne0;
+        v->ne[1] = ne1;
+        v->ne[2] = v->ne[3] = 1;
+        v->n_elements = ne0 * ne1;
+        v->nbytes = mat_bytes;
+        v->row_bytes = t->row_bytes;
+        v->data = (const uint8_t *)t->data + (size_t)e * mat_bytes;
+    }
+    return ES_OK;
+}
+
+/* Bind the tensors of block il into *L (ev: its 3 * n_expert expert views,
+ * mixture of experts only). On failure *L is partly filled. */
+static es_status bind_layer(const loader *ld, const es_model_info *hp, int il, es_layer *L, es_tensor *ev) {
     const int64_t E = hp->n_embd, F = hp->n_ff, D = hp->head_dim;
     const int64_t Q = (int64_t)hp->n_head * D, KV = (int64_t)hp->n_head_kv * D;
-    const bool qwen2 = strcmp(ld->arch, "qwen2") == 0, qwen3 = strcmp(ld->arch, "qwen3") == 0;
+    const struct arch_desc *ad = arch_of(ld->arch);
+    const bool dense = !ad->moe;
     const struct {
         const char *suffix; int kind; int64_t ne0, ne1; bool required; const es_tensor **dst;
     } spec[] = {
@@ -254,23 +389,49 @@ static es_status bind_layer(const loader *ld, const es_model_info *hp, int il, e
         { "attn_q.weight",      KIND_MATRIX, E, Q, true,  &L->wq },
         { "attn_k.weight",      KIND_MATRIX, E, KV, true, &L->wk },
         { "attn_v.weight",      KIND_MATRIX, E, KV, true, &L->wv },
-        { "attn_q.bias",        KIND_VECTOR, Q, 1, qwen2, &L->bq },
-        { "attn_k.bias",        KIND_VECTOR, KV, 1, qwen2, &L->bk },
-        { "attn_v.bias",        KIND_VECTOR, KV, 1, qwen2, &L->bv },
-        { "attn_q_norm.weight", KIND_VECTOR, D, 1, qwen3, &L->q_norm },
-        { "attn_k_norm.weight", KIND_VECTOR, D, 1, qwen3, &L->k_norm },
+        { "attn_q.bias",        KIND_VECTOR, Q, 1, ad->qkv_bias, &L->bq },
+        { "attn_k.bias",        KIND_VECTOR, KV, 1, ad->qkv_bias, &L->bk },
+        { "attn_v.bias",        KIND_VECTOR, KV, 1, ad->qkv_bias, &L->bv },
+        { "attn_q_norm.weight", KIND_VECTOR, D, 1, ad->qk_norm, &L->q_norm },
+        { "attn_k_norm.weight", KIND_VECTOR, D, 1, ad->qk_norm, &L->k_norm },
         { "attn_output.weight", KIND_MATRIX, Q, E, true,  &L->wo },
         { "ffn_norm.weight",    KIND_VECTOR, E, 1, true,  &L->ffn_norm },
-        { "ffn_gate.weight",    KIND_MATRIX, E, F, true,  &L->w_gate },
-        { "ffn_up.weight",      KIND_MATRIX, E, F, true,  &L->w_up },
-        { "ffn_down.weight",    KIND_MATRIX, F, E, true,  &L->w_down },
+        { "ffn_gate.weight",    KIND_MATRIX, E, F, dense, &L->w_gate },
+        { "ffn_up.weight",      KIND_MATRIX, E, F, dense, &L->w_up },
+        { "ffn_down.weight",    KIND_MATRIX, F, E, dense, &L->w_down },
+        { "ffn_gate_inp.weight", KIND_MATRIX, E, hp->n_expert, ad->moe, &L->gate_inp },
     };
     for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
+        if (!dense && spec[i].dst != &L->gate_inp &&
+            (spec[i].dst == &L->w_gate || spec[i].dst == &L->w_up || spec[i].dst == &L->w_down))
+            continue;   /* a mixture of experts has no dense FFN */
+        if (dense && spec[i].dst == &L->gate_inp) continue;
         char name[96];
         snprintf(name, sizeof name, "blk.%d.%s", il, spec[i].suffix);
         es_status st = bind(ld, name, spec[i].kind, spec[i].ne0, spec[i].ne1, spec[i].required,
                             spec[i].dst);
         if (st != ES_OK) return st;
+    }
+    if (dense) return ES_OK;
+    const int64_t NE = hp->n_expert, FE = hp->n_ff_exp;
+    L->exp_gate = ev;
+    L->exp_up = ev + NE;
+    L->exp_down = ev + 2 * NE;
+    const struct { const char *suffix; int64_t ne0, ne1; es_tensor *dst; } ex[] = {
+        { "ffn_gate_exps.weight", E, FE, L->exp_gate },
+        { "ffn_up_exps.weight",   E, FE, L->exp_up },
+        { "ffn_down_exps.weight", FE, E, L->exp_down },
+    };
+    for (size_t i = 0; i < sizeof ex / sizeof ex[0]; i++) {
+        char name[96];
+        snprintf(name, sizeof name, "blk.%d.%s", il, ex[i].suffix);
+        es_status st = bind_experts(ld, name, ex[i].ne0, ex[i].ne1, NE, ex[i].dst);
+        if (st != ES_OK) return st;
+    }
+    if (!es_matmul_supported(L->gate_inp->type)) {
+        es_set_err(ld->err, ld->err_len, "model: blk.%d.ffn_gate_inp.weight has type %s, which the router "
+                   "matmul does not take", il, es_type_name(L->gate_inp->type));
+        return ES_ERR_UNSUPPORTED;
     }
     return ES_OK;
 }
@@ -305,8 +466,16 @@ static es_status bind_all(const loader *ld, es_model *m) {
         es_set_err(ld->err, ld->err_len, "model: out of memory for %d layers", hp->n_layer);
         return ES_ERR_NOMEM;
     }
+    if (hp->n_expert > 0) {
+        m->expert_views = calloc((size_t)hp->n_layer * 3 * (size_t)hp->n_expert, sizeof *m->expert_views);
+        if (m->expert_views == NULL) {
+            es_set_err(ld->err, ld->err_len, "model: out of memory for the expert views");
+            return ES_ERR_NOMEM;
+        }
+    }
     for (int il = 0; il < hp->n_layer; il++) {
-        if ((st = bind_layer(ld, hp, il, &m->layers[il])) != ES_OK) return st;
+        es_tensor *ev = m->expert_views ? m->expert_views + (size_t)il * 3 * (size_t)hp->n_expert : NULL;
+        if ((st = bind_layer(ld, hp, il, &m->layers[il], ev)) != ES_OK) return st;
     }
     return ES_OK;
 }
@@ -374,19 +543,25 @@ static es_status build_pool(model_impl *mi, char *err, size_t err_len) {
     return ES_OK;
 }
 
-/* Bytes of tensor data one decode step reads: every block tensor, the output
- * matrix (the whole embedding when tied) and output_norm. */
-static int64_t step_bytes(const es_model *m) {
-    int64_t sum = (int64_t)m->output->nbytes + (int64_t)m->output_norm->nbytes;
+/* Bytes of tensor data one decode step reads (*all: the bytes of every tensor
+ * the forward pass uses): every block tensor, the output matrix (the whole
+ * embedding when tied) and output_norm; of a mixture of experts, the router
+ * and n_expert_used of the n_expert experts of each layer. */
+static int64_t step_bytes(const es_model *m, int64_t *all) {
+    int64_t sum = (int64_t)m->output->nbytes + (int64_t)m->output_norm->nbytes, experts = 0;
     for (int il = 0; il < m->info.n_layer; il++) {
         const es_layer *L = &m->layers[il];
         const es_tensor *lt[] = { L->attn_norm, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
                                   L->q_norm, L->k_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up,
-                                  L->w_down };
+                                  L->w_down, L->gate_inp };
         for (size_t i = 0; i < sizeof lt / sizeof lt[0]; i++) {
             if (lt[i] != NULL) sum += (int64_t)lt[i]->nbytes;
         }
+        for (int e = 0; L->exp_gate && e < m->info.n_expert; e++)
+            experts += (int64_t)(L->exp_gate[e].nbytes + L->exp_up[e].nbytes + L->exp_down[e].nbytes);
     }
+    *all = sum + experts;
+    if (m->info.n_expert > 0) sum += experts / m->info.n_expert * m->info.n_expert_used;
     return sum;
 }
 
@@ -413,13 +588,25 @@ static int64_t step_bytes(const es_model *m) {
 
 static size_t round64(size_t n) { return (n + 63) / 64 * 64; }
 
-/* The matrices to repack, in the order of use; returns their count (at most 7 * n_layer + 1). */
+/* The matrices to repack, in the order of use; returns their count (at most
+ * pack_cap(m)): per layer q, k, v, o, then the dense FFN or each expert's
+ * gate, up and down; then the output projection. */
+static size_t pack_cap(const es_model *m) {
+    return (size_t)m->info.n_layer * (7 + 3 * (size_t)m->info.n_expert) + 1;
+}
+
 static int pack_list(const es_model *m, es_tensor **out) {
     int n = 0;
     for (int l = 0; l < m->info.n_layer; l++) {
         const es_layer *L = &m->layers[l];
         const es_tensor *w[7] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
-        for (int i = 0; i < 7; i++) out[n++] = (es_tensor *)w[i];   /* owned by the model's es_gguf */
+        for (int i = 0; i < 7; i++)
+            if (w[i]) out[n++] = (es_tensor *)w[i];   /* owned by the model's es_gguf */
+        for (int e = 0; L->exp_gate && e < m->info.n_expert; e++) {
+            out[n++] = &L->exp_gate[e];
+            out[n++] = &L->exp_up[e];
+            out[n++] = &L->exp_down[e];
+        }
     }
     out[n++] = (es_tensor *)m->output;
     return n;
@@ -427,7 +614,7 @@ static int pack_list(const es_model *m, es_tensor **out) {
 
 static es_status pack_weights(model_impl *mi, char *err, size_t err_len) {
     es_model *m = &mi->pub;
-    es_tensor **ts = malloc(sizeof *ts * ((size_t)m->info.n_layer * 7 + 1));
+    es_tensor **ts = malloc(sizeof *ts * pack_cap(m));
     if (ts == NULL) {
         es_set_err(err, err_len, "model: out of memory");
         return ES_ERR_NOMEM;
@@ -440,6 +627,14 @@ static es_status pack_weights(model_impl *mi, char *err, size_t err_len) {
         return ES_OK;
     }
     size_t alloc = (total + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
+    int64_t avail = es_mem_available();
+    if (avail >= 0 && (int64_t)alloc > avail) {   /* the copy replaces the mapped pages, but not before it is made */
+        free(ts);
+        es_set_err(err, err_len, "model: the repacked weights need %.2f GiB but only %.2f GiB of memory is "
+                   "available (MemAvailable); free memory or load a smaller file",
+                   (double)alloc / (1 << 30), (double)avail / (1 << 30));
+        return ES_ERR_NOMEM;
+    }
     if (posix_memalign(&mi->arena, ARENA_ALIGN, alloc) != 0) {
         mi->arena = NULL;
         free(ts);
@@ -493,7 +688,7 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
         es_model_free(m);
         return st;
     }
-    m->info.weight_bytes = step_bytes(m);
+    m->info.weight_bytes = step_bytes(m, &m->info.file_weight_bytes);
     *out = m;
     return ES_OK;
 }
@@ -505,6 +700,7 @@ void es_model_free(es_model *model) {
     free(mi->vec_off);
     free(model->f32_pool);
     free(model->layers);
+    free(model->expert_views);
     es_gguf_close(model->gguf);
     free(mi->arena);
     free(mi);

@@ -389,6 +389,27 @@ typedef struct {
 void es_matmul_many_epi(es_pool *pool, int nw, const es_tensor *const *W, const float *X, int N,
                         float *const *Y, const int64_t *ldy, void *scratch, int pre, const es_mm_epi *epi);
 
+/*
+ * Grouped matmul: ng matrices, each on activation rows of its own (the
+ * experts of a mixture-of-experts layer, each on the rows routed to it), in
+ * one dispatch whose chunks are (matrix, block of output rows): for each
+ * group i, Y[n][r] = X[n] . W row r for n in [0, N), r in [0, n_out),
+ * bitwise what es_matmul(pool, W, X, N, Y, ldy, ...) gives. The float rows
+ * X are quantized in the same call (once when consecutive groups share X,
+ * n_in and activation format: an expert's gate and up).
+ *   scratch  es_matmul_grouped_scratch(ng, g) bytes, 64-byte aligned
+ * A group whose matrix type is unsupported gets NaN rows.
+ */
+typedef struct {
+    const es_tensor *W;     /* a matrix: ne[0] = n_in, ne[1] = n_out */
+    const float *X;         /* [N][n_in] float rows */
+    int N;                  /* >= 1 */
+    float *Y;               /* [N][ldy] */
+    int64_t ldy;
+} es_mm_group;
+size_t es_matmul_grouped_scratch(int ng, const es_mm_group *g);
+void es_matmul_grouped(es_pool *pool, int ng, const es_mm_group *g, void *scratch);
+
 /* Bytes of one quantized activation row of n_in elements for weight type
  * `type` (es_q8_group or es_q8k_block rows); 0 for float weight types, which
  * read float rows. Never more than es_matmul_scratch_bytes(t, n_in, 1) for

@@ -52,8 +52,10 @@ static size_t max_scratch_bytes(const es_model *m, int n) {
     const es_model_info *in = &m->info;
     size_t b = 0, t;
     const es_layer *L = &m->layers[0];
-    const es_tensor *ws[] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down, m->output};
+    const es_tensor *ws[] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down, m->output,
+                             L->gate_inp};
     for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+        if (ws[i] == NULL) continue;   /* a mixture of experts has no dense FFN, a dense model no router */
         t = es_matmul_scratch_bytes(ws[i]->type, ws[i]->ne[0], n);
         if (t > b) b = t;
     }
@@ -92,8 +94,9 @@ es_status es_session_ensure_scratch(es_session *s, int32_t n) {
     ht = (ht + 15) & ~(size_t)15;   /* each thread's buffer on its own cache lines */
     float *head_tmp = aligned_alloc(64, (size_t)s->n_threads * ht * sizeof(float));
     _Atomic int *att_done = malloc(N * sizeof *att_done);
-    if (!x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms || !glu ||
-        !am_val || !am_idx || !head_tmp || !att_done) {
+    es_status moe = es_moe_scratch(s, n);
+    if (moe != ES_OK || !x || !xb || !q || !k || !v || !att || !gate || !up || !out || !logits || !rope || !mms ||
+        !glu || !am_val || !am_idx || !head_tmp || !att_done) {
         free(x); free(xb); free(q); free(k); free(v); free(att); free(gate); free(up);
         free(out); free(logits); free(rope); free(mms); free(glu); free(am_val); free(am_idx);
         free(head_tmp);
@@ -179,6 +182,7 @@ void es_session_free(es_session *s) {
     if (!s) return;
     es_pool_free(s->pool);
     free_scratch(s);
+    es_moe_scratch_free(s);
     es_kv_free(&s->kv);
     free(s->att_ws);
     free(s->parts);
@@ -203,6 +207,7 @@ int32_t es_session_pool_threads(const es_session *s) { return s ? s->n_threads :
 int32_t es_session_n_past(const es_session *s) { return s ? s->kv.n_past : 0; }
 int32_t es_session_n_ctx(const es_session *s) { return s ? s->kv.n_ctx : 0; }
 const char *es_session_last_error(const es_session *s) { return s ? s->err : "session is NULL"; }
+int64_t es_session_experts_read(const es_session *s) { return s ? s->moe_experts_read : 0; }
 
 es_status es_session_rollback(es_session *s, int32_t n_past) {
     if (!s) return ES_ERR_INVALID_ARG;

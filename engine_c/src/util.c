@@ -1,7 +1,8 @@
-/* util.c - half-precision conversions and error formatting. */
+/* util.c - half-precision conversions, error formatting, available memory. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -69,4 +70,18 @@ void es_set_err(char *buf, size_t len, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(buf, len, fmt, ap);
     va_end(ap);
+}
+
+int64_t es_mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f != NULL) {
+        char line[128];
+        long long kb = -1;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+        fclose(f);
+        if (kb >= 0) return (int64_t)kb * 1024;
+    }
+    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (int64_t)pages * page : -1;
 }

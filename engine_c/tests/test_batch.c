@@ -325,6 +325,8 @@ static void batch_model(int which) {
 TEST(batch_llama_q4_1) { batch_model(0); }
 TEST(batch_qwen3_mixed_kquants) { batch_model(1); }
 TEST(batch_qwen2_f32) { batch_model(2); }
+TEST(batch_qwen3moe_experts) { batch_model(3); }
+TEST(batch_qwen3vl_sections) { batch_model(4); }
 
 int main(void) {
     const char *tmp = getenv("TMPDIR");
@@ -333,6 +335,8 @@ int main(void) {
     RUN(batch_llama_q4_1);
     RUN(batch_qwen3_mixed_kquants);
     RUN(batch_qwen2_f32);
+    RUN(batch_qwen3moe_experts);
+    RUN(batch_qwen3vl_sections);
     rmdir(g_dir);
     return harness_report();
 }

@@ -9,6 +9,12 @@
  *                           layer 1 has Q8_0, Q4_0, Q5_0, Q5_1, Q5_K, F16, BF16;
  *                           untied Q6_K output
  *   MODELS[2] qwen2-f32     qwen2 (q/k/v biases), F32 matrices, n_embd 64, 2 layers
+ *   MODELS[3] qwen3moe-kq   qwen3moe: n_embd 256, 4 / 2 heads of 64, 8 experts of FFN 256,
+ *                           3 used per token, F32 router; layer 0's experts Q4_K (gate, up)
+ *                           and Q6_K (down) as Q4_K_M makes them, layer 1's Q8_0 / Q5_0 / Q4_0;
+ *                           untied Q6_K output
+ *   MODELS[4] qwen3vl-q8    qwen3vl (the text decoder): n_embd 128, 4 / 2 heads of 32, rope
+ *                           sections [6, 5, 5, 0], one deepstack layer, Q8_0, tied
  * All have n_vocab N_VOCAB (320, not a multiple of 64, so kernel tails run)
  * and a training context of 256. write_model(&MODELS[i], path) writes one.
  * A copy of a spec with head set (HEAD_DUP, HEAD_NAN, HEAD_NAN0) writes
@@ -27,7 +33,7 @@
 #include "internal.h"
 
 #define N_VOCAB 320
-#define MAX_MODELS 3
+#define MAX_MODELS 5
 /* Weight std * sqrt(n_in) of the block matrices: large enough that greedy runs
  * wander over the vocabulary instead of settling on one token. */
 #define MATRIX_SCALE 1.5f
@@ -80,24 +86,37 @@ static void kv_u32(gguf_w *w, const char *suffix, uint32_t v) {
     snprintf(key, sizeof key, "%s.%s", w->arch, suffix);
     put_str(&w->kv, key); put_u32(&w->kv, GGUF_T_UINT32); put_u32(&w->kv, v); w->n_kv++;
 }
+static void kv_u32_arr(gguf_w *w, const char *suffix, const int *v, int n) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", w->arch, suffix);
+    put_str(&w->kv, key); put_u32(&w->kv, GGUF_T_ARRAY); put_u32(&w->kv, GGUF_T_INT32); put_u64(&w->kv, (uint64_t)n);
+    for (int i = 0; i < n; i++) put_u32(&w->kv, (uint32_t)v[i]);
+    w->n_kv++;
+}
 static void kv_f32(gguf_w *w, const char *suffix, float v) {
     char key[96];
     snprintf(key, sizeof key, "%s.%s", w->arch, suffix);
     put_str(&w->kv, key); put_u32(&w->kv, GGUF_T_FLOAT32); put_f32(&w->kv, v); w->n_kv++;
 }
 
-/* Append a tensor's info and data (data 32-byte aligned; offsets relative to the data section). */
-static void add_tensor(gguf_w *w, const char *name, uint32_t type, int64_t ne0, int64_t ne1,
-                       const buf *bytes) {
+/* Append a tensor's info and data (data 32-byte aligned; offsets relative to the data section);
+ * ne2 > 1: a 3-D tensor (the experts). */
+static void add_tensor3(gguf_w *w, const char *name, uint32_t type, int64_t ne0, int64_t ne1, int64_t ne2,
+                        const buf *bytes) {
     while (w->data.n % 32) put(&w->data, "", 1);
     put_str(&w->info, name);
-    put_u32(&w->info, ne1 > 0 ? 2 : 1);
+    put_u32(&w->info, ne2 > 1 ? 3 : ne1 > 0 ? 2 : 1);
     put_u64(&w->info, (uint64_t)ne0);
     if (ne1 > 0) put_u64(&w->info, (uint64_t)ne1);
+    if (ne2 > 1) put_u64(&w->info, (uint64_t)ne2);
     put_u32(&w->info, type);
     put_u64(&w->info, w->data.n);
     put(&w->data, bytes->p, bytes->n);
     w->n_tensors++;
+}
+static void add_tensor(gguf_w *w, const char *name, uint32_t type, int64_t ne0, int64_t ne1,
+                       const buf *bytes) {
+    add_tensor3(w, name, type, ne0, ne1, 1, bytes);
 }
 
 /* ---- random weights of every type (values keep activations O(1)) ---- */
@@ -252,6 +271,9 @@ typedef struct {
     layer_types layers[2];
     uint64_t seed;
     int head;                        /* HEAD_PLAIN, or an edit of the output head (head_edit) */
+    int n_expert, n_expert_used;     /* mixture of experts (qwen3moe): layer_types gate, up, down
+                                        are the experts' types, n_ff the expert FFN; 0: dense */
+    int sections[4], n_deepstack;    /* qwen3vl: multimodal RoPE sections, deepstack layers */
 } model_spec;
 
 static const model_spec MODELS[MAX_MODELS] = {
@@ -267,6 +289,14 @@ static const model_spec MODELS[MAX_MODELS] = {
      {{ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32},
       {ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32}},
      0x5eed0003, HEAD_PLAIN},
+    {"qwen3moe-kq", "qwen3moe", 256, 4, 2, 64, 256, 2, ES_TYPE_Q8_0, ES_TYPE_Q6_K,
+     {{ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K},
+      {ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q5_0, ES_TYPE_Q4_0}},
+     0x5eed0004, HEAD_PLAIN, 8, 3, {0, 0, 0, 0}, 0},
+    {"qwen3vl-q8", "qwen3vl", 128, 4, 2, 32, 256, 2, ES_TYPE_Q8_0, 0,
+     {{ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0},
+      {ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0}},
+     0x5eed0005, HEAD_PLAIN, 0, 0, {6, 5, 5, 0}, 1},
 };
 
 /* Write the model of `ms` to `path`. Returns 0 on success. */
@@ -282,6 +312,15 @@ static int write_model(const model_spec *ms, const char *path) {
     kv_u32(&w, "context_length", 256);
     kv_u32(&w, "embedding_length", (uint32_t)ms->n_embd);
     kv_u32(&w, "feed_forward_length", (uint32_t)ms->n_ff);
+    if (ms->n_expert) {
+        kv_u32(&w, "expert_count", (uint32_t)ms->n_expert);
+        kv_u32(&w, "expert_used_count", (uint32_t)ms->n_expert_used);
+        kv_u32(&w, "expert_feed_forward_length", (uint32_t)ms->n_ff);
+    }
+    if (ms->sections[0]) {
+        kv_u32_arr(&w, "rope.dimension_sections", ms->sections, 4);
+        kv_u32(&w, "n_deepstack_layers", (uint32_t)ms->n_deepstack);
+    }
     kv_u32(&w, "attention.head_count", (uint32_t)ms->n_head);
     kv_u32(&w, "attention.head_count_kv", (uint32_t)ms->n_head_kv);
     kv_u32(&w, "attention.key_length", (uint32_t)ms->head_dim);
@@ -290,7 +329,7 @@ static int write_model(const model_spec *ms, const char *path) {
     kv_f32(&w, "attention.layer_norm_rms_epsilon", 1e-6f);
 
     const int E = ms->n_embd, Q = ms->n_head * ms->head_dim, KV = ms->n_head_kv * ms->head_dim;
-    const int qwen2 = strcmp(ms->arch, "qwen2") == 0, qwen3 = strcmp(ms->arch, "qwen3") == 0;
+    const int qwen2 = strcmp(ms->arch, "qwen2") == 0, qwen3 = strncmp(ms->arch, "qwen3", 5) == 0;
     buf hb;
     gen_matrix(&w, ms->embd_type, E, N_VOCAB, 2.0f, &hb);
     if (!ms->output_type) head_edit(ms->head, ms->embd_type, N_VOCAB, &hb);
@@ -315,9 +354,22 @@ static int write_model(const model_spec *ms, const char *path) {
         }
         add_matrix(&w, NAME("attn_output.weight"), t->o, Q, E, MATRIX_SCALE);
         add_vector(&w, NAME("ffn_norm.weight"), E, 1.0f, 0.2f);
-        add_matrix(&w, NAME("ffn_gate.weight"), t->gate, E, ms->n_ff, MATRIX_SCALE);
-        add_matrix(&w, NAME("ffn_up.weight"), t->up, E, ms->n_ff, MATRIX_SCALE);
-        add_matrix(&w, NAME("ffn_down.weight"), t->down, ms->n_ff, E, MATRIX_SCALE);
+        if (ms->n_expert) {   /* router, then each 3-D tensor as n_expert matrices one after another */
+            add_matrix(&w, NAME("ffn_gate_inp.weight"), ES_TYPE_F32, E, ms->n_expert, 4.0f);
+            const struct { const char *n; uint32_t type; int in, out; } ex[3] = {
+                {"ffn_gate_exps.weight", t->gate, E, ms->n_ff}, {"ffn_up_exps.weight", t->up, E, ms->n_ff},
+                {"ffn_down_exps.weight", t->down, ms->n_ff, E}};
+            for (int i = 0; i < 3; i++) {
+                buf b;
+                gen_matrix(&w, ex[i].type, ex[i].in, (int64_t)ex[i].out * ms->n_expert, MATRIX_SCALE, &b);
+                add_tensor3(&w, NAME(ex[i].n), ex[i].type, ex[i].in, ex[i].out, ms->n_expert, &b);
+                free(b.p);
+            }
+        } else {
+            add_matrix(&w, NAME("ffn_gate.weight"), t->gate, E, ms->n_ff, MATRIX_SCALE);
+            add_matrix(&w, NAME("ffn_up.weight"), t->up, E, ms->n_ff, MATRIX_SCALE);
+            add_matrix(&w, NAME("ffn_down.weight"), t->down, ms->n_ff, E, MATRIX_SCALE);
+        }
 #undef NAME
     }
     add_vector(&w, "output_norm.weight", E, 1.0f, 0.2f);
