@@ -1,0 +1,173 @@
+/*
+ * test_models.c - the architectures beyond the dense decoders:
+ *   qwen3moe   one call over N tokens is bitwise N single steps on 1, 2 and
+ *              3 threads; es_session_experts_read counts the union of the
+ *              experts the call's rows chose (n_expert_used per layer for one
+ *              token, more for a verify); the model info reports the experts
+ *   qwen3vl    es_forward_positions with (p, p, p) is bitwise es_forward; other
+ *              (h, w) positions change the result, other t on a model without
+ *              sections does too, and (h, w) do not; a negative position fails
+ *              with the KV cache untouched; the sections are read
+ *   loading    a file whose expert or section keys are missing or out of
+ *              range fails with a message naming the key
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "echospec_engine.h"
+#include "harness.h"
+#include "tiny_models.h"
+
+#define MOE 3
+#define VL 4
+#define N 9
+
+static char g_dir[256];
+
+static void prompt(int32_t *t, int n, int salt) {
+    for (int i = 0; i < n; i++) t[i] = (int32_t)((i * 37 + salt * 11 + 5) % N_VOCAB);
+}
+
+TEST(moe_call_equals_steps_any_threads) {
+    es_model *m = tm_load(g_dir, MOE);
+    if (!m) return;
+    es_model_info in;
+    CHECK_EQ_INT(es_model_get_info(m, &in), ES_OK);
+    CHECK(strcmp(in.arch, "qwen3moe") == 0);
+    CHECK_EQ_INT(in.n_expert, 8);
+    CHECK_EQ_INT(in.n_expert_used, 3);
+    CHECK_EQ_INT(in.n_ff_exp, 256);
+    CHECK(in.weight_bytes < in.file_weight_bytes);   /* 3 of 8 experts a step */
+    int32_t tok[N];
+    prompt(tok, N, 1);
+    float *ref = malloc(sizeof(float) * N * N_VOCAB), *got = malloc(sizeof(float) * N * N_VOCAB);
+    es_session *r = tm_session(m, 1, 64);
+    for (int i = 0; i < N && r; i++) {
+        CHECK_EQ_INT(es_forward(r, &tok[i], 1, NULL, ref + (size_t)i * N_VOCAB, ES_LOGITS_LAST), ES_OK);
+        CHECK_EQ_INT(es_session_experts_read(r), 2 * 3);   /* one row: its 3 experts in each of 2 layers */
+    }
+    for (int nt = 1; nt <= 3; nt++) {
+        es_session *s = tm_session(m, nt, 64);
+        if (!s) break;
+        CHECK_EQ_INT(es_forward(s, tok, N, NULL, got, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(ref, got, sizeof(float) * N * N_VOCAB) == 0);
+        int64_t read = es_session_experts_read(s);
+        CHECK(read > 2 * 3 && read <= 2 * 8);   /* the union of 9 rows' choices, each expert once */
+        /* a verify-like call after a rollback: the same bits again */
+        CHECK_EQ_INT(es_session_rollback(s, 4), ES_OK);
+        CHECK_EQ_INT(es_forward(s, tok + 4, N - 4, NULL, got, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(ref + 4 * N_VOCAB, got, sizeof(float) * (N - 4) * N_VOCAB) == 0);
+        es_session_free(s);
+    }
+    es_session_free(r);
+    free(ref);
+    free(got);
+    es_model_free(m);
+}
+
+TEST(vl_positions) {
+    es_model *m = tm_load(g_dir, VL);
+    if (!m) return;
+    es_model_info in;
+    CHECK_EQ_INT(es_model_get_info(m, &in), ES_OK);
+    CHECK(strcmp(in.arch, "qwen3vl") == 0);
+    CHECK_EQ_INT(in.rope_sections[0], 6);
+    CHECK_EQ_INT(in.rope_sections[1], 5);
+    CHECK_EQ_INT(in.rope_sections[2], 5);
+    CHECK_EQ_INT(in.n_deepstack, 1);
+    CHECK_EQ_INT(in.n_expert, 0);
+    int32_t tok[N], thw[3 * N];
+    prompt(tok, N, 2);
+    float *a = malloc(sizeof(float) * N * N_VOCAB), *b = malloc(sizeof(float) * N * N_VOCAB);
+    es_session *s = tm_session(m, 2, 64);
+    if (s) {
+        CHECK_EQ_INT(es_forward(s, tok, N, NULL, a, ES_LOGITS_ALL), ES_OK);
+        CHECK_EQ_INT(es_session_rollback(s, 0), ES_OK);
+        for (int i = 0; i < N; i++) thw[3 * i] = thw[3 * i + 1] = thw[3 * i + 2] = i;
+        CHECK_EQ_INT(es_forward_positions(s, tok, N, thw, NULL, b, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(a, b, sizeof(float) * N * N_VOCAB) == 0);
+        /* an image-like grid: h and w differ from t, which changes the rotation */
+        CHECK_EQ_INT(es_session_rollback(s, 0), ES_OK);
+        for (int i = 0; i < N; i++) {
+            thw[3 * i + 1] = i / 3;
+            thw[3 * i + 2] = i % 3;
+        }
+        CHECK_EQ_INT(es_forward_positions(s, tok, N, thw, NULL, b, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(a + N_VOCAB, b + N_VOCAB, sizeof(float) * (N - 1) * N_VOCAB) != 0);
+        /* a negative position: refused, nothing appended */
+        int32_t n_past = es_session_n_past(s);
+        thw[4] = -1;
+        CHECK_EQ_INT(es_forward_positions(s, tok, N, thw, NULL, b, ES_LOGITS_ALL), ES_ERR_INVALID_ARG);
+        CHECK(strstr(es_session_last_error(s), "negative") != NULL);
+        CHECK_EQ_INT(es_session_n_past(s), n_past);
+        es_session_free(s);
+    }
+    es_model_free(m);
+    /* a model without sections rotates by t alone */
+    es_model *q = tm_load(g_dir, 1);
+    es_session *t = q ? tm_session(q, 1, 64) : NULL;
+    if (t) {
+        CHECK_EQ_INT(es_forward(t, tok, N, NULL, a, ES_LOGITS_ALL), ES_OK);
+        CHECK_EQ_INT(es_session_rollback(t, 0), ES_OK);
+        for (int i = 0; i < N; i++) {
+            thw[3 * i] = i;
+            thw[3 * i + 1] = 100 + i;
+            thw[3 * i + 2] = 7;
+        }
+        CHECK_EQ_INT(es_forward_positions(t, tok, N, thw, NULL, b, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(a, b, sizeof(float) * N * N_VOCAB) == 0);
+        CHECK_EQ_INT(es_session_rollback(t, 0), ES_OK);
+        for (int i = 0; i < N; i++) thw[3 * i] = 2 * i;
+        CHECK_EQ_INT(es_forward_positions(t, tok, N, thw, NULL, b, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(a + N_VOCAB, b + N_VOCAB, sizeof(float) * (N - 1) * N_VOCAB) != 0);
+    }
+    es_session_free(t);
+    es_model_free(q);
+    free(a);
+    free(b);
+}
+
+/* Write ms and expect its load to fail with st and a message containing want. */
+static int load_fails(const model_spec *ms, es_status st, const char *want) {
+    char path[512], err[256] = "";
+    snprintf(path, sizeof path, "%s/bad.gguf", g_dir);
+    if (write_model(ms, path) != 0) return 0;
+    es_model *m = NULL;
+    es_status got = es_model_load(path, NULL, &m, err, sizeof err);
+    unlink(path);
+    es_model_free(m);
+    if (got != st || strstr(err, want) == NULL) {
+        fprintf(stderr, "  load: status %d, message '%s'; wanted %d and '%s'\n", (int)got, err, (int)st, want);
+        return 0;
+    }
+    return 1;
+}
+
+TEST(bad_expert_and_section_keys) {
+    model_spec ms = MODELS[MOE];
+    ms.n_expert_used = 9;   /* more than the 8 experts */
+    CHECK(load_fails(&ms, ES_ERR_FORMAT, "qwen3moe.expert_used_count = 9 out of range 1..8"));
+    ms = MODELS[MOE];
+    ms.n_expert = 0;        /* no expert keys (and a dense FFN instead) */
+    CHECK(load_fails(&ms, ES_ERR_FORMAT, "missing key qwen3moe.expert_count"));
+    ms = MODELS[VL];
+    ms.sections[0] = 12;    /* 12 + 5 + 5 > 16 pairs of a 32-dim head */
+    CHECK(load_fails(&ms, ES_ERR_FORMAT, "qwen3vl.rope.dimension_sections sums to 22"));
+    ms = MODELS[VL];
+    ms.sections[0] = ms.sections[1] = ms.sections[2] = 0;   /* written as absent */
+    CHECK(load_fails(&ms, ES_ERR_FORMAT, "missing key qwen3vl.rope.dimension_sections"));
+}
+
+int main(void) {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g_dir, sizeof g_dir, "%s/es_models_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
+    RUN(moe_call_equals_steps_any_threads);
+    RUN(vl_positions);
+    RUN(bad_expert_and_section_keys);
+    rmdir(g_dir);
+    return harness_report();
+}
