@@ -56,7 +56,7 @@ from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grp
 from echospec.services.common import grpc_util  # noqa: E402
 from echospec.services.common.streams import BidiStream  # noqa: E402
 from echospec.services.coordinator.clients import VerifierLink  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 ECHO_METHOD = "/echospec.bench.Echo/Echo"
 PROMPTS = [

@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import grpc  # noqa: E402
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 OFF = common_pb2.SPEC_MODE_OFF
 WORDS = ("the river runs past the old stone mill where a kestrel hunts over blue fields and "

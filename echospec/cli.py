@@ -157,7 +157,7 @@ def _exposure_warning(host: str, api_key: str, mtls: bool) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from echospec.services.coordinator.stack import StackError, start_stack
+    from echospec.stack import StackError, start_stack
 
     for flag, v in (("--port", args.port), ("--verifier-port", args.verifier_port),
                     ("--draft-port", args.draft_port)):
@@ -363,7 +363,7 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         _check_target_form(args.target)
         yield args.target
         return
-    from echospec.services.coordinator.stack import StackError, start_stack
+    from echospec.stack import StackError, start_stack
 
     model = args.model or _default_model()
     _check_model(model)

@@ -76,7 +76,7 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="module")
 def smollm2_stub(smollm2_path):
     import grpc
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2_grpc
 
     st = start_stack(smollm2_path, spec=False, n_ctx=1024)

@@ -137,9 +137,9 @@ def test_services_install_under_the_echospec_import_root(tmp_path):
                                       if p.parent != root / "services" else "")
                for p in (root / "services").rglob("__init__.py")}
     assert listed == on_disk
-    probe = ("import importlib.util, echospec.services.coordinator.stack as s; "
+    probe = ("import importlib.util, echospec.services.coordinator.server as s; "
              "print(importlib.util.find_spec('services') is None, s.__name__)")
     r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "echospec.services.coordinator.stack"]
+    assert r.stdout.split() == ["True", "echospec.services.coordinator.server"]

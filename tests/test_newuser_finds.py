@@ -172,7 +172,7 @@ def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, caps
 
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_model):
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, metrics_port=0,
                      http_port=0)
     yield st
@@ -240,7 +240,7 @@ def test_stream_ended_by_shutdown_logs_the_tokens_the_client_got(tiny_model, cap
 
     import grpc
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
 
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
@@ -912,7 +912,7 @@ def test_stop_ends_calls_in_flight_with_unavailable_saying_why(tiny_model, caplo
 
     import grpc
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
 
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
@@ -969,7 +969,7 @@ def test_client_of_a_server_that_went_away_says_so(tiny_model):
     # to connect to remote host: Connection refused"
     import grpc
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec_client import Client, ClientError
 
     st = start_stack(tiny_model(), n_ctx=256, n_threads=1)
@@ -1454,7 +1454,7 @@ def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog
     # VerifierCore's docstring promised an InvalidArgument it never raised
     import logging
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     with caplog.at_level(logging.WARNING, logger="echospec.verifier"):
         st = start_stack(tiny_model(n_ctx_train=512), n_ctx=1024, n_threads=1)
@@ -1474,7 +1474,7 @@ def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, p
     # was: with --no-prefix-cache the last event read n_past from the session it had just given
     # back (closed): UNAVAILABLE "generation: session is closed" after the streamed text, and the
     # gateway answered 503 with the whole answer lost
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec_client import Client
 
     results = {}
@@ -1504,7 +1504,7 @@ def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_mod
 
     import httpx
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, http_port=0)
     events = []
@@ -1542,7 +1542,7 @@ def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(
 
     import httpx
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     entered, release = held_prefill
     st = start_stack(tiny_model(), n_threads=1, http_port=0)
@@ -1710,7 +1710,7 @@ def test_a_stack_on_ipv6_loopback_serves(tiny_model, processes):
     import grpc
 
     from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     st = start_stack(tiny_model(n_ctx_train=512), host="::1", n_ctx=256, n_threads=1,
                      processes=processes, ready_timeout_s=60, http_port=0, log_level="WARNING")
     try:
@@ -1777,7 +1777,7 @@ def test_a_full_verifier_is_named_busy_not_unhealthy(tiny_model):
     import grpc
 
     from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, max_sessions=1,
                      max_tokens=2000, log_level="WARNING")
     try:
