@@ -125,7 +125,7 @@ def _check_model(path: str) -> None:
         _die(f"model file not found: {path}")
     if not p.is_file():
         _die(f"model {path} is not a regular file (a GGUF file is needed)")
-    from echospec.services.common.engine import EngineError, Model
+    from echospec.services.verifier.engine import EngineError, Model
     try:
         Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
     except EngineError as exc:
@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _die(f"{'--api-key' if args.api_key is not None else 'ECHOSPEC_API_KEY'}: {exc}", 2)
     from echospec.services.common.config import CoordinatorConfig
-    from echospec.services.common.engine import MAX_CTX, MAX_THREADS
+    from echospec.services.verifier.engine import MAX_CTX, MAX_THREADS
 
     limits = CoordinatorConfig()
     if not 1 <= args.k <= limits.k_max:

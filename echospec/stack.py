@@ -7,7 +7,7 @@ Two modes:
                                thread pool. The services talk over loopback gRPC as when
                                deployed, with one exception: the coordinator's GenerateTokens
                                call to a verifier of this process goes straight to its servicer
-                               (services/common/inproc.py: no serialization, no HTTP/2), while
+                               (services/rpc/inproc.py: no serialization, no HTTP/2), while
                                its other calls to the verifier still cross gRPC. Fast to
                                start; what the tests use.
     processes=True             child processes (python -m echospec.services.draft /
@@ -42,11 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echospec.services.common import grpc_util, logs
-from echospec.services.common.grpc_util import host_port
+from echospec.services.common import logs
+from echospec.services.rpc import grpc_util
+from echospec.services.rpc.grpc_util import host_port
 from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
                                              VerifierConfig)
-from echospec.services.common.lifecycle import PARENT_ENV, STOP_REASON_ENV
+from echospec.services.rpc.lifecycle import PARENT_ENV, STOP_REASON_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT_RESTARTS = 3     # times `revive` starts a dead draft child again
@@ -230,7 +231,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         spec: the coordinator's --spec default.
         processes: run each service in its own process (see the module docstring). Each child
             gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
-            services/common/lifecycle.py), so call this from a thread that outlives the stack:
+            services/rpc/lifecycle.py), so call this from a thread that outlives the stack:
             the main thread, as `echospec serve` does.
         n_ctx, n_threads: verifier KV capacity per session and engine threads of a forward
             over one session. batch_threads: of a scheduler iteration over >= 2 sessions or

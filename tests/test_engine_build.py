@@ -96,7 +96,7 @@ def test_constants_come_from_the_header(tmp_path):
     from ggufgen import write_tiny_model
 
     from echospec._engine import lib
-    from echospec.services.common import engine
+    from echospec.services.verifier import engine
     assert engine.STATUS_NAMES[lib.ES_OK] == "ES_OK"
     assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 9
     assert (engine.MAX_CTX, engine.MAX_THREADS) == (lib.ES_MAX_CTX, lib.ES_MAX_THREADS)
