@@ -24,7 +24,7 @@ from ggufgen import write_tiny_model  # noqa: E402
 from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb,
                          verifier_pb2_grpc)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from echospec.services.common.metrics import gain_condition
+from echospec.services.common.economics import gain_condition
 from echospec.stack import start_stack
 
 OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON

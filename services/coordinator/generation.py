@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from echospec.v1.common_pb2 import FinishReason
-from echospec.services.common.metrics import SpecCounters
+from echospec.services.common.economics import SpecCounters
 
 FINISH_EOS = FinishReason.Value("FINISH_REASON_EOS")
 FINISH_STOP = FinishReason.Value("FINISH_REASON_STOP")

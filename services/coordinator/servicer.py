@@ -34,7 +34,8 @@ from echospec.services.rpc import grpc_util
 from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
-from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord, SpecCounters
+from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
+from echospec.services.common.metrics import PromMetrics, RequestRecord
 from echospec.services.text.clip import clip
 from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
