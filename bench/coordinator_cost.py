@@ -35,7 +35,7 @@ import grpc  # noqa: E402
 
 from ggufgen import write_tiny_model  # noqa: E402
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 
 def cpu_s(pid: int) -> float:

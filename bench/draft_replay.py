@@ -26,10 +26,10 @@ from pathlib import Path
 import grpc
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
-from echospec.services.common.chat_template import ChatTemplate
-from echospec.services.common.tokenizer import Tokenizer
+from echospec.services.text.chat_template import ChatTemplate
+from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.coordinator.servicer import digit_tokens, line_break_tokens
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 from echospec.services.draft.proposer import DraftProposer, NgramProposer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ What it measures (all greedy, on fixed pseudo-random token ids, so both engines 
                     V(K) + overhead < (a + 1) * T, so this ratio is the engine's side of the gain
                     condition; 1.0 would make a verify as cheap as a decode step.
 
-Ours runs through echospec.services.common.engine.Session.forward, with Session.rollback(depth) after every
+Ours runs through echospec.services.verifier.engine.Session.forward, with Session.rollback(depth) after every
 timed call so that every repetition runs at the same depth. The peer is llama-cpp-python with
 logits_all=True (its all-positions logits path), Llama.eval of the same tokens at the same n_past,
 followed by the argmax of the rows it returns; setting Llama.n_tokens back to the depth rolls its
@@ -137,10 +137,10 @@ def build_engine_module(mode: str, dest: Path) -> Path:
 
 
 def use_engine_module(so: Path) -> None:
-    """Import the extension at `so` as echospec._engine, before echospec.services.common.engine imports it."""
+    """Import the extension at `so` as echospec._engine, before echospec.services.verifier.engine imports it."""
     import echospec  # noqa: F401  (the parent package must exist first)
 
-    if "echospec.services.common.engine" in sys.modules or "echospec._engine" in sys.modules:
+    if "echospec.services.verifier.engine" in sys.modules or "echospec._engine" in sys.modules:
         raise BenchError("the engine module is already imported; --simd must be applied first")
     spec = importlib.util.spec_from_file_location("echospec._engine", so)
     mod = importlib.util.module_from_spec(spec)
@@ -153,13 +153,13 @@ def use_engine_module(so: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class OursRunner:
-    """echospec's C engine through the Python wrapper (echospec.services.common.engine)."""
+    """echospec's C engine through the Python wrapper (echospec.services.verifier.engine)."""
 
     name = "echospec"
 
     def __init__(self, model_path: str, threads: int, n_ctx: int):
         try:
-            from echospec.services.common import engine
+            from echospec.services.verifier import engine
         except ImportError as e:  # echospec._engine missing: the cffi module is not built
             raise BenchError(
                 f"cannot import the engine module ({e}); build it with "

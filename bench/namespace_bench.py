@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 

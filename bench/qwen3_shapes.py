@@ -56,7 +56,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from echospec.services.common.tokenizer import bytes_to_unicode
+from echospec.services.text.tokenizer import bytes_to_unicode
 
 ROOT = Path(__file__).resolve().parent.parent
 

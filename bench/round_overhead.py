@@ -53,10 +53,10 @@ import grpc  # noqa: E402
 
 from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc,  # noqa: E402
                          verifier_pb2_grpc)
-from echospec.services.common import grpc_util  # noqa: E402
-from echospec.services.common.streams import BidiStream  # noqa: E402
+from echospec.services.rpc import grpc_util  # noqa: E402
+from echospec.services.rpc.streams import BidiStream  # noqa: E402
 from echospec.services.coordinator.clients import VerifierLink  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 ECHO_METHOD = "/echospec.bench.Echo/Echo"
 PROMPTS = [

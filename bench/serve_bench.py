@@ -23,7 +23,7 @@ What it measures (greedy, speculation off unless said otherwise):
                     could reach at that minute, stack_share = median_ratio / engine_median_ratio.
     plain decode    the stack's greedy decode rate against the engine's own on the same
                     prompt, threads and loaded model, in the same run, alternated over --rounds
-                    rounds (the engine is driven in this process through services.common.engine,
+                    rounds (the engine is driven in this process through services.verifier.engine,
                     prefill then one forward per token; the stack's rate is (tokens - 1) /
                     (time of the last token - the verifier's prefill time), request setup and
                     the first token's trip included). ratio = median of the
@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import grpc  # noqa: E402
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 OFF = common_pb2.SPEC_MODE_OFF
 WORDS = ("the river runs past the old stone mill where a kestrel hunts over blue fields and "
@@ -233,7 +233,7 @@ def paired(path: str, args) -> dict:
 
 
 class EngineDecoder:
-    """The engine's own greedy decode in this process (services.common.engine).
+    """The engine's own greedy decode in this process (services.verifier.engine).
 
     Args:
         model: a loaded Model; the stack's own verifier model, so both sides read the
@@ -260,7 +260,7 @@ class EngineDecoder:
 
 
 class EngineBatch:
-    """The paired figure's work on the engine alone (services.common.engine, in this process).
+    """The paired figure's work on the engine alone (services.verifier.engine, in this process).
 
     Args:
         model: the stack's own loaded Model (see EngineDecoder). threads, batch_threads, n_ctx:
@@ -275,7 +275,7 @@ class EngineBatch:
         """Tokens / s of greedy generations of lens[i] tokens from prompts[i]: one after another
         (prefill, then a forward per token), or all at once (the prefills in one es_forward_batch,
         then one es_forward_batch per step over the sessions still generating)."""
-        from echospec.services.common.engine import forward_batch
+        from echospec.services.verifier.engine import forward_batch
         ss = [self.model.new_session(n_ctx=self.n_ctx, n_threads=max(self.threads, self.batch_threads))
               for _ in prompts]
         try:
@@ -417,7 +417,7 @@ def main() -> int:
         args.clients.insert(0, 1)
     with tempfile.TemporaryDirectory() as td:
         path = _model_path(args.model, Path(td))
-        from echospec.services.common.engine import simd_name
+        from echospec.services.verifier.engine import simd_name
         out = {"model": Path(path).name, "simd": simd_name(), "threads": args.threads,
                "batch_threads": args.batch_threads, "load_avg_start": os.getloadavg()[0],
                "cores": os.cpu_count(), "max_tokens": args.max_tokens}

@@ -54,8 +54,8 @@ import grpc  # noqa: E402
 
 import serve_bench as sb  # noqa: E402
 from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
-import echospec.services.common.engine as engine_mod  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
+import echospec.services.verifier.engine as engine_mod  # noqa: E402
 import echospec.services.verifier.servicer as vservicer  # noqa: E402
 
 

@@ -125,7 +125,7 @@ def _check_model(path: str) -> None:
         _die(f"model file not found: {path}")
     if not p.is_file():
         _die(f"model {path} is not a regular file (a GGUF file is needed)")
-    from echospec.services.common.engine import EngineError, Model
+    from echospec.services.verifier.engine import EngineError, Model
     try:
         Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
     except EngineError as exc:
@@ -157,7 +157,7 @@ def _exposure_warning(host: str, api_key: str, mtls: bool) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from echospec.services.coordinator.stack import StackError, start_stack
+    from echospec.stack import StackError, start_stack
 
     for flag, v in (("--port", args.port), ("--verifier-port", args.verifier_port),
                     ("--draft-port", args.draft_port)):
@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _die(f"{'--api-key' if args.api_key is not None else 'ECHOSPEC_API_KEY'}: {exc}", 2)
     from echospec.services.common.config import CoordinatorConfig
-    from echospec.services.common.engine import MAX_CTX, MAX_THREADS
+    from echospec.services.verifier.engine import MAX_CTX, MAX_THREADS
 
     limits = CoordinatorConfig()
     if not 1 <= args.k <= limits.k_max:
@@ -363,7 +363,7 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         _check_target_form(args.target)
         yield args.target
         return
-    from echospec.services.coordinator.stack import StackError, start_stack
+    from echospec.stack import StackError, start_stack
 
     model = args.model or _default_model()
     _check_model(model)

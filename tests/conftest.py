@@ -76,7 +76,7 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="module")
 def smollm2_stub(smollm2_path):
     import grpc
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2_grpc
 
     st = start_stack(smollm2_path, spec=False, n_ctx=1024)
@@ -97,7 +97,7 @@ def smollm2_reference(smollm2_path):
 class _GGUFTokenizer:
     """Byte-level BPE from a GGUF's own vocab and merges with the HF `tokenizers` library.
 
-    Used only when services/common/tokenizer.py is not there. Special (CONTROL)
+    Used only when services/text/tokenizer.py is not there. Special (CONTROL)
     tokens such as <|im_start|> are matched as single tokens; the `smollm`
     pre-tokenizer splits digits one per token, as llama.cpp does.
     """
@@ -129,9 +129,9 @@ class _GGUFTokenizer:
 
 
 def make_tokenizer(path: str):
-    """The project's tokenizer (services.common.tokenizer) when present, else the local helper."""
+    """The project's tokenizer (services.text.tokenizer) when present, else the local helper."""
     try:
-        from echospec.services.common.tokenizer import Tokenizer  # type: ignore
+        from echospec.services.text.tokenizer import Tokenizer  # type: ignore
     except ImportError:
         return _GGUFTokenizer(path)
     return Tokenizer.from_gguf(path)

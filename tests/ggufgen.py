@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from echospec.services.common.tokenizer import bytes_to_unicode
+from echospec.services.text.tokenizer import bytes_to_unicode
 
 QK_K = 256
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")

@@ -299,7 +299,7 @@ def test_qwen3_shapes_table_and_vocab():
 def test_qwen3_shapes_f16_file_loads_in_our_engine(tmp_path):
     """A small shape written by write_f16 loads with the qwen3 hyperparameters and runs."""
     import numpy as np
-    from echospec.services.common import engine
+    from echospec.services.verifier import engine
 
     q = _shapes_module()
     s = q.Shape("test", n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, n_vocab=2000)
@@ -329,7 +329,7 @@ def test_qwen3_shapes_quantize_or_clear_error(tmp_path):
         with pytest.raises(q.ShapesError, match=r"llama-cpp-python is not installed.*bench"):
             list(q.make_shape(s, ["Q4_K_M"], tmp_path, seed=0, keep_f16=False))
         return
-    from echospec.services.common import engine
+    from echospec.services.verifier import engine
 
     paths = list(q.make_shape(s, ["Q4_K_M", "Q8_0"], tmp_path, seed=0, keep_f16=False))
     assert [p.name for p in paths] == ["qwen3-test-shape.Q4_K_M.gguf", "qwen3-test-shape.Q8_0.gguf"]

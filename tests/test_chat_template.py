@@ -1,4 +1,4 @@
-"""Tests for services/common/chat_template.py."""
+"""Tests for services/text/chat_template.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from echospec.services.common.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, validate_messages
-from echospec.services.common.tokenizer import Tokenizer, read_tokenizer_metadata
+from echospec.services.text.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, validate_messages
+from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -592,7 +592,7 @@ def test_serve_processes_prints_every_metrics_url(tiny):
 _INTERLEAVE = """
 import subprocess, sys
 from echospec.cli import _say
-from echospec.services.coordinator.stack import _StderrTee
+from echospec.stack import _StderrTee
 n = int(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c",
                           f"import sys\\nfor i in range({n}): sys.stderr.write(f'child {{i}}\\\\n')"],

@@ -35,7 +35,7 @@ COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "clang++", "x86_64-linux-gnu-gc
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     path = tmp_path_factory.mktemp("client") / "tiny.gguf"
     write_tiny_model(path, arch="llama", n_vocab=320, n_ctx_train=512, seed=5)

@@ -89,7 +89,7 @@ def test_a_pessimistic_estimate_is_probed_again():
     (4.0, 1.0, 2.5, 0),     # nothing accepted: 3.5 < 4, a gain on paper (the verdict needs drafts)
 ])
 def test_the_controller_and_the_verdict_use_one_formula(t, o, v, r):
-    from echospec.services.common.metrics import SpecCounters, gain_condition
+    from echospec.services.common.economics import SpecCounters, gain_condition
     ok, lhs, rhs = gain_condition(r, v, o, t)
     # the verdict over a generation whose every round verified K = r drafts, all accepted
     c = SpecCounters()

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufgen import write_tiny_model  # noqa: E402
 
 from echospec._engine import ffi
-from echospec.services.common.engine import EngineError, Model, forward_batch
+from echospec.services.verifier.engine import EngineError, Model, forward_batch
 
 N_VOCAB = 256
 

@@ -96,7 +96,7 @@ def test_constants_come_from_the_header(tmp_path):
     from ggufgen import write_tiny_model
 
     from echospec._engine import lib
-    from echospec.services.common import engine
+    from echospec.services.verifier import engine
     assert engine.STATUS_NAMES[lib.ES_OK] == "ES_OK"
     assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 9
     assert (engine.MAX_CTX, engine.MAX_THREADS) == (lib.ES_MAX_CTX, lib.ES_MAX_THREADS)
@@ -137,9 +137,9 @@ def test_services_install_under_the_echospec_import_root(tmp_path):
                                       if p.parent != root / "services" else "")
                for p in (root / "services").rglob("__init__.py")}
     assert listed == on_disk
-    probe = ("import importlib.util, echospec.services.coordinator.stack as s; "
+    probe = ("import importlib.util, echospec.services.coordinator.server as s; "
              "print(importlib.util.find_spec('services') is None, s.__name__)")
     r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "echospec.services.coordinator.stack"]
+    assert r.stdout.split() == ["True", "echospec.services.coordinator.server"]

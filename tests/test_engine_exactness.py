@@ -1,4 +1,4 @@
-"""Bitwise contracts of the C engine (services.common.engine) on tiny models, and its error paths.
+"""Bitwise contracts of the C engine (services.verifier.engine) on tiny models, and its error paths.
 
 What speculation relies on, each compared with np.array_equal (bitwise):
   * rollback: forward A+B, roll back to len(A), forward C == forward A+C from scratch;
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ggufgen
-from echospec.services.common.engine import ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, EngineError, Model, sample
+from echospec.services.verifier.engine import ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, EngineError, Model, sample
 
 RNG = np.random.default_rng(1234)
 TOKENS = [int(t) for t in RNG.integers(0, 320, size=48)]

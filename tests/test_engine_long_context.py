@@ -20,7 +20,7 @@ import pytest
 
 import ggufgen
 from reference import Reference, align_rounding
-from echospec.services.common.engine import ES_ERR_CAPACITY, EngineError, Model
+from echospec.services.verifier.engine import ES_ERR_CAPACITY, EngineError, Model
 
 N_CTX = 4096
 RNG = np.random.default_rng(4096)

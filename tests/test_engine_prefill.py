@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufgen import write_tiny_model  # noqa: E402
 
-from echospec.services.common.engine import EngineError, Model
+from echospec.services.verifier.engine import EngineError, Model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

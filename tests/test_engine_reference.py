@@ -36,7 +36,7 @@ import pytest
 
 import ggufgen
 from reference import Reference, align_rounding
-from echospec.services.common.engine import Model
+from echospec.services.verifier.engine import Model
 
 TOL_REL = 1e-4       # of the reference logits' std, per element
 NEAR = 1e-4          # a rounding may be inverted only if x * id is this close to k + 1/2

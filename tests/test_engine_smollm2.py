@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from conftest import chatml
-from echospec.services.common.engine import Model
+from echospec.services.verifier.engine import Model
 
 N_STEPS = 64
 PROMPT = "Give me three tips for staying healthy."

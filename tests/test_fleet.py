@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ggufgen import write_tiny_model  # noqa: E402
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
 from echospec.services.common.config import CoordinatorConfig  # noqa: E402
-from echospec.services.common.lifecycle import PARENT_ENV  # noqa: E402
+from echospec.services.rpc.lifecycle import PARENT_ENV  # noqa: E402
 from echospec.services.coordinator import server as cserver  # noqa: E402
 from echospec.services.coordinator.balancer import rendezvous_rank  # noqa: E402
 from echospec.services.coordinator.server import wait_serving  # noqa: E402

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from echospec.services.common.config import GatewayConfig
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 from echospec.services.gateway import openai_api as api
 from echospec.services.gateway import server as gserver
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb

@@ -17,7 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.services.common import auth
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb
 from echospec.v1 import verifier_pb2_grpc
 

@@ -1,7 +1,7 @@
 """Model loading through the Python binding: valid files written by the `gguf` package load
 with the right hyperparameters; malformed ones raise EngineError with the right status and a
 message naming the field, and never crash the process. Every malformed file is also given to
-the services' own GGUF reader (services/common/gguf_reader.py), which must refuse it with the
+the services' own GGUF reader (services/text/gguf_reader.py), which must refuse it with the
 same words: the two readers apply one set of rules.
 
 The section boundaries and field offsets of a file are found by ``walk``, a small GGUF
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from echospec.services.common import gguf_reader
-from echospec.services.common.engine import (
+from echospec.services.text import gguf_reader
+from echospec.services.verifier.engine import (
     ES_ERR_FORMAT,
     ES_ERR_MISSING_TENSOR,
     ES_ERR_UNSUPPORTED,
@@ -400,7 +400,7 @@ def test_accepted_value_types_load_in_both_readers(tmp_path, kv):
 
 
 def test_tokenizer_reader_refuses_float_token_types(tmp_path):
-    from echospec.services.common.tokenizer import read_tokenizer_metadata
+    from echospec.services.text.tokenizer import read_tokenizer_metadata
     write_model(tmp_path / "m.gguf", extra_kv=(
         ("tokenizer.ggml.model", "gpt2", VT.STRING),
         ("tokenizer.ggml.token_type", [1.5] * V, VT.ARRAY, VT.FLOAT32)))

@@ -1,4 +1,4 @@
-"""GenerateTokens in-process (services/common/inproc.py): a coordinator and a verifier of one
+"""GenerateTokens in-process (services/rpc/inproc.py): a coordinator and a verifier of one
 process skip the network, and the call behaves as the gRPC one does: the same messages, the same
 refusals, cancel, deadline, admission, and a stopping server's shutdown message."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from echospec.services.common import grpc_util, inproc
+from echospec.services.rpc import grpc_util, inproc
 from echospec.services.common.config import VerifierConfig
 from echospec.services.verifier import server as verifier_server
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufgen import write_tiny_model  # noqa: E402
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -172,7 +172,7 @@ def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, caps
 
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_model):
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, metrics_port=0,
                      http_port=0)
     yield st
@@ -240,7 +240,7 @@ def test_stream_ended_by_shutdown_logs_the_tokens_the_client_got(tiny_model, cap
 
     import grpc
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
 
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
@@ -817,7 +817,7 @@ def test_request_bytes_that_are_not_protobuf_say_so(tiny_stack):
 @pytest.fixture(scope="module")
 def tls_server(pki):
     """A gRPC server (health only, no model) that listens with TLS; its target."""
-    from echospec.services.common import grpc_util
+    from echospec.services.rpc import grpc_util
     tls = grpc_util.Tls(cert=pki["a"]["cert"], key=pki["a"]["key"])
     handle = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.VerifierService"],
                                     tls=tls)
@@ -867,7 +867,7 @@ def test_cli_names_the_tls_mismatch(tiny_stack, tls_server, pki, capsys):
 def test_coordinator_names_a_tls_mismatch_with_its_verifier(tiny_stack, tls_server, pki):
     # was: last_error "UNAVAILABLE: failed to connect to all addresses; ... Socket closed" (a TLS
     # verifier) or "... Tls handshake failed ..." (a plain one), in GetInfo and the startup timeout
-    from echospec.services.common import grpc_util
+    from echospec.services.rpc import grpc_util
     from echospec.services.coordinator.pool import VerifierPool
 
     cases = ((tls_server, None, "speaks TLS but this service connects in plain text: set tls_ca"),
@@ -888,7 +888,7 @@ def test_verifier_names_a_tls_mismatch_with_its_draft_service(tls_server):
     import grpc
 
     from echospec.v1 import draft_pb2_grpc
-    from echospec.services.common import grpc_util
+    from echospec.services.rpc import grpc_util
     from echospec.services.verifier.draft_link import DraftLink
     from echospec.services.verifier.generation_loop import DraftUnavailable
 
@@ -912,7 +912,7 @@ def test_stop_ends_calls_in_flight_with_unavailable_saying_why(tiny_model, caplo
 
     import grpc
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
 
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1)
@@ -969,7 +969,7 @@ def test_client_of_a_server_that_went_away_says_so(tiny_model):
     # to connect to remote host: Connection refused"
     import grpc
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec_client import Client, ClientError
 
     st = start_stack(tiny_model(), n_ctx=256, n_threads=1)
@@ -1103,7 +1103,7 @@ def test_concurrency_slot_of_a_handler_that_never_ran_is_given_back(factory):
 
     import grpc
 
-    from echospec.services.common import grpc_util
+    from echospec.services.rpc import grpc_util
 
     limit = grpc_util.ConcurrencyLimit(2)
     handler = getattr(grpc, factory)(lambda request, context: None)
@@ -1222,7 +1222,7 @@ def test_tokenizing_a_long_text_lets_other_threads_run(smollm2_path):
     import threading
     import time
 
-    from echospec.services.common.tokenizer import Tokenizer
+    from echospec.services.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_path)
     text = "1 " * 100_000
@@ -1454,7 +1454,7 @@ def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog
     # VerifierCore's docstring promised an InvalidArgument it never raised
     import logging
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     with caplog.at_level(logging.WARNING, logger="echospec.verifier"):
         st = start_stack(tiny_model(n_ctx_train=512), n_ctx=1024, n_threads=1)
@@ -1474,7 +1474,7 @@ def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, p
     # was: with --no-prefix-cache the last event read n_past from the session it had just given
     # back (closed): UNAVAILABLE "generation: session is closed" after the streamed text, and the
     # gateway answered 503 with the whole answer lost
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     from echospec_client import Client
 
     results = {}
@@ -1504,7 +1504,7 @@ def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_mod
 
     import httpx
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, http_port=0)
     events = []
@@ -1542,7 +1542,7 @@ def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(
 
     import httpx
 
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
 
     entered, release = held_prefill
     st = start_stack(tiny_model(), n_threads=1, http_port=0)
@@ -1710,7 +1710,7 @@ def test_a_stack_on_ipv6_loopback_serves(tiny_model, processes):
     import grpc
 
     from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     st = start_stack(tiny_model(n_ctx_train=512), host="::1", n_ctx=256, n_threads=1,
                      processes=processes, ready_timeout_s=60, http_port=0, log_level="WARNING")
     try:
@@ -1777,7 +1777,7 @@ def test_a_full_verifier_is_named_busy_not_unhealthy(tiny_model):
     import grpc
 
     from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from echospec.services.coordinator.stack import start_stack
+    from echospec.stack import start_stack
     st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, max_sessions=1,
                      max_tokens=2000, log_level="WARNING")
     try:
@@ -2046,8 +2046,8 @@ def test_model_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, reader):
     import sys
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
-    code = {"engine": "from echospec.services.common.engine import Model as load",
-            "gguf_reader": "from echospec.services.common.gguf_reader import read as load"}[reader]
+    code = {"engine": "from echospec.services.verifier.engine import Model as load",
+            "gguf_reader": "from echospec.services.text.gguf_reader import read as load"}[reader]
     code += f"\ntry:\n    load({str(fifo)!r})\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -2059,7 +2059,7 @@ def test_model_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, reader):
 def test_prefill_logits_must_be_a_bool(tiny_model, logits):
     # was: prefill(tokens, logits="none") returned logits (a non-empty string is true) and
     # logits="all" returned the last row only, silently
-    from echospec.services.common.engine import Model
+    from echospec.services.verifier.engine import Model
     with Model(tiny_model()) as m, m.new_session(n_ctx=32, n_threads=1) as s:
         with pytest.raises(TypeError, match="prefill's logits must be True or False"):
             s.prefill([1, 2, 3], logits=logits)
@@ -2082,7 +2082,7 @@ def test_forward_batch_checks_every_item_before_running_any(tiny_model, bad, exc
     # the bad item 64 raised, so the caller lost those results; a non-Session raised
     # AttributeError '_check', a short tuple 'not enough values to unpack', a list head
     # 'unhashable type'
-    from echospec.services.common import engine as E
+    from echospec.services.verifier import engine as E
     assert E.MAX_BATCH == 64
     with E.Model(tiny_model()) as m:
         sessions = [m.new_session(n_ctx=16, n_threads=1) for _ in range(E.MAX_BATCH + 1)]
@@ -2150,7 +2150,7 @@ class _EndedContext:
     (0.0045, "DEADLINE_EXCEEDED"),
     (0.5, "CANCELLED"), (None, "CANCELLED")])
 def test_a_client_deadline_is_logged_as_deadline_exceeded_not_cancelled(remaining, name):
-    from echospec.services.common.grpc_util import status_name
+    from echospec.services.rpc.grpc_util import status_name
     assert status_name(_EndedContext(remaining)) == name
 
 
@@ -2315,7 +2315,7 @@ def test_a_verifier_list_with_no_item_is_refused_and_log_format_takes_any_case()
 
 def test_tls_setting_messages_name_the_option_and_variable(tmp_path):
     # was: "tls_cert and tls_key go together", in neither spelling a user types
-    from echospec.services.common.grpc_util import Tls
+    from echospec.services.rpc.grpc_util import Tls
     with pytest.raises(ValueError) as e:
         Tls(str(tmp_path / "c.pem"), "", "", "").validate()
     assert str(e.value) == ("--tls-cert / ECHOSPEC_TLS_CERT and --tls-key / ECHOSPEC_TLS_KEY go "

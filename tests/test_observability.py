@@ -20,7 +20,7 @@ from ggufgen import write_tiny_model  # noqa: E402
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
 from echospec.services.common import logs  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 FIELDS = ("request_id", "rpc", "code", "prompt_tokens", "cached_tokens", "prefill_ms", "tokens_out",
           "ttft_ms", "e2e_ms", "tokens_per_s", "finish_reason", "spec", "tries", "hits", "kv_rolls",

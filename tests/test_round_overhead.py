@@ -1,4 +1,4 @@
-"""The services' bidi stream client (services/common/streams.py, grpcio's public API)
+"""The services' bidi stream client (services/rpc/streams.py, grpcio's public API)
 against a real gRPC server on loopback: responses in order, append-only sends,
 the peer's status, end of stream, cancel from another thread, deadline,
 half-close. No timings are asserted here (speed lives in bench/round_overhead.py).
@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from echospec.services.common import grpc_util
-from echospec.services.common.streams import BidiStream
+from echospec.services.rpc import grpc_util
+from echospec.services.rpc.streams import BidiStream
 
 SERVICE = "echospec.test.Echo"
 METHOD = f"/{SERVICE}/Echo"

@@ -16,7 +16,7 @@ import pytest
 
 from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb,
                          verifier_pb2_grpc)
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 
 ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
 N_VOCAB, N_CTX = 320, 512

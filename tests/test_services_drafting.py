@@ -89,7 +89,7 @@ def test_any_prediction_gives_the_plain_output(stub, prediction):
 
 
 def test_numbered_list_drafts_the_next_number_on_the_real_tokenizer(smollm2_path):
-    from echospec.services.common.tokenizer import Tokenizer
+    from echospec.services.text.tokenizer import Tokenizer
     from echospec.services.coordinator.servicer import digit_tokens
     from echospec.services.draft.proposer import SOURCE_NUMBERED, DraftProposer
 

@@ -2,7 +2,7 @@
 import pytest
 
 from echospec.v1 import common_pb2, coordinator_pb2
-from echospec.services.common.metrics import SpecCounters
+from echospec.services.common.economics import SpecCounters
 from echospec.services.verifier.controller import SpecController
 from echospec.services.coordinator.gating import MODE_OFF, MODE_ON, MODE_UNSPECIFIED, VerifierCaps, decide_spec
 

@@ -20,7 +20,7 @@ from echospec.v1 import (common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc,
                          verifier_pb2)
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from echospec.services.common.config import CoordinatorConfig, DraftConfig, VerifierConfig  # noqa: E402
-from echospec.services.coordinator.stack import start_stack  # noqa: E402
+from echospec.stack import start_stack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPCURL = ROOT / ".venv" / "bin" / "grpcurl"

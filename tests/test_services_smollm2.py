@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
-from echospec.services.coordinator.stack import start_stack
+from echospec.stack import start_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON

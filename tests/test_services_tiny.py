@@ -24,8 +24,8 @@ from ggufgen import write_tiny_model  # noqa: E402
 from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, verifier_pb2 as vpb,
                          verifier_pb2_grpc)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from echospec.services.common.metrics import gain_condition
-from echospec.services.coordinator.stack import start_stack
+from echospec.services.common.economics import gain_condition
+from echospec.stack import start_stack
 
 OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON
 N_VOCAB = 320
@@ -446,7 +446,7 @@ def test_tokenize_and_detokenize_refuse_more_than_the_context_holds(stub, stack)
 
 
 def test_unusable_model_is_a_clear_error(tmp_path):
-    from echospec.services.coordinator.stack import StackError
+    from echospec.stack import StackError
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 8)
     with pytest.raises(StackError, match="verifier: ES_ERR_"):
@@ -454,7 +454,7 @@ def test_unusable_model_is_a_clear_error(tmp_path):
 
 
 def test_port_taken_is_a_clear_error(tiny_model, stack):
-    from echospec.services.coordinator.stack import StackError
+    from echospec.stack import StackError
     with pytest.raises(StackError, match="cannot bind"):
         start_stack(tiny_model, draft_port=stack.draft_port, n_ctx=N_CTX)
 

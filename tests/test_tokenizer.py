@@ -1,4 +1,4 @@
-"""Tests for services/common/tokenizer.py.
+"""Tests for services/text/tokenizer.py.
 
 Reference: tests/data/tokenizer_golden.json, written by scripts/gen_tokenizer_golden.py with
 transformers' GGUF tokenizer converter (not needed to run these tests).
@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from echospec.services.common.tokenizer import (
+from echospec.services.text.tokenizer import (
     IncrementalDecoder,
     StopMatcher,
     Tokenizer,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from echospec.services.common.config import VerifierConfig
-from echospec.services.common.engine import Model
+from echospec.services.verifier.engine import Model
 from echospec.services.verifier.controller import SpecController
 from echospec.services.verifier.generation_loop import FINISH_CONTEXT, GenerationRequest, check, run_generation
 from echospec.services.verifier.prefix_cache import PrefixCache, common_prefix_len

@@ -298,7 +298,7 @@ static es_status read_alignment(const es_gguf_kv *kv, uint64_t *align, char *err
 enum { KT_INT = 1, KT_NUMBER, KT_BOOL, KT_STRING, KT_ARRAY_STRING, KT_ARRAY_INT };
 
 /* Every key a reader of this project reads (the engine here, the Python
- * tokenizer in services/common/gguf_reader.py, whose KEY_TYPES table must list
+ * tokenizer in services/text/gguf_reader.py, whose KEY_TYPES table must list
  * the same entries: tests/test_gguf_malformed.py compares the two). "{arch}."
  * stands for the value of general.architecture. A present key of another
  * value type makes es_gguf_open fail with a message naming the key. */

@@ -216,7 +216,7 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
     try:
         check_ranges(cfg)
         if hasattr(cfg, "tls_cert"):   # unusable TLS files fail here, before a model loads
-            from echospec.services.common.grpc_util import Tls
+            from echospec.services.rpc.grpc_util import Tls
             Tls.of(cfg).validate()
     except ValueError as exc:
         parser.error(str(exc))

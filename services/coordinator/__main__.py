@@ -5,14 +5,14 @@
 import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from echospec.services.common.lifecycle import exit_with_parent  # noqa: E402
+from echospec.services.rpc.lifecycle import exit_with_parent  # noqa: E402
 exit_with_parent()   # first: a child of `echospec serve --processes` never outlives it
 
 import sys  # noqa: E402
 
 from echospec.services.common import config as cfg  # noqa: E402
-from echospec.services.common.lifecycle import service_main  # noqa: E402
-from echospec.services.common.grpc_util import PortInUseError  # noqa: E402
+from echospec.services.rpc.lifecycle import service_main  # noqa: E402
+from echospec.services.rpc.grpc_util import PortInUseError  # noqa: E402
 from echospec.services.coordinator.server import serve  # noqa: E402
 
 

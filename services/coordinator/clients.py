@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import grpc
 
-from echospec.services.common.streams import BidiStream
+from echospec.services.rpc.streams import BidiStream
 
 
 class VerifierFailure(Exception):

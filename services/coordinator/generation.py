@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from echospec.v1.common_pb2 import FinishReason
-from echospec.services.common.metrics import SpecCounters
+from echospec.services.common.economics import SpecCounters
 
 FINISH_EOS = FinishReason.Value("FINISH_REASON_EOS")
 FINISH_STOP = FinishReason.Value("FINISH_REASON_STOP")
@@ -71,7 +71,7 @@ class _Output:
     """Token-by-token output state: decoder, stop matcher, EOS and max_tokens."""
 
     def __init__(self, tokenizer: Any, stop: list[str], max_tokens: int):
-        from echospec.services.common.tokenizer import StopMatcher
+        from echospec.services.text.tokenizer import StopMatcher
         self.dec = tokenizer.incremental_decoder()
         self.stop = StopMatcher(stop)
         self.eos = set(tokenizer.eos_ids)

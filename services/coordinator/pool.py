@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
-from echospec.services.common import grpc_util, inproc
+from echospec.services.rpc import grpc_util, inproc
 from echospec.services.coordinator.balancer import Backend, choose
 
 log = logging.getLogger("echospec.coordinator")

@@ -11,11 +11,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from echospec.services.common import grpc_util
-from echospec.services.common.chat_template import ChatTemplate
+from echospec.services.rpc import grpc_util
+from echospec.services.text.chat_template import ChatTemplate
 from echospec.services.common.config import CoordinatorConfig
 from echospec.services.common.metrics import PromMetrics
-from echospec.services.common.tokenizer import Tokenizer, read_tokenizer_metadata
+from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
 from echospec.services.coordinator.pool import Resolver, VerifierPool
 from echospec.services.coordinator.servicer import CoordinatorServicer, RequestError
 

@@ -30,13 +30,14 @@ from typing import Any, Iterator
 import grpc
 
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
-from echospec.services.common import grpc_util
-from echospec.services.common.chat_template import ChatTemplate, ChatTemplateError
+from echospec.services.rpc import grpc_util
+from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
-from echospec.services.common.metrics import SOURCE_NAMES, PromMetrics, RequestRecord, SpecCounters
-from echospec.services.common.text import clip
-from echospec.services.common.tokenizer import Tokenizer
+from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
+from echospec.services.common.metrics import PromMetrics, RequestRecord
+from echospec.services.text.clip import clip
+from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import Delta, GenerationError, GenerationParams, Outcome, generate

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from echospec.v1 import draft_pb2, draft_pb2_grpc
-from echospec.services.common import grpc_util
+from echospec.services.rpc import grpc_util
 from echospec.services.common.config import DraftConfig
 from echospec.services.draft.proposer import NgramParams
 from echospec.services.draft.servicer import DraftServicer

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from echospec.services.common import auth
 from echospec.services.common.config import GatewayConfig
-from echospec.services.common.text import clip
+from echospec.services.text.clip import clip
 from echospec.services.gateway import openai_api as api
 from echospec.services.gateway.upstream import GenerationStream, Upstream, UpstreamError
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
-from echospec.services.common.chat_template import ROLE_ALIASES, VALID_ROLES
+from echospec.services.text.chat_template import ROLE_ALIASES, VALID_ROLES
 from echospec.services.common.floats import FLOAT32_MAX, as_f32
-from echospec.services.common.text import clip
+from echospec.services.text.clip import clip
 from echospec.services.common.config import CoordinatorConfig
 
 

@@ -17,9 +17,9 @@ import time
 
 import uvicorn
 
-from echospec.services.common import grpc_util
+from echospec.services.rpc import grpc_util
 from echospec.services.common.config import GatewayConfig
-from echospec.services.common.grpc_util import PortInUseError
+from echospec.services.rpc.grpc_util import PortInUseError
 from echospec.services.gateway.app import create_app
 
 log = logging.getLogger("echospec.gateway")

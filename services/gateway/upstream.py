@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from echospec.services.common import auth, grpc_util
+from echospec.services.common import auth
+from echospec.services.rpc import grpc_util
 from echospec.services.common.config import GatewayConfig
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name

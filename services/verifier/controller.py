@@ -35,7 +35,7 @@ E(K) + 1 tokens, where E(K) = p + p^2 + ... + p^K is the expected accepted
 run for a per-token acceptance probability p (each draft token is taken only
 if every earlier one was). So the controller drafts the K in [1, available]
 that maximises (E(K) + 1) / (V(K) + o [+ h]) among the K that pass the gain
-condition V(K) [+ h] + o < (E(K) + 1) * T (services/common/metrics.py
+condition V(K) [+ h] + o < (E(K) + 1) * T (services/common/economics.py
 gain_condition, the formula of the reported verdict too), and drafts nothing
 when none passes (plain decoding, 1 / T tokens per ms, is faster); with
 drafts at hand but none chosen, every probe_every-th round still drafts 2
@@ -51,7 +51,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from echospec.services.common.metrics import gain_condition
+from echospec.services.common.economics import gain_condition
 
 
 class CostModel:

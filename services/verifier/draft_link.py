@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from echospec.v1 import draft_pb2
-from echospec.services.common.streams import BidiStream
+from echospec.services.rpc.streams import BidiStream
 from echospec.services.verifier.generation_loop import DraftUnavailable
 
 

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from echospec.services.common.engine import EngineError, sample
+from echospec.services.verifier.engine import EngineError, sample
 from echospec.services.common.floats import f32_str
 from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.draft.memory import namespace_problem

@@ -82,7 +82,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from echospec.services.common.engine import EngineError, decode_batch, ffi, forward_batch
+from echospec.services.verifier.engine import EngineError, decode_batch, ffi, forward_batch
 
 
 MANY_TOKENS = 16   # an iteration over one session of this many tokens runs on ``many`` threads
@@ -111,7 +111,7 @@ class Step:
     forward, shared by every step of the batch), queued_ms, error.
     """
 
-    session: Any                      # services.common.engine.Session
+    session: Any                      # services.verifier.engine.Session
     tokens: list[int]
     head: str = "all"
     logits: str = "none"

@@ -5,7 +5,7 @@ import logging
 import threading
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
-from echospec.services.common import grpc_util, inproc
+from echospec.services.rpc import grpc_util, inproc
 from echospec.services.common.config import VerifierConfig
 from echospec.services.verifier.servicer import VerifierServicer
 from echospec.services.verifier.sessions import VerifierCore

@@ -15,7 +15,7 @@ import grpc
 
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from echospec.services.common.config import model_name
-from echospec.services.common.engine import simd_name
+from echospec.services.verifier.engine import simd_name
 from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
                                                         check_sampling, run_generation)
 from echospec.services.verifier.sessions import (FailedPrecondition, Sampling, StepOutcome,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
-from echospec.services.common.engine import MAX_THREADS, EngineError, Model, Session, sample
+from echospec.services.verifier.engine import MAX_THREADS, EngineError, Model, Session, sample
 from echospec.services.common.floats import f32_str
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler

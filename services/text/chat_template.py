@@ -35,7 +35,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from echospec.services.common.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
+from echospec.services.text.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
 
 __all__ = ["ChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE", "VALID_ROLES", "ROLE_ALIASES",
            "validate_messages"]

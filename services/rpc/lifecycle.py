@@ -1,4 +1,4 @@
-"""Process lifecycle of a service started by `echospec serve --processes` (stack.py).
+"""Process lifecycle of a service started by `echospec serve --processes` (echospec/stack.py).
 
 `exit_with_parent` is the first thing each service's ``__main__`` does: when the parent that
 started it (named by ECHOSPEC_PARENT_PID) dies in any way, even SIGKILL, the kernel sends this

@@ -41,7 +41,7 @@ from typing import Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from echospec.services.common import gguf_reader
+from echospec.services.text import gguf_reader
 
 __all__ = [
     "TOKEN_TYPE_NORMAL",
@@ -193,7 +193,7 @@ def _str_array(fields: dict[str, gguf_reader.Field], key: str) -> list[str] | No
 
 
 def read_tokenizer_metadata(path: str | os.PathLike[str]) -> GGUFTokenizerMetadata:
-    """Read the tokenizer keys of a GGUF file with `echospec.services.common.gguf_reader`.
+    """Read the tokenizer keys of a GGUF file with `echospec.services.text.gguf_reader`.
 
     The whole file is validated with the engine's rules (tensor regions, data section, the value
     type of every key in ``gguf_reader.KEY_TYPES``); tensor data is memory-mapped, never read.

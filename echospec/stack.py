@@ -1,14 +1,19 @@
-"""Start the three services together: ``start_stack`` for `echospec serve` and the tests,
-with the HTTP gateway in front of the coordinator when ``http_port >= 0``.
+"""Start the services together: ``start_stack`` for `echospec serve` and the tests. It starts
+the draft, verifier and coordinator services, with the HTTP gateway in front of the coordinator
+when ``http_port >= 0``, and so sits above all four of them (beside the CLI, not inside one).
 
 Two modes:
-    processes=False (default)  three gRPC servers in this process, each with its
-                               own port and thread pool; the services still talk
-                               over loopback gRPC exactly as when deployed. Fast
-                               to start; what the tests use.
-    processes=True             three child processes (python -m echospec.services.draft /
-                               .verifier / .coordinator), as docker-compose runs
-                               them; closer to the deployment (no shared GIL).
+    processes=False (default)  the gRPC servers in this process, each with its own port and
+                               thread pool. The services talk over loopback gRPC as when
+                               deployed, with one exception: the coordinator's GenerateTokens
+                               call to a verifier of this process goes straight to its servicer
+                               (services/rpc/inproc.py: no serialization, no HTTP/2), while
+                               its other calls to the verifier still cross gRPC. Fast to
+                               start; what the tests use.
+    processes=True             child processes (python -m echospec.services.draft /
+                               .verifier / .coordinator / .gateway), as docker-compose runs
+                               them: every call crosses loopback gRPC; closer to the
+                               deployment (no shared GIL).
 Every port defaults to 0 (a free port); the coordinator's is the public one.
 The draft and verifier start first; the coordinator waits for the verifier.
 
@@ -37,13 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echospec.services.common import grpc_util, logs
-from echospec.services.common.grpc_util import host_port
+from echospec.services.common import logs
+from echospec.services.rpc import grpc_util
+from echospec.services.rpc.grpc_util import host_port
 from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
                                              VerifierConfig)
-from echospec.services.common.lifecycle import PARENT_ENV, STOP_REASON_ENV
+from echospec.services.rpc.lifecycle import PARENT_ENV, STOP_REASON_ENV
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DRAFT_RESTARTS = 3     # times `revive` starts a dead draft child again
 
 
@@ -225,7 +231,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         spec: the coordinator's --spec default.
         processes: run each service in its own process (see the module docstring). Each child
             gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
-            services/common/lifecycle.py), so call this from a thread that outlives the stack:
+            services/rpc/lifecycle.py), so call this from a thread that outlives the stack:
             the main thread, as `echospec serve` does.
         n_ctx, n_threads: verifier KV capacity per session and engine threads of a forward
             over one session. batch_threads: of a scheduler iteration over >= 2 sessions or

@@ -126,7 +126,7 @@ class _Undecodable:
 
 class DecodeErrors(grpc.ServerInterceptor):
     """Answer a request whose bytes protobuf cannot parse with INVALID_ARGUMENT naming the field
-    (services/common/wire.py: "messages[0].content is not valid UTF-8 ..."), not grpcio's
+    (services/rpc/wire.py: "messages[0].content is not valid UTF-8 ..."), not grpcio's
     INTERNAL "Exception deserializing request!".
 
     grpcio deserializes before any handler runs, so this swaps the method's deserializer for one
@@ -146,7 +146,7 @@ class DecodeErrors(grpc.ServerInterceptor):
         desc = _input_descriptor(method)
         if desc is None:
             return handler
-        from echospec.services.common import wire
+        from echospec.services.rpc import wire
         parse = handler.request_deserializer
 
         def lenient(data: bytes):
@@ -329,7 +329,7 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         return self._finisher(method, time.monotonic())
 
     def local_stream(self, method: str, behavior, request, context) -> Iterator:
-        """A server-streaming handler called from this process (services/common/inproc.py) under
+        """A server-streaming handler called from this process (services/rpc/inproc.py) under
         the same rules as a call from the network: admitted or refused with RESOURCE_EXHAUSTED,
         counted in the metrics and in `active` (a stopping server waits for it), checked against
         the shutdown message between messages, and ended by `end_local` when the server's grace
@@ -701,7 +701,7 @@ def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
     """Block until SIGINT/SIGTERM, then stop gracefully (main thread only): calls in flight get
     grace_s seconds, the rest end with UNAVAILABLE naming the signal and, under `echospec serve
     --processes`, why it stopped the stack (ServerHandle.stop, lifecycle.stop_reason)."""
-    from echospec.services.common.lifecycle import stop_reason
+    from echospec.services.rpc.lifecycle import stop_reason
     done = threading.Event()
     received = []
 
