@@ -66,6 +66,7 @@ class SpecCounters:
     t_ms: float = 0.0
     prefill_ms: float = 0.0
     cached_prompt_tokens: int = 0     # prompt tokens whose KV the verifier reused
+    k_choice: str = ""                # the verifier's cost model: its last choice of K and why
     # per draft source (echospec.v1.DraftSource value): [draft_tokens, hits, tries]
     sources: dict = field(default_factory=dict)
 

@@ -160,6 +160,8 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
                 counters.t_ms = res.t_ms
             else:
                 counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms, rnd.source)
+            if rnd.k_choice:
+                counters.k_choice = rnd.k_choice
             tokens.extend(res.tokens)
         d = out.take(tokens) if tokens else Delta("", [])
         if msg.finish and not out.finish:

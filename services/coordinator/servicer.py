@@ -112,7 +112,7 @@ def stats_to_proto(c) -> common_pb2.SpecStats:
         overhead_ms=c.overhead_ms, overhead_share=c.overhead_share, prefill_ms=c.prefill_ms,
         gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens,
         accepted_prediction_tokens=c.accepted_prediction_tokens,
-        rejected_prediction_tokens=c.rejected_prediction_tokens, sources=sources)
+        rejected_prediction_tokens=c.rejected_prediction_tokens, sources=sources, k_choice=c.k_choice)
 
 # A verifier's failure before a generation's first token with one of these codes moves the
 # generation to another verifier (once); the others (a bad prompt, a deadline) would fail there too.
@@ -522,4 +522,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             k_max=k_max,
             max_tokens_default=cfg.max_tokens, max_tokens_limit=cfg.max_tokens_limit,
             verifier_target=",".join(s.address for s in statuses),
-            draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses)
+            draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses,
+            arch=v.arch, n_expert=v.n_expert, n_expert_used=v.n_expert_used)

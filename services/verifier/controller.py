@@ -116,6 +116,22 @@ def expected_accepted(p: float, k: int) -> float:
     return total
 
 
+def explain_k(k: int, p: float, available: int, cost: CostModel, hop: bool) -> str:
+    """Why best_k chose ``k``: the numbers of its gain condition (of K = 1 when k is 0), e.g.
+    ``"K=3 of 4: p=0.82 E(K)=2.0, V(K)+o=31.2 ms < (E+1)T=60.3 ms (T=20.1 ms, V(K)/T=1.53)"``."""
+    t = cost.v_est(0)
+    kk = k if k > 0 else 1
+    e = expected_accepted(p, kk)
+    lhs = cost.v_est(kk) + (cost.hop_ms if hop else 0.0) + cost.overhead_ms
+    ratio = cost.v_est(kk) / t if t > 0 else 0.0
+    if k > 0:
+        return (f"K={k} of {available}: p={p:.2f} E(K)={e:.2f}, V(K)+o={lhs:.1f} ms < (E+1)T={(e + 1) * t:.1f} ms "
+                f"(T={t:.1f} ms, V(K)/T={ratio:.2f}; the most tokens per ms)")
+    need = ratio + (lhs - cost.v_est(kk)) / t - 1.0 if t > 0 else 0.0
+    return (f"K=0 of {available}: no K pays at p={p:.2f}; K=1 needs V(1)+o={lhs:.1f} ms < (E+1)T="
+            f"{(e + 1) * t:.1f} ms (T={t:.1f} ms, V(1)/T={ratio:.2f}: an acceptance above {max(need, 0.0):.2f})")
+
+
 def best_k(p: float, available: int, cost: CostModel, hop: bool) -> int:
     """The draft length in [0, available] with the most expected tokens per ms, among those
     that pass `metrics.gain_condition` (the formula the reported verdict uses): a K with
@@ -158,6 +174,8 @@ class SpecController:
     since_probe: int = 0
     cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
     eager: bool = False                # back-off rounds still ask in flight (a request with a prediction)
+    k_choice: str = ""                 # the cost model's last choice of K and why (explain_k)
+    _k_key: tuple = ()
 
     @property
     def p_accept(self) -> float:
@@ -171,6 +189,12 @@ class SpecController:
         if self.cost is None:
             return available
         k = best_k(self.p_accept, available, self.cost, hop)
+        # the reason in words, renewed when the choice or the acceptance (to 0.1) changes, so that a
+        # steady choice is reported once, not every round
+        key = (k, available, round(self.p_accept, 1))
+        if available > 0 and key != self._k_key:
+            self._k_key = key
+            self.k_choice = explain_k(k, self.p_accept, available, self.cost, hop)
         if k == 0 and available > 0:
             # Probe now and then, so a stale or pessimistic estimate of V(K)
             # or p is measured again instead of locking drafting out.

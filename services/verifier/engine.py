@@ -64,7 +64,13 @@ class ModelInfo:
     rope_neox: bool
     norm_eps: float
     tied_output: bool
-    weight_bytes: int
+    weight_bytes: int           # bytes a decode step reads (with n_expert_used of n_expert experts)
+    file_weight_bytes: int      # bytes of every tensor the forward pass uses
+    n_expert: int = 0           # mixture of experts: experts per layer (0: dense)
+    n_expert_used: int = 0      # experts each token runs
+    n_ff_exp: int = 0           # one expert's SwiGLU size
+    rope_sections: tuple = (0, 0, 0, 0)   # Qwen3-VL's multimodal RoPE (t, h, w, 4th); zeros: plain RoPE
+    n_deepstack: int = 0        # Qwen3-VL: layers fed the vision tower's deepstack features
 
 
 def simd_name() -> str:
@@ -76,7 +82,8 @@ class Model:
     """A GGUF model loaded into the engine (read-only, shareable by sessions).
 
     Args:
-        path: GGUF file (versions 2 and 3; llama, qwen2, qwen3 architectures).
+        path: GGUF file (versions 2 and 3; llama, qwen2, qwen3, qwen3moe, qwen3vl and
+            qwen3vlmoe architectures: of Qwen3-VL, the text decoder).
         repack: copy the Q4_0 / Q4_1 / Q8_0 matrices into the SIMD kernels'
             layout (the same bytes again; the mapped pages are released).
             False: keep them as mapped, for a load that only validates the
@@ -112,7 +119,9 @@ class Model:
             n_embd=ci.n_embd, n_layer=ci.n_layer, n_head=ci.n_head, n_head_kv=ci.n_head_kv,
             head_dim=ci.head_dim, n_ff=ci.n_ff, rope_freq_base=ci.rope_freq_base,
             rope_dim=ci.rope_dim, rope_neox=bool(ci.rope_neox), norm_eps=ci.norm_eps,
-            tied_output=bool(ci.tied_output), weight_bytes=ci.weight_bytes)
+            tied_output=bool(ci.tied_output), weight_bytes=ci.weight_bytes,
+            file_weight_bytes=ci.file_weight_bytes, n_expert=ci.n_expert, n_expert_used=ci.n_expert_used,
+            n_ff_exp=ci.n_ff_exp, rope_sections=tuple(ci.rope_sections), n_deepstack=ci.n_deepstack)
 
     def new_session(self, n_ctx: int = 0, n_threads: int = 0) -> "Session":
         """Create a session with its own KV cache.
@@ -184,6 +193,13 @@ class Session:
         return lib.es_session_n_past(self._ptr)
 
     @property
+    def experts_read(self) -> int:
+        """Expert matrices (one expert's gate, up and down count once) the last forward read, over all
+        layers; 0 for a dense model. A verify of K drafts reads the union of its K + 1 rows' choices."""
+        self._check()
+        return lib.es_session_experts_read(self._ptr)
+
+    @property
     def n_ctx(self) -> int:
         """KV capacity (tokens)."""
         self._check()
@@ -220,13 +236,15 @@ class Session:
             self._raise(st)
         self._threads = v
 
-    def forward(self, tokens: Sequence[int] | np.ndarray, logits: str = "none"
-                ) -> tuple[np.ndarray, np.ndarray | None]:
+    def forward(self, tokens: Sequence[int] | np.ndarray, logits: str = "none",
+                positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Append ``tokens`` to the sequence and run the model over them.
 
         Args:
             tokens: int token ids, length N >= 1, each in [0, n_vocab).
             logits: "none", "last" (float32 [1, n_vocab]) or "all" (float32 [N, n_vocab]).
+            positions: None (each token's KV position), or int [N, 3]: the (t, h, w) positions of
+                Qwen3-VL's multimodal RoPE (models without sections rotate by t).
         Returns:
             (argmax int32 [N], logits or None). argmax[i] is the greedy token
             after position n_past + i.
@@ -245,10 +263,21 @@ class Session:
             out = np.empty((1, self.n_vocab), dtype=np.float32)
         elif mode == 2:
             out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
-        st = lib.es_forward(
-            self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
-            ffi.from_buffer("int32_t[]", am),
-            ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        if positions is None:
+            st = lib.es_forward(
+                self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
+                ffi.from_buffer("int32_t[]", am),
+                ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        else:
+            pos = np.ascontiguousarray(positions, dtype=np.int64)
+            if pos.shape != (n, 3) or (pos.size and (pos.min() < 0 or pos.max() > np.iinfo(np.int32).max)):
+                raise EngineError(ES_ERR_INVALID_ARG, f"positions must be non-negative int32 of shape ({n}, 3), "
+                                  f"got shape {tuple(pos.shape)}")
+            pos32 = pos.astype(np.int32)
+            st = lib.es_forward_positions(
+                self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
+                ffi.from_buffer("int32_t[]", pos32), ffi.from_buffer("int32_t[]", am),
+                ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
         if st != 0:
             self._raise(st)
         return am[:n], out

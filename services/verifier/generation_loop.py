@@ -93,6 +93,7 @@ class RoundEvent:
     cached_prompt_tokens: int = 0     # prefill only
     spec_reason: str = ""             # set when speculation stops
     source: int = 0                   # echospec.v1.DraftSource of the draft (0: none)
+    k_choice: str = ""                # the cost model's choice of K and why, when it changed
     finish: int = 0                   # FINISH_CONTEXT on a last event without tokens
     prefill: bool = False
 
@@ -534,6 +535,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
     cost = drafts.ctl.cost
+    k_choice = ""
     r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
     while not done:
         if run.cancel.is_set():
@@ -605,6 +607,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
                         proposals, source=drafts.source if k else 0)
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
+        if drafts.ctl.k_choice != k_choice:
+            ev.k_choice = k_choice = drafts.ctl.k_choice
         if done:
             run.release()
         yield ev

@@ -55,7 +55,7 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
                 tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
                 hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
                 n_past=ev.n_past, n_ctx=ev.n_ctx),
-            wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source)
+            wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source, k_choice=ev.k_choice)
         if ev.prefill:
             msg.cached_prompt_tokens = ev.cached_prompt_tokens
         if ev.spec_reason:
@@ -107,7 +107,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
             cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk,
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
-            batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps)
+            batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps,
+            n_expert=core.model.info.n_expert, n_expert_used=core.model.info.n_expert_used)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:

@@ -158,6 +158,9 @@ class Info:
     n_ctx: int
     n_vocab: int
     max_tokens_limit: int = 0   # the largest max_tokens a request may ask (0: not reported)
+    arch: str = ""              # the model's architecture ("": not reported)
+    n_expert: int = 0           # mixture of experts: experts per layer (0: dense)
+    n_expert_used: int = 0      # experts each token runs
 
 
 class ClientError(Exception):
@@ -596,7 +599,8 @@ class Client:
         r = self._unary("GetInfo", coordinator_pb2.GetInfoRequest(), timeout)
         return Info(model=r.model, spec_default=r.spec_default, k_default=r.k_default,
                     k_max=r.k_max, max_tokens_default=r.max_tokens_default, n_ctx=r.n_ctx,
-                    n_vocab=r.n_vocab, max_tokens_limit=r.max_tokens_limit)
+                    n_vocab=r.n_vocab, max_tokens_limit=r.max_tokens_limit, arch=r.arch,
+                    n_expert=r.n_expert, n_expert_used=r.n_expert_used)
 
     def _unary(self, rpc: str, request, timeout: float | None):
         left = self._begin(timeout)
