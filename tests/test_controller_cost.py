@@ -104,3 +104,38 @@ def test_the_controller_and_the_verdict_use_one_formula(t, o, v, r):
     if r >= 1:
         assert (best_k(1.0, r, cm, hop=False) == r) == ok
     assert lhs == pytest.approx(v + o) and rhs == pytest.approx((r + 1) * t)
+
+
+def test_k_choice_names_the_numbers_of_the_gain_condition():
+    # A mixture-of-experts verify: V(K) grows with the union of the experts its rows choose
+    # (measured, not the linear prior), so K = 1 pays at high acceptance and K = 4 does not.
+    c = cost(t=20.0, slope=0.05)
+    for _ in range(50):
+        c.observe(1, 24.0, 24.5, 20.0)      # V(1) = 1.2 T
+        c.observe(4, 70.0, 70.5, 20.0)      # V(4) = 3.5 T
+    ctl = SpecController(k=4, cost=c)
+    ctl.acc[0] = (50.0, 1.0)                # p about 0.96
+    draft = ctl.on_proposal([1, 2, 3, 4], k_cap=4)
+    assert 1 <= len(draft) < 4
+    assert ctl.k_choice.startswith(f"K={len(draft)} of 4: p=0.9")
+    assert "V(K)/T=" in ctl.k_choice and "T=20.0 ms" in ctl.k_choice
+    # low acceptance: off, with the acceptance K = 1 would need
+    ctl2 = SpecController(k=4, cost=c)
+    ctl2.acc[0] = (0.0, 30.0)
+    assert ctl2.on_proposal([1, 2, 3, 4], k_cap=4) == []
+    assert ctl2.k_choice.startswith("K=0 of 4: no K pays at p=0.03")
+    # (V(1) + o) / T - 1 = (24 + 0.5) / 20 - 1
+    assert "an acceptance above 0.22" in ctl2.k_choice   # 0.225 in float
+
+
+def test_k_choice_is_renewed_only_when_the_choice_changes():
+    c = cost(t=5.0, slope=0.05)
+    ctl = SpecController(k=4, cost=c)
+    ctl.acc[0] = (40.0, 1.0)
+    ctl.on_proposal([1, 2, 3, 4], k_cap=4)
+    first = ctl.k_choice
+    c.observe(0, 5.2, 5.7, 5.2)             # T drifts a little: the same choice, the same words
+    ctl.on_proposal([1, 2, 3, 4], k_cap=4)
+    assert ctl.k_choice == first
+    ctl.on_proposal([1, 2], k_cap=2)        # fewer drafts at hand: a new choice
+    assert ctl.k_choice.startswith("K=2 of 2")
