@@ -34,7 +34,10 @@ Board-shaped files (Qwen3 shapes, K-quants): python bench/qwen3_shapes.py, then 
 JSON keys: decode_tok_s, prefill_tok_s, verify_ratio (object "K" -> V(K)/T), T_ms, V_ms ("K" -> ms),
 peer (the same keys for llama.cpp, or null), peer_error (why the peer is null), ratios (ours/peer),
 goals, argmax agreement with the peer, and the run's settings (threads, simd, simd_build, host_isa,
-model, arch, n_vocab, n_ctx, rounds, ...).
+model, arch, n_vocab, n_ctx, rounds, ...). Ours also: load_s (model load and session), rss_mib (the
+resident memory they added), file_mib, and for a mixture of experts n_expert, n_expert_used and
+experts_per_layer ("K" -> the distinct experts per layer a verify of K drafts read: the union of the
+K + 1 rows' choices).
 Progress goes to stderr. Exit status: 0 on success, 2 when the model or the engine is unusable.
 """
 from __future__ import annotations
@@ -166,11 +169,15 @@ class OursRunner:
                 f"`cd {ROOT} && .venv/bin/pip install -e . --no-build-isolation` "
                 f"or `python engine_c/build_ffi.py`") from e
         self._engine = engine
+        rss0 = _rss_bytes()
+        t0 = time.monotonic()
         try:
             self.model = engine.Model(model_path)
             self.session = self.model.new_session(n_ctx=n_ctx, n_threads=threads)
         except engine.EngineError as e:
             raise BenchError(f"echospec engine cannot load {model_path}: {e}") from e
+        self.load_s = time.monotonic() - t0                 # the model load and its KV cache
+        self.rss_bytes = _rss_bytes() - rss0                # resident memory they added
         self.n_vocab = self.model.info.n_vocab
         self.simd = engine.simd_name()
         self.version = "echospec " + self.simd
@@ -187,6 +194,12 @@ class OursRunner:
         """Forward over tokens (int32 [N]); returns the argmax of every position (int32 [N])."""
         am, _ = self.session.forward(tokens)
         return am
+
+    def experts_per_layer(self) -> float | None:
+        """Distinct experts per layer that the last forward read (mixture of experts), else None."""
+        if not self.model.info.n_expert:
+            return None
+        return self.session.experts_read / self.model.info.n_layer
 
     def close(self) -> None:
         self.model.close()
@@ -287,6 +300,16 @@ class RoundResult:
     v_ms: dict[int, float]                   # K -> median of the round's V(K) samples
     decode_ids: list[int] = field(default_factory=list)
     verify_argmax: list[int] = field(default_factory=list)
+    experts: dict[int, float] = field(default_factory=dict)   # K -> distinct experts per layer (MoE)
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (Linux /proc; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -312,12 +335,16 @@ def measure_round(r, plan: Plan) -> RoundResult:
     v_samples: dict[int, list[float]] = {k: [] for k in plan.ks}
     verify_argmax: list[int] = []
     kmax = max(plan.ks)
+    experts: dict[int, float] = {}
+    union = getattr(r, "experts_per_layer", lambda: None)
     for _ in range(plan.inner):
         ms, _ = _timed(lambda: r.step(plan.draft[:1]))
         r.reset(depth)
         t_samples.append(ms)
         for k in plan.ks:
             ms, am = _timed(lambda k=k: r.step(plan.draft[:k + 1]))
+            if union() is not None:
+                experts[k] = union()
             r.reset(depth)
             v_samples[k].append(ms)
             if k == kmax:
@@ -341,7 +368,7 @@ def measure_round(r, plan: Plan) -> RoundResult:
         decode_tok_s=plan.decode_tokens / (ms / 1e3),
         t_ms=statistics.median(t_samples),
         v_ms={k: statistics.median(v) for k, v in v_samples.items()},
-        decode_ids=ids, verify_argmax=verify_argmax)
+        decode_ids=ids, verify_argmax=verify_argmax, experts=experts)
 
 
 def summarize(rounds: list[RoundResult], ks: Sequence[int]) -> dict:
@@ -355,6 +382,8 @@ def summarize(rounds: list[RoundResult], ks: Sequence[int]) -> dict:
         "V_ms": {str(k): med(x.v_ms[k] for x in rounds) for k in ks},
         "decode_tok_s_spread": [min(x.decode_tok_s for x in rounds), max(x.decode_tok_s for x in rounds)],
         "T_ms_spread": [min(x.t_ms for x in rounds), max(x.t_ms for x in rounds)],
+        **({"experts_per_layer": {str(k): rounds[-1].experts[k] for k in ks}}
+           if rounds and rounds[-1].experts else {}),
     }
 
 
@@ -533,6 +562,11 @@ def run(args) -> dict:
         "simd_build": args.simd,
         "host_isa": host_isa(),
         "arch": ours.model.info.arch,
+        "n_expert": ours.model.info.n_expert,
+        "n_expert_used": ours.model.info.n_expert_used,
+        "load_s": round(ours.load_s, 2),
+        "rss_mib": round(ours.rss_bytes / 2 ** 20, 1),
+        "file_mib": round(model_path.stat().st_size / 2 ** 20, 1),
         "n_vocab": ours.n_vocab,
         "n_ctx": n_ctx,
         "depth": plan.depth,
