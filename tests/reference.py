@@ -66,7 +66,9 @@ NEOX layout rotates by pos_c * theta_i where the component c is chosen interleav
 transformers' apply_interleaved_mrope):
               c = h if i % 3 == 1 and i < 3 s_h;  w if i % 3 == 2 and i < 3 s_w;  t if i % 3 == 0 and i < 3 s_t;
                   else e
-A text token at position n has t = h = w = n, which makes it plain NEOX RoPE.
+(the pairs left over, e.g. 61 and 62 of [24, 20, 20, 0], take e in ggml; transformers gives them t.
+llama.cpp sets e = t = h = w for text tokens; given (t, h, w) only, the reference takes e = t, as
+transformers does.) A text token at position n has t = h = w = n, which makes it plain NEOX RoPE.
 """
 from __future__ import annotations
 
@@ -152,7 +154,7 @@ def rope_multi(x: np.ndarray, pos: np.ndarray, base: float, rope_dim: int, secti
 
     Args:
         x: [n_tokens, n_heads, head_dim]
-        pos: int [n_tokens, 3] (t, h, w) or [n_tokens, 4] (t, h, w, e) positions per token
+        pos: int [n_tokens, 3] (t, h, w; e = t) or [n_tokens, 4] (t, h, w, e) positions per token
         sections: [s_t, s_h, s_w(, s_e)] in rotation pairs (rope.dimension_sections)
     Returns:
         rotated copy, same shape and dtype.
@@ -161,7 +163,7 @@ def rope_multi(x: np.ndarray, pos: np.ndarray, base: float, rope_dim: int, secti
     if pos.ndim != 2 or pos.shape[1] not in (3, 4):
         raise ValueError("pos must be [n_tokens, 3] or [n_tokens, 4]")
     if pos.shape[1] == 3:
-        pos = np.concatenate([pos, np.zeros((pos.shape[0], 1))], axis=1)
+        pos = np.concatenate([pos, pos[:, :1]], axis=1)
     half = rope_dim // 2
     inv = base ** (-2.0 * np.arange(half, dtype=np.float64) / rope_dim)
     comp = mrope_component(rope_dim, sections)
