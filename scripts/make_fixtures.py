@@ -18,9 +18,9 @@ Needs (none of it is a dependency of the project):
   - the tokenizer source: SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch_model.py) (--tokenizer-gguf)
 
 Command (from the repository root):
-  nice /work/fx/venv/bin/python scripts/make_fixtures.py \
-      --llama-src /work/fx/llama_cpp_python-0.3.36/vendor/llama.cpp \
-      --llama-python /work/main/.venv/bin/python \
+  nice <torch-venv>/bin/python scripts/make_fixtures.py \
+      --llama-src <llama_cpp_python-0.3.36 sdist>/vendor/llama.cpp \
+      --llama-python <venv with llama_cpp>/bin/python \
       --tokenizer-gguf ~/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf \
       --work /tmp/echospec-fixtures --out tests/data/models
 
