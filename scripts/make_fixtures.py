@@ -10,6 +10,8 @@ What it does, per fixture:
   4. reference logits: the quantized file's tensors, dequantized with the gguf package, are loaded
      into the transformers model, which runs the prompts in float32; llama.cpp's logits for the same
      prompts come from llama_cpp.Llama. Both are saved (compactly) beside the GGUF.
+Kept in --out: qwen3moe-Q4_K_M, qwen3vl-Q8_0, qwen3vlmoe-Q8_0 (+ .ref.npz each), qwen3vl-mmproj-F16;
+the rest (F16 files, qwen3moe-Q8_0, qwen3vlmoe's projector, summary.json) stays in --work.
 
 Needs (none of it is a dependency of the project):
   - a Python with torch (CPU), transformers 5.x, gguf, safetensors, numpy       (--python: this one)
