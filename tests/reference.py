@@ -51,6 +51,24 @@ Model semantics (see /work/shared/MODEL_NOTES.md):
               h = RMSNorm(x) * ffn_norm
               x = x + (silu(h Wg^T) * (h Wu^T)) Wd^T
   logits = (RMSNorm(x) * output_norm) Wout^T       (Wout = token_embd when output.weight is absent)
+
+Mixture of experts (qwen3moe, qwen3vlmoe; keys expert_count E, expert_used_count k,
+expert_feed_forward_length): the feed-forward is replaced by
+              p = softmax(h Wr^T)                  Wr = ffn_gate_inp [E, n_embd] (F32 in llama.cpp's files)
+              top = the k largest p (ties: the lower expert index first)
+              w = p[top] / sum(p[top])             (norm_topk_prob; qwen3moe files carry no key for it:
+                                                     llama.cpp always renormalises for these architectures)
+              x = x + sum_j w_j (silu(h Wg_e^T) * (h Wu_e^T)) Wd_e^T      e = top[j]; ffn_{gate,up,down}_exps[e]
+
+Multimodal RoPE (qwen3vl, qwen3vlmoe; key rope.dimension_sections [s_t, s_h, s_w, s_e], in rotation
+pairs, summing to head_dim / 2): every token has positions (t, h, w) (and e, 0 for text); pair i of the
+NEOX layout rotates by pos_c * theta_i where the component c is chosen interleaved (llama.cpp's IMROPE,
+transformers' apply_interleaved_mrope):
+              c = h if i % 3 == 1 and i < 3 s_h;  w if i % 3 == 2 and i < 3 s_w;  t if i % 3 == 0 and i < 3 s_t;
+                  else e
+(the pairs left over, e.g. 61 and 62 of [24, 20, 20, 0], take e in ggml; transformers gives them t.
+llama.cpp sets e = t = h = w for text tokens; given (t, h, w) only, the reference takes e = t, as
+transformers does.) A text token at position n has t = h = w = n, which makes it plain NEOX RoPE.
 """
 from __future__ import annotations
 
@@ -61,6 +79,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe")
+NEOX_ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe")
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16, QT.F64)
 K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)   # activations quantized per 256 (the engine's es_q8k_block)
 NEAR_F16 = 4 * 2.0 ** -13   # float16 ulps: four float32 ulps from a float16 midpoint (see align_rounding)
@@ -109,6 +129,71 @@ def rope(x: np.ndarray, pos: np.ndarray, base: float, rope_dim: int, neox: bool)
         out[..., 0:rope_dim:2] = x0 * cos - x1 * sin
         out[..., 1:rope_dim:2] = x0 * sin + x1 * cos
     return out
+
+
+def mrope_component(rope_dim: int, sections: Sequence[int]) -> np.ndarray:
+    """Which position component (0 t, 1 h, 2 w, 3 e) rotates each pair i in [0, rope_dim/2) (interleaved)."""
+    s = list(sections) + [0] * (4 - len(sections))
+    n_sect = sum(s)
+    comp = np.empty(rope_dim // 2, dtype=np.int64)
+    for i in range(rope_dim // 2):
+        sec = i % n_sect if n_sect else i
+        if sec % 3 == 1 and sec < 3 * s[1]:
+            comp[i] = 1
+        elif sec % 3 == 2 and sec < 3 * s[2]:
+            comp[i] = 2
+        elif sec % 3 == 0 and sec < 3 * s[0]:
+            comp[i] = 0
+        else:
+            comp[i] = 3
+    return comp
+
+
+def rope_multi(x: np.ndarray, pos: np.ndarray, base: float, rope_dim: int, sections: Sequence[int]) -> np.ndarray:
+    """Interleaved multimodal RoPE (NEOX pairs (i, i + rope_dim/2)) of Qwen3-VL.
+
+    Args:
+        x: [n_tokens, n_heads, head_dim]
+        pos: int [n_tokens, 3] (t, h, w; e = t) or [n_tokens, 4] (t, h, w, e) positions per token
+        sections: [s_t, s_h, s_w(, s_e)] in rotation pairs (rope.dimension_sections)
+    Returns:
+        rotated copy, same shape and dtype.
+    """
+    pos = np.asarray(pos, dtype=np.float64)
+    if pos.ndim != 2 or pos.shape[1] not in (3, 4):
+        raise ValueError("pos must be [n_tokens, 3] or [n_tokens, 4]")
+    if pos.shape[1] == 3:
+        pos = np.concatenate([pos, pos[:, :1]], axis=1)
+    half = rope_dim // 2
+    inv = base ** (-2.0 * np.arange(half, dtype=np.float64) / rope_dim)
+    comp = mrope_component(rope_dim, sections)
+    ang = pos[:, comp] * inv[None, :]                                 # [n_tokens, half]
+    cos = np.cos(ang)[:, None, :].astype(x.dtype)
+    sin = np.sin(ang)[:, None, :].astype(x.dtype)
+    out = x.copy()
+    x0, x1 = x[..., :half], x[..., half:rope_dim]
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:rope_dim] = x0 * sin + x1 * cos
+    return out
+
+
+def route_experts(router_logits: np.ndarray, k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k routing of Qwen3-MoE.
+
+    Args:
+        router_logits: [n_tokens, n_expert] (h Wr^T)
+        k: experts per token (expert_used_count)
+        normalize: divide the k weights by their sum (norm_topk_prob)
+    Returns:
+        (ids [n_tokens, k] int64, best first, ties to the lower index;
+         weights [n_tokens, k]: the softmax probabilities of those experts, renormalised when normalize)
+    """
+    p = softmax(router_logits, axis=-1)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=-1)
+    if normalize:
+        w = w / np.sum(w, axis=-1, keepdims=True)
+    return ids, w
 
 
 def quantize_activations_q8(x: np.ndarray, block: int = 32,
@@ -216,6 +301,12 @@ class Hparams:
     norm_eps: float
     n_ctx_train: int
     tied: bool
+    n_expert: int = 0                   # MoE (qwen3moe, qwen3vlmoe); 0: dense SwiGLU
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_norm: bool = True            # renormalise the top-k weights (always, for these architectures)
+    rope_sections: tuple | None = None  # qwen3vl, qwen3vlmoe: [s_t, s_h, s_w, s_e] (interleaved MRoPE)
+    n_deepstack: int = 0                # qwen3vl, qwen3vlmoe: vision layers fed into the first blocks
 
 
 @dataclass
@@ -227,7 +318,7 @@ class KVCache:
 
 
 class Reference:
-    """Numpy forward pass over a GGUF model (llama, qwen2, qwen3).
+    """Numpy forward pass over a GGUF model (llama, qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe; text only).
 
     Args:
         path: GGUF file.
@@ -257,9 +348,11 @@ class Reference:
         self.near_half_threshold: float | None = None
         self.near_f16_threshold: float = NEAR_F16
         self.near_half: list[tuple[float, tuple[int, str], int, int]] = []   # filled by each forward
+        # MoE: layer -> (expert ids [n, k], weights [n, k]) of the last forward's new tokens
+        self.last_routing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         r = gguf.GGUFReader(self.path)
         arch = _field(r, "general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3"):
+        if arch not in ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}")
         n_embd = int(_field(r, f"{arch}.embedding_length"))
         n_head = int(_field(r, f"{arch}.attention.head_count"))
@@ -274,14 +367,22 @@ class Reference:
             n_head=n_head,
             n_head_kv=int(_field(r, f"{arch}.attention.head_count_kv", n_head)),
             head_dim=head_dim,
-            n_ff=int(_field(r, f"{arch}.feed_forward_length")),
+            n_ff=int(_field(r, f"{arch}.feed_forward_length", 0)),
             rope_base=float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
             rope_dim=int(_field(r, f"{arch}.rope.dimension_count", head_dim)),
-            rope_neox=arch in ("qwen2", "qwen3"),
+            rope_neox=arch in NEOX_ARCHS,
             norm_eps=float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon")),
             n_ctx_train=int(_field(r, f"{arch}.context_length")),
             tied="output.weight" not in self.tensors,
+            n_expert=int(_field(r, f"{arch}.expert_count", 0)),
+            n_expert_used=int(_field(r, f"{arch}.expert_used_count", 0)),
+            n_ff_exp=int(_field(r, f"{arch}.expert_feed_forward_length", 0)),
+            rope_sections=(tuple(int(v) for v in _field(r, f"{arch}.rope.dimension_sections"))
+                           if f"{arch}.rope.dimension_sections" in r.fields else None),
+            n_deepstack=int(_field(r, f"{arch}.n_deepstack_layers", 0)),
         )
+        if self.hp.n_expert and not 0 < self.hp.n_expert_used <= self.hp.n_expert:
+            raise ValueError(f"expert_used_count {self.hp.n_expert_used} of {self.hp.n_expert} experts")
         self._w: dict[str, np.ndarray] = {}
         self._quantized: dict[str, bool] = {}
         self._block: dict[str, int] = {}   # activation block of a quantized weight: 256 for K types
@@ -292,6 +393,8 @@ class Reference:
                 raise ValueError(f"{name}: dequantized {a.size} elements, expected {n_el}")
             if len(t.shape) == 2:
                 a = a.reshape(int(t.shape[1]), int(t.shape[0]))   # ne = [n_in, n_out] -> (n_out, n_in)
+            elif len(t.shape) == 3:   # experts: ne = [n_in, n_out, n_expert] -> (n_expert, n_out, n_in)
+                a = a.reshape(int(t.shape[2]), int(t.shape[1]), int(t.shape[0]))
             else:
                 a = a.reshape(-1)
             self._w[name] = np.ascontiguousarray(a, dtype=self.dtype)
@@ -335,8 +438,9 @@ class Reference:
             self.near_half += [(dist, key, r, c) for dist, r, c in near_f16_elements(x, self.near_f16_threshold)]
         return round_f16(x, self.flips.get(key))
 
-    def matmul(self, x: np.ndarray, name: str, xq: dict[int, np.ndarray] | np.ndarray | None = None) -> np.ndarray:
-        """x [n, n_in] @ W^T -> [n, n_out].
+    def matmul(self, x: np.ndarray, name: str, xq: dict[int, np.ndarray] | np.ndarray | None = None,
+               expert: int | None = None) -> np.ndarray:
+        """x [n, n_in] @ W^T -> [n, n_out] (W = the expert's matrix of a 3-D tensor when expert is given).
 
         With act_quant and a quantized W, multiplies xq[W's activation block] (from act();
         computed here without flips when None) instead of x.
@@ -344,7 +448,36 @@ class Reference:
         if self.act_quant and self._quantized[name]:
             blk = self._block[name]
             x = quantize_activations_q8(x, blk) if not isinstance(xq, dict) else xq[blk]
-        return x @ self._w[name].T
+        w = self._w[name] if expert is None else self._w[name][expert]
+        return x @ w.T
+
+    def moe(self, h: np.ndarray, il: int) -> np.ndarray:
+        """The mixture-of-experts feed-forward of layer il for normed rows h [n, n_embd] (see the module doc).
+
+        Activation quantization (act_quant): the input h once per block size (stage (il, "ffn_in"),
+        shared by the router, if quantized, and every expert's gate/up), the down-projection input per
+        expert over the rows routed to it (stage (il, "ffn_down_in_e<e>"), row = index among those rows).
+        """
+        hp = self.hp
+        p = f"blk.{il}."
+        names = [p + "ffn_gate_inp.weight", p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
+        hq = self.act(h, (il, "ffn_in"), names)
+        ids, w = route_experts(self.matmul(h, names[0], hq), hp.n_expert_used, hp.expert_norm)
+        self.last_routing[il] = (ids, w)
+        out = np.zeros_like(h)
+        for e in range(hp.n_expert):
+            rows, slot = np.nonzero(ids == e)
+            if rows.size == 0:
+                continue
+            he = h[rows]
+            hqe = {b: v[rows] for b, v in hq.items()} if isinstance(hq, dict) else he
+            g = self.matmul(he, names[1], hqe, expert=e)
+            u = self.matmul(he, names[2], hqe, expert=e)
+            gu = silu(g) * u
+            dn = p + "ffn_down_exps.weight"
+            y = self.matmul(gu, dn, self.act(gu, (il, f"ffn_down_in_e{e}"), [dn]), expert=e)
+            np.add.at(out, rows, w[rows, slot][:, None] * y)
+        return out
 
     def new_cache(self) -> KVCache:
         hp = self.hp
@@ -353,12 +486,16 @@ class Reference:
 
     # ---- forward ---------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
+    def forward(self, tokens: Sequence[int], cache: KVCache | None = None,
+                pos_thw: np.ndarray | None = None) -> np.ndarray:
         """Logits for new tokens appended after `cache` (a fresh sequence when None).
 
         Args:
             tokens: ints in [0, n_vocab), length n >= 1.
             cache: KV cache to extend in place (n_past grows by n).
+            pos_thw: multimodal RoPE only (rope.dimension_sections): int [n, 3] (t, h, w) positions of
+                the new tokens; None gives text positions t = h = w = n_past + i. The causal mask
+                follows the sequence order whatever the positions.
         Returns:
             logits [n, n_vocab] in the compute dtype.
         Raises:
@@ -373,8 +510,16 @@ class Reference:
         if cache is None:
             cache = self.new_cache()
         self.near_half = []
+        self.last_routing = {}
         n = toks.size
         pos = np.arange(cache.n_past, cache.n_past + n)
+        if pos_thw is None:
+            pos_thw = np.repeat(pos[:, None], 3, axis=1)
+        elif hp.rope_sections is None:
+            raise ValueError("pos_thw given for a model without multimodal RoPE")
+        pos_thw = np.asarray(pos_thw, dtype=np.int64)
+        if pos_thw.shape != (n, 3):
+            raise ValueError(f"pos_thw must be [{n}, 3]")
         x = self._w["token_embd.weight"][toks].astype(self.dtype)       # [n, n_embd]
         group = hp.n_head // hp.n_head_kv
         scale = float(1.0 / np.sqrt(hp.head_dim))   # a Python float keeps float32 math float32
@@ -396,8 +541,12 @@ class Reference:
             if self.has(p + "attn_q_norm.weight"):
                 q = rms_norm(q, self._w[p + "attn_q_norm.weight"], hp.norm_eps)
                 k = rms_norm(k, self._w[p + "attn_k_norm.weight"], hp.norm_eps)
-            q = rope(q, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
-            k = rope(k, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
+            if hp.rope_sections is not None:
+                q = rope_multi(q, pos_thw, hp.rope_base, hp.rope_dim, hp.rope_sections)
+                k = rope_multi(k, pos_thw, hp.rope_base, hp.rope_dim, hp.rope_sections)
+            else:
+                q = rope(q, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
+                k = rope(k, pos, hp.rope_base, hp.rope_dim, hp.rope_neox)
             if self.kv_f16:   # the engine's F16 cache
                 k = self.kv_round(k.reshape(n, -1), (il, "k_f16")).reshape(k.shape)
                 v = self.kv_round(v.reshape(n, -1), (il, "v_f16")).reshape(v.shape)
@@ -413,8 +562,11 @@ class Reference:
             a = softmax(s, axis=-1).reshape(hp.n_head_kv, group * n, T) @ V        # [n_kv, group*n, hd]
             a = a.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)
             x = x + self.matmul(a, p + "attn_output.weight", self.act(a, (il, "attn_out_in"), [p + "attn_output.weight"]))
-            # feed-forward (SwiGLU)
+            # feed-forward (SwiGLU; a mixture of SwiGLU experts for the MoE architectures)
             h = rms_norm(x, self._w[p + "ffn_norm.weight"], hp.norm_eps)
+            if hp.n_expert:
+                x = x + self.moe(h, il)
+                continue
             hq = self.act(h, (il, "ffn_in"), [p + "ffn_gate.weight", p + "ffn_up.weight"])
             g = self.matmul(h, p + "ffn_gate.weight", hq)
             u = self.matmul(h, p + "ffn_up.weight", hq)
