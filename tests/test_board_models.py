@@ -1,0 +1,192 @@
+"""The board's architectures (qwen3moe, qwen3vl, qwen3vlmoe) in the engine and through the services.
+
+The fixtures in tests/data/models were made the way real files are made (transformers' tiny random
+models, llama.cpp's converter and quantizer; scripts/make_fixtures.py). Beside each GGUF, a .ref.npz
+holds transformers' float32 logits on the file's own dequantized weights, and llama.cpp's logits.
+
+The engine quantizes activations to int8 blocks (as llama.cpp does), so its logits differ from
+transformers' float ones by about as much as llama.cpp's do; on the MoE fixtures a router near-tie
+can flip an expert for a token, which moves that token's logits by O(1) in either engine. Stated
+bounds, per prompt:
+  - max |ours - transformers| <= 1.25 * max |llama.cpp - transformers| + 0.1, and the same for the
+    median with + 0.02 (on par with llama.cpp);
+  - the argmax equals transformers' wherever transformers' top-2 margin exceeds 0.5.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from echospec.services.verifier.engine import EngineError, Model, forward_batch
+from echospec.stack import start_stack
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from reference import Reference
+
+MODELS = Path(__file__).resolve().parent / "data" / "models"
+FIXTURES = ["qwen3moe-Q4_K_M", "qwen3vl-Q8_0", "qwen3vlmoe-Q8_0"]
+MOE = "qwen3moe-Q4_K_M"
+VL = "qwen3vl-Q8_0"
+MARGIN = 0.5
+
+
+def _prompts(z):
+    i = 0
+    while f"p{i}_tokens" in z:
+        yield i, [int(t) for t in z[f"p{i}_tokens"]]
+        i += 1
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def fixture(request):
+    name = request.param
+    m = Model(str(MODELS / f"{name}.gguf"))
+    yield name, m, np.load(MODELS / f"{name}.ref.npz")
+    m.close()
+
+
+def test_model_info_reports_the_architecture(fixture):
+    name, m, _ = fixture
+    info = m.info
+    assert info.arch == name.split("-")[0]
+    if "moe" in name:
+        assert (info.n_expert, info.n_expert_used, info.n_ff_exp) == ((8, 4, 256) if name == MOE else (8, 2, 256))
+        assert info.weight_bytes < info.file_weight_bytes
+    else:
+        assert info.n_expert == info.n_expert_used == 0
+    if "vl" in name:
+        assert info.rope_sections == (12, 10, 10, 0) and info.n_deepstack == 1
+    else:
+        assert info.rope_sections == (0, 0, 0, 0)
+    assert info.tied_output == ("vl" in name)
+
+
+def test_logits_on_par_with_llama_cpp_against_transformers(fixture):
+    name, m, z = fixture
+    sub = z["subset"]
+    n_clear = 0
+    for p, toks in _prompts(z):
+        s = m.new_session(n_ctx=64, n_threads=2)
+        am, lg = s.forward(toks, logits="all")
+        s.close()
+        tf, ll = z[f"p{p}_subset_logits"], z[f"p{p}_llama_subset_logits"]
+        err = np.abs(lg[:, sub] - tf)
+        bound = 1.25 * float(np.abs(ll - tf).max()) + 0.1
+        assert err.max() <= bound, f"{name} prompt {p}: max |ours - transformers| {err.max():.3f} > {bound:.3f}"
+        mbound = 1.25 * float(np.median(np.abs(ll - tf))) + 0.02
+        assert np.median(err) <= mbound, f"{name} prompt {p}: median error {np.median(err):.3f} > {mbound:.3f}"
+        top = z[f"p{p}_top_logits"]
+        clear = top[:, 0] - top[:, 1] > MARGIN
+        n_clear += int(clear.sum())
+        np.testing.assert_array_equal(am[clear], z[f"p{p}_top_ids"][clear, 0], err_msg=f"{name} prompt {p}")
+    assert n_clear >= 8          # enough positions with a clear winner for the argmax check to mean something
+
+
+def test_one_call_is_bitwise_single_steps_on_any_thread_count(fixture):
+    name, m, z = fixture
+    toks = [int(t) for t in z["p1_tokens"]]          # the prompt with repeated content
+    ref = m.new_session(n_ctx=64, n_threads=1)
+    rows = [ref.forward([t], logits="last")[1][0] for t in toks]
+    ref.close()
+    for threads in (1, 2, 3):
+        s = m.new_session(n_ctx=64, n_threads=threads)
+        _, lg = s.forward(toks, logits="all")
+        for i, row in enumerate(rows):
+            assert np.array_equal(lg[i], row), f"{name}: row {i} differs on {threads} threads"
+        s.close()
+
+
+def test_a_batch_of_sessions_is_each_session_alone(fixture):
+    name, m, z = fixture
+    prompts = [[int(t) for t in z[f"p{p}_tokens"]] for p in range(3)]
+    alone = []
+    for toks in prompts:
+        s = m.new_session(n_ctx=64, n_threads=2)
+        alone.append(s.forward(toks, logits="all")[1])
+        s.close()
+    sessions = [m.new_session(n_ctx=64, n_threads=2) for _ in prompts]
+    out = forward_batch([(s, toks, "all", "all") for s, toks in zip(sessions, prompts)])
+    for i, (res, want) in enumerate(zip(out, alone)):
+        assert not isinstance(res, EngineError)
+        assert np.array_equal(res[1], want), f"{name}: session {i} differs in the batch"
+    for s in sessions:
+        s.close()
+
+
+def test_a_verify_reads_the_union_of_its_rows_experts():
+    m = Model(str(MODELS / f"{MOE}.gguf"))
+    z = np.load(MODELS / f"{MOE}.ref.npz")
+    toks = [int(t) for t in z["p0_tokens"]]
+    s = m.new_session(n_ctx=64, n_threads=2)
+    s.forward(toks[:4])
+    s.forward(toks[4:5])
+    one = s.experts_read
+    assert one == m.info.n_layer * m.info.n_expert_used     # one row: its own experts, each once
+    s.forward(toks[5:10])
+    five = s.experts_read
+    assert one < five <= m.info.n_layer * m.info.n_expert    # the union, never a count per row
+    s.close()
+    m.close()
+
+
+def test_multimodal_positions_follow_the_reference():
+    """(t, h, w) positions through the engine against the numpy reference's interleaved MRoPE (which
+    tests/test_reference_models.py checks against transformers' rotary tables)."""
+    m = Model(str(MODELS / f"{VL}.gguf"))
+    R = Reference(str(MODELS / f"{VL}.gguf"), dtype=np.float64, act_quant=False, kv_f16=False)
+    toks = [int(t) for t in np.load(MODELS / f"{VL}.ref.npz")["p0_tokens"]]
+    n = len(toks)
+    text = np.repeat(np.arange(n)[:, None], 3, axis=1)
+    grid = np.stack([np.full(n, 2), np.arange(n) // 3, np.arange(n) % 3], axis=1)   # an image-like patch grid
+    s = m.new_session(n_ctx=64, n_threads=2)
+    _, plain = s.forward(toks, logits="all")
+    s.rollback(0)
+    _, same = s.forward(toks, logits="all", positions=text)
+    assert np.array_equal(plain, same)                        # t = h = w = position: text
+    s.rollback(0)
+    _, ours = s.forward(toks, logits="all", positions=grid)
+    ref = R.forward(toks, pos_thw=grid)
+    assert np.abs(ours - ref).max() < 0.5
+    assert np.abs(ours - plain).max() > 0.5                   # the positions matter
+    assert np.abs(ref - ours).max() < np.abs(ref - plain).max() / 2
+    with pytest.raises(EngineError, match="positions must be non-negative"):
+        s.forward(toks, positions=-grid - 1)
+    with pytest.raises(EngineError, match="shape"):
+        s.forward(toks, positions=grid[:, :2])
+    s.close()
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def moe_stack():
+    st = start_stack(str(MODELS / f"{MOE}.gguf"), spec=False, n_ctx=256, n_threads=2, k=4)
+    ch = grpc.insecure_channel(st.target)
+    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    ch.close()
+    st.stop()
+
+
+def test_services_report_the_experts(moe_stack):
+    info = moe_stack.GetInfo(cpb.GetInfoRequest(), timeout=30)
+    assert (info.arch, info.n_expert, info.n_expert_used) == ("qwen3moe", 8, 4)
+
+
+def test_speculation_on_off_byte_identical_through_the_services(moe_stack):
+    on_drafts = rolls = 0
+    for text in ("one two three four, one two three four, one two three four, one two",
+                 "The quick brown fox jumps over the lazy dog. The quick brown fox",
+                 "1. apples\n2. pears\n3."):
+        off = moe_stack.Complete(cpb.CompleteRequest(text=text, max_tokens=48, spec=common_pb2.SPEC_MODE_OFF),
+                                 timeout=120).result
+        # on, from the suffix index alone, then with a prediction that is half right (drafts accepted,
+        # then rejected and rolled back)
+        half = off.text[:len(off.text) // 2] + "zz zz zz zz zz zz"
+        for pred in ("", half):
+            on = moe_stack.Complete(cpb.CompleteRequest(text=text, max_tokens=48, spec=common_pb2.SPEC_MODE_ON,
+                                                        prediction=pred), timeout=120).result
+            assert on.text == off.text and list(on.token_ids) == list(off.token_ids)
+            on_drafts += on.stats.draft_tokens
+            rolls += on.stats.kv_rolls
+    assert on_drafts > 0 and rolls > 0                        # drafts verified, some rolled back
