@@ -133,6 +133,11 @@ es_session_params es_session_default_params(void);
  * about 97 MB after load). The copies share one 2 MiB-aligned allocation,
  * advised as transparent huge pages on Linux (MADV_HUGEPAGE; ignored where
  * THP is off). ES_ERR_NOMEM when that copy can not be made.
+ * Mixture-of-experts files repack each expert's matrices the same way. The
+ * copy is refused with ES_ERR_NOMEM, before anything is allocated, when it
+ * exceeds the memory available (Linux MemAvailable, lowered to a cgroup v2
+ * limit's room; the environment variable ECHOSPEC_MEM_AVAILABLE, in bytes,
+ * overrides both), with a message giving both sizes.
  * params->flags ES_MODEL_NO_REPACK skips the copy. params may be NULL
  * (defaults); unknown flag bits give ES_ERR_INVALID_ARG.
  */
@@ -150,7 +155,8 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
  * Returns ES_ERR_INVALID_ARG for n_ctx < 0 or n_ctx > ES_MAX_CTX or n_threads < 0
  * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache (IEEE float16: 2 *
  * n_layer * n_ctx rounded up to 64 * n_head_kv * head_dim * 2 bytes) cannot
- * be allocated,
+ * be allocated or exceeds the memory available (as es_model_load counts it;
+ * refused before anything is mapped),
  * ES_ERR_INTERNAL when a worker thread cannot be started. On failure *out is
  * NULL and a message goes to err (like es_model_load).
  */

@@ -373,9 +373,10 @@ float es_fp16_to_fp32(uint16_t h);
 uint16_t es_fp32_to_fp16(float f);
 float es_bf16_to_fp32(uint16_t h);
 
-/* Bytes of memory this process may still take (Linux: MemAvailable, which
- * counts the page cache that can be dropped; else the free physical pages);
- * -1 when unknown. */
+/* Bytes of memory this process may still take: the environment variable
+ * ECHOSPEC_MEM_AVAILABLE (bytes) when set, else Linux's MemAvailable (which
+ * counts the page cache that can be dropped; else the free physical pages),
+ * lowered to a cgroup v2 limit's room (a container); -1 when unknown. */
 int64_t es_mem_available(void);
 
 /* Format into a caller buffer (never overflows; NULL buf is a no-op). */

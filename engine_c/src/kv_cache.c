@@ -56,6 +56,13 @@ es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *er
      * first token would make the kernel zero every page of the cache (about
      * 47 MB for SmolLM2 at n_ctx 2048) where 4 KiB pages zero what is used. */
     kv->map_bytes = elems * sizeof(uint16_t);
+    int64_t avail = es_mem_available();
+    if (avail >= 0 && (int64_t)(2 * kv->map_bytes) > avail) {   /* refused before anything is mapped */
+        es_set_err(err, err_len, "KV cache of %d tokens needs %.2f GiB but only %.2f GiB of memory is "
+                   "available (MemAvailable); use a smaller n_ctx", (int)n_ctx,
+                   2.0 * (double)kv->map_bytes / (1 << 30), (double)avail / (1 << 30));
+        return ES_ERR_NOMEM;
+    }
     size_t run_bytes = (size_t)kv->n_blk * ES_KV_BLOCK * (size_t)in->head_dim * sizeof(uint16_t);
     for (int i = 0; i < 2; i++) {
         void *p = mmap(NULL, kv->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -1,6 +1,7 @@
 /* util.c - half-precision conversions, error formatting, available memory. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -73,6 +74,13 @@ void es_set_err(char *buf, size_t len, const char *fmt, ...) {
 }
 
 int64_t es_mem_available(void) {
+    const char *env = getenv("ECHOSPEC_MEM_AVAILABLE");
+    if (env != NULL && *env) {
+        char *end = NULL;
+        long long v = strtoll(env, &end, 10);
+        if (end != env && *end == '\0' && v >= 0) return (int64_t)v;
+    }
+    int64_t avail = -1;
     FILE *f = fopen("/proc/meminfo", "r");
     if (f != NULL) {
         char line[128];
@@ -80,8 +88,21 @@ int64_t es_mem_available(void) {
         while (fgets(line, sizeof line, f))
             if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
         fclose(f);
-        if (kb >= 0) return (int64_t)kb * 1024;
+        if (kb >= 0) avail = (int64_t)kb * 1024;
     }
-    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    return pages > 0 && page > 0 ? (int64_t)pages * page : -1;
+    if (avail < 0) {
+        long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && page > 0) avail = (int64_t)pages * page;
+    }
+    /* a container's memory limit (cgroup v2), which MemAvailable does not show */
+    long long max = -1, cur = -1;
+    if ((f = fopen("/sys/fs/cgroup/memory.max", "r")) != NULL) {
+        if (fscanf(f, "%lld", &max) != 1) max = -1;
+        fclose(f);
+    }
+    if (max > 0 && (f = fopen("/sys/fs/cgroup/memory.current", "r")) != NULL) {
+        if (fscanf(f, "%lld", &cur) == 1 && cur <= max && (avail < 0 || max - cur < avail)) avail = max - cur;
+        fclose(f);
+    }
+    return avail;
 }

@@ -9,7 +9,10 @@
  *              sections does too, and (h, w) do not; a negative position fails
  *              with the KV cache untouched; the sections are read
  *   loading    a file whose expert or section keys are missing or out of
- *              range fails with a message naming the key
+ *              range fails with a message naming the key; weights or a KV
+ *              cache larger than the memory available are refused before
+ *              anything is allocated (ECHOSPEC_MEM_AVAILABLE stands in for
+ *              a small machine)
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -161,6 +164,36 @@ TEST(bad_expert_and_section_keys) {
     CHECK(load_fails(&ms, ES_ERR_FORMAT, "missing key qwen3vl.rope.dimension_sections"));
 }
 
+TEST(memory_refused_before_allocating) {
+    char path[512], err[256] = "";
+    snprintf(path, sizeof path, "%s/mem.gguf", g_dir);
+    CHECK_EQ_INT(write_model(&MODELS[MOE], path), 0);
+    setenv("ECHOSPEC_MEM_AVAILABLE", "100000", 1);   /* 100 kB: less than the repacked weights */
+    es_model *m = NULL;
+    es_status st = es_model_load(path, NULL, &m, err, sizeof err);
+    if (strcmp(es_simd_name(), "scalar") != 0) {      /* scalar builds keep the weights mapped: no copy */
+        CHECK_EQ_INT(st, ES_ERR_NOMEM);
+        CHECK(strstr(err, "repacked weights need") != NULL && strstr(err, "MemAvailable") != NULL);
+        CHECK(m == NULL);
+    }
+    es_model_free(m);
+    unsetenv("ECHOSPEC_MEM_AVAILABLE");
+    m = NULL;
+    CHECK_EQ_INT(es_model_load(path, NULL, &m, err, sizeof err), ES_OK);
+    setenv("ECHOSPEC_MEM_AVAILABLE", "1000000", 1);  /* 1 MB: the weights are loaded, the KV cache does not fit */
+    es_session_params sp = es_session_default_params();
+    sp.n_ctx = 65536;
+    es_session *s = NULL;
+    CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_ERR_NOMEM);
+    CHECK(strstr(err, "KV cache of 65536 tokens needs") != NULL);
+    CHECK(s == NULL);
+    unsetenv("ECHOSPEC_MEM_AVAILABLE");
+    CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_OK);
+    es_session_free(s);
+    es_model_free(m);
+    unlink(path);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     snprintf(g_dir, sizeof g_dir, "%s/es_models_XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -168,6 +201,7 @@ int main(void) {
     RUN(moe_call_equals_steps_any_threads);
     RUN(vl_positions);
     RUN(bad_expert_and_section_keys);
+    RUN(memory_refused_before_allocating);
     rmdir(g_dir);
     return harness_report();
 }
