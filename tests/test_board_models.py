@@ -212,3 +212,13 @@ def test_logits_close_to_llama_cpp_live(fixture):
         clear = top2[:, 1] - top2[:, 0] > MARGIN
         np.testing.assert_array_equal(am[clear], theirs.argmax(axis=1)[clear], err_msg=f"{name} prompt {p}")
     llm.close()
+
+
+def test_enable_thinking_goes_with_messages_only(moe_stack):
+    msgs = [cpb.ChatMessage(role="user", content="Say hi.")]
+    r = moe_stack.Complete(cpb.CompleteRequest(messages=msgs, max_tokens=4, enable_thinking=False), timeout=60)
+    assert r.result.completion_tokens == 4
+    with pytest.raises(grpc.RpcError) as ei:
+        moe_stack.Complete(cpb.CompleteRequest(text="Say hi.", max_tokens=4, enable_thinking=False), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "enable_thinking applies to messages" in ei.value.details()

@@ -194,3 +194,42 @@ def test_helpers_strftime_now_tojson_loopcontrols():
     )
     out = t.render([{"role": "user", "content": "é"}, {"role": "assistant", "content": "y"}])
     assert out == time.strftime("%Y") + ' {"role": "user", "content": "é"}[user]'
+
+
+# A template in the style of Qwen3's: the last user turn found with a namespace, reasoning split off earlier assistant turns at "</think>" (only turns after the
+# last user turn keep it), and ``enable_thinking`` false closing an empty think block at the
+# generation prompt. Written for this test; it uses the Jinja constructs such templates use.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=messages|length - 1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and reasoning %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def test_thinking_template_gets_enable_thinking_only_when_given():
+    t = ChatTemplate(THINKING_TEMPLATE)
+    msgs = [{"role": "user", "content": "2+2?"}]
+    assert t.render(msgs) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert t.render(msgs, enable_thinking=True) == t.render(msgs)
+    assert t.render(msgs, enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_thinking_template_drops_reasoning_of_earlier_turns():
+    t = ChatTemplate(THINKING_TEMPLATE)
+    msgs = [{"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+            {"role": "user", "content": "and 3+3?"}]
+    out = t.render(msgs)
+    assert "add them" not in out and "<|im_start|>assistant\n4<|im_end|>\n" in out

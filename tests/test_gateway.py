@@ -601,3 +601,19 @@ def test_parse_request_maps_fields():
     with pytest.raises(api.ApiError) as ei:
         api.parse_request({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
     assert ei.value.param == "stream_options"
+
+
+def test_chat_template_kwargs_enable_thinking():
+    req = api.parse_request({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+                            chat=True).request
+    assert req.HasField("enable_thinking") and req.enable_thinking is False
+    assert not api.parse_request({"messages": MESSAGES}, chat=True).request.HasField("enable_thinking")
+    assert api.complete_request(req).enable_thinking is False          # carried to Complete too
+    for kw, param in (({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking"),
+                      ({"tools": []}, "chat_template_kwargs"), ([1], "chat_template_kwargs")):
+        with pytest.raises(api.ApiError) as ei:
+            api.parse_request({"messages": MESSAGES, "chat_template_kwargs": kw}, chat=True)
+        assert ei.value.status == 400 and ei.value.param == param
+    with pytest.raises(api.ApiError) as ei:    # a chat field, not a completion one
+        api.parse_request({"prompt": "hi", "chat_template_kwargs": {}}, chat=False)
+    assert ei.value.param == "chat_template_kwargs"

@@ -221,6 +221,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                        "(set exactly one of them)")
         if len(forms) != 1:
             raise _bad(f"set exactly one of text, messages, token_ids (got {', '.join(forms)})")
+        if req.HasField("enable_thinking") and forms[0] != "messages":
+            raise _bad(f"enable_thinking applies to messages (it is passed to the chat template), "
+                       f"not to a prompt given as {forms[0]}")
         if forms[0] == "token_ids":
             n_vocab = self.tokenizer.n_vocab
             ids = list(req.token_ids)
@@ -231,7 +234,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if forms[0] == "messages":
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
             try:
-                text = self.template.render(msgs, add_generation_prompt=True)
+                extra = {"enable_thinking": req.enable_thinking} if req.HasField("enable_thinking") else {}
+                text = self.template.render(msgs, add_generation_prompt=True, **extra)
             except ChatTemplateError as exc:
                 raise _bad(f"malformed chat messages: {exc}") from None
         else:

@@ -9,6 +9,8 @@ OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
     draft_namespace  cross-request draft memory scope ("" shares nothing)
+    chat_template_kwargs  chat only, as in vLLM: {"enable_thinking": bool} for the model's chat
+                     template (Qwen3: false answers without a reasoning block); no other key
 Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
 temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
@@ -116,7 +118,7 @@ _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "st
            "spec", "k", "top_k", "min_p", "draft_namespace"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "response_format", "modalities", "audio",
-                   "reasoning_effort", "web_search_options"}
+                   "reasoning_effort", "web_search_options", "chat_template_kwargs"}
 # OpenAI chat fields for what echospec does not do: taken only as null (clients send their
 # defaults) or, for modalities, text alone
 _CHAT_NULL_ONLY = {"audio", "reasoning_effort", "web_search_options"}
@@ -413,6 +415,17 @@ def parse_request(body: Any, chat: bool) -> Parsed:
         if not isinstance(ns, str):
             raise bad("draft_namespace must be a string", "draft_namespace")
         req.draft_namespace = ns
+    kw = body.get("chat_template_kwargs") if chat else None
+    if kw is not None:
+        if not isinstance(kw, dict) or set(kw) - {"enable_thinking"}:
+            extra = sorted(set(kw) - {"enable_thinking"}) if isinstance(kw, dict) else None
+            raise bad("chat_template_kwargs must be an object whose only key is enable_thinking"
+                      + (f" (got {', '.join(map(repr, extra))})" if extra else ""), "chat_template_kwargs")
+        if "enable_thinking" in kw:
+            if not isinstance(kw["enable_thinking"], bool):
+                raise bad("chat_template_kwargs.enable_thinking must be true or false",
+                          "chat_template_kwargs.enable_thinking")
+            req.enable_thinking = kw["enable_thinking"]
     return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage,
                   seed=req.seed if req.temperature > 0 else None, max_tokens_name=max_tokens_name)
 

@@ -168,12 +168,16 @@ class ChatTemplate:
         """
         return cls.from_metadata(read_tokenizer_metadata(path))
 
-    def render(self, messages: Any, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Any, add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None) -> str:
         """Render chat messages into prompt text.
 
         Args:
             messages: see `validate_messages`.
             add_generation_prompt: end with the start of an assistant turn.
+            enable_thinking: None: not defined for the template (its own default); else passed as
+                ``enable_thinking`` (Qwen3's templates: false closes an empty think block at the
+                generation prompt, and the model answers without reasoning).
 
         Returns:
             The prompt text (special tokens appear as text, e.g. ``"<|im_start|>"``).
@@ -185,11 +189,13 @@ class ChatTemplate:
         """
         msgs = validate_messages(messages)
         try:
+            extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
             return self._template.render(
                 messages=msgs,
                 add_generation_prompt=bool(add_generation_prompt),
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.exceptions.SecurityError as e:
             raise ChatTemplateError(f"chat template violated the sandbox: {e}") from None

@@ -514,7 +514,8 @@ class Client:
             **sampling: max_tokens (0: the server's default), stop (a list of strings),
                 temperature (<= 0: greedy), top_p, top_k, min_p, seed, spec (True, False, or
                 None for the server's default), k (drafts per round, 0: server default),
-                prediction (expected output text, a draft source), draft_namespace.
+                prediction (expected output text, a draft source), draft_namespace,
+                enable_thinking (messages only: passed to the chat template; None: its default).
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -615,7 +616,7 @@ class Client:
 _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MODE_OFF,
                True: common_pb2.SPEC_MODE_ON}
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
-             "prediction", "draft_namespace")
+             "prediction", "draft_namespace", "enable_thinking")
 
 
 def _int_list(values, name: str) -> list[int]:
@@ -737,6 +738,13 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
     if spec not in _SPEC_MODES:
         raise ValueError(f"spec must be True, False or None, got {spec!r}")
     req.spec = _SPEC_MODES[spec]
+    thinking = sampling.get("enable_thinking")
+    if thinking is not None:
+        if not isinstance(thinking, bool):
+            raise TypeError(f"enable_thinking must be True, False or None, got {thinking!r}")
+        if messages is None:
+            raise ValueError("enable_thinking applies to messages (the chat template), not to a raw prompt")
+        req.enable_thinking = thinking
     for name, lo, hi in (("max_tokens", -2 ** 31, 2 ** 31 - 1), ("top_k", -2 ** 31, 2 ** 31 - 1),
                          ("k", -2 ** 31, 2 ** 31 - 1), ("seed", 0, 2 ** 64 - 1)):
         v = sampling.get(name)
