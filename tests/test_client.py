@@ -222,6 +222,11 @@ def test_stream_left_early_and_errors(stack):
             c.complete("x", max_token=3)
         with pytest.raises(ValueError, match="out of range"):
             c.detokenize([2 ** 40])
+        with pytest.raises(TypeError, match="enable_thinking must be True, False or None"):
+            c.chat([{"role": "user", "content": "y"}], enable_thinking=0)
+        with pytest.raises(ValueError, match="enable_thinking applies to messages"):
+            c.complete("x", enable_thinking=False)
+        assert c.chat([{"role": "user", "content": "y"}], max_tokens=2, enable_thinking=False).completion_tokens == 2
     with pytest.raises(ValueError, match="positive number"):
         Client(stack.target, timeout=0)
 
