@@ -37,7 +37,9 @@ goals, argmax agreement with the peer, and the run's settings (threads, simd, si
 model, arch, n_vocab, n_ctx, rounds, ...). Ours also: load_s (model load and session), rss_mib (the
 resident memory they added), file_mib, and for a mixture of experts n_expert, n_expert_used and
 experts_per_layer ("K" -> the distinct experts per layer a verify of K drafts read: the union of the
-K + 1 rows' choices).
+K + 1 rows' choices); needed_acceptance (ours and the peer's): the smallest per-token acceptance at
+which drafting some measured K pays, V(K) + overhead < (E(K) + 1) T under the geometric model, with
+--overhead-ms for the services' per-round overhead.
 Progress goes to stderr. Exit status: 0 on success, 2 when the model or the engine is unusable.
 """
 from __future__ import annotations
@@ -387,6 +389,21 @@ def summarize(rounds: list[RoundResult], ks: Sequence[int]) -> dict:
     }
 
 
+def needed_acceptance(t_ms: float, v_ms: dict, overhead_ms: float) -> float | None:
+    """The smallest per-token acceptance p (to 0.01) at which drafting some measured K pays:
+    V(K) + overhead < (E(K) + 1) * T with E(K) = p + p^2 + ... + p^K (the spec controller's
+    geometric model and economics.gain_condition); None when no K pays even at p = 1."""
+    from echospec.services.common.economics import gain_condition
+
+    for i in range(101):
+        p = i / 100
+        for k, v in v_ms.items():
+            e = sum(p ** j for j in range(1, int(k) + 1))
+            if gain_condition(e, v, overhead_ms, t_ms)[0]:
+                return p
+    return None
+
+
 def paired_ratios(ours: list[RoundResult], peer: list[RoundResult], ks: Sequence[int]) -> dict:
     """ours/peer per round (the two blocks ran back to back), median over rounds."""
     med = statistics.median
@@ -472,6 +489,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_KS),
                     help="draft lengths K for V(K)/T (default 1,2,4,8,16)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the token ids (default 1234)")
+    ap.add_argument("--overhead-ms", type=float, default=0.5,
+                    help="per-round overhead of the services for needed_acceptance (default 0.5 ms)")
     ap.add_argument("--simd", choices=SIMD_BUILDS, default="installed",
                     help="our engine build: 'installed' (default) imports the installed echospec._engine; "
                          "native, avx512, avx2, scalar compile it with that ECHOSPEC_SIMD into a temporary "
@@ -554,6 +573,7 @@ def run(args) -> dict:
     elapsed = time.monotonic() - t_start
 
     out = summarize(results[ours.name], plan.ks)
+    out["needed_acceptance"] = needed_acceptance(out["T_ms"], out["V_ms"], args.overhead_ms)
     weight_bytes = ours.model.info.weight_bytes
     out.update({
         "model": str(model_path),
@@ -567,6 +587,7 @@ def run(args) -> dict:
         "load_s": round(ours.load_s, 2),
         "rss_mib": round(ours.rss_bytes / 2 ** 20, 1),
         "file_mib": round(model_path.stat().st_size / 2 ** 20, 1),
+        "overhead_ms": args.overhead_ms,
         "n_vocab": ours.n_vocab,
         "n_ctx": n_ctx,
         "depth": plan.depth,
@@ -587,6 +608,7 @@ def run(args) -> dict:
     })
     if peer is not None:
         p = summarize(results[peer.name], plan.ks)
+        p["needed_acceptance"] = needed_acceptance(p["T_ms"], p["V_ms"], args.overhead_ms)
         p["version"] = peer.version
         p["system_info"] = peer.simd
         p["flash_attn"] = peer.flash_attn
@@ -655,6 +677,14 @@ def format_table(res: dict) -> str:
     for k in res["verify_ratio"]:
         lines.append(row(f"V({k})/T", res["verify_ratio"][k], peer and peer["verify_ratio"][k],
                          rat and rat["verify_ratio"][k]))
+    na, pna = res["needed_acceptance"], peer and peer["needed_acceptance"]
+    lines.append(f"acceptance speculation needs (some K pays, overhead {res['overhead_ms']} ms): "
+                 f"{'none pays' if na is None else na} (llama.cpp: {'-' if peer is None else pna})")
+    if res.get("experts_per_layer"):
+        lines.append("experts read per layer by a verify of K drafts: " +
+                     ", ".join(f"K={k}: {v:.1f}" for k, v in res["experts_per_layer"].items()) +
+                     f" (of {res['n_expert']}, {res['n_expert_used']} per token)")
+    lines.append(f"load {res['load_s']} s, resident {res['rss_mib']:.0f} MiB for a {res['file_mib']:.0f} MiB file")
     lines.append(f"weights read per step: {res['weight_mib']:.1f} MiB -> "
                  f"{res['decode_weight_gb_s']:.1f} GB/s at T")
     if peer is None:
