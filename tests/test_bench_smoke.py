@@ -393,6 +393,7 @@ def test_qwen3_shapes_q4_k_m_types_match_llama_cpp(tmp_path):
     loads and decodes the directly written file and a qwen3vl file."""
     llama_cpp = pytest.importorskip("llama_cpp")
     import gguf
+    import numpy as np
 
     q = _shapes_module()
     q.quiet_llama_cpp()
@@ -400,17 +401,18 @@ def test_qwen3_shapes_q4_k_m_types_match_llama_cpp(tmp_path):
         s = q.Shape(**dict(TINY_MOE, n_layer=n_layer, n_embd=256, n_ff_exp=256, n_vocab=512))
         q.write_f16(s, tmp_path / "f16.gguf")
         q.quantize(tmp_path / "f16.gguf", tmp_path / "q.gguf", "Q4_K_M")
-        got = [t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors]
-        assert got == q.q4_k_m_types(s), n_layer
+        got = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+        assert got == dict(zip([n for n, _, _ in q.tensor_plan(s)], q.q4_k_m_types(s))), n_layer   # its order differs
     s = q.Shape(**TINY_MOE)
-    vl = q.Shape("tiny-vl", n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2, n_vocab=2000, arch="qwen3vl",
+    # (llama.cpp aborts on a qwen3vl with fewer layers than deepstack layers; real models have many more)
+    vl = q.Shape("tiny-vl", n_embd=256, n_ff=512, n_layer=4, n_head=4, n_head_kv=2, n_vocab=2000, arch="qwen3vl",
                  rope_sections=(24, 20, 20, 0), n_deepstack=3, tied=False)
     q.write_q4_k_m(s, tmp_path / "m.gguf")
     paths = [tmp_path / "m.gguf"] + list(q.make_shape(vl, ["Q4_K_M"], tmp_path, seed=0, keep_f16=False))
     for path in paths:
         llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False)
         llm.eval([5, 600, 1999])
-        assert llm.n_tokens == 3 and 0 <= int(llm.scores[2].argmax()) < 2000
+        assert llm.n_tokens == 3 and np.isfinite(llm.scores[:3]).all()
         llm.close()
 
 
