@@ -6,6 +6,7 @@ and finite, and a missing model gives a clear error and exit status 2. No speed 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -284,10 +285,18 @@ def _shapes_module():
 
 def test_qwen3_shapes_table_and_vocab():
     q = _shapes_module()
-    assert [(s.n_embd, s.n_ff, s.n_layer, s.n_head) for s in q.SHAPES.values()] == [
+    dense = [s for s in q.SHAPES.values() if s.arch == "qwen3"]
+    assert [(s.n_embd, s.n_ff, s.n_layer, s.n_head) for s in dense] == [
         (1024, 3072, 28, 16), (2048, 6144, 28, 16), (2560, 9728, 36, 32)]
-    for s in q.SHAPES.values():
+    for s in dense:
         assert (s.n_head_kv, s.head_dim, s.n_vocab, s.rope_base, s.norm_eps) == (8, 128, 151936, 1e6, 1e-6)
+    moe, vl2, vl8 = q.SHAPES["30B-A3B"], q.SHAPES["VL-2B"], q.SHAPES["VL-8B"]
+    assert (moe.arch, moe.n_embd, moe.n_layer, moe.n_head, moe.n_head_kv, moe.n_expert, moe.n_expert_used,
+            moe.n_ff_exp, moe.tied, moe.direct) == ("qwen3moe", 2048, 48, 32, 4, 128, 8, 768, False, True)
+    assert q.SHAPES["30B-A3B-L8"] == dataclasses.replace(moe, name="30B-A3B-L8", n_layer=8)
+    assert (vl2.arch, vl2.n_embd, vl2.n_ff, vl2.n_layer, vl2.n_head, vl2.tied) == ("qwen3vl", 2048, 6144, 28, 16, True)
+    assert (vl8.n_embd, vl8.n_ff, vl8.n_layer, vl8.n_head, vl8.tied) == (4096, 12288, 36, 32, False)
+    assert vl2.rope_sections == vl8.rope_sections == (24, 20, 20, 0) and vl2.rope_base == 5e6
     tokens, types, merges = q.stand_in_vocab(151936)
     assert len(tokens) == len(types) == 151936 and len(set(tokens)) == 151936
     assert merges == ["Ġ t"] and "Ġt" in tokens and "Ġ" in tokens and "t" in tokens
@@ -343,6 +352,70 @@ def test_qwen3_shapes_quantize_or_clear_error(tmp_path):
     assert again == paths[:1]
 
 
+TINY_MOE = dict(name="tiny-moe", n_embd=256, n_ff=1024, n_layer=8, n_head=4, n_head_kv=2, n_vocab=2000,
+                arch="qwen3moe", tied=False, n_expert=16, n_expert_used=4, n_ff_exp=256)
+
+
+def test_qwen3_shapes_q4_k_m_direct(tmp_path):
+    """write_q4_k_m: the keys of a qwen3moe file, the Q4_K_M types, finite weights of the planned std."""
+    import gguf
+    import numpy as np
+
+    q = _shapes_module()
+    s = q.Shape(**TINY_MOE)
+    path = tmp_path / "m.gguf"
+    q.write_q4_k_m(s, path, seed=1)
+    r = gguf.GGUFReader(str(path))
+    scalar = {k: f.parts[f.data[0]][0] for k, f in r.fields.items() if k.startswith("qwen3moe.")}
+    assert scalar == {"qwen3moe.block_count": 8, "qwen3moe.context_length": 40960, "qwen3moe.embedding_length": 256,
+                      "qwen3moe.feed_forward_length": 1024, "qwen3moe.attention.head_count": 4,
+                      "qwen3moe.attention.head_count_kv": 2, "qwen3moe.rope.freq_base": 1e6,
+                      "qwen3moe.attention.layer_norm_rms_epsilon": np.float32(1e-6), "qwen3moe.expert_count": 16,
+                      "qwen3moe.expert_used_count": 4, "qwen3moe.attention.key_length": 128,
+                      "qwen3moe.attention.value_length": 128, "qwen3moe.expert_feed_forward_length": 256}
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert [t.name for t in r.tensors] == [n for n, _, _ in q.tensor_plan(s)]
+    assert list(types.values()) == q.q4_k_m_types(s)
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.1.ffn_gate_exps.weight"] == "Q4_K"
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)] == \
+        [types[f"blk.{i}.attn_v.weight"] for i in range(8)] == ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    for t in r.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.isfinite(w).all()
+        if t.name.endswith("exps.weight"):
+            assert w.shape == ((16, 256, 256)) and abs(w.std() * np.sqrt(256) / 0.7 - 1) < 0.15
+
+
+def test_qwen3_shapes_q4_k_m_types_match_llama_cpp(tmp_path):
+    """The types write_q4_k_m uses are the ones llama.cpp's quantizer picks from an F16 file of the
+    same architecture and layer count (48 layers: its layer rules depend on the count); and llama.cpp
+    loads and decodes the directly written file and a qwen3vl file."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import gguf
+    import numpy as np
+
+    q = _shapes_module()
+    q.quiet_llama_cpp()
+    for n_layer in (8, 48):
+        s = q.Shape(**dict(TINY_MOE, n_layer=n_layer, n_embd=256, n_ff_exp=256, n_vocab=512))
+        q.write_f16(s, tmp_path / "f16.gguf")
+        q.quantize(tmp_path / "f16.gguf", tmp_path / "q.gguf", "Q4_K_M")
+        got = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+        assert got == dict(zip([n for n, _, _ in q.tensor_plan(s)], q.q4_k_m_types(s))), n_layer   # its order differs
+    s = q.Shape(**TINY_MOE)
+    # (llama.cpp aborts on a qwen3vl with fewer layers than deepstack layers; real models have many more)
+    vl = q.Shape("tiny-vl", n_embd=256, n_ff=512, n_layer=4, n_head=4, n_head_kv=2, n_vocab=2000, arch="qwen3vl",
+                 rope_sections=(24, 20, 20, 0), n_deepstack=3, tied=False)
+    q.write_q4_k_m(s, tmp_path / "m.gguf")
+    paths = [tmp_path / "m.gguf"] + list(q.make_shape(vl, ["Q4_K_M"], tmp_path, seed=0, keep_f16=False))
+    for path in paths:
+        llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=2, verbose=False)
+        llm.eval([5, 600, 1999])
+        assert llm.n_tokens == 3 and np.isfinite(llm.scores[:3]).all()
+        llm.close()
+
+
 def test_qwen3_shapes_cli(tmp_path):
     env = dict(os.environ, ECHOSPEC_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--list"], capture_output=True, text=True,
@@ -357,3 +430,11 @@ def test_qwen3_shapes_cli(tmp_path):
     bad = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--shapes", "7B"], capture_output=True,
                          text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "unknown shape '7B'" in bad.stderr
+    r = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--list", "--shapes", "30B-A3B,30B-A3B-L8,VL-2B,VL-8B",
+                        "--types", "Q4_K_M"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.stdout.split() == [str(tmp_path / "bench" / n) for n in (
+        "qwen3moe-30B-A3B-shape.Q4_K_M.gguf", "qwen3moe-30B-A3B-L8-shape.Q4_K_M.gguf",
+        "qwen3vl-2B-shape.Q4_K_M.gguf", "qwen3vl-8B-shape.Q4_K_M.gguf")]
+    bad = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--list", "--shapes", "30B-A3B", "--types", "Q8_0"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "30B-A3B: written directly as Q4_K_M" in bad.stderr
