@@ -115,6 +115,22 @@ class _OpenStream:
         self.call.cancel()
 
 
+def _first_of(call, timeout_s: float):
+    """The first message of a server-streaming ``call``, its RpcError (refused), or None when
+    neither came within timeout_s (the message is then left to whoever reads the call next)."""
+    out: list = []
+    got = threading.Event()
+
+    def run():
+        try:
+            out.append(next(call))
+        except grpc.RpcError as e:
+            out.append(e)
+        got.set()
+    threading.Thread(target=run, daemon=True).start()
+    return out[0] if got.wait(timeout_s) else None
+
+
 def test_overload_gets_resource_exhausted_and_health_still_answers():
     """More open streams than worker threads: the cap admits max_concurrent_rpcs, refuses the
     rest at once, and health and reflection answer within 100 ms throughout."""
@@ -172,7 +188,9 @@ def test_overload_gets_resource_exhausted_and_health_still_answers():
 
 
 def test_verifier_overload_refuses_at_once_and_health_answers(tmp_path):
-    """The same cap on the verifier: open VerifyStream sessions beyond it are refused at once."""
+    """The same cap on the verifier: GenerateTokens calls beyond it are refused at once. The
+    engine is held busy meanwhile (its lock taken here), so the admitted generations wait in
+    their prefill and keep their slots."""
     from echospec.services.verifier import server as vserver
     from echospec.v1 import verifier_pb2_grpc
     path = tmp_path / "tiny.gguf"
@@ -181,29 +199,33 @@ def test_verifier_overload_refuses_at_once_and_health_answers(tmp_path):
     srv = vserver.start(VerifierConfig(model=str(path), port=0, n_ctx=64, n_threads=1,
                                        max_workers=workers, max_concurrent_rpcs=cap))
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    streams = []
+    calls = []
     try:
         stub = verifier_pb2_grpc.VerifierServiceStub(ch)
-        first = verifier_pb2.VerifyStreamRequest(
-            prefill=verifier_pb2.PrefillRequest(tokens=[5, 6, 7]))
-        results = []
-        for _ in range(workers + 1):
-            streams.append(_OpenStream(stub.VerifyStream, first))
-            t0 = time.monotonic()
-            results.append((streams[-1].wait_first(5.0), time.monotonic() - t0))
-        admitted = [r for r, _ in results if isinstance(r, verifier_pb2.VerifyStreamResponse)]
-        refused = [(r, dt) for r, dt in results if isinstance(r, grpc.RpcError)]
-        assert len(admitted) == cap and len(refused) == workers + 1 - cap, results
-        assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and dt < 0.5 for e, dt in refused)
-        health = health_pb2_grpc.HealthStub(ch)
-        for _ in range(10):
-            t0 = time.monotonic()
-            health.Check(health_pb2.HealthCheckRequest(service="echospec.v1.VerifierService"),
-                         timeout=2)
-            assert time.monotonic() - t0 < 0.1
+        request = verifier_pb2.GenerateTokensRequest(prompt=[5, 6, 7], max_tokens=4)
+        with srv.core.engine_lock:
+            results = []
+            for _ in range(workers + 1):
+                calls.append(stub.GenerateTokens(request, timeout=60))
+                t0 = time.monotonic()
+                results.append((_first_of(calls[-1], 0.5), time.monotonic() - t0))
+            waiting = [r for r, _ in results if r is None]
+            refused = [(r, dt) for r, dt in results if isinstance(r, grpc.RpcError)]
+            assert len(waiting) == cap and len(refused) == workers + 1 - cap, results
+            assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and dt < 0.5 for e, dt in refused)
+            health = health_pb2_grpc.HealthStub(ch)
+            for _ in range(10):
+                t0 = time.monotonic()
+                health.Check(health_pb2.HealthCheckRequest(service="echospec.v1.VerifierService"),
+                             timeout=2)
+                assert time.monotonic() - t0 < 0.1
+        deadline = time.monotonic() + 30   # the engine free again: the admitted generations end
+        while srv.handle.limit.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.handle.limit.active == 0
     finally:
-        for st in streams:
-            st.close()
+        for call in calls:
+            call.cancel()
         srv.stop(0)
         ch.close()
 

@@ -55,9 +55,8 @@ class VerifierConfig:
     port: int = 50053
     n_ctx: int = 2048            # KV capacity per session (tokens)
     n_threads: int = 0           # engine threads of a one-session forward (0: the usable CPUs less one)
-    max_k: int = 32              # largest draft a Verify accepts
+    max_k: int = 32              # largest k a GenerateTokens request may ask for
     max_sessions: int = 64       # sessions holding a KV cache at once
-    session_idle_s: float = 300.0  # unary sessions are freed after this idle time
     draft_target: str = ""       # draft service host:port for speculative generations ("": none)
     batch_max: int = 1           # sessions per scheduler iteration (>= 2: speculation is refused)
     batch_tokens: int = 512      # tokens per scheduler iteration
