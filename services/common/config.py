@@ -30,7 +30,6 @@ class DraftConfig:
     host: str = LOOPBACK
     port: int = 50052
     min_n: int = 2               # shortest suffix match the suffix index drafts from
-    max_n: int = 5               # checked (min_n <= max_n); the suffix index's matches are unbounded
     shared_max_tokens: int = 16384   # draft_namespace memory: tokens kept per namespace (~0.4 KB each)
     shared_max_namespaces: int = 16  # namespaces kept (least recently used evicted)
     max_workers: int = 64

@@ -39,11 +39,23 @@ from echospec.services.draft.suffix_index import SuffixAutomaton, SuffixParams
 DEFAULT_MIN_N = 2
 DEFAULT_MAX_N = 5
 MAX_N_LIMIT = 64
+MIN_N_LIMIT = 64
 MAX_K_LIMIT = 1024
 
 
 class ProposerError(ValueError):
-    """Bad proposer argument (n-gram range, k, token id)."""
+    """Bad proposer argument (n-gram range, min_n, k, token id)."""
+
+
+def check_min_n(min_n: int) -> int:
+    """Return ``min_n``, the shortest suffix match the suffix index drafts from.
+
+    Raises:
+        ProposerError: min_n outside [1, MIN_N_LIMIT].
+    """
+    if not 1 <= min_n <= MIN_N_LIMIT:
+        raise ProposerError(f"min_n must be in [1, {MIN_N_LIMIT}], got {min_n}")
+    return min_n
 
 
 @dataclass(frozen=True)
