@@ -75,6 +75,41 @@ def test_enum_is_described(stack):
     assert r.returncode == 0 and "SPEC_MODE_ON" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("name,parent", [
+    ("echospec.v1.CoordinatorService.Generate", "echospec.v1.CoordinatorService"),   # a method
+    ("echospec.v1.SpecMode.SPEC_MODE_ON", "echospec.v1.SpecMode"),                   # an enum value
+])
+def test_reflection_finds_the_file_of_members_the_descriptor_pool_does_not(name, parent):
+    """Why services/rpc/grpc_util.py adds a member lookup to grpc_reflection's servicer: where the
+    default descriptor pool (protobuf's upb backend) does not find a method or an enum value by
+    name, grpc_reflection's servicer answers NOT_FOUND, and `grpcurl describe` of a method
+    fails. Ours answers with the file of the member's parent and the client's own request;
+    where the pool finds members, the servers use grpc_reflection's servicer as it is."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+    from echospec.services.rpc import grpc_util
+    try:
+        descriptor_pool.Default().FindFileContainingSymbol(name)
+        pool_finds = True
+    except KeyError:
+        pool_finds = False
+    services = ["echospec.v1.CoordinatorService"]
+    request = reflection_pb2.ServerReflectionRequest(host="h", file_containing_symbol=name)
+    plain = next(reflection.ReflectionServicer(services).ServerReflectionInfo(iter([request]), None))
+    ours = grpc_util.reflection_servicer(services)
+    got = next(ours.ServerReflectionInfo(iter([request]), None))
+    if not pool_finds:   # why the lookup is there
+        assert plain.WhichOneof("message_response") == "error_response"
+        assert plain.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert not grpc_util.pool_finds_members()
+    if grpc_util.pool_finds_members():   # not needed any more: grpc_reflection's servicer unchanged
+        assert type(ours) is reflection.ReflectionServicer
+    assert got.WhichOneof("message_response") == "file_descriptor_response", got
+    assert got.original_request == request
+    top = descriptor_pb2.FileDescriptorProto.FromString(got.file_descriptor_response.file_descriptor_proto[0])
+    assert top.name == descriptor_pool.Default().FindFileContainingSymbol(parent).name
+
+
 # ---- the cap on concurrent RPCs --------------------------------------------------------------
 
 def test_default_caps_are_below_the_worker_pools():
