@@ -8,9 +8,6 @@ and taxes every plain decode step, so it is measured here on its own:
               with the queue-fed BidiStream back to back and after an idle gap
               of --gap-ms (about T: during a verifier forward both sides' gRPC
               threads sit idle, and waking them after several ms costs more).
-    link      a VerifierLink (a round trip per step over VerifyStream) driven
-              directly against the verifier: per-round wall - v_ms, one sample
-              per round (p50/mean): what a loop outside the verifier pays.
     complete, generate
               greedy generations through the coordinator (unary Complete and
               streamed Generate), spec off and on; the figure is the result's
@@ -51,11 +48,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import grpc  # noqa: E402
 
-from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc,  # noqa: E402
-                         verifier_pb2_grpc)
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
 from echospec.services.rpc import grpc_util  # noqa: E402
 from echospec.services.rpc.streams import BidiStream  # noqa: E402
-from echospec.services.coordinator.clients import VerifierLink  # noqa: E402
 from echospec.stack import start_stack  # noqa: E402
 
 ECHO_METHOD = "/echospec.bench.Echo/Echo"
@@ -117,24 +112,6 @@ def echo_rtt(target: str, n: int, gap_ms: float = 0.0) -> dict:
     s.close()
     ch.close()
     return _summ(xs)
-
-
-# -- link: the verifier stream directly ----------------------------------------------------------
-def link_rounds(verifier_target: str, prompt: list[int], steps: int) -> dict:
-    ch = grpc_util.channel(verifier_target, 1 << 20)
-    stub = verifier_pb2_grpc.VerifierServiceStub(ch)
-    link = VerifierLink(stub, None)
-    link.prefill(prompt, common_pb2.SamplingParams())
-    over, vs = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        r = link.step([])
-        wall = (time.perf_counter() - t0) * 1e3
-        over.append(wall - r.v_ms)
-        vs.append(r.v_ms)
-    link.close()
-    ch.close()
-    return {"overhead": _summ(over), "v": _summ(vs)}
 
 
 # -- generations ---------------------------------------------------------------------------------
@@ -203,15 +180,11 @@ def run(model: str, path: str, mode: str, args) -> dict:
     stack = start_stack(path, spec=False, processes=(mode == "processes"), n_ctx=512,
                         n_threads=n_threads, k=4, max_tokens=256)
     try:
-        tok_prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-        steps = args.link_steps if model == "tiny" else max(20, args.link_steps // 4)
-        link_rounds(stack.verifier_target, tok_prompt, 20)  # warm the channel and the engine
-        link = link_rounds(stack.verifier_target, tok_prompt, steps)
         gen = generations(stack.target, PROMPTS, args.max_tokens if model == "tiny" else 64,
                           args.reps)
     finally:
         stack.stop()
-    return {"model": model, "mode": mode, "link": link, "generate": gen}
+    return {"model": model, "mode": mode, "generate": gen}
 
 
 def main() -> int:
@@ -220,7 +193,6 @@ def main() -> int:
     ap.add_argument("--modes", default="threads,processes")
     ap.add_argument("--echo-rounds", type=int, default=2000)
     ap.add_argument("--gap-ms", type=float, default=9.0, help="idle gap of the third echo figure")
-    ap.add_argument("--link-steps", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", action="store_true")
@@ -246,16 +218,15 @@ def main() -> int:
     for name, e in echo.items():
         print(f"echo round trip, in-process server, {name:22}: p50 {e['p50']:.3f}  mean {e['mean']:.3f}"
               f"  p90 {e['p90']:.3f} ms")
-    print("per-round overhead, ms: link = VerifierLink step wall - V; complete/generate = the"
+    print("per-round overhead, ms: complete/generate = the"
           " result's stats.overhead_ms (p50 over generations); e2e = client-side (wall - prefill"
           " - rounds * V) / rounds (p50)")
     cols = [f"{c}_{m}" for c in ("complete", "generate") for m in ("off", "on")]
-    print(f"{'model':8} {'mode':10} {'link':>6} {'V':>7} {'T':>7} | "
+    print(f"{'model':8} {'mode':10} {'T':>7} | "
           + " ".join(f"{c:>12} {'e2e':>6}" for c in cols) + " | ident")
     for r in results[1:]:
-        lk, g = r["link"], r["generate"]
-        print(f"{r['model']:8} {r['mode']:10} {lk['overhead']['p50']:6.3f} {lk['v']['p50']:7.3f}"
-              f" {g['complete_off']['t_ms']:7.3f} | "
+        g = r["generate"]
+        print(f"{r['model']:8} {r['mode']:10} {g['complete_off']['t_ms']:7.3f} | "
               + " ".join(f"{g[c]['overhead_ms']['p50']:12.3f} {g[c]['e2e_ms']['p50']:6.3f}" for c in cols)
               + f" | {g['identical']}")
     return 0

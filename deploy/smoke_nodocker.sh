@@ -52,7 +52,7 @@ engine_simd=$("$P" -c "import echospec._engine as e; print(e.ffi.string(e.lib.es
 model=$("$P" deploy/model_init.py 2> "$WORK/model-init.log") || fail "model-init failed"
 
 # 4. services, with the compose file's variables
-ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$((PORT + 1)) ECHOSPEC_MIN_N=2 ECHOSPEC_MAX_N=5 \
+ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$((PORT + 1)) ECHOSPEC_MIN_N=2 \
     "$P" -m echospec.services.draft > "$WORK/draft.log" 2>&1 & pids+=($!)
 ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$((PORT + 2)) ECHOSPEC_MODEL="$model" ECHOSPEC_N_THREADS=2 \
     ECHOSPEC_N_CTX=2048 ECHOSPEC_MAX_SESSIONS=8 ECHOSPEC_DRAFT_TARGET=127.0.0.1:$((PORT + 1)) \

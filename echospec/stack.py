@@ -217,7 +217,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
                 n_ctx: int = 2048, n_threads: int = 0, batch_threads: int = 0, k: int = 4,
                 max_tokens: int = 256,
-                min_n: int = 2, max_n: int = 5, max_sessions: int = 64, adaptive_k: bool = True,
+                min_n: int = 2, max_sessions: int = 64, adaptive_k: bool = True,
                 metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
                 batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
                 decode_steps: int = 8, max_message_bytes: int | None = None, ready_timeout_s: float = 180.0,
@@ -236,8 +236,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         n_ctx, n_threads: verifier KV capacity per session and engine threads of a forward
             over one session. batch_threads: of a scheduler iteration over >= 2 sessions or
             a prefill chunk of >= 16 tokens (VerifierConfig.batch_threads; 0: its default).
-        k, max_tokens: coordinator defaults. min_n, max_n: the draft service's shortest suffix
-            match (min_n; max_n is only checked to be >= it).
+        k, max_tokens: coordinator defaults. min_n: the draft service's shortest suffix match.
         adaptive_k: let the live cost model pick each round's draft length (<= k).
         metrics_port: Prometheus /metrics port (-1: off, 0: a free port). Threads mode: one
             /metrics for the three services; processes mode: the coordinator's, and the verifier
@@ -270,7 +269,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
     public = {"tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": ca}
     internal = {**public, "tls_client_ca": tls_client_ca}
     side_metrics = _free_port(host) if processes and metrics_port >= 0 else -1
-    dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, max_n=max_n, **msg, **logc,
+    dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, **msg, **logc,
                        metrics_port=side_metrics, **internal)
     side_metrics2 = _free_port(host) if processes and metrics_port >= 0 else -1
     vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,

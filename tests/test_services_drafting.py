@@ -144,21 +144,18 @@ def draft_stub():
     handle.stop(0)
 
 
-def test_draft_service_refuses_max_n_below_min_n(draft_stub):
-    # was: min_n 5, max_n 2 answered an empty draft, as if nothing matched
+def test_draft_service_refuses_min_n_outside_its_range(draft_stub):
     from echospec.v1 import draft_pb2
     with pytest.raises(grpc.RpcError) as ei:
-        draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=4, min_n=5, max_n=2),
-                           timeout=10)
+        draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=4, min_n=65), timeout=10)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert ei.value.details() == "max_n must be >= min_n (0: server default), got min_n=5 max_n=2"
-    with pytest.raises(grpc.RpcError) as ei:   # against the server's default min_n (2)
+    assert ei.value.details() == "min_n must be in [1, 64], got 65"
+    with pytest.raises(grpc.RpcError) as ei:
         list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
-            append=[1, 2, 1, 2], k=2, max_n=1)]), timeout=10))
+            append=[1, 2, 1, 2], k=2, min_n=-1)]), timeout=10))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert ei.value.details() == "max_n must be >= min_n (0: server default), got min_n=2 max_n=1"
-    r = draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 3, 1, 2], k=2, min_n=2, max_n=2),
-                           timeout=10)
+    assert ei.value.details() == "min_n must be in [1, 64], got -1"
+    r = draft_stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 3, 1, 2], k=2, min_n=2), timeout=10)
     assert list(r.draft) == [3, 1]
 
 

@@ -75,6 +75,41 @@ def test_enum_is_described(stack):
     assert r.returncode == 0 and "SPEC_MODE_ON" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("name,parent", [
+    ("echospec.v1.CoordinatorService.Generate", "echospec.v1.CoordinatorService"),   # a method
+    ("echospec.v1.SpecMode.SPEC_MODE_ON", "echospec.v1.SpecMode"),                   # an enum value
+])
+def test_reflection_finds_the_file_of_members_the_descriptor_pool_does_not(name, parent):
+    """Why services/rpc/grpc_util.py adds a member lookup to grpc_reflection's servicer: where the
+    default descriptor pool (protobuf's upb backend) does not find a method or an enum value by
+    name, grpc_reflection's servicer answers NOT_FOUND, and `grpcurl describe` of a method
+    fails. Ours answers with the file of the member's parent and the client's own request;
+    where the pool finds members, the servers use grpc_reflection's servicer as it is."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+    from echospec.services.rpc import grpc_util
+    try:
+        descriptor_pool.Default().FindFileContainingSymbol(name)
+        pool_finds = True
+    except KeyError:
+        pool_finds = False
+    services = ["echospec.v1.CoordinatorService"]
+    request = reflection_pb2.ServerReflectionRequest(host="h", file_containing_symbol=name)
+    plain = next(reflection.ReflectionServicer(services).ServerReflectionInfo(iter([request]), None))
+    ours = grpc_util.reflection_servicer(services)
+    got = next(ours.ServerReflectionInfo(iter([request]), None))
+    if not pool_finds:   # why the lookup is there
+        assert plain.WhichOneof("message_response") == "error_response"
+        assert plain.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert not grpc_util.pool_finds_members()
+    if grpc_util.pool_finds_members():   # not needed any more: grpc_reflection's servicer unchanged
+        assert type(ours) is reflection.ReflectionServicer
+    assert got.WhichOneof("message_response") == "file_descriptor_response", got
+    assert got.original_request == request
+    top = descriptor_pb2.FileDescriptorProto.FromString(got.file_descriptor_response.file_descriptor_proto[0])
+    assert top.name == descriptor_pool.Default().FindFileContainingSymbol(parent).name
+
+
 # ---- the cap on concurrent RPCs --------------------------------------------------------------
 
 def test_default_caps_are_below_the_worker_pools():
@@ -113,6 +148,22 @@ class _OpenStream:
     def close(self) -> None:
         self.q.put(None)
         self.call.cancel()
+
+
+def _first_of(call, timeout_s: float):
+    """The first message of a server-streaming ``call``, its RpcError (refused), or None when
+    neither came within timeout_s (the message is then left to whoever reads the call next)."""
+    out: list = []
+    got = threading.Event()
+
+    def run():
+        try:
+            out.append(next(call))
+        except grpc.RpcError as e:
+            out.append(e)
+        got.set()
+    threading.Thread(target=run, daemon=True).start()
+    return out[0] if got.wait(timeout_s) else None
 
 
 def test_overload_gets_resource_exhausted_and_health_still_answers():
@@ -172,7 +223,9 @@ def test_overload_gets_resource_exhausted_and_health_still_answers():
 
 
 def test_verifier_overload_refuses_at_once_and_health_answers(tmp_path):
-    """The same cap on the verifier: open VerifyStream sessions beyond it are refused at once."""
+    """The same cap on the verifier: GenerateTokens calls beyond it are refused at once. The
+    engine is held busy meanwhile (its lock taken here), so the admitted generations wait in
+    their prefill and keep their slots."""
     from echospec.services.verifier import server as vserver
     from echospec.v1 import verifier_pb2_grpc
     path = tmp_path / "tiny.gguf"
@@ -181,29 +234,33 @@ def test_verifier_overload_refuses_at_once_and_health_answers(tmp_path):
     srv = vserver.start(VerifierConfig(model=str(path), port=0, n_ctx=64, n_threads=1,
                                        max_workers=workers, max_concurrent_rpcs=cap))
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    streams = []
+    calls = []
     try:
         stub = verifier_pb2_grpc.VerifierServiceStub(ch)
-        first = verifier_pb2.VerifyStreamRequest(
-            prefill=verifier_pb2.PrefillRequest(tokens=[5, 6, 7]))
-        results = []
-        for _ in range(workers + 1):
-            streams.append(_OpenStream(stub.VerifyStream, first))
-            t0 = time.monotonic()
-            results.append((streams[-1].wait_first(5.0), time.monotonic() - t0))
-        admitted = [r for r, _ in results if isinstance(r, verifier_pb2.VerifyStreamResponse)]
-        refused = [(r, dt) for r, dt in results if isinstance(r, grpc.RpcError)]
-        assert len(admitted) == cap and len(refused) == workers + 1 - cap, results
-        assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and dt < 0.5 for e, dt in refused)
-        health = health_pb2_grpc.HealthStub(ch)
-        for _ in range(10):
-            t0 = time.monotonic()
-            health.Check(health_pb2.HealthCheckRequest(service="echospec.v1.VerifierService"),
-                         timeout=2)
-            assert time.monotonic() - t0 < 0.1
+        request = verifier_pb2.GenerateTokensRequest(prompt=[5, 6, 7], max_tokens=4)
+        with srv.core.engine_lock:
+            results = []
+            for _ in range(workers + 1):
+                calls.append(stub.GenerateTokens(request, timeout=60))
+                t0 = time.monotonic()
+                results.append((_first_of(calls[-1], 0.5), time.monotonic() - t0))
+            waiting = [r for r, _ in results if r is None]
+            refused = [(r, dt) for r, dt in results if isinstance(r, grpc.RpcError)]
+            assert len(waiting) == cap and len(refused) == workers + 1 - cap, results
+            assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and dt < 0.5 for e, dt in refused)
+            health = health_pb2_grpc.HealthStub(ch)
+            for _ in range(10):
+                t0 = time.monotonic()
+                health.Check(health_pb2.HealthCheckRequest(service="echospec.v1.VerifierService"),
+                             timeout=2)
+                assert time.monotonic() - t0 < 0.1
+        deadline = time.monotonic() + 30   # the engine free again: the admitted generations end
+        while srv.handle.limit.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.handle.limit.active == 0
     finally:
-        for st in streams:
-            st.close()
+        for call in calls:
+            call.cancel()
         srv.stop(0)
         ch.close()
 

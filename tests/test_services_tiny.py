@@ -278,71 +278,56 @@ def test_bad_requests_get_a_status_and_the_service_stays_up(stub, stack, name, k
     assert len(ok.token_ids) == 4
 
 
-def test_verifier_unary_errors_leave_other_sessions_unaffected(vstub):
-    greedy = common_pb2.SamplingParams()
+def _tokens(msgs) -> list[int]:
+    return [t for m in msgs for r in m.rounds for t in r.result.tokens]
+
+
+def test_verifier_errors_leave_a_running_generation_unaffected(vstub):
     prompt = [11, 12, 13, 14]
 
-    def fresh_run(n):
-        sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
-        toks = list(vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=prompt)).result.tokens)
-        for _ in range(n):
-            toks += vstub.Decode(vpb.DecodeRequest(session_id=sid)).result.tokens
-        vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
-        return toks
+    def req(**kw) -> vpb.GenerateTokensRequest:
+        return vpb.GenerateTokensRequest(**{"prompt": prompt, "max_tokens": 7, **kw})
 
-    expected = fresh_run(6)
-    a = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
-    got = list(vstub.Prefill(vpb.PrefillRequest(session_id=a, tokens=prompt)).result.tokens)
-    b = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
-    cases = [
-        (lambda: vstub.Verify(vpb.VerifyRequest(session_id=b, draft=[1])), grpc.StatusCode.FAILED_PRECONDITION),
-        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=[])), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=[N_VOCAB + 5])),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=[3] * N_CTX)),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: vstub.Verify(vpb.VerifyRequest(session_id="nope", draft=[])), grpc.StatusCode.NOT_FOUND),
-    ]
-    for i, (call, code) in enumerate(cases):
-        with pytest.raises(grpc.RpcError) as ei:
-            call()
-        assert ei.value.code() == code, ei.value.details()
-        got += vstub.Decode(vpb.DecodeRequest(session_id=a)).result.tokens  # a keeps going
-    vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=prompt))
-    for call, code in [
-        (lambda: vstub.Verify(vpb.VerifyRequest(session_id=b, draft=[1] * 33)), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: vstub.Verify(vpb.VerifyRequest(session_id=b, draft=[1, -4])), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: vstub.Prefill(vpb.PrefillRequest(session_id=b, tokens=prompt)), grpc.StatusCode.FAILED_PRECONDITION),
+    expected = _tokens(vstub.GenerateTokens(req(), timeout=30))
+    running = vstub.GenerateTokens(req(), timeout=30)
+    got = _tokens([next(running)])
+    for kw, code in [
+        (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt=[N_VOCAB + 5]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt=[3] * N_CTX), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(spec=True, k=33), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(spec=True, k=2, prediction=[1, -4]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(spec=True, k=2, sampling=common_pb2.SamplingParams(temperature=0.5)),
+         grpc.StatusCode.FAILED_PRECONDITION),
     ]:
         with pytest.raises(grpc.RpcError) as ei:
-            call()
+            list(vstub.GenerateTokens(req(**kw), timeout=30))
         assert ei.value.code() == code, ei.value.details()
-    vstub.CloseSession(vpb.CloseSessionRequest(session_id=b))
-    with pytest.raises(grpc.RpcError) as ei:
-        vstub.Decode(vpb.DecodeRequest(session_id=b))
-    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
-    got += vstub.Decode(vpb.DecodeRequest(session_id=a)).result.tokens
+    got += _tokens(running)
     assert got == expected
-    vstub.CloseSession(vpb.CloseSessionRequest(session_id=a))
 
 
-def test_verify_accepts_the_greedy_prefix_and_counts(vstub):
-    greedy = common_pb2.SamplingParams()
+def test_rounds_accept_the_greedy_prefix_and_count(vstub):
+    """A prediction right for three output tokens, then wrong: every round's tokens are its
+    accepted drafts then the bonus token, its counters say so, the KV holds everything but the
+    last token, and the output is the plain one."""
     prompt = [21, 22, 23]
-    sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
-    first = vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=prompt)).result.tokens[0]
-    plain = [vstub.Decode(vpb.DecodeRequest(session_id=sid)).result.tokens[0] for _ in range(4)]
-    vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
-    sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=greedy)).session_id
-    again = vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=prompt)).result.tokens[0]
-    wrong = (plain[2] + 1) % N_VOCAB
-    r = vstub.Verify(vpb.VerifyRequest(session_id=sid, draft=[plain[0], plain[1], wrong])).result
-    assert (list(r.tokens), r.k, r.accepted, r.tries, r.hits, r.kv_rolls) == (plain[:3], 3, 2, 1, 2, 1)
-    assert r.n_past == len(prompt) + 1 + 2  # pending + 2 accepted kept, 1 rolled back
-    r = vstub.Decode(vpb.DecodeRequest(session_id=sid)).result
-    assert list(r.tokens) == [plain[3]] and r.tries == 0
-    vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
-    assert 0 <= first < N_VOCAB and again == first   # greedy prefill is deterministic
+    plain = _tokens(vstub.GenerateTokens(vpb.GenerateTokensRequest(prompt=prompt, max_tokens=6),
+                                         timeout=30))
+    wrong = (plain[3] + 1) % N_VOCAB
+    msgs = list(vstub.GenerateTokens(vpb.GenerateTokensRequest(
+        prompt=prompt, max_tokens=6, spec=True, k=3, fixed_k=True,
+        prediction=plain[:3] + [wrong] + plain[4:]), timeout=30))
+    rounds = [r.result for m in msgs for r in m.rounds]
+    assert _tokens(msgs) == plain
+    produced = 0
+    for r in rounds:
+        assert (r.tries, r.hits, r.kv_rolls) == (1 if r.k else 0, r.accepted, r.k - r.accepted)
+        assert list(r.tokens) == plain[produced:produced + r.accepted + 1]
+        produced += len(r.tokens)
+        assert r.n_past == len(prompt) + produced - 1   # the last token is not in the KV yet
+    assert rounds[0].k == 0 and len(rounds[0].tokens) == 1   # the prefill
+    assert any(0 < r.accepted < r.k for r in rounds), [(r.k, r.accepted) for r in rounds]
 
 
 # -- cancellation, deadlines, health, reflection ------------------------------------------------
@@ -466,20 +451,15 @@ def test_port_taken_is_a_clear_error(tiny_model, stack):
     ({"top_p": float("nan")}, "top_p must be finite"),
     ({"top_k": -1}, "top_k must be >= 0"),
 ])
-def test_verifier_sessions_refuse_sampling_the_engine_cannot_run(vstub, bad, fragment):
-    """CreateSession and a VerifyStream's prefill refuse the sampling settings GenerateTokens
-    refuses, with INVALID_ARGUMENT, before a session opens (they used to open it, then fail the
-    prefill with UNKNOWN and leave the unary session open)."""
+def test_verifier_refuses_sampling_the_engine_cannot_run(vstub, bad, fragment):
+    """GenerateTokens refuses the sampling settings the engine's sampler would fail on, with
+    INVALID_ARGUMENT, before a session is taken."""
     bad_sampling = common_pb2.SamplingParams(**{"temperature": 0.7, **bad})
     before = vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
     with pytest.raises(grpc.RpcError) as ei:
-        vstub.CreateSession(vpb.CreateSessionRequest(sampling=bad_sampling))
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in ei.value.details()
-    first = vpb.VerifyStreamRequest(prefill=vpb.PrefillRequest(tokens=[11, 12, 13], sampling=bad_sampling))
-    with pytest.raises(grpc.RpcError) as ei:
-        list(vstub.VerifyStream(iter([first]), timeout=30))
+        list(vstub.GenerateTokens(vpb.GenerateTokensRequest(prompt=[11, 12, 13], max_tokens=2,
+                                                            sampling=bad_sampling), timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in ei.value.details()
     assert vstub.GetConfig(vpb.GetConfigRequest()).active_sessions == before
-    sid = vstub.CreateSession(vpb.CreateSessionRequest(sampling=common_pb2.SamplingParams())).session_id
-    assert vstub.Prefill(vpb.PrefillRequest(session_id=sid, tokens=[11, 12, 13])).result.tokens
-    vstub.CloseSession(vpb.CloseSessionRequest(session_id=sid))
+    assert _tokens(vstub.GenerateTokens(vpb.GenerateTokensRequest(prompt=[11, 12, 13], max_tokens=2),
+                                        timeout=30))

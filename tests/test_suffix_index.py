@@ -2,8 +2,8 @@
 and a randomized check of the longest match against a brute-force matcher."""
 import random
 
-from echospec.services.draft.proposer import NgramParams, propose_once
 from echospec.services.draft.suffix_index import SuffixAutomaton, SuffixParams
+from ngram_reference import NgramParams, propose_once
 
 P1 = SuffixParams(min_match=1)
 

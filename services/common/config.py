@@ -30,7 +30,6 @@ class DraftConfig:
     host: str = LOOPBACK
     port: int = 50052
     min_n: int = 2               # shortest suffix match the suffix index drafts from
-    max_n: int = 5               # checked (min_n <= max_n); the suffix index's matches are unbounded
     shared_max_tokens: int = 16384   # draft_namespace memory: tokens kept per namespace (~0.4 KB each)
     shared_max_namespaces: int = 16  # namespaces kept (least recently used evicted)
     max_workers: int = 64
@@ -55,9 +54,8 @@ class VerifierConfig:
     port: int = 50053
     n_ctx: int = 2048            # KV capacity per session (tokens)
     n_threads: int = 0           # engine threads of a one-session forward (0: the usable CPUs less one)
-    max_k: int = 32              # largest draft a Verify accepts
+    max_k: int = 32              # largest k a GenerateTokens request may ask for
     max_sessions: int = 64       # sessions holding a KV cache at once
-    session_idle_s: float = 300.0  # unary sessions are freed after this idle time
     draft_target: str = ""       # draft service host:port for speculative generations ("": none)
     batch_max: int = 1           # sessions per scheduler iteration (>= 2: speculation is refused)
     batch_tokens: int = 512      # tokens per scheduler iteration

@@ -4,17 +4,12 @@
 GenerateTokens call per generation; the verifier runs the loop and streams
 one message per engine step. Cancelling the call ends the generation at the
 verifier (stop string, client gone, deadline).
-
-``VerifierLink`` drives a VerifyStream session step by step (a round trip
-per step); bench/round_overhead.py measures it against the loop in the verifier.
 """
 from __future__ import annotations
 
 from typing import Any, Iterator
 
 import grpc
-
-from echospec.services.rpc.streams import BidiStream
 
 
 class VerifierFailure(Exception):
@@ -59,41 +54,3 @@ class GenerationLink:
         """End the generation at the verifier (any thread; idempotent)."""
         self.cancelled = True
         self._call.cancel()
-
-
-class VerifierLink:
-    """One verifier session over a VerifyStream (a round trip per step).
-
-    Args:
-        stub: VerifierServiceStub. timeout: the session's deadline in seconds.
-    """
-
-    def __init__(self, stub: Any, timeout: float | None):
-        from echospec.v1 import verifier_pb2
-        self._pb = verifier_pb2
-        self._stream = BidiStream(stub.VerifyStream, timeout)
-
-    def prefill(self, tokens: list[int], sampling: Any) -> Any:
-        """Prefill the prompt; returns the StepResult (tokens = [first token]). Raises VerifierFailure."""
-        self._stream.send(self._pb.VerifyStreamRequest(
-            prefill=self._pb.PrefillRequest(tokens=tokens, sampling=sampling)))
-        return self._recv()
-
-    def step(self, draft: list[int]) -> Any:
-        """Verify ``draft`` (K = 0: decode); returns the StepResult. Raises VerifierFailure."""
-        self._stream.send(self._pb.VerifyStreamRequest(step=self._pb.VerifyRequest(draft=draft)))
-        return self._recv()
-
-    def _recv(self) -> Any:
-        try:
-            return self._stream.recv().result
-        except grpc.RpcError as exc:
-            raise _verifier_failure(exc) from None
-        except StopIteration:
-            raise VerifierFailure(grpc.StatusCode.INTERNAL, "the verifier ended the stream") from None
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def cancel(self) -> None:
-        self._stream.cancel()

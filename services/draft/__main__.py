@@ -1,4 +1,4 @@
-"""python -m echospec.services.draft [--port P] [--host H] [--min-n N] [--max-n N] (env ECHOSPEC_*)."""
+"""python -m echospec.services.draft [--port P] [--host H] [--min-n N] (env ECHOSPEC_*)."""
 # numpy is only used for buffers here; its OpenBLAS worker threads would spin on the
 # cores the engine computes on, so keep OpenBLAS to one thread (before numpy loads).
 import os
@@ -12,16 +12,16 @@ import sys  # noqa: E402
 from echospec.services.common import config as cfg  # noqa: E402
 from echospec.services.rpc.lifecycle import service_main  # noqa: E402
 from echospec.services.rpc.grpc_util import PortInUseError  # noqa: E402
-from echospec.services.draft.proposer import NgramParams, ProposerError  # noqa: E402
+from echospec.services.draft.proposer import ProposerError, check_min_n  # noqa: E402
 from echospec.services.draft.server import serve  # noqa: E402
 
 
 def _check(conf: cfg.DraftConfig) -> None:
-    """The n-gram range (--min-n, --max-n) as a bad setting: ValueError naming them."""
+    """min_n (--min-n) as a bad setting: ValueError naming it."""
     try:
-        NgramParams(conf.min_n, conf.max_n).validate()
+        check_min_n(conf.min_n)
     except ProposerError as exc:
-        raise ValueError(f"--min-n / ECHOSPEC_MIN_N, --max-n / ECHOSPEC_MAX_N: {exc}") from None
+        raise ValueError(f"--min-n / ECHOSPEC_MIN_N: {exc}") from None
 
 
 def main(argv=None) -> int:

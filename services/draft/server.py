@@ -6,7 +6,7 @@ import logging
 from echospec.v1 import draft_pb2, draft_pb2_grpc
 from echospec.services.rpc import grpc_util
 from echospec.services.common.config import DraftConfig
-from echospec.services.draft.proposer import NgramParams
+from echospec.services.draft.proposer import check_min_n
 from echospec.services.draft.servicer import DraftServicer
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -23,9 +23,9 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
         (handle, servicer); ``handle.port`` is the bound port.
     Raises:
         PortInUseError: host:port (or the metrics port) cannot be bound.
-        ProposerError: invalid n-gram range. ValueError: shared memory bounds below 1.
+        ProposerError: min_n outside [1, 64]. ValueError: shared memory bounds below 1.
     """
-    NgramParams(config.min_n, config.max_n).validate()  # ProposerError names the bad range
+    check_min_n(config.min_n)  # ProposerError names the bad value
     if config.shared_max_tokens < 1 or config.shared_max_namespaces < 1:
         raise ValueError(f"shared memory bounds must be >= 1, got shared_max_tokens="
                          f"{config.shared_max_tokens} shared_max_namespaces={config.shared_max_namespaces}")

@@ -10,7 +10,8 @@ import grpc
 from echospec.v1 import draft_pb2, draft_pb2_grpc
 from echospec.services.common.config import DraftConfig
 from echospec.services.draft.memory import SharedMemory, namespace_problem
-from echospec.services.draft.proposer import MAX_K_LIMIT, DraftParams, DraftProposer, ProposerError
+from echospec.services.draft.proposer import (MAX_K_LIMIT, DraftParams, DraftProposer, ProposerError,
+                                              check_min_n)
 from echospec.services.draft.suffix_index import SuffixParams
 
 log = logging.getLogger("echospec.draft")
@@ -31,16 +32,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.total_sessions = 0
         self.memory = SharedMemory(config.shared_max_tokens, config.shared_max_namespaces)
 
-    def _params(self, min_n: int, max_n: int) -> DraftParams:
-        n = min_n or self.config.min_n
-        if not 1 <= n <= 64:
-            raise ProposerError(f"min_n must be in [1, 64], got {n}")
-        # max_n bounds nothing (the suffix index's matches are unbounded) but a range whose
-        # upper end is below its lower one is a mistake, not an empty range
-        if max_n and max_n < n:
-            raise ProposerError(f"max_n must be >= min_n (0: server default), got min_n={n} "
-                                f"max_n={max_n}")
-        return DraftParams(suffix=SuffixParams(min_match=n))
+    def _params(self, min_n: int) -> DraftParams:
+        """A session's settings: the request's min_n (0: the server's). Raises ProposerError."""
+        return DraftParams(suffix=SuffixParams(min_match=check_min_n(min_n or self.config.min_n)))
 
     def ProposeStream(self, request_iterator: Iterator[draft_pb2.ProposeStreamRequest],
                       context: grpc.ServicerContext) -> Iterator[draft_pb2.ProposeStreamResponse]:
@@ -59,7 +53,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                                 f"{len(req.digit_tokens)}")
                         if namespace_problem(req.draft_namespace):
                             raise ProposerError(namespace_problem(req.draft_namespace))
-                        proposer = DraftProposer(self._params(req.min_n, req.max_n), list(req.prediction),
+                        proposer = DraftProposer(self._params(req.min_n), list(req.prediction),
                                                  list(req.digit_tokens), self.memory,
                                                  req.draft_namespace, list(req.line_break_tokens))
                         proposer.append(req.append)
@@ -89,7 +83,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"k must be in [1, {MAX_K_LIMIT}], got {request.k}")
         try:
-            p = DraftProposer(self._params(request.min_n, request.max_n))
+            p = DraftProposer(self._params(request.min_n))
             p.append(list(request.tokens))
             draft, n, _ = p.propose(request.k)
         except ProposerError as exc:

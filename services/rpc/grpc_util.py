@@ -32,38 +32,78 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import _base as _reflection_base
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from echospec.services.common.config import setting_name
 
 
-class _ReflectionServicer(reflection.ReflectionServicer):
-    """grpc_reflection's servicer, plus the symbols the upb descriptor pool does not find by
-    name (grpc/grpc#34743): a method, field, oneof, nested type or enum value resolves to the file
-    of its parent, so ``grpcurl describe echospec.v1.CoordinatorService.Generate`` works."""
+# Symbols whose file reflection must find (grpcurl describe): a method, a field and a nested enum
+# value, of a proto always loaded here (grpc_health).
+_MEMBER_PROBES = ("grpc.health.v1.Health.Check", "grpc.health.v1.HealthCheckRequest.service",
+                  "grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING")
 
-    def _file_containing_symbol(self, request, fully_qualified_name):
-        fd = self._file_of(fully_qualified_name)
-        if fd is None:
-            return super()._file_containing_symbol(request, fully_qualified_name)
-        return _reflection_base._file_descriptor_response(fd, request)
 
-    def _file_of(self, name: str):
+def pool_finds_members(pool: Any = None) -> bool:
+    """True when ``pool`` (the default descriptor pool: None) finds the file of a method, a field
+    and an enum value by name. protobuf's upb backend finds none but the field (grpc/grpc#34743),
+    so grpc_reflection's servicer answers NOT_FOUND for them; while that holds,
+    ``reflection_servicer`` adds the lookup."""
+    pool = descriptor_pool.Default() if pool is None else pool
+    try:
+        for name in _MEMBER_PROBES:
+            pool.FindFileContainingSymbol(name)
+    except KeyError:
+        return False
+    return True
+
+
+class _MemberReflectionServicer(reflection.ReflectionServicer):
+    """grpc_reflection's servicer, asked for the parent (service, message or enum) of a member
+    symbol the pool does not find by name, so ``grpcurl describe
+    echospec.v1.CoordinatorService.Generate`` works. Public API only: the request is rewritten
+    before the base servicer sees it and the response carries the client's request back."""
+
+    def __init__(self, service_names: Iterable[str], pool: Any = None):
+        super().__init__(service_names, pool)
+        self._symbols = descriptor_pool.Default() if pool is None else pool
+
+    def ServerReflectionInfo(self, request_iterator, context):
+        asked: list = []
+
+        def requests():
+            for request in request_iterator:
+                asked.append(request)
+                parent = (self._parent_of(request.file_containing_symbol)
+                          if request.HasField("file_containing_symbol") else None)
+                if parent is None:
+                    yield request
+                else:
+                    yield reflection_pb2.ServerReflectionRequest(host=request.host,
+                                                                 file_containing_symbol=parent)
+        for response in super().ServerReflectionInfo(requests(), context):   # one per request
+            response.original_request.CopyFrom(asked.pop(0))
+            yield response
+
+    def _parent_of(self, name: str) -> str | None:
+        """The full name of the service, message or enum ``name`` is a member of (a method, a
+        field, a oneof, a nested type or enum, an enum value), when the pool does not find
+        ``name`` itself; else None."""
         try:
-            return self._pool.FindFileContainingSymbol(name)
+            self._symbols.FindFileContainingSymbol(name)
+            return None
         except KeyError:
             pass
         parent, _, member = name.rpartition(".")
         if not parent:
             return None
         lookups = (
-            (self._pool.FindServiceByName, lambda d: (d.methods_by_name,)),
-            (self._pool.FindMessageTypeByName,
+            (self._symbols.FindServiceByName, lambda d: (d.methods_by_name,)),
+            (self._symbols.FindMessageTypeByName,
              lambda d: (d.fields_by_name, d.nested_types_by_name, d.enum_types_by_name,
                         d.oneofs_by_name)),
-            (self._pool.FindEnumTypeByName, lambda d: (d.values_by_name,)),
+            (self._symbols.FindEnumTypeByName, lambda d: (d.values_by_name,)),
         )
         for find, members in lookups:
             try:
@@ -71,23 +111,46 @@ class _ReflectionServicer(reflection.ReflectionServicer):
             except KeyError:
                 continue
             if any(member in m for m in members(d)):
-                return d.file
+                return d.full_name
         return None
+
+
+def reflection_servicer(service_names: Iterable[str]) -> reflection.ReflectionServicer:
+    """grpc_reflection's servicer for ``service_names``, with the member lookup while the default
+    descriptor pool needs it (``pool_finds_members``)."""
+    names = tuple(service_names)
+    if pool_finds_members():
+        return reflection.ReflectionServicer(names)
+    return _MemberReflectionServicer(names)
+
+
+def _kind(handler: grpc.RpcMethodHandler) -> str:
+    """The handler's RPC kind: "unary_unary", "unary_stream", "stream_unary" or "stream_stream"."""
+    return ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+            else "stream_unary" if handler.stream_unary else "stream_stream")
+
+
+def _with_behavior(handler: grpc.RpcMethodHandler, kind: str, behavior,
+                   request_deserializer=None) -> grpc.RpcMethodHandler:
+    """A new handler of ``kind`` running ``behavior``, with ``handler``'s serializers (its request
+    deserializer unless one is given), built by grpc's public ``grpc.<kind>_rpc_method_handler``."""
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(behavior, request_deserializer=request_deserializer or handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 def _refusing(handler, code: grpc.StatusCode, message: str):
     """``handler`` with its behaviour replaced by an abort with ``code`` and ``message``."""
-    kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
-            else "stream_unary" if handler.stream_unary else "stream_stream")
+    kind = _kind(handler)
     if kind.endswith("_stream"):
         def stream(request, context):
             context.abort(code, message)
             yield  # pragma: no cover - abort raises
-        return handler._replace(**{kind: stream})
+        return _with_behavior(handler, kind, stream)
 
     def unary(request, context):
         context.abort(code, message)
-    return handler._replace(**{kind: unary})
+    return _with_behavior(handler, kind, unary)
 
 
 class ApiKeyAuth(grpc.ServerInterceptor):
@@ -155,8 +218,7 @@ class DecodeErrors(grpc.ServerInterceptor):
             except Exception as exc:   # protobuf's DecodeError; any refusal is the request's fault
                 return _Undecodable(wire.explain(desc, bytes(data), exc))
 
-        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
-                else "stream_unary" if handler.stream_unary else "stream_stream")
+        kind = _kind(handler)
         behavior = getattr(handler, kind)
         if handler.request_streaming:
             def requests_of(iterator, context):
@@ -172,15 +234,12 @@ class DecodeErrors(grpc.ServerInterceptor):
                 if isinstance(request, _Undecodable):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 return behavior(request, context)
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(checked, request_deserializer=lenient,
-                    response_serializer=handler.response_serializer)
+        return _with_behavior(handler, kind, checked, request_deserializer=lenient)
 
 
 def _input_descriptor(method: str):
     """The request message descriptor of "/package.Service/Method" (None when the default
     descriptor pool does not know it)."""
-    from google.protobuf import descriptor_pool
     service, _, name = method.lstrip("/").partition("/")
     try:
         return descriptor_pool.Default().FindMethodByName(f"{service}.{name}").input_type
@@ -298,8 +357,7 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self.prefix):
             return handler
-        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
-                else "stream_unary" if handler.stream_unary else "stream_stream")
+        kind = _kind(handler)
         behavior = getattr(handler, kind)
         method = handler_call_details.method
         release = self._admit(method)
@@ -311,7 +369,7 @@ class ConcurrencyLimit(grpc.ServerInterceptor):
         # handler it never ran, the finalizer releases the slot (after a run: a no-op).
         slot = _Slot()
         weakref.finalize(slot, release)
-        return handler._replace(**{kind: self._counted(kind, behavior, release, slot)})
+        return _with_behavior(handler, kind, self._counted(kind, behavior, release, slot))
 
     def _admit(self, method: str):
         """Count a call of ``method`` in: its release function, or None when `limit` calls are
@@ -682,7 +740,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        _ReflectionServicer(names + (health.SERVICE_NAME, reflection.SERVICE_NAME)), server)
+        reflection_servicer(names + (health.SERVICE_NAME, reflection.SERVICE_NAME)), server)
     addr = host_port(host, port)
     try:
         bound = (server.add_secure_port(addr, creds) if creds is not None
@@ -720,15 +778,3 @@ def wait_for_termination(handle: ServerHandle, grace_s: float) -> None:
         _stop_log.info("%s service on port %d stopping (%s); calls in flight get %g s",
                        handle.name, handle.port, why, grace_s)
         handle.stop(grace_s, why).wait()
-
-
-def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
-    """Abort the RPC with ``code`` and ``message`` (raises; never returns)."""
-    context.abort(code, message)
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """True for an RpcError meaning the peer is gone or unreachable."""
-    return isinstance(exc, grpc.RpcError) and exc.code() in (
-        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -1,4 +1,4 @@
-"""A long-lived bidi stream over grpcio's public API, used by the coordinator and the verifier.
+"""A long-lived bidi stream over grpcio's public API, used by the verifier's draft link.
 
 ``BidiStream`` feeds a call from a queue: gRPC drains the request iterator on
 its own thread, so ``send`` never blocks; ``recv`` waits for the next

@@ -24,14 +24,14 @@ class DraftLink:
             draft service is then reported with the likely cause when TLS is on one side only.
     """
 
-    def __init__(self, stub: Any, timeout: float | None, min_n: int = 0, max_n: int = 0,
+    def __init__(self, stub: Any, timeout: float | None, min_n: int = 0,
                  prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
                  draft_namespace: str = "", line_break_tokens: list[int] | None = None,
                  tls_mismatch: Any = None):
         self._tls_mismatch = tls_mismatch
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
-        self._min_n, self._max_n = min_n, max_n
+        self._min_n = min_n
         self._setup = dict(prediction=prediction or [], digit_tokens=digit_tokens or [],
                            draft_namespace=draft_namespace, line_break_tokens=line_break_tokens or [])
         self.last_source = 0   # echospec.v1.DraftSource of the last proposal received
@@ -39,7 +39,7 @@ class DraftLink:
     def _msg(self, append: list[int], k: int) -> draft_pb2.ProposeStreamRequest:
         m = draft_pb2.ProposeStreamRequest(append=append, k=k)
         if self._first:   # the session's setup; its append is the prompt
-            m.min_n, m.max_n = self._min_n, self._max_n
+            m.min_n = self._min_n
             m.prediction.extend(self._setup["prediction"])
             m.digit_tokens.extend(self._setup["digit_tokens"])
             m.draft_namespace = self._setup["draft_namespace"]

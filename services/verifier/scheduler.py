@@ -20,9 +20,8 @@ once per iteration, not once per session. Every step is bitwise what its
 session gets alone (the engine's batch-invariance contract, across sessions
 and chunked prefill), and a step whose input is bad fails alone.
 
-The step-by-step sessions (VerifyStream and the unary RPCs, for debugging and
-bench/round_overhead.py) do not queue here: they take the engine lock
-directly, between iterations.
+The verifier's warm-up does not queue here: it takes the engine lock
+directly, before any generation starts.
 
 A step that waits (``run``) needs no thread of the scheduler's: a waiting
 generation whose turn comes runs the iteration itself (flat combining), so a
@@ -153,8 +152,7 @@ class Scheduler:
     """Owns the engine for generations (see the module docstring).
 
     Args:
-        engine_lock: held while a batch runs (the unary/stream sessions of
-            sessions.py take it too).
+        engine_lock: held while a batch runs (VerifierCore.warm_up takes it too).
         batch_max: sessions per iteration (>= 1).
         batch_tokens: tokens per iteration (>= 1).
         prefill_chunk: most prompt tokens per prefill step (>= 1).

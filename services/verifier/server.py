@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
 from echospec.services.rpc import grpc_util, inproc
@@ -15,28 +14,17 @@ log = logging.getLogger("echospec.verifier")
 
 
 class VerifierServer:
-    """A running verifier: server handle, core, idle-session reaper."""
+    """A running verifier: server handle, servicer, core."""
 
     def __init__(self, handle: grpc_util.ServerHandle, servicer: VerifierServicer, core: VerifierCore):
         self.handle = handle
         self.servicer = servicer
         self.core = core
         self.port = handle.port
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name="verifier-reaper", daemon=True)
-        self._reaper.start()
-
-    def _reap(self) -> None:
-        period = max(0.5, min(30.0, self.core.config.session_idle_s / 4))
-        while not self._stop.wait(period):
-            n = self.core.reap_idle()
-            if n:
-                log.info("freed %d idle unary sessions", n)
 
     def stop(self, grace_s: float | None = None, reason: str = "") -> None:
         """Graceful stop: NOT_SERVING, drain streams (then UNAVAILABLE naming ``reason`` for the
         calls left, grpc_util.ServerHandle.stop), free every session and the model."""
-        self._stop.set()
         inproc.unregister(grpc_util.host_port(self.core.config.host, self.port), self.servicer)
         g = self.core.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g, reason).wait()
@@ -108,5 +96,4 @@ def serve(config: VerifierConfig) -> None:
     try:
         grpc_util.wait_for_termination(srv.handle, config.grace_s)
     finally:
-        srv._stop.set()
         srv.core.close()

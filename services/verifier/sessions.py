@@ -1,29 +1,26 @@
-"""Verifier sessions and the accept rule. Pure logic over the engine: no gRPC.
+"""The verifier's core (model, engine lock, T, prefix cache, scheduler) and the accept rule.
+Pure logic over the engine: no gRPC.
 
-A session owns one KV sequence. Its state between calls:
+A generation's engine session owns one KV sequence. Its state between rounds:
 
     KV cache   = prompt + generated tokens, except the last generated one
     pending    = the last generated token (not yet in the KV cache)
 
-Verify(draft of K tokens) runs ONE forward over [pending] + draft, which
-appends K + 1 positions and yields argmax a[0..K] (a[i] is the greedy token
-after position n_past + i). The accepted prefix is the longest R with
+A round with a draft of K tokens runs ONE forward over [pending] + draft,
+which appends K + 1 positions and yields argmax a[0..K] (a[i] is the greedy
+token after position n_past + i). The accepted prefix is the longest R with
 draft[i] == a[i] for all i < R; the bonus token is a[R]. The KV of pending and
 the R accepted drafts is kept; the K - R rejected positions are rolled back
-(es_session_rollback: exact). The step yields draft[:R] + [a[R]] (R + 1
+(es_session_rollback: exact). The round yields draft[:R] + [a[R]] (R + 1
 tokens) and the new pending token is a[R]. Because one engine call over N
 tokens is bitwise equal to N single steps, these are exactly the tokens that
 R + 1 plain greedy decode steps would produce.
 
-Counters per step: tries = 1 if K >= 1, hits = R, kv_rolls = K - R.
-Sampling sessions (temperature > 0) only take K = 0 steps: one forward over
-[pending] with the last logits row, and the engine's sampler with the
-session's RNG state (seeded from the request seed).
-Forward calls of all sessions are serialized by one engine lock: each call
-uses every engine thread. Whole generations (GenerateTokens) run in
-generation_loop.py; their forwards go through the scheduler
-(scheduler.py), which takes the same lock, and their sessions come from and
-return to the prefix cache (prefix_cache.py) through VerifierCore.acquire
+Counters per round: tries = 1 if K >= 1, hits = R, kv_rolls = K - R.
+Forward calls are serialized by one engine lock. Whole generations
+(GenerateTokens) run in generation_loop.py; their forwards go through the
+scheduler (scheduler.py), which takes the lock, and their sessions come from
+and return to the prefix cache (prefix_cache.py) through VerifierCore.acquire
 and release.
 """
 from __future__ import annotations
@@ -31,13 +28,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
-from echospec.services.verifier.engine import MAX_THREADS, EngineError, Model, Session, sample
-from echospec.services.common.floats import f32_str
+from echospec.services.verifier.engine import MAX_THREADS, EngineError, Model, Session
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
 
@@ -54,10 +49,6 @@ class VerifierError(Exception):
 
 class InvalidArgument(VerifierError):
     kind = "INVALID_ARGUMENT"
-
-
-class NotFound(VerifierError):
-    kind = "NOT_FOUND"
 
 
 class ResourceExhausted(VerifierError):
@@ -83,23 +74,6 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-@dataclass
-class StepOutcome:
-    """Result of one prefill / decode / verify step (times in ms)."""
-
-    tokens: list[int]          # accepted drafts then the bonus token (R + 1 tokens)
-    k: int                     # K drafts verified
-    accepted: int              # R
-    v_ms: float                # this step's forward (+ rollback) time
-    t_ms: float                # current T estimate
-    n_past: int
-    n_ctx: int
-
-    @property
-    def kv_rolls(self) -> int:
-        return self.k - self.accepted
-
-
 def longest_accepted_prefix(draft: Sequence[int], argmax: Sequence[int]) -> int:
     """R = the largest r with draft[i] == argmax[i] for every i < r.
 
@@ -117,153 +91,6 @@ def longest_accepted_prefix(draft: Sequence[int], argmax: Sequence[int]) -> int:
     return r
 
 
-class VerifierSession:
-    """One KV sequence plus its pending token and sampler state.
-
-    Lifecycle: new -> prefill -> step* -> close. Illegal transitions raise
-    FailedPrecondition naming the session. Methods are thread-safe (one lock
-    per session); ``close`` waits for an in-flight step.
-    """
-
-    def __init__(self, core: "VerifierCore", session: Session, sampling: Sampling, sid: str):
-        self.core = core
-        self.sid = sid
-        self.sampling = sampling
-        self._session = session
-        self._lock = threading.Lock()
-        self._pending: int | None = None
-        self._rng = int(sampling.seed) & 0xFFFFFFFFFFFFFFFF
-        self.closed = False
-        self.last_used = time.monotonic()
-
-    @property
-    def n_ctx(self) -> int:
-        return self.core.config.n_ctx
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise NotFound(f"session {self.sid} is closed")
-
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        n_vocab = self.core.n_vocab
-        for i, t in enumerate(tokens):
-            if not (0 <= t < n_vocab):
-                raise InvalidArgument(f"{what}[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
-
-    def prefill(self, tokens: Sequence[int]) -> StepOutcome:
-        """Run the prompt through the model; the outcome's one token is the first generated.
-
-        Args:
-            tokens: prompt ids, 1 <= len < n_ctx, each in [0, n_vocab).
-        Raises:
-            InvalidArgument: empty prompt, id outside the vocabulary, prompt
-                that leaves no room in the context. FailedPrecondition: already
-                prefilled. NotFound: closed.
-        """
-        toks = [int(t) for t in tokens]
-        with self._lock:
-            self._check_open()
-            if self._pending is not None:
-                raise FailedPrecondition(f"session {self.sid} is already prefilled")
-            if not toks:
-                raise InvalidArgument("empty prompt: prefill needs at least one token")
-            if len(toks) >= self.n_ctx:
-                raise InvalidArgument(
-                    f"prompt of {len(toks)} tokens does not fit the context of {self.n_ctx} tokens"
-                    f" (at most {self.n_ctx - 1}, one position is kept for generation)")
-            self._check_tokens(toks, "tokens")
-            self.last_used = time.monotonic()
-            mode = "none" if self.sampling.greedy else "last"
-            with self.core.engine_lock:
-                t0 = time.perf_counter()
-                first_greedy, logits = self._prefill(toks, mode == "last")
-                first = self._choose(first_greedy, logits)
-                ms = (time.perf_counter() - t0) * 1e3
-            self._pending = first
-            return StepOutcome([first], 0, 0, ms, self.core.t_ms, self._session.n_past, self.n_ctx)
-
-    def step(self, draft: Sequence[int]) -> StepOutcome:
-        """Verify K drafts (K = 0: one decode step) and accept the greedy prefix.
-
-        Args:
-            draft: K token ids, 0 <= K <= max_k, each in [0, n_vocab).
-        Returns:
-            StepOutcome with R + 1 tokens; the KV cache holds the old pending
-            token and the R accepted drafts (the K - R rejected ones rolled back).
-        Raises:
-            InvalidArgument: K > max_k or an id outside the vocabulary.
-            FailedPrecondition: not prefilled, or drafts on a sampling session.
-            ResourceExhausted: n_past + 1 + K > n_ctx (the context is full).
-            NotFound: closed.
-        """
-        drf = [int(t) for t in draft]
-        k = len(drf)
-        with self._lock:
-            self._check_open()
-            if self._pending is None:
-                raise FailedPrecondition(f"session {self.sid} has no prefill yet")
-            if k > self.core.config.max_k:
-                raise InvalidArgument(f"draft of {k} tokens exceeds max_k = {self.core.config.max_k}")
-            self._check_tokens(drf, "draft")
-            if k and not self.sampling.greedy:
-                raise FailedPrecondition(
-                    f"session {self.sid} samples (temperature {f32_str(self.sampling.temperature)}):"
-                    " drafts are verified for greedy sessions only")
-            n_past = self._session.n_past
-            if n_past + 1 + k > self.n_ctx:
-                raise ResourceExhausted(
-                    f"context full: n_past {n_past} + 1 + K {k} > n_ctx {self.n_ctx}")
-            self.last_used = time.monotonic()
-            mode = "none" if self.sampling.greedy else "last"
-            with self.core.engine_lock:
-                t0 = time.perf_counter()
-                argmax, logits = self._forward([self._pending] + drf, mode)
-                r = longest_accepted_prefix(drf, argmax)
-                if r < k:
-                    self._session.rollback(n_past + 1 + r)
-                bonus = self._choose(argmax[r], logits)
-                ms = (time.perf_counter() - t0) * 1e3
-            if k == 0 and self.sampling.greedy:
-                self.core.observe_decode(ms)
-            self._pending = bonus
-            return StepOutcome(drf[:r] + [bonus], k, r, ms, self.core.t_ms,
-                               self._session.n_past, self.n_ctx)
-
-    def _prefill(self, tokens: list[int], want_logits: bool):
-        """The prompt's forward with the output head on its last position only."""
-        return self._engine_call(self._session.prefill, tokens, logits=want_logits)
-
-    def _forward(self, tokens: list[int], mode: str):
-        return self._engine_call(self._session.forward, tokens, logits=mode)
-
-    def _engine_call(self, fn, tokens: list[int], **kw):
-        try:
-            return fn(tokens, **kw)
-        except EngineError as exc:
-            if exc.name == "ES_ERR_CAPACITY":
-                raise ResourceExhausted(f"session {self.sid}: {exc.message}") from None
-            if exc.name == "ES_ERR_INVALID_ARG":
-                raise InvalidArgument(f"session {self.sid}: {exc.message}") from None
-            raise
-
-    def _choose(self, argmax_token, logits) -> int:
-        if self.sampling.greedy:
-            return int(argmax_token)
-        s = self.sampling
-        tok, self._rng = sample(logits[-1], temperature=s.temperature, top_k=s.top_k,
-                                top_p=s.top_p, min_p=s.min_p, rng=self._rng)
-        return tok
-
-    def close(self) -> None:
-        """Free the KV cache (waits for an in-flight step). Idempotent."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            self._session.close()
-        self.core._forget(self)
-
-
 def engine_error(exc: EngineError, who: str) -> Exception:
     """An engine failure as the VerifierError the client gets (others stay EngineError)."""
     if exc.name == "ES_ERR_CAPACITY":
@@ -274,12 +101,12 @@ def engine_error(exc: EngineError, who: str) -> Exception:
 
 
 class VerifierCore:
-    """The loaded model, the engine lock, T, the session registry, the
+    """The loaded model, the engine lock, T, the count of sessions in use, the
     scheduler and the prefix cache.
 
     Engine threads: every session's pool has max(n_threads, batch_threads)
     threads; a forward over one session (a lone generation's decode step or
-    decode run, the step-by-step sessions) runs on n_threads of them, an
+    decode run, the warm-up) runs on n_threads of them, an
     iteration of the scheduler that batches >= 2 sessions or feeds one a
     prefill chunk of scheduler.MANY_TOKENS or more on batch_threads. With both
     0 that is the usable CPUs less one for one session (a core kept for the
@@ -288,8 +115,8 @@ class VerifierCore:
     config kept here has both resolved.
 
     Args:
-        config: model path, n_ctx, n_threads, batch_threads, max_k, max_sessions, idle
-            timeout, batch_max, batch_tokens, prefill_chunk, prefix cache settings.
+        config: model path, n_ctx, n_threads, batch_threads, max_k, max_sessions,
+            batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Raises:
         EngineError: the model cannot be loaded (status and message from the engine).
         InvalidArgument: n_ctx < 8 (a larger n_ctx than the model's training context is
@@ -312,8 +139,6 @@ class VerifierCore:
             raise InvalidArgument(f"n_ctx must be >= 8, got {config.n_ctx}")
         self.engine_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._sessions: dict[str, VerifierSession] = {}   # every open session
-        self._named: dict[str, VerifierSession] = {}      # unary (addressable) sessions
         self.t_ms = 0.0
         self._t_alpha = 0.1
         self.scheduler = Scheduler(self.engine_lock, config.batch_max, config.batch_tokens,
@@ -324,9 +149,9 @@ class VerifierCore:
 
     @property
     def active_sessions(self) -> int:
-        """Sessions in use by streams, unary clients and generations (not the idle cached ones)."""
+        """Sessions in use by generations (not the idle cached ones)."""
         with self._lock:
-            return len(self._sessions) + self._gen_active
+            return self._gen_active
 
     @property
     def cached_sessions(self) -> int:
@@ -372,12 +197,11 @@ class VerifierCore:
             if session is None and 0 < self.prefix_cache.capacity <= len(self.prefix_cache):
                 session, n = self.prefix_cache.evict_lru(), 0
             if session is None:
-                while (len(self._sessions) + self._gen_active + len(self.prefix_cache)
-                       >= self.config.max_sessions):
+                while self._gen_active + len(self.prefix_cache) >= self.config.max_sessions:
                     old = self.prefix_cache.evict_lru()
                     if old is None:
                         raise ResourceExhausted(
-                            f"{len(self._sessions) + self._gen_active} sessions already open"
+                            f"{self._gen_active} sessions already open"
                             f" (max_sessions {self.config.max_sessions})")
                     evicted.append(old)
             self._gen_active += 1
@@ -419,89 +243,36 @@ class VerifierCore:
         self.t_ms = ms if self.t_ms <= 0 else (1 - self._t_alpha) * self.t_ms + self._t_alpha * ms
 
     def warm_up(self, steps: int = 8) -> None:
-        """Prefill a short prompt and time plain decode steps to seed T."""
-        s = self.open(Sampling(), named=False)
-        try:
-            out = s.prefill([min(1, self.n_vocab - 1)] * 4)
-            for _ in range(steps):
-                out = s.step([])
-        finally:
-            s.close()
+        """Prefill a short prompt and time plain greedy decode steps (one engine session of
+        its own, freed after) to seed T. Steps that would not fit n_ctx are left out.
 
-    def open(self, sampling: Sampling, named: bool) -> VerifierSession:
-        """Create a session (KV cache of config.n_ctx tokens).
-
-        Args:
-            sampling: the session's sampling parameters.
-            named: True for a unary session addressable by id (freed by
-                close or the idle timeout); False for a stream's session.
         Raises:
-            ResourceExhausted: max_sessions already open, or no memory for the KV cache.
+            EngineError: as Session.forward (the session is freed first).
         """
-        evicted = []
-        with self._lock:
-            while len(self._sessions) + self._gen_active + len(self.prefix_cache) >= self.config.max_sessions:
-                old = self.prefix_cache.evict_lru()
-                if old is None:
-                    raise ResourceExhausted(
-                        f"{len(self._sessions) + self._gen_active} sessions already open"
-                        f" (max_sessions {self.config.max_sessions})")
-                evicted.append(old)
-            sid = uuid.uuid4().hex
-            # reserve the slot before the (slow) allocation
-            self._sessions[sid] = None  # type: ignore[assignment]
-        for old in evicted:
-            old.close()
+        prompt = [min(1, self.n_vocab - 1)] * 4
+        es = self.new_engine_session()
         try:
-            es = self.new_engine_session()
-        except EngineError as exc:
-            with self._lock:
-                self._sessions.pop(sid, None)
-            if exc.name == "ES_ERR_NOMEM":
-                raise ResourceExhausted(f"cannot allocate a session: {exc.message}") from None
-            raise
-        vs = VerifierSession(self, es, sampling, sid)
-        with self._lock:
-            self._sessions[sid] = vs
-            if named:
-                self._named[sid] = vs
-        return vs
-
-    def get(self, sid: str) -> VerifierSession:
-        """The unary session ``sid``. Raises NotFound when unknown or closed."""
-        with self._lock:
-            vs = self._named.get(sid)
-        if vs is None or vs.closed:
-            raise NotFound(f"unknown or closed session {sid!r}")
-        return vs
-
-    def _forget(self, vs: VerifierSession) -> None:
-        with self._lock:
-            self._sessions.pop(vs.sid, None)
-            self._named.pop(vs.sid, None)
-
-    def reap_idle(self, now: float | None = None) -> int:
-        """Close unary sessions idle for more than session_idle_s. Returns how many."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            idle = [s for s in self._named.values()
-                    if now - s.last_used > self.config.session_idle_s]
-        for s in idle:
-            s.close()
-        return len(idle)
+            with self.engine_lock:
+                pending, _ = es.prefill(prompt)
+            for _ in range(min(steps, self.config.n_ctx - len(prompt))):
+                with self.engine_lock:
+                    t0 = time.perf_counter()
+                    argmax, _ = es.forward([pending], logits="none")
+                    ms = (time.perf_counter() - t0) * 1e3
+                self.observe_decode(ms)
+                pending = int(argmax[0])
+        finally:
+            es.close()
 
     def close(self) -> None:
-        """Close every session (the prefix cache's too), then the model.
+        """Close the prefix cache's sessions, then the model.
 
         Holds the engine lock meanwhile, so a forward still running (a generation
         whose RPC outlived the server's grace period) finishes first; a later one
         fails with EngineError (session closed) instead of touching freed memory.
         """
         with self._lock:
-            sessions = [s for s in self._sessions.values() if s is not None]
             cached = self.prefix_cache.clear()
-        for s in sessions:
-            s.close()
         with self.engine_lock:
             for c in cached:
                 c.close()
