@@ -1,8 +1,10 @@
-"""Build the tiny qwen3moe / qwen3vl / qwen3vlmoe test fixtures the way real GGUF files are made.
+"""Build the tiny qwen3moe / qwen3vl / qwen3vlmoe / gemma3 test fixtures the way real GGUF files are made.
 
 What it does, per fixture:
   1. a tiny random model from transformers (Qwen3MoeForCausalLM, Qwen3VLForConditionalGeneration,
-     Qwen3VLMoeForConditionalGeneration) with SmolLM2's tokenizer, saved with save_pretrained;
+     Qwen3VLMoeForConditionalGeneration, Gemma3ForCausalLM) with SmolLM2's tokenizer, saved with
+     save_pretrained (llama.cpp's Gemma 3 converter takes a tokenizer.json when there is no
+     SentencePiece tokenizer.model);
   2. llama.cpp's converter (convert_hf_to_gguf.py) writes an F16 GGUF (and, for the VL models, the
      vision projector with --mmproj);
   3. llama.cpp's quantizer (llama_cpp.llama_model_quantize) writes the kept files (Q8_0; Q4_K_M too
@@ -10,7 +12,8 @@ What it does, per fixture:
   4. reference logits: the quantized file's tensors, dequantized with the gguf package, are loaded
      into the transformers model, which runs the prompts in float32; llama.cpp's logits for the same
      prompts come from llama_cpp.Llama. Both are saved (compactly) beside the GGUF.
-Kept in --out: qwen3moe-Q4_K_M, qwen3vl-Q8_0, qwen3vlmoe-Q8_0 (+ .ref.npz each), qwen3vl-mmproj-F16;
+Kept in --out: qwen3moe-Q4_K_M, qwen3vl-Q8_0, qwen3vlmoe-Q8_0, gemma3-Q8_0 (+ .ref.npz each),
+qwen3vl-mmproj-F16;
 the rest (F16 files, qwen3moe-Q8_0, qwen3vlmoe's projector, summary.json) stays in --work.
 
 Needs (none of it is a dependency of the project):
@@ -53,6 +56,10 @@ PROMPT_TEXTS = [
 ]
 TOPK = 32            # top ids / values kept per position
 N_SUBSET = 512       # logits at these (fixed, random) vocab ids kept for every position
+# A prompt longer than gemma3's sliding window (16 here): its last positions attend only part of it.
+LONG_TEXT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who told "
+             "stories to the children every evening, and they listened until the stars came out over the "
+             "dark water.")
 VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -94,6 +101,17 @@ def fixtures() -> dict[str, dict]:
                                          tie_word_embeddings=True),
                         vision_config=dict(vision, out_hidden_size=64), tie_word_embeddings=True),
             quant=["Q8_0"], keep_quant=["Q8_0"], extra_tokens=VL_TOKENS),
+        # Gemma 3's layout (270M: 18 layers, 4 / 1 heads of 256, window 512, every 6th layer global)
+        # scaled down: 6 layers (the default pattern: 0-4 local, 5 global, as llama.cpp reads a file
+        # without the pattern key), window 16, local RoPE base 10000 and global 1e6 (the defaults).
+        # query_pre_attn_scalar = head_dim: llama.cpp scales by 1 / sqrt(head_dim) (all but 27B).
+        "gemma3": dict(
+            cls="Gemma3ForCausalLM", config="Gemma3TextConfig",
+            kwargs=dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=64, intermediate_size=512, sliding_window=16, query_pre_attn_scalar=64,
+                        rms_norm_eps=1e-6, max_position_embeddings=4096, initializer_range=0.1,
+                        tie_word_embeddings=True),
+            quant=["Q8_0"], keep_quant=["Q8_0"], extra_tokens=[], gemma=True),
     }
 
 
@@ -124,8 +142,9 @@ def build_hf(name: str, spec: dict, tok_gguf: Path, out: Path, seed: int) -> Non
         g = torch.Generator().manual_seed(seed + 1)
         for pname, p in model.named_parameters():
             # RMSNorm weights start at 1: make them differ so that a missing or misplaced norm shows.
+            # (Gemma's norms scale by 1 + w, w starting at 0.)
             if pname.endswith("norm.weight") and p.ndim == 1 and "visual" not in pname:
-                p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=g))
+                p.copy_((0.0 if spec.get("gemma") else 1.0) + 0.25 * torch.randn(p.shape, generator=g))
     model.save_pretrained(str(out))
     if spec["config"] == "Qwen3VLMoeConfig":
         hub_layout_experts(out)
@@ -239,8 +258,11 @@ def load_into_hf(model, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
         done.add(hf)
 
     g = lambda n: tensors[n][0]  # noqa: E731
+    gemma = model.config.model_type.startswith("gemma")
+    # the converter stores Gemma's (1 + w) norm weights with the 1 added
+    gn_ = (lambda n: g(n) - np.float32(1.0)) if gemma else g
     put(lm + "embed_tokens.weight", g("token_embd.weight"))
-    put(lm + "norm.weight", g("output_norm.weight"))
+    put(lm + "norm.weight", gn_("output_norm.weight"))
     if "lm_head.weight" in want:
         if "output.weight" in tensors:
             put("lm_head.weight", g("output.weight"))
@@ -251,6 +273,18 @@ def load_into_hf(model, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
     n_layer = model.config.get_text_config().num_hidden_layers
     for i in range(n_layer):
         b, L = f"blk.{i}.", f"{lm}layers.{i}."
+        if gemma:
+            for gname, hn in [("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                              ("ffn_norm", "pre_feedforward_layernorm"),
+                              ("post_ffw_norm", "post_feedforward_layernorm"),
+                              ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")]:
+                put(L + hn + ".weight", gn_(b + gname + ".weight"))
+            for gname, hn in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                              ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                              ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                              ("ffn_down", "mlp.down_proj")]:
+                put(L + hn + ".weight", g(b + gname + ".weight"))
+            continue
         for gn, hn in [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
                        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                        ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
@@ -329,11 +363,12 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(a.tokenizer_gguf.parent), gguf_file=a.tokenizer_gguf.name)
-    prompts = [tok.encode(t, add_special_tokens=False) for t in PROMPT_TEXTS]
+    base_prompts = [tok.encode(t, add_special_tokens=False) for t in PROMPT_TEXTS]
     summary = {}
     for name, spec in fixtures().items():
         if a.only and name not in a.only:
             continue
+        prompts = base_prompts + ([tok.encode(LONG_TEXT, add_special_tokens=False)] if spec.get("gemma") else [])
         hf_dir = a.work / name / "hf"
         build_hf(name, spec, a.tokenizer_gguf.expanduser(), hf_dir, a.seed)
         f16 = a.work / name / f"{name}-F16.gguf"

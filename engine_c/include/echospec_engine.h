@@ -66,7 +66,8 @@ typedef struct {
 
 /* Hyperparameters of a loaded model, as read from the GGUF metadata. */
 typedef struct {
-    char arch[16];              /* "llama", "qwen2", "qwen3", "qwen3moe", "qwen3vl" or "qwen3vlmoe" */
+    char arch[16];              /* "llama", "qwen2", "qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe" or
+                                   "gemma3" */
     int32_t n_vocab;            /* tokens */
     int32_t n_ctx_train;        /* tokens the model was trained for */
     int32_t n_embd;             /* hidden size */
@@ -74,7 +75,7 @@ typedef struct {
     int32_t n_head;             /* query heads */
     int32_t n_head_kv;          /* key/value heads (GQA when < n_head) */
     int32_t head_dim;           /* per-head size of q and k (attention.key_length) */
-    int32_t n_ff;               /* SwiGLU hidden size */
+    int32_t n_ff;               /* FFN hidden size (SwiGLU; gemma3: GELU-gated) */
     float rope_freq_base;       /* RoPE theta */
     int32_t rope_dim;           /* rotated dimensions per head (<= head_dim) */
     int32_t rope_neox;          /* 1: pairs (i, i + rope_dim/2) (qwen2/3); 0: pairs (2i, 2i+1) (llama) */
@@ -92,6 +93,12 @@ typedef struct {
                                    else t); all 0 for plain RoPE */
     int32_t n_deepstack;        /* qwen3vl*: layers that add the vision tower's deepstack
                                    features (kept for images; text adds nothing), else 0 */
+    int32_t n_swa;              /* gemma3: sliding window of the local layers (a query at position p
+                                   attends (p - n_swa, p]), 0 when every layer is global */
+    int32_t n_swa_layers;       /* layers with the sliding window (the others attend every position) */
+    float rope_freq_base_swa;   /* RoPE theta of the sliding-window layers (gemma3) */
+    float rope_freq_scale;      /* RoPE position scale of the global layers (1 / linear scaling factor;
+                                   1 when the file has none) */
 } es_model_info;
 
 /* Session parameters; get the defaults from es_session_default_params(). */

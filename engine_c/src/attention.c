@@ -24,15 +24,20 @@
  * Attention, softmax(q . K^T / sqrt(head_dim)) . V (GQA), as an online
  * softmax over the KV blocks of ES_KV_BLOCK (B) positions, which are fixed by
  * absolute position. The query of token i of a call (position p = n_past + i,
- * query head h, KV head h / (n_head / n_head_kv)) attends positions [0, p]:
- * blocks 0 .. p / B, the last one in part. Per query:
+ * query head h, KV head h / (n_head / n_head_kv)) attends positions [w, p],
+ * w = 0, or on a sliding-window layer (gemma3's local layers) w = max(0,
+ * p - n_swa + 1): blocks w / B .. p / B, the first and last ones in part.
+ * Per query:
  *   block b, its positions t in [bB, min(bB + B, p + 1)):
  *     s_t = z * scale, z = +0 then z = fma(q[d], k_t[d], z) for d = 0, 1, ...
- *     m_b = max s_t;  e_t = exp(s_t - m_b)  (exp_cephes, its lanes in expv)
+ *           (scale = 1 / sqrt(head_dim), or the model's attn_scale)
+ *     m_b = max of s_t over t >= w;  e_t = exp(s_t - m_b)  (exp_cephes, its
+ *           lanes in expv) for t >= w, e_t = +0 for t < w
  *     l_b = sum8 of the e_t (lane j adds e of the block's positions j, j + 8,
  *           ... in order, then the fixed tree of dot8)
  *     o_b[d] = +0 then o_b[d] = fma(e_t, v_t[d], o_b[d]) for t in order
- *   fold, blocks in order: (M, L, O) = block 0's (m, l, o); for b = 1, 2, ...
+ *           (a position before w adds +0 * v: o_b unchanged for finite v)
+ *   fold, blocks in order: (M, L, O) = block w / B's (m, l, o); for the next ones
  *     M' = max(M, m_b), a = exp(M - M'), c = exp(m_b - M'),
  *     L = L * a + l_b * c,  O[d] = O[d] * a + o_b[d] * c,  M = M'
  *   out[d] = O[d] * (1 / L)
@@ -157,16 +162,17 @@ static inline float sum8(const float *x, int n) {
 /* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
 int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 
-/* One block of nq queries: qp[j] attends the block's first nv[j] >= 1
- * positions (nv ascending); kb [hd][B] and vb [B][hd] are the block in the
- * cache (F16, read as float32 in registers); the scores are computed for
- * its first ncols positions (a multiple of 2 * AW, >= nv[nq - 1]); sc
+/* One block of nq queries: qp[j] attends the block's positions [lo[j],
+ * nv[j]), lo[j] < nv[j] (nv ascending; lo = 0 but for a sliding window);
+ * kb [hd][B] and vb [B][hd] are the block in the cache (F16, read as
+ * float32 in registers); the scores are computed for its first ncols
+ * positions (a multiple of 2 * AW, >= nv[nq - 1]), times scale; sc
  * [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. A
  * score lane depends only on its query and position, so the scores of
- * positions past every nv (computed, then dropped) change no kept bit. */
-static void block_partial(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
-                          const uint16_t *kb, const uint16_t *vb, float *sc, int ncols) {
-    float scale = 1.0f / sqrtf((float)hd);
+ * positions past every nv (computed, then dropped) change no kept bit, and
+ * those before lo[j] get the weight +0. */
+static void block_partial(int nq, const float *const *qp, const int *lo, const int *nv, float *const *dst, int hd,
+                          const uint16_t *kb, const uint16_t *vb, float *sc, int ncols, float scale) {
     int hdr = es_attn_part_floats(hd) - 16;
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
         int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
@@ -185,8 +191,9 @@ static void block_partial(int nq, const float *const *qp, const int *nv, float *
     const float *ap[ES_MAX_UNIT_Q];
     for (int j = 0; j < nq; j++) {
         float *row = sc + (size_t)j * ES_KV_BLOCK;
-        float m = max_row(row, nv[j]);
+        float m = max_row(row + lo[j], nv[j] - lo[j]);
         exp_sub_row(row, m, nv[j]);
+        for (int t = 0; t < lo[j]; t++) row[t] = 0.0f;
         dst[j][hdr] = m;
         dst[j][hdr + 1] = sum8(row, nv[j]);
         ap[j] = row;
@@ -263,22 +270,27 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
     const es_kv *kv = &t->seq->kv;
     const float *qp[ES_MAX_UNIT_Q];
     float *dst[ES_MAX_UNIT_Q];
-    int32_t pos[ES_MAX_UNIT_Q];
-    int nv[ES_MAX_UNIT_Q];
+    int32_t pos[ES_MAX_UNIT_Q], wlo[ES_MAX_UNIT_Q];
+    int nv[ES_MAX_UNIT_Q], lo[ES_MAX_UNIT_Q];
     for (int k = 0; k < nq; k++) {   /* queries by token, then head: positions ascend */
         int i = i0 + k / nh, h = h0 + k % nh;
         qp[k] = s->q + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd;
         pos[k] = kv->n_past + i;
+        wlo[k] = es_attn_window_lo(s->model, t->layer, pos[k]);
         if (!t->nch) dst[k] = bp + (size_t)k * pf;
     }
     for (int32_t b = b0; b < b1; b++) {
         int32_t p0 = b * ES_KV_BLOCK;
-        int ka = 0;
+        /* the queries that attend this block: [ka, kb) (positions and
+         * window starts ascend with k) */
+        int ka = 0, kb = nq;
         while (ka < nq && pos[ka] < p0) ka++;
-        if (ka == nq) continue;
-        for (int k = ka; k < nq; k++) {
+        while (kb > ka && wlo[kb - 1] >= p0 + ES_KV_BLOCK) kb--;
+        if (ka == kb) continue;
+        for (int k = ka; k < kb; k++) {
             int32_t c = pos[k] + 1 - p0;
             nv[k] = c < ES_KV_BLOCK ? (int)c : ES_KV_BLOCK;
+            lo[k] = wlo[k] > p0 ? (int)(wlo[k] - p0) : 0;
             if (t->nch) dst[k] = part_at(t->seq, i0 + k / nh, h0 + k % nh, b);
         }
         /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
@@ -286,11 +298,11 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
         for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
             es_kv_prefetch_block(kv, t->layer, g, bp2);
         /* the block's last positions no query attends (the cache's end) are not scored */
-        int ncols = (nv[nq - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
-        block_partial(nq - ka, qp + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
-                      es_kv_v_block(kv, t->layer, g, b), sc, ncols);
+        int ncols = (nv[kb - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
+        block_partial(kb - ka, qp + ka, lo + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
+                      es_kv_v_block(kv, t->layer, g, b), sc, ncols, s->model->attn_scale);
         if (!t->nch)
-            for (int k = ka; k < nq; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == 0);
+            for (int k = ka; k < kb; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == wlo[k] / ES_KV_BLOCK);
     }
     if (!t->nch)
         for (int k = 0; k < nq; k++)
@@ -305,8 +317,9 @@ static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float 
     size_t q_dim = (size_t)in->n_head * hd;
     for (int i = 0; i < t->n; i++)
         for (int h = h0; h < h1; h++) {
-            int32_t last = (t->seq->kv.n_past + i) / ES_KV_BLOCK;
-            for (int32_t b = 0; b <= last; b++) fold_part(st, part_at(t->seq, i, h, b), hd, b == 0);
+            int32_t p = t->seq->kv.n_past + i, last = p / ES_KV_BLOCK;
+            int32_t first = es_attn_window_lo(s->model, t->layer, p) / ES_KV_BLOCK;
+            for (int32_t b = first; b <= last; b++) fold_part(st, part_at(t->seq, i, h, b), hd, b == first);
             finish_part(s->att + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd, st, hd);
         }
 }
@@ -331,7 +344,7 @@ static void attn_unit(const attn_task *t, int u, float *ws) {
     int h0 = g * grp + part * t->per;
     int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
     if (t->nch) {
-        int32_t b0 = c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
+        int32_t b0 = t->blo + c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
         if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
         /* the unit that completes a head group's last chunk (acq_rel: it
          * sees the other chunks' results) folds them; the last group to be
@@ -345,7 +358,9 @@ static void attn_unit(const attn_task *t, int u, float *ws) {
         int sl = u / groups;
         int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
         if (h0 < h1 && i0 < i1)
-            attend_unit(s, t, g, h0, h1, i0, i1, 0, (t->seq->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
+            attend_unit(s, t, g, h0, h1, i0, i1,
+                        es_attn_window_lo(s->model, t->layer, t->seq->kv.n_past + i0) / ES_KV_BLOCK,
+                        (t->seq->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
         /* the last unit of a token slice (acq_rel: it sees the others' att
          * writes) quantizes the slice's rows for W_o */
         if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0 + sl], 1, memory_order_acq_rel) == groups - 1)
@@ -385,11 +400,13 @@ int es_attn_shape(const es_session *s, attn_task *t) {
     t->per = per;
     t->split = split;
     t->nblk = (int32_t)((span - 1) / ES_KV_BLOCK + 1);
+    t->blo = es_attn_window_lo(s->model, t->layer, t->seq->kv.n_past) / ES_KV_BLOCK;
     if (n <= KS_MAX_TOKENS) {
         int want = (KS_UNITS_PER_THREAD * nth + groups - 1) / groups;
-        int nch = want < t->nblk ? want : t->nblk;
-        t->bpc = (t->nblk + nch - 1) / nch;
-        t->nch = (t->nblk + t->bpc - 1) / t->bpc;
+        int32_t nb = t->nblk - t->blo;
+        int nch = want < nb ? want : nb;
+        t->bpc = (nb + nch - 1) / nch;
+        t->nch = (nb + t->bpc - 1) / t->bpc;
         t->ts = n;
         t->nsl = 1;
         for (int i = 0; i < groups; i++) atomic_store_explicit(&t->seq->grp_done[i], 0, memory_order_relaxed);

@@ -24,6 +24,7 @@ typedef struct {
     int ts, nsl;        /* tokens per unit, token slices (query split) */
     int nch, bpc;       /* key split: chunks of blocks per head group (0: query split), blocks per chunk */
     int32_t nblk;       /* blocks attended by the call's last token */
+    int32_t blo;        /* the first block the call's first token attends (its window's; else 0) */
     size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
                            (query split) attention quantizes those att rows into mm_scratch for
                            W_o (rows rs bytes apart) */
@@ -38,6 +39,15 @@ typedef struct {
     int end[ES_MAX_BATCH];
     _Atomic int next;   /* next work unit to take */
 } attn_batch;
+
+/* The first position the query at position pos attends in layer l: 0, or
+ * on a sliding-window layer max(0, pos - n_swa + 1). Depends only on the
+ * query's own position (the attention contract in attention.c). */
+static inline int32_t es_attn_window_lo(const es_model *m, int l, int32_t pos) {
+    if (!m->layers[l].swa) return 0;
+    int32_t lo = pos - m->info.n_swa + 1;
+    return lo > 0 ? lo : 0;
+}
 
 /* Shape t's work units (t->s, seq, row0, layer, n and rs set; the rest is
  * filled in) and reset the counters the workers use. Returns the number of

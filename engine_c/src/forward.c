@@ -12,18 +12,21 @@
  * while they are in its cache, instead of a dispatch of its own). Every matmul runs over the rows
  * of all the sessions; RoPE, the KV append and the attention use each row's
  * own session:
- *   embedding      x[i] = tok_embd[tokens[i]]; the RoPE table of the positions
+ *   embedding      x[i] = tok_embd[tokens[i]] (gemma3: times sqrtf(n_embd)); the
+ *                  RoPE tables of the positions (global and sliding-window layers)
  *   per layer:
  *     norm         run_rows ROWS_NORM_ATTN: x += out (the last sublayer's
- *                  output, pending), xb = rmsnorm(x), quantized for Wq/Wk/Wv
+ *                  output, pending; gemma3: its post-norm first), xb =
+ *                  rmsnorm(x), quantized for Wq/Wk/Wv
  *     q, k, v      one matmul over Wq, Wk, Wv; epilogue qkv_epi: biases, q/k
  *                  norms (qwen3), RoPE, k and v appended to the KV cache
  *     attention    es_attn_worker (attention.c: online softmax over KV
- *                  blocks, each session over its own); the unit that completes a token slice
+ *                  blocks, each session over its own; gemma3's local layers
+ *                  over the sliding window); the unit that completes a token slice
  *                  quantizes its rows for W_o
  *     output proj. out = W_o . att (added to x by the next norm)
  *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
- *                  W_gate, W_up with epilogue glu_epi (SwiGLU, quantized for
+ *                  W_gate, W_up with epilogue glu_epi (SwiGLU or GELU, quantized for
  *                  W_down); out = W_down . glu
  *   head           output_head: x += out, output norm, logits with epilogue
  *                  am_epi (argmax per chunk; am_local on per-thread chunks
@@ -113,8 +116,10 @@ static double rope_pos(const es_model_info *in, int j, const int32_t *thw) {
     return thw[0];
 }
 
-/* RoPE (cos, sin) table of every row, at its session's position (or the
- * (t, h, w) positions its segment gives). */
+/* RoPE (cos, sin) tables of every row, at its session's position (or the
+ * (t, h, w) positions its segment gives): the global layers' (base
+ * rope_freq_base, positions times rope_freq_scale) and, for a model with
+ * sliding-window layers, theirs (base rope_freq_base_swa). */
 static void fill_rope_table(const fwd_call *c) {
     es_session *s = c->s;
     const es_model_info *in = &s->model->info;
@@ -125,11 +130,16 @@ static void fill_rope_table(const fwd_call *c) {
             int32_t p = g->seq->kv.n_past + (i - g->row0);
             int32_t thw[3] = {p, p, p};
             if (g->pos_thw) memcpy(thw, g->pos_thw + 3 * (size_t)(i - g->row0), sizeof thw);
-            for (int j = 0; j < half; j++) {
-                double pos = rope_pos(in, j, thw);
-                double theta = pos * pow((double)in->rope_freq_base, -2.0 * j / (double)in->rope_dim);
-                s->rope[(size_t)i * in->rope_dim + 2 * j] = (float)cos(theta);
-                s->rope[(size_t)i * in->rope_dim + 2 * j + 1] = (float)sin(theta);
+            for (int tab = 0; tab < (in->n_swa_layers > 0 ? 2 : 1); tab++) {
+                float *cs = s->rope + ((size_t)i * 2 + (size_t)tab) * (size_t)in->rope_dim;
+                double base = tab ? in->rope_freq_base_swa : in->rope_freq_base;
+                double scale = tab ? 1.0 : in->rope_freq_scale;
+                for (int j = 0; j < half; j++) {
+                    double pos = rope_pos(in, j, thw) * scale;
+                    double theta = pos * pow(base, -2.0 * j / (double)in->rope_dim);
+                    cs[2 * j] = (float)cos(theta);
+                    cs[2 * j + 1] = (float)sin(theta);
+                }
             }
         }
     }
@@ -158,7 +168,8 @@ typedef struct {
 /* Row i of a step of layer l (each token's row reads and writes only its own
  * data, so the split changes no bit):
  *   ROWS_NORM_ATTN / ROWS_NORM_FFN  x[i] += out[i] when a residual is
- *       pending, then xb[i] = rmsnorm(x[i]) with the layer's norm
+ *       pending (gemma3: x[i] += rmsnorm(out[i]) with the post-norm of the
+ *       sublayer that wrote out), then xb[i] = rmsnorm(x[i]) with the layer's norm
  *   ROWS_NORM_OUT  the same residual, then xb[i] = output_norm(x[head_row(i)])
  * With t->q8_rs set, the row written (xb[i]) is also quantized into
  * row i of mm_scratch for es_matmul_many_pre: in the same task, on the same
@@ -174,7 +185,14 @@ static void token_row(const rows_task *t, int i) {
     int row = op == ROWS_NORM_OUT ? head_row(t->c, i) : i;
     float *x = s->x + (size_t)row * e;
     if (t->c->pending_out) {
-        const float *o = s->out + (size_t)row * e;
+        float *o = s->out + (size_t)row * e;
+        /* the sublayer that wrote out: the previous layer's (or the last
+         * layer's) FFN before an attention (or the output) norm, this
+         * layer's attention before its FFN norm */
+        const es_tensor *pn = op == ROWS_NORM_FFN ? L->attn_post_norm
+                            : op == ROWS_NORM_ATTN ? (l > 0 ? m->layers[l - 1].ffn_post_norm : NULL)
+                                                   : m->layers[in->n_layer - 1].ffn_post_norm;
+        if (pn) rmsnorm(o, o, es_model_vec(m, pn), in->n_embd, in->norm_eps);
         for (size_t k = 0; k < e; k++) x[k] += o[k];
     }
     rmsnorm(s->xb + (size_t)i * e, x, es_model_vec(m, wt), in->n_embd, in->norm_eps);
@@ -218,7 +236,7 @@ static void qkv_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
         if (b)
             for (int64_t r = r0; r < r1; r++) y[r] += b[r];
         if (mat < 2) {
-            const float *cs = s->rope + (size_t)i * in->rope_dim;
+            const float *cs = s->rope + ((size_t)i * 2 + (size_t)L->swa) * (size_t)in->rope_dim;
             for (int64_t h = r0 / hd; h < (r1 + hd - 1) / hd; h++) {
                 float *yh = y + (size_t)h * hd;
                 if (hn) rmsnorm(yh, yh, hn, hd, in->norm_eps);
@@ -314,7 +332,7 @@ static void attention_block(fwd_call *c, int l) {
 
 /* The epilogue of the gate/up matmul (es_matmul_many_epi), for the
  * columns [r0, r1) of every token's row, by the thread that computed them:
- * gate = silu(gate) * up, then its blocks quantized for W_down into glu_q8
+ * gate = silu(gate) * up (gemma3: gelu(gate) * up), then its blocks quantized for W_down into glu_q8
  * when W_down is quantized (rs bytes a row). */
 static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     const epi_task *t = ctx;
@@ -323,7 +341,8 @@ static void glu_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     int64_t n_ff = s->model->info.n_ff;
     for (int i = 0; i < t->n; i++) {
         float *g = s->gate + (size_t)i * (size_t)n_ff;
-        swiglu_row(g + r0, s->up + (size_t)i * (size_t)n_ff + r0, (size_t)(r1 - r0));
+        if (s->model->gelu) gelu_row(g + r0, s->up + (size_t)i * (size_t)n_ff + r0, (size_t)(r1 - r0));
+        else swiglu_row(g + r0, s->up + (size_t)i * (size_t)n_ff + r0, (size_t)(r1 - r0));
         if (t->rs)
             es_quantize_cols_act(s->model->layers[t->l].w_down->type, g, n_ff, r0, r1,
                                  (uint8_t *)s->glu_q8 + (size_t)i * t->rs);
@@ -489,7 +508,10 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     for (int k = 0; k < nseg; k++)   /* embedding */
         for (int i = 0; i < seg[k].n; i++) {
             const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)seg[k].tokens[i] * m->tok_embd->row_bytes;
-            es_dequantize_row(m->tok_embd->type, row, s->x + (size_t)(seg[k].row0 + i) * in->n_embd, in->n_embd);
+            float *x = s->x + (size_t)(seg[k].row0 + i) * in->n_embd;
+            es_dequantize_row(m->tok_embd->type, row, x, in->n_embd);
+            if (m->emb_scale != 0.0f)   /* gemma3: times sqrtf(n_embd), as llama.cpp's ggml_scale */
+                for (int d = 0; d < in->n_embd; d++) x[d] *= m->emb_scale;
         }
     fill_rope_table(&c);
     es_pool_begin(s->pool);

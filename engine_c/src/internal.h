@@ -136,10 +136,13 @@ typedef struct {
     const es_tensor *q_norm;        /* qwen3 [head_dim] or NULL */
     const es_tensor *k_norm;        /* qwen3 [head_dim] or NULL */
     const es_tensor *wo;            /* [n_embd][n_head * head_dim] */
+    const es_tensor *attn_post_norm; /* gemma3 [n_embd]: RMSNorm of the attention output, or NULL */
     const es_tensor *ffn_norm;      /* [n_embd] */
+    const es_tensor *ffn_post_norm; /* gemma3 [n_embd]: RMSNorm of the FFN output, or NULL */
     const es_tensor *w_gate;        /* [n_ff][n_embd] */
     const es_tensor *w_up;          /* [n_ff][n_embd] */
     const es_tensor *w_down;        /* [n_embd][n_ff] */
+    int swa;                        /* 1: sliding-window attention (info.n_swa), local RoPE base */
     /* mixture of experts (qwen3moe, qwen3vlmoe; NULL otherwise, and w_gate/w_up/w_down are NULL) */
     const es_tensor *gate_inp;      /* router [n_expert][n_embd] */
     es_tensor *exp_gate;            /* [n_expert] views of ffn_gate_exps: each [n_ff_exp][n_embd] */
@@ -154,6 +157,9 @@ struct es_model {
     const es_tensor *output_norm;   /* [n_embd] */
     const es_tensor *output;        /* [n_vocab][n_embd]; == tok_embd when tied */
     es_layer *layers;               /* [n_layer] */
+    float emb_scale;                /* gemma3: embeddings times sqrtf(n_embd); 0: none */
+    float attn_scale;               /* scores = q . k * attn_scale (1 / sqrt(head_dim), gemma3 27B: see model.c) */
+    int gelu;                       /* 1: gelu(gate) * up (tanh form); 0: SwiGLU */
     es_tensor *expert_views;        /* owned: [n_layer][3][n_expert] 2-D views of the 3-D expert
                                        tensors (each expert a matrix of its own), NULL when dense */
     /* float copies of small vectors (norms, biases), converted at load time */
@@ -313,7 +319,8 @@ struct es_session {
     float *up;              /* [cap][n_ff] */
     float *out;             /* [cap][n_embd] sublayer output */
     float *logits;          /* [cap][n_vocab] */
-    float *rope;            /* [cap][rope_dim] cos, sin interleaved per pair */
+    float *rope;            /* [cap][2][rope_dim] cos, sin interleaved per pair: the global layers'
+                               table, then the sliding-window layers' (models with local layers) */
     int32_t group_cap;      /* min(n_head / n_head_kv, ES_MAX_GROUP) */
     int32_t q_cap;          /* queries of an attention unit, at most */
     float *att_ws;          /* [n_threads][ws_floats] attention scratch (es_attn_ws_floats), 64-byte aligned */

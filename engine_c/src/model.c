@@ -24,6 +24,16 @@
  * matmuls, the packing and the byte counts treat like any other matrix.
  * qwen3vl / qwen3vlmoe: the text decoder of Qwen3-VL: qwen3 / qwen3moe plus
  * rope.dimension_sections (multimodal RoPE) and n_deepstack_layers.
+ * gemma3 (Gemma 3's text decoder, as llama.cpp reads it): qwen3's q/k head
+ * norms plus
+ *   blk.N.post_attention_norm.weight [n_embd]   RMSNorm of the attention output
+ *   blk.N.post_ffw_norm.weight       [n_embd]   RMSNorm of the FFN output
+ * (each applied before its residual add); a GELU-gated FFN (tanh form);
+ * embeddings scaled by sqrtf(n_embd); sliding-window attention on the local
+ * layers (attention.sliding_window; attention.sliding_window_pattern: every
+ * n-th layer global, default 6, or one bool per layer; rope.freq_base_swa,
+ * default 10000, their RoPE base). The converter stores Gemma's (1 + w)
+ * norm weights with the 1 added, so every norm is the plain x / rms * w.
  *
  * 1-D tensors (norms, biases) are converted to float once, into f32_pool;
  * es_model_vec returns that view.
@@ -138,13 +148,15 @@ static const struct arch_desc {
     bool qk_norm;       /* qwen3*: RMSNorm over each head of q and k */
     bool moe;           /* mixture of experts instead of one SwiGLU FFN */
     bool mrope;         /* multimodal RoPE sections, deepstack layers (Qwen3-VL) */
+    bool gemma;         /* Gemma 3: post-norms, GELU FFN, scaled embeddings, sliding window */
 } archs[] = {
-    { "llama",      false, false, false, false },
-    { "qwen2",      true,  false, false, false },
-    { "qwen3",      false, true,  false, false },
-    { "qwen3moe",   false, true,  true,  false },
-    { "qwen3vl",    false, true,  false, true  },
-    { "qwen3vlmoe", false, true,  true,  true  },
+    { "llama",      false, false, false, false, false },
+    { "qwen2",      true,  false, false, false, false },
+    { "qwen3",      false, true,  false, false, false },
+    { "qwen3moe",   false, true,  true,  false, false },
+    { "qwen3vl",    false, true,  false, true,  false },
+    { "qwen3vlmoe", false, true,  true,  true,  false },
+    { "gemma3",     false, true,  false, false, true  },
 };
 
 static const struct arch_desc *arch_of(const char *name) {
@@ -173,7 +185,7 @@ static es_status read_arch(loader *ld, es_model_info *info) {
     int shown = kv->str_len > 32 ? 32 : (int)kv->str_len;
     es_set_err(ld->err, ld->err_len,
                "model: unsupported architecture '%.*s' (general.architecture; supported: llama, "
-               "qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe)", shown, kv->str);
+               "qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe, gemma3)", shown, kv->str);
     return ES_ERR_UNSUPPORTED;
 }
 
@@ -230,6 +242,86 @@ static es_status read_moe(const loader *ld, es_model_info *info) {
     return ES_OK;
 }
 
+/* A string key "<arch>.<suffix>" equal to `want`? *present says whether it exists. */
+static bool hp_str_is(const loader *ld, const char *suffix, const char *want, bool *present) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.%s", ld->arch, suffix);
+    const es_gguf_kv *kv = es_gguf_find_kv(ld->g, key);
+    *present = kv != NULL;
+    return kv != NULL && kv->type == GGUF_T_STRING && kv->str_len == strlen(want) &&
+           memcmp(kv->str, want, kv->str_len) == 0;
+}
+
+/* gemma3's keys, as llama.cpp reads them: attention.sliding_window (absent
+ * or 0: no local layers), rope.freq_base_swa (default 10000), linear RoPE
+ * scaling of the global layers (rope.scaling.type "linear" with
+ * rope.scaling.factor, or rope.scale_linear); a final logit softcapping is
+ * refused (Gemma 3 has none; the engine does not implement it). */
+static es_status read_gemma(const loader *ld, es_model_info *info) {
+    int64_t swa;
+    es_status st;
+    if ((st = hp_int(ld, "attention.sliding_window", false, 0, 0, INT32_MAX, &swa)) != ES_OK) return st;
+    info->n_swa = (int32_t)swa;
+    if ((st = hp_float(ld, "rope.freq_base_swa", 10000.0, 0.0, 1e12, &info->rope_freq_base_swa))) return st;
+    float cap;
+    if ((st = hp_float(ld, "final_logit_softcapping", 0.0, -1.0, 1e9, &cap))) return st;
+    if (cap != 0.0f) {
+        es_set_err(ld->err, ld->err_len, "model: %s.final_logit_softcapping = %g: logit softcapping is not "
+                   "supported", ld->arch, (double)cap);
+        return ES_ERR_UNSUPPORTED;
+    }
+    bool present, linear = hp_str_is(ld, "rope.scaling.type", "linear", &present);
+    if (present && !linear && !hp_str_is(ld, "rope.scaling.type", "none", &present)) {
+        es_set_err(ld->err, ld->err_len, "model: %s.rope.scaling.type: only linear RoPE scaling is supported",
+                   ld->arch);
+        return ES_ERR_UNSUPPORTED;
+    }
+    float factor, lin;
+    if ((st = hp_float(ld, "rope.scaling.factor", 0.0, -1.0, 1e6, &factor))) return st;
+    if ((st = hp_float(ld, "rope.scale_linear", 0.0, -1.0, 1e6, &lin))) return st;
+    if (factor == 0.0f) factor = lin;   /* llama.cpp: the factor, else the older key */
+    if (factor < 0.0f) {
+        es_set_err(ld->err, ld->err_len, "model: %s.rope.scaling.factor = %g is negative", ld->arch,
+                   (double)factor);
+        return ES_ERR_FORMAT;
+    }
+    info->rope_freq_scale = factor == 0.0f ? 1.0f : 1.0f / factor;
+    return ES_OK;
+}
+
+/* Which layers have the sliding window (gemma3 with n_swa > 0), as
+ * llama.cpp's load_swa_pattern: "<arch>.attention.sliding_window_pattern"
+ * as one bool (or integer) per layer, or as an integer n (default 6): layer
+ * l is local unless l % n == n - 1 (n = 0: every layer is local). */
+static es_status read_swa_layers(const loader *ld, es_model *m) {
+    es_model_info *in = &m->info;
+    in->n_swa_layers = 0;
+    if (in->n_swa == 0) return ES_OK;
+    char key[96];
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", ld->arch);
+    const es_gguf_kv *kv = es_gguf_find_kv(ld->g, key);
+    if (kv != NULL && kv->type == GGUF_T_ARRAY) {
+        size_t w = kv->arr_type == GGUF_T_BOOL || kv->arr_type <= GGUF_T_INT8 ? 1
+                 : kv->arr_type <= GGUF_T_INT16 ? 2 : kv->arr_type <= GGUF_T_INT32 ? 4 : 0;
+        if (w == 0 || kv->arr_type == GGUF_T_FLOAT32 || kv->arr_len != (uint64_t)in->n_layer) {
+            es_set_err(ld->err, ld->err_len, "model: %s must be an integer or %d bools", key, (int)in->n_layer);
+            return ES_ERR_FORMAT;
+        }
+        for (int l = 0; l < in->n_layer; l++) {
+            uint32_t v = 0;
+            memcpy(&v, (const uint8_t *)kv->arr_data + (size_t)l * w, w);
+            m->layers[l].swa = v != 0;
+        }
+    } else {
+        int64_t n;
+        es_status st = hp_int(ld, "attention.sliding_window_pattern", false, 6, 0, 1 << 20, &n);
+        if (st != ES_OK) return st;
+        for (int l = 0; l < in->n_layer; l++) m->layers[l].swa = n == 0 || l % n < n - 1;
+    }
+    for (int l = 0; l < in->n_layer; l++) in->n_swa_layers += m->layers[l].swa;
+    return ES_OK;
+}
+
 /* Every hyperparameter except n_vocab (taken from token_embd), range-checked. */
 static es_status read_hparams(loader *ld, es_model_info *info) {
     int64_t n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, v_dim, n_ctx, rope_dim;
@@ -281,7 +373,10 @@ static es_status read_hparams(loader *ld, es_model_info *info) {
     info->n_ctx_train = (int32_t)n_ctx;
     info->rope_dim = (int32_t)rope_dim;
     info->rope_neox = is_llama ? 0 : 1;
+    info->rope_freq_base_swa = info->rope_freq_base;
+    info->rope_freq_scale = 1.0f;
     if (ad->moe && (st = read_moe(ld, info)) != ES_OK) return st;
+    if (ad->gemma && (st = read_gemma(ld, info)) != ES_OK) return st;
     if (ad->mrope) {
         int64_t nds;
         if ((st = read_sections(ld, info)) != ES_OK) return st;
@@ -395,7 +490,9 @@ static es_status bind_layer(const loader *ld, const es_model_info *hp, int il, e
         { "attn_q_norm.weight", KIND_VECTOR, D, 1, ad->qk_norm, &L->q_norm },
         { "attn_k_norm.weight", KIND_VECTOR, D, 1, ad->qk_norm, &L->k_norm },
         { "attn_output.weight", KIND_MATRIX, Q, E, true,  &L->wo },
+        { "post_attention_norm.weight", KIND_VECTOR, E, 1, ad->gemma, &L->attn_post_norm },
         { "ffn_norm.weight",    KIND_VECTOR, E, 1, true,  &L->ffn_norm },
+        { "post_ffw_norm.weight", KIND_VECTOR, E, 1, ad->gemma, &L->ffn_post_norm },
         { "ffn_gate.weight",    KIND_MATRIX, E, F, dense, &L->w_gate },
         { "ffn_up.weight",      KIND_MATRIX, E, F, dense, &L->w_up },
         { "ffn_down.weight",    KIND_MATRIX, F, E, dense, &L->w_down },
@@ -482,14 +579,14 @@ static es_status bind_all(const loader *ld, es_model *m) {
 
 /* ---- float pool -------------------------------------------------------- */
 
-/* The 1-D tensors of the model, at most 3 + 7 per layer; returns the count. */
+/* The 1-D tensors of the model, at most 1 + 9 per layer; returns the count. */
 static int list_vectors(const es_model *m, const es_tensor **v, int cap) {
     int n = 0;
     if (n < cap) v[n++] = m->output_norm;
     for (int il = 0; il < m->info.n_layer; il++) {
         const es_layer *L = &m->layers[il];
         const es_tensor *lv[] = { L->attn_norm, L->bq, L->bk, L->bv, L->q_norm, L->k_norm,
-                                  L->ffn_norm };
+                                  L->attn_post_norm, L->ffn_norm, L->ffn_post_norm };
         for (size_t i = 0; i < sizeof lv / sizeof lv[0]; i++) {
             if (lv[i] != NULL && n < cap) v[n++] = lv[i];
         }
@@ -514,7 +611,7 @@ static void to_f32(const es_tensor *t, float *dst) {
  * On failure (ES_ERR_NOMEM) the partial allocations are owned by *mi. */
 static es_status build_pool(model_impl *mi, char *err, size_t err_len) {
     es_model *m = &mi->pub;
-    int cap = 1 + 7 * m->info.n_layer;
+    int cap = 1 + 9 * m->info.n_layer;
     const es_tensor **v = calloc((size_t)cap, sizeof *v);
     mi->vec_off = malloc((size_t)m->gguf->n_tensors * sizeof *mi->vec_off + 1);
     if (v == NULL || mi->vec_off == NULL) {
@@ -552,8 +649,8 @@ static int64_t step_bytes(const es_model *m, int64_t *all) {
     for (int il = 0; il < m->info.n_layer; il++) {
         const es_layer *L = &m->layers[il];
         const es_tensor *lt[] = { L->attn_norm, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
-                                  L->q_norm, L->k_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up,
-                                  L->w_down, L->gate_inp };
+                                  L->q_norm, L->k_norm, L->wo, L->attn_post_norm, L->ffn_norm,
+                                  L->ffn_post_norm, L->w_gate, L->w_up, L->w_down, L->gate_inp };
         for (size_t i = 0; i < sizeof lt / sizeof lt[0]; i++) {
             if (lt[i] != NULL) sum += (int64_t)lt[i]->nbytes;
         }
@@ -661,6 +758,18 @@ static es_status pack_weights(model_impl *mi, char *err, size_t err_len) {
     return ES_OK;
 }
 
+/* The per-architecture constants of the forward pass. The attention scale
+ * is llama.cpp's: 1 / sqrt(head_dim), except Gemma 3 27B (62 layers; its
+ * query_pre_attn_scalar is n_embd / n_head), as gemma_pytorch's config. */
+static void set_arch_math(es_model *m) {
+    const es_model_info *in = &m->info;
+    bool gemma = arch_of(in->arch)->gemma;
+    m->emb_scale = gemma ? sqrtf((float)in->n_embd) : 0.0f;
+    m->gelu = gemma;
+    m->attn_scale = gemma && in->n_layer == 62 ? 1.0f / sqrtf((float)(in->n_embd / in->n_head))
+                                               : 1.0f / sqrtf((float)in->head_dim);
+}
+
 /* See echospec_engine.h. On failure *out is NULL, the file is unmapped and
  * every partial allocation is freed (es_model_free accepts a half-built model). */
 es_status es_model_load(const char *path, const es_model_params *params, es_model **out,
@@ -681,6 +790,8 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
     if (st == ES_OK) st = read_arch(&ld, &m->info);
     if (st == ES_OK) st = read_hparams(&ld, &m->info);
     if (st == ES_OK) st = bind_all(&ld, m);
+    if (st == ES_OK) st = read_swa_layers(&ld, m);
+    if (st == ES_OK) set_arch_math(m);
     if (st == ES_OK) st = build_pool(mi, err, err_len);
     if (st == ES_OK && !(params != NULL && (params->flags & ES_MODEL_NO_REPACK)))
         st = pack_weights(mi, err, err_len);

@@ -212,6 +212,29 @@ static inline void swiglu_row(float *g, const float *u, size_t n) {
     for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_cephes(-g[i]))) * u[i];
 }
 
+/* g[i] = gelu(g[i]) * u[i] for i in [0, n), GELU's tanh form (gelu_pytorch_tanh,
+ * ggml's gelu): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed as
+ * the equal x / (1 + exp(-z)), z = x (GELU_K0 + GELU_K1 x^2) (2 sqrt(2/pi) and
+ * 2 sqrt(2/pi) 0.044715): tanh(u) = 2 / (1 + exp(-2u)) - 1. One fixed
+ * sequence of operations on lanes and in the scalar tail (no libm tanh). */
+#define GELU_K0 1.5957691216057308f
+#define GELU_K1 0.07135481627159856f
+static inline void gelu_row(float *g, const float *u, size_t n) {
+    size_t i = 0;
+    for (; i + AW <= n; i += AW) {
+        vaf gv, uv;
+        memcpy(&gv, g + i, sizeof gv);
+        memcpy(&uv, u + i, sizeof uv);
+        vaf z = gv * (va_splat(GELU_K0) + va_splat(GELU_K1) * (gv * gv));
+        gv = (gv / (va_splat(1.0f) + expv(-z))) * uv;
+        memcpy(g + i, &gv, sizeof gv);
+    }
+    for (; i < n; i++) {
+        float x = g[i], z = x * (GELU_K0 + GELU_K1 * (x * x));
+        g[i] = (x / (1.0f + exp_cephes(-z))) * u[i];
+    }
+}
+
 /* The largest of x[0..n), n >= 1, as a scalar loop of "x[i] > best" from
  * best = x[0] finds it (NaNs after x[0] are passed over; NaN when x[0] is
  * NaN): by AW lanes, exact in any order. */

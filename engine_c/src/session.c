@@ -82,7 +82,7 @@ es_status es_session_ensure_scratch(es_session *s, int32_t n) {
     float *up = malloc(N * in->n_ff * sizeof(float));
     float *out = malloc(N * in->n_embd * sizeof(float));
     float *logits = malloc(N * in->n_vocab * sizeof(float));
-    float *rope = malloc(N * in->rope_dim * sizeof(float) + sizeof(float));
+    float *rope = malloc(N * 2 * in->rope_dim * sizeof(float) + sizeof(float));
     void *mms = aligned_alloc(64, mm_alloc ? mm_alloc : 64);
     size_t glu_alloc = (N * es_matmul_q8_row_bytes(ES_TYPE_Q8_0, in->n_ff) + 63) & ~(size_t)63;
     void *glu = aligned_alloc(64, glu_alloc ? glu_alloc : 64);

@@ -2,9 +2,10 @@
  * test_batch.c - es_forward_batch: one forward over several sessions gives
  * each session bitwise what es_forward / es_forward_last give it alone.
  *
- * On the three tiny models (tiny_models.h: llama Q4_1 with a Q8_0 embedding,
+ * On the tiny models (tiny_models.h: llama Q4_1 with a Q8_0 embedding,
  * qwen3 with Q4_K_M-like and Q8_0 / Q4_0 / Q5 / F16 / BF16 layers, qwen2
- * F32), five sessions with histories of their own run three batched rounds
+ * F32, qwen3moe, qwen3vl, gemma3 with a sliding window of 16 that every
+ * history here runs past), five sessions with histories of their own run three batched rounds
  * of mixed sizes: single decode steps past a KV block boundary, prompt
  * chunks of 40 and 30 tokens with the head on the last position, verifies of
  * 5 with every logits row, a 9-token step (the attention's query split) and
@@ -327,6 +328,7 @@ TEST(batch_qwen3_mixed_kquants) { batch_model(1); }
 TEST(batch_qwen2_f32) { batch_model(2); }
 TEST(batch_qwen3moe_experts) { batch_model(3); }
 TEST(batch_qwen3vl_sections) { batch_model(4); }
+TEST(batch_gemma3_swa) { batch_model(5); }
 
 int main(void) {
     const char *tmp = getenv("TMPDIR");
@@ -337,6 +339,7 @@ int main(void) {
     RUN(batch_qwen2_f32);
     RUN(batch_qwen3moe_experts);
     RUN(batch_qwen3vl_sections);
+    RUN(batch_gemma3_swa);
     rmdir(g_dir);
     return harness_report();
 }

@@ -99,6 +99,7 @@ TEST(decode_qwen3_mixed_kquants) { decode_model(1); }
 TEST(decode_qwen2_f32) { decode_model(2); }
 TEST(decode_qwen3moe_experts) { decode_model(3); }
 TEST(decode_qwen3vl_sections) { decode_model(4); }
+TEST(decode_gemma3_swa) { decode_model(5); }
 
 #define NB 4
 
@@ -183,6 +184,7 @@ TEST(decode_batch_llama_q4_1) { decode_batch_model(0); }
 TEST(decode_batch_qwen3_mixed_kquants) { decode_batch_model(1); }
 TEST(decode_batch_qwen2_f32) { decode_batch_model(2); }
 TEST(decode_batch_qwen3moe_experts) { decode_batch_model(3); }
+TEST(decode_batch_gemma3_swa) { decode_batch_model(5); }
 
 /* Refusals: before any step, the KV cache unchanged, a message on the session. */
 TEST(decode_refusals) {
@@ -228,10 +230,12 @@ int main(void) {
     RUN(decode_qwen2_f32);
     RUN(decode_qwen3moe_experts);
     RUN(decode_qwen3vl_sections);
+    RUN(decode_gemma3_swa);
     RUN(decode_batch_llama_q4_1);
     RUN(decode_batch_qwen3_mixed_kquants);
     RUN(decode_batch_qwen2_f32);
     RUN(decode_batch_qwen3moe_experts);
+    RUN(decode_batch_gemma3_swa);
     RUN(decode_refusals);
     rmdir(g_dir);
     return harness_report();

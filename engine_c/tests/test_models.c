@@ -8,6 +8,14 @@
  *              (h, w) positions change the result, other t on a model without
  *              sections does too, and (h, w) do not; a negative position fails
  *              with the KV cache untouched; the sections are read
+ *   gemma3     a sliding window of 16 on layers 0 and 1 (pattern 3), crossed
+ *              and run past: one call of 150 tokens, chunks of 70 / 5 / 75 and
+ *              single steps give bitwise the same logits on 1, 2 and 3 threads;
+ *              a rollback across the window (to 75, to 66) and new tokens
+ *              give bitwise a fresh session's run; with a window larger than
+ *              the context, rows 0..15 are bitwise the same and row 16 (the
+ *              first whose window leaves position 0 out) differs; the keys
+ *              are read (the pattern's default 6 makes every layer local)
  *   loading    a file whose expert or section keys are missing or out of
  *              range fails with a message naming the key; weights or a KV
  *              cache larger than the memory available are refused before
@@ -26,6 +34,7 @@
 
 #define MOE 3
 #define VL 4
+#define GEMMA 5
 #define N 9
 
 static char g_dir[256];
@@ -149,6 +158,100 @@ static int load_fails(const model_spec *ms, es_status st, const char *want) {
     return 1;
 }
 
+#define GT 150      /* tokens: past the window of 16 and two KV block boundaries */
+#define GCTX 192
+
+static void gemma_tokens(int32_t *t, int n, int salt) {
+    for (int i = 0; i < n; i++) t[i] = (int32_t)((i * 53 + salt * 29 + 3) % N_VOCAB);
+}
+
+/* A fresh session on nt threads: toks[0..n0) in one call, then toks2[0..n2)
+ * in one call with every row's logits into out. */
+static void gemma_run(const es_model *m, int nt, const int32_t *toks, int n0, const int32_t *toks2, int n2,
+                      float *out) {
+    es_session *s = tm_session(m, nt, GCTX);
+    if (!s) return;
+    if (n0 > 0) CHECK_EQ_INT(es_forward(s, toks, n0, NULL, NULL, ES_LOGITS_NONE), ES_OK);
+    CHECK_EQ_INT(es_forward(s, toks2, n2, NULL, out, ES_LOGITS_ALL), ES_OK);
+    es_session_free(s);
+}
+
+TEST(gemma3_sliding_window) {
+    es_model *m = tm_load(g_dir, GEMMA);
+    if (!m) return;
+    es_model_info in;
+    CHECK_EQ_INT(es_model_get_info(m, &in), ES_OK);
+    CHECK(strcmp(in.arch, "gemma3") == 0);
+    CHECK_EQ_INT(in.n_swa, 16);
+    CHECK_EQ_INT(in.n_swa_layers, 2);
+    CHECK(in.rope_freq_base_swa == 10000.0f && in.rope_freq_base == 1000000.0f && in.rope_freq_scale == 1.0f);
+    size_t row = N_VOCAB * sizeof(float);
+    int32_t tok[GT], tok2[GT];
+    gemma_tokens(tok, GT, 1);
+    gemma_tokens(tok2, GT, 2);
+    float *ref = malloc(row * GT), *got = malloc(row * GT), *fresh = malloc(row * GT);
+    es_session *r = tm_session(m, 1, GCTX);
+    for (int i = 0; i < GT && r; i++)
+        CHECK_EQ_INT(es_forward(r, &tok[i], 1, NULL, ref + (size_t)i * N_VOCAB, ES_LOGITS_LAST), ES_OK);
+    es_session_free(r);
+    for (int nt = 1; nt <= 3; nt++) {
+        es_session *s = tm_session(m, nt, GCTX);
+        if (!s) break;
+        CHECK_EQ_INT(es_forward(s, tok, GT, NULL, got, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(ref, got, row * GT) == 0);
+        /* chunks: a prefill, a verify-sized call (key split), the rest */
+        CHECK_EQ_INT(es_session_rollback(s, 0), ES_OK);
+        CHECK_EQ_INT(es_forward(s, tok, 70, NULL, got, ES_LOGITS_ALL), ES_OK);
+        CHECK_EQ_INT(es_forward(s, tok + 70, 5, NULL, got + 70 * N_VOCAB, ES_LOGITS_ALL), ES_OK);
+        CHECK_EQ_INT(es_forward(s, tok + 75, GT - 75, NULL, got + 75 * N_VOCAB, ES_LOGITS_ALL), ES_OK);
+        CHECK(memcmp(ref, got, row * GT) == 0);
+        /* roll back across the window (position 75's window is (59, 75], in two
+         * blocks) and continue with other tokens: a fresh run of the same */
+        CHECK_EQ_INT(es_session_rollback(s, 75), ES_OK);
+        CHECK_EQ_INT(es_forward(s, tok2, 40, NULL, got, ES_LOGITS_ALL), ES_OK);
+        gemma_run(m, 1, tok, 75, tok2, 40, fresh);
+        CHECK(memcmp(fresh, got, row * 40) == 0);
+        CHECK_EQ_INT(es_session_rollback(s, 66), ES_OK);   /* a verify of 5 after a rollback */
+        CHECK_EQ_INT(es_forward(s, tok2 + 100, 5, NULL, got, ES_LOGITS_ALL), ES_OK);
+        gemma_run(m, 1, tok, 66, tok2 + 100, 5, fresh);
+        CHECK(memcmp(fresh, got, row * 5) == 0);
+        es_session_free(s);
+    }
+    es_model_free(m);
+
+    /* a window wider than the context: the same model where no window is cut */
+    model_spec ms = MODELS[GEMMA];
+    ms.n_swa = 1000;
+    char path[512], err[256] = "";
+    snprintf(path, sizeof path, "%s/gemma-wide.gguf", g_dir);
+    CHECK_EQ_INT(write_model(&ms, path), 0);
+    m = NULL;
+    CHECK_EQ_INT(es_model_load(path, NULL, &m, err, sizeof err), ES_OK);
+    unlink(path);
+    if (m) {
+        gemma_run(m, 2, tok, 0, tok, 20, got);
+        CHECK(memcmp(ref, got, row * 16) == 0);
+        CHECK(memcmp(ref + 16 * N_VOCAB, got + 16 * N_VOCAB, row) != 0);
+        es_model_free(m);
+    }
+    /* without the pattern key: llama.cpp's default 6, every layer of 3 local */
+    ms = MODELS[GEMMA];
+    ms.swa_pattern = -1;
+    snprintf(path, sizeof path, "%s/gemma-pat.gguf", g_dir);
+    CHECK_EQ_INT(write_model(&ms, path), 0);
+    m = NULL;
+    CHECK_EQ_INT(es_model_load(path, NULL, &m, err, sizeof err), ES_OK);
+    unlink(path);
+    if (m) {
+        CHECK_EQ_INT(es_model_get_info(m, &in), ES_OK);
+        CHECK_EQ_INT(in.n_swa_layers, 3);
+        es_model_free(m);
+    }
+    free(ref);
+    free(got);
+    free(fresh);
+}
+
 TEST(bad_expert_and_section_keys) {
     model_spec ms = MODELS[MOE];
     ms.n_expert_used = 9;   /* more than the 8 experts */
@@ -200,6 +303,7 @@ int main(void) {
     if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
     RUN(moe_call_equals_steps_any_threads);
     RUN(vl_positions);
+    RUN(gemma3_sliding_window);
     RUN(bad_expert_and_section_keys);
     RUN(memory_refused_before_allocating);
     rmdir(g_dir);

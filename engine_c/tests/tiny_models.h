@@ -15,6 +15,11 @@
  *                           untied Q6_K output
  *   MODELS[4] qwen3vl-q8    qwen3vl (the text decoder): n_embd 128, 4 / 2 heads of 32, rope
  *                           sections [6, 5, 5, 0], one deepstack layer, Q8_0, tied
+ *   MODELS[5] gemma3-swa    gemma3: n_embd 128, 4 / 1 heads of 64, n_ff 256, 3 layers, sliding
+ *                           window 16 with sliding_window_pattern 3 (layers 0 and 1 local,
+ *                           layer 2 global; local RoPE base the default 10000), post-norms,
+ *                           GELU FFN, scaled embeddings; Q8_0 (layer 2: Q4_0, Q5_0, Q4_1,
+ *                           Q4_K), tied
  * All have n_vocab N_VOCAB (320, not a multiple of 64, so kernel tails run)
  * and a training context of 256. write_model(&MODELS[i], path) writes one.
  * A copy of a spec with head set (HEAD_DUP, HEAD_NAN, HEAD_NAN0) writes
@@ -33,7 +38,7 @@
 #include "internal.h"
 
 #define N_VOCAB 320
-#define MAX_MODELS 5
+#define MAX_MODELS 6
 /* Weight std * sqrt(n_in) of the block matrices: large enough that greedy runs
  * wander over the vocabulary instead of settling on one token. */
 #define MATRIX_SCALE 1.5f
@@ -268,35 +273,41 @@ typedef struct {
     const char *arch;
     int n_embd, n_head, n_head_kv, head_dim, n_ff, n_layer;
     uint32_t embd_type, output_type; /* output_type 0: tied */
-    layer_types layers[2];
+    layer_types layers[3];
     uint64_t seed;
     int head;                        /* HEAD_PLAIN, or an edit of the output head (head_edit) */
     int n_expert, n_expert_used;     /* mixture of experts (qwen3moe): layer_types gate, up, down
                                         are the experts' types, n_ff the expert FFN; 0: dense */
     int sections[4], n_deepstack;    /* qwen3vl: multimodal RoPE sections, deepstack layers */
+    int n_swa, swa_pattern;          /* gemma3: sliding window, every swa_pattern-th layer global */
 } model_spec;
 
 static const model_spec MODELS[MAX_MODELS] = {
     {"llama-q4_1", "llama", 192, 3, 1, 64, 512, 2, ES_TYPE_Q8_0, 0,
      {{ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1},
       {ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1, ES_TYPE_Q4_1}},
-     0x5eed0001, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0},
+     0x5eed0001, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0, 0, 0},
     {"qwen3-mixed", "qwen3", 256, 4, 2, 64, 512, 2, ES_TYPE_Q8_0, ES_TYPE_Q6_K,
      {{ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K},
       {ES_TYPE_Q8_0, ES_TYPE_Q4_0, ES_TYPE_Q5_0, ES_TYPE_Q5_1, ES_TYPE_Q5_K, ES_TYPE_F16, ES_TYPE_BF16}},
-     0x5eed0002, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0},
+     0x5eed0002, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0, 0, 0},
     {"qwen2-f32", "qwen2", 64, 4, 2, 16, 128, 2, ES_TYPE_F32, 0,
      {{ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32},
       {ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32, ES_TYPE_F32}},
-     0x5eed0003, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0},
+     0x5eed0003, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0, 0, 0},
     {"qwen3moe-kq", "qwen3moe", 256, 4, 2, 64, 256, 2, ES_TYPE_Q8_0, ES_TYPE_Q6_K,
      {{ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K},
       {ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q5_0, ES_TYPE_Q4_0}},
-     0x5eed0004, HEAD_PLAIN, 8, 3, {0, 0, 0, 0}, 0},
+     0x5eed0004, HEAD_PLAIN, 8, 3, {0, 0, 0, 0}, 0, 0, 0},
     {"qwen3vl-q8", "qwen3vl", 128, 4, 2, 32, 256, 2, ES_TYPE_Q8_0, 0,
      {{ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0},
       {ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0}},
-     0x5eed0005, HEAD_PLAIN, 0, 0, {6, 5, 5, 0}, 1},
+     0x5eed0005, HEAD_PLAIN, 0, 0, {6, 5, 5, 0}, 1, 0, 0},
+    {"gemma3-swa", "gemma3", 128, 4, 1, 64, 256, 3, ES_TYPE_Q8_0, 0,
+     {{ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0},
+      {ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0},
+      {ES_TYPE_Q4_0, ES_TYPE_Q8_0, ES_TYPE_Q8_0, ES_TYPE_Q4_0, ES_TYPE_Q5_0, ES_TYPE_Q4_1, ES_TYPE_Q4_K}},
+     0x5eed0006, HEAD_PLAIN, 0, 0, {0, 0, 0, 0}, 0, 16, 3},
 };
 
 /* Write the model of `ms` to `path`. Returns 0 on success. */
@@ -327,9 +338,14 @@ static int write_model(const model_spec *ms, const char *path) {
     kv_u32(&w, "attention.value_length", (uint32_t)ms->head_dim);
     kv_f32(&w, "rope.freq_base", strcmp(ms->arch, "llama") == 0 ? 10000.0f : 1000000.0f);
     kv_f32(&w, "attention.layer_norm_rms_epsilon", 1e-6f);
+    if (ms->n_swa) {   /* swa_pattern < 0: the pattern key absent */
+        kv_u32(&w, "attention.sliding_window", (uint32_t)ms->n_swa);
+        if (ms->swa_pattern >= 0) kv_u32(&w, "attention.sliding_window_pattern", (uint32_t)ms->swa_pattern);
+    }
 
     const int E = ms->n_embd, Q = ms->n_head * ms->head_dim, KV = ms->n_head_kv * ms->head_dim;
-    const int qwen2 = strcmp(ms->arch, "qwen2") == 0, qwen3 = strncmp(ms->arch, "qwen3", 5) == 0;
+    const int qwen2 = strcmp(ms->arch, "qwen2") == 0, gemma3 = strcmp(ms->arch, "gemma3") == 0;
+    const int qwen3 = strncmp(ms->arch, "qwen3", 5) == 0 || gemma3;   /* q/k head norms */
     buf hb;
     gen_matrix(&w, ms->embd_type, E, N_VOCAB, 2.0f, &hb);
     if (!ms->output_type) head_edit(ms->head, ms->embd_type, N_VOCAB, &hb);
@@ -353,7 +369,9 @@ static int write_model(const model_spec *ms, const char *path) {
             add_vector(&w, NAME("attn_k_norm.weight"), ms->head_dim, 1.0f, 0.2f);
         }
         add_matrix(&w, NAME("attn_output.weight"), t->o, Q, E, MATRIX_SCALE);
+        if (gemma3) add_vector(&w, NAME("post_attention_norm.weight"), E, 1.0f, 0.2f);
         add_vector(&w, NAME("ffn_norm.weight"), E, 1.0f, 0.2f);
+        if (gemma3) add_vector(&w, NAME("post_ffw_norm.weight"), E, 1.0f, 0.2f);
         if (ms->n_expert) {   /* router, then each 3-D tensor as n_expert matrices one after another */
             add_matrix(&w, NAME("ffn_gate_inp.weight"), ES_TYPE_F32, E, ms->n_expert, 4.0f);
             const struct { const char *n; uint32_t type; int in, out; } ex[3] = {

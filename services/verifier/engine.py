@@ -71,6 +71,10 @@ class ModelInfo:
     n_ff_exp: int = 0           # one expert's SwiGLU size
     rope_sections: tuple = (0, 0, 0, 0)   # Qwen3-VL's multimodal RoPE (t, h, w, 4th); zeros: plain RoPE
     n_deepstack: int = 0        # Qwen3-VL: layers fed the vision tower's deepstack features
+    n_swa: int = 0              # Gemma 3: sliding window of the local layers (0: none)
+    n_swa_layers: int = 0       # layers with the sliding window
+    rope_freq_base_swa: float = 0.0   # their RoPE base
+    rope_freq_scale: float = 1.0      # RoPE position scale of the global layers
 
 
 def simd_name() -> str:
@@ -82,8 +86,8 @@ class Model:
     """A GGUF model loaded into the engine (read-only, shareable by sessions).
 
     Args:
-        path: GGUF file (versions 2 and 3; llama, qwen2, qwen3, qwen3moe, qwen3vl and
-            qwen3vlmoe architectures: of Qwen3-VL, the text decoder).
+        path: GGUF file (versions 2 and 3; llama, qwen2, qwen3, qwen3moe, qwen3vl,
+            qwen3vlmoe (of Qwen3-VL, the text decoder) and gemma3 architectures).
         repack: copy the Q4_0 / Q4_1 / Q8_0 matrices into the SIMD kernels'
             layout (the same bytes again; the mapped pages are released).
             False: keep them as mapped, for a load that only validates the
@@ -121,7 +125,9 @@ class Model:
             rope_dim=ci.rope_dim, rope_neox=bool(ci.rope_neox), norm_eps=ci.norm_eps,
             tied_output=bool(ci.tied_output), weight_bytes=ci.weight_bytes,
             file_weight_bytes=ci.file_weight_bytes, n_expert=ci.n_expert, n_expert_used=ci.n_expert_used,
-            n_ff_exp=ci.n_ff_exp, rope_sections=tuple(ci.rope_sections), n_deepstack=ci.n_deepstack)
+            n_ff_exp=ci.n_ff_exp, rope_sections=tuple(ci.rope_sections), n_deepstack=ci.n_deepstack,
+            n_swa=ci.n_swa, n_swa_layers=ci.n_swa_layers, rope_freq_base_swa=ci.rope_freq_base_swa,
+            rope_freq_scale=ci.rope_freq_scale)
 
     def new_session(self, n_ctx: int = 0, n_threads: int = 0) -> "Session":
         """Create a session with its own KV cache.

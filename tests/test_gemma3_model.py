@@ -1,0 +1,131 @@
+"""gemma3 (Gemma 3's text decoder) in the engine, against transformers and llama.cpp.
+
+tests/data/models/gemma3-Q8_0.gguf was made the way real files are made (scripts/make_fixtures.py:
+a tiny random Gemma3ForCausalLM with SmolLM2's tokenizer, llama.cpp's converter and quantizer): 6
+layers, 4 / 1 heads of 64, a sliding window of 16 on layers 0-4 (layer 5 global), local RoPE base
+10000, global 1e6, tied Q8_0 embedding. Its .ref.npz holds transformers' float32 logits on the
+file's own dequantized weights and llama.cpp's logits, for four prompts, the last one (40 tokens)
+longer than twice the window.
+
+The engine quantizes activations to int8 blocks (as llama.cpp does), so its logits differ from
+transformers' float ones by about as much as llama.cpp's do. Stated bounds, per prompt:
+  - max |ours - transformers| <= 1.25 * max |llama.cpp - transformers| + 0.1, and the same for the
+    median with + 0.02 (on par with llama.cpp);
+  - the argmax equals transformers' wherever transformers' top-2 margin exceeds 0.5.
+A wrong window, RoPE base, norm or activation moves the logits by O(1) (logit std 1.1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from echospec.services.verifier.engine import Model, forward_batch
+
+MODELS = Path(__file__).resolve().parent / "data" / "models"
+NAME = "gemma3-Q8_0"
+MARGIN = 0.5
+LONG = 3            # the prompt longer than the window
+
+
+def _prompts(z):
+    i = 0
+    while f"p{i}_tokens" in z:
+        yield i, [int(t) for t in z[f"p{i}_tokens"]]
+        i += 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Model(str(MODELS / f"{NAME}.gguf"))
+    yield m, np.load(MODELS / f"{NAME}.ref.npz")
+    m.close()
+
+
+def test_model_info(model):
+    m, _ = model
+    i = m.info
+    assert i.arch == "gemma3"
+    assert (i.n_layer, i.n_embd, i.n_head, i.n_head_kv, i.head_dim, i.n_ff) == (6, 128, 4, 1, 64, 512)
+    assert (i.n_swa, i.n_swa_layers) == (16, 5)          # llama.cpp's default pattern: every 6th layer global
+    assert i.rope_freq_base == 1e6 and i.rope_freq_base_swa == 1e4 and i.rope_freq_scale == 1.0
+    assert i.rope_neox and i.tied_output and i.norm_eps == pytest.approx(1e-6)
+
+
+def test_the_long_prompt_runs_past_the_window(model):
+    _, z = model
+    assert len(z[f"p{LONG}_tokens"]) >= 40
+
+
+def test_logits_on_par_with_llama_cpp_against_transformers(model):
+    m, z = model
+    sub = z["subset"]
+    n_clear = 0
+    for p, toks in _prompts(z):
+        s = m.new_session(n_ctx=64, n_threads=2)
+        am, lg = s.forward(toks, logits="all")
+        s.close()
+        tf, ll = z[f"p{p}_subset_logits"], z[f"p{p}_llama_subset_logits"]
+        err = np.abs(lg[:, sub] - tf)
+        bound = 1.25 * float(np.abs(ll - tf).max()) + 0.1
+        assert err.max() <= bound, f"prompt {p}: max |ours - transformers| {err.max():.3f} > {bound:.3f}"
+        mbound = 1.25 * float(np.median(np.abs(ll - tf))) + 0.02
+        assert np.median(err) <= mbound, f"prompt {p}: median error {np.median(err):.3f} > {mbound:.3f}"
+        # the top logits too (the subset rarely holds the winners)
+        top_ids = z[f"p{p}_top_ids"]
+        terr = np.abs(np.take_along_axis(lg, top_ids, axis=-1) - z[f"p{p}_top_logits"])
+        tll = np.abs(z[f"p{p}_llama_top_logits"] - z[f"p{p}_top_logits"])
+        assert terr.max() <= 1.25 * float(tll.max()) + 0.1, f"prompt {p}: top logits {terr.max():.3f}"
+        top = z[f"p{p}_top_logits"]
+        clear = top[:, 0] - top[:, 1] > MARGIN
+        n_clear += int(clear.sum())
+        np.testing.assert_array_equal(am[clear], top_ids[clear, 0], err_msg=f"prompt {p}")
+    assert n_clear >= 8
+
+
+def test_past_the_window_rows_follow_transformers(model):
+    """The rows whose window leaves the first positions out (16 and later) are as close as the
+    others: a window one position too wide or too narrow shows there."""
+    m, z = model
+    toks = [int(t) for t in z[f"p{LONG}_tokens"]]
+    s = m.new_session(n_ctx=64, n_threads=2)
+    _, lg = s.forward(toks, logits="all")
+    s.close()
+    tf, ll = z[f"p{LONG}_subset_logits"], z[f"p{LONG}_llama_subset_logits"]
+    late = np.abs(lg[16:, z["subset"]] - tf[16:]).max()
+    assert late <= 1.25 * float(np.abs(ll[16:] - tf[16:]).max()) + 0.1
+
+
+def test_one_call_is_bitwise_single_steps_past_the_window(model):
+    m, z = model
+    toks = [int(t) for t in z[f"p{LONG}_tokens"]]
+    ref = m.new_session(n_ctx=64, n_threads=1)
+    rows = [ref.forward([t], logits="last")[1][0] for t in toks]
+    ref.close()
+    for threads in (1, 2, 3):
+        s = m.new_session(n_ctx=64, n_threads=threads)
+        _, lg = s.forward(toks, logits="all")
+        for i, row in enumerate(rows):
+            assert np.array_equal(lg[i], row), f"row {i} differs on {threads} threads"
+        # a rollback across the window, then a verify-sized call: the same rows again
+        s.rollback(21)
+        _, again = s.forward(toks[21:26], logits="all")
+        assert np.array_equal(again, np.stack(rows[21:26])), f"after a rollback, {threads} threads"
+        s.close()
+
+
+def test_a_batch_of_sessions_is_each_session_alone(model):
+    m, z = model
+    prompts = [toks for _, toks in _prompts(z)]
+    alone = []
+    for toks in prompts:
+        s = m.new_session(n_ctx=64, n_threads=2)
+        alone.append(s.forward(toks, logits="all")[1])
+        s.close()
+    sessions = [m.new_session(n_ctx=64, n_threads=2) for _ in prompts]
+    out = forward_batch([(s, toks, "all", "all") for s, toks in zip(sessions, prompts)])
+    for i, (res, want) in enumerate(zip(out, alone)):
+        assert np.array_equal(res[1], want), f"session {i} differs in the batch"
+    for s in sessions:
+        s.close()
