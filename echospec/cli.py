@@ -233,6 +233,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              ("gateway", "--http-port", max(args.http_port, 0)),
                              ("metrics", "--metrics-port", max(args.metrics_port, 0))):
         _check_bind(name, flag, args.host, port)
+    if args.chat_template:   # a bad file is named before the model is fetched or loaded
+        from echospec.services.coordinator.server import read_chat_template
+        from echospec.services.text.chat_template import ChatTemplate
+        try:
+            ChatTemplate(read_chat_template(args.chat_template))
+        except ValueError as exc:
+            _die(str(exc) if str(exc).startswith("--chat-template") else
+                 f"--chat-template {args.chat_template}: {exc}", 2)
     model = _resolve_model(args.model)
     _check_model(model)
     _say(f"loading {model} ...")
@@ -246,7 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
                             decode_steps=args.decode_steps, http_port=args.http_port, api_key=api_key,
                             tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
-                            tls_ca=args.tls_ca or "", tls_client_ca=args.tls_client_ca or "")
+                            tls_ca=args.tls_ca or "", tls_client_ca=args.tls_client_ca or "",
+                            chat_template=os.path.abspath(args.chat_template) if args.chat_template else "")
     except StackError as exc:
         msg = str(exc)
         if "metrics port" in msg:
@@ -1084,6 +1093,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="GGUF file, or a model name fetched on first use: smollm2-135m "
                                    "(the default, SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 "
                                    "270M base Q4_K_M)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="Jinja chat template for chat messages, used instead of the model's own "
+                        "(needed for chat with a model that has none and is not ChatML)")
     p.add_argument("--spec", action="store_true", help="speculate by default for requests that allow it")
     p.add_argument("--host", type=_utf8, default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
