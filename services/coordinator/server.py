@@ -125,12 +125,11 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
             meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
             tokenizer = Tokenizer(meta)
             template = ChatTemplate.from_metadata(meta, source)
-        except ChatTemplateError as exc:
-            if source is None:
-                raise ValueError(f"model {config.model} is unusable: its chat template: {exc}") from exc
-            raise ValueError(f"--chat-template {config.chat_template}: {exc}") from exc
-        except ValueError as exc:   # the engine may load what this refuses
-            raise ValueError(f"model {config.model} is unusable: its tokenizer: {exc}") from exc
+        except ValueError as exc:   # ChatTemplateError too; the engine may load what this refuses
+            if source is not None and isinstance(exc, ChatTemplateError):
+                raise ValueError(f"--chat-template {config.chat_template}: {exc}") from exc
+            raise ValueError(f"model {config.model} is unusable: its tokenizer or chat template: "
+                             f"{exc}") from exc
         if template.missing is not None:
             log.warning("model %s has no chat template: requests with chat messages are refused "
                         "(give one with --chat-template FILE)", config.model)
