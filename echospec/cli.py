@@ -1,6 +1,6 @@
 """The `echospec` command line: serve, generate, chat, tokenize, detokenize, bench.
 
-    echospec serve [--port P] [--model PATH] [--spec] [--http-port P] [--api-key K]
+    echospec serve [--port P] [--model PATH|NAME] [--spec] [--http-port P] [--api-key K]
                    [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F]]
     echospec generate "prompt" [--json] [--spec on|off] [--k K] [--max-tokens N] ...
     echospec generate --messages chat.json --json      (--messages -: standard input)
@@ -81,21 +81,42 @@ def _die(msg: str, code: int = 1) -> "NoReturn":  # noqa: F821
     sys.exit(code)
 
 
-def _default_model() -> str:
+def _fetch_model_module():
+    """scripts/fetch_model.py, loaded by path (scripts/ is not put on sys.path); None if absent."""
     import importlib.util
 
-    # scripts/fetch_model.py, loaded by path: scripts/ is not put on sys.path
     path = Path(__file__).resolve().parents[1] / "scripts" / "fetch_model.py"
     spec = importlib.util.spec_from_file_location("echospec_fetch_model", path)
     if spec is None or not path.is_file():
-        _die(f"cannot find {path} to fetch the default model; give --model PATH")
+        return None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    fetch = mod.fetch
+    return mod
+
+
+def _default_model(name: str | None = None) -> str:
+    """The default model's path, or that of the model called ``name`` (scripts/fetch_model.py
+    MODELS), fetched on first use."""
+    mod = _fetch_model_module()
+    what = f"model {name}" if name else "the default model"
+    if mod is None:
+        _die(f"cannot find scripts/fetch_model.py to fetch {what}; give --model PATH")
     try:
-        return str(fetch())
+        return str(mod.fetch_named(name) if name else mod.fetch())
     except RuntimeError as exc:
-        _die(f"could not fetch the default model: {exc}")
+        _die(f"could not fetch {what}: {exc}")
+
+
+def _resolve_model(value: str | None) -> str:
+    """A --model value as a GGUF path: none -> the default model; a model name (smollm2-135m,
+    gemma3-270m) that is not also an existing file -> that model, fetched; else the path."""
+    if not value:
+        return _default_model()
+    if not Path(value).exists():
+        mod = _fetch_model_module()
+        if mod is not None and value in mod.MODELS:
+            return _default_model(value)
+    return value
 
 
 def _check_bind(name: str, flag: str, host: str, port: int) -> None:
@@ -212,7 +233,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              ("gateway", "--http-port", max(args.http_port, 0)),
                              ("metrics", "--metrics-port", max(args.metrics_port, 0))):
         _check_bind(name, flag, args.host, port)
-    model = args.model or _default_model()
+    if args.chat_template:   # a bad file is named before the model is fetched or loaded
+        from echospec.services.coordinator.server import read_chat_template
+        from echospec.services.text.chat_template import ChatTemplate
+        try:
+            ChatTemplate(read_chat_template(args.chat_template))
+        except ValueError as exc:
+            _die(str(exc) if str(exc).startswith("--chat-template") else
+                 f"--chat-template {args.chat_template}: {exc}", 2)
+    model = _resolve_model(args.model)
     _check_model(model)
     _say(f"loading {model} ...")
     try:
@@ -225,7 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
                             decode_steps=args.decode_steps, http_port=args.http_port, api_key=api_key,
                             tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
-                            tls_ca=args.tls_ca or "", tls_client_ca=args.tls_client_ca or "")
+                            tls_ca=args.tls_ca or "", tls_client_ca=args.tls_client_ca or "",
+                            chat_template=os.path.abspath(args.chat_template) if args.chat_template else "")
     except StackError as exc:
         msg = str(exc)
         if "metrics port" in msg:
@@ -365,7 +395,7 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         return
     from echospec.stack import StackError, start_stack
 
-    model = args.model or _default_model()
+    model = _resolve_model(args.model)
     _check_model(model)
     print("echospec: no --target given; starting a private stack on loopback ...", file=sys.stderr)
     try:
@@ -1019,7 +1049,8 @@ def _add_client_args(p: argparse.ArgumentParser,
                      json_help: str | None = "print one JSON object") -> None:
     p.add_argument("--target", type=_utf8,
                    help="coordinator host:port, e.g. 127.0.0.1:50051 (default: start a private stack)")
-    p.add_argument("--model", help="GGUF file for a private stack (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--model", help="GGUF file or model name (smollm2-135m, gemma3-270m) for a private "
+                                   "stack (default: SmolLM2-135M-Instruct Q4_1)")
     if json_help is not None:
         p.add_argument("--json", action="store_true", help=json_help)
     p.add_argument("--connect-timeout", type=_seconds, default=10.0,
@@ -1059,7 +1090,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start the draft, verifier and coordinator services on loopback")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="coordinator port (default 50051)")
-    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)")
+    p.add_argument("--model", help="GGUF file, or a model name fetched on first use: smollm2-135m "
+                                   "(the default, SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 "
+                                   "270M base Q4_K_M)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="Jinja chat template for chat messages, used instead of the model's own "
+                        "(needed for chat with a model that has none and is not ChatML)")
     p.add_argument("--spec", action="store_true", help="speculate by default for requests that allow it")
     p.add_argument("--host", type=_utf8, default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--verifier-port", type=int, default=0, help="0: a free port")

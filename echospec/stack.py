@@ -222,7 +222,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                 batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
                 decode_steps: int = 8, max_message_bytes: int | None = None, ready_timeout_s: float = 180.0,
                 http_port: int = -1, api_key: str = "", tls_cert: str = "", tls_key: str = "",
-                tls_ca: str = "", tls_client_ca: str = "") -> Stack:
+                tls_ca: str = "", tls_client_ca: str = "", chat_template: str = "") -> Stack:
     """Start draft, verifier and coordinator on ``host``.
 
     Args:
@@ -258,6 +258,8 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
         tls_client_ca: the internal ports (verifier, draft) demand client certificates signed by
             it (mTLS); the coordinator and verifier present tls_cert, which must then allow client
             use too. The public ports (coordinator, gateway) rely on the API key instead.
+        chat_template: a Jinja chat template file the coordinator uses instead of the GGUF's
+            ("": the GGUF's).
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
@@ -280,7 +282,7 @@ def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str
                           metrics_port=side_metrics2, **internal)
     ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
                              max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port,
-                             api_key=api_key, **msg, **logc, **public)
+                             api_key=api_key, chat_template=chat_template, **msg, **logc, **public)
     gcfg = None
     if http_port >= 0:
         gcfg = GatewayConfig(host=host, port=http_port, api_key=api_key, log_level=log_level,

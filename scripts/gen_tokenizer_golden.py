@@ -13,6 +13,17 @@ token text parsed as special tokens) and the reference decode of those ids. It a
 ``tiny_qwen2``: a tiny byte-level vocabulary (the 256 byte tokens, a few merges, ChatML control
 tokens, one user-defined token) with ``pre = "qwen2"``, which tests write into a GGUF file, and the
 reference ids for texts that tell the qwen2 split rules from the GPT-2 ones.
+
+With ``--gemma`` it writes tests/data/tokenizer_golden_gemma3.json instead: the same texts plus
+`GEMMA_TEXTS` (Gemma's control and user-defined tokens, whitespace runs, byte fallback) tokenized
+by llama.cpp itself through llama-cpp-python (``Llama(path, vocab_only=True)``, which loads just the
+tokenizer; ``tokenize(text, add_bos=False, special=True)``; the decode is ``detokenize(ids,
+special=True)``), and ``tiny_spm``: a tiny SentencePiece vocabulary without add_space_prefix (so
+llama.cpp's default, a space prefix, applies) with llama.cpp's ids for `TINY_SPM_TEXTS`.
+llama-cpp-python is needed only to run it:
+
+    pip install llama-cpp-python==0.3.36
+    python scripts/gen_tokenizer_golden.py --gemma [--model PATH]
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ import tempfile
 DEFAULT_MODEL = os.path.expanduser("~/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "tests", "data", "tokenizer_golden.json")
+GEMMA_MODEL = os.path.expanduser("~/.cache/echospec/gemma-3-270m-q4_k_m.gguf")
+GEMMA_OUT = os.path.join(os.path.dirname(DEFAULT_OUT), "tokenizer_golden_gemma3.json")
 
 # Varied texts: whitespace runs, digits, punctuation, code, emoji (incl. ZWJ and flags), CJK,
 # accented Latin, Arabic and other scripts, special tokens, edge cases.
@@ -109,6 +122,45 @@ TEXTS: list[str] = [
 ]
 
 
+# More texts for Gemma 3 (SentencePiece BPE with byte fallback): its control tokens, its
+# user-defined tokens (runs of spaces, tabs and newlines, HTML tags; split out before merging, longer
+# runs than the longest token), a literal U+2581, byte fallback (characters no token covers), text
+# that spells a byte token, and a text long enough for the GIL-free encode path.
+GEMMA_TEXTS: list[str] = [
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "<bos><eos><pad><unk><mask>",
+    "<start_of_turn> user",
+    "<start_of_turn",
+    "text<end_of_turn>more <unused0> and [multimodal] <start_of_image><end_of_image>",
+    " a",
+    "a ",
+    "a b",
+    "a  b",
+    " " * 40,
+    "x" + " " * 33 + "y",
+    "\t" * 35 + "tabs",
+    "\n" * 40 + "newlines",
+    " \n \n\t \t\n",
+    "\n\n\n\ttext\t\t\n   \n",
+    "<table><tr><td>1</td><td>2</td></tr></table>",
+    "<s>strike</s> <sub>2</sub> <sup>3</sup> <b>bold</b><i>it</i><u>u</u>",
+    "<div><span>x</span></div> <code>y</code> <bbox>z</bbox>",
+    "<tr> <td>",
+    "already\u2581escaped \u2581\u2581 marks",
+    "\ue000\uf8ff private use",
+    "\U00020000\U0002a6d6 rare CJK",
+    "\U0001fae8 \U0001f9ec \U0001fa7b newer emoji",
+    "\u0f3a\u0f3b \u1680 ogham \u16a0\u16a1 runes",
+    "\x01\x02\x03\x1b[0m escape",
+    "<0x41><0xE4> literal byte token text",
+    "\U0010fffd last plane",
+    "Ünïcödé ÀÉÎÕÜ àéîõü ñ ç ß ø å æ œ ÿ",
+    "const f = (a, b) => { return a ?? b; };\n\tif (x) {\n\t\ty();\n\t}\n",
+    "import numpy as np\n\n\nclass A:\n    def __init__(self):\n        pass\n",
+    "The quick brown fox jumps over the lazy dog. 中文 😀\n" * 90,
+]
+
+
 # Texts for the tiny qwen2 vocabulary: single digits ("12" must not merge), case-insensitive
 # contractions ("'S"), " \n" kept together, a symbol glued to a word ("$he"), whitespace runs.
 TINY_TEXTS: list[str] = [
@@ -140,6 +192,57 @@ def tiny_qwen2_spec() -> dict:
     types = [3] * len(control) + [4] * len(user_defined) + [1] * (len(tokens) - 4)
     return {"pre": "qwen2", "tokens": tokens, "token_types": types,
             "merges": [f"{a} {b}" for a, b in merges], "bos_id": 0, "eos_id": 2}
+
+
+# Texts for the tiny SentencePiece vocabulary (add_space_prefix absent: llama.cpp's default, on):
+# the space goes before the text and after every control token, unknown characters become bytes.
+TINY_SPM_TEXTS: list[str] = [
+    "",
+    "the hi",
+    " ab",
+    "abc\nthe",
+    "<s>the</s>the",
+    "<s> the",
+    "x",
+    "\u65e5 ab  the",
+    "  ",
+]
+
+
+def tiny_spm_spec() -> dict:
+    """A tiny SentencePiece BPE vocabulary (tokenizer model llama; JSON-serialisable)."""
+    sp = "\u2581"
+    normal = [sp, "a", "b", "c", "h", "i", "t", "e", sp + "a", "ab", sp + "ab", "th", "the", sp + "the",
+              "hi", sp + "hi", "\n", sp + sp]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + normal
+    types = [2, 3, 3] + [6] * 256 + [1] * len(normal)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(normal))]
+    return {"tokens": tokens, "token_types": types, "scores": scores, "bos_id": 1, "eos_id": 2,
+            "unk_id": 0}
+
+
+def write_tiny_spm_gguf(path: str, spec: dict) -> None:
+    """Write a tokenizer-only GGUF (architecture llama, no tensors) from `tiny_spm_spec`."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(spec["tokens"])
+    w.add_token_types(spec["token_types"])
+    w.add_token_scores(spec["scores"])
+    w.add_bos_token_id(spec["bos_id"])
+    w.add_eos_token_id(spec["eos_id"])
+    w.add_unk_token_id(spec["unk_id"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _char_byte(c: str) -> int:
@@ -180,11 +283,59 @@ def write_tiny_gguf(path: str, spec: dict) -> None:
     w.close()
 
 
+def gemma_main(model: str, out_path: str) -> int:
+    """Write the Gemma 3 golden file with llama.cpp (llama-cpp-python) as the reference."""
+    import llama_cpp
+
+    model = os.path.abspath(model)
+    if not os.path.isfile(model):
+        print(f"error: model not found: {model} (scripts/fetch_model.py gemma3-270m fetches it)",
+              file=sys.stderr)
+        return 2
+    with open(model, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    llm = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    cases = []
+    for text in TEXTS + GEMMA_TEXTS:
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        decoded = llm.detokenize(ids, special=True).decode("utf-8")   # strict: must be valid
+        cases.append({"text": text, "ids": ids, "decoded": decoded})
+    spec = tiny_spm_spec()
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_spm_gguf(os.path.join(d, "tiny_spm.gguf"), spec)
+        tiny = llama_cpp.Llama(os.path.join(d, "tiny_spm.gguf"), vocab_only=True, verbose=False)
+        spec["cases"] = [{"text": t, "ids": tiny.tokenize(t.encode("utf-8"), add_bos=False, special=True)}
+                         for t in TINY_SPM_TEXTS]
+        del tiny
+    out = {
+        "reference": f"llama.cpp via llama-cpp-python {llama_cpp.__version__} (vocab_only): "
+                     f"tokenize(text, add_bos=False, special=True), detokenize(ids, special=True)",
+        "model": os.path.basename(model),
+        "model_sha256": sha,
+        "cases": cases,
+        "tiny_spm": spec,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    print(f"wrote {len(cases)} cases to {out_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file (default: %(default)s)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output JSON (default: %(default)s)")
+    ap.add_argument("--model", default=None, help=f"GGUF file (default: {DEFAULT_MODEL}; "
+                                                  f"with --gemma {GEMMA_MODEL})")
+    ap.add_argument("--out", default=None, help=f"output JSON (default: {DEFAULT_OUT}; with --gemma "
+                                                f"{GEMMA_OUT})")
+    ap.add_argument("--gemma", action="store_true",
+                    help="write the Gemma 3 golden file, with llama.cpp as the reference")
     args = ap.parse_args(argv)
+    if args.gemma:
+        return gemma_main(args.model or GEMMA_MODEL, args.out or GEMMA_OUT)
+    args.model = args.model or DEFAULT_MODEL
+    args.out = args.out or DEFAULT_OUT
 
     import tokenizers
     import transformers

@@ -4,6 +4,7 @@ Fixtures:
     tiny_model          factory(**write_tiny_model kwargs) -> path (str) of a cached tiny GGUF file
     tiny_spec           factory(**kwargs) -> ggufgen.TinySpec (same cache)
     smollm2_path        path (str) of SmolLM2-135M-Instruct Q4_1, from scripts/fetch_model.py fetch()
+    gemma3_path         path (str) of Gemma 3 270M Q4_K_M, from scripts/fetch_model.py fetch_gemma()
     smollm2_reference   reference.Reference over it (float64, act_quant=True), built once per session
     smollm2_tokenizer   object with encode(text) -> list[int] and decode(ids) -> str
     smollm2_stub        a CoordinatorService stub on a stack over SmolLM2 (speculation off by
@@ -71,6 +72,12 @@ def tiny_model(tiny_spec):
 def smollm2_path() -> str:
     """The default real model, fetched (or found in the cache) by scripts/fetch_model.py."""
     return str(_load_fetch_model().fetch(verbose=False))
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    """Gemma 3 270M Q4_K_M, fetched (or found in the cache) by scripts/fetch_model.py."""
+    return str(_load_fetch_model().fetch_gemma(verbose=False))
 
 
 @pytest.fixture(scope="module")

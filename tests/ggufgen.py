@@ -81,10 +81,12 @@ def qtype(name: str | QT) -> QT:
 
 # ---- byte-level BPE vocabulary ---------------------------------------------
 
-def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+def tiny_vocab(n_vocab: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+               ) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merges of the tiny gpt2-style tokenizer.
 
-    Ids: 0..2 special (<|endoftext|>, <|im_start|>, <|im_end|>; type CONTROL),
+    Ids: 0..2 special (<|endoftext|>, <|im_start|>, <|im_end|>, or ``special_tokens``, three
+    texts; type CONTROL),
     3..258 the 256 byte tokens (in byte order), then one token per merge, then
     "<|reserved_i|>" padding (type UNUSED) up to n_vocab.
 
@@ -94,7 +96,9 @@ def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     if n_vocab < MIN_VOCAB:
         raise ValueError(f"n_vocab must be >= {MIN_VOCAB} for the tiny tokenizer, got {n_vocab}")
     b2u = bytes_to_unicode()
-    tokens = list(SPECIAL_TOKENS) + [b2u[b] for b in range(256)]
+    if len(special_tokens) != N_SPECIAL:
+        raise ValueError(f"special_tokens must be {N_SPECIAL} texts")
+    tokens = list(special_tokens) + [b2u[b] for b in range(256)]
     types = [int(gguf.TokenType.CONTROL)] * N_SPECIAL + [int(gguf.TokenType.NORMAL)] * 256
     merges = []
     for a, b in _MERGES:
@@ -224,7 +228,8 @@ def write_tiny_model(path: str | Path, arch: str = "llama", matrix_type: str = "
                      n_ff: int = 128, n_vocab: int = 320, tied: bool = True, seed: int = 0,
                      rope_base: float = 10000.0, rope_dim: int | None = None,
                      n_ctx_train: int = 512, norm_eps: float = 1e-5,
-                     output_type: str | None = None, tokenizer_pre: str = "gpt2") -> TinySpec:
+                     output_type: str | None = None, tokenizer_pre: str = "gpt2",
+                     special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> TinySpec:
     """Write a random-weight GGUF model of the llama, qwen2 or qwen3 architecture.
 
     Args:
@@ -243,6 +248,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", matrix_type: str = "
         tied: omit output.weight (the output projection reuses token_embd).
         output_type: type of output.weight when not tied (default matrix_type).
         seed: numpy RNG seed; the same arguments give the same bytes.
+        special_tokens: the three control tokens' texts (ids 0..2; default ChatML's).
     Returns:
         TinySpec with the hyperparameters written.
     Raises:
@@ -282,7 +288,7 @@ def write_tiny_model(path: str | Path, arch: str = "llama", matrix_type: str = "
     w.add_layer_norm_rms_eps(float(norm_eps))
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
 
-    tokens, types, merges = tiny_vocab(n_vocab)
+    tokens, types, merges = tiny_vocab(n_vocab, special_tokens)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list(tokens)

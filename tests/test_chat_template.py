@@ -233,3 +233,105 @@ def test_thinking_template_drops_reasoning_of_earlier_turns():
             {"role": "user", "content": "and 3+3?"}]
     out = t.render(msgs)
     assert "add them" not in out and "<|im_start|>assistant\n4<|im_end|>\n" in out
+
+
+# --- a model without a template that is not a ChatML model ---------------------------------------
+
+
+def _write_plain_gguf(path: Path, chat_template: str | None = None) -> Path:
+    """A tokenizer-only GGUF without the ChatML tokens (and without a template unless given)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tokens = ["<pad>", "<bos>", "<eos>"] + sorted(ByteLevel.alphabet())
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_missing_template_without_chatml_tokens_refuses_chat(tmp_path):
+    from echospec.services.text.chat_template import MissingChatTemplateError
+    t = ChatTemplate.from_gguf(_write_plain_gguf(tmp_path / "plain.gguf"))
+    assert t.missing and not t.is_fallback and t.source == ""
+    with pytest.raises(MissingChatTemplateError, match=r"no chat template.*--chat-template FILE"):
+        t.render([{"role": "user", "content": "hi"}])
+    # a MissingChatTemplateError is a ChatTemplateError (callers that catch those still do)
+    assert issubclass(MissingChatTemplateError, ChatTemplateError)
+
+
+def test_template_given_in_place_of_the_gguf_one(tmp_path):
+    src = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    for gguf_template in (None, "{{ 'the file own' }}"):
+        p = _write_plain_gguf(tmp_path / f"p{gguf_template is None}.gguf", gguf_template)
+        t = ChatTemplate.from_metadata(read_tokenizer_metadata(p), src)
+        assert t.missing is None and not t.is_fallback
+        assert t.render([{"role": "user", "content": "hi"}]) == "<bos>[user] hi\n"
+
+
+def test_gemma3_has_no_chat_template(gemma3_path):
+    t = ChatTemplate.from_gguf(gemma3_path)
+    assert t.missing is not None and "no chat template" in t.missing
+
+
+def test_missing_template_is_invalid_argument_over_grpc_and_400_over_http(tmp_path):
+    """End to end on a tiny model whose vocabulary has no ChatML tokens: chat messages are refused
+    (gRPC INVALID_ARGUMENT, HTTP 400) naming the missing template; text prompts still work; with
+    a --chat-template file chat works."""
+    import json as json_
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from ggufgen import write_tiny_model
+
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2 as cpb
+    from echospec.v1 import coordinator_pb2_grpc
+
+    model = tmp_path / "tiny-plain.gguf"
+    write_tiny_model(model, n_vocab=320, special_tokens=("<|endoftext|>", "<|turn|>", "<|end|>"))
+    msgs = [cpb.ChatMessage(role="user", content="hi")]
+    st = start_stack(str(model), n_ctx=256, n_threads=1, http_port=0)
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Complete(cpb.CompleteRequest(messages=msgs, max_tokens=2), timeout=30)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "no chat template" in ei.value.details() and "--chat-template" in ei.value.details()
+            r = stub.Complete(cpb.CompleteRequest(text="the", max_tokens=2), timeout=30).result
+            assert r.prompt_tokens > 0 and r.completion_tokens >= 1
+        body = json_.dumps({"model": "m", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{st.http_port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as he:
+            urllib.request.urlopen(req, timeout=30)
+        assert he.value.code == 400
+        err = json_.loads(he.value.read())["error"]
+        assert "no chat template" in err["message"] and err["param"] == "messages", err
+    finally:
+        st.stop()
+    tpl = tmp_path / "chat.jinja"
+    tpl.write_text("{% for m in messages %}<|turn|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|turn|>assistant\n{% endif %}")
+    st = start_stack(str(model), n_ctx=256, n_threads=1, chat_template=str(tpl))
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            r = stub.Complete(cpb.CompleteRequest(messages=msgs, max_tokens=2), timeout=30).result
+            same = stub.Complete(cpb.CompleteRequest(text="<|turn|>user\nhi<|end|>\n<|turn|>assistant\n",
+                                                     max_tokens=2), timeout=30).result
+            assert r.prompt_tokens == same.prompt_tokens and r.token_ids == same.token_ids
+    finally:
+        st.stop()

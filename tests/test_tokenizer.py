@@ -1,7 +1,9 @@
 """Tests for services/text/tokenizer.py.
 
 Reference: tests/data/tokenizer_golden.json, written by scripts/gen_tokenizer_golden.py with
-transformers' GGUF tokenizer converter (not needed to run these tests).
+transformers' GGUF tokenizer converter, and tests/data/tokenizer_golden_gemma3.json (Gemma 3's
+SentencePiece vocabulary and a tiny one), written by the same script with ``--gemma`` from llama.cpp
+itself (neither is needed to run these tests).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = json.loads((ROOT / "tests" / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
 CASES = GOLDEN["cases"]
 TINY = GOLDEN["tiny_qwen2"]
+GEMMA_GOLDEN = json.loads((ROOT / "tests" / "data" / "tokenizer_golden_gemma3.json").read_text(encoding="utf-8"))
+GEMMA_CASES = GEMMA_GOLDEN["cases"]
+TINY_SPM = GEMMA_GOLDEN["tiny_spm"]
 
 
 def _model_path() -> Path:
@@ -43,7 +48,9 @@ def smol() -> Tokenizer:
 
 def write_tokenizer_gguf(path: Path, tokens: list[str], token_types: list[int], merges: list[str],
                          pre: str = "qwen2", model: str = "gpt2", bos_id: int | None = 0,
-                         eos_id: int | None = 2, chat_template: str | None = None) -> Path:
+                         eos_id: int | None = 2, chat_template: str | None = None,
+                         scores: list[float] | None = None, unk_id: int | None = None,
+                         add_space_prefix: bool | None = None) -> Path:
     """Write a tokenizer-only GGUF file (architecture qwen2, no tensors)."""
     w = gguf.GGUFWriter(str(path), "qwen2")
     w.add_tokenizer_model(model)
@@ -51,6 +58,12 @@ def write_tokenizer_gguf(path: Path, tokens: list[str], token_types: list[int], 
         w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if unk_id is not None:
+        w.add_unk_token_id(unk_id)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     if merges:
         w.add_token_merges(merges)
     if bos_id is not None:
@@ -347,10 +360,17 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path):
         Tokenizer.from_gguf(p)
 
 
-def test_sentencepiece_model_is_refused(tmp_path):
+def test_unknown_tokenizer_model_is_refused(tmp_path):
+    p = write_tokenizer_gguf(tmp_path / "ugm.gguf", ["<unk>", "<s>", "</s>", "\u2581a"], [2, 3, 3, 1], [],
+                             model="t5", pre=None, bos_id=1, eos_id=2)
+    with pytest.raises(ValueError, match="unsupported tokenizer model.*'t5'"):
+        Tokenizer.from_gguf(p)
+
+
+def test_sentencepiece_model_without_scores_is_refused(tmp_path):
     p = write_tokenizer_gguf(tmp_path / "spm.gguf", ["<unk>", "<s>", "</s>", "\u2581a"], [2, 3, 3, 1], [],
                              model="llama", pre=None, bos_id=1, eos_id=2)
-    with pytest.raises(ValueError, match="unsupported tokenizer model.*'llama'"):
+    with pytest.raises(ValueError, match="needs tokenizer.ggml.scores"):
         Tokenizer.from_gguf(p)
 
 
@@ -392,3 +412,89 @@ def test_max_tokens_inside_a_multibyte_character_ends_with_u_fffd(smollm2_tokeni
     assert d.text == "\ufffd"
     full = _Output(smollm2_tokenizer, [], max_tokens=len(ids))
     assert full.take(ids).text == "🦊"
+
+
+# --- SentencePiece BPE (tokenizer model "llama"): Gemma 3 against llama.cpp ------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_path) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma3_path)
+
+
+def test_gemma_golden_file_is_for_this_model(gemma3_path):
+    assert GEMMA_GOLDEN["model"] == Path(gemma3_path).name == "gemma-3-270m-q4_k_m.gguf"
+    assert GEMMA_GOLDEN["model_sha256"] == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert len(GEMMA_CASES) >= 100
+
+
+def test_gemma_metadata(gemma: Tokenizer):
+    assert gemma.model == "llama" and gemma.n_vocab == 262144
+    assert gemma.bos_id == 2 and gemma.eos_id == 1
+    assert gemma.eos_ids == frozenset({1, 106})   # <eos>, and <end_of_turn> (a control token)
+    assert gemma.is_special(105) and gemma.token_bytes(105) == b"<start_of_turn>"
+
+
+@pytest.mark.parametrize("case", GEMMA_CASES, ids=[f"{i}:{c['text'][:24]!r}" for i, c in enumerate(GEMMA_CASES)])
+def test_gemma_encode_equals_llama_cpp(gemma: Tokenizer, case):
+    assert gemma.encode(case["text"]) == case["ids"]
+
+
+def test_gemma_decode_round_trip_and_llama_cpp_decode(gemma: Tokenizer):
+    for case in GEMMA_CASES:
+        assert gemma.decode(case["ids"]) == case["decoded"], case["text"]
+        # a U+2581 in the text is a space to SentencePiece (llama.cpp decodes it as one too)
+        assert gemma.decode(gemma.encode(case["text"])) == case["text"].replace("\u2581", " ")
+
+
+def test_gemma_spaces_newlines_and_tabs(gemma: Tokenizer):
+    # runs of spaces, tabs and newlines are user-defined tokens, split out before merging
+    assert gemma.encode("  ") == [gemma.token_to_id("  ")]
+    assert gemma.encode("\n\n") == [gemma.token_to_id("\n\n")]
+    assert gemma.encode("\t") == [gemma.token_to_id("\t")]
+    # a single space is U+2581 inside a token; no space is prepended (add_space_prefix false)
+    assert [gemma.token_text(i) for i in gemma.encode("a b")] == ["a", "\u2581b"]
+    assert gemma.token_bytes(gemma.encode(" b")[0]) == b" b"
+
+
+def test_gemma_byte_fallback(gemma: Tokenizer):
+    ids = gemma.encode("\U0010fffd")        # a private-use character no token covers
+    assert [gemma.token_text(i) for i in ids] == ["<0xF4>", "<0x8F>", "<0xBF>", "<0xBD>"]
+    assert [gemma.token_bytes(i) for i in ids] == [b"\xf4", b"\x8f", b"\xbf", b"\xbd"]
+    dec = gemma.incremental_decoder()
+    assert [dec.feed(i) for i in ids] == ["", "", "", "\U0010fffd"]
+
+
+def test_gemma_special_tokens_parse_and_skip(gemma: Tokenizer):
+    ids = gemma.encode("<start_of_turn>user\nhi<end_of_turn>")
+    assert ids[0] == 105 and ids[-1] == 106
+    assert gemma.decode(ids, skip_special=True) == "user\nhi"
+    assert 105 not in gemma.encode("<start_of_turn")
+
+
+def test_gemma_incremental_equals_decode_on_random_ids(gemma: Tokenizer):
+    rng = random.Random(7)
+    for _ in range(20):
+        ids = [rng.randrange(gemma.n_vocab) for _ in range(30)]
+        dec = gemma.incremental_decoder()
+        assert "".join(dec.feed(i) for i in ids) + dec.flush() == gemma.decode(ids)
+
+
+def test_tiny_sentencepiece_equals_llama_cpp(tmp_path):
+    """add_space_prefix absent (llama.cpp's default: on): a space before the text and after each
+    control token; a character outside the vocabulary becomes byte tokens."""
+    p = write_tokenizer_gguf(tmp_path / "tiny_spm.gguf", TINY_SPM["tokens"], TINY_SPM["token_types"], [],
+                             model="llama", pre=None, bos_id=TINY_SPM["bos_id"],
+                             eos_id=TINY_SPM["eos_id"], scores=TINY_SPM["scores"],
+                             unk_id=TINY_SPM["unk_id"])
+    tok = Tokenizer.from_gguf(p)
+    for case in TINY_SPM["cases"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    # the prepended space is text of the first token: decode does not remove it
+    assert tok.decode(tok.encode("the hi")) == " the hi"
+    p2 = write_tokenizer_gguf(tmp_path / "tiny_spm_noprefix.gguf", TINY_SPM["tokens"],
+                              TINY_SPM["token_types"], [], model="llama", pre=None,
+                              bos_id=TINY_SPM["bos_id"], eos_id=TINY_SPM["eos_id"],
+                              scores=TINY_SPM["scores"], unk_id=TINY_SPM["unk_id"],
+                              add_space_prefix=False)
+    assert Tokenizer.from_gguf(p2).decode(Tokenizer.from_gguf(p2).encode("the hi")) == "the hi"

@@ -85,6 +85,7 @@ class CoordinatorConfig:
     """Coordinator (public API) settings."""
 
     model: str = ""              # GGUF path: tokenizer and chat template
+    chat_template: str = ""      # Jinja chat template file used instead of the GGUF's ("": the GGUF's)
     host: str = LOOPBACK
     port: int = 50051
     verifier_target: str = f"{LOOPBACK}:50053"   # the one verifier when `verifier` is empty

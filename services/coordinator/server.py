@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from echospec.services.rpc import grpc_util
-from echospec.services.text.chat_template import ChatTemplate
+from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig
 from echospec.services.common.metrics import PromMetrics
 from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
@@ -120,13 +120,19 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
                                  [metrics.registry, *extra_registries])
             log.info("coordinator metrics on http://%s/metrics",
                      grpc_util.host_port(config.host, handle.metrics_port))
+        source = read_chat_template(config.chat_template) if config.chat_template else None
         try:
             meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
             tokenizer = Tokenizer(meta)
-            template = ChatTemplate.from_metadata(meta)
+            template = ChatTemplate.from_metadata(meta, source)
         except ValueError as exc:   # ChatTemplateError too; the engine may load what this refuses
+            if source is not None and isinstance(exc, ChatTemplateError):
+                raise ValueError(f"--chat-template {config.chat_template}: {exc}") from exc
             raise ValueError(f"model {config.model} is unusable: its tokenizer or chat template: "
                              f"{exc}") from exc
+        if template.missing is not None:
+            log.warning("model %s has no chat template: requests with chat messages are refused "
+                        "(give one with --chat-template FILE)", config.model)
         servicer = CoordinatorServicer(config, tokenizer, template, pool, metrics)
         servicer.shutdown = handle.limit.shutdown
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
@@ -146,6 +152,23 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
              "TLS" if config.tls_cert else "plain text",
              "API key required" if config.api_key else "no API key")
     return CoordinatorServer(handle, servicer, pool)
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file.
+
+    Raises:
+        ValueError: the file cannot be read, is not UTF-8 or is empty (naming the option and path).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"--chat-template {path}: cannot read the file: {why}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return text
 
 
 def _follow_verifiers(handle: grpc_util.ServerHandle):

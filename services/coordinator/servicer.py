@@ -31,7 +31,7 @@ import grpc
 
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.rpc import grpc_util
-from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError
+from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError, MissingChatTemplateError
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
 from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
@@ -236,6 +236,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             try:
                 extra = {"enable_thinking": req.enable_thinking} if req.HasField("enable_thinking") else {}
                 text = self.template.render(msgs, add_generation_prompt=True, **extra)
+            except MissingChatTemplateError as exc:
+                raise _bad(f"messages cannot be used: {exc}") from None
             except ChatTemplateError as exc:
                 raise _bad(f"malformed chat messages: {exc}") from None
         else:

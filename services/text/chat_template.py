@@ -14,8 +14,12 @@ transformers' ``apply_chat_template`` does: ``jinja2.sandbox.ImmutableSandboxedE
 The sandbox forbids access to unsafe attributes and mutation of the inputs; a template that tries
 gets a `ChatTemplateError`, like every other render failure.
 
-A GGUF without a template gets `CHATML_TEMPLATE` (documented below). Rendering adds no BOS of its
-own: whatever the template writes is the prompt text, to be tokenized with special-token parsing.
+A GGUF without a template gets `CHATML_TEMPLATE` (documented below) when its vocabulary has the
+ChatML tokens ``<|im_start|>`` and ``<|im_end|>``. Any other GGUF without a template (Gemma 3 270M,
+a base model, is one) has no chat format at all: `ChatTemplate.from_metadata` then returns a template
+that refuses every render with `MissingChatTemplateError`, unless a template is given in its place
+(``echospec serve --chat-template FILE``). Rendering adds no BOS of its own: whatever the template
+writes is the prompt text, to be tokenized with special-token parsing.
 
 Example (SmolLM2-135M-Instruct)::
 
@@ -37,8 +41,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from echospec.services.text.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
 
-__all__ = ["ChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE", "VALID_ROLES", "ROLE_ALIASES",
-           "validate_messages"]
+__all__ = ["ChatTemplateError", "MissingChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE",
+           "CHATML_TOKENS", "VALID_ROLES", "ROLE_ALIASES", "validate_messages"]
 
 # The fallback for a GGUF without tokenizer.chat_template: plain ChatML, no default system message.
 # Each message -> "<|im_start|>{role}\n{content}<|im_end|>\n"; generation prompt
@@ -50,6 +54,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# a vocabulary with both as tokens is a ChatML model: the fallback applies to it
+CHATML_TOKENS: tuple[str, str] = ("<|im_start|>", "<|im_end|>")
+
 VALID_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
 # roles taken under another name: "developer" is OpenAI's newer name for the system message
 ROLE_ALIASES: dict[str, str] = {"developer": "system"}
@@ -58,6 +65,10 @@ _KEYS = frozenset({"role", "content"})
 
 class ChatTemplateError(ValueError):
     """Malformed chat messages, or a template that fails to compile or render."""
+
+
+class MissingChatTemplateError(ChatTemplateError):
+    """Chat messages for a model that has no chat template (and is not a ChatML model)."""
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
@@ -121,8 +132,11 @@ class ChatTemplate:
     """A compiled chat template.
 
     Attributes:
-        source: the Jinja source in use (`CHATML_TEMPLATE` when the model has none).
+        source: the Jinja source in use (`CHATML_TEMPLATE` when it stands in for a missing
+            template; ``""`` when there is none, see `missing`).
         is_fallback: True when `CHATML_TEMPLATE` stands in for a missing template.
+        missing: None, or why there is no template: then `render` raises
+            `MissingChatTemplateError` with this text.
         bos_token, eos_token: the texts given to the template.
     """
 
@@ -134,6 +148,7 @@ class ChatTemplate:
                 line).
         """
         self.is_fallback: bool = not source
+        self.missing: str | None = None
         self.source: str = source if source else CHATML_TEMPLATE
         self.bos_token: str = bos_token
         self.eos_token: str = eos_token
@@ -151,11 +166,31 @@ class ChatTemplate:
                                     f"{f' (line {line})' if line else ''}: {e}") from None
 
     @classmethod
-    def from_metadata(cls, meta: GGUFTokenizerMetadata) -> "ChatTemplate":
-        """Build from already-read GGUF tokenizer metadata (see `read_tokenizer_metadata`)."""
+    def from_metadata(cls, meta: GGUFTokenizerMetadata, source: str | None = None) -> "ChatTemplate":
+        """Build from already-read GGUF tokenizer metadata (see `read_tokenizer_metadata`).
+
+        Args:
+            meta: the GGUF's tokenizer keys (BOS / EOS texts, the template).
+            source: a template to use instead of the GGUF's (``--chat-template FILE``).
+
+        Without ``source`` or a template in the GGUF: `CHATML_TEMPLATE` if the vocabulary has the
+        `CHATML_TOKENS`, else a template whose `render` raises `MissingChatTemplateError`.
+
+        Raises:
+            ChatTemplateError: the template does not compile.
+        """
         def text(i: int | None) -> str:
             return meta.tokens[i] if i is not None and 0 <= i < len(meta.tokens) else ""
-        return cls(meta.chat_template, bos_token=text(meta.bos_id), eos_token=text(meta.eos_id))
+        src = source or meta.chat_template
+        t = cls(src, bos_token=text(meta.bos_id), eos_token=text(meta.eos_id))
+        if not src and not set(CHATML_TOKENS) <= set(meta.tokens):
+            t.is_fallback = False
+            t.source = ""
+            t.missing = ("the model has no chat template (its GGUF has no tokenizer.chat_template "
+                         "and its vocabulary has no ChatML tokens), so chat messages cannot be "
+                         "turned into a prompt; send a text prompt, or start the server with "
+                         "--chat-template FILE (a Jinja chat template)")
+        return t
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "ChatTemplate":
@@ -183,10 +218,13 @@ class ChatTemplate:
             The prompt text (special tokens appear as text, e.g. ``"<|im_start|>"``).
 
         Raises:
+            MissingChatTemplateError: the model has no chat template (`missing`).
             ChatTemplateError: malformed messages (naming message index and field), or a render
                 failure: ``raise_exception`` called by the template, a sandbox security violation,
                 or any other error inside the template.
         """
+        if self.missing is not None:
+            raise MissingChatTemplateError(self.missing)
         msgs = validate_messages(messages)
         try:
             extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}

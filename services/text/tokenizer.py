@@ -1,13 +1,17 @@
 """Tokenizer built from a GGUF file's own vocabulary, plus streaming helpers.
 
-The GGUF file carries everything a byte-level BPE tokenizer needs:
+The GGUF file carries everything a tokenizer needs:
 
-* ``tokenizer.ggml.model``       -- the tokenizer kind; only ``"gpt2"`` (byte-level BPE) is supported.
+* ``tokenizer.ggml.model``       -- the tokenizer kind: ``"gpt2"`` (byte-level BPE) or ``"llama"``
+                                    (SentencePiece-style BPE with byte fallback, see below).
 * ``tokenizer.ggml.pre``         -- the pre-tokenizer type (how text is split before BPE merges).
 * ``tokenizer.ggml.tokens``      -- ``n_vocab`` token strings in byte-level form (``"Ġthe"`` = b" the").
 * ``tokenizer.ggml.token_type``  -- ``n_vocab`` int32: 1 normal, 2 unknown, 3 control, 4 user-defined,
                                     5 unused, 6 byte.
 * ``tokenizer.ggml.merges``      -- BPE merges as ``"left right"`` strings, highest priority first.
+* ``tokenizer.ggml.scores``      -- ``n_vocab`` floats (``"llama"``: a merge that makes a higher
+                                    scoring token goes first).
+* ``tokenizer.ggml.add_space_prefix`` -- ``"llama"``: prepend a space to the text (default true).
 * ``tokenizer.ggml.{bos,eos,eot,eom}_token_id`` -- special ids (each optional).
 * ``tokenizer.chat_template``    -- the Jinja chat template (used by ``chat_template.py``).
 
@@ -15,6 +19,15 @@ The GGUF file carries everything a byte-level BPE tokenizer needs:
 pre-tokenizer regexes llama.cpp uses for the given ``pre`` type. Control tokens (type 3) are added
 as special tokens, so ``"<|im_start|>"`` in the input text becomes one token; user-defined tokens
 (type 4) are added as plain added tokens (always matched whole, as llama.cpp does).
+
+``"llama"`` files (Gemma, Llama 2, ...) are tokenized as llama.cpp's SPM tokenizer does: control and
+user-defined tokens are split out first; in the rest every space becomes U+2581 ("▁"), a space is
+prepended when ``add_space_prefix`` says so, and the text is merged from single characters, always
+merging the adjacent pair that makes the highest-scoring vocabulary token (leftmost on ties); a
+character no token covers becomes its UTF-8 bytes as ``<0xNN>`` byte tokens. There are no merge
+lists in these files: the merges are derived from the scores (every split of a token into two
+tokens, ranked by the token's score), which gives the same result with ``tokenizers``' BPE.
+Decoding turns U+2581 back into spaces and byte tokens into their byte.
 
 Streaming helpers:
 
@@ -39,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from echospec.services.text import gguf_reader
 
@@ -142,11 +155,13 @@ class GGUFTokenizerMetadata:
     """The tokenizer keys of one GGUF file (no tensor data).
 
     Attributes:
-        model: ``tokenizer.ggml.model`` (``"gpt2"`` for byte-level BPE).
+        model: ``tokenizer.ggml.model`` (``"gpt2"`` for byte-level BPE, ``"llama"`` for SPM).
         pre: ``tokenizer.ggml.pre``; ``"default"`` when the key is absent (as llama.cpp does).
         tokens: ``n_vocab`` token strings (byte-level form for BPE).
         token_types: ``n_vocab`` ints (see the ``TOKEN_TYPE_*`` constants); all normal if absent.
         merges: BPE merges, ``"left right"`` strings in priority order.
+        scores: ``tokenizer.ggml.scores`` (``n_vocab`` floats), ``[]`` when absent.
+        add_space_prefix: ``tokenizer.ggml.add_space_prefix``, ``None`` when absent.
         bos_id, eos_id, eot_id, eom_id, unk_id, pad_id: special ids, ``None`` when absent.
         add_bos: ``tokenizer.ggml.add_bos_token`` (``False`` when absent). Informational:
             `Tokenizer.encode` never adds BOS.
@@ -158,6 +173,8 @@ class GGUFTokenizerMetadata:
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
+    scores: list[float] = field(default_factory=list, compare=False, repr=False)
+    add_space_prefix: bool | None = None
     bos_id: int | None = None
     eos_id: int | None = None
     eot_id: int | None = None
@@ -230,12 +247,27 @@ def read_tokenizer_metadata(path: str | os.PathLike[str]) -> GGUFTokenizerMetada
             f"tokenizer.ggml.tokens has {len(tokens)}"
         )
     add_bos = fields.get("tokenizer.ggml.add_bos_token")
+    # not in gguf_reader.KEY_TYPES (the engine never reads them): their types are checked here
+    sc = fields.get("tokenizer.ggml.scores")
+    scores: list[float] = []
+    if sc is not None:
+        if sc.type != gguf_reader.ARRAY or sc.array_type not in (gguf_reader.FLOAT32, gguf_reader.FLOAT64):
+            raise ValueError(f"GGUF file {p}: tokenizer.ggml.scores must be an array of floats")
+        scores = [float(v) for v in sc.value]
+        if len(scores) != len(tokens):
+            raise ValueError(f"GGUF file {p}: tokenizer.ggml.scores has {len(scores)} entries, "
+                             f"tokenizer.ggml.tokens has {len(tokens)}")
+    asp = fields.get("tokenizer.ggml.add_space_prefix")
+    if asp is not None and asp.type != gguf_reader.BOOL:
+        raise ValueError(f"GGUF file {p}: tokenizer.ggml.add_space_prefix must be a bool")
     return GGUFTokenizerMetadata(
         model=model,
         pre=_str(fields, "tokenizer.ggml.pre") or "default",
         tokens=tokens,
         token_types=types,
         merges=_str_array(fields, "tokenizer.ggml.merges") or [],
+        scores=scores,
+        add_space_prefix=bool(asp.value) if asp is not None else None,
         bos_id=_int(fields, "tokenizer.ggml.bos_token_id"),
         eos_id=_int(fields, "tokenizer.ggml.eos_token_id"),
         eot_id=_int(fields, "tokenizer.ggml.eot_token_id"),
@@ -281,11 +313,55 @@ def _byte_level_decode(token: str) -> bytes:
         return token.encode("utf-8")
 
 
+# --- SentencePiece BPE ("llama") ------------------------------------------------------------------
+
+_SPM_SPACE = "\u2581"   # "▁": a space inside SentencePiece tokens
+
+
+def _spm_token_bytes(token: str, ty: int) -> bytes:
+    """The bytes a ``llama`` token stands for, as llama.cpp's token_to_piece gives them: byte
+    tokens ``<0xNN>`` their byte, normal tokens their text with U+2581 as a space, every other kind
+    (control, user-defined, unknown) its text as is."""
+    if ty == TOKEN_TYPE_BYTE:
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        raise ValueError(f"byte token {token!r} is not of the form <0xNN>")
+    if ty in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNUSED):
+        return token.replace(_SPM_SPACE, " ").encode("utf-8")
+    return token.encode("utf-8")
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float],
+                vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to llama.cpp's SPM merging.
+
+    llama.cpp merges the adjacent pair whose concatenation is the vocabulary token with the highest
+    score. So every split of a normal token into two vocabulary tokens is a merge, ranked by that
+    token's score (highest first; equal scores by id), which is the order ``tokenizers``' BPE
+    applies them in. Control, user-defined and unknown tokens are never the result of a merge: they
+    are split out of the text before merging.
+    """
+    order = sorted((i for i, ty in enumerate(types) if ty in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNUSED)
+                    and len(tokens[i]) > 1), key=lambda i: (-scores[i], i))
+    merges: list[tuple[str, str]] = []
+    add = merges.extend
+    get = vocab.get
+    for i in order:
+        t = tokens[i]
+        if get(t) != i:
+            continue   # a duplicate: the first occurrence is the token
+        add([(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab])
+    return merges
+
+
 # --- the tokenizer --------------------------------------------------------------------------------
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer built from a GGUF file's vocabulary.
+    """A BPE tokenizer built from a GGUF file's vocabulary (byte-level ``gpt2`` or SPM ``llama``).
 
     Token ids are ints in ``[0, n_vocab)``. `encode` never adds BOS or EOS; special-token text in
     the input (control tokens such as ``"<|im_start|>"``) is parsed as the special token.
@@ -297,26 +373,28 @@ class Tokenizer:
         eos_ids: every id that ends generation: EOS, EOT, EOM, and control tokens whose text is an
             end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ``<|endoftext|>``, ...), as llama.cpp
             counts them.
-        pre: the pre-tokenizer type.
-        hf: the underlying ``tokenizers.Tokenizer`` (pre-tokenizer, BPE model, ByteLevel decoder).
+        pre: the pre-tokenizer type (``"llama"`` files: not used).
+        model: ``"gpt2"`` or ``"llama"``.
+        hf: the underlying ``tokenizers.Tokenizer`` (``gpt2``: pre-tokenizer, BPE model, ByteLevel
+            decoder; ``llama``: space-escaping normalizer, BPE model with byte fallback).
     """
 
     def __init__(self, meta: GGUFTokenizerMetadata) -> None:
         """Build the tokenizer from already-read metadata (see `read_tokenizer_metadata`).
 
         Raises:
-            ValueError: unsupported tokenizer model (anything but ``"gpt2"``), unknown
-                pre-tokenizer type, a merge naming a token not in the vocabulary, or a special id
-                outside the vocabulary.
+            ValueError: unsupported tokenizer model (anything but ``"gpt2"`` and ``"llama"``),
+                unknown pre-tokenizer type (``gpt2``), a merge naming a token not in the
+                vocabulary, missing scores (``llama``), or a special id outside the vocabulary.
         """
-        if meta.model != "gpt2":
+        if meta.model not in ("gpt2", "llama"):
             raise ValueError(
                 f"unsupported tokenizer model tokenizer.ggml.model={meta.model!r}: only 'gpt2' "
-                f"(byte-level BPE) is supported"
+                f"(byte-level BPE) and 'llama' (SentencePiece BPE) are supported"
             )
-        if meta.pre not in _PRE_TYPES:
+        if meta.model == "gpt2" and meta.pre not in _PRE_TYPES:
             pre_tokenizer_regexes(meta.pre)  # raises the ValueError naming the supported types
-        regexes, ignore_merges = _PRE_TYPES[meta.pre]
+        self.model: str = meta.model
         self.pre: str = meta.pre
         self.n_vocab: int = len(meta.tokens)
         self._tokens: list[str] = list(meta.tokens)
@@ -336,6 +414,11 @@ class Tokenizer:
         vocab: dict[str, int] = {}
         for i, t in enumerate(self._tokens):
             vocab.setdefault(t, i)  # first occurrence wins on duplicates, as llama.cpp does
+        if meta.model == "llama":
+            self.hf: tokenizers.Tokenizer = self._build_spm(meta, vocab)
+            self._bytes: list[bytes] = [_spm_token_bytes(t, ty) for t, ty in zip(self._tokens, self._types)]
+            return
+        regexes, ignore_merges = _PRE_TYPES[meta.pre]
         pairs: list[tuple[str, str]] = []
         for n, m in enumerate(meta.merges):
             parts = m.split(" ", 1)
@@ -364,11 +447,42 @@ class Tokenizer:
                                         single_word=False))
         if added:
             hf.add_tokens(added)
-        self.hf: tokenizers.Tokenizer = hf
-        self._bytes: list[bytes] = [
+        self.hf = hf
+        self._bytes = [
             t.encode("utf-8") if ty == TOKEN_TYPE_CONTROL else _byte_level_decode(t)
             for t, ty in zip(self._tokens, self._types)
         ]
+
+    def _build_spm(self, meta: GGUFTokenizerMetadata, vocab: dict[str, int]) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` pipeline of a ``llama`` (SentencePiece BPE) vocabulary."""
+        if len(meta.scores) != self.n_vocab:
+            raise ValueError("tokenizer.ggml.model='llama' needs tokenizer.ggml.scores "
+                             "(one score per token)")
+        if meta.unk_id is None and not any(ty == TOKEN_TYPE_BYTE for ty in self._types):
+            raise ValueError("tokenizer.ggml.model='llama' needs byte tokens (<0xNN>) or an "
+                             "unknown token")
+        unk = self._tokens[meta.unk_id] if meta.unk_id is not None else None
+        hf = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=_spm_merges(self._tokens, self._types, meta.scores, vocab),
+                       unk_token=unk, fuse_unk=False, byte_fallback=True, ignore_merges=False)
+        )
+        steps = [normalizers.Replace(" ", _SPM_SPACE)]
+        # llama.cpp: add_space_prefix defaults to true for SPM files; the space goes before every
+        # piece of text that starts the input or follows a special or user-defined token
+        if meta.add_space_prefix is None or meta.add_space_prefix:
+            steps.insert(0, normalizers.Prepend(" "))
+        hf.normalizer = normalizers.Sequence(steps)
+        hf.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(),
+                                        decoders.Fuse()])
+        added: list[AddedToken] = []
+        for t, ty in zip(self._tokens, self._types):
+            # llama.cpp splits out control, user-defined and unknown tokens before the SPM merges
+            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN):
+                added.append(AddedToken(t, special=ty != TOKEN_TYPE_USER_DEFINED, normalized=False,
+                                        lstrip=False, rstrip=False, single_word=False))
+        if added:
+            hf.add_tokens(added)
+        return hf
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
