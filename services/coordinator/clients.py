@@ -6,7 +6,7 @@ one message per engine step. Cancelling the call ends the generation at the
 verifier (stop string, client gone, deadline).
 
 ``VerifierLink`` drives a VerifyStream session step by step (a round trip
-per step); bench/round_overhead.py measures it against the loop in the verifier.
+per step); tools/perf/round_overhead.py measures it against the loop in the verifier.
 """
 from __future__ import annotations
 

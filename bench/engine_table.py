@@ -1,7 +1,7 @@
-"""Print engine_bench.py --json results as the markdown table of issue 13.
+"""Print engine_bench.py --json results as one markdown table (bench/engine_settings.sh writes them).
 
-    python bench/summarize.py bench/results/*.json
-    python bench/summarize.py bench/results/session6-2026-12-01     (a directory: its *.json files)
+    python bench/engine_table.py OUTDIR/*.json
+    python bench/engine_table.py OUTDIR          (a directory: its *.json files)
 
 One row per file: the model file and setting, our ISA (simd / host), the threads, the paired ratios ours/peer of
 decode and prefill, T ours and the peer's, V(4)/T ours (the peer's), and the load average around
@@ -47,26 +47,26 @@ def main(argv: list[str]) -> int:
         if p.is_dir():
             found = sorted(p.glob("*.json"))
             if not found:
-                print(f"summarize: no .json files in {p}", file=sys.stderr)
+                print(f"engine_table: no .json files in {p}", file=sys.stderr)
                 return 2
             paths += found
         elif p.is_file():
             paths.append(p)
         else:
-            print(f"summarize: {p}: no such file or directory", file=sys.stderr)
+            print(f"engine_table: {p}: no such file or directory", file=sys.stderr)
             return 2
     rows = []
     for p in paths:
         try:
             rows.append(row(p))
         except UnicodeDecodeError as e:
-            print(f"summarize: {p} is not an engine_bench.py --json result (not UTF-8 text: byte {e.start})",
+            print(f"engine_table: {p} is not an engine_bench.py --json result (not UTF-8 text: byte {e.start})",
                   file=sys.stderr)
             return 2
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             why = f"{type(e).__name__}: {e}"
             why = why if len(why) <= 200 else why[:200] + "..."
-            print(f"summarize: {p} is not an engine_bench.py --json result ({why})", file=sys.stderr)
+            print(f"engine_table: {p} is not an engine_bench.py --json result ({why})", file=sys.stderr)
             return 2
     print("| file / setting | our ISA | decode vs llama.cpp | T ms ours (llama.cpp) | V(4)/T ours (llama.cpp) "
           "| prefill vs llama.cpp | rounds | load |")

@@ -12,7 +12,7 @@ message per token, the coordinator's most expensive case (a slower verifier batc
 several tokens per message less often still, so the per-token cost is the same; a faster
 one batches more and lowers it).
 
-    python bench/coordinator_cost.py --json [--clients 4] [--tokens 400] [--rounds 3]
+    python tools/perf/coordinator_cost.py --json [--clients 4] [--tokens 400] [--rounds 3]
 
 Linux only (/proc).
 """
@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

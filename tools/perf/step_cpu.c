@@ -16,8 +16,8 @@
  * Time a neighbour takes the core is not counted; its cache and memory
  * traffic are.
  *
- *   cc -O2 -Iengine_c/include bench/step_cpu.c -o /tmp/step_cpu -ldl
- *   /tmp/step_cpu MODEL.gguf 1 21 1 64 512 2048 -- old.so new.so
+ *   make -C tools/perf step_cpu          (and `make -C tools/perf lib` for a build to load)
+ *   tools/perf/build/step_cpu MODEL.gguf 1 21 1 64 512 2048 -- old.so new.so
  *
  * Usage: step_cpu MODEL.gguf THREADS REPS N DEPTH [DEPTH ...] -- LIB.so [LIB.so ...]
  */

@@ -9,9 +9,8 @@
  * order flipped each round), and the median over the rounds of local minus
  * written; the two argmax results are checked equal.
  *
- *   cc -O2 -march=native -ffp-contract=off -Iengine_c/include -Iengine_c/src bench/head_bench.c \
- *      engine_c/build/libechospec_engine.a -o /tmp/head_bench -lm -pthread
- *   /tmp/head_bench TYPE N_VOCAB N_EMBD N REPS      (TYPE: q6_k or q8_0)
+ *   make -C tools/perf head_bench        (SIMD=avx2 etc. for another path)
+ *   tools/perf/build/head_bench TYPE N_VOCAB N_EMBD N REPS      (TYPE: q6_k or q8_0)
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -1,6 +1,7 @@
 /*
- * a76_count.c - the forward calls whose instructions bench/a76_estimate.py
- * counts under qemu-aarch64 with bench/a76_insn_plugin.c.
+ * a76_count.c - the forward calls whose instructions a76_estimate.py
+ * counts under qemu-aarch64 with a76_insn_plugin.c (`make -C tools/perf a76_count`
+ * cross-builds it).
  *
  *   a76_count MODEL.gguf DEPTH REPS N [N ...]
  *

@@ -8,11 +8,9 @@
  * rows, the median ms of a step, the weight bandwidth in GB/s and the ratio
  * to N = 1, plus a per-shape breakdown at N = 1.
  *
- *   cc -O2 -march=native -ffp-contract=off -D_GNU_SOURCE -Iengine_c/include -Iengine_c/src \
- *      bench/kernel_bench.c engine_c/src/{quant,matmul,quant_avx512,quant_avx2,quant_neon,threadpool,util}.c \
- *      -o /tmp/kernel_bench -lm -pthread
- *   /tmp/kernel_bench [n_threads=2] [reps=15] [wall|cpu]
- *   /tmp/kernel_bench types [reps=15]     per-type compute cost (see types_bench)
+ *   make -C tools/perf kernel_bench      (SIMD=avx2 etc. for another path)
+ *   tools/perf/build/kernel_bench [n_threads=2] [reps=15] [wall|cpu]
+ *   tools/perf/build/kernel_bench types [reps=15]     per-type compute cost (see types_bench)
  */
 #include <stdio.h>
 #include <stdlib.h>

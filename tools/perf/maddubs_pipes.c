@@ -11,7 +11,7 @@
  * record for each variant; the ratio of two variants is the figure (the
  * clock is not known in a VM without counters).
  *
- *   cc -O2 -mavx2 bench/maddubs_pipes.c -o /tmp/maddubs_pipes && taskset -c 0 /tmp/maddubs_pipes
+ *   make -C tools/perf maddubs_pipes && taskset -c 0 tools/perf/build/maddubs_pipes
  */
 #include <stdint.h>
 #include <stdio.h>

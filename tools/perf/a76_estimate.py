@@ -21,7 +21,7 @@ estimated from the aarch64 machine code of the NEON kernels:
      1..4 queries, the p.v accumulation of 1..2 queries, expv) go through llvm-mca too; their
      cost per attended position follows from how a unit groups the queries (attention_per_position).
   3. instructions per forward (--count MODEL.gguf, or --insns from an earlier run):
-     bench/a76_count.c (aarch64, one thread) runs under qemu-aarch64 with bench/a76_insn_plugin.so,
+     tools/perf/a76_count.c (aarch64, one thread) runs under qemu-aarch64 with tools/perf/a76_insn_plugin.so,
      which counts executed instructions and prints the count at marker system calls the program
      makes around its N = 1 and N = 5 forwards (after the prefill). A depth not counted for one
      shape is derived from another shape with the same attention (derive_counts).
@@ -46,13 +46,13 @@ estimated from the aarch64 machine code of the NEON kernels:
 
 Run (from the repository root; needs gcc-aarch64-linux-gnu, llvm-mca-14 and/or -19, and for --count
 qemu-user and the Q4_K_M files bench/qwen3_shapes.py writes):
-    python3 bench/a76_estimate.py                      # loops and the estimate, rest counted roughly
-    python3 bench/a76_estimate.py --count ~/.cache/echospec/bench/qwen3-0.6B-shape.Q4_K_M.gguf \
+    python3 tools/perf/a76_estimate.py                      # loops and the estimate, rest counted roughly
+    python3 tools/perf/a76_estimate.py --count ~/.cache/echospec/bench/qwen3-0.6B-shape.Q4_K_M.gguf \
         --count ~/.cache/echospec/bench/qwen3-1.7B-shape.Q4_K_M.gguf --count-depths 64
-    python3 bench/a76_estimate.py --insns Qwen3-0.6B 1 64 263.54 ...   # counts from an earlier run
-    .venv/bin/python bench/a76_estimate.py --models new --depths 64,2048 \
+    python3 tools/perf/a76_estimate.py --insns Qwen3-0.6B 1 64 263.54 ...   # counts from an earlier run
+    .venv/bin/python tools/perf/a76_estimate.py --models new --depths 64,2048 \
         --measure-experts ~/.cache/echospec/bench/qwen3moe-30B-A3B-L8-shape.Q4_K_M.gguf
-    python3 bench/a76_estimate.py --check    # only: are the loops still found (.ci/aarch64.sh runs it)
+    python3 tools/perf/a76_estimate.py --check    # only: are the loops still found (.ci/aarch64.sh runs it)
 Prints the per-record cycle table and the estimates (markdown). These are estimates, not
 measurements: see bench/README.md, "A76 estimate".
 """
@@ -68,7 +68,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 ENGINE = ROOT / "engine_c"
 CC = "aarch64-linux-gnu-gcc"
 CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fPIC", "-D_GNU_SOURCE", "-pthread", "-mcpu=cortex-a76.cortex-a55",
@@ -290,16 +291,16 @@ def attention_per_position(s: dict, n: int, per_iter: dict) -> float:
 
 def count_forward(model: Path, depth: int, ns: list[int], reps: int, tmp: Path) -> dict[int, int]:
     """{N: guest instructions of one forward over N tokens} at KV depth `depth`, from one qemu-aarch64
-    run of bench/a76_count.c with the counting plugin (it prints the count at marker system calls
+    run of tools/perf/a76_count.c with the counting plugin (it prints the count at marker system calls
     around each N's REPS forwards; the load and the prefill fall outside)."""
     lib = ENGINE / "build" / "aarch64-neon-a76" / "libechospec_engine.a"
     subprocess.run(["make", "-s", "-C", str(ENGINE), f"-j{os.cpu_count()}", "BUILD=build/aarch64-neon-a76",
                     f"CC={CC}", "SIMD=neon-a76", "build/aarch64-neon-a76/libechospec_engine.a"], check=True)
     exe, plugin = tmp / "a76_count", tmp / "a76_insn_plugin.so"
     if not exe.exists():
-        subprocess.run([CC, "-O2", f"-I{ENGINE / 'include'}", str(ROOT / "bench" / "a76_count.c"), str(lib),
+        subprocess.run([CC, "-O2", f"-I{ENGINE / 'include'}", str(HERE / "a76_count.c"), str(lib),
                         "-o", str(exe), "-lm", "-pthread"], check=True)
-        subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(ROOT / "bench" / "a76_insn_plugin.c"), "-o",
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(HERE / "a76_insn_plugin.c"), "-o",
                         str(plugin)], check=True)
     cmd = ["nice", "qemu-aarch64", "-cpu", "cortex-a76", "-L", "/usr/aarch64-linux-gnu", "-plugin", str(plugin),
            str(exe), str(model), str(depth), str(reps), *map(str, ns)]

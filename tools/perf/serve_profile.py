@@ -27,7 +27,7 @@ with one all-at-once round, then runs --reps rounds of N concurrent streamed gen
                         clients' own cost per token (on the host's other core while the engine runs)
 
 Usage:
-    .venv/bin/python bench/serve_profile.py [--clients 8] [--max-tokens 64] [--reps 3] [--model PATH|tiny]
+    .venv/bin/python tools/perf/serve_profile.py [--clients 8] [--max-tokens 64] [--reps 3] [--model PATH|tiny]
 Prints one JSON object per round on stdout. Load-independent figures are the gap, the message
 counts and the forward share; tok/s follows the host's load.
 """
@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))

@@ -2,14 +2,14 @@
  * a76_insn_plugin.c - a qemu TCG plugin (plugin API version 1, qemu 7.2 as
  * Debian 12 ships it in qemu-user) that counts the guest instructions a
  * program executes. At each marker system call, write(-1, buf, len) (an
- * fd no program writes to; bench/a76_count.c makes them around the calls
+ * fd no program writes to; a76_count.c makes them around the calls
  * it measures), it prints "mark LEN insns N" to stderr, and at exit
- * "insns N". Used by bench/a76_estimate.py
+ * "insns N". Used by a76_estimate.py
  * (`qemu-aarch64 -plugin ./a76_insn_plugin.so ...`).
  *
  * The few API declarations are written out here (the same signatures as
  * qemu's include/qemu/qemu-plugin.h of that version), so the plugin builds
- * without qemu's source: cc -O2 -shared -fPIC a76_insn_plugin.c -o a76_insn_plugin.so
+ * without qemu's source: `make -C tools/perf a76_insn_plugin.so`.
  * The count is a per-translation-block inline add at the block's entry:
  * exact for a program that runs on one thread (a block left early by an
  * exception counts in full; the engine raises none; a system call ends its

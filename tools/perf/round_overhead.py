@@ -23,9 +23,9 @@ Both stack modes are measured: in-process (three servers, one process, one
 GIL) and processes=True (as `echospec serve --processes` / docker-compose).
 
 Usage:
-    .venv/bin/python bench/round_overhead.py                 # tiny model + SmolLM2, both modes
-    .venv/bin/python bench/round_overhead.py --models tiny --modes threads
-    .venv/bin/python bench/round_overhead.py --json          # one JSON object per (model, mode)
+    .venv/bin/python tools/perf/round_overhead.py                 # tiny model + SmolLM2, both modes
+    .venv/bin/python tools/perf/round_overhead.py --models tiny --modes threads
+    .venv/bin/python tools/perf/round_overhead.py --json          # one JSON object per (model, mode)
 All times are ms.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

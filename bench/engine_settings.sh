@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
-# The settings of issue 13's table, each one `engine_bench.py --json` run with the peer, one JSON file
-# per setting in OUTDIR; then `bench/summarize.py OUTDIR/*.json` prints the table.
+# engine_bench.py with the peer over the board's file types: one `engine_bench.py --json` run per
+# setting, one JSON file per setting in OUTDIR (a directory the caller names), then the table of all
+# of OUTDIR's results (bench/engine_table.py).
 #
-#   bench/issue13_runs.sh OUTDIR [SIMD [ROUNDS]]
+#   bench/engine_settings.sh OUTDIR [SIMD [ROUNDS]]
 #     SIMD    installed (default), native, avx512, avx2 or scalar (engine_bench.py --simd)
 #     ROUNDS  measured rounds per engine (default 4)
-#   ONLY="q4_1 q4_k_m" bench/issue13_runs.sh ...   runs only the named settings
-#   THREADS=1 bench/issue13_runs.sh ...             threads for both engines (default 2)
-#   EXTRA="--peer-flash-attn" TAG=fa bench/issue13_runs.sh ...   more engine_bench flags; TAG goes
-#                                                   into the file names (OUTDIR/NAME.SIMD.tT.TAG.json)
+#   ONLY="q4_1 q4_k_m" bench/engine_settings.sh ...   runs only the named settings
+#   THREADS=1 bench/engine_settings.sh ...             threads for both engines (default 2)
+#   EXTRA="--peer-flash-attn" TAG=fa bench/engine_settings.sh ...   more engine_bench flags; TAG goes
+#                                                      into the file names (OUTDIR/NAME.SIMD.tT.TAG.json)
 #
 # Settings: q4_1 (SmolLM2 Q4_1, depth 64), q4_k_m and q8_0 (SmolLM2 requantized), qwen3_06b_q4_k_m
 # (the Qwen3-0.6B shape), q4_1_d2048 (SmolLM2 Q4_1 at depth 2048 with a 2048-token prefill).
 # The files come from bench/qwen3_shapes.py (run it first). Runs are sequential: two runs at once
 # on a 2-core host would measure each other.
 set -euo pipefail
+out=${1:?usage: bench/engine_settings.sh OUTDIR [SIMD [ROUNDS]]}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)            # OUTDIR as the caller meant it, before the cd below
 cd "$(dirname "$0")/.."
-out=${1:?usage: bench/issue13_runs.sh OUTDIR [SIMD [ROUNDS]]}
 simd=${2:-installed}
 rounds=${3:-4}
 threads=${THREADS:-2}
 tag=${TAG:+.$TAG}
 py=.venv/bin/python
-mkdir -p "$out"
 cache=${ECHOSPEC_CACHE:-$HOME/.cache/echospec}
 q41=$($py scripts/fetch_model.py)
 declare -A model=(
@@ -35,11 +37,12 @@ declare -A model=(
 declare -A extra=([q4_1_d2048]="--depth 2048 --prompt-tokens 2048")
 for name in ${ONLY:-q4_1 q4_k_m q8_0 qwen3_06b_q4_k_m q4_1_d2048}; do
   m=${model[$name]:?unknown setting $name}
-  [ -f "$m" ] || { echo "issue13_runs: $m is missing (run bench/qwen3_shapes.py)" >&2; exit 2; }
+  [ -f "$m" ] || { echo "engine_settings: $m is missing (run bench/qwen3_shapes.py)" >&2; exit 2; }
   dest=$out/${name}.${simd}.t${threads}${tag}.json
-  echo "issue13_runs: $name ($simd) -> $dest (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
+  echo "engine_settings: $name ($simd) -> $dest (load: $(cut -d' ' -f1-3 /proc/loadavg))" >&2
   # shellcheck disable=SC2086
   $py bench/engine_bench.py --json --model "$m" --simd "$simd" --rounds "$rounds" --threads "$threads" \
     ${extra[$name]:-} ${EXTRA:-} > "$dest.tmp"
   mv "$dest.tmp" "$dest"
 done
+$py bench/engine_table.py "$out"

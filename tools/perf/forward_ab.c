@@ -12,14 +12,17 @@
  * number of cached positions each timed forward follows (default 64); the
  * session's n_ctx is DEPTH + 64.
  *
- *   cd engine_c
- *   for pf in 4096 8192; do
- *     cc -O3 -march=native -ffp-contract=off -D_GNU_SOURCE -DES_PF_BYTES=$pf -fPIC -shared \
- *        -pthread -Iinclude -Isrc $(find src -name '*.c') -o /tmp/eng_$pf.so -lm
- *   done
- *   cc -O2 -Iinclude ../bench/forward_ab.c -o /tmp/forward_ab -ldl
- *   /tmp/forward_ab MODEL.gguf 150 /tmp/eng_4096.so /tmp/eng_8192.so
- *   /tmp/forward_ab MODEL.gguf 40 -d 2048 /tmp/eng_4096.so /tmp/eng_8192.so
+ *   make -C tools/perf forward_ab                       (tools/perf/Makefile)
+ *   make -C tools/perf lib SIMD=avx2                    build/engine-avx2.so
+ *   make -C tools/perf lib SIMD=avx512                  build/engine-avx512.so
+ *   cd tools/perf/build
+ *   ./forward_ab MODEL.gguf 150 ./engine-avx2.so ./engine-avx512.so
+ *   ./forward_ab MODEL.gguf 40 -d 2048 ./engine-avx2.so ./engine-avx512.so
+ *
+ * Two settings of one path, each in its own OUT (EXTRA_CFLAGS reaches engine_c's
+ * Makefile too):
+ *   make -C tools/perf lib OUT=$PWD/pf4096 EXTRA_CFLAGS=-DES_PF_BYTES=4096
+ *   make -C tools/perf lib OUT=$PWD/pf8192 EXTRA_CFLAGS=-DES_PF_BYTES=8192
  *
  * MODEL.gguf: e.g. the default model, whose path `.venv/bin/python
  * scripts/fetch_model.py` prints (it fetches the file on first use).
