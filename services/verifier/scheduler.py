@@ -21,7 +21,7 @@ session gets alone (the engine's batch-invariance contract, across sessions
 and chunked prefill), and a step whose input is bad fails alone.
 
 The step-by-step sessions (VerifyStream and the unary RPCs, for debugging and
-bench/round_overhead.py) do not queue here: they take the engine lock
+tools/perf/round_overhead.py) do not queue here: they take the engine lock
 directly, between iterations.
 
 A step that waits (``run``) needs no thread of the scheduler's: a waiting
@@ -59,8 +59,8 @@ or more (a prefill chunk), on ``many`` (set on the batch's sessions before the
 call; es_forward_batch runs on its first item's pool and count). A lone
 session's steps and decode runs keep to ``one``: the default leaves a core to
 the services' Python and the clients, and a step on every core waits for its
-slowest thread whenever anything else runs (bench/README.md, serve_bench
-session 10). A prefill chunk is bound by arithmetic, and its stream has
+slowest thread whenever anything else runs (bench/README.md, serve_bench,
+"Engine threads"). A prefill chunk is bound by arithmetic, and its stream has
 nothing to send yet. Results do not depend on the count (the engine's
 contract), only the speed does.
 
