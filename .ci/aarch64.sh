@@ -104,10 +104,10 @@ for simd in "${built[@]}"; do
         fi
     done
 done
-# bench/a76_estimate.py (the A76 estimate, bench/README.md) finds its loops in this
+# tools/perf/a76_estimate.py (the A76 estimate, bench/README.md) finds its loops in this
 # tree's NEON assembly: a kernel rewrite that hides them fails here, not at the
 # next estimate.
-if [ -f bench/a76_estimate.py ] && ! out=$(python3 bench/a76_estimate.py --check 2>&1); then
+if [ -f tools/perf/a76_estimate.py ] && ! out=$(python3 tools/perf/a76_estimate.py --check 2>&1); then
     echo "$out" | tail -5 >&2
     broken+=("a76_estimate:loops")
 fi

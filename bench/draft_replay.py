@@ -5,7 +5,7 @@ For each workload: the prompt (the chat template applied) and its greedy output 
 through the services: the output is the same with speculation on). Then, for a drafter and a
 draft length K, rounds are replayed as the verifier runs them with a fixed K: propose up to K
 tokens from the history, accept the longest prefix equal to the real output, append the accepted
-tokens and the bonus token. Drafters: "ngram" (main's exact-repeat rule before the suffix index,
+tokens and the bonus token. Drafters: "ngram" (the exact-repeat rule,
 NgramProposer 2..5) and "sources" (DraftProposer: prediction, numbered, suffix; no shared memory).
 
 Estimated speedup = output tokens / sum over rounds of V(K_r)/T, with V(K)/T interpolated from

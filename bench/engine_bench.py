@@ -66,8 +66,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_KS = (1, 2, 4, 8, 16)
-GOAL_V4_OVER_T = 1.3          # issue 2 (AVX-512, SmolLM2 Q4_1, depth 64): kept as a regression mark
-# issue 13's goals, on each benchmark file, with the peer in the same run
+GOAL_V4_OVER_T = 1.3          # the first speed goal (AVX-512, SmolLM2 Q4_1, depth 64): kept as a regression mark
+# the engine's speed goals, on each benchmark file, with the peer in the same run
 GOAL_DECODE_VS_PEER = 1.3     # decode >= 1.3x llama.cpp (SmolLM2 Q4_K_M / Q8_0, Qwen3-0.6B Q4_K_M, depth 2048)
 GOAL_V4_QWEN3 = 1.4           # V(4)/T on the Qwen3 shapes
 GOAL_V4_OTHER = 1.5           # V(4)/T on SmolLM2 Q4_1 and Q4_K_M (with AVX2)
@@ -628,11 +628,11 @@ def run(args) -> dict:
 
 
 def goals(out: dict, plan: Plan) -> dict:
-    """Issue 13's goals that this run measures (None: not measurable without the peer).
+    """The engine's speed goals that this run measures (None: not measurable without the peer).
 
-    decode_ge_1.3x_peer: on every file (the issue lists SmolLM2 Q4_K_M / Q8_0, the Qwen3-0.6B
+    decode_ge_1.3x_peer: on every file (the goals name SmolLM2 Q4_K_M / Q8_0, the Qwen3-0.6B
     shape and depth 2048). verify_ratio_4_le_X: X = 1.4 on qwen3 files, 1.5 on the others.
-    prefill_ge_1.5x_peer: only for a prefill of >= 2048 tokens. The issue-2 marks stay:
+    prefill_ge_1.5x_peer: only for a prefill of >= 2048 tokens. The first goals stay as marks:
     decode_at_least_peer and verify_ratio_4_le_1.3 (AVX-512, SmolLM2 Q4_1, depth 64).
     """
     r = out["ratios"]

@@ -392,7 +392,7 @@ def _llama_cpp():
     except ImportError as e:
         raise ShapesError(
             f"llama-cpp-python is not installed ({e}); it provides llama.cpp's quantizer. Install the "
-            f"bench extra: `pip install -e .[bench]` (or a prebuilt wheel: pip install /work/wheels/"
+            f"bench extra: `pip install -e .[bench]` (or a prebuilt wheel: pip install "
             f"llama_cpp_python-*.whl)") from e
     return llama_cpp
 

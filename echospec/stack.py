@@ -23,7 +23,7 @@ since a verifier without it decodes plainly with the same output; restarted on i
 DRAFT_RESTARTS times).
 
 Example:
-    stack = start_stack("/root/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf", port=50051, spec=True)
+    stack = start_stack(os.path.expanduser("~/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf"), port=50051, spec=True)
     print(stack.target)      # "127.0.0.1:50051"
     stack.stop()
 """

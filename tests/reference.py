@@ -38,7 +38,7 @@ two correct float32 / float64 implementations of the same int8 scheme then
 differ by ~0.2 rms / ~0.9 max logit units, and no reference can be tighter
 than that (see tests/test_engine_smollm2.py for the measured figures).
 
-Model semantics (see /work/shared/MODEL_NOTES.md):
+Model semantics:
   x = token_embd[tokens]
   per layer:  h = RMSNorm(x) * attn_norm
               q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)       (biases: qwen2)

@@ -60,7 +60,7 @@ def test_bench_json_on_tiny_model(tmp_path):
     assert isinstance(out["host_isa"], str) and out["host_isa"]
     assert out["arch"] == "llama" and out["n_vocab"] == 320
     assert out["n_ctx"] == 64 + 17 + 8   # depth + the longest verify (K = 16) + 8
-    # issue 13's goals (llama: V(4)/T <= 1.5), the issue-2 marks kept; None without the peer
+    # the engine's speed goals (llama: V(4)/T <= 1.5), the first goals kept as marks; None without the peer
     assert out["goals"]["decode_ge_1.3x_peer"] is None
     assert isinstance(out["goals"]["verify_ratio_4_le_1.5"], bool)
     assert out["goals"]["decode_at_least_peer"] is None
@@ -68,10 +68,10 @@ def test_bench_json_on_tiny_model(tmp_path):
     assert "prefill_ge_1.5x_peer" not in out["goals"]   # only for a prefill of >= 2048 tokens
     assert "[engine_bench]" in r.stderr  # progress goes to stderr
 
-    # bench/summarize.py turns the JSON into the issue-13 table row, given the file or its directory
+    # bench/engine_table.py turns the JSON into a table row, given the file or its directory
     (tmp_path / "res").mkdir()
     (tmp_path / "res" / "tiny.json").write_text(r.stdout)
-    summ = [sys.executable, str(ROOT / "bench" / "summarize.py")]
+    summ = [sys.executable, str(ROOT / "bench" / "engine_table.py")]
     for arg in (tmp_path / "res" / "tiny.json", tmp_path / "res"):
         t = subprocess.run([*summ, str(arg)], capture_output=True, text=True, timeout=60)
         assert t.returncode == 0, t.stderr
@@ -86,7 +86,7 @@ def test_bench_json_on_tiny_model(tmp_path):
     for arg in (tmp_path / "nope.json", tmp_path / "tiny.gguf", tmp_path / "empty", tmp_path / "list.json",
                 tmp_path / "field.json"):
         t = subprocess.run([*summ, str(arg)], capture_output=True, text=True, timeout=60)
-        assert t.returncode == 2 and t.stdout == "" and "summarize:" in t.stderr, (arg, t)
+        assert t.returncode == 2 and t.stdout == "" and "engine_table:" in t.stderr, (arg, t)
         assert len(t.stderr) < 400 and t.stderr.count("\n") == 1 and "Traceback" not in t.stderr, (arg, t.stderr)
 
 
@@ -120,16 +120,16 @@ def test_bench_unloadable_model_is_a_clear_error(tmp_path):
 
 
 def test_forward_ab_compares_two_builds(tmp_path):
-    """bench/forward_ab.c compiles, loads two engine builds side by side and times both on a tiny
-    model (no speed asserted); bad arguments give a usage error, not a crash."""
+    """tools/perf/forward_ab.c compiles (its Makefile target), loads two engine builds side by side
+    and times both on a tiny model (no speed asserted); bad arguments give a usage error, not a crash."""
     model = tmp_path / "tiny.gguf"
     write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
     engine = ROOT / "engine_c"
     subprocess.run(["make", "-s", "-C", str(engine), "BUILD=build/native",
                     "build/native/libechospec_engine.so"], check=True, timeout=1200)
+    subprocess.run(["make", "-s", "-C", str(ROOT / "tools" / "perf"), f"OUT={tmp_path}", "EXTRA_CFLAGS=-Werror",
+                    "forward_ab"], check=True, timeout=300)
     exe = tmp_path / "forward_ab"
-    subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-I", str(engine / "include"),
-                    str(ROOT / "bench" / "forward_ab.c"), "-o", str(exe), "-ldl"], check=True, timeout=300)
     lib = engine / "build" / "native" / "libechospec_engine.so"
     lib2 = tmp_path / "copy.so"
     shutil.copy(lib, lib2)
@@ -193,16 +193,16 @@ def test_quick_keeps_explicit_flags(tmp_path):
 
 
 def test_step_cpu_times_builds_at_depths(tmp_path):
-    """bench/step_cpu.c compiles and prints one CPU-time line per build and depth on a tiny model
-    (no speed asserted); bad arguments give a usage error."""
+    """tools/perf/step_cpu.c compiles (its Makefile target) and prints one CPU-time line per build
+    and depth on a tiny model (no speed asserted); bad arguments give a usage error."""
     model = tmp_path / "tiny.gguf"
     write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
     engine = ROOT / "engine_c"
     subprocess.run(["make", "-s", "-C", str(engine), "BUILD=build/native",
                     "build/native/libechospec_engine.so"], check=True, timeout=1200)
+    subprocess.run(["make", "-s", "-C", str(ROOT / "tools" / "perf"), f"OUT={tmp_path}", "EXTRA_CFLAGS=-Werror",
+                    "step_cpu"], check=True, timeout=300)
     exe = tmp_path / "step_cpu"
-    subprocess.run(["cc", "-O2", "-Wall", "-Werror", "-I", str(engine / "include"),
-                    str(ROOT / "bench" / "step_cpu.c"), "-o", str(exe), "-ldl"], check=True, timeout=300)
     lib = engine / "build" / "native" / "libechospec_engine.so"
     r = subprocess.run([str(exe), str(model), "1", "3", "1", "10", "200", "--", str(lib)], capture_output=True,
                        text=True, timeout=300)

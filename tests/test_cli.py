@@ -285,7 +285,7 @@ def test_readme_grpcurl_examples(server):
     (["chat", "--system", "\udcff", "--target", "127.0.0.1:1"], "not valid UTF-8"),
     (["chat", "--target", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "/nonexistent/ca.pem"),
     (["tokenize", "x", "--target", "127.0.0.1:1", "--api-key", "\udcff"], "not valid UTF-8"),
-    # second trial (session 2): values past the protocol's int32, bytes that are not UTF-8,
+    # values past the protocol's int32, bytes that are not UTF-8,
     # deadlines that are not positive, an empty --target
     (["generate", "hi", "--top-k", "99999999999", "--target", "127.0.0.1:1"], "out of range"),
     (["generate", "hi", "--k", "99999999999", "--target", "127.0.0.1:1"], "out of range"),

@@ -1,5 +1,5 @@
 """Build facts of the C engine: it links against libc, libm and pthreads only,
-and the stripped shared library stays within 0.8 MB (issue 2)."""
+and the stripped shared library stays within 0.8 MB."""
 from __future__ import annotations
 
 import re

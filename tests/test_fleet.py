@@ -1,4 +1,4 @@
-"""Several verifiers per coordinator, on loopback (issue 12).
+"""Several verifiers per coordinator, on loopback.
 
 Three boards, each a verifier + draft service pair as two processes, bound to their own
 loopback address (127.0.0.11, .12, .13; a fourth, .14, joins by DNS) on the same ports, as

@@ -1492,7 +1492,7 @@ def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, p
     assert (off.finish_reason, off.text) == (on.finish_reason, on.text)
 
 
-# -- session 7 new-user trial ----------------------------------------------------------------------
+# -- a new-user trial ------------------------------------------------------------------------------
 
 def test_gateway_stop_ends_a_stream_with_an_error_event_after_the_grace(tiny_model, caplog):
     # was: SIGTERM cut HTTP streams off after uvicorn's own 2 s (no error event, no clean end of
@@ -2154,7 +2154,7 @@ def test_a_client_deadline_is_logged_as_deadline_exceeded_not_cancelled(remainin
     assert status_name(_EndedContext(remaining)) == name
 
 
-# -- session 13 new-user trial --------------------------------------------------------------------
+# -- a new-user trial ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
     '{"prompt": "hi", "max_tokens": 2, "seed": %s}' % ("9" * 4301),

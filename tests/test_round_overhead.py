@@ -1,7 +1,7 @@
 """The services' bidi stream client (services/rpc/streams.py, grpcio's public API)
 against a real gRPC server on loopback: responses in order, append-only sends,
 the peer's status, end of stream, cancel from another thread, deadline,
-half-close. No timings are asserted here (speed lives in bench/round_overhead.py).
+half-close. No timings are asserted here (speed lives in tools/perf/round_overhead.py).
 """
 from __future__ import annotations
 

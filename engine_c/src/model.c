@@ -679,7 +679,7 @@ static int64_t step_bytes(const es_model *m, int64_t *all) {
  * advised as huge pages (MADV_HUGEPAGE, Linux): the stream then crosses a
  * page boundary every 2 MiB instead of every 4 KiB, with fewer TLB misses
  * and no stop of the hardware prefetchers at each 4 KiB (SmolLM2, 2
- * threads, bench/forward_ab.c: T 4.14 -> 3.87 ms, V(4) 5.48 -> 5.11 ms).
+ * threads, tools/perf/forward_ab.c: T 4.14 -> 3.87 ms, V(4) 5.48 -> 5.11 ms).
  * Without transparent huge pages the advice is ignored. */
 #define ARENA_ALIGN ((size_t)2 << 20)
 

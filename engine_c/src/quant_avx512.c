@@ -123,7 +123,7 @@ int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_bloc
 /* Software prefetch of the weight stream, this many bytes ahead, into L2
  * (T1). At N = 5 a record takes long enough to compute that the hardware
  * prefetcher alone leaves the stream behind; into L1 (T0) it did not help
- * at any distance. Forward passes of SmolLM2 (bench/forward_ab.c, builds
+ * at any distance. Forward passes of SmolLM2 (tools/perf/forward_ab.c, builds
  * with 2, 4, 8 and 16 KB alternated in one process, 2 threads, twice):
  * 8 KB gave the lowest T (4.09 / 4.38 ms) and V(4) (5.52 / 6.05 ms); 4 KB
  * was 6-10 % slower on both, 2 KB slower still, 16 KB no better. */
@@ -343,7 +343,7 @@ static inline ES_AI void pgroup_k(const int nt, const int type, const uint8_t *g
  * constant 1..PTILE) activation rows x; stores nr (1..16) outputs per row.
  * pf: 0 no prefetch (a later tile), 1 the rolling prefetch ES_PF_BYTES
  * ahead, 2 also the first ES_PF_BYTES. 2 is used for the first group of a
- * chunk, and for every group when N = 1: measured with bench/forward_ab.c,
+ * chunk, and for every group when N = 1: measured with tools/perf/forward_ab.c,
  * the repeated head prefetch made T (N = 1, memory-bound) faster but cost
  * V(4) (N = 5, compute-bound) 4-10 %, where its 128 extra instructions per
  * group are not free. */

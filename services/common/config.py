@@ -374,5 +374,5 @@ def default_engine_threads() -> int:
 
     The verifier's own Python (the generation loops, gRPC) needs a core while the engine
     computes; on a 2-core host a 2-thread engine beside it decoded slower than a 1-thread one
-    (bench/README.md, serving figures)."""
+    (bench/README.md, serve_bench, "Engine threads")."""
     return max(1, usable_cpus() - 1)

@@ -111,7 +111,7 @@ class VerifierCore:
     prefill chunk of scheduler.MANY_TOKENS or more on batch_threads. With both
     0 that is the usable CPUs less one for one session (a core kept for the
     services' Python and anything else on the host) and every usable CPU for a
-    batch or a prefill (bench/README.md, serve_bench sessions 7 and 10). The
+    batch or a prefill (bench/README.md, serve_bench, "Engine threads"). The
     config kept here has both resolved.
 
     Args:
