@@ -58,8 +58,8 @@ or more (a prefill chunk), on ``many`` (set on the batch's sessions before the
 call; es_forward_batch runs on its first item's pool and count). A lone
 session's steps and decode runs keep to ``one``: the default leaves a core to
 the services' Python and the clients, and a step on every core waits for its
-slowest thread whenever anything else runs (bench/README.md, serve_bench
-session 10). A prefill chunk is bound by arithmetic, and its stream has
+slowest thread whenever anything else runs (bench/README.md, serve_bench,
+"Engine threads"). A prefill chunk is bound by arithmetic, and its stream has
 nothing to send yet. Results do not depend on the count (the engine's
 contract), only the speed does.
 
