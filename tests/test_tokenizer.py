@@ -498,3 +498,13 @@ def test_tiny_sentencepiece_equals_llama_cpp(tmp_path):
                               scores=TINY_SPM["scores"], unk_id=TINY_SPM["unk_id"],
                               add_space_prefix=False)
     assert Tokenizer.from_gguf(p2).decode(Tokenizer.from_gguf(p2).encode("the hi")) == "the hi"
+
+
+def test_prompt_ids_add_bos_as_the_file_asks(gemma: Tokenizer, smollm2_path):
+    assert gemma.add_bos and gemma.bos_id == 2
+    text = "def fibonacci(n):"
+    assert gemma.prompt_ids(text) == [2] + gemma.encode(text)
+    assert gemma.prompt_ids("<bos>" + text) == [2] + gemma.encode(text)   # never twice
+    assert gemma.prompt_ids("") == [2]
+    smol = Tokenizer.from_gguf(smollm2_path)                              # add_bos false
+    assert not smol.add_bos and smol.prompt_ids(text) == smol.encode(text)

@@ -243,7 +243,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         else:
             text = req.text
         self.check_fits("prompt", text)
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.prompt_ids(text)
         if not ids:
             raise _bad("the prompt encodes to no tokens")
         return ids

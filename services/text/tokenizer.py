@@ -163,8 +163,8 @@ class GGUFTokenizerMetadata:
         scores: ``tokenizer.ggml.scores`` (``n_vocab`` floats), ``[]`` when absent.
         add_space_prefix: ``tokenizer.ggml.add_space_prefix``, ``None`` when absent.
         bos_id, eos_id, eot_id, eom_id, unk_id, pad_id: special ids, ``None`` when absent.
-        add_bos: ``tokenizer.ggml.add_bos_token`` (``False`` when absent). Informational:
-            `Tokenizer.encode` never adds BOS.
+        add_bos: ``tokenizer.ggml.add_bos_token`` (``False`` when absent). `Tokenizer.encode`
+            never adds BOS; `Tokenizer.prompt_ids` does, as llama.cpp does for a prompt.
         chat_template: ``tokenizer.chat_template`` or ``None``.
     """
 
@@ -404,6 +404,7 @@ class Tokenizer:
             if v is not None and not 0 <= v < self.n_vocab:
                 raise ValueError(f"tokenizer {name}={v} is outside the vocabulary [0, {self.n_vocab})")
         self.bos_id: int | None = meta.bos_id
+        self.add_bos: bool = bool(meta.add_bos) and meta.bos_id is not None
         self.eos_id: int | None = meta.eos_id
         eos: set[int] = {i for i in (meta.eos_id, meta.eot_id, meta.eom_id) if i is not None}
         for i, (t, ty) in enumerate(zip(self._tokens, self._types)):
@@ -499,6 +500,15 @@ class Tokenizer:
         return cls(read_tokenizer_metadata(path))
 
     # -- encode / decode --
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """``encode(text)`` as a prompt: with BOS first when the file asks for it
+        (``add_bos``, e.g. Gemma) and the text does not already begin with it (a chat
+        template that writes ``bos_token``), as llama.cpp tokenizes a prompt."""
+        ids = self.encode(text)
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no BOS/EOS added; control-token text parsed as the control token.
