@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, TypeVar
 
+from echospec_client.limits import GRPC_URI_SCHEMES
+
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 LOOPBACK = "127.0.0.1"
 
@@ -329,15 +331,12 @@ _INT_RANGES: dict[str, tuple] = {
 }
 
 
-_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
-
-
 def target_port_error(target: str) -> str:
     """Why a host:port target names a port no server can listen on, or holds what no host has
     (whitespace); "" when it does not: also for "", gRPC URIs such as dns:///name:port, a bare
     IPv6 address and a host without a port.
     gRPC would otherwise dial it until every call's deadline and report nothing reachable."""
-    if not target or "://" in target or target.startswith(_URI_SCHEMES):
+    if not target or "://" in target or target.startswith(GRPC_URI_SCHEMES):
         return ""
     if any(c.isspace() or not c.isprintable() for c in target):
         return "it holds a space or a control character, which no host name or address has"
