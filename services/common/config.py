@@ -96,21 +96,11 @@ _MESSAGE = (1, _BIG, "bytes per gRPC message")
 _GRACE = "on shutdown: seconds requests in flight get to finish"
 
 
-@setting_fields
 @dataclass
-class DraftConfig:
-    """Draft service settings (the proposer's shortest match, the shared memory's bounds)."""
+class _GrpcServiceConfig:
+    """The settings every gRPC service has (the draft service, the verifier, the coordinator);
+    a subclass redefines one where it says more (its `echospec serve` option)."""
 
-    host: str = setting(LOOPBACK, "address to listen on")
-    port: int = setting(50052, f"draft service port {_PORT}")
-    min_n: int = setting(2, "shortest suffix match the suffix index drafts from")
-    max_n: int = setting(5, "checked (min_n <= max_n); the suffix index's matches are unbounded")
-    shared_max_tokens: int = setting(16384, "draft_namespace memory: tokens kept per namespace "
-                                     "(~0.4 KB each)", range=(1, _BIG, "tokens per namespace"))
-    shared_max_namespaces: int = setting(16, "namespaces kept (least recently used evicted)",
-                                         range=(1, _BIG, "namespaces"))
-    max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
-    max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
     max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message (bytes)",
                                      range=_MESSAGE)
     grace_s: float = setting(2.0, _GRACE)
@@ -125,7 +115,24 @@ class DraftConfig:
 
 @setting_fields
 @dataclass
-class VerifierConfig:
+class DraftConfig(_GrpcServiceConfig):
+    """Draft service settings (the proposer's shortest match, the shared memory's bounds)."""
+
+    host: str = setting(LOOPBACK, "address to listen on")
+    port: int = setting(50052, f"draft service port {_PORT}")
+    min_n: int = setting(2, "shortest suffix match the suffix index drafts from")
+    max_n: int = setting(5, "checked (min_n <= max_n); the suffix index's matches are unbounded")
+    shared_max_tokens: int = setting(16384, "draft_namespace memory: tokens kept per namespace "
+                                     "(~0.4 KB each)", range=(1, _BIG, "tokens per namespace"))
+    shared_max_namespaces: int = setting(16, "namespaces kept (least recently used evicted)",
+                                         range=(1, _BIG, "namespaces"))
+    max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
+    max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
+
+
+@setting_fields
+@dataclass
+class VerifierConfig(_GrpcServiceConfig):
     """Verifier service settings (the target model on the C engine)."""
 
     model: str = setting("", "GGUF file of the target model")
@@ -167,23 +174,14 @@ class VerifierConfig:
                                         "engine threads of a batch (0: default)"))
     max_workers: int = setting(96, "gRPC worker threads", range=_WORKERS)
     max_concurrent_rpcs: int = setting(88, _CONCURRENT_HELP, range=_CONCURRENT)
-    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message (bytes)",
-                                     range=_MESSAGE)
-    grace_s: float = setting(2.0, _GRACE)
-    metrics_port: int = setting(-1, _METRICS)
-    log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
-    log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
-    tls_cert: str = setting("", _TLS_CERT)
-    tls_key: str = setting("", _TLS_KEY)
     tls_client_ca: str = setting("", _TLS_CLIENT_CA, serve="--tls-client-ca",
                                  serve_help="PEM CA: the internal ports (verifier, draft) demand "
                                             "client certificates it signed (mTLS)")
-    tls_ca: str = setting("", _TLS_CA)
 
 
 @setting_fields
 @dataclass
-class CoordinatorConfig:
+class CoordinatorConfig(_GrpcServiceConfig):
     """Coordinator (public API) settings."""
 
     model: str = setting("", "GGUF file: tokenizer and chat template", serve="--model",
@@ -224,15 +222,11 @@ class CoordinatorConfig:
     max_stop: int = setting(16, "stop strings per request", range=(0, _BIG, "stop strings per request"))
     max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
     max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
-    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message (bytes)",
-                                     range=_MESSAGE)
-    grace_s: float = setting(2.0, _GRACE)
     log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS, serve="--log-level")
     log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS, serve="--log-format")
     tls_cert: str = setting("", _TLS_CERT, serve="--tls-cert",
                             serve_help="PEM certificate: every service listens with TLS (HTTPS)")
     tls_key: str = setting("", _TLS_KEY, serve="--tls-key", serve_help="PEM private key of --tls-cert")
-    tls_client_ca: str = setting("", _TLS_CLIENT_CA)
     tls_ca: str = setting("", _TLS_CA, serve="--tls-ca",
                           serve_help="PEM CA that signed --tls-cert, for the services' calls to "
                                      "each other (default: --tls-cert itself, if self-signed)")
