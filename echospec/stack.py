@@ -245,8 +245,9 @@ class StackConfigs:
         return self.stack, self.coordinator, self.verifier, self.draft, self.gateway
 
     def replace(self, **settings: Any) -> "StackConfigs":
-        """A copy with settings by field name, each given to the first of stack, coordinator,
-        verifier, draft and gateway that has it (port: the coordinator's).
+        """A copy with settings by field name, each given to the config whose field is the
+        `echospec serve` option of that name (tls_client_ca: the verifier's), else to the first
+        of stack, coordinator, verifier, draft and gateway that has it (port: the coordinator's).
 
         Raises:
             TypeError: a name no config has.
@@ -255,8 +256,9 @@ class StackConfigs:
                  "draft": self.draft, "gateway": self.gateway}
         changes: dict[str, dict] = {k: {} for k in parts}
         for name, value in settings.items():
-            owner = next((k for k, c in parts.items()
-                          if name in {f.name for f in dataclasses.fields(c)}), None)
+            having = [(k, f) for k, c in parts.items() for f in dataclasses.fields(c) if f.name == name]
+            owner = next((k for k, f in having if f.metadata["serve"]),
+                         having[0][0] if having else None)
             if owner is None:
                 raise TypeError(f"no service has a setting {name!r}")
             changes[owner][name] = value

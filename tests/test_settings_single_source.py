@@ -88,7 +88,9 @@ def test_the_n_ctx_minimum_is_the_engines():
 
 
 def test_start_stack_keywords_reach_one_config_each():
-    c = StackConfigs().replace(model="m.gguf", port=0, n_ctx=64, min_n=3, http_port=0, api_key="k")
+    c = StackConfigs().replace(model="m.gguf", port=0, n_ctx=64, min_n=3, http_port=0, api_key="k",
+                               tls_client_ca="ca.pem")
+    assert c.verifier.tls_client_ca == "ca.pem" and c.coordinator.tls_client_ca == ""
     assert c.coordinator.model == "m.gguf" and c.coordinator.port == 0 and c.coordinator.api_key == "k"
     assert c.verifier.n_ctx == 64 and c.draft.min_n == 3 and c.stack.http_port == 0
     with pytest.raises(TypeError):
