@@ -65,7 +65,7 @@ def _default_model() -> str:
     import importlib.util
 
     # scripts/fetch_model.py, loaded by path: scripts/ is not put on sys.path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "fetch_model.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "fetch_model.py"
     spec = importlib.util.spec_from_file_location("echospec_fetch_model", path)
     if spec is None or not path.is_file():
         _die(f"cannot find {path} to fetch the default model; give --model PATH")
