@@ -24,6 +24,8 @@ DRAFT_RESTARTS times).
 
 Example:
     stack = start_stack(os.path.expanduser("~/.cache/echospec/SmolLM2-135M-Instruct.Q4_1.gguf"), port=50051, spec=True)
+    # or, with the config objects (what `echospec serve` builds from its command line):
+    # stack = start(StackConfigs(coordinator=CoordinatorConfig(model=path, spec=True)))
     print(stack.target)      # "127.0.0.1:50051"
     stack.stop()
 """
@@ -45,8 +47,8 @@ from typing import Any
 from echospec.services.common import logs
 from echospec.services.rpc import grpc_util
 from echospec.services.rpc.grpc_util import host_port
-from echospec.services.common.config import (LOOPBACK, CoordinatorConfig, DraftConfig, GatewayConfig,
-                                             VerifierConfig)
+from echospec.services.common.config import (CoordinatorConfig, DraftConfig, GatewayConfig,
+                                             VerifierConfig, setting_fields, setting)
 from echospec.services.rpc.lifecycle import PARENT_ENV, STOP_REASON_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,83 +215,123 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def start_stack(model_path: str, port: int = 0, spec: bool = False, *, host: str = LOOPBACK,
-                verifier_port: int = 0, draft_port: int = 0, processes: bool = False,
-                n_ctx: int = 2048, n_threads: int = 0, batch_threads: int = 0, k: int = 4,
-                max_tokens: int = 256,
-                min_n: int = 2, max_sessions: int = 64, adaptive_k: bool = True,
-                metrics_port: int = -1, log_level: str = "INFO", log_format: str = "text",
-                batch_max: int = 1, prefill_chunk: int = 256, prefix_cache: bool = True,
-                decode_steps: int = 8, max_message_bytes: int | None = None, ready_timeout_s: float = 180.0,
-                http_port: int = -1, api_key: str = "", tls_cert: str = "", tls_key: str = "",
-                tls_ca: str = "", tls_client_ca: str = "", chat_template: str = "") -> Stack:
-    """Start draft, verifier and coordinator on ``host``.
+@setting_fields
+@dataclass
+class StackConfig:
+    """What `echospec serve` says beyond the services' own settings: the ports of the services
+    behind the coordinator (0: a free port) and how the services run."""
+
+    verifier_port: int = setting(0, "verifier port (0: a free port)", serve="--verifier-port")
+    draft_port: int = setting(0, "draft service port (0: a free port)", serve="--draft-port")
+    http_port: int = setting(-1, "serve the OpenAI-compatible HTTP gateway on this port (-1: off; "
+                             "0: a free port)", serve="--http-port")
+    processes: bool = setting(False, "run each service in its own process", serve="--processes")
+
+
+@dataclass
+class StackConfigs:
+    """The settings of a stack: its own and each service's. The settings every service shares
+    are said once, on the coordinator's config (host, logging, TLS, API key, message size; the
+    model, which the verifier loads), and the verifier's tls_client_ca (mTLS on the internal
+    ports); ``start`` hands them to the others."""
+
+    stack: StackConfig = field(default_factory=StackConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    def parts(self) -> tuple:
+        return self.stack, self.coordinator, self.verifier, self.draft, self.gateway
+
+    def replace(self, **settings: Any) -> "StackConfigs":
+        """A copy with settings by field name, each given to the config whose field is the
+        `echospec serve` option of that name (tls_client_ca: the verifier's), else to the first
+        of stack, coordinator, verifier, draft and gateway that has it (port: the coordinator's).
+
+        Raises:
+            TypeError: a name no config has.
+        """
+        parts = {"stack": self.stack, "coordinator": self.coordinator, "verifier": self.verifier,
+                 "draft": self.draft, "gateway": self.gateway}
+        changes: dict[str, dict] = {k: {} for k in parts}
+        for name, value in settings.items():
+            having = [(k, f) for k, c in parts.items() for f in dataclasses.fields(c) if f.name == name]
+            owner = next((k for k, f in having if f.metadata["serve"]),
+                         having[0][0] if having else None)
+            if owner is None:
+                raise TypeError(f"no service has a setting {name!r}")
+            changes[owner][name] = value
+        return StackConfigs(**{k: dataclasses.replace(c, **changes[k]) for k, c in parts.items()})
+
+
+def start_stack(model_path: str, port: int = 0, spec: bool | None = None, *,
+                ready_timeout_s: float = 180.0, **settings: Any) -> Stack:
+    """Start draft, verifier and coordinator (and the gateway with ``http_port >= 0``): a
+    keyword convenience over ``start`` for the tests and the CLI's private stacks. Every setting
+    not given keeps its config dataclass's default; the ports default to 0 (a free port).
 
     Args:
         model_path: GGUF file (verifier model; coordinator tokenizer and chat template).
-        port: coordinator port (0: free port). verifier_port, draft_port likewise.
-        spec: the coordinator's --spec default.
-        processes: run each service in its own process (see the module docstring). Each child
-            gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
-            services/rpc/lifecycle.py), so call this from a thread that outlives the stack:
-            the main thread, as `echospec serve` does.
-        n_ctx, n_threads: verifier KV capacity per session and engine threads of a forward
-            over one session. batch_threads: of a scheduler iteration over >= 2 sessions or
-            a prefill chunk of >= 16 tokens (VerifierConfig.batch_threads; 0: its default).
-        k, max_tokens: coordinator defaults. min_n: the draft service's shortest suffix match.
-        adaptive_k: let the live cost model pick each round's draft length (<= k).
-        metrics_port: Prometheus /metrics port (-1: off, 0: a free port). Threads mode: one
-            /metrics for the three services; processes mode: the coordinator's, and the verifier
-            and draft each serve theirs on a free port (``Stack.metrics_ports``).
-        log_level, log_format: the services' logging (processes mode: passed to each child;
-            threads mode: the caller configures logging, see services/common/logs.py).
-        batch_max: verifier sessions per scheduler iteration (>= 2 refuses speculation).
-        prefill_chunk: prompt tokens per prefill step (chunked prefill).
-        decode_steps: greedy steps per engine call of each decoding generation (1: a
-            call per token).
-        prefix_cache: keep finished generations' KV for prefix reuse.
-        http_port: the OpenAI-compatible gateway's port (-1: no gateway, 0: a free port).
-        api_key: the coordinator and the gateway demand ``authorization: Bearer <api_key>``
-            ("": no key); passed to child processes in the environment, never on a command line.
-        tls_cert, tls_key: every service listens with TLS using this certificate (the gateway
-            with HTTPS); it must name ``host`` (a SAN for the address or name).
-        tls_ca: the CA that signed tls_cert, with which the services verify each other
-            ("": tls_cert itself, right for a self-signed certificate).
-        tls_client_ca: the internal ports (verifier, draft) demand client certificates signed by
-            it (mTLS); the coordinator and verifier present tls_cert, which must then allow client
-            use too. The public ports (coordinator, gateway) rely on the API key instead.
-        chat_template: a Jinja chat template file the coordinator uses instead of the GGUF's
-            ("": the GGUF's).
+        port: coordinator port (0: a free port).
+        spec: the coordinator's --spec default (None: CoordinatorConfig's).
+        ready_timeout_s: seconds each service gets to report SERVING.
+        settings: any field of StackConfig, CoordinatorConfig, VerifierConfig, DraftConfig or
+            GatewayConfig by name (the first of them that has it): verifier_port, processes,
+            n_ctx, n_threads, batch_threads, k, max_tokens, min_n, max_n, http_port, api_key,
+            tls_cert, ... (see ``start`` for who shares what).
+    Raises:
+        StackError: a service failed to start. TypeError: an unknown setting.
+    """
+    if spec is not None:
+        settings["spec"] = spec
+    configs = StackConfigs().replace(model=str(model_path), port=port, **settings)
+    return start(configs, ready_timeout_s)
+
+
+def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
+    """Start draft, verifier and coordinator on the coordinator's host, with the HTTP gateway in
+    front when ``configs.stack.http_port >= 0``.
+
+    The coordinator's config holds what the services share: host, log_level, log_format,
+    max_message_bytes, tls_cert and tls_key (every service listens with TLS; the certificate
+    must name the host), tls_ca (the CA with which the services verify each other; "": tls_cert
+    itself, right for a self-signed certificate), api_key (the coordinator's and the gateway's;
+    passed to child processes in the environment, never on a command line) and the model (the
+    verifier's too). The verifier's tls_client_ca makes the internal ports (verifier, draft)
+    demand client certificates it signed (mTLS); the coordinator and verifier present tls_cert.
+    The coordinator's metrics_port is the stack's /metrics (-1: off, 0: a free port): in threads
+    mode one for the three services; in process mode the verifier and draft each serve theirs
+    on a free port (``Stack.metrics_ports``).
+
+    processes=True runs each service in its own process (see the module docstring). Each child
+    gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
+    services/rpc/lifecycle.py), so call this from a thread that outlives the stack: the main
+    thread, as `echospec serve` does.
+
     Returns:
         A Stack with the bound ports; call ``stop()`` when done.
     Raises:
         StackError: a service failed to start (port taken, model unusable, ...).
     """
-    msg = {} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}
-    logc = {"log_level": log_level, "log_format": log_format}
-    ca = (tls_ca or tls_cert) if tls_cert else ""
-    public = {"tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": ca}
-    internal = {**public, "tls_client_ca": tls_client_ca}
-    side_metrics = _free_port(host) if processes and metrics_port >= 0 else -1
-    dcfg = DraftConfig(host=host, port=draft_port, min_n=min_n, **msg, **logc,
-                       metrics_port=side_metrics, **internal)
-    side_metrics2 = _free_port(host) if processes and metrics_port >= 0 else -1
-    vcfg = VerifierConfig(model=str(model_path), host=host, port=verifier_port, n_ctx=n_ctx,
-                          n_threads=n_threads, batch_threads=batch_threads,
-                          max_sessions=max_sessions, batch_max=batch_max,
-                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                          decode_steps=decode_steps, **msg, **logc,
-                          metrics_port=side_metrics2, **internal)
-    ccfg = CoordinatorConfig(model=str(model_path), host=host, port=port, spec=spec, k=k,
-                             max_tokens=max_tokens, adaptive_k=adaptive_k, metrics_port=metrics_port,
-                             api_key=api_key, chat_template=chat_template, **msg, **logc, **public)
+    st, c, v, d, g = configs.parts()
+    ca = (c.tls_ca or c.tls_cert) if c.tls_cert else ""
+    shared = {"host": c.host, "log_level": c.log_level, "log_format": c.log_format,
+              "tls_cert": c.tls_cert, "tls_key": c.tls_key, "tls_ca": ca}
+    side = c.metrics_port >= 0 and st.processes   # the verifier's and draft's own /metrics
+    c = dataclasses.replace(c, tls_ca=ca)
+    dcfg = dataclasses.replace(d, **shared, port=st.draft_port, tls_client_ca=v.tls_client_ca,
+                               max_message_bytes=c.max_message_bytes,
+                               metrics_port=_free_port(c.host) if side else -1)
+    vcfg = dataclasses.replace(v, **shared, model=c.model, port=st.verifier_port,
+                               max_message_bytes=c.max_message_bytes,
+                               metrics_port=_free_port(c.host) if side else -1)
     gcfg = None
-    if http_port >= 0:
-        gcfg = GatewayConfig(host=host, port=http_port, api_key=api_key, log_level=log_level,
-                             log_format=log_format, **public)
-    if processes:
-        return _start_processes(dcfg, vcfg, ccfg, gcfg, ready_timeout_s)
-    return _start_threads(dcfg, vcfg, ccfg, gcfg, ready_timeout_s)
+    if st.http_port >= 0:
+        gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key)
+    if st.processes:
+        return _start_processes(dcfg, vcfg, c, gcfg, ready_timeout_s)
+    return _start_threads(dcfg, vcfg, c, gcfg, ready_timeout_s)
 
 
 def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,

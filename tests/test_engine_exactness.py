@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import ggufgen
-from echospec.services.verifier.engine import ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, EngineError, Model, sample
+from echospec.services.verifier.engine import (ES_ERR_CAPACITY, ES_ERR_INVALID_ARG, MIN_CTX, EngineError, Model,
+                                              sample)
 
 RNG = np.random.default_rng(1234)
 TOKENS = [int(t) for t in RNG.integers(0, 320, size=48)]
@@ -197,29 +198,38 @@ def _continues_like_fresh(s, done, more):
 
 
 def test_capacity_error_leaves_state(small_model):
-    with small_model.new_session(n_ctx=8, n_threads=1) as s:
-        assert s.n_ctx == 8
-        s.forward(TOKENS[:6])
+    with small_model.new_session(n_ctx=MIN_CTX, n_threads=1) as s:
+        full = MIN_CTX
+        assert s.n_ctx == full
+        s.forward(TOKENS[:full - 2])
         with pytest.raises(EngineError) as ei:
-            s.forward(TOKENS[6:9])                    # 6 + 3 > 8
+            s.forward(TOKENS[full - 2:full + 1])      # (full - 2) + 3 > full
         assert ei.value.status == ES_ERR_CAPACITY and ei.value.name == "ES_ERR_CAPACITY"
         assert ei.value.message
-        assert s.n_past == 6
-        assert _continues_like_fresh(s, TOKENS[:6], TOKENS[6:8])   # fills exactly to 8
-        assert s.n_past == 8
+        assert s.n_past == full - 2
+        assert _continues_like_fresh(s, TOKENS[:full - 2], TOKENS[full - 2:full])   # fills exactly
+        assert s.n_past == full
         with pytest.raises(EngineError) as ei:
-            s.forward(TOKENS[8:9])
+            s.forward(TOKENS[full:full + 1])
         assert ei.value.status == ES_ERR_CAPACITY
-        assert s.n_past == 8
+        assert s.n_past == full
 
 
 def test_capacity_error_on_first_call(small_model):
-    with small_model.new_session(n_ctx=4, n_threads=2) as s:
+    with small_model.new_session(n_ctx=MIN_CTX, n_threads=2) as s:
         with pytest.raises(EngineError) as ei:
-            s.forward(TOKENS[:5])
+            s.forward(TOKENS[:MIN_CTX + 1])
         assert ei.value.status == ES_ERR_CAPACITY
         assert s.n_past == 0
-        assert _continues_like_fresh(s, [], TOKENS[:4])
+        assert _continues_like_fresh(s, [], TOKENS[:MIN_CTX])
+
+
+def test_n_ctx_below_the_minimum_is_refused(small_model):
+    """The engine refuses a KV capacity below ES_MIN_CTX (0 is the default, not a capacity)."""
+    for bad in (1, MIN_CTX - 1):
+        with pytest.raises(EngineError) as ei:
+            small_model.new_session(n_ctx=bad, n_threads=1)
+        assert ei.value.status == ES_ERR_INVALID_ARG and "out of range" in ei.value.message
 
 
 @pytest.mark.parametrize("bad", [-1, 320, 2 ** 31 - 1])

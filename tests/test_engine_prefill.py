@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufgen import write_tiny_model  # noqa: E402
 
-from echospec.services.verifier.engine import EngineError, Model
+from echospec.services.verifier.engine import MIN_CTX, EngineError, Model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -41,10 +41,10 @@ def test_prefill_last_row_equals_forward(model):
 
 
 def test_prefill_errors_leave_the_cache_unchanged(model):
-    s = model.new_session(n_ctx=8, n_threads=1)
+    s = model.new_session(n_ctx=MIN_CTX, n_threads=1)
     s.prefill([1, 2, 3])
     with pytest.raises(EngineError) as e:
-        s.prefill([1] * 6)
+        s.prefill([1] * (MIN_CTX - 2))
     assert e.value.name == "ES_ERR_CAPACITY" and s.n_past == 3
     with pytest.raises(EngineError) as e:
         s.prefill([1, 10 ** 6])

@@ -158,7 +158,7 @@ def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, caps
         def close(self):
             pass
 
-    monkeypatch.setattr(cli, "_client", lambda args, target: FailingClient())
+    monkeypatch.setattr(cli.common, "_client", lambda args, target: FailingClient())
     args = cli.parse_args(["generate", "hi", "--target", "127.0.0.1:1"])
     with pytest.raises(SystemExit) as ei:
         cli.cmd_generate(args)
@@ -685,7 +685,7 @@ def test_chat_skips_a_line_that_is_not_utf8(monkeypatch, capsys):
             r = Result("ok", [1], 3, 1, "eos", False, "", SpecStats(), wall_s=0.1, ttft_s=0.05)
             return iter([Chunk("ok", [1], r)])
 
-    monkeypatch.setattr(cli, "_client", lambda args, target: ChatClient("127.0.0.1:1"))
+    monkeypatch.setattr(cli.common, "_client", lambda args, target: ChatClient("127.0.0.1:1"))
     monkeypatch.setattr("sys.stdin", io.StringIO("hi \udcff there\nsecond\n/quit\n"))
     args = cli.parse_args(["chat", "--target", "127.0.0.1:1"])
     assert cli.cmd_chat(args) == 0

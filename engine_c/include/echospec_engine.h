@@ -107,9 +107,10 @@ typedef struct {
     int32_t n_threads;          /* worker threads incl. the caller; 0 = all online cores */
 } es_session_params;
 
-/* The largest es_session_params es_session_new accepts (the Python side and the CLI read
- * them from here, through cffi's lib.ES_MAX_*). */
+/* The range of es_session_params es_session_new accepts (the Python side and the CLI read
+ * them from here, through cffi's lib.ES_MIN_CTX and lib.ES_MAX_*). */
 enum {
+    ES_MIN_CTX = 16,            /* n_ctx, tokens (0, the default, is exempt) */
     ES_MAX_CTX = 1 << 20,       /* n_ctx, tokens */
     ES_MAX_THREADS = 256        /* n_threads */
 };
@@ -159,7 +160,7 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
 
 /*
  * Create a session (one KV sequence) on `model`.
- * Returns ES_ERR_INVALID_ARG for n_ctx < 0 or n_ctx > ES_MAX_CTX or n_threads < 0
+ * Returns ES_ERR_INVALID_ARG for n_ctx other than 0 outside [ES_MIN_CTX, ES_MAX_CTX], n_threads < 0
  * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache (IEEE float16: 2 *
  * n_layer * n_ctx rounded up to 64 * n_head_kv * head_dim * 2 bytes) cannot
  * be allocated or exceeds the memory available (as es_model_load counts it;

@@ -128,8 +128,9 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
         return ES_ERR_INVALID_ARG;
     }
     es_session_params p = params ? *params : es_session_default_params();
-    if (p.n_ctx < 0 || p.n_ctx > ES_MAX_CTX) {
-        es_set_err(err, err_len, "n_ctx %d out of range [0, %d]", (int)p.n_ctx, ES_MAX_CTX);
+    if (p.n_ctx != 0 && (p.n_ctx < ES_MIN_CTX || p.n_ctx > ES_MAX_CTX)) {
+        es_set_err(err, err_len, "n_ctx %d out of range [%d, %d] (0: the default)", (int)p.n_ctx,
+                   ES_MIN_CTX, ES_MAX_CTX);
         return ES_ERR_INVALID_ARG;
     }
     if (p.n_threads < 0 || p.n_threads > ES_MAX_THREADS) {

@@ -226,10 +226,11 @@ static void failures(const es_model *m, const es_model *other, const char *mname
     static int32_t toks[N_SESS][MAX_STEP];
     es_session *ss[N_SESS];
     for (int k = 0; k < N_SESS; k++) ss[k] = session_with_history(m, k, 2);
-    es_session *small = tm_session(m, 2, 8), *foreign = tm_session(other, 1, 16);
+    es_session *small = tm_session(m, 2, ES_MIN_CTX), *foreign = tm_session(other, 1, 16);
     if (!small || !foreign) return;
-    int32_t six[6] = {1, 2, 3, 4, 5, 6};
-    CHECK_EQ_INT(es_forward(small, six, 6, NULL, NULL, 0), ES_OK);
+    int32_t fill[ES_MIN_CTX - 2];   /* leaves room for 2 tokens: the 3 below do not fit */
+    for (int i = 0; i < ES_MIN_CTX - 2; i++) fill[i] = 1 + i;
+    CHECK_EQ_INT(es_forward(small, fill, ES_MIN_CTX - 2, NULL, NULL, 0), ES_OK);
     int32_t bad_tok[2] = {1, N_VOCAB}, three[3] = {7, 8, 9};
 
     /* round 0 of sessions 0, 2, 4 are good; 1 has a token out of range, 3 a bad head */
@@ -242,7 +243,7 @@ static void failures(const es_model *m, const es_model *other, const char *mname
     items[n++] = item_for(ss[2], 2, 0, toks[2], &got[2]);
     items[n] = item_for(ss[3], 3, 0, toks[3], &got[3]);
     items[n++].head = 2;
-    items[n++] = (es_batch_item){small, three, 3, ES_HEAD_ALL, bad_out.argmax, NULL, 0, ES_OK};     /* 6 + 3 > 8 */
+    items[n++] = (es_batch_item){small, three, 3, ES_HEAD_ALL, bad_out.argmax, NULL, 0, ES_OK};     /* 14 + 3 > 16 */
     items[n++] = item_for(ss[4], 4, 0, toks[4], &got[4]);
     items[n++] = (es_batch_item){foreign, three, 3, ES_HEAD_ALL, NULL, NULL, 0, ES_OK};             /* other model */
     items[n++] = (es_batch_item){NULL, three, 3, ES_HEAD_ALL, NULL, NULL, 0, ES_OK};

@@ -297,6 +297,32 @@ TEST(memory_refused_before_allocating) {
     unlink(path);
 }
 
+TEST(n_ctx_range) {
+    char path[512], err[256] = "";
+    snprintf(path, sizeof path, "%s/ctx.gguf", g_dir);
+    CHECK_EQ_INT(write_model(&MODELS[MOE], path), 0);
+    es_model *m = NULL;
+    CHECK_EQ_INT(es_model_load(path, NULL, &m, err, sizeof err), ES_OK);
+    es_session_params sp = es_session_default_params();
+    es_session *s = NULL;
+    const int32_t bad[] = {-1, 1, ES_MIN_CTX - 1, ES_MAX_CTX + 1};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        sp.n_ctx = bad[i];
+        err[0] = 0;
+        CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_ERR_INVALID_ARG);
+        CHECK(s == NULL && strstr(err, "out of range") != NULL);
+    }
+    const int32_t good[] = {0, ES_MIN_CTX};   /* 0: the default */
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        sp.n_ctx = good[i];
+        CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_OK);
+        es_session_free(s);
+        s = NULL;
+    }
+    es_model_free(m);
+    unlink(path);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     snprintf(g_dir, sizeof g_dir, "%s/es_models_XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -306,6 +332,7 @@ int main(void) {
     RUN(gemma3_sliding_window);
     RUN(bad_expert_and_section_keys);
     RUN(memory_refused_before_allocating);
+    RUN(n_ctx_range);
     rmdir(g_dir);
     return harness_report();
 }

@@ -5,6 +5,10 @@ variable ``ECHOSPEC_<NAME>`` (upper case) and can be overridden on the command
 line with ``--<name-with-dashes>``. Precedence: CLI > environment > default.
 Configs are passed to constructors; no module holds a global config.
 
+The fields are the one source of each setting: its default, help text, range or choices, option,
+variable and, where `echospec serve` offers it, its option there (``setting``). The services'
+parsers (``add_arguments``) and `echospec serve`'s are built from them.
+
 Ports: coordinator 50051, draft 50052, verifier 50053 by default, all bound to
 127.0.0.1 (loopback) unless ``host`` says otherwise.
 """
@@ -15,7 +19,11 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, TypeVar
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence, TypeVar
+
+from echospec_client.limits import GRPC_URI_SCHEMES
+from echospec.services.common.logs import FORMATS, LEVELS
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 LOOPBACK = "127.0.0.1"
@@ -23,121 +31,249 @@ LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
 
 
+_BIG = 2 ** 31 - 1
+
+
+class EngineLimit:
+    """A bound from the engine's header (echospec_engine.h), read through cffi when first used,
+    so the services that never load the engine (coordinator, gateway) do not load it for this."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __int__(self) -> int:
+        from echospec._engine import lib
+        return int(getattr(lib, self.name))
+
+    def __str__(self) -> str:
+        return str(int(self))
+
+    __repr__ = __str__
+
+
+def setting(default, help: str, *, range: tuple | None = None, choices: Sequence[str] = (),
+            serve: str = "", serve_help: str = "", negated: bool = False) -> Any:
+    """A config field and what is said of it once: its help text, its range or choices, and its
+    option in `echospec serve` (the field's own --option and ECHOSPEC_ variable are added to the
+    metadata by ``setting_fields``).
+
+    Args:
+        default: the default (the only place it is written).
+        help: what the setting does, for every parser built from it.
+        range: (lowest, highest, what) of an integer setting; a bound is an int, an EngineLimit,
+            another field's name, or (field, offset).
+        choices: the values a string setting takes (any case).
+        serve: its option in `echospec serve` ("": not offered there).
+        serve_help: the help of the serve option when it says something else than ``help``
+            (a negated flag, a note on the stack).
+        negated: the serve option is a flag that sets the field False (--fixed-k, --no-prefix-cache).
+    """
+    meta = {"help": help, "range": range, "choices": tuple(choices), "serve": serve,
+            "serve_help": serve_help or help, "negated": negated}
+    return field(default=default, metadata=meta)
+
+
+def setting_fields(cls: type[T]) -> type[T]:
+    """Add each field's --option ("flag") and environment variable ("env") to its metadata."""
+    for f in dataclasses.fields(cls):
+        f.metadata = MappingProxyType({**f.metadata, "flag": "--" + f.name.replace("_", "-"),
+                                       "env": f"ECHOSPEC_{f.name.upper()}"})
+    return cls
+
+
+_PORT = "(0: a free port)"
+_METRICS = "Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)"
+_LOG_LEVEL = "log level; INFO logs one line per request"
+_LOG_FORMAT = "log format; json: one JSON object per line"
+_TLS_CERT = "PEM certificate chain this server presents (\"\": plain text)"
+_TLS_KEY = "PEM private key of tls_cert"
+_TLS_CLIENT_CA = "PEM CA: clients must present a certificate it signed (mTLS)"
+_TLS_CA = "PEM CA of the services this one calls (\"\": plain text to them)"
+_WORKERS = (2, 4096, "worker threads")
+_CONCURRENT = (1, ("max_workers", -1), "RPCs at once (below max_workers)")
+_CONCURRENT_HELP = "service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)"
+_MESSAGE = (1, _BIG, "bytes per gRPC message")
+_GRACE = "on shutdown: seconds requests in flight get to finish"
+
+
 @dataclass
-class DraftConfig:
+class _GrpcServiceConfig:
+    """The settings every gRPC service has (the draft service, the verifier, the coordinator);
+    a subclass redefines one where it says more (its `echospec serve` option)."""
+
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message (bytes)",
+                                     range=_MESSAGE)
+    grace_s: float = setting(2.0, _GRACE)
+    metrics_port: int = setting(-1, _METRICS)
+    log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
+    log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
+    tls_cert: str = setting("", _TLS_CERT)
+    tls_key: str = setting("", _TLS_KEY)
+    tls_client_ca: str = setting("", _TLS_CLIENT_CA)
+    tls_ca: str = setting("", _TLS_CA)
+
+
+@setting_fields
+@dataclass
+class DraftConfig(_GrpcServiceConfig):
     """Draft service settings (the proposer's shortest match, the shared memory's bounds)."""
 
-    host: str = LOOPBACK
-    port: int = 50052
-    min_n: int = 2               # shortest suffix match the suffix index drafts from
-    shared_max_tokens: int = 16384   # draft_namespace memory: tokens kept per namespace (~0.4 KB each)
-    shared_max_namespaces: int = 16  # namespaces kept (least recently used evicted)
-    max_workers: int = 64
-    max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    grace_s: float = 2.0
-    metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
-    log_level: str = "INFO"      # DEBUG, INFO, WARNING, ERROR
-    log_format: str = "text"     # text or json (one object per line)
-    tls_cert: str = ""           # PEM certificate chain this server presents ("": plain text)
-    tls_key: str = ""            # PEM private key of tls_cert
-    tls_client_ca: str = ""      # PEM CA: clients must present a certificate it signed (mTLS)
-    tls_ca: str = ""             # PEM CA of the services this one calls ("": plain text to them)
+    host: str = setting(LOOPBACK, "address to listen on")
+    port: int = setting(50052, f"draft service port {_PORT}")
+    min_n: int = setting(2, "shortest suffix match the suffix index drafts from")
+    max_n: int = setting(5, "checked (min_n <= max_n); the suffix index's matches are unbounded")
+    shared_max_tokens: int = setting(16384, "draft_namespace memory: tokens kept per namespace "
+                                     "(~0.4 KB each)", range=(1, _BIG, "tokens per namespace"))
+    shared_max_namespaces: int = setting(16, "namespaces kept (least recently used evicted)",
+                                         range=(1, _BIG, "namespaces"))
+    max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
+    max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
 
 
+@setting_fields
 @dataclass
-class VerifierConfig:
+class VerifierConfig(_GrpcServiceConfig):
     """Verifier service settings (the target model on the C engine)."""
 
-    model: str = ""
-    host: str = LOOPBACK
-    port: int = 50053
-    n_ctx: int = 2048            # KV capacity per session (tokens)
-    n_threads: int = 0           # engine threads of a one-session forward (0: the usable CPUs less one)
-    max_k: int = 32              # largest k a GenerateTokens request may ask for
-    max_sessions: int = 64       # sessions holding a KV cache at once
-    draft_target: str = ""       # draft service host:port for speculative generations ("": none)
-    batch_max: int = 1           # sessions per scheduler iteration (>= 2: speculation is refused)
-    batch_tokens: int = 512      # tokens per scheduler iteration
-    prefill_chunk: int = 256     # prompt tokens per prefill step (chunked prefill)
-    decode_steps: int = 8        # greedy steps per engine call of each decoding generation
-    prefix_cache: bool = True    # keep finished generations' KV for prefix reuse
-    prefix_cache_sessions: int = 4  # idle sessions (one KV cache each) the prefix cache keeps
-    # engine threads of a scheduler iteration that batches >= 2 sessions or feeds one a
-    # prefill chunk of >= 16 tokens (0: the CPUs this process may use when n_threads is 0,
-    # else n_threads)
-    batch_threads: int = 0
-    max_workers: int = 96
-    max_concurrent_rpcs: int = 88  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    grace_s: float = 2.0
-    metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
-    log_level: str = "INFO"
-    log_format: str = "text"
-    tls_cert: str = ""           # PEM certificate chain this server presents ("": plain text)
-    tls_key: str = ""            # PEM private key of tls_cert
-    tls_client_ca: str = ""      # PEM CA: clients must present a certificate it signed (mTLS)
-    tls_ca: str = ""             # PEM CA of the services this one calls ("": plain text to them)
+    model: str = setting("", "GGUF file of the target model")
+    host: str = setting(LOOPBACK, "address to listen on")
+    port: int = setting(50053, f"verifier port {_PORT}")
+    n_ctx: int = setting(2048, "KV capacity per session (tokens)", serve="--n-ctx",
+                         range=(EngineLimit("ES_MIN_CTX"), EngineLimit("ES_MAX_CTX"),
+                                "the KV capacity (tokens)"))
+    n_threads: int = setting(0, "engine threads of a one-session forward (0: the usable CPUs less "
+                             "one)", serve="--threads",
+                             range=(0, EngineLimit("ES_MAX_THREADS"),
+                                    "engine threads (0: the usable CPUs less one)"))
+    max_k: int = setting(32, "largest draft a Verify accepts", range=(1, _BIG, "drafts a verify accepts"))
+    max_sessions: int = setting(64, "sessions holding a KV cache at once", range=(1, _BIG, "sessions"))
+    session_idle_s: float = setting(300.0, "unary sessions are freed after this idle time (seconds)")
+    draft_target: str = setting("", "draft service host:port for speculative generations (\"\": none)")
+    batch_max: int = setting(1, "sessions the scheduler serves per iteration (>= 2 refuses "
+                             "speculation)", serve="--batch-max",
+                             range=(1, 256, "sessions per iteration"))
+    batch_tokens: int = setting(512, "tokens per scheduler iteration", range=(1, _BIG, "tokens per iteration"))
+    prefill_chunk: int = setting(256, "prompt tokens per prefill step (chunked prefill): a long "
+                                 "prompt never stalls others for longer", serve="--prefill-chunk",
+                                 range=(1, _BIG, "prompt tokens per prefill step"))
+    decode_steps: int = setting(8, "greedy steps the engine runs per call for each decoding "
+                                "generation when nothing else waits (1: one call per token); "
+                                "anything else that arrives ends a run after its current step",
+                                serve="--decode-steps",
+                                range=(1, 1024, "greedy steps per engine call"))
+    prefix_cache: bool = setting(True, "keep finished generations' KV for prefix reuse",
+                                 serve="--no-prefix-cache", negated=True,
+                                 serve_help="do not keep finished generations' KV for reuse by "
+                                            "prompts sharing a prefix")
+    prefix_cache_sessions: int = setting(4, "idle sessions (one KV cache each) the prefix cache "
+                                         "keeps", range=(0, _BIG, "idle sessions kept (0: none)"))
+    batch_threads: int = setting(0, "engine threads of a scheduler iteration that batches >= 2 "
+                                 "sessions or feeds one a prefill chunk of >= 16 tokens (0: the "
+                                 "CPUs this process may use when n_threads is 0, else n_threads)",
+                                 range=(0, EngineLimit("ES_MAX_THREADS"),
+                                        "engine threads of a batch (0: default)"))
+    max_workers: int = setting(96, "gRPC worker threads", range=_WORKERS)
+    max_concurrent_rpcs: int = setting(88, _CONCURRENT_HELP, range=_CONCURRENT)
+    tls_client_ca: str = setting("", _TLS_CLIENT_CA, serve="--tls-client-ca",
+                                 serve_help="PEM CA: the internal ports (verifier, draft) demand "
+                                            "client certificates it signed (mTLS)")
 
 
+@setting_fields
 @dataclass
-class CoordinatorConfig:
+class CoordinatorConfig(_GrpcServiceConfig):
     """Coordinator (public API) settings."""
 
-    model: str = ""              # GGUF path: tokenizer and chat template
-    chat_template: str = ""      # Jinja chat template file used instead of the GGUF's ("": the GGUF's)
-    host: str = LOOPBACK
-    port: int = 50051
-    verifier_target: str = f"{LOOPBACK}:50053"   # the one verifier when `verifier` is empty
-    # Verifiers to balance generations over (repeatable --verifier, env comma-separated):
-    # host:port, or dns:///name:port for every address the name resolves to (a headless
-    # Service), re-resolved every verifier_resolve_s. Empty: verifier_target alone.
-    verifier: tuple = ()
-    verifier_poll_s: float = 1.0      # health + load poll of each verifier (seconds)
-    verifier_resolve_s: float = 10.0  # DNS re-resolution of dns:/// verifiers (seconds)
-    # The draft service its verifiers use, as GetInfo reports it ("": not said). The coordinator
-    # itself never calls it: each verifier asks the one of its own --draft-target.
-    draft_target: str = ""
-    spec: bool = False           # speculation default when a request leaves it unspecified
-    k: int = 4                   # default drafts per round (the most a round drafts)
-    adaptive_k: bool = True      # the live cost model picks each round's draft length <= k
-    metrics_port: int = -1       # Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)
-    k_max: int = 32              # largest k a request may ask for (<= the verifier's max_k)
-    max_tokens: int = 256        # default max_tokens
-    max_tokens_limit: int = 8192
-    max_stop: int = 16           # stop strings per request
-    max_workers: int = 64
-    max_concurrent_rpcs: int = 56  # service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    grace_s: float = 2.0
-    log_level: str = "INFO"
-    log_format: str = "text"
-    tls_cert: str = ""           # PEM certificate chain this server presents ("": plain text)
-    tls_key: str = ""            # PEM private key of tls_cert
-    tls_client_ca: str = ""      # PEM CA: clients must present a certificate it signed (mTLS)
-    tls_ca: str = ""             # PEM CA of the services this one calls ("": plain text to them)
-    api_key: str = ""            # clients send `authorization: Bearer <api_key>` ("": no check)
+    model: str = setting("", "GGUF file: tokenizer and chat template", serve="--model",
+                         serve_help="GGUF file, or a model name fetched on first use: smollm2-135m "
+                                    "(the default, SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 "
+                                    "270M base Q4_K_M)")
+    chat_template: str = setting("", "Jinja chat template file used instead of the GGUF's (\"\": the "
+                                 "GGUF's)", serve="--chat-template",
+                                 serve_help="Jinja chat template for chat messages, used instead of the "
+                                            "model's own (needed for chat with a model that has none and "
+                                            "is not ChatML)")
+    host: str = setting(LOOPBACK, "address to listen on", serve="--host",
+                        serve_help="bind address of every service (default loopback)")
+    port: int = setting(50051, f"coordinator port {_PORT}", serve="--port")
+    verifier_target: str = setting(f"{LOOPBACK}:50053", "the one verifier when `verifier` is empty")
+    # host:port, or dns:///name:port for every address the name resolves to (a headless Service)
+    verifier: tuple = setting((), "verifiers to balance generations over: host:port, or "
+                              "dns:///name:port for every address the name resolves to, "
+                              "re-resolved every verifier_resolve_s (none: verifier_target alone)")
+    verifier_poll_s: float = setting(1.0, "health + load poll of each verifier (seconds)")
+    verifier_resolve_s: float = setting(10.0, "DNS re-resolution of dns:/// verifiers (seconds)")
+    # The coordinator itself never calls it: each verifier asks the one of its own --draft-target.
+    draft_target: str = setting("", "the draft service its verifiers use, as GetInfo reports it "
+                                "(\"\": not said)")
+    spec: bool = setting(False, "speculate by default for requests that leave it unspecified",
+                         serve="--spec",
+                         serve_help="speculate by default for requests that allow it")
+    k: int = setting(4, "default drafts per round (the most a round drafts)", serve="--k",
+                     range=(1, "k_max", "drafts per round"))
+    adaptive_k: bool = setting(True, "the live cost model picks each round's draft length <= k",
+                               serve="--fixed-k", negated=True,
+                               serve_help="always draft k tokens (default: the live cost model "
+                                          "picks each round's length)")
+    metrics_port: int = setting(-1, _METRICS, serve="--metrics-port",
+                                serve_help="serve Prometheus /metrics on this port (-1: off, 0: a "
+                                           "free port); with --processes the verifier and draft "
+                                           "serve theirs on free ports (all URLs are printed)")
+    k_max: int = setting(32, "largest k a request may ask for (<= the verifier's max_k)",
+                         range=(1, _BIG, "the largest k a request may ask for"))
+    max_tokens: int = setting(256, "max_tokens of a request that sets none", serve="--max-tokens",
+                              range=(1, "max_tokens_limit", "the default max_tokens"))
+    max_tokens_limit: int = setting(8192, "largest max_tokens a request may ask for",
+                                    range=(1, _BIG, "the largest max_tokens a request may ask for"))
+    max_stop: int = setting(16, "stop strings per request", range=(0, _BIG, "stop strings per request"))
+    max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
+    max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
+    log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS, serve="--log-level")
+    log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS, serve="--log-format")
+    tls_cert: str = setting("", _TLS_CERT, serve="--tls-cert",
+                            serve_help="PEM certificate: every service listens with TLS (HTTPS)")
+    tls_key: str = setting("", _TLS_KEY, serve="--tls-key", serve_help="PEM private key of --tls-cert")
+    tls_ca: str = setting("", _TLS_CA, serve="--tls-ca",
+                          serve_help="PEM CA that signed --tls-cert, for the services' calls to "
+                                     "each other (default: --tls-cert itself, if self-signed)")
+    api_key: str = setting("", "clients send `authorization: Bearer <api_key>` (\"\": no check)",
+                           serve="--api-key",
+                           serve_help="clients of the coordinator and the gateway must send "
+                                      "`authorization: Bearer KEY` (none: no check)")
 
 
+@setting_fields
 @dataclass
 class GatewayConfig:
     """OpenAI-compatible HTTP gateway settings (services/gateway)."""
 
-    host: str = LOOPBACK
-    port: int = 8000
-    coordinator_target: str = f"{LOOPBACK}:50051"
-    model_name: str = ""         # model id in /v1/models and responses ("": the GGUF file's stem)
-    request_timeout_s: float = 600.0  # gRPC deadline of a generation (exceeded: HTTP 504)
-    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger request bodies: HTTP 413
-    log_level: str = "INFO"
-    log_format: str = "text"
-    tls_cert: str = ""           # PEM certificate chain of the HTTPS listener ("": plain HTTP)
-    tls_key: str = ""            # PEM private key of tls_cert
-    tls_client_ca: str = ""      # PEM CA: HTTP clients must present a certificate it signed
-    tls_ca: str = ""             # PEM CA of the coordinator's certificate ("": plain text to it)
-    api_key: str = ""            # HTTP clients send `Authorization: Bearer <api_key>`; it is also
-                                 # sent on to the coordinator ("": no check)
-    grace_s: float = 2.0         # on shutdown: seconds requests in flight get to finish
+    host: str = setting(LOOPBACK, "address to listen on")
+    port: int = setting(8000, f"HTTP port {_PORT}")
+    coordinator_target: str = setting(f"{LOOPBACK}:50051", "the coordinator's host:port")
+    model_name: str = setting("", "model id in /v1/models and responses (\"\": the GGUF file's stem)")
+    request_timeout_s: float = setting(600.0, "gRPC deadline of a generation in seconds "
+                                       "(exceeded: HTTP 504)")
+    max_body_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "larger request bodies: HTTP 413",
+                                  range=(1, _BIG, "bytes per HTTP request body"))
+    log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
+    log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
+    tls_cert: str = setting("", "PEM certificate chain of the HTTPS listener (\"\": plain HTTP)")
+    tls_key: str = setting("", _TLS_KEY)
+    tls_client_ca: str = setting("", "PEM CA: HTTP clients must present a certificate it signed")
+    tls_ca: str = setting("", "PEM CA of the coordinator's certificate (\"\": plain text to it)")
+    api_key: str = setting("", "HTTP clients send `Authorization: Bearer <api_key>`; it is also "
+                           "sent on to the coordinator (\"\": no check)")
+    grace_s: float = setting(2.0, _GRACE)
+
+
+SERVICE_CONFIGS = (CoordinatorConfig, VerifierConfig, DraftConfig, GatewayConfig)
+
+# Integer settings a service cannot run with (the service then started and failed every request,
+# or stopped later with a message that did not name the setting): name -> (lowest, highest, what),
+# from the fields' metadata. A highest bound that is a field name (or (field, offset)) is that
+# field's value, checked after the fixed bounds (k_max before k, max_tokens_limit before max_tokens).
+_INT_RANGES: dict[str, tuple] = {f.name: f.metadata["range"] for cls in SERVICE_CONFIGS
+                                 for f in dataclasses.fields(cls) if f.metadata["range"]}
 
 
 def _parse_bool(text: str) -> bool:
@@ -170,33 +306,50 @@ def from_env(cls: type[T], environ: Mapping[str, str] | None = None) -> T:
     env = os.environ if environ is None else environ
     values = {}
     for f in dataclasses.fields(cls):
-        key = f"ECHOSPEC_{f.name.upper()}"
+        key = f.metadata["env"]
         if key in env:
             kind = type(f.default)
             try:
                 values[f.name] = _convert(kind, env[key])
             except ValueError as exc:
-                if kind is int and f.name in _INT_RANGES:   # what it takes, not int()'s words
+                if kind is int and f.metadata["range"]:   # what it takes, not int()'s words
                     raise ValueError(f"{key}={env[key]!r}: {_int_range_text(f.name)}") from None
                 raise ValueError(f"{key}={env[key]!r}: {exc}") from None
     return cls(**values)
 
 
+def range_text(f: dataclasses.Field) -> str:
+    """ "in [lo, hi]" of an integer setting ("" without a range); a bound that is another field
+    is named as its option ("--k-max", "--max-workers -1")."""
+    if not f.metadata["range"]:
+        return ""
+    lo, hi, _ = f.metadata["range"]
+    if isinstance(hi, str):
+        hi = f"--{hi.replace('_', '-')}"
+    elif isinstance(hi, tuple):
+        hi = f"--{hi[0].replace('_', '-')} {hi[1]:+d}"
+    return f"in [{lo}, {hi}]"
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--field-name`` option per field of ``cls`` (default: None = keep)."""
+    """Add one option per field of ``cls`` (its metadata's "flag"; default None: keep what the
+    environment or the dataclass says), with the field's help, variable, default and range."""
     for f in dataclasses.fields(cls):
-        opt = "--" + f.name.replace("_", "-")
-        kind = type(f.default)
+        opt, env, kind = f.metadata["flag"], f.metadata["env"], type(f.default)
+        doc = f.metadata["help"]
         if kind is bool:
             parser.add_argument(opt, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                                help=f"(env ECHOSPEC_{f.name.upper()}: on/off, true/false, yes/no, "
+                                help=f"{doc} (env {env}: on/off, true/false, yes/no, "
                                      f"1/0; default {'on' if f.default else 'off'})")
         elif kind is tuple:
             parser.add_argument(opt, dest=f.name, default=None, action="append",
-                                help=f"repeatable (env ECHOSPEC_{f.name.upper()}, comma-separated)")
+                                help=f"{doc}; repeatable (env {env}, comma-separated)")
         else:
+            extra = "".join(f"; {x}" for x in (range_text(f),) if x)
+            if f.metadata["choices"]:
+                extra += f"; one of {', '.join(f.metadata['choices'])}"
             parser.add_argument(opt, dest=f.name, default=None, type=kind,
-                                help=f"(env ECHOSPEC_{f.name.upper()}, default {f.default!r})")
+                                help=f"{doc} (env {env}, default {f.default!r}{extra})")
 
 
 def load(cls: type[T], argv: Sequence[str] | None = None,
@@ -223,14 +376,9 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
 
 
 def _int_range_text(name: str) -> str:
-    """'<what> must be a whole number in [lo, hi]' for an _INT_RANGES field (a bound that is
-    another field is named as its option)."""
-    lo, hi, what = _INT_RANGES[name]
-    if isinstance(hi, str):
-        hi = f"--{hi.replace('_', '-')}"
-    elif isinstance(hi, tuple):
-        hi = f"--{hi[0].replace('_', '-')} {hi[1]:+d}"
-    return f"{what} must be a whole number in [{lo}, {hi}]"
+    """'<what> must be a whole number in [lo, hi]' for an integer setting with a range."""
+    f = next(f for cls in SERVICE_CONFIGS for f in dataclasses.fields(cls) if f.name == name)
+    return f"{f.metadata['range'][2]} must be a whole number {range_text(f)}"
 
 
 def setting_name(field: str) -> str:
@@ -238,32 +386,35 @@ def setting_name(field: str) -> str:
     return f"--{field.replace('_', '-')} / ECHOSPEC_{field.upper()}"
 
 
-def check_ranges(cfg) -> None:
+def check_ranges(cfg, name_of=setting_name) -> None:
     """Refuse ports, durations, API keys and integer settings no service can use (gRPC would take
     port 99999 as 34463, a negative deadline fails every call, a non-ASCII key cannot be sent, a
     body limit of 0 bytes refuses every request).
 
+    Args:
+        cfg: a config dataclass (a setting() field's range and choices are checked).
+        name_of: field name -> how the message names it (default: its option and variable).
     Raises:
-        ValueError: naming the first bad field, as option and environment variable.
+        ValueError: naming the first bad field.
     """
     from echospec.services.common.auth import check_api_key
 
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        name = setting_name(f.name)
+        name = name_of(f.name)
         if f.name == "api_key":
             try:
                 check_api_key(v)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         elif f.name == "port" or f.name.endswith("_port"):
-            lo = -1 if f.name == "metrics_port" else 0
+            lo = -1 if f.name in ("metrics_port", "http_port") else 0
+            off = "no gateway" if f.name == "http_port" else "off"
             if not lo <= v <= 65535:
                 raise ValueError(f"{name} {v}: a port is in [{lo}, 65535]"
-                                 + (" (-1: off, 0: a free port)" if lo < 0 else " (0: a free port)"))
-        elif f.name in ("log_level", "log_format"):
-            from echospec.services.common import logs
-            choices = logs.LEVELS if f.name == "log_level" else logs.FORMATS
+                                 + (f" (-1: {off}, 0: a free port)" if lo < 0 else " (0: a free port)"))
+        elif f.metadata.get("choices"):
+            choices = f.metadata["choices"]
             if not isinstance(v, str) or v.upper() not in (c.upper() for c in choices):
                 raise ValueError(f"{name} {v!r}: one of {', '.join(choices)} (any case)")
         elif f.name == "host" and not v.strip():
@@ -285,50 +436,17 @@ def check_ranges(cfg) -> None:
                 raise ValueError(f"{name} {v}: seconds must be a finite number "
                                  + (">= 0" if f.name == "grace_s" else "> 0"))
     # fixed bounds first, then the bounds that are other fields (checked by then)
-    ints = [f.name for f in dataclasses.fields(cfg) if f.name in _INT_RANGES]
-    for n in sorted(ints, key=lambda n: not isinstance(_INT_RANGES[n][1], int)):
-        lo, hi, what = _INT_RANGES[n]
+    ranged = [f for f in dataclasses.fields(cfg) if f.metadata.get("range")]
+    for f in sorted(ranged, key=lambda f: isinstance(f.metadata["range"][1], (str, tuple))):
+        lo, hi, what = f.metadata["range"]
         if isinstance(hi, str):
             hi = getattr(cfg, hi)
         elif isinstance(hi, tuple):
             hi = getattr(cfg, hi[0]) + hi[1]
-        v = getattr(cfg, n)
+        lo, hi = int(lo), int(hi)
+        v = getattr(cfg, f.name)
         if not lo <= v <= hi:
-            raise ValueError(f"{setting_name(n)} {v}: {what} "
-                             f"must be in [{lo}, {hi}]")
-
-
-# Integer settings a service cannot run with (the service then started and failed every request,
-# or stopped later with a message that did not name the setting): name -> (lowest, highest, what).
-# A highest bound that is a field name (or (field, offset)) is that field's value, checked after
-# the fixed bounds (k_max before k, max_tokens_limit before max_tokens).
-_BIG = 2 ** 31 - 1
-_INT_RANGES: dict[str, tuple] = {
-    "max_message_bytes": (1, _BIG, "bytes per gRPC message"),
-    "max_body_bytes": (1, _BIG, "bytes per HTTP request body"),
-    "max_workers": (2, 4096, "worker threads"),
-    "max_concurrent_rpcs": (1, ("max_workers", -1), "RPCs at once (below max_workers)"),
-    "shared_max_tokens": (1, _BIG, "tokens per namespace"),
-    "shared_max_namespaces": (1, _BIG, "namespaces"),
-    "n_ctx": (8, 1 << 20, "the KV capacity (tokens)"),
-    "n_threads": (0, 256, "engine threads (0: the usable CPUs less one)"),
-    "batch_threads": (0, 256, "engine threads of a batch (0: default)"),
-    "max_k": (1, _BIG, "drafts a verify accepts"),
-    "max_sessions": (1, _BIG, "sessions"),
-    "batch_max": (1, 256, "sessions per iteration"),
-    "batch_tokens": (1, _BIG, "tokens per iteration"),
-    "prefill_chunk": (1, _BIG, "prompt tokens per prefill step"),
-    "decode_steps": (1, 1024, "greedy steps per engine call"),
-    "prefix_cache_sessions": (0, _BIG, "idle sessions kept (0: none)"),
-    "k_max": (1, _BIG, "the largest k a request may ask for"),
-    "max_tokens_limit": (1, _BIG, "the largest max_tokens a request may ask for"),
-    "k": (1, "k_max", "drafts per round"),
-    "max_tokens": (1, "max_tokens_limit", "the default max_tokens"),
-    "max_stop": (0, _BIG, "stop strings per request"),
-}
-
-
-_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+            raise ValueError(f"{name_of(f.name)} {v}: {what} must be in [{lo}, {hi}]")
 
 
 def target_port_error(target: str) -> str:
@@ -336,7 +454,7 @@ def target_port_error(target: str) -> str:
     (whitespace); "" when it does not: also for "", gRPC URIs such as dns:///name:port, a bare
     IPv6 address and a host without a port.
     gRPC would otherwise dial it until every call's deadline and report nothing reachable."""
-    if not target or "://" in target or target.startswith(_URI_SCHEMES):
+    if not target or "://" in target or target.startswith(GRPC_URI_SCHEMES):
         return ""
     if any(c.isspace() or not c.isprintable() for c in target):
         return "it holds a space or a control character, which no host name or address has"
@@ -374,5 +492,5 @@ def default_engine_threads() -> int:
 
     The verifier's own Python (the generation loops, gRPC) needs a core while the engine
     computes; on a 2-core host a 2-thread engine beside it decoded slower than a 1-thread one
-    (bench/README.md, serve_bench, "Engine threads")."""
+    (bench/README.md, serving figures)."""
     return max(1, usable_cpus() - 1)

@@ -27,8 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SOURCE_PREDICTION = 4   # echospec.v1.DraftSource
-SOURCE_NAMES = {0: "unknown", 1: "suffix", 2: "shared", 3: "numbered", 4: "prediction"}
+from echospec.v1.common_pb2 import DraftSource
+
+SOURCE_PREDICTION = DraftSource.Value("DRAFT_SOURCE_PREDICTION")
+# echospec.v1.DraftSource value -> its name in stats and metric labels: "suffix", "shared", ...
+# (the zero value, no draft, as "unknown")
+SOURCE_NAMES = {v: n.removeprefix("DRAFT_SOURCE_").lower() if v else "unknown"
+                for n, v in DraftSource.items()}
 
 
 def gain_condition(accepted: float, v_ms: float, overhead_ms: float, t_ms: float

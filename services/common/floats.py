@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import struct
 
-FLOAT32_MAX = 3.4028234663852886e38   # the wire's temperature, top_p and min_p are float32
+from echospec_client.limits import FLOAT32_MAX   # the wire's temperature, top_p and min_p are float32
 
 
 def as_f32(x: float) -> float:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from echospec.v1.common_pb2 import SpecMode
 from echospec.services.common.floats import f32_str
 
-MODE_UNSPECIFIED, MODE_OFF, MODE_ON = 0, 1, 2  # echospec.v1.SpecMode values
+MODE_UNSPECIFIED, MODE_OFF, MODE_ON = (SpecMode.Value(f"SPEC_MODE_{m}") for m in ("UNSPECIFIED", "OFF", "ON"))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import grpc
 
+from echospec_client.limits import MAX_REQUEST_ID
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.rpc import grpc_util
 from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError, MissingChatTemplateError
@@ -58,9 +59,10 @@ class RequestError(Exception):
 
 
 def _request_id(context: grpc.ServicerContext) -> str:
-    """The client's ``x-request-id`` metadata (up to 64 printable characters), else a new id."""
+    """The client's ``x-request-id`` metadata (up to MAX_REQUEST_ID printable characters), else a
+    new id."""
     for key, value in context.invocation_metadata() or ():
-        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= 64 and \
+        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID and \
                 value.isprintable():
             return value
     return uuid.uuid4().hex[:16]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from echospec.v1 import common_pb2
 from echospec.services.draft.suffix_index import SuffixAutomaton, SuffixParams
 
 MIN_N_LIMIT = 64
@@ -33,13 +34,12 @@ def check_min_n(min_n: int) -> int:
 
 # --- the draft session: several sources over a suffix automaton --------------------------------
 
-SOURCE_NONE = 0        # echospec.v1.DraftSource values
-SOURCE_SUFFIX = 1
-SOURCE_SHARED = 2
-SOURCE_NUMBERED = 3
-SOURCE_PREDICTION = 4
-SOURCE_NAMES = {SOURCE_SUFFIX: "suffix", SOURCE_SHARED: "shared", SOURCE_NUMBERED: "numbered",
-                SOURCE_PREDICTION: "prediction"}
+# echospec.v1.DraftSource values, the draft each proposal came from (the proto is the source)
+SOURCE_NONE = common_pb2.DRAFT_SOURCE_UNSPECIFIED
+SOURCE_SUFFIX = common_pb2.DRAFT_SOURCE_SUFFIX
+SOURCE_SHARED = common_pb2.DRAFT_SOURCE_SHARED
+SOURCE_NUMBERED = common_pb2.DRAFT_SOURCE_NUMBERED
+SOURCE_PREDICTION = common_pb2.DRAFT_SOURCE_PREDICTION
 
 
 class PredictionTracker:

@@ -37,6 +37,7 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from echospec_client.limits import MAX_REQUEST_ID
 from echospec.services.common import auth
 from echospec.services.common.config import GatewayConfig
 from echospec.services.text.clip import clip
@@ -66,11 +67,11 @@ def _model_object(model: str) -> dict:
 
 
 def _request_id(request: Request) -> str:
-    """The client's ``x-request-id`` header when gRPC metadata can carry it (up to 64 printable
-    ASCII characters: a UTF-8 header reaches here as Latin-1 text, printable but not ASCII),
+    """The client's ``x-request-id`` header when gRPC metadata can carry it (up to MAX_REQUEST_ID
+    printable ASCII characters: a UTF-8 header reaches here as Latin-1 text, printable but not ASCII),
     else a new id."""
     rid = request.headers.get("x-request-id", "")
-    return rid if 0 < len(rid) <= 64 and rid.isascii() and rid.isprintable() \
+    return rid if 0 < len(rid) <= MAX_REQUEST_ID and rid.isascii() and rid.isprintable() \
         else uuid.uuid4().hex[:16]
 
 

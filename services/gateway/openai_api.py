@@ -32,7 +32,8 @@ from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.text.chat_template import ROLE_ALIASES, VALID_ROLES
-from echospec.services.common.floats import FLOAT32_MAX, as_f32
+from echospec_client.limits import FLOAT32_MAX, INT32_MAX, UINT64_MAX
+from echospec.services.common.floats import as_f32
 from echospec.services.text.clip import clip
 from echospec.services.common.config import CoordinatorConfig
 
@@ -164,10 +165,7 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     return float(v)
 
 
-_INT32_MAX = 2 ** 31 - 1
-
-
-def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None:
+def _integer(body: dict, name: str, lo: int, hi: int = INT32_MAX) -> int | None:
     """An integer field, >= lo and <= hi. With the default hi (the wire's int32 limit) the
     coordinator applies the server's own upper limit and names it in its message."""
     v = body.get(name)
@@ -179,7 +177,7 @@ def _integer(body: dict, name: str, lo: int, hi: int = _INT32_MAX) -> int | None
         raise bad(f"{name} must be >= {lo}, got {v}", name)
     if v > hi:
         raise bad(f"{name} must be <= {hi}" + (" (the largest value the API carries)"
-                                              if hi == _INT32_MAX else "") + f", got {v}", name)
+                                              if hi == INT32_MAX else "") + f", got {v}", name)
     return v
 
 
@@ -293,7 +291,7 @@ def _prompt(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
             raise bad("prompt must not be empty", "prompt")
         req.text = p
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        if not all(0 <= t < 2 ** 31 for t in p):
+        if not all(0 <= t <= INT32_MAX for t in p):
             raise bad("prompt token ids must be in [0, 2^31)", "prompt")
         req.token_ids.extend(p)
     elif p is None:
@@ -384,10 +382,10 @@ def parse_request(body: Any, chat: bool) -> Parsed:
             raise bad(f"top_p {body['top_p']!r} rounds to 0 as the float32 the coordinator takes: the "
                       f"smallest top_p is about 1.4e-45", "top_p")
         req.top_p = top_p
-    seed = _integer(body, "seed", 0, 2 ** 64 - 1)
+    seed = _integer(body, "seed", 0, UINT64_MAX)
     if seed is None and req.temperature > 0:
         # OpenAI's calls without a seed vary; the coordinator's seed 0 is a fixed constant
-        seed = secrets.randbelow(2 ** 64 - 1) + 1
+        seed = secrets.randbelow(UINT64_MAX) + 1
     req.seed = seed or 0
     stop = body.get("stop")
     if isinstance(stop, str):

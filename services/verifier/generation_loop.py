@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from echospec.v1.common_pb2 import FinishReason
 from echospec.services.verifier.engine import EngineError, sample
 from echospec.services.common.floats import f32_str
 from echospec.services.verifier.controller import CostModel, SpecController
@@ -49,7 +50,7 @@ from echospec.services.verifier.scheduler import Cancelled, Step
 from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, Sampling,
                                                  engine_error, longest_accepted_prefix)
 
-FINISH_CONTEXT = 4  # echospec.v1.FinishReason
+FINISH_CONTEXT = FinishReason.Value("FINISH_REASON_CONTEXT")
 # An in-engine decode run (Scheduler decode_steps) takes at most about this long at the current T,
 # so a stream's tokens still reach its client at least this often on a slow model.
 DECODE_RUN_MS = 50.0

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
-from echospec.services.verifier.engine import MAX_THREADS, EngineError, Model, Session
+from echospec.services.verifier.engine import MAX_THREADS, MIN_CTX, EngineError, Model, Session
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
 
@@ -119,7 +119,7 @@ class VerifierCore:
             batch_max, batch_tokens, prefill_chunk, prefix cache settings.
     Raises:
         EngineError: the model cannot be loaded (status and message from the engine).
-        InvalidArgument: n_ctx < 8 (a larger n_ctx than the model's training context is
+        InvalidArgument: n_ctx < MIN_CTX (a larger n_ctx than the model's training context is
             allowed: server.start warns), or batch_threads outside [0, MAX_THREADS].
     """
 
@@ -135,8 +135,8 @@ class VerifierCore:
         self.model = Model(config.model)
         info = self.model.info
         self.n_vocab = info.n_vocab
-        if config.n_ctx < 8:
-            raise InvalidArgument(f"n_ctx must be >= 8, got {config.n_ctx}")
+        if config.n_ctx < MIN_CTX:
+            raise InvalidArgument(f"n_ctx must be >= {MIN_CTX}, got {config.n_ctx}")
         self.engine_lock = threading.Lock()
         self._lock = threading.Lock()
         self.t_ms = 0.0

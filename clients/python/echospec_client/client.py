@@ -25,6 +25,8 @@ from typing import Iterator, Mapping, NoReturn, Sequence, Union
 
 import grpc
 
+from echospec_client.limits import (FLOAT32_MAX, GRPC_URI_SCHEMES, INT32_MAX, INT32_MIN, MAX_REQUEST_ID,
+                                    UINT64_MAX)
 from echospec_client.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -282,15 +284,12 @@ def _check_timeout(value: float | None, name: str) -> float | None:
     return float(value)
 
 
-_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
-
-
 def _check_target_port(target: str) -> None:
     """Refuse a target holding a space or a control character, or a host:port target whose port
     no server can listen on (gRPC would wait the whole connect timeout on it and report nothing
     reachable). gRPC URIs (dns:///..., unix:...), a
     bare IPv6 address and a host without a port (gRPC's default 443) are left to gRPC."""
-    if "://" in target or target.startswith(_URI_SCHEMES):
+    if "://" in target or target.startswith(GRPC_URI_SCHEMES):
         return
     for i, c in enumerate(target):   # no host name or address holds one (gRPC: DNS fails)
         if c.isspace() or not c.isprintable():
@@ -624,7 +623,7 @@ def _int_list(values, name: str) -> list[int]:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name}[{i}] must be an int, got {v!r}")
-        if not -(2 ** 31) <= v < 2 ** 31:
+        if not INT32_MIN <= v <= INT32_MAX:
             raise ValueError(f"{name}[{i}] = {v} is out of range (a 32-bit integer)")
         out.append(v)
     return out
@@ -682,9 +681,6 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     return out
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def _check_request_id(request_id) -> None:
     """A request_id gRPC metadata can carry (printable ASCII), else TypeError/ValueError before
     anything is sent (gRPC itself would fail the call with INTERNAL "Invalid metadata")."""
@@ -699,9 +695,6 @@ def _check_request_id(request_id) -> None:
     if bad is not None:
         raise ValueError(f"request_id must be printable ASCII (it is sent as gRPC metadata), "
                          f"got {request_id!r} (character {bad!r})")
-
-
-MAX_REQUEST_ID = 64   # the coordinator takes ids up to this long and makes its own for others
 
 
 def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
@@ -745,8 +738,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         if messages is None:
             raise ValueError("enable_thinking applies to messages (the chat template), not to a raw prompt")
         req.enable_thinking = thinking
-    for name, lo, hi in (("max_tokens", -2 ** 31, 2 ** 31 - 1), ("top_k", -2 ** 31, 2 ** 31 - 1),
-                         ("k", -2 ** 31, 2 ** 31 - 1), ("seed", 0, 2 ** 64 - 1)):
+    for name, lo, hi in (("max_tokens", INT32_MIN, INT32_MAX), ("top_k", INT32_MIN, INT32_MAX),
+                         ("k", INT32_MIN, INT32_MAX), ("seed", 0, UINT64_MAX)):
         v = sampling.get(name)
         if v is None:
             continue
@@ -765,7 +758,7 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
             f = float(v)
         except OverflowError:   # an int too large for a float
             f = None
-        if f is None or (math.isfinite(f) and abs(f) > _FLOAT32_MAX):
+        if f is None or (math.isfinite(f) and abs(f) > FLOAT32_MAX):
             # the field is a float32: protobuf would store inf without a word
             raise ValueError(f"{name} must be within float32's range (about ±3.4e38), got {v}")
         setattr(req, name, f)

@@ -1,0 +1,21 @@
+"""Limits of the echospec.v1 wire that the client and the services both check: one copy of each.
+
+It lives in the light client (echospec_client, its own distribution) because the client must not
+import the services; the services import it from here (the echospec distribution installs
+echospec_client too, see pyproject.toml's package-dir).
+"""
+from __future__ import annotations
+
+# The wire's temperature, top_p and min_p are float32: larger finite values would arrive as inf.
+FLOAT32_MAX = 3.4028234663852886e38
+
+# The wire's int32 fields (max_tokens, top_k, k, token ids) and the uint64 seed.
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+UINT64_MAX = 2 ** 64 - 1
+
+# An x-request-id the coordinator and the gateway take (printable ASCII); for longer ones, or none,
+# the coordinator makes its own.
+MAX_REQUEST_ID = 64
+
+# gRPC target URIs (dns:///name:port, unix:path, ...): not host:port, so their port is gRPC's to check.
+GRPC_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")

@@ -1,0 +1,176 @@
+"""`echospec bench`: workloads run greedy with speculation off and on, compared."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from echospec.cli.common import (_add_client_args, _check_sampling_flags, _client, _client_error,
+                                 _die, _gen_kwargs, _int32, _read_text, _seconds, _target,
+                                 _valid_unicode)
+
+
+_WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
+                              "draft_namespace"})
+
+
+def _load_workloads(path: str) -> list[dict]:
+    from echospec.services.common.config import CoordinatorConfig
+
+    max_tokens_limit = CoordinatorConfig().max_tokens_limit
+    out, ids = [], set()
+    lines = _read_text("--workloads", path).splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            w = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            _die(f"{path}:{n}: not valid JSON ({type(exc).__name__}: {exc})", 2)
+        if not _valid_unicode(w):
+            _die(f"{path}:{n}: a string is not valid Unicode (a lone surrogate)", 2)
+        if not isinstance(w, dict) or not isinstance(w.get("id"), str) or not w["id"]:
+            _die(f"{path}:{n}: each workload is a JSON object with a non-empty string id", 2)
+        if w["id"] in ids:
+            _die(f"{path}:{n}: duplicate workload id {w['id']!r}", 2)
+        ids.add(w["id"])
+        unknown = sorted(set(w) - _WORKLOAD_FIELDS)
+        if unknown:   # a misspelt max_tokens would otherwise run with the default silently
+            _die(f"{path}:{n}: unknown field {unknown[0]!r} (a workload has "
+                 f"{', '.join(sorted(_WORKLOAD_FIELDS))})", 2)
+        msgs, prompt = w.get("messages"), w.get("prompt")
+        if (msgs is None) == (prompt is None):
+            _die(f"{path}:{n}: give exactly one of messages or prompt", 2)
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            _die(f"{path}:{n}: prompt must be a non-empty string", 2)
+        if msgs is not None:
+            if not isinstance(msgs, list) or not msgs:
+                _die(f"{path}:{n}: messages must be a non-empty list of chat messages", 2)
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+                    _die(f"{path}:{n}: messages[{i}] needs string role and content", 2)
+        for key in ("prediction", "draft_namespace"):
+            if key in w and not isinstance(w[key], str):
+                _die(f"{path}:{n}: {key} must be a string", 2)
+        mt = w.get("max_tokens", 256)
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
+            _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
+                 f"got {mt!r}", 2)
+        out.append(w)
+    if not out:
+        _die(f"{path}: no workloads", 2)
+    return out
+
+
+def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
+    max_tokens = args.max_tokens or w.get("max_tokens") or 256
+    kw = _gen_kwargs(args, messages=w.get("messages"), prompt=w.get("prompt"),
+                     max_tokens=max_tokens, spec=spec)
+    kw["temperature"] = 0.0
+    kw["prediction"] = w.get("prediction", "")
+    kw["draft_namespace"] = w.get("draft_namespace", "")
+    r = client.complete(**kw)
+    dt = r.wall_s
+    s = r.stats
+    return {"seconds": round(dt, 4), "tokens": r.completion_tokens,
+            "tokens_per_s": round(r.completion_tokens / dt, 2) if dt > 0 else 0.0,
+            "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
+            "rounds": s.rounds, "proposals": s.proposals, "prefill_ms": round(s.prefill_ms, 3),
+            "t_ms": round(s.t_ms, 3), "v_ms": round(s.v_ms, 3), "overhead_ms": round(s.overhead_ms, 3),
+            "overhead_share": round(s.overhead_share, 4), "spec_enabled": r.spec_enabled,
+            "spec_reason": r.spec_reason,
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
+            "sources": s.sources}, r
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from echospec_client import ClientError
+
+    if args.threads < 0:
+        _die(f"--threads {args.threads}: must be >= 0 (0: the usable CPUs less one)", 2)
+    if args.repeat < 1:
+        _die(f"--repeat {args.repeat}: must be >= 1", 2)
+    _check_sampling_flags(args)
+    workloads = _load_workloads(args.workloads)
+    rows = []
+    with _target(args) as target:
+        client = _client(args, target)
+        i, w = 0, workloads[0]
+        try:
+            for i, w in enumerate(workloads, 1):
+                print(f"echospec bench: [{i}/{len(workloads)}] {w['id']} ...", file=sys.stderr, flush=True)
+                if args.warmup and i == 1:
+                    _run_one(client, args, w, "off")
+                offs, ons, identical = [], [], True
+                for _ in range(args.repeat):   # off and on alternate: load drifts hit both alike
+                    off, roff = _run_one(client, args, w, "off")
+                    on, ron = _run_one(client, args, w, "on")
+                    identical &= list(roff.token_ids) == list(ron.token_ids) and roff.text == ron.text
+                    offs.append(off)
+                    ons.append(on)
+                off, on = _median_run(offs), _median_run(ons)
+                row = {"id": w["id"], "kind": w.get("kind", ""), "identical": identical, "off": off, "on": on}
+                if args.repeat > 1:
+                    row["off_seconds"] = [x["seconds"] for x in offs]
+                    row["on_seconds"] = [x["seconds"] for x in ons]
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row, ensure_ascii=False), flush=True)
+        except ClientError as exc:
+            # the run stops at the first failure (a server that is down would fail every later
+            # workload too), with the finished rows shown and the failed workload named
+            if not args.json and rows:
+                _print_table(rows)
+                sys.stdout.flush()
+            _client_error(exc, target, f"workload {i}/{len(workloads)} {w['id']!r} failed "
+                                       f"({len(rows)} finished)")
+        finally:
+            client.close()
+    if not args.json:
+        _print_table(rows)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _print_table(rows: list[dict]) -> None:
+    hdr = (f"{'workload':<15} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
+           f"{'tokens':>6} {'tries':>5} {'hits':>5} {'kv_rolls':>8} {'T ms':>6} {'V ms':>6} "
+           f"{'ovh ms':>6} {'identical':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        off, on = r["off"], r["on"]
+        net = (off["seconds"] / on["seconds"] - 1.0) * 100 if on["seconds"] > 0 else 0.0
+        print(f"{r['id']:<15} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
+              f"{off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} {on['tokens']:>6} {on['tries']:>5} "
+              f"{on['hits']:>5} {on['kv_rolls']:>8} {on['t_ms']:>6.2f} {on['v_ms']:>6.2f} "
+              f"{on['overhead_ms']:>6.2f} {'yes' if r['identical'] else 'NO':>9}")
+    t_off = sum(r["off"]["seconds"] for r in rows)
+    t_on = sum(r["on"]["seconds"] for r in rows)
+    if t_on > 0:
+        print(f"total: off {t_off:.2f} s, on {t_on:.2f} s, net {(t_off / t_on - 1) * 100:+.1f}% "
+              f"(positive = speculation faster); identical: "
+              f"{sum(r['identical'] for r in rows)}/{len(rows)}")
+
+
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
+    p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt); optional "
+                   "max_tokens (default 256), prediction (text) and draft_namespace")
+    p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
+    p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
+    p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
+    p.add_argument("--repeat", type=_int32, default=1,
+                   help="off/on pairs per workload, alternating; the table shows the median run of each")
+    p.add_argument("--timeout", type=_seconds, default=900.0,
+                   help="seconds to connect, and for each generation (default 900)")
+    _add_client_args(p, "print one JSON line per workload (as each finishes) instead of the table")
+    p.set_defaults(fn=cmd_bench)

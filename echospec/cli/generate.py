@@ -1,0 +1,76 @@
+"""`echospec generate`: one generation, streamed to stdout (or one JSON object)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from echospec.cli import common
+from echospec.cli.common import (_add_client_args, _add_sampling_args, _check_sampling_flags, _die,
+                                 _client_error, _gen_kwargs, _load_messages, _result_json, _target,
+                                 _utf8)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from echospec_client import ClientError
+
+    if (args.prompt is None) == (args.messages is None):
+        _die("give exactly one of a prompt argument or --messages FILE", 2)
+    if args.prompt == "":
+        _die("the prompt text is empty: give some text to continue", 2)
+    _check_sampling_flags(args)
+    messages = _load_messages(args.messages) if args.messages else None
+    kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
+    with _target(args) as target:
+        client = common._client(args, target)
+        open_line = False   # streamed text not ended by a newline yet
+        try:
+            result = None
+            for chunk in client.stream(**kw):
+                if chunk.text and not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    open_line = not chunk.text.endswith("\n")
+                if chunk.result is not None:
+                    result = chunk.result
+            if args.json:
+                j = _result_json(result)
+                # measured by the client, from the call to its last message (connect wait excluded)
+                j["wall_s"] = round(result.wall_s, 4)
+                j["ttft_s"] = None if result.ttft_s is None else round(result.ttft_s, 4)
+                j["tokens_per_s"] = round(result.tokens_per_s, 2)
+                print(json.dumps(j, ensure_ascii=False))
+                return 0
+            sys.stdout.write("\n")
+            if result is not None:
+                st = result.stats
+                print(f"[{result.completion_tokens} tokens, finish: {result.finish_reason}, spec: "
+                      f"{'on' if result.spec_enabled else 'off'}"
+                      f"{' (' + result.spec_reason + ')' if result.spec_reason else ''}, tries "
+                      f"{st.tries}, hits {st.hits}, kv_rolls {st.kv_rolls}]", file=sys.stderr)
+            return 0
+        except ClientError as exc:
+            if open_line:   # the message goes on a line of its own, not after the partial text
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            _client_error(exc, target)
+        except (TypeError, ValueError) as exc:
+            _die(str(exc), 2)
+        finally:
+            client.close()
+
+
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
+    p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
+    p.add_argument("--messages", help="JSON file with a list of chat messages ('-': standard input)")
+    p.add_argument("--prediction-file", help="text file with the expected output (a draft source, "
+                   "like OpenAI's predicted outputs)")
+    p.add_argument("--draft-namespace", type=_utf8, default="",
+                   help="share draft memory with earlier requests of this namespace (default: none)")
+    _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
+    _add_sampling_args(p)
+    p.set_defaults(fn=cmd_generate)
+
