@@ -447,6 +447,52 @@ TEST(test_matmul_many) {
     es_pool_free(pools[2]);
 }
 
+TEST(test_matmul_grouped) {
+    /* the experts of a layer: each matrix on rows of its own, N = 1..33 per group, gate and up
+     * sharing their rows (quantized once), mixed types and activation formats, a float matrix,
+     * on 1, 2 and 3 threads: bitwise each matrix's own es_matmul */
+    es_pool *pools[3] = {NULL, es_pool_new(2), es_pool_new(3)};
+    enum { G = 7 };
+    const uint32_t ts[G] = {ES_TYPE_Q4_K, ES_TYPE_Q4_K, ES_TYPE_Q6_K, ES_TYPE_Q8_0, ES_TYPE_Q4_0, ES_TYPE_F16,
+                            ES_TYPE_Q5_K};
+    const int64_t outs[G] = {48, 48, 130, 37, 16, 9, 64};
+    for (int n0 = 1; n0 <= 33; n0 += 8) {
+        wmat w[G];
+        es_mm_group g[G];
+        float *X[G], *Yr[G];
+        size_t ysz[G];
+        for (int i = 0; i < G; i++) {
+            int N = (n0 + 5 * i) % 33 + 1;
+            if (i == 1) N = g[0].N;                       /* up shares gate's rows */
+            w[i] = make_w(ts[i], 512, outs[i]);
+            X[i] = i == 1 ? X[0] : rand_x(N, 512);
+            int64_t ldy = outs[i] + 2;
+            ysz[i] = sizeof(float) * (size_t)(N * ldy);
+            g[i] = (es_mm_group){&w[i].t, X[i], N, calloc(1, ysz[i]), ldy};
+            Yr[i] = calloc(1, ysz[i]);
+            void *sc = scratch_for(ts[i], 512, N);
+            es_matmul(NULL, &w[i].t, X[i], N, Yr[i], ldy, sc);
+            free(sc);
+        }
+        size_t need = es_matmul_grouped_scratch(G, g);
+        void *sc = aligned_alloc(64, (need + 63) / 64 * 64);
+        for (int p = 0; p < 3; p++) {
+            for (int i = 0; i < G; i++) memset(g[i].Y, 0, ysz[i]);
+            es_matmul_grouped(pools[p], G, g, sc);
+            for (int i = 0; i < G; i++) CHECK(memcmp(g[i].Y, Yr[i], ysz[i]) == 0);
+        }
+        free(sc);
+        for (int i = 0; i < G; i++) {
+            free_w(&w[i]);
+            free(g[i].Y);
+            free(Yr[i]);
+            if (i != 1) free(X[i]);
+        }
+    }
+    es_pool_free(pools[1]);
+    es_pool_free(pools[2]);
+}
+
 /* What test_matmul_local's epilogue saw. */
 typedef struct {
     float *Z;            /* [N][n_out] the chunks' values, assembled */
@@ -804,6 +850,7 @@ int main(void) {
     RUN(test_matmul_blocks_n_1_to_33);
     RUN(test_matmul_ldy_and_special_x);
     RUN(test_matmul_many);
+    RUN(test_matmul_grouped);
     RUN(test_matmul_many_pre_k);
     RUN(test_matmul_local);
     RUN(test_unsupported_type);
