@@ -95,19 +95,6 @@ def test_unexpected_error_keeps_openai_shape(gateway, monkeypatch):
 
 # -- CLI: TLS files that exist but hold no usable PEM --------------------------------------------
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    from test_gateway_security import make_pki
-    return {"a": make_pki(tmp_path_factory.mktemp("pki_a")),
-            "b": make_pki(tmp_path_factory.mktemp("pki_b")),
-            "junk": str(_junk(tmp_path_factory.mktemp("junk")))}
-
-
-def _junk(d):
-    (d / "junk.pem").write_text("hello, not a certificate\n")
-    return d / "junk.pem"
-
-
 @pytest.mark.parametrize("which, message", [
     # was: "draft service: cannot bind 127.0.0.1:0: Failed to bind ..." (exit 1), from gRPC's
     # TSI_INVALID_ARGUMENT, after the model had been loaded
