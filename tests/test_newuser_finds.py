@@ -141,83 +141,6 @@ def test_request_line_of_an_unfinished_generation_keeps_what_it_did(tiny_stack, 
     assert line["draft_tokens"] >= line["hits"] >= 0 and line["verifier"], line
 
 
-# -- the coordinator's health while no verifier answers ---------------------------------------------
-
-def test_coordinator_health_follows_its_verifiers(tiny_model):
-    # was: the verifier killed, the coordinator's grpc.health.v1 (service name and "") kept
-    # answering SERVING (so did the gateway's /health and the readiness probes) while every
-    # request failed with UNAVAILABLE "no healthy verifier", and GetInfo kept the dead verifier's
-    # last active_sessions
-    import threading
-    import time
-
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
-    from echospec.services.coordinator import server as cserver
-    from echospec.services.verifier import server as vserver
-    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
-
-    model = tiny_model(n_ctx_train=8192)
-    vcfg = VerifierConfig(model=model, port=0, n_ctx=8192, n_threads=1)
-    v = vserver.start(vcfg)
-    vport = v.port
-    c = cserver.start(CoordinatorConfig(model=model, port=0, verifier_target=f"127.0.0.1:{vport}",
-                                        verifier_poll_s=0.1), verifier_wait_s=30)
-    v2 = None
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-
-            def statuses() -> set:
-                return {health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
-                        for name in ("", cserver.SERVICE_NAME)}
-
-            def wait_for(status, timeout_s=5.0) -> float:
-                t0 = time.monotonic()
-                while statuses() != {status}:
-                    assert time.monotonic() - t0 < timeout_s, statuses()
-                    time.sleep(0.02)
-                return time.monotonic() - t0
-
-            SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
-                                    health_pb2.HealthCheckResponse.NOT_SERVING)
-            assert statuses() == {SERVING}
-            # a generation holds a session while the verifier dies
-            call = stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000), timeout=30)
-
-            def drain():
-                try:
-                    for _ in call:
-                        pass
-                except grpc.RpcError:   # UNAVAILABLE naming the verifier that went away
-                    pass
-            threading.Thread(target=drain, daemon=True).start()
-            deadline = time.monotonic() + 10
-            while stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].active_sessions < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            v.stop(0)
-            wait_for(NOT_SERVING)
-            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0]
-            assert not info.healthy and info.last_error, info
-            assert info.active_sessions == 0 and info.free_kv_tokens == 0, info
-            # the verifier comes back on its port: SERVING again
-            v2 = vserver.start(VerifierConfig(model=model, port=vport, n_ctx=8192, n_threads=1))
-            wait_for(SERVING)
-            assert stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=3), timeout=10).result
-            assert stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].healthy
-    finally:
-        c.stop(0)
-        v.stop(0)
-        if v2 is not None:
-            v2.stop(0)
-    # stopped: NOT_SERVING for good, whatever the pool last saw
-    assert not c.handle.set_serving()
-
-
 # -- gateway: a request the coordinator refuses names its field ---------------------------------
 
 @pytest.mark.parametrize("path, extra, param", [
@@ -553,32 +476,6 @@ def test_complete_cancelled_by_its_client_ends_quietly(tiny_stack, caplog):
 
 # -- calls cancelled before their handler ran keep no RPC slot ---------------------------------------
 
-@pytest.mark.parametrize("factory", ["unary_unary_rpc_method_handler",
-                                     "unary_stream_rpc_method_handler",
-                                     "stream_stream_rpc_method_handler"])
-def test_concurrency_slot_of_a_handler_that_never_ran_is_given_back(factory):
-    # was: a call cancelled while its request was on its way (grpc then never runs the handler)
-    # kept its max_concurrent_rpcs slot for good: after a client cancelled 40 streams at random
-    # moments the coordinator counted 6 of them in flight forever, refused calls beyond 50 of its
-    # 56 with RESOURCE_EXHAUSTED, and `echospec_rpc_in_flight` never went back to 0
-    import gc
-    import types
-
-    import grpc
-
-    from echospec.services.rpc import grpc_util
-
-    limit = grpc_util.ConcurrencyLimit(2)
-    handler = getattr(grpc, factory)(lambda request, context: None)
-    details = types.SimpleNamespace(method="/echospec.v1.CoordinatorService/Generate",
-                                    invocation_metadata=())
-    wrapped = limit.intercept_service(lambda d: handler, details)
-    assert limit.active == 1
-    del wrapped   # grpc drops the handler of a call that ended before it ran
-    gc.collect()
-    assert limit.active == 0
-
-
 def test_cancel_storm_leaves_no_call_in_flight(tiny_stack):
     import random
     import threading
@@ -702,51 +599,6 @@ def test_tokenize_response_over_the_message_limit_says_so(tiny_stack, monkeypatc
         assert len(stub.Tokenize(cpb.TokenizeRequest(text="1 " * 100), timeout=60).token_ids) > 0
 
 
-# -- the light client's arguments, checked before anything is sent ---------------------------------
-
-def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog):
-    # was: `echospec serve --n-ctx 16384` on a model trained for 8192 served without a word, and
-    # VerifierCore's docstring promised an InvalidArgument it never raised
-    import logging
-
-    from echospec.stack import start_stack
-
-    with caplog.at_level(logging.WARNING, logger="echospec.verifier"):
-        st = start_stack(tiny_model(n_ctx_train=512), n_ctx=1024, n_threads=1)
-        st.stop(0)
-        st = start_stack(tiny_model(n_ctx_train=512), n_ctx=512, n_threads=1)
-        st.stop(0)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "echospec.verifier"
-                and r.levelno == logging.WARNING]
-    assert warnings == ["n_ctx 1024 is more than the 512 tokens the model was trained for: "
-                        "positions past 512 are extrapolated and the output there is likely poor"]
-
-
-# -- a plain generation that fills the context, without the prefix cache -------------------------
-
-@pytest.mark.parametrize("prompt_len", [3, 62, 63])
-def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, prompt_len):
-    # was: with --no-prefix-cache the last event read n_past from the session it had just given
-    # back (closed): UNAVAILABLE "generation: session is closed" after the streamed text, and the
-    # gateway answered 503 with the whole answer lost
-    from echospec.stack import start_stack
-    from echospec_client import Client
-
-    results = {}
-    for cache in (False, True):
-        st = start_stack(tiny_model(), n_ctx=64, n_threads=1, prefix_cache=cache)
-        try:
-            with Client(st.target, connect_timeout=10) as c:
-                results[cache] = c.complete(token_ids=[5] * prompt_len, max_tokens=200, spec=False)
-        finally:
-            st.stop(0)
-    off, on = results[False], results[True]
-    assert off.finish_reason == "context", off
-    # every position holds a token, and the last one produced needs none
-    assert off.completion_tokens == 64 - prompt_len + 1 and off.token_ids == on.token_ids
-    assert (off.finish_reason, off.text) == (on.finish_reason, on.text)
-
-
 # -- session 7 new-user trial ----------------------------------------------------------------------
 
 def test_gateway_sampling_without_a_seed_varies_and_reports_its_seed(tiny_stack):
@@ -829,29 +681,6 @@ def test_cli_says_the_port_answers_http_not_grpc(tiny_stack):
         in r.stderr, r.stderr
 
 
-# -- an IPv6 --host ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
-def test_a_stack_on_ipv6_loopback_serves(tiny_model, processes):
-    # was: the services' targets were built as "::1:PORT" (no brackets): the coordinator never
-    # reached its verifier and `echospec serve --host ::1` failed after 180 s
-    import grpc
-
-    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from echospec.stack import start_stack
-    st = start_stack(tiny_model(n_ctx_train=512), host="::1", n_ctx=256, n_threads=1,
-                     processes=processes, ready_timeout_s=60, http_port=0, log_level="WARNING")
-    try:
-        assert st.target.startswith("[::1]:") and st.verifier_target.startswith("[::1]:")
-        assert st.http_url.startswith("http://[::1]:")
-        with grpc.insecure_channel(st.target) as ch:
-            res = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(
-                coordinator_pb2.CompleteRequest(text="hi", max_tokens=4), timeout=30)
-        assert len(res.result.token_ids) == 4
-    finally:
-        st.stop(0.5)
-
-
 # -- one set of chat roles and content shapes on gRPC, the client and HTTP ------------------------
 
 def test_chat_roles_and_text_parts_are_the_same_everywhere(tiny_stack):
@@ -900,41 +729,6 @@ def test_gateway_range_messages_name_the_real_limits(tiny_stack, body, message):
     assert message in r.json()["error"]["message"], r.text
 
 
-def test_a_full_verifier_is_named_busy_not_unhealthy(tiny_model):
-    # was: "... no healthy verifier (known: 127.0.0.1:P (excluded))" for a healthy, full verifier
-    import grpc
-
-    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from echospec.stack import start_stack
-    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, max_sessions=1,
-                     max_tokens=2000, log_level="WARNING")
-    try:
-        with grpc.insecure_channel(st.target) as ch:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-            held = stub.Generate(coordinator_pb2.GenerateRequest(text="a", max_tokens=2000), timeout=60)
-            next(held)
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Complete(coordinator_pb2.CompleteRequest(text="b", max_tokens=2), timeout=30)
-            held.cancel()
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
-        details = e.value.details()
-        assert "no healthy verifier" not in details and "(excluded)" not in details, details
-        assert ("already tried for this request" in details or "busy" in details), details
-        assert "verifier: verifier" not in details, details
-    finally:
-        st.stop(0.5)
-
-
-def test_a_verifier_failure_names_the_verifier_once():
-    # was: "verifier: verifier 127.0.0.1:P failed after 51 message(s) ..."
-    import grpc
-
-    from echospec.services.coordinator.clients import VerifierFailure
-    mid = "verifier 127.0.0.1:9 failed after 51 message(s) of this generation had arrived"
-    assert str(VerifierFailure(grpc.StatusCode.UNAVAILABLE, mid)) == mid
-    assert str(VerifierFailure(grpc.StatusCode.INVALID_ARGUMENT, "bad k")) == "verifier: bad k"
-
-
 @pytest.mark.parametrize("ending", ["length", "stop"])
 def test_in_process_generate_tokens_is_counted_with_its_status(tiny_stack, ending):
     # was: every in-process GenerateTokens counted CANCELLED on the verifier's /metrics: the
@@ -981,27 +775,6 @@ def test_gateway_takes_a_request_id_header_that_is_not_ascii(tiny_stack, stream)
         assert ("data: [DONE]" in r.text) if stream else r.json()["choices"][0]["text"]
 
 
-def test_draft_propose_names_one_range_for_k():
-    # was: "k must be >= 1, got 0" but "k must be in [0, 1024], got 1025" for the same field
-    import grpc
-    from echospec.services.common.config import DraftConfig
-    from echospec.services.draft import server as dserver
-    from echospec.v1 import draft_pb2, draft_pb2_grpc
-    handle, _ = dserver.start(DraftConfig(port=0))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
-            stub = draft_pb2_grpc.DraftServiceStub(ch)
-            for k in (0, -3, 1025):
-                with pytest.raises(grpc.RpcError) as e:
-                    stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=k), timeout=10)
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert e.value.details() == f"k must be in [1, 1024], got {k}"
-            r = stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2, 1], k=1024), timeout=10)
-            assert list(r.draft)[:2] == [2, 1]
-    finally:
-        handle.stop(0)
-
-
 @pytest.mark.parametrize("how", ["complete", "stream"])
 def test_client_says_its_own_timeout_ran_out(tiny_stack, how):
     # was: "DEADLINE_EXCEEDED: Stream removed (Deadline Exceeded)" (or "Deadline Exceeded"):
@@ -1038,53 +811,6 @@ def test_draft_service_refuses_a_namespace_the_coordinator_refuses(tiny_stack, n
         ok = list(stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
             append=[1, 2, 3, 1, 2], k=2, draft_namespace="team-a")]), timeout=30))
         assert len(ok) == 1
-
-
-# -- the engine library, called as a library user would ----------------------------------------
-
-def test_readme_decode_steps_paragraph_matches_the_scheduler():
-    # was: README said a stop string ends an in-engine decode run after its current step, but
-    # stop strings are matched by the coordinator on the tokens a run returns (the verifier never
-    # sees them): with --decode-steps 1024 a stop string hit at token 3 took the whole 1024-step
-    # run (6.8 s). The range of --decode-steps was not given either.
-    import pathlib
-    import re
-    from echospec.services.common import config
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    para = " ".join(text.split("Greedy decoding goes further", 1)[1]
-                    .split("`--decode-steps 1` goes back", 1)[0].split())
-    lo, hi, _ = config._INT_RANGES["decode_steps"]
-    assert f"in [{lo}, {hi}]" in para, para
-    enders = re.search(r"anything else needs the engine \(([^)]*)\)", para).group(1)
-    assert "stop string" not in enders, enders
-    assert "Stop strings are matched by the coordinator" in para
-
-
-class _EndedContext:
-    """A servicer context of a call that is no longer active, `remaining` s before its deadline."""
-
-    def __init__(self, remaining):
-        self.remaining = remaining
-
-    def code(self):
-        return None
-
-    def is_active(self):
-        return False
-
-    def time_remaining(self):
-        return self.remaining
-
-
-@pytest.mark.parametrize("remaining, name", [
-    (-0.01, "DEADLINE_EXCEEDED"), (0.0, "DEADLINE_EXCEEDED"),
-    # the client's deadline fires first (its timer started before the call reached the server):
-    # its cancel arrives a few ms before the server's deadline, measured under load up to 4.5 ms
-    (0.0045, "DEADLINE_EXCEEDED"),
-    (0.5, "CANCELLED"), (None, "CANCELLED")])
-def test_a_client_deadline_is_logged_as_deadline_exceeded_not_cancelled(remaining, name):
-    from echospec.services.rpc.grpc_util import status_name
-    assert status_name(_EndedContext(remaining)) == name
 
 
 # -- session 13 new-user trial --------------------------------------------------------------------
@@ -1125,54 +851,3 @@ def test_a_model_can_be_retrieved_by_its_id(tiny_stack):
     r = httpx.get(tiny_stack.http_url + "/v1/models/gpt-4o", timeout=30)
     err = _assert_openai_error(r, 404, "model")
     assert err["code"] == "model_not_found" and "'gpt-4o' is not served here" in err["message"]
-
-
-def test_a_coordinator_waiting_for_its_verifier_says_so(monkeypatch, caplog):
-    # was: 120 s of silence (one "joined" line), then exit 1
-    import logging
-
-    from echospec.services.coordinator import pool as pool_mod
-    monkeypatch.setattr(pool_mod, "WAIT_LOG_S", 0.2)
-    pool = pool_mod.VerifierPool(["127.0.0.1:1"], 1 << 20, poll_s=0.1)   # nothing listens on 1
-    pool.start()
-    try:
-        with caplog.at_level(logging.INFO, logger="echospec.coordinator"):
-            with pytest.raises(TimeoutError):
-                pool.wait_healthy(0.7)
-        assert "127.0.0.1:1 (" in pool.state_text()
-    finally:
-        pool.close()
-    waits = [r.getMessage() for r in caplog.records
-             if r.getMessage().startswith("waiting for a verifier to be SERVING")]
-    assert waits and "127.0.0.1:1 (" in waits[-1], waits
-
-
-def test_a_verifier_max_k_below_the_coordinator_k_max_is_what_getinfo_says(tiny_model):
-    # was: GetInfo said k_max 32 while the verifier refused k above its --max-k, and a request
-    # using the server's default k above that max_k failed too
-    import grpc
-
-    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
-    from echospec.services.coordinator import server as cserver
-    from echospec.services.verifier import server as vserver
-    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
-
-    model = tiny_model()
-    v = vserver.start(VerifierConfig(model=model, port=0, n_threads=1, max_k=2))
-    c = cserver.start(CoordinatorConfig(model=model, port=0, k=4,
-                                        verifier_target=f"127.0.0.1:{v.port}"), verifier_wait_s=30)
-    on = common_pb2.SPEC_MODE_ON
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
-            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
-            assert (info.k_max, info.k_default) == (2, 2), info
-            r = stub.Complete(cpb.CompleteRequest(text="a b a b", max_tokens=8, spec=on), timeout=60)
-            assert r.result.completion_tokens > 0 and r.result.spec_enabled
-            with pytest.raises(grpc.RpcError) as err:
-                stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=2, spec=on, k=3), timeout=30)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "k 3 exceeds the verifier's max_k 2" in err.value.details()
-    finally:
-        c.stop(0)
-        v.stop(0)
