@@ -216,6 +216,8 @@ def test_processes_mode_serves_metrics_on_every_service(model):
         st.stop()
 
 
+# ---- the code a call is logged with --------------------------------------------------------------
+
 class _EndedContext:
     """A servicer context of a call that is no longer active, `remaining` s before its deadline."""
 
