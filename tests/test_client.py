@@ -8,6 +8,9 @@
   turn reports cached prompt tokens; errors come back as ClientError with the gRPC code.
 - API key metadata and TLS roots, against a test-double coordinator with TLS that checks
   `authorization: Bearer <key>` (the real server side is another piece of work).
+- Arguments are checked before anything is sent (types and ranges, text that is not Unicode, an
+  API key, request id or CA it cannot use); a target that never answered and a server that went
+  away are named with the reason.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import pytest
 
 from echospec_client import Chunk, Client, ClientError, ConnectError, Message, Result, SpecStats
 from ggufgen import write_tiny_model
+from test_cli import free_port as _closed_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_DIR = ROOT / "clients" / "python"
@@ -347,3 +351,147 @@ def test_api_key_and_tls_roots(tmp_path, monkeypatch):
             Client(target, api_key="a\nb")
     finally:
         server.stop(0)
+
+
+# ---- arguments checked before anything is sent ---------------------------------------------------
+
+@pytest.mark.parametrize("kw, exc, message", [
+    # was: "bad sampling argument: Value out of range: 1099511627776", naming no argument
+    ({"max_tokens": 2 ** 40}, ValueError, "max_tokens must be in [-2147483648, 2147483647]"),
+    ({"seed": -1}, ValueError, "seed must be in [0, 18446744073709551615], got -1"),
+    # was: "bad sampling argument: could not convert string to float: 'hot'"
+    ({"temperature": "hot"}, TypeError, "temperature must be a number, got 'hot'"),
+    # was: accepted, as max_tokens=5 (int() of the string, of the float)
+    ({"max_tokens": "5"}, TypeError, "max_tokens must be an int, got '5'"),
+    ({"max_tokens": 5.5}, TypeError, "max_tokens must be an int, got 5.5"),
+    ({"k": True}, TypeError, "k must be an int, got True"),
+    ({"top_p": 10 ** 400}, ValueError, "top_p must be within float32's range (about ±3.4e38)"),
+    # was: stored as inf (float32 overflow), then the server's "temperature must be finite, got inf"
+    ({"temperature": 1e39}, ValueError, "temperature must be within float32's range (about "
+                                        "±3.4e38), got 1e+39"),
+    # was: "" silently dropped, while ["a", ""] reached the server's INVALID_ARGUMENT
+    ({"stop": ""}, ValueError, "stop is an empty string: a stop string needs at least one"),
+    ({"stop": ["a", ""]}, ValueError, "stop[1] is an empty string"),
+    # was: ClientError INTERNAL "Invalid metadata" and a gRPC core log line
+    ({"request_id": "a\nb"}, ValueError, "request_id must be printable ASCII (it is sent as gRPC "
+                                         "metadata), got 'a\\nb'"),
+    ({"request_id": 5}, TypeError, "request_id must be a str, got int"),
+])
+def test_client_names_the_bad_argument(kw, exc, message):
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        for call in (c.complete, lambda *a, **k: next(c.stream(*a, **k))):
+            with pytest.raises(exc) as e:
+                call("hi", **kw)
+            assert str(e.value).startswith(message), e.value
+
+
+def test_client_keeps_valid_numeric_arguments():
+    import numpy as np
+
+    from echospec_client.client import _fill
+    from echospec_client.v1 import coordinator_pb2
+
+    req = coordinator_pb2.CompleteRequest()
+    _fill(req, "hi", None, None, {"max_tokens": np.int64(7), "seed": 2 ** 64 - 1, "top_k": 0,
+                                  "temperature": 1, "top_p": 0.5, "min_p": np.float32(0.25),
+                                  "k": None})
+    assert (req.max_tokens, req.seed, req.temperature, req.top_p, req.min_p, req.k) == \
+        (7, 2 ** 64 - 1, 1.0, 0.5, 0.25, 0)
+    assert req.HasField("top_p")
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"prediction": 0}, TypeError), ({"prediction": []}, TypeError),
+    ({"draft_namespace": False}, TypeError), ({"spec": 1}, ValueError)])
+def test_the_client_refuses_falsy_values_of_the_wrong_type(kwargs, error):
+    # was: prediction=0 or [] and draft_namespace=False went out as "", spec=1 as True
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(error):
+            c.complete("a", **kwargs)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda c: c.stream("a\udcff"), "prompt"),
+    (lambda c: c.complete(messages=[{"role": "user", "content": "\udcff"}]), "messages[0].content"),
+    (lambda c: c.stream("x", stop=["ok", "\udcff"]), "stop[1]"),
+    (lambda c: c.stream("x", prediction="\udcff"), "prediction"),
+    (lambda c: c.tokenize("\udcff"), "text"),
+], ids=["prompt", "message", "stop", "prediction", "tokenize"])
+def test_client_names_text_that_is_not_unicode(call, name):
+    # was: protobuf's "UnicodeEncodeError: 'utf-8' codec can't encode character '\udcff' in
+    # position 0", naming no argument (raised before anything is sent, so no server is needed)
+    from echospec_client import Client
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(ValueError) as e:
+            call(c)
+    assert not isinstance(e.value, UnicodeError)
+    assert str(e.value).startswith(f"{name} is not valid Unicode"), e.value
+
+
+@pytest.mark.parametrize("key", ["ключ", "é", " lead"])
+def test_client_refuses_an_api_key_it_cannot_send(key):
+    # was: ClientError INTERNAL "Invalid metadata" from every call, and gRPC's C-core log lines
+    # (a non-ASCII key), or UNAUTHENTICATED for the right key (a space at an end)
+    from echospec_client import Client
+    with pytest.raises(ValueError, match="api_key must"):
+        Client("127.0.0.1:1", api_key=key)
+
+
+def test_the_client_refuses_unusable_certificates_and_long_request_ids():
+    # was: a 3 s wait then "no coordinator reachable" (gRPC only logged "Could not load any root
+    # certificate"); a 20 KB request id got RESOURCE_EXHAUSTED from the server
+    from echospec_client import Client
+    with pytest.raises(ValueError, match="root_certificates: not a PEM CA certificate"):
+        Client("127.0.0.1:1", root_certificates=b"garbage")
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(ValueError, match="request_id must be at most 64 characters"):
+            c.complete("a", request_id="r" * 65)
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "[::1]:50051", "localhost:65535", "::1",
+                                    "dns:///echospec:50051", "unix:/tmp/echospec.sock", "example.com"])
+def test_client_keeps_every_target_grpc_accepts(target):
+    from echospec_client import Client
+    Client(target).close()
+
+
+# ---- a target that never answered, a server that went away ---------------------------------------
+
+def test_client_says_why_nothing_answered():
+    # was: "no coordinator reachable at 127.0.0.1:P within 0.5 s" for a refused port and a host
+    # name that does not resolve alike: a typo in the port and one in the name read the same
+    from echospec_client import Client, ConnectError
+    port = _closed_port()
+    with Client(f"127.0.0.1:{port}", connect_timeout=0.5, timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("x")
+    assert e.value.reason == f"connection refused: nothing listens on port {port} of 127.0.0.1"
+    assert str(e.value).endswith(f"within 0.5 s ({e.value.reason})"), str(e.value)
+    with Client("no-such-host.invalid:50051", connect_timeout=0.5, timeout=30) as c:
+        with pytest.raises(ConnectError) as e:
+            c.tokenize("x")
+    assert e.value.reason.startswith("the host name 'no-such-host.invalid' does not resolve ("), \
+        e.value.reason
+
+
+def test_client_of_a_server_that_went_away_says_so(tiny_model):
+    # was: UNAVAILABLE "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: Failed
+    # to connect to remote host: Connection refused"
+    import grpc
+
+    from echospec.stack import start_stack
+    from echospec_client import Client, ClientError
+
+    st = start_stack(tiny_model(), n_ctx=256, n_threads=1)
+    try:
+        c = Client(st.target, connect_timeout=10)
+        assert c.tokenize("ab")
+    finally:
+        st.stop(0)
+    with c:
+        with pytest.raises(ClientError) as e:
+            c.tokenize("ab")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details.startswith(f"the server at {st.target} went away"), e.value.details

@@ -1,6 +1,7 @@
 """es_forward_batch (engine.forward_batch): one forward over several sessions gives each
 session bitwise what Session.forward / Session.prefill give it alone, in any order and
-on any thread count; a bad item fails alone with its KV cache unchanged."""
+on any thread count; a bad item fails alone with its KV cache unchanged. A malformed item (not
+a session, a short tuple, a bad head or logits) is refused before any item of the batch runs."""
 from __future__ import annotations
 
 import random
@@ -153,6 +154,31 @@ def test_thread_count_per_call_is_bitwise_neutral(model):
     s.close()
     with pytest.raises(EngineError):
         s.threads = 1
+
+
+@pytest.mark.parametrize("bad, exc, message", [
+    (lambda s: ("not a session", [1], "all", "none"), TypeError, "items[64]: the session must be a Session, not str"),
+    (lambda s: (s, [1], "all"), TypeError, "items[64] must be a (session, tokens, head, logits) tuple"),
+    (lambda s: (s, [1], "first", "none"), ValueError, "items[64]: head must be 'all' or 'last', not 'first'"),
+    (lambda s: (s, [1], ["all"], "none"), ValueError, "items[64]: head must be 'all' or 'last'"),
+    (lambda s: (s, [1], "last", True), ValueError, "items[64]: logits must be one of"),
+])
+def test_forward_batch_checks_every_item_before_running_any(tiny_model, bad, exc, message):
+    # was: a batch longer than MAX_BATCH ran its first 64 items (their KV caches grew) before
+    # the bad item 64 raised, so the caller lost those results; a non-Session raised
+    # AttributeError '_check', a short tuple 'not enough values to unpack', a list head
+    # 'unhashable type'
+    from echospec.services.verifier import engine as E
+    assert E.MAX_BATCH == 64
+    with E.Model(tiny_model()) as m:
+        sessions = [m.new_session(n_ctx=16, n_threads=1) for _ in range(E.MAX_BATCH + 1)]
+        items = [(s, [1, 2], "last", "none") for s in sessions[:-1]] + [bad(sessions[-1])]
+        with pytest.raises(exc) as e:
+            E.forward_batch(items)
+        assert message in str(e.value), str(e.value)
+        assert all(s.n_past == 0 for s in sessions)
+        out = E.forward_batch(items[:-1] + [(sessions[-1], [1], "all", "none")])
+        assert all(not isinstance(r, Exception) for r in out) and sessions[0].n_past == 2
 
 
 # -- es_decode (Session.decode): greedy steps in one engine call ---------------------------------

@@ -1,5 +1,6 @@
 """es_forward_last (Session.prefill): the output head on the last position only,
-bitwise what es_forward gives for that position, and the same KV cache after."""
+bitwise what es_forward gives for that position, and the same KV cache after. Its
+logits argument must be True or False."""
 from __future__ import annotations
 
 import sys
@@ -52,3 +53,18 @@ def test_prefill_errors_leave_the_cache_unchanged(model):
     with pytest.raises(EngineError):
         s.prefill([])
     assert s.n_past == 3
+
+
+@pytest.mark.parametrize("logits", ["none", "all", "last", 1, None])
+def test_prefill_logits_must_be_a_bool(tiny_model, logits):
+    # was: prefill(tokens, logits="none") returned logits (a non-empty string is true) and
+    # logits="all" returned the last row only, silently
+    from echospec.services.verifier.engine import Model
+    with Model(tiny_model()) as m, m.new_session(n_ctx=32, n_threads=1) as s:
+        with pytest.raises(TypeError, match="prefill's logits must be True or False"):
+            s.prefill([1, 2, 3], logits=logits)
+        assert s.n_past == 0
+        tok, out = s.prefill([1, 2, 3], logits=False)
+        assert out is None and s.n_past == 3
+        tok2, out = s.prefill([4], logits=True)
+        assert out.shape == (1, m.info.n_vocab) and int(out[0].argmax()) == tok2

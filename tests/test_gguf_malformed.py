@@ -2,7 +2,8 @@
 with the right hyperparameters; malformed ones raise EngineError with the right status and a
 message naming the field, and never crash the process. Every malformed file is also given to
 the services' own GGUF reader (services/text/gguf_reader.py), which must refuse it with the
-same words: the two readers apply one set of rules.
+same words: the two readers apply one set of rules. A path that is not a regular file (a
+named pipe) is refused by both, not waited on.
 
 The section boundaries and field offsets of a file are found by ``walk``, a small GGUF
 walker written here from the spec (independent of the C reader under test).
@@ -441,6 +442,25 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(EngineError) as ei:
         Model(str(tmp_path / "m.gguf"))
     assert ei.value.status == ES_ERR_UNSUPPORTED and "'gemma'" in ei.value.message
+
+
+@pytest.mark.parametrize("reader", ["engine", "gguf_reader"])
+def test_model_path_that_is_a_fifo_is_refused_not_waited_on(tmp_path, reader):
+    # was: Model(path) and gguf_reader.read(path) blocked forever in open() on a named pipe (it
+    # waits for a writer) instead of saying it is not a regular file; run in a child process so a
+    # regression fails on the timeout instead of hanging the suite
+    import os
+    import subprocess
+    import sys
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    code = {"engine": "from echospec.services.verifier.engine import Model as load",
+            "gguf_reader": "from echospec.services.text.gguf_reader import read as load"}[reader]
+    code += f"\ntry:\n    load({str(fifo)!r})\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "not a" in r.stdout and "regular file" in r.stdout and str(fifo) in r.stdout, r.stdout
+    assert r.stdout.startswith("EngineError ES_ERR_IO" if reader == "engine" else "OSError"), r.stdout
 
 
 # ---- the real model ------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 8 concurrent clients get byte-identical outputs to 8 sequential runs; the
 coordinator's gating refuses speculation at batch_max >= 2 and says why; a
 second chat turn reuses the first turn's KV (cached_prompt_tokens > 0) and
-its output is byte-identical to a stack without the prefix cache.
+its output is byte-identical to a stack without the prefix cache. A plain
+generation that fills a small context ends the same way with the prefix cache
+and without it.
 """
 from __future__ import annotations
 
@@ -174,3 +176,26 @@ def test_batch_threads_out_of_range_is_refused(model):
     from echospec.services.verifier.sessions import InvalidArgument, VerifierCore
     with pytest.raises(InvalidArgument, match="batch_threads"):
         VerifierCore(VerifierConfig(model=model, batch_threads=-1))
+
+
+@pytest.mark.parametrize("prompt_len", [3, 62, 63])
+def test_plain_generation_filling_the_context_without_prefix_cache(tiny_model, prompt_len):
+    # was: with --no-prefix-cache the last event read n_past from the session it had just given
+    # back (closed): UNAVAILABLE "generation: session is closed" after the streamed text, and the
+    # gateway answered 503 with the whole answer lost
+    from echospec.stack import start_stack
+    from echospec_client import Client
+
+    results = {}
+    for cache in (False, True):
+        st = start_stack(tiny_model(), n_ctx=64, n_threads=1, prefix_cache=cache)
+        try:
+            with Client(st.target, connect_timeout=10) as c:
+                results[cache] = c.complete(token_ids=[5] * prompt_len, max_tokens=200, spec=False)
+        finally:
+            st.stop(0)
+    off, on = results[False], results[True]
+    assert off.finish_reason == "context", off
+    # every position holds a token, and the last one produced needs none
+    assert off.completion_tokens == 64 - prompt_len + 1 and off.token_ids == on.token_ids
+    assert (off.finish_reason, off.text) == (on.finish_reason, on.text)

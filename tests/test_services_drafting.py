@@ -1,6 +1,7 @@
 """Draft sources through the services on SmolLM2-135M-Instruct Q4_1: predictions (followed,
 resynchronised after an edit, wrong, empty, long, another script), numbered lists on the real
-tokenizer, namespace-scoped shared memory; every output byte-identical to speculation off."""
+tokenizer, namespace-scoped shared memory; every output byte-identical to speculation off. The
+draft service called directly refuses a bad call naming the rule it breaks."""
 from __future__ import annotations
 
 import json
@@ -190,3 +191,24 @@ def test_bad_namespace_message_names_the_rule_it_breaks(draft_stub, ns, message)
     ok = list(draft_stub.ProposeStream(iter([draft_pb2.ProposeStreamRequest(
         append=[1, 2, 1, 2], k=2, draft_namespace="n" * 256)]), timeout=10))
     assert len(ok) == 1
+
+
+def test_draft_propose_names_one_range_for_k():
+    # was: "k must be >= 1, got 0" but "k must be in [0, 1024], got 1025" for the same field
+    import grpc
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft import server as dserver
+    from echospec.v1 import draft_pb2, draft_pb2_grpc
+    handle, _ = dserver.start(DraftConfig(port=0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            for k in (0, -3, 1025):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2], k=k), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == f"k must be in [1, 1024], got {k}"
+            r = stub.Propose(draft_pb2.ProposeRequest(tokens=[1, 2, 1, 2, 1], k=1024), timeout=10)
+            assert list(r.draft)[:2] == [2, 1]
+    finally:
+        handle.stop(0)

@@ -1,4 +1,5 @@
-"""Pure parts of the coordinator: the gating table, the spec controller, the counter formulas."""
+"""Pure parts of the coordinator: the gating table, the spec controller, the counter formulas,
+the wording of a verifier's failure."""
 import pytest
 
 from echospec.v1 import common_pb2, coordinator_pb2
@@ -132,3 +133,13 @@ def test_counter_formulas():
     assert gain and "gain" in text
     with pytest.raises(ValueError):
         s.add_round(k=2, accepted=3, v_ms=1, wall_ms=1, t_ms=1)
+
+
+def test_a_verifier_failure_names_the_verifier_once():
+    # was: "verifier: verifier 127.0.0.1:P failed after 51 message(s) ..."
+    import grpc
+
+    from echospec.services.coordinator.clients import VerifierFailure
+    mid = "verifier 127.0.0.1:9 failed after 51 message(s) of this generation had arrived"
+    assert str(VerifierFailure(grpc.StatusCode.UNAVAILABLE, mid)) == mid
+    assert str(VerifierFailure(grpc.StatusCode.INVALID_ARGUMENT, "bad k")) == "verifier: bad k"

@@ -1,5 +1,8 @@
 """Operating the services: full reflection (grpcurl describe of every symbol) and the cap on
-concurrent RPCs (overload gets RESOURCE_EXHAUSTED at once; health and reflection keep answering).
+concurrent RPCs (overload gets RESOURCE_EXHAUSTED at once; health and reflection keep answering; a
+call cancelled before its handler ran gives its slot back). The coordinator's health follows its
+verifiers; a full verifier is named busy, not unhealthy; GetInfo gives the k_max a verifier's
+max_k allows; a context past the model's training is warned of; a stack serves on IPv6 loopback.
 """
 from __future__ import annotations
 
@@ -282,3 +285,205 @@ def test_startup_line_names_each_verifier_once(tmp_path, caplog):
     assert verifiers_text(["a:1", "b:2"], ["b:2", "a:1"]) == "verifiers a:1 b:2"
     assert verifiers_text(["dns:///v:1"], ["10.0.0.1:1", "10.0.0.2:1"]) == \
         "verifier dns:///v:1 (resolved to 10.0.0.1:1 10.0.0.2:1)"
+
+
+# ---- health, busy verifiers, the coordinator's view of its verifier ------------------------------
+
+def test_coordinator_health_follows_its_verifiers(tiny_model):
+    # was: the verifier killed, the coordinator's grpc.health.v1 (service name and "") kept
+    # answering SERVING (so did the gateway's /health and the readiness probes) while every
+    # request failed with UNAVAILABLE "no healthy verifier", and GetInfo kept the dead verifier's
+    # last active_sessions
+    import threading
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
+    from echospec.services.coordinator import server as cserver
+    from echospec.services.verifier import server as vserver
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    model = tiny_model(n_ctx_train=8192)
+    vcfg = VerifierConfig(model=model, port=0, n_ctx=8192, n_threads=1)
+    v = vserver.start(vcfg)
+    vport = v.port
+    c = cserver.start(CoordinatorConfig(model=model, port=0, verifier_target=f"127.0.0.1:{vport}",
+                                        verifier_poll_s=0.1), verifier_wait_s=30)
+    v2 = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+            def statuses() -> set:
+                return {health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                        for name in ("", cserver.SERVICE_NAME)}
+
+            def wait_for(status, timeout_s=5.0) -> float:
+                t0 = time.monotonic()
+                while statuses() != {status}:
+                    assert time.monotonic() - t0 < timeout_s, statuses()
+                    time.sleep(0.02)
+                return time.monotonic() - t0
+
+            SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                                    health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert statuses() == {SERVING}
+            # a generation holds a session while the verifier dies
+            call = stub.Generate(cpb.GenerateRequest(text="a b", max_tokens=8000), timeout=30)
+
+            def drain():
+                try:
+                    for _ in call:
+                        pass
+                except grpc.RpcError:   # UNAVAILABLE naming the verifier that went away
+                    pass
+            threading.Thread(target=drain, daemon=True).start()
+            deadline = time.monotonic() + 10
+            while stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].active_sessions < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            v.stop(0)
+            wait_for(NOT_SERVING)
+            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0]
+            assert not info.healthy and info.last_error, info
+            assert info.active_sessions == 0 and info.free_kv_tokens == 0, info
+            # the verifier comes back on its port: SERVING again
+            v2 = vserver.start(VerifierConfig(model=model, port=vport, n_ctx=8192, n_threads=1))
+            wait_for(SERVING)
+            assert stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=3), timeout=10).result
+            assert stub.GetInfo(cpb.GetInfoRequest(), timeout=5).verifiers[0].healthy
+    finally:
+        c.stop(0)
+        v.stop(0)
+        if v2 is not None:
+            v2.stop(0)
+    # stopped: NOT_SERVING for good, whatever the pool last saw
+    assert not c.handle.set_serving()
+
+
+def test_a_full_verifier_is_named_busy_not_unhealthy(tiny_model):
+    # was: "... no healthy verifier (known: 127.0.0.1:P (excluded))" for a healthy, full verifier
+    import grpc
+
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from echospec.stack import start_stack
+    st = start_stack(tiny_model(n_ctx_train=2048), n_ctx=2048, n_threads=1, max_sessions=1,
+                     max_tokens=2000, log_level="WARNING")
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            held = stub.Generate(coordinator_pb2.GenerateRequest(text="a", max_tokens=2000), timeout=60)
+            next(held)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(coordinator_pb2.CompleteRequest(text="b", max_tokens=2), timeout=30)
+            held.cancel()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        details = e.value.details()
+        assert "no healthy verifier" not in details and "(excluded)" not in details, details
+        assert ("already tried for this request" in details or "busy" in details), details
+        assert "verifier: verifier" not in details, details
+    finally:
+        st.stop(0.5)
+
+
+def test_a_verifier_max_k_below_the_coordinator_k_max_is_what_getinfo_says(tiny_model):
+    # was: GetInfo said k_max 32 while the verifier refused k above its --max-k, and a request
+    # using the server's default k above that max_k failed too
+    import grpc
+
+    from echospec.services.common.config import CoordinatorConfig, VerifierConfig
+    from echospec.services.coordinator import server as cserver
+    from echospec.services.verifier import server as vserver
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    model = tiny_model()
+    v = vserver.start(VerifierConfig(model=model, port=0, n_threads=1, max_k=2))
+    c = cserver.start(CoordinatorConfig(model=model, port=0, k=4,
+                                        verifier_target=f"127.0.0.1:{v.port}"), verifier_wait_s=30)
+    on = common_pb2.SPEC_MODE_ON
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{c.port}") as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
+            assert (info.k_max, info.k_default) == (2, 2), info
+            r = stub.Complete(cpb.CompleteRequest(text="a b a b", max_tokens=8, spec=on), timeout=60)
+            assert r.result.completion_tokens > 0 and r.result.spec_enabled
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=2, spec=on, k=3), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "k 3 exceeds the verifier's max_k 2" in err.value.details()
+    finally:
+        c.stop(0)
+        v.stop(0)
+
+
+def test_verifier_warns_of_a_context_past_the_models_training(tiny_model, caplog):
+    # was: `echospec serve --n-ctx 16384` on a model trained for 8192 served without a word, and
+    # VerifierCore's docstring promised an InvalidArgument it never raised
+    import logging
+
+    from echospec.stack import start_stack
+
+    with caplog.at_level(logging.WARNING, logger="echospec.verifier"):
+        st = start_stack(tiny_model(n_ctx_train=512), n_ctx=1024, n_threads=1)
+        st.stop(0)
+        st = start_stack(tiny_model(n_ctx_train=512), n_ctx=512, n_threads=1)
+        st.stop(0)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "echospec.verifier"
+                and r.levelno == logging.WARNING]
+    assert warnings == ["n_ctx 1024 is more than the 512 tokens the model was trained for: "
+                        "positions past 512 are extrapolated and the output there is likely poor"]
+
+
+# ---- the RPC slot of a call cancelled before its handler ran -------------------------------------
+
+@pytest.mark.parametrize("factory", ["unary_unary_rpc_method_handler",
+                                     "unary_stream_rpc_method_handler",
+                                     "stream_stream_rpc_method_handler"])
+def test_concurrency_slot_of_a_handler_that_never_ran_is_given_back(factory):
+    # was: a call cancelled while its request was on its way (grpc then never runs the handler)
+    # kept its max_concurrent_rpcs slot for good: after a client cancelled 40 streams at random
+    # moments the coordinator counted 6 of them in flight forever, refused calls beyond 50 of its
+    # 56 with RESOURCE_EXHAUSTED, and `echospec_rpc_in_flight` never went back to 0
+    import gc
+    import types
+
+    import grpc
+
+    from echospec.services.rpc import grpc_util
+
+    limit = grpc_util.ConcurrencyLimit(2)
+    handler = getattr(grpc, factory)(lambda request, context: None)
+    details = types.SimpleNamespace(method="/echospec.v1.CoordinatorService/Generate",
+                                    invocation_metadata=())
+    wrapped = limit.intercept_service(lambda d: handler, details)
+    assert limit.active == 1
+    del wrapped   # grpc drops the handler of a call that ended before it ran
+    gc.collect()
+    assert limit.active == 0
+
+
+# ---- an IPv6 --host ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_stack_on_ipv6_loopback_serves(tiny_model, processes):
+    # was: the services' targets were built as "::1:PORT" (no brackets): the coordinator never
+    # reached its verifier and `echospec serve --host ::1` failed after 180 s
+    import grpc
+
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from echospec.stack import start_stack
+    st = start_stack(tiny_model(n_ctx_train=512), host="::1", n_ctx=256, n_threads=1,
+                     processes=processes, ready_timeout_s=60, http_port=0, log_level="WARNING")
+    try:
+        assert st.target.startswith("[::1]:") and st.verifier_target.startswith("[::1]:")
+        assert st.http_url.startswith("http://[::1]:")
+        with grpc.insecure_channel(st.target) as ch:
+            res = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(
+                coordinator_pb2.CompleteRequest(text="hi", max_tokens=4), timeout=30)
+        assert len(res.result.token_ids) == 4
+    finally:
+        st.stop(0.5)

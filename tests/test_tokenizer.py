@@ -508,3 +508,31 @@ def test_prompt_ids_add_bos_as_the_file_asks(gemma: Tokenizer, smollm2_path):
     assert gemma.prompt_ids("") == [2]
     smol = Tokenizer.from_gguf(smollm2_path)                              # add_bos false
     assert not smol.add_bos and smol.prompt_ids(text) == smol.encode(text)
+
+
+def test_tokenizing_a_long_text_lets_other_threads_run(smollm2_path):
+    # was: Tokenize of a few MB (the coordinator's Tokenize RPC; a long prompt) held the GIL for
+    # its whole run: every other call of the coordinator waited seconds
+    import threading
+    import time
+
+    from echospec.services.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_path)
+    text = "1 " * 100_000
+    ticks, done = [0], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    th = threading.Thread(target=tick)
+    th.start()
+    t0 = time.monotonic()
+    ids = tok.encode(text)
+    took = time.monotonic() - t0
+    done.set()
+    th.join()
+    assert ids == tok.hf.encode(text, add_special_tokens=False).ids and len(ids) == 200_000
+    assert ticks[0] >= 0.3 * took / 0.005, (ticks[0], took)

@@ -3,7 +3,8 @@
 Pure parts (the scheduler's selection policy, the prefix cache's bookkeeping,
 the controller's in-flight proposal rule) get literal cases; the rest runs a
 VerifierCore on a tiny random GGUF model (tests/ggufgen.py). No timings are
-asserted: orderings are read from the scheduler's trace.
+asserted: orderings are read from the scheduler's trace. README's paragraph on
+--decode-steps says what the scheduler does.
 """
 from __future__ import annotations
 
@@ -866,3 +867,21 @@ def test_the_back_off_plain_rounds_of_a_speculative_generation_run_in_the_engine
     (asked1, runs1), (asked8, runs8) = results
     assert asked1 == asked8 and len(asked1) >= 3
     assert runs1 == [] and max(runs8) > 1 and sum(runs8) >= len(want) // 2, runs8
+
+
+def test_readme_decode_steps_paragraph_matches_the_scheduler():
+    # was: README said a stop string ends an in-engine decode run after its current step, but
+    # stop strings are matched by the coordinator on the tokens a run returns (the verifier never
+    # sees them): with --decode-steps 1024 a stop string hit at token 3 took the whole 1024-step
+    # run (6.8 s). The range of --decode-steps was not given either.
+    import pathlib
+    import re
+    from echospec.services.common import config
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    para = " ".join(text.split("Greedy decoding goes further", 1)[1]
+                    .split("`--decode-steps 1` goes back", 1)[0].split())
+    lo, hi, _ = config._INT_RANGES["decode_steps"]
+    assert f"in [{lo}, {hi}]" in para, para
+    enders = re.search(r"anything else needs the engine \(([^)]*)\)", para).group(1)
+    assert "stop string" not in enders, enders
+    assert "Stop strings are matched by the coordinator" in para

@@ -1,4 +1,5 @@
-"""services/coordinator/pool.py without servers: targets, DNS membership, failure marking."""
+"""services/coordinator/pool.py without servers: targets, DNS membership, failure marking, and
+what it logs while it waits for a verifier."""
 from __future__ import annotations
 
 import sys
@@ -56,3 +57,23 @@ def test_unreachable_verifiers_are_unhealthy_after_a_poll_and_a_reported_failure
             pool.wait_healthy(0.2)
     finally:
         pool.close()
+
+
+def test_a_coordinator_waiting_for_its_verifier_says_so(monkeypatch, caplog):
+    # was: 120 s of silence (one "joined" line), then exit 1
+    import logging
+
+    from echospec.services.coordinator import pool as pool_mod
+    monkeypatch.setattr(pool_mod, "WAIT_LOG_S", 0.2)
+    pool = pool_mod.VerifierPool(["127.0.0.1:1"], 1 << 20, poll_s=0.1)   # nothing listens on 1
+    pool.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="echospec.coordinator"):
+            with pytest.raises(TimeoutError):
+                pool.wait_healthy(0.7)
+        assert "127.0.0.1:1 (" in pool.state_text()
+    finally:
+        pool.close()
+    waits = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("waiting for a verifier to be SERVING")]
+    assert waits and "127.0.0.1:1 (" in waits[-1], waits
