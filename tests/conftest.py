@@ -9,12 +9,17 @@ Fixtures:
     smollm2_tokenizer   object with encode(text) -> list[int] and decode(ids) -> str
     smollm2_stub        a CoordinatorService stub on a stack over SmolLM2 (speculation off by
                         default, n_ctx 1024), one stack per test module
+
+Helpers (import from conftest):
+    stack_stub(model_path, **settings)   context manager: a CoordinatorService stub on a stack
+                                         started by start_stack(model_path, **settings)
     pki                 per module: {"a": ..., "b": ...}, two throwaway PKIs (each the dict of PEM
                         paths of test_gateway_security.make_pki), and "junk", the path of a file
                         that holds no PEM (test_gateway_security.py has a pki of its own)
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -83,17 +88,27 @@ def gemma3_path() -> str:
     return str(_load_fetch_model().fetch_gemma(verbose=False))
 
 
-@pytest.fixture(scope="module")
-def smollm2_stub(smollm2_path):
+@contextlib.contextmanager
+def stack_stub(model_path: str, **settings):
+    """A CoordinatorService stub on an in-process stack over model_path (start_stack(model_path,
+    **settings)); the channel closed and the stack stopped on exit."""
     import grpc
     from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2_grpc
 
-    st = start_stack(smollm2_path, spec=False, n_ctx=1024)
+    st = start_stack(model_path, **settings)
     ch = grpc.insecure_channel(st.target)
-    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-    ch.close()
-    st.stop()
+    try:
+        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+    finally:
+        ch.close()
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_stub(smollm2_path):
+    with stack_stub(smollm2_path, spec=False, n_ctx=1024) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="session")

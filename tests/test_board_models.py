@@ -20,23 +20,17 @@ import grpc
 import numpy as np
 import pytest
 
-from echospec.services.verifier.engine import EngineError, Model, forward_batch
-from echospec.stack import start_stack
-from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from conftest import stack_stub
+from echospec.services.verifier.engine import EngineError, Model
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb
+from fixture_checks import (MARGIN, check_batch_is_each_session_alone, check_logits_on_par_with_llama_cpp,
+                            prompts, single_step_rows)
 from reference import Reference
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
 FIXTURES = ["qwen3moe-Q4_K_M", "qwen3vl-Q8_0", "qwen3vlmoe-Q8_0"]
 MOE = "qwen3moe-Q4_K_M"
 VL = "qwen3vl-Q8_0"
-MARGIN = 0.5
-
-
-def _prompts(z):
-    i = 0
-    while f"p{i}_tokens" in z:
-        yield i, [int(t) for t in z[f"p{i}_tokens"]]
-        i += 1
 
 
 @pytest.fixture(scope="module", params=FIXTURES)
@@ -65,31 +59,13 @@ def test_model_info_reports_the_architecture(fixture):
 
 def test_logits_on_par_with_llama_cpp_against_transformers(fixture):
     name, m, z = fixture
-    sub = z["subset"]
-    n_clear = 0
-    for p, toks in _prompts(z):
-        s = m.new_session(n_ctx=64, n_threads=2)
-        am, lg = s.forward(toks, logits="all")
-        s.close()
-        tf, ll = z[f"p{p}_subset_logits"], z[f"p{p}_llama_subset_logits"]
-        err = np.abs(lg[:, sub] - tf)
-        bound = 1.25 * float(np.abs(ll - tf).max()) + 0.1
-        assert err.max() <= bound, f"{name} prompt {p}: max |ours - transformers| {err.max():.3f} > {bound:.3f}"
-        mbound = 1.25 * float(np.median(np.abs(ll - tf))) + 0.02
-        assert np.median(err) <= mbound, f"{name} prompt {p}: median error {np.median(err):.3f} > {mbound:.3f}"
-        top = z[f"p{p}_top_logits"]
-        clear = top[:, 0] - top[:, 1] > MARGIN
-        n_clear += int(clear.sum())
-        np.testing.assert_array_equal(am[clear], z[f"p{p}_top_ids"][clear, 0], err_msg=f"{name} prompt {p}")
-    assert n_clear >= 8          # enough positions with a clear winner for the argmax check to mean something
+    check_logits_on_par_with_llama_cpp(m, z, label=f"{name} ")
 
 
 def test_one_call_is_bitwise_single_steps_on_any_thread_count(fixture):
     name, m, z = fixture
     toks = [int(t) for t in z["p1_tokens"]]          # the prompt with repeated content
-    ref = m.new_session(n_ctx=64, n_threads=1)
-    rows = [ref.forward([t], logits="last")[1][0] for t in toks]
-    ref.close()
+    rows = single_step_rows(m, toks)
     for threads in (1, 2, 3):
         s = m.new_session(n_ctx=64, n_threads=threads)
         _, lg = s.forward(toks, logits="all")
@@ -100,19 +76,8 @@ def test_one_call_is_bitwise_single_steps_on_any_thread_count(fixture):
 
 def test_a_batch_of_sessions_is_each_session_alone(fixture):
     name, m, z = fixture
-    prompts = [[int(t) for t in z[f"p{p}_tokens"]] for p in range(3)]
-    alone = []
-    for toks in prompts:
-        s = m.new_session(n_ctx=64, n_threads=2)
-        alone.append(s.forward(toks, logits="all")[1])
-        s.close()
-    sessions = [m.new_session(n_ctx=64, n_threads=2) for _ in prompts]
-    out = forward_batch([(s, toks, "all", "all") for s, toks in zip(sessions, prompts)])
-    for i, (res, want) in enumerate(zip(out, alone)):
-        assert not isinstance(res, EngineError)
-        assert np.array_equal(res[1], want), f"{name}: session {i} differs in the batch"
-    for s in sessions:
-        s.close()
+    prompt_ids = [[int(t) for t in z[f"p{p}_tokens"]] for p in range(3)]
+    check_batch_is_each_session_alone(m, prompt_ids, label=f"{name}: ")
 
 
 def test_a_verify_reads_the_union_of_its_rows_experts():
@@ -161,11 +126,8 @@ def test_multimodal_positions_follow_the_reference():
 
 @pytest.fixture(scope="module")
 def moe_stack():
-    st = start_stack(str(MODELS / f"{MOE}.gguf"), spec=False, n_ctx=256, n_threads=2, k=4)
-    ch = grpc.insecure_channel(st.target)
-    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-    ch.close()
-    st.stop()
+    with stack_stub(str(MODELS / f"{MOE}.gguf"), spec=False, n_ctx=256, n_threads=2, k=4) as stub:
+        yield stub
 
 
 def test_services_report_the_experts(moe_stack):
@@ -200,7 +162,7 @@ def test_logits_close_to_llama_cpp_live(fixture):
                                     "not installed: this comparison runs where it is")
     name, m, z = fixture
     llm = llama_cpp.Llama(str(MODELS / f"{name}.gguf"), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
-    for p, toks in _prompts(z):
+    for p, toks in prompts(z):
         llm.reset()
         llm.eval(toks)
         theirs = np.array(llm.scores[:len(toks)], dtype=np.float32)

@@ -21,19 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echospec.services.verifier.engine import Model, forward_batch
+from echospec.services.verifier.engine import Model
+from fixture_checks import (check_batch_is_each_session_alone, check_logits_on_par_with_llama_cpp, prompts,
+                            single_step_rows)
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
 NAME = "gemma3-Q8_0"
-MARGIN = 0.5
 LONG = 3            # the prompt longer than the window
-
-
-def _prompts(z):
-    i = 0
-    while f"p{i}_tokens" in z:
-        yield i, [int(t) for t in z[f"p{i}_tokens"]]
-        i += 1
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +54,7 @@ def test_the_long_prompt_runs_past_the_window(model):
 
 def test_logits_on_par_with_llama_cpp_against_transformers(model):
     m, z = model
-    sub = z["subset"]
-    n_clear = 0
-    for p, toks in _prompts(z):
-        s = m.new_session(n_ctx=64, n_threads=2)
-        am, lg = s.forward(toks, logits="all")
-        s.close()
-        tf, ll = z[f"p{p}_subset_logits"], z[f"p{p}_llama_subset_logits"]
-        err = np.abs(lg[:, sub] - tf)
-        bound = 1.25 * float(np.abs(ll - tf).max()) + 0.1
-        assert err.max() <= bound, f"prompt {p}: max |ours - transformers| {err.max():.3f} > {bound:.3f}"
-        mbound = 1.25 * float(np.median(np.abs(ll - tf))) + 0.02
-        assert np.median(err) <= mbound, f"prompt {p}: median error {np.median(err):.3f} > {mbound:.3f}"
-        # the top logits too (the subset rarely holds the winners)
-        top_ids = z[f"p{p}_top_ids"]
-        terr = np.abs(np.take_along_axis(lg, top_ids, axis=-1) - z[f"p{p}_top_logits"])
-        tll = np.abs(z[f"p{p}_llama_top_logits"] - z[f"p{p}_top_logits"])
-        assert terr.max() <= 1.25 * float(tll.max()) + 0.1, f"prompt {p}: top logits {terr.max():.3f}"
-        top = z[f"p{p}_top_logits"]
-        clear = top[:, 0] - top[:, 1] > MARGIN
-        n_clear += int(clear.sum())
-        np.testing.assert_array_equal(am[clear], top_ids[clear, 0], err_msg=f"prompt {p}")
-    assert n_clear >= 8
+    check_logits_on_par_with_llama_cpp(m, z, top_logits=True)
 
 
 def test_past_the_window_rows_follow_transformers(model):
@@ -100,9 +73,7 @@ def test_past_the_window_rows_follow_transformers(model):
 def test_one_call_is_bitwise_single_steps_past_the_window(model):
     m, z = model
     toks = [int(t) for t in z[f"p{LONG}_tokens"]]
-    ref = m.new_session(n_ctx=64, n_threads=1)
-    rows = [ref.forward([t], logits="last")[1][0] for t in toks]
-    ref.close()
+    rows = single_step_rows(m, toks)
     for threads in (1, 2, 3):
         s = m.new_session(n_ctx=64, n_threads=threads)
         _, lg = s.forward(toks, logits="all")
@@ -117,15 +88,4 @@ def test_one_call_is_bitwise_single_steps_past_the_window(model):
 
 def test_a_batch_of_sessions_is_each_session_alone(model):
     m, z = model
-    prompts = [toks for _, toks in _prompts(z)]
-    alone = []
-    for toks in prompts:
-        s = m.new_session(n_ctx=64, n_threads=2)
-        alone.append(s.forward(toks, logits="all")[1])
-        s.close()
-    sessions = [m.new_session(n_ctx=64, n_threads=2) for _ in prompts]
-    out = forward_batch([(s, toks, "all", "all") for s, toks in zip(sessions, prompts)])
-    for i, (res, want) in enumerate(zip(out, alone)):
-        assert np.array_equal(res[1], want), f"session {i} differs in the batch"
-    for s in sessions:
-        s.close()
+    check_batch_is_each_session_alone(m, [toks for _, toks in prompts(z)])

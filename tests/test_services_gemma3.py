@@ -8,8 +8,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from echospec.stack import start_stack
-from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from conftest import stack_stub
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb
 
 OFF, ON = common_pb2.SPEC_MODE_OFF, common_pb2.SPEC_MODE_ON
 PROMPTS = [
@@ -21,11 +21,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stub(gemma3_path):
-    st = start_stack(gemma3_path, spec=False, n_ctx=512)
-    ch = grpc.insecure_channel(st.target)
-    yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
-    ch.close()
-    st.stop()
+    with stack_stub(gemma3_path, spec=False, n_ctx=512) as st:
+        yield st
 
 
 def test_info_names_gemma3(stub):
