@@ -221,28 +221,38 @@ def tiny_spm_spec() -> dict:
             "unk_id": 0}
 
 
-def write_tiny_spm_gguf(path: str, spec: dict) -> None:
-    """Write a tokenizer-only GGUF (architecture llama, no tensors) from `tiny_spm_spec`."""
+def _write_tokenizer_gguf(path: str, arch: str, model: str, spec: dict, add_fields) -> None:
+    """Write a tokenizer-only GGUF (architecture arch, tokenizer model, no tensors): a minimal
+    hyperparameter set, spec's tokens, token types and bos / eos ids, and what add_fields(writer)
+    adds."""
     import gguf
 
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_context_length(64)
     w.add_embedding_length(8)
     w.add_block_count(1)
     w.add_feed_forward_length(16)
     w.add_head_count(2)
     w.add_head_count_kv(1)
-    w.add_tokenizer_model("llama")
+    w.add_tokenizer_model(model)
     w.add_token_list(spec["tokens"])
     w.add_token_types(spec["token_types"])
-    w.add_token_scores(spec["scores"])
+    add_fields(w)
     w.add_bos_token_id(spec["bos_id"])
     w.add_eos_token_id(spec["eos_id"])
-    w.add_unk_token_id(spec["unk_id"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_tiny_spm_gguf(path: str, spec: dict) -> None:
+    """Write a tokenizer-only GGUF (architecture llama, no tensors) from `tiny_spm_spec`."""
+    def add_fields(w):
+        w.add_token_scores(spec["scores"])
+        w.add_unk_token_id(spec["unk_id"])
+
+    _write_tokenizer_gguf(path, "llama", "llama", spec, add_fields)
 
 
 def _char_byte(c: str) -> int:
@@ -261,26 +271,11 @@ def _char_byte(c: str) -> int:
 
 def write_tiny_gguf(path: str, spec: dict) -> None:
     """Write a tokenizer-only GGUF (architecture qwen2, no tensors) from `tiny_qwen2_spec`."""
-    import gguf
+    def add_fields(w):
+        w.add_tokenizer_pre(spec["pre"])
+        w.add_token_merges(spec["merges"])
 
-    w = gguf.GGUFWriter(path, "qwen2")
-    w.add_context_length(64)
-    w.add_embedding_length(8)
-    w.add_block_count(1)
-    w.add_feed_forward_length(16)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(spec["pre"])
-    w.add_token_list(spec["tokens"])
-    w.add_token_types(spec["token_types"])
-    w.add_token_merges(spec["merges"])
-    w.add_bos_token_id(spec["bos_id"])
-    w.add_eos_token_id(spec["eos_id"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tokenizer_gguf(path, "qwen2", "gpt2", spec, add_fields)
 
 
 def gemma_main(model: str, out_path: str) -> int:
