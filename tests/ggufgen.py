@@ -383,3 +383,26 @@ def tensor_names(arch: str, n_layer: int, tied: bool) -> Sequence[str]:
     if not tied:
         names.append("output.weight")
     return names
+
+
+def write_tokenizer_gguf(path: Path, tokens: list[str], token_types: list[int], merges: list[str],
+                         pre: str | None = "qwen2", model: str = "gpt2", bos_id: int | None = 0,
+                         eos_id: int | None = 2, chat_template: str | None = None,
+                         scores: list[float] | None = None, unk_id: int | None = None,
+                         add_space_prefix: bool | None = None, arch: str = "qwen2") -> Path:
+    """Write a tokenizer-only GGUF file (architecture arch, no tensors); a field left None (merges:
+    empty) is not written."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model(model)
+    for value, add in ((pre, w.add_tokenizer_pre), (tokens, w.add_token_list), (token_types, w.add_token_types),
+                       (scores, w.add_token_scores), (unk_id, w.add_unk_token_id),
+                       (add_space_prefix, w.add_add_space_prefix), (merges or None, w.add_token_merges),
+                       (bos_id, w.add_bos_token_id), (eos_id, w.add_eos_token_id),
+                       (chat_template, w.add_chat_template)):
+        if value is not None:
+            add(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

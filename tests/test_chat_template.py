@@ -6,11 +6,11 @@ import importlib.util
 import time
 from pathlib import Path
 
-import gguf
 import pytest
 
 from echospec.services.text.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, validate_messages
 from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
+from ggufgen import write_tokenizer_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -38,20 +38,8 @@ def _write_gguf(path: Path, chat_template: str | None) -> Path:
     from tokenizers.pre_tokenizers import ByteLevel
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(ByteLevel.alphabet())
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tokenizer_gguf(path, tokens, [3, 3, 3] + [1] * (len(tokens) - 3), [], pre="qwen2",
+                                bos_id=0, eos_id=2, chat_template=chat_template)
 
 
 # --- SmolLM2's own template ------------------------------------------------------------------------
@@ -243,20 +231,8 @@ def _write_plain_gguf(path: Path, chat_template: str | None = None) -> Path:
     from tokenizers.pre_tokenizers import ByteLevel
 
     tokens = ["<pad>", "<bos>", "<eos>"] + sorted(ByteLevel.alphabet())
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tokenizer_gguf(path, tokens, [3, 3, 3] + [1] * (len(tokens) - 3), [], pre="gpt2",
+                                bos_id=1, eos_id=2, chat_template=chat_template, arch="llama")
 
 
 def test_missing_template_without_chatml_tokens_refuses_chat(tmp_path):

@@ -16,6 +16,8 @@ from pathlib import Path
 import gguf
 import pytest
 
+from ggufgen import write_tokenizer_gguf
+
 from echospec.services.text.tokenizer import (
     IncrementalDecoder,
     StopMatcher,
@@ -44,39 +46,6 @@ def _model_path() -> Path:
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
     return Tokenizer.from_gguf(_model_path())
-
-
-def write_tokenizer_gguf(path: Path, tokens: list[str], token_types: list[int], merges: list[str],
-                         pre: str = "qwen2", model: str = "gpt2", bos_id: int | None = 0,
-                         eos_id: int | None = 2, chat_template: str | None = None,
-                         scores: list[float] | None = None, unk_id: int | None = None,
-                         add_space_prefix: bool | None = None) -> Path:
-    """Write a tokenizer-only GGUF file (architecture qwen2, no tensors)."""
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_tokenizer_model(model)
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    if scores is not None:
-        w.add_token_scores(scores)
-    if unk_id is not None:
-        w.add_unk_token_id(unk_id)
-    if add_space_prefix is not None:
-        w.add_add_space_prefix(add_space_prefix)
-    if merges:
-        w.add_token_merges(merges)
-    if bos_id is not None:
-        w.add_bos_token_id(bos_id)
-    if eos_id is not None:
-        w.add_eos_token_id(eos_id)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
