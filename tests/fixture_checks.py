@@ -47,12 +47,20 @@ def check_logits_on_par_with_llama_cpp(m, z, label: str = "", top_logits: bool =
     assert n_clear >= 8          # enough positions with a clear winner for the argmax check to mean something
 
 
-def single_step_rows(m, toks) -> list:
-    """The logits of toks fed one token a call, on one thread: what any other way must equal."""
+def check_one_call_is_single_steps(m, toks, label: str = "", then=None) -> None:
+    """toks in one call, on 1, 2 and 3 threads, gives bitwise the rows of one token a call on one
+    thread; then(session, rows, threads), where given, checks more on each session before it closes."""
     ref = m.new_session(n_ctx=64, n_threads=1)
     rows = [ref.forward([t], logits="last")[1][0] for t in toks]
     ref.close()
-    return rows
+    for threads in (1, 2, 3):
+        s = m.new_session(n_ctx=64, n_threads=threads)
+        _, lg = s.forward(toks, logits="all")
+        for i, row in enumerate(rows):
+            assert np.array_equal(lg[i], row), f"{label}row {i} differs on {threads} threads"
+        if then is not None:
+            then(s, rows, threads)
+        s.close()
 
 
 def check_batch_is_each_session_alone(m, prompt_ids, label: str = "") -> None:

@@ -24,7 +24,7 @@ from conftest import stack_stub
 from echospec.services.verifier.engine import EngineError, Model
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb
 from fixture_checks import (MARGIN, check_batch_is_each_session_alone, check_logits_on_par_with_llama_cpp,
-                            prompts, single_step_rows)
+                            check_one_call_is_single_steps, prompts)
 from reference import Reference
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
@@ -65,13 +65,7 @@ def test_logits_on_par_with_llama_cpp_against_transformers(fixture):
 def test_one_call_is_bitwise_single_steps_on_any_thread_count(fixture):
     name, m, z = fixture
     toks = [int(t) for t in z["p1_tokens"]]          # the prompt with repeated content
-    rows = single_step_rows(m, toks)
-    for threads in (1, 2, 3):
-        s = m.new_session(n_ctx=64, n_threads=threads)
-        _, lg = s.forward(toks, logits="all")
-        for i, row in enumerate(rows):
-            assert np.array_equal(lg[i], row), f"{name}: row {i} differs on {threads} threads"
-        s.close()
+    check_one_call_is_single_steps(m, toks, label=f"{name}: ")
 
 
 def test_a_batch_of_sessions_is_each_session_alone(fixture):

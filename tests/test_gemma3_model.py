@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from echospec.services.verifier.engine import Model
-from fixture_checks import (check_batch_is_each_session_alone, check_logits_on_par_with_llama_cpp, prompts,
-                            single_step_rows)
+from fixture_checks import (check_batch_is_each_session_alone, check_logits_on_par_with_llama_cpp,
+                            check_one_call_is_single_steps, prompts)
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
 NAME = "gemma3-Q8_0"
@@ -73,17 +73,14 @@ def test_past_the_window_rows_follow_transformers(model):
 def test_one_call_is_bitwise_single_steps_past_the_window(model):
     m, z = model
     toks = [int(t) for t in z[f"p{LONG}_tokens"]]
-    rows = single_step_rows(m, toks)
-    for threads in (1, 2, 3):
-        s = m.new_session(n_ctx=64, n_threads=threads)
-        _, lg = s.forward(toks, logits="all")
-        for i, row in enumerate(rows):
-            assert np.array_equal(lg[i], row), f"row {i} differs on {threads} threads"
+
+    def after_a_rollback(s, rows, threads):
         # a rollback across the window, then a verify-sized call: the same rows again
         s.rollback(21)
         _, again = s.forward(toks[21:26], logits="all")
         assert np.array_equal(again, np.stack(rows[21:26])), f"after a rollback, {threads} threads"
-        s.close()
+
+    check_one_call_is_single_steps(m, toks, then=after_a_rollback)
 
 
 def test_a_batch_of_sessions_is_each_session_alone(model):
