@@ -41,6 +41,9 @@ if [ ${#need[@]} -gt 0 ]; then
     fi
 fi
 RUNNER="$QEMU -cpu cortex-a76 -L $SYSROOT"
+# A test binary that runs past this many seconds under emulation is stopped
+# and counted as failing (exit 124), so a hang cannot eat CI's time budget.
+TEST_TIMEOUT=${ES_AARCH64_TEST_TIMEOUT:-900}
 
 passed=0
 failed=0
@@ -84,7 +87,7 @@ for simd in "${built[@]}"; do
     for t in $tests; do
         rc=0
         out=$(cd engine_c && ES_EXPECT_SIMD="$simd" ES_PARITY_SCALAR="$([ -f "$scalar_rec" ] && echo "$scalar_rec")" \
-              $RUNNER "$build/tests/$t" 2>&1) || rc=$?
+              timeout "$TEST_TIMEOUT" $RUNNER "$build/tests/$t" 2>&1) || rc=$?
         line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed$' | tail -1 || true)
         if [ -n "$line" ]; then
             p=${line%% passed*}
@@ -96,6 +99,7 @@ for simd in "${built[@]}"; do
         if [ "$rc" -ne 0 ] || [ -z "$line" ]; then
             [ -n "$line" ] || failed=$((failed + 1))
             broken+=("$simd:$t")
+            [ "$rc" -eq 124 ] && echo "aarch64: $simd $t ran past ${TEST_TIMEOUT}s and was stopped" >&2
             echo "== aarch64 $simd $t (exit $rc)" >&2
             echo "$out" | grep -v '^ok ' | tail -40 >&2
         elif [ "$VERBOSE" -eq 1 ]; then

@@ -198,6 +198,18 @@ def test_results_match_the_raw_protocol(stack):
     assert r.wall_s > 0 and r.tokens_per_s > 0
 
 
+@pytest.mark.parametrize("proto_name, cls", [("SpecStats", SpecStats), ("GenerationResult", Result)])
+def test_every_field_of_the_protocol_reaches_the_typed_result(proto_name, cls):
+    from dataclasses import fields
+
+    from echospec.v1 import common_pb2, coordinator_pb2
+
+    proto = getattr(common_pb2, proto_name, None) or getattr(coordinator_pb2, proto_name)
+    have = {f.name for f in fields(cls)}
+    missing = [f.name for f in proto.DESCRIPTOR.fields if f.name not in have]
+    assert not missing, f"{cls.__name__} lacks {missing} of echospec.v1.{proto_name}"
+
+
 def test_second_chat_turn_reuses_the_prefix(stack):
     with Client(stack.target, timeout=60) as c:
         history = [Message("system", "be brief"), {"role": "user", "content": "a b c d"}]

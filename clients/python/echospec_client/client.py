@@ -47,7 +47,8 @@ class SpecStats:
     whose KV the verifier's prefix cache supplied (not prefilled again).
     accepted/rejected_prediction_tokens: drafts from the request's prediction accepted and
     rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction") that
-    drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}.
+    drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}. k_choice: the verifier's cost
+    model's last choice of K and why (the measured T and V(K)), "" when it made none.
     """
 
     tries: int = 0
@@ -70,6 +71,7 @@ class SpecStats:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     sources: dict = field(default_factory=dict)
+    k_choice: str = ""
 
     @classmethod
     def from_proto(cls, s: common_pb2.SpecStats) -> "SpecStats":
