@@ -165,6 +165,32 @@ def test_sandbox_violations_are_refused(source: str):
         ChatTemplate(source).render([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         "work budget"),
+        ("{% for i in range(10**9) %}{% endfor %}", "range\\(\\) for 1000000000"),
+        ("{{ 'x' * 10**9 }}", "repeat a sequence"),
+        ("{{ [0] * 10**9 }}", "repeat a sequence"),
+        ("{% set s = 'x' * 900000 %}{{ s + s }}", "build a sequence"),
+        ("{{ 2 ** 10000000 }}", "bits"),
+    ],
+)
+def test_a_template_that_would_run_for_minutes_is_stopped_at_its_budget(source, pattern):
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=pattern):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_budget_is_per_render_and_leaves_real_work_alone():
+    t = ChatTemplate("{% for i in range(6) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                     "{{ 'ab' * 3 + 'c' }}{{ 2 ** 10 }}")
+    for _ in range(3):   # each render has its own budget
+        assert t.render([{"role": "user", "content": "x"}]) == "abababc1024"
+
+
 def test_template_that_does_not_compile_is_refused():
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate("{% for m in messages %}no end")
@@ -311,3 +337,41 @@ def test_missing_template_is_invalid_argument_over_grpc_and_400_over_http(tmp_pa
             assert r.prompt_tokens == same.prompt_tokens and r.token_ids == same.token_ids
     finally:
         st.stop()
+
+
+def test_a_hostile_template_costs_one_refused_request_not_the_server(tmp_path):
+    """A --chat-template whose loops would run for minutes on some messages: those requests get
+    INVALID_ARGUMENT naming the budget within seconds, others are served, and the stack stops at
+    once."""
+    import grpc
+    from ggufgen import write_tiny_model
+
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2 as cpb
+    from echospec.v1 import coordinator_pb2_grpc
+
+    model = tmp_path / "tiny-plain.gguf"
+    write_tiny_model(model, n_vocab=320, special_tokens=("<|endoftext|>", "<|turn|>", "<|end|>"))
+    tpl = tmp_path / "hostile.jinja"
+    tpl.write_text("{% for m in messages %}{% if m['content'] == 'spin' %}"
+                   "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                   "{% endif %}<|turn|>{{ m['content'] }}<|end|>{% endfor %}<|turn|>")
+    st = start_stack(str(model), n_ctx=256, n_threads=1, chat_template=str(tpl))
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Complete(cpb.CompleteRequest(messages=[cpb.ChatMessage(role="user", content="spin")],
+                                                  max_tokens=2), timeout=60)
+            assert time.monotonic() - t0 < 20
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert ei.value.details().startswith("messages: chat template exceeded its work budget"), \
+                ei.value.details()
+            r = stub.Complete(cpb.CompleteRequest(messages=[cpb.ChatMessage(role="user", content="hi")],
+                                                  max_tokens=2), timeout=30).result
+            assert r.prompt_tokens > 0 and r.completion_tokens >= 1
+    finally:
+        t0 = time.monotonic()
+        st.stop()
+        assert time.monotonic() - t0 < 20

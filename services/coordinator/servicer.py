@@ -32,7 +32,8 @@ import grpc
 from echospec_client.limits import MAX_REQUEST_ID
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.rpc import grpc_util
-from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError, MissingChatTemplateError
+from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateError,
+                                                   MissingChatTemplateError, TemplateRenderError)
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
 from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
@@ -240,6 +241,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 text = self.template.render(msgs, add_generation_prompt=True, **extra)
             except MissingChatTemplateError as exc:
                 raise _bad(f"messages cannot be used: {exc}") from None
+            except TemplateRenderError as exc:   # the messages were fine; the template failed
+                raise _bad(f"messages: {exc}") from None
             except ChatTemplateError as exc:
                 raise _bad(f"malformed chat messages: {exc}") from None
         else:

@@ -12,7 +12,11 @@ transformers' ``apply_chat_template`` does: ``jinja2.sandbox.ImmutableSandboxedE
 * the ``tojson`` filter (``ensure_ascii=False``, as transformers does).
 
 The sandbox forbids access to unsafe attributes and mutation of the inputs; a template that tries
-gets a `ChatTemplateError`, like every other render failure.
+gets a `ChatTemplateError`, like every other render failure. One render also has a work budget:
+``range`` yields at most `RENDER_BUDGET` items in all (nested loops count each inner item), and a
+``*`` or ``+`` that would build a string or list longer than that, or a ``**`` with a result of more
+than that many bits, is refused, so that a hostile template cannot hold a request's thread (and the
+server's shutdown) for minutes.
 
 A GGUF without a template gets `CHATML_TEMPLATE` (documented below) when its vocabulary has the
 ChatML tokens ``<|im_start|>`` and ``<|im_end|>``. Any other GGUF without a template (Gemma 3 270M,
@@ -37,12 +41,12 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from echospec.services.text.tokenizer import GGUFTokenizerMetadata, read_tokenizer_metadata
 
-__all__ = ["ChatTemplateError", "MissingChatTemplateError", "ChatTemplate", "CHATML_TEMPLATE",
-           "CHATML_TOKENS", "VALID_ROLES", "ROLE_ALIASES", "validate_messages"]
+__all__ = ["ChatTemplateError", "TemplateRenderError", "MissingChatTemplateError", "ChatTemplate",
+           "CHATML_TEMPLATE", "CHATML_TOKENS", "RENDER_BUDGET", "VALID_ROLES", "ROLE_ALIASES", "validate_messages"]
 
 # The fallback for a GGUF without tokenizer.chat_template: plain ChatML, no default system message.
 # Each message -> "<|im_start|>{role}\n{content}<|im_end|>\n"; generation prompt
@@ -65,6 +69,11 @@ _KEYS = frozenset({"role", "content"})
 
 class ChatTemplateError(ValueError):
     """Malformed chat messages, or a template that fails to compile or render."""
+
+
+class TemplateRenderError(ChatTemplateError):
+    """The messages were well formed but the template failed on them: ``raise_exception``, a
+    sandbox violation, its work budget, or a Python error inside the template."""
 
 
 class MissingChatTemplateError(ChatTemplateError):
@@ -128,6 +137,60 @@ def _strftime_now(fmt: str) -> str:
     return time.strftime(fmt)
 
 
+# items one render may take from range(), in all; also the longest string or list a * or + may
+# build and the most bits a ** may produce (real chat templates need a few hundred)
+RENDER_BUDGET = 1_000_000
+
+
+class _Budget:
+    """One render's work budget: a ``range`` that counts what it yields."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def range(self, *args: int):
+        r = range(*args)
+        if len(r) > MAX_RANGE:
+            raise TemplateRenderError(f"chat template asked range() for {len(r)} items; "
+                                    f"the most one call may yield is {MAX_RANGE}")
+        return self._count(r)
+
+    def _count(self, r: range):
+        for x in r:
+            self.left -= 1
+            if self.left < 0:
+                raise TemplateRenderError(f"chat template exceeded its work budget: its loops took "
+                                        f"more than {RENDER_BUDGET} items from range()")
+            yield x
+
+
+def _size(x: Any) -> int | None:
+    return len(x) if isinstance(x, (str, bytes, list, tuple)) else None
+
+
+class _BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*``, ``+`` and ``**`` checked against `RENDER_BUDGET` first."""
+
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if _size(seq) is not None and isinstance(n, int) and _size(seq) * max(n, 0) > RENDER_BUDGET:
+                    raise TemplateRenderError(f"chat template tried to repeat a sequence of {_size(seq)} "
+                                            f"items {n} times; the limit is {RENDER_BUDGET} items")
+        elif operator == "+":
+            a, b = _size(left), _size(right)
+            if a is not None and b is not None and a + b > RENDER_BUDGET:
+                raise TemplateRenderError(f"chat template tried to build a sequence of {a + b} items; "
+                                        f"the limit is {RENDER_BUDGET}")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            if abs(left) > 1 and abs(left).bit_length() * right > RENDER_BUDGET:
+                raise TemplateRenderError(f"chat template tried to compute {left} ** {right}, a number "
+                                        f"of more than {RENDER_BUDGET} bits")
+        return super().call_binop(context, operator, left, right)
+
+
 class ChatTemplate:
     """A compiled chat template.
 
@@ -152,7 +215,7 @@ class ChatTemplate:
         self.source: str = source if source else CHATML_TEMPLATE
         self.bos_token: str = bos_token
         self.eos_token: str = eos_token
-        env = ImmutableSandboxedEnvironment(
+        env = _BudgetedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = _tojson
@@ -219,8 +282,8 @@ class ChatTemplate:
 
         Raises:
             MissingChatTemplateError: the model has no chat template (`missing`).
-            ChatTemplateError: malformed messages (naming message index and field), or a render
-                failure: ``raise_exception`` called by the template, a sandbox security violation,
+            ChatTemplateError: malformed messages (naming message index and field).
+            TemplateRenderError: a render failure: ``raise_exception`` called by the template, a sandbox security violation,
                 or any other error inside the template.
         """
         if self.missing is not None:
@@ -233,11 +296,14 @@ class ChatTemplate:
                 add_generation_prompt=bool(add_generation_prompt),
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                range=_Budget(RENDER_BUDGET).range,
                 **extra,
             )
+        except TemplateRenderError:
+            raise
         except jinja2.exceptions.SecurityError as e:
-            raise ChatTemplateError(f"chat template violated the sandbox: {e}") from None
+            raise TemplateRenderError(f"chat template violated the sandbox: {e}") from None
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template error: {e}") from None
+            raise TemplateRenderError(f"chat template error: {e}") from None
         except Exception as e:  # errors raised by Python operations inside the template
-            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+            raise TemplateRenderError(f"chat template failed: {type(e).__name__}: {e}") from None
