@@ -164,6 +164,23 @@ def test_generate_messages_file(server, tmp_path):
     assert json.loads(r.stdout)["finish_reason"] in ("length", "eos", "stop")
 
 
+def test_a_private_stack_takes_a_chat_template(tmp_path):
+    """generate without --target on a model with no chat template: messages are refused with a
+    hint at --chat-template, which generate takes and which makes them work."""
+    model = tmp_path / "plain.gguf"
+    write_tiny_model(model, n_vocab=320, special_tokens=("<|endoftext|>", "<|turn|>", "<|end|>"))
+    msgs = tmp_path / "chat.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    args = [*ECHOSPEC, "generate", "--model", str(model), "--messages", str(msgs), "--max-tokens", "2",
+            "--json"]
+    r = run(args, check=False)
+    assert r.returncode == 2 and "no chat template" in r.stderr and "--chat-template" in r.stderr, r.stderr
+    tpl = tmp_path / "chat.jinja"
+    tpl.write_text("{% for m in messages %}<|turn|>{{ m['content'] }}<|end|>{% endfor %}<|turn|>")
+    out = json.loads(run([*args, "--chat-template", str(tpl)]).stdout)
+    assert out["prompt_tokens"] > 0 and out["completion_tokens"] >= 1
+
+
 def test_generate_bad_messages_file(server, tmp_path):
     f = tmp_path / "bad.json"
     f.write_text("{not json")
@@ -318,6 +335,12 @@ def test_readme_grpcurl_examples(server):
     (["serve", "--port", "50998", "--verifier-port", "50998"], "must differ"),
     (["serve", "--batch-max", "0"], "--batch-max 0"),
     (["serve", "--prefill-chunk", "0"], "--prefill-chunk 0"),
+    # a model name that names nothing, options of a private stack given with --target
+    (["generate", "hi", "--model", "nosuchmodel"], "the names are gemma3-270m, smollm2-135m"),
+    (["serve", "--model", "nosuchmodel", "--port", "0"], "--model nosuchmodel: no such file, and not a model name"),
+    (["generate", "hi", "--model", "smollm2-135m", "--target", "127.0.0.1:1"], "--model applies to a private stack"),
+    (["chat", "--chat-template", "t.jinja", "--target", "127.0.0.1:1"], "--chat-template applies to a private"),
+    (["chat", "--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: cannot read"),
 ])
 def test_bad_cli_arguments_exit_2_with_a_message(args, message):
     r = run([*ECHOSPEC, *args], check=False, timeout=60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import socket
 import sys
@@ -96,7 +97,23 @@ def _resolve_model(value: str | None) -> str:
         mod = _fetch_model_module()
         if mod is not None and value in mod.MODELS:
             return _default_model(value)
+        if mod is not None and "/" not in value and not value.lower().endswith(".gguf"):
+            _die(f"--model {value}: no such file, and not a model name; the names are "
+                 f"{', '.join(sorted(mod.MODELS))} (or give the path of a GGUF file)", 2)
     return value
+
+
+def _check_chat_template(path: str) -> str:
+    """A --chat-template file, read and compiled before any model is fetched or loaded: its
+    absolute path, or exit 2 naming the problem."""
+    from echospec.services.coordinator.server import read_chat_template
+    from echospec.services.text.chat_template import ChatTemplate
+
+    try:
+        ChatTemplate(read_chat_template(path))
+    except ValueError as exc:
+        _die(str(exc) if str(exc).startswith("--chat-template") else f"--chat-template {path}: {exc}", 2)
+    return os.path.abspath(path)
 
 
 def _check_bind(name: str, flag: str, host: str, port: int) -> None:
@@ -196,15 +213,22 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         if not args.target.strip():
             _die("--target must be host:port, not empty", 2)
         _check_target_form(args.target)
+        for flag, value in (("--model", args.model), ("--chat-template", getattr(args, "chat_template", None))):
+            if value:
+                _die(f"{flag} applies to a private stack; the server at --target {args.target} "
+                     f"uses its own (leave out {flag}, or leave out --target)", 2)
         yield args.target
         return
     from echospec.stack import StackError, start_stack
 
+    template = getattr(args, "chat_template", None)
+    template = _check_chat_template(template) if template else ""
     model = _resolve_model(args.model)
     _check_model(model)
     print("echospec: no --target given; starting a private stack on loopback ...", file=sys.stderr)
     try:
-        stack = start_stack(model, port=0, spec=False, n_threads=getattr(args, "threads", 0) or 0)
+        stack = start_stack(model, port=0, spec=False, n_threads=getattr(args, "threads", 0) or 0,
+                            chat_template=template)
     except StackError as exc:
         _die(str(exc))
     try:
@@ -454,6 +478,9 @@ def _add_client_args(p: argparse.ArgumentParser,
                    help="coordinator host:port, e.g. 127.0.0.1:50051 (default: start a private stack)")
     p.add_argument("--model", help="GGUF file or model name (smollm2-135m, gemma3-270m) for a private "
                                    "stack (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template for a private stack, in place of the model's own "
+                        "(a model without one, such as gemma3-270m, needs it for chat messages)")
     if json_help is not None:
         p.add_argument("--json", action="store_true", help=json_help)
     p.add_argument("--connect-timeout", type=_seconds, default=10.0,

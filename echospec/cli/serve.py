@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from echospec.cli.common import (Interrupted, _check_bind, _check_ca, _check_model, _resolve_model,
-                                 _die, _raise_if_interrupted, _say, _ssl_reason, _url_host, _utf8)
+from echospec.cli.common import (Interrupted, _check_bind, _check_ca, _check_chat_template, _check_model,
+                                 _resolve_model, _die, _raise_if_interrupted, _say, _ssl_reason, _url_host, _utf8)
 from echospec.services.common.config import CoordinatorConfig, check_ranges, setting_name
 from echospec.stack import StackConfigs
 
@@ -142,14 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              ("metrics", "--metrics-port", max(c.metrics_port, 0))):
         _check_bind(name, flag, c.host, port)
     if c.chat_template:   # a bad file is named before the model is fetched or loaded
-        from echospec.services.coordinator.server import read_chat_template
-        from echospec.services.text.chat_template import ChatTemplate
-        try:
-            ChatTemplate(read_chat_template(c.chat_template))
-        except ValueError as exc:
-            _die(str(exc) if str(exc).startswith("--chat-template") else
-                 f"--chat-template {c.chat_template}: {exc}", 2)
-        c = dataclasses.replace(c, chat_template=os.path.abspath(c.chat_template))
+        c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
     model = _resolve_model(c.model)
     _check_model(model)
