@@ -144,8 +144,10 @@ es_session_params es_session_default_params(void);
  * Mixture-of-experts files repack each expert's matrices the same way. The
  * copy is refused with ES_ERR_NOMEM, before anything is allocated, when it
  * exceeds the memory available (Linux MemAvailable, lowered to a cgroup v2
- * limit's room; the environment variable ECHOSPEC_MEM_AVAILABLE, in bytes,
- * overrides both), with a message giving both sizes.
+ * limit's room; the environment variable ECHOSPEC_MEM_AVAILABLE, in bytes or
+ * with a K, M, G or T suffix, overrides both), with a message giving both
+ * sizes and where the available figure came from. A malformed
+ * ECHOSPEC_MEM_AVAILABLE gives ES_ERR_INVALID_ARG naming it.
  * params->flags ES_MODEL_NO_REPACK skips the copy. params may be NULL
  * (defaults); unknown flag bits give ES_ERR_INVALID_ARG.
  */
@@ -164,7 +166,8 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
  * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache (IEEE float16: 2 *
  * n_layer * n_ctx rounded up to 64 * n_head_kv * head_dim * 2 bytes) cannot
  * be allocated or exceeds the memory available (as es_model_load counts it;
- * refused before anything is mapped),
+ * refused before anything is mapped; ES_ERR_INVALID_ARG for a malformed
+ * ECHOSPEC_MEM_AVAILABLE),
  * ES_ERR_INTERNAL when a worker thread cannot be started. On failure *out is
  * NULL and a message goes to err (like es_model_load).
  */

@@ -381,10 +381,20 @@ uint16_t es_fp32_to_fp16(float f);
 float es_bf16_to_fp32(uint16_t h);
 
 /* Bytes of memory this process may still take: the environment variable
- * ECHOSPEC_MEM_AVAILABLE (bytes) when set, else Linux's MemAvailable (which
- * counts the page cache that can be dropped; else the free physical pages),
- * lowered to a cgroup v2 limit's room (a container); -1 when unknown. */
-int64_t es_mem_available(void);
+ * ECHOSPEC_MEM_AVAILABLE when set (bytes, or a number with K, M, G or T;
+ * -2 when it is not such a size), else Linux's MemAvailable (which counts
+ * the page cache that can be dropped; else the free physical pages), lowered
+ * to a cgroup v2 limit's room (a container); -1 when unknown. *source (when
+ * source is not NULL) names where the figure came from. */
+int64_t es_mem_available(const char **source);
+
+/* ES_OK when `need` bytes fit in es_mem_available(); else ES_ERR_NOMEM with
+ * "<what> need(s) <size> but only <size> of memory is available (<source>);
+ * <advice>", or ES_ERR_INVALID_ARG naming a malformed ECHOSPEC_MEM_AVAILABLE. */
+int es_mem_check(int64_t need, const char *what, const char *advice, char *err, size_t err_len);
+
+/* bytes as "812.0 MiB", "2.31 GiB", ... in buf; returns buf */
+const char *es_size_str(double bytes, char buf[32]);
 
 /* Format into a caller buffer (never overflows; NULL buf is a no-op). */
 void es_set_err(char *buf, size_t len, const char *fmt, ...)

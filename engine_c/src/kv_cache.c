@@ -10,6 +10,7 @@
  * (es_fp32_to_fp16: round to nearest even), by the same scalar function on
  * every target, so what the cache holds does not depend on the SIMD path.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -56,12 +57,11 @@ es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *er
      * first token would make the kernel zero every page of the cache (about
      * 47 MB for SmolLM2 at n_ctx 2048) where 4 KiB pages zero what is used. */
     kv->map_bytes = elems * sizeof(uint16_t);
-    int64_t avail = es_mem_available();
-    if (avail >= 0 && (int64_t)(2 * kv->map_bytes) > avail) {   /* refused before anything is mapped */
-        es_set_err(err, err_len, "KV cache of %d tokens needs %.2f GiB but only %.2f GiB of memory is "
-                   "available (MemAvailable); use a smaller n_ctx", (int)n_ctx,
-                   2.0 * (double)kv->map_bytes / (1 << 30), (double)avail / (1 << 30));
-        return ES_ERR_NOMEM;
+    {   /* refused before anything is mapped */
+        char what[64];
+        snprintf(what, sizeof what, "the KV cache of %d tokens", (int)n_ctx);
+        int rc = es_mem_check((int64_t)(2 * kv->map_bytes), what, "use a smaller n_ctx", err, err_len);
+        if (rc != ES_OK) return (es_status)rc;
     }
     size_t run_bytes = (size_t)kv->n_blk * ES_KV_BLOCK * (size_t)in->head_dim * sizeof(uint16_t);
     for (int i = 0; i < 2; i++) {
@@ -74,8 +74,9 @@ es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *er
         else kv->v = p;
     }
     if (!kv->k || !kv->v) {
-        es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%zu bytes)", (int)n_ctx,
-                   2 * elems * sizeof(uint16_t));
+        char sz[32];
+        es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%s)", (int)n_ctx,
+                   es_size_str(2.0 * (double)elems * sizeof(uint16_t), sz));
         es_kv_free(kv);
         return ES_ERR_NOMEM;
     }

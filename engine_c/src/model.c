@@ -724,18 +724,18 @@ static es_status pack_weights(model_impl *mi, char *err, size_t err_len) {
         return ES_OK;
     }
     size_t alloc = (total + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
-    int64_t avail = es_mem_available();
-    if (avail >= 0 && (int64_t)alloc > avail) {   /* the copy replaces the mapped pages, but not before it is made */
+    /* the copy replaces the mapped pages, but not before it is made */
+    int rc = es_mem_check((int64_t)alloc, "model: the repacked weights",
+                          "free memory or load a smaller file", err, err_len);
+    if (rc != ES_OK) {
         free(ts);
-        es_set_err(err, err_len, "model: the repacked weights need %.2f GiB but only %.2f GiB of memory is "
-                   "available (MemAvailable); free memory or load a smaller file",
-                   (double)alloc / (1 << 30), (double)avail / (1 << 30));
-        return ES_ERR_NOMEM;
+        return (es_status)rc;
     }
     if (posix_memalign(&mi->arena, ARENA_ALIGN, alloc) != 0) {
         mi->arena = NULL;
         free(ts);
-        es_set_err(err, err_len, "model: out of memory repacking the weights (%zu bytes)", alloc);
+        char sz[32];
+        es_set_err(err, err_len, "model: out of memory repacking the weights (%s)", es_size_str((double)alloc, sz));
         return ES_ERR_NOMEM;
     }
 #ifdef MADV_HUGEPAGE

@@ -147,9 +147,10 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     if (!s) { es_set_err(err, err_len, "out of memory for the session"); return ES_ERR_NOMEM; }
     s->model = model;
     s->n_threads = n_threads;
-    if (es_kv_init(&s->kv, in, n_ctx, err, err_len) != ES_OK) {
+    es_status kv_rc = es_kv_init(&s->kv, in, n_ctx, err, err_len);
+    if (kv_rc != ES_OK) {
         es_session_free(s);
-        return ES_ERR_NOMEM;
+        return kv_rc;
     }
     int grp = in->n_head / in->n_head_kv;
     s->group_cap = grp < ES_MAX_GROUP ? grp : ES_MAX_GROUP;

@@ -1,4 +1,5 @@
 /* util.c - half-precision conversions, error formatting, available memory. */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,14 +74,36 @@ void es_set_err(char *buf, size_t len, const char *fmt, ...) {
     va_end(ap);
 }
 
-int64_t es_mem_available(void) {
+/* ECHOSPEC_MEM_AVAILABLE: a byte count, or a number with a K, M, G or T
+ * suffix (powers of 1024; "KiB", "MB", ... accepted too); -1 when malformed. */
+static int64_t parse_size(const char *s) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno != 0 || !(v >= 0.0)) return -1;
+    double unit = 1.0;
+    switch (*end) {
+    case 'k': case 'K': unit = 1024.0; end++; break;
+    case 'm': case 'M': unit = 1024.0 * 1024; end++; break;
+    case 'g': case 'G': unit = 1024.0 * 1024 * 1024; end++; break;
+    case 't': case 'T': unit = 1024.0 * 1024 * 1024 * 1024; end++; break;
+    default: break;
+    }
+    if (unit > 1.0 && *end == 'i') end++;
+    if (*end == 'B' || *end == 'b') end++;
+    if (*end != '\0' || v * unit > 9.0e18) return -1;
+    return (int64_t)(v * unit);
+}
+
+int64_t es_mem_available(const char **source) {
+    const char *src = "unknown";
+    int64_t avail = -1;
     const char *env = getenv("ECHOSPEC_MEM_AVAILABLE");
     if (env != NULL && *env) {
-        char *end = NULL;
-        long long v = strtoll(env, &end, 10);
-        if (end != env && *end == '\0' && v >= 0) return (int64_t)v;
+        if (source) *source = "ECHOSPEC_MEM_AVAILABLE";
+        int64_t v = parse_size(env);
+        return v >= 0 ? v : -2;
     }
-    int64_t avail = -1;
     FILE *f = fopen("/proc/meminfo", "r");
     if (f != NULL) {
         char line[128];
@@ -88,11 +111,17 @@ int64_t es_mem_available(void) {
         while (fgets(line, sizeof line, f))
             if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
         fclose(f);
-        if (kb >= 0) avail = (int64_t)kb * 1024;
+        if (kb >= 0) {
+            avail = (int64_t)kb * 1024;
+            src = "MemAvailable in /proc/meminfo";
+        }
     }
     if (avail < 0) {
         long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        if (pages > 0 && page > 0) avail = (int64_t)pages * page;
+        if (pages > 0 && page > 0) {
+            avail = (int64_t)pages * page;
+            src = "free physical pages";
+        }
     }
     /* a container's memory limit (cgroup v2), which MemAvailable does not show */
     long long max = -1, cur = -1;
@@ -101,8 +130,38 @@ int64_t es_mem_available(void) {
         fclose(f);
     }
     if (max > 0 && (f = fopen("/sys/fs/cgroup/memory.current", "r")) != NULL) {
-        if (fscanf(f, "%lld", &cur) == 1 && cur <= max && (avail < 0 || max - cur < avail)) avail = max - cur;
+        if (fscanf(f, "%lld", &cur) == 1 && cur <= max && (avail < 0 || max - cur < avail)) {
+            avail = max - cur;
+            src = "the container's memory limit (cgroup memory.max less memory.current)";
+        }
         fclose(f);
     }
+    if (source) *source = src;
     return avail;
+}
+
+const char *es_size_str(double bytes, char buf[32]) {
+    if (bytes >= 1024.0 * 1024 * 1024) snprintf(buf, 32, "%.2f GiB", bytes / (1024.0 * 1024 * 1024));
+    else if (bytes >= 1024.0 * 1024) snprintf(buf, 32, "%.1f MiB", bytes / (1024.0 * 1024));
+    else if (bytes >= 1024.0) snprintf(buf, 32, "%.1f KiB", bytes / 1024.0);
+    else snprintf(buf, 32, "%.0f bytes", bytes);
+    return buf;
+}
+
+int es_mem_check(int64_t need, const char *what, const char *advice, char *err, size_t err_len) {
+    const char *src = NULL;
+    int64_t avail = es_mem_available(&src);
+    if (avail == -2) {
+        es_set_err(err, err_len, "ECHOSPEC_MEM_AVAILABLE=%s is not a size: give bytes, or a number "
+                   "with K, M, G or T (e.g. 8G)", getenv("ECHOSPEC_MEM_AVAILABLE"));
+        return ES_ERR_INVALID_ARG;
+    }
+    if (avail >= 0 && need > avail) {
+        char a[32], b[32];
+        es_set_err(err, err_len, "%s need%s %s but only %s of memory is available (%s); %s", what,
+                   strstr(what, "weights") ? "" : "s", es_size_str((double)need, a),
+                   es_size_str((double)avail, b), src, advice);
+        return ES_ERR_NOMEM;
+    }
+    return ES_OK;
 }

@@ -276,7 +276,8 @@ TEST(memory_refused_before_allocating) {
     es_status st = es_model_load(path, NULL, &m, err, sizeof err);
     if (strcmp(es_simd_name(), "scalar") != 0) {      /* scalar builds keep the weights mapped: no copy */
         CHECK_EQ_INT(st, ES_ERR_NOMEM);
-        CHECK(strstr(err, "repacked weights need") != NULL && strstr(err, "MemAvailable") != NULL);
+        CHECK(strstr(err, "repacked weights need ") != NULL && strstr(err, " MiB but only 97.7 KiB") != NULL);
+        CHECK(strstr(err, "(ECHOSPEC_MEM_AVAILABLE)") != NULL);
         CHECK(m == NULL);
     }
     es_model_free(m);
@@ -288,8 +289,22 @@ TEST(memory_refused_before_allocating) {
     sp.n_ctx = 65536;
     es_session *s = NULL;
     CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_ERR_NOMEM);
-    CHECK(strstr(err, "KV cache of 65536 tokens needs") != NULL);
+    CHECK(strstr(err, "KV cache of 65536 tokens needs ") != NULL && strstr(err, "only 976.6 KiB") != NULL);
     CHECK(s == NULL);
+    setenv("ECHOSPEC_MEM_AVAILABLE", "0.5M", 1);       /* a suffix: 512 KiB */
+    CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_ERR_NOMEM);
+    CHECK(strstr(err, "only 512.0 KiB of memory is available (ECHOSPEC_MEM_AVAILABLE)") != NULL);
+    const char *bad[] = {"lots", "8X", "-1", "1e30", "8 G"};
+    for (int i = 0; i < 5; i++) {                      /* not a size: refused, not ignored */
+        setenv("ECHOSPEC_MEM_AVAILABLE", bad[i], 1);
+        CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_ERR_INVALID_ARG);
+        CHECK(strstr(err, "is not a size") != NULL && strstr(err, bad[i]) != NULL);
+        CHECK(s == NULL);
+    }
+    setenv("ECHOSPEC_MEM_AVAILABLE", "64GiB", 1);      /* enough: as without the variable */
+    CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_OK);
+    es_session_free(s);
+    s = NULL;
     unsetenv("ECHOSPEC_MEM_AVAILABLE");
     CHECK_EQ_INT(es_session_new(m, &sp, &s, err, sizeof err), ES_OK);
     es_session_free(s);
