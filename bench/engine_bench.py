@@ -486,7 +486,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=None, help="prefill length (default 128)")
     ap.add_argument("--decode-tokens", type=int, default=None,
                     help="greedy decode length per round (default 64)")
-    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_KS),
+    ap.add_argument("--ks", type=_k_list, default=list(DEFAULT_KS),
                     help="draft lengths K for V(K)/T (default 1,2,4,8,16)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the token ids (default 1234)")
     ap.add_argument("--overhead-ms", type=float, default=0.5,
@@ -698,6 +698,18 @@ def format_table(res: dict) -> str:
     goal_text = ", ".join(f"{k}: {'-' if v is None else ('yes' if v else 'NO')}" for k, v in res["goals"].items())
     lines.append(f"goals: {goal_text}")
     return "\n".join(lines)
+
+
+def _k_list(text: str) -> list[int]:
+    """--ks: comma-separated draft lengths, each >= 1."""
+    try:
+        ks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
+                                         f"(e.g. 1,2,4,8)") from None
+    if any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"{text!r}: every K must be >= 1")
+    return ks
 
 
 def main(argv: Sequence[str] | None = None) -> int:

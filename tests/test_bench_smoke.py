@@ -174,9 +174,11 @@ def test_forward_ab_compares_two_builds(tmp_path):
     (["--simd", "sse2"], "invalid choice"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--threads", "300"], "at most 256 threads"),
+    (["--ks", "abc"], "not a comma-separated list of integers"),
+    (["--ks", "0,2"], "every K must be >= 1"),
 ])
 def test_bench_argument_errors(tmp_path, args, message):
-    """Found by the second new-user trial: these crashed, ran for minutes, or were overridden by --quick."""
+    """Flags that crashed, ran for minutes, were overridden by --quick or gave Python's own words."""
     model = tmp_path / "tiny.gguf"
     write_tiny_model(model, arch="llama", matrix_type="Q4_1", embd_type="Q8_0")
     r = _run("--model", str(model), "--quick", "--no-peer", *args)

@@ -608,6 +608,8 @@ def test_chat_template_kwargs_enable_thinking():
                             chat=True).request
     assert req.HasField("enable_thinking") and req.enable_thinking is False
     assert not api.parse_request({"messages": MESSAGES}, chat=True).request.HasField("enable_thinking")
+    assert not api.parse_request({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": None}},
+                                 chat=True).request.HasField("enable_thinking")   # null: the default
     assert api.complete_request(req).enable_thinking is False          # carried to Complete too
     for kw, param in (({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking"),
                       ({"tools": []}, "chat_template_kwargs"), ([1], "chat_template_kwargs")):
@@ -617,3 +619,4 @@ def test_chat_template_kwargs_enable_thinking():
     with pytest.raises(api.ApiError) as ei:    # a chat field, not a completion one
         api.parse_request({"prompt": "hi", "chat_template_kwargs": {}}, chat=False)
     assert ei.value.param == "chat_template_kwargs"
+    assert "applies to /v1/chat/completions" in ei.value.message, ei.value.message

@@ -9,7 +9,7 @@ OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
     draft_namespace  cross-request draft memory scope ("" shares nothing)
-    chat_template_kwargs  chat only, as in vLLM: {"enable_thinking": bool} for the model's chat
+    chat_template_kwargs  chat only, as in vLLM: {"enable_thinking": bool or null} for the model's chat
                      template (Qwen3: false answers without a reasoning block); no other key
 Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
 temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
@@ -226,6 +226,9 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     known = (_CHAT if chat else _COMPLETION) | _IGNORED
     for name in body:
         if name not in known:
+            if name in _CHAT and not chat:   # a chat field sent to /v1/completions
+                raise bad(f"{name} applies to /v1/chat/completions (chat messages); a completion's "
+                          f"prompt is used as it is", name)
             raise bad(f"Unrecognized request argument supplied: {name}", name)
     n = body.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
@@ -419,9 +422,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
             extra = sorted(set(kw) - {"enable_thinking"}) if isinstance(kw, dict) else None
             raise bad("chat_template_kwargs must be an object whose only key is enable_thinking"
                       + (f" (got {', '.join(map(repr, extra))})" if extra else ""), "chat_template_kwargs")
-        if "enable_thinking" in kw:
+        if kw.get("enable_thinking") is not None:   # null: the template's default, as when absent
             if not isinstance(kw["enable_thinking"], bool):
-                raise bad("chat_template_kwargs.enable_thinking must be true or false",
+                raise bad("chat_template_kwargs.enable_thinking must be true, false or null",
                           "chat_template_kwargs.enable_thinking")
             req.enable_thinking = kw["enable_thinking"]
     return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage,
