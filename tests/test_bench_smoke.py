@@ -440,3 +440,33 @@ def test_qwen3_shapes_cli(tmp_path):
     bad = subprocess.run([sys.executable, str(SHAPES_SCRIPT), "--list", "--shapes", "30B-A3B", "--types", "Q8_0"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "30B-A3B: written directly as Q4_K_M" in bad.stderr
+
+
+# ---- bench/quality_kld.py -------------------------------------------------------------------
+
+KLD = ROOT / "bench" / "quality_kld.py"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/m.gguf"], "model file not found: /nonexistent/m.gguf"),
+    (["--model", str(ROOT / "tests/data/models/gemma3-Q8_0.gguf"), "--texts", "/nonexistent.txt"],
+     "text file not found: /nonexistent.txt"),
+    (["--model", str(ROOT / "tests/data/models/gemma3-Q8_0.gguf"), "--threads", "0"], "--threads 0"),
+])
+def test_quality_kld_argument_errors(args, message):
+    r = subprocess.run([sys.executable, str(KLD), *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_quality_kld_on_the_gemma3_fixture(tmp_path):
+    """Both engines against llama.cpp's F32 copy of a tiny gemma3 file: small, finite KLDs."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) runs the reference")
+    text = tmp_path / "t.txt"
+    text.write_text("The harbour town woke slowly in winter. " * 8)
+    r = subprocess.run([sys.executable, str(KLD), "--model", str(ROOT / "tests/data/models/gemma3-Q8_0.gguf"),
+                        "--texts", str(text), "--max-tokens", "48", "--json"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env={**os.environ, "ECHOSPEC_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["texts"]["t.txt"]
+    for eng in ("echospec", "llama.cpp"):
+        assert 0 <= out[eng]["kld_mean"] < 0.05 and 0.8 <= out[eng]["top1_agree"] <= 1.0, out
