@@ -12,11 +12,14 @@ transformers' ``apply_chat_template`` does: ``jinja2.sandbox.ImmutableSandboxedE
 * the ``tojson`` filter (``ensure_ascii=False``, as transformers does).
 
 The sandbox forbids access to unsafe attributes and mutation of the inputs; a template that tries
-gets a `ChatTemplateError`, like every other render failure. One render also has a work budget:
-``range`` yields at most `RENDER_BUDGET` items in all (nested loops count each inner item), and a
-``*`` or ``+`` that would build a string or list longer than that, or a ``**`` with a result of more
-than that many bits, is refused, so that a hostile template cannot hold a request's thread (and the
-server's shutdown) for minutes.
+gets a `ChatTemplateError`, like every other render failure. One render also has a work budget, so
+that a hostile template (a ``--chat-template`` file, or a GGUF's) cannot hold a request's thread,
+the server's memory or its shutdown: it runs for at most `RENDER_SECONDS` (a trace on the rendering
+thread checks the clock at each line of template code); ``range`` yields at most `RENDER_BUDGET`
+items in all; a ``*`` or ``+`` that would build a string or list longer than that, a ``**`` with a
+result of more than that many bits, a call or filter given a number past it (``ljust``,
+``center``, a format's width) and a format string with a width of a million or more are refused.
+Constant expressions are not evaluated at compile time, so compiling runs none of the template.
 
 A GGUF without a template gets `CHATML_TEMPLATE` (documented below) when its vocabulary has the
 ChatML tokens ``<|im_start|>`` and ``<|im_end|>``. Any other GGUF without a template (Gemma 3 270M,
@@ -36,7 +39,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import time
+from contextlib import contextmanager
 from typing import Any, Mapping, Sequence
 
 import jinja2
@@ -138,8 +144,14 @@ def _strftime_now(fmt: str) -> str:
 
 
 # items one render may take from range(), in all; also the longest string or list a * or + may
-# build and the most bits a ** may produce (real chat templates need a few hundred)
+# build, the largest int a call or filter may take (a width, a count) and the most bits a ** may
+# produce (real chat templates need a few hundred of each)
 RENDER_BUDGET = 1_000_000
+# seconds one render may run (a real template renders in well under a millisecond)
+RENDER_SECONDS = 1.0
+
+# a run of 7 or more digits in a format string: a width or precision past RENDER_BUDGET's order
+_HUGE_FORMAT = re.compile(r"\d{7,}")
 
 
 class _Budget:
@@ -152,7 +164,7 @@ class _Budget:
         r = range(*args)
         if len(r) > MAX_RANGE:
             raise TemplateRenderError(f"chat template asked range() for {len(r)} items; "
-                                    f"the most one call may yield is {MAX_RANGE}")
+                                      f"the most one call may yield is {MAX_RANGE}")
         return self._count(r)
 
     def _count(self, r: range):
@@ -160,34 +172,99 @@ class _Budget:
             self.left -= 1
             if self.left < 0:
                 raise TemplateRenderError(f"chat template exceeded its work budget: its loops took "
-                                        f"more than {RENDER_BUDGET} items from range()")
+                                          f"more than {RENDER_BUDGET} items from range()")
             yield x
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Stop the template code this thread runs once it has run ``seconds`` (a loop over a long
+    string or list, which no counter sees): a trace function on this thread only checks the clock
+    at each line the template's code runs."""
+    end = time.monotonic() + seconds
+    previous = sys.gettrace()
+
+    def trace(frame, event, arg):
+        if time.monotonic() > end:
+            raise TemplateRenderError(f"chat template ran for more than {seconds:g} s "
+                                      f"(its work budget) and was stopped")
+        return trace
+
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _size(x: Any) -> int | None:
     return len(x) if isinstance(x, (str, bytes, list, tuple)) else None
 
 
-class _BudgetedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, with ``*``, ``+`` and ``**`` checked against `RENDER_BUDGET` first."""
+def _check_args(what: str, args: tuple, kwargs: dict) -> None:
+    """Refuse an int argument past RENDER_BUDGET (a width, a count): str.ljust(10**9),
+    center(10**9), "{:>{w}}".format(1, w=10**9) ..."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > RENDER_BUDGET:
+            raise TemplateRenderError(f"chat template passed {v} to {what}; the largest number a "
+                                      f"call may take is {RENDER_BUDGET}")
 
-    intercepted_binops = frozenset({"*", "+", "**"})
+
+def _checked_filter(name: str, fn: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _check_args(f"the {name} filter", args, kwargs)
+        return fn(*args, **kwargs)
+    for attr in ("jinja_pass_arg",):   # keep how Jinja passes the context / environment
+        if hasattr(fn, attr):
+            setattr(call, attr, getattr(fn, attr))
+    return call
+
+
+class _BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*``, ``+``, ``**`` and ``%``, every call and every filter checked
+    against `RENDER_BUDGET` first. Constant expressions are not folded at compile time
+    (``optimized=False``), so nothing a template computes runs outside these checks."""
+
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(optimized=False, **kwargs)
+        self.filters = {name: _checked_filter(name, fn) for name, fn in self.filters.items()}
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _check_args(getattr(__obj, "__name__", "a function"), args, kwargs)
+        fmt = getattr(__obj, "__self__", None)
+        if isinstance(fmt, str) and _HUGE_FORMAT.search(fmt):
+            raise TemplateRenderError("chat template formats with a width or precision of a million "
+                                      "or more")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, str) and attribute in ("format", "format_map") and _HUGE_FORMAT.search(obj):
+            raise TemplateRenderError("chat template formats with a width or precision of a million "
+                                      "or more")
+        return super().getattr(obj, attribute)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if _size(seq) is not None and isinstance(n, int) and _size(seq) * max(n, 0) > RENDER_BUDGET:
                     raise TemplateRenderError(f"chat template tried to repeat a sequence of {_size(seq)} "
-                                            f"items {n} times; the limit is {RENDER_BUDGET} items")
+                                              f"items {n} times; the limit is {RENDER_BUDGET} items")
         elif operator == "+":
             a, b = _size(left), _size(right)
             if a is not None and b is not None and a + b > RENDER_BUDGET:
                 raise TemplateRenderError(f"chat template tried to build a sequence of {a + b} items; "
-                                        f"the limit is {RENDER_BUDGET}")
+                                          f"the limit is {RENDER_BUDGET}")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
             if abs(left) > 1 and abs(left).bit_length() * right > RENDER_BUDGET:
                 raise TemplateRenderError(f"chat template tried to compute {left} ** {right}, a number "
-                                        f"of more than {RENDER_BUDGET} bits")
+                                          f"of more than {RENDER_BUDGET} bits")
+        elif operator == "%" and isinstance(left, str):
+            if _HUGE_FORMAT.search(left):
+                raise TemplateRenderError("chat template formats with a width or precision of a "
+                                          "million or more")
+            _check_args("a % format", right if isinstance(right, tuple) else (right,), {})
         return super().call_binop(context, operator, left, right)
 
 
@@ -218,7 +295,7 @@ class ChatTemplate:
         env = _BudgetedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = _checked_filter("tojson", _tojson)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
@@ -291,14 +368,15 @@ class ChatTemplate:
         msgs = validate_messages(messages)
         try:
             extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
-            return self._template.render(
-                messages=msgs,
-                add_generation_prompt=bool(add_generation_prompt),
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                range=_Budget(RENDER_BUDGET).range,
-                **extra,
-            )
+            with _deadline(RENDER_SECONDS):
+                return self._template.render(
+                    messages=msgs,
+                    add_generation_prompt=bool(add_generation_prompt),
+                    bos_token=self.bos_token,
+                    eos_token=self.eos_token,
+                    range=_Budget(RENDER_BUDGET).range,
+                    **extra,
+                )
         except TemplateRenderError:
             raise
         except jinja2.exceptions.SecurityError as e:
