@@ -251,7 +251,7 @@ def test_serve_unusable_model(tmp_path):
     r = run([*ECHOSPEC, "serve", "--model", str(bad), "--port", str(free_port())], check=False, timeout=60)
     assert r.returncode != 0 and "unusable" in r.stderr
     r = run([*ECHOSPEC, "serve", "--model", str(tmp_path / "missing.gguf")], check=False, timeout=60)
-    assert r.returncode != 0 and "not found" in r.stderr
+    assert r.returncode == 2 and "model file not found" in r.stderr
 
 
 def test_client_without_server():
@@ -350,7 +350,7 @@ def test_bad_cli_arguments_exit_2_with_a_message(args, message):
 
 def test_serve_model_is_a_directory(tmp_path):
     r = run([*ECHOSPEC, "serve", "--model", str(tmp_path), "--port", str(free_port())], check=False)
-    assert r.returncode == 1 and "is a directory" in r.stderr
+    assert r.returncode == 2 and "is a directory" in r.stderr
 
 
 @pytest.mark.parametrize("content, message", [

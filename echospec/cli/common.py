@@ -137,12 +137,12 @@ def _check_bind(name: str, flag: str, host: str, port: int) -> None:
 
 def _check_model(path: str) -> None:
     p = Path(path)
-    if p.is_dir():
-        _die(f"model {path} is a directory, not a GGUF file")
+    if p.is_dir():   # a --model that names no file is a bad argument (exit 2), as a bad name is
+        _die(f"model {path} is a directory, not a GGUF file", 2)
     if not p.exists():
-        _die(f"model file not found: {path}")
+        _die(f"model file not found: {path}", 2)
     if not p.is_file():
-        _die(f"model {path} is not a regular file (a GGUF file is needed)")
+        _die(f"model {path} is not a regular file (a GGUF file is needed)", 2)
     from echospec.services.verifier.engine import EngineError, Model
     try:
         Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
