@@ -1085,3 +1085,18 @@ def test_empty_model_cache_variable_is_the_default(monkeypatch):
     import pathlib
     monkeypatch.setenv("ECHOSPEC_CACHE", "")
     assert _fetch_model_module().cache_dir() == pathlib.Path.home() / ".cache" / "echospec"
+
+
+def test_chat_without_a_chat_template_exits_2_at_start(tmp_path):
+    """Every turn would be refused: chat says so once, before the first prompt."""
+    model = tmp_path / "plain.gguf"
+    write_tiny_model(model, n_vocab=320, special_tokens=("<|endoftext|>", "<|turn|>", "<|end|>"))
+    r = subprocess.run([*ECHOSPEC, "chat", "--model", str(model)], input="hi\n", capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "chat needs a chat template, and the server has none" in r.stderr and "--chat-template" in r.stderr
+    tpl = tmp_path / "chat.jinja"
+    tpl.write_text("{% for m in messages %}<|turn|>{{ m['content'] }}<|end|>{% endfor %}<|turn|>")
+    r = subprocess.run([*ECHOSPEC, "chat", "--model", str(model), "--chat-template", str(tpl), "--max-tokens", "2"],
+                       input="hi\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr

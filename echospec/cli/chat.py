@@ -100,6 +100,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 info = client.info()
             except ClientError as exc:
                 _client_error(exc, target)
+            if info.chat_template_missing:   # every turn would be refused: say so once, at start
+                _die(f"chat needs a chat template, and the server has none: "
+                     f"{info.chat_template_missing}", 2)
             # the server's limits GetInfo reports, with the server's words for them
             if info.k_max and args.k > info.k_max:
                 _die(f"--k {args.k}: must be in [0, {info.k_max}] (0: the server's default "

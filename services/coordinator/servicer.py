@@ -534,4 +534,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             max_tokens_default=cfg.max_tokens, max_tokens_limit=cfg.max_tokens_limit,
             verifier_target=",".join(s.address for s in statuses),
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses,
-            arch=v.arch, n_expert=v.n_expert, n_expert_used=v.n_expert_used)
+            arch=v.arch, n_expert=v.n_expert, n_expert_used=v.n_expert_used,
+            chat_template_missing=self.template.missing or "")

@@ -165,6 +165,7 @@ class Info:
     arch: str = ""              # the model's architecture ("": not reported)
     n_expert: int = 0           # mixture of experts: experts per layer (0: dense)
     n_expert_used: int = 0      # experts each token runs
+    chat_template_missing: str = ""   # why chat messages are refused ("": the server renders them)
 
 
 class ClientError(Exception):
@@ -599,10 +600,7 @@ class Client:
     def info(self, *, timeout: float | None = None) -> Info:
         """The coordinator's model and defaults."""
         r = self._unary("GetInfo", coordinator_pb2.GetInfoRequest(), timeout)
-        return Info(model=r.model, spec_default=r.spec_default, k_default=r.k_default,
-                    k_max=r.k_max, max_tokens_default=r.max_tokens_default, n_ctx=r.n_ctx,
-                    n_vocab=r.n_vocab, max_tokens_limit=r.max_tokens_limit, arch=r.arch,
-                    n_expert=r.n_expert, n_expert_used=r.n_expert_used)
+        return Info(**{f.name: getattr(r, f.name) for f in fields(Info)})
 
     def _unary(self, rpc: str, request, timeout: float | None):
         left = self._begin(timeout)
