@@ -510,3 +510,11 @@ def test_client_of_a_server_that_went_away_says_so(tiny_model):
             c.tokenize("ab")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert e.value.details.startswith(f"the server at {st.target} went away"), e.value.details
+
+
+def test_an_empty_messages_or_token_ids_list_is_named():
+    with Client("127.0.0.1:1") as c:
+        with pytest.raises(ValueError, match="messages is empty: at least one message is required"):
+            c.chat([])
+        with pytest.raises(ValueError, match="token_ids is empty"):
+            c.complete(token_ids=[])

@@ -711,8 +711,12 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         req.text = _unicode(prompt, "prompt")
     elif messages is not None:
         req.messages.extend(_messages(messages))
+        if not req.messages:
+            raise ValueError("messages is empty: at least one message is required")
     else:
         req.token_ids.extend(_int_list(token_ids, "token_ids"))
+        if not req.token_ids:
+            raise ValueError("token_ids is empty: at least one token id is required")
     stop = sampling.get("stop")
     names = ["stop"] if isinstance(stop, str) else None
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
