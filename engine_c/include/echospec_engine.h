@@ -2,8 +2,8 @@
  * echospec_engine.h - the only public header of the echospec C engine.
  *
  * A zero-dependency (libc, libm, pthreads) inference engine for GGUF models
- * of the llama, qwen2, qwen3, qwen3moe, qwen3vl and qwen3vlmoe architectures
- * (qwen3vl / qwen3vlmoe: the text decoder), built for speculative
+ * of the llama, qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe and gemma3
+ * architectures (qwen3vl / qwen3vlmoe / gemma3: the text decoder), built for speculative
  * decoding: one forward call over N new tokens returns the greedy argmax of
  * every position, so prefill, a decode step (N = 1) and the verification of
  * K drafts (N = K + 1) are the same call, and the result of every output
