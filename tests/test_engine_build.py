@@ -100,6 +100,7 @@ def test_constants_come_from_the_header(tmp_path):
     assert engine.STATUS_NAMES[lib.ES_OK] == "ES_OK"
     assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 9
     assert (engine.MAX_CTX, engine.MAX_THREADS) == (lib.ES_MAX_CTX, lib.ES_MAX_THREADS)
+    assert engine.SWA_SLACK == lib.ES_SWA_SLACK == 256
     write_tiny_model(tmp_path / "m.gguf", arch="llama", n_vocab=320, seed=1)
     with engine.Model(str(tmp_path / "m.gguf")) as m:
         for kw in ({"n_ctx": engine.MAX_CTX + 1}, {"n_threads": engine.MAX_THREADS + 1}):

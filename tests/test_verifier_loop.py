@@ -142,6 +142,19 @@ def test_prefix_cache_takes_the_longest_match_and_keeps_the_last_prompt_token():
     assert len(c) == 0
 
 
+def test_prefix_cache_reuses_an_entry_only_down_to_its_min_past():
+    c = PrefixCache(4)
+    c.put("ring", [1, 2, 3, 4, 5, 6], min_past=4)    # can roll back to n_past >= 4, or to 0
+    c.put("short", [1, 2, 9])
+    assert c.take([1, 2, 3, 7]) == ("short", 2)      # 3 shared with "ring": out of its reach
+    c.put("short", [1, 2, 9])
+    assert c.take([1, 2, 3, 4, 8]) == ("ring", 4)    # 4 shared: exactly its reach
+    c.put("ring", [1, 2, 3, 4, 5, 6], min_past=4)
+    assert c.take([1, 2, 3]) == ("short", 2)         # capped at len - 1 = 2 < 4: "ring" shares nothing
+    assert c.take([1, 2, 3]) == (None, 0)
+    assert len(c) == 1 and c.cached_tokens() == 6
+
+
 def test_prefix_cache_evicts_the_least_recently_used():
     c = PrefixCache(2)
     c.put("a", [1])

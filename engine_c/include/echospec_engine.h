@@ -2,8 +2,8 @@
  * echospec_engine.h - the only public header of the echospec C engine.
  *
  * A zero-dependency (libc, libm, pthreads) inference engine for GGUF models
- * of the llama, qwen2, qwen3, qwen3moe, qwen3vl and qwen3vlmoe architectures
- * (qwen3vl / qwen3vlmoe: the text decoder), built for speculative
+ * of the llama, qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe and gemma3
+ * architectures (qwen3vl / qwen3vlmoe / gemma3: the text decoder), built for speculative
  * decoding: one forward call over N new tokens returns the greedy argmax of
  * every position, so prefill, a decode step (N = 1) and the verification of
  * K drafts (N = K + 1) are the same call, and the result of every output
@@ -101,18 +101,35 @@ typedef struct {
                                    1 when the file has none) */
 } es_model_info;
 
-/* Session parameters; get the defaults from es_session_default_params(). */
+/*
+ * Session parameters; get the defaults from es_session_default_params().
+ *
+ * The KV cache of a model with a sliding window (gemma3's local layers, es_model_info.n_swa):
+ * a global layer keeps every position, n_ctx rounded up to a multiple of 64; a local layer
+ * keeps a ring of C = min(that, round_up(n_swa + swa_slack, 64)) positions, position p at
+ * slot p % C, so its memory follows the window, not n_ctx. The slack is what the ring holds
+ * beyond the window: how far back a session can roll (es_session_min_rollback: at least
+ * swa_slack positions back from the furthest position written) and the most tokens one
+ * forward piece writes (a longer es_forward is run in pieces of swa_slack tokens, with the
+ * same results bitwise). swa_full keeps every position in every layer (any rollback, more
+ * memory). Results are bitwise the same in both layouts.
+ */
 typedef struct {
     int32_t n_ctx;              /* KV capacity in tokens; 0 = min(n_ctx_train, 4096) */
     int32_t n_threads;          /* worker threads incl. the caller; 0 = all online cores */
+    int32_t swa_slack;          /* sliding-window layers: positions kept beyond the window,
+                                   in [1, ES_MAX_CTX]; 0 = ES_SWA_SLACK */
+    int32_t swa_full;           /* 1: sliding-window layers keep all n_ctx positions (llama.cpp's
+                                   swa_full); 0: a ring (the default) */
 } es_session_params;
 
 /* The range of es_session_params es_session_new accepts (the Python side and the CLI read
- * them from here, through cffi's lib.ES_MIN_CTX and lib.ES_MAX_*). */
+ * them from here, through cffi's lib.ES_MIN_CTX and lib.ES_MAX_*), and the default slack. */
 enum {
     ES_MIN_CTX = 16,            /* n_ctx, tokens (0, the default, is exempt) */
     ES_MAX_CTX = 1 << 20,       /* n_ctx, tokens */
-    ES_MAX_THREADS = 256        /* n_threads */
+    ES_MAX_THREADS = 256,       /* n_threads */
+    ES_SWA_SLACK = 256          /* swa_slack when 0: a verify of up to 255 drafts rolls back */
 };
 
 /* Sampling parameters for requests that are not greedy. */
@@ -163,8 +180,10 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
 /*
  * Create a session (one KV sequence) on `model`.
  * Returns ES_ERR_INVALID_ARG for n_ctx other than 0 outside [ES_MIN_CTX, ES_MAX_CTX], n_threads < 0
- * or n_threads > ES_MAX_THREADS, ES_ERR_NOMEM when the KV cache (IEEE float16: 2 *
- * n_layer * n_ctx rounded up to 64 * n_head_kv * head_dim * 2 bytes) cannot
+ * or n_threads > ES_MAX_THREADS, swa_slack outside [0, ES_MAX_CTX], swa_full other than 0 or 1,
+ * ES_ERR_NOMEM when the KV cache (IEEE float16: 2 * (global layers * n_ctx rounded up to 64 +
+ * sliding-window layers * C) * n_head_kv * head_dim * 2 bytes, C as above es_session_params;
+ * es_session_kv_bytes) cannot
  * be allocated or exceeds the memory available (as es_model_load counts it;
  * refused before anything is mapped; ES_ERR_INVALID_ARG for a malformed
  * ECHOSPEC_MEM_AVAILABLE),
@@ -203,6 +222,16 @@ int32_t es_session_n_past(const es_session *session);
 /* KV capacity (tokens). */
 int32_t es_session_n_ctx(const es_session *session);
 
+/* Bytes of the session's KV cache (K and V of every layer), as allocated at es_session_new:
+ * the sliding-window layers' rings counted at their size (es_session_params); 0 for NULL. */
+size_t es_session_kv_bytes(const es_session *session);
+
+/* The smallest n_past > 0 es_session_rollback can reach now, or 0 when it can reach any.
+ * Not 0 only on a model with a sliding window whose rings have wrapped: the next token's
+ * window must still be in them, so a rollback can go back to the furthest position written
+ * less C - n_swa + 1 >= swa_slack + 1. Rollback to 0 (a reset) always works. 0 for NULL. */
+int32_t es_session_min_rollback(const es_session *session);
+
 /* Message of the last failed call on this session ("" if none). Valid until the next call. */
 const char *es_session_last_error(const es_session *session);
 
@@ -216,8 +245,10 @@ int64_t es_session_experts_read(const es_session *session);
  * Truncate the KV cache to its first n_past positions (the half-open range
  * [n_past, old n_past) is removed). Exact: a later forward gives bitwise the
  * same results as if the removed positions had never been written.
- * Errors: ES_ERR_INVALID_ARG when n_past < 0 or n_past > current n_past;
- * the KV cache is then unchanged.
+ * Errors: ES_ERR_INVALID_ARG when n_past < 0, n_past > current n_past, or
+ * 0 < n_past < es_session_min_rollback (the sliding-window layers' rings no
+ * longer hold the window position n_past attends; the message says how far back
+ * the session can go); the KV cache is then unchanged.
  */
 es_status es_session_rollback(es_session *session, int32_t n_past);
 
@@ -246,7 +277,9 @@ enum {
  * The weights are read once per call, not once per token. Each output element
  * is computed by the same sequence of floating-point operations whatever
  * n_tokens and the thread count are, so one call over N tokens is bitwise
- * equal to N calls over one token.
+ * equal to N calls over one token. On a session whose sliding-window layers
+ * keep a ring (es_session_params), a call over more than swa_slack tokens runs
+ * as consecutive pieces of swa_slack tokens (what that equality makes exact).
  *
  * Errors: ES_ERR_INVALID_ARG (n_tokens <= 0, a token out of range, bad
  * logits_mode), ES_ERR_CAPACITY (n_past + n_tokens > n_ctx). On any error the

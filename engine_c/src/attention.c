@@ -43,6 +43,13 @@
  *   out[d] = O[d] * (1 / L)
  * (fma: a * b + c with one rounding, fmaf's; one instruction where a multiply
  * and an add would be two, in the loops that bound a long context's prefill.)
+ * A sliding-window layer's ring (kv_cache.c) keeps block b at ring block
+ * b % nb: the blocks and the order above are the same, and the positions
+ * [w, p] of every query are in the ring (es_kv_rollback and the forward's
+ * pieces see to it). Its other slots in the first and last blocks may hold
+ * other positions (later ones, or ones rolled back): their scores are
+ * dropped or their weight is +0, as for the positions before w above, so
+ * for finite V the results are bitwise those of the full layout.
  * Every step is a fixed sequence of float operations on the query's own
  * inputs and positions. So neither N, nor which queries share a work unit,
  * nor which thread computes which block, nor the vector width changes a bit:

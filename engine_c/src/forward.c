@@ -32,6 +32,8 @@
  *                  am_epi (argmax per chunk; am_local on per-thread chunks
  *                  when no logits are wanted)
  *   results        per session: argmax and logits of its head rows, n_past
+ * A call longer than a session's sliding-window rings allow (es_kv.piece)
+ * runs as several such passes (forward_run).
  *
  * Determinism: every per-row operation here (RMSNorm, RoPE, attention for one
  * (position, head), SwiGLU, residual adds, argmax) reads only its own row and
@@ -301,6 +303,7 @@ static void attention_block(fwd_call *c, int l) {
     for (int k = 0; k < c->nseg; k++) {
         const es_kv *kv = &c->seg[k].seq->kv;
         int32_t used = (kv->n_past + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
+        if (used > kv->layer[l].nb) used = kv->layer[l].nb;   /* a ring: all of it */
         if ((size_t)used * ES_KV_BLOCK * (size_t)kv_dim * sizeof(uint16_t) <= EARLY_KV_PREFETCH)
             es_kv_prefetch(kv, l, used);   /* longer contexts: sequential streams, left to the hardware */
     }
@@ -521,7 +524,8 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     }
     int want_logits = 0;
     for (int k = 0; k < nseg; k++) want_logits |= seg[k].logits_mode != ES_LOGITS_NONE;
-    output_head(&c, out_rows, want_logits);
+    if (out_rows > 0)   /* none: a piece of a longer call (forward_run) that wants only its last row */
+        output_head(&c, out_rows, want_logits);
     es_pool_end(s->pool);
 
     for (int k = 0; k < nseg; k++) {
@@ -534,10 +538,70 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         else if (g->logits_mode == ES_LOGITS_ALL)
             memcpy(g->logits_out, s->logits + (size_t)g->head0 * in->n_vocab,
                    (size_t)g->head_n * in->n_vocab * sizeof(float));
-        g->seq->kv.n_past += g->n;
+        es_kv_advance(&g->seq->kv, g->n);
         g->seq->err[0] = '\0';
     }
     return ES_OK;
+}
+
+/* Piece k of segment g, which starts done tokens in: rows [row0, row0 + n)
+ * of the piece's call and head rows from head0. An ES_HEAD_ALL segment
+ * (head_n == n) keeps the head of every row, the others only the last
+ * piece's last row; logits go where the whole call would have written them. */
+static fwd_seg seg_piece(const fwd_seg *g, int done, int n, int row0, int head0, int32_t n_vocab) {
+    int all = g->head_n == g->n, last = done + n == g->n;
+    fwd_seg q = *g;
+    q.tokens = g->tokens + done;
+    q.pos_thw = g->pos_thw ? g->pos_thw + 3 * (size_t)done : NULL;
+    q.row0 = row0;
+    q.n = n;
+    q.head0 = head0;
+    q.head_n = all ? n : last ? 1 : 0;
+    if (q.head_n == 0) {
+        q.argmax_out = NULL;
+        q.logits_mode = ES_LOGITS_NONE;
+    } else if (all) {
+        if (q.argmax_out) q.argmax_out += done;
+        if (q.logits_mode == ES_LOGITS_ALL) q.logits_out += (size_t)done * (size_t)n_vocab;
+        else if (q.logits_mode == ES_LOGITS_LAST && !last) q.logits_mode = ES_LOGITS_NONE;
+    }
+    return q;
+}
+
+/*
+ * forward_impl over seg[0..nseg), in pieces where a session's KV cache
+ * limits the tokens one forward writes (es_kv.piece: a sliding-window ring
+ * holds the window plus that many positions): each round runs the next piece
+ * of every segment that has tokens left. A position's results do not depend
+ * on how the tokens before it were split into calls (the contract at the
+ * top), so the pieces give bitwise the results of one call. The first round
+ * has the most rows, so the scratch it sizes serves the others: only it can
+ * fail (ES_ERR_NOMEM), before anything runs.
+ */
+static es_status forward_run(es_session *s, const fwd_seg *seg, int nseg) {
+    int split = 0;
+    for (int k = 0; k < nseg; k++) {
+        int32_t lim = seg[k].seq->kv.piece;
+        split |= lim > 0 && seg[k].n > lim;
+    }
+    if (!split) return forward_impl(s, seg, nseg);
+    int done[ES_MAX_BATCH] = {0};
+    for (;;) {
+        fwd_seg p[ES_MAX_BATCH];
+        int np = 0, rows = 0, heads = 0;
+        for (int k = 0; k < nseg; k++) {
+            int rem = seg[k].n - done[k], lim = seg[k].seq->kv.piece;
+            if (rem == 0) continue;
+            int n = lim > 0 && rem > lim ? lim : rem;
+            p[np] = seg_piece(&seg[k], done[k], n, rows, heads, s->model->info.n_vocab);
+            rows += n;
+            heads += p[np++].head_n;
+            done[k] += n;
+        }
+        if (np == 0) return ES_OK;
+        es_status st = forward_impl(s, p, np);
+        if (st != ES_OK) return st;
+    }
 }
 
 es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_out,
@@ -546,7 +610,7 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
     es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
     if (st != ES_OK) return st;
     fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL};
-    return forward_impl(s, &g, 1);
+    return forward_run(s, &g, 1);
 }
 
 es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, const int32_t *pos_thw,
@@ -561,7 +625,7 @@ es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, 
             return ES_ERR_INVALID_ARG;
         }
     fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw};
-    return forward_impl(s, &g, 1);
+    return forward_run(s, &g, 1);
 }
 
 es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32_t *argmax_last,
@@ -571,7 +635,7 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
     fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL};
-    return forward_impl(s, &g, 1);
+    return forward_run(s, &g, 1);
 }
 
 /* Item i's own checks (es_forward_batch's contract), with m the batch's model;
@@ -617,7 +681,7 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
     }
     if (nseg > 0) {
         es_session *run = seg[0].seq;
-        es_status st = forward_impl(run, seg, nseg);
+        es_status st = forward_run(run, seg, nseg);
         if (st != ES_OK)   /* the scratch: nothing ran */
             for (int32_t i = 0; i < n_items; i++)
                 if (items[i].status == ES_OK) {

@@ -231,55 +231,92 @@ const char *es_quant_simd_name(void);
 
 /*
  * One KV sequence, IEEE binary16 (F16; float32 rounded to nearest even, so a
- * value above 65504 in magnitude becomes infinity):
- *   k  [n_layer][n_head_kv][n_blk][head_dim][ES_KV_BLOCK]   a block's keys
- *        transposed: one key dimension of its positions is contiguous, so the
- *        scores of 8 or 16 positions are one vector operation per dimension
- *   v  [n_layer][n_head_kv][n_blk][ES_KV_BLOCK][head_dim]
- * Each (layer, KV head) is one contiguous run of blocks in k and in v, so an
- * attention over it reads two sequential streams. Positions [0, n_past) are
- * valid; a forward writes [n_past, n_past + N) and then advances n_past, and
- * rollback only moves n_past back: a later forward overwrites the removed
- * positions, and nothing of them reaches a result (attention reads positions
- * <= its own).
+ * value above 65504 in magnitude becomes infinity). Per layer l:
+ *   k  [n_head_kv][nb][head_dim][ES_KV_BLOCK]   a block's keys transposed: one
+ *        key dimension of its positions is contiguous, so the scores of 8 or
+ *        16 positions are one vector operation per dimension
+ *   v  [n_head_kv][nb][ES_KV_BLOCK][head_dim]
+ * A global layer has nb = n_blk blocks (position p in block p / ES_KV_BLOCK).
+ * A sliding-window layer (gemma3's local layers) has a ring of nb = ring /
+ * ES_KV_BLOCK blocks: position p at slot p % ring, so absolute block b is
+ * ring block b % nb; ring is a multiple of ES_KV_BLOCK, so a block of
+ * positions is a block of slots and the attention's blocks, fixed by
+ * absolute position, are unchanged. Each (layer, KV head) is one contiguous
+ * run of blocks in k and in v, so an attention over it reads two sequential
+ * streams. Positions [0, n_past) are valid in the global layers, [ring_lo,
+ * n_past) in the rings (ring_lo: the oldest position no later one has
+ * overwritten). A forward writes [n_past, n_past + N) and then advances
+ * n_past; rollback only moves n_past back: a later forward overwrites the
+ * removed positions, and nothing of them reaches a result (attention reads
+ * positions <= its own). A ring stays exact while every forward writes at
+ * most `piece` tokens and starts where the window of its first token,
+ * [n_past - n_swa + 1, n_past), is still held: es_kv_rollback refuses the
+ * n_past for which it is not (es_kv_min_past).
  */
 typedef struct {
-    uint16_t *k, *v;            /* owned (anonymous mappings of map_bytes each), zeroed at allocation */
-    size_t map_bytes;
+    uint16_t *k, *v;            /* this layer's blocks in the cache's mappings */
+    int32_t nb;                 /* blocks: n_blk, or ring / ES_KV_BLOCK on a sliding-window layer */
+} es_kv_layer;
+
+typedef struct {
+    es_kv_layer *layer;         /* owned: [n_layer] */
+    void *map[4];               /* owned anonymous mappings, zeroed at allocation: k and v of the
+                                   global layers, k and v of the rings (NULL when none) */
+    size_t map_bytes[4];
     int32_t n_ctx;              /* capacity (tokens) */
     int32_t n_past;             /* valid positions */
     int32_t n_blk;              /* ceil(n_ctx / ES_KV_BLOCK) */
+    int32_t ring;               /* positions of a sliding-window layer's ring; n_blk * ES_KV_BLOCK
+                                   when they keep every position (no window, swa_full, short n_ctx) */
+    int32_t piece;              /* most tokens one forward may write (the slack); 0: no limit */
+    int32_t ring_lo;            /* the rings hold positions [ring_lo, n_past) */
+    int32_t n_swa;              /* the window (es_model_info.n_swa) */
     int32_t n_layer, n_head_kv, head_dim;
 } es_kv;
 
-/* Allocate an empty cache of n_ctx positions for the model's shapes. On
- * failure returns ES_ERR_NOMEM with a message and leaves *kv empty. */
-es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *err, size_t err_len);
+/* Allocate an empty cache of n_ctx positions for the model's shapes, its
+ * sliding-window layers (m->layers[l].swa) in rings of n_swa + slack
+ * positions rounded up to ES_KV_BLOCK (slack >= 1), or of every position when
+ * full is 1 or that is no smaller. On failure returns ES_ERR_NOMEM (or
+ * ES_ERR_INVALID_ARG for a malformed ECHOSPEC_MEM_AVAILABLE) with a message
+ * and leaves *kv empty. */
+es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, char *err,
+                     size_t err_len);
 void es_kv_free(es_kv *kv);
-/* Bytes of k and v together. */
+/* Bytes of k and v together, every layer. */
 size_t es_kv_bytes(const es_kv *kv);
+/* The smallest n_past > 0 a rollback can reach, 0 when any is (the rings
+ * hold the window of position n_past for every n_past >= it). */
+int32_t es_kv_min_past(const es_kv *kv);
 /* Keep positions [0, n_past); ES_ERR_INVALID_ARG (cache unchanged) unless
- * 0 <= n_past <= kv->n_past. */
+ * 0 <= n_past <= kv->n_past and n_past is 0 or >= es_kv_min_past. */
 es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len);
+/* After a forward wrote positions [n_past, n_past + n): advance n_past and ring_lo. */
+void es_kv_advance(es_kv *kv, int32_t n);
 /* Elements [r0, r1) of the key (or value) row x ([n_head_kv * head_dim]) of
  * position pos in layer l, rounded to F16, into the cache. */
 void es_kv_put_k(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x);
 void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x);
-/* Block b of KV head g of layer l: head_dim * ES_KV_BLOCK halves. */
+/* Block b (absolute: positions [b * ES_KV_BLOCK, (b + 1) * ES_KV_BLOCK)) of
+ * KV head g of layer l: head_dim * ES_KV_BLOCK halves, where the layer keeps
+ * it (a ring: block b % nb). */
+static inline size_t es_kv_block_off(const es_kv *kv, int l, int g, int32_t b) {
+    int32_t nb = kv->layer[l].nb;
+    return ((size_t)g * (size_t)nb + (size_t)(b < nb ? b : b % nb)) * (size_t)kv->head_dim * ES_KV_BLOCK;
+}
 static inline const uint16_t *es_kv_k_block(const es_kv *kv, int l, int g, int32_t b) {
-    return kv->k + (((size_t)l * (size_t)kv->n_head_kv + (size_t)g) * (size_t)kv->n_blk + (size_t)b) *
-                       (size_t)kv->head_dim * ES_KV_BLOCK;
+    return kv->layer[l].k + es_kv_block_off(kv, l, g, b);
 }
 static inline const uint16_t *es_kv_v_block(const es_kv *kv, int l, int g, int32_t b) {
-    return kv->v + (((size_t)l * (size_t)kv->n_head_kv + (size_t)g) * (size_t)kv->n_blk + (size_t)b) *
-                       (size_t)kv->head_dim * ES_KV_BLOCK;
+    return kv->layer[l].v + es_kv_block_off(kv, l, g, b);
 }
 /* dst[i] = es_fp32_to_fp16(src[i]) for i in [0, n), with the SIMD path's
  * conversion where there is one (bitwise the scalar function's result). */
 void es_fp32_to_fp16_row(uint16_t *dst, const float *src, int n);
-/* Ask the hardware for blocks [0, n_blk_used) of layer l's K and V. */
+/* Ask the hardware for blocks [0, n_blk_used) of layer l's K and V (of a
+ * ring, at most its nb). */
 void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used);
-/* Ask for block b of KV head g of layer l (K and V), into L2. */
+/* Ask for (absolute) block b of KV head g of layer l (K and V), into L2. */
 void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b);
 
 /* ---- session.c / forward.c ---------------------------------------------- */

@@ -1,7 +1,8 @@
 /*
- * kv_cache.c - the KV cache of a session: allocation, layout, append,
- * rollback and prefetch (the attention reads the F16 blocks in place).
- * The layout and its invariants are described above es_kv in internal.h.
+ * kv_cache.c - the KV cache of a session: allocation, layout (global
+ * layers and sliding-window rings), append, rollback and prefetch (the
+ * attention reads the F16 blocks in place). The layout and its invariants
+ * are described above es_kv in internal.h.
  *
  * Why F16: a decode step at depth reads every cached position of every
  * layer, and at a few thousand positions those bytes, not the weights, bound
@@ -36,62 +37,117 @@
 #define KV_PF_LOCALITY 2   /* __builtin_prefetch locality of es_kv_prefetch_block: 2 is T1 (into L2) on x86 */
 #endif
 
-es_status es_kv_init(es_kv *kv, const es_model_info *in, int32_t n_ctx, char *err, size_t err_len) {
+/* Positions of a sliding-window layer's ring: the window plus the slack,
+ * rounded up to whole blocks, or every position (full) when that is no
+ * smaller or the model has no window. */
+static int32_t ring_positions(const es_model *m, int32_t n_blk, int32_t slack, int full) {
+    int64_t all = (int64_t)n_blk * ES_KV_BLOCK;
+    if (full || m->info.n_swa <= 0 || m->info.n_swa_layers == 0) return (int32_t)all;
+    int64_t ring = ((int64_t)m->info.n_swa + slack + ES_KV_BLOCK - 1) / ES_KV_BLOCK * ES_KV_BLOCK;
+    return (int32_t)(ring < all ? ring : all);
+}
+
+/* madvise for one mapping whose (layer, KV head) runs are run_bytes long. */
+static void advise_pages(void *p, size_t bytes, size_t run_bytes) {
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+    madvise(p, bytes, run_bytes >= KV_HUGE_RUN ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#else
+    (void)p; (void)bytes; (void)run_bytes;
+#endif
+}
+
+es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, char *err,
+                     size_t err_len) {
+    const es_model_info *in = &m->info;
     memset(kv, 0, sizeof *kv);
     kv->n_ctx = n_ctx;
     kv->n_blk = (n_ctx + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
     kv->n_layer = in->n_layer;
     kv->n_head_kv = in->n_head_kv;
     kv->head_dim = in->head_dim;
-    size_t elems = (size_t)in->n_layer * (size_t)in->n_head_kv * (size_t)kv->n_blk * ES_KV_BLOCK *
-                   (size_t)in->head_dim;
+    kv->n_swa = in->n_swa;
+    kv->ring = ring_positions(m, kv->n_blk, slack, full);
+    int rings = kv->ring < kv->n_blk * ES_KV_BLOCK;
+    kv->piece = rings ? slack : 0;
+    /* Two groups of layers, each a pair of mappings (k, v): the global layers
+     * (every layer when there are no rings) and the rings. */
+    int32_t n_in[2] = {0, 0}, nb[2] = {kv->n_blk, kv->ring / ES_KV_BLOCK};
+    for (int l = 0; l < in->n_layer; l++) n_in[rings && m->layers[l].swa]++;
+    size_t run_bytes[2], total = 0;
+    for (int grp = 0; grp < 2; grp++) {
+        run_bytes[grp] = (size_t)nb[grp] * ES_KV_BLOCK * (size_t)in->head_dim * sizeof(uint16_t);
+        kv->map_bytes[2 * grp] = kv->map_bytes[2 * grp + 1] = (size_t)n_in[grp] * (size_t)in->n_head_kv * run_bytes[grp];
+        total += 2 * kv->map_bytes[2 * grp];
+    }
     /* Anonymous mappings: zeroed (a block's positions past n_past are read by
      * the score vectors, their lanes dropped, and zeros keep them finite) and
      * committed only when written. A step reads each (layer, KV head) as one
-     * run of n_ctx positions; when a run fills a 2 MiB page or more, the
-     * mapping is advised as huge pages (Linux), so the run crosses a page
-     * every 2 MiB instead of every 4 KiB (fewer TLB misses; the hardware
-     * prefetchers stop at page boundaries). Shorter runs stay on 4 KiB
-     * pages, even where transparent huge pages are on for every mapping: a
-     * 2 MiB page then holds the starts of several runs, and a new session's
-     * first token would make the kernel zero every page of the cache (about
-     * 47 MB for SmolLM2 at n_ctx 2048) where 4 KiB pages zero what is used. */
-    kv->map_bytes = elems * sizeof(uint16_t);
-    {   /* refused before anything is mapped */
-        char what[64];
-        snprintf(what, sizeof what, "the KV cache of %d tokens", (int)n_ctx);
-        int rc = es_mem_check((int64_t)(2 * kv->map_bytes), what, "use a smaller n_ctx", err, err_len);
+     * run of blocks; when a run fills a 2 MiB page or more, the mapping is
+     * advised as huge pages (Linux), so the run crosses a page every 2 MiB
+     * instead of every 4 KiB (fewer TLB misses; the hardware prefetchers stop
+     * at page boundaries). Shorter runs stay on 4 KiB pages, even where
+     * transparent huge pages are on for every mapping: a 2 MiB page then
+     * holds the starts of several runs, and a new session's first token would
+     * make the kernel zero every page of the cache (about 47 MB for SmolLM2
+     * at n_ctx 2048) where 4 KiB pages zero what is used. The rings have a
+     * mapping of their own for that reason: their runs are short whatever
+     * n_ctx is. */
+    {   /* refused before anything is mapped: the bytes this layout takes */
+        char what[128];
+        if (rings)
+            snprintf(what, sizeof what, "the KV cache of %d tokens (%d sliding-window layers keeping %d)",
+                     (int)n_ctx, (int)n_in[1], (int)kv->ring);
+        else
+            snprintf(what, sizeof what, "the KV cache of %d tokens", (int)n_ctx);
+        int rc = es_mem_check((int64_t)total, what, "use a smaller n_ctx", err, err_len);
         if (rc != ES_OK) return (es_status)rc;
     }
-    size_t run_bytes = (size_t)kv->n_blk * ES_KV_BLOCK * (size_t)in->head_dim * sizeof(uint16_t);
-    for (int i = 0; i < 2; i++) {
-        void *p = mmap(NULL, kv->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED) continue;
-#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
-        madvise(p, kv->map_bytes, run_bytes >= KV_HUGE_RUN ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
-#endif
-        if (i == 0) kv->k = p;
-        else kv->v = p;
+    kv->layer = calloc((size_t)in->n_layer, sizeof *kv->layer);
+    int ok = kv->layer != NULL;
+    for (int i = 0; i < 4 && ok; i++) {
+        if (kv->map_bytes[i] == 0) continue;
+        void *p = mmap(NULL, kv->map_bytes[i], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) { ok = 0; break; }
+        advise_pages(p, kv->map_bytes[i], run_bytes[i / 2]);
+        kv->map[i] = p;
     }
-    if (!kv->k || !kv->v) {
+    if (!ok) {
         char sz[32];
         es_set_err(err, err_len, "out of memory for a KV cache of %d tokens (%s)", (int)n_ctx,
-                   es_size_str(2.0 * (double)elems * sizeof(uint16_t), sz));
+                   es_size_str((double)total, sz));
         es_kv_free(kv);
         return ES_ERR_NOMEM;
+    }
+    int32_t seen[2] = {0, 0};
+    for (int l = 0; l < in->n_layer; l++) {
+        int grp = rings && m->layers[l].swa;
+        size_t off = (size_t)seen[grp]++ * (size_t)in->n_head_kv * run_bytes[grp] / sizeof(uint16_t);
+        kv->layer[l].k = (uint16_t *)kv->map[2 * grp] + off;
+        kv->layer[l].v = (uint16_t *)kv->map[2 * grp + 1] + off;
+        kv->layer[l].nb = nb[grp];
     }
     return ES_OK;
 }
 
 void es_kv_free(es_kv *kv) {
-    if (kv->k) munmap(kv->k, kv->map_bytes);
-    if (kv->v) munmap(kv->v, kv->map_bytes);
-    kv->k = kv->v = NULL;
+    for (int i = 0; i < 4; i++) {
+        if (kv->map[i]) munmap(kv->map[i], kv->map_bytes[i]);
+        kv->map[i] = NULL;
+    }
+    free(kv->layer);
+    kv->layer = NULL;
 }
 
 size_t es_kv_bytes(const es_kv *kv) {
-    return 2 * (size_t)kv->n_layer * (size_t)kv->n_head_kv * (size_t)kv->n_blk * ES_KV_BLOCK *
-           (size_t)kv->head_dim * sizeof(uint16_t);
+    size_t b = 0;
+    for (int i = 0; i < 4; i++) b += kv->map_bytes[i];
+    return b;
+}
+
+/* The next token at position p attends [p - n_swa + 1, p]: the rings must
+ * still hold [p - n_swa + 1, p), i.e. p >= ring_lo + n_swa - 1. */
+int32_t es_kv_min_past(const es_kv *kv) {
+    return kv->ring_lo > 0 ? kv->ring_lo + kv->n_swa - 1 : 0;
 }
 
 es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
@@ -99,8 +155,22 @@ es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
         es_set_err(err, err_len, "rollback to n_past %d outside [0, %d]", (int)n_past, (int)kv->n_past);
         return ES_ERR_INVALID_ARG;
     }
+    int32_t lo = es_kv_min_past(kv);
+    if (n_past > 0 && n_past < lo) {
+        es_set_err(err, err_len, "rollback to n_past %d is out of reach: the sliding-window layers keep "
+                   "%d positions and hold [%d, %d), so the session can go back to n_past >= %d, or to 0 "
+                   "(a reset); swa_full keeps every position", (int)n_past, (int)kv->ring, (int)kv->ring_lo,
+                   (int)kv->n_past, (int)lo);
+        return ES_ERR_INVALID_ARG;
+    }
     kv->n_past = n_past;
+    if (n_past == 0) kv->ring_lo = 0;
     return ES_OK;
+}
+
+void es_kv_advance(es_kv *kv, int32_t n) {
+    kv->n_past += n;
+    if (kv->piece > 0 && kv->n_past - kv->ring > kv->ring_lo) kv->ring_lo = kv->n_past - kv->ring;
 }
 
 /* es_fp32_to_fp16_row: the vector conversions
@@ -149,6 +219,7 @@ void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const fl
 }
 
 void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used) {
+    if (n_blk_used > kv->layer[l].nb) n_blk_used = kv->layer[l].nb;
     size_t bytes = (size_t)n_blk_used * ES_KV_BLOCK * (size_t)kv->head_dim * sizeof(uint16_t);
     for (int g = 0; g < kv->n_head_kv; g++) {
         const char *kb = (const char *)es_kv_k_block(kv, l, g, 0), *vb = (const char *)es_kv_v_block(kv, l, g, 0);

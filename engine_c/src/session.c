@@ -12,7 +12,7 @@
 
 
 es_session_params es_session_default_params(void) {
-    es_session_params p = {0, 0};
+    es_session_params p = {0, 0, 0, 0};
     return p;
 }
 
@@ -137,6 +137,15 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
         es_set_err(err, err_len, "n_threads %d out of range [0, %d]", (int)p.n_threads, ES_MAX_THREADS);
         return ES_ERR_INVALID_ARG;
     }
+    if (p.swa_slack < 0 || p.swa_slack > ES_MAX_CTX) {
+        es_set_err(err, err_len, "swa_slack %d out of range [0, %d] (0: the default %d)", (int)p.swa_slack,
+                   ES_MAX_CTX, ES_SWA_SLACK);
+        return ES_ERR_INVALID_ARG;
+    }
+    if (p.swa_full != 0 && p.swa_full != 1) {
+        es_set_err(err, err_len, "swa_full %d is not 0 or 1", (int)p.swa_full);
+        return ES_ERR_INVALID_ARG;
+    }
     const es_model_info *in = &model->info;
     int32_t n_ctx = p.n_ctx;
     if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
@@ -147,7 +156,8 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     if (!s) { es_set_err(err, err_len, "out of memory for the session"); return ES_ERR_NOMEM; }
     s->model = model;
     s->n_threads = n_threads;
-    es_status kv_rc = es_kv_init(&s->kv, in, n_ctx, err, err_len);
+    es_status kv_rc = es_kv_init(&s->kv, model, n_ctx, p.swa_slack ? p.swa_slack : ES_SWA_SLACK, p.swa_full,
+                                 err, err_len);
     if (kv_rc != ES_OK) {
         es_session_free(s);
         return kv_rc;
@@ -208,6 +218,8 @@ int32_t es_session_pool_threads(const es_session *s) { return s ? s->n_threads :
 
 int32_t es_session_n_past(const es_session *s) { return s ? s->kv.n_past : 0; }
 int32_t es_session_n_ctx(const es_session *s) { return s ? s->kv.n_ctx : 0; }
+size_t es_session_kv_bytes(const es_session *s) { return s ? es_kv_bytes(&s->kv) : 0; }
+int32_t es_session_min_rollback(const es_session *s) { return s ? es_kv_min_past(&s->kv) : 0; }
 const char *es_session_last_error(const es_session *s) { return s ? s->err : "session is NULL"; }
 int64_t es_session_experts_read(const es_session *s) { return s ? s->moe_experts_read : 0; }
 

@@ -20,6 +20,7 @@
  *                           layer 2 global; local RoPE base the default 10000), post-norms,
  *                           GELU FFN, scaled embeddings; Q8_0 (layer 2: Q4_0, Q5_0, Q4_1,
  *                           Q4_K), tied
+ * (test_swa.c widens gemma3-swa to 4 layers with other windows.)
  * All have n_vocab N_VOCAB (320, not a multiple of 64, so kernel tails run)
  * and a training context of 256. write_model(&MODELS[i], path) writes one.
  * A copy of a spec with head set (HEAD_DUP, HEAD_NAN, HEAD_NAN0) writes
@@ -273,7 +274,7 @@ typedef struct {
     const char *arch;
     int n_embd, n_head, n_head_kv, head_dim, n_ff, n_layer;
     uint32_t embd_type, output_type; /* output_type 0: tied */
-    layer_types layers[3];
+    layer_types layers[4];           /* the first n_layer are written */
     uint64_t seed;
     int head;                        /* HEAD_PLAIN, or an edit of the output head (head_edit) */
     int n_expert, n_expert_used;     /* mixture of experts (qwen3moe): layer_types gate, up, down

@@ -26,6 +26,8 @@ ES_ERR_MISSING_TENSOR, ES_ERR_INVALID_ARG = lib.ES_ERR_MISSING_TENSOR, lib.ES_ER
 ES_ERR_CAPACITY, ES_ERR_NOMEM, ES_ERR_INTERNAL = lib.ES_ERR_CAPACITY, lib.ES_ERR_NOMEM, lib.ES_ERR_INTERNAL
 # es_session_new's limits (echospec_engine.h)
 MIN_CTX, MAX_CTX, MAX_THREADS = lib.ES_MIN_CTX, lib.ES_MAX_CTX, lib.ES_MAX_THREADS
+# positions a sliding-window layer's ring keeps beyond the window when a session sets none
+SWA_SLACK = lib.ES_SWA_SLACK
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
 
@@ -129,18 +131,27 @@ class Model:
             n_swa=ci.n_swa, n_swa_layers=ci.n_swa_layers, rope_freq_base_swa=ci.rope_freq_base_swa,
             rope_freq_scale=ci.rope_freq_scale)
 
-    def new_session(self, n_ctx: int = 0, n_threads: int = 0) -> "Session":
+    def new_session(self, n_ctx: int = 0, n_threads: int = 0, swa_slack: int = 0,
+                    swa_full: bool = False) -> "Session":
         """Create a session with its own KV cache.
+
+        A model with a sliding window (Gemma 3's local layers, ``info.n_swa``) keeps each local
+        layer's KV in a ring of round_up(n_swa + swa_slack, 64) positions (at most n_ctx), so
+        the cache's size follows the global layers; a session can then roll back at least
+        ``swa_slack`` positions from the furthest it has written (``min_rollback``), or to 0.
 
         Args:
             n_ctx: KV capacity in tokens (0: min(n_ctx_train, 4096)).
             n_threads: worker threads including the caller (0: all online cores).
+            swa_slack: positions the rings keep beyond the window (0: SWA_SLACK); also the most
+                tokens one forward piece writes (a longer forward runs in pieces, same bits).
+            swa_full: keep every position in every layer (any rollback; more memory).
         Raises:
             EngineError: ES_ERR_INVALID_ARG, ES_ERR_NOMEM or ES_ERR_INTERNAL.
         """
         if self._ptr is None:
             raise EngineError(ES_ERR_INVALID_ARG, "model is closed")
-        s = Session(self, n_ctx, n_threads)
+        s = Session(self, n_ctx, n_threads, swa_slack, swa_full)
         with self._lock:
             self._sessions.add(s)
         return s
@@ -169,12 +180,16 @@ class Model:
 class Session:
     """One KV sequence on a model. Use from one thread at a time."""
 
-    def __init__(self, model: Model, n_ctx: int, n_threads: int):
+    def __init__(self, model: Model, n_ctx: int, n_threads: int, swa_slack: int = 0, swa_full: bool = False):
         self.model = model
         self.n_vocab = model.info.n_vocab
         p = ffi.new("es_session_params *")
         p.n_ctx = _int32(n_ctx, "n_ctx")
         p.n_threads = _int32(n_threads, "n_threads")
+        p.swa_slack = _int32(swa_slack, "swa_slack")
+        if not isinstance(swa_full, (bool, np.bool_)):
+            raise TypeError(f"swa_full must be True or False, not {swa_full!r}")
+        p.swa_full = int(swa_full)
         out = ffi.new("es_session **")
         err = ffi.new("char[512]")
         st = lib.es_session_new(model._ptr, p, out, err, 512)
@@ -210,6 +225,20 @@ class Session:
         """KV capacity (tokens)."""
         self._check()
         return lib.es_session_n_ctx(self._ptr)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache (K and V of every layer) allocated at creation: n_ctx positions
+        per global layer, the ring's per sliding-window layer (see Model.new_session)."""
+        self._check()
+        return lib.es_session_kv_bytes(self._ptr)
+
+    @property
+    def min_rollback(self) -> int:
+        """The smallest n_past > 0 ``rollback`` can reach now, 0 when it can reach any (rollback
+        to 0 always works). Not 0 only when sliding-window rings have wrapped."""
+        self._check()
+        return lib.es_session_min_rollback(self._ptr)
 
     @property
     def pool_threads(self) -> int:
@@ -360,7 +389,10 @@ class Session:
         """Truncate the KV cache to its first ``n_past`` positions (exact).
 
         Raises:
-            EngineError: ES_ERR_INVALID_ARG when n_past < 0 or > the current n_past.
+            EngineError: ES_ERR_INVALID_ARG when n_past < 0, > the current n_past, or in
+                [1, min_rollback) (the sliding-window rings no longer hold what position
+                n_past attends; the message says how far back the session can go). The KV
+                cache is then unchanged.
         """
         self._check()
         st = lib.es_session_rollback(self._ptr, _int32(n_past, "n_past"))
@@ -493,7 +525,8 @@ def decode_batch(items: Sequence[tuple["Session", int, int, Sequence[int]]], int
     Returns:
         Per item, in order: (tokens, ms: each of its steps' wall time), or the EngineError of
         that item (bad arguments, a run past n_ctx or a failed step), whose KV cache is then
-        as before the call (steps it did before a failure are rolled back).
+        as before the call (steps it did before a failure are rolled back, where its
+        sliding-window rings still reach that far: else the message says so).
     Raises:
         TypeError: an item is not a 4-tuple of a Session and its arguments; raised before any
             item runs, as is ValueError for more than MAX_BATCH items.
@@ -533,8 +566,9 @@ def decode_batch(items: Sequence[tuple["Session", int, int, Sequence[int]]], int
         c = c_items[j]
         if c.status != 0:
             msg = ffi.string(lib.es_session_last_error(session._ptr)).decode(errors="replace")
-            if lib.es_session_n_past(session._ptr) != n0:
-                lib.es_session_rollback(session._ptr, n0)
+            if lib.es_session_n_past(session._ptr) != n0 and lib.es_session_rollback(session._ptr, n0) != 0:
+                msg += (f"; the KV cache stays after its {c.n_out} steps: n_past {n0} is out of the "
+                        f"sliding-window layers' reach")
             results[i] = EngineError(c.status, msg)
         else:
             results[i] = (list(out[0:c.n_out]), list(ms[0:c.n_out]))

@@ -584,6 +584,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
         k = len(drf)
         r = longest_accepted_prefix(drf, st.argmax)
         if r < k:
+            # k - r <= max_k positions back: within a sliding-window ring's reach (core.swa_slack)
             session.rollback(n_past + 1 + r)
             del run.kv_tokens[n_past + 1 + r:]
         tokens = drf[:r] + [run.choose(st.argmax[r], st.logits_out)]

@@ -12,6 +12,13 @@ Example: turn 1 of a chat ran prompt P1 and produced A1 (its KV holds P1 + A1
 minus A1's last token). Turn 2's prompt P2 = P1 + A1 + the next user message
 shares len(P1) + len(A1) - 1 tokens with it; only the rest is prefilled.
 
+Reach: a session whose sliding-window layers keep a ring (Gemma 3's local
+layers) can roll back only to n_past >= its ``min_past`` (Session.min_rollback,
+fixed while it sits here), or to 0. A shared prefix shorter than that is no
+use: the entry counts as sharing nothing. Example: a session that held 2000
+tokens with a window of 512 and rings of 768 positions reaches n_past >= 1743;
+a prompt sharing its first 1000 tokens gets none of them from it.
+
 Bounded: at most ``capacity`` idle sessions (each holds one KV cache of n_ctx
 positions); the least recently used is evicted first. Pure bookkeeping: the
 caller frees what ``put`` and ``evict_lru`` hand back. Not thread-safe (the
@@ -41,40 +48,47 @@ class PrefixCache:
 
     def __init__(self, capacity: int):
         self.capacity = max(0, capacity)
-        self._entries: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()  # oldest first
+        # id(session) -> (session, its KV's tokens, the smallest n_past > 0 it can roll back to)
+        self._entries: OrderedDict[int, tuple[Any, list[int], int]] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def take(self, prompt: Sequence[int]) -> tuple[Any, int]:
-        """Remove and return the session sharing the longest prefix with ``prompt``.
+        """Remove and return the session sharing the longest reachable prefix with ``prompt``.
 
         The reusable length is capped at len(prompt) - 1: the prompt's last
-        token is always prefilled (its forward gives the first output token).
+        token is always prefilled (its forward gives the first output token);
+        a length below the entry's ``min_past`` counts as 0 (see Reach above).
         Returns:
-            (session, reusable tokens), or (None, 0) when no entry shares a token.
+            (session, reusable tokens), or (None, 0) when no entry shares a
+            reachable token.
         """
         best_key, best_n = None, 0
         limit = len(prompt) - 1
-        for key, (_, toks) in self._entries.items():
+        for key, (_, toks, min_past) in self._entries.items():
             n = min(common_prefix_len(toks, prompt), limit)
+            if n < min_past:
+                n = 0
             if n > best_n:
                 best_key, best_n = key, n
         if best_key is None:
             return None, 0
-        session, _ = self._entries.pop(best_key)
+        session = self._entries.pop(best_key)[0]
         return session, best_n
 
-    def put(self, session: Any, tokens: Sequence[int]) -> list[Any]:
+    def put(self, session: Any, tokens: Sequence[int], min_past: int = 0) -> list[Any]:
         """Keep ``session`` (most recently used) with its KV's tokens.
 
+        Args:
+            min_past: the smallest n_past > 0 the session can roll back to (0: any).
         Returns:
             The sessions evicted to stay within capacity (``session`` itself
             when the capacity is 0 or it holds no tokens); the caller frees them.
         """
         if self.capacity == 0 or not tokens:
             return [session]
-        self._entries[id(session)] = (session, list(tokens))
+        self._entries[id(session)] = (session, list(tokens), max(0, min_past))
         evicted = []
         while len(self._entries) > self.capacity:
             evicted.append(self._entries.popitem(last=False)[1][0])
@@ -88,10 +102,10 @@ class PrefixCache:
 
     def clear(self) -> list[Any]:
         """Remove every entry; returns their sessions."""
-        out = [s for s, _ in self._entries.values()]
+        out = [e[0] for e in self._entries.values()]
         self._entries.clear()
         return out
 
     def cached_tokens(self) -> int:
         """Tokens held over all entries."""
-        return sum(len(t) for _, t in self._entries.values())
+        return sum(len(e[1]) for e in self._entries.values())

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
-from echospec.services.verifier.engine import MAX_THREADS, MIN_CTX, EngineError, Model, Session
+from echospec.services.verifier.engine import (MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK, EngineError, Model,
+                                               Session)
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
 
@@ -114,6 +115,12 @@ class VerifierCore:
     batch or a prefill (bench/README.md, serve_bench, "Engine threads"). The
     config kept here has both resolved.
 
+    Sliding-window models (Gemma 3): each session's local layers keep a ring of
+    the window plus ``swa_slack`` positions, swa_slack = max(SWA_SLACK, max_k + 1),
+    so the rollback after a verify of up to max_k drafts (at most max_k positions
+    back from the furthest written) is always within reach; a cached session is
+    reused only down to a prefix it can still reach (prefix_cache.py, Reach).
+
     Args:
         config: model path, n_ctx, n_threads, batch_threads, max_k, max_sessions,
             batch_max, batch_tokens, prefill_chunk, prefix cache settings.
@@ -132,6 +139,8 @@ class VerifierCore:
         config = dataclasses.replace(config, n_threads=n_threads, batch_threads=batch_threads)
         self.config = config
         self.pool_threads = max(n_threads, batch_threads)
+        # a verify's rollback is always within reach (the engine takes at most MAX_CTX)
+        self.swa_slack = min(max(SWA_SLACK, config.max_k + 1), MAX_CTX)
         self.model = Model(config.model)
         info = self.model.info
         self.n_vocab = info.n_vocab
@@ -170,7 +179,8 @@ class VerifierCore:
         Raises:
             EngineError: as Model.new_session.
         """
-        es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.pool_threads)
+        es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.pool_threads,
+                                    swa_slack=self.swa_slack)
         try:
             es.threads = self.config.n_threads
         except EngineError:
@@ -182,7 +192,8 @@ class VerifierCore:
         """An engine session for a generation of ``prompt``, and how many prompt tokens it already holds.
 
         Takes the prefix cache's session sharing the longest prefix with the
-        prompt and rolls its KV back to that prefix; else, when the cache is
+        prompt that it can still roll back to (Session.min_rollback) and rolls its
+        KV back to that prefix; else, when the cache is
         full (its least recently used entry would be evicted when this
         generation's session comes back anyway), takes that entry rolled back
         to 0, whose KV pages are already in memory (a new session's first
@@ -224,17 +235,21 @@ class VerifierCore:
 
         Args:
             kv_tokens: the tokens in its KV cache, in order (positions beyond
-                them are rolled back first); None: free it (state unknown).
+                them are rolled back first; a session that cannot roll back that
+                far is freed); None: free it (state unknown).
         """
         keep = kv_tokens is not None and len(kv_tokens) > 0
+        min_past = 0
         try:
             if keep and session.n_past > len(kv_tokens):
                 session.rollback(len(kv_tokens))
-        except EngineError:   # close() freed it meanwhile: a generation that outlived a stop
+            if keep:
+                min_past = session.min_rollback
+        except EngineError:   # closed meanwhile (a generation that outlived a stop), or out of reach
             keep = False
         with self._lock:
             self._gen_active -= 1
-            evicted = self.prefix_cache.put(session, kv_tokens) if keep else [session]
+            evicted = self.prefix_cache.put(session, kv_tokens, min_past) if keep else [session]
         for s in evicted:
             s.close()
 
