@@ -72,12 +72,7 @@ static es_session *swa_session(const es_model *m, int nt, int n_ctx, int slack, 
     sp.n_threads = nt;
     sp.swa_slack = slack;
     sp.swa_full = full;
-    es_session *s = NULL;
-    char err[256] = "";
-    es_status st = es_session_new(m, &sp, &s, err, sizeof err);
-    if (st != ES_OK) fprintf(stderr, "  es_session_new: %s\n", err);
-    CHECK_EQ_INT(st, ES_OK);
-    return s;
+    return tm_session_params(m, &sp);
 }
 
 static void tokens(int32_t *t, int n, int salt) {

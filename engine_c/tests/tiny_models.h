@@ -415,18 +415,23 @@ static int write_model(const model_spec *ms, const char *path) {
     return ok ? 0 : -1;
 }
 
-/* A session on m with n_threads and n_ctx (needs harness.h): fails the test
- * with es_session_new's message when it cannot be made. */
+/* A session on m with the params sp (needs harness.h): fails the test with
+ * es_session_new's message when it cannot be made. */
+static inline es_session *tm_session_params(const es_model *m, const es_session_params *sp) {
+    es_session *s = NULL;
+    char err[256] = "";
+    es_status st = es_session_new(m, sp, &s, err, sizeof err);
+    if (st != ES_OK) fprintf(stderr, "  es_session_new: %s\n", err);
+    CHECK_EQ_INT(st, ES_OK);
+    return s;
+}
+
+/* A session on m with n_threads and n_ctx, the other params at their defaults. */
 static inline es_session *tm_session(const es_model *m, int n_threads, int n_ctx) {
     es_session_params sp = es_session_default_params();
     sp.n_ctx = n_ctx;
     sp.n_threads = n_threads;
-    es_session *s = NULL;
-    char err[256] = "";
-    es_status st = es_session_new(m, &sp, &s, err, sizeof err);
-    if (st != ES_OK) fprintf(stderr, "  es_session_new: %s\n", err);
-    CHECK_EQ_INT(st, ES_OK);
-    return s;
+    return tm_session_params(m, &sp);
 }
 
 /* Model `which` of MODELS written to DIR and loaded (needs harness.h): fails the test with
