@@ -188,6 +188,9 @@ class PromMetrics(_Registry):
         self.v_retries = Counter("echospec_verifier_retries_total", "Generations moved to another "
                                  "verifier after this one failed before their first token",
                                  ["verifier"], registry=r)
+        self.v_moves = Counter("echospec_verifier_moves_total", "Generations moved to another "
+                               "verifier after this one failed or stalled past their first token "
+                               "(each move tried)", ["verifier"], registry=r)
         self.source_draft_tokens = Counter("echospec_spec_source_draft_tokens_total", "Draft tokens "
                                            "verified, by draft source", ["source"], registry=r)
         self.source_hits = Counter("echospec_spec_source_hits_total", "Accepted draft tokens, by "

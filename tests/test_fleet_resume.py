@@ -1,0 +1,252 @@
+"""A generation moves to another verifier when its own fails or stalls after the first token.
+
+Two boards (verifier + draft service, separate processes, tests/test_fleet.py's Board) on
+loopback serve SmolLM2; one coordinator in this process balances over them. A generation of
+200 tokens is interrupted at its 20th token by SIGKILL (the connection drops) or SIGSTOP (the
+verifier freezes: only the progress deadline notices) of the verifier serving it. The client's
+stream carries no error and its text is byte-identical to an uninterrupted run; the result's
+`moves` says from where and at which token. With no verifier left the generation ends with
+UNAVAILABLE naming its moves. Pure parts (the deadline formula, the sampler's RNG skip) have
+literal tests.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from test_fleet import Board, _ports_free_on_all  # noqa: E402
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
+from echospec.services.common.config import CoordinatorConfig  # noqa: E402
+from echospec.services.coordinator import server as cserver  # noqa: E402
+from echospec.services.coordinator.progress import STALL_FACTOR, ProgressClock  # noqa: E402
+
+N_CTX = 1024
+MAX_TOKENS = 200
+KILL_AT = 20
+STALL_FLOOR_S = 1.0
+PROMPT = ("<|im_start|>user\nWrite a long story about a lighthouse keeper and her cat, with many "
+          "details about the sea.<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---- pure parts --------------------------------------------------------------------------------
+
+def test_deadline_is_the_floor_for_a_fast_verifier_alone():
+    c = ProgressClock(1.0, t_ms=20.0, prefill_chunk=256, prompt_tokens=5)
+    assert c.deadline_s(0) == 1.0                     # the prefill: 8 * 5 * 20 ms = 0.8 s < floor
+    c.observe(wall_ms=50.0, t_ms=20.0)
+    assert c.deadline_s(0) == 1.0                     # 8 * 50 ms = 0.4 s < floor
+
+
+def test_deadline_follows_the_verifiers_own_costs_under_load():
+    c = ProgressClock(1.0, t_ms=20.0, prefill_chunk=256, prompt_tokens=600)
+    assert c.deadline_s(0) == pytest.approx(STALL_FACTOR * 600 * 20 / 1e3)   # the prefill: 96 s
+    c.observe(wall_ms=400.0, t_ms=25.0)              # a round behind other sessions' steps
+    assert c.deadline_s(0) == pytest.approx(STALL_FACTOR * 0.4)
+    c.observe(wall_ms=10.0, t_ms=25.0)               # the slow round is remembered, decaying
+    assert c.deadline_s(0) == pytest.approx(STALL_FACTOR * 0.36)
+    # 3 other sessions may each run a prefill chunk before this one's next step
+    assert c.deadline_s(3) == pytest.approx(STALL_FACTOR * (0.36 + 3 * 256 * 0.025))
+
+
+def test_deadline_off_with_floor_zero_or_unknown_t():
+    assert ProgressClock(0.0, 20.0, 256, 10).deadline_s(0) is None
+    assert ProgressClock(1.0, 0.0, 256, 10).deadline_s(0) is None
+
+
+def test_rng_advance_is_the_samplers_own_state_after_n_draws():
+    from echospec.services.verifier.engine import rng_advance, sample
+    rows = np.random.default_rng(0).standard_normal((40, 50)).astype(np.float32)
+    for seed in (0, 1, 2 ** 64 - 1, 12345):
+        rng = seed
+        for n, row in enumerate(rows):
+            assert rng_advance(seed, n) == rng & 0xFFFFFFFFFFFFFFFF, (seed, n)
+            _, rng = sample(row, temperature=0.9, top_k=20, rng=rng)
+
+
+# ---- the fleet -----------------------------------------------------------------------------------
+
+class SmolBoard(Board):
+    """A test_fleet Board with a small KV cache (SmolLM2's sessions are larger than the tiny model's)."""
+
+    def start_verifier(self) -> None:
+        self.verifier = self._spawn("verifier", [
+            "--host", self.ip, "--port", str(self.vport), "--model", self.model,
+            "--n-ctx", str(N_CTX), "--n-threads", "1", "--max-sessions", "4",
+            "--draft-target", f"{self.ip}:{self.dport}"])
+
+    def restart(self) -> None:
+        if self.verifier is not None and self.verifier.poll() is None:
+            self.verifier.kill()
+            self.verifier.wait(10)
+        self.start_verifier()
+        self.wait()
+
+
+@pytest.fixture(scope="module")
+def boards(smollm2_path):
+    vport, dport = _ports_free_on_all(2)
+    bs = [SmolBoard(ip, vport, dport, smollm2_path) for ip in ("127.0.0.21", "127.0.0.22")]
+    try:
+        for b in bs:
+            b.start_draft()
+            b.start_verifier()
+        for b in bs:
+            b.wait()
+        yield bs
+    finally:
+        for b in bs:
+            if b.verifier is not None and b.verifier.poll() is None:
+                os.kill(b.verifier.pid, signal.SIGCONT)
+            b.stop()
+
+
+class Coordinator:
+    def __init__(self, model: str, boards, **settings):
+        cfg = CoordinatorConfig(model=model, port=0, verifier=tuple(b.address for b in boards),
+                                verifier_poll_s=0.2, metrics_port=-1, log_level="WARNING",
+                                stall_floor_s=STALL_FLOOR_S, **settings)
+        self.server = cserver.start(cfg, verifier_wait_s=60)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+
+    def info(self) -> dict:
+        return {v.address: v for v in self.stub.GetInfo(cpb.GetInfoRequest(), timeout=10).verifiers}
+
+    def wait_healthy(self, addresses, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self.info()[a].healthy for a in addresses):
+            assert time.monotonic() < deadline, f"not healthy in time: {self.info()}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def coord(smollm2_path, boards):
+    c = Coordinator(smollm2_path, boards)
+    yield c
+    c.close()
+
+
+def _request(mode: str, prediction: str = "") -> cpb.GenerateRequest:
+    """plain: greedy; spec: greedy with speculation, drafting from ``prediction``; sampled:
+    temperature 0.8 with a seed."""
+    spec = common_pb2.SPEC_MODE_ON if mode == "spec" else common_pb2.SPEC_MODE_OFF
+    if mode == "sampled":
+        return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, temperature=0.8,
+                                   top_k=40, seed=7)
+    return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, prediction=prediction)
+
+
+def _serving(coord: Coordinator, boards) -> SmolBoard:
+    info = coord.info()
+    [b] = [b for b in boards if info[b.address].in_flight == 1]
+    return b
+
+
+def _interrupted(coord, boards, req: cpb.GenerateRequest, sig: int):
+    """Stream a generation, send ``sig`` to its verifier at token KILL_AT; returns (text, token
+    ids, result, seconds from the signal to the next token, the victim)."""
+    text, ids, result = [], [], None
+    victim, t_sig, gap = None, None, None
+    for msg in coord.stub.Generate(req, timeout=120):
+        if msg.HasField("result"):
+            result = msg.result
+            break
+        if t_sig is not None and gap is None and msg.token_ids:
+            gap = time.monotonic() - t_sig
+        text.append(msg.text)
+        ids.extend(msg.token_ids)
+        if victim is None and len(ids) >= KILL_AT:
+            victim = _serving(coord, boards)
+            os.kill(victim.verifier.pid, sig)
+            t_sig = time.monotonic()
+    return "".join(text), ids, result, gap, victim
+
+
+@pytest.mark.parametrize("mode", ["plain", "spec", "sampled"])
+def test_killed_verifier_resumes_elsewhere_with_the_same_text(coord, boards, mode):
+    def complete(req):
+        return coord.stub.Complete(cpb.CompleteRequest(**{f.name: v for f, v in req.ListFields()}),
+                                   timeout=120).result
+    # speculation drafts from a prediction (the plain output), so its drafts are mostly
+    # accepted on both sides of the move: the draft session's history moved with it
+    prediction = complete(_request("plain")).text if mode == "spec" else ""
+    req = _request(mode, prediction)
+    ref = complete(req)
+    assert ref.completion_tokens == MAX_TOKENS and not ref.moves
+    text, ids, result, gap, victim = _interrupted(coord, boards, req, signal.SIGKILL)
+    try:
+        assert victim is not None and result is not None
+        assert text.encode() == ref.text.encode() and ids == list(ref.token_ids)
+        assert result.text == ref.text and result.completion_tokens == MAX_TOKENS
+        [move] = result.moves
+        other = next(b for b in boards if b is not victim)
+        assert (move.from_verifier, move.to_verifier) == (victim.address, other.address)
+        assert result.verifier == other.address
+        assert KILL_AT <= move.at_token < MAX_TOKENS and "UNAVAILABLE" in move.reason
+        assert result.spec_enabled == (mode == "spec")
+        if mode == "spec":
+            assert result.stats.tries > 0 and result.stats.acceptance_rate > 0.9, result.stats
+        print(f"\n{mode}: SIGKILL at token {KILL_AT}: next token after {gap * 1e3:.0f} ms, "
+              f"moved at token {move.at_token}, resume {move.resume_ms:.0f} ms (prefill "
+              f"{move.prefill_ms:.0f} ms, {move.cached_prompt_tokens} cached)")
+        assert gap < 3.0
+    finally:
+        victim.restart()
+        coord.wait_healthy([b.address for b in boards])
+
+
+def test_stopped_verifier_misses_its_deadline_and_the_generation_moves(coord, boards):
+    ref = coord.stub.Complete(cpb.CompleteRequest(text=PROMPT, max_tokens=MAX_TOKENS), timeout=120).result
+    t0 = time.monotonic()
+    text, ids, result, gap, victim = _interrupted(coord, boards, _request("plain"),
+                                                          signal.SIGSTOP)
+    try:
+        assert result is not None and text == ref.text and ids == list(ref.token_ids)
+        [move] = result.moves
+        assert move.from_verifier == victim.address and "progress deadline" in move.reason
+        # the floor (1 s) plus the other verifier's prefill of prompt + 20 tokens
+        print(f"\nSIGSTOP at token {KILL_AT}: next token after {gap * 1e3:.0f} ms, whole "
+              f"generation {time.monotonic() - t0:.1f} s, resume {move.resume_ms:.0f} ms")
+        assert gap < STALL_FLOOR_S + 2.0
+        # cancelled for the generation and unhealthy until its health check passes again
+        assert not coord.info()[victim.address].healthy
+        os.kill(victim.verifier.pid, signal.SIGCONT)
+        coord.wait_healthy([victim.address])
+    finally:
+        os.kill(victim.verifier.pid, signal.SIGCONT)
+
+
+def test_no_verifier_left_ends_with_unavailable_naming_the_moves(coord, boards):
+    text, ids, first, second = [], [], None, None
+    with pytest.raises(grpc.RpcError) as ei:
+        for msg in coord.stub.Generate(_request("plain"), timeout=120):
+            ids.extend(msg.token_ids)
+            if first is None and len(ids) >= KILL_AT:
+                first = _serving(coord, boards)
+                os.kill(first.verifier.pid, signal.SIGKILL)
+            elif first is not None and second is None and len(ids) >= 2 * KILL_AT:
+                second = _serving(coord, boards)
+                os.kill(second.verifier.pid, signal.SIGKILL)
+    try:
+        assert first is not None and second is not None and second is not first
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        d = ei.value.details()
+        assert f"verifier {second.address} failed after" in d and "no verifier left" in d, d
+        assert f"moves: {first.address} -> {second.address} at token" in d, d
+    finally:
+        for b in boards:
+            b.restart()
+        coord.wait_healthy([b.address for b in boards])
