@@ -229,6 +229,22 @@ def test_stopped_verifier_misses_its_deadline_and_the_generation_moves(coord, bo
         os.kill(victim.verifier.pid, signal.SIGCONT)
 
 
+def test_busy_verifiers_under_honest_load_are_not_flagged(coord, boards):
+    # 4 generations per verifier (batch_max 1: each waits for the others' steps, long prompts
+    # prefilled in chunks meanwhile) on 2 shared cores: rounds far slower than alone, and the
+    # deadlines, built from each verifier's own reported costs, grow with them
+    from concurrent.futures import ThreadPoolExecutor
+    prompts = [PROMPT.replace("her cat", f"her {n} cats") + "word " * 300 for n in range(8)]
+
+    def one(p):
+        return coord.stub.Complete(cpb.CompleteRequest(text=p, max_tokens=24), timeout=120).result
+    with ThreadPoolExecutor(8) as ex:
+        rs = list(ex.map(one, prompts))
+    assert {r.verifier for r in rs} == {b.address for b in boards}
+    assert all(r.completion_tokens == 24 and not r.moves for r in rs), [list(r.moves) for r in rs]
+    assert all(v.healthy and not v.last_error for v in coord.info().values())
+
+
 def test_no_verifier_left_ends_with_unavailable_naming_the_moves(coord, boards):
     text, ids, first, second = [], [], None, None
     with pytest.raises(grpc.RpcError) as ei:

@@ -6,17 +6,19 @@ Each generation goes to one verifier of the pool (pool.py, balancer.py: the
 least-loaded healthy one, or its draft_namespace's own while healthy). A
 verifier that fails before the generation's first token (unreachable, no free
 session, an internal error) is marked failed when unreachable and the
-generation is retried once on another; a failure after the first token ends the
-generation with UNAVAILABLE and a message naming the verifier (nothing is
-replayed: the client has text already). The result names the verifier that
-served it.
+generation is retried once on another. A verifier that fails or misses its
+progress deadline (progress.py) after the first token is reported to the pool
+and the generation resumes on another (``_ResumingLink``: prompt + output so
+far prefilled there, the stream continuing without a seam), at most
+``max_moves`` times; past that, or with no verifier left, UNAVAILABLE naming
+the moves. The result names the verifier that finished it and each move.
 
 Status codes: malformed requests INVALID_ARGUMENT (one prompt form, token ids
 in the vocabulary, non-empty prompt, max_tokens / k / stop limits, chat
 message shape); the verifier's own status is passed through (e.g.
 INVALID_ARGUMENT for a prompt longer than the context, RESOURCE_EXHAUSTED when
-no verifier has a free session); UNAVAILABLE when no verifier can be reached or
-one fails mid-generation. An unreachable draft service is not an error: the
+no verifier has a free session); UNAVAILABLE when no verifier can be reached, or
+when a generation whose verifier failed mid-way cannot move on. An unreachable draft service is not an error: the
 generation decodes plainly and says so in spec_reason.
 """
 from __future__ import annotations
@@ -522,8 +524,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.watch.disarm(attempt.link)
             return
         c = attempt.clock
+        work = f"a prefill of {c.prompt_tokens} tokens" if c.first else f"round {c.round_ms:.1f} ms"
         self.watch.arm(attempt.link, d, f"no message within its progress deadline of {d:.2f} s "
-                       f"(T {c.t_ms:.1f} ms, round {c.round_ms:.1f} ms, {others} other session(s); "
+                       f"(T {c.t_ms:.1f} ms, {work}, {others} other session(s); "
                        f"--stall-floor-s {c.floor_s:g})")
 
     def call(self, req: Any, prompt: list[int], output: list[int], lease: Any,
