@@ -72,6 +72,62 @@ def test_rng_advance_is_the_samplers_own_state_after_n_draws():
             _, rng = sample(row, temperature=0.9, top_k=20, rng=rng)
 
 
+class _FakeLink:
+    """generate()'s link over literal verifier messages (a Move between two of them: a resume)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def events(self):
+        yield from self.items
+
+    def cancel(self):
+        pass
+
+
+def _msg(tokens, v_ms=10.0, wall_ms=12.0, cached=0):
+    from echospec.v1 import verifier_pb2
+    return verifier_pb2.GenerateTokensResponse(cached_prompt_tokens=cached, rounds=[
+        verifier_pb2.GenerationRound(result=verifier_pb2.StepResult(tokens=[t], t_ms=20.0, v_ms=v_ms),
+                                     wall_ms=wall_ms) for t in tokens])
+
+
+def test_text_and_stop_strings_run_across_a_move_without_a_seam(smollm2_path):
+    # the detokenizer and the stop matcher live in the coordinator's generate() and carry on
+    # over the next verifier's tokens: a UTF-8 character whose bytes are split over the move,
+    # and a stop string that starts before it and ends after it, come out as without a move
+    from echospec.services.coordinator.generation import GenerationParams, Move, Outcome, generate
+    from echospec.services.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(smollm2_path)
+    text = "The lighthouse 🐈 keeper said: the sea is calm tonight. Then"
+    ids = tok.encode(text)
+    cat = tok.encode(" 🐈")
+    assert len(cat) >= 2       # byte-level tokens: the move falls inside the character
+    cut = next(i for i in range(len(ids)) if ids[i:i + len(cat)] == cat) + 1
+
+    def run(items, stop):
+        params = GenerationParams(max_tokens=len(ids), stop=stop, sampling=None, spec=False,
+                                  spec_reason="", k=1)
+        evs = list(generate([1, 2, 3], params, tok, _FakeLink(items)))
+        return "".join(e.text for e in evs[:-1]), evs[-1]
+
+    whole = [_msg(ids[:1], cached=3)] + [_msg([t]) for t in ids[1:]]
+    move = Move("a:1", "b:1", cut, "UNAVAILABLE: gone", resume_ms=30.0)
+    moved = [_msg(ids[:1], cached=3)] + [_msg([t]) for t in ids[1:cut]] + \
+        [move, _msg(ids[cut:cut + 1], v_ms=55.0, cached=7)] + [_msg([t]) for t in ids[cut + 1:]]
+    for stop in (["sea is calm"], ["🐈 keeper"], []):
+        streamed_a, out_a = run(whole, stop)
+        streamed_b, out_b = run(moved, stop)
+        assert isinstance(out_b, Outcome) and streamed_b.encode() == streamed_a.encode()
+        assert out_b.text == out_a.text and out_b.finish_reason == out_a.finish_reason, stop
+        assert out_b.text == (text[:text.index(stop[0])] if stop else text)
+    assert streamed_b == text and out_b.token_ids == ids
+    # the resumed prefill is the move's, not a round of the stats
+    assert [m.prefill_ms for m in out_b.moves] == [55.0] and out_b.moves[0].cached_prompt_tokens == 7
+    assert out_b.counters.rounds == out_a.counters.rounds - 1
+    assert out_b.counters.cached_prompt_tokens == 3
+
+
 # ---- the fleet -----------------------------------------------------------------------------------
 
 class SmolBoard(Board):
