@@ -128,6 +128,40 @@ def test_text_and_stop_strings_run_across_a_move_without_a_seam(smollm2_path):
     assert out_b.counters.cached_prompt_tokens == 3
 
 
+def test_resumed_output_reaches_the_draft_session_as_output():
+    # the draft session's first append is its prompt, later ones are output (the prediction
+    # follows the output): a resumed generation's output so far goes in as output
+    from echospec.services.verifier.generation_loop import _Drafts
+
+    class Recorder:
+        def __init__(self):
+            self.appends = []
+
+        def append(self, tokens):
+            self.appends.append(list(tokens))
+
+    fresh, resumed = Recorder(), Recorder()
+    _Drafts(fresh, 4, True, [1, 2, 3, 4, 5])
+    d = _Drafts(resumed, 4, True, [1, 2, 3, 4, 5], resumed=2)
+    assert fresh.appends == [[1, 2, 3, 4, 5]]
+    assert resumed.appends == [[1, 2, 3], [4, 5]] and d.synced == 5
+
+
+def test_verifier_refuses_a_resumed_count_outside_the_prompt():
+    from types import SimpleNamespace
+    from echospec.services.verifier.generation_loop import GenerationRequest, check
+    from echospec.services.verifier.sessions import InvalidArgument, Sampling
+    core = SimpleNamespace(config=SimpleNamespace(n_ctx=64, max_k=8), n_vocab=100)
+
+    def req(resumed):
+        return GenerationRequest(prompt=[1, 2, 3], max_tokens=4, eos_ids=frozenset({0}),
+                                 sampling=Sampling(), resumed=resumed)
+    check(core, req(2))
+    for bad in (3, -1):
+        with pytest.raises(InvalidArgument, match=r"resumed_tokens must be in \[0, 3\)"):
+            check(core, req(bad))
+
+
 # ---- the fleet -----------------------------------------------------------------------------------
 
 class SmolBoard(Board):
