@@ -276,6 +276,8 @@ def test_killed_verifier_resumes_elsewhere_with_the_same_text(coord, boards, mod
     req = _request(mode, prediction)
     ref = complete(req)
     assert ref.completion_tokens == MAX_TOKENS and not ref.moves
+    moves = coord.server.servicer.metrics.v_moves
+    before = {b.address: moves.labels(verifier=b.address)._value.get() for b in boards}
     text, ids, result, gap, victim = _interrupted(coord, boards, req, signal.SIGKILL)
     try:
         assert victim is not None and result is not None
@@ -287,6 +289,7 @@ def test_killed_verifier_resumes_elsewhere_with_the_same_text(coord, boards, mod
         assert result.verifier == other.address
         assert KILL_AT <= move.at_token < MAX_TOKENS and "UNAVAILABLE" in move.reason
         assert result.spec_enabled == (mode == "spec")
+        assert moves.labels(verifier=victim.address)._value.get() == before[victim.address] + 1
         if mode == "spec":
             assert result.stats.tries > 0 and result.stats.acceptance_rate > 0.9, result.stats
         print(f"\n{mode}: SIGKILL at token {KILL_AT}: next token after {gap * 1e3:.0f} ms, "

@@ -183,7 +183,7 @@ class _ResumingLink:
         self._eos = set(svc.tokenizer.eos_ids)
         self._tried = 0                      # moves tried (those that failed too)
         self._failed: list[str] = [attempt.lease.address]
-        self._history: list[str] = []        # "a -> b at token n" of each move made
+        self.history: list[str] = []         # "a -> b at token n" of each move made
 
     def _took(self, msg: Any) -> None:
         wall, t_ms = 0.0, 0.0
@@ -248,7 +248,7 @@ class _ResumingLink:
         old.lease.release()
         cap = svc.config.max_moves
         while True:
-            done = "; ".join([f"moves: {', '.join(self._history)}" if self._history else "no move"]
+            done = "; ".join([f"moves: {', '.join(self.history)}" if self.history else "no move"]
                              + fails)
             if self._tried >= cap:
                 raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,
@@ -287,7 +287,7 @@ class _ResumingLink:
                 continue
             self.attempt = attempt
             ms = (time.perf_counter() - t0) * 1e3
-            self._history.append(f"{old.lease.address} -> {lease.address} at token {n}")
+            self.history.append(f"{old.lease.address} -> {lease.address} at token {n}")
             log.warning("%s; moved to %s (resumed in %.0f ms)", head, lease.address, ms)
             return Move(old.lease.address, lease.address, n, why, resume_ms=ms)
 
@@ -516,6 +516,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             started.cancel()
             started.attempt.lease.release()
             rec.verifier = started.attempt.lease.address
+            rec.moves = len(started.history)
 
     def arm(self, attempt: _Attempt, others: int) -> None:
         """(Re)start the progress deadline of the attempt's next message."""
