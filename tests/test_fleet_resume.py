@@ -322,6 +322,29 @@ def test_stopped_verifier_misses_its_deadline_and_the_generation_moves(coord, bo
         os.kill(victim.verifier.pid, signal.SIGCONT)
 
 
+def test_a_lone_verifier_is_waited_for_past_the_floor(smollm2_path, boards):
+    # nowhere to move: a verifier frozen for longer than the floor is not cancelled, and the
+    # generation completes once it runs again
+    lone = Coordinator(smollm2_path, boards[:1])
+    try:
+        n, stopped = 0, False
+        for msg in lone.stub.Generate(cpb.GenerateRequest(text=PROMPT, max_tokens=48), timeout=60):
+            if msg.HasField("result"):
+                result = msg.result
+                break
+            n += len(msg.token_ids)
+            if n >= KILL_AT and not stopped:
+                stopped = True
+                os.kill(boards[0].verifier.pid, signal.SIGSTOP)
+                time.sleep(STALL_FLOOR_S + 1.0)
+                os.kill(boards[0].verifier.pid, signal.SIGCONT)
+        assert stopped and result.completion_tokens == 48 and not result.moves
+        assert result.verifier == boards[0].address
+    finally:
+        os.kill(boards[0].verifier.pid, signal.SIGCONT)
+        lone.close()
+
+
 def test_busy_verifiers_under_honest_load_are_not_flagged(coord, boards):
     # 4 generations per verifier (batch_max 1: each waits for the others' steps, long prompts
     # prefilled in chunks meanwhile) on 2 shared cores: rounds far slower than alone, and the

@@ -25,7 +25,8 @@ deadline = 8 * 15.41 = 123 s: a loaded board is given all the time its queue
 could honestly take.
 
 ``floor_s <= 0`` turns stall detection off (None: no deadline). T = 0 (not
-measured yet) gives no deadline either: nothing to base one on.
+measured yet) gives no deadline either: nothing to base one on. (The servicer
+also sets none while no other healthy verifier could take the generation.)
 """
 from __future__ import annotations
 

@@ -150,6 +150,7 @@ class _Attempt:
                  clock: ProgressClock):
         self.lease, self.link, self.events, self.first, self.clock = lease, link, events, first, clock
         self.params: Any = None          # the GenerationParams resolved for this verifier
+        self.exclude: list[str] = []     # verifiers this generation cannot move to
 
 
 class _CallFailed(Exception):
@@ -183,6 +184,7 @@ class _ResumingLink:
         self._eos = set(svc.tokenizer.eos_ids)
         self._tried = 0                      # moves tried (those that failed too)
         self._failed: list[str] = [attempt.lease.address]
+        attempt.exclude = self._failed
         self.history: list[str] = []         # "a -> b at token n" of each move made
 
     def _took(self, msg: Any) -> None:
@@ -263,7 +265,8 @@ class _ResumingLink:
             self._tried += 1
             svc.metrics.v_moves.labels(verifier=old.lease.address).inc()
             try:
-                attempt = svc.call(self._req, self._prompt, self.tokens, lease, self._context)
+                attempt = svc.call(self._req, self._prompt, self.tokens, lease, self._context,
+                                   exclude=self._failed)
             except RequestError as exc:
                 lease.release()
                 raise VerifierFailure(exc.code, f"{head}; moving the generation to "
@@ -519,8 +522,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             rec.moves = len(started.history)
 
     def arm(self, attempt: _Attempt, others: int) -> None:
-        """(Re)start the progress deadline of the attempt's next message."""
+        """(Re)start the progress deadline of the attempt's next message. None while no other
+        healthy verifier could take the generation: a lone verifier that is slow is still the
+        best there is (the client's deadline bounds the wait)."""
         d = attempt.clock.deadline_s(others)
+        if d is not None and not self.pool.has_other(attempt.lease.address, attempt.exclude):
+            d = None
         if d is None:
             self.watch.disarm(attempt.link)
             return
@@ -531,10 +538,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                        f"--stall-floor-s {c.floor_s:g})")
 
     def call(self, req: Any, prompt: list[int], output: list[int], lease: Any,
-             context: grpc.ServicerContext) -> _Attempt:
+             context: grpc.ServicerContext, exclude: list[str] | None = None) -> _Attempt:
         """Start the generation on ``lease``'s verifier (resumed after ``output`` when it is
         not empty: prompt + output prefilled, max_tokens less the output) and wait for its
-        first message within the progress deadline.
+        first message within the progress deadline. ``exclude``: the verifiers the generation
+        cannot move to (the list is read as it grows).
 
         Raises:
             RequestError: the request does not suit this verifier (its caps, its max_k).
@@ -562,6 +570,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
                                          len(prompt) + len(output)))
+        attempt.exclude = exclude if exclude is not None else []
         self.arm(attempt, self.pool.others(lease.address))
         events = link.events()
         try:
