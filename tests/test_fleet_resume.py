@@ -162,6 +162,17 @@ def test_verifier_refuses_a_resumed_count_outside_the_prompt():
             check(core, req(bad))
 
 
+def test_python_client_result_carries_the_moves():
+    from echospec_client import Move, Result
+    from echospec_client.v1 import coordinator_pb2 as client_pb2
+    r = Result.from_proto(client_pb2.GenerationResult(text="ab", verifier="b:1", moves=[
+        client_pb2.VerifierMove(from_verifier="a:1", to_verifier="b:1", at_token=20,
+                                reason="UNAVAILABLE: gone", resume_ms=31.5, prefill_ms=20.0,
+                                cached_prompt_tokens=12)]))
+    assert r.moves == (Move("a:1", "b:1", 20, "UNAVAILABLE: gone", 31.5, 20.0, 12),)
+    assert Result.from_proto(client_pb2.GenerationResult(text="ab")).moves == ()
+
+
 # ---- the fleet -----------------------------------------------------------------------------------
 
 class SmolBoard(Board):
