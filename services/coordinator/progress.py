@@ -14,7 +14,7 @@ board under honest load is never flagged:
 
 The per-message wall time is the sum of the message's rounds' ``wall_ms``: the
 verifier's own time for those rounds, queueing behind other sessions and the
-draft hop included. The first message (the prefill, at the start or after a
+draft hop included (the prefill's round is left out: it is no round's cost). The first message (the prefill, at the start or after a
 move) waits for ``prompt_tokens`` tokens at no more than T each (a prefill
 costs less per token than a decode step), plus the same load term.
 

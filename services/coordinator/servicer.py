@@ -189,9 +189,11 @@ class _ResumingLink:
 
     def _took(self, msg: Any) -> None:
         wall, t_ms = 0.0, 0.0
-        for rnd in msg.rounds:
+        prefill = msg is self.attempt.first   # its first round is the prefill: not a round's cost
+        for i, rnd in enumerate(msg.rounds):
             self.tokens.extend(rnd.result.tokens)
-            wall += rnd.wall_ms
+            if not (prefill and i == 0):
+                wall += rnd.wall_ms
             t_ms = rnd.result.t_ms or t_ms
         self.attempt.clock.observe(wall, t_ms)
 
@@ -226,6 +228,8 @@ class _ResumingLink:
                 why = stalled or f"{exc.code.name}: {exc.details}"
                 if stalled or exc.code in DOWN_CODES:
                     self._svc.pool.report_failure(a.lease.address, why)
+                if a.lease.address not in self._failed:   # not tried again for this generation
+                    self._failed.append(a.lease.address)
                 if self._complete():
                     raise
                 move = self._move(why)
