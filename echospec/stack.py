@@ -231,7 +231,7 @@ class StackConfig:
 @dataclass
 class StackConfigs:
     """The settings of a stack: its own and each service's. The settings every service shares
-    are said once, on the coordinator's config (host, logging, TLS, API key, message size; the
+    are said once, on the coordinator's config (host, metrics_host, logging, TLS, API key, message size; the
     model, which the verifier loads), and the verifier's tls_client_ca (mTLS on the internal
     ports); ``start`` hands them to the others."""
 
@@ -300,7 +300,8 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
     passed to child processes in the environment, never on a command line) and the model (the
     verifier's too). The verifier's tls_client_ca makes the internal ports (verifier, draft)
     demand client certificates it signed (mTLS); the coordinator and verifier present tls_cert.
-    The coordinator's metrics_port is the stack's /metrics (-1: off, 0: a free port): in threads
+    The coordinator's metrics_port is the stack's /metrics (-1: off, 0: a free port), on its
+    metrics_host (loopback by default, whatever host says), the others' too: in threads
     mode one for the three services; in process mode the verifier and draft each serve theirs
     on a free port (``Stack.metrics_ports``).
 
@@ -320,12 +321,13 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
               "tls_cert": c.tls_cert, "tls_key": c.tls_key, "tls_ca": ca}
     side = c.metrics_port >= 0 and st.processes   # the verifier's and draft's own /metrics
     c = dataclasses.replace(c, tls_ca=ca)
+    mh = c.metrics_host
     dcfg = dataclasses.replace(d, **shared, port=st.draft_port, tls_client_ca=v.tls_client_ca,
-                               max_message_bytes=c.max_message_bytes,
-                               metrics_port=_free_port(c.host) if side else -1)
+                               max_message_bytes=c.max_message_bytes, metrics_host=mh,
+                               metrics_port=_free_port(mh) if side else -1)
     vcfg = dataclasses.replace(v, **shared, model=c.model, port=st.verifier_port,
-                               max_message_bytes=c.max_message_bytes,
-                               metrics_port=_free_port(c.host) if side else -1)
+                               max_message_bytes=c.max_message_bytes, metrics_host=mh,
+                               metrics_port=_free_port(mh) if side else -1)
     gcfg = None
     if st.http_port >= 0:
         gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key)
@@ -409,7 +411,7 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
     ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
                                verifier_target=host_port(vcfg.host, vcfg.port),
                                draft_target=host_port(dcfg.host, dcfg.port),
-                               metrics_port=(_free_port(host) if ccfg.metrics_port == 0
+                               metrics_port=(_free_port(ccfg.metrics_host) if ccfg.metrics_port == 0
                                              else ccfg.metrics_port))
     stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True, tls=bool(ccfg.tls_cert))
     services = [("draft", dcfg, "echospec.v1.DraftService"),

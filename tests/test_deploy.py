@@ -121,6 +121,8 @@ def test_only_the_coordinator_publishes_grpc_and_metrics_are_on_loopback(config:
     for name, p in metrics.items():
         assert p["host_ip"] == "127.0.0.1", name
         assert svcs[name]["environment"]["ECHOSPEC_METRICS_PORT"] == "9100", name
+        # /metrics binds loopback by default: the published port reaches the container's address
+        assert svcs[name]["environment"]["ECHOSPEC_METRICS_HOST"] == "0.0.0.0", name
     for name, s in svcs.items():
         assert not s.get("network_mode") == "host", name
 

@@ -259,6 +259,8 @@ def test_wiring(rendered):
         assert set(cms[cm]) <= fields, f"{cm}: unknown settings {set(cms[cm]) - fields}"
         parsed = cfg.from_env(kind, cms[cm])
         assert parsed.host == "0.0.0.0"
+        # /metrics binds loopback by default: Prometheus scrapes the pod IP
+        assert parsed.metrics_port < 0 or parsed.metrics_host == "0.0.0.0", cm
     coord = cfg.from_env(cfg.CoordinatorConfig, cms["echospec-coordinator"])
     assert coord.verifier == ("dns:///echospec-verifier:50053",)
     # the model: filled by an init container into the node's cache, read by both

@@ -138,9 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, flag, port in (("coordinator", "--port", c.port),
                              ("verifier", "--verifier-port", st.verifier_port),
                              ("draft", "--draft-port", st.draft_port),
-                             ("gateway", "--http-port", max(st.http_port, 0)),
-                             ("metrics", "--metrics-port", max(c.metrics_port, 0))):
+                             ("gateway", "--http-port", max(st.http_port, 0))):
         _check_bind(name, flag, c.host, port)
+    _check_bind("metrics", "--metrics-port", c.metrics_host, max(c.metrics_port, 0),
+                "--metrics-host")
     if c.chat_template:   # a bad file is named before the model is fetched or loaded
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
@@ -161,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _say(f"verifier service listening on {stack.verifier_target}")
         for name, mp in sorted(stack.metrics_ports.items()):
             who = "all services" if not args.processes else name
-            _say(f"metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})")
+            _say(f"metrics          on http://{_url_host(args.metrics_host)}:{mp}/metrics ({who})")
         if stack.http_url:
             _say(f"HTTP gateway     on {stack.http_url}/v1 (OpenAI-compatible)")
         security = ", ".join(s for s in ("TLS" if args.tls_cert else "",

@@ -82,7 +82,9 @@ def setting_fields(cls: type[T]) -> type[T]:
 
 
 _PORT = "(0: a free port)"
-_METRICS = "Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)"
+_METRICS = "Prometheus /metrics on metrics_host:metrics_port (-1: off, 0: a free port)"
+_METRICS_HOST = ("address /metrics listens on; it answers without the API key, so loopback by "
+                 "default (0.0.0.0: every interface, for a scraper on another host)")
 _LOG_LEVEL = "log level; INFO logs one line per request"
 _LOG_FORMAT = "log format; json: one JSON object per line"
 _TLS_CERT = "PEM certificate chain this server presents (\"\": plain text)"
@@ -105,6 +107,7 @@ class _GrpcServiceConfig:
                                      range=_MESSAGE)
     grace_s: float = setting(2.0, _GRACE)
     metrics_port: int = setting(-1, _METRICS)
+    metrics_host: str = setting(LOOPBACK, _METRICS_HOST)
     log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
     log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
     tls_cert: str = setting("", _TLS_CERT)
@@ -219,6 +222,10 @@ class CoordinatorConfig(_GrpcServiceConfig):
                                 serve_help="serve Prometheus /metrics on this port (-1: off, 0: a "
                                            "free port); with --processes the verifier and draft "
                                            "serve theirs on free ports (all URLs are printed)")
+    metrics_host: str = setting(LOOPBACK, _METRICS_HOST, serve="--metrics-host",
+                                serve_help="address every service's /metrics listens on (default "
+                                           "loopback, whatever --host says: /metrics answers "
+                                           "without the API key)")
     k_max: int = setting(32, "largest k a request may ask for (<= the verifier's max_k)",
                          range=(1, _BIG, "the largest k a request may ask for"))
     max_tokens: int = setting(256, "max_tokens of a request that sets none", serve="--max-tokens",
@@ -417,7 +424,7 @@ def check_ranges(cfg, name_of=setting_name) -> None:
             choices = f.metadata["choices"]
             if not isinstance(v, str) or v.upper() not in (c.upper() for c in choices):
                 raise ValueError(f"{name} {v!r}: one of {', '.join(choices)} (any case)")
-        elif f.name == "host" and not v.strip():
+        elif f.name in ("host", "metrics_host") and not v.strip():
             raise ValueError(f"{name} is empty: the address to listen on (127.0.0.1: this machine "
                              f"only, 0.0.0.0: every interface)")
         elif f.name.endswith("_target") or f.name == "verifier":

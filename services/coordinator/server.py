@@ -116,10 +116,10 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
                             config.verifier_poll_s, config.verifier_resolve_s, resolver, metrics,
                             tls=grpc_util.Tls.of(config))
         if config.metrics_port >= 0:
-            handle.serve_metrics(config.host, config.metrics_port,
+            handle.serve_metrics(config.metrics_host, config.metrics_port,
                                  [metrics.registry, *extra_registries])
             log.info("coordinator metrics on http://%s/metrics",
-                     grpc_util.host_port(config.host, handle.metrics_port))
+                     grpc_util.host_port(config.metrics_host, handle.metrics_port))
         source = read_chat_template(config.chat_template) if config.chat_template else None
         try:
             meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata

@@ -63,12 +63,12 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:   # before the model loads: a busy port is found at once
         try:
-            handle.serve_metrics(config.host, config.metrics_port)
+            handle.serve_metrics(config.metrics_host, config.metrics_port)
         except BaseException:
             handle.server.stop(0)
             raise
         log.info("verifier metrics on http://%s/metrics",
-                 grpc_util.host_port(config.host, handle.metrics_port))
+                 grpc_util.host_port(config.metrics_host, handle.metrics_port))
     handle.server.start()
     try:
         core = VerifierCore(config)
