@@ -262,6 +262,16 @@ class GatewayConfig:
                                        "(exceeded: HTTP 504)")
     max_body_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "larger request bodies: HTTP 413",
                                   range=(1, _BIG, "bytes per HTTP request body"))
+    header_timeout_s: float = setting(10.0, "seconds a client gets to send a request's line and "
+                                      "headers, from its connection or its previous response "
+                                      "(late: HTTP 408, connection closed)",
+                                      serve="--http-header-timeout-s")
+    body_timeout_s: float = setting(60.0, "seconds a client gets to send a request's whole body "
+                                    "after its headers (late: HTTP 408, connection closed)",
+                                    serve="--http-body-timeout-s")
+    max_connections: int = setting(1024, "HTTP connections open at once (one more: HTTP 503, "
+                                   "closed)", serve="--http-max-connections",
+                                   range=(1, _BIG, "HTTP connections at once"))
     log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
     log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
     tls_cert: str = setting("", "PEM certificate chain of the HTTPS listener (\"\": plain HTTP)")
