@@ -53,12 +53,32 @@ def tools_bin() -> Path:
     return d
 
 
-def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None) -> dict:
+INTERNAL_KEY = "internal-k"   # the one variable compose requires
+
+
+def _compose_run(tools_bin: Path, extra_env: dict[str, str] | None) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), **(extra_env or {})}
-    r = subprocess.run([str(tools_bin / "docker-compose"), "-f", "docker-compose.yml", "--env-file", "/dev/null",
-                        "config", "--format", "json"], cwd=DEPLOY, env=env, capture_output=True, text=True)
+    return subprocess.run([str(tools_bin / "docker-compose"), "-f", "docker-compose.yml", "--env-file",
+                           "/dev/null", "config", "--format", "json"], cwd=DEPLOY, env=env,
+                          capture_output=True, text=True)
+
+
+def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None) -> dict:
+    r = _compose_run(tools_bin, {"ECHOSPEC_INTERNAL_KEY": INTERNAL_KEY, **(extra_env or {})})
     assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
     return json.loads(r.stdout)
+
+
+def test_the_internal_key_is_required_and_reaches_the_grpc_services(tools_bin: Path):
+    """The verifier and draft ports demand it, the coordinator and verifier send it; the gateway
+    (which calls the coordinator with the API key) has none. Without it compose refuses to start,
+    naming it."""
+    r = _compose_run(tools_bin, {})
+    assert r.returncode != 0 and "ECHOSPEC_INTERNAL_KEY" in r.stderr, r.stderr
+    svcs = _compose_config(tools_bin)["services"]
+    for name in ("coordinator", "verifier", "draft"):
+        assert svcs[name]["environment"]["ECHOSPEC_INTERNAL_KEY"] == INTERNAL_KEY, name
+    assert "ECHOSPEC_INTERNAL_KEY" not in svcs["gateway"]["environment"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +99,8 @@ def test_compose_rejects_an_unknown_key(tools_bin: Path, tmp_path: Path):
     assert "cpu_set" in bad
     (tmp_path / "docker-compose.yml").write_text(bad)
     r = subprocess.run([str(tools_bin / "docker-compose"), "-f", str(tmp_path / "docker-compose.yml"),
-                        "--env-file", "/dev/null", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True)
+                        "--env-file", "/dev/null", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True,
+                       env={**os.environ, "ECHOSPEC_INTERNAL_KEY": INTERNAL_KEY})
     assert r.returncode != 0 and "cpu_set" in r.stderr
 
 

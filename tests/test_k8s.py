@@ -297,6 +297,30 @@ def _dockerfile_cmd(target: str) -> list[str]:
     raise AssertionError(f"no CMD for target {target}")
 
 
+def test_the_internal_key_reaches_the_grpc_services_from_a_required_secret(rendered):
+    """The verifier and draft ports demand it, the coordinator and the verifier send it; it comes
+    from one required Secret (no pod starts without it), never from a ConfigMap; the gateway has
+    none."""
+    _, objs = rendered
+    pods = {"coordinator": _one(objs, "Deployment", "echospec-coordinator"),
+            "verifier": _one(objs, "DaemonSet", "echospec-verifier"),
+            "gateway": _one(objs, "Deployment", "echospec-gateway")}
+    containers = {c["name"]: c for p in pods.values() for c in p["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) >= {"coordinator", "verifier", "draft", "gateway"}, set(containers)
+    for name in ("coordinator", "verifier", "draft"):
+        refs = [e for e in containers[name].get("env", []) if e["name"] == "ECHOSPEC_INTERNAL_KEY"]
+        assert len(refs) == 1, name
+        ref = refs[0]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "echospec-internal-key", "key": "internal-key"}, name
+    assert not any(e["name"] == "ECHOSPEC_INTERNAL_KEY" for e in containers["gateway"].get("env", []))
+    assert not any("ECHOSPEC_INTERNAL_KEY" in o["data"] for o in objs if o["kind"] == "ConfigMap")
+    assert "internal_key" in cfg.VerifierConfig.__dataclass_fields__
+    assert "internal_key" in cfg.DraftConfig.__dataclass_fields__
+    assert "internal_key" in cfg.CoordinatorConfig.__dataclass_fields__
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert "create secret generic echospec-internal-key --from-literal=internal-key=" in readme
+
+
 def test_gateway_targets_the_coordinator_service_and_shares_its_key(rendered):
     name, objs = rendered
     coord = _one(objs, "Deployment", "echospec-coordinator")

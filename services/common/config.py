@@ -96,6 +96,9 @@ _CONCURRENT = (1, ("max_workers", -1), "RPCs at once (below max_workers)")
 _CONCURRENT_HELP = "service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)"
 _MESSAGE = (1, _BIG, "bytes per gRPC message")
 _GRACE = "on shutdown: seconds requests in flight get to finish"
+_INTERNAL_KEY = ("shared secret of the services: the verifier and the draft service refuse calls "
+                 "without it (UNAUTHENTICATED), the coordinator and the verifier send it "
+                 "(\"\": no check, none sent)")
 
 
 @dataclass
@@ -114,6 +117,7 @@ class _GrpcServiceConfig:
     tls_key: str = setting("", _TLS_KEY)
     tls_client_ca: str = setting("", _TLS_CLIENT_CA)
     tls_ca: str = setting("", _TLS_CA)
+    internal_key: str = setting("", _INTERNAL_KEY)
 
 
 @setting_fields
@@ -247,6 +251,10 @@ class CoordinatorConfig(_GrpcServiceConfig):
                            serve="--api-key",
                            serve_help="clients of the coordinator and the gateway must send "
                                       "`authorization: Bearer KEY` (none: no check)")
+    internal_key: str = setting("", _INTERNAL_KEY, serve="--internal-key",
+                                serve_help="the verifier and draft ports refuse calls that do "
+                                           "not carry this key, which the services send each "
+                                           "other (none: no check)")
 
 
 @setting_fields
@@ -419,9 +427,9 @@ def check_ranges(cfg, name_of=setting_name) -> None:
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         name = name_of(f.name)
-        if f.name == "api_key":
+        if f.name in ("api_key", "internal_key"):
             try:
-                check_api_key(v)
+                check_api_key(v, "the API key" if f.name == "api_key" else "the internal key")
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         elif f.name == "port" or f.name.endswith("_port"):

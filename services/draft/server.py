@@ -32,7 +32,8 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics,
-                                    tls=grpc_util.Tls.of(config))
+                                    tls=grpc_util.Tls.of(config),
+                                    internal_key=config.internal_key)
     servicer = DraftServicer(config)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:
