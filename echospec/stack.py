@@ -333,7 +333,8 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
                                metrics_port=_free_port(mh) if side else -1)
     gcfg = None
     if st.http_port >= 0:
-        gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key)
+        gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key,
+                                   api_keys_file=c.api_keys_file)
     if st.processes:
         return _start_processes(dcfg, vcfg, c, gcfg, ready_timeout_s)
     return _start_threads(dcfg, vcfg, c, gcfg, ready_timeout_s)

@@ -124,6 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             check_api_key(value, what)
         except ValueError as exc:
             _die(f"{flag if given else env}: {exc}", 2)
+    if args.api_keys_file:   # an unusable keys file stops serve before a model is loaded
+        from echospec.services.common.tenants import Tenants
+        try:
+            Tenants.load(args.api_keys_file)
+        except ValueError as exc:
+            _die(f"--api-keys-file: {exc}", 2)
     configs = configs_of(args)
     for cfg in configs.parts():
         try:
@@ -160,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if "metrics port" in msg:
             msg += " (--metrics-port)"
         _die(msg)
-    api_key = args.api_key
+    api_key = args.api_key or args.api_keys_file   # either: clients need a key
     # the stack is running: a signal from here on (the announcement included) stops it
     try:
         _say(f"draft service    listening on {stack.draft_target}")
@@ -173,7 +179,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         security = ", ".join(s for s in ("TLS" if args.tls_cert else "",
                                          "mTLS on internal ports" if args.tls_client_ca else "",
                                          "internal key required" if args.internal_key else "",
-                                         "API key required" if api_key else "") if s)
+                                         "API key required" if api_key else "",
+                                         "tenants' keys" if args.api_keys_file else "") if s)
         _say(f"coordinator      listening on {stack.target} (spec default: "
              f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
              f"Ctrl-C stops")

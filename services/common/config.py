@@ -96,6 +96,8 @@ _CONCURRENT = (1, ("max_workers", -1), "RPCs at once (below max_workers)")
 _CONCURRENT_HELP = "service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)"
 _MESSAGE = (1, _BIG, "bytes per gRPC message")
 _GRACE = "on shutdown: seconds requests in flight get to finish"
+_API_KEYS_FILE = ("JSON file {\"<api key>\": \"<tenant>\", ...}: clients may send any of these "
+                  "keys too, and a draft_namespace is scoped to the key's tenant (\"\": none)")
 _INTERNAL_KEY = ("shared secret of the services: the verifier and the draft service refuse calls "
                  "without it (UNAUTHENTICATED), the coordinator and the verifier send it "
                  "(\"\": no check, none sent)")
@@ -251,6 +253,10 @@ class CoordinatorConfig(_GrpcServiceConfig):
                            serve="--api-key",
                            serve_help="clients of the coordinator and the gateway must send "
                                       "`authorization: Bearer KEY` (none: no check)")
+    api_keys_file: str = setting("", _API_KEYS_FILE, serve="--api-keys-file",
+                                 serve_help="JSON file mapping API keys to tenants: the coordinator "
+                                            "and the gateway take each key, and a draft_namespace "
+                                            "is its tenant's own")
     internal_key: str = setting("", _INTERNAL_KEY, serve="--internal-key",
                                 serve_help="the verifier and draft ports refuse calls that do "
                                            "not carry this key, which the services send each "
@@ -288,6 +294,9 @@ class GatewayConfig:
     tls_ca: str = setting("", "PEM CA of the coordinator's certificate (\"\": plain text to it)")
     api_key: str = setting("", "HTTP clients send `Authorization: Bearer <api_key>`; it is also "
                            "sent on to the coordinator (\"\": no check)")
+    api_keys_file: str = setting("", "JSON file {\"<api key>\": \"<tenant>\", ...}: HTTP clients "
+                                 "may send any of these keys too, and the gateway sends the "
+                                 "client's own key on to the coordinator (\"\": none)")
     grace_s: float = setting(2.0, _GRACE)
 
 
@@ -392,6 +401,12 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
     cfg = dataclasses.replace(cfg, **overrides)
     try:
         check_ranges(cfg)
+        if getattr(cfg, "api_keys_file", ""):   # an unusable keys file too
+            from echospec.services.common.tenants import Tenants
+            try:
+                Tenants.load(cfg.api_keys_file)
+            except ValueError as exc:
+                raise ValueError(f"{setting_name('api_keys_file')}: {exc}") from None
         if hasattr(cfg, "tls_cert"):   # unusable TLS files fail here, before a model loads
             from echospec.services.rpc.grpc_util import Tls
             Tls.of(cfg).validate()

@@ -163,10 +163,11 @@ class ApiKeyAuth(grpc.ServerInterceptor):
     which ends at once, gives its slot back and is recorded under UNAUTHENTICATED. (Outside the
     limit, a refusal would drop the limit's counted handler and leak its slot.)"""
 
-    def __init__(self, api_key: str):
+    def __init__(self, api_key: str, tenants: Any = None):
         from echospec.services.common import auth
         self._auth = auth
         self.api_key = api_key
+        self.tenants = tenants   # a tenants.Tenants: its keys are taken too (None: api_key alone)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -174,7 +175,9 @@ class ApiKeyAuth(grpc.ServerInterceptor):
         if handler is None or self._auth.is_open_method(method):
             return handler
         header = self._auth.metadata_authorization(handler_call_details.invocation_metadata)
-        if self._auth.authorized(header, self.api_key):
+        if self.api_key and self._auth.authorized(header, self.api_key):
+            return handler
+        if self.tenants is not None and self.tenants.tenant_of(header) is not None:
             return handler
         why = "no API key" if header is None else "wrong API key"
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
@@ -764,7 +767,7 @@ def host_port(host: str, port: int) -> str:
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
                  service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
                  rpc_metrics=None, tls: Tls | None = None, api_key: str = "",
-                 internal_key: str = "") -> ServerHandle:
+                 internal_key: str = "", tenants: Any = None) -> ServerHandle:
     """Create a server bound to host:port with health (NOT_SERVING) and reflection.
 
     Register the service's servicers on ``handle.server`` before ``start()``.
@@ -784,6 +787,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
         api_key: non-empty: service RPCs need ``authorization: Bearer <api_key>`` (ApiKeyAuth).
         internal_key: non-empty: service RPCs need ``echospec-internal-key: <internal_key>``
             (InternalKeyAuth; the verifier's and the draft service's ports).
+        tenants: a tenants.Tenants whose keys ApiKeyAuth takes besides api_key (the coordinator
+            with --api-keys-file).
     Raises:
         PortInUseError: the address could not be bound.
         ValueError: max_concurrent_rpcs not below max_workers; a TLS file missing.
@@ -798,7 +803,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     creds = tls.server_credentials() if tls is not None else None   # ValueError before binding
-    interceptors = ([limit] + ([ApiKeyAuth(api_key)] if api_key else [])
+    interceptors = ([limit] + ([ApiKeyAuth(api_key, tenants)] if api_key or tenants else [])
                     + ([InternalKeyAuth(internal_key)] if internal_key else []) + [DecodeErrors()])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
