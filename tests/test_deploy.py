@@ -81,6 +81,17 @@ def test_the_internal_key_is_required_and_reaches_the_grpc_services(tools_bin: P
     assert "ECHOSPEC_INTERNAL_KEY" not in svcs["gateway"]["environment"]
 
 
+
+def test_the_keys_file_reaches_the_coordinator_and_the_gateway(tools_bin: Path):
+    """Tenants: both take the same file (the gateway sends each client's key on), from /certs."""
+    svcs = _compose_config(tools_bin, {"ECHOSPEC_API_KEYS_FILE": "/certs/keys.json"})["services"]
+    for name in SERVICES:
+        env = svcs[name]["environment"]
+        want = "/certs/keys.json" if name in ("coordinator", "gateway") else None
+        assert env.get("ECHOSPEC_API_KEYS_FILE") == want, name
+    assert any(v["target"] == "/certs" for v in svcs["coordinator"]["volumes"])
+
+
 @pytest.fixture(scope="module")
 def config(tools_bin: Path) -> dict:
     return _compose_config(tools_bin)
