@@ -62,6 +62,33 @@ def test_the_internal_key_is_never_on_a_command_line():
     assert IKEY not in _args(VerifierConfig(internal_key=IKEY))
 
 
+def test_a_verifier_without_the_draft_service_key_says_it_was_refused(tiny_model):
+    """The draft service demands a key the verifier does not send: generations decode plainly
+    (same output) and spec_reason names the refusal, not an unreachable service."""
+    handle, _ = dserver.start(DraftConfig(port=0, internal_key=IKEY))
+    try:
+        st = start_stack(tiny_model(), n_ctx=256, n_threads=1, adaptive_k=False)
+        try:
+            # the stack's own draft service has no key; point its verifier at the keyed one
+            from echospec.services.verifier.server import _draft_opener
+            st.verifier.servicer.open_draft = _draft_opener(VerifierConfig(
+                draft_target=f"127.0.0.1:{handle.port}"))
+            with grpc.insecure_channel(st.target) as ch:
+                stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+                req = dict(text="a b a b a b a", max_tokens=12)
+                off = stub.Complete(cpb.CompleteRequest(**req, spec=common_pb2.SPEC_MODE_OFF),
+                                    timeout=60).result
+                on = stub.Complete(cpb.CompleteRequest(**req, spec=common_pb2.SPEC_MODE_ON),
+                                   timeout=60).result
+            assert list(on.token_ids) == list(off.token_ids)
+            assert on.spec_reason.startswith("draft service refused this verifier "
+                                             "(UNAUTHENTICATED: no internal key"), on.spec_reason
+        finally:
+            st.stop(0.5)
+    finally:
+        handle.stop(0).wait()
+
+
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 def test_a_stack_with_an_internal_key(tiny_model, processes):
     """The verifier refuses a direct call without the key; the coordinator's calls to the
