@@ -44,7 +44,8 @@ from echospec.services.coordinator.clients import GenerationLink, VerifierFailur
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import Delta, GenerationError, GenerationParams, Outcome, generate
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
-from echospec.services.draft.memory import namespace_problem
+from echospec.services.common.auth import metadata_authorization
+from echospec.services.draft.memory import MAX_NAMESPACE_CHARS, namespace_problem
 
 log = logging.getLogger("echospec.coordinator")
 
@@ -181,8 +182,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, template: ChatTemplate,
-                 pool: VerifierPool, metrics: PromMetrics | None = None):
+                 pool: VerifierPool, metrics: PromMetrics | None = None, tenants: Any = None):
         self.config = config
+        self.tenants = tenants   # tenants.Tenants: namespaces are scoped to the caller's tenant
         self.tokenizer = tokenizer
         self.template = template
         self.pool = pool
@@ -322,6 +324,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                 spec=decision.enabled, spec_reason=decision.reason, k=k,
                                 prediction=prediction, draft_namespace=ns)
 
+    def scoped_namespace(self, namespace: str, context: grpc.ServicerContext) -> str:
+        """The draft service's name of the request's ``draft_namespace``: the name itself without
+        tenants; with them (--api-keys-file) ``<tenant>/<name>`` for the tenant of the caller's
+        key, so one tenant never reads another's memory (services/common/tenants.py). Aborts
+        with INVALID_ARGUMENT when the scoped name is too long."""
+        if self.tenants is None or not namespace:
+            return namespace
+        header = metadata_authorization(context.invocation_metadata())
+        tenant = self.tenants.tenant_of(header) or ""   # the --api-key key: tenant ""
+        scoped = self.tenants.scope(tenant, namespace)
+        if len(scoped) > MAX_NAMESPACE_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"draft_namespace must be at most {MAX_NAMESPACE_CHARS - len(tenant) - 1} "
+                          f"characters for tenant {tenant!r}, got {len(namespace)}")
+        return scoped
+
     # -- the generation ------------------------------------------------------------------------
     def _run(self, req: Any, context: grpc.ServicerContext, rpc: str) -> Iterator[Delta | Outcome]:
         """One generation with its request record: logged (one INFO line) and counted in the
@@ -409,7 +427,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                                       known.batch_max))
             except RequestError as exc:
                 context.abort(exc.code, exc.message)
-        namespace = req.draft_namespace
+        namespace = self.scoped_namespace(req.draft_namespace, context)
         tried: list[str] = []
         failures: list[str] = []
         code = grpc.StatusCode.UNAVAILABLE   # a lone verifier's refusal keeps its own code
@@ -438,7 +456,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 fixed_k=not self.config.adaptive_k, prediction=params.prediction,
                 digit_tokens=self.digit_tokens if params.spec else [],
                 line_break_tokens=self.line_break_tokens if params.spec else [],
-                draft_namespace=params.draft_namespace if params.spec else ""), timeout)
+                draft_namespace=namespace if params.spec else ""), timeout)
             context.add_callback(link.cancel)
             events = link.events()
             try:
