@@ -56,8 +56,12 @@ run() {
 
 # Compose reads deploy/.env when present; check against the defaults only.
 compose() { (cd deploy && env -i PATH="$PATH" HOME="${HOME:-/tmp}" "$@"); }
-run "compose config (defaults)" compose "$BIN/docker-compose" -f docker-compose.yml --env-file /dev/null config -q
-run "compose config (overrides)" compose env ECHOSPEC_MODEL_FILE=Qwen3-1.7B-Q4_K_M.gguf ECHOSPEC_SIMD=scalar \
+# the one setting without a default: the internal key (required)
+run "compose config (defaults)" compose env ECHOSPEC_INTERNAL_KEY=k \
+    "$BIN/docker-compose" -f docker-compose.yml --env-file /dev/null config -q
+no_key_refused() { ! compose "$BIN/docker-compose" -f docker-compose.yml --env-file /dev/null config -q 2>/dev/null; }
+run "compose config refused without ECHOSPEC_INTERNAL_KEY" no_key_refused
+run "compose config (overrides)" compose env ECHOSPEC_INTERNAL_KEY=k ECHOSPEC_MODEL_FILE=Qwen3-1.7B-Q4_K_M.gguf ECHOSPEC_SIMD=scalar \
     ECHOSPEC_VERIFIER_CPUSET=0-1 ECHOSPEC_N_THREADS=2 ECHOSPEC_PUBLISH_PORT=8051 \
     "$BIN/docker-compose" -f docker-compose.yml --env-file /dev/null config -q
 run "hadolint deploy/Dockerfile" "$BIN/hadolint" --no-color deploy/Dockerfile

@@ -231,7 +231,7 @@ class StackConfig:
 @dataclass
 class StackConfigs:
     """The settings of a stack: its own and each service's. The settings every service shares
-    are said once, on the coordinator's config (host, logging, TLS, API key, message size; the
+    are said once, on the coordinator's config (host, metrics_host, logging, TLS, API key, message size; the
     model, which the verifier loads), and the verifier's tls_client_ca (mTLS on the internal
     ports); ``start`` hands them to the others."""
 
@@ -297,10 +297,12 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
     max_message_bytes, tls_cert and tls_key (every service listens with TLS; the certificate
     must name the host), tls_ca (the CA with which the services verify each other; "": tls_cert
     itself, right for a self-signed certificate), api_key (the coordinator's and the gateway's;
-    passed to child processes in the environment, never on a command line) and the model (the
-    verifier's too). The verifier's tls_client_ca makes the internal ports (verifier, draft)
+    passed to child processes in the environment, never on a command line), internal_key (the
+    verifier and draft ports demand it, the coordinator and verifier send it; in the environment
+    too) and the model (the verifier's too). The verifier's tls_client_ca makes the internal ports (verifier, draft)
     demand client certificates it signed (mTLS); the coordinator and verifier present tls_cert.
-    The coordinator's metrics_port is the stack's /metrics (-1: off, 0: a free port): in threads
+    The coordinator's metrics_port is the stack's /metrics (-1: off, 0: a free port), on its
+    metrics_host (loopback by default, whatever host says), the others' too: in threads
     mode one for the three services; in process mode the verifier and draft each serve theirs
     on a free port (``Stack.metrics_ports``).
 
@@ -320,15 +322,19 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
               "tls_cert": c.tls_cert, "tls_key": c.tls_key, "tls_ca": ca}
     side = c.metrics_port >= 0 and st.processes   # the verifier's and draft's own /metrics
     c = dataclasses.replace(c, tls_ca=ca)
-    dcfg = dataclasses.replace(d, **shared, port=st.draft_port, tls_client_ca=v.tls_client_ca,
-                               max_message_bytes=c.max_message_bytes,
-                               metrics_port=_free_port(c.host) if side else -1)
-    vcfg = dataclasses.replace(v, **shared, model=c.model, port=st.verifier_port,
-                               max_message_bytes=c.max_message_bytes,
-                               metrics_port=_free_port(c.host) if side else -1)
+    mh = c.metrics_host
+    ik = c.internal_key   # the verifier and draft check it; the coordinator and verifier send it
+    dcfg = dataclasses.replace(d, **shared, internal_key=ik, port=st.draft_port,
+                               tls_client_ca=v.tls_client_ca,
+                               max_message_bytes=c.max_message_bytes, metrics_host=mh,
+                               metrics_port=_free_port(mh) if side else -1)
+    vcfg = dataclasses.replace(v, **shared, internal_key=ik, model=c.model, port=st.verifier_port,
+                               max_message_bytes=c.max_message_bytes, metrics_host=mh,
+                               metrics_port=_free_port(mh) if side else -1)
     gcfg = None
     if st.http_port >= 0:
-        gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key)
+        gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key,
+                                   api_keys_file=c.api_keys_file)
     if st.processes:
         return _start_processes(dcfg, vcfg, c, gcfg, ready_timeout_s)
     return _start_threads(dcfg, vcfg, c, gcfg, ready_timeout_s)
@@ -387,7 +393,7 @@ def _args(cfg: Any) -> list[str]:
     out = []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if f.name == "api_key":   # a secret: in the environment (ECHOSPEC_API_KEY), not in `ps`
+        if f.name in ("api_key", "internal_key"):   # secrets: in the environment, not in `ps`
             continue
         opt = "--" + f.name.replace("_", "-")
         if isinstance(v, bool):
@@ -409,7 +415,7 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
     ccfg = dataclasses.replace(ccfg, port=ccfg.port or _free_port(host),
                                verifier_target=host_port(vcfg.host, vcfg.port),
                                draft_target=host_port(dcfg.host, dcfg.port),
-                               metrics_port=(_free_port(host) if ccfg.metrics_port == 0
+                               metrics_port=(_free_port(ccfg.metrics_host) if ccfg.metrics_port == 0
                                              else ccfg.metrics_port))
     stack = Stack(host, ccfg.port, vcfg.port, dcfg.port, processes=True, tls=bool(ccfg.tls_cert))
     services = [("draft", dcfg, "echospec.v1.DraftService"),
@@ -423,6 +429,9 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
     env.pop("ECHOSPEC_API_KEY", None)
     if ccfg.api_key:
         env["ECHOSPEC_API_KEY"] = ccfg.api_key
+    env.pop("ECHOSPEC_INTERNAL_KEY", None)
+    if ccfg.internal_key:   # the coordinator's, the verifier's and the draft service's
+        env["ECHOSPEC_INTERNAL_KEY"] = ccfg.internal_key
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[PARENT_ENV] = str(os.getpid())   # each child dies with this process (lifecycle.py)
     fd, stack._reason_file = tempfile.mkstemp(prefix="echospec-stop-")

@@ -1048,6 +1048,9 @@ def test_serve_warns_of_what_a_public_host_exposes():
     assert "--tls-client-ca" in w and "--api-key" not in w, w
     assert "--api-key" in _exposure_warning("board.local", "", True)
     assert _exposure_warning("0.0.0.0", "key", True) == ""
+    # the internal key guards the internal ports as mTLS does
+    assert _exposure_warning("0.0.0.0", "key", False, "internal") == ""
+    assert "--internal-key or --tls-client-ca" in _exposure_warning("0.0.0.0", "key", False, "")
 
 
 # ---- the model cache (scripts/fetch_model.py, ECHOSPEC_CACHE) ------------------------------------

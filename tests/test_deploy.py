@@ -53,12 +53,43 @@ def tools_bin() -> Path:
     return d
 
 
-def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None) -> dict:
+INTERNAL_KEY = "internal-k"   # the one variable compose requires
+
+
+def _compose_run(tools_bin: Path, extra_env: dict[str, str] | None) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), **(extra_env or {})}
-    r = subprocess.run([str(tools_bin / "docker-compose"), "-f", "docker-compose.yml", "--env-file", "/dev/null",
-                        "config", "--format", "json"], cwd=DEPLOY, env=env, capture_output=True, text=True)
+    return subprocess.run([str(tools_bin / "docker-compose"), "-f", "docker-compose.yml", "--env-file",
+                           "/dev/null", "config", "--format", "json"], cwd=DEPLOY, env=env,
+                          capture_output=True, text=True)
+
+
+def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None) -> dict:
+    r = _compose_run(tools_bin, {"ECHOSPEC_INTERNAL_KEY": INTERNAL_KEY, **(extra_env or {})})
     assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
     return json.loads(r.stdout)
+
+
+def test_the_internal_key_is_required_and_reaches_the_grpc_services(tools_bin: Path):
+    """The verifier and draft ports demand it, the coordinator and verifier send it; the gateway
+    (which calls the coordinator with the API key) has none. Without it compose refuses to start,
+    naming it."""
+    r = _compose_run(tools_bin, {})
+    assert r.returncode != 0 and "ECHOSPEC_INTERNAL_KEY" in r.stderr, r.stderr
+    svcs = _compose_config(tools_bin)["services"]
+    for name in ("coordinator", "verifier", "draft"):
+        assert svcs[name]["environment"]["ECHOSPEC_INTERNAL_KEY"] == INTERNAL_KEY, name
+    assert "ECHOSPEC_INTERNAL_KEY" not in svcs["gateway"]["environment"]
+
+
+
+def test_the_keys_file_reaches_the_coordinator_and_the_gateway(tools_bin: Path):
+    """Tenants: both take the same file (the gateway sends each client's key on), from /certs."""
+    svcs = _compose_config(tools_bin, {"ECHOSPEC_API_KEYS_FILE": "/certs/keys.json"})["services"]
+    for name in SERVICES:
+        env = svcs[name]["environment"]
+        want = "/certs/keys.json" if name in ("coordinator", "gateway") else None
+        assert env.get("ECHOSPEC_API_KEYS_FILE") == want, name
+    assert any(v["target"] == "/certs" for v in svcs["coordinator"]["volumes"])
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +110,8 @@ def test_compose_rejects_an_unknown_key(tools_bin: Path, tmp_path: Path):
     assert "cpu_set" in bad
     (tmp_path / "docker-compose.yml").write_text(bad)
     r = subprocess.run([str(tools_bin / "docker-compose"), "-f", str(tmp_path / "docker-compose.yml"),
-                        "--env-file", "/dev/null", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True)
+                        "--env-file", "/dev/null", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True,
+                       env={**os.environ, "ECHOSPEC_INTERNAL_KEY": INTERNAL_KEY})
     assert r.returncode != 0 and "cpu_set" in r.stderr
 
 
@@ -121,6 +153,8 @@ def test_only_the_coordinator_publishes_grpc_and_metrics_are_on_loopback(config:
     for name, p in metrics.items():
         assert p["host_ip"] == "127.0.0.1", name
         assert svcs[name]["environment"]["ECHOSPEC_METRICS_PORT"] == "9100", name
+        # /metrics binds loopback by default: the published port reaches the container's address
+        assert svcs[name]["environment"]["ECHOSPEC_METRICS_HOST"] == "0.0.0.0", name
     for name, s in svcs.items():
         assert not s.get("network_mode") == "host", name
 

@@ -259,6 +259,8 @@ def test_wiring(rendered):
         assert set(cms[cm]) <= fields, f"{cm}: unknown settings {set(cms[cm]) - fields}"
         parsed = cfg.from_env(kind, cms[cm])
         assert parsed.host == "0.0.0.0"
+        # /metrics binds loopback by default: Prometheus scrapes the pod IP
+        assert parsed.metrics_port < 0 or parsed.metrics_host == "0.0.0.0", cm
     coord = cfg.from_env(cfg.CoordinatorConfig, cms["echospec-coordinator"])
     assert coord.verifier == ("dns:///echospec-verifier:50053",)
     # the model: filled by an init container into the node's cache, read by both
@@ -293,6 +295,30 @@ def _dockerfile_cmd(target: str) -> list[str]:
         elif stage == target and line.startswith("CMD "):
             return yaml.safe_load(line[4:])
     raise AssertionError(f"no CMD for target {target}")
+
+
+def test_the_internal_key_reaches_the_grpc_services_from_a_required_secret(rendered):
+    """The verifier and draft ports demand it, the coordinator and the verifier send it; it comes
+    from one required Secret (no pod starts without it), never from a ConfigMap; the gateway has
+    none."""
+    _, objs = rendered
+    pods = {"coordinator": _one(objs, "Deployment", "echospec-coordinator"),
+            "verifier": _one(objs, "DaemonSet", "echospec-verifier"),
+            "gateway": _one(objs, "Deployment", "echospec-gateway")}
+    containers = {c["name"]: c for p in pods.values() for c in p["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) >= {"coordinator", "verifier", "draft", "gateway"}, set(containers)
+    for name in ("coordinator", "verifier", "draft"):
+        refs = [e for e in containers[name].get("env", []) if e["name"] == "ECHOSPEC_INTERNAL_KEY"]
+        assert len(refs) == 1, name
+        ref = refs[0]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "echospec-internal-key", "key": "internal-key"}, name
+    assert not any(e["name"] == "ECHOSPEC_INTERNAL_KEY" for e in containers["gateway"].get("env", []))
+    assert not any("ECHOSPEC_INTERNAL_KEY" in o["data"] for o in objs if o["kind"] == "ConfigMap")
+    assert "internal_key" in cfg.VerifierConfig.__dataclass_fields__
+    assert "internal_key" in cfg.DraftConfig.__dataclass_fields__
+    assert "internal_key" in cfg.CoordinatorConfig.__dataclass_fields__
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert "create secret generic echospec-internal-key --from-literal=internal-key=" in readme
 
 
 def test_gateway_targets_the_coordinator_service_and_shares_its_key(rendered):

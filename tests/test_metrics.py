@@ -59,3 +59,72 @@ def test_metrics_match_the_reported_stats(tmp_path):
         assert any('spec="off"' in k for k in m if k.startswith("echospec_generations_total{"))
     finally:
         st.stop()
+
+
+def _non_loopback_address() -> str:
+    """An address of this machine that is not loopback ("" when it has none): the source address
+    of a route out (a UDP connect sends nothing)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))   # TEST-NET-1: never answers, only picks a route
+            addr = s.getsockname()[0]
+        except OSError:
+            return ""
+    return "" if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+def test_metrics_listen_on_loopback_when_the_service_binds_every_interface():
+    """/metrics answers without the API key, so it binds metrics_host (loopback by default)
+    whatever `host` says: from another address of the machine it is refused while the gRPC
+    port answers there."""
+    import socket
+
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft import server as dserver
+
+    handle, _ = dserver.start(DraftConfig(host="0.0.0.0", port=0, metrics_port=0))
+    try:
+        assert handle.metrics_http.server_address[0] == "127.0.0.1"
+        assert "echospec_rpc_in_flight" in urllib.request.urlopen(
+            f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10).read().decode()
+        other = _non_loopback_address()
+        if other:
+            socket.create_connection((other, handle.port), timeout=5).close()
+            try:
+                socket.create_connection((other, handle.metrics_port), timeout=5).close()
+                reached = True
+            except OSError:
+                reached = False
+            assert not reached, f"/metrics answered on {other}"
+    finally:
+        handle.stop(0).wait()
+
+
+def test_metrics_host_moves_metrics_elsewhere():
+    from echospec.services.common.config import DraftConfig, load
+    from echospec.services.draft import server as dserver
+
+    cfg = load(DraftConfig, ["--port", "0", "--metrics-port", "0", "--metrics-host", "0.0.0.0"],
+               environ={})
+    assert cfg.host == "127.0.0.1"
+    handle, _ = dserver.start(cfg)
+    try:
+        assert handle.metrics_http.server_address[0] == "0.0.0.0"
+    finally:
+        handle.stop(0).wait()
+
+
+def test_serve_metrics_host_defaults_to_loopback_whatever_host_says():
+    """`echospec serve --metrics-host` (the coordinator's setting, which echospec.stack hands to
+    the verifier and the draft service) is loopback unless given, even with --host 0.0.0.0."""
+    import argparse
+
+    from echospec.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--host", "0.0.0.0"])
+    assert serve.configs_of(args).coordinator.metrics_host == "127.0.0.1"
+    args = parser.parse_args(["serve", "--metrics-host", "10.1.2.3"])
+    assert serve.configs_of(args).coordinator.metrics_host == "10.1.2.3"

@@ -57,7 +57,7 @@ def test_serve_options_are_the_fields_that_say_so_with_their_defaults():
     for _, f in offered:
         a = actions[f.name]
         assert a.option_strings == [f.metadata["serve"]], f.name
-        if f.name == "api_key":   # not given: ECHOSPEC_API_KEY, then the field's default
+        if f.name in ("api_key", "internal_key"):   # not given: its variable, then the default
             assert a.default is None
         else:
             assert a.default == f.default, f.name
@@ -65,7 +65,7 @@ def test_serve_options_are_the_fields_that_say_so_with_their_defaults():
             assert tuple(a.choices) == f.metadata["choices"]
     # parsing nothing gives every config its defaults
     args = cli.parse_args(["serve"])
-    args.api_key = ""
+    args.api_key = args.internal_key = ""
     assert serve.configs_of(args) == StackConfigs()
 
 

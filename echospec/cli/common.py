@@ -116,14 +116,15 @@ def _check_chat_template(path: str) -> str:
     return os.path.abspath(path)
 
 
-def _check_bind(name: str, flag: str, host: str, port: int) -> None:
-    """Exit with a clear message when host:port cannot be bound."""
+def _check_bind(name: str, flag: str, host: str, port: int, host_flag: str = "--host") -> None:
+    """Exit with a clear message when host:port cannot be bound (``host_flag``: the option that
+    gave host)."""
     import errno
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        _die(f"--host {host}: not an address of this machine ({exc.strerror})", 2)
+        _die(f"{host_flag} {host}: not an address of this machine ({exc.strerror})", 2)
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -18,10 +18,10 @@ from echospec.stack import StackConfigs
 SHUTDOWN_GRACE_S = 2.0   # seconds requests in flight get to finish on SIGINT/SIGTERM
 
 
-def _exposure_warning(host: str, api_key: str, mtls: bool) -> str:
+def _exposure_warning(host: str, api_key: str, mtls: bool, internal_key: str = "") -> str:
     """"" for a loopback --host; else what the address exposes that README's "Exposure" says to
-    protect: the internal verifier and draft ports (without mTLS), and the coordinator and the
-    gateway (without an API key)."""
+    protect: the internal verifier and draft ports (without mTLS or an internal key), and the
+    coordinator and the gateway (without an API key)."""
     import ipaddress
 
     h = host.strip("[]")
@@ -31,10 +31,10 @@ def _exposure_warning(host: str, api_key: str, mtls: bool) -> str:
     except ValueError:
         pass   # a host name: it may resolve to a public address
     parts = []
-    if not mtls:
+    if not mtls and not internal_key:
         parts.append("the internal verifier and draft ports listen there too, where anyone who "
-                     "reaches them can open sessions (add --tls-client-ca, or keep the address "
-                     "on a private network)")
+                     "reaches them can open sessions (add --internal-key or --tls-client-ca, or "
+                     "keep the address on a private network)")
     if not api_key:
         parts.append("the coordinator and the gateway answer anyone (add --api-key)")
     return f"--host {host} is not loopback: " + "; ".join(parts) if parts else ""
@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
             p.add_argument(md["serve"], dest=f.name, default=f.default,
                            action="store_false" if md["negated"] else "store_true",
                            help=_serve_help(f))
-        elif f.name == "api_key":   # not given: the variable (an explicit "" is refused)
+        elif f.name in ("api_key", "internal_key"):   # not given: the variable ("" is refused)
             p.add_argument(md["serve"], dest=f.name, default=None,
                            help=f"{md['serve_help']} (default: env {md['env']})")
         else:
@@ -109,16 +109,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from echospec.services.common.auth import check_api_key
     from echospec.stack import StackError, start
 
-    if args.api_key == "":
-        # `--api-key "$KEY"` with KEY unset would otherwise start a server that answers anyone
-        _die('--api-key "": an empty key turns the check off; give a key, or leave --api-key out '
-             "for a server without one", 2)
-    given = args.api_key is not None
-    args.api_key = args.api_key if given else os.environ.get("ECHOSPEC_API_KEY", "")
-    try:
-        check_api_key(args.api_key)
-    except ValueError as exc:
-        _die(f"{'--api-key' if given else 'ECHOSPEC_API_KEY'}: {exc}", 2)
+    for name, flag, env, what in (("api_key", "--api-key", "ECHOSPEC_API_KEY", "the API key"),
+                                  ("internal_key", "--internal-key", "ECHOSPEC_INTERNAL_KEY",
+                                   "the internal key")):
+        value = getattr(args, name)
+        if value == "":
+            # `--api-key "$KEY"` with KEY unset would otherwise start a server that answers anyone
+            _die(f'{flag} "": an empty key turns the check off; give a key, or leave {flag} out '
+                 "for a server without one", 2)
+        given = value is not None
+        value = value if given else os.environ.get(env, "")
+        setattr(args, name, value)
+        try:
+            check_api_key(value, what)
+        except ValueError as exc:
+            _die(f"{flag if given else env}: {exc}", 2)
+    if args.api_keys_file:   # an unusable keys file stops serve before a model is loaded
+        from echospec.services.common.tenants import Tenants
+        try:
+            Tenants.load(args.api_keys_file)
+        except ValueError as exc:
+            _die(f"--api-keys-file: {exc}", 2)
     configs = configs_of(args)
     for cfg in configs.parts():
         try:
@@ -138,9 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, flag, port in (("coordinator", "--port", c.port),
                              ("verifier", "--verifier-port", st.verifier_port),
                              ("draft", "--draft-port", st.draft_port),
-                             ("gateway", "--http-port", max(st.http_port, 0)),
-                             ("metrics", "--metrics-port", max(c.metrics_port, 0))):
+                             ("gateway", "--http-port", max(st.http_port, 0))):
         _check_bind(name, flag, c.host, port)
+    _check_bind("metrics", "--metrics-port", c.metrics_host, max(c.metrics_port, 0),
+                "--metrics-host")
     if c.chat_template:   # a bad file is named before the model is fetched or loaded
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
@@ -154,23 +166,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if "metrics port" in msg:
             msg += " (--metrics-port)"
         _die(msg)
-    api_key = args.api_key
+    api_key = args.api_key or args.api_keys_file   # either: clients need a key
     # the stack is running: a signal from here on (the announcement included) stops it
     try:
         _say(f"draft service    listening on {stack.draft_target}")
         _say(f"verifier service listening on {stack.verifier_target}")
         for name, mp in sorted(stack.metrics_ports.items()):
             who = "all services" if not args.processes else name
-            _say(f"metrics          on http://{_url_host(args.host)}:{mp}/metrics ({who})")
+            _say(f"metrics          on http://{_url_host(args.metrics_host)}:{mp}/metrics ({who})")
         if stack.http_url:
             _say(f"HTTP gateway     on {stack.http_url}/v1 (OpenAI-compatible)")
         security = ", ".join(s for s in ("TLS" if args.tls_cert else "",
                                          "mTLS on internal ports" if args.tls_client_ca else "",
-                                         "API key required" if api_key else "") if s)
+                                         "internal key required" if args.internal_key else "",
+                                         "API key required" if api_key else "",
+                                         "tenants' keys" if args.api_keys_file else "") if s)
         _say(f"coordinator      listening on {stack.target} (spec default: "
              f"{'on' if args.spec else 'off'}{'; ' + security if security else ''}); "
              f"Ctrl-C stops")
-        warning = _exposure_warning(args.host, api_key, bool(args.tls_client_ca))
+        warning = _exposure_warning(args.host, api_key, bool(args.tls_client_ca),
+                                    args.internal_key)
         if warning:
             _say(f"warning: {warning}")
         sys.stderr.flush()

@@ -1,4 +1,5 @@
-"""API-key checks shared by the gRPC interceptor (grpc_util.ApiKeyAuth) and the HTTP gateway.
+"""API-key checks shared by the gRPC interceptors (grpc_util.ApiKeyAuth, grpc_util.InternalKeyAuth)
+and the HTTP gateway.
 
 A client authenticates with the header (HTTP) or metadata key (gRPC) ``authorization`` set to
 ``Bearer <key>``, as OpenAI's clients send it. The comparison takes the same time whatever the
@@ -11,6 +12,10 @@ import hmac
 from typing import Iterable
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # probes and grpcurl stay open
+# The internal key: the coordinator sends it to the verifier, the verifier to the draft service,
+# as this metadata key (the key itself, no scheme). It is not `authorization`, so a client's API
+# key and the services' own credential are never mistaken for each other.
+INTERNAL_KEY_METADATA = "echospec-internal-key"
 
 
 def bearer(api_key: str) -> str:
@@ -31,9 +36,10 @@ def authorized(header: str | None, api_key: str) -> bool:
     return hmac.compare_digest(token.strip().encode("utf-8", "replace"), api_key.encode("utf-8"))
 
 
-def check_api_key(api_key: str) -> None:
+def check_api_key(api_key: str, what: str = "the API key") -> None:
     """Refuse a key no client could send: HTTP headers and gRPC metadata carry printable ASCII,
-    and the ``Bearer <key>`` value is compared without surrounding spaces.
+    and the ``Bearer <key>`` value is compared without surrounding spaces (the internal key
+    too: ``what`` names the key in the message).
 
     Raises:
         ValueError: a character outside `` `` .. ``~`` (controls, non-ASCII), or a space at
@@ -41,17 +47,33 @@ def check_api_key(api_key: str) -> None:
     """
     for i, c in enumerate(api_key):
         if not " " <= c <= "~":
-            raise ValueError(f"the API key must be printable ASCII: character {i + 1} is {c!r}")
+            raise ValueError(f"{what} must be printable ASCII: character {i + 1} is {c!r}")
     if api_key != api_key.strip(" "):
-        raise ValueError("the API key must not begin or end with a space")
+        raise ValueError(f"{what} must not begin or end with a space")
+
+
+def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None,
+                   name: str = "authorization") -> str | None:
+    """The value of metadata key ``name`` in gRPC invocation metadata (None when absent)."""
+    for key, value in metadata or ():
+        if key == name:
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return None
 
 
 def metadata_authorization(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The ``authorization`` value of gRPC invocation metadata (None when absent)."""
-    for key, value in metadata or ():
-        if key == "authorization":
-            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-    return None
+    return metadata_value(metadata, "authorization")
+
+
+def internal_key_ok(value: str | None, internal_key: str) -> bool:
+    """True when ``internal_key`` is "" (no check) or ``value`` (the INTERNAL_KEY_METADATA
+    metadata a call carried) is exactly it, compared in constant time."""
+    if not internal_key:
+        return True
+    if value is None:
+        return False
+    return hmac.compare_digest(value.encode("utf-8", "replace"), internal_key.encode("utf-8"))
 
 
 def is_open_method(method: str) -> bool:

@@ -82,7 +82,9 @@ def setting_fields(cls: type[T]) -> type[T]:
 
 
 _PORT = "(0: a free port)"
-_METRICS = "Prometheus /metrics on host:metrics_port (-1: off, 0: a free port)"
+_METRICS = "Prometheus /metrics on metrics_host:metrics_port (-1: off, 0: a free port)"
+_METRICS_HOST = ("address /metrics listens on; it answers without the API key, so loopback by "
+                 "default (0.0.0.0: every interface, for a scraper on another host)")
 _LOG_LEVEL = "log level; INFO logs one line per request"
 _LOG_FORMAT = "log format; json: one JSON object per line"
 _TLS_CERT = "PEM certificate chain this server presents (\"\": plain text)"
@@ -94,6 +96,11 @@ _CONCURRENT = (1, ("max_workers", -1), "RPCs at once (below max_workers)")
 _CONCURRENT_HELP = "service RPCs at once (< max_workers; more: RESOURCE_EXHAUSTED)"
 _MESSAGE = (1, _BIG, "bytes per gRPC message")
 _GRACE = "on shutdown: seconds requests in flight get to finish"
+_API_KEYS_FILE = ("JSON file {\"<api key>\": \"<tenant>\", ...}: clients may send any of these "
+                  "keys too, and a draft_namespace is scoped to the key's tenant (\"\": none)")
+_INTERNAL_KEY = ("shared secret of the services: the verifier and the draft service refuse calls "
+                 "without it (UNAUTHENTICATED), the coordinator and the verifier send it "
+                 "(\"\": no check, none sent)")
 
 
 @dataclass
@@ -105,12 +112,14 @@ class _GrpcServiceConfig:
                                      range=_MESSAGE)
     grace_s: float = setting(2.0, _GRACE)
     metrics_port: int = setting(-1, _METRICS)
+    metrics_host: str = setting(LOOPBACK, _METRICS_HOST)
     log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
     log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
     tls_cert: str = setting("", _TLS_CERT)
     tls_key: str = setting("", _TLS_KEY)
     tls_client_ca: str = setting("", _TLS_CLIENT_CA)
     tls_ca: str = setting("", _TLS_CA)
+    internal_key: str = setting("", _INTERNAL_KEY)
 
 
 @setting_fields
@@ -225,6 +234,10 @@ class CoordinatorConfig(_GrpcServiceConfig):
                                 serve_help="serve Prometheus /metrics on this port (-1: off, 0: a "
                                            "free port); with --processes the verifier and draft "
                                            "serve theirs on free ports (all URLs are printed)")
+    metrics_host: str = setting(LOOPBACK, _METRICS_HOST, serve="--metrics-host",
+                                serve_help="address every service's /metrics listens on (default "
+                                           "loopback, whatever --host says: /metrics answers "
+                                           "without the API key)")
     k_max: int = setting(32, "largest k a request may ask for (<= the verifier's max_k)",
                          range=(1, _BIG, "the largest k a request may ask for"))
     max_tokens: int = setting(256, "max_tokens of a request that sets none", serve="--max-tokens",
@@ -246,6 +259,14 @@ class CoordinatorConfig(_GrpcServiceConfig):
                            serve="--api-key",
                            serve_help="clients of the coordinator and the gateway must send "
                                       "`authorization: Bearer KEY` (none: no check)")
+    api_keys_file: str = setting("", _API_KEYS_FILE, serve="--api-keys-file",
+                                 serve_help="JSON file mapping API keys to tenants: the coordinator "
+                                            "and the gateway take each key, and a draft_namespace "
+                                            "is its tenant's own")
+    internal_key: str = setting("", _INTERNAL_KEY, serve="--internal-key",
+                                serve_help="the verifier and draft ports refuse calls that do "
+                                           "not carry this key, which the services send each "
+                                           "other (none: no check)")
 
 
 @setting_fields
@@ -261,6 +282,16 @@ class GatewayConfig:
                                        "(exceeded: HTTP 504)")
     max_body_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "larger request bodies: HTTP 413",
                                   range=(1, _BIG, "bytes per HTTP request body"))
+    header_timeout_s: float = setting(10.0, "seconds a client gets to send a request's line and "
+                                      "headers, from its connection or its previous response "
+                                      "(late: HTTP 408, connection closed)",
+                                      serve="--http-header-timeout-s")
+    body_timeout_s: float = setting(60.0, "seconds a client gets to send a request's whole body "
+                                    "after its headers (late: HTTP 408, connection closed)",
+                                    serve="--http-body-timeout-s")
+    max_connections: int = setting(1024, "HTTP connections open at once (one more: HTTP 503, "
+                                   "closed)", serve="--http-max-connections",
+                                   range=(1, _BIG, "HTTP connections at once"))
     log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS)
     log_format: str = setting("text", _LOG_FORMAT, choices=FORMATS)
     tls_cert: str = setting("", "PEM certificate chain of the HTTPS listener (\"\": plain HTTP)")
@@ -269,6 +300,9 @@ class GatewayConfig:
     tls_ca: str = setting("", "PEM CA of the coordinator's certificate (\"\": plain text to it)")
     api_key: str = setting("", "HTTP clients send `Authorization: Bearer <api_key>`; it is also "
                            "sent on to the coordinator (\"\": no check)")
+    api_keys_file: str = setting("", "JSON file {\"<api key>\": \"<tenant>\", ...}: HTTP clients "
+                                 "may send any of these keys too, and the gateway sends the "
+                                 "client's own key on to the coordinator (\"\": none)")
     grace_s: float = setting(2.0, _GRACE)
 
 
@@ -373,6 +407,12 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
     cfg = dataclasses.replace(cfg, **overrides)
     try:
         check_ranges(cfg)
+        if getattr(cfg, "api_keys_file", ""):   # an unusable keys file too
+            from echospec.services.common.tenants import Tenants
+            try:
+                Tenants.load(cfg.api_keys_file)
+            except ValueError as exc:
+                raise ValueError(f"{setting_name('api_keys_file')}: {exc}") from None
         if hasattr(cfg, "tls_cert"):   # unusable TLS files fail here, before a model loads
             from echospec.services.rpc.grpc_util import Tls
             Tls.of(cfg).validate()
@@ -408,9 +448,9 @@ def check_ranges(cfg, name_of=setting_name) -> None:
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         name = name_of(f.name)
-        if f.name == "api_key":
+        if f.name in ("api_key", "internal_key"):
             try:
-                check_api_key(v)
+                check_api_key(v, "the API key" if f.name == "api_key" else "the internal key")
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         elif f.name == "port" or f.name.endswith("_port"):
@@ -423,7 +463,7 @@ def check_ranges(cfg, name_of=setting_name) -> None:
             choices = f.metadata["choices"]
             if not isinstance(v, str) or v.upper() not in (c.upper() for c in choices):
                 raise ValueError(f"{name} {v!r}: one of {', '.join(choices)} (any case)")
-        elif f.name == "host" and not v.strip():
+        elif f.name in ("host", "metrics_host") and not v.strip():
             raise ValueError(f"{name} is empty: the address to listen on (127.0.0.1: this machine "
                              f"only, 0.0.0.0: every interface)")
         elif f.name.endswith("_target") or f.name == "verifier":

@@ -135,12 +135,13 @@ class VerifierPool:
 
     def __init__(self, targets: Sequence[str], max_message_bytes: int, poll_s: float = 1.0,
                  resolve_s: float = 10.0, resolver: Resolver | None = None, metrics: Any = None,
-                 tls: grpc_util.Tls | None = None):
+                 tls: grpc_util.Tls | None = None, internal_key: str = ""):
         if not targets:
             raise ValueError("no verifier target")
         self._targets = [parse_target(t) for t in targets]
         self._max_message_bytes = max_message_bytes
         self._tls = tls
+        self._internal_key = internal_key   # sent on every call to a verifier ("": none)
         self.poll_s = max(0.05, poll_s)
         self.resolve_s = max(0.05, resolve_s)
         self._resolver = resolver or system_resolver
@@ -188,7 +189,8 @@ class VerifierPool:
             for addr, srcs in wanted.items():
                 e = self._entries.get(addr)
                 if e is None:
-                    ch = grpc_util.channel(addr, self._max_message_bytes, self._tls)
+                    ch = grpc_util.channel(addr, self._max_message_bytes, self._tls,
+                                           self._internal_key)
                     # GenerateTokens to a verifier of this process skips the network
                     stub = inproc.LocalVerifierStub(verifier_pb2_grpc.VerifierServiceStub(ch), addr)
                     e = _Entry(Backend(addr, last_error="not polled yet"), ch,

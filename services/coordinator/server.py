@@ -14,6 +14,7 @@ from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from echospec.services.rpc import grpc_util
 from echospec.services.text.chat_template import ChatTemplate, ChatTemplateError
 from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.tenants import Tenants
 from echospec.services.common.metrics import PromMetrics
 from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
 from echospec.services.coordinator.pool import Resolver, VerifierPool
@@ -106,21 +107,23 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         raise ValueError(f"k = {config.k}: drafts per round must be in [1, k_max = {config.k_max}]")
     if not 1 <= config.max_tokens <= config.max_tokens_limit:
         raise ValueError(f"max_tokens = {config.max_tokens}: must be in [1, {config.max_tokens_limit}]")
+    tenants = Tenants.load(config.api_keys_file) if config.api_keys_file else None
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics,
-                                    tls=grpc_util.Tls.of(config), api_key=config.api_key)
+                                    tls=grpc_util.Tls.of(config), api_key=config.api_key,
+                                    tenants=tenants)
     pool = None
     try:
         metrics = PromMetrics()
         pool = VerifierPool(verifier_targets(config), config.max_message_bytes,
                             config.verifier_poll_s, config.verifier_resolve_s, resolver, metrics,
-                            tls=grpc_util.Tls.of(config))
+                            tls=grpc_util.Tls.of(config), internal_key=config.internal_key)
         if config.metrics_port >= 0:
-            handle.serve_metrics(config.host, config.metrics_port,
+            handle.serve_metrics(config.metrics_host, config.metrics_port,
                                  [metrics.registry, *extra_registries])
             log.info("coordinator metrics on http://%s/metrics",
-                     grpc_util.host_port(config.host, handle.metrics_port))
+                     grpc_util.host_port(config.metrics_host, handle.metrics_port))
         source = read_chat_template(config.chat_template) if config.chat_template else None
         try:
             meta = read_tokenizer_metadata(config.model)   # one pass over the GGUF's metadata
@@ -134,7 +137,7 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         if template.missing is not None:
             log.warning("model %s has no chat template: requests with chat messages are refused "
                         "(give one with --chat-template FILE)", config.model)
-        servicer = CoordinatorServicer(config, tokenizer, template, pool, metrics)
+        servicer = CoordinatorServicer(config, tokenizer, template, pool, metrics, tenants)
         servicer.shutdown = handle.limit.shutdown
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(servicer, handle.server)
         handle.server.start()

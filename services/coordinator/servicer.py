@@ -48,7 +48,8 @@ from echospec.services.coordinator.generation import (Delta, GenerationError, Ge
                                                       Outcome, generate)
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
 from echospec.services.coordinator.progress import ProgressClock, StallWatch, move_cap_text
-from echospec.services.draft.memory import namespace_problem
+from echospec.services.common.auth import metadata_authorization
+from echospec.services.draft.memory import MAX_NAMESPACE_CHARS, namespace_problem
 
 log = logging.getLogger("echospec.coordinator")
 
@@ -151,6 +152,7 @@ class _Attempt:
         self.lease, self.link, self.events, self.first, self.clock = lease, link, events, first, clock
         self.params: Any = None          # the GenerationParams resolved for this verifier
         self.exclude: list[str] = []     # verifiers this generation cannot move to
+        self.namespace = ""              # the draft namespace as the draft service names it
 
 
 class _CallFailed(Exception):
@@ -261,7 +263,7 @@ class _ResumingLink:
                                       f"{head}; the generation cannot move on: "
                                       f"{move_cap_text(self._tried, cap)} ({done})")
             try:
-                lease = svc.pool.acquire(self._req.draft_namespace, exclude=self._failed)
+                lease = svc.pool.acquire(old.namespace, exclude=self._failed)
             except NoVerifier as exc:
                 raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,
                                       f"{head}; no verifier left to move the generation to ({exc}); "
@@ -270,7 +272,7 @@ class _ResumingLink:
             svc.metrics.v_moves.labels(verifier=old.lease.address).inc()
             try:
                 attempt = svc.call(self._req, self._prompt, self.tokens, lease, self._context,
-                                   exclude=self._failed)
+                                   old.namespace, exclude=self._failed)
             except RequestError as exc:
                 lease.release()
                 raise VerifierFailure(exc.code, f"{head}; moving the generation to "
@@ -314,8 +316,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """
 
     def __init__(self, config: CoordinatorConfig, tokenizer: Tokenizer, template: ChatTemplate,
-                 pool: VerifierPool, metrics: PromMetrics | None = None):
+                 pool: VerifierPool, metrics: PromMetrics | None = None, tenants: Any = None):
         self.config = config
+        self.tenants = tenants   # tenants.Tenants: namespaces are scoped to the caller's tenant
         self.tokenizer = tokenizer
         self.template = template
         self.pool = pool
@@ -456,6 +459,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                 spec=decision.enabled, spec_reason=decision.reason, k=k,
                                 prediction=prediction, draft_namespace=ns)
 
+    def scoped_namespace(self, namespace: str, context: grpc.ServicerContext) -> str:
+        """The draft service's name of the request's ``draft_namespace``: the name itself without
+        tenants; with them (--api-keys-file) ``<tenant>/<name>`` for the tenant of the caller's
+        key, so one tenant never reads another's memory (services/common/tenants.py). Aborts
+        with INVALID_ARGUMENT when the scoped name is too long."""
+        if self.tenants is None or not namespace:
+            return namespace
+        header = metadata_authorization(context.invocation_metadata())
+        tenant = self.tenants.tenant_of(header) or ""   # the --api-key key: tenant ""
+        scoped = self.tenants.scope(tenant, namespace)
+        if len(scoped) > MAX_NAMESPACE_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"draft_namespace must be at most {MAX_NAMESPACE_CHARS - len(tenant) - 1} "
+                          f"characters for tenant {tenant!r}, got {len(namespace)}")
+        return scoped
+
     # -- the generation ------------------------------------------------------------------------
     def _run(self, req: Any, context: grpc.ServicerContext, rpc: str) -> Iterator[Delta | Outcome]:
         """One generation with its request record: logged (one INFO line) and counted in the
@@ -542,10 +561,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                        f"--stall-floor-s {c.floor_s:g})")
 
     def call(self, req: Any, prompt: list[int], output: list[int], lease: Any,
-             context: grpc.ServicerContext, exclude: list[str] | None = None) -> _Attempt:
+             context: grpc.ServicerContext, namespace: str,
+             exclude: list[str] | None = None) -> _Attempt:
         """Start the generation on ``lease``'s verifier (resumed after ``output`` when it is
         not empty: prompt + output prefilled, max_tokens less the output) and wait for its
-        first message within the progress deadline. ``exclude``: the verifiers the generation
+        first message within the progress deadline. ``namespace``: the draft namespace as the
+        draft service names it (scoped_namespace); ``exclude``: the verifiers the generation
         cannot move to (the list is read as it grows).
 
         Raises:
@@ -568,13 +589,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             k=params.k, fixed_k=not self.config.adaptive_k, prediction=params.prediction,
             digit_tokens=self.digit_tokens if params.spec else [],
             line_break_tokens=self.line_break_tokens if params.spec else [],
-            draft_namespace=params.draft_namespace if params.spec else "",
+            draft_namespace=namespace if params.spec else "",
             resumed_tokens=len(output)), timeout)
         context.add_callback(link.cancel)
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
                                          len(prompt) + len(output)))
         attempt.exclude = exclude if exclude is not None else []
+        attempt.namespace = namespace
         self.arm(attempt, self.pool.others(lease.address))
         events = link.events()
         try:
@@ -610,7 +632,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                                       known.batch_max))
             except RequestError as exc:
                 context.abort(exc.code, exc.message)
-        namespace = req.draft_namespace
+        namespace = self.scoped_namespace(req.draft_namespace, context)
         tried: list[str] = []
         failures: list[str] = []
         code = grpc.StatusCode.UNAVAILABLE   # a lone verifier's refusal keeps its own code
@@ -620,7 +642,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             except NoVerifier as exc:
                 context.abort(code, "; ".join(failures + [str(exc)]))
             try:
-                attempt = self.call(req, prompt, [], lease, context)
+                attempt = self.call(req, prompt, [], lease, context, namespace)
                 return attempt, attempt.params
             except RequestError as exc:
                 lease.release()

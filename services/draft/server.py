@@ -32,17 +32,18 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics,
-                                    tls=grpc_util.Tls.of(config))
+                                    tls=grpc_util.Tls.of(config),
+                                    internal_key=config.internal_key)
     servicer = DraftServicer(config)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:
         try:
-            handle.serve_metrics(config.host, config.metrics_port)
+            handle.serve_metrics(config.metrics_host, config.metrics_port)
         except BaseException:
             handle.server.stop(0)
             raise
         log.info("draft metrics on http://%s/metrics",
-                 grpc_util.host_port(config.host, handle.metrics_port))
+                 grpc_util.host_port(config.metrics_host, handle.metrics_port))
     handle.server.start()
     handle.set_serving()
     log.info("draft service listening on %s (suffix index, shortest match %d; shared memory "

@@ -107,15 +107,19 @@ class ApiKeyMiddleware:
     Bearer <api_key>`` (no check when api_key is ""). Plain ASGI: it leaves ``receive`` alone, so a
     streaming response still sees the client's disconnect."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, tenants=None):
         self.app = app
         self.api_key = api_key
+        self.tenants = tenants   # a tenants.Tenants: its keys are taken too (None: api_key alone)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.api_key or scope["path"] == "/health":
+        if scope["type"] != "http" or not (self.api_key or self.tenants) \
+                or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         header = Headers(scope=scope).get("authorization")
-        if auth.authorized(header, self.api_key):
+        if self.api_key and auth.authorized(header, self.api_key):
+            return await self.app(scope, receive, send)
+        if self.tenants is not None and self.tenants.tenant_of(header) is not None:
             return await self.app(scope, receive, send)
         why = "no API key" if header is None else "wrong API key"
         resp = _error_response(api.ApiError(401, f"{why}: send the header `Authorization: Bearer "
@@ -154,7 +158,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return _error_response(api.ApiError(500, f"internal error in the gateway: "
                                                  f"{type(exc).__name__}", None, "server_error"))
 
-    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    tenants = None
+    if config.api_keys_file:
+        from echospec.services.common.tenants import Tenants
+        tenants = Tenants.load(config.api_keys_file)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, tenants=tenants)
 
     def upstream(request: Request) -> Upstream:
         return request.app.state.upstream
@@ -180,6 +188,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise api.bad(f"the request body holds an integer of more than "
                           f"{sys.get_int_max_str_digits()} digits") from None
 
+    def _client_key(request: Request) -> str | None:
+        """With tenants, the client's own ``authorization``, sent on to the coordinator, which
+        scopes the namespace to its tenant (None: the gateway's api_key is sent)."""
+        return request.headers.get("authorization") if config.api_keys_file else None
+
     async def generation(request: Request, chat: bool) -> Response:
         up = upstream(request)
         try:
@@ -190,23 +203,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             parsed = api.parse_request(body, chat)
         except api.MaxTokensBelowOne as exc:
-            limit = await up.max_tokens_limit()
+            limit = await up.max_tokens_limit(_client_key(request))
             raise exc if limit is None else exc.with_limit(limit) from None
         rid = _request_id(request)
+        key = _client_key(request)
         shutdown = request.app.state.shutdown
         gone = _disconnected(request)
         try:
-            model = await up.model_id()
+            model = await up.model_id(key)
             if not parsed.stream:
                 try:
                     result = await _unless_disconnected(
-                        up.complete(api.complete_request(parsed.request), rid), gone, shutdown)
+                        up.complete(api.complete_request(parsed.request), rid, key), gone,
+                        shutdown)
                 finally:
                     gone.cancel()
                 if result is _GONE:   # nobody to answer
                     return Response(status_code=499)
                 return JSONResponse(api.response(chat, api.new_id(chat), model, result, parsed.seed))
-            stream = up.generate(parsed.request, rid)
+            stream = up.generate(parsed.request, rid, key)
             try:
                 # errors before any output keep their HTTP code; a client that leaves during the
                 # prefill cancels it now, not when the first token comes out
@@ -237,7 +252,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def served_model(request: Request) -> str:
         try:
-            return await upstream(request).model_id()
+            return await upstream(request).model_id(_client_key(request))
         except UpstreamError as exc:
             raise api.error_from_status(exc.code, exc.message) from None
 

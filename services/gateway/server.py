@@ -3,7 +3,7 @@ threads mode and the tests), ``serve`` in the main thread until SIGINT/SIGTERM (
 
 The listening socket is bound before uvicorn starts, so a busy port is reported at once and port 0
 picks a free one (``GatewayServer.port``). HTTPS when config.tls_cert is set, demanding client
-certificates when config.tls_client_ca is.
+certificates when config.tls_client_ca is. Read deadlines and the connection cap: conn.py.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from echospec.services.rpc import grpc_util
 from echospec.services.common.config import GatewayConfig
 from echospec.services.rpc.grpc_util import PortInUseError
 from echospec.services.gateway.app import create_app
+from echospec.services.gateway.conn import ConnectionLimits, protocol_class
 
 log = logging.getLogger("echospec.gateway")
 
@@ -49,7 +50,11 @@ def _uvicorn_config(config: GatewayConfig) -> uvicorn.Config:
             kw.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     # uvicorn cancels what still runs timeout_graceful_shutdown after a stop begins (a truncated
     # response and a traceback): the app ends its own requests at config.grace_s, so give it more
-    return uvicorn.Config(create_app(config), log_config=None, access_log=False,
+    # h11 with read deadlines and a connection cap (conn.py); uvicorn's own limit_concurrency
+    # would still accept every connection and answer only the requests that complete
+    http = protocol_class(ConnectionLimits(config.header_timeout_s, config.body_timeout_s,
+                                           config.max_connections))
+    return uvicorn.Config(create_app(config), log_config=None, access_log=False, http=http,
                           log_level=config.log_level.lower(),
                           timeout_graceful_shutdown=config.grace_s + 1, lifespan="on", **kw)
 

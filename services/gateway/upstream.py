@@ -88,51 +88,62 @@ class Upstream:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self._info: coordinator_pb2.GetInfoResponse | None = None
 
-    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+    def _metadata(self, request_id: str, authorization: str | None = None
+                  ) -> tuple[tuple[str, str], ...]:
+        """x-request-id, and ``authorization`` (the client's own, given with tenants, for the
+        coordinator to scope its namespace) or else config.api_key's."""
         md = (("x-request-id", request_id),)
-        if self.config.api_key:
+        if authorization:
+            md += (("authorization", authorization),)
+        elif self.config.api_key:
             md += (("authorization", auth.bearer(self.config.api_key)),)
         return md
 
     async def close(self) -> None:
         await self.channel.close()
 
-    async def complete(self, req: coordinator_pb2.CompleteRequest,
-                       request_id: str) -> coordinator_pb2.GenerationResult:
-        """One Complete call within config.request_timeout_s. Raises UpstreamError."""
+    async def complete(self, req: coordinator_pb2.CompleteRequest, request_id: str,
+                       authorization: str | None = None) -> coordinator_pb2.GenerationResult:
+        """One Complete call within config.request_timeout_s (``authorization``: the client's,
+        sent on instead of config.api_key). Raises UpstreamError."""
         try:
             resp = await self.stub.Complete(req, timeout=self.config.request_timeout_s,
-                                            metadata=self._metadata(request_id))
+                                            metadata=self._metadata(request_id, authorization))
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.config.coordinator_target, self.config.request_timeout_s) from None
         return resp.result
 
-    def generate(self, req: coordinator_pb2.GenerateRequest, request_id: str) -> GenerationStream:
-        """Start a Generate call (deadline config.request_timeout_s); iterate the result."""
+    def generate(self, req: coordinator_pb2.GenerateRequest, request_id: str,
+                 authorization: str | None = None) -> GenerationStream:
+        """Start a Generate call (deadline config.request_timeout_s; ``authorization`` as in
+        ``complete``); iterate the result."""
         return GenerationStream(self.stub.Generate(req, timeout=self.config.request_timeout_s,
-                                                   metadata=self._metadata(request_id)),
+                                                   metadata=self._metadata(request_id,
+                                                                           authorization)),
                                 self.config.coordinator_target, self.config.request_timeout_s)
 
-    async def model_id(self) -> str:
+    async def model_id(self, authorization: str | None = None) -> str:
         """config.model_name, else the stem of the coordinator's GGUF file name (GetInfo, once;
-        the stem of a path too, from a coordinator that reported one).
-        Raises UpstreamError."""
+        the stem of a path too, from a coordinator that reported one; ``authorization`` as in
+        ``complete``). Raises UpstreamError."""
         if self.config.model_name:
             return self.config.model_name
         if self._info is None:
             try:
                 self._info = await self.stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10,
-                                                     metadata=self._metadata("models"))
+                                                     metadata=self._metadata("models",
+                                                                             authorization))
             except grpc.aio.AioRpcError as exc:
                 raise _error(exc, self.config.coordinator_target) from None
         return Path(self._info.model).stem or "echospec"
 
-    async def max_tokens_limit(self) -> int | None:
+    async def max_tokens_limit(self, authorization: str | None = None) -> int | None:
         """The coordinator's max_tokens_limit (GetInfo, asked each time: a coordinator restarted
         with another limit is seen), None when it cannot be asked."""
         try:
             info = await self.stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=5,
-                                           metadata=self._metadata("max_tokens_limit"))
+                                           metadata=self._metadata("max_tokens_limit",
+                                                                   authorization))
         except grpc.aio.AioRpcError:
             return None
         return info.max_tokens_limit or None

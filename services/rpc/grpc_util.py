@@ -20,6 +20,7 @@ INVALID_ARGUMENT naming the field (``DecodeErrors``), not grpcio's INTERNAL.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import signal
@@ -162,10 +163,11 @@ class ApiKeyAuth(grpc.ServerInterceptor):
     which ends at once, gives its slot back and is recorded under UNAUTHENTICATED. (Outside the
     limit, a refusal would drop the limit's counted handler and leak its slot.)"""
 
-    def __init__(self, api_key: str):
+    def __init__(self, api_key: str, tenants: Any = None):
         from echospec.services.common import auth
         self._auth = auth
         self.api_key = api_key
+        self.tenants = tenants   # a tenants.Tenants: its keys are taken too (None: api_key alone)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -173,7 +175,9 @@ class ApiKeyAuth(grpc.ServerInterceptor):
         if handler is None or self._auth.is_open_method(method):
             return handler
         header = self._auth.metadata_authorization(handler_call_details.invocation_metadata)
-        if self._auth.authorized(header, self.api_key):
+        if self.api_key and self._auth.authorized(header, self.api_key):
+            return handler
+        if self.tenants is not None and self.tenants.tenant_of(header) is not None:
             return handler
         why = "no API key" if header is None else "wrong API key"
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
@@ -513,6 +517,62 @@ class PortInUseError(RuntimeError):
     """The server could not bind host:port (taken or not permitted)."""
 
 
+class InternalKeyAuth(grpc.ServerInterceptor):
+    """The internal ports' ApiKeyAuth: refuse every RPC but health and reflection with
+    UNAUTHENTICATED unless its metadata holds ``echospec-internal-key: <internal_key>``
+    (auth.INTERNAL_KEY_METADATA), which the coordinator sends to the verifier and the verifier to
+    the draft service. Inside the concurrency limit, as ApiKeyAuth."""
+
+    def __init__(self, internal_key: str):
+        from echospec.services.common import auth
+        self._auth = auth
+        self.internal_key = internal_key
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or self._auth.is_open_method(method):
+            return handler
+        name = self._auth.INTERNAL_KEY_METADATA
+        value = self._auth.metadata_value(handler_call_details.invocation_metadata, name)
+        if self._auth.internal_key_ok(value, self.internal_key):
+            return handler
+        why = "no internal key" if value is None else "wrong internal key"
+        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
+                         f"{why}: this port is for the echospec services, which send metadata "
+                         f"`{name}` (--internal-key / ECHOSPEC_INTERNAL_KEY)")
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata (the internal key) to every call of a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self._metadata = metadata
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self._metadata,
+                            d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """gRPC channel/server options capping message sizes (bytes) both ways."""
     return [
@@ -532,13 +592,20 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def channel(target: str, max_message_bytes: int, tls: Tls | None = None) -> grpc.Channel:
+def channel(target: str, max_message_bytes: int, tls: Tls | None = None,
+            internal_key: str = "") -> grpc.Channel:
     """A channel to ``target`` ("host:port") with message caps and keepalive: TLS when
-    ``tls.ca`` is set (see Tls.channel_credentials), else plain text."""
+    ``tls.ca`` is set (see Tls.channel_credentials), else plain text; every call carries
+    ``internal_key`` (InternalKeyAuth's metadata) when it is not ""."""
     creds = tls.channel_credentials() if tls is not None else None
     if creds is not None:
-        return grpc.secure_channel(target, creds, options=channel_options(max_message_bytes))
-    return grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        ch = grpc.secure_channel(target, creds, options=channel_options(max_message_bytes))
+    else:
+        ch = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+    if internal_key:
+        from echospec.services.common.auth import INTERNAL_KEY_METADATA
+        ch = grpc.intercept_channel(ch, _AddMetadata(((INTERNAL_KEY_METADATA, internal_key),)))
+    return ch
 
 
 class TlsMismatch:
@@ -699,7 +766,8 @@ def host_port(host: str, port: int) -> str:
 
 def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
                  service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
-                 rpc_metrics=None, tls: Tls | None = None, api_key: str = "") -> ServerHandle:
+                 rpc_metrics=None, tls: Tls | None = None, api_key: str = "",
+                 internal_key: str = "", tenants: Any = None) -> ServerHandle:
     """Create a server bound to host:port with health (NOT_SERVING) and reflection.
 
     Register the service's servicers on ``handle.server`` before ``start()``.
@@ -717,6 +785,10 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
             process); None: a new one (``handle.rpc_metrics``).
         tls: listen with TLS (mTLS with ``tls.client_ca``) when ``tls.cert`` is set; else plain.
         api_key: non-empty: service RPCs need ``authorization: Bearer <api_key>`` (ApiKeyAuth).
+        internal_key: non-empty: service RPCs need ``echospec-internal-key: <internal_key>``
+            (InternalKeyAuth; the verifier's and the draft service's ports).
+        tenants: a tenants.Tenants whose keys ApiKeyAuth takes besides api_key (the coordinator
+            with --api-keys-file).
     Raises:
         PortInUseError: the address could not be bound.
         ValueError: max_concurrent_rpcs not below max_workers; a TLS file missing.
@@ -731,7 +803,8 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     rpc_metrics = rpc_metrics if rpc_metrics is not None else RpcMetrics()
     limit = ConcurrencyLimit(max_concurrent_rpcs, metrics=rpc_metrics)
     creds = tls.server_credentials() if tls is not None else None   # ValueError before binding
-    interceptors = [limit] + ([ApiKeyAuth(api_key)] if api_key else []) + [DecodeErrors()]
+    interceptors = ([limit] + ([ApiKeyAuth(api_key, tenants)] if api_key or tenants else [])
+                    + ([InternalKeyAuth(internal_key)] if internal_key else []) + [DecodeErrors()])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=message_options(max_message_bytes)

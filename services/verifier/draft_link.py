@@ -67,7 +67,10 @@ class DraftLink:
             return list(resp.draft)
         except grpc.RpcError as exc:
             hint = self._tls_mismatch.hint(exc.code()) if self._tls_mismatch is not None else ""
-            raise DraftUnavailable(f"draft service unreachable ({hint + '; ' if hint else ''}"
+            # refused for its credential (the internal key): reached, but not allowed in
+            what = ("draft service refused this verifier" if exc.code() ==
+                    grpc.StatusCode.UNAUTHENTICATED else "draft service unreachable")
+            raise DraftUnavailable(f"{what} ({hint + '; ' if hint else ''}"
                                    f"{exc.code().name}: {exc.details()})") from None
         except StopIteration:
             raise DraftUnavailable("draft service ended the stream") from None

@@ -40,7 +40,8 @@ def _draft_opener(config: VerifierConfig):
 
     tls = grpc_util.Tls.of(config)
     stub = draft_pb2_grpc.DraftServiceStub(
-        grpc_util.channel(config.draft_target, config.max_message_bytes, tls))
+        grpc_util.channel(config.draft_target, config.max_message_bytes, tls,
+                          config.internal_key))
     mismatch = grpc_util.TlsMismatch(config.draft_target, tls)
     return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch, **setup)
 
@@ -58,17 +59,18 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     handle = grpc_util.build_server(config.host, config.port, config.max_workers,
                                     config.max_message_bytes, [SERVICE_NAME],
                                     config.max_concurrent_rpcs, rpc_metrics,
-                                    tls=grpc_util.Tls.of(config))
+                                    tls=grpc_util.Tls.of(config),
+                                    internal_key=config.internal_key)
     servicer = VerifierServicer(None, _draft_opener(config))
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, handle.server)
     if config.metrics_port >= 0:   # before the model loads: a busy port is found at once
         try:
-            handle.serve_metrics(config.host, config.metrics_port)
+            handle.serve_metrics(config.metrics_host, config.metrics_port)
         except BaseException:
             handle.server.stop(0)
             raise
         log.info("verifier metrics on http://%s/metrics",
-                 grpc_util.host_port(config.host, handle.metrics_port))
+                 grpc_util.host_port(config.metrics_host, handle.metrics_port))
     handle.server.start()
     try:
         core = VerifierCore(config)
