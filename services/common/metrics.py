@@ -34,6 +34,7 @@ class RequestRecord:
     code: str = "OK"
     counters: SpecCounters | None = None
     verifier: str = ""               # host:port of the verifier that served it ("" : none did)
+    moves: int = 0                   # moves to another verifier mid-generation (resumed there)
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,7 +59,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason or None, "spec": self.spec,
             "tries": c.tries, "hits": c.hits, "kv_rolls": c.kv_rolls,
             "draft_tokens": c.draft_tokens, "acceptance_rate": round(c.acceptance_rate, 4),
-            "verifier": self.verifier or None,
+            "verifier": self.verifier or None, "moves": self.moves,
         }
 
 
@@ -188,6 +189,9 @@ class PromMetrics(_Registry):
         self.v_retries = Counter("echospec_verifier_retries_total", "Generations moved to another "
                                  "verifier after this one failed before their first token",
                                  ["verifier"], registry=r)
+        self.v_moves = Counter("echospec_verifier_moves_total", "Generations moved to another "
+                               "verifier after this one failed or stalled past their first token "
+                               "(each move tried)", ["verifier"], registry=r)
         self.source_draft_tokens = Counter("echospec_spec_source_draft_tokens_total", "Draft tokens "
                                            "verified, by draft source", ["source"], registry=r)
         self.source_hits = Counter("echospec_spec_source_hits_total", "Accepted draft tokens, by "
