@@ -79,9 +79,17 @@ static unsigned wait_gen(worker *w, unsigned seen) {
             continue;
         }
         /* asleep = 1 then re-check gen (seq_cst); es_pool_run bumps gen then
-         * reads asleep (seq_cst): one of the two sees the other. */
+         * reads asleep (seq_cst): one of the two sees the other. The full
+         * fence between the store and the load says so to every translator
+         * of the code, not only to the hardware: an AArch64 STLR followed by
+         * LDAR is ordered on the A76, but qemu-user on an x86 host emits no
+         * barrier between them, so the store could sit in the store buffer
+         * while the load read the old gen, both sides would miss each other,
+         * and the worker would sleep through the run (a rare hang of the
+         * emulated tests). The fence costs nothing on the spinning path. */
         pthread_mutex_lock(&pool->mu);
         atomic_store(&w->asleep, 1);
+        atomic_thread_fence(memory_order_seq_cst);
         while (atomic_load(&w->gen) == seen && !atomic_load(&pool->stop))
             pthread_cond_wait(&w->cv, &pool->mu);
         atomic_store(&w->asleep, 0);
