@@ -34,6 +34,7 @@ class RequestRecord:
     code: str = "OK"
     counters: SpecCounters | None = None
     verifier: str = ""               # host:port of the verifier that served it ("" : none did)
+    route: str = ""                  # why the balancer picked it (balancer.route's reason)
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,7 +59,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason or None, "spec": self.spec,
             "tries": c.tries, "hits": c.hits, "kv_rolls": c.kv_rolls,
             "draft_tokens": c.draft_tokens, "acceptance_rate": round(c.acceptance_rate, 4),
-            "verifier": self.verifier or None,
+            "verifier": self.verifier or None, "route": self.route or None,
         }
 
 

@@ -388,15 +388,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return
         lease, link, events, first, params = begun
         rec.verifier = lease.address
+        rec.route = lease.route
         # the record holds the gating verdict and the stats so far from here on, so a generation
         # that ends without an Outcome (cancelled, deadline, verifier lost) logs what it did
         rec.spec = params.spec
         rec.counters = SpecCounters()
         started = _StartedLink(link, events, first, lease.address, self.pool.report_failure)
+        out: list[int] = []   # the tokens sent so far: the verifier's KV holds prompt + out[:-1]
         try:
             for ev in generate(prompt, params, self.tokenizer, started, rec.counters):
                 if isinstance(ev, Outcome):
                     ev.verifier = lease.address
+                else:
+                    out.extend(ev.token_ids)
                 yield ev
         except VerifierFailure as exc:
             if context.is_active():
@@ -405,6 +409,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             link.cancel()
+            self.pool.remember(lease.address, prompt + out[:-1])
             lease.release()
 
     def _start(self, req: Any, prompt: list[int], context: grpc.ServicerContext):
@@ -433,7 +438,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         code = grpc.StatusCode.UNAVAILABLE   # a lone verifier's refusal keeps its own code
         while True:
             try:
-                lease = self.pool.acquire(namespace, exclude=tried)
+                lease = self.pool.acquire(namespace, exclude=tried, prompt=prompt)
             except NoVerifier as exc:
                 context.abort(code, "; ".join(failures + [str(exc)]))
             vcfg = lease.config
