@@ -169,6 +169,7 @@ class _Run:
         self.core, self.req, self.session, self.cancel = core, req, session, cancel
         self.cached = cached
         self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
+        self.prompt_len = len(req.prompt)
         self.n_ctx = core.config.n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
@@ -179,7 +180,7 @@ class _Run:
         if self.session is not None:
             session, self.session = self.session, None
             self.core.scheduler.leave(session)
-            self.core.release(session, self.kv_tokens)
+            self.core.release(session, self.kv_tokens, self.prompt_len)
 
     def step(self, tokens: list[int], head: str, logits: str, decode: int = 0,
              stop_ids: tuple = ()) -> Step:
