@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,10 +80,11 @@ def test_a_coordinator_waiting_for_its_verifier_says_so(monkeypatch, caplog):
     assert waits and "127.0.0.1:1 (" in waits[-1], waits
 
 
-def _fake_healthy(pool: VerifierPool) -> None:
-    """Every entry healthy with an (empty) config, as a poll that found them SERVING leaves them."""
+def _fake_healthy(pool: VerifierPool, prefix_cache: bool = True) -> None:
+    """Every entry healthy with a config, as a poll that found them SERVING leaves them."""
     for e in pool._entries.values():
-        e.backend.healthy, e.backend.last_error, e.config = True, "", object()
+        e.backend.healthy, e.backend.last_error = True, ""
+        e.config = SimpleNamespace(prefix_cache=prefix_cache)
 
 
 def test_a_prompt_goes_where_its_prefix_was_left_until_that_verifier_fails():
@@ -118,6 +120,20 @@ def test_prefix_routing_off_remembers_nothing():
     pool = VerifierPool([a, b], 1 << 20)                             # prefix_slack -1: off
     try:
         _fake_healthy(pool)
+        turn1 = list(range(10, 50))
+        pool.acquire(prompt=turn1).release()
+        pool.remember(a, turn1 + list(range(60, 79)))
+        lease = pool.acquire(prompt=turn1 + list(range(60, 80)))
+        assert (lease.address, lease.route) == (b, "least loaded")
+    finally:
+        pool.close()
+
+
+def test_a_verifier_without_a_prefix_cache_is_never_a_prefix_holder():
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    pool = VerifierPool([a, b], 1 << 20, prefix_slack=2)
+    try:
+        _fake_healthy(pool, prefix_cache=False)
         turn1 = list(range(10, 50))
         pool.acquire(prompt=turn1).release()
         pool.remember(a, turn1 + list(range(60, 79)))

@@ -325,7 +325,9 @@ class VerifierPool:
         hashes = block_hashes(prompt, self._prefix.block) if self.prefix_slack >= 0 else []
         with self._lock:
             entries = {a: e for a, e in self._entries.items() if not e.removed and e.config is not None}
-            held = {a: self._prefix.match(a, hashes, len(prompt)) for a in entries} if hashes else {}
+            # a verifier without a prefix cache (GetConfig.prefix_cache false) keeps nothing
+            held = {a: self._prefix.match(a, hashes, len(prompt)) for a, e in entries.items()
+                    if hashes and e.config.prefix_cache}
             b, why = route([e.backend for e in entries.values()], held, self.prefix_slack,
                            namespace, exclude)
             if b is None:
