@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 PREFIX_BLOCK = 16                  # tokens per hashed block of the prefix index
-PREFIX_BLOCKS_PER_VERIFIER = 8192  # blocks remembered per verifier (131072 tokens, ~0.4 MB)
+PREFIX_BLOCKS_PER_VERIFIER = 8192  # blocks remembered per verifier (131072 tokens, ~1.1 MB)
 
 # the routing reasons (the request log's ``route`` field)
 ROUTE_LEAST_LOADED = "least loaded"
