@@ -26,6 +26,8 @@ import pytest
     ("GatewayConfig", ["--request-timeout-s", "-1"], {}, "--request-timeout-s"),
     ("GatewayConfig", ["--request-timeout-s", "nan"], {}, "--request-timeout-s"),
     ("CoordinatorConfig", ["--verifier-poll-s", "0"], {}, "--verifier-poll-s"),
+    ("CoordinatorConfig", ["--stall-floor-s", "-1"], {}, "--stall-floor-s / ECHOSPEC_STALL_FLOOR_S -1.0"),
+    ("CoordinatorConfig", [], {"ECHOSPEC_STALL_FLOOR_S": "inf"}, "ECHOSPEC_STALL_FLOOR_S inf"),
     # was: a gateway (or coordinator) that started and dialled a port nothing can listen on,
     # answering 503 (or "no healthy verifier") to every request
     ("GatewayConfig", ["--coordinator-target", "127.0.0.1:99999"], {}, "--coordinator-target"),
@@ -52,6 +54,7 @@ def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, mes
     ("CoordinatorConfig", ["--k-max", "8", "--k", "9"], "--k / ECHOSPEC_K 9"),
     ("CoordinatorConfig", ["--k-max", "0"], "--k-max / ECHOSPEC_K_MAX 0"),
     ("CoordinatorConfig", ["--max-tokens-limit", "0"], "--max-tokens-limit"),
+    ("CoordinatorConfig", ["--max-moves", "-1"], "--max-moves / ECHOSPEC_MAX_MOVES -1"),
     # was: verifiers that started with these settings
     ("VerifierConfig", ["--max-k", "0"], "--max-k / ECHOSPEC_MAX_K 0"),
     ("VerifierConfig", ["--prefix-cache-sessions", "-1"], "--prefix-cache-sessions"),
@@ -72,6 +75,9 @@ def test_service_entry_points_refuse_integer_settings_out_of_range(cls, argv, me
 def test_service_entry_points_keep_valid_edges():
     from echospec.services.common import config as cfg
     assert cfg.load(cfg.CoordinatorConfig, ["--port", "0", "--metrics-port", "-1"], environ={}).port == 0
+    # 0 turns stall detection (and resuming) off
+    off = cfg.load(cfg.CoordinatorConfig, ["--stall-floor-s", "0", "--max-moves", "0"], environ={})
+    assert (off.stall_floor_s, off.max_moves) == (0.0, 0)
     assert cfg.load(cfg.GatewayConfig, ["--port", "65535"], environ={}).port == 65535
     assert cfg.load(cfg.DraftConfig, ["--grace-s", "0"], environ={}).grace_s == 0.0
     assert cfg.load(cfg.CoordinatorConfig, ["--verifier", "dns:///echospec-verifier:50053",

@@ -414,6 +414,7 @@ def _result_json(r) -> dict:
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "verifier": r.verifier,
+        "moves": [dataclasses.asdict(m) for m in r.moves],
         "stats": dataclasses.asdict(r.stats),
     }
 

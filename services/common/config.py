@@ -217,6 +217,12 @@ class CoordinatorConfig(_GrpcServiceConfig):
                                       "than this many active sessions above the least-loaded "
                                       "one (-1: off, least loaded only)",
                                       range=(-1, _BIG, "active sessions above the least loaded"))
+    max_moves: int = setting(2, "moves of one generation to another verifier when its verifier "
+                             "fails or stalls after the first token (0: never; the generation "
+                             "then fails with UNAVAILABLE)", range=(0, 64, "moves per generation"))
+    stall_floor_s: float = setting(1.0, "the shortest progress deadline of a generation's next "
+                                   "message (seconds; the deadline is 8x the verifier's own "
+                                   "reported costs when longer; 0: no stall detection)")
     # The coordinator itself never calls it: each verifier asks the one of its own --draft-target.
     draft_target: str = setting("", "the draft service its verifiers use, as GetInfo reports it "
                                 "(\"\": not said)")
@@ -476,10 +482,11 @@ def check_ranges(cfg, name_of=setting_name) -> None:
                 if bad:
                     raise ValueError(f"{name} {t!r}: {bad}")
         elif f.name.endswith("_s") and isinstance(v, float):
-            ok = math.isfinite(v) and (v >= 0 if f.name == "grace_s" else v > 0)
+            zero_ok = f.name in ("grace_s", "stall_floor_s")   # 0: no grace / no stall detection
+            ok = math.isfinite(v) and (v >= 0 if zero_ok else v > 0)
             if not ok:
                 raise ValueError(f"{name} {v}: seconds must be a finite number "
-                                 + (">= 0" if f.name == "grace_s" else "> 0"))
+                                 + (">= 0" if zero_ok else "> 0"))
     # fixed bounds first, then the bounds that are other fields (checked by then)
     ranged = [f for f in dataclasses.fields(cfg) if f.metadata.get("range")]
     for f in sorted(ranged, key=lambda f: isinstance(f.metadata["range"][1], (str, tuple))):

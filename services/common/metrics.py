@@ -35,6 +35,7 @@ class RequestRecord:
     counters: SpecCounters | None = None
     verifier: str = ""               # host:port of the verifier that served it ("" : none did)
     route: str = ""                  # why the balancer picked it (balancer.route's reason)
+    moves: int = 0                   # moves to another verifier mid-generation (resumed there)
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,7 +60,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason or None, "spec": self.spec,
             "tries": c.tries, "hits": c.hits, "kv_rolls": c.kv_rolls,
             "draft_tokens": c.draft_tokens, "acceptance_rate": round(c.acceptance_rate, 4),
-            "verifier": self.verifier or None, "route": self.route or None,
+            "verifier": self.verifier or None, "moves": self.moves, "route": self.route or None,
         }
 
 
@@ -189,6 +190,9 @@ class PromMetrics(_Registry):
         self.v_retries = Counter("echospec_verifier_retries_total", "Generations moved to another "
                                  "verifier after this one failed before their first token",
                                  ["verifier"], registry=r)
+        self.v_moves = Counter("echospec_verifier_moves_total", "Generations moved to another "
+                               "verifier after this one failed or stalled past their first token "
+                               "(each move tried)", ["verifier"], registry=r)
         self.source_draft_tokens = Counter("echospec_spec_source_draft_tokens_total", "Draft tokens "
                                            "verified, by draft source", ["source"], registry=r)
         self.source_hits = Counter("echospec_spec_source_hits_total", "Accepted draft tokens, by "

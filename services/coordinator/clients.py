@@ -36,6 +36,7 @@ class GenerationLink:
 
     def __init__(self, stub: Any, request: Any, timeout: float | None):
         self.cancelled = False   # cancel() was called: a CANCELLED status is ours, not the verifier's
+        self.stalled = ""        # stall(why) was called: the verifier missed its progress deadline
         self._call = stub.GenerateTokens(request, timeout=timeout)
 
     def events(self) -> Iterator[Any]:
@@ -54,3 +55,10 @@ class GenerationLink:
         """End the generation at the verifier (any thread; idempotent)."""
         self.cancelled = True
         self._call.cancel()
+
+    def stall(self, why: str) -> None:
+        """End the call because the verifier missed its progress deadline (any thread): the
+        reader's CANCELLED is then the stall's, said in ``stalled``, not the caller's cancel."""
+        if not self.cancelled and not self.stalled:
+            self.stalled = why
+            self._call.cancel()

@@ -54,6 +54,21 @@ class Delta:
 
 
 @dataclass
+class Move:
+    """The generation moved to another verifier after ``at_token`` output tokens. A resuming
+    link yields it just before the new verifier's first message (its prefill round);
+    ``generate`` fills in that prefill's ms and cached tokens."""
+
+    from_verifier: str
+    to_verifier: str
+    at_token: int
+    reason: str
+    resume_ms: float = 0.0
+    prefill_ms: float = 0.0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
 class Outcome:
     """The final result of a generation."""
 
@@ -64,7 +79,8 @@ class Outcome:
     spec_enabled: bool
     spec_reason: str
     counters: SpecCounters = field(default_factory=SpecCounters)
-    verifier: str = ""                 # host:port of the verifier that served it
+    verifier: str = ""                 # host:port of the verifier that finished it
+    moves: list[Move] = field(default_factory=list)   # each move to another verifier, in order
 
 
 class _Output:
@@ -133,7 +149,10 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
         params: limits, stop strings, sampling, gating verdict, k.
         tokenizer: Tokenizer (incremental_decoder, eos_ids).
         link: GenerationLink (events(), cancel()). Its failures propagate
-            (VerifierFailure) and end the generation.
+            (VerifierFailure) and end the generation. A link that resumes the generation on
+            another verifier yields a Move before that verifier's first message: its first
+            round is the prefill of prompt + output so far (not a round of the stats), and its
+            tokens continue the output.
         counters: where the stats go as messages arrive (default: a new SpecCounters); the
             caller's object holds the figures so far when the generation ends without an
             Outcome (cancelled, past its deadline, the verifier lost).
@@ -144,8 +163,16 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
     out = _Output(tokenizer, params.stop, params.max_tokens)
     spec, reason = params.spec, params.spec_reason
     first = True
+    moves: list[Move] = []
+    resumed: Move | None = None      # the next round is this move's prefill
     events = link.events()
     for msg in events:
+        if isinstance(msg, Move):
+            moves.append(msg)
+            resumed = msg
+            continue
+        if resumed is not None:
+            resumed.cached_prompt_tokens = msg.cached_prompt_tokens
         if msg.spec_reason:
             reason = msg.spec_reason
         if first:
@@ -157,6 +184,10 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
             if first:
                 first = False
                 counters.prefill_ms = res.v_ms
+                counters.t_ms = res.t_ms
+            elif resumed is not None:
+                resumed.prefill_ms = res.v_ms
+                resumed = None
                 counters.t_ms = res.t_ms
             else:
                 counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms, rnd.source)
@@ -181,4 +212,5 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
     link.cancel()   # a no-op after the verifier ended the stream; stops it after a stop string
     if not out.finish:
         raise GenerationError("the verifier ended the generation without EOS, max_tokens or a full context")
-    yield Outcome(out.text, out.token_ids, len(prompt), out.finish, spec, reason, counters)
+    yield Outcome(out.text, out.token_ids, len(prompt), out.finish, spec, reason, counters,
+                  moves=moves)

@@ -364,6 +364,19 @@ class VerifierPool:
             if self._metrics is not None:
                 self._metrics.verifier_forget(e.backend.address)
 
+    def has_other(self, address: str, exclude: Iterable[str] = ()) -> bool:
+        """True when a healthy verifier other than ``address`` (and outside ``exclude``) is listed."""
+        with self._lock:
+            return any(e.backend.healthy and not e.removed and e.config is not None
+                       and a != address and a not in exclude for a, e in self._entries.items())
+
+    def others(self, address: str) -> int:
+        """The verifier's active sessions besides one generation of ours on it (its last report,
+        corrected by this coordinator's generations since; 0 for an unknown address)."""
+        with self._lock:
+            e = self._entries.get(address)
+            return 0 if e is None else max(0, e.backend.estimated_active - 1)
+
     def any_config(self) -> Any:
         """The GetConfig of a healthy verifier (the first by address), else of any polled one, else None."""
         with self._lock:

@@ -45,6 +45,7 @@ class CoordinatorServer:
         g = self.servicer.config.grace_s if grace_s is None else grace_s
         self.handle.stop(g, reason).wait()
         self.pool.close()
+        self.servicer.watch.close()
 
 
 def wait_serving(channel: grpc.Channel, service: str, timeout_s: float) -> None:
@@ -199,3 +200,4 @@ def serve(config: CoordinatorConfig) -> None:
     srv = start(config)
     grpc_util.wait_for_termination(srv.handle, config.grace_s)
     srv.pool.close()
+    srv.servicer.watch.close()

@@ -6,17 +6,19 @@ Each generation goes to one verifier of the pool (pool.py, balancer.py: the
 least-loaded healthy one, or its draft_namespace's own while healthy). A
 verifier that fails before the generation's first token (unreachable, no free
 session, an internal error) is marked failed when unreachable and the
-generation is retried once on another; a failure after the first token ends the
-generation with UNAVAILABLE and a message naming the verifier (nothing is
-replayed: the client has text already). The result names the verifier that
-served it.
+generation is retried once on another. A verifier that fails or misses its
+progress deadline (progress.py) after the first token is reported to the pool
+and the generation resumes on another (``_ResumingLink``: prompt + output so
+far prefilled there, the stream continuing without a seam), at most
+``max_moves`` times; past that, or with no verifier left, UNAVAILABLE naming
+the moves. The result names the verifier that finished it and each move.
 
 Status codes: malformed requests INVALID_ARGUMENT (one prompt form, token ids
 in the vocabulary, non-empty prompt, max_tokens / k / stop limits, chat
 message shape); the verifier's own status is passed through (e.g.
 INVALID_ARGUMENT for a prompt longer than the context, RESOURCE_EXHAUSTED when
-no verifier has a free session); UNAVAILABLE when no verifier can be reached or
-one fails mid-generation. An unreachable draft service is not an error: the
+no verifier has a free session); UNAVAILABLE when no verifier can be reached, or
+when a generation whose verifier failed mid-way cannot move on. An unreachable draft service is not an error: the
 generation decodes plainly and says so in spec_reason.
 """
 from __future__ import annotations
@@ -42,8 +44,10 @@ from echospec.services.text.clip import clip
 from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
-from echospec.services.coordinator.generation import Delta, GenerationError, GenerationParams, Outcome, generate
+from echospec.services.coordinator.generation import (Delta, GenerationError, GenerationParams, Move,
+                                                      Outcome, generate)
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
+from echospec.services.coordinator.progress import ProgressClock, StallWatch, move_cap_text
 from echospec.services.common.auth import metadata_authorization
 from echospec.services.draft.memory import MAX_NAMESPACE_CHARS, namespace_problem
 
@@ -128,47 +132,178 @@ DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
+    moves = [coordinator_pb2.VerifierMove(
+        from_verifier=m.from_verifier, to_verifier=m.to_verifier, at_token=m.at_token,
+        reason=m.reason, resume_ms=m.resume_ms, prefill_ms=m.prefill_ms,
+        cached_prompt_tokens=m.cached_prompt_tokens) for m in o.moves]
     return coordinator_pb2.GenerationResult(
         text=o.text, token_ids=o.token_ids, prompt_tokens=o.prompt_tokens,
         completion_tokens=len(o.token_ids), finish_reason=o.finish_reason,
         spec_enabled=o.spec_enabled, spec_reason=o.spec_reason, stats=stats_to_proto(o.counters),
-        verifier=o.verifier)
+        verifier=o.verifier, moves=moves)
 
 
-class _StartedLink:
-    """A GenerationLink whose first message has arrived: replays it, then the rest; a failure
-    from here on is UNAVAILABLE naming the verifier (the generation is not replayed elsewhere)."""
+class _Attempt:
+    """One GenerateTokens call on one verifier whose first message has arrived (``first`` None:
+    the verifier ended the stream at once, which generate() reports)."""
 
-    def __init__(self, link: GenerationLink, events: Iterator[Any], first: Any, address: str,
-                 on_down: Any):
-        self._link = link
-        self._events = events
-        self._first = first
-        self._address = address
-        self._on_down = on_down
+    def __init__(self, lease: Any, link: GenerationLink, events: Iterator[Any], first: Any,
+                 clock: ProgressClock):
+        self.lease, self.link, self.events, self.first, self.clock = lease, link, events, first, clock
+        self.params: Any = None          # the GenerationParams resolved for this verifier
+        self.exclude: list[str] = []     # verifiers this generation cannot move to
+        self.namespace = ""              # the draft namespace as the draft service names it
+
+
+class _CallFailed(Exception):
+    """A GenerateTokens call failed before its first message (the call is cancelled).
+
+    ``ours``: the caller's cancel (the client left, its deadline passed); ``stalled``: why the
+    verifier missed its progress deadline ("" when it did not)."""
+
+    def __init__(self, failure: VerifierFailure, ours: bool, stalled: str):
+        super().__init__(str(failure))
+        self.failure, self.ours, self.stalled = failure, ours, stalled
+
+
+class _ResumingLink:
+    """The generation's stream across verifiers: the first verifier's messages, and when that
+    verifier fails or stalls after the first token, the messages of another one that prefilled
+    the prompt plus the output so far and decodes on (a generation.Move marks each move).
+
+    Every message re-arms the progress deadline (progress.py); a verifier that misses it is
+    cancelled and reported to the pool (unhealthy until a health poll passes). At most
+    ``config.max_moves`` moves are tried per generation; past that, or with no verifier left,
+    the generation fails with UNAVAILABLE naming the moves.
+    """
+
+    def __init__(self, svc: "CoordinatorServicer", req: Any, prompt: list[int], params: Any,
+                 context: grpc.ServicerContext, attempt: _Attempt):
+        self._svc, self._req, self._prompt, self._params = svc, req, prompt, params
+        self._context = context
+        self.attempt = attempt
+        self.tokens: list[int] = []          # the verifiers' tokens handed on so far
+        self._eos = set(svc.tokenizer.eos_ids)
+        self._tried = 0                      # moves tried (those that failed too)
+        self._failed: list[str] = [attempt.lease.address]
+        attempt.exclude = self._failed
+        self.history: list[str] = []         # "a -> b at token n" of each move made
+
+    def _took(self, msg: Any) -> None:
+        wall, t_ms = 0.0, 0.0
+        prefill = msg is self.attempt.first   # its first round is the prefill: not a round's cost
+        for i, rnd in enumerate(msg.rounds):
+            self.tokens.extend(rnd.result.tokens)
+            if not (prefill and i == 0):
+                wall += rnd.wall_ms
+            t_ms = rnd.result.t_ms or t_ms
+        self.attempt.clock.observe(wall, t_ms)
+
+    def _complete(self) -> bool:
+        """The output is whole (EOS or max_tokens): a failure from here on changes nothing."""
+        return any(t in self._eos for t in self.tokens) or len(self.tokens) >= self._params.max_tokens
 
     def events(self) -> Iterator[Any]:
-        if self._first is None:   # the verifier ended the stream at once (generate() reports it)
-            return
-        yield self._first
-        n = 1
-        try:
-            for msg in self._events:
-                n += 1
-                yield msg
-        except VerifierFailure as exc:
-            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or self._link.cancelled:
-                raise
-            if exc.code in DOWN_CODES:
-                self._on_down(self._address, f"{exc.code.name}: {exc.details}")
-            raise VerifierFailure(
-                grpc.StatusCode.UNAVAILABLE,
-                f"verifier {self._address} failed after {n} message(s) of this generation had "
-                f"arrived ({exc.code.name}: {exc.details}); the generation is not replayed: "
-                f"send the request again") from None
+        while True:
+            a = self.attempt
+            if a.first is None:
+                return
+            msg = a.first
+            try:
+                while True:
+                    self._took(msg)
+                    yield msg
+                    # the deadline covers the wait for the verifier only, not the time the
+                    # caller took (a slow client holds the coordinator, not the verifier)
+                    self._svc.arm(a, self._svc.pool.others(a.lease.address))
+                    msg = next(a.events)
+                    self._svc.watch.disarm(a.link)
+            except StopIteration:
+                self._svc.watch.disarm(a.link)
+                return
+            except VerifierFailure as exc:
+                self._svc.watch.disarm(a.link)
+                stalled = a.link.stalled
+                if not stalled and (exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or a.link.cancelled
+                                    or not self._context.is_active()):
+                    raise
+                why = stalled or f"{exc.code.name}: {exc.details}"
+                if stalled or exc.code in DOWN_CODES:
+                    self._svc.pool.report_failure(a.lease.address, why)
+                if a.lease.address not in self._failed:   # not tried again for this generation
+                    self._failed.append(a.lease.address)
+                if self._complete():
+                    raise
+                move = self._move(why)
+                if move is None:   # the call ended meanwhile (client gone, deadline)
+                    raise
+                yield move
+
+    def _move(self, why: str) -> Move | None:
+        """Continue the generation on another verifier: a Move once its first message arrived,
+        None when the RPC ended meanwhile.
+
+        Raises:
+            VerifierFailure: UNAVAILABLE past max_moves or with no verifier left, naming the moves.
+        """
+        svc, old = self._svc, self.attempt
+        t0 = time.perf_counter()
+        n = len(self.tokens)
+        what = "stalled" if old.link.stalled else "failed"
+        head = f"verifier {old.lease.address} {what} after {n} output token(s) ({why})"
+        fails: list[str] = []
+        old.link.cancel()
+        old.lease.release()
+        cap = svc.config.max_moves
+        while True:
+            done = "; ".join([f"moves: {', '.join(self.history)}" if self.history else "no move"]
+                             + fails)
+            if self._tried >= cap:
+                raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,
+                                      f"{head}; the generation cannot move on: "
+                                      f"{move_cap_text(self._tried, cap)} ({done})")
+            try:
+                lease = svc.pool.acquire(old.namespace, exclude=self._failed,
+                                        prompt=self._prompt + self.tokens)
+            except NoVerifier as exc:
+                raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,
+                                      f"{head}; no verifier left to move the generation to ({exc}); "
+                                      f"{move_cap_text(self._tried, cap)} ({done})") from None
+            self._tried += 1
+            svc.metrics.v_moves.labels(verifier=old.lease.address).inc()
+            try:
+                attempt = svc.call(self._req, self._prompt, self.tokens, lease, self._context,
+                                   old.namespace, exclude=self._failed)
+            except RequestError as exc:
+                lease.release()
+                raise VerifierFailure(exc.code, f"{head}; moving the generation to "
+                                      f"{lease.address} was refused: {exc.message}") from None
+            except _CallFailed as failed:
+                exc = failed.failure
+                lease.release()
+                if failed.ours or not self._context.is_active():
+                    return None
+                w = failed.stalled or f"{exc.code.name}: {exc.details}"
+                if not failed.stalled and exc.code not in RETRY_CODES:
+                    # a refusal every verifier would repeat (a prompt plus output that fills
+                    # the context): the generation ends with it
+                    raise VerifierFailure(exc.code, f"{head}; {lease.address} refused to continue "
+                                          f"it ({w})") from None
+                if failed.stalled or exc.code in DOWN_CODES:
+                    svc.pool.report_failure(lease.address, w)
+                self._failed.append(lease.address)
+                fails.append(f"{lease.address} failed before its first token ({w})")
+                log.warning("%s; moving to %s failed (%s)", head, lease.address, w)
+                continue
+            self.attempt = attempt
+            ms = (time.perf_counter() - t0) * 1e3
+            self.history.append(f"{old.lease.address} -> {lease.address} at token {n}")
+            log.warning("%s; moved to %s (resumed in %.0f ms)", head, lease.address, ms)
+            return Move(old.lease.address, lease.address, n, why, resume_ms=ms)
 
     def cancel(self) -> None:
-        self._link.cancel()
+        self._svc.watch.disarm(self.attempt.link)
+        self.attempt.link.cancel()
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -196,6 +331,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.max_token_bytes = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab)) \
             * (3 if getattr(getattr(tokenizer, "hf", None), "normalizer", None) is not None else 1)
         self.shutdown = grpc_util.Shutdown()   # the server's (start() sets it)
+        self.watch = StallWatch()                # progress deadlines of the generations' calls
 
     # -- downstream configuration ------------------------------------------------------------
     def verifier_config(self) -> verifier_pb2.GetConfigResponse:
@@ -386,21 +522,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         begun = self._start(req, prompt, context)
         if begun is None:       # the client went away or its deadline passed meanwhile
             return
-        lease, link, events, first, params = begun
-        rec.verifier = lease.address
-        rec.route = lease.route
+        attempt, params = begun
+        rec.verifier = attempt.lease.address
+        rec.route = attempt.lease.route
         # the record holds the gating verdict and the stats so far from here on, so a generation
         # that ends without an Outcome (cancelled, deadline, verifier lost) logs what it did
         rec.spec = params.spec
         rec.counters = SpecCounters()
-        started = _StartedLink(link, events, first, lease.address, self.pool.report_failure)
-        out: list[int] = []   # the tokens sent so far: the verifier's KV holds prompt + out[:-1]
+        started = _ResumingLink(self, req, prompt, params, context, attempt)
         try:
             for ev in generate(prompt, params, self.tokenizer, started, rec.counters):
                 if isinstance(ev, Outcome):
-                    ev.verifier = lease.address
-                else:
-                    out.extend(ev.token_ids)
+                    ev.verifier = started.attempt.lease.address
                 yield ev
         except VerifierFailure as exc:
             if context.is_active():
@@ -408,22 +541,93 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         except GenerationError as exc:
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
+            started.cancel()
+            # the last verifier's KV holds prompt + its tokens less the last (prefix routing)
+            self.pool.remember(started.attempt.lease.address, prompt + started.tokens[:-1])
+            started.attempt.lease.release()
+            rec.verifier = started.attempt.lease.address
+            rec.moves = len(started.history)
+
+    def arm(self, attempt: _Attempt, others: int) -> None:
+        """(Re)start the progress deadline of the attempt's next message. None while no other
+        healthy verifier could take the generation: a lone verifier that is slow is still the
+        best there is (the client's deadline bounds the wait)."""
+        d = attempt.clock.deadline_s(others)
+        if d is not None and not self.pool.has_other(attempt.lease.address, attempt.exclude):
+            d = None
+        if d is None:
+            self.watch.disarm(attempt.link)
+            return
+        c = attempt.clock
+        work = f"a prefill of {c.prompt_tokens} tokens" if c.first else f"round {c.round_ms:.1f} ms"
+        self.watch.arm(attempt.link, d, f"no message within its progress deadline of {d:.2f} s "
+                       f"(T {c.t_ms:.1f} ms, {work}, {others} other session(s); "
+                       f"--stall-floor-s {c.floor_s:g})")
+
+    def call(self, req: Any, prompt: list[int], output: list[int], lease: Any,
+             context: grpc.ServicerContext, namespace: str,
+             exclude: list[str] | None = None) -> _Attempt:
+        """Start the generation on ``lease``'s verifier (resumed after ``output`` when it is
+        not empty: prompt + output prefilled, max_tokens less the output) and wait for its
+        first message within the progress deadline. ``namespace``: the draft namespace as the
+        draft service names it (scoped_namespace); ``exclude``: the verifiers the generation
+        cannot move to (the list is read as it grows).
+
+        Raises:
+            RequestError: the request does not suit this verifier (its caps, its max_k).
+            _CallFailed: the call failed or stalled before its first message.
+        """
+        vcfg = lease.config
+        params = self.resolve_params(req, VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention,
+                                                       vcfg.batch_max))
+        if params.k > vcfg.max_k:
+            if req.k:   # asked for: refused; the server's default is the server's to fit
+                raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
+            params.k = vcfg.max_k
+        timeout = context.time_remaining()
+        if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
+            timeout = None
+        link = GenerationLink(lease.stub, verifier_pb2.GenerateTokensRequest(
+            prompt=prompt + output, max_tokens=params.max_tokens - len(output),
+            eos_ids=sorted(self.tokenizer.eos_ids), sampling=params.sampling, spec=params.spec,
+            k=params.k, fixed_k=not self.config.adaptive_k, prediction=params.prediction,
+            digit_tokens=self.digit_tokens if params.spec else [],
+            line_break_tokens=self.line_break_tokens if params.spec else [],
+            draft_namespace=namespace if params.spec else "",
+            resumed_tokens=len(output)), timeout)
+        context.add_callback(link.cancel)
+        attempt = _Attempt(lease, link, iter(()), None,
+                           ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
+                                         len(prompt) + len(output)))
+        attempt.exclude = exclude if exclude is not None else []
+        attempt.namespace = namespace
+        self.arm(attempt, self.pool.others(lease.address))
+        events = link.events()
+        try:
+            attempt.first = next(events)
+            attempt.events = events
+            self.watch.disarm(link)
+        except StopIteration:
+            self.watch.disarm(link)
+        except VerifierFailure as exc:
+            ours, stalled = link.cancelled, link.stalled
+            self.watch.disarm(link)
             link.cancel()
-            self.pool.remember(lease.address, prompt + out[:-1])
-            lease.release()
+            raise _CallFailed(exc, ours, stalled) from None
+        attempt.params = params
+        return attempt
 
     def _start(self, req: Any, prompt: list[int], context: grpc.ServicerContext):
         """Start the generation on a verifier and wait for its first message.
 
-        A verifier that fails before the first message with a RETRY_CODES status
-        is left for another (once); one that is unreachable is also reported to
-        the pool, which avoids it until its health returns.
+        A verifier that fails (or misses its progress deadline) before the first message with
+        a RETRY_CODES status is left for another (once); one that is unreachable or stalled is
+        also reported to the pool, which avoids it until its health returns.
 
         Returns:
-            (lease, link, events iterator, first message or None, params), or None
-            when the RPC ended meanwhile (cancelled, past its deadline). Aborts the
-            RPC on a bad request, with no verifier left, or on a verifier's
-            refusal that another verifier would repeat.
+            (attempt, params), or None when the RPC ended meanwhile (cancelled, past its
+            deadline). Aborts the RPC on a bad request, with no verifier left, or on a
+            verifier's refusal that another verifier would repeat.
         """
         known = self.pool.any_config()
         if known is not None:   # a bad request is INVALID_ARGUMENT even while no verifier is up
@@ -441,41 +645,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 lease = self.pool.acquire(namespace, exclude=tried, prompt=prompt)
             except NoVerifier as exc:
                 context.abort(code, "; ".join(failures + [str(exc)]))
-            vcfg = lease.config
             try:
-                params = self.resolve_params(req, VerifierCaps(vcfg.kv_eviction, vcfg.sparse_attention,
-                                                               vcfg.batch_max))
-                if params.k > vcfg.max_k:
-                    if req.k:   # asked for: refused; the server's default is the server's to fit
-                        raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
-                    params.k = vcfg.max_k
+                attempt = self.call(req, prompt, [], lease, context, namespace)
+                return attempt, attempt.params
             except RequestError as exc:
                 lease.release()
                 context.abort(exc.code, exc.message)
-            timeout = context.time_remaining()
-            if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
-                timeout = None
-            link = GenerationLink(lease.stub, verifier_pb2.GenerateTokensRequest(
-                prompt=prompt, max_tokens=params.max_tokens, eos_ids=sorted(self.tokenizer.eos_ids),
-                sampling=params.sampling, spec=params.spec, k=params.k,
-                fixed_k=not self.config.adaptive_k, prediction=params.prediction,
-                digit_tokens=self.digit_tokens if params.spec else [],
-                line_break_tokens=self.line_break_tokens if params.spec else [],
-                draft_namespace=namespace if params.spec else ""), timeout)
-            context.add_callback(link.cancel)
-            events = link.events()
-            try:
-                first = next(events)
-                return lease, link, events, first, params
-            except StopIteration:
-                return lease, link, iter(()), None, params
-            except VerifierFailure as exc:
-                ours = link.cancelled    # the client went away (or its deadline passed)
-                link.cancel()
+            except _CallFailed as failed:
+                exc = failed.failure
                 lease.release()
-                if ours or not context.is_active():
+                if failed.ours or not context.is_active():
                     return None   # the RPC's own status (CANCELLED, DEADLINE_EXCEEDED) stands
-                if exc.code in DOWN_CODES:
+                if failed.stalled:
+                    exc = VerifierFailure(grpc.StatusCode.UNAVAILABLE, failed.stalled)
+                if failed.stalled or exc.code in DOWN_CODES:
                     self.pool.report_failure(lease.address, f"{exc.code.name}: {exc.details}")
                 if exc.code not in RETRY_CODES:
                     context.abort(exc.code, str(exc))

@@ -597,6 +597,31 @@ def _int32(v, name: str) -> int:
     return int(v)
 
 
+RNG_ZERO_STATE = 0x9E3779B97F4A7C15   # sampler.c: the state a seed of 0 stands for
+
+
+def rng_advance(rng: int, n: int) -> int:
+    """The sampler's RNG state after n draws from ``rng``: es_sample draws exactly once per
+    sampled token (temperature > 0), so a generation resumed after n sampled tokens continues
+    with this state and samples what the uninterrupted one would have (sampler.c's xorshift64*
+    state update, written once more here; tests/test_fleet_resume.py checks it against sample()).
+
+    Args:
+        rng: a 64-bit state or seed (0: the sampler's fixed constant). n: draws, >= 0.
+    Returns:
+        The state in [0, 2**64); ``rng`` itself (masked) when n is 0.
+    """
+    mask = 0xFFFFFFFFFFFFFFFF
+    x = int(rng) & mask
+    for _ in range(n):
+        if x == 0:
+            x = RNG_ZERO_STATE
+        x ^= x >> 12
+        x = (x ^ (x << 25)) & mask
+        x ^= x >> 27
+    return x
+
+
 def sample(logits_row: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            min_p: float = 0.0, rng: int = 0) -> tuple[int, int]:
     """Draw one token from a logits row with the engine's sampler.

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from echospec.v1.common_pb2 import FinishReason
-from echospec.services.verifier.engine import EngineError, sample
+from echospec.services.verifier.engine import EngineError, rng_advance, sample
 from echospec.services.common.floats import f32_str
 from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.draft.memory import namespace_problem
@@ -76,6 +76,7 @@ class GenerationRequest:
     digit_tokens: tuple = ()          # (ids checked: the draft service drafts them)
     line_break_tokens: tuple = ()
     draft_namespace: str = ""
+    resumed: int = 0                  # the prompt's last tokens that are output already (a resume)
 
 
 @dataclass
@@ -122,6 +123,9 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise InvalidArgument(f"prompt[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
     if req.max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be >= 1, got {req.max_tokens}")
+    if not 0 <= req.resumed < len(req.prompt):
+        raise InvalidArgument(f"resumed_tokens must be in [0, {len(req.prompt)}) (the prompt's "
+                              f"output part; the prompt keeps >= 1 token of its own), got {req.resumed}")
     for name, ids in (("prediction", req.prediction), ("digit_tokens", req.digit_tokens),
                       ("line_break_tokens", req.line_break_tokens)):
         for i, t in enumerate(ids):
@@ -172,6 +176,8 @@ class _Run:
         self.prompt_len = len(req.prompt)
         self.n_ctx = core.config.n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
+        if not req.sampling.greedy:   # a resumed generation: the draws of the output so far
+            self.rng = rng_advance(self.rng, req.resumed)
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
 
     def release(self) -> None:
@@ -281,7 +287,8 @@ class _Drafts:
     draft service ends speculation for the generation (``reason`` says why).
     """
 
-    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int], eager: bool = False):
+    def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int], eager: bool = False,
+                 resumed: int = 0):
         self.link = link
         self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel(), eager=eager)
         self.synced = 0              # history tokens the draft service has
@@ -289,7 +296,12 @@ class _Drafts:
         self.reason = ""
         self.source = 0              # DraftSource of the round's draft
         if link is not None:
-            link.append(prompt)      # indexed while the prompt is prefilled
+            # indexed while the prompt is prefilled; a resumed generation's output so far goes
+            # in as output (the draft session's first append is its prompt)
+            head = len(prompt) - resumed
+            link.append(prompt[:head])
+            if resumed:
+                link.append(prompt[head:])
             self.synced = len(prompt)
 
     def _lost(self, exc: DraftUnavailable) -> None:
@@ -520,7 +532,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
     core, req, session = run.core, run.req, run.session
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
-    drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager)
+    drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed)
     first, prefill_ms = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)

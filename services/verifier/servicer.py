@@ -104,7 +104,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
             spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0,
             prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens),
-            line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace)
+            line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace,
+            resumed=request.resumed_tokens)
         setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
                      draft_namespace=request.draft_namespace,
                      line_break_tokens=list(request.line_break_tokens))

@@ -91,6 +91,30 @@ FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class Move:
+    """The generation moved to another verifier mid-way (echospec.v1.VerifierMove): its verifier
+    failed or stalled after the first token, and ``to_verifier`` prefilled the prompt plus the
+    ``at_token`` output tokens so far and decoded on; the text is unchanged. ``reason``: the
+    failing status or the missed progress deadline; ``resume_ms``: from the failure seen to the
+    next verifier's first token; ``prefill_ms`` and ``cached_prompt_tokens``: that verifier's
+    prefill (the tokens its prefix cache supplied)."""
+
+    from_verifier: str
+    to_verifier: str
+    at_token: int
+    reason: str
+    resume_ms: float
+    prefill_ms: float
+    cached_prompt_tokens: int
+
+    @classmethod
+    def from_proto(cls, m: coordinator_pb2.VerifierMove) -> "Move":
+        return cls(from_verifier=m.from_verifier, to_verifier=m.to_verifier, at_token=m.at_token,
+                   reason=m.reason, resume_ms=m.resume_ms, prefill_ms=m.prefill_ms,
+                   cached_prompt_tokens=m.cached_prompt_tokens)
+
+
+@dataclass(frozen=True)
 class Result:
     """A finished generation.
 
@@ -99,7 +123,8 @@ class Result:
     not, or fell back ("" when it ran throughout). wall_s and ttft_s are this client's own
     measurements: seconds from sending the request to its last message and to the first
     token (None when no token came, or for `complete`, which has no first-token time).
-    verifier: the address of the verifier that served the generation.
+    verifier: the address of the verifier that finished the generation; moves: each move to
+    another verifier after its verifier failed or stalled mid-generation (empty when none).
     """
 
     text: str
@@ -113,6 +138,7 @@ class Result:
     verifier: str = ""
     wall_s: float | None = None
     ttft_s: float | None = None
+    moves: tuple = ()                  # Move, in order
 
     @property
     def tokens_per_s(self) -> float:
@@ -127,7 +153,7 @@ class Result:
                    finish_reason=FINISH_REASONS.get(r.finish_reason, str(r.finish_reason)),
                    spec_enabled=r.spec_enabled, spec_reason=r.spec_reason,
                    stats=SpecStats.from_proto(r.stats), verifier=r.verifier, wall_s=wall_s,
-                   ttft_s=ttft_s)
+                   ttft_s=ttft_s, moves=tuple(Move.from_proto(m) for m in r.moves))
 
 
 @dataclass(frozen=True)
