@@ -8,6 +8,9 @@ pods of a headless Service are. One coordinator in this process balances over th
   output as a run on one verifier, each verifier consulting its own draft service.
 - DNS: a dns:/// target picks up an added address (the resolver is a test double passed
   to the coordinator's start(); the product resolves with getaddrinfo) and drops a removed one.
+- Prefix-aware routing: a chat's second turn goes to the verifier that served its first and
+  reuses prompt + output of turn 1 less one token (against a least-loaded-only run that
+  misses).
 - A verifier killed mid-run: generations it had not started move to the others, started
   ones resume on the others (the result's moves name it), new ones avoid it until its health
   returns, and it serves again after a restart. (tests/test_fleet_resume.py checks the resumed
@@ -15,7 +18,9 @@ pods of a headless Service are. One coordinator in this process balances over th
 """
 from __future__ import annotations
 
+import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -249,6 +254,72 @@ def test_dns_name_picks_up_an_added_verifier_and_drops_a_removed_one(model, boar
         c.close()
 
 
+class _RequestLines(logging.Handler):
+    """The coordinator's per-request log lines' fields."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.fields: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == "request":
+            self.fields.append(record.fields)
+
+
+def _two_turn_chats(model: str, targets: list[str], slack: int, seed: int, n: int = 7):
+    """n chats of two turns by token ids, every first turn, then every second turn in order.
+
+    Turn 2's prompt is turn 1's prompt + its output + 8 new tokens. Returns, per chat,
+    (turn 1 result, turn 2 result, turn 1 prompt length) and the request log lines' fields.
+    """
+    rng = random.Random(seed)
+    firsts = [[rng.randrange(3, 320) for _ in range(40 + 3 * i)] for i in range(n)]
+    lines = _RequestLines()
+    clog = logging.getLogger("echospec.coordinator")
+    level = clog.level
+    clog.addHandler(lines)
+    clog.setLevel(logging.INFO)
+    c = Coordinator(model, targets, prefix_route_slack=slack)
+    try:
+        def turn(ids):
+            return c.stub.Complete(cpb.CompleteRequest(token_ids=ids, max_tokens=24, spec=ON),
+                                   timeout=60).result
+        ones = [turn(p) for p in firsts]
+        twos = [turn(p + list(r.token_ids) + [rng.randrange(3, 320) for _ in range(8)])
+                for p, r in zip(firsts, ones)]
+    finally:
+        c.close()
+        clog.removeHandler(lines)
+        clog.setLevel(level)
+    return [(a, b, len(p)) for a, b, p in zip(ones, twos, firsts)], lines.fields
+
+
+def test_second_chat_turn_goes_to_its_prefix_holder_and_reuses_turn_one(model, boards):
+    targets = [boards[0].address, boards[1].address]
+    # least loaded only: equal verifiers take turns, so second turns mostly land elsewhere
+    off, _ = _two_turn_chats(model, targets, slack=-1, seed=1)
+    off_hits = sum(t2.verifier == t1.verifier for t1, t2, _ in off)
+    on, fields = _two_turn_chats(model, targets, slack=2, seed=2)
+    on_hits = sum(t2.verifier == t1.verifier for t1, t2, _ in on)
+    print(f"second turns on the prefix holder: least loaded {off_hits}/{len(off)}, "
+          f"prefix-aware {on_hits}/{len(on)}")
+    assert off_hits < len(off)
+    assert {t1.verifier for t1, _, _ in on} == set(targets)
+    for t1, t2, n1 in on:
+        assert t1.finish_reason == common_pb2.FINISH_REASON_LENGTH and t1.completion_tokens == 24
+        assert t2.verifier == t1.verifier
+        # the verifier's prefix cache keeps the KV of prompt + output less the last token
+        # (never fed back): turn 2 reuses exactly that, no more, no less
+        assert t2.stats.cached_prompt_tokens == n1 + t1.completion_tokens - 1
+    # the request log says why: turn 1 had no prefix anywhere, turn 2 the predicted whole blocks
+    assert len(fields) == 2 * len(on)
+    for f in fields[:len(on)]:
+        assert f["route"] == "least loaded"
+    for f, (t1, _, n1) in zip(fields[len(on):], on):
+        assert f["route"] == f"prefix {(n1 + 24 - 1) // 16 * 16} tokens", f
+        assert f["cached_tokens"] == n1 + 24 - 1
+
+
 def test_killed_verifier_moves_unstarted_resumes_started_and_returns_after_restart(model, boards):
     three = boards[:3]
     addrs = [b.address for b in three]
@@ -298,7 +369,8 @@ def test_killed_verifier_moves_unstarted_resumes_started_and_returns_after_resta
         victim.start_verifier()
         victim.wait()
         c.wait_for(lambda i: i[victim.address].healthy, "the restarted verifier to be healthy")
-        r = _complete(c.stub, PROMPTS[0], 8, ns)
+        # (a prompt no verifier holds a prefix of: a held prefix would outrank the namespace)
+        r = _complete(c.stub, PROMPTS[6], 8, ns)
         assert r.verifier == victim.address
     finally:
         c.close()

@@ -155,6 +155,20 @@ def test_prefix_cache_reuses_an_entry_only_down_to_its_min_past():
     assert len(c) == 1 and c.cached_tokens() == 6
 
 
+def test_prefix_cache_leaves_an_entry_to_its_conversation_unless_reuse_outweighs_the_loss():
+    c = PrefixCache(4)
+    chat1 = [1, 2, 3, 10, 11, 12, 13, 14]             # prompt: system [1, 2, 3] + [10, 11]
+    c.put("chat1", chat1, prompt_len=5)
+    assert c.take([1, 2, 3, 20, 21]) == (None, 0)     # another chat: 3 reused < 5 lost: left
+    assert c.take(chat1[:7] + [15]) == ("chat1", 7)   # chat 1's next turn
+    c.put("chat1", chat1, prompt_len=5)
+    assert c.take([1, 2, 3, 10, 20]) == ("chat1", 4)  # another chat, 4 reused >= 4 lost: taken
+    c.put("chat1", chat1, prompt_len=5)
+    assert c.take([1, 2, 3, 10, 11]) == ("chat1", 4)  # the same prompt again continues it
+    c.put("chat1", chat1)                             # prompt length not said: any prompt takes it
+    assert c.take([1, 2, 3, 20, 21]) == ("chat1", 3)
+
+
 def test_prefix_cache_evicts_the_least_recently_used():
     c = PrefixCache(2)
     c.put("a", [1])

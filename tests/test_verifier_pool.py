@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -77,3 +78,66 @@ def test_a_coordinator_waiting_for_its_verifier_says_so(monkeypatch, caplog):
     waits = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith("waiting for a verifier to be SERVING")]
     assert waits and "127.0.0.1:1 (" in waits[-1], waits
+
+
+def _fake_healthy(pool: VerifierPool, prefix_cache: bool = True) -> None:
+    """Every entry healthy with a config, as a poll that found them SERVING leaves them."""
+    for e in pool._entries.values():
+        e.backend.healthy, e.backend.last_error = True, ""
+        e.config = SimpleNamespace(prefix_cache=prefix_cache)
+
+
+def test_a_prompt_goes_where_its_prefix_was_left_until_that_verifier_fails():
+    a, b = "127.0.0.1:1", "127.0.0.1:2"   # never called: health is set by hand
+    pool = VerifierPool([a, b], 1 << 20, prefix_slack=2)
+    try:
+        _fake_healthy(pool)
+        turn1 = list(range(10, 50))                                  # 40 tokens
+        lease = pool.acquire(prompt=turn1)
+        assert (lease.address, lease.route) == (a, "least loaded")  # equal load: by address
+        pool.remember(a, turn1 + list(range(60, 79)))               # + 20 generated less the last
+        lease.release()
+        turn2 = turn1 + list(range(60, 80)) + [5] * 8                # 68 tokens
+        # a has served one more, so least loaded alone would pick b
+        assert pool.acquire(prompt=[1] * 40).address == b
+        # (that lease is still held: b has 1 in flight, a none) the prefix holder a serves turn 2
+        lease = pool.acquire(prompt=turn2)
+        assert (lease.address, lease.route) == (a, "prefix 48 tokens")
+        lease.release()
+        pool.report_failure(a, "UNAVAILABLE: gone")
+        assert pool.acquire(prompt=turn2).address == b
+        _fake_healthy(pool)                                          # back (a restart, say)
+        lease = pool.acquire(prompt=turn2)
+        # a, now the less loaded, serves it, but not as a prefix holder: its prefixes were forgotten
+        assert (lease.address, lease.route) == (a, "least loaded")
+        pool.remember(b, [])                                          # nothing to keep: no error
+    finally:
+        pool.close()
+
+
+def test_prefix_routing_off_remembers_nothing():
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    pool = VerifierPool([a, b], 1 << 20)                             # prefix_slack -1: off
+    try:
+        _fake_healthy(pool)
+        turn1 = list(range(10, 50))
+        pool.acquire(prompt=turn1).release()
+        pool.remember(a, turn1 + list(range(60, 79)))
+        lease = pool.acquire(prompt=turn1 + list(range(60, 80)))
+        assert (lease.address, lease.route) == (b, "least loaded")
+    finally:
+        pool.close()
+
+
+def test_a_verifier_without_a_prefix_cache_is_never_a_prefix_holder():
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    pool = VerifierPool([a, b], 1 << 20, prefix_slack=2)
+    try:
+        _fake_healthy(pool, prefix_cache=False)
+        turn1 = list(range(10, 50))
+        pool.acquire(prompt=turn1).release()
+        pool.remember(a, turn1 + list(range(60, 79)))
+        lease = pool.acquire(prompt=turn1 + list(range(60, 80)))
+        assert (lease.address, lease.route) == (b, "least loaded")
+    finally:
+        pool.close()

@@ -212,6 +212,11 @@ class CoordinatorConfig(_GrpcServiceConfig):
                               "re-resolved every verifier_resolve_s (none: verifier_target alone)")
     verifier_poll_s: float = setting(1.0, "health + load poll of each verifier (seconds)")
     verifier_resolve_s: float = setting(10.0, "DNS re-resolution of dns:/// verifiers (seconds)")
+    prefix_route_slack: int = setting(2, "a prompt goes to the verifier predicted to hold the "
+                                      "KV of its longest prefix unless that verifier has more "
+                                      "than this many active sessions above the least-loaded "
+                                      "one (-1: off, least loaded only)",
+                                      range=(-1, _BIG, "active sessions above the least loaded"))
     max_moves: int = setting(2, "moves of one generation to another verifier when its verifier "
                              "fails or stalls after the first token (0: never; the generation "
                              "then fails with UNAVAILABLE)", range=(0, 64, "moves per generation"))

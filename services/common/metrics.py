@@ -34,6 +34,7 @@ class RequestRecord:
     code: str = "OK"
     counters: SpecCounters | None = None
     verifier: str = ""               # host:port of the verifier that served it ("" : none did)
+    route: str = ""                  # why the balancer picked it (balancer.route's reason)
     moves: int = 0                   # moves to another verifier mid-generation (resumed there)
 
     @property
@@ -59,7 +60,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason or None, "spec": self.spec,
             "tries": c.tries, "hits": c.hits, "kv_rolls": c.kv_rolls,
             "draft_tokens": c.draft_tokens, "acceptance_rate": round(c.acceptance_rate, 4),
-            "verifier": self.verifier or None, "moves": self.moves,
+            "verifier": self.verifier or None, "moves": self.moves, "route": self.route or None,
         }
 
 

@@ -13,7 +13,9 @@ Check (SERVING or not) and GetConfig (its model, limits and load:
 active_sessions, max_sessions, free_kv_tokens). A call that fails to reach a
 verifier marks it unhealthy at once (``report_failure``); only a later poll
 that finds it SERVING makes it a candidate again. The choice itself is
-balancer.choose (pure).
+balancer.route (pure), over the prefixes each verifier is predicted to hold
+(balancer.PrefixIndex: what generations sent there held; forgotten when the
+verifier is found unhealthy or leaves).
 
 ``on_health(serving, why)`` is called whenever the pool goes from "some verifier healthy" to
 "none" or back (the coordinator's own grpc.health.v1 status follows it, so a probe or the gateway
@@ -34,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from echospec.v1 import verifier_pb2, verifier_pb2_grpc
 from echospec.services.rpc import grpc_util, inproc
-from echospec.services.coordinator.balancer import Backend, choose
+from echospec.services.coordinator.balancer import Backend, PrefixIndex, block_hashes, route
 
 log = logging.getLogger("echospec.coordinator")
 WAIT_LOG_S = 10.0   # wait_healthy says what it waits for this often
@@ -105,10 +107,11 @@ class _Entry:
 class Lease:
     """One generation's hold on a verifier: its stub, released exactly once."""
 
-    def __init__(self, pool: "VerifierPool", entry: _Entry):
+    def __init__(self, pool: "VerifierPool", entry: _Entry, route: str = ""):
         self._pool = pool
         self._entry = entry
         self.address = entry.backend.address
+        self.route = route            # why the balancer picked it ("prefix 512 tokens", ...)
         self.stub = entry.stub
         self.config = entry.config
         self._released = False
@@ -129,13 +132,16 @@ class VerifierPool:
         resolver: (host, port) -> addresses; default system_resolver (getaddrinfo).
         metrics: a PromMetrics with the per-verifier series, or None.
         tls: TLS settings of the channels to the verifiers (None: plain text).
+        prefix_slack: balancer.route's slack: the prefix holder serves a prompt unless it has
+            more than this many active sessions above the least-loaded verifier (< 0: off).
     Raises:
         ValueError: a malformed target.
     """
 
     def __init__(self, targets: Sequence[str], max_message_bytes: int, poll_s: float = 1.0,
                  resolve_s: float = 10.0, resolver: Resolver | None = None, metrics: Any = None,
-                 tls: grpc_util.Tls | None = None, internal_key: str = ""):
+                 tls: grpc_util.Tls | None = None, internal_key: str = "",
+                 prefix_slack: int = -1):
         if not targets:
             raise ValueError("no verifier target")
         self._targets = [parse_target(t) for t in targets]
@@ -148,6 +154,8 @@ class VerifierPool:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self.prefix_slack = prefix_slack
+        self._prefix = PrefixIndex()   # guarded by _lock
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -207,6 +215,7 @@ class VerifierPool:
                 if addr not in wanted and not e.removed:
                     e.removed = True
                     _mark_down(e.backend, "no longer listed by its DNS name")
+                    self._prefix.forget(addr)
                     log.info("verifier %s left (no longer resolved)", addr)
                 if e.removed and e.backend.in_flight == 0:
                     to_close.append(self._entries.pop(addr))
@@ -242,6 +251,7 @@ class VerifierPool:
                     if b.healthy:
                         log.warning("verifier %s is unhealthy (%s)", b.address, why)
                     _mark_down(b, why)
+                    self._prefix.forget(b.address)
             else:
                 with self._lock:
                     if not b.healthy:
@@ -267,6 +277,7 @@ class VerifierPool:
                 log.warning("verifier %s failed a call (%s); avoided until its health returns",
                             address, why)
             _mark_down(e.backend, why)
+            self._prefix.forget(address)
         self._export(e.backend)
         self._publish()
         self._wake.set()
@@ -303,16 +314,22 @@ class VerifierPool:
                                          b.free_kv_tokens, b.in_flight)
 
     # -- choice -------------------------------------------------------------------------------
-    def acquire(self, namespace: str = "", exclude: Iterable[str] = ()) -> Lease:
-        """Lease the verifier balancer.choose picks.
+    def acquire(self, namespace: str = "", exclude: Iterable[str] = (),
+                prompt: Sequence[int] = ()) -> Lease:
+        """Lease the verifier balancer.route picks for ``prompt`` (its reason on Lease.route).
 
         Raises:
             NoVerifier: no healthy verifier outside ``exclude`` (the message says
                 what each known verifier's last error was).
         """
+        hashes = block_hashes(prompt, self._prefix.block) if self.prefix_slack >= 0 else []
         with self._lock:
             entries = {a: e for a, e in self._entries.items() if not e.removed and e.config is not None}
-            b = choose([e.backend for e in entries.values()], namespace, exclude)
+            # a verifier without a prefix cache (GetConfig.prefix_cache false) keeps nothing
+            held = {a: self._prefix.match(a, hashes, len(prompt)) for a, e in entries.items()
+                    if hashes and e.config.prefix_cache}
+            b, why = route([e.backend for e in entries.values()], held, self.prefix_slack,
+                           namespace, exclude)
             if b is None:
                 skip = set(exclude)
                 known = ", ".join(f"{a} ({_why_not(e, a in skip)})"
@@ -322,7 +339,17 @@ class VerifierPool:
             b.in_flight += 1
             b.served += 1
         self._export(b)
-        return Lease(self, e)
+        return Lease(self, e, why)
+
+    def remember(self, address: str, tokens: Sequence[int]) -> None:
+        """A generation on ``address`` ended with ``tokens`` in its KV cache (prompt + output
+        except the last token): later prompts sharing their prefix prefer it."""
+        if self.prefix_slack < 0:
+            return
+        with self._lock:
+            e = self._entries.get(address)
+            if e is not None and e.backend.healthy and not e.removed:
+                self._prefix.remember(address, tokens)
 
     def _release(self, e: _Entry) -> None:
         with self._lock:

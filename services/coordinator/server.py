@@ -118,7 +118,8 @@ def start(config: CoordinatorConfig, verifier_wait_s: float = 120.0, rpc_metrics
         metrics = PromMetrics()
         pool = VerifierPool(verifier_targets(config), config.max_message_bytes,
                             config.verifier_poll_s, config.verifier_resolve_s, resolver, metrics,
-                            tls=grpc_util.Tls.of(config), internal_key=config.internal_key)
+                            tls=grpc_util.Tls.of(config), internal_key=config.internal_key,
+                            prefix_slack=config.prefix_route_slack)
         if config.metrics_port >= 0:
             handle.serve_metrics(config.metrics_host, config.metrics_port,
                                  [metrics.registry, *extra_registries])

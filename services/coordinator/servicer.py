@@ -263,7 +263,8 @@ class _ResumingLink:
                                       f"{head}; the generation cannot move on: "
                                       f"{move_cap_text(self._tried, cap)} ({done})")
             try:
-                lease = svc.pool.acquire(old.namespace, exclude=self._failed)
+                lease = svc.pool.acquire(old.namespace, exclude=self._failed,
+                                        prompt=self._prompt + self.tokens)
             except NoVerifier as exc:
                 raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,
                                       f"{head}; no verifier left to move the generation to ({exc}); "
@@ -523,6 +524,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return
         attempt, params = begun
         rec.verifier = attempt.lease.address
+        rec.route = attempt.lease.route
         # the record holds the gating verdict and the stats so far from here on, so a generation
         # that ends without an Outcome (cancelled, deadline, verifier lost) logs what it did
         rec.spec = params.spec
@@ -540,6 +542,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             started.cancel()
+            # the last verifier's KV holds prompt + its tokens less the last (prefix routing)
+            self.pool.remember(started.attempt.lease.address, prompt + started.tokens[:-1])
             started.attempt.lease.release()
             rec.verifier = started.attempt.lease.address
             rec.moves = len(started.history)
@@ -638,7 +642,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         code = grpc.StatusCode.UNAVAILABLE   # a lone verifier's refusal keeps its own code
         while True:
             try:
-                lease = self.pool.acquire(namespace, exclude=tried)
+                lease = self.pool.acquire(namespace, exclude=tried, prompt=prompt)
             except NoVerifier as exc:
                 context.abort(code, "; ".join(failures + [str(exc)]))
             try:

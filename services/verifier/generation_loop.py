@@ -173,6 +173,7 @@ class _Run:
         self.core, self.req, self.session, self.cancel = core, req, session, cancel
         self.cached = cached
         self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
+        self.prompt_len = len(req.prompt)
         self.n_ctx = core.config.n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
         if not req.sampling.greedy:   # a resumed generation: the draws of the output so far
@@ -185,7 +186,7 @@ class _Run:
         if self.session is not None:
             session, self.session = self.session, None
             self.core.scheduler.leave(session)
-            self.core.release(session, self.kv_tokens)
+            self.core.release(session, self.kv_tokens, self.prompt_len)
 
     def step(self, tokens: list[int], head: str, logits: str, decode: int = 0,
              stop_ids: tuple = ()) -> Step:

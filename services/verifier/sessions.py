@@ -230,13 +230,16 @@ class VerifierCore:
                 raise ResourceExhausted(f"cannot allocate a session: {exc.message}") from None
             raise
 
-    def release(self, session: Session, kv_tokens: Sequence[int] | None) -> None:
+    def release(self, session: Session, kv_tokens: Sequence[int] | None,
+                prompt_len: int = 0) -> None:
         """Give back a generation's session.
 
         Args:
             kv_tokens: the tokens in its KV cache, in order (positions beyond
                 them are rolled back first; a session that cannot roll back that
                 far is freed); None: free it (state unknown).
+            prompt_len: how many of kv_tokens were the generation's prompt (the prefix
+                cache's Worth it rule; 0: not said).
         """
         keep = kv_tokens is not None and len(kv_tokens) > 0
         min_past = 0
@@ -249,7 +252,8 @@ class VerifierCore:
             keep = False
         with self._lock:
             self._gen_active -= 1
-            evicted = self.prefix_cache.put(session, kv_tokens, min_past) if keep else [session]
+            evicted = self.prefix_cache.put(session, kv_tokens, min_past, prompt_len) \
+                if keep else [session]
         for s in evicted:
             s.close()
 
