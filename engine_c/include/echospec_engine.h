@@ -177,8 +177,8 @@ es_session_params es_session_default_params(void);
  * tensor must be finite, else ES_ERR_BAD_WEIGHTS with a message naming the
  * tensor, the block (or element) and the value. A quantized value is its
  * scale times a small integer (minus dmin times one), so finite scales make
- * every value finite; this check reads the scales only (a few ms per 100 MB
- * of weights). ES_MODEL_CHECK_WEIGHTS also decodes every value of every
+ * every value finite; this check reads the scales only (one pass over the
+ * file's pages, which the load reads anyway). ES_MODEL_CHECK_WEIGHTS also decodes every value of every
  * quantized tensor and checks each one (slower: a full pass of dequantization).
  */
 es_status es_model_load(const char *path, const es_model_params *params,

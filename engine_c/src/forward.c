@@ -471,10 +471,11 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
  * the thread that computed it (am_combine then picks the first largest).
  * When no session wants logits (want_logits 0), the chunks go to the
  * thread's buffer in s->head_tmp instead of s->logits (am_local): no logits
- * row is written. A head row whose normed input holds a NaN is marked as a
- * NaN row too (am_combine gives -1): a quantized head would turn the NaN
- * into zeros (es_quantize_row_act keeps NaN out of a block's scale), and a
- * NaN anywhere in the residual stream makes the whole normed row NaN. */
+ * row is written. A head row whose normed input holds a NaN or an infinity
+ * is marked as a NaN row too (am_combine gives -1): a quantized head could
+ * turn it into zeros or finite garbage (es_quantize_row_act keeps NaN out of
+ * a block's scale), and a NaN anywhere in the residual stream makes the
+ * whole normed row NaN. */
 static void output_head(fwd_call *c, int out_rows, int want_logits) {
     es_session *s = c->s;
     const es_model *m = s->model;
@@ -495,7 +496,7 @@ static void output_head(fwd_call *c, int out_rows, int want_logits) {
     for (int i = 0; i < out_rows; i++) {
         const float *xr = s->xb + (size_t)i * e;
         int nan = 0;
-        for (size_t k = 0; k < e; k++) nan |= xr[k] != xr[k];
+        for (size_t k = 0; k < e; k++) nan |= !(xr[k] - xr[k] == 0.0f);   /* NaN or +-inf */
         if (nan) s->am_idx[(size_t)i * (size_t)s->am_slots] = -1;
     }
 }
@@ -544,8 +545,8 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         for (int i = 0; i < g->head_n && bad < 0; i++)
             if (am_combine(s, g->head0 + i) < 0) bad = i;
         if (bad >= 0) {   /* its KV cache is not advanced: n_past as before */
-            es_set_err(g->seq->err, sizeof g->seq->err, "the logits of position %d hold a NaN (a weight or an "
-                       "activation is not finite), so no token can be chosen; the model's weights are corrupt",
+            es_set_err(g->seq->err, sizeof g->seq->err, "the logits of position %d hold a NaN (or the output "
+                       "head's input is not finite), so no token can be chosen; the model's weights are corrupt",
                        (int)(g->seq->kv.n_past + g->n - g->head_n + bad));
             if (g->status) *g->status = ES_ERR_BAD_WEIGHTS;
             ret = ES_ERR_BAD_WEIGHTS;

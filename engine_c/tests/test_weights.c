@@ -16,7 +16,8 @@
  * with ES_ERR_BAD_WEIGHTS naming the position (es_forward with and without
  * logits, es_forward_last, es_decode, es_forward_batch per item), with the
  * KV cache unchanged: once the value is restored the session continues
- * bitwise as a session that never saw the NaN. Models: llama-q4_1 (a
+ * bitwise as a session that never saw the NaN; finite norm weights whose
+ * products overflow (an infinite head input) fail the same way. Models: llama-q4_1 (a
  * quantized head, where the NaN would otherwise be quantized away into a
  * token 0) and qwen2-f32 (a float head: NaN logits).
  */
@@ -219,6 +220,16 @@ static void nan_at_run_time(int which) {
     CHECK(memcmp(toks, toks_ref, sizeof toks) == 0);
     CHECK_EQ_INT(es_forward(b, v, 1, am, NULL, ES_LOGITS_NONE), ES_OK);
     CHECK_EQ_INT(am[0], toks_ref[0]);
+    /* finite weights whose product overflows: the head's input is infinite */
+    const int64_t e = m->info.n_embd;
+    float *saved = malloc((size_t)e * sizeof *saved);
+    if (!saved) return;
+    memcpy(saved, norm, (size_t)e * sizeof *saved);
+    for (int64_t k = 0; k < e; k++) norm[k] = 3.4e38f;
+    CHECK_EQ_INT(es_forward(b, v, 1, am, NULL, ES_LOGITS_NONE), ES_ERR_BAD_WEIGHTS);
+    CHECK(strstr(es_session_last_error(b), "position 7") != NULL);
+    memcpy(norm, saved, (size_t)e * sizeof *saved);
+    free(saved);
     es_session_free(a);
     es_session_free(b);
     es_session_free(ref);
