@@ -114,3 +114,53 @@ def test_a_nan_row_in_a_generation_is_internal_with_the_message():
     e = engine_error(EngineError(ES_ERR_BAD_WEIGHTS, "the logits of position 9 hold a NaN"), "generation")
     assert isinstance(e, VerifierError) and e.kind == "INTERNAL"
     assert e.message == "generation: ES_ERR_BAD_WEIGHTS: the logits of position 9 hold a NaN"
+
+
+def test_a_nan_row_during_a_generation_reaches_the_client(smollm2_path, monkeypatch):
+    """A generation whose engine step fails with ES_ERR_BAD_WEIGHTS (as a NaN logits row
+    makes it: test_weights.c) ends with INTERNAL and the engine's message at the client, over
+    the real stack (coordinator -> verifier), for the prefill and for a decode run."""
+    import grpc
+    from echospec.services.verifier import scheduler as sched
+    from echospec.stack import start_stack
+    from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    msg = "the logits of position 12 hold a NaN (or the output head's input is not finite)"
+    st = start_stack(smollm2_path, spec=False, n_ctx=256)
+    ch = grpc.insecure_channel(st.target)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        req = cpb.CompleteRequest(text="Count from one to ten: one, two,", max_tokens=8,
+                                  spec=common_pb2.SPEC_MODE_OFF)
+        assert stub.Complete(req, timeout=120).result.text   # the stack works
+        core = st.verifier.core
+        real_decode, real_run = sched.decode_batch, core.scheduler._run_batch
+        failing = lambda items, *a: [EngineError(ES_ERR_BAD_WEIGHTS, msg) for _ in items]  # noqa: E731
+        for where in ("prefill", "decode"):
+            if where == "prefill":
+                monkeypatch.setattr(core.scheduler, "_run_batch", failing)
+            else:   # the prompt's forward and one step run (tokens reach the client), then fail
+                monkeypatch.undo()
+                steps = [0]
+
+                def once(real):
+                    def call(items, *a):
+                        if all(isinstance(it[1], list) and len(it[1]) > 1 for it in items):
+                            return real(items, *a)   # the prompt
+                        steps[0] += 1
+                        return real(items, *a) if steps[0] == 1 else failing(items)
+                    return call
+                monkeypatch.setattr(sched, "decode_batch", once(real_decode))
+                monkeypatch.setattr(core.scheduler, "_run_batch", once(real_run))
+            with pytest.raises(grpc.RpcError) as ei:
+                r = stub.Complete(cpb.CompleteRequest(text=f"{where}: one, two,", max_tokens=48,
+                                                      spec=common_pb2.SPEC_MODE_OFF), timeout=120)
+                pytest.fail(f"{where}: no error, {r.result.text!r} {r.result.finish_reason!r}")
+            assert ei.value.code() == grpc.StatusCode.INTERNAL, (where, ei.value.details())
+            assert f"ES_ERR_BAD_WEIGHTS: {msg}" in ei.value.details(), (where, ei.value.details())
+        monkeypatch.undo()
+        assert sched.decode_batch is real_decode
+        assert stub.Complete(req, timeout=120).result.text   # and goes on
+    finally:
+        ch.close()
+        st.stop()

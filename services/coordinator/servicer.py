@@ -136,7 +136,9 @@ def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
 
 class _StartedLink:
     """A GenerationLink whose first message has arrived: replays it, then the rest; a failure
-    from here on is UNAVAILABLE naming the verifier (the generation is not replayed elsewhere)."""
+    from here on is UNAVAILABLE naming the verifier (the generation is not replayed elsewhere),
+    or INTERNAL when the verifier said INTERNAL: a failure of the generation itself (the
+    engine's ES_ERR_BAD_WEIGHTS: a NaN logits row), which sending it again would repeat."""
 
     def __init__(self, link: GenerationLink, events: Iterator[Any], first: Any, address: str,
                  on_down: Any):
@@ -160,11 +162,12 @@ class _StartedLink:
                 raise
             if exc.code in DOWN_CODES:
                 self._on_down(self._address, f"{exc.code.name}: {exc.details}")
+            internal = exc.code == grpc.StatusCode.INTERNAL
             raise VerifierFailure(
-                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.INTERNAL if internal else grpc.StatusCode.UNAVAILABLE,
                 f"verifier {self._address} failed after {n} message(s) of this generation had "
-                f"arrived ({exc.code.name}: {exc.details}); the generation is not replayed: "
-                f"send the request again") from None
+                f"arrived ({exc.code.name}: {exc.details}); the generation is not replayed"
+                + ("" if internal else ": send the request again")) from None
 
     def cancel(self) -> None:
         self._link.cancel()
