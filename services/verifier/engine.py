@@ -291,7 +291,8 @@ class Session:
             after position n_past + i.
         Raises:
             EngineError: ES_ERR_INVALID_ARG (empty, token out of range),
-                ES_ERR_CAPACITY (n_past + N > n_ctx). The KV cache is then unchanged.
+                ES_ERR_CAPACITY (n_past + N > n_ctx), ES_ERR_BAD_WEIGHTS (a logits row holds
+                a NaN: no argmax is made up). The KV cache is then unchanged.
         """
         self._check()
         _check_logits(logits)
