@@ -98,7 +98,7 @@ def test_constants_come_from_the_header(tmp_path):
     from echospec._engine import lib
     from echospec.services.verifier import engine
     assert engine.STATUS_NAMES[lib.ES_OK] == "ES_OK"
-    assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 9
+    assert engine.STATUS_NAMES[lib.ES_ERR_CAPACITY] == "ES_ERR_CAPACITY" and len(engine.STATUS_NAMES) == 10
     assert (engine.MAX_CTX, engine.MAX_THREADS) == (lib.ES_MAX_CTX, lib.ES_MAX_THREADS)
     assert engine.SWA_SLACK == lib.ES_SWA_SLACK == 256
     write_tiny_model(tmp_path / "m.gguf", arch="llama", n_vocab=320, seed=1)

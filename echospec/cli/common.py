@@ -136,7 +136,10 @@ def _check_bind(name: str, flag: str, host: str, port: int, host_flag: str = "--
             _die(f"cannot listen on {host}:{port} for the {name}: {exc.strerror}")
 
 
-def _check_model(path: str) -> None:
+def _check_model(path: str, check_weights: bool = False) -> None:
+    """Exit 2 when path is no regular file, 1 when the engine refuses it (its message: a
+    corrupt file, a NaN or infinite weight with the tensor named). check_weights: the full
+    weights check (`--check-weights`), else the default one (every scale and float value)."""
     p = Path(path)
     if p.is_dir():   # a --model that names no file is a bad argument (exit 2), as a bad name is
         _die(f"model {path} is a directory, not a GGUF file", 2)
@@ -146,7 +149,7 @@ def _check_model(path: str) -> None:
         _die(f"model {path} is not a regular file (a GGUF file is needed)", 2)
     from echospec.services.verifier.engine import EngineError, Model
     try:
-        Model(str(p), repack=False).close()   # a check: no repacked copy of the weights
+        Model(str(p), repack=False, check_weights=check_weights).close()   # no repacked copy
     except EngineError as exc:
         _die(f"model {path} is unusable: {exc}")
 

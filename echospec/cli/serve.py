@@ -157,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
     model = _resolve_model(c.model)
-    _check_model(model)
+    _check_model(model, configs.verifier.check_weights)
     _say(f"loading {model} ...")
     try:
         stack = start(dataclasses.replace(configs, coordinator=dataclasses.replace(c, model=model)))

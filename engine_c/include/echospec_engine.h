@@ -48,7 +48,9 @@ typedef enum {
     ES_ERR_INVALID_ARG = 5,     /* bad argument: NULL, token id out of range, n <= 0, ... */
     ES_ERR_CAPACITY = 6,        /* the KV cache of the session would overflow */
     ES_ERR_NOMEM = 7,           /* allocation failed */
-    ES_ERR_INTERNAL = 8         /* a thread could not be started, or a broken invariant */
+    ES_ERR_INTERNAL = 8,        /* a thread could not be started, or a broken invariant */
+    ES_ERR_BAD_WEIGHTS = 9      /* a weight is NaN or infinite (at load: the message names the
+                                   tensor and block), or a forward's logits row holds a NaN */
 } es_status;
 
 typedef struct es_model es_model;
@@ -59,6 +61,9 @@ typedef struct es_session es_session;
 #define ES_MODEL_NO_REPACK 1    /* keep the weights as mapped: no repacked copy (a load to
                                    validate a file or read its metadata; forward passes then use
                                    the scalar kernels for Q4_0 / Q4_1 / Q8_0, much slower) */
+#define ES_MODEL_CHECK_WEIGHTS 2 /* the full check at load: besides the scales and float tensors
+                                   (always checked), decode every value of every quantized tensor
+                                   and check it is finite */
 
 typedef struct {
     int32_t flags;              /* ES_MODEL_* bits; others must be 0 */
@@ -167,6 +172,14 @@ es_session_params es_session_default_params(void);
  * ECHOSPEC_MEM_AVAILABLE gives ES_ERR_INVALID_ARG naming it.
  * params->flags ES_MODEL_NO_REPACK skips the copy. params may be NULL
  * (defaults); unknown flag bits give ES_ERR_INVALID_ARG.
+ * Weights check: every tensor's block scales (the f16 d, and dmin / m where
+ * the type has one: Q4_0 ... Q6_K) and every value of an F32, F16 or BF16
+ * tensor must be finite, else ES_ERR_BAD_WEIGHTS with a message naming the
+ * tensor, the block (or element) and the value. A quantized value is its
+ * scale times a small integer (minus dmin times one), so finite scales make
+ * every value finite; this check reads the scales only (one pass over the
+ * file's pages, which the load reads anyway). ES_MODEL_CHECK_WEIGHTS also decodes every value of every
+ * quantized tensor and checks each one (slower: a full pass of dequantization).
  */
 es_status es_model_load(const char *path, const es_model_params *params,
                         es_model **out, char *err, size_t err_len);
@@ -282,8 +295,11 @@ enum {
  * as consecutive pieces of swa_slack tokens (what that equality makes exact).
  *
  * Errors: ES_ERR_INVALID_ARG (n_tokens <= 0, a token out of range, bad
- * logits_mode), ES_ERR_CAPACITY (n_past + n_tokens > n_ctx). On any error the
- * KV cache is unchanged (n_past as before the call).
+ * logits_mode), ES_ERR_CAPACITY (n_past + n_tokens > n_ctx), ES_ERR_BAD_WEIGHTS
+ * when a logits row the call computes holds a NaN (whatever logits_mode: the row
+ * has no argmax, so none is made up; the message names the position). On any
+ * error the KV cache is unchanged (n_past as before the call; after a NaN in a
+ * call run in pieces, as far back as the rings reach, es_session_min_rollback).
  */
 es_status es_forward(es_session *session, const int32_t *tokens, int32_t n_tokens,
                      int32_t *argmax_out, float *logits_out, int32_t logits_mode);

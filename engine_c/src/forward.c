@@ -96,6 +96,7 @@ typedef struct {
     float *logits_out;      /* per logits_mode (es_forward), over the head rows */
     int32_t logits_mode;    /* ES_LOGITS_* */
     const int32_t *pos_thw; /* [n][3] RoPE positions (es_forward_positions) or NULL: the KV positions */
+    es_status *status;      /* NULL, or set to ES_ERR_BAD_WEIGHTS when a head row of it holds a NaN */
 } fwd_seg;
 
 /* The state of one forward call that passes from stage to stage. */
@@ -388,9 +389,9 @@ static void ffn_block(fwd_call *c, int l) {
 
 /* Output-matmul epilogue, local form (es_mm_epi.local_fn): for logits
  * columns [r0, r1) of every head row i, at y[i * ldl + (r - r0)], the value
- * and index of the first largest non-NaN logit in slot r0 / ES_EPI_ROWS:
- * index -1 when all are NaN, and in the chunk at r0 = 0 when the row's
- * first logit is NaN (argmax_row's result is then 0 whatever follows). */
+ * and index of the first largest logit in slot r0 / ES_EPI_ROWS, or index
+ * -1 when a logit of the chunk is NaN (no order puts a NaN above or below
+ * the others, so the row has no argmax: am_combine reports it). */
 static void am_local(void *ctx, int mat, int64_t r0, int64_t r1, const float *y, int64_t ldl) {
     const epi_task *t = ctx;
     (void)mat;
@@ -399,14 +400,11 @@ static void am_local(void *ctx, int mat, int64_t r0, int64_t r1, const float *y,
     for (int i = 0; i < t->n; i++) {
         const float *row = y + (size_t)i * (size_t)ldl;   /* logit r at row[r - r0] */
         size_t slot = (size_t)i * (size_t)s->am_slots + (size_t)(r0 / ES_EPI_ROWS);
-        int64_t k = 0;
-        if (r0 != 0 || row[0] == row[0])
-            while (k < len && row[k] != row[k]) k++;   /* argmax_row needs a first value that is not NaN */
-        else
-            k = len;
-        int32_t idx = k < len ? (int32_t)(k + argmax_row(row + k, (int)(len - k))) : -1;
-        s->am_idx[slot] = idx < 0 ? -1 : (int32_t)r0 + idx;
-        s->am_val[slot] = idx >= 0 ? row[idx] : 0.0f;
+        int nan = 0;
+        for (int64_t k = 0; k < len; k++) nan |= row[k] != row[k];
+        int32_t idx = nan ? -1 : argmax_row(row, (int)len);
+        s->am_idx[slot] = nan ? -1 : (int32_t)r0 + idx;
+        s->am_val[slot] = nan ? 0.0f : row[idx];
     }
 }
 
@@ -417,12 +415,13 @@ static void am_epi(void *ctx, int mat, int64_t r0, int64_t r1) {
     am_local(ctx, mat, r0, r1, s->logits + r0, s->model->info.n_vocab);
 }
 
-/* argmax_row of logits row i from the chunks' results: 0 when the first
- * logit is NaN (the first chunk's index -1), else the first index of the
- * largest non-NaN logit (chunks in order, a later chunk only when strictly
- * larger). */
+/* argmax_row of logits row i from the chunks' results: the first index of
+ * the largest logit (chunks in order, a later chunk only when strictly
+ * larger), or -1 when a chunk holds a NaN (am_local's index -1; the slots
+ * no chunk wrote hold output_head's 0xFEFEFEFE, also negative). */
 static int32_t am_combine(const es_session *s, int i) {
-    if (s->am_idx[(size_t)i * (size_t)s->am_slots] == -1) return 0;
+    for (int32_t c = 0; c < s->am_slots; c++)
+        if (s->am_idx[(size_t)i * (size_t)s->am_slots + (size_t)c] == -1) return -1;
     int32_t best = -1;
     float bv = 0.0f;
     for (int32_t c = 0; c < s->am_slots; c++) {
@@ -472,7 +471,11 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
  * the thread that computed it (am_combine then picks the first largest).
  * When no session wants logits (want_logits 0), the chunks go to the
  * thread's buffer in s->head_tmp instead of s->logits (am_local): no logits
- * row is written. */
+ * row is written. A head row whose normed input holds a NaN or an infinity
+ * is marked as a NaN row too (am_combine gives -1): a quantized head could
+ * turn it into zeros or finite garbage (es_quantize_row_act keeps NaN out of
+ * a block's scale), and a NaN anywhere in the residual stream makes the
+ * whole normed row NaN. */
 static void output_head(fwd_call *c, int out_rows, int want_logits) {
     es_session *s = c->s;
     const es_model *m = s->model;
@@ -489,6 +492,13 @@ static void output_head(fwd_call *c, int out_rows, int want_logits) {
         epi = (es_mm_epi){.ctx = &at, .gran = ES_EPI_ROWS, .local_fn = am_local, .local = s->head_tmp,
                           .local_floats = s->head_tmp_floats};
     es_matmul_many_epi(s->pool, 1, wout, s->xb, out_rows, ylog, ldlog, s->mm_scratch, rs != 0, &epi);
+    size_t e = (size_t)m->info.n_embd;
+    for (int i = 0; i < out_rows; i++) {
+        const float *xr = s->xb + (size_t)i * e;
+        int nan = 0;
+        for (size_t k = 0; k < e; k++) nan |= !(xr[k] - xr[k] == 0.0f);   /* NaN or +-inf */
+        if (nan) s->am_idx[(size_t)i * (size_t)s->am_slots] = -1;
+    }
 }
 
 /*
@@ -528,8 +538,20 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         output_head(&c, out_rows, want_logits);
     es_pool_end(s->pool);
 
+    es_status ret = ES_OK;
     for (int k = 0; k < nseg; k++) {
         const fwd_seg *g = &seg[k];
+        int bad = -1;
+        for (int i = 0; i < g->head_n && bad < 0; i++)
+            if (am_combine(s, g->head0 + i) < 0) bad = i;
+        if (bad >= 0) {   /* its KV cache is not advanced: n_past as before */
+            es_set_err(g->seq->err, sizeof g->seq->err, "the logits of position %d hold a NaN (or the output "
+                       "head's input is not finite), so no token can be chosen; the model's weights are corrupt",
+                       (int)(g->seq->kv.n_past + g->n - g->head_n + bad));
+            if (g->status) *g->status = ES_ERR_BAD_WEIGHTS;
+            ret = ES_ERR_BAD_WEIGHTS;
+            continue;
+        }
         if (g->argmax_out)
             for (int i = 0; i < g->head_n; i++) g->argmax_out[i] = am_combine(s, g->head0 + i);
         if (g->logits_mode == ES_LOGITS_LAST)
@@ -541,7 +563,7 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         es_kv_advance(&g->seq->kv, g->n);
         g->seq->err[0] = '\0';
     }
-    return ES_OK;
+    return ret;
 }
 
 /* Piece k of segment g, which starts done tokens in: rows [row0, row0 + n)
@@ -576,7 +598,9 @@ static fwd_seg seg_piece(const fwd_seg *g, int done, int n, int row0, int head0,
  * on how the tokens before it were split into calls (the contract at the
  * top), so the pieces give bitwise the results of one call. The first round
  * has the most rows, so the scratch it sizes serves the others: only it can
- * fail (ES_ERR_NOMEM), before anything runs.
+ * fail (ES_ERR_NOMEM), before anything runs. A segment whose head row holds a
+ * NaN (ES_ERR_BAD_WEIGHTS in its status) stops there and is rolled back to
+ * its n_past before the call (where its rings still reach it, es_kv_min_past).
  */
 static es_status forward_run(es_session *s, const fwd_seg *seg, int nseg) {
     int split = 0;
@@ -586,21 +610,36 @@ static es_status forward_run(es_session *s, const fwd_seg *seg, int nseg) {
     }
     if (!split) return forward_impl(s, seg, nseg);
     int done[ES_MAX_BATCH] = {0};
+    int32_t past0[ES_MAX_BATCH];
+    es_status pst[ES_MAX_BATCH], ret = ES_OK;
+    for (int k = 0; k < nseg; k++) {
+        past0[k] = seg[k].seq->kv.n_past;
+        pst[k] = ES_OK;
+    }
     for (;;) {
         fwd_seg p[ES_MAX_BATCH];
         int np = 0, rows = 0, heads = 0;
         for (int k = 0; k < nseg; k++) {
             int rem = seg[k].n - done[k], lim = seg[k].seq->kv.piece;
-            if (rem == 0) continue;
+            if (rem <= 0) continue;   /* finished, or stopped by a NaN */
             int n = lim > 0 && rem > lim ? lim : rem;
             p[np] = seg_piece(&seg[k], done[k], n, rows, heads, s->model->info.n_vocab);
+            p[np].status = &pst[k];
             rows += n;
             heads += p[np++].head_n;
             done[k] += n;
         }
-        if (np == 0) return ES_OK;
+        if (np == 0) return ret;
         es_status st = forward_impl(s, p, np);
-        if (st != ES_OK) return st;
+        if (st != ES_OK && st != ES_ERR_BAD_WEIGHTS) return st;
+        for (int k = 0; k < nseg && st != ES_OK; k++) {
+            if (pst[k] == ES_OK || done[k] == seg[k].n + 1) continue;
+            char tmp[8];   /* a rollback the rings no longer reach leaves n_past after the last piece */
+            es_kv_rollback(&seg[k].seq->kv, past0[k], tmp, sizeof tmp);
+            done[k] = seg[k].n + 1;   /* marks it finished and reported */
+            if (seg[k].status) *seg[k].status = ES_ERR_BAD_WEIGHTS;
+            ret = ES_ERR_BAD_WEIGHTS;
+        }
     }
 }
 
@@ -609,7 +648,7 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
     if (!s) return ES_ERR_INVALID_ARG;
     es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL, NULL};
     return forward_run(s, &g, 1);
 }
 
@@ -624,7 +663,7 @@ es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, 
                        (int)(i / 3), (int)pos_thw[i]);
             return ES_ERR_INVALID_ARG;
         }
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw, NULL};
     return forward_run(s, &g, 1);
 }
 
@@ -634,7 +673,7 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     int32_t mode = logits_last ? ES_LOGITS_LAST : ES_LOGITS_NONE;
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL, NULL};
     return forward_run(s, &g, 1);
 }
 
@@ -675,14 +714,14 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
         if (it->status != ES_OK) continue;
         int head_n = it->head == ES_HEAD_LAST ? 1 : it->n_tokens;
         seg[nseg++] = (fwd_seg){it->session, it->tokens, rows, it->n_tokens, heads, head_n,
-                                it->argmax_out, it->logits_out, it->logits_mode, NULL};
+                                it->argmax_out, it->logits_out, it->logits_mode, NULL, &it->status};
         rows += it->n_tokens;
         heads += head_n;
     }
     if (nseg > 0) {
         es_session *run = seg[0].seq;
         es_status st = forward_run(run, seg, nseg);
-        if (st != ES_OK)   /* the scratch: nothing ran */
+        if (st != ES_OK && st != ES_ERR_BAD_WEIGHTS)   /* the scratch: nothing ran (a NaN: in its item's status) */
             for (int32_t i = 0; i < n_items; i++)
                 if (items[i].status == ES_OK) {
                     items[i].status = st;

@@ -125,6 +125,11 @@ size_t es_type_block_bytes(uint32_t type);
 int64_t es_type_block_elems(uint32_t type);
 const char *es_type_name(uint32_t type);
 
+/* The weights check of es_model_load (check.c): ES_ERR_BAD_WEIGHTS with a message naming
+ * the tensor and block when a scale or a float value of a tensor of g is NaN or infinite;
+ * full (ES_MODEL_CHECK_WEIGHTS) also decodes every quantized value. */
+es_status es_check_weights(const es_gguf *g, int full, char *err, size_t err_len);
+
 /* ---- model.c ----------------------------------------------------------- */
 
 typedef struct {

@@ -775,8 +775,10 @@ static void set_arch_math(es_model *m) {
 es_status es_model_load(const char *path, const es_model_params *params, es_model **out,
                         char *err, size_t err_len) {
     if (out != NULL) *out = NULL;
-    if (path == NULL || out == NULL || (params != NULL && (params->flags & ~ES_MODEL_NO_REPACK) != 0)) {
-        es_set_err(err, err_len, "model: path and out must not be NULL and params->flags may hold only ES_MODEL_NO_REPACK");
+    const int32_t known = ES_MODEL_NO_REPACK | ES_MODEL_CHECK_WEIGHTS;
+    if (path == NULL || out == NULL || (params != NULL && (params->flags & ~known) != 0)) {
+        es_set_err(err, err_len, "model: path and out must not be NULL and params->flags may hold only "
+                   "ES_MODEL_NO_REPACK and ES_MODEL_CHECK_WEIGHTS");
         return ES_ERR_INVALID_ARG;
     }
     model_impl *mi = calloc(1, sizeof *mi);
@@ -792,6 +794,8 @@ es_status es_model_load(const char *path, const es_model_params *params, es_mode
     if (st == ES_OK) st = bind_all(&ld, m);
     if (st == ES_OK) st = read_swa_layers(&ld, m);
     if (st == ES_OK) set_arch_math(m);
+    if (st == ES_OK)   /* before the repack, which releases the mapped pages it reads */
+        st = es_check_weights(m->gguf, params != NULL && (params->flags & ES_MODEL_CHECK_WEIGHTS), err, err_len);
     if (st == ES_OK) st = build_pool(mi, err, err_len);
     if (st == ES_OK && !(params != NULL && (params->flags & ES_MODEL_NO_REPACK)))
         st = pack_weights(mi, err, err_len);

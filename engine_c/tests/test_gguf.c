@@ -831,7 +831,7 @@ TEST(bad_arguments_and_io) {
     CHECK_EQ_INT(es_model_load(g_path, NULL, NULL, NULL, 0), ES_ERR_INVALID_ARG);
     es_model_params p = es_model_default_params();
     CHECK_EQ_INT(p.flags, 0);
-    p.flags = 2;   /* an unknown bit */
+    p.flags = 4;   /* an unknown bit */
     CHECK_EQ_INT(es_model_load(g_path, &p, &m, g_err, sizeof g_err), ES_ERR_INVALID_ARG);
     CHECK_MSG("ES_MODEL_NO_REPACK");
     CHECK_EQ_INT(es_model_load("/nonexistent/x.gguf", NULL, &m, g_err, sizeof g_err), ES_ERR_IO);

@@ -170,6 +170,10 @@ class VerifierConfig(_GrpcServiceConfig):
                                 "anything else that arrives ends a run after its current step",
                                 serve="--decode-steps",
                                 range=(1, 1024, "greedy steps per engine call"))
+    check_weights: bool = setting(False, "the full weights check at load: decode every value of every "
+                                  "quantized tensor and refuse a NaN or infinity, naming the tensor "
+                                  "(every block scale and float value is always checked)",
+                                  serve="--check-weights")
     prefix_cache: bool = setting(True, "keep finished generations' KV for prefix reuse",
                                  serve="--no-prefix-cache", negated=True,
                                  serve_help="do not keep finished generations' KV for reuse by "

@@ -227,6 +227,14 @@ class _ResumingLink:
                 if not stalled and (exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or a.link.cancelled
                                     or not self._context.is_active()):
                     raise
+                if not stalled and exc.code == grpc.StatusCode.INTERNAL:
+                    # a failure of the generation itself (the engine's ES_ERR_BAD_WEIGHTS: a NaN
+                    # logits row), which another verifier would repeat: not moved
+                    raise VerifierFailure(
+                        grpc.StatusCode.INTERNAL,
+                        f"verifier {a.lease.address} failed after {len(self.tokens)} output "
+                        f"token(s) ({exc.code.name}: {exc.details}); the generation is not "
+                        f"moved: another verifier would compute the same") from None
                 why = stalled or f"{exc.code.name}: {exc.details}"
                 if stalled or exc.code in DOWN_CODES:
                     self._svc.pool.report_failure(a.lease.address, why)

@@ -24,6 +24,7 @@ STATUS_NAMES = {getattr(lib, n): n for n in dir(lib) if n == "ES_OK" or n.starts
 ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED = lib.ES_ERR_IO, lib.ES_ERR_FORMAT, lib.ES_ERR_UNSUPPORTED
 ES_ERR_MISSING_TENSOR, ES_ERR_INVALID_ARG = lib.ES_ERR_MISSING_TENSOR, lib.ES_ERR_INVALID_ARG
 ES_ERR_CAPACITY, ES_ERR_NOMEM, ES_ERR_INTERNAL = lib.ES_ERR_CAPACITY, lib.ES_ERR_NOMEM, lib.ES_ERR_INTERNAL
+ES_ERR_BAD_WEIGHTS = lib.ES_ERR_BAD_WEIGHTS
 # es_session_new's limits (echospec_engine.h)
 MIN_CTX, MAX_CTX, MAX_THREADS = lib.ES_MIN_CTX, lib.ES_MAX_CTX, lib.ES_MAX_THREADS
 # positions a sliding-window layer's ring keeps beyond the window when a session sets none
@@ -95,13 +96,17 @@ class Model:
             False: keep them as mapped, for a load that only validates the
             file or reads its metadata; forward passes are then much slower
             (scalar kernels for those types) but give bitwise the same logits.
+        check_weights: the full weights check (ES_MODEL_CHECK_WEIGHTS): decode every value
+            of every quantized tensor. Every block scale and every float value is checked
+            at any load.
     Raises:
         EngineError: ES_ERR_IO, ES_ERR_FORMAT, ES_ERR_UNSUPPORTED,
-            ES_ERR_MISSING_TENSOR with a message naming the field, or
-            ES_ERR_NOMEM when the repacked copy can not be made.
+            ES_ERR_MISSING_TENSOR with a message naming the field,
+            ES_ERR_BAD_WEIGHTS naming the tensor and block of a NaN or infinite
+            value, or ES_ERR_NOMEM when the repacked copy can not be made.
     """
 
-    def __init__(self, path: str, repack: bool = True):
+    def __init__(self, path: str, repack: bool = True, check_weights: bool = False):
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise TypeError(f"path must be a str, bytes or os.PathLike, not {type(path).__name__}")
         raw = os.fsencode(path)   # file names that are not UTF-8 round-trip (surrogateescape)
@@ -111,7 +116,8 @@ class Model:
         out = ffi.new("es_model **")
         err = ffi.new("char[512]")
         params = ffi.new("es_model_params *")
-        params.flags = 0 if repack else lib.ES_MODEL_NO_REPACK
+        params.flags = ((0 if repack else lib.ES_MODEL_NO_REPACK)
+                        | (lib.ES_MODEL_CHECK_WEIGHTS if check_weights else 0))
         st = lib.es_model_load(raw, params, out, err, 512)
         if st != 0:
             raise EngineError(st, ffi.string(err).decode(errors="replace"))
@@ -285,7 +291,8 @@ class Session:
             after position n_past + i.
         Raises:
             EngineError: ES_ERR_INVALID_ARG (empty, token out of range),
-                ES_ERR_CAPACITY (n_past + N > n_ctx). The KV cache is then unchanged.
+                ES_ERR_CAPACITY (n_past + N > n_ctx), ES_ERR_BAD_WEIGHTS (a logits row holds
+                a NaN: no argmax is made up). The KV cache is then unchanged.
         """
         self._check()
         _check_logits(logits)

@@ -98,6 +98,8 @@ def engine_error(exc: EngineError, who: str) -> Exception:
         return ResourceExhausted(f"{who}: {exc.message}")
     if exc.name == "ES_ERR_INVALID_ARG":
         return InvalidArgument(f"{who}: {exc.message}")
+    if exc.name == "ES_ERR_BAD_WEIGHTS":   # a NaN logits row: INTERNAL with the engine's words
+        return VerifierError(f"{who}: {exc.name}: {exc.message}")
     return exc
 
 
@@ -141,7 +143,7 @@ class VerifierCore:
         self.pool_threads = max(n_threads, batch_threads)
         # a verify's rollback is always within reach (the engine takes at most MAX_CTX)
         self.swa_slack = min(max(SWA_SLACK, config.max_k + 1), MAX_CTX)
-        self.model = Model(config.model)
+        self.model = Model(config.model, check_weights=config.check_weights)
         info = self.model.info
         self.n_vocab = info.n_vocab
         if config.n_ctx < MIN_CTX:
