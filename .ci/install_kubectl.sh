@@ -28,7 +28,9 @@ fail() { echo "install_kubectl: $*" >&2; exit 1; }
 check() {
     [ -x "$DIR/kubectl" ] || return 1
     [ "$(sha256sum "$DIR/kubectl" | awk '{print $1}')" = "$KUBECTL_SHA256" ] || return 1
-    "$DIR/kubectl" version --client 2>/dev/null | grep -qx "Client Version: $KUBECTL_VERSION"
+    local out   # captured first: grep -q closing the pipe early would fail it under pipefail
+    out=$("$DIR/kubectl" version --client 2>/dev/null) || return 1
+    grep -qx "Client Version: $KUBECTL_VERSION" <<<"$out"
 }
 
 if check; then
