@@ -225,6 +225,33 @@ def test_service_refuses_an_api_key_from_the_environment(capsys):
     assert cfg.load(cfg.GatewayConfig, [], environ={"ECHOSPEC_API_KEY": "sk-A_b.9~! x"}).api_key
 
 
+@pytest.mark.parametrize("cls, argv, message", [
+    # was: accepted, then the stall-watch thread died on its first wait (time_t overflow)
+    ("CoordinatorConfig", ["--stall-floor-s", "1e10"], "--stall-floor-s / ECHOSPEC_STALL_FLOOR_S "
+                                                       "10000000000.0: seconds must be a finite"),
+    # was: accepted, then every call failed on gRPC's metadata limit
+    ("VerifierConfig", ["--internal-key", "k" * 20000], "the internal key is 20000 characters long"),
+    ("CoordinatorConfig", ["--api-key", "k" * 5000], "the API key is 5000 characters long"),
+    # was: an empty key on a service's own command line started it with no check
+    ("VerifierConfig", ["--internal-key", ""], '--internal-key "": an empty key turns the check off'),
+    ("DraftConfig", ["--internal-key="], '--internal-key "": an empty key turns the check off'),
+    ("CoordinatorConfig", ["--api-key", ""], '--api-key "": an empty key turns the check off'),
+])
+def test_service_refuses_settings_it_cannot_keep(cls, argv, message, capsys):
+    from echospec.services.common import config as cfg
+    with pytest.raises(SystemExit) as ei:
+        cfg.load(getattr(cfg, cls), argv, environ={}, prog="svc")
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and message in err, err
+
+
+def test_service_keeps_an_empty_key_from_the_environment():
+    # an empty variable means no key (compose passes ${VAR:-}); only the command line is refused
+    from echospec.services.common import config as cfg
+    assert cfg.load(cfg.VerifierConfig, [], environ={"ECHOSPEC_INTERNAL_KEY": ""}).internal_key == ""
+    assert cfg.load(cfg.CoordinatorConfig, ["--stall-floor-s", "1e6"], environ={}).stall_floor_s == 1e6
+
+
 # -- defaults --------------------------------------------------------------------------------------
 
 def test_standalone_coordinator_reports_no_draft_target_it_was_not_given():

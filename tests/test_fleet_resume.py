@@ -414,7 +414,7 @@ def test_the_move_cap_ends_a_generation_with_unavailable_naming_it(smollm2_path,
         assert victim is not None and ei.value.code() == grpc.StatusCode.UNAVAILABLE
         d = ei.value.details()
         assert f"verifier {victim.address} failed after" in d, d
-        assert "the generation cannot move on: 0 move(s) of at most 0 per generation (no move)" in d, d
+        assert "the generation cannot move on: 0 move(s) tried of at most 0 per generation (no move)" in d, d
     finally:
         if victim is not None:
             victim.restart()

@@ -34,6 +34,10 @@ def test_keys_file_maps_keys_to_tenants():
     ("{}", "no API keys in it"),
     ('{"k": "team/a"}', "tenant 'team/a': a tenant name is 1-64 letters"),
     ('{"k ": "a"}', "must not begin or end with a space"),
+    # json keeps the last of a duplicated key silently: the key would reach one tenant unsaid
+    ('{"k-aaaaaaaa": "a", "k-aaaaaaaa": "b"}', "'k-aaaaaaaa' is written twice .tenants 'a' and 'b'."),
+    # gRPC refuses metadata of 16 KiB and more: every call with this key would fail
+    ('{"%s": "a"}' % ("k" * 20000), "the API key is 20000 characters long: at most 4096"),
 ])
 def test_an_unusable_keys_file_is_refused_naming_it(tmp_path, content, message):
     f = tmp_path / "keys.json"

@@ -36,15 +36,22 @@ def authorized(header: str | None, api_key: str) -> bool:
     return hmac.compare_digest(token.strip().encode("utf-8", "replace"), api_key.encode("utf-8"))
 
 
+MAX_KEY_CHARS = 4096   # the longest API or internal key: well under gRPC's metadata limit
+
+
 def check_api_key(api_key: str, what: str = "the API key") -> None:
     """Refuse a key no client could send: HTTP headers and gRPC metadata carry printable ASCII,
     and the ``Bearer <key>`` value is compared without surrounding spaces (the internal key
     too: ``what`` names the key in the message).
 
     Raises:
-        ValueError: a character outside `` `` .. ``~`` (controls, non-ASCII), or a space at
-            either end.
+        ValueError: a character outside `` `` .. ``~`` (controls, non-ASCII), a space at either
+            end, or more than MAX_KEY_CHARS characters (gRPC refuses metadata of 16 KiB and
+            more: every call would fail).
     """
+    if len(api_key) > MAX_KEY_CHARS:
+        raise ValueError(f"{what} is {len(api_key)} characters long: at most {MAX_KEY_CHARS} "
+                         f"(it travels in gRPC metadata and HTTP headers, which cap their size)")
     for i, c in enumerate(api_key):
         if not " " <= c <= "~":
             raise ValueError(f"{what} must be printable ASCII: character {i + 1} is {c!r}")

@@ -81,6 +81,9 @@ def setting_fields(cls: type[T]) -> type[T]:
     return cls
 
 
+# the longest duration setting (about 11.6 days): a thread's timed wait of 1e10 s overflows time_t
+MAX_SECONDS = 1e6
+
 _PORT = "(0: a free port)"
 _METRICS = "Prometheus /metrics on metrics_host:metrics_port (-1: off, 0: a free port)"
 _METRICS_HOST = ("address /metrics listens on; it answers without the API key, so loopback by "
@@ -411,6 +414,12 @@ def load(cls: type[T], argv: Sequence[str] | None = None,
         cfg = from_env(cls, environ)
     except ValueError as exc:
         parser.error(str(exc))
+    for name in ("api_key", "internal_key"):
+        if getattr(ns, name, None) == "":
+            # `--api-key "$KEY"` with KEY unset would otherwise start a service that answers anyone
+            flag = "--" + name.replace("_", "-")
+            parser.error(f'{flag} "": an empty key turns the check off; give a key, or leave '
+                         f"{flag} out for a service without one")
     overrides = {k: (tuple(v) if isinstance(v, list) else v)
                  for k, v in vars(ns).items() if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)
@@ -487,10 +496,12 @@ def check_ranges(cfg, name_of=setting_name) -> None:
                     raise ValueError(f"{name} {t!r}: {bad}")
         elif f.name.endswith("_s") and isinstance(v, float):
             zero_ok = f.name in ("grace_s", "stall_floor_s")   # 0: no grace / no stall detection
-            ok = math.isfinite(v) and (v >= 0 if zero_ok else v > 0)
+            ok = math.isfinite(v) and (v >= 0 if zero_ok else v > 0) and v <= MAX_SECONDS
             if not ok:
                 raise ValueError(f"{name} {v}: seconds must be a finite number "
-                                 + (">= 0" if zero_ok else "> 0"))
+                                 + (">= 0" if zero_ok else "> 0")
+                                 + f" and at most {MAX_SECONDS:g} (a timed wait longer than the "
+                                   f"clock's range fails)")
     # fixed bounds first, then the bounds that are other fields (checked by then)
     ranged = [f for f in dataclasses.fields(cfg) if f.metadata.get("range")]
     for f in sorted(ranged, key=lambda f: isinstance(f.metadata["range"][1], (str, tuple))):

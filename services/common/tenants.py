@@ -32,6 +32,23 @@ from echospec.services.common.auth import check_api_key
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+class _Duplicate(ValueError):
+    """A key written twice in one JSON object of a keys file."""
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: a JSON object as a dict, refusing a key written twice (json keeps
+    the last silently, so a key mapped to two tenants would reach one of them unsaid)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            shown = k if len(k) <= 12 else k[:8] + "..."
+            raise _Duplicate(f"API key {shown!r} is written twice (tenants {out[k]!r} and {v!r}): "
+                             f"one tenant per key")
+        out[k] = v
+    return out
+
+
 class Tenants:
     """API key -> tenant, and the namespaces scoped to a tenant.
 
@@ -58,9 +75,11 @@ class Tenants:
         """Read a keys file. Raises ValueError naming the file and what is wrong with it."""
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+                data = json.load(f, object_pairs_hook=_no_duplicates)
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror}") from None
+        except _Duplicate as exc:
+            raise ValueError(f"{path}: {exc}") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: not JSON ({exc})") from None
         if not isinstance(data, dict):

@@ -82,8 +82,9 @@ class ProgressClock:
 
 
 def move_cap_text(moves: int, cap: int) -> str:
-    """How a generation's moves stand against the cap, for an error message."""
-    return f"{moves} move(s) of at most {cap} per generation"
+    """How a generation's moves stand against the cap, for an error message (``moves``: those
+    tried, the ones whose next verifier failed before its first token too)."""
+    return f"{moves} move(s) tried of at most {cap} per generation"
 
 
 class StallWatch:
