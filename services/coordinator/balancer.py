@@ -65,6 +65,7 @@ class Backend:
     in_flight_at_report: int = 0   # ... when the last report was taken
     served: int = 0                # generations this coordinator sent it
     last_error: str = ""
+    recoveries: int = 0            # polls that found it SERVING again after it was down
 
     @property
     def estimated_active(self) -> int:

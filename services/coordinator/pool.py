@@ -257,6 +257,7 @@ class VerifierPool:
                     if not b.healthy:
                         log.info("verifier %s is healthy (%d/%d sessions active)", b.address,
                                  cfg.active_sessions, cfg.max_sessions)
+                        b.recoveries += 1
                     e.config = cfg
                     b.healthy = True
                     b.last_error = ""
@@ -363,6 +364,12 @@ class VerifierPool:
             e.channel.close()
             if self._metrics is not None:
                 self._metrics.verifier_forget(e.backend.address)
+
+    def recoveries(self, address: str) -> int:
+        """How often a poll found ``address`` SERVING after it was down (-1: not listed)."""
+        with self._lock:
+            e = self._entries.get(address)
+            return -1 if e is None else e.backend.recoveries
 
     def has_other(self, address: str, exclude: Iterable[str] = ()) -> bool:
         """True when a healthy verifier other than ``address`` (and outside ``exclude``) is listed."""

@@ -10,8 +10,9 @@ generation is retried once on another. A verifier that fails or misses its
 progress deadline (progress.py) after the first token is reported to the pool
 and the generation resumes on another (``_ResumingLink``: prompt + output so
 far prefilled there, the stream continuing without a seam), at most
-``max_moves`` times; past that, or with no verifier left, UNAVAILABLE naming
-the moves. The result names the verifier that finished it and each move.
+``max_moves`` times (a verifier it failed on is taken again once a health poll
+found it SERVING since: a restarted one); past that, or with no verifier left,
+UNAVAILABLE naming the moves. The result names the verifier that finished it and each move.
 
 Status codes: malformed requests INVALID_ARGUMENT (one prompt form, token ids
 in the vocabulary, non-empty prompt, max_tokens / k / stop limits, chat
@@ -185,9 +186,26 @@ class _ResumingLink:
         self.tokens: list[int] = []          # the verifiers' tokens handed on so far
         self._eos = set(svc.tokenizer.eos_ids)
         self._tried = 0                      # moves tried (those that failed too)
-        self._failed: list[str] = [attempt.lease.address]
+        # the verifiers this generation failed on, not tried again until a health poll found
+        # them SERVING since (a restarted verifier takes generations again): address -> the
+        # pool's count of its recoveries at the failure
+        self._failed: list[str] = []
+        self._failed_at: dict[str, int] = {}
+        self._note_failed(attempt.lease.address)
         attempt.exclude = self._failed
         self.history: list[str] = []         # "a -> b at token n" of each move made
+
+    def _note_failed(self, address: str) -> None:
+        self._failed_at[address] = self._svc.pool.recoveries(address)
+        if address not in self._failed:
+            self._failed.append(address)
+
+    def _readmit(self) -> None:
+        """Drop from the failed list (in place: attempts share it) every verifier that recovered."""
+        back = [a for a in self._failed if self._svc.pool.recoveries(a) > self._failed_at[a]]
+        for a in back:
+            self._failed.remove(a)
+            del self._failed_at[a]
 
     def _took(self, msg: Any) -> None:
         wall, t_ms = 0.0, 0.0
@@ -238,8 +256,7 @@ class _ResumingLink:
                 why = stalled or f"{exc.code.name}: {exc.details}"
                 if stalled or exc.code in DOWN_CODES:
                     self._svc.pool.report_failure(a.lease.address, why)
-                if a.lease.address not in self._failed:   # not tried again for this generation
-                    self._failed.append(a.lease.address)
+                self._note_failed(a.lease.address)   # not tried again until it recovers
                 if self._complete():
                     raise
                 move = self._move(why)
@@ -270,6 +287,7 @@ class _ResumingLink:
                 raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,
                                       f"{head}; the generation cannot move on: "
                                       f"{move_cap_text(self._tried, cap)} ({done})")
+            self._readmit()
             try:
                 lease = svc.pool.acquire(old.namespace, exclude=self._failed,
                                         prompt=self._prompt + self.tokens)
@@ -299,7 +317,7 @@ class _ResumingLink:
                                           f"it ({w})") from None
                 if failed.stalled or exc.code in DOWN_CODES:
                     svc.pool.report_failure(lease.address, w)
-                self._failed.append(lease.address)
+                self._note_failed(lease.address)
                 fails.append(f"{lease.address} failed before its first token ({w})")
                 log.warning("%s; moving to %s failed (%s)", head, lease.address, w)
                 continue
