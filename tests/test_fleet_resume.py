@@ -400,6 +400,40 @@ def test_no_verifier_left_ends_with_unavailable_naming_the_moves(coord, boards):
         coord.wait_healthy([b.address for b in boards])
 
 
+def test_a_restarted_verifier_takes_back_the_generation_that_left_it(coord, boards):
+    # the generation leaves A (killed) for B; A restarts and its health returns; B is killed:
+    # the generation goes back to A instead of ending with "no verifier left"
+    ref = coord.stub.Complete(cpb.CompleteRequest(text=PROMPT, max_tokens=MAX_TOKENS), timeout=120).result
+    text, ids, first, second = [], [], None, None
+    try:
+        for msg in coord.stub.Generate(_request("plain"), timeout=120):
+            if msg.HasField("result"):
+                result = msg.result
+                break
+            text.append(msg.text)
+            ids.extend(msg.token_ids)
+            if first is None and len(ids) >= KILL_AT:
+                first = _serving(coord, boards)
+                os.kill(first.verifier.pid, signal.SIGKILL)
+                first.verifier.wait(10)
+                first.start_verifier()
+            elif first is not None and second is None and len(ids) >= 2 * KILL_AT:
+                first.wait()
+                coord.wait_healthy([first.address])
+                second = _serving(coord, boards)
+                os.kill(second.verifier.pid, signal.SIGKILL)
+        assert second is not None and second is not first
+        assert "".join(text) == ref.text and ids == list(ref.token_ids)
+        assert [(m.from_verifier, m.to_verifier) for m in result.moves] == \
+            [(first.address, second.address), (second.address, first.address)]
+        assert result.verifier == first.address
+    finally:
+        for b in boards:
+            if b.verifier.poll() is not None:
+                b.restart()
+        coord.wait_healthy([b.address for b in boards])
+
+
 def test_the_move_cap_ends_a_generation_with_unavailable_naming_it(smollm2_path, boards):
     capped = Coordinator(smollm2_path, boards, max_moves=0)
     victim = None
