@@ -96,6 +96,9 @@ class Board:
         self.verifier = self._spawn("verifier", [
             "--host", self.ip, "--port", str(self.vport), "--model", self.model,
             "--n-ctx", str(N_CTX), "--n-threads", "1", "--max-sessions", "16",
+            # room for every chat's first turn of the routing test on one verifier: with the
+            # default 4 a split of 5 to 2 (a health poll missed on a busy host) evicts one
+            "--prefix-cache-sessions", "8",
             "--draft-target", f"{self.ip}:{self.dport}"])
 
     def wait(self, timeout_s: float = 90.0) -> None:
