@@ -18,6 +18,7 @@ pods of a headless Service are. One coordinator in this process balances over th
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -132,10 +133,12 @@ def model(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def boards(model):
+@contextlib.contextmanager
+def running(cls: type[Board], ips: list[str], model: str):
+    """Boards of class ``cls`` on ``ips`` (same ports on each), started and SERVING; stopped
+    after (a frozen verifier continued first)."""
     vport, dport = _ports_free_on_all(2)
-    bs = [Board(ip, vport, dport, model) for ip in IPS]
+    bs = [cls(ip, vport, dport, model) for ip in ips]
     try:
         for b in bs:
             b.start_draft()
@@ -145,7 +148,15 @@ def boards(model):
         yield bs
     finally:
         for b in bs:
+            if b.verifier is not None and b.verifier.poll() is None:
+                os.kill(b.verifier.pid, signal.SIGCONT)
             b.stop()
+
+
+@pytest.fixture(scope="module")
+def boards(model):
+    with running(Board, IPS, model) as bs:
+        yield bs
 
 
 class Coordinator:

@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from test_fleet import Board, _ports_free_on_all  # noqa: E402
+from test_fleet import Board, running  # noqa: E402
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
 from echospec.services.common.config import CoordinatorConfig  # noqa: E402
 from echospec.services.coordinator import server as cserver  # noqa: E402
@@ -195,20 +195,8 @@ class SmolBoard(Board):
 
 @pytest.fixture(scope="module")
 def boards(smollm2_path):
-    vport, dport = _ports_free_on_all(2)
-    bs = [SmolBoard(ip, vport, dport, smollm2_path) for ip in ("127.0.0.21", "127.0.0.22")]
-    try:
-        for b in bs:
-            b.start_draft()
-            b.start_verifier()
-        for b in bs:
-            b.wait()
+    with running(SmolBoard, ["127.0.0.21", "127.0.0.22"], smollm2_path) as bs:
         yield bs
-    finally:
-        for b in bs:
-            if b.verifier is not None and b.verifier.poll() is None:
-                os.kill(b.verifier.pid, signal.SIGCONT)
-            b.stop()
 
 
 class Coordinator:

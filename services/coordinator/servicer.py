@@ -6,7 +6,8 @@ Each generation goes to one verifier of the pool (pool.py, balancer.py: the
 least-loaded healthy one, or its draft_namespace's own while healthy). A
 verifier that fails before the generation's first token (unreachable, no free
 session, an internal error) is marked failed when unreachable and the
-generation is retried once on another. A verifier that fails or misses its
+generation is retried on another (each verifier once, at most max(1, max_moves)
+retries). A verifier that fails or misses its
 progress deadline (progress.py) after the first token is reported to the pool
 and the generation resumes on another (``_ResumingLink``: prompt + output so
 far prefilled there, the stream continuing without a seam), at most
@@ -691,7 +692,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 failures.append(f"verifier {lease.address} failed before the first token "
                                 f"({exc.code.name}: {exc.details})")
                 code = exc.code
-                if tried:   # the retry failed too
+                # each verifier is tried once, and at most max(1, max_moves) retries in all: the
+                # same budget as the moves after the first token (nothing has been streamed)
+                if len(tried) >= max(1, self.config.max_moves):
                     context.abort(exc.code, "; ".join(failures))
                 tried.append(lease.address)
                 self.metrics.v_retries.labels(verifier=lease.address).inc()
