@@ -10,6 +10,7 @@
   threads, the model comes from the named volume.
 - deploy/Dockerfile: the final stages are slim, compiler-free and non-root;
   -march=native never reaches an aarch64 build.
+- deploy/compose.fleet.yml: a second verifier, and the coordinator balancing over both.
 - deploy/healthcheck.py against a real in-process gRPC health server.
 - deploy/model_init.py on good, missing and non-GGUF files: a user model is
   linked (never copied) and a replaced one is what the link reads.
@@ -56,15 +57,18 @@ def tools_bin() -> Path:
 INTERNAL_KEY = "internal-k"   # the one variable compose requires
 
 
-def _compose_run(tools_bin: Path, extra_env: dict[str, str] | None) -> subprocess.CompletedProcess:
+def _compose_run(tools_bin: Path, extra_env: dict[str, str] | None,
+                 files: tuple[str, ...] = ("docker-compose.yml",)) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), **(extra_env or {})}
-    return subprocess.run([str(tools_bin / "docker-compose"), "-f", "docker-compose.yml", "--env-file",
+    args = [a for f in files for a in ("-f", f)]
+    return subprocess.run([str(tools_bin / "docker-compose"), *args, "--env-file",
                            "/dev/null", "config", "--format", "json"], cwd=DEPLOY, env=env,
                           capture_output=True, text=True)
 
 
-def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None) -> dict:
-    r = _compose_run(tools_bin, {"ECHOSPEC_INTERNAL_KEY": INTERNAL_KEY, **(extra_env or {})})
+def _compose_config(tools_bin: Path, extra_env: dict[str, str] | None = None,
+                    files: tuple[str, ...] = ("docker-compose.yml",)) -> dict:
+    r = _compose_run(tools_bin, {"ECHOSPEC_INTERNAL_KEY": INTERNAL_KEY, **(extra_env or {})}, files)
     assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
     return json.loads(r.stdout)
 
@@ -95,6 +99,27 @@ def test_the_keys_file_reaches_the_coordinator_and_the_gateway(tools_bin: Path):
 @pytest.fixture(scope="module")
 def config(tools_bin: Path) -> dict:
     return _compose_config(tools_bin)
+
+
+def test_the_fleet_override_adds_a_second_verifier_the_coordinator_balances_over(tools_bin: Path):
+    """deploy/compose.fleet.yml (.ci/compose_up.sh brings it up): verifier2 is the verifier
+    service but for its /metrics host port, which differs; the coordinator lists both in
+    ECHOSPEC_VERIFIER, by service name and the verifiers' port, and waits for both healthy."""
+    from echospec.services.common import config as cfg
+
+    svcs = _compose_config(tools_bin, files=("docker-compose.yml", "compose.fleet.yml"))["services"]
+    v, v2 = svcs["verifier"], svcs["verifier2"]
+    assert {k: x for k, x in v2.items() if k != "ports"} == {k: x for k, x in v.items() if k != "ports"}
+    (p1,), (p2,) = v["ports"], v2["ports"]
+    assert p2["host_ip"] == "127.0.0.1" and p2["target"] == p1["target"]
+    assert p2["published"] != p1["published"]
+    coord = svcs["coordinator"]
+    # as the coordinator reads its environment
+    listed = cfg.from_env(cfg.CoordinatorConfig, coord["environment"]).verifier
+    assert listed == (f"verifier:{v['environment']['ECHOSPEC_PORT']}",
+                      f"verifier2:{v2['environment']['ECHOSPEC_PORT']}")
+    for name in ("verifier", "verifier2"):
+        assert coord["depends_on"][name]["condition"] == "service_healthy", name
 
 
 def test_deploy_check_script_passes():
