@@ -34,7 +34,7 @@
 #
 # Environment: COMPOSE_UP_PORT_BASE (default 55000): the published ports are BASE+51 (gRPC),
 # BASE+80 (HTTP) and BASE+101..104 (/metrics), all on 127.0.0.1.
-# DEBIAN_MIRROR (default http://deb.debian.org/debian): debootstrap's mirror.
+# DEBIAN_MIRROR (default: the host's own apt source for bookworm main): debootstrap's mirror.
 # Exit status: 0 when every check passed, 1 otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,17 @@ ROOT=$(pwd)
 WORK=$ROOT/build/compose-up
 PROJECT=echospec-ci
 BASE_PORT=${COMPOSE_UP_PORT_BASE:-55000}
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# the host's apt source of bookworm's main component (deb822 .sources files, then sources.list)
+host_mirror() {
+    local f
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] || continue
+        awk 'BEGIN{RS=""} /Suites:[^\n]*bookworm( |\n|$)/ && /Components:[^\n]*main/ {
+                 if (match($0, /URIs: *[^ \n]+/)) { u = substr($0, RSTART, RLENGTH); sub(/URIs: */, "", u); print u; exit } }' "$f"
+    done
+    awk '$1 == "deb" && $3 == "bookworm" { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true
+}
+MIRROR=${DEBIAN_MIRROR:-$(host_mirror | head -n 1)}
 SLIM=python:3.11-slim-bookworm
 FULL=python:3.11-bookworm
 TARGETS=(draft verifier coordinator gateway)
@@ -172,6 +182,7 @@ else
     rootfs=$WORK/rootfs
     rm -rf --one-file-system "$rootfs"
     mkdir -p "$WORK/debs"
+    [ -n "$MIRROR" ] || fail "no apt source for bookworm main on this host: set DEBIAN_MIRROR"
     note "debootstrap --variant=minbase bookworm (python3, pip, venv) from $MIRROR"
     quiet "debootstrap" debootstrap --variant=minbase --cache-dir="$WORK/debs" \
         --include=python3,python3-pip,python3-venv,ca-certificates bookworm "$rootfs" "$MIRROR"
