@@ -10,6 +10,7 @@ Engine (es_session_params kv_sinks S, kv_window W): every layer's query at posit
     without eviction does not match the rows past S + W (so the rule is what is compared);
   * es_decode past n_ctx gives the same tokens; a rollback as deep as the ring holds works,
     one deeper is refused naming eviction; bad parameters are refused.
+Services: see the tests below the engine's.
 """
 from __future__ import annotations
 
@@ -113,3 +114,106 @@ def test_decode_rollback_and_bad_parameters(run):
             m.new_session(n_ctx=N_CTX, kv_sinks=sinks, kv_window=window)
         assert e.value.status == ES_ERR_INVALID_ARG and "kv_window" in e.value.message
 
+
+# -- services: `--kv-sinks 4 --kv-window 64` on the verifier (echospec serve passes them on) -----
+
+SV_S, SV_W, SV_CTX = 4, 64, 64
+SV_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]
+# 544 output tokens, past n_ctx 64 and past the 384 positions a session keeps (a sink block and a
+# ring of round_up(64 + the verifier's slack 256, 64)): the early positions are overwritten
+SV_MAX = 8 * (SV_S + SV_W)
+
+
+@pytest.fixture(scope="module")
+def evict_stack(tiny_spec):
+    from echospec.stack import start_stack
+    path = tiny_spec(**SPEC).path
+    st = start_stack(path, spec=False, n_ctx=SV_CTX, n_threads=1, k=4, kv_sinks=SV_S, kv_window=SV_W)
+    yield st, path
+    st.stop()
+
+
+def test_services_report_eviction_and_refuse_speculation(evict_stack):
+    import grpc
+    from echospec.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc,
+                             verifier_pb2 as vpb, verifier_pb2_grpc)
+    st, path = evict_stack
+    vch, cch = grpc.insecure_channel(st.verifier_target), grpc.insecure_channel(st.target)
+    try:
+        vstub = verifier_pb2_grpc.VerifierServiceStub(vch)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(cch)
+        cfg = vstub.GetConfig(vpb.GetConfigRequest(), timeout=30)
+        assert cfg.kv_eviction == "sinks 4, window 64" and cfg.n_ctx == SV_CTX
+
+        def complete(spec):
+            return stub.Complete(cpb.CompleteRequest(token_ids=SV_PROMPT, max_tokens=SV_MAX, spec=spec,
+                                                     k=4), timeout=120).result
+
+        off = complete(common_pb2.SPEC_MODE_OFF)
+        on = complete(common_pb2.SPEC_MODE_ON)
+        # the coordinator's gating rule (gating.py) fires on what GetConfig reports
+        assert not on.spec_enabled and on.stats.tries == 0
+        assert "KV eviction is 'sinks 4, window 64'" in on.spec_reason, on.spec_reason
+        assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
+        # the generation ran past n_ctx, and is the engine's evicting greedy run
+        n_out = len(off.token_ids)
+        assert len(SV_PROMPT) + n_out > 384, (n_out, off.finish_reason)
+        with Model(path) as m, m.new_session(n_ctx=SV_CTX, n_threads=1, kv_sinks=SV_S,
+                                             kv_window=SV_W) as s:
+            first = s.prefill(SV_PROMPT)[0]
+            rest, _ = s.decode(first, n_out - 1)
+        assert [first] + rest == list(off.token_ids)
+
+        # straight to the verifier: it refuses speculation itself, the output unchanged
+        def tokens(**kw):
+            msgs = list(vstub.GenerateTokens(vpb.GenerateTokensRequest(
+                prompt=SV_PROMPT, max_tokens=SV_MAX, **kw), timeout=120))
+            return [t for m in msgs for r in m.rounds for t in r.result.tokens], msgs
+
+        plain, _ = tokens()
+        spec, msgs = tokens(spec=True, k=4)
+        assert spec == plain == list(off.token_ids)
+        assert "verifier KV eviction is 'sinks 4, window 64'" in msgs[0].spec_reason, msgs[0].spec_reason
+        assert all(r.result.k == 0 for m in msgs for r in m.rounds)
+        # a kept session whose early positions were evicted is not reused for them ...
+        assert msgs[0].cached_prompt_tokens == 0
+        # ... one that evicted nothing is
+        short = [31, 32, 33, 34]
+        list(vstub.GenerateTokens(vpb.GenerateTokensRequest(prompt=short, max_tokens=4), timeout=60))
+        again = list(vstub.GenerateTokens(vpb.GenerateTokensRequest(prompt=short + [35], max_tokens=4),
+                                          timeout=60))
+        assert again[0].cached_prompt_tokens >= len(short)
+    finally:
+        vch.close()
+        cch.close()
+
+
+@pytest.mark.parametrize("argv, env, fragment", [
+    (["--kv-window", "64"], {}, "--kv-window / ECHOSPEC_KV_WINDOW 64 needs --kv-sinks"),
+    ([], {"ECHOSPEC_KV_WINDOW": "64"}, "needs --kv-sinks / ECHOSPEC_KV_SINKS"),
+    (["--kv-sinks", "4"], {}, "--kv-sinks / ECHOSPEC_KV_SINKS 4 needs --kv-window"),
+    (["--kv-sinks", "4", "--kv-window", "0"], {}, "needs --kv-window"),
+    (["--kv-sinks", "-2", "--kv-window", "64"], {}, "the sinks are >= 0 positions"),
+    (["--kv-sinks", "4", "--kv-window", "-1"], {}, "the window >= 1"),
+    (["--kv-sinks", "4", "--kv-window", str(1 << 20)], {}, "at most 1048576 positions"),
+])
+def test_bad_eviction_settings_exit_with_a_message(argv, env, fragment, capsys):
+    from echospec.services.common.config import VerifierConfig, load
+    with pytest.raises(SystemExit) as e:
+        load(VerifierConfig, ["--model", "m.gguf", *argv], environ=env, prog="verifier")
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_eviction_settings_parse_and_serve_refuses_a_window_alone(tmp_path):
+    import subprocess
+    import sys
+    from echospec.services.common.config import VerifierConfig, load
+    cfg = load(VerifierConfig, ["--kv-sinks", "4", "--kv-window", "64"], environ={})
+    assert (cfg.kv_sinks, cfg.kv_window) == (4, 64)
+    cfg = load(VerifierConfig, [], environ={"ECHOSPEC_KV_SINKS": "0", "ECHOSPEC_KV_WINDOW": "128"})
+    assert (cfg.kv_sinks, cfg.kv_window) == (0, 128)
+    assert (VerifierConfig().kv_sinks, VerifierConfig().kv_window) == (-1, 0)   # off by default
+    r = subprocess.run([sys.executable, "-m", "echospec.cli", "serve", "--model", str(tmp_path / "x.gguf"),
+                        "--kv-window", "64"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--kv-window 64 needs --kv-sinks" in r.stderr, r.stderr
