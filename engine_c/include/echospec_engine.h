@@ -123,9 +123,10 @@ typedef struct {
  * layer a query at position p attends positions [0, S) U (p - W, p] (S = kv_sinks, W =
  * kv_window) and nothing else. A layer keeps ceil(S / 64) blocks of sinks (positions [0,
  * 64 * ceil(S / 64)), never overwritten) plus a ring of R = round_up(W + swa_slack, 64)
- * positions for the rest, position p at slot p % R of the ring counted from the first
- * block after the sinks: 2 * n_layer * (64 * ceil(S / 64) + R) * n_head_kv * head_dim * 2
- * bytes whatever the generation's length (es_session_kv_bytes). n_ctx then bounds nothing:
+ * positions for the rest, position p at slot (p - 64 * ceil(S / 64)) % R of the ring:
+ * 2 * n_layer * (64 * ceil(S / 64) + R) * n_head_kv * head_dim * 2 bytes whatever the
+ * generation's length (es_session_kv_bytes); swa_slack is also the most tokens one forward
+ * piece writes here, so W need not exceed it. n_ctx then bounds nothing:
  * a session runs past it (up to ES_EVICT_MAX_POS). Positions stay absolute: each key is
  * rotated (RoPE) once, at its own position, when it is written, and a query at p rotates by
  * p, so a kept sink at position 0 is p positions away from it (StreamingLLM instead renumbers

@@ -183,9 +183,9 @@ es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
     if (n_past > 0 && n_past < lo) {
         es_set_err(err, err_len, "rollback to n_past %d is out of reach: the %s keep "
                    "%d positions and hold [%d, %d), so the session can go back to n_past >= %d, or to 0 "
-                   "(a reset); %s", (int)n_past, kv->evict ? "layers' rings" : "sliding-window layers", (int)kv->ring, (int)kv->ring_lo,
-                   (int)kv->n_past, (int)lo, kv->evict ? "KV eviction dropped the positions before it"
-                                                      : "swa_full keeps every position");
+                   "(a reset); %s", (int)n_past, kv->evict ? "layers' rings" : "sliding-window layers",
+                   (int)kv->ring, (int)kv->ring_lo, (int)kv->n_past, (int)lo,
+                   kv->evict ? "KV eviction dropped the positions before it" : "swa_full keeps every position");
         return ES_ERR_INVALID_ARG;
     }
     kv->n_past = n_past;

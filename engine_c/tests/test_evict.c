@@ -8,7 +8,7 @@
  *            ring of 2 blocks, so the window's first and last blocks share
  *            one ring block
  *   S100W40  llama-q4_1, sinks over 2 blocks, the second in part (the gap
- *            [100, p - 39) inside block 1 for p in [140, 167]), slack 16: a
+ *            [100, p - 39) inside block 1 for p in [140, 166]), slack 16: a
  *            ring of 1 block
  * Every logit is bitwise one call's (run in pieces of the slack) on 1
  * thread: single steps on 3 threads, chunks shorter and longer than the
