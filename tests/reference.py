@@ -47,6 +47,8 @@ Model semantics:
                                        theta_i = base^(-2i / rope_dim), angle = pos * theta_i
               k, v = float16(k), float16(v)   the KV cache's type (kv_f16=True, the default)
               a = softmax(q k^T / sqrt(head_dim) + causal mask) v      (GQA: head h uses kv head h // (n_head / n_head_kv))
+                  KV eviction (kv_window W > 0, kv_sinks S): the query at p also masks every key
+                  j with S <= j <= p - W: it attends [0, S) U (p - W, p] (absolute positions)
               x = x + a Wo^T
               h = RMSNorm(x) * ffn_norm
               x = x + (silu(h Wg^T) * (h Wu^T)) Wd^T
@@ -328,13 +330,17 @@ class Reference:
         kv_f16: store keys (after RoPE) and values in the KV cache rounded to
             IEEE float16 as the engine's cache does (rounded from float32, to
             nearest even); False keeps them in the compute dtype.
+        kv_sinks, kv_window: KV eviction as the engine's es_session_params (kv_window 0:
+            none): every layer's query at position p attends keys [0, kv_sinks) and
+            (p - kv_window, p] only. The reference keeps every key and masks the rest.
     Raises:
         KeyError / ValueError: a key or tensor the architecture needs is missing.
     """
 
     def __init__(self, path: str, dtype=np.float64, act_quant: bool = False, act_block: int = 32,
-                 kv_f16: bool = True):
+                 kv_f16: bool = True, kv_sinks: int = 0, kv_window: int = 0):
         self.path = str(path)
+        self.kv_sinks, self.kv_window = kv_sinks, kv_window
         self.kv_f16 = kv_f16
         self.dtype = np.dtype(dtype)
         self.act_quant = act_quant
@@ -558,6 +564,9 @@ class Reference:
             s = (qh @ K.transpose(0, 2, 1)) * scale                               # [n_kv, group*n, T]
             s = s.reshape(hp.n_head_kv, group, n, T)
             mask = np.arange(T)[None, :] > pos[:, None]                            # [n, T] future keys
+            if self.kv_window > 0:                                                 # evicted keys
+                j = np.arange(T)[None, :]
+                mask |= (j >= self.kv_sinks) & (j <= pos[:, None] - self.kv_window)
             s = np.where(mask[None, None], -np.inf, s)
             a = softmax(s, axis=-1).reshape(hp.n_head_kv, group * n, T) @ V        # [n_kv, group*n, hd]
             a = a.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)

@@ -118,6 +118,23 @@ typedef struct {
  * forward piece writes (a longer es_forward is run in pieces of swa_slack tokens, with the
  * same results bitwise). swa_full keeps every position in every layer (any rollback, more
  * memory). Results are bitwise the same in both layouts.
+ *
+ * KV eviction (StreamingLLM's attention sinks plus a recent window; kv_window > 0): in every
+ * layer a query at position p attends positions [0, S) U (p - W, p] (S = kv_sinks, W =
+ * kv_window) and nothing else. A layer keeps ceil(S / 64) blocks of sinks (positions [0,
+ * 64 * ceil(S / 64)), never overwritten) plus a ring of R = round_up(W + swa_slack, 64)
+ * positions for the rest, position p at slot (p - 64 * ceil(S / 64)) % R of the ring:
+ * 2 * n_layer * (64 * ceil(S / 64) + R) * n_head_kv * head_dim * 2 bytes whatever the
+ * generation's length (es_session_kv_bytes); swa_slack is also the most tokens one forward
+ * piece writes here, so W need not exceed it. n_ctx then bounds nothing:
+ * a session runs past it (up to ES_EVICT_MAX_POS). Positions stay absolute: each key is
+ * rotated (RoPE) once, at its own position, when it is written, and a query at p rotates by
+ * p, so a kept sink at position 0 is p positions away from it (StreamingLLM instead renumbers
+ * the cached positions, which would mean rotating every cached key again at every step and
+ * would make a result depend on what the cache held, not on the query's position; absolute
+ * positions keep every output element a function of its own position, the contract below).
+ * Rollback and forward pieces work as for the rings above (es_session_min_rollback). Not
+ * on a model with sliding-window layers (ES_ERR_UNSUPPORTED).
  */
 typedef struct {
     int32_t n_ctx;              /* KV capacity in tokens; 0 = min(n_ctx_train, 4096) */
@@ -126,6 +143,10 @@ typedef struct {
                                    in [1, ES_MAX_CTX]; 0 = ES_SWA_SLACK */
     int32_t swa_full;           /* 1: sliding-window layers keep all n_ctx positions (llama.cpp's
                                    swa_full); 0: a ring (the default) */
+    int32_t kv_sinks;           /* KV eviction: the first kv_sinks positions (attention sinks),
+                                   in [0, ES_MAX_CTX]; 0 when kv_window is 0 */
+    int32_t kv_window;          /* KV eviction: the most recent kv_window positions, in [1, ES_MAX_CTX]
+                                   (kv_sinks + kv_window <= ES_MAX_CTX); 0: no eviction (the default) */
 } es_session_params;
 
 /* The range of es_session_params es_session_new accepts (the Python side and the CLI read
@@ -134,7 +155,9 @@ enum {
     ES_MIN_CTX = 16,            /* n_ctx, tokens (0, the default, is exempt) */
     ES_MAX_CTX = 1 << 20,       /* n_ctx, tokens */
     ES_MAX_THREADS = 256,       /* n_threads */
-    ES_SWA_SLACK = 256          /* swa_slack when 0: a verify of up to 255 drafts rolls back */
+    ES_SWA_SLACK = 256,         /* swa_slack when 0: a verify of up to 255 drafts rolls back */
+    ES_EVICT_MAX_POS = 1 << 30  /* KV eviction: the positions a session may reach (n_ctx does not
+                                   bound it) */
 };
 
 /* Sampling parameters for requests that are not greedy. */
@@ -194,9 +217,12 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
  * Create a session (one KV sequence) on `model`.
  * Returns ES_ERR_INVALID_ARG for n_ctx other than 0 outside [ES_MIN_CTX, ES_MAX_CTX], n_threads < 0
  * or n_threads > ES_MAX_THREADS, swa_slack outside [0, ES_MAX_CTX], swa_full other than 0 or 1,
+ * kv_sinks outside [0, ES_MAX_CTX], kv_window outside [0, ES_MAX_CTX], kv_sinks > 0 with
+ * kv_window 0, kv_sinks + kv_window > ES_MAX_CTX (the message names the field),
+ * ES_ERR_UNSUPPORTED for kv_window > 0 on a model with sliding-window layers,
  * ES_ERR_NOMEM when the KV cache (IEEE float16: 2 * (global layers * n_ctx rounded up to 64 +
  * sliding-window layers * C) * n_head_kv * head_dim * 2 bytes, C as above es_session_params;
- * es_session_kv_bytes) cannot
+ * with eviction as there; es_session_kv_bytes) cannot
  * be allocated or exceeds the memory available (as es_model_load counts it;
  * refused before anything is mapped; ES_ERR_INVALID_ARG for a malformed
  * ECHOSPEC_MEM_AVAILABLE),
@@ -232,7 +258,7 @@ int32_t es_session_pool_threads(const es_session *session);
 /* Positions held in the KV cache (tokens). */
 int32_t es_session_n_past(const es_session *session);
 
-/* KV capacity (tokens). */
+/* KV capacity (tokens): n_ctx (with KV eviction, what es_session_new was given; it bounds nothing). */
 int32_t es_session_n_ctx(const es_session *session);
 
 /* Bytes of the session's KV cache (K and V of every layer), as allocated at es_session_new:
@@ -242,7 +268,9 @@ size_t es_session_kv_bytes(const es_session *session);
 /* The smallest n_past > 0 es_session_rollback can reach now, or 0 when it can reach any.
  * Not 0 only on a model with a sliding window whose rings have wrapped: the next token's
  * window must still be in them, so a rollback can go back to the furthest position written
- * less C - n_swa + 1 >= swa_slack + 1. Rollback to 0 (a reset) always works. 0 for NULL. */
+ * less C - n_swa + 1 >= swa_slack + 1; with KV eviction, once the ring has wrapped: the
+ * furthest position written less R - kv_window + 1 (a session that evicted positions can not
+ * go back before them). Rollback to 0 (a reset) always works. 0 for NULL. */
 int32_t es_session_min_rollback(const es_session *session);
 
 /* Message of the last failed call on this session ("" if none). Valid until the next call. */
@@ -295,7 +323,8 @@ enum {
  * as consecutive pieces of swa_slack tokens (what that equality makes exact).
  *
  * Errors: ES_ERR_INVALID_ARG (n_tokens <= 0, a token out of range, bad
- * logits_mode), ES_ERR_CAPACITY (n_past + n_tokens > n_ctx), ES_ERR_BAD_WEIGHTS
+ * logits_mode), ES_ERR_CAPACITY (n_past + n_tokens > n_ctx; with KV eviction
+ * n_past + n_tokens > ES_EVICT_MAX_POS), ES_ERR_BAD_WEIGHTS
  * when a logits row the call computes holds a NaN (whatever logits_mode: the row
  * has no argmax, so none is made up; the message names the position). On any
  * error the KV cache is unchanged (n_past as before the call; after a NaN in a
@@ -349,7 +378,8 @@ es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_
  * After the run the KV cache holds token and tokens_out[0 .. n_out - 2]:
  * the last token has not been fed yet (it is the next call's token).
  * Errors: ES_ERR_INVALID_ARG (max_steps < 1, n_stop < 0, a NULL array it
- * needs, token out of range), ES_ERR_CAPACITY (n_past + max_steps > n_ctx),
+ * needs, token out of range), ES_ERR_CAPACITY (n_past + max_steps > n_ctx;
+ * with KV eviction > ES_EVICT_MAX_POS),
  * both before any step; an error of step i (as es_forward's) ends the run
  * with n_out = i and the KV cache as after step i - 1.
  */

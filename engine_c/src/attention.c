@@ -43,6 +43,12 @@
  *   out[d] = O[d] * (1 / L)
  * (fma: a * b + c with one rounding, fmaf's; one instruction where a multiply
  * and an add would be two, in the loops that bound a long context's prefill.)
+ * KV eviction (es_session_params kv_sinks S, kv_window W): every layer's
+ * query at p attends [0, S) U [w, p], w = max(0, p - W + 1): the sink
+ * blocks 0 .. (S - 1) / B first (in a block holding both sinks and the
+ * window's start, its positions in [S, w) get e_t = +0 as those before w
+ * above, and m_b is the max over the kept ones), then the window's blocks
+ * from max(w / B, the first block after the sinks), folded in that order.
  * A sliding-window layer's ring (kv_cache.c) keeps block b at ring block
  * b % nb: the blocks and the order above are the same, and the positions
  * [w, p] of every query are in the ring (es_kv_rollback and the forward's
@@ -169,8 +175,10 @@ static inline float sum8(const float *x, int n) {
 /* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
 int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 
-/* One block of nq queries: qp[j] attends the block's positions [lo[j],
- * nv[j]), lo[j] < nv[j] (nv ascending; lo = 0 but for a sliding window);
+/* One block of nq queries: qp[j] attends the block's positions [0, se[j])
+ * and [lo[j], nv[j]), se[j] <= lo[j] <= nv[j], not both empty (nv
+ * ascending; lo = 0 but for a sliding window; se = 0 but in an eviction's
+ * sink block);
  * kb [hd][B] and vb [B][hd] are the block in the cache (F16, read as
  * float32 in registers); the scores are computed for its first ncols
  * positions (a multiple of 2 * AW, >= nv[nq - 1]), times scale; sc
@@ -178,7 +186,8 @@ int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
  * score lane depends only on its query and position, so the scores of
  * positions past every nv (computed, then dropped) change no kept bit, and
  * those before lo[j] get the weight +0. */
-static void block_partial(int nq, const float *const *qp, const int *lo, const int *nv, float *const *dst, int hd,
+static void block_partial(int nq, const float *const *qp, const int *se, const int *lo, const int *nv,
+                          float *const *dst, int hd,
                           const uint16_t *kb, const uint16_t *vb, float *sc, int ncols, float scale) {
     int hdr = es_attn_part_floats(hd) - 16;
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
@@ -198,9 +207,13 @@ static void block_partial(int nq, const float *const *qp, const int *lo, const i
     const float *ap[ES_MAX_UNIT_Q];
     for (int j = 0; j < nq; j++) {
         float *row = sc + (size_t)j * ES_KV_BLOCK;
-        float m = max_row(row + lo[j], nv[j] - lo[j]);
+        float m = lo[j] < nv[j] ? max_row(row + lo[j], nv[j] - lo[j]) : max_row(row, se[j]);
+        if (se[j] > 0 && lo[j] < nv[j]) {   /* a sink block: the max over both ranges (exact) */
+            float ms = max_row(row, se[j]);
+            m = ms > m ? ms : m;
+        }
         exp_sub_row(row, m, nv[j]);
-        for (int t = 0; t < lo[j]; t++) row[t] = 0.0f;
+        for (int t = se[j]; t < lo[j]; t++) row[t] = 0.0f;
         dst[j][hdr] = m;
         dst[j][hdr + 1] = sum8(row, nv[j]);
         ap[j] = row;
@@ -257,17 +270,18 @@ size_t es_attn_ws_floats(int hd, int q_cap) {
     return (size_t)q_cap * ES_KV_BLOCK + 2 * (size_t)q_cap * es_attn_part_floats(hd);
 }
 
-/* Block (i, h, b)'s result in s->parts (key split). */
+/* The result of block v of the call (es_attn_vblock) for (i, h) in s->parts (key split). */
 static float *part_at(const es_session *s, int i, int h, int32_t b) {
     const es_model_info *in = &s->model->info;
     return s->parts + (((size_t)i * in->n_head + (size_t)h) * (size_t)s->kv.n_blk + (size_t)b) * es_attn_part_floats(in->head_dim);
 }
 
 /* The queries of tokens [i0, i1) times heads [h0, h1) (of KV head g) over
- * blocks [b0, b1): key split (t->nch > 0) stores each block's result in
- * s->parts; query split (b0 = 0, all blocks) folds them and writes att. */
-static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1, int i0, int i1, int32_t b0,
-                        int32_t b1, float *ws) {
+ * the call's blocks [v0, v1) (es_attn_vblock): key split (t->nch > 0) stores
+ * each block's result in s->parts; query split (all the blocks its queries
+ * attend) folds them and writes att. */
+static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1, int i0, int i1, int32_t v0,
+                        int32_t v1, float *ws) {
     const es_model_info *in = &s->model->info;
     int hd = in->head_dim, pf = es_attn_part_floats(hd);
     size_t q_dim = (size_t)in->n_head * hd;
@@ -278,38 +292,46 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
     const float *qp[ES_MAX_UNIT_Q];
     float *dst[ES_MAX_UNIT_Q];
     int32_t pos[ES_MAX_UNIT_Q], wlo[ES_MAX_UNIT_Q];
-    int nv[ES_MAX_UNIT_Q], lo[ES_MAX_UNIT_Q];
+    int nv[ES_MAX_UNIT_Q], lo[ES_MAX_UNIT_Q], se[ES_MAX_UNIT_Q];
+    int32_t sb = kv->sink_blk;
     for (int k = 0; k < nq; k++) {   /* queries by token, then head: positions ascend */
         int i = i0 + k / nh, h = h0 + k % nh;
         qp[k] = s->q + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd;
         pos[k] = kv->n_past + i;
-        wlo[k] = es_attn_window_lo(s->model, t->layer, pos[k]);
+        wlo[k] = es_attn_window_lo(kv, s->model, t->layer, pos[k]);
         if (!t->nch) dst[k] = bp + (size_t)k * pf;
     }
-    for (int32_t b = b0; b < b1; b++) {
-        int32_t p0 = b * ES_KV_BLOCK;
+    for (int32_t v = v0; v < v1; v++) {
+        int32_t b = es_attn_vblock(t, v), p0 = b * ES_KV_BLOCK;
         /* the queries that attend this block: [ka, kb) (positions and
-         * window starts ascend with k) */
+         * window starts ascend with k; a sink block, all that reach it) */
         int ka = 0, kb = nq;
         while (ka < nq && pos[ka] < p0) ka++;
-        while (kb > ka && wlo[kb - 1] >= p0 + ES_KV_BLOCK) kb--;
+        while (b >= sb && kb > ka && wlo[kb - 1] >= p0 + ES_KV_BLOCK) kb--;
         if (ka == kb) continue;
         for (int k = ka; k < kb; k++) {
             int32_t c = pos[k] + 1 - p0;
             nv[k] = c < ES_KV_BLOCK ? (int)c : ES_KV_BLOCK;
-            lo[k] = wlo[k] > p0 ? (int)(wlo[k] - p0) : 0;
-            if (t->nch) dst[k] = part_at(t->seq, i0 + k / nh, h0 + k % nh, b);
+            int32_t wl = wlo[k] > p0 ? wlo[k] - p0 : 0, send = kv->sinks - p0;
+            se[k] = 0;
+            lo[k] = (int)(wl < nv[k] ? wl : nv[k]);
+            if (b < sb) {   /* sinks [0, send), then the window from wl: one range when they meet */
+                if (wl <= send) lo[k] = 0;
+                else se[k] = (int)(send < nv[k] ? send : nv[k]);
+            }
+            if (t->nch) dst[k] = part_at(t->seq, i0 + k / nh, h0 + k % nh, v);
         }
         /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
          * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
-        for (int32_t bp2 = b == b0 ? b : b + KV_PF_AHEAD; bp2 <= b + KV_PF_AHEAD && bp2 < b1; bp2++)
-            es_kv_prefetch_block(kv, t->layer, g, bp2);
+        for (int32_t vp = v == v0 ? v : v + KV_PF_AHEAD; vp <= v + KV_PF_AHEAD && vp < v1; vp++)
+            es_kv_prefetch_block(kv, t->layer, g, es_attn_vblock(t, vp));
         /* the block's last positions no query attends (the cache's end) are not scored */
         int ncols = (nv[kb - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
-        block_partial(kb - ka, qp + ka, lo + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
+        block_partial(kb - ka, qp + ka, se + ka, lo + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
                       es_kv_v_block(kv, t->layer, g, b), sc, ncols, s->model->attn_scale);
         if (!t->nch)
-            for (int k = ka; k < kb; k++) fold_part(st + (size_t)k * pf, dst[k], hd, b == wlo[k] / ES_KV_BLOCK);
+            for (int k = ka; k < kb; k++)   /* the query's first block: 0 with sinks, else its window's */
+                fold_part(st + (size_t)k * pf, dst[k], hd, b == (sb > 0 ? 0 : wlo[k] / ES_KV_BLOCK));
     }
     if (!t->nch)
         for (int k = 0; k < nq; k++)
@@ -324,9 +346,13 @@ static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float 
     size_t q_dim = (size_t)in->n_head * hd;
     for (int i = 0; i < t->n; i++)
         for (int h = h0; h < h1; h++) {
-            int32_t p = t->seq->kv.n_past + i, last = p / ES_KV_BLOCK;
-            int32_t first = es_attn_window_lo(s->model, t->layer, p) / ES_KV_BLOCK;
-            for (int32_t b = first; b <= last; b++) fold_part(st, part_at(t->seq, i, h, b), hd, b == first);
+            const es_kv *kv = &t->seq->kv;
+            int32_t p = kv->n_past + i, last = p / ES_KV_BLOCK, nf = 0;
+            int32_t first = es_attn_window_lo(kv, s->model, t->layer, p) / ES_KV_BLOCK;
+            for (int32_t b = 0; b < kv->sink_blk && b <= last; b++)   /* the sinks (eviction) */
+                fold_part(st, part_at(t->seq, i, h, es_attn_vindex(t, b)), hd, nf++ == 0);
+            for (int32_t b = first > kv->sink_blk ? first : kv->sink_blk; b <= last; b++)
+                fold_part(st, part_at(t->seq, i, h, es_attn_vindex(t, b)), hd, nf++ == 0);
             finish_part(s->att + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd, st, hd);
         }
 }
@@ -351,8 +377,8 @@ static void attn_unit(const attn_task *t, int u, float *ws) {
     int h0 = g * grp + part * t->per;
     int h1 = h0 + t->per < (g + 1) * grp ? h0 + t->per : (g + 1) * grp;
     if (t->nch) {
-        int32_t b0 = t->blo + c * t->bpc, b1 = b0 + t->bpc < t->nblk ? b0 + t->bpc : t->nblk;
-        if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, b0, b1, ws);
+        int32_t v0 = c * t->bpc, v1 = v0 + t->bpc < t->nvb ? v0 + t->bpc : t->nvb;
+        if (h0 < h1) attend_unit(s, t, g, h0, h1, 0, t->n, v0, v1, ws);
         /* the unit that completes a head group's last chunk (acq_rel: it
          * sees the other chunks' results) folds them; the last group to be
          * folded quantizes the att rows for W_o, instead of a dispatch */
@@ -364,10 +390,11 @@ static void attn_unit(const attn_task *t, int u, float *ws) {
     } else {
         int sl = u / groups;
         int i0 = sl * t->ts, i1 = i0 + t->ts < t->n ? i0 + t->ts : t->n;
-        if (h0 < h1 && i0 < i1)
-            attend_unit(s, t, g, h0, h1, i0, i1,
-                        es_attn_window_lo(s->model, t->layer, t->seq->kv.n_past + i0) / ES_KV_BLOCK,
-                        (t->seq->kv.n_past + i1 - 1) / ES_KV_BLOCK + 1, ws);
+        const es_kv *kv = &t->seq->kv;
+        int32_t wb = es_attn_window_lo(kv, s->model, t->layer, kv->n_past + i0) / ES_KV_BLOCK;
+        if (h0 < h1 && i0 < i1)   /* with sinks from block 0 (the blocks no query attends are passed over) */
+            attend_unit(s, t, g, h0, h1, i0, i1, t->sb > 0 ? 0 : es_attn_vindex(t, wb),
+                        es_attn_vindex(t, (kv->n_past + i1 - 1) / ES_KV_BLOCK) + 1, ws);
         /* the last unit of a token slice (acq_rel: it sees the others' att
          * writes) quantizes the slice's rows for W_o */
         if (t->rs && atomic_fetch_add_explicit(&s->att_done[t->row0 + sl], 1, memory_order_acq_rel) == groups - 1)
@@ -407,10 +434,14 @@ int es_attn_shape(const es_session *s, attn_task *t) {
     t->per = per;
     t->split = split;
     t->nblk = (int32_t)((span - 1) / ES_KV_BLOCK + 1);
-    t->blo = es_attn_window_lo(s->model, t->layer, t->seq->kv.n_past) / ES_KV_BLOCK;
+    const es_kv *kv = &t->seq->kv;
+    t->blo = es_attn_window_lo(kv, s->model, t->layer, kv->n_past) / ES_KV_BLOCK;
+    t->sb = kv->sink_blk < t->nblk ? kv->sink_blk : t->nblk;
+    if (t->blo < kv->sink_blk) t->blo = kv->sink_blk;
+    t->nvb = t->sb + (t->nblk > t->blo ? t->nblk - t->blo : 0);
     if (n <= KS_MAX_TOKENS) {
         int want = (KS_UNITS_PER_THREAD * nth + groups - 1) / groups;
-        int32_t nb = t->nblk - t->blo;
+        int32_t nb = t->nvb;
         int nch = want < nb ? want : nb;
         t->bpc = (nb + nch - 1) / nch;
         t->nch = (nb + t->bpc - 1) / t->bpc;

@@ -23,8 +23,11 @@ typedef struct {
     int per, split;     /* query heads per unit, units per KV head group */
     int ts, nsl;        /* tokens per unit, token slices (query split) */
     int nch, bpc;       /* key split: chunks of blocks per head group (0: query split), blocks per chunk */
-    int32_t nblk;       /* blocks attended by the call's last token */
-    int32_t blo;        /* the first block the call's first token attends (its window's; else 0) */
+    int32_t nblk;       /* blocks attended by the call's last token: [0, nblk) holds every one */
+    int32_t blo;        /* the first block of the call's first token's window (its window's, else
+                           0; with eviction at least sb) */
+    int32_t sb;         /* KV eviction: the sink blocks the call reaches (min(sink_blk, nblk)), else 0 */
+    int32_t nvb;        /* the call's blocks: [0, sb), then [blo, nblk) (es_attn_vblock) */
     size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
                            (query split) attention quantizes those att rows into mm_scratch for
                            W_o (rows rs bytes apart) */
@@ -40,13 +43,24 @@ typedef struct {
     _Atomic int next;   /* next work unit to take */
 } attn_batch;
 
-/* The first position the query at position pos attends in layer l: 0, or
- * on a sliding-window layer max(0, pos - n_swa + 1). Depends only on the
- * query's own position (the attention contract in attention.c). */
-static inline int32_t es_attn_window_lo(const es_model *m, int l, int32_t pos) {
-    if (!m->layers[l].swa) return 0;
-    int32_t lo = pos - m->info.n_swa + 1;
+/* The first position of the window the query at position pos attends in
+ * layer l: 0, or on a sliding-window layer max(0, pos - n_swa + 1), or with
+ * KV eviction max(0, pos - kv_window + 1) in every layer (which also attends
+ * the sinks [0, kv->sinks) before it). Depends only on the query's own
+ * position (the attention contract in attention.c). */
+static inline int32_t es_attn_window_lo(const es_kv *kv, const es_model *m, int l, int32_t pos) {
+    if (!kv->evict && !m->layers[l].swa) return 0;
+    int32_t lo = pos - kv->n_swa + 1;
     return lo > 0 ? lo : 0;
+}
+
+/* A call's blocks in order (attn_task): index v in [0, t->nvb) is block
+ * v of the sinks, then the blocks from t->blo; es_attn_vindex inverts it. */
+static inline int32_t es_attn_vblock(const attn_task *t, int32_t v) {
+    return v < t->sb ? v : t->blo + v - t->sb;
+}
+static inline int32_t es_attn_vindex(const attn_task *t, int32_t b) {
+    return b < t->sb ? b : t->sb + b - t->blo;
 }
 
 /* Shape t's work units (t->s, seq, row0, layer, n and rs set; the rest is

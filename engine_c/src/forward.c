@@ -455,9 +455,10 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
             return ES_ERR_INVALID_ARG;
         }
     }
-    if ((int64_t)s->kv.n_past + n > s->kv.n_ctx) {
-        es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d + %d tokens > n_ctx %d",
-                   (int)s->kv.n_past, (int)n, (int)s->kv.n_ctx);
+    if ((int64_t)s->kv.n_past + n > es_kv_capacity(&s->kv)) {
+        es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d + %d tokens > %s %d",
+                   (int)s->kv.n_past, (int)n, s->kv.evict ? "the last position" : "n_ctx",
+                   (int)es_kv_capacity(&s->kv));
         return ES_ERR_CAPACITY;
     }
     return ES_OK;
@@ -757,9 +758,10 @@ static es_status check_decode_item(const es_decode_item *items, int32_t n_items,
         }
     es_status st = check_forward_args(q, &it->token, 1, NULL, ES_LOGITS_NONE);
     if (st != ES_OK) return st;
-    if ((int64_t)q->kv.n_past + it->max_steps > q->kv.n_ctx) {   /* the whole run's room up front */
-        es_set_err(q->err, sizeof q->err, "KV cache full: n_past %d + %d decode steps > n_ctx %d",
-                   (int)q->kv.n_past, (int)it->max_steps, (int)q->kv.n_ctx);
+    if ((int64_t)q->kv.n_past + it->max_steps > es_kv_capacity(&q->kv)) {   /* the whole run's room up front */
+        es_set_err(q->err, sizeof q->err, "KV cache full: n_past %d + %d decode steps > %s %d",
+                   (int)q->kv.n_past, (int)it->max_steps, q->kv.evict ? "the last position" : "n_ctx",
+                   (int)es_kv_capacity(&q->kv));
         return ES_ERR_CAPACITY;
     }
     return ES_OK;

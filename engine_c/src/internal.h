@@ -257,6 +257,12 @@ const char *es_quant_simd_name(void);
  * most `piece` tokens and starts where the window of its first token,
  * [n_past - n_swa + 1, n_past), is still held: es_kv_rollback refuses the
  * n_past for which it is not (es_kv_min_past).
+ * KV eviction (evict): every layer has sink_blk blocks that hold positions
+ * [0, sink_blk * ES_KV_BLOCK) for good, then a ring of ring positions for
+ * the later ones: absolute block b >= sink_blk at block sink_blk + (b -
+ * sink_blk) % (nb - sink_blk). n_blk is then those nb blocks plus one (what
+ * the attention's per-block scratch needs: a call's blocks, es_attn_blocks),
+ * and n_ctx bounds nothing.
  */
 typedef struct {
     uint16_t *k, *v;            /* this layer's blocks in the cache's mappings */
@@ -275,7 +281,10 @@ typedef struct {
                                    when they keep every position (no window, swa_full, short n_ctx) */
     int32_t piece;              /* most tokens one forward may write (the slack); 0: no limit */
     int32_t ring_lo;            /* the rings hold positions [ring_lo, n_past) */
-    int32_t n_swa;              /* the window (es_model_info.n_swa) */
+    int32_t n_swa;              /* the rings' window: es_model_info.n_swa, or kv_window (eviction) */
+    int32_t evict;              /* 1: KV eviction (every layer: sinks, then a ring; n_ctx bounds nothing) */
+    int32_t sinks;              /* eviction: positions [0, sinks) every query attends */
+    int32_t sink_blk;           /* eviction: ceil(sinks / ES_KV_BLOCK) blocks kept for good before the ring */
     int32_t n_layer, n_head_kv, head_dim;
 } es_kv;
 
@@ -285,9 +294,11 @@ typedef struct {
  * full is 1 or that is no smaller. On failure returns ES_ERR_NOMEM (or
  * ES_ERR_INVALID_ARG for a malformed ECHOSPEC_MEM_AVAILABLE) with a message
  * and leaves *kv empty. */
-es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, char *err,
-                     size_t err_len);
+es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, int32_t sinks,
+                     int32_t window, char *err, size_t err_len);
 void es_kv_free(es_kv *kv);
+/* The positions a forward may write up to: n_ctx, or with eviction ES_EVICT_MAX_POS. */
+static inline int32_t es_kv_capacity(const es_kv *kv) { return kv->evict ? ES_EVICT_MAX_POS : kv->n_ctx; }
 /* Bytes of k and v together, every layer. */
 size_t es_kv_bytes(const es_kv *kv);
 /* The smallest n_past > 0 a rollback can reach, 0 when any is (the rings
@@ -306,8 +317,9 @@ void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const fl
  * KV head g of layer l: head_dim * ES_KV_BLOCK halves, where the layer keeps
  * it (a ring: block b % nb). */
 static inline size_t es_kv_block_off(const es_kv *kv, int l, int g, int32_t b) {
-    int32_t nb = kv->layer[l].nb;
-    return ((size_t)g * (size_t)nb + (size_t)(b < nb ? b : b % nb)) * (size_t)kv->head_dim * ES_KV_BLOCK;
+    int32_t nb = kv->layer[l].nb, sb = kv->sink_blk;
+    int32_t slot = b < nb ? b : sb + (b - sb) % (nb - sb);
+    return ((size_t)g * (size_t)nb + (size_t)slot) * (size_t)kv->head_dim * ES_KV_BLOCK;
 }
 static inline const uint16_t *es_kv_k_block(const es_kv *kv, int l, int g, int32_t b) {
     return kv->layer[l].k + es_kv_block_off(kv, l, g, b);

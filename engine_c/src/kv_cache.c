@@ -56,8 +56,21 @@ static void advise_pages(void *p, size_t bytes, size_t run_bytes) {
 #endif
 }
 
-es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, char *err,
-                     size_t err_len) {
+/* KV eviction (window > 0): every layer keeps sink blocks and a ring of the
+ * window plus the slack, whatever n_ctx; its blocks are all in the first
+ * group of es_kv_init. */
+static void evict_layout(es_kv *kv, int32_t slack, int32_t sinks, int32_t window) {
+    kv->evict = 1;
+    kv->sinks = sinks;
+    kv->sink_blk = (sinks + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
+    kv->n_swa = window;
+    kv->ring = (int32_t)(((int64_t)window + slack + ES_KV_BLOCK - 1) / ES_KV_BLOCK * ES_KV_BLOCK);
+    kv->piece = slack;
+    kv->n_blk = kv->sink_blk + kv->ring / ES_KV_BLOCK + 1;
+}
+
+es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, int32_t sinks,
+                     int32_t window, char *err, size_t err_len) {
     const es_model_info *in = &m->info;
     memset(kv, 0, sizeof *kv);
     kv->n_ctx = n_ctx;
@@ -69,9 +82,15 @@ es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack,
     kv->ring = ring_positions(m, kv->n_blk, slack, full);
     int rings = kv->ring < kv->n_blk * ES_KV_BLOCK;
     kv->piece = rings ? slack : 0;
+    if (window > 0) {   /* es_session_new refuses it beside sliding-window layers */
+        evict_layout(kv, slack, sinks, window);
+        rings = 0;
+    }
     /* Two groups of layers, each a pair of mappings (k, v): the global layers
-     * (every layer when there are no rings) and the rings. */
-    int32_t n_in[2] = {0, 0}, nb[2] = {kv->n_blk, kv->ring / ES_KV_BLOCK};
+     * (every layer when there are no rings; with eviction, sinks then a ring)
+     * and the rings. */
+    int32_t n_in[2] = {0, 0};
+    int32_t nb[2] = {kv->evict ? kv->sink_blk + kv->ring / ES_KV_BLOCK : kv->n_blk, kv->ring / ES_KV_BLOCK};
     for (int l = 0; l < in->n_layer; l++) n_in[rings && m->layers[l].swa]++;
     size_t run_bytes[2], total = 0;
     for (int grp = 0; grp < 2; grp++) {
@@ -94,12 +113,16 @@ es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack,
      * n_ctx is. */
     {   /* refused before anything is mapped: the bytes this layout takes */
         char what[128];
-        if (rings)
+        if (kv->evict)
+            snprintf(what, sizeof what, "the KV cache of %d sinks and a window of %d (%d positions a layer)",
+                     (int)sinks, (int)window, (int)(nb[0] * ES_KV_BLOCK));
+        else if (rings)
             snprintf(what, sizeof what, "the KV cache of %d tokens (%d sliding-window layers keeping %d)",
                      (int)n_ctx, (int)n_in[1], (int)kv->ring);
         else
             snprintf(what, sizeof what, "the KV cache of %d tokens", (int)n_ctx);
-        int rc = es_mem_check((int64_t)total, what, "use a smaller n_ctx", err, err_len);
+        int rc = es_mem_check((int64_t)total, what, kv->evict ? "use a smaller kv_window" : "use a smaller n_ctx",
+                              err, err_len);
         if (rc != ES_OK) return (es_status)rc;
     }
     kv->layer = calloc((size_t)in->n_layer, sizeof *kv->layer);
@@ -144,8 +167,9 @@ size_t es_kv_bytes(const es_kv *kv) {
     return b;
 }
 
-/* The next token at position p attends [p - n_swa + 1, p]: the rings must
- * still hold [p - n_swa + 1, p), i.e. p >= ring_lo + n_swa - 1. */
+/* The next token at position p attends [p - n_swa + 1, p] (with eviction
+ * also the sinks, kept for good): the rings must still hold [p - n_swa + 1,
+ * p), i.e. p >= ring_lo + n_swa - 1. */
 int32_t es_kv_min_past(const es_kv *kv) {
     return kv->ring_lo > 0 ? kv->ring_lo + kv->n_swa - 1 : 0;
 }
@@ -157,10 +181,11 @@ es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
     }
     int32_t lo = es_kv_min_past(kv);
     if (n_past > 0 && n_past < lo) {
-        es_set_err(err, err_len, "rollback to n_past %d is out of reach: the sliding-window layers keep "
+        es_set_err(err, err_len, "rollback to n_past %d is out of reach: the %s keep "
                    "%d positions and hold [%d, %d), so the session can go back to n_past >= %d, or to 0 "
-                   "(a reset); swa_full keeps every position", (int)n_past, (int)kv->ring, (int)kv->ring_lo,
-                   (int)kv->n_past, (int)lo);
+                   "(a reset); %s", (int)n_past, kv->evict ? "layers' rings" : "sliding-window layers",
+                   (int)kv->ring, (int)kv->ring_lo, (int)kv->n_past, (int)lo,
+                   kv->evict ? "KV eviction dropped the positions before it" : "swa_full keeps every position");
         return ES_ERR_INVALID_ARG;
     }
     kv->n_past = n_past;
@@ -170,7 +195,8 @@ es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len) {
 
 void es_kv_advance(es_kv *kv, int32_t n) {
     kv->n_past += n;
-    if (kv->piece > 0 && kv->n_past - kv->ring > kv->ring_lo) kv->ring_lo = kv->n_past - kv->ring;
+    int32_t lo = kv->n_past - kv->ring;   /* a ring (after the sinks) overwrote [.., lo) */
+    if (kv->piece > 0 && lo > kv->ring_lo && lo > kv->sink_blk * ES_KV_BLOCK) kv->ring_lo = lo;
 }
 
 /* es_fp32_to_fp16_row: the vector conversions

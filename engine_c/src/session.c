@@ -12,7 +12,7 @@
 
 
 es_session_params es_session_default_params(void) {
-    es_session_params p = {0, 0, 0, 0};
+    es_session_params p = {0, 0, 0, 0, 0, 0};
     return p;
 }
 
@@ -146,7 +146,19 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
         es_set_err(err, err_len, "swa_full %d is not 0 or 1", (int)p.swa_full);
         return ES_ERR_INVALID_ARG;
     }
+    if (p.kv_sinks < 0 || p.kv_sinks > ES_MAX_CTX || p.kv_window < 0 || p.kv_window > ES_MAX_CTX ||
+        (int64_t)p.kv_sinks + p.kv_window > ES_MAX_CTX || (p.kv_sinks > 0 && p.kv_window == 0)) {
+        es_set_err(err, err_len, "KV eviction: kv_sinks %d and kv_window %d out of range (kv_window in "
+                   "[1, %d], 0 for none, with kv_sinks 0; kv_sinks >= 0; kv_sinks + kv_window <= %d)",
+                   (int)p.kv_sinks, (int)p.kv_window, ES_MAX_CTX, ES_MAX_CTX);
+        return ES_ERR_INVALID_ARG;
+    }
     const es_model_info *in = &model->info;
+    if (p.kv_window > 0 && in->n_swa > 0 && in->n_swa_layers > 0) {
+        es_set_err(err, err_len, "KV eviction (kv_window %d) is not supported on a model with "
+                   "sliding-window layers (%s: %d of them)", (int)p.kv_window, in->arch, (int)in->n_swa_layers);
+        return ES_ERR_UNSUPPORTED;
+    }
     int32_t n_ctx = p.n_ctx;
     if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
     if (n_ctx < 1) n_ctx = 1;
@@ -157,7 +169,7 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     s->model = model;
     s->n_threads = n_threads;
     es_status kv_rc = es_kv_init(&s->kv, model, n_ctx, p.swa_slack ? p.swa_slack : ES_SWA_SLACK, p.swa_full,
-                                 err, err_len);
+                                 p.kv_sinks, p.kv_window, err, err_len);
     if (kv_rc != ES_OK) {
         es_session_free(s);
         return kv_rc;

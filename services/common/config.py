@@ -181,6 +181,15 @@ class VerifierConfig(_GrpcServiceConfig):
                                  serve="--no-prefix-cache", negated=True,
                                  serve_help="do not keep finished generations' KV for reuse by "
                                             "prompts sharing a prefix")
+    kv_sinks: int = setting(-1, "KV eviction: the first positions every query keeps attending "
+                            "(attention sinks; -1: not set; needs kv_window)", serve="--kv-sinks",
+                            range=(-1, EngineLimit("ES_MAX_CTX"), "attention sinks (positions)"))
+    kv_window: int = setting(0, "KV eviction: the most recent positions every query attends, with "
+                             "kv_sinks (0: no eviction); each session then keeps the sinks plus "
+                             "the window plus a slack whatever the generation's length, a "
+                             "generation runs past n_ctx, and speculation is refused",
+                             serve="--kv-window",
+                             range=(0, EngineLimit("ES_MAX_CTX"), "the KV window (positions)"))
     prefix_cache_sessions: int = setting(4, "idle sessions (one KV cache each) the prefix cache "
                                          "keeps", range=(0, _BIG, "idle sessions kept (0: none)"))
     batch_threads: int = setting(0, "engine threads of a scheduler iteration that batches >= 2 "
@@ -502,6 +511,10 @@ def check_ranges(cfg, name_of=setting_name) -> None:
                                  + (">= 0" if zero_ok else "> 0")
                                  + f" and at most {MAX_SECONDS:g} (a timed wait longer than the "
                                    f"clock's range fails)")
+    if hasattr(cfg, "kv_window"):
+        problem = kv_eviction_problem(cfg.kv_sinks, cfg.kv_window, name_of)
+        if problem:
+            raise ValueError(problem)
     # fixed bounds first, then the bounds that are other fields (checked by then)
     ranged = [f for f in dataclasses.fields(cfg) if f.metadata.get("range")]
     for f in sorted(ranged, key=lambda f: isinstance(f.metadata["range"][1], (str, tuple))):
@@ -514,6 +527,31 @@ def check_ranges(cfg, name_of=setting_name) -> None:
         v = getattr(cfg, f.name)
         if not lo <= v <= hi:
             raise ValueError(f"{name_of(f.name)} {v}: {what} must be in [{lo}, {hi}]")
+
+
+def kv_eviction_problem(sinks: int, window: int, name_of=setting_name) -> str:
+    """Why kv_sinks and kv_window do not make a KV eviction setting ("" when they do: both
+    unset, or sinks >= 0 and window >= 1 with sinks + window within the engine's ES_MAX_CTX).
+    The window is not bounded by the forward's pieces: the ring keeps the window plus them."""
+    s, w = name_of("kv_sinks"), name_of("kv_window")
+    if sinks < -1 or window < 0:
+        return (f"{s} {sinks} / {w} {window}: the sinks are >= 0 positions and the window >= 1 "
+                f"(leave both out for no eviction)")
+    if window > 0 and sinks < 0:
+        return (f"{w} {window} needs {s}: the first positions kept for good (attention sinks; "
+                f"StreamingLLM keeps 4; 0 for a plain sliding window)")
+    if window == 0 and sinks >= 0:
+        return f"{s} {sinks} needs {w}: the recent positions every query attends (>= 1)"
+    most = int(EngineLimit("ES_MAX_CTX")) if window > 0 else 0
+    if window > 0 and sinks + window > most:
+        return f"{s} {sinks} + {w} {window} = {sinks + window}: at most {most} positions"
+    return ""
+
+
+def kv_eviction_text(sinks: int, window: int) -> str:
+    """GetConfig's kv_eviction: "none", or "sinks S, window W" (services/coordinator/gating.py
+    refuses speculation on anything but "none")."""
+    return f"sinks {sinks}, window {window}" if window > 0 else "none"
 
 
 def target_port_error(target: str) -> str:

@@ -29,6 +29,7 @@ ES_ERR_BAD_WEIGHTS = lib.ES_ERR_BAD_WEIGHTS
 MIN_CTX, MAX_CTX, MAX_THREADS = lib.ES_MIN_CTX, lib.ES_MAX_CTX, lib.ES_MAX_THREADS
 # positions a sliding-window layer's ring keeps beyond the window when a session sets none
 SWA_SLACK = lib.ES_SWA_SLACK
+EVICT_MAX_POS = lib.ES_EVICT_MAX_POS   # KV eviction: the positions a session may reach
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
 
@@ -138,7 +139,7 @@ class Model:
             rope_freq_scale=ci.rope_freq_scale)
 
     def new_session(self, n_ctx: int = 0, n_threads: int = 0, swa_slack: int = 0,
-                    swa_full: bool = False) -> "Session":
+                    swa_full: bool = False, kv_sinks: int = 0, kv_window: int = 0) -> "Session":
         """Create a session with its own KV cache.
 
         A model with a sliding window (Gemma 3's local layers, ``info.n_swa``) keeps each local
@@ -152,12 +153,19 @@ class Model:
             swa_slack: positions the rings keep beyond the window (0: SWA_SLACK); also the most
                 tokens one forward piece writes (a longer forward runs in pieces, same bits).
             swa_full: keep every position in every layer (any rollback; more memory).
+            kv_sinks: KV eviction: the first positions every query attends (attention sinks).
+            kv_window: KV eviction: the most recent positions every query attends; 0: none.
+                With it each layer keeps the sinks plus a ring of round_up(kv_window +
+                swa_slack, 64) positions, a session runs past n_ctx, positions stay absolute
+                (es_session_params in the header), and ``min_rollback`` says how far back it
+                can go once positions were evicted.
         Raises:
-            EngineError: ES_ERR_INVALID_ARG, ES_ERR_NOMEM or ES_ERR_INTERNAL.
+            EngineError: ES_ERR_INVALID_ARG, ES_ERR_NOMEM or ES_ERR_INTERNAL; ES_ERR_UNSUPPORTED
+                for KV eviction on a model with sliding-window layers.
         """
         if self._ptr is None:
             raise EngineError(ES_ERR_INVALID_ARG, "model is closed")
-        s = Session(self, n_ctx, n_threads, swa_slack, swa_full)
+        s = Session(self, n_ctx, n_threads, swa_slack, swa_full, kv_sinks, kv_window)
         with self._lock:
             self._sessions.add(s)
         return s
@@ -186,7 +194,8 @@ class Model:
 class Session:
     """One KV sequence on a model. Use from one thread at a time."""
 
-    def __init__(self, model: Model, n_ctx: int, n_threads: int, swa_slack: int = 0, swa_full: bool = False):
+    def __init__(self, model: Model, n_ctx: int, n_threads: int, swa_slack: int = 0, swa_full: bool = False,
+                 kv_sinks: int = 0, kv_window: int = 0):
         self.model = model
         self.n_vocab = model.info.n_vocab
         p = ffi.new("es_session_params *")
@@ -196,6 +205,8 @@ class Session:
         if not isinstance(swa_full, (bool, np.bool_)):
             raise TypeError(f"swa_full must be True or False, not {swa_full!r}")
         p.swa_full = int(swa_full)
+        p.kv_sinks = _int32(kv_sinks, "kv_sinks")
+        p.kv_window = _int32(kv_window, "kv_window")
         out = ffi.new("es_session **")
         err = ffi.new("char[512]")
         st = lib.es_session_new(model._ptr, p, out, err, 512)

@@ -174,7 +174,7 @@ class _Run:
         self.cached = cached
         self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
         self.prompt_len = len(req.prompt)
-        self.n_ctx = core.config.n_ctx
+        self.n_ctx = core.context_limit   # with KV eviction a generation runs past n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
         if not req.sampling.greedy:   # a resumed generation: the draws of the output so far
             self.rng = rng_advance(self.rng, req.resumed)
@@ -265,7 +265,9 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
     reason = ""
     draft = None
     if req.spec:
-        if open_draft is None:
+        if run.core.kv_eviction != "none":   # the gating rule (coordinator/gating.py), for direct callers
+            reason = f"verifier KV eviction is {run.core.kv_eviction!r} (needs 'none'); decoded plainly"
+        elif open_draft is None:
             reason = "no draft service configured at the verifier; decoded plainly"
         else:
             try:

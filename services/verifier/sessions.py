@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from echospec.services.common.config import VerifierConfig, default_engine_threads, usable_cpus
-from echospec.services.verifier.engine import (MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK, EngineError, Model,
-                                               Session)
+from echospec.services.common.config import (VerifierConfig, default_engine_threads, kv_eviction_text,
+                                             usable_cpus)
+from echospec.services.verifier.engine import (EVICT_MAX_POS, MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK,
+                                               EngineError, Model, Session)
 from echospec.services.verifier.prefix_cache import PrefixCache
 from echospec.services.verifier.scheduler import Scheduler
 
@@ -117,6 +118,11 @@ class VerifierCore:
     batch or a prefill (bench/README.md, serve_bench, "Engine threads"). The
     config kept here has both resolved.
 
+    KV eviction (kv_sinks, kv_window): every session keeps the sinks and a ring of the window
+    plus ``swa_slack`` positions in every layer and may run past n_ctx (context_limit); a
+    cached session is reused only down to a prefix it still holds (min_rollback), and
+    speculation is refused (generation_loop.py; the coordinator's gating refuses it first).
+
     Sliding-window models (Gemma 3): each session's local layers keep a ring of
     the window plus ``swa_slack`` positions, swa_slack = max(SWA_SLACK, max_k + 1),
     so the rollback after a verify of up to max_k drafts (at most max_k positions
@@ -159,6 +165,18 @@ class VerifierCore:
         self._gen_active = 0                              # sessions held by generations
 
     @property
+    def kv_eviction(self) -> str:
+        """GetConfig's kv_eviction: "none", or "sinks S, window W" (speculation is refused then)."""
+        return kv_eviction_text(self.config.kv_sinks, self.config.kv_window)
+
+    @property
+    def context_limit(self) -> int:
+        """The positions a generation may reach: n_ctx, or with KV eviction the engine's
+        ES_EVICT_MAX_POS (the session's memory is bounded by the sinks and the window instead;
+        n_ctx still bounds the prompt)."""
+        return EVICT_MAX_POS if self.config.kv_window > 0 else self.config.n_ctx
+
+    @property
     def active_sessions(self) -> int:
         """Sessions in use by generations (not the idle cached ones)."""
         with self._lock:
@@ -181,8 +199,11 @@ class VerifierCore:
         Raises:
             EngineError: as Model.new_session.
         """
-        es = self.model.new_session(n_ctx=self.config.n_ctx, n_threads=self.pool_threads,
-                                    swa_slack=self.swa_slack)
+        cfg = self.config
+        evict = cfg.kv_window > 0
+        es = self.model.new_session(n_ctx=cfg.n_ctx, n_threads=self.pool_threads,
+                                    swa_slack=self.swa_slack, kv_sinks=cfg.kv_sinks if evict else 0,
+                                    kv_window=cfg.kv_window)
         try:
             es.threads = self.config.n_threads
         except EngineError:
