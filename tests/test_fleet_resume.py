@@ -152,7 +152,7 @@ def test_verifier_refuses_a_resumed_count_outside_the_prompt():
     from types import SimpleNamespace
     from echospec.services.verifier.generation_loop import GenerationRequest, check
     from echospec.services.verifier.sessions import InvalidArgument, Sampling
-    core = SimpleNamespace(config=SimpleNamespace(n_ctx=64, max_k=8), n_vocab=100)
+    core = SimpleNamespace(config=SimpleNamespace(n_ctx=64, max_k=8), n_vocab=100, context_limit=64)
 
     def req(resumed):
         return GenerationRequest(prompt=[1, 2, 3], max_tokens=4, eos_ids=frozenset({0}),
@@ -436,7 +436,7 @@ def test_the_move_cap_ends_a_generation_with_unavailable_naming_it(smollm2_path,
         assert victim is not None and ei.value.code() == grpc.StatusCode.UNAVAILABLE
         d = ei.value.details()
         assert f"verifier {victim.address} failed after" in d, d
-        assert "the generation cannot move on: 0 move(s) tried of at most 0 per generation (no move)" in d, d
+        assert "the generation cannot move on: 0 move(s) tried of at most 0 per generation (no move made)" in d, d
     finally:
         if victim is not None:
             victim.restart()

@@ -188,11 +188,38 @@ def test_services_report_eviction_and_refuse_speculation(evict_stack):
         cch.close()
 
 
+def test_a_resumed_generation_past_n_ctx_continues_exactly(evict_stack):
+    # a generation that moves from another evicting verifier after running past n_ctx arrives
+    # with prompt + output so far longer than n_ctx (resumed_tokens: the output part); only the
+    # prompt's own part is bounded by n_ctx, and the continuation is the uninterrupted run's
+    import grpc
+    from echospec.v1 import verifier_pb2 as vpb, verifier_pb2_grpc
+    st, _ = evict_stack
+    with grpc.insecure_channel(st.verifier_target) as ch:
+        vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+        def tokens(prompt, n, resumed=0):
+            msgs = vstub.GenerateTokens(vpb.GenerateTokensRequest(
+                prompt=prompt, max_tokens=n, resumed_tokens=resumed), timeout=120)
+            return [t for m in msgs for r in m.rounds for t in r.result.tokens]
+
+        whole = tokens(SV_PROMPT, 300)
+        cut = 200                          # 208 positions: past n_ctx 64 and past S + W
+        assert len(SV_PROMPT) + cut > SV_CTX and len(whole) == 300
+        rest = tokens(SV_PROMPT + whole[:cut], 300 - cut, resumed=cut)
+        assert rest == whole[cut:]
+        # the prompt's own part is still bounded by n_ctx
+        with pytest.raises(grpc.RpcError) as e:
+            tokens(list(range(3, 3 + SV_CTX)) + whole[:4], 4, resumed=4)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not fit the context of 64 tokens" in e.value.details()
+
+
 @pytest.mark.parametrize("argv, env, fragment", [
     (["--kv-window", "64"], {}, "--kv-window / ECHOSPEC_KV_WINDOW 64 needs --kv-sinks"),
     ([], {"ECHOSPEC_KV_WINDOW": "64"}, "needs --kv-sinks / ECHOSPEC_KV_SINKS"),
     (["--kv-sinks", "4"], {}, "--kv-sinks / ECHOSPEC_KV_SINKS 4 needs --kv-window"),
-    (["--kv-sinks", "4", "--kv-window", "0"], {}, "needs --kv-window"),
+    (["--kv-sinks", "4", "--kv-window", "0"], {}, "ECHOSPEC_KV_WINDOW >= 1"),
     (["--kv-sinks", "-2", "--kv-window", "64"], {}, "the sinks are >= 0 positions"),
     (["--kv-sinks", "4", "--kv-window", "-1"], {}, "the window >= 1"),
     (["--kv-sinks", "4", "--kv-window", str(1 << 20)], {}, "at most 1048576 positions"),

@@ -541,7 +541,7 @@ def kv_eviction_problem(sinks: int, window: int, name_of=setting_name) -> str:
         return (f"{w} {window} needs {s}: the first positions kept for good (attention sinks; "
                 f"StreamingLLM keeps 4; 0 for a plain sliding window)")
     if window == 0 and sinks >= 0:
-        return f"{s} {sinks} needs {w}: the recent positions every query attends (>= 1)"
+        return f"{s} {sinks} needs {w} >= 1: the recent positions every query attends"
     most = int(EngineLimit("ES_MAX_CTX")) if window > 0 else 0
     if window > 0 and sinks + window > most:
         return f"{s} {sinks} + {w} {window} = {sinks + window}: at most {most} positions"

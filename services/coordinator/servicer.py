@@ -282,7 +282,7 @@ class _ResumingLink:
         old.lease.release()
         cap = svc.config.max_moves
         while True:
-            done = "; ".join([f"moves: {', '.join(self.history)}" if self.history else "no move"]
+            done = "; ".join([f"moves: {', '.join(self.history)}" if self.history else "no move made"]
                              + fails)
             if self._tried >= cap:
                 raise VerifierFailure(grpc.StatusCode.UNAVAILABLE,

@@ -114,7 +114,10 @@ def check(core: Any, req: GenerationRequest) -> None:
     n_ctx, n_vocab = core.config.n_ctx, core.n_vocab
     if not req.prompt:
         raise InvalidArgument("empty prompt: a generation needs at least one token")
-    if len(req.prompt) >= n_ctx:
+    # n_ctx bounds the prompt; with KV eviction a resumed generation's output so far (the
+    # prompt's resumed part) may run past it, as it did on the verifier it moved from
+    own = len(req.prompt) - req.resumed if 0 <= req.resumed < len(req.prompt) else len(req.prompt)
+    if own >= n_ctx or len(req.prompt) >= core.context_limit:
         raise InvalidArgument(
             f"prompt of {len(req.prompt)} tokens does not fit the context of {n_ctx} tokens"
             f" (at most {n_ctx - 1}, one position is kept for generation)")
