@@ -34,6 +34,16 @@ import pytest
     ("CoordinatorConfig", ["--verifier", "10.0.0.1:50053", "--verifier", "10.0.0.2:0"], {},
      "--verifier / ECHOSPEC_VERIFIER '10.0.0.2:0': the port '0' is not a number in [1, 65535]"),
     ("VerifierConfig", [], {"ECHOSPEC_DRAFT_TARGET": "draft:"}, "ECHOSPEC_DRAFT_TARGET 'draft:'"),
+    # was: exit 1 from the verifier pool's ValueError ("empty verifier target"), not a usage error
+    ("CoordinatorConfig", ["--verifier", ""], {},
+     "--verifier / ECHOSPEC_VERIFIER '': an empty target: each is host:port or dns:///name:port"),
+    # was: services that started and dialled port 443, reporting nothing reachable
+    ("CoordinatorConfig", ["--verifier", "localhost"], {},
+     "--verifier / ECHOSPEC_VERIFIER 'localhost': no port (the target is host:port)"),
+    ("CoordinatorConfig", ["--verifier-target", "::1"], {}, "'::1': an IPv6 address goes in brackets"),
+    ("CoordinatorConfig", ["--verifier-target", "[::1]"], {}, "'[::1]': no port"),
+    ("VerifierConfig", ["--draft-target", "draft"], {}, "--draft-target / ECHOSPEC_DRAFT_TARGET 'draft': no port"),
+    ("GatewayConfig", [], {"ECHOSPEC_COORDINATOR_TARGET": "coordinator"}, "'coordinator': no port"),
 ])
 def test_service_entry_points_refuse_bad_ports_and_durations(cls, argv, env, message, capsys):
     from echospec.services.common import config as cfg

@@ -500,7 +500,8 @@ def check_ranges(cfg, name_of=setting_name) -> None:
                 raise ValueError(f"{name} is empty (and --verifier names none): the verifier's "
                                  f"host:port")
             for t in (v,) if isinstance(v, str) else v:
-                bad = target_port_error(t)
+                bad = target_port_error(t) if t.strip() or isinstance(v, str) else \
+                    "an empty target: each is host:port or dns:///name:port"
                 if bad:
                     raise ValueError(f"{name} {t!r}: {bad}")
         elif f.name.endswith("_s") and isinstance(v, float):
@@ -556,22 +557,26 @@ def kv_eviction_text(sinks: int, window: int) -> str:
 
 def target_port_error(target: str) -> str:
     """Why a host:port target names a port no server can listen on, or holds what no host has
-    (whitespace); "" when it does not: also for "", gRPC URIs such as dns:///name:port, a bare
-    IPv6 address and a host without a port.
-    gRPC would otherwise dial it until every call's deadline and report nothing reachable."""
+    (whitespace), or has no port; "" when it does not, and for "" and gRPC URIs such as
+    dns:///name:port. gRPC would otherwise dial it (port 443 where none is given) until every
+    call's deadline and report nothing reachable."""
     if not target or "://" in target or target.startswith(GRPC_URI_SCHEMES):
         return ""
     if any(c.isspace() or not c.isprintable() for c in target):
         return "it holds a space or a control character, which no host name or address has"
     if target.startswith("["):
         end = target.find("]")
-        if end < 0 or not target[end + 1:].startswith(":"):
-            return ""
+        if end < 0:
+            return "an IPv6 address in brackets ends with ']' then :port"
+        if not target[end + 1:].startswith(":"):
+            return "no port (the target is host:port)"
         port = target[end + 2:]
     else:
         host, sep, port = target.rpartition(":")
-        if not sep or ":" in host:
-            return ""
+        if ":" in host:
+            return "an IPv6 address goes in brackets with a port ([::1]:50053, for instance)"
+        if not sep:
+            return "no port (the target is host:port)"
     if port.isascii() and port.isdigit() and 1 <= int(port) <= 65535:
         return ""
     return f"the port {port!r} is not a number in [1, 65535] (the target is host:port)"
