@@ -144,6 +144,9 @@ def test_services_report_eviction_and_refuse_speculation(evict_stack):
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(cch)
         cfg = vstub.GetConfig(vpb.GetConfigRequest(), timeout=30)
         assert cfg.kv_eviction == "sinks 4, window 64" and cfg.n_ctx == SV_CTX
+        info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)   # was: GetInfo did not say
+        assert info.kv_eviction == cfg.kv_eviction
+        assert [v.kv_eviction for v in info.verifiers] == [cfg.kv_eviction]
 
         def complete(spec):
             return stub.Complete(cpb.CompleteRequest(token_ids=SV_PROMPT, max_tokens=SV_MAX, spec=spec,

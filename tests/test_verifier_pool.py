@@ -141,3 +141,26 @@ def test_a_verifier_without_a_prefix_cache_is_never_a_prefix_holder():
         assert (lease.address, lease.route) == (b, "least loaded")
     finally:
         pool.close()
+
+
+def test_a_fleet_with_mixed_kv_eviction_is_warned_about_once(caplog):
+    from echospec.v1 import verifier_pb2
+    from grpc_health.v1 import health_pb2
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    pool = VerifierPool([a, b], 1 << 20)
+    evictions = {a: "none", b: "sinks 4, window 64"}
+    try:
+        for addr, e in pool._entries.items():   # stand-ins for the channels' stubs
+            e.health = SimpleNamespace(Check=lambda req, timeout: health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.SERVING))
+            e.stub = SimpleNamespace(GetConfig=lambda req, timeout, ev=evictions[addr]:
+                                     verifier_pb2.GetConfigResponse(kv_eviction=ev, max_sessions=4))
+        with caplog.at_level("WARNING", logger="echospec"):
+            pool.poll()
+            pool.poll()                                       # the same reports: no new warning
+        warned = [r.getMessage() for r in caplog.records if "KV eviction" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "'sinks 4, window 64'" in warned[0] and "'none'" in warned[0], warned
+        assert {x.address: x.kv_eviction for x in pool.backends()} == evictions
+    finally:
+        pool.close()

@@ -66,6 +66,7 @@ class Backend:
     served: int = 0                # generations this coordinator sent it
     last_error: str = ""
     recoveries: int = 0            # polls that found it SERVING again after it was down
+    kv_eviction: str = ""          # its GetConfig kv_eviction ("": not reported yet)
 
     @property
     def estimated_active(self) -> int:

@@ -265,8 +265,24 @@ class VerifierPool:
                     b.max_sessions = cfg.max_sessions
                     b.free_kv_tokens = cfg.free_kv_tokens
                     b.in_flight_at_report = mine
+                    if b.kv_eviction != cfg.kv_eviction:
+                        b.kv_eviction = cfg.kv_eviction
+                        self._warn_mixed_eviction(b)
             self._export(b)
         self._publish()
+
+    def _warn_mixed_eviction(self, b: Backend) -> None:
+        """Log when ``b`` keeps KV eviction other than a verifier already reported (lock held):
+        a generation moved between them continues with another attention, so its output is not
+        the one it would have been, and one past n_ctx fails on the verifier that keeps all."""
+        others = {e.backend.kv_eviction: e.backend.address for e in self._entries.values()
+                  if e.backend is not b and e.backend.kv_eviction and not e.removed}
+        other = next((v for v in others if v != b.kv_eviction), None)
+        if other is not None:
+            log.warning("verifier %s keeps KV eviction %r, verifier %s %r: a generation moved "
+                        "between them does not continue as it began (give every verifier the "
+                        "same --kv-sinks / --kv-window)", b.address, b.kv_eviction,
+                        others[other], other)
 
     def report_failure(self, address: str, why: str) -> None:
         """A call could not reach ``address``: out of the candidates until a poll finds it SERVING."""
