@@ -42,17 +42,8 @@ ROOT=$(pwd)
 WORK=$ROOT/build/compose-up
 PROJECT=echospec-ci
 BASE_PORT=${COMPOSE_UP_PORT_BASE:-55000}
-# the host's apt source of bookworm's main component (deb822 .sources files, then sources.list)
-host_mirror() {
-    local f
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [ -f "$f" ] || continue
-        awk 'BEGIN{RS=""} /Suites:[^\n]*bookworm( |\n|$)/ && /Components:[^\n]*main/ {
-                 if (match($0, /URIs: *[^ \n]+/)) { u = substr($0, RSTART, RLENGTH); sub(/URIs: */, "", u); print u; exit } }' "$f"
-    done
-    awk '$1 == "deb" && $3 == "bookworm" { print $2; exit }' /etc/apt/sources.list 2>/dev/null || true
-}
-MIRROR=${DEBIAN_MIRROR:-$(host_mirror | head -n 1)}
+. "$ROOT/deploy/debian_mirror.sh"
+MIRROR=$(debian_mirror)
 SLIM=python:3.11-slim-bookworm
 FULL=python:3.11-bookworm
 TARGETS=(draft verifier coordinator gateway)

@@ -11,9 +11,10 @@
 #
 # Needs root (debootstrap, chroot, mounts, binfmt_misc), Debian's debootstrap
 # and qemu-user-static (installed with apt-get when missing), and access to
-# the Debian archive and PyPI. The default model is bind-mounted read-only
-# from the host cache (scripts/fetch_model.py; ECHOSPEC_CACHE), so it is not
-# downloaded again. Everything it mounts or registers is undone on exit; the
+# the Debian archive (DEBIAN_MIRROR, else the host's apt source:
+# deploy/debian_mirror.sh) and PyPI. The default model is bind-mounted
+# read-only from the host cache (scripts/fetch_model.py; ECHOSPEC_CACHE), so
+# it is not downloaded again. Everything it mounts or registers is undone on exit; the
 # root file system is kept in $ARM_ROOT (default /tmp/echospec-arm64-root)
 # for a faster second run.
 # Exit status 0 when the smoke test passed inside the arm64 root.
@@ -54,11 +55,14 @@ if [ ! -e "$BINFMT/qemu-aarch64" ]; then
 fi
 
 if [ ! -x "$R/usr/bin/python3" ]; then
-    echo "smoke-arm64: debootstrap bookworm arm64 into $R (about 10 minutes)" >&2
+    . "$ROOT/deploy/debian_mirror.sh"
+    MIRROR=$(debian_mirror)
+    MIRROR=${MIRROR:-http://deb.debian.org/debian}
+    echo "smoke-arm64: debootstrap bookworm arm64 from $MIRROR into $R (about 10 minutes)" >&2
     rm -rf "$R"
     debootstrap --arch=arm64 --variant=minbase \
         --include=python3,python3-venv,python3-dev,gcc,libc6-dev,make,ca-certificates \
-        bookworm "$R" http://deb.debian.org/debian > /tmp/echospec-debootstrap.log 2>&1 \
+        bookworm "$R" "$MIRROR" > /tmp/echospec-debootstrap.log 2>&1 \
         || { tail -20 /tmp/echospec-debootstrap.log >&2; exit 1; }
 fi
 cp /etc/resolv.conf "$R/etc/resolv.conf"
