@@ -349,6 +349,49 @@ def test_a_lone_verifier_is_waited_for_past_the_floor(smollm2_path, boards):
         lone.close()
 
 
+def test_a_frozen_verifier_with_nowhere_to_go_is_left_once_another_is_back(coord, boards):
+    # B is down, so the generation runs on A and A freezes with nowhere to go: it is waited
+    # for, not cancelled. B comes back: the next look at A's missed deadline moves the
+    # generation there (was: it stayed on the frozen A until gRPC's keepalive, about 61 s)
+    a, b = boards
+    ref = coord.stub.Complete(cpb.CompleteRequest(text=PROMPT, max_tokens=MAX_TOKENS), timeout=120).result
+    os.kill(b.verifier.pid, signal.SIGKILL)
+    b.verifier.wait(10)
+    deadline = time.monotonic() + 30
+    while coord.info()[b.address].healthy:
+        assert time.monotonic() < deadline, "the coordinator did not see B go"
+        time.sleep(0.05)
+    text, ids, result, t_back = [], [], None, None
+    try:
+        for msg in coord.stub.Generate(_request("plain"), timeout=120):
+            if msg.HasField("result"):
+                result = msg.result
+                break
+            if t_back is not None and msg.token_ids and gap is None:
+                gap = time.monotonic() - t_back
+            text.append(msg.text)
+            ids.extend(msg.token_ids)
+            if t_back is None and len(ids) >= KILL_AT:
+                os.kill(a.verifier.pid, signal.SIGSTOP)
+                time.sleep(STALL_FLOOR_S + 0.5)   # past the floor: still waited for
+                b.start_verifier()
+                b.wait()
+                coord.wait_healthy([b.address])
+                t_back, gap = time.monotonic(), None
+        assert result is not None and "".join(text) == ref.text and ids == list(ref.token_ids)
+        [move] = result.moves
+        assert (move.from_verifier, move.to_verifier) == (a.address, b.address), move
+        assert "progress deadline" in move.reason, move.reason
+        deadline_s = float(re.search(r"progress deadline of ([0-9.]+) s", move.reason).group(1))
+        print(f"\nB back: next token after {gap * 1e3:.0f} ms (deadline {deadline_s:.2f} s)")
+        assert gap < 2 * deadline_s + 5.0
+    finally:
+        os.kill(a.verifier.pid, signal.SIGCONT)
+        if b.verifier.poll() is not None:
+            b.restart()
+        coord.wait_healthy([x.address for x in boards])
+
+
 def test_busy_verifiers_under_honest_load_are_not_flagged(coord, boards):
     # 4 generations per verifier (batch_max 1: each waits for the others' steps, long prompts
     # prefilled in chunks meanwhile) on 2 shared cores: rounds far slower than alone, and the

@@ -25,14 +25,19 @@ deadline = 8 * 15.41 = 123 s: a loaded board is given all the time its queue
 could honestly take.
 
 ``floor_s <= 0`` turns stall detection off (None: no deadline). T = 0 (not
-measured yet) gives no deadline either: nothing to base one on. (The servicer
-also sets none while no other healthy verifier could take the generation.)
+measured yet) gives no deadline either: nothing to base one on. A call that
+misses its deadline while no other healthy verifier could take the generation
+is left to run (a lone slow verifier is still the best there is), and looked at
+again one deadline later: once another verifier is healthy, it is moved there.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
+
+log = logging.getLogger("echospec.coordinator")
 
 STALL_FACTOR = 8.0   # a round this many times slower than the verifier's own costs is a stall
 DECAY = 0.9          # the per-message wall estimate forgets 10 % a message
@@ -93,22 +98,27 @@ class StallWatch:
     ``arm(link, seconds, why)`` sets (or moves) a link's deadline; ``disarm(link)`` clears it.
     When a deadline passes, ``link.stall(why)`` is called once (on this thread) and the link is
     disarmed. The thread sleeps while nothing is armed and wakes at the earliest deadline.
+    ``arm(..., movable=f)``: when the deadline passes, the link is stalled only if ``f()`` is
+    true (another verifier could take the generation); else the same deadline runs again from
+    then, so a call that stopped while it had nowhere to go is ended once somewhere is back.
     """
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._armed: dict[Any, tuple[float, str]] = {}
+        self._armed: dict[Any, tuple[float, str, float, Callable[[], bool] | None]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
         self._thread.start()
 
-    def arm(self, link: Any, seconds: float | None, why: str) -> None:
-        """Stall ``link`` unless re-armed or disarmed within ``seconds`` (None: disarm)."""
+    def arm(self, link: Any, seconds: float | None, why: str,
+            movable: Callable[[], bool] | None = None) -> None:
+        """Stall ``link`` unless re-armed or disarmed within ``seconds`` (None: disarm), and
+        then only when ``movable()`` says so (None: always)."""
         with self._cv:
             if seconds is None:
                 self._armed.pop(link, None)
                 return
-            self._armed[link] = (time.monotonic() + seconds, why)
+            self._armed[link] = (time.monotonic() + seconds, why, seconds, movable)
             self._cv.notify()
 
     def disarm(self, link: Any) -> None:
@@ -123,18 +133,31 @@ class StallWatch:
 
     def _run(self) -> None:
         while True:
-            due: list[tuple[Any, str]] = []
+            due: list[tuple[Any, tuple]] = []
             with self._cv:
                 if self._closed:
                     return
                 now = time.monotonic()
-                for link, (at, why) in list(self._armed.items()):
-                    if at <= now:
-                        due.append((link, why))
+                for link, entry in list(self._armed.items()):
+                    if entry[0] <= now:
+                        due.append((link, entry))
                         del self._armed[link]
                 if not due:
-                    nxt = min((at for at, _ in self._armed.values()), default=None)
+                    nxt = min((e[0] for e in self._armed.values()), default=None)
                     self._cv.wait(None if nxt is None else max(0.0, nxt - now))
                     continue
-            for link, why in due:
+            for link, (_, why, seconds, movable) in due:
+                if movable is not None and not self._movable(movable):
+                    with self._cv:   # nowhere to go: look again after the same deadline
+                        if link not in self._armed and not self._closed:
+                            self._armed[link] = (time.monotonic() + seconds, why, seconds, movable)
+                    continue
                 link.stall(why)
+
+    @staticmethod
+    def _movable(movable: Callable[[], bool]) -> bool:
+        try:
+            return bool(movable())
+        except Exception:   # a broken check must not end the watch's thread (nor the call)
+            log.exception("stall watch: the movable check failed; the call is left to run")
+            return False

@@ -155,6 +155,7 @@ class _Attempt:
         self.params: Any = None          # the GenerationParams resolved for this verifier
         self.exclude: list[str] = []     # verifiers this generation cannot move to
         self.namespace = ""              # the draft namespace as the draft service names it
+        self.movable: Any = None         # () -> bool: could the generation move now (None: the pool's view)
 
 
 class _CallFailed(Exception):
@@ -194,7 +195,18 @@ class _ResumingLink:
         self._failed_at: dict[str, int] = {}
         self._note_failed(attempt.lease.address)
         attempt.exclude = self._failed
+        attempt.movable = self.can_move
         self.history: list[str] = []         # "a -> b at token n" of each move made
+
+    def can_move(self) -> bool:
+        """Whether a stall could move the generation now (the stall watch asks, on its thread):
+        moves left under the cap, and a healthy verifier other than the current one that it
+        has not failed on, or that recovered since (as _readmit will find)."""
+        if self._tried >= self._svc.config.max_moves:
+            return False
+        pool = self._svc.pool
+        blocked = [a for a in list(self._failed) if pool.recoveries(a) <= self._failed_at.get(a, -1)]
+        return pool.has_other(self.attempt.lease.address, blocked)
 
     def _note_failed(self, address: str) -> None:
         self._failed_at[address] = self._svc.pool.recoveries(address)
@@ -300,7 +312,7 @@ class _ResumingLink:
             svc.metrics.v_moves.labels(verifier=old.lease.address).inc()
             try:
                 attempt = svc.call(self._req, self._prompt, self.tokens, lease, self._context,
-                                   old.namespace, exclude=self._failed)
+                                   old.namespace, exclude=self._failed, movable=self.can_move)
             except RequestError as exc:
                 lease.release()
                 raise VerifierFailure(exc.code, f"{head}; moving the generation to "
@@ -576,29 +588,31 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             rec.moves = len(started.history)
 
     def arm(self, attempt: _Attempt, others: int) -> None:
-        """(Re)start the progress deadline of the attempt's next message. None while no other
-        healthy verifier could take the generation: a lone verifier that is slow is still the
-        best there is (the client's deadline bounds the wait)."""
+        """(Re)start the progress deadline of the attempt's next message. A missed deadline
+        ends the call only while another healthy verifier could take the generation: a lone
+        verifier that is slow is still the best there is (the client's deadline bounds the
+        wait), and one that froze is left when another is back (StallWatch's movable)."""
         d = attempt.clock.deadline_s(others)
-        if d is not None and not self.pool.has_other(attempt.lease.address, attempt.exclude):
-            d = None
         if d is None:
             self.watch.disarm(attempt.link)
             return
         c = attempt.clock
         work = f"a prefill of {c.prompt_tokens} tokens" if c.first else f"round {c.round_ms:.1f} ms"
+        address, exclude = attempt.lease.address, attempt.exclude
         self.watch.arm(attempt.link, d, f"no message within its progress deadline of {d:.2f} s "
                        f"(T {c.t_ms:.1f} ms, {work}, {others} other session(s); "
-                       f"--stall-floor-s {c.floor_s:g})")
+                       f"--stall-floor-s {c.floor_s:g})",
+                       movable=attempt.movable or (lambda: self.pool.has_other(address, exclude)))
 
     def call(self, req: Any, prompt: list[int], output: list[int], lease: Any,
              context: grpc.ServicerContext, namespace: str,
-             exclude: list[str] | None = None) -> _Attempt:
+             exclude: list[str] | None = None, movable: Any = None) -> _Attempt:
         """Start the generation on ``lease``'s verifier (resumed after ``output`` when it is
         not empty: prompt + output prefilled, max_tokens less the output) and wait for its
         first message within the progress deadline. ``namespace``: the draft namespace as the
         draft service names it (scoped_namespace); ``exclude``: the verifiers the generation
-        cannot move to (the list is read as it grows).
+        cannot move to (the list is read as it grows); ``movable``: () -> bool, whether a stall
+        could move the generation (None: another healthy verifier outside ``exclude``).
 
         Raises:
             RequestError: the request does not suit this verifier (its caps, its max_k).
@@ -627,6 +641,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
                                          len(prompt) + len(output)))
         attempt.exclude = exclude if exclude is not None else []
+        attempt.movable = movable
         attempt.namespace = namespace
         self.arm(attempt, self.pool.others(lease.address))
         events = link.events()
