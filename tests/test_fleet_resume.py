@@ -163,6 +163,29 @@ def test_verifier_refuses_a_resumed_count_outside_the_prompt():
             check(core, req(bad))
 
 
+def test_a_resumed_generation_leaves_its_session_for_the_next_turn(tiny_model):
+    # the session a resumed generation leaves is its conversation's: the next turn, which
+    # starts with the original prompt but may tokenize the output so far otherwise, takes it
+    # (was: the output so far counted as the entry's prompt, so such a turn was refused it as
+    # "another conversation" and prefilled everything)
+    from echospec.stack import start_stack
+    from echospec.v1 import verifier_pb2 as vpb, verifier_pb2_grpc
+    st = start_stack(tiny_model(), spec=False, n_ctx=256, n_threads=1)
+    ch = grpc.insecure_channel(st.verifier_target)
+    try:
+        stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+        prompt, out = list(range(10, 20)), list(range(40, 70))   # 10 of its own, 30 resumed
+        list(stub.GenerateTokens(vpb.GenerateTokensRequest(
+            prompt=prompt + out, resumed_tokens=len(out), max_tokens=8), timeout=60))
+        turn2 = prompt + [90 + i for i in range(len(out))] + [5, 6, 7]   # the output re-tokenized
+        first = next(iter(stub.GenerateTokens(vpb.GenerateTokensRequest(prompt=turn2, max_tokens=2),
+                                              timeout=60)))
+        assert first.cached_prompt_tokens == len(prompt), first.cached_prompt_tokens
+    finally:
+        ch.close()
+        st.stop()
+
+
 def test_python_client_result_carries_the_moves():
     from echospec_client import Move, Result
     from echospec_client.v1 import coordinator_pb2 as client_pb2

@@ -176,7 +176,9 @@ class _Run:
         self.core, self.req, self.session, self.cancel = core, req, session, cancel
         self.cached = cached
         self.kv_tokens: list[int] = list(req.prompt[:cached])  # tokens whose KV the session holds
-        self.prompt_len = len(req.prompt)
+        # the conversation's own prompt (the prefix cache's Worth it rule): a resumed
+        # generation's output so far is output, which the next turn may tokenize otherwise
+        self.prompt_len = len(req.prompt) - (req.resumed if 0 <= req.resumed < len(req.prompt) else 0)
         self.n_ctx = core.context_limit   # with KV eviction a generation runs past n_ctx
         self.rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
         if not req.sampling.greedy:   # a resumed generation: the draws of the output so far
