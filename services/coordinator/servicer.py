@@ -29,7 +29,8 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -158,6 +159,18 @@ class _Attempt:
         self.movable: Any = None         # () -> bool: could the generation move now (None: the pool's view)
 
 
+def _weak_call(method: Callable[[], bool]) -> Callable[[], bool]:
+    """``method()`` through a weak reference (False once its object is gone): an attempt that
+    holds its generation's check would otherwise form a cycle with it, and a cycle keeps the
+    verifier call of a cancelled generation open until the cyclic collector runs."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> bool:
+        m = ref()
+        return m is not None and m()
+    return call
+
+
 class _CallFailed(Exception):
     """A GenerateTokens call failed before its first message (the call is cancelled).
 
@@ -195,7 +208,7 @@ class _ResumingLink:
         self._failed_at: dict[str, int] = {}
         self._note_failed(attempt.lease.address)
         attempt.exclude = self._failed
-        attempt.movable = self.can_move
+        attempt.movable = self._movable = _weak_call(self.can_move)
         self.history: list[str] = []         # "a -> b at token n" of each move made
 
     def can_move(self) -> bool:
@@ -312,7 +325,7 @@ class _ResumingLink:
             svc.metrics.v_moves.labels(verifier=old.lease.address).inc()
             try:
                 attempt = svc.call(self._req, self._prompt, self.tokens, lease, self._context,
-                                   old.namespace, exclude=self._failed, movable=self.can_move)
+                                   old.namespace, exclude=self._failed, movable=self._movable)
             except RequestError as exc:
                 lease.release()
                 raise VerifierFailure(exc.code, f"{head}; moving the generation to "
