@@ -299,6 +299,9 @@ class GatewayConfig:
     port: int = setting(8000, f"HTTP port {_PORT}")
     coordinator_target: str = setting(f"{LOOPBACK}:50051", "the coordinator's host:port")
     model_name: str = setting("", "model id in /v1/models and responses (\"\": the GGUF file's stem)")
+    allow_any_model: bool = setting(False, "take a request whose `model` names another model than "
+                                    "the one served (off: HTTP 404 model_not_found)",
+                                    serve="--http-allow-any-model")
     request_timeout_s: float = setting(600.0, "gRPC deadline of a generation in seconds "
                                        "(exceeded: HTTP 504)")
     max_body_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "larger request bodies: HTTP 413",

@@ -1,6 +1,7 @@
 """The gateway's HTTP routes (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and
 /v1/models, plus /health. Requests are checked and shaped by openai_api.py; the coordinator is
-called through upstream.py.
+called through upstream.py. A request naming another model than the one served gets 404
+model_not_found (OpenAI's), unless config.allow_any_model; one without ``model`` is taken.
 
     POST /v1/chat/completions, /v1/completions   JSON, or server-sent events when "stream": true
     GET  /v1/models                              the one model served
@@ -64,6 +65,13 @@ def _error_response(err: api.ApiError) -> JSONResponse:
 def _model_object(model: str) -> dict:
     """The one model served, as OpenAI's model object."""
     return {"id": model, "object": "model", "created": 0, "owned_by": "echospec"}
+
+
+def model_not_found(asked: str, served: str) -> api.ApiError:
+    """OpenAI's 404 for a model it does not have, naming the one served."""
+    return api.ApiError(404, f"the model {clip(asked, 200)!r} is not served here (this server "
+                             f"serves {served!r}, as GET /v1/models lists)", "model",
+                        type_="invalid_request_error", code="model_not_found")
 
 
 def _request_id(request: Request) -> str:
@@ -211,6 +219,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gone = _disconnected(request)
         try:
             model = await up.model_id(key)
+            if parsed.model is not None and parsed.model != model and not config.allow_any_model:
+                raise model_not_found(parsed.model, model)
             if not parsed.stream:
                 try:
                     result = await _unless_disconnected(
@@ -264,8 +274,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def model(model_id: str, request: Request) -> JSONResponse:
         served = await served_model(request)
         if model_id != served:
-            raise api.ApiError(404, f"the model {clip(model_id, 200)!r} is not served here "
-                               f"(this server serves {served!r})", "model", code="model_not_found")
+            raise model_not_found(model_id, served)
         return JSONResponse(_model_object(served))
 
     @app.get("/health")

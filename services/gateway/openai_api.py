@@ -4,7 +4,8 @@ error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contr
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
 mean something here are mapped; fields that ask for what echospec does not do (n > 1, logprobs,
 tools, penalties, ...) are refused with a 400 naming the field; unknown fields are refused as
-OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
+OpenAI refuses them. `model` is checked by the app (app.py: the served model, or 404
+model_not_found), here only for its type. Extra fields (echospec's own, documented in README.md):
     spec             "on" | "off" | null (the server's default): speculation for this request
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
@@ -139,6 +140,7 @@ class Parsed:
     extras: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None      # the seed a sampling request used (reported), None when greedy
     max_tokens_name: str = "max_tokens"   # the field that set the limit (errors name it)
+    model: str | None = None     # the model the request names (None: left out)
 
 
 def _is_num(v: Any) -> bool:
@@ -428,7 +430,8 @@ def parse_request(body: Any, chat: bool) -> Parsed:
                           "chat_template_kwargs.enable_thinking")
             req.enable_thinking = kw["enable_thinking"]
     return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage,
-                  seed=req.seed if req.temperature > 0 else None, max_tokens_name=max_tokens_name)
+                  seed=req.seed if req.temperature > 0 else None, max_tokens_name=max_tokens_name,
+                  model=body.get("model"))
 
 
 def complete_request(req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.CompleteRequest:
