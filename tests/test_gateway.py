@@ -200,6 +200,7 @@ def test_models_and_health(stack, client):
 
 @pytest.mark.parametrize("extra, param", [
     ({"n": 2}, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),   # OpenAI's most: 4
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),

@@ -1,5 +1,5 @@
 """What agent frameworks send through the official `openai` client: a `model` the gateway checks
-(404 model_not_found for another one, unless --allow-any-model)."""
+(404 model_not_found for another one, unless --allow-any-model), `stop` of at most 4."""
 from __future__ import annotations
 
 import httpx
@@ -57,3 +57,14 @@ def test_allow_any_model_takes_any_name(stack):
         assert r.model == MODEL   # the one served, whatever the request named
     finally:
         g.stop(0)
+
+
+# -- stop -----------------------------------------------------------------------------------------
+
+def test_stop_takes_four_and_refuses_five(client):
+    r = client.completions.create(model=MODEL, prompt="the cat", max_tokens=3, stop=["1", "2", "3", "4"])
+    assert len(r.choices) == 1
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="the cat", max_tokens=3,
+                                  stop=["1", "2", "3", "4", "5"])
+    assert ei.value.body["param"] == "stop" and "at most 4" in ei.value.body["message"]

@@ -4,7 +4,7 @@ error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contr
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
 mean something here are mapped; fields that ask for what echospec does not do (n > 1, logprobs,
 tools, penalties, ...) are refused with a 400 naming the field; unknown fields are refused as
-OpenAI refuses them. `model` is checked by the app (app.py: the served model, or 404
+OpenAI refuses them, and so are more than 4 `stop` sequences (OpenAI's most). `model` is checked by the app (app.py: the served model, or 404
 model_not_found), here only for its type. Extra fields (echospec's own, documented in README.md):
     spec             "on" | "off" | null (the server's default): speculation for this request
     k                drafts per round (0 or null: the server's default)
@@ -127,6 +127,9 @@ _CHAT_NULL_ONLY = {"audio", "reasoning_effort", "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 # the roles gRPC takes (chat_template.VALID_ROLES), under the name the template renders
 _ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
+
+
+MAX_STOP = 4   # stop sequences per request, as OpenAI allows
 
 
 @dataclass
@@ -398,6 +401,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop must be a non-empty string or a list of them", "stop")
+        if len(stop) > MAX_STOP:
+            raise bad(f"stop takes at most {MAX_STOP} sequences (as OpenAI's API), got {len(stop)}",
+                      "stop")
         req.stop.extend(stop)
     pred = body.get("prediction")
     if pred is not None:
