@@ -1,10 +1,14 @@
 """What agent frameworks send through the official `openai` client: a `model` the gateway checks
-(404 model_not_found for another one, unless --allow-any-model), `stop` of at most 4."""
+(404 model_not_found for another one, unless --allow-any-model), `stop` of at most 4; and the
+gateway's own /metrics."""
 from __future__ import annotations
+
+import threading
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from echospec.services.common.config import GatewayConfig
 from echospec.services.gateway import server as gserver
@@ -68,3 +72,50 @@ def test_stop_takes_four_and_refuses_five(client):
         client.completions.create(model=MODEL, prompt="the cat", max_tokens=3,
                                   stop=["1", "2", "3", "4", "5"])
     assert ei.value.body["param"] == "stop" and "at most 4" in ei.value.body["message"]
+
+
+# -- /metrics -------------------------------------------------------------------------------------
+
+def _sample(text: str, name: str, **labels) -> float:
+    """The value of sample ``name{labels}`` in Prometheus text (0 when it is not there yet)."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return 0.0
+
+
+def test_gateway_metrics_count_routes_codes_latency_and_in_flight(stack, client, held_prefill):
+    url = f"http://127.0.0.1:{stack.metrics_ports['gateway']}/metrics"
+    before = httpx.get(url).text
+    entered, release = held_prefill
+    # a stream whose prefill is held: in flight until it is let go
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 4, "stream": True}
+    done = []
+    t = threading.Thread(target=lambda: done.append(
+        httpx.post(stack.http_url + "/v1/completions", json=body, timeout=60).status_code))
+    t.start()
+    assert entered.wait(30)
+    during = httpx.get(url).text
+    release.set()
+    t.join(30)
+    assert done == [200]
+    client.completions.create(model=MODEL, prompt="the cat", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="the cat", max_tokens=2)
+    httpx.get(stack.http_url + "/v1/models/nope")
+    after = httpx.get(url).text
+    route = "/v1/completions"
+    assert _sample(during, "echospec_http_requests_in_flight", route=route) == 1
+    assert _sample(after, "echospec_http_requests_in_flight", route=route) == 0
+    for code, more in (("200", 2), ("404", 1)):
+        assert (_sample(after, "echospec_http_requests_total", route=route, code=code)
+                - _sample(before, "echospec_http_requests_total", route=route, code=code)) == more
+    assert (_sample(after, "echospec_http_requests_total", route="/v1/models/{model_id}", code="404")
+            - _sample(before, "echospec_http_requests_total", route="/v1/models/{model_id}",
+                      code="404")) == 1
+    assert (_sample(after, "echospec_http_request_duration_seconds_count", route=route)
+            - _sample(before, "echospec_http_request_duration_seconds_count", route=route)) == 3
+    # the coordinator's /metrics is another registry: no gateway names there
+    coord = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['coordinator']}/metrics").text
+    assert "echospec_http_" not in coord and "echospec_rpc_in_flight" in coord

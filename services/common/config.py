@@ -328,6 +328,9 @@ class GatewayConfig:
                                  "may send any of these keys too, and the gateway sends the "
                                  "client's own key on to the coordinator (\"\": none)")
     grace_s: float = setting(2.0, _GRACE)
+    metrics_port: int = setting(-1, "the gateway's own Prometheus /metrics (its HTTP requests) on "
+                                "metrics_host:metrics_port (-1: off, 0: a free port)")
+    metrics_host: str = setting(LOOPBACK, _METRICS_HOST)
 
 
 SERVICE_CONFIGS = (CoordinatorConfig, VerifierConfig, DraftConfig, GatewayConfig)

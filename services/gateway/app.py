@@ -2,6 +2,7 @@
 /v1/models, plus /health. Requests are checked and shaped by openai_api.py; the coordinator is
 called through upstream.py. A request naming another model than the one served gets 404
 model_not_found (OpenAI's), unless config.allow_any_model; one without ``model`` is taken.
+Each HTTP request is recorded in the gateway's own metrics when it has them (http_metrics.py).
 
     POST /v1/chat/completions, /v1/completions   JSON, or server-sent events when "stream": true
     GET  /v1/models                              the one model served
@@ -43,6 +44,7 @@ from echospec.services.common import auth
 from echospec.services.common.config import GatewayConfig
 from echospec.services.text.clip import clip
 from echospec.services.gateway import openai_api as api
+from echospec.services.gateway.http_metrics import HttpMetrics, MetricsMiddleware
 from echospec.services.gateway.upstream import GenerationStream, Upstream, UpstreamError
 
 log = logging.getLogger("echospec.gateway")
@@ -136,8 +138,9 @@ class ApiKeyMiddleware:
         await resp(scope, receive, send)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
-    """The gateway's ASGI app; its lifespan opens and closes the channel to the coordinator."""
+def create_app(config: GatewayConfig, metrics: HttpMetrics | None = None) -> FastAPI:
+    """The gateway's ASGI app; its lifespan opens and closes the channel to the coordinator.
+    ``metrics``: where its HTTP requests are recorded (http_metrics.py; None: nowhere)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -171,6 +174,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         from echospec.services.common.tenants import Tenants
         tenants = Tenants.load(config.api_keys_file)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, tenants=tenants)
+    if metrics is not None:   # added last: the outermost, so a 401 of the key check counts too
+        app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     def upstream(request: Request) -> Upstream:
         return request.app.state.upstream
