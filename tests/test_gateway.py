@@ -199,7 +199,9 @@ def test_models_and_health(stack, client):
 # -- errors ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"),
+    ({"n": 5}, "n"),            # over the gateway's n_limit, 4 by default
+    ({"n": 0}, "n"),
+    ({"n": 1.5}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),   # OpenAI's most: 4
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -597,9 +599,14 @@ def test_parse_request_maps_fields():
     q = api.parse_request({"prompt": [[5, 6, 7]]}, chat=False).request
     assert list(q.token_ids) == [5, 6, 7] and not q.HasField("top_p") and q.temperature == 0
     assert q.max_tokens == 0 and q.spec == common_pb2.SPEC_MODE_UNSPECIFIED   # server defaults
-    with pytest.raises(api.ApiError) as ei:
-        api.parse_request({"prompt": ["a", "b"]}, chat=False)          # one prompt per request
-    assert ei.value.param == "prompt"
+    # a list of prompts: a request each, sharing the other fields; n choices of each
+    p = api.parse_request({"prompt": ["a", [5, 6]], "max_tokens": 3, "stop": "x", "n": 2,
+                           "temperature": 1, "seed": 7}, chat=False)
+    assert (len(p.requests), p.n, p.choices, p.model) == (2, 2, 4, None)
+    assert p.requests[0].text == "a" and list(p.requests[1].token_ids) == [5, 6]
+    assert [(r.max_tokens, list(r.stop), r.seed) for r in p.requests] == [(3, ["x"], 7)] * 2
+    assert [p.choice_request(i).seed for i in range(4)] == [7, api.choice_seed(7, 1)] * 2
+    assert p.choice_request(3).token_ids == p.requests[1].token_ids
     with pytest.raises(api.ApiError) as ei:
         api.parse_request({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
     assert ei.value.param == "stream_options"

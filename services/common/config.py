@@ -302,6 +302,10 @@ class GatewayConfig:
     allow_any_model: bool = setting(False, "take a request whose `model` names another model than "
                                     "the one served (off: HTTP 404 model_not_found)",
                                     serve="--http-allow-any-model")
+    # named like the coordinator's max_tokens_limit: max_n (ECHOSPEC_MAX_N) is the n-gram length
+    n_limit: int = setting(4, "largest `n` (choices per prompt) a request may ask for (more: HTTP "
+                           "400); also the most generations one HTTP request runs at once",
+                           serve="--http-n-limit", range=(1, 256, "choices per prompt"))
     request_timeout_s: float = setting(600.0, "gRPC deadline of a generation in seconds "
                                        "(exceeded: HTTP 504)")
     max_body_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "larger request bodies: HTTP 413",
