@@ -250,9 +250,17 @@ def test_bad_prompt_lists_name_the_entry(stack, prompt, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_a_refused_prompt_in_a_list_fails_the_request(client):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_prompt_in_a_list_fails_the_request_naming_it(client, stream):
+    # the verifier refuses a prompt beyond its context: the error names the list's entry
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model=MODEL, prompt=["the cat", "the cat " * 9000], max_tokens=2)
+        r = client.completions.create(model=MODEL, prompt=["the cat", "the cat " * 9000],
+                                      max_tokens=2, n=2, temperature=1, stream=stream)
+        list(r) if stream else None
+    assert ei.value.body["param"] == "prompt[1]"
+    assert ei.value.body["message"].startswith("prompt[1]: ")
+    with pytest.raises(openai.BadRequestError) as ei:   # a single prompt: named as before
+        client.completions.create(model=MODEL, prompt="the cat " * 9000, max_tokens=2)
     assert ei.value.body["param"] == "prompt"
 
 

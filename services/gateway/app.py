@@ -13,7 +13,8 @@ gateway's own metrics when it has them (http_metrics.py).
 Errors have OpenAI's shape with matching HTTP codes (openai_api.error_from_status): a bad field 400,
 a missing or wrong API key 401, overload (no free verifier session, the RPC cap) 429, the
 coordinator unreachable 503, its deadline (request_timeout_s) 504. A stream answers with its HTTP
-status once the coordinator's first message (or error) is in, so a refused request gets its error
+status once the coordinator's first message (or error) is in (every prompt's, with a list of
+them: choices.ChoiceStreams.first), so a refused request gets its error
 code, not a 200 with an error event; an error after that is sent as one ``data: {"error": ...}``
 event and the stream ends. On shutdown (SIGINT/SIGTERM, GatewayServer.stop) requests in flight get
 the grace period (config.grace_s) to finish; a stream still running then gets one error event naming
@@ -244,7 +245,7 @@ def create_app(config: GatewayConfig, metrics: HttpMetrics | None = None) -> Fas
             try:
                 # errors before any output keep their HTTP code; a client that leaves during the
                 # prefill cancels it now, not when the first token comes out
-                first = await _unless_disconnected(stream.__anext__(), gone, shutdown)
+                first = await _unless_disconnected(stream.first(), gone, shutdown)
             except BaseException:
                 stream.cancel()
                 raise
@@ -254,8 +255,8 @@ def create_app(config: GatewayConfig, metrics: HttpMetrics | None = None) -> Fas
         except BaseException as exc:
             gone.cancel()
             if isinstance(exc, UpstreamError):
-                raise api.error_from_status(exc.code, exc.message, chat,
-                                            parsed.max_tokens_name) from None
+                raise api.error_from_status(exc.code, exc.message, chat, parsed.max_tokens_name,
+                                            exc.prompt_index) from None
             raise
         return _EventStream(_sse(parsed, stream, first, api.new_id(chat), model, shutdown, gone),
                             media_type="text/event-stream",

@@ -14,11 +14,13 @@ speculation): it is generated once and given as each of the prompt's n choices. 
 generations of one request run at once (the gateway's n_limit): the rest wait for a slot, so a
 long list of prompts does not take every verifier session.
 
-No HTTP here: errors come out as upstream.UpstreamError, the first one of any choice.
+No HTTP here: errors come out as upstream.UpstreamError, the first one of any choice; with a
+list of prompts its ``prompt_index`` says whose call failed.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from echospec_client.limits import MAX_REQUEST_ID
 from echospec.v1 import coordinator_pb2
@@ -49,8 +51,9 @@ async def complete_all(up: Upstream, parsed: api.Parsed, rid: str, authorization
     async def one(index: int) -> None:
         async with slots:
             req = api.complete_request(parsed.choice_request(index))
-            results[index] = await up.complete(req, choice_request_id(rid, index, count),
-                                               authorization)
+            with _naming_the_prompt(parsed, index):
+                results[index] = await up.complete(req, choice_request_id(rid, index, count),
+                                                   authorization)
 
     async def prompt(i: int) -> None:
         await one(i * n)
@@ -69,6 +72,17 @@ async def complete_all(up: Upstream, parsed: api.Parsed, rid: str, authorization
     return results   # type: ignore[return-value]
 
 
+@contextlib.contextmanager
+def _naming_the_prompt(parsed: api.Parsed, index: int):
+    """An UpstreamError of choice ``index``'s call, with its prompt's index in a list of them."""
+    try:
+        yield
+    except UpstreamError as exc:
+        if len(parsed.requests) > 1:
+            exc.prompt_index = index // parsed.n
+        raise
+
+
 def _first(group: BaseExceptionGroup) -> BaseException:
     """The error to report of a TaskGroup's: an UpstreamError when there is one."""
     flat = []
@@ -84,8 +98,10 @@ class ChoiceStreams:
     """Every choice's Generate stream merged into one: iterate for ``(index, GenerateResponse)``
     in arrival order (each choice's own messages in their order); a greedy prompt's one stream
     is given once per choice index. The first failure of any choice is raised by the next
-    ``__anext__`` (UpstreamError); ``cancel()`` ends every call. Create it inside the event loop
-    that iterates it."""
+    ``__anext__`` (UpstreamError); ``cancel()`` ends every call. ``first()`` is the first item
+    once every prompt's first choice has its first message, so a prompt of a list refused by the
+    coordinator (too long, ...) is an error before any output, not one mid-stream. Create it
+    inside the event loop that iterates it."""
 
     _END = object()
 
@@ -97,6 +113,9 @@ class ChoiceStreams:
         self._tasks: set[asyncio.Task] = set()
         self._running = 0
         self._failed = False
+        self._error: BaseException | None = None
+        self._errored = asyncio.Event()
+        self._opened = [asyncio.Event() for _ in parsed.requests]   # a prompt's first message
         for i in range(len(parsed.requests)):
             self._spawn(self._prompt(i))
 
@@ -113,6 +132,9 @@ class ChoiceStreams:
             return
         exc = task.exception()
         if exc is not None:
+            if self._error is None:
+                self._error = exc
+                self._errored.set()
             self._queue.put_nowait(exc)
         elif self._running == 0:
             self._queue.put_nowait(self._END)
@@ -124,9 +146,11 @@ class ChoiceStreams:
             stream = self._up.generate(p.choice_request(index),
                                        choice_request_id(self._rid, index, p.choices), self._auth)
             try:
-                async for msg in stream:
-                    for k in range(copies):
-                        self._queue.put_nowait((index + k, msg))
+                with _naming_the_prompt(p, index):
+                    async for msg in stream:
+                        for k in range(copies):
+                            self._queue.put_nowait((index + k, msg))
+                        self._opened[index // p.n].set()
             finally:
                 stream.cancel()
 
@@ -137,6 +161,25 @@ class ChoiceStreams:
             return
         for j in range(n):   # each from the previous one's session in the prefix cache
             await self._pump(i * n + j, 1)
+
+    async def first(self) -> tuple[int, coordinator_pb2.GenerateResponse]:
+        """The first item, once every prompt has its first message (or the first error)."""
+        async def all_opened() -> None:
+            for e in self._opened:
+                await e.wait()
+
+        opened = asyncio.ensure_future(all_opened())
+        errored = asyncio.ensure_future(self._errored.wait())
+        try:
+            await asyncio.wait({opened, errored}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            opened.cancel()
+            errored.cancel()
+        if self._error is not None:
+            self._failed = True
+            self.cancel()
+            raise self._error
+        return await self.__anext__()
 
     def __aiter__(self) -> "ChoiceStreams":
         return self

@@ -107,14 +107,20 @@ def refused_param(message: str, chat: bool) -> str | None:
 
 
 def error_from_status(code: str, message: str, chat: bool | None = None,
-                      max_tokens_name: str = "max_tokens") -> ApiError:
+                      max_tokens_name: str = "max_tokens",
+                      prompt_index: int | None = None) -> ApiError:
     """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name); with
     ``chat`` given, a refused request names its field in ``param``. ``max_tokens_name``: the
-    field that carried the limit (a chat request's max_completion_tokens), named in its place."""
+    field that carried the limit (a chat request's max_completion_tokens), named in its place.
+    ``prompt_index``: the call was for that entry of a list of prompts, named when the prompt
+    was refused (``prompt[2]``)."""
     status, kind = _STATUS.get(code, (500, "server_error"))
     if max_tokens_name != "max_tokens" and message.startswith("max_tokens "):
         message = max_tokens_name + message[len("max_tokens"):]
     param = refused_param(message, chat) if chat is not None and status == 400 else None
+    if param == "prompt" and prompt_index is not None:
+        param = f"prompt[{prompt_index}]"
+        message = f"{param}: {message}"
     return ApiError(status, message, param, kind, code.lower())
 
 
