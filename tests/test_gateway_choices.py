@@ -316,3 +316,42 @@ def test_gateway_metrics_count_routes_codes_latency_and_in_flight(stack, client,
     # the coordinator's /metrics is another registry: no gateway names there
     coord = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['coordinator']}/metrics").text
     assert "echospec_http_" not in coord and "echospec_rpc_in_flight" in coord
+
+
+def test_a_client_leaving_a_stream_of_several_choices_cancels_them_all(stack):
+    """Two prompts, n 2: both prompts' first choices run when the first chunk is out; the client
+    closing the stream cancels both calls, frees both sessions, and the second choices never
+    start."""
+    import grpc
+    import time
+
+    from echospec.v1 import verifier_pb2 as vpb, verifier_pb2_grpc
+    registry = stack._servers["coordinator"].handle.rpc_metrics.registry
+    method = "/echospec.v1.CoordinatorService/Generate"
+
+    def finished(code: str) -> float:
+        return registry.get_sample_value("echospec_rpc_finished_total",
+                                         {"method": method, "code": code}) or 0.0
+
+    with grpc.insecure_channel(stack.verifier_target) as ch:
+        vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+        def sessions() -> int:
+            return vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
+
+        before = {code: finished(code) for code in ("OK", "CANCELLED")}
+        # sampling (choices one after another) with top_k 1: greedy's text, which from "the
+        # cat" runs to max_tokens on this model (test_gateway's disconnect tests)
+        body = {"model": MODEL, "prompt": ["the cat", "the cat"], "n": 2, "max_tokens": 8000,
+                "temperature": 1, "top_k": 1, "seed": 5, "stream": True, "spec": "off"}
+        with httpx.stream("POST", stack.http_url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()   # kept: a dropped iterator closes the connection
+            line = next(lines)
+            assert line.startswith("data: {\"id\"") and sessions() == 2, line
+        deadline = time.monotonic() + 10
+        while (finished("CANCELLED") < before["CANCELLED"] + 2 or sessions()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)   # a second choice started by mistake would show now
+        assert finished("CANCELLED") == before["CANCELLED"] + 2
+        assert finished("OK") == before["OK"] and sessions() == 0
