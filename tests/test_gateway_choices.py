@@ -236,7 +236,19 @@ def test_prompts_and_n_are_prompt_major(client):
     assert streamed == texts
 
 
+def test_more_prompts_than_run_at_once(client):
+    """Six prompts, n_limit 4 generations at once: the last two wait for a slot, streamed too
+    (a stream's first chunk waits only for the prompts that start at once)."""
+    prompts = [f"the cat {w}" for w in ("sat", "ran", "ate", "saw", "hid", "won")]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6)
+    streamed = [""] * 6
+    for ch in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True):
+        streamed[ch.choices[0].index] += ch.choices[0].text
+    assert streamed == _texts(r) and all(streamed)
+
+
 @pytest.mark.parametrize("prompt, param", [
+    (["a"] * (api.MAX_PROMPTS + 1), "prompt"),
     ([], "prompt"),
     (["the cat", ""], "prompt[1]"),
     (["the cat", 5], "prompt[1]"),

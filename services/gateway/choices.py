@@ -20,12 +20,18 @@ list of prompts its ``prompt_index`` says whose call failed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 
 from echospec_client.limits import MAX_REQUEST_ID
 from echospec.v1 import coordinator_pb2
 from echospec.services.gateway import openai_api as api
 from echospec.services.gateway.upstream import Upstream, UpstreamError
+
+
+# messages of one choice's stream read from the coordinator but not yet by the HTTP client: a
+# slow client's output waits in gRPC's flow control, not in this process's memory
+BUFFERED = 64
 
 
 def choice_request_id(rid: str, index: int, count: int) -> str:
@@ -99,9 +105,10 @@ class ChoiceStreams:
     in arrival order (each choice's own messages in their order); a greedy prompt's one stream
     is given once per choice index. The first failure of any choice is raised by the next
     ``__anext__`` (UpstreamError); ``cancel()`` ends every call. ``first()`` is the first item
-    once every prompt's first choice has its first message, so a prompt of a list refused by the
-    coordinator (too long, ...) is an error before any output, not one mid-stream. Create it
-    inside the event loop that iterates it."""
+    once the first choice of every prompt that starts at once has its first message, so a prompt
+    of a list refused by the coordinator (too long, ...) is an error before any output, not one
+    mid-stream. Each call's stream is read at most BUFFERED messages ahead of the reader. Create
+    it inside the event loop that iterates it."""
 
     _END = object()
 
@@ -116,6 +123,8 @@ class ChoiceStreams:
         self._error: BaseException | None = None
         self._errored = asyncio.Event()
         self._opened = [asyncio.Event() for _ in parsed.requests]   # a prompt's first message
+        self._limit = limit
+        self._copies: collections.deque = collections.deque()
         for i in range(len(parsed.requests)):
             self._spawn(self._prompt(i))
 
@@ -145,11 +154,12 @@ class ChoiceStreams:
         async with self._slots:
             stream = self._up.generate(p.choice_request(index),
                                        choice_request_id(self._rid, index, p.choices), self._auth)
+            room = asyncio.Semaphore(BUFFERED)   # released as the reader takes each message
             try:
                 with _naming_the_prompt(p, index):
                     async for msg in stream:
-                        for k in range(copies):
-                            self._queue.put_nowait((index + k, msg))
+                        await room.acquire()
+                        self._queue.put_nowait((index, copies, msg, room))
                         self._opened[index // p.n].set()
             finally:
                 stream.cancel()
@@ -163,9 +173,10 @@ class ChoiceStreams:
             await self._pump(i * n + j, 1)
 
     async def first(self) -> tuple[int, coordinator_pb2.GenerateResponse]:
-        """The first item, once every prompt has its first message (or the first error)."""
+        """The first item, once every prompt that starts at once (the first ``limit``: the others
+        wait for a slot) has its first message, or the first error."""
         async def all_opened() -> None:
-            for e in self._opened:
+            for e in self._opened[:self._limit]:
                 await e.wait()
 
         opened = asyncio.ensure_future(all_opened())
@@ -187,6 +198,8 @@ class ChoiceStreams:
     async def __anext__(self) -> tuple[int, coordinator_pb2.GenerateResponse]:
         if self._failed:
             raise StopAsyncIteration
+        if self._copies:   # a greedy prompt's message, once more for its next choice
+            return self._copies.popleft()
         item = await self._queue.get()
         if item is self._END:
             self._queue.put_nowait(item)
@@ -195,7 +208,10 @@ class ChoiceStreams:
             self._failed = True
             self.cancel()
             raise item
-        return item
+        index, copies, msg, room = item
+        room.release()
+        self._copies.extend((index + k, msg) for k in range(1, copies))
+        return index, msg
 
     def cancel(self) -> None:
         for task in list(self._tasks):

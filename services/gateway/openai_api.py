@@ -5,8 +5,8 @@ Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/
 mean something here are mapped; fields that ask for what echospec does not do (logprobs, tools,
 penalties, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
 refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
-most). A completion's `prompt` may be a list of prompts: one coordinator request each, sharing
-the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
+most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
+request each, sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
 prompt-major); a sampling request's choice j has the seed ``choice_seed(seed, j)`` (the seed
 itself for j = 0, SplitMix64's j-th output from it after), a greedy request's choices are one
 generation (choices.py runs them). `model` is checked by the app (app.py: the served model, or
@@ -144,6 +144,7 @@ _ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
 
 
 MAX_STOP = 4   # stop sequences per request, as OpenAI allows
+MAX_PROMPTS = 256   # prompts in one /v1/completions request: its answer is held whole in memory
 
 
 @dataclass
@@ -388,6 +389,8 @@ def _prompts(body: dict) -> list[coordinator_pb2.GenerateRequest]:
     if not isinstance(p, list) or not p:
         raise bad("prompt must be a string, a list of token ids, or a non-empty list of these",
                   "prompt")
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"prompt takes at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
     return [_one_prompt(x, f"prompt[{i}]") for i, x in enumerate(p)]
 
 
