@@ -34,7 +34,9 @@ KILL_AFTER_TOKENS = 16
 
 
 def check_http(target: str) -> None:
-    body = json.dumps({"model": "smollm2", "max_tokens": 24,
+    with urllib.request.urlopen(f"http://{target}/v1/models", timeout=30) as r:
+        model = json.load(r)["data"][0]["id"]   # the one served: another name is a 404
+    body = json.dumps({"model": model, "max_tokens": 24,
                        "messages": [{"role": "user", "content": "Name three planets."}]}).encode()
     req = urllib.request.Request(f"http://{target}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})

@@ -304,7 +304,8 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
     The coordinator's metrics_port is the stack's /metrics (-1: off, 0: a free port), on its
     metrics_host (loopback by default, whatever host says), the others' too: in threads
     mode one for the three services; in process mode the verifier and draft each serve theirs
-    on a free port (``Stack.metrics_ports``).
+    on a free port (``Stack.metrics_ports``). The gateway's own (its HTTP requests, another
+    registry) is on a free port of its own in both modes (``Stack.metrics_ports["gateway"]``).
 
     processes=True runs each service in its own process (see the module docstring). Each child
     gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG, see
@@ -334,7 +335,8 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
     gcfg = None
     if st.http_port >= 0:
         gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key,
-                                   api_keys_file=c.api_keys_file)
+                                   api_keys_file=c.api_keys_file, metrics_host=mh,
+                                   metrics_port=_free_port(mh) if c.metrics_port >= 0 else -1)
     if st.processes:
         return _start_processes(dcfg, vcfg, c, gcfg, ready_timeout_s)
     return _start_threads(dcfg, vcfg, c, gcfg, ready_timeout_s)
@@ -383,6 +385,8 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
                 raise StackError(f"gateway: {exc}") from exc
             stack._servers["gateway"] = g
             stack.http_port = g.port
+            if g.metrics_port >= 0:
+                stack.metrics_ports["gateway"] = g.metrics_port
     except BaseException:
         stack.stop(0)
         raise
@@ -445,6 +449,8 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
             if name == "gateway":
                 _wait_port(name, p, stack._stderr[name], cfg.host, cfg.port, ready_timeout_s)
                 stack.http_port = cfg.port
+                if cfg.metrics_port >= 0:
+                    stack.metrics_ports[name] = cfg.metrics_port
                 continue
             tls = grpc_util.Tls(cfg.tls_cert, cfg.tls_key, ca=cfg.tls_ca)
             _wait_process(name, p, stack._stderr[name], host_port(cfg.host, cfg.port), svc,

@@ -328,7 +328,7 @@ def test_missing_template_is_invalid_argument_over_grpc_and_400_over_http(tmp_pa
     model = tmp_path / "tiny-plain.gguf"
     write_tiny_model(model, n_vocab=320, special_tokens=("<|endoftext|>", "<|turn|>", "<|end|>"))
     msgs = [cpb.ChatMessage(role="user", content="hi")]
-    st = start_stack(str(model), n_ctx=256, n_threads=1, http_port=0)
+    st = start_stack(str(model), n_ctx=256, n_threads=1, http_port=0, model_name="m")
     try:
         with grpc.insecure_channel(st.target) as ch:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)

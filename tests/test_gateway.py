@@ -22,6 +22,7 @@ from echospec.v1 import verifier_pb2_grpc
 
 ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat on"}]
+MODEL = "n_ctx_train-8192"   # the stack's model id in /v1/models: its GGUF file's stem
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def sse_events(resp: httpx.Response) -> list[bytes]:
 
 @pytest.mark.parametrize("spec", ["on", "off"])
 def test_chat_matches_grpc_complete(client, stub, spec):
-    r = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
                                        extra_body={"spec": spec})
     g = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=ON if spec == "on" else OFF)
     assert r.object == "chat.completion" and len(r.choices) == 1
@@ -94,7 +95,7 @@ def test_chat_matches_grpc_complete(client, stub, spec):
 def test_chat_stream_matches_non_stream(client, stub):
     g = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=ON)
     chunks = list(client.chat.completions.create(
-        model="any", messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"spec": "on"}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -114,9 +115,9 @@ def test_completions_text_and_token_prompts(client, stub, stream):
     for prompt in ("the cat sat", ids, [ids]):
         if stream:
             text = "".join(c.choices[0].text for c in client.completions.create(
-                model="m", prompt=prompt, max_tokens=30, stream=True))
+                model=MODEL, prompt=prompt, max_tokens=30, stream=True))
         else:
-            r = client.completions.create(model="m", prompt=prompt, max_tokens=30)
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30)
             text = r.choices[0].text
             assert r.object == "text_completion"
             assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (g.prompt_tokens,
@@ -129,7 +130,7 @@ def test_temperature_one_rule_over_http_and_grpc(client, stub, temperature):
     """Any finite temperature, <= 0 greedy, on both surfaces (HTTP refused -1 and 2.5 with
     "must be in [0, 2]" while gRPC took them); the same value gives the same text."""
     g = grpc_complete(stub, text="the cat sat", max_tokens=12, temperature=temperature, seed=11)
-    r = client.completions.create(model="m", prompt="the cat sat", max_tokens=12, temperature=temperature,
+    r = client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=12, temperature=temperature,
                                   seed=11)
     assert r.choices[0].text == g.text
     if temperature <= 0:
@@ -138,7 +139,7 @@ def test_temperature_one_rule_over_http_and_grpc(client, stub, temperature):
 
 def test_temperature_beyond_float32_refused_over_http_and_grpc(client, stub):
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model="m", prompt="hi", max_tokens=2, temperature=1e39)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=1e39)
     assert ei.value.body["param"] == "temperature"
     assert ei.value.body["message"] == ("temperature must be a finite float32 (within about ±3.4e38; "
                                         "<= 0 is greedy), got 1e+39")
@@ -152,7 +153,7 @@ def test_prediction_same_text_and_counts(client, stub):
     # a prediction that agrees for a while, then diverges
     pred = base.text[: len(base.text) // 2] + " something else entirely"
     for stream in (False, True):
-        kw = dict(model="m", messages=MESSAGES, max_tokens=40, temperature=0,
+        kw = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
                   prediction={"type": "content", "content": pred}, extra_body={"spec": "on"})
         g = grpc_complete(stub, messages=grpc_messages(), max_tokens=40, spec=ON, prediction=pred)
         if stream:
@@ -188,17 +189,20 @@ def test_usage_maps_spec_stats_fields():
 
 def test_models_and_health(stack, client):
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id == "n_ctx_train-8192"   # the GGUF file's stem
+    assert len(models) == 1 and models[0].id == MODEL == "n_ctx_train-8192"   # the GGUF file's stem
     r = httpx.get(stack.http_url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "SERVING"}
-    r = client.chat.completions.create(model="whatever", messages=MESSAGES, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert r.model == models[0].id
 
 
 # -- errors ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"),
+    ({"n": 5}, "n"),            # over the gateway's n_limit, 4 by default
+    ({"n": 0}, "n"),
+    ({"n": 1.5}, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),   # OpenAI's most: 4
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
@@ -217,7 +221,7 @@ def test_models_and_health(stack, client):
     ({"reasoning_effort": "high"}, "reasoning_effort"),
 ])
 def test_bad_fields_raise_bad_request(client, extra, param):
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": 4}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
     body.update(extra)
     with pytest.raises(openai.BadRequestError) as ei:
         client.post("/chat/completions", body=body, cast_to=object)
@@ -232,9 +236,9 @@ def test_bad_fields_raise_bad_request(client, extra, param):
 def test_coordinator_refusals_are_400(client, stack):
     # limits the coordinator checks (max_tokens), the verifier (prompt beyond n_ctx): both 400
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model="m", prompt="hi", max_tokens=10 ** 6)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10 ** 6)
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model="m", prompt="the cat " * 8000, max_tokens=4, stream=True)
+        client.completions.create(model=MODEL, prompt="the cat " * 8000, max_tokens=4, stream=True)
     assert ei.value.body["code"] == "invalid_argument"
     r = httpx.post(stack.http_url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
@@ -271,7 +275,7 @@ def test_unreachable_coordinator_is_503_and_deadline_504(stack):
         assert httpx.get(f"http://127.0.0.1:{down.port}/health").status_code == 503
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{slow.port}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as ei:
-            c.completions.create(model="m", prompt="the cat", max_tokens=900,
+            c.completions.create(model=MODEL, prompt="the cat", max_tokens=900,
                                  extra_body={"spec": "off"})
         assert ei.value.status_code == 504
     finally:
@@ -282,7 +286,7 @@ def test_unreachable_coordinator_is_503_and_deadline_504(stack):
 # -- SSE framing and UTF-8 -------------------------------------------------------------------------
 
 def test_sse_events_are_json_and_end_with_done(stack):
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": 30, "stream": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "stream": True}
     with httpx.stream("POST", stack.http_url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -296,7 +300,7 @@ def test_sse_events_are_json_and_end_with_done(stack):
 def test_sse_never_splits_utf8(smollm2_path):
     """SmolLM2 continues CJK text with CJK characters of several tokens each; every event's bytes
     must be valid UTF-8 on their own, and the events must add up to the non-streamed text."""
-    st = start_stack(smollm2_path, n_ctx=256, n_threads=1, http_port=0)
+    st = start_stack(smollm2_path, n_ctx=256, n_threads=1, http_port=0, model_name="m")
     try:
         prompt = "日本語の文章です。東京は日本の首都です。京都は古い都です。大阪は"
         body = {"model": "m", "prompt": prompt, "max_tokens": 24, "stream": True}
@@ -336,7 +340,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_session(stack, caplog):
             return vstub.GetConfig(vpb.GetConfigRequest()).active_sessions
 
         before = cancelled()
-        body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
+        body = {"model": MODEL, "prompt": "the cat", "max_tokens": 8000, "stream": True, "spec": "off"}
         with caplog.at_level(logging.INFO, logger="echospec.gateway"):
             with httpx.stream("POST", stack.http_url + "/v1/completions", json=body) as r:
                 it = r.iter_lines()
@@ -364,7 +368,7 @@ def test_disconnect_before_a_whole_answer_cancels(stack):
             "echospec_rpc_finished_total", {"method": method, "code": "CANCELLED"}) or 0.0
 
     before = cancelled()
-    body = {"model": "m", "prompt": "the cat", "max_tokens": 8000, "spec": "off"}
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 8000, "spec": "off"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.http_url + "/v1/completions", json=body, timeout=0.3)
     deadline = time.monotonic() + 10
@@ -394,7 +398,7 @@ def test_disconnect_before_the_first_token_cancels_the_prefill(stack, held_prefi
 
     entered, release = held_prefill
     rid = "gw-early-leave" + path.replace("/", "-")
-    body = {"model": "m", "max_tokens": 50, "stream": True, "spec": "off"}
+    body = {"model": MODEL, "max_tokens": 50, "stream": True, "spec": "off"}
     body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "the cat sat on"})
     raw = json.dumps(body).encode()
     before = cancelled()
@@ -460,7 +464,7 @@ def test_no_free_session_is_429(tiny_model):
     """max_sessions 1: while a stream holds the verifier's one session, another request is
     RESOURCE_EXHAUSTED, which the openai client sees as RateLimitError (HTTP 429)."""
     st = start_stack(tiny_model(n_ctx_train=8192), n_ctx=8192, n_threads=1, max_sessions=1,
-                     prefix_cache=False, http_port=0)
+                     prefix_cache=False, http_port=0, model_name="m")
     try:
         c = openai.OpenAI(base_url=st.http_url + "/v1", api_key="x", max_retries=0, timeout=60)
         c.completions.create(model="m", prompt="warm", max_tokens=1)   # the client's first-call cost
@@ -501,7 +505,7 @@ def test_openai_fields_at_their_defaults_are_accepted():
 
 def test_max_tokens_and_max_completion_tokens_must_agree(client):
     """Both given and different: 400 naming both (max_completion_tokens silently won); equal: one limit."""
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 7}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 7}
     with pytest.raises(openai.BadRequestError) as ei:
         client.post("/chat/completions", body=body, cast_to=object)
     err = ei.value.body
@@ -514,7 +518,7 @@ def test_max_tokens_and_max_completion_tokens_must_agree(client):
     assert api.parse_request({"messages": MESSAGES, "max_tokens": 5}, chat=True).request.max_tokens == 5
     assert api.parse_request({"messages": MESSAGES, "max_completion_tokens": 6},
                              chat=True).request.max_tokens == 6
-    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, max_completion_tokens=3)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, max_completion_tokens=3)
     assert r.usage.completion_tokens <= 3
 
 
@@ -522,7 +526,7 @@ def test_max_tokens_and_max_completion_tokens_must_agree(client):
 @pytest.mark.parametrize("value", [0, -3])
 def test_max_tokens_below_one_names_the_range_over_http(client, name, value):
     """HTTP refuses 0 (it asks for no tokens) and says the range (was: "must be >= 1, got 0")."""
-    body = {"model": "m", "messages": MESSAGES, name: value}
+    body = {"model": MODEL, "messages": MESSAGES, name: value}
     with pytest.raises(openai.BadRequestError) as ei:
         client.post("/chat/completions", body=body, cast_to=object)
     assert ei.value.body["param"] == name
@@ -595,9 +599,14 @@ def test_parse_request_maps_fields():
     q = api.parse_request({"prompt": [[5, 6, 7]]}, chat=False).request
     assert list(q.token_ids) == [5, 6, 7] and not q.HasField("top_p") and q.temperature == 0
     assert q.max_tokens == 0 and q.spec == common_pb2.SPEC_MODE_UNSPECIFIED   # server defaults
-    with pytest.raises(api.ApiError) as ei:
-        api.parse_request({"prompt": ["a", "b"]}, chat=False)          # one prompt per request
-    assert ei.value.param == "prompt"
+    # a list of prompts: a request each, sharing the other fields; n choices of each
+    p = api.parse_request({"prompt": ["a", [5, 6]], "max_tokens": 3, "stop": "x", "n": 2,
+                           "temperature": 1, "seed": 7}, chat=False)
+    assert (len(p.requests), p.n, p.choices, p.model) == (2, 2, 4, None)
+    assert p.requests[0].text == "a" and list(p.requests[1].token_ids) == [5, 6]
+    assert [(r.max_tokens, list(r.stop), r.seed) for r in p.requests] == [(3, ["x"], 7)] * 2
+    assert [p.choice_request(i).seed for i in range(4)] == [7, api.choice_seed(7, 1)] * 2
+    assert p.choice_request(3).token_ids == p.requests[1].token_ids
     with pytest.raises(api.ApiError) as ei:
         api.parse_request({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
     assert ei.value.param == "stream_options"

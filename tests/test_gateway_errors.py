@@ -138,7 +138,7 @@ def test_newer_openai_metadata_fields_are_accepted(gateway, name):
 def test_unexpected_error_keeps_openai_shape(gateway, monkeypatch):
     # a bug anywhere in a route still answers in OpenAI's error shape (was: text/plain
     # "Internal Server Error", which the openai client cannot parse into an error message)
-    def broken(body, chat):
+    def broken(*args):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(api, "parse_request", broken)

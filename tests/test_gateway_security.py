@@ -69,7 +69,7 @@ def pki(tmp_path_factory):
 def stack(tiny_model, pki):
     st = start_stack(tiny_model(), n_ctx=256, n_threads=1, http_port=0, api_key=KEY,
                      tls_cert=pki["cert"], tls_key=pki["key"], tls_ca=pki["ca"],
-                     tls_client_ca=pki["ca"])
+                     tls_client_ca=pki["ca"], model_name="m")
     yield st
     st.stop(0.5)
 

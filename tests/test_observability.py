@@ -200,9 +200,9 @@ def test_vllm_named_metrics_in_seconds_and_errors_by_code(stack):
 
 
 def test_processes_mode_serves_metrics_on_every_service(model):
-    st = start_stack(model, n_ctx=256, n_threads=1, metrics_port=0, processes=True)
+    st = start_stack(model, n_ctx=256, n_threads=1, metrics_port=0, processes=True, http_port=0)
     try:
-        assert set(st.metrics_ports) == {"coordinator", "verifier", "draft"}
+        assert set(st.metrics_ports) == {"coordinator", "verifier", "draft", "gateway"}
         with grpc.insecure_channel(st.target) as ch:
             coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(
                 cpb.CompleteRequest(text="a b a b", max_tokens=4, spec=common_pb2.SPEC_MODE_ON),
@@ -212,6 +212,13 @@ def test_processes_mode_serves_metrics_on_every_service(model):
             text = scrape(st.metrics_ports[name])
             assert f'method="/echospec.v1.{svc}/' in text, (name, text[:500])
         assert "echospec_time_to_first_token_seconds" in scrape(st.metrics_ports["coordinator"])
+        # the gateway's own, in its process: its HTTP requests
+        body = json.dumps({"prompt": "a b", "max_tokens": 2}).encode()
+        urllib.request.urlopen(urllib.request.Request(
+            st.http_url + "/v1/completions", data=body,
+            headers={"Content-Type": "application/json"}), timeout=60).read()
+        assert 'echospec_http_requests_total{code="200",route="/v1/completions"} 1.0' in \
+            scrape(st.metrics_ports["gateway"])
     finally:
         st.stop()
 

@@ -363,7 +363,7 @@ def test_gateway_takes_a_request_id_header_that_is_not_ascii(tiny_stack, stream)
     # was: 500 "internal error in the gateway: ExecuteBatchError": the header went on to the
     # coordinator as gRPC metadata, which carries ASCII only
     import httpx
-    body = {"model": "m", "prompt": "hello", "max_tokens": 2, "stream": stream}
+    body = {"prompt": "hello", "max_tokens": 2, "stream": stream}
     for rid in ("caf\u00e9-1".encode("utf-8"), b"ok-id-7"):
         r = httpx.post(tiny_stack.http_url + "/v1/completions", json=body, timeout=60,
                        headers={"x-request-id": rid})

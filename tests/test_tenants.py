@@ -53,7 +53,7 @@ def test_an_unusable_keys_file_is_refused_naming_it(tmp_path, content, message):
 def stack(smollm2_path, tmp_path_factory):
     keys = tmp_path_factory.mktemp("tenants") / "keys.json"
     keys.write_text(json.dumps({KA: "team-a", KB: "team-b"}))
-    st = start_stack(smollm2_path, n_ctx=512, api_keys_file=str(keys), http_port=0)
+    st = start_stack(smollm2_path, n_ctx=512, api_keys_file=str(keys), http_port=0, model_name="m")
     yield st
     st.stop(0.5)
 

@@ -172,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _say(f"draft service    listening on {stack.draft_target}")
         _say(f"verifier service listening on {stack.verifier_target}")
         for name, mp in sorted(stack.metrics_ports.items()):
-            who = "all services" if not args.processes else name
+            who = name if args.processes or name == "gateway" else "all services"
             _say(f"metrics          on http://{_url_host(args.metrics_host)}:{mp}/metrics ({who})")
         if stack.http_url:
             _say(f"HTTP gateway     on {stack.http_url}/v1 (OpenAI-compatible)")

@@ -299,6 +299,13 @@ class GatewayConfig:
     port: int = setting(8000, f"HTTP port {_PORT}")
     coordinator_target: str = setting(f"{LOOPBACK}:50051", "the coordinator's host:port")
     model_name: str = setting("", "model id in /v1/models and responses (\"\": the GGUF file's stem)")
+    allow_any_model: bool = setting(False, "take a request whose `model` names another model than "
+                                    "the one served (off: HTTP 404 model_not_found)",
+                                    serve="--http-allow-any-model")
+    # named like the coordinator's max_tokens_limit: max_n (ECHOSPEC_MAX_N) is the n-gram length
+    n_limit: int = setting(4, "largest `n` (choices per prompt) a request may ask for (more: HTTP "
+                           "400); also the most generations one HTTP request runs at once",
+                           serve="--http-n-limit", range=(1, 256, "choices per prompt"))
     request_timeout_s: float = setting(600.0, "gRPC deadline of a generation in seconds "
                                        "(exceeded: HTTP 504)")
     max_body_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "larger request bodies: HTTP 413",
@@ -325,6 +332,9 @@ class GatewayConfig:
                                  "may send any of these keys too, and the gateway sends the "
                                  "client's own key on to the coordinator (\"\": none)")
     grace_s: float = setting(2.0, _GRACE)
+    metrics_port: int = setting(-1, "the gateway's own Prometheus /metrics (its HTTP requests) on "
+                                "metrics_host:metrics_port (-1: off, 0: a free port)")
+    metrics_host: str = setting(LOOPBACK, _METRICS_HOST)
 
 
 SERVICE_CONFIGS = (CoordinatorConfig, VerifierConfig, DraftConfig, GatewayConfig)

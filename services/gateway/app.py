@@ -1,6 +1,9 @@
 """The gateway's HTTP routes (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and
 /v1/models, plus /health. Requests are checked and shaped by openai_api.py; the coordinator is
-called through upstream.py.
+called through upstream.py, one call per choice (choices.py: n choices of each prompt). A
+request naming another model than the one served gets 404 model_not_found (OpenAI's), unless
+config.allow_any_model; one without ``model`` is taken. Each HTTP request is recorded in the
+gateway's own metrics when it has them (http_metrics.py).
 
     POST /v1/chat/completions, /v1/completions   JSON, or server-sent events when "stream": true
     GET  /v1/models                              the one model served
@@ -10,7 +13,8 @@ called through upstream.py.
 Errors have OpenAI's shape with matching HTTP codes (openai_api.error_from_status): a bad field 400,
 a missing or wrong API key 401, overload (no free verifier session, the RPC cap) 429, the
 coordinator unreachable 503, its deadline (request_timeout_s) 504. A stream answers with its HTTP
-status once the coordinator's first message (or error) is in, so a refused request gets its error
+status once the coordinator's first message (or error) is in (every prompt's, with a list of
+them: choices.ChoiceStreams.first), so a refused request gets its error
 code, not a 200 with an error event; an error after that is sent as one ``data: {"error": ...}``
 event and the stream ends. On shutdown (SIGINT/SIGTERM, GatewayServer.stop) requests in flight get
 the grace period (config.grace_s) to finish; a stream still running then gets one error event naming
@@ -41,8 +45,10 @@ from echospec_client.limits import MAX_REQUEST_ID
 from echospec.services.common import auth
 from echospec.services.common.config import GatewayConfig
 from echospec.services.text.clip import clip
+from echospec.services.gateway import choices
 from echospec.services.gateway import openai_api as api
-from echospec.services.gateway.upstream import GenerationStream, Upstream, UpstreamError
+from echospec.services.gateway.http_metrics import HttpMetrics, MetricsMiddleware
+from echospec.services.gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("echospec.gateway")
 
@@ -64,6 +70,13 @@ def _error_response(err: api.ApiError) -> JSONResponse:
 def _model_object(model: str) -> dict:
     """The one model served, as OpenAI's model object."""
     return {"id": model, "object": "model", "created": 0, "owned_by": "echospec"}
+
+
+def model_not_found(asked: str, served: str) -> api.ApiError:
+    """OpenAI's 404 for a model it does not have, naming the one served."""
+    return api.ApiError(404, f"the model {clip(asked, 200)!r} is not served here (this server "
+                             f"serves {served!r}, as GET /v1/models lists)", "model",
+                        type_="invalid_request_error", code="model_not_found")
 
 
 def _request_id(request: Request) -> str:
@@ -128,8 +141,9 @@ class ApiKeyMiddleware:
         await resp(scope, receive, send)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
-    """The gateway's ASGI app; its lifespan opens and closes the channel to the coordinator."""
+def create_app(config: GatewayConfig, metrics: HttpMetrics | None = None) -> FastAPI:
+    """The gateway's ASGI app; its lifespan opens and closes the channel to the coordinator.
+    ``metrics``: where its HTTP requests are recorded (http_metrics.py; None: nowhere)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -163,6 +177,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         from echospec.services.common.tenants import Tenants
         tenants = Tenants.load(config.api_keys_file)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, tenants=tenants)
+    if metrics is not None:   # added last: the outermost, so a 401 of the key check counts too
+        app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     def upstream(request: Request) -> Upstream:
         return request.app.state.upstream
@@ -201,7 +217,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             log.info("client disconnected while sending its request body: nothing to answer")
             return Response(status_code=499)
         try:
-            parsed = api.parse_request(body, chat)
+            parsed = api.parse_request(body, chat, config.n_limit)
         except api.MaxTokensBelowOne as exc:
             limit = await up.max_tokens_limit(_client_key(request))
             raise exc if limit is None else exc.with_limit(limit) from None
@@ -211,21 +227,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gone = _disconnected(request)
         try:
             model = await up.model_id(key)
+            if parsed.model is not None and parsed.model != model and not config.allow_any_model:
+                raise model_not_found(parsed.model, model)
             if not parsed.stream:
                 try:
-                    result = await _unless_disconnected(
-                        up.complete(api.complete_request(parsed.request), rid, key), gone,
+                    results = await _unless_disconnected(
+                        choices.complete_all(up, parsed, rid, key, config.n_limit), gone,
                         shutdown)
                 finally:
                     gone.cancel()
-                if result is _GONE:   # nobody to answer
+                if results is _GONE:   # nobody to answer
                     return Response(status_code=499)
-                return JSONResponse(api.response(chat, api.new_id(chat), model, result, parsed.seed))
-            stream = up.generate(parsed.request, rid, key)
+                seeds = [parsed.choice_seed(i % parsed.n) for i in range(parsed.choices)]
+                return JSONResponse(api.responses(chat, api.new_id(chat), model, results, seeds,
+                                                  parsed.n))
+            stream = choices.ChoiceStreams(up, parsed, rid, key, config.n_limit)
             try:
                 # errors before any output keep their HTTP code; a client that leaves during the
                 # prefill cancels it now, not when the first token comes out
-                first = await _unless_disconnected(stream.__anext__(), gone, shutdown)
+                first = await _unless_disconnected(stream.first(), gone, shutdown)
             except BaseException:
                 stream.cancel()
                 raise
@@ -235,8 +255,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except BaseException as exc:
             gone.cancel()
             if isinstance(exc, UpstreamError):
-                raise api.error_from_status(exc.code, exc.message, chat,
-                                            parsed.max_tokens_name) from None
+                raise api.error_from_status(exc.code, exc.message, chat, parsed.max_tokens_name,
+                                            exc.prompt_index) from None
             raise
         return _EventStream(_sse(parsed, stream, first, api.new_id(chat), model, shutdown, gone),
                             media_type="text/event-stream",
@@ -264,8 +284,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def model(model_id: str, request: Request) -> JSONResponse:
         served = await served_model(request)
         if model_id != served:
-            raise api.ApiError(404, f"the model {clip(model_id, 200)!r} is not served here "
-                               f"(this server serves {served!r})", "model", code="model_not_found")
+            raise model_not_found(model_id, served)
         return JSONResponse(_model_object(served))
 
     @app.get("/health")
@@ -324,28 +343,33 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
+async def _sse(parsed: api.Parsed, stream: choices.ChoiceStreams, first, rid: str,
                model: str, shutdown: Shutdown, gone: asyncio.Future) -> AsyncIterator[bytes]:
     """The SSE body of a streamed generation. Each coordinator message's text delta (never a split
-    UTF-8 character) becomes one chunk; then the closing chunk, the usage chunk when asked for, and
-    ``data: [DONE]``. The gRPC call is cancelled when this generator ends for any reason; the
-    client's disconnect (``gone``, from _disconnected, ends) ends it at once, even while the next
-    message is awaited. When the gateway's shutdown grace period ends first, one error event naming
-    the shutdown ends the stream."""
+    UTF-8 character) becomes one chunk of its choice (``index``); a choice's result, its closing
+    chunk; after every choice's, the usage chunk when asked for, and ``data: [DONE]``. The gRPC
+    calls are cancelled when this generator ends for any reason; the client's disconnect
+    (``gone``, from _disconnected, ends) ends them at once, even while the next message is awaited.
+    When the gateway's shutdown grace period ends first, one error event naming the shutdown ends
+    the stream."""
     chat = parsed.chat
     created = int(time.time())
     stop = asyncio.ensure_future(shutdown.over())
     nxt = None
     try:
         if chat:
-            yield _event(api.chunk(chat, rid, created, model, "", role=True))
-        result = None
-        msg = first
-        while msg is not None:
+            for index in range(parsed.choices):
+                yield _event(api.chunk(chat, rid, created, model, "", role=True, index=index))
+        results: list = [None] * parsed.choices
+        item = first
+        while item is not None:
+            index, msg = item
             if msg.text:
-                yield _event(api.chunk(chat, rid, created, model, msg.text))
+                yield _event(api.chunk(chat, rid, created, model, msg.text, index=index))
             if msg.HasField("result"):
-                result = msg.result
+                results[index] = msg.result
+                yield _event(api.chunk(chat, rid, created, model, None, result=msg.result,
+                                       seed=parsed.choice_seed(index % parsed.n), index=index))
             nxt = asyncio.ensure_future(anext(stream, None))
             await asyncio.wait({nxt, stop, gone}, return_when=asyncio.FIRST_COMPLETED)
             if gone.done():
@@ -356,12 +380,11 @@ async def _sse(parsed: api.Parsed, stream: GenerationStream, first, rid: str,
                 log.info("stream %s cancelled: %s", rid, shutdown.error("stream").message)
                 yield _event(shutdown.error("stream").body())
                 return
-            msg = nxt.result()
-        if result is None:
+            item = nxt.result()
+        if any(r is None for r in results):
             raise UpstreamError("INTERNAL", "the coordinator's stream ended without a result")
-        yield _event(api.chunk(chat, rid, created, model, None, result=result, seed=parsed.seed))
         if parsed.include_usage:
-            yield _event(api.usage_chunk(chat, rid, created, model, result))
+            yield _event(api.usage_chunk(chat, rid, created, model, results, parsed.n))
         yield b"data: [DONE]\n\n"
     except UpstreamError as exc:
         log.info("stream %s ended by the coordinator: %s", rid, exc)

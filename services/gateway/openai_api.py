@@ -2,9 +2,16 @@
 error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contract).
 
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
-mean something here are mapped; fields that ask for what echospec does not do (n > 1, logprobs,
-tools, penalties, ...) are refused with a 400 naming the field; unknown fields are refused as
-OpenAI refuses them. Extra fields (echospec's own, documented in README.md):
+mean something here are mapped; fields that ask for what echospec does not do (logprobs, tools,
+penalties, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
+refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
+most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
+request each, sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
+prompt-major); a sampling request's choice j has the seed ``choice_seed(seed, j)`` (the seed
+itself for j = 0, SplitMix64's j-th output from it after), a greedy request's choices are one
+generation (choices.py runs them). `model` is checked by the app (app.py: the served model, or
+404 model_not_found), here only for its type. Extra fields (echospec's own, documented in
+README.md):
     spec             "on" | "off" | null (the server's default): speculation for this request
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
@@ -15,10 +22,12 @@ Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation spe
 temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
 Responses carry OpenAI's fields plus one extra object, ``echospec``:
-    {"spec_enabled": bool, "spec_reason": str, "finish_reason": "eos"|"stop"|"length"|"context",
+    {"seed": int (sampling only), "spec_enabled": bool, "spec_reason": str,
+     "finish_reason": "eos"|"stop"|"length"|"context",
      "stats": {tries, hits, kv_rolls, draft_tokens, ..., accepted_prediction_tokens, ...,
                "sources": {source: {draft_tokens, hits, tries}}}}
-(in a stream: on the chunk that carries finish_reason).
+(in a stream: on the chunk that carries a choice's finish_reason; in a whole answer of several
+choices: on each choice). ``usage`` counts each prompt once and every choice's completion tokens.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from echospec.services.text.chat_template import ROLE_ALIASES, VALID_ROLES
 from echospec_client.limits import FLOAT32_MAX, INT32_MAX, UINT64_MAX
 from echospec.services.common.floats import as_f32
 from echospec.services.text.clip import clip
-from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.config import CoordinatorConfig, GatewayConfig
 
 
 class ApiError(Exception):
@@ -98,14 +107,20 @@ def refused_param(message: str, chat: bool) -> str | None:
 
 
 def error_from_status(code: str, message: str, chat: bool | None = None,
-                      max_tokens_name: str = "max_tokens") -> ApiError:
+                      max_tokens_name: str = "max_tokens",
+                      prompt_index: int | None = None) -> ApiError:
     """The ApiError for a coordinator call that ended with gRPC status ``code`` (a name); with
     ``chat`` given, a refused request names its field in ``param``. ``max_tokens_name``: the
-    field that carried the limit (a chat request's max_completion_tokens), named in its place."""
+    field that carried the limit (a chat request's max_completion_tokens), named in its place.
+    ``prompt_index``: the call was for that entry of a list of prompts, named when the prompt
+    was refused (``prompt[2]``)."""
     status, kind = _STATUS.get(code, (500, "server_error"))
     if max_tokens_name != "max_tokens" and message.startswith("max_tokens "):
         message = max_tokens_name + message[len("max_tokens"):]
     param = refused_param(message, chat) if chat is not None and status == 400 else None
+    if param == "prompt" and prompt_index is not None:
+        param = f"prompt[{prompt_index}]"
+        message = f"{param}: {message}"
     return ApiError(status, message, param, kind, code.lower())
 
 
@@ -128,17 +143,78 @@ _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
 
 
+MAX_STOP = 4   # stop sequences per request, as OpenAI allows
+MAX_PROMPTS = 256   # prompts in one /v1/completions request: its answer is held whole in memory
+
+
 @dataclass
 class Parsed:
-    """A checked request: the coordinator's request and how to answer."""
+    """A checked request: the coordinator's request of each prompt and how to answer.
+
+    Choice ``index = prompt_i * n + j`` (OpenAI's order, prompt-major) is prompt ``prompt_i``'s
+    request with choice ``j``'s seed (``choice_request``).
+    """
 
     chat: bool
-    request: coordinator_pb2.GenerateRequest
+    requests: list[coordinator_pb2.GenerateRequest]   # one per prompt (a chat request has one)
+    n: int = 1                   # choices per prompt
     stream: bool = False
     include_usage: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None      # the seed a sampling request used (reported), None when greedy
     max_tokens_name: str = "max_tokens"   # the field that set the limit (errors name it)
+    model: str | None = None     # the model the request names (None: left out)
+
+    @property
+    def request(self) -> coordinator_pb2.GenerateRequest:
+        """The first prompt's request (the only one of a chat request or a single prompt)."""
+        return self.requests[0]
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding: every choice of a prompt is the same text (it is generated once)."""
+        return self.request.temperature <= 0
+
+    @property
+    def choices(self) -> int:
+        return len(self.requests) * self.n
+
+    def choice_seed(self, j: int) -> int | None:
+        """The reported seed of choice ``j`` of each prompt (None when greedy)."""
+        return None if self.seed is None else choice_seed(self.seed, j)
+
+    def choice_request(self, index: int) -> coordinator_pb2.GenerateRequest:
+        """The coordinator's request of choice ``index`` (prompt ``index // n``, seed of choice
+        ``index % n``)."""
+        req = self.requests[index // self.n]
+        j = index % self.n
+        if j == 0 or self.greedy:
+            return req
+        out = coordinator_pb2.GenerateRequest()
+        out.CopyFrom(req)
+        out.seed = choice_seed(req.seed, j)
+        return out
+
+
+_GOLDEN = 0x9E3779B97F4A7C15   # SplitMix64's increment: 2^64 / the golden ratio, odd
+_U64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of choice ``j`` (0-based) of a sampling request with ``seed``: choice 0 uses the
+    seed itself (so n = 1 is the plain request), choice j > 0 SplitMix64's j-th output from the
+    state ``seed``: ``mix((seed + j * 0x9E3779B97F4A7C15) mod 2^64)`` with SplitMix64's
+    finalizer ``mix``. The same seed gives the same choices; neighbouring seeds share none (with
+    ``seed + j`` request seed 5's choice 1 would be request seed 6's choice 0).
+
+    Example: choice_seed(42, 0) == 42, choice_seed(42, 1) == 13679457532755275413.
+    """
+    if j == 0:
+        return seed
+    z = (seed + j * _GOLDEN) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 def _is_num(v: Any) -> bool:
@@ -230,9 +306,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
                 raise bad(f"{name} applies to /v1/chat/completions (chat messages); a completion's "
                           f"prompt is used as it is", name)
             raise bad(f"Unrecognized request argument supplied: {name}", name)
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
-        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (not _is_num(v) or v != 0):
@@ -283,25 +356,42 @@ def _lone_surrogate(v: Any, path: str) -> str | None:
     return None
 
 
-def _prompt(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
-    """/v1/completions prompt: a string, a list of one string, token ids, or a list of one list
-    of token ids."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in p)
+
+
+def _one_prompt(p: Any, param: str) -> coordinator_pb2.GenerateRequest:
+    """A request holding one prompt: a non-empty string or a non-empty list of token ids."""
+    req = coordinator_pb2.GenerateRequest()
     if isinstance(p, str):
         if not p:
-            raise bad("prompt must not be empty", "prompt")
+            raise bad(f"{param} must not be empty", param)
         req.text = p
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    elif _is_ids(p):
         if not all(0 <= t <= INT32_MAX for t in p):
-            raise bad("prompt token ids must be in [0, 2^31)", "prompt")
+            raise bad(f"{param} token ids must be in [0, 2^31)", param)
         req.token_ids.extend(p)
-    elif p is None:
-        raise bad("prompt is required", "prompt")
     else:
-        raise bad("prompt must be a string, a list of token ids, or a list of one of these "
-                  "(one prompt per request)", "prompt")
+        raise bad(f"{param} must be a string or a non-empty list of token ids, got "
+                  f"{type(p).__name__}" + (" []" if p == [] else ""), param)
+    return req
+
+
+def _prompts(body: dict) -> list[coordinator_pb2.GenerateRequest]:
+    """/v1/completions prompt: a string, token ids, or a list of these (one choice, or n, per
+    prompt, in order), each prompt in a request of its own."""
+    p = body.get("prompt")
+    if p is None:
+        raise bad("prompt is required", "prompt")
+    if isinstance(p, str) or _is_ids(p):
+        return [_one_prompt(p, "prompt")]
+    if not isinstance(p, list) or not p:
+        raise bad("prompt must be a string, a list of token ids, or a non-empty list of these",
+                  "prompt")
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"prompt takes at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
+    return [_one_prompt(x, f"prompt[{i}]") for i, x in enumerate(p)]
 
 
 def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
@@ -326,14 +416,15 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         req.messages.add(role=_ROLES[role], content=_text_content(content, f"messages[{i}].content"))
 
 
-def parse_request(body: Any, chat: bool) -> Parsed:
-    """Check an OpenAI request body and map it to the coordinator's GenerateRequest.
+def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -> Parsed:
+    """Check an OpenAI request body and map it to the coordinator's GenerateRequest of each prompt.
 
     Args:
         body: the parsed JSON body.
         chat: /v1/chat/completions (True) or /v1/completions (False).
+        n_limit: the largest ``n`` taken (the gateway's --n-limit).
     Returns:
-        Parsed, whose ``request`` also serves Complete (CompleteRequest has the same fields).
+        Parsed, whose requests also serve Complete (CompleteRequest has the same fields).
     Raises:
         ApiError: 400 naming the first bad field.
     """
@@ -346,8 +437,14 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     _refuse_unsupported(body, chat)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise bad("model must be a string", "model")
-    req = coordinator_pb2.GenerateRequest()
-    (_messages if chat else _prompt)(body, req)
+    n = _integer(body, "n", 1, n_limit)
+    if chat:
+        req = coordinator_pb2.GenerateRequest()
+        _messages(body, req)
+        prompts = [req]
+    else:
+        prompts = _prompts(body)
+        req = coordinator_pb2.GenerateRequest()   # the fields every prompt's request shares
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise bad(f"stream must be a boolean, got {stream!r}", "stream")
@@ -396,6 +493,9 @@ def parse_request(body: Any, chat: bool) -> Parsed:
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop must be a non-empty string or a list of them", "stop")
+        if len(stop) > MAX_STOP:
+            raise bad(f"stop takes at most {MAX_STOP} sequences (as OpenAI's API), got {len(stop)}",
+                      "stop")
         req.stop.extend(stop)
     pred = body.get("prediction")
     if pred is not None:
@@ -427,8 +527,14 @@ def parse_request(body: Any, chat: bool) -> Parsed:
                 raise bad("chat_template_kwargs.enable_thinking must be true, false or null",
                           "chat_template_kwargs.enable_thinking")
             req.enable_thinking = kw["enable_thinking"]
-    return Parsed(chat=chat, request=req, stream=bool(stream), include_usage=include_usage,
-                  seed=req.seed if req.temperature > 0 else None, max_tokens_name=max_tokens_name)
+    if not chat:   # each prompt's request: its prompt and the shared fields
+        for p in prompts:
+            prompt = p.SerializeToString()
+            p.CopyFrom(req)
+            p.MergeFromString(prompt)
+    return Parsed(chat=chat, requests=prompts, n=n or 1, stream=bool(stream),
+                  include_usage=include_usage, seed=req.seed if req.temperature > 0 else None,
+                  max_tokens_name=max_tokens_name, model=body.get("model"))
 
 
 def complete_request(req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.CompleteRequest:
@@ -483,25 +589,58 @@ def extras(result: coordinator_pb2.GenerationResult, seed: int | None = None) ->
     }
 
 
+def usage_of(results: list[coordinator_pb2.GenerationResult], n: int = 1) -> dict:
+    """The usage of a request's choices (``results`` in index order, ``n`` per prompt), as
+    OpenAI counts it: each prompt once (its first choice's prompt and cached tokens), the
+    completion and prediction tokens of every choice."""
+    out = usage(results[0])
+    for k, r in enumerate(results[1:], 1):
+        u = usage(r)
+        if k % n == 0:
+            out["prompt_tokens"] += u["prompt_tokens"]
+            out["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+        out["completion_tokens"] += u["completion_tokens"]
+        for name, v in u["completion_tokens_details"].items():
+            out["completion_tokens_details"][name] += v
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
 def response(chat: bool, rid: str, model: str, result: coordinator_pb2.GenerationResult,
              seed: int | None = None) -> dict:
-    """A whole (non-streamed) chat.completion or text_completion."""
-    fr = finish_reason(result)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "logprobs": None, "finish_reason": fr}
-    else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": fr}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(result), "echospec": extras(result, seed)}
+    """A whole (non-streamed) chat.completion or text_completion of one choice."""
+    return responses(chat, rid, model, [result], [seed])
+
+
+def responses(chat: bool, rid: str, model: str, results: list[coordinator_pb2.GenerationResult],
+              seeds: list[int | None], n: int = 1) -> dict:
+    """A whole (non-streamed) chat.completion or text_completion: choice ``index`` is
+    ``results[index]`` (``n`` choices per prompt, prompt-major), generated with ``seeds[index]``.
+    The ``echospec`` object is the response's own with one choice, each choice's with more."""
+    choices = []
+    for index, result in enumerate(results):
+        fr = finish_reason(result)
+        if chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": fr}
+        else:
+            choice = {"index": index, "text": result.text, "logprobs": None, "finish_reason": fr}
+        if len(results) > 1:
+            choice["echospec"] = extras(result, seeds[index])
+        choices.append(choice)
+    out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+           "created": int(time.time()), "model": model, "choices": choices,
+           "usage": usage_of(results, n)}
+    if len(results) == 1:
+        out["echospec"] = extras(results[0], seeds[0])
+    return out
 
 
 def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
           result: coordinator_pb2.GenerationResult | None = None, role: bool = False,
-          seed: int | None = None) -> dict:
-    """One streamed chunk: a text delta, the opening role delta (chat), or the closing chunk with
-    finish_reason and the ``echospec`` object (``result`` given)."""
+          seed: int | None = None, index: int = 0) -> dict:
+    """One streamed chunk of choice ``index``: a text delta, the opening role delta (chat), or
+    the closing chunk with finish_reason and the ``echospec`` object (``result`` given)."""
     fr = finish_reason(result) if result is not None else None
     if chat:
         delta: dict = {}
@@ -509,9 +648,9 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": fr}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fr}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": fr}
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created, "model": model, "choices": [choice]}
     if result is not None:
@@ -520,7 +659,7 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str,
-                result: coordinator_pb2.GenerationResult) -> dict:
-    """The last chunk when stream_options.include_usage: no choices, the usage."""
+                results: list[coordinator_pb2.GenerationResult], n: int = 1) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the usage (``usage_of``)."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage(result)}
+            "created": created, "model": model, "choices": [], "usage": usage_of(results, n)}

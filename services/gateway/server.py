@@ -3,7 +3,9 @@ threads mode and the tests), ``serve`` in the main thread until SIGINT/SIGTERM (
 
 The listening socket is bound before uvicorn starts, so a busy port is reported at once and port 0
 picks a free one (``GatewayServer.port``). HTTPS when config.tls_cert is set, demanding client
-certificates when config.tls_client_ca is. Read deadlines and the connection cap: conn.py.
+certificates when config.tls_client_ca is. Read deadlines and the connection cap: conn.py. With
+config.metrics_port >= 0 the gateway's own Prometheus /metrics (http_metrics.py) is served there,
+on config.metrics_host.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from echospec.services.common.config import GatewayConfig
 from echospec.services.rpc.grpc_util import PortInUseError
 from echospec.services.gateway.app import create_app
 from echospec.services.gateway.conn import ConnectionLimits, protocol_class
+from echospec.services.gateway.http_metrics import HttpMetrics
+from echospec.services.common.metrics import serve_metrics
 
 log = logging.getLogger("echospec.gateway")
 
@@ -40,7 +44,32 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_config(config: GatewayConfig) -> uvicorn.Config:
+class _Metrics:
+    """The gateway's /metrics (http_metrics.py) on config.metrics_port, when it is >= 0."""
+
+    def __init__(self, config: GatewayConfig):
+        self.metrics = HttpMetrics()
+        self.http = None
+        self.port = -1
+        if config.metrics_port >= 0:
+            try:
+                self.http, self.port = serve_metrics(config.metrics_host, config.metrics_port,
+                                                     [self.metrics.registry])
+            except OSError as exc:
+                raise PortInUseError(f"gateway metrics cannot bind "
+                                     f"{grpc_util.host_port(config.metrics_host, config.metrics_port)}"
+                                     f": {exc.strerror}") from None
+            log.info("gateway metrics on http://%s/metrics",
+                     grpc_util.host_port(config.metrics_host, self.port))
+
+    def stop(self) -> None:
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+            self.http = None
+
+
+def _uvicorn_config(config: GatewayConfig, metrics: HttpMetrics | None = None) -> uvicorn.Config:
     tls = grpc_util.Tls(config.tls_cert, config.tls_key, config.tls_client_ca, config.tls_ca)
     tls.validate()   # ValueError naming the setting
     kw = {}
@@ -54,7 +83,7 @@ def _uvicorn_config(config: GatewayConfig) -> uvicorn.Config:
     # would still accept every connection and answer only the requests that complete
     http = protocol_class(ConnectionLimits(config.header_timeout_s, config.body_timeout_s,
                                            config.max_connections))
-    return uvicorn.Config(create_app(config), log_config=None, access_log=False, http=http,
+    return uvicorn.Config(create_app(config, metrics), log_config=None, access_log=False, http=http,
                           log_level=config.log_level.lower(),
                           timeout_graceful_shutdown=config.grace_s + 1, lifespan="on", **kw)
 
@@ -80,9 +109,15 @@ class GatewayServer:
     """A gateway running on its own thread and event loop."""
 
     def __init__(self, config: GatewayConfig, ready_timeout_s: float = 30.0):
-        ucfg = _uvicorn_config(config)
+        self._metrics = _Metrics(config)
+        try:
+            ucfg = _uvicorn_config(config, self._metrics.metrics)
+            self._sock = _bind(config.host, config.port)
+        except BaseException:
+            self._metrics.stop()
+            raise
+        self.metrics_port = self._metrics.port   # -1: no /metrics
         self.config = config
-        self._sock = _bind(config.host, config.port)
         self.port = self._sock.getsockname()[1]
         self._server = _Server(ucfg)
         self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
@@ -114,6 +149,7 @@ class GatewayServer:
             self._server.force_exit = True
             self._thread.join(5)
         self._sock.close()
+        self._metrics.stop()
 
 
 def start(config: GatewayConfig) -> GatewayServer:
@@ -123,8 +159,13 @@ def start(config: GatewayConfig) -> GatewayServer:
 
 def serve(config: GatewayConfig) -> None:
     """Run in the main thread until SIGINT/SIGTERM (uvicorn's handlers), then stop gracefully."""
-    ucfg = _uvicorn_config(config)
-    sock = _bind(config.host, config.port)
+    metrics = _Metrics(config)
+    try:
+        ucfg = _uvicorn_config(config, metrics.metrics)
+        sock = _bind(config.host, config.port)
+    except BaseException:
+        metrics.stop()
+        raise
     log.info("gateway listening on %s://%s (coordinator %s, %s)",
              "https" if config.tls_cert else "http", grpc_util.host_port(config.host, sock.getsockname()[1]),
              config.coordinator_target, "API key required" if config.api_key else "no API key")
@@ -132,3 +173,4 @@ def serve(config: GatewayConfig) -> None:
         _Server(ucfg).run(sockets=[sock])
     finally:
         sock.close()
+        metrics.stop()

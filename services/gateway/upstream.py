@@ -26,6 +26,7 @@ class UpstreamError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.prompt_index: int | None = None   # set by choices.py: the call's entry of a prompt list
 
 
 _NO_CONNECTION = ("failed to connect", "Connection refused", "DNS resolution failed")
