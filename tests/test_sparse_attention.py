@@ -5,6 +5,9 @@ blocks and the K other blocks of the largest key bound (engine_c/src/sparse.c); 
 contexts of at most K + 3 blocks are dense. Checked here through the Python wrapper:
   * a greedy single-step generation past K + 3 blocks is the same on 1 and 2 threads, equal to
     a dense session's rows while the context has at most K + 3 blocks and different after;
+  * every step's blocks (es_session_sparse_blocks) are the ones the numpy reference
+    (tests/reference.py, sparse_topk) chooses by the rule from its own queries and keys, and its
+    logits, attending only those, match the engine's (the dense reference's do not);
   * bad parameters are refused with a message, and so is sparse attention with KV eviction.
 Services (`--sparse-attention 1` on the verifier): GetConfig reports it, a speculative request
 is refused with the reason naming it (by the coordinator's gating, and by the verifier itself
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 
 from echospec.services.verifier.engine import (ES_ERR_INVALID_ARG, ES_ERR_UNSUPPORTED, EngineError,
-                                               Model, sample)
+                                               Model, ffi, lib, sample)
 
 SPEC = dict(arch="llama", matrix_type="Q8_0", n_head=6, n_head_kv=2, n_embd=96, n_ff=256)
 K = 1                                   # keeps 4 blocks: sparse from 257 positions on
@@ -68,6 +71,48 @@ def _sampled(m: Model, topk: int, n: int, seed: int) -> list[int]:
             if len(out) < n:
                 _, lg = s.forward([tok], logits="last")
         return out
+
+
+def _engine_blocks(s, layer: int, kv_head: int) -> list[int]:
+    """es_session_sparse_blocks: the blocks the session's last call attended there ([]: dense)."""
+    buf, n = ffi.new("int32_t[64]"), ffi.new("int32_t *")
+    assert lib.es_session_sparse_blocks(s._ptr, layer, kv_head, buf, 64, n) == 0
+    return [buf[j] for j in range(n[0])]
+
+
+def test_engine_matches_the_reference_with_the_same_choice(tiny_spec):
+    # the numpy reference (tests/reference.py, sparse_topk) chooses the blocks by the rule itself,
+    # from its own queries and F16 keys, and attends only those: every step's choice is the
+    # engine's, in every layer and KV head, and every row's logits agree within 1e-4 of their
+    # std, which the dense reference's are far from once the context is sparse. F32 weights: the
+    # activations are not quantized, so no int8 rounding boundary (reference.py) blurs the check.
+    from reference import Reference
+    path = tiny_spec(**{**SPEC, "matrix_type": "F32"}).path
+    R, R0 = Reference(path, sparse_topk=K), Reference(path)
+    with Model(path) as m, m.new_session(n_ctx=N_CTX, n_threads=2, sparse_topk=K) as s:
+        c, c0 = R.new_cache(), R0.new_cache()
+        _, lg = s.forward(PROMPT, logits="all")
+        R.forward(PROMPT, c)
+        R0.forward(PROMPT, c0)
+        tok, errs, errs0, chosen = int(lg[-1].argmax()), [], [], 0
+        for _ in range(N_GEN):
+            _, lg = s.forward([tok], logits="all")
+            ref, ref0 = R.forward([tok], c)[0], R0.forward([tok], c0)[0]
+            for il in range(m.info.n_layer):
+                for g in range(m.info.n_head_kv):
+                    want = R.last_sparse[il][g] if R.last_sparse[il] else []
+                    assert _engine_blocks(s, il, g) == want, (c.n_past, il, g)
+                    chosen += bool(want)
+            errs.append(np.abs(lg[0] - ref).max() / ref.std())
+            if c.n_past > (K + 3) * 64:
+                errs0.append(np.abs(lg[0] - ref0).max() / ref0.std())
+            tok = int(lg[0].argmax())
+    errs, errs0 = np.array(errs), np.array(errs0)
+    print(f"{len(errs0)} sparse rows of {len(errs)}, {chosen} choices: max |engine - ref| {errs.max():.2e} of "
+          f"std; the dense reference's, on the sparse rows, at least {errs0.min():.2e}")
+    assert chosen == len(errs0) * m.info.n_layer * m.info.n_head_kv > 0
+    assert errs.max() < 1e-4
+    assert errs0.min() > 1e-3
 
 
 def test_engine_refuses_bad_sparse_parameters(tiny_spec):
