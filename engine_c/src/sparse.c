@@ -93,11 +93,16 @@ static void update_bounds(es_session *seq, int l, int32_t p0, int32_t p1) {
 static float block_score(const es_session *seq, int l, int g, int32_t b, const float *q, int h0, int h1) {
     int hd = seq->kv.head_dim;
     const uint16_t *bd = bound_at(seq, l, g, b);
+    float lo[ES_MAX_HEAD_DIM], hi[ES_MAX_HEAD_DIM];   /* the F16 bounds as float32: exact, once a block */
+    for (int d = 0; d < hd; d++) {
+        lo[d] = es_fp16_to_fp32(bd[d]);
+        hi[d] = es_fp16_to_fp32(bd[hd + d]);
+    }
     float sum = 0.0f;
     for (int h = h0; h < h1; h++) {
         const float *qh = q + (size_t)h * hd;
         for (int d = 0; d < hd; d++) {
-            float a = qh[d] * es_fp16_to_fp32(bd[d]), c = qh[d] * es_fp16_to_fp32(bd[hd + d]);
+            float a = qh[d] * lo[d], c = qh[d] * hi[d];
             sum += a > c ? a : c;
         }
     }
