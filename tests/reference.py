@@ -49,6 +49,9 @@ Model semantics:
               a = softmax(q k^T / sqrt(head_dim) + causal mask) v      (GQA: head h uses kv head h // (n_head / n_head_kv))
                   KV eviction (kv_window W > 0, kv_sinks S): the query at p also masks every key
                   j with S <= j <= p - W: it attends [0, S) U (p - W, p] (absolute positions)
+                  sparse attention (sparse_topk K > 0, a call of <= 8 tokens past K + 3 blocks): every
+                  query of the call also masks the keys outside the blocks chosen per KV head
+                  (the class's docstring)
               x = x + a Wo^T
               h = RMSNorm(x) * ffn_norm
               x = x + (silu(h Wg^T) * (h Wu^T)) Wd^T
@@ -333,14 +336,24 @@ class Reference:
         kv_sinks, kv_window: KV eviction as the engine's es_session_params (kv_window 0:
             none): every layer's query at position p attends keys [0, kv_sinks) and
             (p - kv_window, p] only. The reference keeps every key and masks the rest.
+        sparse_topk: sparse attention as the engine's es_session_params (0: none): a forward
+            of at most 8 tokens whose last position p is in block last = p // 64 with last + 1
+            > sparse_topk + 3 attends, per layer and KV head, blocks 0, last - 1, last and the
+            sparse_topk others of the largest sum over the head's query heads of
+            sum_d max(q_d * min_d, q_d * max_d) (the last query; min / max of the block's cached
+            keys; ties to the lower block), every query of the call the same blocks (masked
+            like the future keys). ``last_sparse[layer]`` holds the last call's choice per KV
+            head (empty when dense).
     Raises:
         KeyError / ValueError: a key or tensor the architecture needs is missing.
     """
 
     def __init__(self, path: str, dtype=np.float64, act_quant: bool = False, act_block: int = 32,
-                 kv_f16: bool = True, kv_sinks: int = 0, kv_window: int = 0):
+                 kv_f16: bool = True, kv_sinks: int = 0, kv_window: int = 0, sparse_topk: int = 0):
         self.path = str(path)
         self.kv_sinks, self.kv_window = kv_sinks, kv_window
+        self.sparse_topk = sparse_topk
+        self.last_sparse: dict[int, list[list[int]]] = {}
         self.kv_f16 = kv_f16
         self.dtype = np.dtype(dtype)
         self.act_quant = act_quant
@@ -568,6 +581,13 @@ class Reference:
                 j = np.arange(T)[None, :]
                 mask |= (j >= self.kv_sinks) & (j <= pos[:, None] - self.kv_window)
             s = np.where(mask[None, None], -np.inf, s)
+            self.last_sparse[il] = []
+            if self.sparse_topk > 0 and n <= 8 and pos[-1] // 64 + 1 > self.sparse_topk + 3:
+                keep = self.sparse_blocks(q[-1], K)                              # [n_kv][blocks]
+                self.last_sparse[il] = keep
+                blk = np.arange(T) // 64
+                for g, kb in enumerate(keep):
+                    s[g] = np.where(np.isin(blk, kb)[None, None], s[g], -np.inf)
             a = softmax(s, axis=-1).reshape(hp.n_head_kv, group * n, T) @ V        # [n_kv, group*n, hd]
             a = a.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)
             x = x + self.matmul(a, p + "attn_output.weight", self.act(a, (il, "attn_out_in"), [p + "attn_output.weight"]))
@@ -584,6 +604,24 @@ class Reference:
         cache.n_past += n
         h = rms_norm(x, self._w["output_norm.weight"], hp.norm_eps)
         return self.matmul(h, self._out_name, self.act(h, (-1, "output_in"), [self._out_name]))
+
+    def sparse_blocks(self, q_last: np.ndarray, K: np.ndarray) -> list[list[int]]:
+        """Sparse attention's blocks per KV head (see the class): q_last [n_head, hd], the
+        call's last query; K [n_kv, T, hd], every cached key (T - 1 is that query's position)."""
+        hp = self.hp
+        group, T = hp.n_head // hp.n_head_kv, K.shape[1]
+        last = (T - 1) // 64
+        out = []
+        for g in range(hp.n_head_kv):
+            qg = q_last[g * group:(g + 1) * group]                                 # [group, hd]
+            scores = []
+            for b in range(1, last - 1):
+                kb = K[g, 64 * b:64 * (b + 1)]
+                lo, hi = kb.min(axis=0), kb.max(axis=0)
+                scores.append((-float(np.maximum(qg * lo, qg * hi).sum()), b))
+            chosen = [b for _, b in sorted(scores)[:self.sparse_topk]]
+            out.append(sorted([0, last - 1, last] + chosen))
+        return out
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits [n_tokens, n_vocab] of a fresh sequence."""

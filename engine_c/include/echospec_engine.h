@@ -135,6 +135,21 @@ typedef struct {
  * positions keep every output element a function of its own position, the contract below).
  * Rollback and forward pieces work as for the rings above (es_session_min_rollback). Not
  * on a model with sliding-window layers (ES_ERR_UNSUPPORTED).
+ *
+ * Sparse attention (sparse_topk K > 0; Quest-style, for decode at long context): a call of
+ * up to 8 tokens (decode, verify) at positions [n_past, n_past + n) attends, in every global
+ * layer and per KV head, block 0 (positions [0, 64), the sink), the blocks holding positions
+ * n_past + n - 1 and the 64 before it (the recent ones), and the K other blocks of the
+ * largest upper bound of q . k: per block the element-wise min and max of its keys (kept as
+ * keys are written), bound = sum over dimensions d of max(q_d * min_d, q_d * max_d), summed
+ * over the KV head's query heads, for the query of the call's last token; ties go to the
+ * lower block. Every query of the call sees those blocks (up to its own position). Only
+ * when the context has more than K + 3 blocks; longer calls (prefill) and sliding-window
+ * layers stay dense, as does everything when K covers every block (bitwise a session
+ * without it). Deterministic and independent of the thread count and SIMD path, but a
+ * query's result depends on the call it is in (the choice is the call's), so an n-token
+ * verify is not n single steps: speculation is not exact with it (the services refuse
+ * speculation under sparse attention). Not with KV eviction (ES_ERR_UNSUPPORTED).
  */
 typedef struct {
     int32_t n_ctx;              /* KV capacity in tokens; 0 = min(n_ctx_train, 4096) */
@@ -147,6 +162,8 @@ typedef struct {
                                    in [0, ES_MAX_CTX]; 0 when kv_window is 0 */
     int32_t kv_window;          /* KV eviction: the most recent kv_window positions, in [1, ES_MAX_CTX]
                                    (kv_sinks + kv_window <= ES_MAX_CTX); 0: no eviction (the default) */
+    int32_t sparse_topk;        /* sparse attention: blocks chosen by the bound beside the sink and
+                                   recent ones, in [1, ES_MAX_SPARSE_TOPK]; 0: dense (the default) */
 } es_session_params;
 
 /* The range of es_session_params es_session_new accepts (the Python side and the CLI read
@@ -156,8 +173,9 @@ enum {
     ES_MAX_CTX = 1 << 20,       /* n_ctx, tokens */
     ES_MAX_THREADS = 256,       /* n_threads */
     ES_SWA_SLACK = 256,         /* swa_slack when 0: a verify of up to 255 drafts rolls back */
-    ES_EVICT_MAX_POS = 1 << 30  /* KV eviction: the positions a session may reach (n_ctx does not
+    ES_EVICT_MAX_POS = 1 << 30, /* KV eviction: the positions a session may reach (n_ctx does not
                                    bound it) */
+    ES_MAX_SPARSE_TOPK = 16384          /* sparse_topk: the blocks of ES_MAX_CTX (2^20 / 64) */
 };
 
 /* Sampling parameters for requests that are not greedy. */
@@ -272,6 +290,14 @@ size_t es_session_kv_bytes(const es_session *session);
  * furthest position written less R - kv_window + 1 (a session that evicted positions can not
  * go back before them). Rollback to 0 (a reset) always works. 0 for NULL. */
 int32_t es_session_min_rollback(const es_session *session);
+
+/* Sparse attention, for tests and diagnostics: the blocks (absolute, ascending) KV head
+ * kv_head of layer `layer` attended in the session's last call, into blocks[0, *n_out);
+ * *n_out = 0 when that call's attention there was dense (or sparse_topk is 0). The call's
+ * queries each saw those up to their own position. ES_ERR_INVALID_ARG with a message for
+ * NULL n_out, a layer or head out of range, or more blocks than cap. */
+es_status es_session_sparse_blocks(es_session *session, int32_t layer, int32_t kv_head, int32_t *blocks,
+                                   int32_t cap, int32_t *n_out);
 
 /* Message of the last failed call on this session ("" if none). Valid until the next call. */
 const char *es_session_last_error(const es_session *session);

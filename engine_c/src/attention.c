@@ -60,6 +60,10 @@
  * inputs and positions. So neither N, nor which queries share a work unit,
  * nor which thread computes which block, nor the vector width changes a bit:
  * a query computed in a 5-token verify is bitwise the query of a 1-token step.
+ * (Sparse attention, sparse.c, is the exception: a key-split call attends
+ * the blocks chosen for the whole call, per KV head, the same blocks and
+ * the same fold in ascending block order for each of its queries, so a
+ * query there depends on its call; attn_task.sel holds the choice.)
  * Two ways of sharing the work out compute exactly that:
  *   key split, calls of up to KS_MAX_TOKENS tokens (decode, verify): a unit
  *     is (KV head, its query heads or a part of them, a chunk of blocks) for
@@ -302,7 +306,7 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
         if (!t->nch) dst[k] = bp + (size_t)k * pf;
     }
     for (int32_t v = v0; v < v1; v++) {
-        int32_t b = es_attn_vblock(t, v), p0 = b * ES_KV_BLOCK;
+        int32_t b = es_attn_vblock(t, g, v), p0 = b * ES_KV_BLOCK;
         /* the queries that attend this block: [ka, kb) (positions and
          * window starts ascend with k; a sink block, all that reach it) */
         int ka = 0, kb = nq;
@@ -324,7 +328,7 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
         /* ask for the blocks up to KV_PF_AHEAD ahead (all of them at the
          * first): the hardware's streams stop at 4 KiB pages, a block is 8 */
         for (int32_t vp = v == v0 ? v : v + KV_PF_AHEAD; vp <= v + KV_PF_AHEAD && vp < v1; vp++)
-            es_kv_prefetch_block(kv, t->layer, g, es_attn_vblock(t, vp));
+            es_kv_prefetch_block(kv, t->layer, g, es_attn_vblock(t, g, vp));
         /* the block's last positions no query attends (the cache's end) are not scored */
         int ncols = (nv[kb - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
         block_partial(kb - ka, qp + ka, se + ka, lo + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
@@ -349,6 +353,13 @@ static void fold_group(es_session *s, const attn_task *t, int h0, int h1, float 
             const es_kv *kv = &t->seq->kv;
             int32_t p = kv->n_past + i, last = p / ES_KV_BLOCK, nf = 0;
             int32_t first = es_attn_window_lo(kv, s->model, t->layer, p) / ES_KV_BLOCK;
+            if (t->sel) {   /* sparse: the selected blocks up to the query's own, ascending */
+                int g = h / (in->n_head / in->n_head_kv);
+                for (int32_t v = 0; v < t->nvb && es_attn_vblock(t, g, v) <= last; v++)
+                    fold_part(st, part_at(t->seq, i, h, v), hd, nf++ == 0);
+                finish_part(s->att + (size_t)(t->row0 + i) * q_dim + (size_t)h * hd, st, hd);
+                continue;
+            }
             for (int32_t b = 0; b < kv->sink_blk && b <= last; b++)   /* the sinks (eviction) */
                 fold_part(st, part_at(t->seq, i, h, es_attn_vindex(t, b)), hd, nf++ == 0);
             for (int32_t b = first > kv->sink_blk ? first : kv->sink_blk; b <= last; b++)
@@ -439,6 +450,8 @@ int es_attn_shape(const es_session *s, attn_task *t) {
     t->sb = kv->sink_blk < t->nblk ? kv->sink_blk : t->nblk;
     if (t->blo < kv->sink_blk) t->blo = kv->sink_blk;
     t->nvb = t->sb + (t->nblk > t->blo ? t->nblk - t->blo : 0);
+    t->sel = NULL;
+    es_sparse_prepare(s, t);   /* sparse attention: may choose fewer blocks (key split only) */
     if (n <= KS_MAX_TOKENS) {
         int want = (KS_UNITS_PER_THREAD * nth + groups - 1) / groups;
         int32_t nb = t->nvb;

@@ -27,7 +27,11 @@ typedef struct {
     int32_t blo;        /* the first block of the call's first token's window (its window's, else
                            0; with eviction at least sb) */
     int32_t sb;         /* KV eviction: the sink blocks the call reaches (min(sink_blk, nblk)), else 0 */
-    int32_t nvb;        /* the call's blocks: [0, sb), then [blo, nblk) (es_attn_vblock) */
+    int32_t nvb;        /* the call's blocks: [0, sb), then [blo, nblk) (es_attn_vblock); with
+                           sparse attention the nvb blocks of sel */
+    const int32_t *sel; /* sparse attention (sparse.c): KV head g's blocks, ascending, at
+                           sel[g * sel_ld + v] for v in [0, nvb); NULL: every block (dense) */
+    int32_t sel_ld;
     size_t rs;          /* > 0: the unit that completes the call's (key split) or a token slice's
                            (query split) attention quantizes those att rows into mm_scratch for
                            W_o (rows rs bytes apart) */
@@ -55,13 +59,23 @@ static inline int32_t es_attn_window_lo(const es_kv *kv, const es_model *m, int 
 }
 
 /* A call's blocks in order (attn_task): index v in [0, t->nvb) is block
- * v of the sinks, then the blocks from t->blo; es_attn_vindex inverts it. */
-static inline int32_t es_attn_vblock(const attn_task *t, int32_t v) {
+ * v of the sinks, then the blocks from t->blo, or with sparse attention KV
+ * head g's v-th selected block; es_attn_vindex inverts the dense map. */
+static inline int32_t es_attn_vblock(const attn_task *t, int g, int32_t v) {
+    if (t->sel) return t->sel[(size_t)g * (size_t)t->sel_ld + (size_t)v];
     return v < t->sb ? v : t->blo + v - t->sb;
 }
 static inline int32_t es_attn_vindex(const attn_task *t, int32_t b) {
     return b < t->sb ? b : t->sb + b - t->blo;
 }
+
+/* Sparse attention (sparse.c), for t (seq, layer, n, row0 set; s->q holds
+ * the call's queries, the KV cache its keys): when the session has
+ * sparse_topk > 0 and the layer is global, bring the per-block key bounds of
+ * the blocks the call wrote up to date; then, for a key-split call whose
+ * context has more blocks than it keeps, choose each KV head's blocks and
+ * set t->sel, t->sel_ld and t->nvb. Otherwise leaves t->sel NULL (dense). */
+void es_sparse_prepare(const es_session *s, attn_task *t);
 
 /* Shape t's work units (t->s, seq, row0, layer, n and rs set; the rest is
  * filled in) and reset the counters the workers use. Returns the number of

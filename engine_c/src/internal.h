@@ -20,6 +20,8 @@
  *   session.c     sessions: creation, scratch, rollback
  *   attention.c   the attention: online softmax over KV blocks, its work
  *                 units (attention.h)
+ *   sparse.c      block-sparse attention: per-block key bounds, the choice
+ *                 of the blocks a decode step attends
  *   forward.c     the forward pass (its stage map at the top) and the
  *                 es_forward / es_decode calls
  *   rowops.h      small row kernels shared by forward.c and attention.c
@@ -381,6 +383,14 @@ struct es_session {
     size_t ws_floats;
     float *parts;           /* [KS_MAX_TOKENS][n_head][kv.n_blk][es_attn_part_floats] blocks' results (key split) */
     _Atomic int *grp_done;  /* [n_head] chunks done per head group (key split) */
+    /* sparse attention (sparse.c; NULL and 0 when sparse_topk is 0) */
+    int32_t sparse_topk;    /* blocks chosen by the bound beside the sink and recent ones */
+    uint16_t *kv_bound;     /* [n_layer][n_head_kv][kv.n_blk][2][head_dim] F16: the element-wise min,
+                               then max, of the keys of each block's valid positions (global layers) */
+    int32_t *sparse_sel;    /* [n_layer][n_head_kv][kv.n_blk] the blocks of the layer's last
+                               sparse call, ascending */
+    int32_t *sparse_nsel;   /* [n_layer] their count per KV head; 0: the last call was dense */
+    void *sparse_rank;      /* [kv.n_blk] scratch of the selection */
     void *mm_scratch;       /* es_matmul scratch, 64-byte aligned */
     float *am_val;          /* [cap][am_slots] argmax of each output-matmul chunk (am_epi): value, */
     int32_t *am_idx;        /* and index in the row (-1: only NaNs, or in slot 0: the first logit is
@@ -420,6 +430,12 @@ void es_moe_ffn(es_session *s, int l, int n);
  * model); ES_ERR_NOMEM with the message on s, the old buffers kept. */
 es_status es_moe_scratch(es_session *s, int32_t n);
 void es_moe_scratch_free(es_session *s);
+
+/* Sparse attention (sparse.c): the bounds and selection buffers of a
+ * session with sparse_topk topk > 0 (ES_ERR_NOMEM with the message; what
+ * was allocated is freed by es_sparse_free), and their release. */
+es_status es_sparse_alloc(es_session *s, int32_t topk, char *err, size_t err_len);
+void es_sparse_free(es_session *s);
 
 /* Make room for n tokens per call (session.c). On failure the old buffers are kept. */
 es_status es_session_ensure_scratch(es_session *s, int32_t n);

@@ -12,7 +12,7 @@
 
 
 es_session_params es_session_default_params(void) {
-    es_session_params p = {0, 0, 0, 0, 0, 0};
+    es_session_params p = {0, 0, 0, 0, 0, 0, 0};
     return p;
 }
 
@@ -159,6 +159,16 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
                    "sliding-window layers (%s: %d of them)", (int)p.kv_window, in->arch, (int)in->n_swa_layers);
         return ES_ERR_UNSUPPORTED;
     }
+    if (p.sparse_topk < 0 || p.sparse_topk > ES_MAX_SPARSE_TOPK) {
+        es_set_err(err, err_len, "sparse attention: sparse_topk %d out of range [0, %d] (0: dense attention)",
+                   (int)p.sparse_topk, ES_MAX_SPARSE_TOPK);
+        return ES_ERR_INVALID_ARG;
+    }
+    if (p.sparse_topk > 0 && p.kv_window > 0) {
+        es_set_err(err, err_len, "sparse attention (sparse_topk %d) is not supported with KV eviction (kv_window "
+                   "%d): a step already attends only the sinks and the window", (int)p.sparse_topk, (int)p.kv_window);
+        return ES_ERR_UNSUPPORTED;
+    }
     int32_t n_ctx = p.n_ctx;
     if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
     if (n_ctx < 1) n_ctx = 1;
@@ -187,6 +197,13 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
         es_session_free(s);
         return ES_ERR_NOMEM;
     }
+    if (p.sparse_topk > 0) {
+        es_status rc = es_sparse_alloc(s, p.sparse_topk, err, err_len);
+        if (rc != ES_OK) {
+            es_session_free(s);
+            return rc;
+        }
+    }
     s->pool = es_pool_new(n_threads);
     if (!s->pool) {
         es_set_err(err, err_len, "could not start %d worker threads", n_threads - 1);
@@ -210,6 +227,7 @@ void es_session_free(es_session *s) {
     es_kv_free(&s->kv);
     free(s->att_ws);
     free(s->parts);
+    es_sparse_free(s);
     free((void *)s->grp_done);
     free(s);
 }

@@ -190,6 +190,13 @@ class VerifierConfig(_GrpcServiceConfig):
                              "generation runs past n_ctx, and speculation is refused",
                              serve="--kv-window",
                              range=(0, EngineLimit("ES_MAX_CTX"), "the KV window (positions)"))
+    sparse_attention: int = setting(0, "sparse attention: each decode step attends, per layer and KV "
+                                    "head, the first KV block (64 positions), the two most recent "
+                                    "ones and the TOPK other blocks of the largest key bound "
+                                    "(0: full attention); only once the context has more than "
+                                    "TOPK + 3 blocks; prefill stays full; speculation is refused",
+                                    serve="--sparse-attention",
+                                    range=(0, EngineLimit("ES_MAX_SPARSE_TOPK"), "blocks a step chooses (TOPK)"))
     prefix_cache_sessions: int = setting(4, "idle sessions (one KV cache each) the prefix cache "
                                          "keeps", range=(0, _BIG, "idle sessions kept (0: none)"))
     batch_threads: int = setting(0, "engine threads of a scheduler iteration that batches >= 2 "
@@ -526,6 +533,10 @@ def check_ranges(cfg, name_of=setting_name) -> None:
         problem = kv_eviction_problem(cfg.kv_sinks, cfg.kv_window, name_of)
         if problem:
             raise ValueError(problem)
+    if hasattr(cfg, "sparse_attention") and cfg.sparse_attention > 0 and getattr(cfg, "kv_window", 0) > 0:
+        raise ValueError(f"{name_of('sparse_attention')} {cfg.sparse_attention} with {name_of('kv_window')} "
+                         f"{cfg.kv_window}: sparse attention does not combine with KV eviction (a step "
+                         f"already attends only the sinks and the window); use one of them")
     # fixed bounds first, then the bounds that are other fields (checked by then)
     ranged = [f for f in dataclasses.fields(cfg) if f.metadata.get("range")]
     for f in sorted(ranged, key=lambda f: isinstance(f.metadata["range"][1], (str, tuple))):

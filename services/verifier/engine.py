@@ -139,7 +139,8 @@ class Model:
             rope_freq_scale=ci.rope_freq_scale)
 
     def new_session(self, n_ctx: int = 0, n_threads: int = 0, swa_slack: int = 0,
-                    swa_full: bool = False, kv_sinks: int = 0, kv_window: int = 0) -> "Session":
+                    swa_full: bool = False, kv_sinks: int = 0, kv_window: int = 0,
+                    sparse_topk: int = 0) -> "Session":
         """Create a session with its own KV cache.
 
         A model with a sliding window (Gemma 3's local layers, ``info.n_swa``) keeps each local
@@ -159,13 +160,18 @@ class Model:
                 swa_slack, 64) positions, a session runs past n_ctx, positions stay absolute
                 (es_session_params in the header), and ``min_rollback`` says how far back it
                 can go once positions were evicted.
+            sparse_topk: sparse attention: a call of up to 8 tokens (decode, verify) attends, per
+                global layer and KV head, the first block of 64 positions, the two recent blocks
+                and the ``sparse_topk`` other blocks of the largest key bound, chosen once for
+                the call (es_session_params in the header); 0: full attention. Deterministic,
+                but a verify over n tokens is then not n decode steps (no exact speculation).
         Raises:
             EngineError: ES_ERR_INVALID_ARG, ES_ERR_NOMEM or ES_ERR_INTERNAL; ES_ERR_UNSUPPORTED
-                for KV eviction on a model with sliding-window layers.
+                for KV eviction on a model with sliding-window layers, or with sparse_topk.
         """
         if self._ptr is None:
             raise EngineError(ES_ERR_INVALID_ARG, "model is closed")
-        s = Session(self, n_ctx, n_threads, swa_slack, swa_full, kv_sinks, kv_window)
+        s = Session(self, n_ctx, n_threads, swa_slack, swa_full, kv_sinks, kv_window, sparse_topk)
         with self._lock:
             self._sessions.add(s)
         return s
@@ -195,7 +201,7 @@ class Session:
     """One KV sequence on a model. Use from one thread at a time."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, swa_slack: int = 0, swa_full: bool = False,
-                 kv_sinks: int = 0, kv_window: int = 0):
+                 kv_sinks: int = 0, kv_window: int = 0, sparse_topk: int = 0):
         self.model = model
         self.n_vocab = model.info.n_vocab
         p = ffi.new("es_session_params *")
@@ -207,6 +213,7 @@ class Session:
         p.swa_full = int(swa_full)
         p.kv_sinks = _int32(kv_sinks, "kv_sinks")
         p.kv_window = _int32(kv_window, "kv_window")
+        p.sparse_topk = _int32(sparse_topk, "sparse_topk")
         out = ffi.new("es_session **")
         err = ffi.new("char[512]")
         st = lib.es_session_new(model._ptr, p, out, err, 512)

@@ -272,6 +272,9 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
     if req.spec:
         if run.core.kv_eviction != "none":   # the gating rule (coordinator/gating.py), for direct callers
             reason = f"verifier KV eviction is {run.core.kv_eviction!r} (needs 'none'); decoded plainly"
+        elif run.core.config.sparse_attention > 0:   # the same rule
+            reason = (f"verifier uses sparse attention (--sparse-attention "
+                      f"{run.core.config.sparse_attention}; needs full attention); decoded plainly")
         elif open_draft is None:
             reason = "no draft service configured at the verifier; decoded plainly"
         else:

@@ -87,7 +87,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return verifier_pb2.GetConfigResponse(
             model=model_name(cfg.model), arch=core.model.info.arch, n_vocab=core.n_vocab, n_ctx=cfg.n_ctx,
             n_threads=cfg.n_threads, batch_max=cfg.batch_max, kv_eviction=core.kv_eviction,
-            sparse_attention=False, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
+            sparse_attention=cfg.sparse_attention > 0, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
             active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
             cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk,
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,

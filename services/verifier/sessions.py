@@ -123,6 +123,10 @@ class VerifierCore:
     cached session is reused only down to a prefix it still holds (min_rollback), and
     speculation is refused (generation_loop.py; the coordinator's gating refuses it first).
 
+    Sparse attention (sparse_attention TOPK > 0): every session is made with the engine's
+    sparse_topk; a decode step then attends a choice of KV blocks made for its whole call, so a
+    verify is not exact and speculation is refused as for KV eviction.
+
     Sliding-window models (Gemma 3): each session's local layers keep a ring of
     the window plus ``swa_slack`` positions, swa_slack = max(SWA_SLACK, max_k + 1),
     so the rollback after a verify of up to max_k drafts (at most max_k positions
@@ -203,7 +207,7 @@ class VerifierCore:
         evict = cfg.kv_window > 0
         es = self.model.new_session(n_ctx=cfg.n_ctx, n_threads=self.pool_threads,
                                     swa_slack=self.swa_slack, kv_sinks=cfg.kv_sinks if evict else 0,
-                                    kv_window=cfg.kv_window)
+                                    kv_window=cfg.kv_window, sparse_topk=cfg.sparse_attention)
         try:
             es.threads = self.config.n_threads
         except EngineError:
