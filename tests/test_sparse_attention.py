@@ -60,10 +60,11 @@ def test_engine_sparse_steps_are_deterministic_and_dense_while_short(tiny_spec):
         assert [first] + rest == fed[len(PROMPT):]
 
 
-def _sampled(m: Model, topk: int, n: int, seed: int) -> list[int]:
-    """The engine's sampled run of PROMPT (temperature 1, the request's seed), single steps."""
+def _sampled(m: Model, topk: int, n: int, seed: int, prompt: list[int] = PROMPT) -> list[int]:
+    """The engine's sampled run of ``prompt`` (temperature 1, the request's seed): the prompt in
+    one call, then single steps."""
     with m.new_session(n_ctx=N_CTX, n_threads=1, sparse_topk=topk) as s:
-        _, lg = s.forward(PROMPT, logits="last")
+        _, lg = s.forward(prompt, logits="last")
         out, rng = [], seed
         for _ in range(n):
             tok, rng = sample(lg[-1], temperature=1.0, rng=rng)
@@ -213,3 +214,30 @@ def test_sparse_setting_parses_and_serve_offers_it(tmp_path):
     r = subprocess.run([sys.executable, "-m", "echospec.cli", "serve", "--model", str(tmp_path / "x.gguf"),
                         "--sparse-attention", "-2"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--sparse-attention" in r.stderr and "-2" in r.stderr, r.stderr
+
+
+def test_a_prompt_is_never_cut_by_the_prefix_cache_under_sparse_attention(sparse_stack):
+    # a kept session would leave only the prompt's last tokens to prefill, in a piece short
+    # enough to attend like a decode step: the same request would then give another output
+    # than it does cold. So the verifier reuses no prefix under sparse attention
+    import grpc
+    from echospec.v1 import common_pb2, verifier_pb2 as vpb, verifier_pb2_grpc
+    st, path = sparse_stack
+    long_prompt = (PROMPT * 30)[:300]                      # past (K + 3) blocks: sparse steps
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=11)
+    ch = grpc.insecure_channel(st.verifier_target)
+    try:
+        vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+        def run(prompt, n, **kw):
+            msgs = list(vstub.GenerateTokens(vpb.GenerateTokensRequest(
+                prompt=prompt, max_tokens=n, **kw), timeout=120))
+            return [t for m in msgs for r in m.rounds for t in r.result.tokens], msgs[0]
+
+        run(long_prompt[:-3], 2)                           # leaves a session holding 297 + 1
+        got, first = run(long_prompt, 16, sampling=sampling)
+        assert first.cached_prompt_tokens == 0, first.cached_prompt_tokens
+        with Model(path) as m:
+            assert got == _sampled(m, K, 16, 11, long_prompt)
+    finally:
+        ch.close()

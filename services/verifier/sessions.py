@@ -125,7 +125,9 @@ class VerifierCore:
 
     Sparse attention (sparse_attention TOPK > 0): every session is made with the engine's
     sparse_topk; a decode step then attends a choice of KV blocks made for its whole call, so a
-    verify is not exact and speculation is refused as for KV eviction.
+    verify is not exact and speculation is refused as for KV eviction, and no prefix is reused
+    (the prompt's rest would be a short piece that attends like a decode step: the output
+    would depend on what the cache held). A kept session is still taken, rolled back to 0.
 
     Sliding-window models (Gemma 3): each session's local layers keep a ring of
     the window plus ``swa_slack`` positions, swa_slack = max(SWA_SLACK, max_k + 1),
@@ -231,7 +233,10 @@ class VerifierCore:
         """
         evicted = []
         with self._lock:
-            session, n = self.prefix_cache.take(prompt)
+            # under sparse attention a reused prefix would leave the prompt's rest to a short
+            # piece, which attends like a decode step: the output would depend on the cache
+            session, n = self.prefix_cache.take(prompt) if not self.config.sparse_attention \
+                else (None, 0)
             if session is None and 0 < self.prefix_cache.capacity <= len(self.prefix_cache):
                 session, n = self.prefix_cache.evict_lru(), 0
             if session is None:
