@@ -52,6 +52,23 @@ class GrammarSpec:
     text: str = ""
 
 
+def spec_of(msg) -> GrammarSpec | None:
+    """The GrammarSpec of an ``echospec.v1.Grammar`` message (None: unset, free text).
+
+    Raises:
+        GrammarError: ``json_object`` set to false (set it true, or leave the grammar unset).
+    """
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise GrammarError("grammar.json_object must be true when set (leave grammar unset "
+                               "for free text)")
+        return GrammarSpec("json_object")
+    return GrammarSpec(kind, getattr(msg, kind))
+
+
 def limits() -> llguidance.LLParserLimits:
     """The matcher's resource limits (the module docstring); errors without parser dumps."""
     return llguidance.LLParserLimits(initial_lexer_fuel=LEXER_FUEL, verbose_errors=False)

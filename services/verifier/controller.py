@@ -258,6 +258,12 @@ class SpecController:
             self.misses = 0
             self.skip = 0
 
+    def advance(self, tokens: list[int]) -> None:
+        """The output moved on by ``tokens`` from a round drafted elsewhere (the grammar's forced
+        tokens): the cache still holds when it starts with them; no acceptance is counted."""
+        n = len(tokens)
+        self.cache = self.cache[n:] if self.cache[:n] == list(tokens) else []
+
     def _miss(self) -> None:
         self.cache = []
         self.misses += 1

@@ -18,7 +18,8 @@ from echospec.services.common.config import model_name
 from echospec.services.verifier.engine import simd_name
 from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
                                                         run_generation)
-from echospec.services.verifier.sessions import Sampling, VerifierCore, VerifierError
+from echospec.services.text import grammar
+from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore, VerifierError
 
 log = logging.getLogger("echospec.verifier")
 
@@ -99,13 +100,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         """A whole generation (generation_loop.py); cancelling the call ends it and
         frees its engine step at once (a step already running finishes first)."""
         core = self._core(context)
+        try:
+            gram = grammar.spec_of(request.grammar)
+        except grammar.GrammarError as exc:
+            _abort(context, InvalidArgument(str(exc)))
         req = GenerationRequest(
             prompt=list(request.prompt), max_tokens=request.max_tokens,
             eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
             spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0,
             prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens),
             line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace,
-            resumed=request.resumed_tokens)
+            resumed=request.resumed_tokens, grammar=gram)
         setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
                      draft_namespace=request.draft_namespace,
                      line_break_tokens=list(request.line_break_tokens))
@@ -132,7 +137,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             check(core, req)
         except VerifierError as exc:
             _abort(context, exc)
-        if not req.spec:
+        if not req.spec and req.grammar is None:
             # Plain decoding runs in the scheduler's thread (generation_loop._stream): this
             # thread only reads its rounds and sends what is ready at each FLUSH, several
             # rounds per message when it lags.
@@ -154,7 +159,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if held:
                 yield events_to_proto(held)
             return
-        # The speculative loop runs on its own thread, so it never waits for a message
+        # The speculative (or constrained) loop runs on its own thread, so it never waits for a message
         # to be sent; this thread sends what it finished, several rounds per message
         # when the reader is slower than the engine.
         out: queue.SimpleQueue = queue.SimpleQueue()

@@ -33,6 +33,8 @@ from typing import Sequence
 
 from echospec.services.common.config import (VerifierConfig, default_engine_threads, kv_eviction_text,
                                              usable_cpus)
+from echospec.services.text import grammar
+from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.verifier.engine import (EVICT_MAX_POS, MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK,
                                                EngineError, Model, Session)
 from echospec.services.verifier.prefix_cache import PrefixCache
@@ -163,6 +165,30 @@ class VerifierCore:
                                    decode_steps=config.decode_steps)
         self.prefix_cache = PrefixCache(config.prefix_cache_sessions if config.prefix_cache else 0)
         self._gen_active = 0                              # sessions held by generations
+        self._grammar_tokenizers: grammar.TokenizerCache | None = None   # built on first use
+        self._grammar_lock = threading.Lock()
+
+    def constraint(self, spec: grammar.GrammarSpec, eos_ids: Sequence[int],
+                   resumed: Sequence[int] = ()) -> grammar.Constraint:
+        """A generation's grammar matcher over the model's vocabulary, advanced over the
+        ``resumed`` output tokens. The llguidance tokenizer is built from the GGUF's own
+        vocabulary on the first constrained request (about half a second) and kept.
+
+        Raises:
+            InvalidArgument: the grammar is refused, or the resumed tokens break it (the
+                matcher's message).
+        """
+        with self._grammar_lock:
+            if self._grammar_tokenizers is None:
+                hf = Tokenizer.from_gguf(self.config.model).hf.to_str()
+                self._grammar_tokenizers = grammar.TokenizerCache(hf, self.n_vocab)
+            cache = self._grammar_tokenizers
+        try:
+            c = grammar.Constraint(cache.get(eos_ids), spec, self.n_vocab)
+            c.consume(resumed)
+        except grammar.GrammarError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return c
 
     @property
     def kv_eviction(self) -> str:
