@@ -1,0 +1,200 @@
+"""Constrained output through the services on the default model: OpenAI's response_format on both
+gateway routes with the official openai client (outputs validated by jsonschema), the gRPC
+grammar field (JSON schema, JSON object, Lark, GBNF), byte identity with speculation on and off
+and the grammar draft source in the stats, and the refusals (HTTP 400 / INVALID_ARGUMENT naming
+the problem, the matcher's limit)."""
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from echospec.services.gateway import openai_api as api
+from echospec.stack import start_stack
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "fish", "none"]}}}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+PEOPLE = ["a teacher", "a farmer", "a pilot", "a child", "a doctor", "a painter", "a baker",
+          "a sailor", "a student", "a nurse", "a chef", "a writer", "a singer", "a runner",
+          "a judge", "a miner", "a poet", "a dancer", "a driver", "a guard"]
+SLOW_SCHEMA = {"type": "string", "pattern": "^((a{50}b){50}c){50}$"}
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_path):
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
+    yield st
+    st.stop(0.5)
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    with grpc.insecure_channel(stack.target) as ch:
+        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    c = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+def complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(**kw), timeout=120).result
+
+
+def user(text: str) -> list[cpb.ChatMessage]:
+    return [cpb.ChatMessage(role="user", content=text)]
+
+
+# -- HTTP: response_format with the openai client ------------------------------------------------
+
+def test_json_schema_outputs_validate_on_20_prompts(client):
+    for i, who in enumerate(PEOPLE):
+        r = client.chat.completions.create(
+            model="smollm2", max_tokens=48, response_format=RESPONSE_FORMAT,
+            messages=[{"role": "user", "content": f"Describe {who} as JSON: name, age and pet."}],
+            extra_body={"spec": "on" if i % 2 else "off"})
+        assert r.choices[0].finish_reason == "stop", (who, r.choices[0].message.content)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_json_schema_on_completions_route_and_streamed(client):
+    prompt = "A person, as JSON with name, age and pet: "
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=48,
+                                  extra_body={"response_format": RESPONSE_FORMAT})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    chunks = client.completions.create(model="smollm2", prompt=prompt, max_tokens=48, stream=True,
+                                       extra_body={"response_format": RESPONSE_FORMAT})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_json_object(client):
+    r = client.chat.completions.create(
+        model="smollm2", max_tokens=64, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Return a JSON object with the key "capital" for France.'}])
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_response_format_text_is_free_text(client):
+    msgs = [{"role": "user", "content": "Count from one to five."}]
+    a = client.chat.completions.create(model="smollm2", max_tokens=16, messages=msgs)
+    b = client.chat.completions.create(model="smollm2", max_tokens=16, messages=msgs,
+                                       response_format={"type": "text"})
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "objectx"}, "response_format.json_schema.schema: Invalid type: objectx"),
+    (SLOW_SCHEMA, "too many expressions constructed .*limit of 200000 units"),
+])
+def test_bad_or_slow_schema_is_a_400_naming_the_problem(client, schema, message):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(
+            model="smollm2", max_tokens=16, messages=[{"role": "user", "content": "Hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    err = ei.value.body
+    assert err["param"] == "response_format" and err["code"] == "invalid_argument"
+    assert re.search(message, err["message"]), err["message"]
+
+
+@pytest.mark.parametrize("rf,message,param", [
+    ({"type": "xml"}, 'response_format.type must be "text", "json_object" or "json_schema", got \'xml\'',
+     "response_format"),
+    ("json", "response_format.type must be", "response_format"),
+    ({"type": "json_schema"}, "response_format.json_schema must be an object", "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "json_schema.name must be 1-64 letters",
+     "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "json_schema.name must be",
+     "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}},
+     "json_schema.schema must be a JSON schema object, got list", "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}, "strict must be a boolean",
+     "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schemas": {}}}, "takes no field 'schemas'",
+     "response_format.json_schema.schemas"),
+    ({"type": "json_object", "schema": {}}, "of type json_object takes no field 'schema'",
+     "response_format.schema"),
+])
+@pytest.mark.parametrize("chat", [True, False])
+def test_response_format_shape_is_checked_on_both_routes(rf, message, param, chat):
+    body = {"response_format": rf, **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                      else {"prompt": "hi"})}
+    with pytest.raises(api.ApiError) as ei:
+        api.parse_request(body, chat)
+    assert ei.value.status == 400 and message in ei.value.message and ei.value.param == param
+
+
+def test_response_format_maps_to_the_grammar():
+    p = api.parse_request({"prompt": "x", "response_format": RESPONSE_FORMAT}, chat=False)
+    assert json.loads(p.request.grammar.json_schema) == SCHEMA
+    p = api.parse_request({"prompt": "x", "response_format": {"type": "json_object"}}, chat=False)
+    assert p.request.grammar.WhichOneof("kind") == "json_object"
+    p = api.parse_request({"prompt": "x", "response_format": {"type": "text"}}, chat=False)
+    assert not p.request.HasField("grammar")
+
+
+# -- gRPC: the grammar field ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("grammar", [
+    common_pb2.Grammar(json_schema=json.dumps(SCHEMA)),
+    common_pb2.Grammar(lark='start: "Name: " /[A-Z][a-z]{1,10}/ ", age " /[0-9]{1,2}/ "."'),
+    common_pb2.Grammar(gbnf='root ::= "Answer: " ("yes" | "no") ". Because " [a-z ]{1,20} "."'),
+], ids=["json_schema", "lark", "gbnf"])
+def test_spec_on_off_byte_identical_with_the_grammar_source(stub, grammar):
+    kw = dict(messages=user("Describe a teacher: name, age and pet."), max_tokens=48, grammar=grammar)
+    off = complete(stub, spec=OFF, **kw)
+    on = complete(stub, spec=ON, **kw)
+    assert on.text.encode() == off.text.encode() and list(on.token_ids) == list(off.token_ids)
+    assert on.finish_reason == off.finish_reason == common_pb2.FINISH_REASON_EOS
+    src = {s.source: s for s in on.stats.sources}
+    assert src["grammar"].hits > 0 and src["grammar"].tries > 0
+    assert sum(s.draft_tokens for s in on.stats.sources) == on.stats.draft_tokens
+    assert not off.stats.sources
+
+
+def test_grammar_applies_to_sampling(stub):
+    g = common_pb2.Grammar(lark='start: ("red" | "green" | "blue") "."')
+    texts = {complete(stub, messages=user("A color?"), max_tokens=8, temperature=1.5, seed=s,
+                      grammar=g).text for s in range(1, 7)}
+    assert texts <= {"red.", "green.", "blue."} and len(texts) >= 2
+
+
+def test_generate_streams_constrained_output(stub):
+    g = common_pb2.Grammar(json_schema=json.dumps(SCHEMA))
+    msgs = list(stub.Generate(cpb.GenerateRequest(messages=user("A pilot as JSON."), max_tokens=48,
+                                                  grammar=g, spec=ON), timeout=120))
+    text = "".join(m.text for m in msgs)
+    assert text == msgs[-1].result.text
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("grammar,message", [
+    (common_pb2.Grammar(lark="start: nope"), 'grammar.lark: .*unknown name: "nope"'),
+    (common_pb2.Grammar(gbnf="root ::= [0-9"), "grammar.gbnf"),
+    (common_pb2.Grammar(json_schema="{oops"), "grammar.json_schema is not valid JSON"),
+    (common_pb2.Grammar(json_schema='{"type": "strin"}'), "grammar.json_schema: .*strin"),
+    (common_pb2.Grammar(json_object=False), "grammar.json_object must be true when set"),
+    (common_pb2.Grammar(json_schema=json.dumps({"enum": ["v%05d" % i for i in range(10000)]})),
+     "grammar.json_schema is .* bytes, more than the limit of 65536 bytes"),
+    (common_pb2.Grammar(json_schema=json.dumps(SLOW_SCHEMA)),
+     "grammar.json_schema: the matcher failed.*too many expressions constructed"),
+])
+def test_bad_grammars_are_invalid_argument(stub, grammar, message):
+    with pytest.raises(grpc.RpcError) as ei:
+        complete(stub, messages=user("Hi"), max_tokens=8, grammar=grammar)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, ei.value.details()), ei.value.details()
+    # the service goes on
+    assert complete(stub, messages=user("Hi"), max_tokens=2).completion_tokens == 2
