@@ -168,3 +168,20 @@ def test_resumed_tokens_the_grammar_refuses_are_invalid_argument(core, prompt, s
     bad = smollm2_tokenizer.encode("hello")
     with pytest.raises(InvalidArgument, match="grammar.json_object"):
         run(core, list(prompt) + bad, GrammarSpec("json_object"), resumed=len(bad))
+
+
+def test_masks_are_computed_beside_the_forward(core, prompt, monkeypatch):
+    """On the generation's own worker thread, submitted before the step's forward and collected
+    after it (so the forward and the matcher run at once)."""
+    from echospec.services.text.grammar import Constraint
+    seen = []
+    real = Constraint.masks_along
+
+    def masks_along(self, draft):
+        seen.append(threading.current_thread().name)
+        return real(self, draft)
+
+    monkeypatch.setattr(Constraint, "masks_along", masks_along)
+    evs = run(core, prompt, GrammarSpec("json_object"), max_tokens=8)
+    assert len(seen) == len(evs) - 1   # one per round after the prefill
+    assert all(name.startswith("grammar-masks") for name in seen)

@@ -36,6 +36,7 @@ rounds and their events are those of the step-by-step loop.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -186,6 +187,7 @@ class _Run:
             self.rng = rng_advance(self.rng, req.resumed)
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
         self.gram: Constraint | None = None   # the grammar's matcher over the output so far
+        self.beside: concurrent.futures.ThreadPoolExecutor | None = None   # its worker (masks)
 
     def release(self) -> None:
         """Give the session back (to the prefix cache) once; called before the last event, so a
@@ -280,6 +282,8 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
     run = _Run(core, req, session, cached, cancel)
     run.marks = marks
     run.gram = gram
+    if gram is not None:
+        run.beside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
     try:
         yield from _loop(run, open_draft)
     except Cancelled:
@@ -290,6 +294,8 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
         raise InvalidArgument(str(exc)) from None
     finally:
         run.release()
+        if run.beside is not None:
+            run.beside.shutdown(wait=False)
 
 
 def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEvent]:
@@ -618,7 +624,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             source = drafts.source
             if gram is not None and drf:
                 drf = drf[:gram.valid_prefix(drf)]
-        masks = gram.masks_along(drf) if gram is not None else None
+        # the masks of the round's positions are computed beside its forward (llguidance
+        # releases the GIL), not after it
+        masks_job = run.beside.submit(gram.masks_along, drf) if gram is not None else None
         n_run = 1
         if greedy and not drf and gram is None:
             # the back-off's plain rounds as one in-engine run, paced like a plain stream's
@@ -626,6 +634,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                                _paced_steps(core.t_ms)))
         st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
                       stop_ids=tuple(eos) if n_run > 1 else ())
+        masks = masks_job.result() if masks_job is not None else None
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
             toks = [int(t) for t in st.argmax]
             drafts.skipped(len(toks) - 1)
