@@ -185,3 +185,27 @@ def test_masks_are_computed_beside_the_forward(core, prompt, monkeypatch):
     evs = run(core, prompt, GrammarSpec("json_object"), max_tokens=8)
     assert len(seen) == len(evs) - 1   # one per round after the prefill
     assert all(name.startswith("grammar-masks") for name in seen)
+
+
+def test_a_sentencepiece_vocabulary_gemma3(gemma3_path):
+    """Gemma 3's SentencePiece vocabulary (262144 ids, byte fallback, EOS ids 1 and 106): the
+    matcher's tokenizer is built from it alike, and the output is the same with speculation on."""
+    from echospec.services.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(gemma3_path)
+    core = VerifierCore(VerifierConfig(model=gemma3_path, n_ctx=512, n_threads=1, prefix_cache=False))
+    try:
+        prompt = tok.prompt_ids("A person described as JSON with name, age and pet: ")
+        outs = []
+        for spec in (False, True):
+            req = GenerationRequest(prompt=prompt, max_tokens=48, eos_ids=frozenset(tok.eos_ids),
+                                    sampling=Sampling(), spec=spec, k=4,
+                                    grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+            check(core, req)
+            evs = list(run_generation(core, req, threading.Event()))
+            toks = [t for e in evs for t in e.tokens]
+            assert toks[-1] in tok.eos_ids
+            jsonschema.validate(json.loads(tok.decode(toks[:-1])), SCHEMA)
+            outs.append((toks, sum(e.accepted for e in evs if e.source == SOURCE_GRAMMAR)))
+        assert outs[0][0] == outs[1][0] and outs[0][1] == 0 and outs[1][1] > 0
+    finally:
+        core.close()
