@@ -198,3 +198,79 @@ def test_bad_grammars_are_invalid_argument(stub, grammar, message):
     assert re.search(message, ei.value.details()), ei.value.details()
     # the service goes on
     assert complete(stub, messages=user("Hi"), max_tokens=2).completion_tokens == 2
+
+
+# -- the Python client and the CLI ---------------------------------------------------------------
+
+def test_client_grammar_argument(stack):
+    from echospec_client import Client, ClientError
+    with Client(stack.target, timeout=120) as c:
+        r = c.complete(messages=[{"role": "user", "content": "Describe a baker as JSON."}],
+                       max_tokens=48, spec=True, grammar={"json_schema": SCHEMA})
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        assert r.stats.sources["grammar"]["hits"] > 0
+        text = "".join(ch.text for ch in c.stream("Yes or no? ", max_tokens=4,
+                                                   grammar={"lark": 'start: "yes" | "no"'}))
+        assert text in ("yes", "no")
+        with pytest.raises(ClientError) as ei:
+            c.complete("Hi", max_tokens=4, grammar={"gbnf": "root ::= [0-9"})
+        assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT and "grammar.gbnf" in ei.value.details
+    with pytest.raises(ValueError, match="grammar must be a dict of one key"):
+        Client(stack.target).complete("Hi", grammar={"regex": "a+"})
+    with pytest.raises(ValueError, match="json_object must be True"):
+        Client(stack.target).complete("Hi", grammar={"json_object": 1})
+
+
+def test_cli_generate_with_a_json_schema_file(stack, tmp_path):
+    import subprocess
+    import sys
+    f = tmp_path / "person.json"
+    f.write_text(json.dumps(SCHEMA), encoding="utf-8")
+    msgs = tmp_path / "chat.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "Describe a poet as JSON."}]), encoding="utf-8")
+    cli = [sys.executable, "-m", "echospec.cli", "generate", "--messages", str(msgs), "--target",
+           stack.target, "--max-tokens", "48"]
+    r = subprocess.run(cli + ["--json-schema", str(f), "--json", "--spec", "on"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert out["stats"]["sources"]["grammar"]["hits"] > 0
+    r = subprocess.run(cli + ["--json-schema", str(f), "--json-object"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--json-schema and --json-object: give at most one grammar" in r.stderr
+    r = subprocess.run(cli + ["--lark", str(tmp_path / "nope.lark")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--lark" in r.stderr and "nope.lark" in r.stderr
+    bad = tmp_path / "bad.lark"
+    bad.write_text("start: nope", encoding="utf-8")
+    r = subprocess.run(cli + ["--lark", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and 'unknown name: "nope"' in r.stderr
+
+
+def test_readme_constrained_output_examples(stack):
+    """README's grpcurl and curl examples of "Constrained output", with the replies it states."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    block = text.split("### Constrained output", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+    assert grpcurl, "grpcurl not installed (the test extra)"
+    i = block.index("grpcurl -plaintext")
+    j = block.index("curl -s")
+    g_cmd = block[i:j].replace("127.0.0.1:50051", stack.target).replace("grpcurl", grpcurl, 1)
+    c_cmd = block[j:].replace("http://127.0.0.1:8000", stack.http_url)
+    r = subprocess.run(["bash", "-c", g_cmd], capture_output=True, text=True, timeout=120,
+                       env=os.environ)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)["result"]
+    assert res["text"] == '{"name":"Marija Kovac","age":20}' and res["completion_tokens"] == 16
+    assert res["finish_reason"] == "FINISH_REASON_EOS"
+    src = {s["source"]: s for s in res["stats"]["sources"]}
+    assert int(src["grammar"]["hits"]) == int(src["grammar"]["draft_tokens"]) > 0
+    r = subprocess.run(["bash", "-c", c_cmd], capture_output=True, text=True, timeout=120)
+    assert json.loads(r.stdout)["choices"][0]["message"]["content"] == '{"color":"blue"}'
