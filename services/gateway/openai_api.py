@@ -114,9 +114,10 @@ def error_from_status(code: str, message: str, chat: bool | None = None,
         message = max_tokens_name + message[len("max_tokens"):]
     param = refused_param(message, chat) if chat is not None and status == 400 else None
     for grpc_name, http_name in _GRAMMAR_NAMES:   # the grammar came from response_format
-        if message.startswith(grpc_name):
-            message = http_name + message[len(grpc_name):]
-            break
+        for lead in ("", "verifier: "):
+            if message.startswith(lead + grpc_name):
+                message = lead + http_name + message[len(lead + grpc_name):]
+                break
     return ApiError(status, message, param, kind, code.lower())
 
 
