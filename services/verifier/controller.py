@@ -45,6 +45,9 @@ measured live by each generation (CostModel: they depend on its context depth);
 p is this generation's recency-weighted acceptance of the draft's source
 (Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction), as
 in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
+A constrained generation's forced tokens (the grammar source) do not go through
+the controller: the loop drafts them whenever the grammar has any, and
+``advance`` keeps the cache in step with the tokens those rounds produced.
 """
 from __future__ import annotations
 

@@ -26,6 +26,18 @@ caller's cut-off (stop strings) applies to tokens it already has. The draft
 service failing mid-run ends speculation for this generation (spec_reason
 says why); decoding carries on plainly.
 
+Constrained output (a request's grammar, services/text/grammar.py): every
+token is chosen under the grammar's mask from the logits rows (the masked
+argmax, or a draw from the masked row), one forward per round, never an
+in-engine run. The masks of a round's positions (after each draft prefix) are
+computed on the generation's worker thread while the forward runs. A
+speculative generation drafts the tokens the grammar forces (source grammar,
+up to max_k, whatever k) in place of the draft service's proposal; a draft
+service proposal is cut where the grammar refuses it. R is the longest prefix
+with draft[i] == the masked argmax at its position; the matcher rolls back the
+K - R rejected tokens with the KV cache and takes the bonus token, so the
+output is the same with speculation on or off.
+
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
 thread takes each step's token and queues the next step right after the
