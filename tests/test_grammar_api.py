@@ -275,3 +275,28 @@ def test_readme_constrained_output_examples(stack):
     assert int(src["grammar"]["hits"]) == int(src["grammar"]["draft_tokens"]) > 0
     r = subprocess.run(["bash", "-c", c_cmd], capture_output=True, text=True, timeout=120)
     assert json.loads(r.stdout)["choices"][0]["message"]["content"] == '{"color":"blue"}'
+
+
+def test_a_verifier_without_the_grammar_capability_is_not_sent_one(tiny_model, monkeypatch):
+    """A verifier whose GetConfig lacks ``grammar`` (a version without constrained output) would
+    drop the field and answer with free text: the coordinator refuses instead, naming it."""
+    from echospec.services.verifier.servicer import VerifierServicer
+    real = VerifierServicer.GetConfig
+
+    def old_get_config(self, request, context):
+        cfg = real(self, request, context)
+        cfg.grammar = False
+        return cfg
+
+    monkeypatch.setattr(VerifierServicer, "GetConfig", old_get_config)
+    st = start_stack(tiny_model(), spec=False, n_ctx=256, n_threads=1)
+    try:
+        with grpc.insecure_channel(st.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as ei:
+                complete(stub, text="a b", max_tokens=4, grammar=common_pb2.Grammar(json_object=True))
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"the verifier {st.verifier_target} does not take a grammar" in ei.value.details()
+            assert complete(stub, text="a b", max_tokens=4).completion_tokens >= 1
+    finally:
+        st.stop(0.5)

@@ -620,6 +620,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if req.k:   # asked for: refused; the server's default is the server's to fit
                 raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
             params.k = vcfg.max_k
+        if params.grammar is not None and not vcfg.grammar:
+            # an older verifier would drop the field and answer with free text
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"grammar: the verifier {lease.address} does not take a grammar (its "
+                               f"GetConfig has no grammar capability: a version without constrained "
+                               f"output); upgrade it")
         timeout = context.time_remaining()
         if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
             timeout = None
