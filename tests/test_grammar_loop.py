@@ -209,3 +209,32 @@ def test_a_sentencepiece_vocabulary_gemma3(gemma3_path):
         assert outs[0][0] == outs[1][0] and outs[0][1] == 0 and outs[1][1] > 0
     finally:
         core.close()
+
+
+def test_constrained_generations_batched_together_give_their_lone_outputs(smollm2_path, prompt,
+                                                                         smollm2_tokenizer):
+    """With batch_max 2 two constrained generations (one free-text beside) share forwards; each
+    one's tokens are those it gets alone (the masked argmax of rows bitwise equal to its own)."""
+    core = VerifierCore(VerifierConfig(model=smollm2_path, n_ctx=512, n_threads=1, prefix_cache=False,
+                                       batch_max=3))
+    try:
+        other = smollm2_tokenizer.encode(chatml("Describe a pilot as JSON with name, age and pet."))
+        cases = [(prompt, GrammarSpec("json_schema", json.dumps(SCHEMA))),
+                 (other, GrammarSpec("json_object")), (other, None)]
+        alone = [out_tokens(run(core, p, g, max_tokens=32)) for p, g in cases]
+        together: list = [None] * len(cases)
+
+        def go(i):
+            together[i] = out_tokens(run(core, cases[i][0], cases[i][1], max_tokens=32))
+
+        core.scheduler.trace = []
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert together == alone
+        assert max(len(b) for b in core.scheduler.trace) >= 2   # forwards were shared
+        assert alone[0] != alone[2]
+    finally:
+        core.close()
