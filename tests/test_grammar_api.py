@@ -300,3 +300,17 @@ def test_a_verifier_without_the_grammar_capability_is_not_sent_one(tiny_model, m
             assert complete(stub, text="a b", max_tokens=4).completion_tokens >= 1
     finally:
         st.stop(0.5)
+
+
+def test_a_verifier_with_grammar_warm_up_builds_the_tokenizer_before_serving(tiny_model, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="echospec.verifier"):
+        st = start_stack(tiny_model(), spec=False, n_ctx=256, n_threads=1, grammar_warm_up=True)
+    try:
+        ready = [r.getMessage() for r in caplog.records if "matcher tokenizer ready" in r.getMessage()]
+        listening = [r.getMessage() for r in caplog.records if "verifier listening on" in r.getMessage()]
+        assert ready and listening
+        msgs = [r.getMessage() for r in caplog.records]
+        assert msgs.index(ready[0]) < msgs.index(listening[0])
+    finally:
+        st.stop(0.5)

@@ -238,3 +238,42 @@ def test_constrained_generations_batched_together_give_their_lone_outputs(smollm
         assert alone[0] != alone[2]
     finally:
         core.close()
+
+
+def test_warm_up_builds_the_matcher_tokenizer_for_the_ggufs_eos_ids(smollm2_path, caplog):
+    """At startup (before SERVING): the first constrained request then builds nothing, so no
+    build (which holds the GIL) stalls the verifier's other calls."""
+    import logging
+    c = VerifierCore(VerifierConfig(model=smollm2_path, n_ctx=256, n_threads=1, prefix_cache=False))
+    try:
+        assert c._grammar_tokenizers is None
+        with caplog.at_level(logging.INFO, logger="echospec.verifier"):
+            c.warm_up_grammar()
+        assert "grammar: matcher tokenizer ready in" in caplog.text
+        cache = c._grammar_tokenizers
+        built = dict(cache._by_eos)
+        assert list(built) == [(0, 2)]
+        c.constraint(GrammarSpec("json_object"), [2, 0])
+        assert cache._by_eos == built
+    finally:
+        c.close()
+
+
+def test_warm_up_of_a_vocabulary_the_matcher_cannot_take_is_not_fatal(tiny_model, caplog, monkeypatch):
+    import logging
+    from echospec.services.text import grammar as gmod
+
+    def refuse(*a, **kw):
+        raise ValueError("no such vocabulary")
+
+    monkeypatch.setattr(gmod.llguidance, "LLTokenizer", refuse)
+    c = VerifierCore(VerifierConfig(model=tiny_model(), n_ctx=256, n_threads=1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="echospec.verifier"):
+            c.warm_up_grammar()
+        assert "no matcher tokenizer for this model (no such vocabulary)" in caplog.text
+        from echospec.services.verifier.sessions import FailedPrecondition
+        with pytest.raises(FailedPrecondition, match="cannot take this model's vocabulary"):
+            c.constraint(GrammarSpec("json_object"), [1])
+    finally:
+        c.close()
