@@ -55,6 +55,15 @@ def test_controller_keeps_the_cached_tail_over_a_plain_step():
     assert c.cache == []
 
 
+def test_a_round_drafted_elsewhere_advances_the_cache_without_counting_acceptance():
+    c = SpecController(k=4, cost=None)
+    assert c.on_proposal([7, 8, 9, 10], k_cap=4, source=1) == [7, 8, 9, 10]
+    c.advance([7, 8])                                       # the grammar's forced tokens, as cached
+    assert c.cache == [9, 10] and c.acc == {}
+    c.advance([9, 11])                                      # diverged: the tail is stale
+    assert c.cache == []
+
+
 def test_acceptance_estimate_tracks_recent_rounds():
     c = SpecController(k=4, cost=cost(t=5.0, slope=0.1))
     p0 = c.p_accept

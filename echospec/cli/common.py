@@ -400,6 +400,15 @@ def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = No
     if getattr(args, "prediction_file", None):
         kw["prediction"] = _read_text("--prediction-file", args.prediction_file)
     kw["draft_namespace"] = getattr(args, "draft_namespace", None) or ""
+    grammars = [(flag, kind) for flag, kind in (("--json-schema", "json_schema"), ("--lark", "lark"),
+                                                ("--gbnf", "gbnf")) if getattr(args, kind, None)]
+    if getattr(args, "json_object", False):
+        grammars.append(("--json-object", "json_object"))
+    if len(grammars) > 1:
+        _die(f"{grammars[0][0]} and {grammars[1][0]}: give at most one grammar", 2)
+    if grammars:
+        flag, kind = grammars[0]
+        kw["grammar"] = {kind: True if kind == "json_object" else _read_text(flag, getattr(args, kind))}
     return kw
 
 

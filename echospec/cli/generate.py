@@ -70,6 +70,13 @@ def add_parser(sub) -> None:
                    "like OpenAI's predicted outputs)")
     p.add_argument("--draft-namespace", type=_utf8, default="",
                    help="share draft memory with earlier requests of this namespace (default: none)")
+    p.add_argument("--json-schema", metavar="FILE", help="constrained output: JSON following the "
+                   "JSON schema in FILE")
+    p.add_argument("--json-object", action="store_true", help="constrained output: any JSON object")
+    p.add_argument("--lark", metavar="FILE", help="constrained output: the Lark grammar in FILE "
+                   "(rule start)")
+    p.add_argument("--gbnf", metavar="FILE", help="constrained output: the GBNF grammar in FILE "
+                   "(rule root)")
     _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)

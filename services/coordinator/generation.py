@@ -43,6 +43,7 @@ class GenerationParams:
     k: int
     prediction: list[int] = field(default_factory=list)   # the request's prediction, tokenized
     draft_namespace: str = ""
+    grammar: Any = None           # echospec.v1.Grammar (checked), or None: free text
 
 
 @dataclass

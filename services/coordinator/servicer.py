@@ -42,6 +42,7 @@ from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateErro
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
 from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
+from echospec.services.text import grammar
 from echospec.services.common.metrics import PromMetrics, RequestRecord
 from echospec.services.text.clip import clip
 from echospec.services.text.tokenizer import Tokenizer
@@ -508,9 +509,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.check_fits("prediction", req.prediction)
         prediction = self.tokenizer.encode(req.prediction) if decision.enabled and req.prediction \
             else []
+        gram = None
+        if req.HasField("grammar"):
+            try:   # checked without the vocabulary; the verifier compiles it against the model's
+                if grammar.spec_of(req.grammar) is not None:
+                    grammar.check_grammar(grammar.spec_of(req.grammar))
+                    gram = req.grammar
+            except grammar.GrammarError as exc:
+                raise _bad(str(exc)) from None
         return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
                                 spec=decision.enabled, spec_reason=decision.reason, k=k,
-                                prediction=prediction, draft_namespace=ns)
+                                prediction=prediction, draft_namespace=ns, grammar=gram)
 
     def scoped_namespace(self, namespace: str, context: grpc.ServicerContext) -> str:
         """The draft service's name of the request's ``draft_namespace``: the name itself without
@@ -638,6 +647,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if req.k:   # asked for: refused; the server's default is the server's to fit
                 raise _bad(f"k {params.k} exceeds the verifier's max_k {vcfg.max_k}")
             params.k = vcfg.max_k
+        if params.grammar is not None and not vcfg.grammar:
+            # an older verifier would drop the field and answer with free text
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"grammar: the verifier {lease.address} does not take a grammar (its "
+                               f"GetConfig has no grammar capability: a version without constrained "
+                               f"output); upgrade it")
         timeout = context.time_remaining()
         if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
             timeout = None
@@ -648,7 +663,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             digit_tokens=self.digit_tokens if params.spec else [],
             line_break_tokens=self.line_break_tokens if params.spec else [],
             draft_namespace=namespace if params.spec else "",
-            resumed_tokens=len(output)), timeout)
+            resumed_tokens=len(output), grammar=params.grammar), timeout)
         context.add_callback(link.cancel)
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,

@@ -31,6 +31,7 @@ choices: on each choice). ``usage`` counts each prompt once and every choice's c
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import secrets
@@ -89,7 +90,11 @@ _STATUS = {
 _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
 _REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
                    "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
-                   "prediction"}
+                   "prediction", "grammar"}
+
+
+_GRAMMAR_NAMES = (("grammar.json_schema", "response_format.json_schema.schema"),
+                  ("grammar.json_object", "response_format json_object"))
 
 
 def refused_param(message: str, chat: bool) -> str | None:
@@ -103,6 +108,8 @@ def refused_param(message: str, chat: bool) -> str | None:
     name, rest = m.groups()
     if name in ("prompt", "token_ids"):
         return "messages" if chat else "prompt"
+    if name == "grammar":   # the coordinator's grammar is the request's response_format
+        return "response_format"
     return name + rest
 
 
@@ -118,6 +125,11 @@ def error_from_status(code: str, message: str, chat: bool | None = None,
     if max_tokens_name != "max_tokens" and message.startswith("max_tokens "):
         message = max_tokens_name + message[len("max_tokens"):]
     param = refused_param(message, chat) if chat is not None and status == 400 else None
+    for grpc_name, http_name in _GRAMMAR_NAMES:   # the grammar came from response_format
+        for lead in ("", "verifier: "):
+            if message.startswith(lead + grpc_name):
+                message = lead + http_name + message[len(lead + grpc_name):]
+                break
     if param == "prompt" and prompt_index is not None:
         param = f"prompt[{prompt_index}]"
         message = f"{param}: {message}"
@@ -131,9 +143,9 @@ _IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool
             "prompt_cache_key", "safety_identifier"}
 _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
            "prediction", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-           "spec", "k", "top_k", "min_p", "draft_namespace"}
+           "spec", "k", "top_k", "min_p", "draft_namespace", "response_format"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "functions", "function_call", "response_format", "modalities", "audio",
+                   "functions", "function_call", "modalities", "audio",
                    "reasoning_effort", "web_search_options", "chat_template_kwargs"}
 # OpenAI chat fields for what echospec does not do: taken only as null (clients send their
 # defaults) or, for modalities, text alone
@@ -324,9 +336,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         if body.get("modalities") not in (None, ["text"]):
             raise bad(f"modalities: only [\"text\"] is supported, got {body['modalities']!r}",
                       "modalities")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
     if body.get("echo") not in (None, False):
         raise bad("echo is not supported", "echo")
     if body.get("best_of") not in (None, 1):
@@ -354,6 +363,54 @@ def _lone_surrogate(v: Any, path: str) -> str | None:
                     return f"a field name in {p}" if p else "a field name"
                 stack.append((y, f"{p}.{k}" if p else str(k)))
     return None
+
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
+    """response_format (both routes), OpenAI's shape: {"type": "text"} (free text), {"type":
+    "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict",
+    "description"}} -> the coordinator's grammar (json_object, json_schema as JSON text). The
+    output always follows the schema, strict or not; the schema itself is checked by the
+    coordinator (a bad one is a 400 naming the problem)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return
+    p = "response_format"
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        got = rf.get("type") if isinstance(rf, dict) else rf
+        raise bad(f"{p}.type must be \"text\", \"json_object\" or \"json_schema\", got {got!r}", p)
+    kind = rf["type"]
+    extra = sorted(set(rf) - {"type", "json_schema"} if kind == "json_schema" else set(rf) - {"type"})
+    if extra:
+        raise bad(f"{p} of type {kind} takes no field {extra[0]!r}", f"{p}.{extra[0]}")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        req.grammar.json_object = True
+        return
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad(f"{p}.json_schema must be an object {{\"name\", \"schema\", \"strict\"}}, "
+                  f"got {type(js).__name__ if js is not None else 'nothing'}", f"{p}.json_schema")
+    extra = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise bad(f"{p}.json_schema takes no field {extra[0]!r}", f"{p}.json_schema.{extra[0]}")
+    name = js.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise bad(f"{p}.json_schema.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                  f"{p}.json_schema.name")
+    if js.get("strict") not in (None, True, False):
+        raise bad(f"{p}.json_schema.strict must be a boolean, got {js['strict']!r}",
+                  f"{p}.json_schema.strict")
+    if js.get("description") is not None and not isinstance(js["description"], str):
+        raise bad(f"{p}.json_schema.description must be a string", f"{p}.json_schema.description")
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad(f"{p}.json_schema.schema must be a JSON schema object, got "
+                  f"{type(schema).__name__}", f"{p}.json_schema.schema")
+    req.grammar.json_schema = json.dumps(schema, ensure_ascii=False)
 
 
 def _is_ids(p: Any) -> bool:
@@ -508,6 +565,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     if not isinstance(spec, (str, type(None))) or spec not in modes:
         raise bad(f"spec must be \"on\", \"off\" or null (the server's default), got {spec!r}", "spec")
     req.spec = modes[spec]
+    _response_format(body, req)
     req.k = _integer(body, "k", 0) or 0
     req.top_k = _integer(body, "top_k", 0) or 0
     req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0

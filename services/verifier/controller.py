@@ -45,6 +45,9 @@ measured live by each generation (CostModel: they depend on its context depth);
 p is this generation's recency-weighted acceptance of the draft's source
 (Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction), as
 in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
+A constrained generation's forced tokens (the grammar source) do not go through
+the controller: the loop drafts them whenever the grammar has any, and
+``advance`` keeps the cache in step with the tokens those rounds produced.
 """
 from __future__ import annotations
 
@@ -257,6 +260,12 @@ class SpecController:
         else:
             self.misses = 0
             self.skip = 0
+
+    def advance(self, tokens: list[int]) -> None:
+        """The output moved on by ``tokens`` from a round drafted elsewhere (the grammar's forced
+        tokens): the cache still holds when it starts with them; no acceptance is counted."""
+        n = len(tokens)
+        self.cache = self.cache[n:] if self.cache[:n] == list(tokens) else []
 
     def _miss(self) -> None:
         self.cache = []

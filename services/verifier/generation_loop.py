@@ -26,6 +26,18 @@ caller's cut-off (stop strings) applies to tokens it already has. The draft
 service failing mid-run ends speculation for this generation (spec_reason
 says why); decoding carries on plainly.
 
+Constrained output (a request's grammar, services/text/grammar.py): every
+token is chosen under the grammar's mask from the logits rows (the masked
+argmax, or a draw from the masked row), one forward per round, never an
+in-engine run. The masks of a round's positions (after each draft prefix) are
+computed on the generation's worker thread while the forward runs. A
+speculative generation drafts the tokens the grammar forces (source grammar,
+up to max_k, whatever k) in place of the draft service's proposal; a draft
+service proposal is cut where the grammar refuses it. R is the longest prefix
+with draft[i] == the masked argmax at its position; the matcher rolls back the
+K - R rejected tokens with the KV cache and takes the bonus token, so the
+output is the same with speculation on or off.
+
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
 thread takes each step's token and queues the next step right after the
@@ -36,14 +48,16 @@ rounds and their events are those of the step-by-step loop.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from echospec.v1.common_pb2 import FinishReason
-from echospec.services.verifier.engine import EngineError, rng_advance, sample
+from echospec.v1.common_pb2 import DraftSource, FinishReason
+from echospec.services.verifier.engine import ES_ERR_BAD_WEIGHTS, EngineError, rng_advance, sample
 from echospec.services.common.floats import f32_str
+from echospec.services.text.grammar import Constraint, GrammarError, GrammarSpec, masked, masked_argmax
 from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
@@ -51,6 +65,7 @@ from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgu
                                                  engine_error, longest_accepted_prefix)
 
 FINISH_CONTEXT = FinishReason.Value("FINISH_REASON_CONTEXT")
+SOURCE_GRAMMAR = DraftSource.Value("DRAFT_SOURCE_GRAMMAR")
 # An in-engine decode run (Scheduler decode_steps) takes at most about this long at the current T,
 # so a stream's tokens still reach its client at least this often on a slow model.
 DECODE_RUN_MS = 50.0
@@ -77,6 +92,7 @@ class GenerationRequest:
     line_break_tokens: tuple = ()
     draft_namespace: str = ""
     resumed: int = 0                  # the prompt's last tokens that are output already (a resume)
+    grammar: GrammarSpec | None = None   # constrained output (None: free text)
 
 
 @dataclass
@@ -184,6 +200,8 @@ class _Run:
         if not req.sampling.greedy:   # a resumed generation: the draws of the output so far
             self.rng = rng_advance(self.rng, req.resumed)
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
+        self.gram: Constraint | None = None   # the grammar's matcher over the output so far
+        self.beside: concurrent.futures.ThreadPoolExecutor | None = None   # its worker (masks)
 
     def release(self) -> None:
         """Give the session back (to the prefix cache) once; called before the last event, so a
@@ -204,11 +222,18 @@ class _Run:
             self.kv_tokens.extend(int(t) for t in st.argmax[:-1])
         return st
 
-    def choose(self, greedy_token: int, logits: Any) -> int:
+    def choose(self, greedy_token: int, logits: Any, allowed: Any = None) -> int:
+        """The token of a logits row (the last of ``logits``): the engine's argmax when greedy,
+        else a draw; under a grammar's mask ``allowed`` (bool [n_vocab]) only allowed tokens."""
         s = self.req.sampling
-        if s.greedy:
+        row = None if logits is None else logits[-1]
+        if allowed is not None:
+            if s.greedy:
+                return _masked_argmax(row, allowed)
+            row = masked(row, allowed)
+        elif s.greedy:
             return int(greedy_token)
-        tok, self.rng = sample(logits[-1], temperature=s.temperature, top_k=s.top_k,
+        tok, self.rng = sample(row, temperature=s.temperature, top_k=s.top_k,
                                top_p=s.top_p, min_p=s.min_p, rng=self.rng)
         return tok
 
@@ -216,13 +241,24 @@ class _Run:
         """The rest of the prompt in chunks; returns (first token, forward ms)."""
         rest = self.req.prompt[self.cached:]
         chunk = self.core.scheduler.prefill_chunk
-        want = "none" if self.req.sampling.greedy else "last"
+        want = "none" if self.req.sampling.greedy and self.gram is None else "last"
         ms = 0.0
         st = None
         for i in range(0, len(rest), chunk):
             st = self.step(rest[i:i + chunk], "last", want)
             ms += st.forward_ms
-        return self.choose(st.argmax[0], st.logits_out), ms
+        allowed = self.gram.allowed() if self.gram is not None else None
+        return self.choose(st.argmax[0], st.logits_out, allowed), ms
+
+
+def _masked_argmax(row: Any, allowed: Any) -> int:
+    """masked_argmax with a NaN row reported as the engine reports one (ES_ERR_BAD_WEIGHTS)."""
+    try:
+        return masked_argmax(row, allowed)
+    except GrammarError:
+        raise
+    except ValueError as exc:
+        raise EngineError(ES_ERR_BAD_WEIGHTS, str(exc)) from None
 
 
 FLUSH = object()   # run_generation(marks=True): nothing more is ready yet (the caller may send what it has)
@@ -249,19 +285,31 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
         event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
         silently when cancelled.
     Raises:
-        InvalidArgument, ResourceExhausted: engine refusals (as VerifierErrors).
+        InvalidArgument, ResourceExhausted: engine refusals (as VerifierErrors); a grammar
+            refused or failing (the matcher's message).
     """
+    gram = None
+    if req.grammar is not None:   # before a session is taken: a bad grammar costs no KV
+        gram = core.constraint(req.grammar, sorted(req.eos_ids),
+                               req.prompt[len(req.prompt) - req.resumed:] if req.resumed else ())
     session, cached = core.acquire(req.prompt)
     run = _Run(core, req, session, cached, cancel)
     run.marks = marks
+    run.gram = gram
+    if gram is not None:
+        run.beside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
     try:
         yield from _loop(run, open_draft)
     except Cancelled:
         return
     except EngineError as exc:
         raise engine_error(exc, "generation") from None
+    except GrammarError as exc:
+        raise InvalidArgument(str(exc)) from None
     finally:
         run.release()
+        if run.beside is not None:
+            run.beside.shutdown(wait=False)
 
 
 def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEvent]:
@@ -283,7 +331,7 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
             except DraftUnavailable as exc:
                 reason = f"{exc}; decoded plainly"
     try:
-        yield from _rounds(run, draft, reason, t0)
+        yield from _rounds(run, draft, reason, t0, req.spec and run.core.kv_eviction == "none")
     finally:
         if draft is not None:
             draft.close()
@@ -538,8 +586,13 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
         sched.stop(stream)
 
 
-def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent]:
+def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) -> Iterator[RoundEvent]:
+    """The rounds after the prefill. With a grammar (run.gram) every token is chosen under its
+    mask from logits rows (never an in-engine run), and a speculative generation (``spec``)
+    drafts the tokens the grammar forces (source grammar), up to max_k of them, in place of
+    the draft service's; the draft service's drafts are cut where the grammar refuses them."""
     core, req, session = run.core, run.req, run.session
+    gram = run.gram
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
     drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed)
@@ -553,18 +606,22 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
     ev = RoundEvent([first], v_ms=prefill_ms, t_ms=core.t_ms, wall_ms=(time.perf_counter() - t0) * 1e3,
                     n_past=session.n_past, n_ctx=n_ctx, cached_prompt_tokens=run.cached,
                     spec_reason=reason, prefill=True)
+    if gram is not None and not done:
+        gram.consume([first])
     if done:
         run.release()
     yield ev
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
+    if gram is not None:
+        mode = "all"                 # the mask applies to every row's token
     cost = drafts.ctl.cost
     k_choice = ""
     r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
     while not done:
         if run.cancel.is_set():
             return
-        if drafts.link is None:
+        if drafts.link is None and gram is None:
             yield from _stream(run, history, produced, r0)
             return
         n_past = session.n_past
@@ -573,14 +630,28 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
             yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
             return
         k_cap = min(req.k, max_tokens - produced - 1, n_ctx - n_past - 1)
-        drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
+        # forced tokens are certain under the mask (but for a tokenization the model prefers):
+        # drafted up to max_k, past the request's k
+        forced = gram.forced(min(core.config.max_k, max_tokens - produced - 1, n_ctx - n_past - 1)) \
+            if gram is not None and spec and greedy else []
+        if forced:
+            drf, hop_ms, proposals, source = forced, None, 0, SOURCE_GRAMMAR
+        else:
+            drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
+            source = drafts.source
+            if gram is not None and drf:
+                drf = drf[:gram.valid_prefix(drf)]
+        # the masks of the round's positions are computed beside its forward (llguidance
+        # releases the GIL), not after it
+        masks_job = run.beside.submit(gram.masks_along, drf) if gram is not None else None
         n_run = 1
-        if greedy and not drf:
+        if greedy and not drf and gram is None:
             # the back-off's plain rounds as one in-engine run, paced like a plain stream's
             n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past,
                                _paced_steps(core.t_ms)))
         st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
                       stop_ids=tuple(eos) if n_run > 1 else ())
+        masks = masks_job.result() if masks_job is not None else None
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
             toks = [int(t) for t in st.argmax]
             drafts.skipped(len(toks) - 1)
@@ -605,15 +676,31 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
             r0 = r1
             continue
         k = len(drf)
-        r = longest_accepted_prefix(drf, st.argmax)
+        if masks is None:
+            r = longest_accepted_prefix(drf, st.argmax)
+            bonus = None
+        else:   # the masked argmax at every drafted position, up to the first disagreement
+            r = 0
+            while r < k and _masked_argmax(st.logits_out[r], masks[r]) == drf[r]:
+                r += 1
+            bonus = run.choose(None, st.logits_out[r:r + 1], masks[r])
         if r < k:
             # k - r <= max_k positions back: within a sliding-window ring's reach (core.swa_slack)
             session.rollback(n_past + 1 + r)
             del run.kv_tokens[n_past + 1 + r:]
-        tokens = drf[:r] + [run.choose(st.argmax[r], st.logits_out)]
+        if bonus is None:
+            bonus = run.choose(st.argmax[r], st.logits_out)
+        tokens = drf[:r] + [bonus]
+        if gram is not None:   # the matcher follows the KV cache: rejected drafts out, bonus in
+            gram.rollback(k - r)
+            if bonus not in eos:
+                gram.consume([bonus])
         if k == 0 and greedy:
             core.observe_decode(st.forward_ms)
-        proposals += drafts.after(drf, tokens)
+        if forced:
+            drafts.ctl.advance(tokens)
+        else:
+            proposals += drafts.after(drf, tokens)
         r1 = time.perf_counter()
         wall_ms = (r1 - r0) * 1e3
         if cost is not None and drafts.link is not None:
@@ -629,7 +716,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float) -> Iterator[RoundEvent
                 done = True
                 break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                        proposals, source=drafts.source if k else 0)
+                        proposals, source=source if k else 0)
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
         if drafts.ctl.k_choice != k_choice:

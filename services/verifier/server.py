@@ -75,6 +75,8 @@ def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
     try:
         core = VerifierCore(config)
         core.warm_up()
+        if config.grammar_warm_up:
+            core.warm_up_grammar()
     except BaseException:
         handle.stop(0)
         raise

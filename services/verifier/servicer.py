@@ -18,7 +18,8 @@ from echospec.services.common.config import model_name
 from echospec.services.verifier.engine import simd_name
 from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
                                                         run_generation)
-from echospec.services.verifier.sessions import Sampling, VerifierCore, VerifierError
+from echospec.services.text import grammar
+from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore, VerifierError
 
 log = logging.getLogger("echospec.verifier")
 
@@ -92,20 +93,25 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk,
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
             batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps,
-            n_expert=core.model.info.n_expert, n_expert_used=core.model.info.n_expert_used)
+            n_expert=core.model.info.n_expert, n_expert_used=core.model.info.n_expert_used,
+            grammar=True)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:
         """A whole generation (generation_loop.py); cancelling the call ends it and
         frees its engine step at once (a step already running finishes first)."""
         core = self._core(context)
+        try:
+            gram = grammar.spec_of(request.grammar)
+        except grammar.GrammarError as exc:
+            _abort(context, InvalidArgument(str(exc)))
         req = GenerationRequest(
             prompt=list(request.prompt), max_tokens=request.max_tokens,
             eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
             spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0,
             prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens),
             line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace,
-            resumed=request.resumed_tokens)
+            resumed=request.resumed_tokens, grammar=gram)
         setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
                      draft_namespace=request.draft_namespace,
                      line_break_tokens=list(request.line_break_tokens))
@@ -132,7 +138,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             check(core, req)
         except VerifierError as exc:
             _abort(context, exc)
-        if not req.spec:
+        if not req.spec and req.grammar is None:
             # Plain decoding runs in the scheduler's thread (generation_loop._stream): this
             # thread only reads its rounds and sends what is ready at each FLUSH, several
             # rounds per message when it lags.
@@ -154,7 +160,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if held:
                 yield events_to_proto(held)
             return
-        # The speculative loop runs on its own thread, so it never waits for a message
+        # The speculative (or constrained) loop runs on its own thread, so it never waits for a message
         # to be sent; this thread sends what it finished, several rounds per message
         # when the reader is slower than the engine.
         out: queue.SimpleQueue = queue.SimpleQueue()

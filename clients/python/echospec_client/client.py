@@ -16,6 +16,7 @@ temperature) come back as ClientError INVALID_ARGUMENT.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import numbers
 import os
@@ -46,7 +47,7 @@ class SpecStats:
     prefill_ms are milliseconds measured by the verifier. cached_prompt_tokens: prompt tokens
     whose KV the verifier's prefix cache supplied (not prefilled again).
     accepted/rejected_prediction_tokens: drafts from the request's prediction accepted and
-    rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction") that
+    rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction", "grammar") that
     drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}. k_choice: the verifier's cost
     model's last choice of K and why (the measured T and V(K)), "" when it made none.
     """
@@ -543,7 +544,9 @@ class Client:
                 temperature (<= 0: greedy), top_p, top_k, min_p, seed, spec (True, False, or
                 None for the server's default), k (drafts per round, 0: server default),
                 prediction (expected output text, a draft source), draft_namespace,
-                enable_thinking (messages only: passed to the chat template; None: its default).
+                enable_thinking (messages only: passed to the chat template; None: its default),
+                grammar (constrained output: {"json_schema": dict or JSON text},
+                {"json_object": True}, {"lark": text} or {"gbnf": text}; None: free text).
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -641,7 +644,8 @@ class Client:
 _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MODE_OFF,
                True: common_pb2.SPEC_MODE_ON}
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
-             "prediction", "draft_namespace", "enable_thinking")
+             "prediction", "draft_namespace", "enable_thinking", "grammar")
+_GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
 def _int_list(values, name: str) -> list[int]:
@@ -798,3 +802,27 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         if not isinstance(v, str):   # 0, [] or False too: they are not "none"
             raise TypeError(f"{name} must be a str, got {type(v).__name__}")
         setattr(req, name, _unicode(v, name))
+    _grammar(req, sampling.get("grammar"))
+
+
+def _grammar(req, g) -> None:
+    """The ``grammar`` argument: None (free text) or a dict of one key, as the proto's oneof:
+    {"json_schema": a schema (dict, or its JSON text)}, {"json_object": True}, {"lark": text}
+    or {"gbnf": text}. The server checks the grammar itself."""
+    if g is None:
+        return
+    if not isinstance(g, Mapping) or len(g) != 1 or next(iter(g)) not in _GRAMMAR_KINDS:
+        raise ValueError(f"grammar must be a dict of one key, one of {', '.join(_GRAMMAR_KINDS)}, "
+                         f"got {g!r}")
+    (kind, v), = g.items()
+    if kind == "json_object":
+        if v is not True:
+            raise ValueError(f"grammar json_object must be True, got {v!r}")
+        req.grammar.json_object = True
+        return
+    if kind == "json_schema" and isinstance(v, Mapping):
+        v = json.dumps(v, ensure_ascii=False)
+    if not isinstance(v, str):
+        raise TypeError(f"grammar {kind} must be a str" + (" or a dict" if kind == "json_schema" else "")
+                        + f", got {type(v).__name__}")
+    setattr(req.grammar, kind, _unicode(v, f"grammar {kind}"))
