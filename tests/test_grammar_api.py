@@ -29,6 +29,9 @@ PEOPLE = ["a teacher", "a farmer", "a pilot", "a child", "a doctor", "a painter"
 SLOW_SCHEMA = {"type": "string", "pattern": "^((a{50}b){50}c){50}$"}
 
 
+MODEL = "SmolLM2-135M-Instruct.Q4_1"   # the name the gateway serves the default model under
+
+
 @pytest.fixture(scope="module")
 def stack(smollm2_path):
     st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
@@ -62,7 +65,7 @@ def user(text: str) -> list[cpb.ChatMessage]:
 def test_json_schema_outputs_validate_on_20_prompts(client):
     for i, who in enumerate(PEOPLE):
         r = client.chat.completions.create(
-            model="smollm2", max_tokens=48, response_format=RESPONSE_FORMAT,
+            model=MODEL, max_tokens=48, response_format=RESPONSE_FORMAT,
             messages=[{"role": "user", "content": f"Describe {who} as JSON: name, age and pet."}],
             extra_body={"spec": "on" if i % 2 else "off"})
         assert r.choices[0].finish_reason == "stop", (who, r.choices[0].message.content)
@@ -71,17 +74,17 @@ def test_json_schema_outputs_validate_on_20_prompts(client):
 
 def test_json_schema_on_completions_route_and_streamed(client):
     prompt = "A person, as JSON with name, age and pet: "
-    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=48,
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48,
                                   extra_body={"response_format": RESPONSE_FORMAT})
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
-    chunks = client.completions.create(model="smollm2", prompt=prompt, max_tokens=48, stream=True,
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, stream=True,
                                        extra_body={"response_format": RESPONSE_FORMAT})
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
 def test_json_object(client):
     r = client.chat.completions.create(
-        model="smollm2", max_tokens=64, response_format={"type": "json_object"},
+        model=MODEL, max_tokens=64, response_format={"type": "json_object"},
         messages=[{"role": "user", "content": 'Return a JSON object with the key "capital" for France.'}])
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -89,8 +92,8 @@ def test_json_object(client):
 
 def test_response_format_text_is_free_text(client):
     msgs = [{"role": "user", "content": "Count from one to five."}]
-    a = client.chat.completions.create(model="smollm2", max_tokens=16, messages=msgs)
-    b = client.chat.completions.create(model="smollm2", max_tokens=16, messages=msgs,
+    a = client.chat.completions.create(model=MODEL, max_tokens=16, messages=msgs)
+    b = client.chat.completions.create(model=MODEL, max_tokens=16, messages=msgs,
                                        response_format={"type": "text"})
     assert a.choices[0].message.content == b.choices[0].message.content
 
@@ -103,7 +106,7 @@ def test_response_format_text_is_free_text(client):
 def test_bad_or_slow_schema_is_a_400_naming_the_problem(client, schema, message):
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(
-            model="smollm2", max_tokens=16, messages=[{"role": "user", "content": "Hi"}],
+            model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "Hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     err = ei.value.body
     assert err["param"] == "response_format" and err["code"] == "invalid_argument"
