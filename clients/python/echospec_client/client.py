@@ -193,6 +193,7 @@ class Info:
     n_expert: int = 0           # mixture of experts: experts per layer (0: dense)
     n_expert_used: int = 0      # experts each token runs
     chat_template_missing: str = ""   # why chat messages are refused ("": the server renders them)
+    kv_eviction: str = ""       # the verifiers' KV eviction: "none" or "sinks S, window W" ("": not reported)
 
 
 class ClientError(Exception):
