@@ -181,7 +181,8 @@ class VerifierConfig(_GrpcServiceConfig):
                                     "vocabulary at startup, before SERVING (SmolLM2: about 2 s, "
                                     "Gemma 3: about 12 s on 2 cores); off: on the first constrained "
                                     "request, whose build holds Python's GIL and so stalls the "
-                                    "verifier's other calls meanwhile (SmolLM2: about 1 s)")
+                                    "verifier's other calls meanwhile (SmolLM2: about 1 s)",
+                                    serve="--grammar-warm-up")
     prefix_cache: bool = setting(True, "keep finished generations' KV for prefix reuse",
                                  serve="--no-prefix-cache", negated=True,
                                  serve_help="do not keep finished generations' KV for reuse by "
