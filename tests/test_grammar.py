@@ -165,6 +165,11 @@ def test_a_token_the_grammar_refuses_names_it(cache, tok):
     (g.GrammarSpec("gbnf", "root ::= [0-9"), "grammar.gbnf"),
     (g.GrammarSpec("json_object", "{}"), "json_object takes no text"),
     (g.GrammarSpec("regex", "a+"), "grammar kind must be one of json_object, json_schema, lark, gbnf"),
+    # was: the matcher's ValueError uncaught, gRPC UNKNOWN / HTTP 500
+    (g.GrammarSpec("json_schema", '{"enum": [1208925819614629174706176]}'),
+     "grammar.json_schema: the matcher cannot take it: .*not JSON serializable"),
+    (g.GrammarSpec("json_schema", '{"type": "integer", "maximum": 100000000000000000000000}'),
+     "grammar.json_schema: the matcher cannot take it"),
 ])
 def test_bad_grammars_are_refused_naming_the_problem(spec, message):
     with pytest.raises(g.GrammarError, match=message):

@@ -101,9 +101,15 @@ def grammar_source(spec: GrammarSpec) -> str:
         if not isinstance(schema, dict):
             raise GrammarError(f"grammar.json_schema must be a JSON object (a schema), "
                                f"got a JSON {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        except (ValueError, TypeError, OverflowError) as exc:   # e.g. an integer past 64 bits
+            raise GrammarError(f"grammar.json_schema: the matcher cannot take it: {exc}") from None
     if spec.kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(spec.text)
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(spec.text)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"grammar.lark: {exc}") from None
     try:
         return llguidance.grammar_from("gbnf", spec.text)
     except ValueError as exc:
