@@ -42,6 +42,9 @@ import pytest
      "--verifier / ECHOSPEC_VERIFIER 'localhost': no port (the target is host:port)"),
     ("CoordinatorConfig", ["--verifier-target", "::1"], {}, "'::1': an IPv6 address goes in brackets"),
     ("CoordinatorConfig", ["--verifier-target", "[::1]"], {}, "'[::1]': no port"),
+    # was: exit 1 after binding, not naming the setting
+    ("CoordinatorConfig", ["--verifier", "dns:///localhost"], {},
+     "--verifier / ECHOSPEC_VERIFIER 'dns:///localhost': a dns:/// target is dns:///name:port"),
     ("VerifierConfig", ["--draft-target", "draft"], {}, "--draft-target / ECHOSPEC_DRAFT_TARGET 'draft': no port"),
     ("GatewayConfig", [], {"ECHOSPEC_COORDINATOR_TARGET": "coordinator"}, "'coordinator': no port"),
 ])

@@ -194,6 +194,9 @@ def test_generate_streams_constrained_output(stub):
      "grammar.json_schema is .* bytes, more than the limit of 65536 bytes"),
     (common_pb2.Grammar(json_schema=json.dumps(SLOW_SCHEMA)),
      "grammar.json_schema: the matcher failed.*too many expressions constructed"),
+    # was: gRPC UNKNOWN (an uncaught error)
+    (common_pb2.Grammar(json_schema='{"enum": [1208925819614629174706176]}'),
+     "grammar.json_schema: the matcher cannot take it"),
 ])
 def test_bad_grammars_are_invalid_argument(stub, grammar, message):
     with pytest.raises(grpc.RpcError) as ei:

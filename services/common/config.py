@@ -587,6 +587,10 @@ def target_port_error(target: str) -> str:
     (whitespace), or has no port; "" when it does not, and for "" and gRPC URIs such as
     dns:///name:port. gRPC would otherwise dial it (port 443 where none is given) until every
     call's deadline and report nothing reachable."""
+    if target.startswith("dns:///"):   # the coordinator's fleet form: dns:///name:port
+        name, sep, port = target[len("dns:///"):].rpartition(":")
+        ok = sep and name and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+        return "" if ok else "a dns:/// target is dns:///name:port"
     if not target or "://" in target or target.startswith(GRPC_URI_SCHEMES):
         return ""
     if any(c.isspace() or not c.isprintable() for c in target):

@@ -280,6 +280,13 @@ class _ResumingLink:
                         f"verifier {a.lease.address} failed after {len(self.tokens)} output "
                         f"token(s) ({exc.code.name}: {exc.details}); the generation is not "
                         f"moved: another verifier would compute the same") from None
+                if not stalled and exc.code not in RETRY_CODES:
+                    # the verifier refused the generation as it went on (a grammar its matcher
+                    # could not follow: INVALID_ARGUMENT): another would refuse it too
+                    raise VerifierFailure(
+                        exc.code, f"{exc.details} (verifier {a.lease.address}, after "
+                        f"{len(self.tokens)} output token(s); the generation is not moved: "
+                        f"another verifier would refuse it too)") from None
                 why = stalled or f"{exc.code.name}: {exc.details}"
                 if stalled or exc.code in DOWN_CODES:
                     self._svc.pool.report_failure(a.lease.address, why)
