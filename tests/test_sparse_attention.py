@@ -147,6 +147,7 @@ def test_services_report_sparse_attention_and_refuse_speculation(sparse_stack):
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(cch)
         cfg = vstub.GetConfig(vpb.GetConfigRequest(), timeout=30)
         assert cfg.sparse_attention and cfg.kv_eviction == "none"
+        assert not cfg.prefix_cache   # no prefix is reused (was: reported true; routing followed it)
 
         def complete(spec):
             return stub.Complete(cpb.CompleteRequest(token_ids=PROMPT, max_tokens=N_GEN, spec=spec, k=4),

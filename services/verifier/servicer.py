@@ -89,7 +89,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             model=model_name(cfg.model), arch=core.model.info.arch, n_vocab=core.n_vocab, n_ctx=cfg.n_ctx,
             n_threads=cfg.n_threads, batch_max=cfg.batch_max, kv_eviction=core.kv_eviction,
             sparse_attention=cfg.sparse_attention > 0, max_k=cfg.max_k, t_ms=core.t_ms, simd=simd_name(),
-            active_sessions=core.active_sessions, prefix_cache=cfg.prefix_cache,
+            active_sessions=core.active_sessions,
+            prefix_cache=cfg.prefix_cache and not cfg.sparse_attention,   # none reused under sparse attention
             cached_sessions=core.cached_sessions, prefill_chunk=cfg.prefill_chunk,
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
             batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps,
