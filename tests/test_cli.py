@@ -204,11 +204,16 @@ def test_bench_json_lines(server, tmp_path):
     wl.write_text("\n".join(json.dumps(w) for w in [
         {"id": "rep", "max_tokens": 12, "messages": [{"role": "user", "content": "a b a b a b"}]},
         {"id": "free", "max_tokens": 8, "prompt": "q w e r t y"},
+        {"id": "json", "max_tokens": 24, "prompt": "A JSON object:", "grammar": {"json_schema": {
+            "type": "object", "properties": {"alpha": {"type": "string"}}, "required": ["alpha"]}}},
     ]) + "\n")
     r = run([*ECHOSPEC, "bench", "--workloads", str(wl), "--json", "--target", server["target"],
              "--no-warmup"])
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
-    assert [x["id"] for x in rows] == ["rep", "free"]
+    assert [x["id"] for x in rows] == ["rep", "free", "json"]
+    # the grammar's forced tokens ({"alpha": ") are drafted and accepted: > 1 token per forward
+    assert rows[2]["on"]["sources"]["grammar"]["hits"] > 0, rows[2]["on"]["sources"]
+    assert rows[2]["on"]["tokens_per_forward"] > rows[2]["off"]["tokens_per_forward"]
     for row in rows:
         assert row["identical"] is True
         for side in ("off", "on"):
@@ -936,13 +941,26 @@ def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
         cli._load_workloads(str(f))
     err = capsys.readouterr().err
     assert ei.value.code == 2, err
-    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, id, kind, " \
+    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, grammar, id, kind, " \
            "max_tokens, messages, prediction, prompt)" in err, err
     f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4}\n')
     assert cli._load_workloads(str(f))[0]["max_tokens"] == 4
     import pathlib
     seed = pathlib.Path(__file__).resolve().parents[1] / "workloads" / "seed.jsonl"
     assert len(cli._load_workloads(str(seed))) == 7
+    structured = seed.parent / "structured_json.jsonl"
+    assert all("json_schema" in w["grammar"] for w in cli._load_workloads(str(structured)))
+
+
+@pytest.mark.parametrize("grammar", [{"regex": "a+"}, {"lark": "x", "gbnf": "y"}, "json", {}])
+def test_bench_refuses_a_grammar_that_is_not_one_known_key(tmp_path, capsys, grammar):
+    from echospec import cli
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"id": "g", "prompt": "x", "grammar": grammar}) + "\n")
+    with pytest.raises(SystemExit) as ei:
+        cli._load_workloads(str(f))
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"{f}:1: grammar must be an object of one key" in err, err
 
 
 def test_cli_says_why_nothing_answered(capsys):

@@ -11,7 +11,8 @@ from echospec.cli.common import (_add_client_args, _check_sampling_flags, _clien
 
 
 _WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
-                              "draft_namespace"})
+                              "draft_namespace", "grammar"})
+_GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
 def _load_workloads(path: str) -> list[dict]:
@@ -52,6 +53,10 @@ def _load_workloads(path: str) -> list[dict]:
         for key in ("prediction", "draft_namespace"):
             if key in w and not isinstance(w[key], str):
                 _die(f"{path}:{n}: {key} must be a string", 2)
+        g = w.get("grammar")
+        if g is not None and not (isinstance(g, dict) and len(g) == 1 and next(iter(g)) in _GRAMMAR_KINDS):
+            _die(f"{path}:{n}: grammar must be an object of one key, one of {', '.join(_GRAMMAR_KINDS)} "
+                 f"(as the client's grammar argument), got {json.dumps(g)[:80]}", 2)
         mt = w.get("max_tokens", 256)
         if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
             _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
@@ -69,13 +74,16 @@ def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
     kw["temperature"] = 0.0
     kw["prediction"] = w.get("prediction", "")
     kw["draft_namespace"] = w.get("draft_namespace", "")
+    if w.get("grammar") is not None:
+        kw["grammar"] = w["grammar"]
     r = client.complete(**kw)
     dt = r.wall_s
     s = r.stats
     return {"seconds": round(dt, 4), "tokens": r.completion_tokens,
             "tokens_per_s": round(r.completion_tokens / dt, 2) if dt > 0 else 0.0,
             "tries": s.tries, "hits": s.hits, "kv_rolls": s.kv_rolls, "draft_tokens": s.draft_tokens,
-            "rounds": s.rounds, "proposals": s.proposals, "prefill_ms": round(s.prefill_ms, 3),
+            "rounds": s.rounds, "tokens_per_forward": round(r.completion_tokens / (s.rounds + 1), 3),
+            "proposals": s.proposals, "prefill_ms": round(s.prefill_ms, 3),
             "t_ms": round(s.t_ms, 3), "v_ms": round(s.v_ms, 3), "overhead_ms": round(s.overhead_ms, 3),
             "overhead_share": round(s.overhead_share, 4), "spec_enabled": r.spec_enabled,
             "spec_reason": r.spec_reason,
@@ -140,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _print_table(rows: list[dict]) -> None:
     hdr = (f"{'workload':<15} {'off s':>7} {'on s':>7} {'net':>7} {'off tok/s':>9} {'on tok/s':>9} "
            f"{'tokens':>6} {'tries':>5} {'hits':>5} {'kv_rolls':>8} {'T ms':>6} {'V ms':>6} "
-           f"{'ovh ms':>6} {'identical':>9}")
+           f"{'ovh ms':>6} {'tok/fwd':>7} {'identical':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -149,7 +157,7 @@ def _print_table(rows: list[dict]) -> None:
         print(f"{r['id']:<15} {off['seconds']:>7.2f} {on['seconds']:>7.2f} {net:>+6.1f}% "
               f"{off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} {on['tokens']:>6} {on['tries']:>5} "
               f"{on['hits']:>5} {on['kv_rolls']:>8} {on['t_ms']:>6.2f} {on['v_ms']:>6.2f} "
-              f"{on['overhead_ms']:>6.2f} {'yes' if r['identical'] else 'NO':>9}")
+              f"{on['overhead_ms']:>6.2f} {on['tokens_per_forward']:>7.2f} {'yes' if r['identical'] else 'NO':>9}")
     t_off = sum(r["off"]["seconds"] for r in rows)
     t_on = sum(r["on"]["seconds"] for r in rows)
     if t_on > 0:
@@ -163,7 +171,8 @@ def _print_table(rows: list[dict]) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
     p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt); optional "
-                   "max_tokens (default 256), prediction (text) and draft_namespace")
+                   "max_tokens (default 256), prediction (text), draft_namespace and grammar "
+                   "(one key: json_schema, json_object, lark or gbnf)")
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
