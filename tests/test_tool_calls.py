@@ -294,6 +294,24 @@ def test_grpc_result_carries_the_calls_and_the_deltas_hold_no_call_text(stub):
     assert deltas == "" and [c.arguments for c in last.tool_calls] == [call.arguments]
 
 
+def test_a_forced_call_is_the_same_with_speculation_on_and_off(stub):
+    from echospec.v1 import common_pb2
+    req = dict(messages=[cpb.ChatMessage(role="user", content="Weather in Rome, in fahrenheit?")],
+               max_tokens=48, tools=json.dumps(TOOLS), tool_choice="required")
+    on = stub.Complete(cpb.CompleteRequest(spec=common_pb2.SPEC_MODE_ON, **req), timeout=120).result
+    off = stub.Complete(cpb.CompleteRequest(spec=common_pb2.SPEC_MODE_OFF, **req), timeout=120).result
+    assert on.token_ids == off.token_ids and on.spec_enabled and not off.spec_enabled
+    assert [(c.name, c.arguments) for c in on.tool_calls] == [(c.name, c.arguments) for c in off.tool_calls]
+    assert on.tool_calls and on.stats.draft_tokens > 0   # the grammar's forced tokens were drafted
+
+
+def test_tools_apply_to_chat_messages_only(stub):
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Complete(cpb.CompleteRequest(text="hi", max_tokens=2, tools=json.dumps(TOOLS)), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith("tools apply to messages")
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
