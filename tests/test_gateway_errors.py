@@ -108,13 +108,18 @@ def test_a_huge_bad_value_gives_a_short_error(gateway):
     assert r.json()["error"]["message"].startswith("messages[0].role must be one of")
 
 
-def test_a_tool_call_history_is_refused_as_unsupported(gateway):
-    # was: "messages[1].content is required" for OpenAI's usual assistant turn with tool_calls
+def test_a_tool_call_history_is_taken_and_a_misplaced_one_named(gateway):
+    # OpenAI's usual assistant turn with tool_calls (content null) and the tool's answer pass the
+    # gateway's checks (the request then reaches the coordinator: 503, none behind); tool calls on
+    # a user message are a 400 naming them
     raw = ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, '
            '"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},'
            ' {"role": "tool", "tool_call_id": "c1", "content": "42"}]}')
-    err = _assert_openai_error(_post(gateway, "/v1/chat/completions", raw), 400, "messages[1].tool_calls")
-    assert "tool calls are not supported" in err["message"]
+    _assert_openai_error(_post(gateway, "/v1/chat/completions", raw), 503, None)
+    raw = ('{"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "c1", "type": "function", '
+           '"function": {"name": "f", "arguments": "{}"}}]}]}')
+    err = _assert_openai_error(_post(gateway, "/v1/chat/completions", raw), 400, "messages[0].tool_calls")
+    assert "only an assistant message carries tool calls" in err["message"]
 
 
 def test_a_top_p_that_rounds_to_zero_says_so(gateway):

@@ -82,6 +82,7 @@ class Outcome:
     counters: SpecCounters = field(default_factory=SpecCounters)
     verifier: str = ""                 # host:port of the verifier that finished it
     moves: list[Move] = field(default_factory=list)   # each move to another verifier, in order
+    tool_calls: list = field(default_factory=list)     # services.text.tool_calls.ToolCall, parsed
 
 
 class _Output:
@@ -215,3 +216,18 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
         raise GenerationError("the verifier ended the generation without EOS, max_tokens or a full context")
     yield Outcome(out.text, out.token_ids, len(prompt), out.finish, spec, reason, counters,
                   moves=moves)
+
+
+def with_tool_calls(events: Iterator[Delta | Outcome], content: Any) -> Iterator[Delta | Outcome]:
+    """A generation's events with its tool calls taken out of the text (the request has tools):
+    each Delta's text is what ``content`` (a services.text.tool_calls.ContentFilter) passes on
+    (its token ids unchanged, so a Delta may carry ids and no text), and the Outcome's text is
+    the content, its ``tool_calls`` the calls parsed from the whole output."""
+    for ev in events:
+        if isinstance(ev, Outcome):
+            rest, ev.text, ev.tool_calls = content.finish()
+            if rest:
+                yield Delta(rest, [])
+            yield ev
+        else:
+            yield Delta(content.feed(ev.text), ev.token_ids)

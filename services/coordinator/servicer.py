@@ -42,14 +42,14 @@ from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateErro
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
 from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
-from echospec.services.text import grammar
+from echospec.services.text import grammar, tool_calls
 from echospec.services.common.metrics import PromMetrics, RequestRecord
 from echospec.services.text.clip import clip
 from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.coordinator.clients import GenerationLink, VerifierFailure
 from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import (Delta, GenerationError, GenerationParams, Move,
-                                                      Outcome, generate)
+                                                      Outcome, generate, with_tool_calls)
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
 from echospec.services.coordinator.progress import ProgressClock, StallWatch, move_cap_text
 from echospec.services.common.auth import metadata_authorization
@@ -144,7 +144,24 @@ def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
         text=o.text, token_ids=o.token_ids, prompt_tokens=o.prompt_tokens,
         completion_tokens=len(o.token_ids), finish_reason=o.finish_reason,
         spec_enabled=o.spec_enabled, spec_reason=o.spec_reason, stats=stats_to_proto(o.counters),
-        verifier=o.verifier, moves=moves)
+        verifier=o.verifier, moves=moves,
+        tool_calls=[coordinator_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                    for c in o.tool_calls])
+
+
+def _message_dict(m: coordinator_pb2.ChatMessage) -> dict:
+    """A ChatMessage as the chat template receives it (transformers' shape for tool calls)."""
+    d: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.name,
+                                         "arguments": tool_calls.template_arguments(c.arguments)}}
+                           for c in m.tool_calls]
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name:
+        d["name"] = m.name
+    return d
 
 
 class _Attempt:
@@ -432,10 +449,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 if not 0 <= t < n_vocab:
                     raise _bad(f"token_ids[{i}] = {t} is outside the vocabulary [0, {n_vocab})")
             return ids
+        tools = self.tool_request(req)
+        if (tools is not None or req.tool_choice) and forms[0] != "messages":
+            raise _bad(f"tools apply to messages (they are rendered by the chat template), not to "
+                       f"a prompt given as {forms[0]}")
         if forms[0] == "messages":
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+            msgs = [_message_dict(m) for m in req.messages]
             try:
                 extra = {"enable_thinking": req.enable_thinking} if req.HasField("enable_thinking") else {}
+                if tools is not None and tools.rendered:
+                    extra["tools"] = tools.tools
                 text = self.template.render(msgs, add_generation_prompt=True, **extra)
             except MissingChatTemplateError as exc:
                 raise _bad(f"messages cannot be used: {exc}") from None
@@ -450,6 +473,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if not ids:
             raise _bad("the prompt encodes to no tokens")
         return ids
+
+    def tool_request(self, req: Any) -> tool_calls.ToolRequest | None:
+        """The request's checked tools and tool_choice (None: no tools).
+
+        Raises:
+            RequestError: INVALID_ARGUMENT naming the field: bad tools or tool_choice, a tool's
+                parameters the matcher cannot take, tools for a chat template that does not
+                render them, an assistant message with tool calls for such a template.
+        """
+        try:
+            tools = tool_calls.parse_tools(req.tools, req.tool_choice)
+            if tools is not None:
+                tool_calls.check_schemas(tools)
+        except tool_calls.ToolError as exc:
+            raise _bad(str(exc)) from None
+        if self.template.missing is None and tool_calls.tool_format(self.template.source) is None:
+            why = ("the model's chat template does not render tools (it never reads `tools` or does "
+                   "not write calls as <tool_call> blocks), so the model cannot be shown them; "
+                   "start the server with --chat-template FILE of a template that does "
+                   "(Qwen2.5 / Qwen3 / Hermes style)")
+            if tools is not None and tools.rendered:
+                raise _bad(f"tools: {why}")
+            for i, m in enumerate(req.messages):
+                if m.tool_calls:
+                    raise _bad(f"messages[{i}].tool_calls: {why}")
+        return tools
 
     def check_fits(self, field: str, text: str) -> None:
         """Refuse text that cannot fit a verifier's context before it is tokenized: tokenizing
@@ -524,6 +573,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     gram = req.grammar
             except grammar.GrammarError as exc:
                 raise _bad(str(exc)) from None
+        tools = self.tool_request(req)
+        if tools is not None and tools.forced:
+            if gram is not None:
+                raise _bad(f"tool_choice {tools.choice!r} forces tool calls, so grammar (or "
+                           f"response_format) cannot be set too")
+            gram = common_pb2.Grammar(lark=tool_calls.call_grammar(tools))
+            try:
+                grammar.check_grammar(grammar.spec_of(gram))
+            except grammar.GrammarError as exc:
+                raise _bad(f"tools: the grammar of tool_choice {tools.choice!r}: {exc}") from None
         return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
                                 spec=decision.enabled, spec_reason=decision.reason, k=k,
                                 prediction=prediction, draft_namespace=ns, grammar=gram)
@@ -599,7 +658,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         rec.counters = SpecCounters()
         started = _ResumingLink(self, req, prompt, params, context, attempt)
         try:
-            for ev in generate(prompt, params, self.tokenizer, started, rec.counters):
+            events = generate(prompt, params, self.tokenizer, started, rec.counters)
+            tools = self.tool_request(req)
+            if tools is not None and tools.rendered:
+                events = with_tool_calls(events, tool_calls.ContentFilter())
+            for ev in events:
                 if isinstance(ev, Outcome):
                     ev.verifier = started.attempt.lease.address
                 yield ev

@@ -368,6 +368,9 @@ async def _sse(parsed: api.Parsed, stream: choices.ChoiceStreams, first, rid: st
                 yield _event(api.chunk(chat, rid, created, model, msg.text, index=index))
             if msg.HasField("result"):
                 results[index] = msg.result
+                if chat:
+                    for c in api.tool_call_chunks(rid, created, model, msg.result, index):
+                        yield _event(c)
                 yield _event(api.chunk(chat, rid, created, model, None, result=msg.result,
                                        seed=parsed.choice_seed(index % parsed.n), index=index))
             nxt = asyncio.ensure_future(anext(stream, None))

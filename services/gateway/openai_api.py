@@ -2,7 +2,7 @@
 error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contract).
 
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
-mean something here are mapped; fields that ask for what echospec does not do (logprobs, tools,
+mean something here are mapped; fields that ask for what echospec does not do (logprobs,
 penalties, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
 refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
 most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
@@ -18,6 +18,13 @@ README.md):
     draft_namespace  cross-request draft memory scope ("" shares nothing)
     chat_template_kwargs  chat only, as in vLLM: {"enable_thinking": bool or null} for the model's chat
                      template (Qwen3: false answers without a reasoning block); no other key
+Tools (chat): ``tools`` (function tools) and ``tool_choice`` ("auto", "none", "required",
+{"type": "function", "function": {"name"}}) go to the coordinator as JSON text and a string
+(services/text/tool_calls.py checks both here too, so a bad one is a 400 naming it); an
+assistant message may carry ``tool_calls`` (content then null), a tool message ``tool_call_id``.
+A result's tool calls are ``message.tool_calls`` with finish_reason "tool_calls"; streamed, each
+call is two chunks after the content (OpenAI's shape: index, id, type and name with empty
+arguments, then the arguments).
 Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
 temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
@@ -45,6 +52,7 @@ from echospec.services.text.chat_template import ROLE_ALIASES, VALID_ROLES
 from echospec_client.limits import FLOAT32_MAX, INT32_MAX, UINT64_MAX
 from echospec.services.common.floats import as_f32
 from echospec.services.text.clip import clip
+from echospec.services.text import tool_calls as tc
 from echospec.services.common.config import CoordinatorConfig, GatewayConfig
 
 
@@ -90,7 +98,7 @@ _STATUS = {
 _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
 _REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
                    "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
-                   "prediction", "grammar"}
+                   "prediction", "grammar", "tools", "tool_choice"}
 
 
 _GRAMMAR_NAMES = (("grammar.json_schema", "response_format.json_schema.schema"),
@@ -326,9 +334,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad("logit_bias is not supported", "logit_bias")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise bad("logprobs are not supported", "logprobs")
-    for name in ("tools", "tool_choice", "functions", "function_call"):
+    for name in ("functions", "function_call"):   # the deprecated names of tools, tool_choice
         if body.get(name) not in (None, [], "none"):
-            raise bad(f"{name}: tool calls are not supported", name)
+            raise bad(f"{name} is not supported: use {'tools' if name == 'functions' else 'tool_choice'}",
+                      name)
     if chat:
         for name in sorted(_CHAT_NULL_ONLY):
             if body.get(name) is not None:
@@ -462,15 +471,70 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         if role not in _ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
                       f"messages[{i}].role")
-        if m.get("tool_calls") or m.get("function_call"):
-            # the request's "tools" are refused too: a history of tool calls cannot come from us
-            key = "tool_calls" if m.get("tool_calls") else "function_call"
-            raise bad(f"messages[{i}].{key}: tool calls are not supported (a message's text goes in "
-                      f"its content)", f"messages[{i}].{key}")
+        if m.get("function_call"):
+            raise bad(f"messages[{i}].function_call is not supported: use tool_calls",
+                      f"messages[{i}].function_call")
+        calls = m.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise bad(f"messages[{i}].tool_calls: only an assistant message carries tool calls",
+                      f"messages[{i}].tool_calls")
         content = m.get("content")
-        if content is None:
+        if content is None and not calls:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content")
-        req.messages.add(role=_ROLES[role], content=_text_content(content, f"messages[{i}].content"))
+        msg = req.messages.add(role=_ROLES[role], content="" if content is None else
+                               _text_content(content, f"messages[{i}].content"))
+        for j, c in enumerate(calls or []):
+            msg.tool_calls.append(_tool_call(c, f"messages[{i}].tool_calls[{j}]"))
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if tid is not None and not isinstance(tid, str):
+                raise bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+            msg.tool_call_id = tid or ""
+            if isinstance(m.get("name"), str):
+                msg.name = m["name"]
+
+
+def _tool_call(c: Any, p: str) -> coordinator_pb2.ToolCall:
+    """An assistant message's tool call, OpenAI's shape: {"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or c.get("type", "function") != "function" or \
+            not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+        raise bad(f"{p} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\": string, "
+                  f"\"arguments\": JSON text}}}}", p)
+    if c.get("id") is not None and not isinstance(c["id"], str):
+        raise bad(f"{p}.id must be a string", f"{p}.id")
+    return coordinator_pb2.ToolCall(id=c.get("id") or "", name=fn["name"],
+                                    arguments=fn.get("arguments", "") or "{}")
+
+
+def _tools(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
+    """tools and tool_choice -> the coordinator's JSON text and choice string, checked here as
+    the coordinator checks them (a 400 naming the field)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not isinstance(tools, list):
+        raise bad(f"tools must be an array of tool objects, got {type(tools).__name__}", "tools")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or \
+                not isinstance(fn.get("name"), str):
+            raise bad("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                      "\"function\": {\"name\": ...}}", "tool_choice")
+        choice = fn["name"]
+        if choice in tc.CHOICES:   # a function may not be named like a mode
+            raise bad(f"tool_choice names the function {choice!r}, which no tool can be named",
+                      "tool_choice")
+    elif choice is not None and choice not in ("auto", "none", "required"):
+        raise bad(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                  f"\"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+    text = json.dumps(tools, ensure_ascii=False) if tools else ""
+    try:
+        tc.parse_tools(text, choice or "")
+    except tc.ToolError as exc:
+        msg = str(exc)
+        raise bad(msg, "tool_choice" if msg.startswith("tool_choice") else msg.split(" ")[0].split(":")[0]) from None
+    req.tools = text
+    req.tool_choice = choice or ""
 
 
 def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -> Parsed:
@@ -498,6 +562,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     if chat:
         req = coordinator_pb2.GenerateRequest()
         _messages(body, req)
+        _tools(body, req)
         prompts = [req]
     else:
         prompts = _prompts(body)
@@ -607,10 +672,17 @@ def new_id(chat: bool) -> str:
 
 
 def finish_reason(result: coordinator_pb2.GenerationResult) -> str:
-    """OpenAI's finish_reason: "length" for max_tokens or a full context, else "stop"."""
+    """OpenAI's finish_reason: "length" for max_tokens or a full context, else "tool_calls" when
+    the output held tool calls, else "stop"."""
     if result.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_CONTEXT):
         return "length"
-    return "stop"
+    return "tool_calls" if result.tool_calls else "stop"
+
+
+def tool_calls_json(result: coordinator_pb2.GenerationResult) -> list[dict]:
+    """A message's ``tool_calls``, OpenAI's shape."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in result.tool_calls]
 
 
 def usage(result: coordinator_pb2.GenerationResult) -> dict:
@@ -679,8 +751,11 @@ def responses(chat: bool, rid: str, model: str, results: list[coordinator_pb2.Ge
     for index, result in enumerate(results):
         fr = finish_reason(result)
         if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": fr}
+            message: dict = {"role": "assistant", "content": result.text}
+            if result.tool_calls:
+                message["content"] = result.text or None
+                message["tool_calls"] = tool_calls_json(result)
+            choice = {"index": index, "message": message, "logprobs": None, "finish_reason": fr}
         else:
             choice = {"index": index, "text": result.text, "logprobs": None, "finish_reason": fr}
         if len(results) > 1:
@@ -713,6 +788,21 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
            "created": created, "model": model, "choices": [choice]}
     if result is not None:
         out["echospec"] = extras(result, seed)
+    return out
+
+
+def tool_call_chunks(rid: str, created: int, model: str, result: coordinator_pb2.GenerationResult,
+                     index: int = 0) -> list[dict]:
+    """The streamed tool calls of a chat choice, as OpenAI streams them: per call, a chunk with
+    its index, id, type and name (arguments ""), then one with its arguments."""
+    out = []
+    for i, c in enumerate(result.tool_calls):
+        for delta in ({"index": i, "id": c.id, "type": "function",
+                       "function": {"name": c.name, "arguments": ""}},
+                      {"index": i, "function": {"arguments": c.arguments}}):
+            out.append({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [{"index": index, "delta": {"tool_calls": [delta]},
+                                                     "logprobs": None, "finish_reason": None}]})
     return out
 
 

@@ -4,7 +4,11 @@ The template is the GGUF key ``tokenizer.chat_template`` (Jinja2), rendered the 
 transformers' ``apply_chat_template`` does: ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, and these names in scope:
 
-* ``messages``               -- the validated list of ``{"role": str, "content": str}`` dicts;
+* ``messages``               -- the validated list of ``{"role": str, "content": str}`` dicts
+  (an assistant's may also hold ``tool_calls``: ``[{"id", "type": "function", "function":
+  {"name", "arguments"}}]``, arguments a mapping when they are a JSON object; a tool's
+  ``tool_call_id`` and ``name``), as transformers passes them;
+* ``tools``                  -- only when a request has tools: OpenAI's tool objects;
 * ``add_generation_prompt``  -- bool: end with the header of an assistant turn;
 * ``bos_token``, ``eos_token`` -- the text of the BOS / EOS tokens (``""`` if the model has none);
 * ``raise_exception(msg)``   -- lets a template refuse input (-> `ChatTemplateError`);
@@ -71,6 +75,8 @@ VALID_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assista
 # roles taken under another name: "developer" is OpenAI's newer name for the system message
 ROLE_ALIASES: dict[str, str] = {"developer": "system"}
 _KEYS = frozenset({"role", "content"})
+# the optional keys and the role that may carry each
+_TOOL_KEYS = {"tool_calls": "assistant", "tool_call_id": "tool", "name": "tool"}
 
 
 class ChatTemplateError(ValueError):
@@ -86,16 +92,18 @@ class MissingChatTemplateError(ChatTemplateError):
     """Chat messages for a model that has no chat template (and is not a ChatML model)."""
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check chat messages and return plain copies.
 
     Args:
-        messages: a non-empty list (or tuple) of mappings, each with exactly the keys ``"role"``
+        messages: a non-empty list (or tuple) of mappings, each with the keys ``"role"``
             (a str in `VALID_ROLES`; "developer" becomes "system") and ``"content"`` (a str,
-            may be empty).
+            may be empty); an assistant message may add ``"tool_calls"`` (a list of
+            ``{"id", "type": "function", "function": {"name", "arguments"}}``), a tool message
+            ``"tool_call_id"`` and ``"name"`` (strs).
 
     Returns:
-        A new list of new ``{"role": ..., "content": ...}`` dicts.
+        A new list of new ``{"role": ..., "content": ...}`` dicts (with the tool keys given).
 
     Raises:
         ChatTemplateError: the first problem found, naming the message index and field, e.g.
@@ -113,10 +121,11 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         for key in ("role", "content"):
             if key not in m:
                 raise ChatTemplateError(f"messages[{i}].{key} is missing")
-        extra = sorted(str(k) for k in m.keys() if k not in _KEYS)
+        extra = sorted(str(k) for k in m.keys() if k not in _KEYS and _TOOL_KEYS.get(k) != m["role"])
         if extra:
             raise ChatTemplateError(f"messages[{i}] has unsupported field(s) {', '.join(extra)}; "
-                                    f"only role and content are accepted")
+                                    f"only role and content are accepted (and tool_calls on an "
+                                    f"assistant message, tool_call_id and name on a tool message)")
         role, content = m["role"], m["content"]
         if not isinstance(role, str):
             raise ChatTemplateError(f"messages[{i}].role must be a string, got {type(role).__name__}")
@@ -125,7 +134,33 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
                                     f"{', '.join(sorted(VALID_ROLES))}")
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        out.append({"role": ROLE_ALIASES.get(role, role), "content": content})
+        msg: dict[str, Any] = {"role": ROLE_ALIASES.get(role, role), "content": content}
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                if not isinstance(m[key], str):
+                    raise ChatTemplateError(f"messages[{i}].{key} must be a string")
+                msg[key] = m[key]
+        if "tool_calls" in m:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """Plain copies of an assistant message's tool calls, checked."""
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+        raise ChatTemplateError(f"{where} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments"), (str, Mapping)):
+            raise ChatTemplateError(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": "
+                                    f"{{\"name\": str, \"arguments\": str or object}}}}")
+        args = fn["arguments"]
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"],
+                                 "arguments": json.loads(json.dumps(args)) if isinstance(args, Mapping) else args}})
     return out
 
 
@@ -344,7 +379,7 @@ class ChatTemplate:
         return cls.from_metadata(read_tokenizer_metadata(path))
 
     def render(self, messages: Any, add_generation_prompt: bool = True,
-               enable_thinking: bool | None = None) -> str:
+               enable_thinking: bool | None = None, tools: list[dict] | None = None) -> str:
         """Render chat messages into prompt text.
 
         Args:
@@ -353,6 +388,8 @@ class ChatTemplate:
             enable_thinking: None: not defined for the template (its own default); else passed as
                 ``enable_thinking`` (Qwen3's templates: false closes an empty think block at the
                 generation prompt, and the model answers without reasoning).
+            tools: None: not defined for the template; else passed as ``tools`` (OpenAI's tool
+                objects, see services/text/tool_calls.py).
 
         Returns:
             The prompt text (special tokens appear as text, e.g. ``"<|im_start|>"``).
@@ -367,7 +404,9 @@ class ChatTemplate:
             raise MissingChatTemplateError(self.missing)
         msgs = validate_messages(messages)
         try:
-            extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+            extra: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+            if tools is not None:
+                extra["tools"] = json.loads(json.dumps(tools))   # plain copies
             with _deadline(RENDER_SECONDS):
                 return self._template.render(
                     messages=msgs,

@@ -140,6 +140,7 @@ class Result:
     wall_s: float | None = None
     ttft_s: float | None = None
     moves: tuple = ()                  # Move, in order
+    tool_calls: tuple = ()             # ToolCall, parsed from the output (a request with tools)
 
     @property
     def tokens_per_s(self) -> float:
@@ -154,7 +155,18 @@ class Result:
                    finish_reason=FINISH_REASONS.get(r.finish_reason, str(r.finish_reason)),
                    spec_enabled=r.spec_enabled, spec_reason=r.spec_reason,
                    stats=SpecStats.from_proto(r.stats), verifier=r.verifier, wall_s=wall_s,
-                   ttft_s=ttft_s, moves=tuple(Move.from_proto(m) for m in r.moves))
+                   ttft_s=ttft_s, moves=tuple(Move.from_proto(m) for m in r.moves),
+                   tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call: the model's (Result.tool_calls), or one of an assistant Message.
+    arguments: JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -170,10 +182,14 @@ class Chunk:
 @dataclass(frozen=True)
 class Message:
     """A chat message: role "system" (or "developer", its OpenAI name), "user", "assistant" or
-    "tool", and its content (the server checks the role)."""
+    "tool", and its content (the server checks the role). An assistant message may carry the
+    ToolCalls it made, a tool message the id of the call it answers (and the function's name)."""
 
     role: str
     content: str
+    tool_calls: tuple = ()
+    tool_call_id: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -547,7 +563,10 @@ class Client:
                 prediction (expected output text, a draft source), draft_namespace,
                 enable_thinking (messages only: passed to the chat template; None: its default),
                 grammar (constrained output: {"json_schema": dict or JSON text},
-                {"json_object": True}, {"lark": text} or {"gbnf": text}; None: free text).
+                {"json_object": True}, {"lark": text} or {"gbnf": text}; None: free text),
+                tools (messages only: OpenAI's list of function tools, or its JSON text; the
+                calls come back in Result.tool_calls) and tool_choice ("auto", "none",
+                "required", a function's name, or OpenAI's {"type": "function", ...}).
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -645,7 +664,7 @@ class Client:
 _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MODE_OFF,
                True: common_pb2.SPEC_MODE_ON}
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
-             "prediction", "draft_namespace", "enable_thinking", "grammar")
+             "prediction", "draft_namespace", "enable_thinking", "grammar", "tools", "tool_choice")
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -697,19 +716,42 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
     out = []
     for i, m in enumerate(messages):
         if isinstance(m, Message):
-            role, content = m.role, m.content
+            role, content, calls, call_id, name = m.role, m.content, m.tool_calls, m.tool_call_id, m.name
         elif isinstance(m, Mapping):
             role, content = m.get("role"), m.get("content")
+            calls, call_id, name = m.get("tool_calls") or (), m.get("tool_call_id") or "", m.get("name") or ""
         else:
             raise TypeError(f"messages[{i}] must be a mapping or a Message, got {m!r}")
+        if content is None and calls:   # an assistant's calls without text (OpenAI's null)
+            content = ""
         content = _text_parts(content, f"messages[{i}].content")
         for key, v in (("role", role), ("content", content)):
             if not isinstance(v, str):
                 what = "a string or a list of text parts" if key == "content" else "a string"
                 raise TypeError(f"messages[{i}].{key} must be {what}, got {v!r}")
             _unicode(v, f"messages[{i}].{key}")
-        out.append(coordinator_pb2.ChatMessage(role=role, content=content))
+        for key, v in (("tool_call_id", call_id), ("name", name)):
+            if not isinstance(v, str):
+                raise TypeError(f"messages[{i}].{key} must be a string, got {v!r}")
+        out.append(coordinator_pb2.ChatMessage(
+            role=role, content=content, tool_call_id=call_id, name=name,
+            tool_calls=[_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]))
     return out
+
+
+def _tool_call(c, name: str) -> coordinator_pb2.ToolCall:
+    """A ToolCall, or OpenAI's {"id", "type": "function", "function": {"name", "arguments"}}
+    (arguments JSON text or a dict)."""
+    if isinstance(c, ToolCall):
+        return coordinator_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+    fn = c.get("function") if isinstance(c, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or \
+            not isinstance(fn.get("arguments", ""), (str, Mapping)):
+        raise TypeError(f"{name} must be a ToolCall or {{'id', 'type': 'function', 'function': "
+                        f"{{'name', 'arguments'}}}}, got {c!r}")
+    args = fn.get("arguments", "")
+    args = json.dumps(args, ensure_ascii=False) if isinstance(args, Mapping) else args
+    return coordinator_pb2.ToolCall(id=str(c.get("id") or ""), name=fn["name"], arguments=args or "{}")
 
 
 def _check_request_id(request_id) -> None:
@@ -804,6 +846,27 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
             raise TypeError(f"{name} must be a str, got {type(v).__name__}")
         setattr(req, name, _unicode(v, name))
     _grammar(req, sampling.get("grammar"))
+    _tools(req, sampling.get("tools"), sampling.get("tool_choice"))
+
+
+def _tools(req, tools, choice) -> None:
+    """``tools``: OpenAI's list of function tools (or its JSON text); ``tool_choice``: None,
+    "auto", "none", "required", a function's name or {"type": "function", "function": {"name"}}.
+    The server checks both."""
+    if tools is not None:
+        if not isinstance(tools, str):
+            if isinstance(tools, Mapping) or not isinstance(tools, Sequence):
+                raise TypeError(f"tools must be a list of tool dicts or its JSON text, got {type(tools).__name__}")
+            tools = json.dumps(list(tools), ensure_ascii=False) if tools else ""
+        req.tools = _unicode(tools, "tools")
+    if isinstance(choice, Mapping):
+        choice = (choice.get("function") or {}).get("name")
+        if not isinstance(choice, str):
+            raise TypeError("tool_choice as a dict must be {'type': 'function', 'function': {'name': str}}")
+    if choice is not None:
+        if not isinstance(choice, str):
+            raise TypeError(f"tool_choice must be a str or a dict, got {type(choice).__name__}")
+        req.tool_choice = _unicode(choice, "tool_choice")
 
 
 def _grammar(req, g) -> None:
