@@ -1,18 +1,24 @@
 """Repetition penalties (frequency, presence, llama.cpp's repeat penalty and its window): the rule
 on literal rows, one rule per case; the verifier's loop on a tiny model against a numpy loop over
-the engine's logits (greedy and sampled); speculation on and off byte identical; the refusals."""
+the engine's logits (greedy and sampled); speculation on and off byte identical; the refusals;
+then through the services on the default model: gRPC and the official openai client."""
 from __future__ import annotations
 
 import threading
 
+import grpc
 import numpy as np
+import openai
 import pytest
 
 from echospec.services.common.config import VerifierConfig
 from echospec.services.common.penalties import DEFAULT_LAST_N, Penalties, PenaltyError
+from echospec.services.gateway import openai_api as api
 from echospec.services.verifier.engine import Model, sample
 from echospec.services.verifier.generation_loop import GenerationRequest, check, run_generation
 from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore
+from echospec.stack import start_stack
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 
 ROW = np.array([3.0, -1.0, 0.0, 2.0, 5.0], dtype=np.float32)
 
@@ -259,3 +265,117 @@ def test_the_verifier_refuses_bad_values(core, pen, field):
                             sampling=Sampling(penalties=pen))
     with pytest.raises(InvalidArgument, match=f"sampling.{field} must"):
         check(core, req)
+
+
+# -- the gateway's fields (no server) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_gateway_maps_the_four_fields(chat):
+    body = {"frequency_penalty": 0.5, "presence_penalty": -1, "repeat_penalty": 1.2, "repeat_last_n": -1,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    req = api.parse_request(body, chat).requests[0]
+    assert (req.frequency_penalty, req.presence_penalty, req.repeat_last_n) == (0.5, -1.0, -1)
+    assert req.HasField("repeat_penalty") and abs(req.repeat_penalty - 1.2) < 1e-6
+    bare = api.parse_request({k: v for k, v in body.items() if "penalty" not in k and "last_n" not in k},
+                             chat).requests[0]
+    assert not bare.HasField("repeat_penalty") and bare.frequency_penalty == 0 and bare.repeat_last_n == 0
+
+
+def test_gateway_repeat_last_n_zero_turns_every_penalty_off():
+    req = api.parse_request({"prompt": "hi", "frequency_penalty": 1, "repeat_penalty": 1.5,
+                             "repeat_last_n": 0}, False).requests[0]
+    assert req.frequency_penalty == 0 and not req.HasField("repeat_penalty")
+
+
+@pytest.mark.parametrize("field,value", [("frequency_penalty", 2.5), ("presence_penalty", -3),
+                                         ("presence_penalty", "1"), ("repeat_penalty", 0),
+                                         ("repeat_penalty", -1.0), ("repeat_penalty", 1e39),
+                                         ("repeat_last_n", -2), ("repeat_last_n", 1.5)])
+@pytest.mark.parametrize("chat", [True, False])
+def test_gateway_refuses_bad_values_naming_the_field(field, value, chat):
+    body = {field: value, **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    with pytest.raises(api.ApiError) as ei:
+        api.parse_request(body, chat)
+    assert ei.value.status == 400 and ei.value.param == field and field in ei.value.message
+
+
+# -- through the services on the default model -------------------------------------------------------
+
+ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+LOOP_PROMPT = "one two three one two three one two three one two three one two three"
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_path):
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
+    yield st
+    st.stop(0.5)
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    with grpc.insecure_channel(stack.target) as ch:
+        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    c = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+def complete(stub, **kw) -> cpb.GenerationResult:
+    return stub.Complete(cpb.CompleteRequest(text=LOOP_PROMPT, max_tokens=32, **kw), timeout=120).result
+
+
+def test_grpc_penalties_change_the_output_and_keep_speculation_exact(stub):
+    plain = complete(stub, spec=OFF)
+    pen = dict(frequency_penalty=0.8, presence_penalty=0.5, repeat_penalty=1.3, repeat_last_n=-1)
+    off = complete(stub, spec=OFF, **pen)
+    assert off.token_ids != plain.token_ids
+    # drafts from a prediction: the penalised output itself (accepted), then the unpenalised one
+    # (rejected where the penalties part from it)
+    for prediction in (off.text, plain.text):
+        on = complete(stub, spec=ON, prediction=prediction, **pen)
+        assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
+        assert on.spec_enabled and on.spec_reason == ""
+        assert on.stats.draft_tokens > 0
+    assert on.stats.rejected_prediction_tokens > 0
+
+
+@pytest.mark.parametrize("kw,field", [({"frequency_penalty": 2.5}, "frequency_penalty"),
+                                      ({"presence_penalty": -2.5}, "presence_penalty"),
+                                      ({"repeat_penalty": 0.0}, "repeat_penalty"),
+                                      ({"repeat_penalty": float("inf")}, "repeat_penalty"),
+                                      ({"repeat_last_n": -2}, "repeat_last_n"),
+                                      ({"repeat_last_n": (1 << 20) + 1}, "repeat_last_n")])
+def test_grpc_refuses_bad_values_naming_the_field(stub, kw, field):
+    with pytest.raises(grpc.RpcError) as ei:
+        complete(stub, **kw)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith(f"{field} must"), ei.value.details()
+
+
+def test_openai_client_on_both_routes_matches_grpc(client, stub):
+    want = complete(stub, frequency_penalty=1.0, presence_penalty=0.5, repeat_penalty=1.2)
+    r = client.completions.create(model=MODEL, prompt=LOOP_PROMPT, max_tokens=32, frequency_penalty=1.0,
+                                  presence_penalty=0.5, extra_body={"repeat_penalty": 1.2})
+    assert r.choices[0].text == want.text
+    msgs = [{"role": "user", "content": "Say 'yes yes yes yes yes yes yes yes'."}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24)
+    pen = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, frequency_penalty=2,
+                                         presence_penalty=2, extra_body={"spec": "on", "repeat_last_n": -1})
+    assert pen.choices[0].message.content != plain.choices[0].message.content
+    ext = pen.model_extra["echospec"]
+    assert ext["spec_enabled"] is True and ext["spec_reason"] == ""
+
+
+@pytest.mark.parametrize("field,value", [("frequency_penalty", 2.5), ("presence_penalty", -2.5)])
+def test_openai_client_bad_value_is_a_400_naming_the_field(client, field, value):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                       **{field: value})
+    assert ei.value.body["param"] == field
+
