@@ -1,10 +1,12 @@
 """Repetition penalties (frequency, presence, llama.cpp's repeat penalty and its window): the rule
 on literal rows, one rule per case; the verifier's loop on a tiny model against a numpy loop over
 the engine's logits (greedy and sampled); speculation on and off byte identical; the refusals;
-then through the services on the default model: gRPC and the official openai client."""
+then through the services on the default model: gRPC, the official openai client, the Python
+client and `echospec generate`."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -301,6 +303,7 @@ def test_gateway_refuses_bad_values_naming_the_field(field, value, chat):
 
 # -- through the services on the default model -------------------------------------------------------
 
+REPO = Path(__file__).resolve().parents[1]
 ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 LOOP_PROMPT = "one two three one two three one two three one two three one two three"
@@ -379,3 +382,26 @@ def test_openai_client_bad_value_is_a_400_naming_the_field(client, field, value)
                                        **{field: value})
     assert ei.value.body["param"] == field
 
+
+def test_python_client_and_cli_send_the_penalties(stack, stub):
+    import json
+    import subprocess
+    import sys
+
+    from echospec_client import Client
+
+    kw = dict(frequency_penalty=1.0, presence_penalty=0.5, repeat_penalty=1.2, repeat_last_n=-1)
+    want = complete(stub, **kw)
+    assert want.text != complete(stub).text
+    with Client(stack.target, timeout=120) as c:
+        assert c.complete(prompt=LOOP_PROMPT, max_tokens=32, **kw).text == want.text
+    cli = [sys.executable, "-m", "echospec.cli", "generate", LOOP_PROMPT, "--target", stack.target,
+           "--json", "--max-tokens", "32"]
+    r = subprocess.run(cli + ["--frequency-penalty", "1", "--presence-penalty", "0.5",
+                              "--repeat-penalty", "1.2", "--repeat-last-n", "-1"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == want.text
+    r = subprocess.run(cli + ["--presence-penalty", "3"], capture_output=True, text=True, timeout=120,
+                       cwd=REPO)
+    assert r.returncode == 2 and "--presence-penalty 3: must be in [-2, 2]" in r.stderr, r.stderr

@@ -547,7 +547,10 @@ class Client:
                 prediction (expected output text, a draft source), draft_namespace,
                 enable_thinking (messages only: passed to the chat template; None: its default),
                 grammar (constrained output: {"json_schema": dict or JSON text},
-                {"json_object": True}, {"lark": text} or {"gbnf": text}; None: free text).
+                {"json_object": True}, {"lark": text} or {"gbnf": text}; None: free text),
+                frequency_penalty, presence_penalty (in [-2, 2]), repeat_penalty (> 0; 1 or
+                None: off) and repeat_last_n (tokens of prompt + output counted; 0: 64, -1:
+                the whole context): llama.cpp's repetition penalties.
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -645,7 +648,8 @@ class Client:
 _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MODE_OFF,
                True: common_pb2.SPEC_MODE_ON}
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
-             "prediction", "draft_namespace", "enable_thinking", "grammar")
+             "prediction", "draft_namespace", "enable_thinking", "grammar", "frequency_penalty",
+             "presence_penalty", "repeat_penalty", "repeat_last_n")
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -774,7 +778,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
             raise ValueError("enable_thinking applies to messages (the chat template), not to a raw prompt")
         req.enable_thinking = thinking
     for name, lo, hi in (("max_tokens", INT32_MIN, INT32_MAX), ("top_k", INT32_MIN, INT32_MAX),
-                         ("k", INT32_MIN, INT32_MAX), ("seed", 0, UINT64_MAX)):
+                         ("k", INT32_MIN, INT32_MAX), ("seed", 0, UINT64_MAX),
+                         ("repeat_last_n", INT32_MIN, INT32_MAX)):
         v = sampling.get(name)
         if v is None:
             continue
@@ -783,7 +788,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         if not lo <= v <= hi:
             raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
         setattr(req, name, int(v))
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repeat_penalty"):
         v = sampling.get(name)
         if v is None:
             continue
