@@ -374,6 +374,17 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
     min_p = getattr(args, "min_p", 0.0)
     if not 0.0 <= min_p <= 1.0:
         bad("--min-p", min_p, "must be in [0, 1] (0: off)")
+    for flag, name in (("--frequency-penalty", "frequency_penalty"),
+                       ("--presence-penalty", "presence_penalty")):
+        v = getattr(args, name, 0.0)
+        if not -2.0 <= v <= 2.0:
+            bad(flag, v, "must be in [-2, 2] (0: off)")
+    rep = getattr(args, "repeat_penalty", None)
+    if rep is not None and not (math.isfinite(rep) and 0.0 < rep <= FLOAT32_MAX):
+        bad("--repeat-penalty", rep, "must be finite and > 0 (1: off)")
+    last_n = getattr(args, "repeat_last_n", 0)
+    if last_n < -1:
+        bad("--repeat-last-n", last_n, "must be >= -1 (-1: the whole context, 0: 64)")
 
 
 def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = None,
@@ -394,6 +405,10 @@ def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = No
     kw["top_k"] = int(getattr(args, "top_k", 0) or 0)
     kw["min_p"] = float(getattr(args, "min_p", 0.0) or 0.0)
     kw["seed"] = int(getattr(args, "seed", 0) or 0)  # range checked by the command
+    kw["frequency_penalty"] = float(getattr(args, "frequency_penalty", 0.0) or 0.0)
+    kw["presence_penalty"] = float(getattr(args, "presence_penalty", 0.0) or 0.0)
+    kw["repeat_penalty"] = getattr(args, "repeat_penalty", None)
+    kw["repeat_last_n"] = int(getattr(args, "repeat_last_n", 0) or 0)
     mode = spec if spec is not None else getattr(args, "spec", None)
     kw["spec"] = {None: None, "off": False, "on": True}[mode]
     kw["k"] = int(getattr(args, "k", 0) or 0)
@@ -518,6 +533,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="in (0, 1]; 1: off (default)")
     p.add_argument("--top-k", type=_int32, default=0, help=">= 0; 0: off (default)")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off (default)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted once per occurrence in the last --repeat-last-n "
+                        "tokens (0: off, default)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted once from every token in the last --repeat-last-n "
+                        "tokens (0: off, default)")
+    p.add_argument("--repeat-penalty", type=float, default=None,
+                   help="> 0: llama.cpp's repeat penalty over the last --repeat-last-n tokens "
+                        "(1: off, default)")
+    p.add_argument("--repeat-last-n", type=_int32, default=0,
+                   help="tokens of prompt + output the penalties count (0: 64, default; -1: the "
+                        "whole context)")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed in [0, 2^64) (default 0, a fixed seed like any other: the "
                         "same request samples the same output; give different seeds for "

@@ -11,6 +11,9 @@ Speculation runs only when every rule holds:
         forward (batch_max < 2): each of these could make a verify over K + 1
         tokens differ from K + 1 decode steps.
 Each refusal is reported as a reason string; all violated rules are listed.
+Not a rule: a grammar and repetition penalties keep speculation on, because the verifier
+checks each drafted position against the token of its own (masked, penalised) logits row,
+whose penalty counts are those of the row's own prefix, so the output stays exact.
 """
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateErro
                                                    MissingChatTemplateError, TemplateRenderError)
 from echospec.services.common.config import CoordinatorConfig, model_name
 from echospec.services.common.floats import f32_str
+from echospec.services.common.penalties import Penalties, PenaltyError
 from echospec.services.common.economics import SOURCE_NAMES, SpecCounters
 from echospec.services.text import grammar, tool_calls
 from echospec.services.common.metrics import PromMetrics, RequestRecord
@@ -109,6 +110,26 @@ def line_break_tokens(tokenizer: Any) -> list[int]:
 
 def _bad(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def request_penalties(req: Any) -> Penalties:
+    """A request's repetition penalties (all off when none is set).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the field: frequency_penalty or presence_penalty
+            outside [-2, 2], repeat_penalty set and not finite and > 0, repeat_last_n outside
+            [-1, MAX_LAST_N].
+    """
+    repeat = req.repeat_penalty if req.HasField("repeat_penalty") else 1.0
+    if not (math.isfinite(repeat) and repeat > 0):
+        raise _bad(f"repeat_penalty must be finite and > 0 (1: off), got {f32_str(repeat)}")
+    pen = Penalties(frequency=req.frequency_penalty, presence=req.presence_penalty, repeat=repeat,
+                    last_n=req.repeat_last_n)
+    try:
+        pen.check()
+    except PenaltyError as exc:
+        raise _bad(str(exc)) from None
+    return pen if pen.active else Penalties()
 
 
 def stats_to_proto(c) -> common_pb2.SpecStats:
@@ -551,9 +572,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if req.spec not in (common_pb2.SPEC_MODE_UNSPECIFIED, common_pb2.SPEC_MODE_OFF,
                             common_pb2.SPEC_MODE_ON):
             raise _bad(f"unknown spec mode {req.spec}")
+        pen = request_penalties(req)
         decision = decide_spec(req.spec, cfg.spec, req.temperature, top_p, req.min_p, caps)
         sampling = common_pb2.SamplingParams(temperature=max(0.0, req.temperature), top_k=req.top_k,
-                                             top_p=top_p, min_p=req.min_p, seed=req.seed)
+                                             top_p=top_p, min_p=req.min_p, seed=req.seed,
+                                             frequency_penalty=pen.frequency,
+                                             presence_penalty=pen.presence,
+                                             repeat_penalty=pen.repeat if pen.active else 0.0,
+                                             repeat_last_n=pen.window if pen.active else 0)
         ns = req.draft_namespace
         if namespace_problem(ns):
             raise _bad(namespace_problem(ns))

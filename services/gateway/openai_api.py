@@ -3,7 +3,7 @@ error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contr
 
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
 mean something here are mapped; fields that ask for what echospec does not do (logprobs,
-penalties, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
+logit_bias, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
 refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
 most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
 request each, sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
@@ -15,6 +15,8 @@ README.md):
     spec             "on" | "off" | null (the server's default): speculation for this request
     k                drafts per round (0 or null: the server's default)
     top_k, min_p     sampling (as in vLLM and llama-server)
+    repeat_penalty, repeat_last_n  llama-server's repetition penalty and its window (0: every
+                     penalty off, as in llama.cpp; -1: the whole context; null: 64)
     draft_namespace  cross-request draft memory scope ("" shares nothing)
     chat_template_kwargs  chat only, as in vLLM: {"enable_thinking": bool or null} for the model's chat
                      template (Qwen3: false answers without a reasoning block); no other key
@@ -25,6 +27,8 @@ assistant message may carry ``tool_calls`` (content then null), a tool message `
 A result's tool calls are ``message.tool_calls`` with finish_reason "tool_calls"; streamed, each
 call is two chunks after the content (OpenAI's shape: index, id, type and name with empty
 arguments, then the arguments).
+frequency_penalty and presence_penalty take OpenAI's range [-2, 2] but count, as llama-server
+does, the last repeat_last_n tokens of prompt + output (README "Repetition penalties").
 Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
 temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
@@ -98,7 +102,8 @@ _STATUS = {
 _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
 _REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
                    "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
-                   "prediction", "grammar", "tools", "tool_choice"}
+                   "prediction", "grammar", "tools", "tool_choice", "frequency_penalty",
+                   "presence_penalty", "repeat_penalty", "repeat_last_n"}
 
 
 _GRAMMAR_NAMES = (("grammar.json_schema", "response_format.json_schema.schema"),
@@ -151,7 +156,8 @@ _IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool
             "prompt_cache_key", "safety_identifier"}
 _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
            "prediction", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-           "spec", "k", "top_k", "min_p", "draft_namespace", "response_format"}
+           "spec", "k", "top_k", "min_p", "draft_namespace", "response_format",
+           "repeat_penalty", "repeat_last_n"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "modalities", "audio",
                    "reasoning_effort", "web_search_options", "chat_template_kwargs"}
@@ -326,10 +332,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
                 raise bad(f"{name} applies to /v1/chat/completions (chat messages); a completion's "
                           f"prompt is used as it is", name)
             raise bad(f"Unrecognized request argument supplied: {name}", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (not _is_num(v) or v != 0):
-            raise bad(f"{name} is not supported (only 0), got {v!r}", name)
     if body.get("logit_bias") not in (None, {}):
         raise bad("logit_bias is not supported", "logit_bias")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
@@ -634,6 +636,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     req.k = _integer(body, "k", 0) or 0
     req.top_k = _integer(body, "top_k", 0) or 0
     req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
+    _penalties(body, req)
     ns = body.get("draft_namespace")
     if ns is not None:
         if not isinstance(ns, str):
@@ -658,6 +661,25 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     return Parsed(chat=chat, requests=prompts, n=n or 1, stream=bool(stream),
                   include_usage=include_usage, seed=req.seed if req.temperature > 0 else None,
                   max_tokens_name=max_tokens_name, model=body.get("model"))
+
+
+def _penalties(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
+    """frequency_penalty, presence_penalty (OpenAI's, in [-2, 2]), repeat_penalty (> 0, 1 off)
+    and repeat_last_n (-1: the whole context; 0: every penalty off, as llama-server reads it)."""
+    freq = _number(body, "frequency_penalty", -2.0, 2.0)
+    pres = _number(body, "presence_penalty", -2.0, 2.0)
+    rep = _number(body, "repeat_penalty", -math.inf, math.inf)
+    if rep is not None and not (0 < rep <= FLOAT32_MAX and as_f32(rep) > 0):
+        raise bad(f"repeat_penalty must be > 0 and a finite float32 (1: off), got "
+                  f"{body['repeat_penalty']!r}", "repeat_penalty")
+    last_n = _integer(body, "repeat_last_n", -1)
+    if last_n == 0:   # llama.cpp: a window of no tokens penalises nothing
+        return
+    req.frequency_penalty = freq or 0.0
+    req.presence_penalty = pres or 0.0
+    if rep is not None:
+        req.repeat_penalty = rep
+    req.repeat_last_n = last_n or 0
 
 
 def complete_request(req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.CompleteRequest:

@@ -38,6 +38,12 @@ with draft[i] == the masked argmax at its position; the matcher rolls back the
 K - R rejected tokens with the KV cache and takes the bonus token, so the
 output is the same with speculation on or off.
 
+Repetition penalties (Sampling.penalties, services/common/penalties.py) take the same path:
+every token is chosen from its logits row penalised with the counts of the tokens before it
+(prompt, output, and on a verify row the drafts before that row), then masked by a grammar if
+any; no in-engine run. A drafted position's penalised argmax depends only on tokens known at
+verify time, so speculation stays on and the output is still that of plain decoding.
+
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
 thread takes each step's token and queues the next step right after the
@@ -54,9 +60,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from echospec.v1.common_pb2 import DraftSource, FinishReason
 from echospec.services.verifier.engine import ES_ERR_BAD_WEIGHTS, EngineError, rng_advance, sample
 from echospec.services.common.floats import f32_str
+from echospec.services.common.penalties import Penalties, PenaltyError
 from echospec.services.text.grammar import Constraint, GrammarError, GrammarSpec, masked, masked_argmax
 from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.draft.memory import namespace_problem
@@ -171,8 +180,8 @@ def check_sampling(s: Sampling) -> None:
     checks them too; this guards direct callers of the verifier).
 
     Raises:
-        InvalidArgument: a non-finite temperature, top_p or min_p, min_p outside [0, 1], or
-            top_k < 0.
+        InvalidArgument: a non-finite temperature, top_p or min_p, min_p outside [0, 1],
+            top_k < 0, or a penalty out of its range (Penalties.check).
     """
     import math
     for name, v in (("temperature", s.temperature), ("top_p", s.top_p), ("min_p", s.min_p)):
@@ -182,6 +191,10 @@ def check_sampling(s: Sampling) -> None:
         raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {f32_str(s.min_p)}")
     if s.top_k < 0:
         raise InvalidArgument(f"sampling.top_k must be >= 0, got {s.top_k}")
+    try:
+        s.penalties.check("sampling.")
+    except PenaltyError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 class _Run:
@@ -201,6 +214,8 @@ class _Run:
             self.rng = rng_advance(self.rng, req.resumed)
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
         self.gram: Constraint | None = None   # the grammar's matcher over the output so far
+        # repetition penalties (None: off): every token then comes from a penalised logits row
+        self.pen: Penalties | None = req.sampling.penalties if req.sampling.penalties.active else None
         self.beside: concurrent.futures.ThreadPoolExecutor | None = None   # its worker (masks)
 
     def release(self) -> None:
@@ -222,11 +237,24 @@ class _Run:
             self.kv_tokens.extend(int(t) for t in st.argmax[:-1])
         return st
 
-    def choose(self, greedy_token: int, logits: Any, allowed: Any = None) -> int:
+    @property
+    def rows(self) -> bool:
+        """Every token is chosen from a logits row here (a grammar or penalties), never by the
+        engine's argmax alone."""
+        return self.gram is not None or self.pen is not None
+
+    def choose(self, greedy_token: int, logits: Any, allowed: Any = None,
+               context: Any = (), drafts: Any = ()) -> int:
         """The token of a logits row (the last of ``logits``): the engine's argmax when greedy,
-        else a draw; under a grammar's mask ``allowed`` (bool [n_vocab]) only allowed tokens."""
+        else a draw; with penalties the row is first penalised with the counts of ``context`` +
+        ``drafts`` (the tokens before its position); under a grammar's mask ``allowed``
+        (bool [n_vocab]) only allowed tokens."""
         s = self.req.sampling
         row = None if logits is None else logits[-1]
+        if self.pen is not None:
+            if s.greedy:
+                return self.pick(row, allowed, context, drafts)
+            row = self.pen.apply(row, context, drafts)
         if allowed is not None:
             if s.greedy:
                 return _masked_argmax(row, allowed)
@@ -237,18 +265,33 @@ class _Run:
                                top_p=s.top_p, min_p=s.min_p, rng=self.rng)
         return tok
 
+    def pick(self, row: Any, allowed: Any, context: Any, drafts: Any = ()) -> int:
+        """The greedy token of one logits row (float32 [n_vocab]) under the penalties (counts of
+        ``context`` + ``drafts``) and the grammar's mask ``allowed`` (None: no grammar)."""
+        if self.pen is not None:
+            row = self.pen.apply(row, context, drafts)
+        return _argmax(row) if allowed is None else _masked_argmax(row, allowed)
+
     def prefill(self) -> tuple[int, float]:
         """The rest of the prompt in chunks; returns (first token, forward ms)."""
         rest = self.req.prompt[self.cached:]
         chunk = self.core.scheduler.prefill_chunk
-        want = "none" if self.req.sampling.greedy and self.gram is None else "last"
+        want = "none" if self.req.sampling.greedy and not self.rows else "last"
         ms = 0.0
         st = None
         for i in range(0, len(rest), chunk):
             st = self.step(rest[i:i + chunk], "last", want)
             ms += st.forward_ms
         allowed = self.gram.allowed() if self.gram is not None else None
-        return self.choose(st.argmax[0], st.logits_out, allowed), ms
+        return self.choose(st.argmax[0], st.logits_out, allowed, self.req.prompt), ms
+
+
+def _argmax(row: Any) -> int:
+    """The first index of the largest logit, a NaN row reported as the engine reports one."""
+    if np.isnan(row).any():
+        raise EngineError(ES_ERR_BAD_WEIGHTS,
+                          f"the logits row holds a NaN at position {int(np.argmax(np.isnan(row)))}")
+    return int(np.argmax(row))
 
 
 def _masked_argmax(row: Any, allowed: Any) -> int:
@@ -613,15 +656,15 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
     yield ev
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
-    if gram is not None:
-        mode = "all"                 # the mask applies to every row's token
+    if run.rows:
+        mode = "all"                 # the mask (penalties) applies to every row's token
     cost = drafts.ctl.cost
     k_choice = ""
     r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
     while not done:
         if run.cancel.is_set():
             return
-        if drafts.link is None and gram is None:
+        if drafts.link is None and not run.rows:
             yield from _stream(run, history, produced, r0)
             return
         n_past = session.n_past
@@ -645,7 +688,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         # releases the GIL), not after it
         masks_job = run.beside.submit(gram.masks_along, drf) if gram is not None else None
         n_run = 1
-        if greedy and not drf and gram is None:
+        if greedy and not drf and not run.rows:
             # the back-off's plain rounds as one in-engine run, paced like a plain stream's
             n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past,
                                _paced_steps(core.t_ms)))
@@ -676,14 +719,17 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             r0 = r1
             continue
         k = len(drf)
-        if masks is None:
+        if not run.rows:
             r = longest_accepted_prefix(drf, st.argmax)
             bonus = None
-        else:   # the masked argmax at every drafted position, up to the first disagreement
+        else:   # the (penalised, masked) argmax at every drafted position, up to the first
+            # disagreement: row i is penalised with the counts of history + drf[:i]
+            def allowed(i: int) -> Any:
+                return None if masks is None else masks[i]
             r = 0
-            while r < k and _masked_argmax(st.logits_out[r], masks[r]) == drf[r]:
+            while r < k and run.pick(st.logits_out[r], allowed(r), history, drf[:r]) == drf[r]:
                 r += 1
-            bonus = run.choose(None, st.logits_out[r:r + 1], masks[r])
+            bonus = run.choose(None, st.logits_out[r:r + 1], allowed(r), history, drf[:r])
         if r < k:
             # k - r <= max_k positions back: within a sliding-window ring's reach (core.swa_slack)
             session.rollback(n_past + 1 + r)

@@ -18,6 +18,7 @@ from echospec.services.common.config import model_name
 from echospec.services.verifier.engine import simd_name
 from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
                                                         run_generation)
+from echospec.services.common.penalties import Penalties
 from echospec.services.text import grammar
 from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore, VerifierError
 
@@ -28,7 +29,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
     """SamplingParams -> Sampling (top_p <= 0 or >= 1 reads as off; NaN stays NaN, which
     check_sampling refuses)."""
     top_p = p.top_p if 0.0 < p.top_p < 1.0 or math.isnan(p.top_p) else 1.0
-    return Sampling(temperature=p.temperature, top_k=p.top_k, top_p=top_p, min_p=p.min_p, seed=p.seed)
+    pen = Penalties(frequency=p.frequency_penalty, presence=p.presence_penalty,
+                    repeat=p.repeat_penalty, last_n=p.repeat_last_n)
+    return Sampling(temperature=p.temperature, top_k=p.top_k, top_p=top_p, min_p=p.min_p, seed=p.seed,
+                    penalties=pen)
 
 
 def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensResponse:

@@ -34,6 +34,7 @@ from typing import Sequence
 
 from echospec.services.common.config import (VerifierConfig, default_engine_threads, kv_eviction_text,
                                              usable_cpus)
+from echospec.services.common.penalties import Penalties
 from echospec.services.text import grammar
 from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.verifier.engine import (EVICT_MAX_POS, MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK,
@@ -75,6 +76,7 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    penalties: Penalties = Penalties()   # repetition penalties (off by default)
 
     @property
     def greedy(self) -> bool:

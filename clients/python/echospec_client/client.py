@@ -567,6 +567,9 @@ class Client:
                 tools (messages only: OpenAI's list of function tools, or its JSON text; the
                 calls come back in Result.tool_calls) and tool_choice ("auto", "none",
                 "required", a function's name, or OpenAI's {"type": "function", ...}).
+                frequency_penalty, presence_penalty (in [-2, 2]), repeat_penalty (> 0; 1 or
+                None: off) and repeat_last_n (tokens of prompt + output counted; 0: 64, -1:
+                the whole context): llama.cpp's repetition penalties.
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -664,7 +667,8 @@ class Client:
 _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MODE_OFF,
                True: common_pb2.SPEC_MODE_ON}
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
-             "prediction", "draft_namespace", "enable_thinking", "grammar", "tools", "tool_choice")
+             "prediction", "draft_namespace", "enable_thinking", "grammar", "tools", "tool_choice",
+             "frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n")
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -816,7 +820,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
             raise ValueError("enable_thinking applies to messages (the chat template), not to a raw prompt")
         req.enable_thinking = thinking
     for name, lo, hi in (("max_tokens", INT32_MIN, INT32_MAX), ("top_k", INT32_MIN, INT32_MAX),
-                         ("k", INT32_MIN, INT32_MAX), ("seed", 0, UINT64_MAX)):
+                         ("k", INT32_MIN, INT32_MAX), ("seed", 0, UINT64_MAX),
+                         ("repeat_last_n", INT32_MIN, INT32_MAX)):
         v = sampling.get(name)
         if v is None:
             continue
@@ -825,7 +830,8 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         if not lo <= v <= hi:
             raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
         setattr(req, name, int(v))
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repeat_penalty"):
         v = sampling.get(name)
         if v is None:
             continue
