@@ -942,7 +942,7 @@ def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
     err = capsys.readouterr().err
     assert ei.value.code == 2, err
     assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, grammar, id, kind, " \
-           "max_tokens, messages, prediction, prompt)" in err, err
+           "max_tokens, messages, prediction, prompt, tool_choice, tools)" in err, err
     f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4}\n')
     assert cli._load_workloads(str(f))[0]["max_tokens"] == 4
     import pathlib
@@ -950,6 +950,23 @@ def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
     assert len(cli._load_workloads(str(seed))) == 7
     structured = seed.parent / "structured_json.jsonl"
     assert all("json_schema" in w["grammar"] for w in cli._load_workloads(str(structured)))
+    tools = seed.parent / "structured_tools.jsonl"
+    assert all(w["tools"] and w["tool_choice"] for w in cli._load_workloads(str(tools)))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"messages": [{"role": "user", "content": "x"}], "tools": {"name": "f"}}, "tools must be a list"),
+    ({"prompt": "x", "tools": []}, "tools must be a list"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice must be"),
+])
+def test_bench_refuses_tools_it_cannot_send(tmp_path, capsys, fields, message):
+    from echospec import cli
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"id": "t", **fields}) + "\n")
+    with pytest.raises(SystemExit) as ei:
+        cli._load_workloads(str(f))
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"{f}:1: {message}" in err, err
 
 
 @pytest.mark.parametrize("grammar", [{"regex": "a+"}, {"lark": "x", "gbnf": "y"}, "json", {}])

@@ -11,7 +11,7 @@ from echospec.cli.common import (_add_client_args, _check_sampling_flags, _clien
 
 
 _WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
-                              "draft_namespace", "grammar"})
+                              "draft_namespace", "grammar", "tools", "tool_choice"})
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -57,6 +57,10 @@ def _load_workloads(path: str) -> list[dict]:
         if g is not None and not (isinstance(g, dict) and len(g) == 1 and next(iter(g)) in _GRAMMAR_KINDS):
             _die(f"{path}:{n}: grammar must be an object of one key, one of {', '.join(_GRAMMAR_KINDS)} "
                  f"(as the client's grammar argument), got {json.dumps(g)[:80]}", 2)
+        if "tools" in w and (not isinstance(w["tools"], list) or msgs is None):
+            _die(f"{path}:{n}: tools must be a list of OpenAI function tools, with messages", 2)
+        if "tool_choice" in w and (not isinstance(w["tool_choice"], (str, dict)) or "tools" not in w):
+            _die(f"{path}:{n}: tool_choice must be a string or an object, with tools", 2)
         mt = w.get("max_tokens", 256)
         if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
             _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
@@ -76,6 +80,9 @@ def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
     kw["draft_namespace"] = w.get("draft_namespace", "")
     if w.get("grammar") is not None:
         kw["grammar"] = w["grammar"]
+    for key in ("tools", "tool_choice"):
+        if key in w:
+            kw[key] = w[key]
     r = client.complete(**kw)
     dt = r.wall_s
     s = r.stats
@@ -171,8 +178,8 @@ def _print_table(rows: list[dict]) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
     p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt); optional "
-                   "max_tokens (default 256), prediction (text), draft_namespace and grammar "
-                   "(one key: json_schema, json_object, lark or gbnf)")
+                   "max_tokens (default 256), prediction (text), draft_namespace, grammar "
+                   "(one key: json_schema, json_object, lark or gbnf), tools and tool_choice")
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
