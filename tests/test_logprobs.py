@@ -237,7 +237,9 @@ def test_completion_logprobs_agree_with_grpc(client, stub):
     lp = r.choices[0].logprobs
     assert lp.tokens == [x.token for x in g.logprobs]
     assert lp.token_logprobs == [x.logprob for x in g.logprobs]
-    assert lp.top_logprobs == [{t.token: t.logprob for t in x.top_logprobs} for x in g.logprobs]
+    # the N most likely and the chosen token, as OpenAI's legacy dicts
+    assert lp.top_logprobs == [{**{t.token: t.logprob for t in x.top_logprobs}, x.token: x.logprob}
+                               for x in g.logprobs]
     text = r.choices[0].text
     assert lp.text_offset[0] == 0 and all(text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
     chunks = list(client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=12, logprobs=2,
@@ -258,7 +260,8 @@ def test_n_choices_each_carry_their_logprobs(client):
             c.message.content
     r = client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=5, n=2, logprobs=0)
     assert r.choices[0].logprobs.token_logprobs == r.choices[1].logprobs.token_logprobs
-    assert r.choices[0].logprobs.top_logprobs == [{}] * 5
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
 
 
 @pytest.mark.parametrize("route, extra, param", [

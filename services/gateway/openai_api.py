@@ -21,8 +21,9 @@ README.md):
 Logprobs: chat's ``logprobs: true`` with ``top_logprobs: 0..20`` gives ``choices[i].logprobs =
 {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], "refusal": null}``;
 a completion's ``logprobs: 0..20`` (OpenAI's legacy shape, its limit 5 raised to 20) gives
-``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, the offsets
-in characters of the completion's text (no ``echo``). A stream's chunk carries its tokens'.
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, each dict the
+N most likely tokens and the chosen one (as OpenAI: up to N + 1), the offsets in characters of
+the completion's text (OpenAI counts the prompt's too; no ``echo`` here). A stream's chunk carries its tokens'.
 The values are log_softmax of the model's raw logits at temperature 1 (after a response_format's
 mask), the same with speculation on or off (services/verifier/logprobs.py).
 Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
@@ -722,6 +723,7 @@ def completion_logprobs(lps: Any, offsets: TextOffsets) -> dict:
         d: dict = {}
         for t in lp.top_logprobs:   # two ids of one text: the more likely one's logprob
             d.setdefault(t.token, t.logprob)
+        d.setdefault(lp.token, lp.logprob)   # as OpenAI: the chosen token too (up to N + 1)
         tops.append(d)
     return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": tops, "text_offset": [offsets.take(lp.bytes) for lp in lps]}
