@@ -85,6 +85,33 @@ def test_text_offsets_count_characters_once_whole():
     assert [off.take(b) for b in (b"ab", b"\xe2\x82", b"\xac", b"c")] == [0, 2, 2, 3]
 
 
+# -- the verifier's loop on a tiny model -------------------------------------------------------------
+
+def test_the_loop_refuses_bad_values_and_keeps_its_tokens_with_logprobs(tiny_model):
+    import threading
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.verifier.generation_loop import GenerationRequest, check, run_generation
+    from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore
+    core = VerifierCore(VerifierConfig(model=tiny_model(arch="llama", n_vocab=320, n_ctx_train=512,
+                                                        seed=0), n_ctx=256, n_threads=1))
+    try:
+        def req(**kw):
+            return GenerationRequest(prompt=[3, 17, 42], max_tokens=20, eos_ids=frozenset(),
+                                     sampling=Sampling(), **kw)
+        for kw, frag in ((dict(logprobs=True, top_logprobs=21), r"top_logprobs must be in \[0, 20\]"),
+                         (dict(top_logprobs=2), "needs logprobs")):
+            with pytest.raises(InvalidArgument, match=frag):
+                check(core, req(**kw))
+        plain = list(run_generation(core, req(), threading.Event()))
+        evs = list(run_generation(core, req(logprobs=True, top_logprobs=3), threading.Event()))
+        # the logits path (no in-engine greedy runs) gives the tokens of the argmax-only path
+        assert [t for e in evs for t in e.tokens] == [t for e in plain for t in e.tokens]
+        assert all(len(e.logprobs) == len(e.tokens) for e in evs) and all(not e.logprobs for e in plain)
+        assert all(lp.token_id == lp.top[0][0] and len(lp.top) == 3 for e in evs for lp in e.logprobs)
+    finally:
+        core.close()
+
+
 # -- the services on the default model --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
