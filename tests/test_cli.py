@@ -118,6 +118,21 @@ def test_generate_spec_on_off_identical(server):
     assert outs[0]["spec_enabled"] is False and outs[0]["spec_reason"]
 
 
+def test_generate_logprobs_json_and_text(server):
+    args = [*ECHOSPEC, "generate", "a b c a b c a b", "--target", server["target"], "--max-tokens",
+            "8", "--spec", "on", "--logprobs", "2"]
+    j = json.loads(run([*args, "--json"]).stdout)
+    assert [lp["token_id"] for lp in j["logprobs"]] == j["token_ids"]
+    assert all(lp["logprob"] <= 0 and len(lp["top_logprobs"]) == 2 for lp in j["logprobs"])
+    # greedy: each token is its position's most likely one
+    assert all(lp["top_logprobs"][0]["token_id"] == lp["token_id"] for lp in j["logprobs"])
+    r = run(args)
+    lines = [x for x in r.stderr.splitlines() if "\t" in x]
+    assert len(lines) == len(j["token_ids"]) and lines[0].split("\t")[1] == f"{j['logprobs'][0]['logprob']:.4f}"
+    r = run([*args[:-1], "21"], check=False)
+    assert r.returncode == 2 and "--logprobs 21" in r.stderr
+
+
 def test_generate_prediction_file_reaches_the_request(server, tmp_path):
     # the tiny model's T is so short that the cost model seldom drafts: the counts are checked for
     # consistency here; tests/test_services_drafting.py checks that predictions are accepted

@@ -198,6 +198,26 @@ def test_results_match_the_raw_protocol(stack):
     assert r.wall_s > 0 and r.tokens_per_s > 0
 
 
+def test_logprobs_match_the_raw_protocol(stack):
+    from echospec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from echospec_client import TokenLogprob
+
+    with grpc.insecure_channel(stack.target) as ch:
+        raw = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Complete(
+            coordinator_pb2.CompleteRequest(text="x y z x y z", max_tokens=6, logprobs=True,
+                                            top_logprobs=2), timeout=60).result
+    with Client(stack.target, timeout=60) as c:
+        r = c.complete("x y z x y z", max_tokens=6, logprobs=True, top_logprobs=2)
+        chunks = list(c.stream("x y z x y z", max_tokens=6, logprobs=True, top_logprobs=2))
+        plain = c.complete("x y z x y z", max_tokens=6)
+    assert all(isinstance(x, TokenLogprob) for x in r.logprobs) and plain.logprobs == ()
+    assert [(x.token_id, x.token, x.bytes, x.logprob) for x in r.logprobs] == \
+        [(x.token_id, x.token, x.bytes, x.logprob) for x in raw.logprobs]
+    assert [[(t.token_id, t.logprob) for t in x.top_logprobs] for x in r.logprobs] == \
+        [[(t.token_id, t.logprob) for t in x.top_logprobs] for x in raw.logprobs]
+    assert sum((x.logprobs for x in chunks), ()) == chunks[-1].result.logprobs == r.logprobs
+
+
 @pytest.mark.parametrize("proto_name, cls, left_out", [
     ("SpecStats", SpecStats, set()), ("GenerationResult", Result, set()),
     # the fleet's addresses and load reports: for operators (grpcurl, GetConfig), not the client
@@ -391,6 +411,9 @@ def test_api_key_and_tls_roots(tmp_path, monkeypatch):
     ({"request_id": "a\nb"}, ValueError, "request_id must be printable ASCII (it is sent as gRPC "
                                          "metadata), got 'a\\nb'"),
     ({"request_id": 5}, TypeError, "request_id must be a str, got int"),
+    ({"logprobs": True, "top_logprobs": 21}, ValueError, "top_logprobs must be in [0, 20], got 21"),
+    ({"top_logprobs": 2}, ValueError, "top_logprobs (2) needs logprobs=True"),
+    ({"logprobs": 1}, TypeError, "logprobs must be True, False or None, got 1"),
 ])
 def test_client_names_the_bad_argument(kw, exc, message):
     from echospec_client import Client

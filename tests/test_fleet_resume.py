@@ -254,12 +254,15 @@ def coord(smollm2_path, boards):
 
 def _request(mode: str, prediction: str = "") -> cpb.GenerateRequest:
     """plain: greedy; spec: greedy with speculation, drafting from ``prediction``; sampled:
-    temperature 0.8 with a seed."""
+    temperature 0.8 with a seed. Each with logprobs (those of the tokens before a move came with
+    them, the next verifier's follow)."""
     spec = common_pb2.SPEC_MODE_ON if mode == "spec" else common_pb2.SPEC_MODE_OFF
+    lp = dict(logprobs=True, top_logprobs=2)
     if mode == "sampled":
         return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, temperature=0.8,
-                                   top_k=40, seed=7)
-    return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, prediction=prediction)
+                                   top_k=40, seed=7, **lp)
+    return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, prediction=prediction,
+                               **lp)
 
 
 def _serving(coord: Coordinator, boards) -> SmolBoard:
@@ -306,6 +309,10 @@ def test_killed_verifier_resumes_elsewhere_with_the_same_text(coord, boards, mod
         assert victim is not None and result is not None
         assert text.encode() == ref.text.encode() and ids == list(ref.token_ids)
         assert result.text == ref.text and result.completion_tokens == MAX_TOKENS
+        assert [x.token_id for x in result.logprobs] == list(ref.token_ids)
+        # bitwise: the next verifier's prefill row for a position is the one decoding computed
+        # there (the engine's contract: one call over N tokens == N one-token calls)
+        assert [x.logprob for x in result.logprobs] == [x.logprob for x in ref.logprobs]
         [move] = result.moves
         other = next(b for b in boards if b is not victim)
         assert (move.from_verifier, move.to_verifier) == (victim.address, other.address)

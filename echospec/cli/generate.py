@@ -21,6 +21,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_sampling_flags(args)
     messages = _load_messages(args.messages) if args.messages else None
     kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
+    if args.logprobs is not None:
+        from echospec_client.limits import MAX_TOP_LOGPROBS
+        if not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
+            _die(f"--logprobs {args.logprobs}: must be in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                 f"shown per token)", 2)
+        kw["logprobs"], kw["top_logprobs"] = True, args.logprobs
     with _target(args) as target:
         client = common._client(args, target)
         open_line = False   # streamed text not ended by a newline yet
@@ -39,9 +45,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 j["wall_s"] = round(result.wall_s, 4)
                 j["ttft_s"] = None if result.ttft_s is None else round(result.ttft_s, 4)
                 j["tokens_per_s"] = round(result.tokens_per_s, 2)
+                if args.logprobs is not None:
+                    j["logprobs"] = [_logprob_json(lp) for lp in result.logprobs]
                 print(json.dumps(j, ensure_ascii=False))
                 return 0
             sys.stdout.write("\n")
+            if result is not None and args.logprobs is not None:
+                for lp in result.logprobs:
+                    alts = ", ".join(f"{t.token!r} {t.logprob:.4f}" for t in lp.top_logprobs)
+                    print(f"{lp.token!r}\t{lp.logprob:.4f}" + (f"\t[{alts}]" if alts else ""),
+                          file=sys.stderr)
             if result is not None:
                 st = result.stats
                 print(f"[{result.completion_tokens} tokens, finish: {result.finish_reason}, spec: "
@@ -62,6 +75,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 
+def _logprob_json(lp) -> dict:
+    """A client TokenLogprob as JSON (bytes as a list of ints, as OpenAI gives them)."""
+    def one(x) -> dict:
+        return {"token_id": x.token_id, "token": x.token, "bytes": list(x.bytes), "logprob": x.logprob}
+    return {**one(lp), "top_logprobs": [one(t) for t in lp.top_logprobs]}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
     p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
@@ -77,6 +97,9 @@ def add_parser(sub) -> None:
                    "(rule start)")
     p.add_argument("--gbnf", metavar="FILE", help="constrained output: the GBNF grammar in FILE "
                    "(rule root)")
+    p.add_argument("--logprobs", metavar="N", type=int, default=None,
+                   help="each token's logprob and its N (0..20) most likely alternatives: on "
+                   "standard error after the text, or in --json's \"logprobs\"")
     _add_client_args(p, "print one JSON object: the result, its stats, wall_s, ttft_s, tokens_per_s")
     _add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)

@@ -12,6 +12,10 @@ string is not emitted), max_tokens ends it; whatever follows in the same
 round is dropped. So the output does not depend on the drafts. The verifier
 stops by itself after an EOS token or max_tokens; a stop string ends the
 generation here, and the call is cancelled so the verifier stops at once.
+
+Logprobs (params.logprobs): the verifier sends one TokenLogprob per token (ids and values); each
+output token's goes out with it, in its Delta and the Outcome, with the text of the token and of
+its alternatives filled in here (``token_piece``).
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ class GenerationParams:
     prediction: list[int] = field(default_factory=list)   # the request's prediction, tokenized
     draft_namespace: str = ""
     grammar: Any = None           # echospec.v1.Grammar (checked), or None: free text
+    logprobs: bool = False        # report each output token's logprob
+    top_logprobs: int = 0         # ... and this many alternatives (0..20)
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
+    logprobs: list = field(default_factory=list)   # echospec.v1.TokenLogprob per token (logprobs)
 
 
 @dataclass
@@ -83,6 +90,18 @@ class Outcome:
     verifier: str = ""                 # host:port of the verifier that finished it
     moves: list[Move] = field(default_factory=list)   # each move to another verifier, in order
     tool_calls: list = field(default_factory=list)     # services.text.tool_calls.ToolCall, parsed
+    logprobs: list = field(default_factory=list)      # echospec.v1.TokenLogprob per output token
+
+
+def token_piece(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+    """A token's text and raw bytes as a TokenLogprob gives them: the bytes decoded when they are
+    whole UTF-8, else ``bytes:`` and their escapes (``bytes:\\xe2\\x80``: a piece of a
+    character, as OpenAI writes it)."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
 class _Output:
@@ -97,17 +116,33 @@ class _Output:
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.finish = 0
+        self.tokenizer = tokenizer
+        self.logprobs: list = []          # TokenLogprob per output token (when asked for)
+        self._pieces: dict[int, tuple[str, bytes]] = {}
 
-    def take(self, tokens: list[int]) -> Delta:
-        """Consume tokens in order until one ends the output; return the delta."""
+    def _named(self, lp: Any) -> Any:
+        """``lp`` (a TokenLogprob from the verifier) with its tokens' text and bytes filled in."""
+        for x in (lp, *lp.top_logprobs):
+            piece = self._pieces.get(x.token_id)
+            if piece is None:
+                piece = self._pieces[x.token_id] = token_piece(self.tokenizer, x.token_id)
+            x.token, x.bytes = piece
+        return lp
+
+    def take(self, tokens: list[int], logprobs: list | None = None) -> Delta:
+        """Consume tokens in order until one ends the output; return the delta. ``logprobs``:
+        the tokens' TokenLogprobs (one each), or None."""
         emitted: list[str] = []
         new: list[int] = []
-        for t in tokens:
+        new_lps: list = []
+        for i, t in enumerate(tokens):
             if t in self.eos:
                 self.finish = FINISH_EOS
                 break
             self.token_ids.append(t)
             new.append(t)
+            if logprobs is not None:
+                new_lps.append(self._named(logprobs[i]))
             text, stopped = self.stop.push(self.dec.feed(t))
             emitted.append(text)
             if stopped:
@@ -118,8 +153,9 @@ class _Output:
                 break
         if self.finish and self.finish != FINISH_STOP:
             emitted.append(self._flush())
-        d = Delta("".join(emitted), new)
+        d = Delta("".join(emitted), new, new_lps)
         self.text_parts.append(d.text)
+        self.logprobs.extend(new_lps)
         return d
 
     def end(self, finish: int) -> Delta:
@@ -180,6 +216,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
         if first:
             counters.cached_prompt_tokens = msg.cached_prompt_tokens
         tokens: list[int] = []
+        lps: list | None = [] if params.logprobs else None
         for rnd in msg.rounds:
             res = rnd.result
             counters.proposals += rnd.proposals
@@ -196,10 +233,16 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
             if rnd.k_choice:
                 counters.k_choice = rnd.k_choice
             tokens.extend(res.tokens)
-        d = out.take(tokens) if tokens else Delta("", [])
+            if lps is not None:
+                if len(res.logprobs) != len(res.tokens):
+                    raise GenerationError(
+                        f"the verifier sent {len(res.logprobs)} logprobs for a round of {len(res.tokens)} "
+                        f"token(s) (a version without logprobs?)")
+                lps.extend(res.logprobs)
+        d = out.take(tokens, lps) if tokens else Delta("", [])
         if msg.finish and not out.finish:
             e = out.end(msg.finish)
-            d = Delta(d.text + e.text, d.token_ids)
+            d = Delta(d.text + e.text, d.token_ids, d.logprobs)
         if d.text or d.token_ids:
             yield d
         if out.finish:
@@ -215,7 +258,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
     if not out.finish:
         raise GenerationError("the verifier ended the generation without EOS, max_tokens or a full context")
     yield Outcome(out.text, out.token_ids, len(prompt), out.finish, spec, reason, counters,
-                  moves=moves)
+                  moves=moves, logprobs=out.logprobs)
 
 
 def with_tool_calls(events: Iterator[Delta | Outcome], content: Any) -> Iterator[Delta | Outcome]:
@@ -230,4 +273,4 @@ def with_tool_calls(events: Iterator[Delta | Outcome], content: Any) -> Iterator
                 yield Delta(rest, [])
             yield ev
         else:
-            yield Delta(content.feed(ev.text), ev.token_ids)
+            yield Delta(content.feed(ev.text), ev.token_ids, ev.logprobs)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from echospec_client.limits import MAX_REQUEST_ID
+from echospec_client.limits import MAX_REQUEST_ID, MAX_TOP_LOGPROBS
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.rpc import grpc_util
 from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateError,
@@ -165,7 +165,7 @@ def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
         text=o.text, token_ids=o.token_ids, prompt_tokens=o.prompt_tokens,
         completion_tokens=len(o.token_ids), finish_reason=o.finish_reason,
         spec_enabled=o.spec_enabled, spec_reason=o.spec_reason, stats=stats_to_proto(o.counters),
-        verifier=o.verifier, moves=moves,
+        verifier=o.verifier, moves=moves, logprobs=o.logprobs,
         tool_calls=[coordinator_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                     for c in o.tool_calls])
 
@@ -591,6 +591,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.check_fits("prediction", req.prediction)
         prediction = self.tokenizer.encode(req.prediction) if decision.enabled and req.prediction \
             else []
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        if req.top_logprobs and not req.logprobs:
+            raise _bad(f"top_logprobs ({req.top_logprobs}) needs logprobs to be true")
         gram = None
         if req.HasField("grammar"):
             try:   # checked without the vocabulary; the verifier compiles it against the model's
@@ -611,7 +615,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise _bad(f"tools: the grammar of tool_choice {tools.choice!r}: {exc}") from None
         return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
                                 spec=decision.enabled, spec_reason=decision.reason, k=k,
-                                prediction=prediction, draft_namespace=ns, grammar=gram)
+                                prediction=prediction, draft_namespace=ns, grammar=gram,
+                                logprobs=req.logprobs, top_logprobs=req.top_logprobs)
 
     def scoped_namespace(self, namespace: str, context: grpc.ServicerContext) -> str:
         """The draft service's name of the request's ``draft_namespace``: the name itself without
@@ -759,7 +764,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             digit_tokens=self.digit_tokens if params.spec else [],
             line_break_tokens=self.line_break_tokens if params.spec else [],
             draft_namespace=namespace if params.spec else "",
-            resumed_tokens=len(output), grammar=params.grammar), timeout)
+            resumed_tokens=len(output), grammar=params.grammar, logprobs=params.logprobs,
+            top_logprobs=params.top_logprobs), timeout)
         context.add_callback(link.cancel)
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
@@ -843,7 +849,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
         for ev in self._run(request, context, "Generate"):
             if isinstance(ev, Delta):
-                yield coordinator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+                yield coordinator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
+                                                       logprobs=ev.logprobs)
             else:
                 yield coordinator_pb2.GenerateResponse(result=result_to_proto(ev))
 

@@ -240,7 +240,7 @@ def create_app(config: GatewayConfig, metrics: HttpMetrics | None = None) -> Fas
                     return Response(status_code=499)
                 seeds = [parsed.choice_seed(i % parsed.n) for i in range(parsed.choices)]
                 return JSONResponse(api.responses(chat, api.new_id(chat), model, results, seeds,
-                                                  parsed.n))
+                                                  parsed.n, parsed.request.logprobs))
             stream = choices.ChoiceStreams(up, parsed, rid, key, config.n_limit)
             try:
                 # errors before any output keep their HTTP code; a client that leaves during the
@@ -361,11 +361,18 @@ async def _sse(parsed: api.Parsed, stream: choices.ChoiceStreams, first, rid: st
             for index in range(parsed.choices):
                 yield _event(api.chunk(chat, rid, created, model, "", role=True, index=index))
         results: list = [None] * parsed.choices
+        want_lps = parsed.request.logprobs
+        offsets = [api.TextOffsets() for _ in range(parsed.choices)] if want_lps and not chat else []
         item = first
         while item is not None:
             index, msg = item
-            if msg.text:
-                yield _event(api.chunk(chat, rid, created, model, msg.text, index=index))
+            if msg.text or (want_lps and msg.logprobs):
+                lps = None
+                if want_lps:
+                    lps = api.chat_logprobs(msg.logprobs) if chat else \
+                        api.completion_logprobs(msg.logprobs, offsets[index])
+                yield _event(api.chunk(chat, rid, created, model, msg.text, index=index,
+                                       logprobs=lps))
             if msg.HasField("result"):
                 results[index] = msg.result
                 if chat:

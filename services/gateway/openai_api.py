@@ -2,8 +2,8 @@
 error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contract).
 
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
-mean something here are mapped; fields that ask for what echospec does not do (logprobs,
-logit_bias, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
+mean something here are mapped; fields that ask for what echospec does not do (logit_bias,
+echo, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
 refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
 most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
 request each, sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
@@ -29,6 +29,14 @@ call is two chunks after the content (OpenAI's shape: index, id, type and name w
 arguments, then the arguments).
 frequency_penalty and presence_penalty take OpenAI's range [-2, 2] but count, as llama-server
 does, the last repeat_last_n tokens of prompt + output (README "Repetition penalties").
+Logprobs: chat's ``logprobs: true`` with ``top_logprobs: 0..20`` gives ``choices[i].logprobs =
+{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], "refusal": null}``;
+a completion's ``logprobs: 0..20`` (OpenAI's legacy shape, its limit 5 raised to 20) gives
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, each dict the
+N most likely tokens and the chosen one (as OpenAI: up to N + 1), the offsets in characters of
+the completion's text (OpenAI counts the prompt's too; no ``echo`` here). A stream's chunk carries its tokens'.
+The values are log_softmax of the model's raw logits at temperature 1 (after a response_format's
+mask), the same with speculation on or off (services/verifier/logprobs.py).
 Unlike OpenAI, an omitted temperature is 0 (greedy), the setting speculation speeds up, and
 temperature follows the coordinator's rule: any finite number, <= 0 greedy (OpenAI: [0, 2]).
 
@@ -53,7 +61,9 @@ from typing import Any
 
 from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.text.chat_template import ROLE_ALIASES, VALID_ROLES
-from echospec_client.limits import FLOAT32_MAX, INT32_MAX, UINT64_MAX
+import codecs
+
+from echospec_client.limits import FLOAT32_MAX, INT32_MAX, MAX_TOP_LOGPROBS, UINT64_MAX
 from echospec.services.common.floats import as_f32
 from echospec.services.text.clip import clip
 from echospec.services.text import tool_calls as tc
@@ -103,7 +113,7 @@ _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[
 _REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
                    "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
                    "prediction", "grammar", "tools", "tool_choice", "frequency_penalty",
-                   "presence_penalty", "repeat_penalty", "repeat_last_n"}
+                   "presence_penalty", "repeat_penalty", "repeat_last_n", "top_logprobs", "logprobs"}
 
 
 _GRAMMAR_NAMES = (("grammar.json_schema", "response_format.json_schema.schema"),
@@ -334,8 +344,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise bad(f"Unrecognized request argument supplied: {name}", name)
     if body.get("logit_bias") not in (None, {}):
         raise bad("logit_bias is not supported", "logit_bias")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs are not supported", "logprobs")
     for name in ("functions", "function_call"):   # the deprecated names of tools, tool_choice
         if body.get(name) not in (None, [], "none"):
             raise bad(f"{name} is not supported: use {'tools' if name == 'functions' else 'tool_choice'}",
@@ -422,6 +430,23 @@ def _response_format(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         raise bad(f"{p}.json_schema.schema must be a JSON schema object, got "
                   f"{type(schema).__name__}", f"{p}.json_schema.schema")
     req.grammar.json_schema = json.dumps(schema, ensure_ascii=False)
+
+
+def _logprobs(body: dict, req: coordinator_pb2.GenerateRequest, chat: bool) -> None:
+    """Chat: logprobs (a boolean) and top_logprobs (0..20, only with logprobs true); a
+    completion: logprobs, the alternatives wanted per token (0..20; null: none)."""
+    if not chat:
+        n = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        if n is not None:
+            req.logprobs, req.top_logprobs = True, n
+        return
+    on = body.get("logprobs")
+    if on not in (None, True, False):
+        raise bad(f"logprobs must be a boolean, got {on!r}", "logprobs")
+    n = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if n and not on:
+        raise bad("top_logprobs needs logprobs to be true", "top_logprobs")
+    req.logprobs, req.top_logprobs = bool(on), n or 0
 
 
 def _is_ids(p: Any) -> bool:
@@ -633,6 +658,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
         raise bad(f"spec must be \"on\", \"off\" or null (the server's default), got {spec!r}", "spec")
     req.spec = modes[spec]
     _response_format(body, req)
+    _logprobs(body, req, chat)
     req.k = _integer(body, "k", 0) or 0
     req.top_k = _integer(body, "top_k", 0) or 0
     req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
@@ -758,6 +784,45 @@ def usage_of(results: list[coordinator_pb2.GenerationResult], n: int = 1) -> dic
     return out
 
 
+def _alt(x: Any) -> dict:
+    return {"token": x.token, "logprob": x.logprob, "bytes": list(x.bytes)}
+
+
+def chat_logprobs(lps: Any) -> dict:
+    """A chat choice's (or chunk's) ``logprobs`` for the TokenLogprobs ``lps``."""
+    return {"content": [{**_alt(lp), "top_logprobs": [_alt(t) for t in lp.top_logprobs]}
+                        for lp in lps], "refusal": None}
+
+
+class TextOffsets:
+    """The characters of a completion's text before each of its tokens (legacy ``text_offset``):
+    the tokens' bytes decoded in order, a piece of a character counting once it is whole."""
+
+    def __init__(self):
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0
+
+    def take(self, raw: bytes) -> int:
+        """The offset of the token of bytes ``raw``, then it is added to the text."""
+        at = self.chars
+        self.chars += len(self._dec.decode(raw))
+        return at
+
+
+def completion_logprobs(lps: Any, offsets: TextOffsets) -> dict:
+    """A completion choice's (or chunk's) legacy ``logprobs`` for the TokenLogprobs ``lps``;
+    ``offsets`` holds the text before them (a stream's chunks share one)."""
+    tops = []
+    for lp in lps:
+        d: dict = {}
+        for t in lp.top_logprobs:   # two ids of one text: the more likely one's logprob
+            d.setdefault(t.token, t.logprob)
+        d.setdefault(lp.token, lp.logprob)   # as OpenAI: the chosen token too (up to N + 1)
+        tops.append(d)
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": tops, "text_offset": [offsets.take(lp.bytes) for lp in lps]}
+
+
 def response(chat: bool, rid: str, model: str, result: coordinator_pb2.GenerationResult,
              seed: int | None = None) -> dict:
     """A whole (non-streamed) chat.completion or text_completion of one choice."""
@@ -765,21 +830,26 @@ def response(chat: bool, rid: str, model: str, result: coordinator_pb2.Generatio
 
 
 def responses(chat: bool, rid: str, model: str, results: list[coordinator_pb2.GenerationResult],
-              seeds: list[int | None], n: int = 1) -> dict:
+              seeds: list[int | None], n: int = 1, logprobs: bool = False) -> dict:
     """A whole (non-streamed) chat.completion or text_completion: choice ``index`` is
     ``results[index]`` (``n`` choices per prompt, prompt-major), generated with ``seeds[index]``.
-    The ``echospec`` object is the response's own with one choice, each choice's with more."""
+    The ``echospec`` object is the response's own with one choice, each choice's with more.
+    ``logprobs``: the request asked for them (each choice's ``logprobs``, else null)."""
     choices = []
     for index, result in enumerate(results):
         fr = finish_reason(result)
+        lp = None
+        if logprobs:
+            lp = chat_logprobs(result.logprobs) if chat else \
+                completion_logprobs(result.logprobs, TextOffsets())
         if chat:
             message: dict = {"role": "assistant", "content": result.text}
             if result.tool_calls:
                 message["content"] = result.text or None
                 message["tool_calls"] = tool_calls_json(result)
-            choice = {"index": index, "message": message, "logprobs": None, "finish_reason": fr}
+            choice = {"index": index, "message": message, "logprobs": lp, "finish_reason": fr}
         else:
-            choice = {"index": index, "text": result.text, "logprobs": None, "finish_reason": fr}
+            choice = {"index": index, "text": result.text, "logprobs": lp, "finish_reason": fr}
         if len(results) > 1:
             choice["echospec"] = extras(result, seeds[index])
         choices.append(choice)
@@ -793,8 +863,9 @@ def responses(chat: bool, rid: str, model: str, results: list[coordinator_pb2.Ge
 
 def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
           result: coordinator_pb2.GenerationResult | None = None, role: bool = False,
-          seed: int | None = None, index: int = 0) -> dict:
-    """One streamed chunk of choice ``index``: a text delta, the opening role delta (chat), or
+          seed: int | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+    """One streamed chunk of choice ``index``: a text delta (with its tokens' ``logprobs``, from
+    chat_logprobs or completion_logprobs, when asked for), the opening role delta (chat), or
     the closing chunk with finish_reason and the ``echospec`` object (``result`` given)."""
     fr = finish_reason(result) if result is not None else None
     if chat:
@@ -803,9 +874,9 @@ def chunk(chat: bool, rid: str, created: int, model: str, text: str | None,
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": fr}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": fr}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": fr}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": fr}
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created, "model": model, "choices": [choice]}
     if result is not None:

@@ -224,7 +224,7 @@ def call_grammar(req: ToolRequest) -> str:
         rules.append(f"call_{i}: {head} args_{i} {_lark_string('}' + chr(10) + CLOSE)}\n"
                      f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     calls = " | ".join(f"call_{i}" for i in range(len(names)))
-    start = f"start: call\n" if req.choice != "required" else f"start: call (\"\\n\" call)*\n"
+    start = "start: call\n" if req.choice != "required" else "start: call (\"\\n\" call)*\n"
     return start + f"call: {calls}\n" + "\n".join(rules) + "\n"
 
 

@@ -43,6 +43,11 @@ every token is chosen from its logits row penalised with the counts of the token
 (prompt, output, and on a verify row the drafts before that row), then masked by a grammar if
 any; no in-engine run. A drafted position's penalised argmax depends only on tokens known at
 verify time, so speculation stays on and the output is still that of plain decoding.
+Logprobs (``logprobs``): every token of such a generation comes from a logits row (no in-engine
+greedy run; a verify takes every position's row), and its event carries the token's logprob and
+the ``top_logprobs`` most likely alternatives from that row (logprobs.py: log_softmax of the raw
+row, after the grammar's mask). The rows are computed on the generation's own thread, never the
+scheduler's; a generation that does not ask pays nothing.
 
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
@@ -57,17 +62,19 @@ import collections
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from echospec.v1.common_pb2 import DraftSource, FinishReason
+from echospec_client.limits import MAX_TOP_LOGPROBS
 from echospec.services.verifier.engine import ES_ERR_BAD_WEIGHTS, EngineError, rng_advance, sample
 from echospec.services.common.floats import f32_str
 from echospec.services.common.penalties import Penalties, PenaltyError
 from echospec.services.text.grammar import Constraint, GrammarError, GrammarSpec, masked, masked_argmax
 from echospec.services.verifier.controller import CostModel, SpecController
+from echospec.services.verifier.logprobs import TokenLogprob, token_logprob
 from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
 from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, Sampling,
@@ -102,6 +109,8 @@ class GenerationRequest:
     draft_namespace: str = ""
     resumed: int = 0                  # the prompt's last tokens that are output already (a resume)
     grammar: GrammarSpec | None = None   # constrained output (None: free text)
+    logprobs: bool = False            # each event carries its tokens' logprobs
+    top_logprobs: int = 0             # alternatives per token (0..MAX_TOP_LOGPROBS, logprobs only)
 
 
 @dataclass
@@ -123,6 +132,7 @@ class RoundEvent:
     k_choice: str = ""                # the cost model's choice of K and why, when it changed
     finish: int = 0                   # FINISH_CONTEXT on a last event without tokens
     prefill: bool = False
+    logprobs: list = field(default_factory=list)   # TokenLogprob per token (request.logprobs)
 
 
 def check(core: Any, req: GenerationRequest) -> None:
@@ -173,6 +183,10 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise FailedPrecondition(
                 f"speculation needs greedy decoding (temperature {f32_str(req.sampling.temperature)})")
     check_sampling(req.sampling)
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidArgument(f"top_logprobs ({req.top_logprobs}) needs logprobs to be true")
 
 
 def check_sampling(s: Sampling) -> None:
@@ -272,18 +286,37 @@ class _Run:
             row = self.pen.apply(row, context, drafts)
         return _argmax(row) if allowed is None else _masked_argmax(row, allowed)
 
-    def prefill(self) -> tuple[int, float]:
-        """The rest of the prompt in chunks; returns (first token, forward ms)."""
+    def logprob(self, row: Any, token: int, allowed: Any = None) -> TokenLogprob:
+        """The logprob of ``token`` chosen from logits ``row`` (under the mask ``allowed``)."""
+        try:
+            return token_logprob(row, token, self.req.top_logprobs, allowed)
+        except ValueError as exc:   # a row without a finite logit: as the engine reports one
+            raise EngineError(ES_ERR_BAD_WEIGHTS, str(exc)) from None
+
+    def logprobs(self, rows: Any, tokens: list[int], masks: Any = None) -> list:
+        """The logprobs of ``tokens``, token i chosen from ``rows[i]`` (under ``masks[i]``);
+        [] when the request does not ask for them."""
+        if not self.req.logprobs:
+            return []
+        return [self.logprob(rows[i], t, None if masks is None else masks[i])
+                for i, t in enumerate(tokens)]
+
+    def prefill(self) -> tuple[int, float, list]:
+        """The rest of the prompt in chunks; returns (first token, forward ms, its logprobs)."""
         rest = self.req.prompt[self.cached:]
         chunk = self.core.scheduler.prefill_chunk
-        want = "none" if self.req.sampling.greedy and not self.rows else "last"
+        want = "none" if self.req.sampling.greedy and not self.rows and not self.req.logprobs \
+            else "last"
         ms = 0.0
         st = None
         for i in range(0, len(rest), chunk):
             st = self.step(rest[i:i + chunk], "last", want)
             ms += st.forward_ms
         allowed = self.gram.allowed() if self.gram is not None else None
-        return self.choose(st.argmax[0], st.logits_out, allowed, self.req.prompt), ms
+        first = self.choose(st.argmax[0], st.logits_out, allowed, self.req.prompt)
+        lps = self.logprobs(st.logits_out[-1:], [first], None if allowed is None else [allowed]) \
+            if self.req.logprobs else []
+        return first, ms, lps
 
 
 def _argmax(row: Any) -> int:
@@ -503,14 +536,16 @@ class _PlainStream:
     """A plain decoding generation driven by the scheduler (Scheduler.start): ``advance`` runs in
     the scheduler's iteration right after each forward; the reader takes ``out``.
 
-    ``out`` entries: (token, forward ms, T ms, wall ms, n_past, last) per round, then _CONTEXT when
+    ``out`` entries: (token, forward ms, T ms, wall ms, n_past, last, logits row or None) per round
+    (the row when the request asks for logprobs: the reader computes them), then _CONTEXT when
     the KV cache is full. ``ended``: no further round (set after its last entry); ``error``: why the
     stream failed (Cancelled when it was dropped on cancel).
 
     A greedy stream lets the engine run several steps in one call when nothing else waits
     (``decode_max``: the steps left before max_tokens or a full KV cache, and no more than
     DECODE_RUN_MS of them at the current T; the EOS ids stop the run): a step's result is
-    then several tokens, each taken as its own round.
+    then several tokens, each taken as its own round. A generation that asks for logprobs takes
+    a logits row every step (``rows``) and no such runs.
     """
 
     def __init__(self, run: _Run, produced: int, r0: float):
@@ -518,6 +553,7 @@ class _PlainStream:
         self.produced = produced
         self.r0 = r0
         self.greedy = run.req.sampling.greedy
+        self.rows = not self.greedy or run.req.logprobs   # a logits row per step
         self.out: collections.deque = collections.deque()
         self.ended = False
         self.stopped = False
@@ -527,8 +563,8 @@ class _PlainStream:
 
     def _room(self, n_past: int) -> int:
         """Greedy steps the next call may run: none past max_tokens or the KV capacity, about
-        DECODE_RUN_MS of them at the current T (0: not greedy)."""
-        if not self.greedy:
+        DECODE_RUN_MS of them at the current T (0: not greedy, or logprobs asked)."""
+        if not self.greedy or self.run.req.logprobs:
             return 0
         return max(1, min(self.run.req.max_tokens - self.produced, self.run.n_ctx - n_past,
                           _paced_steps(self.run.core.t_ms)))
@@ -547,6 +583,7 @@ class _PlainStream:
         now = time.perf_counter()
         wall_ms = (now - self.r0) * 1e3
         self.r0 = now
+        row = None                   # the step's logits row, when logprobs are asked for
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, fed one after another
             toks, step_ms = [int(t) for t in st.argmax], st.step_ms
             run.kv_tokens.extend(st.tokens + toks[:-1])
@@ -554,6 +591,8 @@ class _PlainStream:
         else:
             toks, step_ms, wall = [run.choose(st.argmax[0], st.logits_out)], [st.forward_ms], [wall_ms]
             run.kv_tokens.extend(st.tokens)
+            if req.logprobs:
+                row = st.logits_out[-1]
         n_past = run.session.n_past - len(toks)
         for tok, ms, w in zip(toks, step_ms, wall):
             n_past += 1
@@ -566,7 +605,7 @@ class _PlainStream:
                 self.produced += 1
                 last = self.produced >= req.max_tokens
             full = not last and n_past + 1 > run.n_ctx
-            self.out.append((tok, ms, core.t_ms, w, n_past, last))
+            self.out.append((tok, ms, core.t_ms, w, n_past, last, row))
             if full:
                 self.out.append(_CONTEXT)
             if last or full:
@@ -586,7 +625,7 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
         return
     sched, cancel = core.scheduler, run.cancel
     stream = _PlainStream(run, produced, r0)
-    mode = "none" if stream.greedy else "last"
+    mode = "last" if stream.rows else "none"
     sched.start(Step(session, [history[-1]], "all", mode, stream=stream, cancel=cancel,
                      decode=stream.decode_max, stop_ids=stream.stop_ids))
 
@@ -611,8 +650,10 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
                     yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx,
                                      finish=FINISH_CONTEXT)
                     return
-                tok, fwd_ms, t_ms, wall_ms, n_past, last = item
+                tok, fwd_ms, t_ms, wall_ms, n_past, last, row = item
                 ev = RoundEvent([tok], 0, 0, fwd_ms, t_ms, wall_ms, n_past, n_ctx, 0)
+                if row is not None:
+                    ev.logprobs = [run.logprob(row, tok)]
                 if last:
                     sched.stop(stream)
                     run.release()
@@ -639,7 +680,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
     drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed)
-    first, prefill_ms = run.prefill()
+    first, prefill_ms, first_lps = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
     done = first in eos
@@ -648,7 +689,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         done = produced >= max_tokens
     ev = RoundEvent([first], v_ms=prefill_ms, t_ms=core.t_ms, wall_ms=(time.perf_counter() - t0) * 1e3,
                     n_past=session.n_past, n_ctx=n_ctx, cached_prompt_tokens=run.cached,
-                    spec_reason=reason, prefill=True)
+                    spec_reason=reason, prefill=True, logprobs=first_lps)
     if gram is not None and not done:
         gram.consume([first])
     if done:
@@ -656,8 +697,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
     yield ev
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
-    if run.rows:
-        mode = "all"                 # the mask (penalties) applies to every row's token
+    if run.rows or req.logprobs:
+        mode = "all"                 # the mask, penalties or logprobs of every row's token
     cost = drafts.ctl.cost
     k_choice = ""
     r0 = time.perf_counter()         # a round's wall time runs from the previous round's hand-off
@@ -688,7 +729,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         # releases the GIL), not after it
         masks_job = run.beside.submit(gram.masks_along, drf) if gram is not None else None
         n_run = 1
-        if greedy and not drf and not run.rows:
+        if greedy and not drf and not run.rows and not req.logprobs:
             # the back-off's plain rounds as one in-engine run, paced like a plain stream's
             n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past,
                                _paced_steps(core.t_ms)))
@@ -737,6 +778,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         if bonus is None:
             bonus = run.choose(st.argmax[r], st.logits_out)
         tokens = drf[:r] + [bonus]
+        lps = run.logprobs(st.logits_out, tokens, masks)   # row i chose token i
         if gram is not None:   # the matcher follows the KV cache: rejected drafts out, bonus in
             gram.rollback(k - r)
             if bonus not in eos:
@@ -762,7 +804,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                 done = True
                 break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                        proposals, source=source if k else 0)
+                        proposals, source=source if k else 0, logprobs=lps)
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
         if drafts.ctl.k_choice != k_choice:

@@ -35,6 +35,14 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
                     penalties=pen)
 
 
+def logprob_to_proto(lp) -> common_pb2.TokenLogprob:
+    """A logprobs.TokenLogprob as the wire's TokenLogprob (ids and logprobs; the coordinator adds
+    the text)."""
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top_logprobs=[common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in lp.top])
+
+
 def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensResponse:
     """Consecutive events of one generation as one message."""
     msg = verifier_pb2.GenerateTokensResponse()
@@ -43,7 +51,8 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
             result=verifier_pb2.StepResult(
                 tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
                 hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
-                n_past=ev.n_past, n_ctx=ev.n_ctx),
+                n_past=ev.n_past, n_ctx=ev.n_ctx,
+                logprobs=[logprob_to_proto(lp) for lp in ev.logprobs]),
             wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source, k_choice=ev.k_choice)
         if ev.prefill:
             msg.cached_prompt_tokens = ev.cached_prompt_tokens
@@ -116,7 +125,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0,
             prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens),
             line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace,
-            resumed=request.resumed_tokens, grammar=gram)
+            resumed=request.resumed_tokens, grammar=gram, logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs)
         setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
                      draft_namespace=request.draft_namespace,
                      line_break_tokens=list(request.line_break_tokens))

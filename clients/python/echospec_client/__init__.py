@@ -2,8 +2,9 @@
 and `Client` with typed results. Needs only grpcio and protobuf; no engine, no compiler."""
 from echospec_client.client import (API_KEY_ENV, DEFAULT_TARGET, Chunk, Client, ClientError,
                                     ConnectError, Info, Message, Move, Result, SpecStats,
-                                    ToolCall)
+                                    TokenLogprob, ToolCall, TopLogprob)
 
 __all__ = ["API_KEY_ENV", "DEFAULT_TARGET", "Chunk", "Client", "ClientError", "ConnectError",
-           "Info", "Message", "Move", "Result", "SpecStats", "ToolCall"]
+           "Info", "Message", "Move", "Result", "SpecStats", "TokenLogprob", "ToolCall",
+           "TopLogprob"]
 __version__ = "0.1.0"

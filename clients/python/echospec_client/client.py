@@ -27,7 +27,7 @@ from typing import Iterator, Mapping, NoReturn, Sequence, Union
 import grpc
 
 from echospec_client.limits import (FLOAT32_MAX, GRPC_URI_SCHEMES, INT32_MAX, INT32_MIN, MAX_REQUEST_ID,
-                                    UINT64_MAX)
+                                    MAX_TOP_LOGPROBS, UINT64_MAX)
 from echospec_client.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -116,6 +116,36 @@ class Move:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """An alternative at a token's position: its id, text, raw bytes and logprob."""
+
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's logprob (echospec.v1.TokenLogprob): log_softmax of the model's raw
+    logits row that chose it (temperature 1; after the grammar's mask), the same with
+    speculation on or off. token: its text ("bytes:\\xe2\\x80" for a piece of a UTF-8
+    character); top_logprobs: the most likely tokens there, most likely first."""
+
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    top_logprobs: tuple = ()           # TopLogprob
+
+    @classmethod
+    def from_proto(cls, lp: common_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(token_id=lp.token_id, token=lp.token, bytes=lp.bytes, logprob=lp.logprob,
+                   top_logprobs=tuple(TopLogprob(t.token_id, t.token, t.bytes, t.logprob)
+                                      for t in lp.top_logprobs))
+
+
+@dataclass(frozen=True)
 class Result:
     """A finished generation.
 
@@ -126,6 +156,7 @@ class Result:
     token (None when no token came, or for `complete`, which has no first-token time).
     verifier: the address of the verifier that finished the generation; moves: each move to
     another verifier after its verifier failed or stalled mid-generation (empty when none).
+    logprobs: a TokenLogprob per token of token_ids when the request asked (logprobs=True).
     """
 
     text: str
@@ -141,6 +172,7 @@ class Result:
     ttft_s: float | None = None
     moves: tuple = ()                  # Move, in order
     tool_calls: tuple = ()             # ToolCall, parsed from the output (a request with tools)
+    logprobs: tuple = ()               # TokenLogprob per output token (logprobs=True)
 
     @property
     def tokens_per_s(self) -> float:
@@ -156,7 +188,8 @@ class Result:
                    spec_enabled=r.spec_enabled, spec_reason=r.spec_reason,
                    stats=SpecStats.from_proto(r.stats), verifier=r.verifier, wall_s=wall_s,
                    ttft_s=ttft_s, moves=tuple(Move.from_proto(m) for m in r.moves),
-                   tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls))
+                   tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls),
+                   logprobs=tuple(TokenLogprob.from_proto(lp) for lp in r.logprobs))
 
 
 @dataclass(frozen=True)
@@ -171,12 +204,14 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed message: a text delta (never a split UTF-8 character) and its tokens.
-    The last chunk of a stream carries `result`; the others have result None."""
+    """One streamed message: a text delta (never a split UTF-8 character) and its tokens (and
+    their TokenLogprobs when asked for). The last chunk of a stream carries `result`; the others
+    have result None."""
 
     text: str
     token_ids: list[int]
     result: Result | None = None
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -570,6 +605,8 @@ class Client:
                 frequency_penalty, presence_penalty (in [-2, 2]), repeat_penalty (> 0; 1 or
                 None: off) and repeat_last_n (tokens of prompt + output counted; 0: 64, -1:
                 the whole context): llama.cpp's repetition penalties.
+                logprobs (True: Result.logprobs holds each token's logprob), top_logprobs
+                (0..20 most likely alternatives per token, with logprobs=True).
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -623,7 +660,8 @@ class Client:
                 if msg.HasField("result"):
                     result = Result.from_proto(msg.result, wall_s=time.perf_counter() - t0,
                                                ttft_s=ttft)
-                yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result)
+                yield Chunk(text=msg.text, token_ids=list(msg.token_ids), result=result,
+                            logprobs=tuple(TokenLogprob.from_proto(lp) for lp in msg.logprobs))
         except grpc.RpcError as exc:
             raise ClientError.from_rpc_error(exc, self.target, total) from None
         finally:
@@ -668,7 +706,8 @@ _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MO
                True: common_pb2.SPEC_MODE_ON}
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
              "prediction", "draft_namespace", "enable_thinking", "grammar", "tools", "tool_choice",
-             "frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n")
+             "frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n",
+             "logprobs", "top_logprobs")
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -853,6 +892,7 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
         setattr(req, name, _unicode(v, name))
     _grammar(req, sampling.get("grammar"))
     _tools(req, sampling.get("tools"), sampling.get("tool_choice"))
+    _logprobs(req, sampling.get("logprobs"), sampling.get("top_logprobs"))
 
 
 def _tools(req, tools, choice) -> None:
@@ -873,6 +913,22 @@ def _tools(req, tools, choice) -> None:
         if not isinstance(choice, str):
             raise TypeError(f"tool_choice must be a str or a dict, got {type(choice).__name__}")
         req.tool_choice = _unicode(choice, "tool_choice")
+
+
+def _logprobs(req, on, n) -> None:
+    """logprobs (None or a bool) and top_logprobs (None or 0..MAX_TOP_LOGPROBS, > 0 only with
+    logprobs=True)."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"logprobs must be True, False or None, got {on!r}")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"top_logprobs must be an int, got {n!r}")
+        if not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
+        if n and not on:
+            raise ValueError(f"top_logprobs ({n}) needs logprobs=True")
+        req.top_logprobs = int(n)
+    req.logprobs = bool(on)
 
 
 def _grammar(req, g) -> None:

@@ -19,3 +19,7 @@ MAX_REQUEST_ID = 64
 
 # gRPC target URIs (dns:///name:port, unix:path, ...): not host:port, so their port is gRPC's to check.
 GRPC_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+# The most alternatives a request may ask for with each token's logprob (top_logprobs, OpenAI's
+# limit); the verifier, the coordinator, the gateway and the client check it.
+MAX_TOP_LOGPROBS = 20
