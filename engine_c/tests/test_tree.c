@@ -121,10 +121,11 @@ static void one_tree(es_session *s, es_session *ref, uint64_t *rng, int hist, co
     CHECK_EQ_INT(es_session_n_past(s), hist);
     CHECK(memcmp(last, g_tree_logits + (size_t)(n - 1) * N_VOCAB, sizeof last) == 0);
     int bad = 0;
+    prefill(ref, hist);
     for (int i = 0; i < n; i++) {
         int len = path_of(parents, tokens, i, path, ptok);
         int32_t ram[MAX_N];
-        prefill(ref, hist);
+        CHECK_EQ_INT(es_session_rollback(ref, hist), ES_OK);
         CHECK_EQ_INT(es_forward(ref, ptok, len, ram, g_ref_logits, ES_LOGITS_ALL), ES_OK);
         if (am[i] != ram[len - 1] || am_none[i] != am[i] ||
             memcmp(g_tree_logits + (size_t)i * N_VOCAB, g_ref_logits + (size_t)(len - 1) * N_VOCAB,
@@ -139,7 +140,7 @@ static void one_tree(es_session *s, es_session *ref, uint64_t *rng, int hist, co
     int len = path_of(parents, tokens, (int)(rng_next(rng) % n), path, ptok);
     CHECK_EQ_INT(es_session_keep_path(s, path, len), ES_OK);
     CHECK_EQ_INT(es_session_n_past(s), hist + len);
-    prefill(ref, hist);
+    CHECK_EQ_INT(es_session_rollback(ref, hist), ES_OK);
     CHECK_EQ_INT(es_forward(ref, ptok, len, NULL, NULL, ES_LOGITS_NONE), ES_OK);
     CHECK(kv_equal(s, ref, hist + len));
     CHECK(same_decode(s, ref, am[path[len - 1]]));
