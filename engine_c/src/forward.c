@@ -23,7 +23,8 @@
  *     attention    es_attn_worker (attention.c: online softmax over KV
  *                  blocks, each session over its own; gemma3's local layers
  *                  over the sliding window); the unit that completes a token slice
- *                  quantizes its rows for W_o
+ *                  quantizes its rows for W_o (es_forward_tree: es_tree_attention,
+ *                  tree.c, each node over the cache and its ancestors)
  *     output proj. out = W_o . att (added to x by the next norm)
  *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
  *                  W_gate, W_up with epilogue glu_epi (SwiGLU or GELU, quantized for
