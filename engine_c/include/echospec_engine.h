@@ -385,6 +385,62 @@ es_status es_forward_positions(es_session *session, const int32_t *tokens, int32
 es_status es_forward_last(es_session *session, const int32_t *tokens, int32_t n_tokens,
                           int32_t *argmax_last, float *logits_last);
 
+/* Nodes of an es_forward_tree call, at most. */
+enum { ES_MAX_TREE_NODES = 64 };
+
+/*
+ * Verify a token tree in one forward pass. Node i (tokens[i], in
+ * [0, n_vocab)) follows node parents[i], or the last cached position when
+ * parents[i] is -1 (a root; a tree may have several); parents precede
+ * children (parents[i] in [-1, i)), so no cycle can be written. Node i sits
+ * at position n_past + depth(i) (depth: 0 for a root, its parent's + 1), is
+ * rotated (RoPE) by that position, and attends the cached positions [0,
+ * n_past) and its ancestors, root first, then itself: the keys the last row
+ * of es_forward over its root-to-node path would attend, in the same order
+ * and 64-position blocks. So node i's argmax and logits are bitwise those of
+ * es_forward over that path (and of its tokens one by one), whatever n_nodes,
+ * the other nodes and the thread count. The weights are read once for all
+ * the nodes.
+ *   tokens      int32[n_nodes]
+ *   parents     int32[n_nodes]
+ *   n_nodes     in [1, ES_MAX_TREE_NODES]; a chain (parents[i] = i - 1) is the
+ *               tree of width 1
+ *   argmax_out  int32[n_nodes] or NULL: greedy next token after each node
+ *   logits_out  float32[n_logits_rows * n_vocab] or NULL, logits_mode as
+ *               es_forward's over the nodes (ES_LOGITS_LAST: node n_nodes - 1)
+ * The KV cache: n_past does not move. The nodes' K and V are kept in the
+ * slots [n_past, n_past + n_nodes) (node i in slot n_past + i) until the next
+ * call on the session: es_session_keep_path then keeps one path of them;
+ * any other forward call (or a rollback below n_past) drops them.
+ * Supported: the sessions es_forward serves but KV eviction (kv_window > 0),
+ * sparse attention (sparse_topk > 0) and models with sliding-window layers
+ * (es_model_info.n_swa_layers > 0): ES_ERR_UNSUPPORTED with a message.
+ * Errors: as es_forward's (ES_ERR_CAPACITY when n_past + n_nodes > n_ctx,
+ * the slots it needs), and ES_ERR_INVALID_ARG with a message for n_nodes
+ * outside [1, ES_MAX_TREE_NODES], NULL parents, or a parent that is not -1
+ * or an earlier node. On any error the KV cache is unchanged (n_past as
+ * before, no tree to keep a path of).
+ */
+es_status es_forward_tree(es_session *session, const int32_t *tokens, const int32_t *parents, int32_t n_nodes,
+                          int32_t *argmax_out, float *logits_out, int32_t logits_mode);
+
+/*
+ * Keep one root-to-node path of the tree the session's last call verified
+ * (es_forward_tree): nodes[0 .. n_path) are node indices, nodes[0] a root
+ * (parent -1) and nodes[j] a child of nodes[j - 1]. Node nodes[j]'s K and V
+ * move to position n_past + j, the other nodes are dropped, and n_past
+ * advances by n_path: the KV cache is then bitwise that of es_forward over
+ * the path's tokens (n_path 0 keeps nothing and drops the tree). Either way
+ * the tree is gone after the call.
+ * Errors: ES_ERR_INVALID_ARG with a message when the session's last call was
+ * not an es_forward_tree that succeeded (or the session rolled back since),
+ * n_path < 0 or more than the tree's nodes, nodes NULL with n_path > 0, a
+ * node out of range, or a node that is not a child of the one before (a
+ * first node that is not a root); the KV cache and the tree are then
+ * unchanged.
+ */
+es_status es_session_keep_path(es_session *session, const int32_t *nodes, int32_t n_path);
+
 /*
  * Greedy decoding in the engine: up to max_steps single-token steps, each
  * fed the previous step's argmax, without returning to the caller between

@@ -475,3 +475,17 @@ int es_attn_shape(const es_session *s, attn_task *t) {
     for (int i = 0; i < t->nsl; i++) atomic_store_explicit(&s->att_done[t->row0 + i], 0, memory_order_relaxed);
     return groups * t->nsl;
 }
+
+/* ---- the block and fold steps for tree rows (tree.c) ---- */
+
+void es_attn_block_dense(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
+                         const uint16_t *kb, const uint16_t *vb, float *sc, float scale) {
+    int zero[ES_MAX_UNIT_Q] = {0}, mx = 0;
+    for (int j = 0; j < nq; j++) mx = nv[j] > mx ? nv[j] : mx;
+    int ncols = (mx + 2 * AW - 1) / (2 * AW) * (2 * AW);
+    block_partial(nq, qp, zero, zero, nv, dst, hd, kb, vb, sc, ncols, scale);
+}
+
+void es_attn_fold(float *st, const float *p, int hd, int first) { fold_part(st, p, hd, first); }
+
+void es_attn_finish(float *out, const float *st, int hd) { finish_part(out, st, hd); }

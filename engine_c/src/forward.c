@@ -23,7 +23,8 @@
  *     attention    es_attn_worker (attention.c: online softmax over KV
  *                  blocks, each session over its own; gemma3's local layers
  *                  over the sliding window); the unit that completes a token slice
- *                  quantizes its rows for W_o
+ *                  quantizes its rows for W_o (es_forward_tree: es_tree_attention,
+ *                  tree.c, each node over the cache and its ancestors)
  *     output proj. out = W_o . att (added to x by the next norm)
  *     FFN          run_rows ROWS_NORM_FFN (x += out, norm); a matmul over
  *                  W_gate, W_up with epilogue glu_epi (SwiGLU or GELU, quantized for
@@ -97,6 +98,8 @@ typedef struct {
     int32_t logits_mode;    /* ES_LOGITS_* */
     const int32_t *pos_thw; /* [n][3] RoPE positions (es_forward_positions) or NULL: the KV positions */
     es_status *status;      /* NULL, or set to ES_ERR_BAD_WEIGHTS when a head row of it holds a NaN */
+    const es_tree *tree;    /* es_forward_tree (the call's only segment): its rows are the tree's
+                               nodes (tree.c), else NULL */
 } fwd_seg;
 
 /* The state of one forward call that passes from stage to stage. */
@@ -320,6 +323,15 @@ static void attention_block(fwd_call *c, int l) {
     int64_t ldo[1] = {in->n_embd};
     /* each session's attention over its own KV cache, all in one dispatch */
     size_t wo_rs = es_matmul_q8_row_bytes(L->wo->type, L->wo->ne[0]);
+    if (c->seg[0].tree) {   /* a token tree (tree.c), then its rows quantized for W_o as the units do */
+        es_tree_attention(s, c->seg[0].tree, l);
+        for (int i = 0; wo_rs && i < n; i++)
+            es_quantize_row_act(L->wo->type, s->att + (size_t)i * q_dim, q_dim, (uint8_t *)s->mm_scratch + (size_t)i * wo_rs);
+        if (wo_rs) es_matmul_many_pre(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
+        else es_matmul_many(s->pool, 1, wo, s->att, n, yo, ldo, s->mm_scratch);
+        c->pending_out = 1;
+        return;
+    }
     attn_task at[ES_MAX_BATCH];
     attn_batch ab = {.s = s, .t = at, .nt = c->nseg};
     for (int k = 0; k < c->nseg; k++) {
@@ -518,6 +530,7 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     const es_model_info *in = &m->info;
     fwd_call c = {.s = s, .n = n, .seg = seg, .nseg = nseg};
     s->moe_experts_read = 0;
+    for (int k = 0; k < nseg; k++) seg[k].seq->tree_n = 0;   /* the rows overwrite a tree's slots */
 
     for (int k = 0; k < nseg; k++)   /* embedding */
         for (int i = 0; i < seg[k].n; i++) {
@@ -561,7 +574,13 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
         else if (g->logits_mode == ES_LOGITS_ALL)
             memcpy(g->logits_out, s->logits + (size_t)g->head0 * in->n_vocab,
                    (size_t)g->head_n * in->n_vocab * sizeof(float));
-        es_kv_advance(&g->seq->kv, g->n);
+        if (g->tree) {   /* the nodes stay in their slots for es_session_keep_path; n_past stays */
+            g->seq->tree_n = g->n;
+            g->seq->tree_past = g->seq->kv.n_past;
+            memcpy(g->seq->tree_parent, g->tree->parent, (size_t)g->n * sizeof(int32_t));
+        } else {
+            es_kv_advance(&g->seq->kv, g->n);
+        }
         g->seq->err[0] = '\0';
     }
     return ret;
@@ -649,8 +668,16 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
     if (!s) return ES_ERR_INVALID_ARG;
     es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL, NULL, NULL};
     return forward_run(s, &g, 1);
+}
+
+es_status es_forward_tree_run(es_session *s, const int32_t *tokens, const int32_t *pos_thw, const es_tree *t,
+                              int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+    es_status st = check_forward_args(s, tokens, t->n, logits_out, logits_mode);
+    if (st != ES_OK) return st;
+    fwd_seg g = {s, tokens, 0, t->n, 0, t->n, argmax_out, logits_out, logits_mode, pos_thw, NULL, t};
+    return forward_impl(s, &g, 1);
 }
 
 es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, const int32_t *pos_thw,
@@ -664,7 +691,7 @@ es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, 
                        (int)(i / 3), (int)pos_thw[i]);
             return ES_ERR_INVALID_ARG;
         }
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw, NULL, NULL};
     return forward_run(s, &g, 1);
 }
 
@@ -674,7 +701,7 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     int32_t mode = logits_last ? ES_LOGITS_LAST : ES_LOGITS_NONE;
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL, NULL, NULL};
     return forward_run(s, &g, 1);
 }
 
@@ -715,7 +742,7 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
         if (it->status != ES_OK) continue;
         int head_n = it->head == ES_HEAD_LAST ? 1 : it->n_tokens;
         seg[nseg++] = (fwd_seg){it->session, it->tokens, rows, it->n_tokens, heads, head_n,
-                                it->argmax_out, it->logits_out, it->logits_mode, NULL, &it->status};
+                                it->argmax_out, it->logits_out, it->logits_mode, NULL, &it->status, NULL};
         rows += it->n_tokens;
         heads += head_n;
     }

@@ -24,6 +24,8 @@
  *                 of the blocks a decode step attends
  *   forward.c     the forward pass (its stage map at the top) and the
  *                 es_forward / es_decode calls
+ *   tree.c        token-tree verification: es_forward_tree's checks and
+ *                 attention, es_session_keep_path
  *   rowops.h      small row kernels shared by forward.c and attention.c
  *                 (exp, RMSNorm, SwiGLU, max / argmax, the lane types)
  *   sampler.c     es_sample
@@ -417,8 +419,35 @@ struct es_session {
     float *moe_d;           /* [moe_cap * n_expert_used][n_embd] each slot's expert output */
     void *moe_q8;           /* es_matmul_grouped's scratch for moe_cap * n_expert_used rows, 64-byte aligned */
     int64_t moe_experts_read;   /* experts (gate, up, down) read by the last forward call, over all layers */
+    /* token-tree verification (tree.c): the tree of the last call when it was es_forward_tree */
+    int32_t tree_n;         /* its nodes in slots [tree_past, tree_past + tree_n); 0: none */
+    int32_t tree_past;      /* n_past when it ran */
+    int32_t tree_parent[ES_MAX_TREE_NODES];
     char err[256];
 };
+
+/* ---- tree.c -------------------------------------------------------------- */
+
+/* A token tree in a forward call (es_forward_tree): node i is row i of the
+ * call, its K and V in KV slot n_past + i, its position n_past + depth[i]. */
+typedef struct {
+    int32_t n;
+    const int32_t *parent;  /* [n] parent node, or -1 */
+    const int32_t *depth;   /* [n] */
+    uint16_t *tail;         /* [pool capacity][2][head_dim * ES_KV_BLOCK] per-thread scratch: a K block
+                               (dimension-major) and a V block (position-major) assembled for a node */
+} es_tree;
+
+/* The attention of layer l for the tree's rows (s->q in, s->att out; the
+ * KV cache holds the rows' keys and values in their slots), on the pool:
+ * each node's query over the cached positions, then its ancestors and
+ * itself in depth order, block by block as attention.c's contract says. */
+void es_tree_attention(es_session *s, const es_tree *t, int l);
+/* es_forward over the tree's nodes (forward.c): check_forward_args, RoPE at
+ * pos_thw, the attention by es_tree_attention, and at the end no es_kv_advance
+ * but the tree recorded on the session (tree_n, tree_past, tree_parent). */
+es_status es_forward_tree_run(es_session *s, const int32_t *tokens, const int32_t *pos_thw, const es_tree *t,
+                              int32_t *argmax_out, float *logits_out, int32_t logits_mode);
 
 /* Rows of one mixture-of-experts chunk (moe.c): longer calls run in chunks. */
 #define ES_MOE_CHUNK 256
@@ -443,6 +472,16 @@ es_status es_session_ensure_scratch(es_session *s, int32_t n);
  * and of one thread's attention scratch (attention.c). */
 int es_attn_part_floats(int hd);
 size_t es_attn_ws_floats(int hd, int q_cap);
+/* attention.c's block and fold steps, for tree.c: es_attn_block_dense is its
+ * block result for nq (<= q_cap) queries qp[j] that attend the block's
+ * positions [0, nv[j]) (kb [hd][ES_KV_BLOCK], vb [ES_KV_BLOCK][hd] F16; sc
+ * [nq][ES_KV_BLOCK] scratch) into dst[j] (es_attn_part_floats); es_attn_fold
+ * folds a block result into a running one (first: a copy); es_attn_finish
+ * writes the head's output. */
+void es_attn_block_dense(int nq, const float *const *qp, const int *nv, float *const *dst, int hd,
+                         const uint16_t *kb, const uint16_t *vb, float *sc, float scale);
+void es_attn_fold(float *st, const float *p, int hd, int first);
+void es_attn_finish(float *out, const float *st, int hd);
 
 /* ---- helpers ----------------------------------------------------------- */
 

@@ -30,6 +30,7 @@ MIN_CTX, MAX_CTX, MAX_THREADS = lib.ES_MIN_CTX, lib.ES_MAX_CTX, lib.ES_MAX_THREA
 # positions a sliding-window layer's ring keeps beyond the window when a session sets none
 SWA_SLACK = lib.ES_SWA_SLACK
 EVICT_MAX_POS = lib.ES_EVICT_MAX_POS   # KV eviction: the positions a session may reach
+MAX_TREE_NODES = lib.ES_MAX_TREE_NODES   # nodes of one forward_tree call
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
 
@@ -341,6 +342,90 @@ class Session:
         if st != 0:
             self._raise(st)
         return am[:n], out
+
+    def forward_tree(self, tokens: Sequence[int] | np.ndarray, parents: Sequence[int] | np.ndarray,
+                     logits: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+        """Verify a token tree in one forward pass (es_forward_tree).
+
+        Node i (``tokens[i]``) follows node ``parents[i]``, or the last cached position when
+        ``parents[i]`` is -1; parents precede children. Node i sits at position
+        n_past + depth(i) and attends the cache and its ancestors only, so its argmax and logits
+        are bitwise those ``forward()`` gives the last token of its root-to-node path. A chain
+        (``parents[i] = i - 1``) is the tree of width 1.
+
+        Example: tokens [a, b, c, d], parents [-1, 0, 0, 2] is the tree a -> b, a -> c -> d;
+        argmax[3] is the greedy token after the path a, c, d.
+
+        Args:
+            tokens: int token ids, N in [1, MAX_TREE_NODES], each in [0, n_vocab).
+            parents: int [N], parents[i] in [-1, i).
+            logits: "none", "last" (float32 [1, n_vocab], node N - 1) or "all" (float32 [N, n_vocab]).
+        Returns:
+            (argmax int32 [N], logits or None).
+        The KV cache: n_past does not move; the nodes wait in their slots for ``keep_path``
+        (any other forward call or a rollback drops them).
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG (N out of range, a parent not -1 or an earlier node, a
+                token out of range), ES_ERR_CAPACITY (n_past + N > n_ctx), ES_ERR_UNSUPPORTED (KV
+                eviction, sparse attention, a sliding-window model), ES_ERR_BAD_WEIGHTS. The KV
+                cache is then unchanged.
+        """
+        self._check()
+        _check_logits(logits)
+        tok = self._tokens(tokens)
+        n = tok.size
+        par = np.asarray(parents)
+        if par.shape != (n,) or (n and not np.issubdtype(par.dtype, np.integer)):
+            raise EngineError(ES_ERR_INVALID_ARG, f"parents must be {n} integers (one per token), "
+                              f"got shape {par.shape} of {par.dtype}")
+        if n and (int(par.min()) < -1 or int(par.max()) >= n):
+            bad = next(i for i, p in enumerate(par.tolist()) if p < -1 or p >= n)
+            raise EngineError(ES_ERR_INVALID_ARG, f"parents[{bad}] = {int(par[bad])}: a node's parent is -1 "
+                              f"or an earlier node")
+        par32 = np.ascontiguousarray(par.astype(np.int32))
+        am = np.empty(max(n, 1), dtype=np.int32)
+        mode = _LOGITS_MODES[logits]
+        out = None
+        if mode == 1:
+            out = np.empty((1, self.n_vocab), dtype=np.float32)
+        elif mode == 2:
+            out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
+        st = lib.es_forward_tree(
+            self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL,
+            ffi.from_buffer("int32_t[]", par32) if n else ffi.NULL, n, ffi.from_buffer("int32_t[]", am),
+            ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        if st != 0:
+            self._raise(st)
+        return am[:n], out
+
+    def keep_path(self, nodes: Sequence[int] | np.ndarray) -> None:
+        """Keep one root-to-node path of the tree ``forward_tree`` just verified (es_session_keep_path).
+
+        ``nodes[0]`` is a root and ``nodes[j]`` a child of ``nodes[j - 1]``. Their K and V move to
+        positions n_past .. n_past + len - 1 and n_past advances by len: the KV cache is then
+        bitwise that of ``forward()`` over the path's tokens. The other nodes are dropped; an
+        empty path keeps none. The tree is gone after a successful call.
+
+        Args:
+            nodes: int node indices of the path, root first (length 0 .. N).
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG when the last call was not a successful forward_tree
+                (or the session rolled back since), or the nodes are not such a path; the KV
+                cache and the tree are then unchanged.
+        """
+        self._check()
+        arr = np.asarray(nodes)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise EngineError(ES_ERR_INVALID_ARG, f"nodes must be a 1-D sequence of integers, got shape "
+                              f"{arr.shape} of {arr.dtype}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= MAX_TREE_NODES):
+            raise EngineError(ES_ERR_INVALID_ARG, f"nodes must be node indices in [0, {MAX_TREE_NODES}), "
+                              f"got {arr.tolist()}")
+        n32 = np.ascontiguousarray(arr.astype(np.int32))
+        st = lib.es_session_keep_path(self._ptr, ffi.from_buffer("int32_t[]", n32) if n32.size else ffi.NULL,
+                                      n32.size)
+        if st != 0:
+            self._raise(st)
 
     def prefill(self, tokens: Sequence[int] | np.ndarray, logits: bool = False
                 ) -> tuple[int, np.ndarray | None]:
