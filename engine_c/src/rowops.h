@@ -72,6 +72,17 @@ static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
     return v;
 }
 
+/* AW floats q[i] * s[i] from AW int8 values of a Q8_0 KV block (es_kv_type)
+ * and their scales s (F16 values as float32). Each product is exact in
+ * float32 (7 by 11 significant bits), so every target reads the same floats
+ * as the scalar q * d. */
+typedef int8_t va_i8 __attribute__((vector_size(AW)));
+static inline __attribute__((always_inline)) vaf ld_q8(const int8_t *q, vaf s) {
+    va_i8 b;
+    memcpy(&b, q, sizeof b);
+    return __builtin_convertvector(b, vaf) * s;
+}
+
 /* a * b + c on AW lanes with one rounding (fmaf's): the attention's fused
  * steps (see the contract above attend_unit in attention.c), the same bits on every target. */
 static inline __attribute__((always_inline)) vaf fma_a(vaf a, vaf b, vaf c) {
