@@ -162,7 +162,7 @@ class OursRunner:
 
     name = "echospec"
 
-    def __init__(self, model_path: str, threads: int, n_ctx: int):
+    def __init__(self, model_path: str, threads: int, n_ctx: int, kv_type: str = "f16"):
         try:
             from echospec.services.verifier import engine
         except ImportError as e:  # echospec._engine missing: the cffi module is not built
@@ -175,7 +175,7 @@ class OursRunner:
         t0 = time.monotonic()
         try:
             self.model = engine.Model(model_path)
-            self.session = self.model.new_session(n_ctx=n_ctx, n_threads=threads)
+            self.session = self.model.new_session(n_ctx=n_ctx, n_threads=threads, kv_type=kv_type)
         except engine.EngineError as e:
             raise BenchError(f"echospec engine cannot load {model_path}: {e}") from e
         self.load_s = time.monotonic() - t0                 # the model load and its KV cache
@@ -495,6 +495,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="our engine build: 'installed' (default) imports the installed echospec._engine; "
                          "native, avx512, avx2, scalar compile it with that ECHOSPEC_SIMD into a temporary "
                          "directory first (about a minute), e.g. to measure the AVX2 path on an AVX-512 host")
+    ap.add_argument("--kv-type", choices=("f16", "q8_0"), default="f16",
+                    help="our engine's KV cache type (default f16; the peer keeps its F16 cache)")
     ap.add_argument("--peer-flash-attn", action="store_true",
                     help="run llama.cpp with flash_attn=True (llama-cpp-python's default is off; its F16 KV "
                          "cache either way)")
@@ -532,8 +534,8 @@ def run(args) -> dict:
         finally:  # the loaded extension stays mapped after its file is removed
             shutil.rmtree(build_dir, ignore_errors=True)
     n_ctx = needed_n_ctx(args)
-    log(f"model {model_path}, threads {args.threads}, n_ctx {n_ctx}")
-    ours = OursRunner(str(model_path), args.threads, n_ctx)
+    log(f"model {model_path}, threads {args.threads}, n_ctx {n_ctx}, KV cache {args.kv_type}")
+    ours = OursRunner(str(model_path), args.threads, n_ctx, args.kv_type)
     runners = [ours]
     peer, peer_error = None, None
     if args.no_peer:
@@ -590,6 +592,8 @@ def run(args) -> dict:
         "overhead_ms": args.overhead_ms,
         "n_vocab": ours.n_vocab,
         "n_ctx": n_ctx,
+        "kv_type": args.kv_type,
+        "kv_mib": round(ours.session.kv_bytes / 2 ** 20, 1),
         "depth": plan.depth,
         "prompt_tokens": int(plan.prompt.size),
         "decode_tokens": plan.decode_tokens,

@@ -164,7 +164,28 @@ typedef struct {
                                    (kv_sinks + kv_window <= ES_MAX_CTX); 0: no eviction (the default) */
     int32_t sparse_topk;        /* sparse attention: blocks chosen by the bound beside the sink and
                                    recent ones, in [1, ES_MAX_SPARSE_TOPK]; 0: dense (the default) */
+    int32_t kv_type;            /* the KV cache's element type (es_kv_type): ES_KV_F16 (the default)
+                                   or ES_KV_Q8_0 */
 } es_session_params;
+
+/*
+ * KV cache element types (es_session_params.kv_type).
+ *   ES_KV_F16   IEEE binary16, float32 rounded to nearest even: 2 bytes a value.
+ *   ES_KV_Q8_0  ggml's Q8_0 per position and KV head: each run of 32 values of a key (or value)
+ *               vector, dimensions [32j, 32j + 32), is one block of an F16 scale d = amax / 127
+ *               (amax: the largest |x| of the 32) and 32 int8 q = roundf(x / d) (ties away
+ *               from zero; 0 when amax is 0), read back as q * d: 34 bytes per 32 values, 0.53
+ *               of F16's 64. Quantized once, when a position is written, by one scalar
+ *               function on every target; q * d is exact in float32, so the attention reads
+ *               the same floats on every SIMD path. A call's own tokens are read back from the
+ *               quantized cache like every earlier position, so a verify of n tokens is
+ *               bitwise n single decode steps here too. Needs head_dim a multiple of 32
+ *               (ES_ERR_UNSUPPORTED otherwise). Quality: see README.md, "KV cache type".
+ */
+typedef enum {
+    ES_KV_F16 = 0,
+    ES_KV_Q8_0 = 1
+} es_kv_type;
 
 /* The range of es_session_params es_session_new accepts (the Python side and the CLI read
  * them from here, through cffi's lib.ES_MIN_CTX and lib.ES_MAX_*), and the default slack. */
@@ -237,10 +258,12 @@ es_status es_model_get_info(const es_model *model, es_model_info *info);
  * or n_threads > ES_MAX_THREADS, swa_slack outside [0, ES_MAX_CTX], swa_full other than 0 or 1,
  * kv_sinks outside [0, ES_MAX_CTX], kv_window outside [0, ES_MAX_CTX], kv_sinks > 0 with
  * kv_window 0, kv_sinks + kv_window > ES_MAX_CTX (the message names the field),
- * ES_ERR_UNSUPPORTED for kv_window > 0 on a model with sliding-window layers,
+ * kv_type not an es_kv_type,
+ * ES_ERR_UNSUPPORTED for kv_window > 0 on a model with sliding-window layers, and for kv_type
+ * ES_KV_Q8_0 on a model whose head_dim is not a multiple of 32,
  * ES_ERR_NOMEM when the KV cache (IEEE float16: 2 * (global layers * n_ctx rounded up to 64 +
  * sliding-window layers * C) * n_head_kv * head_dim * 2 bytes, C as above es_session_params;
- * with eviction as there; es_session_kv_bytes) cannot
+ * with eviction as there; Q8_0: 34 / 32 bytes a value instead of 2; es_session_kv_bytes) cannot
  * be allocated or exceeds the memory available (as es_model_load counts it;
  * refused before anything is mapped; ES_ERR_INVALID_ARG for a malformed
  * ECHOSPEC_MEM_AVAILABLE),

@@ -84,6 +84,17 @@
 #define SCORE_Q 4
 #endif
 
+/* One K or V block of the cache as the kernels read it (es_kv_block_off):
+ * F16 values h, or Q8_0 int8 values q with their F16 scales s; a V block's
+ * scales also as float32 in vs [B][hd / 32] (converted once a block, exact). */
+typedef struct {
+    const uint16_t *h;      /* F16, else NULL */
+    const int8_t *q;        /* Q8_0, else NULL */
+    const uint16_t *s;      /* Q8_0: K [hd / 32][B], V [B][hd / 32] */
+    const float *vs;        /* Q8_0 V: s as float32 */
+    int hd;
+} kv_view;
+
 /* o[j][0..AXPY_D) = sum_t a[j][t] * V[t][0..AXPY_D) for t in [t0, t1), for
  * nj (a constant) queries side by side, each V row (vs floats apart) loaded
  * once for all; the accumulators start at 0 (cont = 0) or at o[j] (cont = 1,
@@ -98,7 +109,7 @@
 #define AXPY_D 32
 #endif
 static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
-                                                           int t0, int t1, const uint16_t *vc, size_t vs, int cont) {
+                                                           int t0, int t1, const kv_view *vw, int d0, int cont) {
     vaf acc[AXPY_Q][AXPY_D / AW];
     for (int j = 0; j < nj; j++)
         for (int k = 0; k < AXPY_D / AW; k++) {
@@ -106,11 +117,20 @@ static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *c
             else acc[j][k] = (vaf){0};
         }
     for (int t = t0; t < t1; t++) {
-        const uint16_t *vr = vc + (size_t)t * vs;
         vaf v[AXPY_D / AW];
-        for (int k = 0; k < AXPY_D / AW; k++) {
-            v[k] = ld_h(vr + AW * k);
-            IN_REG(v[k]);
+        if (vw->q) {   /* Q8_0: AW values of a run of 32 share its scale */
+            const int8_t *vr = vw->q + (size_t)t * vw->hd + d0;
+            const float *sr = vw->vs + (size_t)t * (size_t)(vw->hd / 32) + d0 / 32;
+            for (int k = 0; k < AXPY_D / AW; k++) {
+                v[k] = ld_q8(vr + AW * k, va_splat(sr[AW * k / 32]));
+                IN_REG(v[k]);
+            }
+        } else {
+            const uint16_t *vr = vw->h + (size_t)t * vw->hd + d0;
+            for (int k = 0; k < AXPY_D / AW; k++) {
+                v[k] = ld_h(vr + AW * k);
+                IN_REG(v[k]);
+            }
         }
         for (int j = 0; j < nj; j++) {
             float av = a[j][t];
@@ -124,10 +144,16 @@ static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *c
 }
 
 /* The same for any head size, one query, positions [0, n). */
-static void axpy_row(float *o, const float *a, const uint16_t *vc, size_t vs, int n, int hd) {
+static void axpy_row(float *o, const float *a, const kv_view *vw, int n, int hd) {
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
     for (int t = 0; t < n; t++) {
-        const uint16_t *vr = vc + (size_t)t * vs;
+        if (vw->q) {
+            const int8_t *vr = vw->q + (size_t)t * (size_t)hd;
+            const float *sr = vw->vs + (size_t)t * (size_t)(hd / 32);
+            for (int d = 0; d < hd; d++) o[d] = fmaf(a[t], (float)vr[d] * sr[d / 32], o[d]);
+            continue;
+        }
+        const uint16_t *vr = vw->h + (size_t)t * (size_t)hd;
         for (int d = 0; d < hd; d++) o[d] = fmaf(a[t], es_fp16_to_fp32(vr[d]), o[d]);
     }
 }
@@ -160,6 +186,45 @@ static inline __attribute__((always_inline)) void scores_v(const int nj, const f
     }
 }
 
+/* scores_v over a Q8_0 block: kq [hd][nc] int8, ks [hd / 32][nc] F16 scales;
+ * key element (d, t) is kq * ks of d's run of 32, the exact float32 the
+ * scalar dequantization gives, then the same sums in the same order. */
+static inline __attribute__((always_inline)) void scores_q8(const int nj, const float *const *q, int hd,
+                                                         const int8_t *kq, const uint16_t *ks, size_t nc, int n,
+                                                         float scale, float *sc, size_t ld) {
+    for (int t = 0; t + 2 * AW <= n; t += 2 * AW) {
+        vaf acc[SCORE_Q], acc2[SCORE_Q];
+        for (int j = 0; j < nj; j++) acc[j] = acc2[j] = (vaf){0};
+        for (int d0 = 0; d0 < hd; d0 += 32) {
+            vaf s1 = ld_h(ks + (size_t)(d0 / 32) * nc + t), s2 = ld_h(ks + (size_t)(d0 / 32) * nc + t + AW);
+            IN_REG(s1);
+            IN_REG(s2);
+            for (int d = d0; d < d0 + 32; d++) {
+                vaf kv = ld_q8(kq + (size_t)d * nc + t, s1), kv2 = ld_q8(kq + (size_t)d * nc + t + AW, s2);
+                IN_REG(kv);
+                IN_REG(kv2);
+                for (int j = 0; j < nj; j++) {
+                    float qv = q[j][d];
+                    acc[j] = fma_a(va_splat(qv), kv, acc[j]);
+                    acc2[j] = fma_a(va_splat(qv), kv2, acc2[j]);
+                }
+            }
+        }
+        for (int j = 0; j < nj; j++) {
+            vaf sv = acc[j] * scale, sv2 = acc2[j] * scale;
+            memcpy(sc + (size_t)j * ld + t, &sv, sizeof sv);
+            memcpy(sc + (size_t)j * ld + t + AW, &sv2, sizeof sv2);
+        }
+    }
+}
+
+/* The scores of nj queries against block kb (F16 or Q8_0, as vw says). */
+static inline __attribute__((always_inline)) void scores_blk(const int nj, const float *const *q, int hd,
+                                                          const kv_view *kw, int n, float scale, float *sc) {
+    if (kw->q) scores_q8(nj, q, hd, kw->q, kw->s, ES_KV_BLOCK, n, scale, sc, ES_KV_BLOCK);
+    else scores_v(nj, q, hd, kw->h, ES_KV_BLOCK, n, scale, sc, ES_KV_BLOCK);
+}
+
 /* Sum of x[0..n) with lane j of 8 adding x[j], x[j + 8], ... in order, then
  * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
 static inline float sum8(const float *x, int n) {
@@ -189,23 +254,44 @@ int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
  * [nq][B] scratch. dst[j]: o_b, then m_b at [hdr], l_b at [hdr + 1]. A
  * score lane depends only on its query and position, so the scores of
  * positions past every nv (computed, then dropped) change no kept bit, and
- * those before lo[j] get the weight +0. */
+ * those before lo[j] get the weight +0. kv_type Q8_0 (q8): the blocks'
+ * values are q * d, exact float32s, read by the same sums in the same order.
+ */
 static void block_partial(int nq, const float *const *qp, const int *se, const int *lo, const int *nv,
-                          float *const *dst, int hd,
-                          const uint16_t *kb, const uint16_t *vb, float *sc, int ncols, float scale) {
+                          float *const *dst, int hd, int q8,
+                          const uint8_t *kb, const uint8_t *vb, float *sc, int ncols, float scale) {
     int hdr = es_attn_part_floats(hd) - 16;
+    size_t nval = (size_t)hd * ES_KV_BLOCK;
+    float vsc[ES_MAX_HEAD_DIM / 32 * ES_KV_BLOCK];
+    kv_view kw = {NULL, NULL, NULL, NULL, hd}, vw = kw;
+    if (q8) {
+        kw.q = (const int8_t *)kb;
+        kw.s = (const uint16_t *)(const void *)(kb + nval);
+        vw.q = (const int8_t *)vb;
+        vw.s = (const uint16_t *)(const void *)(vb + nval);
+        /* the rows read (nv ascends), AW at a time; the block's hd / 32 * B is a multiple of AW */
+        int ns = (nv[nq - 1] * (hd / 32) + AW - 1) / AW * AW, all = hd / 32 * ES_KV_BLOCK;
+        for (int i = 0; i < (ns < all ? ns : all); i += AW) {
+            vaf f = ld_h(vw.s + i);
+            memcpy(vsc + i, &f, sizeof f);
+        }
+        vw.vs = vsc;
+    } else {
+        kw.h = (const uint16_t *)(const void *)kb;
+        vw.h = (const uint16_t *)(const void *)vb;
+    }
     for (int k0 = 0; k0 < nq; k0 += SCORE_Q) {
         int nj = nq - k0 < SCORE_Q ? nq - k0 : SCORE_Q;
         float *sk = sc + (size_t)k0 * ES_KV_BLOCK;
         switch (nj) {
-        case 1: scores_v(1, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 2: scores_v(2, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 3: scores_v(3, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 1: scores_blk(1, qp + k0, hd, &kw, ncols, scale, sk); break;
+        case 2: scores_blk(2, qp + k0, hd, &kw, ncols, scale, sk); break;
+        case 3: scores_blk(3, qp + k0, hd, &kw, ncols, scale, sk); break;
 #if SCORE_Q > 4
-        case 4: scores_v(4, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
-        case 5: scores_v(5, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        case 4: scores_blk(4, qp + k0, hd, &kw, ncols, scale, sk); break;
+        case 5: scores_blk(5, qp + k0, hd, &kw, ncols, scale, sk); break;
 #endif
-        default: scores_v(SCORE_Q, qp + k0, hd, kb, ES_KV_BLOCK, ncols, scale, sk, ES_KV_BLOCK); break;
+        default: scores_blk(SCORE_Q, qp + k0, hd, &kw, ncols, scale, sk); break;
         }
     }
     const float *ap[ES_MAX_UNIT_Q];
@@ -223,7 +309,7 @@ static void block_partial(int nq, const float *const *qp, const int *se, const i
         ap[j] = row;
     }
     if (hd % AXPY_D != 0) {
-        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], vb, (size_t)hd, nv[j], hd);
+        for (int j = 0; j < nq; j++) axpy_row(dst[j], ap[j], &vw, nv[j], hd);
         return;
     }
     /* AXPY_D dimensions at a time; queries side by side over the positions
@@ -231,20 +317,19 @@ static void block_partial(int nq, const float *const *qp, const int *se, const i
     float *op[ES_MAX_UNIT_Q];
     for (int d0 = 0; d0 < hd; d0 += AXPY_D) {
         for (int j = 0; j < nq; j++) op[j] = dst[j] + d0;
-        const uint16_t *vc = vb + d0;
         /* groups of AXPY_Q, the last one smaller (GQA groups of 2, as in
          * Qwen3, then read each V row once for both queries) */
         for (int k = 0; k < nq; k += AXPY_Q) {
             int nj = nq - k < AXPY_Q ? nq - k : AXPY_Q, lo = nv[k];
             switch (nj) {
-            case 1: axpy_qd(1, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+            case 1: axpy_qd(1, op + k, ap + k, 0, lo, &vw, d0, 0); break;
 #if AXPY_Q > 2
-            case 2: axpy_qd(2, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+            case 2: axpy_qd(2, op + k, ap + k, 0, lo, &vw, d0, 0); break;
 #endif
-            default: axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, vc, (size_t)hd, 0); break;
+            default: axpy_qd(AXPY_Q, op + k, ap + k, 0, lo, &vw, d0, 0); break;
             }
             for (int j = k + 1; j < k + nj; j++)
-                if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], vc, (size_t)hd, 1);
+                if (nv[j] > lo) axpy_qd(1, op + j, ap + j, lo, nv[j], &vw, d0, 1);
         }
     }
 }
@@ -331,7 +416,8 @@ static void attend_unit(es_session *s, const attn_task *t, int g, int h0, int h1
             es_kv_prefetch_block(kv, t->layer, g, es_attn_vblock(t, g, vp));
         /* the block's last positions no query attends (the cache's end) are not scored */
         int ncols = (nv[kb - 1] + 2 * AW - 1) / (2 * AW) * (2 * AW);
-        block_partial(kb - ka, qp + ka, se + ka, lo + ka, nv + ka, dst + ka, hd, es_kv_k_block(kv, t->layer, g, b),
+        block_partial(kb - ka, qp + ka, se + ka, lo + ka, nv + ka, dst + ka, hd, kv->type == ES_KV_Q8_0,
+                      es_kv_k_block(kv, t->layer, g, b),
                       es_kv_v_block(kv, t->layer, g, b), sc, ncols, s->model->attn_scale);
         if (!t->nch)
             for (int k = ka; k < kb; k++)   /* the query's first block: 0 with sinks, else its window's */

@@ -308,7 +308,7 @@ static void attention_block(fwd_call *c, int l) {
         const es_kv *kv = &c->seg[k].seq->kv;
         int32_t used = (kv->n_past + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
         if (used > kv->layer[l].nb) used = kv->layer[l].nb;   /* a ring: all of it */
-        if ((size_t)used * ES_KV_BLOCK * (size_t)kv_dim * sizeof(uint16_t) <= EARLY_KV_PREFETCH)
+        if ((size_t)used * kv->blk_bytes * (size_t)kv->n_head_kv <= EARLY_KV_PREFETCH)
             es_kv_prefetch(kv, l, used);   /* longer contexts: sequential streams, left to the hardware */
     }
     /* q [n][q_dim], k [n][kv_dim], v [n][kv_dim] in one dispatch */

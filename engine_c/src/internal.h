@@ -240,7 +240,8 @@ const char *es_quant_simd_name(void);
 
 /*
  * One KV sequence, IEEE binary16 (F16; float32 rounded to nearest even, so a
- * value above 65504 in magnitude becomes infinity). Per layer l:
+ * value above 65504 in magnitude becomes infinity), or Q8_0 (type; the block
+ * layout above es_kv_block_off). Per layer l, in blocks (F16 shown):
  *   k  [n_head_kv][nb][head_dim][ES_KV_BLOCK]   a block's keys transposed: one
  *        key dimension of its positions is contiguous, so the scores of 8 or
  *        16 positions are one vector operation per dimension
@@ -269,7 +270,7 @@ const char *es_quant_simd_name(void);
  * and n_ctx bounds nothing.
  */
 typedef struct {
-    uint16_t *k, *v;            /* this layer's blocks in the cache's mappings */
+    uint8_t *k, *v;             /* this layer's blocks in the cache's mappings (blk_bytes each) */
     int32_t nb;                 /* blocks: n_blk, or ring / ES_KV_BLOCK on a sliding-window layer */
 } es_kv_layer;
 
@@ -290,6 +291,8 @@ typedef struct {
     int32_t sinks;              /* eviction: positions [0, sinks) every query attends */
     int32_t sink_blk;           /* eviction: ceil(sinks / ES_KV_BLOCK) blocks kept for good before the ring */
     int32_t n_layer, n_head_kv, head_dim;
+    int32_t type;               /* es_kv_type: ES_KV_F16 or ES_KV_Q8_0 */
+    size_t blk_bytes;           /* bytes of one block of K (or of V) of one KV head (below) */
 } es_kv;
 
 /* Allocate an empty cache of n_ctx positions for the model's shapes, its
@@ -299,7 +302,7 @@ typedef struct {
  * ES_ERR_INVALID_ARG for a malformed ECHOSPEC_MEM_AVAILABLE) with a message
  * and leaves *kv empty. */
 es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, int32_t sinks,
-                     int32_t window, char *err, size_t err_len);
+                     int32_t window, int32_t type, char *err, size_t err_len);
 void es_kv_free(es_kv *kv);
 /* The positions a forward may write up to: n_ctx, or with eviction ES_EVICT_MAX_POS. */
 static inline int32_t es_kv_capacity(const es_kv *kv) { return kv->evict ? ES_EVICT_MAX_POS : kv->n_ctx; }
@@ -314,23 +317,37 @@ es_status es_kv_rollback(es_kv *kv, int32_t n_past, char *err, size_t err_len);
 /* After a forward wrote positions [n_past, n_past + n): advance n_past and ring_lo. */
 void es_kv_advance(es_kv *kv, int32_t n);
 /* Elements [r0, r1) of the key (or value) row x ([n_head_kv * head_dim]) of
- * position pos in layer l, rounded to F16, into the cache. */
+ * position pos in layer l, rounded to F16 (or quantized to Q8_0), into the cache. */
 void es_kv_put_k(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x);
 void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x);
 /* Block b (absolute: positions [b * ES_KV_BLOCK, (b + 1) * ES_KV_BLOCK)) of
- * KV head g of layer l: head_dim * ES_KV_BLOCK halves, where the layer keeps
- * it (a ring: block b % nb). */
+ * KV head g of layer l, where the layer keeps it (a ring: block b % nb), as
+ * a byte offset. A block is blk_bytes long:
+ *   F16   K: [head_dim][B] halves; V: [B][head_dim] halves (hd * B * 2 bytes)
+ *   Q8_0  K: int8 q [head_dim][B], then F16 scales [head_dim / 32][B];
+ *         V: int8 q [B][head_dim], then F16 scales [B][head_dim / 32]
+ *         (hd * B + hd / 32 * B * 2 bytes): the scale of dimension d of
+ *         position t is the scale of d's run of 32 (es_kv_type), kept
+ *         beside the int8s in the orientation the attention reads. */
 static inline size_t es_kv_block_off(const es_kv *kv, int l, int g, int32_t b) {
     int32_t nb = kv->layer[l].nb, sb = kv->sink_blk;
     int32_t slot = b < nb ? b : sb + (b - sb) % (nb - sb);
-    return ((size_t)g * (size_t)nb + (size_t)slot) * (size_t)kv->head_dim * ES_KV_BLOCK;
+    return ((size_t)g * (size_t)nb + (size_t)slot) * kv->blk_bytes;
 }
-static inline const uint16_t *es_kv_k_block(const es_kv *kv, int l, int g, int32_t b) {
+static inline const uint8_t *es_kv_k_block(const es_kv *kv, int l, int g, int32_t b) {
     return kv->layer[l].k + es_kv_block_off(kv, l, g, b);
 }
-static inline const uint16_t *es_kv_v_block(const es_kv *kv, int l, int g, int32_t b) {
+static inline const uint8_t *es_kv_v_block(const es_kv *kv, int l, int g, int32_t b) {
     return kv->layer[l].v + es_kv_block_off(kv, l, g, b);
 }
+/* Bytes of one block of K (or V) of a KV head of head_dim dimensions. */
+static inline size_t es_kv_blk_bytes(int32_t type, int hd) {
+    size_t n = (size_t)hd * ES_KV_BLOCK;
+    return type == ES_KV_Q8_0 ? n + n / 32 * sizeof(uint16_t) : n * sizeof(uint16_t);
+}
+/* The Q8_0 block (es_kv_type) of the 32 floats x: *d its F16 scale, q its
+ * int8 values (ggml's quantize_row_q8_0_ref; a NaN quantizes to 0). */
+void es_kv_quantize_q8_0(const float *x, uint16_t *d, int8_t *q);
 /* dst[i] = es_fp32_to_fp16(src[i]) for i in [0, n), with the SIMD path's
  * conversion where there is one (bitwise the scalar function's result). */
 void es_fp32_to_fp16_row(uint16_t *dst, const float *src, int n);

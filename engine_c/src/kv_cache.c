@@ -10,7 +10,15 @@
  * is F16 too). The rounding is done once, when a position is written
  * (es_fp32_to_fp16: round to nearest even), by the same scalar function on
  * every target, so what the cache holds does not depend on the SIMD path.
+ *
+ * Q8_0 (es_session_params kv_type ES_KV_Q8_0) halves those bytes again,
+ * nearly: 34 bytes per 32 values. A position's key (and value) vector is
+ * quantized per run of 32 dimensions when it is written, by the scalar
+ * es_kv_quantize_q8_0 on every target, so here too the cache's bytes do not
+ * depend on the SIMD path; nothing of one position's blocks depends on
+ * another position, so a rollback and a rewrite leave the others untouched.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,9 +78,11 @@ static void evict_layout(es_kv *kv, int32_t slack, int32_t sinks, int32_t window
 }
 
 es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack, int full, int32_t sinks,
-                     int32_t window, char *err, size_t err_len) {
+                     int32_t window, int32_t type, char *err, size_t err_len) {
     const es_model_info *in = &m->info;
     memset(kv, 0, sizeof *kv);
+    kv->type = type;   /* es_session_new checked it and head_dim */
+    kv->blk_bytes = es_kv_blk_bytes(type, in->head_dim);
     kv->n_ctx = n_ctx;
     kv->n_blk = (n_ctx + ES_KV_BLOCK - 1) / ES_KV_BLOCK;
     kv->n_layer = in->n_layer;
@@ -94,7 +104,7 @@ es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack,
     for (int l = 0; l < in->n_layer; l++) n_in[rings && m->layers[l].swa]++;
     size_t run_bytes[2], total = 0;
     for (int grp = 0; grp < 2; grp++) {
-        run_bytes[grp] = (size_t)nb[grp] * ES_KV_BLOCK * (size_t)in->head_dim * sizeof(uint16_t);
+        run_bytes[grp] = (size_t)nb[grp] * kv->blk_bytes;
         kv->map_bytes[2 * grp] = kv->map_bytes[2 * grp + 1] = (size_t)n_in[grp] * (size_t)in->n_head_kv * run_bytes[grp];
         total += 2 * kv->map_bytes[2 * grp];
     }
@@ -144,9 +154,9 @@ es_status es_kv_init(es_kv *kv, const es_model *m, int32_t n_ctx, int32_t slack,
     int32_t seen[2] = {0, 0};
     for (int l = 0; l < in->n_layer; l++) {
         int grp = rings && m->layers[l].swa;
-        size_t off = (size_t)seen[grp]++ * (size_t)in->n_head_kv * run_bytes[grp] / sizeof(uint16_t);
-        kv->layer[l].k = (uint16_t *)kv->map[2 * grp] + off;
-        kv->layer[l].v = (uint16_t *)kv->map[2 * grp + 1] + off;
+        size_t off = (size_t)seen[grp]++ * (size_t)in->n_head_kv * run_bytes[grp];
+        kv->layer[l].k = (uint8_t *)kv->map[2 * grp] + off;
+        kv->layer[l].v = (uint8_t *)kv->map[2 * grp + 1] + off;
         kv->layer[l].nb = nb[grp];
     }
     return ES_OK;
@@ -222,31 +232,70 @@ void es_fp32_to_fp16_row(uint16_t *dst, const float *src, int n) {
     for (; i < n; i++) dst[i] = es_fp32_to_fp16(src[i]);
 }
 
+/* ggml's quantize_row_q8_0_ref for one block: d = amax / 127, id = 1 / d
+ * (0 when d is 0), q = roundf(x * id), the scale stored as F16. The float
+ * steps are IEEE operations in a fixed order (-ffp-contract=off), on every
+ * target; q is clamped to [-127, 127] and a NaN gives 0 (roundf of it has no
+ * int8), which leave every finite input as ggml quantizes it. */
+void es_kv_quantize_q8_0(const float *x, uint16_t *d, int8_t *q) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
+    float sd = amax / 127.0f, id = sd != 0.0f ? 1.0f / sd : 0.0f;
+    *d = es_fp32_to_fp16(sd);
+    for (int j = 0; j < 32; j++) {
+        float r = roundf(x[j] * id);
+        q[j] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : r == r ? (int)r : 0);
+    }
+}
+
 /* Rows [r0, r1) of one position's K (or V) vector, whole heads (the q/k/v
  * epilogue hands out chunks of whole heads). K blocks are stored
  * dimension-major (a dimension's 64 positions are contiguous, for the score
- * vectors), V blocks position-major. */
+ * vectors), V blocks position-major; Q8_0 blocks the same way, with their
+ * scales after the int8s (es_kv_block_off). */
 void es_kv_put_k(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x) {
     int hd = kv->head_dim;
     int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
-    uint16_t h[ES_MAX_HEAD_DIM];
     for (int64_t g = r0 / hd; g * hd < r1; g++) {
+        uint8_t *blk = (uint8_t *)es_kv_k_block(kv, l, (int)g, b);
+        if (kv->type == ES_KV_Q8_0) {
+            int8_t *kq = (int8_t *)blk;
+            uint16_t *ks = (uint16_t *)(void *)(blk + (size_t)hd * ES_KV_BLOCK);
+            for (int j = 0; j < hd / 32; j++) {
+                int8_t q[32];
+                es_kv_quantize_q8_0(x + g * hd + 32 * j, &ks[(size_t)j * ES_KV_BLOCK + t], q);
+                for (int d = 0; d < 32; d++) kq[(size_t)(32 * j + d) * ES_KV_BLOCK + t] = q[d];
+            }
+            continue;
+        }
+        uint16_t h[ES_MAX_HEAD_DIM];
         es_fp32_to_fp16_row(h, x + g * hd, hd);
-        uint16_t *blk = (uint16_t *)es_kv_k_block(kv, l, (int)g, b) + t;
-        for (int d = 0; d < hd; d++) blk[(size_t)d * ES_KV_BLOCK] = h[d];
+        uint16_t *kh = (uint16_t *)(void *)blk + t;
+        for (int d = 0; d < hd; d++) kh[(size_t)d * ES_KV_BLOCK] = h[d];
     }
 }
 
 void es_kv_put_v(es_kv *kv, int l, int32_t pos, int64_t r0, int64_t r1, const float *x) {
     int hd = kv->head_dim;
     int32_t b = pos / ES_KV_BLOCK, t = pos % ES_KV_BLOCK;
-    for (int64_t g = r0 / hd; g * hd < r1; g++)
-        es_fp32_to_fp16_row((uint16_t *)es_kv_v_block(kv, l, (int)g, b) + (size_t)t * (size_t)hd, x + g * hd, hd);
+    for (int64_t g = r0 / hd; g * hd < r1; g++) {
+        uint8_t *blk = (uint8_t *)es_kv_v_block(kv, l, (int)g, b);
+        if (kv->type == ES_KV_Q8_0) {
+            int8_t *vq = (int8_t *)blk + (size_t)t * (size_t)hd;
+            uint16_t *vs = (uint16_t *)(void *)(blk + (size_t)hd * ES_KV_BLOCK) + (size_t)t * (size_t)(hd / 32);
+            for (int j = 0; j < hd / 32; j++) es_kv_quantize_q8_0(x + g * hd + 32 * j, &vs[j], vq + 32 * j);
+            continue;
+        }
+        es_fp32_to_fp16_row((uint16_t *)(void *)blk + (size_t)t * (size_t)hd, x + g * hd, hd);
+    }
 }
 
 void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used) {
     if (n_blk_used > kv->layer[l].nb) n_blk_used = kv->layer[l].nb;
-    size_t bytes = (size_t)n_blk_used * ES_KV_BLOCK * (size_t)kv->head_dim * sizeof(uint16_t);
+    size_t bytes = (size_t)n_blk_used * kv->blk_bytes;
     for (int g = 0; g < kv->n_head_kv; g++) {
         const char *kb = (const char *)es_kv_k_block(kv, l, g, 0), *vb = (const char *)es_kv_v_block(kv, l, g, 0);
         for (size_t o = 0; o < bytes; o += 64) {
@@ -258,7 +307,7 @@ void es_kv_prefetch(const es_kv *kv, int l, int32_t n_blk_used) {
 
 void es_kv_prefetch_block(const es_kv *kv, int l, int g, int32_t b) {
     const char *kb = (const char *)es_kv_k_block(kv, l, g, b), *vb = (const char *)es_kv_v_block(kv, l, g, b);
-    for (size_t o = 0; o < (size_t)kv->head_dim * ES_KV_BLOCK * sizeof(uint16_t); o += 64) {
+    for (size_t o = 0; o < kv->blk_bytes; o += 64) {
         __builtin_prefetch(kb + o, 0, KV_PF_LOCALITY);
         __builtin_prefetch(vb + o, 0, KV_PF_LOCALITY);
     }

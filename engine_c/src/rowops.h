@@ -72,6 +72,30 @@ static inline __attribute__((always_inline)) vaf ld_h(const uint16_t *p) {
     return v;
 }
 
+/* AW floats q[i] * s[i] from AW int8 values of a Q8_0 KV block (es_kv_type)
+ * and their scales s (F16 values as float32). Each product is exact in
+ * float32 (7 by 11 significant bits), so every target reads the same floats
+ * as the scalar q * d. */
+static inline __attribute__((always_inline)) vaf ld_q8(const int8_t *q, vaf s) {
+    vaf v;
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
+    __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)q)));
+    memcpy(&v, &x, sizeof v);
+#elif !defined(ES_FORCE_SCALAR) && defined(__AVX2__)
+    __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)q)));
+    memcpy(&v, &x, sizeof v);
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+    int32_t w;
+    memcpy(&w, q, sizeof w);   /* AW = 4 int8s */
+    int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    float32x4_t x = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+    memcpy(&v, &x, sizeof v);
+#else
+    for (int i = 0; i < AW; i++) v[i] = (float)q[i];
+#endif
+    return v * s;
+}
+
 /* a * b + c on AW lanes with one rounding (fmaf's): the attention's fused
  * steps (see the contract above attend_unit in attention.c), the same bits on every target. */
 static inline __attribute__((always_inline)) vaf fma_a(vaf a, vaf b, vaf c) {

@@ -12,7 +12,7 @@
 
 
 es_session_params es_session_default_params(void) {
-    es_session_params p = {0, 0, 0, 0, 0, 0, 0};
+    es_session_params p = {0, 0, 0, 0, 0, 0, 0, ES_KV_F16};
     return p;
 }
 
@@ -169,6 +169,16 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
                    "%d): a step already attends only the sinks and the window", (int)p.sparse_topk, (int)p.kv_window);
         return ES_ERR_UNSUPPORTED;
     }
+    if (p.kv_type != ES_KV_F16 && p.kv_type != ES_KV_Q8_0) {
+        es_set_err(err, err_len, "kv_type %d is not a KV cache type (%d: F16, %d: Q8_0)", (int)p.kv_type,
+                   ES_KV_F16, ES_KV_Q8_0);
+        return ES_ERR_INVALID_ARG;
+    }
+    if (p.kv_type == ES_KV_Q8_0 && in->head_dim % 32 != 0) {
+        es_set_err(err, err_len, "kv_type Q8_0 needs a head_dim that is a multiple of 32 (its blocks of 32 "
+                   "values); %s has head_dim %d: use kv_type F16", in->arch, (int)in->head_dim);
+        return ES_ERR_UNSUPPORTED;
+    }
     int32_t n_ctx = p.n_ctx;
     if (n_ctx == 0) n_ctx = in->n_ctx_train < 4096 ? in->n_ctx_train : 4096;
     if (n_ctx < 1) n_ctx = 1;
@@ -179,7 +189,7 @@ es_status es_session_new(const es_model *model, const es_session_params *params,
     s->model = model;
     s->n_threads = n_threads;
     es_status kv_rc = es_kv_init(&s->kv, model, n_ctx, p.swa_slack ? p.swa_slack : ES_SWA_SLACK, p.swa_full,
-                                 p.kv_sinks, p.kv_window, err, err_len);
+                                 p.kv_sinks, p.kv_window, p.kv_type, err, err_len);
     if (kv_rc != ES_OK) {
         es_session_free(s);
         return kv_rc;

@@ -33,7 +33,11 @@
  * of a 1-token step: speculation is not exact under sparse attention, and
  * the services refuse it (the coordinator's gating).
  *
- * Determinism: the bounds are min / max (exact) of the cache's F16 keys,
+ * With a Q8_0 cache (kv_type) the keys are q * d, exact float32s that F16
+ * may not hold: a bound is the min (max) rounded down (up) to F16, so U_b
+ * still bounds every score of the block.
+ *
+ * Determinism: the bounds are min / max (exact) of the cache's keys,
  * recomputed from the block's valid positions whenever a call writes into
  * the block (so a rollback leaves nothing stale behind: the next call
  * writes from n_past, into the block that held the removed positions);
@@ -62,6 +66,38 @@ static uint16_t *bound_at(const es_session *seq, int l, int g, int32_t b) {
     return seq->kv_bound + blk * 2 * (size_t)kv->head_dim;
 }
 
+/* The F16 nearest to x on its side: at most x (down) or at least x (up). */
+static uint16_t fp16_directed(float x, int up) {
+    uint16_t h = es_fp32_to_fp16(x);
+    float y = es_fp16_to_fp32(h);
+    if (x != x || y == x || (up ? y > x : y < x)) return h;
+    /* one step of the F16 grid toward x: magnitude down for a positive y
+     * rounded up (or negative rounded down), else up; -0 steps to -min */
+    int neg = (h & 0x8000) != 0, toward_zero = up ? neg : !neg;
+    if ((h & 0x7fff) == 0) return up ? (uint16_t)0x0001 : (uint16_t)0x8001;
+    return (uint16_t)(toward_zero ? h - 1 : h + 1);
+}
+
+/* Block b's bounds of a Q8_0 cache: the keys q * d (exact float32), their
+ * min and max rounded outward to F16. */
+static void bounds_q8(const es_kv *kv, const uint8_t *kb, int32_t end, uint16_t *bd) {
+    int hd = kv->head_dim;
+    const int8_t *kq = (const int8_t *)kb;
+    const uint16_t *ks = (const uint16_t *)(const void *)(kb + (size_t)hd * ES_KV_BLOCK);
+    for (int d = 0; d < hd; d++) {
+        const int8_t *row = kq + (size_t)d * ES_KV_BLOCK;
+        const uint16_t *sr = ks + (size_t)(d / 32) * ES_KV_BLOCK;
+        float flo = (float)row[0] * es_fp16_to_fp32(sr[0]), fhi = flo;
+        for (int32_t t = 1; t < end; t++) {
+            float x = (float)row[t] * es_fp16_to_fp32(sr[t]);
+            flo = x < flo ? x : flo;
+            fhi = x > fhi ? x : fhi;
+        }
+        bd[d] = fp16_directed(flo, 0);
+        bd[hd + d] = fp16_directed(fhi, 1);
+    }
+}
+
 /* Recompute the bounds of layer l's blocks holding positions [p0, p1) from
  * the keys of each block's positions before p1. */
 static void update_bounds(es_session *seq, int l, int32_t p0, int32_t p1) {
@@ -70,8 +106,12 @@ static void update_bounds(es_session *seq, int l, int32_t p0, int32_t p1) {
     for (int32_t b = p0 / ES_KV_BLOCK; b <= (p1 - 1) / ES_KV_BLOCK; b++) {
         int32_t end = p1 < (b + 1) * ES_KV_BLOCK ? p1 - b * ES_KV_BLOCK : ES_KV_BLOCK;
         for (int g = 0; g < kv->n_head_kv; g++) {
-            const uint16_t *kb = es_kv_k_block(kv, l, g, b);   /* [hd][B] */
             uint16_t *bd = bound_at(seq, l, g, b);
+            if (kv->type == ES_KV_Q8_0) {
+                bounds_q8(kv, es_kv_k_block(kv, l, g, b), end, bd);
+                continue;
+            }
+            const uint16_t *kb = (const uint16_t *)(const void *)es_kv_k_block(kv, l, g, b);   /* [hd][B] */
             for (int d = 0; d < hd; d++) {
                 const uint16_t *row = kb + (size_t)d * ES_KV_BLOCK;
                 uint16_t lo = row[0], hi = row[0];

@@ -32,6 +32,8 @@ T = TypeVar("T")
 
 
 _BIG = 2 ** 31 - 1
+# the KV cache types the engine offers (es_kv_type): f16 (the default) and q8_0
+KV_TYPES = ("f16", "q8_0")
 
 
 class EngineLimit:
@@ -203,6 +205,10 @@ class VerifierConfig(_GrpcServiceConfig):
                                     "TOPK + 3 blocks; prefill stays full; speculation is refused",
                                     serve="--sparse-attention",
                                     range=(0, EngineLimit("ES_MAX_SPARSE_TOPK"), "blocks a step chooses (TOPK)"))
+    kv_type: str = setting("f16", "KV cache element type: f16, or q8_0 (ggml's Q8_0: 34 bytes per "
+                           "32 values, 0.53 of f16's memory, at a small quality cost measured "
+                           "in README.md, \"KV cache type\"); speculation stays exact with either",
+                           choices=KV_TYPES, serve="--kv-type")
     prefix_cache_sessions: int = setting(4, "idle sessions (one KV cache each) the prefix cache "
                                          "keeps", range=(0, _BIG, "idle sessions kept (0: none)"))
     batch_threads: int = setting(0, "engine threads of a scheduler iteration that batches >= 2 "

@@ -33,6 +33,8 @@ EVICT_MAX_POS = lib.ES_EVICT_MAX_POS   # KV eviction: the positions a session ma
 MAX_TREE_NODES = lib.ES_MAX_TREE_NODES   # nodes of one forward_tree call
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
+# the KV cache types (es_kv_type), as the services' kv_type setting names them
+KV_TYPES = {"f16": lib.ES_KV_F16, "q8_0": lib.ES_KV_Q8_0}
 
 
 class EngineError(RuntimeError):
@@ -141,7 +143,7 @@ class Model:
 
     def new_session(self, n_ctx: int = 0, n_threads: int = 0, swa_slack: int = 0,
                     swa_full: bool = False, kv_sinks: int = 0, kv_window: int = 0,
-                    sparse_topk: int = 0) -> "Session":
+                    sparse_topk: int = 0, kv_type: str = "f16") -> "Session":
         """Create a session with its own KV cache.
 
         A model with a sliding window (Gemma 3's local layers, ``info.n_swa``) keeps each local
@@ -166,13 +168,18 @@ class Model:
                 and the ``sparse_topk`` other blocks of the largest key bound, chosen once for
                 the call (es_session_params in the header); 0: full attention. Deterministic,
                 but a verify over n tokens is then not n decode steps (no exact speculation).
+            kv_type: the KV cache's element type, "f16" (the default) or "q8_0" (ggml's Q8_0:
+                34 bytes per 32 values; needs a head_dim that is a multiple of 32). Exact
+                relative to itself: a verify over n tokens is still n decode steps, bitwise.
         Raises:
             EngineError: ES_ERR_INVALID_ARG, ES_ERR_NOMEM or ES_ERR_INTERNAL; ES_ERR_UNSUPPORTED
-                for KV eviction on a model with sliding-window layers, or with sparse_topk.
+                for KV eviction on a model with sliding-window layers, or with sparse_topk,
+                and for kv_type "q8_0" on a head_dim that is not a multiple of 32;
+                ES_ERR_INVALID_ARG for a kv_type not in KV_TYPES.
         """
         if self._ptr is None:
             raise EngineError(ES_ERR_INVALID_ARG, "model is closed")
-        s = Session(self, n_ctx, n_threads, swa_slack, swa_full, kv_sinks, kv_window, sparse_topk)
+        s = Session(self, n_ctx, n_threads, swa_slack, swa_full, kv_sinks, kv_window, sparse_topk, kv_type)
         with self._lock:
             self._sessions.add(s)
         return s
@@ -202,7 +209,7 @@ class Session:
     """One KV sequence on a model. Use from one thread at a time."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, swa_slack: int = 0, swa_full: bool = False,
-                 kv_sinks: int = 0, kv_window: int = 0, sparse_topk: int = 0):
+                 kv_sinks: int = 0, kv_window: int = 0, sparse_topk: int = 0, kv_type: str = "f16"):
         self.model = model
         self.n_vocab = model.info.n_vocab
         p = ffi.new("es_session_params *")
@@ -215,6 +222,7 @@ class Session:
         p.kv_sinks = _int32(kv_sinks, "kv_sinks")
         p.kv_window = _int32(kv_window, "kv_window")
         p.sparse_topk = _int32(sparse_topk, "sparse_topk")
+        p.kv_type = kv_type_code(kv_type)
         out = ffi.new("es_session **")
         err = ffi.new("char[512]")
         st = lib.es_session_new(model._ptr, p, out, err, 512)
@@ -705,6 +713,15 @@ def _int32(v, name: str) -> int:
     if not -(2 ** 31) <= int(v) < 2 ** 31:
         raise EngineError(ES_ERR_INVALID_ARG, f"{name} = {int(v)} does not fit in int32")
     return int(v)
+
+
+def kv_type_code(kv_type: str) -> int:
+    """The engine's es_kv_type of a kv_type name ("f16", "q8_0"; any case); EngineError
+    (ES_ERR_INVALID_ARG) naming the types for any other."""
+    code = KV_TYPES.get(kv_type.lower()) if isinstance(kv_type, str) else None
+    if code is None:
+        raise EngineError(ES_ERR_INVALID_ARG, f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+    return code
 
 
 RNG_ZERO_STATE = 0x9E3779B97F4A7C15   # sampler.c: the state a seed of 0 stands for

@@ -136,6 +136,10 @@ class VerifierCore:
     (the prompt's rest would be a short piece that attends like a decode step: the output
     would depend on what the cache held). A kept session is still taken, rolled back to 0.
 
+    KV cache type (kv_type): "f16" or "q8_0" for every session. Q8_0 changes the logits a
+    little (README.md, "KV cache type") but not the rules: a verify reads the quantized cache as
+    the decode steps it stands for do, so speculation stays exact and prefixes are reused.
+
     Sliding-window models (Gemma 3): each session's local layers keep a ring of
     the window plus ``swa_slack`` positions, swa_slack = max(SWA_SLACK, max_k + 1),
     so the rollback after a verify of up to max_k drafts (at most max_k positions
@@ -273,7 +277,8 @@ class VerifierCore:
         evict = cfg.kv_window > 0
         es = self.model.new_session(n_ctx=cfg.n_ctx, n_threads=self.pool_threads,
                                     swa_slack=self.swa_slack, kv_sinks=cfg.kv_sinks if evict else 0,
-                                    kv_window=cfg.kv_window, sparse_topk=cfg.sparse_attention)
+                                    kv_window=cfg.kv_window, sparse_topk=cfg.sparse_attention,
+                                    kv_type=cfg.kv_type)
         try:
             es.threads = self.config.n_threads
         except EngineError:
