@@ -161,7 +161,8 @@ def test_unsupported_sessions(tmp_path):
     path = tmp_path / "llama.gguf"
     write_tiny_model(path, arch="llama", matrix_type="F32", seed=3)
     with Model(str(path)) as m:
-        for kwargs, words in (({"kv_sinks": 4, "kv_window": 32}, "eviction"), ({"sparse_topk": 1}, "sparse")):
+        for kwargs, words in (({"kv_sinks": 4, "kv_window": 32}, "eviction"), ({"sparse_topk": 1}, "sparse"),
+                              ({"kv_type": "q8_0"}, "Q8_0 KV cache")):
             with m.new_session(n_ctx=64, n_threads=1, **kwargs) as s:
                 with pytest.raises(EngineError) as e:
                     s.forward_tree([1, 2], [-1, 0])

@@ -436,8 +436,8 @@ enum { ES_MAX_TREE_NODES = 64 };
  * call on the session: es_session_keep_path then keeps one path of them;
  * any other forward call (or a rollback below n_past) drops them.
  * Supported: the sessions es_forward serves but KV eviction (kv_window > 0),
- * sparse attention (sparse_topk > 0) and models with sliding-window layers
- * (es_model_info.n_swa_layers > 0): ES_ERR_UNSUPPORTED with a message.
+ * sparse attention (sparse_topk > 0), a Q8_0 KV cache (kv_type ES_KV_Q8_0) and models
+ * with sliding-window layers (es_model_info.n_swa_layers > 0): ES_ERR_UNSUPPORTED with a message.
  * Errors: as es_forward's (ES_ERR_CAPACITY when n_past + n_nodes > n_ctx,
  * the slots it needs), and ES_ERR_INVALID_ARG with a message for n_nodes
  * outside [1, ES_MAX_TREE_NODES], NULL parents, or a parent that is not -1

@@ -569,7 +569,7 @@ void es_attn_block_dense(int nq, const float *const *qp, const int *nv, float *c
     int zero[ES_MAX_UNIT_Q] = {0}, mx = 0;
     for (int j = 0; j < nq; j++) mx = nv[j] > mx ? nv[j] : mx;
     int ncols = (mx + 2 * AW - 1) / (2 * AW) * (2 * AW);
-    block_partial(nq, qp, zero, zero, nv, dst, hd, kb, vb, sc, ncols, scale);
+    block_partial(nq, qp, zero, zero, nv, dst, hd, 0, (const uint8_t *)kb, (const uint8_t *)vb, sc, ncols, scale);  /* F16 only: tree.c refuses a Q8_0 cache */
 }
 
 void es_attn_fold(float *st, const float *p, int hd, int first) { fold_part(st, p, hd, first); }

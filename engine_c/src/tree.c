@@ -38,6 +38,16 @@
 
 #include "internal.h"
 
+/* The F16 cache's blocks as halves (es_kv_k_block / es_kv_v_block give bytes; trees run on
+ * F16 caches only: es_forward_tree refuses a Q8_0 one). */
+static inline const uint16_t *kv16_k(const es_kv *kv, int l, int g, int32_t b) {
+    return (const uint16_t *)(const void *)es_kv_k_block(kv, l, g, b);
+}
+static inline const uint16_t *kv16_v(const es_kv *kv, int l, int g, int32_t b) {
+    return (const uint16_t *)(const void *)es_kv_v_block(kv, l, g, b);
+}
+
+
 /* One es_tree_attention dispatch: units (node, KV head), taken in turn. */
 typedef struct {
     es_session *s;
@@ -63,14 +73,14 @@ static void assemble_block(const es_kv *kv, int l, int g, int32_t b, const int32
                            uint16_t *k_out, uint16_t *v_out) {
     int hd = kv->head_dim;
     size_t blk = (size_t)hd * ES_KV_BLOCK;
-    memcpy(k_out, es_kv_k_block(kv, l, g, b), blk * sizeof(uint16_t));
-    memcpy(v_out, es_kv_v_block(kv, l, g, b), blk * sizeof(uint16_t));
+    memcpy(k_out, kv16_k(kv, l, g, b), blk * sizeof(uint16_t));
+    memcpy(v_out, kv16_v(kv, l, g, b), blk * sizeof(uint16_t));
     int32_t p0 = b * ES_KV_BLOCK;
     for (int j = 0; j <= d; j++) {
         int32_t pos = kv->n_past + j, src = kv->n_past + anc[j];
         if (pos < p0 || pos >= p0 + ES_KV_BLOCK || src == pos) continue;
-        const uint16_t *ks = es_kv_k_block(kv, l, g, src / ES_KV_BLOCK) + src % ES_KV_BLOCK;
-        const uint16_t *vs = es_kv_v_block(kv, l, g, src / ES_KV_BLOCK) + (size_t)(src % ES_KV_BLOCK) * hd;
+        const uint16_t *ks = kv16_k(kv, l, g, src / ES_KV_BLOCK) + src % ES_KV_BLOCK;
+        const uint16_t *vs = kv16_v(kv, l, g, src / ES_KV_BLOCK) + (size_t)(src % ES_KV_BLOCK) * hd;
         for (int e = 0; e < hd; e++) k_out[(size_t)e * ES_KV_BLOCK + (pos - p0)] = ks[(size_t)e * ES_KV_BLOCK];
         memcpy(v_out + (size_t)(pos - p0) * hd, vs, (size_t)hd * sizeof(uint16_t));
     }
@@ -102,7 +112,7 @@ static void tree_unit(tree_task *tt, int u, int ith) {
             dst[k] = bp + (size_t)k * pf;
         }
         for (int32_t b = 0; b <= last; b++) {
-            const uint16_t *kb = es_kv_k_block(kv, tt->l, g, b), *vb = es_kv_v_block(kv, tt->l, g, b);
+            const uint16_t *kb = kv16_k(kv, tt->l, g, b), *vb = kv16_v(kv, tt->l, g, b);
             if (!same && (b + 1) * ES_KV_BLOCK > kv->n_past) {
                 assemble_block(kv, tt->l, g, b, anc, d, kt, vt);
                 kb = kt;
@@ -136,6 +146,7 @@ static es_status check_tree_session(es_session *s) {
     const char *why = s->kv.evict ? "KV eviction (kv_window > 0)"
                     : s->sparse_topk > 0 ? "sparse attention (sparse_topk > 0)"
                     : s->model->info.n_swa_layers > 0 ? "a model with sliding-window layers"
+                    : s->kv.type == ES_KV_Q8_0 ? "a Q8_0 KV cache (kv_type)"
                     : NULL;
     if (!why) return ES_OK;
     es_set_err(s->err, sizeof s->err, "token-tree verification is not supported with %s: verify the "
@@ -182,11 +193,11 @@ static void move_slot(es_kv *kv, int32_t src, int32_t dst) {
     int hd = kv->head_dim;
     for (int l = 0; l < kv->n_layer; l++)
         for (int g = 0; g < kv->n_head_kv; g++) {
-            const uint16_t *ks = es_kv_k_block(kv, l, g, src / ES_KV_BLOCK) + src % ES_KV_BLOCK;
-            uint16_t *kd = (uint16_t *)es_kv_k_block(kv, l, g, dst / ES_KV_BLOCK) + dst % ES_KV_BLOCK;
+            const uint16_t *ks = kv16_k(kv, l, g, src / ES_KV_BLOCK) + src % ES_KV_BLOCK;
+            uint16_t *kd = (uint16_t *)kv16_k(kv, l, g, dst / ES_KV_BLOCK) + dst % ES_KV_BLOCK;
             for (int e = 0; e < hd; e++) kd[(size_t)e * ES_KV_BLOCK] = ks[(size_t)e * ES_KV_BLOCK];
-            memcpy((uint16_t *)es_kv_v_block(kv, l, g, dst / ES_KV_BLOCK) + (size_t)(dst % ES_KV_BLOCK) * hd,
-                   es_kv_v_block(kv, l, g, src / ES_KV_BLOCK) + (size_t)(src % ES_KV_BLOCK) * hd,
+            memcpy((uint16_t *)kv16_v(kv, l, g, dst / ES_KV_BLOCK) + (size_t)(dst % ES_KV_BLOCK) * hd,
+                   kv16_v(kv, l, g, src / ES_KV_BLOCK) + (size_t)(src % ES_KV_BLOCK) * hd,
                    (size_t)hd * sizeof(uint16_t));
         }
 }

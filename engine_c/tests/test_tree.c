@@ -33,6 +33,16 @@
 #include "internal.h"
 #include "tiny_models.h"
 
+/* The F16 cache's blocks as halves (es_kv_k_block / es_kv_v_block give bytes; trees run on
+ * F16 caches only: es_forward_tree refuses a Q8_0 one). */
+static inline const uint16_t *kv16_k(const es_kv *kv, int l, int g, int32_t b) {
+    return (const uint16_t *)(const void *)es_kv_k_block(kv, l, g, b);
+}
+static inline const uint16_t *kv16_v(const es_kv *kv, int l, int g, int32_t b) {
+    return (const uint16_t *)(const void *)es_kv_v_block(kv, l, g, b);
+}
+
+
 #define N_CTX 160
 #define MAX_N 40
 #define TREES 6
@@ -81,12 +91,12 @@ static int kv_equal(const es_session *a, const es_session *b, int32_t n) {
     for (int l = 0; l < ka->n_layer; l++)
         for (int g = 0; g < ka->n_head_kv; g++)
             for (int32_t p = 0; p < n; p++) {
-                const uint16_t *k1 = es_kv_k_block(ka, l, g, p / ES_KV_BLOCK) + p % ES_KV_BLOCK;
-                const uint16_t *k2 = es_kv_k_block(kb, l, g, p / ES_KV_BLOCK) + p % ES_KV_BLOCK;
+                const uint16_t *k1 = kv16_k(ka, l, g, p / ES_KV_BLOCK) + p % ES_KV_BLOCK;
+                const uint16_t *k2 = kv16_k(kb, l, g, p / ES_KV_BLOCK) + p % ES_KV_BLOCK;
                 for (int e = 0; e < hd; e++)
                     if (k1[(size_t)e * ES_KV_BLOCK] != k2[(size_t)e * ES_KV_BLOCK]) return 0;
-                const uint16_t *v1 = es_kv_v_block(ka, l, g, p / ES_KV_BLOCK) + (size_t)(p % ES_KV_BLOCK) * hd;
-                const uint16_t *v2 = es_kv_v_block(kb, l, g, p / ES_KV_BLOCK) + (size_t)(p % ES_KV_BLOCK) * hd;
+                const uint16_t *v1 = kv16_v(ka, l, g, p / ES_KV_BLOCK) + (size_t)(p % ES_KV_BLOCK) * hd;
+                const uint16_t *v2 = kv16_v(kb, l, g, p / ES_KV_BLOCK) + (size_t)(p % ES_KV_BLOCK) * hd;
                 if (memcmp(v1, v2, (size_t)hd * sizeof(uint16_t)) != 0) return 0;
             }
     return 1;
@@ -241,7 +251,7 @@ TEST(tree_qwen2_f32) { tree_model(2); }
 TEST(tree_qwen3moe_experts) { tree_model(3); }
 TEST(tree_qwen3vl_sections) { tree_model(4); }
 
-/* What the tree refuses: a sliding-window model, KV eviction, sparse attention. */
+/* What the tree refuses: a sliding-window model, KV eviction, sparse attention, a Q8_0 KV cache. */
 TEST(tree_unsupported) {
     int32_t tokens[2] = {1, 2}, parents[2] = {-1, 0};
     es_model *g = tm_load(g_dir, 5), *m = tm_load(g_dir, 0);
@@ -272,6 +282,17 @@ TEST(tree_unsupported) {
         if (s) {
             CHECK_EQ_INT(es_forward_tree(s, tokens, parents, 2, NULL, NULL, 0), ES_ERR_UNSUPPORTED);
             CHECK(strstr(es_session_last_error(s), "sparse") != NULL);
+        }
+        es_session_free(s);
+        sp = es_session_default_params();
+        sp.n_ctx = N_CTX;
+        sp.n_threads = 1;
+        sp.kv_type = ES_KV_Q8_0;
+        s = tm_session_params(m, &sp);
+        if (s) {
+            CHECK_EQ_INT(es_forward_tree(s, tokens, parents, 2, NULL, NULL, 0), ES_ERR_UNSUPPORTED);
+            CHECK(strstr(es_session_last_error(s), "Q8_0 KV cache") != NULL);
+            CHECK_EQ_INT(es_session_n_past(s), 0);
         }
         es_session_free(s);
     }
