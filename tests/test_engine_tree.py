@@ -161,12 +161,18 @@ def test_unsupported_sessions(tmp_path):
     path = tmp_path / "llama.gguf"
     write_tiny_model(path, arch="llama", matrix_type="F32", seed=3)
     with Model(str(path)) as m:
-        for kwargs, words in (({"kv_sinks": 4, "kv_window": 32}, "eviction"), ({"sparse_topk": 1}, "sparse"),
-                              ({"kv_type": "q8_0"}, "Q8_0 KV cache")):
+        for kwargs, words in (({"kv_sinks": 4, "kv_window": 32}, "eviction"), ({"sparse_topk": 1}, "sparse")):
             with m.new_session(n_ctx=64, n_threads=1, **kwargs) as s:
                 with pytest.raises(EngineError) as e:
                     s.forward_tree([1, 2], [-1, 0])
                 assert e.value.status == ES_ERR_UNSUPPORTED and words in e.value.message
+    path = tmp_path / "hd32.gguf"      # a Q8_0 KV cache needs head_dim % 32 == 0
+    write_tiny_model(path, arch="llama", matrix_type="F32", seed=3, head_dim=32)
+    with Model(str(path)) as m, m.new_session(n_ctx=64, n_threads=1, kv_type="q8_0") as s:
+        with pytest.raises(EngineError) as e:
+            s.forward_tree([1, 2], [-1, 0])
+        assert e.value.status == ES_ERR_UNSUPPORTED and "Q8_0 KV cache" in e.value.message
+        assert s.n_past == 0
 
 
 def test_tree_equals_chains_smollm2(smollm2_path):
