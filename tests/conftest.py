@@ -105,6 +105,29 @@ def stack_stub(model_path: str, **settings):
         st.stop()
 
 
+@pytest.fixture(scope="session")
+def smollm2_api(smollm2_path):
+    """The default model's stack with its HTTP gateway (speculation off unless a request asks,
+    n_ctx 1024), shared by the API test modules of a session: ``.stack``, ``.stub`` (a
+    CoordinatorService stub) and ``.openai`` (the official client on the gateway's /v1)."""
+    import types
+
+    import grpc
+    import openai
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
+    ch = grpc.insecure_channel(st.target)
+    oc = openai.OpenAI(base_url=st.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield types.SimpleNamespace(stack=st, stub=coordinator_pb2_grpc.CoordinatorServiceStub(ch), openai=oc)
+    finally:
+        oc.close()
+        ch.close()
+        st.stop(0.5)
+
+
 @pytest.fixture(scope="module")
 def smollm2_stub(smollm2_path):
     with stack_stub(smollm2_path, spec=False, n_ctx=1024) as stub:

@@ -33,23 +33,18 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"   # the name the gateway serves the default
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_path):
-    st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
-    yield st
-    st.stop(0.5)
+def stack(smollm2_api):
+    return smollm2_api.stack
 
 
 @pytest.fixture(scope="module")
-def stub(stack):
-    with grpc.insecure_channel(stack.target) as ch:
-        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+def stub(smollm2_api):
+    return smollm2_api.stub
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    c = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
+def client(smollm2_api):
+    return smollm2_api.openai
 
 
 def complete(stub, **kw) -> cpb.GenerationResult:

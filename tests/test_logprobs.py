@@ -15,8 +15,7 @@ import pytest
 from echospec.services.coordinator.generation import token_piece
 from echospec.services.gateway import openai_api as api
 from echospec.services.verifier.logprobs import log_softmax, token_logprob, top_ids
-from echospec.stack import start_stack
-from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb
 
 ON, OFF = common_pb2.SPEC_MODE_ON, common_pb2.SPEC_MODE_OFF
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -115,23 +114,18 @@ def test_the_loop_refuses_bad_values_and_keeps_its_tokens_with_logprobs(tiny_mod
 # -- the services on the default model --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def stack(smollm2_path):
-    st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
-    yield st
-    st.stop(0.5)
+def stack(smollm2_api):
+    return smollm2_api.stack
 
 
 @pytest.fixture(scope="module")
-def stub(stack):
-    with grpc.insecure_channel(stack.target) as ch:
-        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+def stub(smollm2_api):
+    return smollm2_api.stub
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    c = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
+def client(smollm2_api):
+    return smollm2_api.openai
 
 
 def complete(stub, **kw) -> cpb.GenerationResult:

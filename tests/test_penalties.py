@@ -19,8 +19,7 @@ from echospec.services.gateway import openai_api as api
 from echospec.services.verifier.engine import Model, sample
 from echospec.services.verifier.generation_loop import GenerationRequest, check, run_generation
 from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore
-from echospec.stack import start_stack
-from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
+from echospec.v1 import common_pb2, coordinator_pb2 as cpb
 
 ROW = np.array([3.0, -1.0, 0.0, 2.0, 5.0], dtype=np.float32)
 
@@ -310,23 +309,18 @@ LOOP_PROMPT = "one two three one two three one two three one two three one two t
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_path):
-    st = start_stack(smollm2_path, spec=False, n_ctx=1024, http_port=0)
-    yield st
-    st.stop(0.5)
+def stack(smollm2_api):
+    return smollm2_api.stack
 
 
 @pytest.fixture(scope="module")
-def stub(stack):
-    with grpc.insecure_channel(stack.target) as ch:
-        yield coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+def stub(smollm2_api):
+    return smollm2_api.stub
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    c = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
+def client(smollm2_api):
+    return smollm2_api.openai
 
 
 def complete(stub, **kw) -> cpb.GenerationResult:
