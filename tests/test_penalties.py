@@ -103,6 +103,8 @@ def test_active(pen, active):
     (Penalties(presence=-2.01), "presence_penalty"), (Penalties(repeat=-1.0), "repeat_penalty"),
     (Penalties(repeat=float("inf")), "repeat_penalty"), (Penalties(last_n=-2), "repeat_last_n"),
     (Penalties(last_n=(1 << 20) + 1), "repeat_last_n"),
+    # was accepted: 1e-40 divided a repeated token's logit to +inf (a sampled request then failed)
+    (Penalties(repeat=1e-40), "repeat_penalty"), (Penalties(repeat=1001.0), "repeat_penalty"),
 ])
 def test_check_names_the_field(pen, field):
     with pytest.raises(PenaltyError, match=f"^x.{field} must"):
@@ -111,6 +113,7 @@ def test_check_names_the_field(pen, field):
 
 def test_check_takes_the_edges():
     Penalties(frequency=2.0, presence=-2.0, repeat=1e-3, last_n=-1).check()
+    Penalties(repeat=1e3).check()
     Penalties(last_n=1 << 20).check()
 
 
@@ -291,6 +294,7 @@ def test_gateway_repeat_last_n_zero_turns_every_penalty_off():
 @pytest.mark.parametrize("field,value", [("frequency_penalty", 2.5), ("presence_penalty", -3),
                                          ("presence_penalty", "1"), ("repeat_penalty", 0),
                                          ("repeat_penalty", -1.0), ("repeat_penalty", 1e39),
+                                         ("repeat_penalty", 1e-40), ("repeat_penalty", 1e4),
                                          ("repeat_last_n", -2), ("repeat_last_n", 1.5)])
 @pytest.mark.parametrize("chat", [True, False])
 def test_gateway_refuses_bad_values_naming_the_field(field, value, chat):
@@ -346,6 +350,8 @@ def test_grpc_penalties_change_the_output_and_keep_speculation_exact(stub):
                                       ({"presence_penalty": -2.5}, "presence_penalty"),
                                       ({"repeat_penalty": 0.0}, "repeat_penalty"),
                                       ({"repeat_penalty": float("inf")}, "repeat_penalty"),
+                                      ({"repeat_penalty": 1e-40}, "repeat_penalty"),
+                                      ({"repeat_penalty": 2000.0}, "repeat_penalty"),
                                       ({"repeat_last_n": -2}, "repeat_last_n"),
                                       ({"repeat_last_n": (1 << 20) + 1}, "repeat_last_n")])
 def test_grpc_refuses_bad_values_naming_the_field(stub, kw, field):
@@ -399,3 +405,6 @@ def test_python_client_and_cli_send_the_penalties(stack, stub):
     r = subprocess.run(cli + ["--presence-penalty", "3"], capture_output=True, text=True, timeout=120,
                        cwd=REPO)
     assert r.returncode == 2 and "--presence-penalty 3: must be in [-2, 2]" in r.stderr, r.stderr
+    r = subprocess.run(cli + ["--repeat-penalty", "1e-40"], capture_output=True, text=True, timeout=120,
+                       cwd=REPO)
+    assert r.returncode == 2 and "--repeat-penalty 1e-40: must be in [0.001, 1000]" in r.stderr, r.stderr

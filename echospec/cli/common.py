@@ -350,7 +350,7 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
     one is reported once with the same message (chat sends one request per line). The ranges are
     the coordinator's that do not depend on its configuration; the upper bounds of --max-tokens
     and --k are the server's to check (chat checks them against the limits GetInfo reports)."""
-    from echospec_client.limits import FLOAT32_MAX
+    from echospec_client.limits import FLOAT32_MAX, MAX_REPEAT_PENALTY, MIN_REPEAT_PENALTY
 
     def bad(flag: str, v, why: str) -> None:
         _die(f"{flag} {f'{v:g}' if isinstance(v, float) else v}: {why}", 2)
@@ -380,8 +380,8 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
         if not -2.0 <= v <= 2.0:
             bad(flag, v, "must be in [-2, 2] (0: off)")
     rep = getattr(args, "repeat_penalty", None)
-    if rep is not None and not (math.isfinite(rep) and 0.0 < rep <= FLOAT32_MAX):
-        bad("--repeat-penalty", rep, "must be finite and > 0 (1: off)")
+    if rep is not None and not MIN_REPEAT_PENALTY <= rep <= MAX_REPEAT_PENALTY:
+        bad("--repeat-penalty", rep, f"must be in [{MIN_REPEAT_PENALTY:g}, {MAX_REPEAT_PENALTY:g}] (1: off)")
     last_n = getattr(args, "repeat_last_n", 0)
     if last_n < -1:
         bad("--repeat-last-n", last_n, "must be >= -1 (-1: the whole context, 0: 64)")

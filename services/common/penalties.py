@@ -21,13 +21,13 @@ drafts before the row) and the accept rule stays exact.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from echospec.services.common.floats import f32_str
+from echospec_client.limits import MAX_REPEAT_PENALTY, MIN_REPEAT_PENALTY
 
 DEFAULT_LAST_N = 64          # llama.cpp's repeat_last_n default
 MAX_LAST_N = 1 << 20         # the largest window a request may name (-1 counts the whole context)
@@ -66,16 +66,16 @@ class Penalties:
         """Refuse values out of range.
 
         Raises:
-            PenaltyError: frequency or presence outside [-2, 2] (or NaN), repeat not finite or
-                < 0 (0 reads as off), last_n outside [-1, MAX_LAST_N]; the message starts with
+            PenaltyError: frequency or presence outside [-2, 2] (or NaN), repeat outside
+                [MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY] (0 reads as off), last_n outside [-1, MAX_LAST_N]; the message starts with
                 the field's name (``prefix`` + frequency_penalty, ...).
         """
         for name, v in (("frequency_penalty", self.frequency), ("presence_penalty", self.presence)):
             if not -MAX_ADDITIVE <= v <= MAX_ADDITIVE:
                 raise PenaltyError(f"{prefix}{name} must be in [-2, 2] (0: off), got {f32_str(v)}")
-        if not math.isfinite(self.repeat) or self.repeat < 0:
-            raise PenaltyError(f"{prefix}repeat_penalty must be finite and > 0 (1: off), "
-                               f"got {f32_str(self.repeat)}")
+        if self.repeat != 0 and not MIN_REPEAT_PENALTY <= self.repeat <= MAX_REPEAT_PENALTY:
+            raise PenaltyError(f"{prefix}repeat_penalty must be in [{MIN_REPEAT_PENALTY:g}, "
+                               f"{MAX_REPEAT_PENALTY:g}] (1: off), got {f32_str(self.repeat)}")
         if not -1 <= self.last_n <= MAX_LAST_N:
             raise PenaltyError(f"{prefix}repeat_last_n must be in [-1, {MAX_LAST_N}] (-1: the whole "
                                f"context, 0: {DEFAULT_LAST_N}), got {self.last_n}")

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from echospec_client.limits import MAX_REQUEST_ID, MAX_TOP_LOGPROBS
+from echospec_client.limits import MAX_REPEAT_PENALTY, MAX_REQUEST_ID, MAX_TOP_LOGPROBS, MIN_REPEAT_PENALTY
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.rpc import grpc_util
 from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateError,
@@ -117,12 +117,14 @@ def request_penalties(req: Any) -> Penalties:
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the field: frequency_penalty or presence_penalty
-            outside [-2, 2], repeat_penalty set and not finite and > 0, repeat_last_n outside
+            outside [-2, 2], repeat_penalty set and outside
+            [MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY], repeat_last_n outside
             [-1, MAX_LAST_N].
     """
     repeat = req.repeat_penalty if req.HasField("repeat_penalty") else 1.0
-    if not (math.isfinite(repeat) and repeat > 0):
-        raise _bad(f"repeat_penalty must be finite and > 0 (1: off), got {f32_str(repeat)}")
+    if not (math.isfinite(repeat) and repeat > 0):   # 0 would read as off below: refused here
+        raise _bad(f"repeat_penalty must be in [{MIN_REPEAT_PENALTY:g}, {MAX_REPEAT_PENALTY:g}] "
+                   f"(1: off), got {f32_str(repeat)}")
     pen = Penalties(frequency=req.frequency_penalty, presence=req.presence_penalty, repeat=repeat,
                     last_n=req.repeat_last_n)
     try:

@@ -63,7 +63,8 @@ from echospec.v1 import common_pb2, coordinator_pb2
 from echospec.services.text.chat_template import ROLE_ALIASES, VALID_ROLES
 import codecs
 
-from echospec_client.limits import FLOAT32_MAX, INT32_MAX, MAX_TOP_LOGPROBS, UINT64_MAX
+from echospec_client.limits import (FLOAT32_MAX, INT32_MAX, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS,
+                                    MIN_REPEAT_PENALTY, UINT64_MAX)
 from echospec.services.common.floats import as_f32
 from echospec.services.text.clip import clip
 from echospec.services.text import tool_calls as tc
@@ -695,9 +696,9 @@ def _penalties(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     freq = _number(body, "frequency_penalty", -2.0, 2.0)
     pres = _number(body, "presence_penalty", -2.0, 2.0)
     rep = _number(body, "repeat_penalty", -math.inf, math.inf)
-    if rep is not None and not (0 < rep <= FLOAT32_MAX and as_f32(rep) > 0):
-        raise bad(f"repeat_penalty must be > 0 and a finite float32 (1: off), got "
-                  f"{body['repeat_penalty']!r}", "repeat_penalty")
+    if rep is not None and not MIN_REPEAT_PENALTY <= rep <= MAX_REPEAT_PENALTY:
+        raise bad(f"repeat_penalty must be in [{MIN_REPEAT_PENALTY:g}, {MAX_REPEAT_PENALTY:g}] (1: off), "
+                  f"got {body['repeat_penalty']!r}", "repeat_penalty")
     last_n = _integer(body, "repeat_last_n", -1)
     if last_n == 0:   # llama.cpp: a window of no tokens penalises nothing
         return

@@ -23,3 +23,7 @@ GRPC_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:
 # The most alternatives a request may ask for with each token's logprob (top_logprobs, OpenAI's
 # limit); the verifier, the coordinator, the gateway and the client check it.
 MAX_TOP_LOGPROBS = 20
+
+# repeat_penalty's range (1: off): llama.cpp divides a repeated token's positive logit by it and
+# multiplies a negative one, so a tiny or huge value would overflow the logits to infinity.
+MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-3, 1e3
