@@ -126,6 +126,25 @@ def test_arguments_as_json_text_are_kept():
     assert tc.parse_tool_calls(out, ids()) == ("", [tc.ToolCall("call_0", "a", '{"q": 1}')])
 
 
+def test_arguments_are_the_models_own_text():
+    # was: re-serialized with json.dumps' default separators, so a forced call's compact
+    # {"q":1} came back as {"q": 1}
+    out = '<tool_call>{"name": "a", "arguments": {"q":1,  "r": [1,2]}}</tool_call>'
+    assert tc.parse_tool_calls(out, ids()) == ("", [tc.ToolCall("call_0", "a", '{"q":1,  "r": [1,2]}')])
+    out = '<tool_call>{"arguments": {"name":"x"}, "name": "a"}</tool_call>'
+    assert tc.parse_tool_calls(out, ids()) == ("", [tc.ToolCall("call_0", "a", '{"name":"x"}')])
+
+
+def test_a_call_of_a_function_the_request_did_not_declare_stays_content():
+    # was: returned as a tool call whatever its name (an echo of the prompt could call anything)
+    out = 'ok <tool_call>{"name": "delete_all", "arguments": {}}</tool_call> <tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    content, calls = tc.parse_tool_calls(out, ids(), names=["a", "b"])
+    assert [c.name for c in calls] == ["a"]
+    assert content == 'ok <tool_call>{"name": "delete_all", "arguments": {}}</tool_call>'
+    f = tc.ContentFilter(ids(), names=["b"])
+    assert f.feed(out) == "ok" and f.finish()[1:] == (out, [])
+
+
 def test_a_block_without_a_name_stays_content():
     out = '<tool_call>\n{"arguments": {}}\n</tool_call>'
     assert tc.parse_tool_calls(out, ids()) == (out, [])
@@ -160,6 +179,9 @@ def test_streamed_text_without_a_call_passes_through():
     ([{"type": "function", "function": {"name": "f"}}] * 2, "", r"tools\[1\].function.name: 'f' names two tools"),
     (TOOLS, "get_news", r"tool_choice 'get_news' is not .* \(get_time, get_weather\)"),
     ([], "required", r"tool_choice 'required' needs tools"),
+    # was accepted, though tool_choice could never name them
+    ([{"type": "function", "function": {"name": "none"}}], "", r"tools\[0\].function.name: 'none' is a tool_choice keyword"),
+    ([{"type": "function", "function": {"name": "required"}}], "", r"'required' is a tool_choice keyword"),
 ])
 def test_bad_tools_are_refused_naming_the_field(tools, choice, message):
     with pytest.raises(tc.ToolError, match=message):
@@ -216,6 +238,18 @@ def test_named_tool_choice_parses_into_tool_calls(client):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    check_call(call.function.name, call.function.arguments)
+
+
+def test_a_stop_string_does_not_cut_a_forced_call(client):
+    # was: stop ["</tool_call>"] ended the output before the block closed: no tool_calls, the
+    # raw call text in the content, finish_reason "stop"
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=64,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       stop=["</tool_call>", "city"])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    [call] = choice.message.tool_calls
     check_call(call.function.name, call.function.arguments)
 
 

@@ -561,6 +561,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         for i, s in enumerate(stops):
             if not s:
                 raise _bad(f"stop[{i}] is empty")
+        if req.tools and req.tool_choice not in ("", "auto", "none"):
+            # tool_choice required or a named function: the grammar makes the whole output the
+            # calls and ends it after them, so a stop string could only cut a call in two
+            stops = []
         top_p = req.top_p if req.HasField("top_p") else 1.0
         for name, v in (("temperature", req.temperature), ("top_p", top_p), ("min_p", req.min_p)):
             if math.isnan(v) or math.isinf(v):
@@ -694,7 +698,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             events = generate(prompt, params, self.tokenizer, started, rec.counters)
             tools = self.tool_request(req)
             if tools is not None and tools.rendered:
-                events = with_tool_calls(events, tool_calls.ContentFilter())
+                events = with_tool_calls(events, tool_calls.ContentFilter(names=tools.names))
             for ev in events:
                 if isinstance(ev, Outcome):
                     ev.verifier = started.attempt.lease.address

@@ -36,7 +36,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -145,6 +145,9 @@ def parse_tools(tools_json: str, tool_choice: str) -> ToolRequest | None:
         name = fn.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise ToolError(f"{p}.function.name: {name!r} must be 1-64 letters, digits, '_' or '-'")
+        if name in CHOICES:
+            raise ToolError(f"{p}.function.name: {name!r} is a tool_choice keyword (auto, none, "
+                            f"required), so tool_choice could not name it: rename the tool")
         if name in seen:
             raise ToolError(f"{p}.function.name: {name!r} names two tools")
         seen.add(name)
@@ -236,15 +239,32 @@ def new_call_id() -> str:
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 
-def _call_of(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of a block's body, or None when it is not a call."""
+_ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
+
+
+def _call_of(body: str, names: Collection[str] | None = None) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a block's body, or None when it is not a call (or, with
+    ``names``, not a call of one of them). The arguments are the model's own text (a forced call's
+    are compact JSON), not a re-serialization."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
+    if names is not None and obj["name"] not in names:
+        return None
     args = obj.get("arguments", {})
+    if isinstance(args, dict) and "arguments" in obj:
+        # the first "arguments": is the top-level key (a name holds no quote, and a key of the
+        # arguments comes after it), so its value's own text starts where the match ends
+        m = _ARGUMENTS_KEY.search(body)
+        try:
+            value, end = json.JSONDecoder().raw_decode(body, m.end()) if m else (None, 0)
+        except ValueError:
+            value = None
+        if value == args:
+            return obj["name"], body[m.end():end]
     if isinstance(args, str):   # arguments given as JSON text: kept when it is an object
         try:
             if not isinstance(json.loads(args), dict):
@@ -257,12 +277,15 @@ def _call_of(body: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
-def parse_tool_calls(text: str, make_id=new_call_id) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, make_id=new_call_id,
+                     names: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
     """Split model output into content and calls.
 
     Args:
         text: the output text.
         make_id: () -> a call id (`new_call_id`).
+        names: the request's tools: a block calling any other function stays content (None:
+            any name).
 
     Returns:
         (content, calls): the text outside the parsed calls, and the calls in order. With calls,
@@ -278,7 +301,7 @@ def parse_tool_calls(text: str, make_id=new_call_id) -> tuple[str, list[ToolCall
     parts: list[str] = []
     pos = 0
     for m in _BLOCK.finditer(text):
-        call = _call_of(m.group(1))
+        call = _call_of(m.group(1), names)
         if call is None:
             continue
         parts.append(text[pos:m.start()])
@@ -302,11 +325,12 @@ class ContentFilter:
     parses the whole output and returns the rest of the content and the calls.
     """
 
-    def __init__(self, make_id=new_call_id) -> None:
+    def __init__(self, make_id=new_call_id, names: Collection[str] | None = None) -> None:
         self.text = ""          # the whole output so far
         self.sent = 0           # characters of it passed on
         self.held = False       # a <tool_call> began: everything from it on waits for finish
         self.make_id = make_id
+        self.names = names      # the request's tools (parse_tool_calls)
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -329,6 +353,6 @@ class ContentFilter:
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """(the content not passed on yet, the whole content, the calls)."""
-        content, calls = parse_tool_calls(self.text, self.make_id)
+        content, calls = parse_tool_calls(self.text, self.make_id, self.names)
         rest = content[self.sent:] if content.startswith(self.text[:self.sent]) else ""
         return rest, content, calls
