@@ -6,6 +6,8 @@ arguments valid under the function's schema; a second turn with the tool's resul
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -289,6 +291,29 @@ def test_auto_with_free_text_is_content(client):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw))
     assert whole.message.content == streamed and "<tool_call>" not in streamed
     assert (whole.finish_reason == "tool_calls") == bool(whole.message.tool_calls), whole
+
+
+def test_the_cli_sends_a_tool_history_as_it_is(client, stack, tmp_path):
+    # was: `echospec generate --messages` kept role and content only, so the calls and the
+    # tool_call_id vanished from the prompt (41 tokens against HTTP's 72), and content null
+    # beside tool_calls was refused
+    turn = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": '{"city": "Oslo"}'}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'}]
+    want = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, max_tokens=4)
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(turn))
+    r = subprocess.run([sys.executable, "-m", "echospec.cli", "generate", "--messages", str(f), "--target",
+                        stack.target, "--json", "--max-tokens", "4"], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    # the CLI sends no tools, so its prompt is the history alone: longer than the bare question,
+    # and holding the call (the HTTP one adds the tools' system turn)
+    got = json.loads(r.stdout)
+    no_history = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)
+    assert got["prompt_tokens"] > no_history.usage.prompt_tokens + 20, (got["prompt_tokens"], no_history.usage)
+    assert got["prompt_tokens"] < want.usage.prompt_tokens
 
 
 def test_a_second_turn_with_the_result_goes_through_the_template(client, stub):

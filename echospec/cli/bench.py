@@ -5,9 +5,9 @@ import argparse
 import json
 import sys
 
-from echospec.cli.common import (_add_client_args, _check_sampling_flags, _client, _client_error,
-                                 _die, _gen_kwargs, _int32, _read_text, _seconds, _target,
-                                 _valid_unicode)
+from echospec.cli.common import (_add_client_args, _check_messages, _check_sampling_flags, _client,
+                                 _client_error, _die, _gen_kwargs, _int32, _read_text, _seconds,
+                                 _target, _valid_unicode)
 
 
 _WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
@@ -47,9 +47,7 @@ def _load_workloads(path: str) -> list[dict]:
         if msgs is not None:
             if not isinstance(msgs, list) or not msgs:
                 _die(f"{path}:{n}: messages must be a non-empty list of chat messages", 2)
-            for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
-                    _die(f"{path}:{n}: messages[{i}] needs string role and content", 2)
+            _check_messages(msgs, f"{path}:{n}")
         for key in ("prediction", "draft_namespace"):
             if key in w and not isinstance(w[key], str):
                 _die(f"{path}:{n}: {key} must be a string", 2)

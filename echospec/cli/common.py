@@ -393,7 +393,9 @@ def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = No
     kw: dict = {}
     if messages is not None:
         _check_messages(messages)
-        kw["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
+        # the fields the client sends (a tool history's calls and ids included), nothing else
+        kw["messages"] = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id", "name") if k in m}
+                          for m in messages]
     else:
         kw["prompt"] = prompt or ""
     kw["max_tokens"] = int(max_tokens if max_tokens is not None else args.max_tokens or 0)
