@@ -148,6 +148,9 @@ def test_services_report_sparse_attention_and_refuse_speculation(sparse_stack):
         cfg = vstub.GetConfig(vpb.GetConfigRequest(), timeout=30)
         assert cfg.sparse_attention and cfg.kv_eviction == "none"
         assert not cfg.prefix_cache   # no prefix is reused (was: reported true; routing followed it)
+        info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)   # was: GetInfo did not say
+        assert info.sparse_attention and [v.sparse_attention for v in info.verifiers] == [True]
+        assert info.kv_type == "f16"
 
         def complete(spec):
             return stub.Complete(cpb.CompleteRequest(token_ids=PROMPT, max_tokens=N_GEN, spec=spec, k=4),

@@ -143,24 +143,47 @@ def test_a_verifier_without_a_prefix_cache_is_never_a_prefix_holder():
         pool.close()
 
 
-def test_a_fleet_with_mixed_kv_eviction_is_warned_about_once(caplog):
+def _poll_with_reports(reports, caplog):
+    """A pool of verifiers whose GetConfig answers ``reports[address]`` (GetConfigResponse
+    keyword arguments), polled twice; the WARNING lines it logged about mixed attention."""
     from echospec.v1 import verifier_pb2
     from grpc_health.v1 import health_pb2
-    a, b = "127.0.0.1:1", "127.0.0.1:2"
-    pool = VerifierPool([a, b], 1 << 20)
-    evictions = {a: "none", b: "sinks 4, window 64"}
+    pool = VerifierPool(list(reports), 1 << 20)
     try:
         for addr, e in pool._entries.items():   # stand-ins for the channels' stubs
             e.health = SimpleNamespace(Check=lambda req, timeout: health_pb2.HealthCheckResponse(
                 status=health_pb2.HealthCheckResponse.SERVING))
-            e.stub = SimpleNamespace(GetConfig=lambda req, timeout, ev=evictions[addr]:
-                                     verifier_pb2.GetConfigResponse(kv_eviction=ev, max_sessions=4))
+            e.stub = SimpleNamespace(GetConfig=lambda req, timeout, kw=reports[addr]:
+                                     verifier_pb2.GetConfigResponse(max_sessions=4, **kw))
         with caplog.at_level("WARNING", logger="echospec"):
             pool.poll()
             pool.poll()                                       # the same reports: no new warning
-        warned = [r.getMessage() for r in caplog.records if "KV eviction" in r.getMessage()]
-        assert len(warned) == 1, warned
-        assert "'sinks 4, window 64'" in warned[0] and "'none'" in warned[0], warned
-        assert {x.address: x.kv_eviction for x in pool.backends()} == evictions
+        warned = [r.getMessage() for r in caplog.records if "does not continue" in r.getMessage()]
+        return pool.backends(), warned
     finally:
         pool.close()
+
+
+def test_a_fleet_with_mixed_kv_eviction_is_warned_about_once(caplog):
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    evictions = {a: "none", b: "sinks 4, window 64"}
+    backends, warned = _poll_with_reports({k: {"kv_eviction": v} for k, v in evictions.items()}, caplog)
+    assert len(warned) == 1, warned
+    assert "'sinks 4, window 64'" in warned[0] and "'none'" in warned[0], warned
+    assert {x.address: x.kv_eviction for x in backends} == evictions
+
+
+def test_a_fleet_with_mixed_sparse_attention_or_kv_type_is_warned_about(caplog):
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    for other, words in (({"sparse_attention": True}, "sparse attention on"),
+                         ({"kv_type": "q8_0"}, "KV type q8_0")):
+        caplog.clear()
+        reports = {a: {"kv_eviction": "none"}, b: {"kv_eviction": "none", **other}}
+        _, warned = _poll_with_reports(reports, caplog)
+        assert len(warned) == 1 and words in warned[0], warned
+        assert "--sparse-attention and --kv-type" in warned[0], warned
+    caplog.clear()
+    same = {a: {"kv_eviction": "none", "kv_type": "f16"}, b: {"kv_eviction": "none"}}
+    backends, warned = _poll_with_reports(same, caplog)
+    assert warned == []                           # "" (a verifier that does not say) is f16
+    assert {x.kv_type for x in backends} == {"f16"}

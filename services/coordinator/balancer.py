@@ -67,6 +67,8 @@ class Backend:
     last_error: str = ""
     recoveries: int = 0            # polls that found it SERVING again after it was down
     kv_eviction: str = ""          # its GetConfig kv_eviction ("": not reported yet)
+    sparse_attention: bool = False # its GetConfig sparse_attention
+    kv_type: str = ""              # its GetConfig kv_type ("": not reported yet)
 
     @property
     def estimated_active(self) -> int:

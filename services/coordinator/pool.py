@@ -48,6 +48,18 @@ DNS_PREFIX = "dns:///"
 Resolver = Callable[[str, int], list[str]]
 
 
+def attention_of(b: Backend) -> tuple[str, bool, str]:
+    """What a verifier's attention keeps and reads: (kv_eviction, sparse_attention, kv_type)."""
+    return (b.kv_eviction, b.sparse_attention, b.kv_type)
+
+
+def describe_attention(a: tuple[str, bool, str]) -> str:
+    """``attention_of``'s tuple in words for a log line."""
+    eviction, sparse, kv_type = a
+    return (f"KV eviction {eviction!r}, sparse attention {'on' if sparse else 'off'}, "
+            f"KV type {kv_type}")
+
+
 class NoVerifier(Exception):
     """No healthy verifier can take the generation (the message lists why each is out)."""
 
@@ -265,24 +277,29 @@ class VerifierPool:
                     b.max_sessions = cfg.max_sessions
                     b.free_kv_tokens = cfg.free_kv_tokens
                     b.in_flight_at_report = mine
-                    if b.kv_eviction != cfg.kv_eviction:
-                        b.kv_eviction = cfg.kv_eviction
-                        self._warn_mixed_eviction(b)
+                    attention = (cfg.kv_eviction, cfg.sparse_attention, cfg.kv_type or "f16")
+                    if attention_of(b) != attention:
+                        b.kv_eviction, b.sparse_attention, b.kv_type = attention
+                        self._warn_mixed_attention(b)
             self._export(b)
         self._publish()
 
-    def _warn_mixed_eviction(self, b: Backend) -> None:
-        """Log when ``b`` keeps KV eviction other than a verifier already reported (lock held):
-        a generation moved between them continues with another attention, so its output is not
-        the one it would have been, and one past n_ctx fails on the verifier that keeps all."""
-        others = {e.backend.kv_eviction: e.backend.address for e in self._entries.values()
-                  if e.backend is not b and e.backend.kv_eviction and not e.removed}
-        other = next((v for v in others if v != b.kv_eviction), None)
-        if other is not None:
-            log.warning("verifier %s keeps KV eviction %r, verifier %s %r: a generation moved "
+    def _warn_mixed_attention(self, b: Backend) -> None:
+        """Log when ``b`` attends otherwise than a verifier already reported (KV eviction, sparse
+        attention or the KV cache's type; lock held): a generation moved between them continues
+        with another attention, so its output is not the one it would have been, and one past
+        n_ctx fails on a verifier that keeps every position."""
+        mine = attention_of(b)
+        for e in self._entries.values():
+            o = e.backend
+            if o is b or not o.kv_eviction or e.removed or attention_of(o) == mine:
+                continue
+            log.warning("verifier %s attends with %s, verifier %s with %s: a generation moved "
                         "between them does not continue as it began (give every verifier the "
-                        "same --kv-sinks / --kv-window)", b.address, b.kv_eviction,
-                        others[other], other)
+                        "same --kv-sinks / --kv-window, --sparse-attention and --kv-type)",
+                        b.address, describe_attention(mine), o.address,
+                        describe_attention(attention_of(o)))
+            return
 
     def report_failure(self, address: str, why: str) -> None:
         """A call could not reach ``address``: out of the candidates until a poll finds it SERVING."""

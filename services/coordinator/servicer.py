@@ -913,7 +913,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         statuses = [coordinator_pb2.VerifierStatus(
             address=b.address, healthy=b.healthy, active_sessions=b.reported_active,
             max_sessions=b.max_sessions, free_kv_tokens=b.free_kv_tokens, in_flight=b.in_flight,
-            last_error=b.last_error, kv_eviction=b.kv_eviction) for b in self.pool.backends()]
+            last_error=b.last_error, kv_eviction=b.kv_eviction, sparse_attention=b.sparse_attention,
+            kv_type=b.kv_type) for b in self.pool.backends()]
         k_max = min(cfg.k_max, v.max_k)   # what a verifier takes (GetConfig's max_k) too
         return coordinator_pb2.GetInfoResponse(
             model=model_name(cfg.model), spec_default=cfg.spec, k_default=min(cfg.k, k_max),
@@ -922,4 +923,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             verifier_target=",".join(s.address for s in statuses),
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses,
             arch=v.arch, n_expert=v.n_expert, n_expert_used=v.n_expert_used,
-            chat_template_missing=self.template.missing or "", kv_eviction=v.kv_eviction)
+            chat_template_missing=self.template.missing or "", kv_eviction=v.kv_eviction,
+            sparse_attention=v.sparse_attention, kv_type=v.kv_type or "f16")
