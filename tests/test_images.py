@@ -200,7 +200,15 @@ def test_decompression_bomb_header_refused_before_decoding():
     # our limit, not Pillow's: a small image is refused under a small limit
     with pytest.raises(ImageError, match=r"declares 100x100 = 10000 pixels, above the limit of 5000"):
         preprocess(encode(noise(100, 100), "PNG"), PART, limits=ImageLimits(max_decoded_pixels=5000))
-    assert PILImage.MAX_IMAGE_PIXELS == images.DEFAULT_MAX_DECODED_PIXELS
+    # Pillow's limit is ours too (its check runs first for a header above it)
+    assert PILImage.MAX_IMAGE_PIXELS == images.MAX_DECODED_PIXELS_CAP == 1 << 30
+    with pytest.raises(ImageError, match=r"^messages.1..content.2.: the image declares 20000x20000 "
+                                         r"= 400000000 pixels, above the limit of 33554432 decoded"):
+        preprocess(png_header_only(20000, 20000), PART)
+    for w, h in ((60000, 60000), (40000, 30000)):   # above Pillow's error / warning threshold
+        with pytest.raises(ImageError, match=rf"the image declares {w * h} pixels, above the limit "
+                                             rf"of 33554432 decoded pixels \(a decompression bomb"):
+            preprocess(png_header_only(w, h), PART)
 
 
 def test_extreme_shapes():

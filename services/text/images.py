@@ -10,9 +10,9 @@ The steps, in order:
 2. the format (PNG, JPEG, WebP, GIF) from the bytes' own signature, and the declared media type
    when one is given must agree with it;
 3. the pixel count from the header, before any pixel is decoded, against
-   ``ImageLimits.max_decoded_pixels`` (our decompression-bomb limit: Pillow's own
-   ``Image.MAX_IMAGE_PIXELS`` is set to it as well, and its DecompressionBombError/Warning are
-   reported as this error);
+   ``ImageLimits.max_decoded_pixels`` (our decompression-bomb limit; Pillow's own
+   ``Image.MAX_IMAGE_PIXELS`` is set by us to MAX_DECODED_PIXELS_CAP, the highest a server may
+   configure, and its DecompressionBombError/Warning are reported as the same error);
 4. decoding the first frame (an animated GIF, WebP or PNG gives its first frame) and converting
    it to 8-bit RGB: alpha is composited over white, palette, grey, CMYK and 16-bit images are
    converted; the hash of these pixels (``pixel_hash``) keys the image in the prefix cache;
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -55,11 +56,14 @@ DEFAULT_MAX_DECODED_PIXELS = 2 * QWEN3VL_MAX_PIXELS
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG",
                "image/webp": "WEBP", "image/gif": "GIF"}
 """Media types taken, and the Pillow format each names."""
-_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
-# Pillow's own bomb check (a warning above the limit, an error above twice it) follows ours; the
-# explicit header check below is the one that names the part and the limit.
-PILImage.MAX_IMAGE_PIXELS = DEFAULT_MAX_DECODED_PIXELS
+MAX_DECODED_PIXELS_CAP = 1 << 30
+"""The highest max_decoded_pixels a server may be configured with, and Pillow's own bomb limit
+(Image.MAX_IMAGE_PIXELS, set here instead of Pillow's default): Pillow checks it as it opens a
+file (its warning is taken as an error here), so it must not be below the configured limit; the
+configured limit is checked right after, from the header, before any pixel is decoded."""
+PILImage.MAX_IMAGE_PIXELS = MAX_DECODED_PIXELS_CAP
+ImageFile.LOAD_TRUNCATED_IMAGES = False   # a truncated file is an error, never grey padding
 
 
 class ImageError(ValueError):
@@ -85,8 +89,9 @@ class ImageLimits:
         if self.max_pixels < max(self.min_pixels, self.factor * self.factor):
             raise ValueError(f"image max pixels ({self.max_pixels}) must be >= image min pixels "
                              f"({self.min_pixels}) and >= {self.factor}x{self.factor}")
-        if self.max_decoded_pixels < 1:
-            raise ValueError(f"image max decoded pixels must be >= 1, got {self.max_decoded_pixels}")
+        if not 1 <= self.max_decoded_pixels <= MAX_DECODED_PIXELS_CAP:
+            raise ValueError(f"image max decoded pixels must be in [1, {MAX_DECODED_PIXELS_CAP}], "
+                             f"got {self.max_decoded_pixels}")
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ def _open(data: bytes, part: str, media_type: str, limits: ImageLimits) -> tuple
                          f"with {data[:8].hex()})")
     if declared is not None and declared != fmt:
         raise ImageError(f"{part}: the media type says {media_type} but the bytes are {fmt}")
-    im = _guard(part, fmt, lambda: PILImage.open(io.BytesIO(data), formats=[fmt]))
+    im = _guard(part, fmt, lambda: PILImage.open(io.BytesIO(data), formats=[fmt]), limits)
     w, h = im.size
     if w * h > limits.max_decoded_pixels:
         im.close()
@@ -197,14 +202,20 @@ def _open(data: bytes, part: str, media_type: str, limits: ImageLimits) -> tuple
     return fmt, im
 
 
-def _guard(part: str, fmt: str, step):
+def _guard(part: str, fmt: str, step, limits: ImageLimits):
     """``step()``, Pillow's failures turned into an ImageError naming the part."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", PILImage.DecompressionBombWarning)
             return step()
     except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning) as exc:
-        raise ImageError(f"{part}: the image is a decompression bomb: {exc}") from None
+        # Pillow checks its own limit (MAX_DECODED_PIXELS_CAP, >= the configured one) as it
+        # opens the file, before our check can run; its message has the pixel count, not the sides
+        m = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{m.group(1)} pixels" if m else "too many pixels"
+        raise ImageError(f"{part}: the image declares {size}, above the limit of "
+                         f"{limits.max_decoded_pixels} decoded pixels (a decompression bomb, or "
+                         f"simply too large)") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
             IndexError, MemoryError) as exc:
         raise ImageError(f"{part}: the {fmt} image cannot be decoded: "
@@ -227,148 +238,7 @@ def decode(data: bytes, part: str, media_type: str = "",
             rgb = _to_rgb(im)
             rgb.load()
             return rgb
-        return fmt, _guard(part, fmt, first_frame_rgb)
-
-
-def check(self) -> None:
-        """Raises ValueError naming the setting that cannot work."""
-        if self.max_bytes < 1:
-            raise ValueError(f"image max bytes must be >= 1, got {self.max_bytes}")
-        if self.factor < 1:
-            raise ValueError(f"image factor must be >= 1, got {self.factor}")
-        if self.min_pixels < 1:
-            raise ValueError(f"image min pixels must be >= 1, got {self.min_pixels}")
-        if self.max_pixels < max(self.min_pixels, self.factor * self.factor):
-            raise ValueError(f"image max pixels ({self.max_pixels}) must be >= image min pixels "
-                             f"({self.min_pixels}) and >= {self.factor}x{self.factor}")
-        if self.max_decoded_pixels < 1:
-            raise ValueError(f"image max decoded pixels must be >= 1, got {self.max_decoded_pixels}")
-
-
-@dataclass(frozen=True)
-class Image:
-    """A decoded, checked image and what the vision encoder takes."""
-
-    format: str             # PNG, JPEG, WEBP, GIF
-    width: int              # decoded size
-    height: int
-    resized_width: int      # after smart_resize: multiples of the factor
-    resized_height: int
-    pixel_hash: str         # sha256 hex of the decoded RGB pixels and their size
-    pixels: np.ndarray      # float32 [3][resized_height][resized_width], normalised
-
-
-def smart_resize(height: int, width: int, factor: int = QWEN3VL_FACTOR,
-                 min_pixels: int = QWEN3VL_MIN_PIXELS,
-                 max_pixels: int = QWEN3VL_MAX_PIXELS) -> tuple[int, int]:
-    """(height, width) for the model: both multiples of ``factor``, the area within
-    [min_pixels, max_pixels], the aspect ratio kept as closely as possible (Qwen2-VL's rule).
-
-    Raises:
-        ValueError: the aspect ratio is above 200, or a side is < 1.
-    """
-    if height < 1 or width < 1:
-        raise ValueError(f"the image is {width}x{height}: a side is empty")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(f"the image is {width}x{height}: its aspect ratio {ratio:.1f} is above "
-                         f"{MAX_ASPECT_RATIO}, which the model's processor refuses")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def _sniff(data: bytes) -> str | None:
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "PNG"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "JPEG"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "GIF"
-    return None
-
-
-def _to_rgb(im: PILImage.Image) -> PILImage.Image:
-    """8-bit RGB: alpha over white, palette / grey / CMYK converted, 16-bit and float grey scaled."""
-    if im.mode == "P":
-        im = im.convert("RGBA" if "transparency" in im.info else "RGB")
-    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        a = np.asarray(im, dtype=np.float64)
-        top = 65535.0 if im.mode.startswith("I;16") or (a.size and a.max() > 255) else 255.0
-        im = PILImage.fromarray(np.clip(np.rint(a * (255.0 / top)), 0, 255).astype(np.uint8), "L")
-    if im.mode in ("RGBA", "LA", "La", "RGBa", "PA"):
-        rgba = im.convert("RGBA")
-        white = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return PILImage.alpha_composite(white, rgba).convert("RGB")
-    return im if im.mode == "RGB" else im.convert("RGB")
-
-
-def pixel_hash(rgb: PILImage.Image) -> str:
-    """sha256 of an RGB image's size and pixels: the same pixels give the same hash whatever the
-    file format or its encoder's choices."""
-    h = hashlib.sha256(f"rgb {rgb.width}x{rgb.height}\n".encode())
-    h.update(rgb.tobytes())
-    return h.hexdigest()
-
-
-def decode(data: bytes, part: str, media_type: str = "",
-           limits: ImageLimits = ImageLimits()) -> tuple[str, PILImage.Image]:
-    """(format, 8-bit RGB first frame) of an encoded image.
-
-    Raises:
-        ImageError: "<part>: ..." for an empty, too large, unsupported, mislabelled, oversized
-            (bomb) or undecodable image.
-    """
-    if not data:
-        raise ImageError(f"{part}: the image is empty (0 bytes)")
-    if len(data) > limits.max_bytes:
-        raise ImageError(f"{part}: the image is {len(data)} bytes, above the limit of "
-                         f"{limits.max_bytes} bytes")
-    declared = None
-    if media_type:
-        declared = MEDIA_TYPES.get(media_type.strip().lower())
-        if declared is None:
-            raise ImageError(f"{part}: media type {media_type!r} is not supported (supported: "
-                             f"image/png, image/jpeg, image/webp, image/gif)")
-    fmt = _sniff(data)
-    if fmt is None:
-        raise ImageError(f"{part}: the bytes are not a PNG, JPEG, WebP or GIF image (they start "
-                         f"with {data[:8].hex()})")
-    if declared is not None and declared != fmt:
-        raise ImageError(f"{part}: the media type says {media_type} but the bytes are {fmt}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", PILImage.DecompressionBombWarning)
-            with PILImage.open(io.BytesIO(data), formats=[fmt]) as im:
-                w, h = im.size
-                if w * h > limits.max_decoded_pixels:
-                    raise ImageError(f"{part}: the image declares {w}x{h} = {w * h} pixels, above "
-                                     f"the limit of {limits.max_decoded_pixels} decoded pixels "
-                                     f"(a decompression bomb, or simply too large)")
-                if w < 1 or h < 1:
-                    raise ImageError(f"{part}: the image is {w}x{h}: a side is empty")
-                im.seek(0)
-                im.load()
-                rgb = _to_rgb(im)
-                rgb.load()
-    except ImageError:
-        raise
-    except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning) as exc:
-        raise ImageError(f"{part}: the image is a decompression bomb: {exc}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
-            IndexError, MemoryError) as exc:
-        raise ImageError(f"{part}: the {fmt} image cannot be decoded: {exc or type(exc).__name__}") from None
-    return fmt, rgb
+        return fmt, _guard(part, fmt, first_frame_rgb, limits)
 
 
 def check(data: bytes, part: str, media_type: str = "",
@@ -411,6 +281,3 @@ def preprocess(data: bytes, part: str, media_type: str = "",
     return Image(format=fmt, width=rgb.width, height=rgb.height, resized_width=rw,
                  resized_height=rh, pixel_hash=pixel_hash(rgb),
                  pixels=np.ascontiguousarray(a, dtype=np.float32))
-
-
-ImageFile.LOAD_TRUNCATED_IMAGES = False   # a truncated file is an error, never grey padding
