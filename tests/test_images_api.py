@@ -44,10 +44,10 @@ def picture() -> bytes:
     return encode(PILImage.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)), "PNG")
 
 
-def bomb() -> bytes:
+def bomb(width: int = 60000, height: int = 60000) -> bytes:
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
 
 
@@ -201,8 +201,11 @@ def test_http_valid_image_is_refused_naming_the_part(client):
     ("data:image/png," + "abc", "messages[0].content[1]: the data URL must be base64"),
     (data_url(picture(), "image/bmp"), "messages[0].content[1]: media type 'image/bmp' is not supported"),
     (data_url(b"hello world"), "messages[0].content[1]: the bytes are not a PNG, JPEG, WebP or GIF"),
+    # a header above Pillow's cap is refused by the gateway, one above the coordinator's limit there
     (data_url(bomb()), "messages[0].content[1]: the image declares 3600000000 pixels, above the limit "
-                       "of 33554432 decoded pixels (a decompression bomb, or simply too large)"),
+                       "of 1073741824 decoded pixels (a decompression bomb, or simply too large)"),
+    (data_url(bomb(20000, 20000)), "messages[0].content[1]: the image declares 20000x20000 = "
+                                   "400000000 pixels, above the limit of 33554432 decoded pixels"),
     (data_url(encode(PILImage.new("RGB", (100000, 1)), "PNG")),
      "messages[0].content[1]: the image is 100000x1: its aspect ratio 100000.0 is above 200"),
     # the header is fine: the gateway forwards it, the coordinator's decoding finds the damage

@@ -376,6 +376,13 @@ def image_url_bytes(url: Any, param: str) -> tuple[bytes, str]:
     return data, media
 
 
+# The gateway checks what does not depend on the coordinator's image settings (the format, the
+# header, the aspect ratio, Pillow's own bomb cap); the coordinator's byte cap and decoded-pixel
+# limit, which a server may raise, are checked there (still a 400 naming the part).
+_GATEWAY_IMAGE_LIMITS = images.ImageLimits(max_bytes=2 ** 31 - 1,
+                                           max_decoded_pixels=images.MAX_DECODED_PIXELS_CAP)
+
+
 def _content_parts(v: list, param: str) -> list:
     """A message content with image parts: one ContentPart per part, in order (the same index:
     messages[i].content[j] is messages[i].parts[j] on the wire). Each image is decoded and
@@ -398,7 +405,7 @@ def _content_parts(v: list, param: str) -> list:
                 raise bad(f"{pj}: image_url.detail must be auto, low or high, got {detail!r}", pj)
             data, media = image_url_bytes(iu["url"], pj)
             try:
-                images.check(data, pj, media)
+                images.check(data, pj, media, _GATEWAY_IMAGE_LIMITS)
             except images.ImageError as exc:
                 raise bad(str(exc), pj) from None
             parts.append(coordinator_pb2.ContentPart(image=data, media_type=media))
