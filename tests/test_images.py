@@ -50,6 +50,39 @@ def test_smart_resize_qwen3vl_defaults(hw, want):
     assert smart_resize(*hw) == want
 
 
+# Golden values from transformers' Qwen2-VL smart_resize (the rule Qwen3-VL's processor uses) with
+# factor 32; ours matched it on 35,000 random sizes and budgets when these were taken.
+@pytest.mark.parametrize("hw, default_budget, small_budget", [
+    ((1080, 1920), (1088, 1920), (32, 64)),
+    ((33, 4000), (32, 4000), (32, 704)),
+    ((3, 7), (192, 416), (32, 64)),
+    ((15, 600), (64, 1632), (32, 224)),
+    ((10, 10), (256, 256), (32, 32)),
+    ((448, 448), (448, 448), (64, 64)),
+    ((896, 896), (896, 896), (64, 64)),
+    ((1000, 5), (3648, 32), (480, 32)),
+    ((8192, 4096), (5792, 2880), (64, 32)),
+])
+def test_smart_resize_golden(hw, default_budget, small_budget):
+    assert smart_resize(*hw) == default_budget
+    assert smart_resize(*hw, 32, 1024, 4096) == small_budget
+
+
+def test_pixels_golden():
+    """transformers' Qwen2VLImageProcessorPil with Qwen3-VL's settings (patch 16, merge 2, mean and
+    std 0.5, 256*256 .. 4096*4096) on this image, its patches laid back out as [3][H][W]: the
+    grid 14 x 22 patches, these sums and values (ours matched every element within 1.2e-7)."""
+    im = PILImage.fromarray(np.random.default_rng(11).integers(0, 256, (61, 97, 3), dtype=np.uint8))
+    out = preprocess(encode(im, "PNG"), PART)
+    assert out.pixels.shape == (3, 224, 352)
+    x = out.pixels.astype(np.float64)
+    # 236,544 elements, each within 1.2e-7 of transformers' (float32 rounding): sums within 0.03
+    assert x.sum() == pytest.approx(-313.1796104311943, abs=0.03)
+    assert np.abs(x).sum() == pytest.approx(92758.37250036001, abs=0.03)
+    assert x[:, 100, 200] == pytest.approx([0.984314, -0.670588, -0.87451], abs=1e-6)
+    assert x[1, 0, :3] == pytest.approx([0.803922, 0.678431, 0.403922], abs=1e-6)
+
+
 def test_smart_resize_custom_budget():
     assert smart_resize(100, 100, 32, 1024, 4096) == (64, 64)
     assert smart_resize(10, 10, 32, 1024, 4096) == (32, 32)
@@ -104,6 +137,18 @@ def test_gif_gives_its_first_frame():
         assert check.n_frames == 2
     fmt, rgb = images.decode(data, PART, "image/gif")
     assert rgb.mode == "RGB" and rgb.getpixel((5, 5)) == (255, 0, 0)
+
+
+@pytest.mark.parametrize("fmt", ["WEBP", "PNG"])
+def test_animated_webp_and_png_give_their_first_frame(fmt):
+    red = PILImage.new("RGB", (32, 32), (255, 0, 0))
+    blue = PILImage.new("RGB", (32, 32), (0, 0, 255))
+    kw = {"lossless": True} if fmt == "WEBP" else {}
+    data = encode(red, fmt, save_all=True, append_images=[blue], duration=100, **kw)
+    with PILImage.open(io.BytesIO(data)) as check:
+        assert check.n_frames == 2
+    _, rgb = images.decode(data, PART)
+    assert rgb.getpixel((5, 5)) == (255, 0, 0)
 
 
 def test_rgba_is_composited_over_white():

@@ -122,8 +122,10 @@ def smart_resize(height: int, width: int, factor: int = QWEN3VL_FACTOR,
     if ratio > MAX_ASPECT_RATIO:
         raise ValueError(f"the image is {width}x{height}: its aspect ratio {ratio:.1f} is above "
                          f"{MAX_ASPECT_RATIO}, which the model's processor refuses")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    # a side under factor / 2 rounds to 0: the area is then below min_pixels (>= 1) and the
+    # scaling up below gives it at least one factor
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
