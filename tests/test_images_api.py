@@ -38,6 +38,9 @@ def encode(im: PILImage.Image, fmt: str) -> bytes:
     im.save(buf, format=fmt)
     return buf.getvalue()
 
+# the 64x48 picture below, resized by Qwen3-VL's rule (factor 32, at least 256*256 pixels)
+VALID = "the image itself is valid (PNG 64x48, 320x224 after resizing)"
+
 
 def picture() -> bytes:
     rng = np.random.default_rng(5)
@@ -87,11 +90,11 @@ def test_getinfo_says_the_model_takes_no_images(stub):
 
 def test_grpc_valid_image_is_checked_then_refused(stub):
     details = refusal(stub, [image_message(picture())])
-    assert details == f"messages[0].parts[1]: {NO_IMAGES}; the image itself is valid (PNG, 64x48)"
+    assert details == f"messages[0].parts[1]: {NO_IMAGES}; {VALID}"
     # the media type may be left to the bytes
     details = refusal(stub, [cpb.ChatMessage(role="system", content="Be brief."),
                              image_message(encode(PILImage.new("RGB", (9, 9)), "GIF"), "")])
-    assert details.startswith(f"messages[1].parts[1]: {NO_IMAGES}; the image itself is valid (GIF, 9x9)")
+    assert details.startswith(f"messages[1].parts[1]: {NO_IMAGES}; the image itself is valid (GIF 9x9, 256x256 after resizing)")
 
 
 @pytest.mark.parametrize("data, media, message", [
@@ -165,6 +168,10 @@ def test_image_parts_limits_without_a_stack():
         parts.contents([cpb.ChatMessage(role="user", parts=many)])
     with pytest.raises(ImagePartError, match=r"^messages\[0\]\.parts\[0\]: the served model takes no images"):
         parts.contents([cpb.ChatMessage(role="user", parts=many[:16])])
+    # the pixel budget settings (serve --image-min-pixels / --image-max-pixels) reach the resize
+    small = ImageParts(CoordinatorConfig(image_min_pixels=1024, image_max_pixels=2048), "m.gguf")
+    with pytest.raises(ImagePartError, match=r"valid \(PNG 64x48, 32x32 after resizing\)$"):
+        small.contents([cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=picture())])])
     assert parts.contents([cpb.ChatMessage(role="user", content="a"),
                            cpb.ChatMessage(role="user", parts=[cpb.ContentPart(text="b"),
                                                                cpb.ContentPart(text="c")])]) == ["a", "bc"]
@@ -188,8 +195,7 @@ def image_content(url: str, **extra) -> list:
 
 def test_http_valid_image_is_refused_naming_the_part(client):
     e = http_refusal(client, image_content(data_url(picture()), detail="low"))
-    assert e.body["message"] == (f"messages[0].content[1]: {NO_IMAGES}; the image itself is valid "
-                                 f"(PNG, 64x48)")
+    assert e.body["message"] == f"messages[0].content[1]: {NO_IMAGES}; {VALID}"
     assert e.body["param"] == "messages[0].content"
 
 
@@ -240,7 +246,7 @@ def test_cli_generate_image(smollm2_api, tmp_path):
     r = subprocess.run([*ECHOSPEC, "generate", "--image", str(png), "What is this?", "--target",
                         target], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2, r.stderr
-    assert f"messages[0].parts[0]: {NO_IMAGES}; the image itself is valid (PNG, 64x48)" in r.stderr
+    assert f"messages[0].parts[0]: {NO_IMAGES}; {VALID}" in r.stderr
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "Describe it."}]))
     r = subprocess.run([*ECHOSPEC, "generate", "--messages", str(msgs), "--image", str(png),
@@ -296,4 +302,4 @@ def test_grpcurl_image_bytes(smollm2_api):
                        timeout=60, env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
     assert r.returncode != 0
     assert "InvalidArgument" in r.stderr
-    assert f"messages[0].parts[1]: {NO_IMAGES}; the image itself is valid (PNG, 64x48)" in r.stderr
+    assert f"messages[0].parts[1]: {NO_IMAGES}; {VALID}" in r.stderr

@@ -92,6 +92,6 @@ class ImageParts:
                 raise ImagePartError(str(exc)) from None
         if self.missing:
             raise ImagePartError(f"{where}: the served model takes no images ({self.missing}); "
-                                 f"the image itself is valid ({img.format}, {img.width}x"
-                                 f"{img.height})")
+                                 f"the image itself is valid ({img.format} {img.width}x{img.height}, "
+                                 f"{img.resized_width}x{img.resized_height} after resizing)")
         return img
