@@ -455,7 +455,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
         Raises:
             RequestError: INVALID_ARGUMENT for zero or several prompt forms, an
-                empty prompt, ids outside the vocabulary or malformed chat messages.
+                empty prompt, ids outside the vocabulary, malformed chat messages, or a
+                message part that cannot be used (image_parts.py: a bad image, or any image
+                while the served model takes none).
         """
         forms = [name for name, present in (("text", bool(req.text)),
                                             ("messages", len(req.messages) > 0),

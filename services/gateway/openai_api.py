@@ -343,6 +343,8 @@ def _text_content(v: Any, param: str) -> str:
     raise bad(f"{param} must be a string or a list of text parts, got {type(v).__name__}", param)
 
 
+# Image parts: only inline base64 data URLs are taken; a remote URL is always refused (there is
+# no option to fetch it, see REMOTE_IMAGE_REFUSAL).
 _DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
 REMOTE_IMAGE_REFUSAL = (
     "remote image URLs are not fetched: the gateway never downloads from the network on a "
@@ -385,8 +387,10 @@ _GATEWAY_IMAGE_LIMITS = images.ImageLimits(max_bytes=2 ** 31 - 1,
 
 def _content_parts(v: list, param: str) -> list:
     """A message content with image parts: one ContentPart per part, in order (the same index:
-    messages[i].content[j] is messages[i].parts[j] on the wire). Each image is decoded and
-    its shape checked here, so a bad one is a 400 naming it."""
+    messages[i].content[j] is messages[i].parts[j] on the wire). Each image's data URL, format
+    and header are checked here (images.check: no pixel is decoded in the event loop), so a bad
+    one is a 400 naming it; the coordinator decodes it and refuses what only decoding finds
+    (also a 400, its part renamed content[j] by error_from_status)."""
     parts = []
     for j, p in enumerate(v):
         pj = f"{param}[{j}]"
