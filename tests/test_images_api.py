@@ -197,6 +197,9 @@ def test_http_valid_image_is_refused_naming_the_part(client):
     e = http_refusal(client, image_content(data_url(picture()), detail="low"))
     assert e.body["message"] == f"messages[0].content[1]: {NO_IMAGES}; {VALID}"
     assert e.body["param"] == "messages[0].content"
+    # the URL as the image_url value itself, as some clients send it
+    e = http_refusal(client, [{"type": "image_url", "image_url": data_url(picture())}])
+    assert e.body["message"] == f"messages[0].content[0]: {NO_IMAGES}; {VALID}"
 
 
 @pytest.mark.parametrize("url, message", [
