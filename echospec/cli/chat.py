@@ -11,7 +11,8 @@ from echospec.cli.common import (_add_client_args, _add_sampling_args, _check_sa
 
 
 CHAT_COMMANDS = ("commands: /reset clears the history (the system prompt stays), /stats prints the "
-                 "last turn's statistics, /history lists the messages, /quit or Ctrl-D ends; "
+                 "last turn's statistics, /history lists the messages, /image FILE attaches an "
+                 "image (PNG, JPEG, WebP, GIF) to your next message, /quit or Ctrl-D ends; "
                  "Ctrl-C stops a reply; a line starting with // is sent with one / removed")
 
 
@@ -69,6 +70,15 @@ def _chat_turn(client, kw: dict, history: list[dict]):
     return result
 
 
+def _content_text(content) -> str:
+    """A history message's content for /history: its text, an image shown as [image TYPE, N bytes]."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] if p.get("type") == "text" else
+                   f"[image {p.get('media_type') or '?'}, {len(p.get('image', b''))} bytes]"
+                   for p in content)
+
+
 def _drop_oldest_turn(history: list[dict], start: int) -> bool:
     """Drop the oldest turn after the system messages (history[:start]): its user message and
     the replies up to the next user message. False when only the newest user message is left."""
@@ -77,6 +87,16 @@ def _drop_oldest_turn(history: list[dict], start: int) -> bool:
         return False
     del history[users[0]:users[1]]
     return True
+
+
+def _read_image_or_say(path: str):
+    """The image part of file ``path``, or None after saying on standard error why it cannot be
+    sent (the chat goes on)."""
+    try:
+        return common.load_image("/image", path)
+    except ValueError as exc:
+        print(f"echospec: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -115,6 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             # Ctrl-C stops a reply (or is ignored at the prompt) instead of ending the command
             signal.signal(signal.SIGINT, signal.default_int_handler)
             history = list(system)
+            pending: list[dict] = []   # /image parts for the next user message
             last, turns = None, 0
             # a prompt is for a person at a terminal: piped lines get none (it would land on
             # stdout between the replies, and the last one would end the output unterminated)
@@ -137,12 +158,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
                         return 0
                     if cmd == "/reset":
                         history = list(system)
+                        pending = []
                         print("(history cleared)", flush=True)
+                    elif cmd == "/image" or cmd.startswith("/image "):
+                        path = cmd[len("/image"):].strip()
+                        if not path:
+                            print("echospec: /image FILE: name an image file", file=sys.stderr,
+                                  flush=True)
+                            continue
+                        part = _read_image_or_say(path)
+                        if part is not None:
+                            pending.append(part)
+                            note = "" if info.images else \
+                                f"; the server's model takes no images: {info.images_missing}"
+                            print(f"(image {path} attached to your next message{note})",
+                                  flush=True)
                     elif cmd == "/stats":
                         print(_stats_text(last, turns, history), flush=True)
                     elif cmd == "/history":
                         for m in history:
-                            print(f"{m['role']}: {m['content']}")
+                            print(f"{m['role']}: {_content_text(m['content'])}")
                         if not history:
                             print("(no messages)")
                         sys.stdout.flush()
@@ -160,7 +195,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     print("echospec: the line is not valid UTF-8 text; it is not sent",
                           file=sys.stderr, flush=True)
                     continue
-                history.append({"role": "user", "content": line})
+                if pending:
+                    history.append({"role": "user",
+                                    "content": pending + [{"type": "text", "text": line}]})
+                else:
+                    history.append({"role": "user", "content": line})
                 dropped = 0
                 while True:
                     try:
@@ -180,9 +219,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 if dropped:
                     print(f"(the history outgrew the server's context: the oldest {dropped} "
                           f"turn(s) were dropped)", file=sys.stderr, flush=True)
-                if result is None:
+                if result is None:   # the images stay attached for the next line
                     history.pop()
                     continue
+                pending = []
                 history.append({"role": "assistant", "content": result.text})
                 last, turns = result, turns + 1
                 print(_turn_line(result), file=sys.stderr, flush=True)

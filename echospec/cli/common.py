@@ -457,6 +457,60 @@ def _read_text(flag: str, path: str) -> str:
         _die(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})", 2)
 
 
+IMAGE_MAX_BYTES = 4 * 1024 * 1024
+"""The largest image file the CLI sends (the coordinator's default image_max_bytes and gRPC
+message size: a larger one would be refused after the upload)."""
+
+_IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
+                     (b"GIF87a", "image/gif"), (b"GIF89a", "image/gif"))
+
+
+def image_media_type(data: bytes) -> str:
+    """The media type a file's first bytes say (PNG, JPEG, WebP, GIF), "" for none of them."""
+    for sig, media in _IMAGE_SIGNATURES:
+        if data.startswith(sig):
+            return media
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return ""
+
+
+def load_image(flag: str, path: str) -> dict:
+    """An image file as a client image part ({"type": "image", "image", "media_type"}).
+
+    Raises:
+        ValueError: "<flag> <path>: ..." for a missing, unreadable, empty or oversized file, or
+            one that is not a PNG, JPEG, WebP or GIF image.
+    """
+    try:
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"{flag} {path}: is a directory, not an image file")
+        size = p.stat().st_size
+        if size > IMAGE_MAX_BYTES:
+            raise ValueError(f"{flag} {path}: the file is {size} bytes, above the limit of "
+                             f"{IMAGE_MAX_BYTES} bytes of an image")
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not data:
+        raise ValueError(f"{flag} {path}: the file is empty")
+    media = image_media_type(data)
+    if not media:
+        raise ValueError(f"{flag} {path}: not a PNG, JPEG, WebP or GIF image (the file starts "
+                         f"with {data[:8].hex()})")
+    from echospec_client import image_part
+    return image_part(data, media)
+
+
+def read_image(flag: str, path: str) -> dict:
+    """``load_image``, a bad file ending the command (exit 2) before any call."""
+    try:
+        return load_image(flag, path)
+    except ValueError as exc:
+        _die(str(exc), 2)
+
+
 def _valid_unicode(v) -> bool:
     """False when a string anywhere in the parsed JSON value holds a lone surrogate."""
     stack = [v]

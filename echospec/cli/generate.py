@@ -20,7 +20,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _die("the prompt text is empty: give some text to continue", 2)
     _check_sampling_flags(args)
     messages = _load_messages(args.messages) if args.messages else None
-    kw = _gen_kwargs(args, messages=messages, prompt=args.prompt)
+    prompt = args.prompt
+    if args.image:
+        parts = [common.read_image("--image", path) for path in args.image]
+        if messages is None:   # the prompt becomes a user message after the images
+            messages, prompt = [{"role": "user", "content": parts + [{"type": "text",
+                                                                      "text": args.prompt}]}], None
+        else:                  # the images go before the last user message's text
+            users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            if not users:
+                _die(f"--image: --messages {args.messages} has no user message to attach "
+                     f"the image to", 2)
+            text = users[-1].get("content")
+            text = [{"type": "text", "text": text}] if isinstance(text, str) else list(text or [])
+            users[-1]["content"] = parts + text
+    kw = _gen_kwargs(args, messages=messages, prompt=prompt)
     if args.logprobs is not None:
         from echospec_client.limits import MAX_TOP_LOGPROBS
         if not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
@@ -86,6 +100,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt or chat messages")
     p.add_argument("prompt", nargs="?", type=_utf8, help="prompt text")
     p.add_argument("--messages", help="JSON file with a list of chat messages ('-': standard input)")
+    p.add_argument("--image", metavar="FILE", action="append", default=[],
+                   help="an image (PNG, JPEG, WebP, GIF) sent with the prompt, which is then a "
+                        "chat user message (with --messages: before the last user message's "
+                        "text); repeatable")
     p.add_argument("--prediction-file", help="text file with the expected output (a draft source, "
                    "like OpenAI's predicted outputs)")
     p.add_argument("--draft-namespace", type=_utf8, default="",

@@ -285,6 +285,19 @@ class CoordinatorConfig(_GrpcServiceConfig):
     max_tokens_limit: int = setting(8192, "largest max_tokens a request may ask for",
                                     range=(1, _BIG, "the largest max_tokens a request may ask for"))
     max_stop: int = setting(16, "stop strings per request", range=(0, _BIG, "stop strings per request"))
+    # image parts (services/text/images.py); the pixel budget is Qwen3-VL's processor's by default
+    image_min_pixels: int = setting(256 * 256, "an image smaller than this many pixels is scaled "
+                                    "up (both sides multiples of 32)", serve="--image-min-pixels",
+                                    range=(1, "image_max_pixels", "pixels of a resized image"))
+    image_max_pixels: int = setting(4096 * 4096, "an image larger than this many pixels is scaled "
+                                    "down (both sides multiples of 32)", serve="--image-max-pixels",
+                                    range=(32 * 32, 1 << 28, "pixels of a resized image"))
+    image_max_bytes: int = setting(4 * 1024 * 1024, "largest encoded image part (bytes; more: "
+                                   "INVALID_ARGUMENT)", range=(1, _BIG, "bytes per image"))
+    image_max_decoded_pixels: int = setting(2 * 4096 * 4096, "largest decoded image, width x "
+                                            "height from its header, checked before decoding (more: "
+                                            "INVALID_ARGUMENT, a decompression bomb)",
+                                            range=(1, 1 << 30, "decoded pixels per image"))
     max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
     max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
     log_level: str = setting("INFO", _LOG_LEVEL, choices=LEVELS, serve="--log-level")

@@ -52,6 +52,7 @@ from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import (Delta, GenerationError, GenerationParams, Move,
                                                       Outcome, generate, with_tool_calls)
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
+from echospec.services.coordinator.image_parts import ImagePartError, ImageParts
 from echospec.services.coordinator.progress import ProgressClock, StallWatch, move_cap_text
 from echospec.services.common.auth import metadata_authorization
 from echospec.services.draft.memory import MAX_NAMESPACE_CHARS, namespace_problem
@@ -172,9 +173,10 @@ def result_to_proto(o: Outcome) -> coordinator_pb2.GenerationResult:
                     for c in o.tool_calls])
 
 
-def _message_dict(m: coordinator_pb2.ChatMessage) -> dict:
-    """A ChatMessage as the chat template receives it (transformers' shape for tool calls)."""
-    d: dict = {"role": m.role, "content": m.content}
+def _message_dict(m: coordinator_pb2.ChatMessage, content: str) -> dict:
+    """A ChatMessage as the chat template receives it (transformers' shape for tool calls), with
+    ``content`` its text (its text parts joined when it has parts)."""
+    d: dict = {"role": m.role, "content": content}
     if m.tool_calls:
         d["tool_calls"] = [{"id": c.id, "type": "function",
                             "function": {"name": c.name,
@@ -422,6 +424,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.tenants = tenants   # tenants.Tenants: namespaces are scoped to the caller's tenant
         self.tokenizer = tokenizer
         self.template = template
+        self.image_parts = ImageParts(config, model_name(config.model))
         self.pool = pool
         self.metrics = metrics if metrics is not None else PromMetrics()
         self.digit_tokens = digit_tokens(tokenizer)
@@ -452,7 +455,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
         Raises:
             RequestError: INVALID_ARGUMENT for zero or several prompt forms, an
-                empty prompt, ids outside the vocabulary or malformed chat messages.
+                empty prompt, ids outside the vocabulary, malformed chat messages, or a
+                message part that cannot be used (image_parts.py: a bad image, or any image
+                while the served model takes none).
         """
         forms = [name for name, present in (("text", bool(req.text)),
                                             ("messages", len(req.messages) > 0),
@@ -477,7 +482,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise _bad(f"tools apply to messages (they are rendered by the chat template), not to "
                        f"a prompt given as {forms[0]}")
         if forms[0] == "messages":
-            msgs = [_message_dict(m) for m in req.messages]
+            try:
+                contents = self.image_parts.contents(req.messages)
+            except ImagePartError as exc:
+                raise _bad(str(exc)) from None
+            msgs = [_message_dict(m, c) for m, c in zip(req.messages, contents)]
             try:
                 extra = {"enable_thinking": req.enable_thinking} if req.HasField("enable_thinking") else {}
                 if tools is not None and tools.rendered:
@@ -924,4 +933,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             draft_target=cfg.draft_target, n_ctx=v.n_ctx, n_vocab=v.n_vocab, verifiers=statuses,
             arch=v.arch, n_expert=v.n_expert, n_expert_used=v.n_expert_used,
             chat_template_missing=self.template.missing or "", kv_eviction=v.kv_eviction,
-            sparse_attention=v.sparse_attention, kv_type=v.kv_type or "f16")
+            sparse_attention=v.sparse_attention, kv_type=v.kv_type or "f16",
+            images=not self.image_parts.missing, images_missing=self.image_parts.missing)

@@ -50,6 +50,8 @@ choices: on each choice). ``usage`` counts each prompt once and every choice's c
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -68,6 +70,7 @@ from echospec_client.limits import (FLOAT32_MAX, INT32_MAX, MAX_REPEAT_PENALTY, 
 from echospec.services.common.floats import as_f32
 from echospec.services.text.clip import clip
 from echospec.services.text import tool_calls as tc
+from echospec.services.text import images
 from echospec.services.common.config import CoordinatorConfig, GatewayConfig
 
 
@@ -121,6 +124,9 @@ _GRAMMAR_NAMES = (("grammar.json_schema", "response_format.json_schema.schema"),
                   ("grammar.json_object", "response_format json_object"))
 
 
+_PART = re.compile(r"(messages\[\d+\])\.parts\[")
+
+
 def refused_param(message: str, chat: bool) -> str | None:
     """The request field a coordinator's INVALID_ARGUMENT message names, in OpenAI's terms (the
     prompt is ``messages`` in a chat request), or None."""
@@ -146,6 +152,8 @@ def error_from_status(code: str, message: str, chat: bool | None = None,
     ``prompt_index``: the call was for that entry of a list of prompts, named when the prompt
     was refused (``prompt[2]``)."""
     status, kind = _STATUS.get(code, (500, "server_error"))
+    if chat and _PART.match(message):   # the gateway sent content[j] as parts[j]: the client's name
+        message = _PART.sub(r"\1.content[", message, count=1)
     if max_tokens_name != "max_tokens" and message.startswith("max_tokens "):
         message = max_tokens_name + message[len("max_tokens"):]
     param = refused_param(message, chat) if chat is not None and status == 400 else None
@@ -335,6 +343,83 @@ def _text_content(v: Any, param: str) -> str:
     raise bad(f"{param} must be a string or a list of text parts, got {type(v).__name__}", param)
 
 
+# Image parts: only inline base64 data URLs are taken; a remote URL is always refused (there is
+# no option to fetch it, see REMOTE_IMAGE_REFUSAL).
+_DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
+REMOTE_IMAGE_REFUSAL = (
+    "remote image URLs are not fetched: the gateway never downloads from the network on a "
+    "client's behalf (a request could make it reach internal hosts, or wait on a slow or huge "
+    "download); send the image inline as a data URL, data:image/png;base64,...")
+
+
+def image_url_bytes(url: Any, param: str) -> tuple[bytes, str]:
+    """(bytes, media type) of an image_url part's ``url``: a base64 data URL of a PNG, JPEG,
+    WebP or GIF image. Raises ApiError 400 naming ``param``."""
+    if not isinstance(url, str):
+        raise bad(f"{param}: image_url.url must be a string, got {type(url).__name__}", param)
+    head = url[:16].lower()
+    if head.startswith(("http://", "https://")):
+        raise bad(f"{param}: {REMOTE_IMAGE_REFUSAL}", param)
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise bad(f"{param}: image_url.url must be a data URL (data:image/png;base64,...), got "
+                  f"{url[:40]!r}", param)
+    media = m.group(1).strip().lower()
+    if media not in images.MEDIA_TYPES:
+        raise bad(f"{param}: media type {media or '(none)'!r} is not supported (supported: "
+                  f"image/png, image/jpeg, image/webp, image/gif)", param)
+    if "base64" not in [x.strip().lower() for x in m.group(2).split(";")]:
+        raise bad(f"{param}: the data URL must be base64 (data:{media};base64,...)", param)
+    text = url[m.end():]
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise bad(f"{param}: the data URL's base64 is invalid ({exc})", param) from None
+    return data, media
+
+
+# The gateway checks what does not depend on the coordinator's image settings (the format, the
+# header, the aspect ratio, Pillow's own bomb cap); the coordinator's byte cap and decoded-pixel
+# limit, which a server may raise, are checked there (still a 400 naming the part).
+_GATEWAY_IMAGE_LIMITS = images.ImageLimits(max_bytes=2 ** 31 - 1,
+                                           max_decoded_pixels=images.MAX_DECODED_PIXELS_CAP)
+
+
+def _content_parts(v: list, param: str) -> list:
+    """A message content with image parts: one ContentPart per part, in order (the same index:
+    messages[i].content[j] is messages[i].parts[j] on the wire). Each image's data URL, format
+    and header are checked here (images.check: no pixel is decoded in the event loop), so a bad
+    one is a 400 naming it; the coordinator decodes it and refuses what only decoding finds
+    (also a 400, its part renamed content[j] by error_from_status)."""
+    parts = []
+    for j, p in enumerate(v):
+        pj = f"{param}[{j}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            parts.append(coordinator_pb2.ContentPart(text=p["text"]))
+        elif kind == "image_url":
+            iu = p.get("image_url")
+            if isinstance(iu, str):   # some clients send the URL itself
+                iu = {"url": iu}
+            if not isinstance(iu, dict) or "url" not in iu:
+                raise bad(f"{pj}: an image part is {{\"type\": \"image_url\", \"image_url\": "
+                          f"{{\"url\": \"data:image/png;base64,...\"}}}}", pj)
+            detail = iu.get("detail")
+            if detail is not None and detail not in ("auto", "low", "high"):
+                raise bad(f"{pj}: image_url.detail must be auto, low or high, got {detail!r}", pj)
+            data, media = image_url_bytes(iu["url"], pj)
+            try:
+                images.check(data, pj, media, _GATEWAY_IMAGE_LIMITS)
+            except images.ImageError as exc:
+                raise bad(str(exc), pj) from None
+            parts.append(coordinator_pb2.ContentPart(image=data, media_type=media))
+        else:
+            raise bad(f"{pj} must be a text part {{\"type\": \"text\", \"text\": ...}} or an "
+                      f"image part {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}",
+                      pj)
+    return parts
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     known = (_CHAT if chat else _COMPLETION) | _IGNORED
     for name in body:
@@ -509,8 +594,13 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         content = m.get("content")
         if content is None and not calls:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content")
-        msg = req.messages.add(role=_ROLES[role], content="" if content is None else
-                               _text_content(content, f"messages[{i}].content"))
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                             for p in content):
+            msg = req.messages.add(role=_ROLES[role])
+            msg.parts.extend(_content_parts(content, f"messages[{i}].content"))
+        else:
+            msg = req.messages.add(role=_ROLES[role], content="" if content is None else
+                                   _text_content(content, f"messages[{i}].content"))
         for j, c in enumerate(calls or []):
             msg.tool_calls.append(_tool_call(c, f"messages[{i}].tool_calls[{j}]"))
         if role == "tool":

@@ -245,6 +245,8 @@ class Info:
     n_expert_used: int = 0      # experts each token runs
     chat_template_missing: str = ""   # why chat messages are refused ("": the server renders them)
     kv_eviction: str = ""       # the verifiers' KV eviction: "none" or "sinks S, window W" ("": not reported)
+    images: bool = False        # the model takes image parts
+    images_missing: str = ""    # why it does not ("": it does, or not reported)
 
 
 class ClientError(Exception):
@@ -747,6 +749,33 @@ def _text_parts(v, name: str):
     return "".join(parts)
 
 
+def image_part(data: bytes, media_type: str = "") -> dict:
+    """A content part carrying an image file's bytes (PNG, JPEG, WebP or GIF), for a message's
+    content list: [{"type": "text", "text": "What is this?"}, image_part(png_bytes, "image/png")]."""
+    return {"type": "image", "image": bytes(data), "media_type": media_type}
+
+
+def _parts(v, name: str):
+    """A content list with image parts as ContentParts (None: no image part in it, or not a list)."""
+    if not isinstance(v, (list, tuple)) or not any(
+            isinstance(p, Mapping) and p.get("type") == "image" for p in v):
+        return None
+    out = []
+    for j, p in enumerate(v):
+        kind = p.get("type") if isinstance(p, Mapping) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            out.append(coordinator_pb2.ContentPart(text=_unicode(p["text"], f"{name}[{j}].text")))
+        elif kind == "image" and isinstance(p.get("image"), (bytes, bytearray)) and \
+                isinstance(p.get("media_type", ""), str):
+            out.append(coordinator_pb2.ContentPart(image=bytes(p["image"]),
+                                                   media_type=p.get("media_type", "")))
+        else:
+            raise TypeError(f"{name}[{j}] must be a text part {{'type': 'text', 'text': str}} or an "
+                            f"image part {{'type': 'image', 'image': bytes, 'media_type': str}}, "
+                            f"got {p!r:.200}")
+    return out
+
+
 def check_messages(messages) -> None:
     """Raise what `Client.chat` and `Client.complete` raise for ``messages`` before sending
     anything: TypeError or ValueError naming the first bad message and field."""
@@ -767,6 +796,9 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
             raise TypeError(f"messages[{i}] must be a mapping or a Message, got {m!r}")
         if content is None and calls:   # an assistant's calls without text (OpenAI's null)
             content = ""
+        parts = _parts(content, f"messages[{i}].content")
+        if parts is not None:
+            content = ""
         content = _text_parts(content, f"messages[{i}].content")
         for key, v in (("role", role), ("content", content)):
             if not isinstance(v, str):
@@ -777,7 +809,7 @@ def _messages(messages) -> list[coordinator_pb2.ChatMessage]:
             if not isinstance(v, str):
                 raise TypeError(f"messages[{i}].{key} must be a string, got {v!r}")
         out.append(coordinator_pb2.ChatMessage(
-            role=role, content=content, tool_call_id=call_id, name=name,
+            role=role, content=content, tool_call_id=call_id, name=name, parts=parts or (),
             tool_calls=[_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]))
     return out
 
