@@ -99,3 +99,33 @@ def test_draft_service_proposes_a_tree_only_when_asked(stack):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         ch.close()
+
+
+def test_smollm2_tree_rounds_accept_past_the_chain(smollm2_path):
+    """On the real model through the draft service: trees on give speculation off's tokens, with
+    the cost model's K or a fixed one, and some tree round accepts more than its draft chain alone
+    would have (here mostly nodes past the cost model's K on the proposal's first branch; another
+    branch winning is shown with controlled drafts in test_tree_rounds.py)."""
+    from conftest import chatml
+    st = start_stack(smollm2_path, spec=False, n_ctx=1024, tree_nodes=8)
+    try:
+        from echospec.v1 import coordinator_pb2_grpc
+        with grpc.insecure_channel(st.target) as cch, \
+                grpc.insecure_channel(f"{st.host}:{st.verifier_port}") as vch:
+            coord = coordinator_pb2_grpc.CoordinatorServiceStub(cch)
+            ver = verifier_pb2_grpc.VerifierServiceStub(vch)
+            gained = trees = 0
+            for user in ('Repeat the word "kestrel" 100 times, separated by spaces.',
+                         "List 20 tips for learning to cook, numbered 1. to 20., one short line each."):
+                prompt = list(coord.Tokenize(cpb.TokenizeRequest(text=chatml(user)), timeout=60).token_ids)
+                off, _ = run(ver, prompt, 160, False)
+                for fixed in (False, True):
+                    req = vpb.GenerateTokensRequest(prompt=prompt, max_tokens=160, spec=True, k=8,
+                                                    fixed_k=fixed)
+                    rounds = [r.result for m in ver.GenerateTokens(req, timeout=300) for r in m.rounds]
+                    assert [t for r in rounds for t in r.tokens] == off
+                    trees += sum(1 for r in rounds if r.tree_nodes)
+                    gained += sum(1 for r in rounds if r.tree_nodes and r.accepted > r.chain_accepted)
+            assert trees > 0 and gained > 0, (trees, gained)
+    finally:
+        st.stop()
