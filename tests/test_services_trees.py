@@ -64,6 +64,21 @@ def test_some_round_verifies_a_tree(verifier):
     assert seen > 0
 
 
+def test_a_tree_round_accepts_from_another_branch(verifier):
+    # the model answers 107 forever; the draft's longest match, (107, 107), was followed by 212
+    # (its chain), the shorter context (107) by 107 too (a branch): with a fixed K (the tree then
+    # holds no node past the chain's K on its own branch), a round accepting more than its chain
+    # took the other branch
+    prompt = [107, 107, 212, 193, 97, 162, 42, 107]
+    off, _ = run(verifier, prompt, 24, False)
+    assert off[:8] == [107] * 8
+    on, rounds = run(verifier, prompt, 24, True)
+    assert on == off
+    # the chain's first token (212) was wrong: its verify alone would have accepted nothing
+    assert any(r.tree_nodes >= 2 and r.chain_accepted == 0 and r.accepted >= 1 for r in rounds), \
+        [(r.tree_nodes, r.accepted, r.chain_accepted) for r in rounds]
+
+
 def test_a_request_tree_budget_out_of_range_is_refused(verifier, stack):
     with pytest.raises(grpc.RpcError) as e:
         run(verifier, PROMPTS[0], 8, True, tree_nodes=64)
