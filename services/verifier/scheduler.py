@@ -39,6 +39,10 @@ active a thread of the scheduler's runs the iterations (it ends with the last
 stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
+A token tree (Step.parents; generation_loop's tree rounds) runs alone in its iteration:
+``Session.forward_tree``, then its greedy path (tree_accept.accept) kept with ``keep_path`` before
+the engine lock is let go, so no other call of the session comes between them.
+
 In-engine decoding (``decode_steps`` > 1): an iteration whose steps are all
 greedy decode steps (a plain stream's, or the back-off rounds of a speculative
 generation, generation_loop._rounds), while nothing but such steps waits, may become
