@@ -1153,3 +1153,15 @@ def test_chat_without_a_chat_template_exits_2_at_start(tmp_path):
     r = subprocess.run([*ECHOSPEC, "chat", "--model", str(model), "--chat-template", str(tpl), "--max-tokens", "2"],
                        input="hi\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_bench_tree_nodes_is_for_a_private_stack(tmp_path, capsys):
+    from echospec import cli
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "prompt": "x", "max_tokens": 4}\n')
+    args = cli.parse_args(["bench", "--workloads", str(f), "--target", "127.0.0.1:1", "--tree-nodes", "8"])
+    assert args.tree_nodes == 8
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_bench(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--tree-nodes applies to a private stack" in err, err

@@ -109,6 +109,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _die(f"--threads {args.threads}: must be >= 0 (0: the usable CPUs less one)", 2)
     if args.repeat < 1:
         _die(f"--repeat {args.repeat}: must be >= 1", 2)
+    if args.tree_nodes and args.target is not None:
+        _die("--tree-nodes applies to a private stack; the server at --target uses its own "
+             "(its verifier's --tree-nodes)", 2)
     _check_sampling_flags(args)
     workloads = _load_workloads(args.workloads)
     rows = []
@@ -181,6 +184,8 @@ def add_parser(sub) -> None:
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
+    p.add_argument("--tree-nodes", type=_int32, default=0,
+                   help="the private stack's verifier --tree-nodes (token-tree rounds; 0: chains)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
     p.add_argument("--repeat", type=_int32, default=1,
                    help="off/on pairs per workload, alternating; the table shows the median run of each")

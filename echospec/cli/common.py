@@ -232,7 +232,7 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
     print("echospec: no --target given; starting a private stack on loopback ...", file=sys.stderr)
     try:
         stack = start_stack(model, port=0, spec=False, n_threads=getattr(args, "threads", 0) or 0,
-                            chat_template=template)
+                            chat_template=template, tree_nodes=getattr(args, "tree_nodes", 0) or 0)
     except StackError as exc:
         _die(str(exc))
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence, TypeVar
 
-from echospec_client.limits import GRPC_URI_SCHEMES
+from echospec_client.limits import GRPC_URI_SCHEMES, MAX_TREE_DRAFT_NODES
 from echospec.services.common.logs import FORMATS, LEVELS
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -175,6 +175,12 @@ class VerifierConfig(_GrpcServiceConfig):
                                 "anything else that arrives ends a run after its current step",
                                 serve="--decode-steps",
                                 range=(1, 1024, "greedy steps per engine call"))
+    tree_nodes: int = setting(0, "token-tree speculation: draft nodes a round verifies in one "
+                              "forward, the chain's and other continuations' (0: chains only); a "
+                              "request's tree_nodes overrides it; chains still with KV eviction, "
+                              "sparse attention, a Q8_0 KV cache, a sliding-window model, a "
+                              "grammar, penalties or logprobs", serve="--tree-nodes",
+                              range=(0, MAX_TREE_DRAFT_NODES, "draft nodes per tree round"))
     check_weights: bool = setting(False, "the full weights check at load: decode every value of every "
                                   "quantized tensor and refuse a NaN or infinity, naming the tensor "
                                   "(every block scale and float value is always checked)",

@@ -50,6 +50,7 @@ class GenerationParams:
     grammar: Any = None           # echospec.v1.Grammar (checked), or None: free text
     logprobs: bool = False        # report each output token's logprob
     top_logprobs: int = 0         # ... and this many alternatives (0..20)
+    tree_nodes: int = 0           # token-tree rounds' draft nodes (0: the verifier's default, -1: chains)
 
 
 @dataclass

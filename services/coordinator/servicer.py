@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from echospec_client.limits import MAX_REPEAT_PENALTY, MAX_REQUEST_ID, MAX_TOP_LOGPROBS, MIN_REPEAT_PENALTY
+from echospec_client.limits import (MAX_REPEAT_PENALTY, MAX_REQUEST_ID, MAX_TOP_LOGPROBS,
+                                    MAX_TREE_DRAFT_NODES, MIN_REPEAT_PENALTY)
 from echospec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verifier_pb2
 from echospec.services.rpc import grpc_util
 from echospec.services.text.chat_template import (ChatTemplate, ChatTemplateError,
@@ -610,6 +611,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise _bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
         if req.top_logprobs and not req.logprobs:
             raise _bad(f"top_logprobs ({req.top_logprobs}) needs logprobs to be true")
+        if not -1 <= req.tree_nodes <= MAX_TREE_DRAFT_NODES:
+            raise _bad(f"tree_nodes must be in [-1, {MAX_TREE_DRAFT_NODES}] (0: the verifier's "
+                       f"default, -1: chains), got {req.tree_nodes}")
         gram = None
         if req.HasField("grammar"):
             try:   # checked without the vocabulary; the verifier compiles it against the model's
@@ -631,7 +635,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return GenerationParams(max_tokens=max_tokens, stop=stops, sampling=sampling,
                                 spec=decision.enabled, spec_reason=decision.reason, k=k,
                                 prediction=prediction, draft_namespace=ns, grammar=gram,
-                                logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+                                logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+                                tree_nodes=req.tree_nodes)
 
     def scoped_namespace(self, namespace: str, context: grpc.ServicerContext) -> str:
         """The draft service's name of the request's ``draft_namespace``: the name itself without
@@ -780,7 +785,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             line_break_tokens=self.line_break_tokens if params.spec else [],
             draft_namespace=namespace if params.spec else "",
             resumed_tokens=len(output), grammar=params.grammar, logprobs=params.logprobs,
-            top_logprobs=params.top_logprobs), timeout)
+            top_logprobs=params.top_logprobs, tree_nodes=params.tree_nodes), timeout)
         context.add_callback(link.cancel)
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,

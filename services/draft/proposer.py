@@ -201,6 +201,34 @@ class NumberTracker:
         return None
 
 
+def merge_tree(seqs: Sequence[Sequence[int]], budget: int) -> tuple[list[int], list[int]]:
+    """Token sequences (each continuing the same history) merged into a prefix-sharing tree:
+    (tokens, parents), parents[i] in [-1, i) (-1: the history's last token), as the engine's
+    es_forward_tree takes them. The first sequence is nodes 0 .. len - 1 in order (a chain,
+    never cut); the others add their nodes beyond the shared prefix in order while the tree
+    holds fewer than ``budget`` nodes (a sequence cut short keeps its head).
+
+    Example: [[1, 2, 3], [1, 4], [5]], budget 5 -> tokens [1, 2, 3, 4, 5], parents
+    [-1, 0, 1, 0, -1]; budget 4 -> tokens [1, 2, 3, 4], parents [-1, 0, 1, 0].
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}   # (parent node, token) -> node
+    for j, seq in enumerate(seqs):
+        node = -1
+        for t in seq:
+            nxt = children.get((node, t))
+            if nxt is None:
+                if j > 0 and len(tokens) >= budget:
+                    break
+                nxt = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                children[(node, t)] = nxt
+            node = nxt
+    return tokens, parents
+
+
 @dataclass(frozen=True)
 class DraftParams:
     """A draft session's settings: the suffix index's knobs and the prediction's resync length."""
@@ -302,6 +330,35 @@ class DraftProposer:
         if d:
             return d, 0, SOURCE_NUMBERED
         return [], 0, SOURCE_NONE
+
+    def propose_tree(self, k: int, nodes: int) -> tuple[list[int], list[int], int, int]:
+        """A token tree of up to ``nodes`` nodes: (tokens, parents, matched length, source).
+
+        Its first branch (nodes 0 .. len - 1, a chain) is ``propose(k)``'s draft, with its
+        matched length and source, whatever the budget. The other branches, while the budget
+        lasts (merge_tree): the other sources' drafts (the prediction, the suffix index, the
+        shared memory, the numbered rule), then the suffix index's other continuations where
+        its walk had several (SuffixAutomaton.branches), each at most k tokens. ``nodes`` 0:
+        the chain alone (parents [-1, 0, 1, ...]).
+
+        Raises:
+            ProposerError: k or nodes out of range.
+        """
+        if not 0 <= nodes <= MAX_K_LIMIT:
+            raise ProposerError(f"tree_nodes must be in [0, {MAX_K_LIMIT}], got {nodes}")
+        primary, m, source = self.propose(k)
+        seqs: list[list[int]] = [primary]
+        if k > 0 and nodes > len(primary):
+            if self.prediction is not None and self.prompt_len >= 0:
+                seqs.append(self.prediction.propose(k))
+            state, n = self.sam.match()
+            seqs.append(self.sam.draft(state, n, k, self.sp)[0])
+            if self.memory is not None and self.namespace:
+                seqs.append(self.memory.propose(self.namespace, self.history, k, self.sp)[0])
+            seqs.append(self.numbers.propose(self.history, k))
+            seqs.extend(self.sam.branches(state, n, k, self.sp))
+        tokens, parents = merge_tree([s for s in seqs if s], max(nodes, len(primary)))
+        return tokens, parents, m, source
 
     def remember(self) -> None:
         """Add this session's history to its namespace's shared memory (none for "")."""

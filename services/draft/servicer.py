@@ -64,12 +64,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         raise ProposerError(f"k must be in [0, {MAX_K_LIMIT}], got {req.k}")
                     if req.k == 0:
                         continue
-                    draft, n, source = proposer.propose(req.k)
+                    parents: list[int] = []
+                    if req.tree_nodes:
+                        draft, parents, n, source = proposer.propose_tree(req.k, req.tree_nodes)
+                    else:
+                        draft, n, source = proposer.propose(req.k)
                 except ProposerError as exc:
                     proposer = None    # a refused stream is not remembered
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 yield draft_pb2.ProposeStreamResponse(draft=draft, matched_n=n,
-                                                      history_len=len(proposer), source=source)
+                                                      history_len=len(proposer), source=source,
+                                                      parents=parents)
         finally:
             with self._lock:
                 self.active_sessions -= 1
@@ -85,7 +90,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             p = DraftProposer(self._params(request.min_n))
             p.append(list(request.tokens))
-            draft, n, _ = p.propose(request.k)
+            parents: list[int] = []
+            if request.tree_nodes:
+                draft, parents, n, _ = p.propose_tree(request.k, request.tree_nodes)
+            else:
+                draft, n, _ = p.propose(request.k)
         except ProposerError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return draft_pb2.ProposeResponse(draft=draft, matched_n=n)
+        return draft_pb2.ProposeResponse(draft=draft, matched_n=n, parents=parents)

@@ -195,3 +195,60 @@ class SuffixAutomaton:
             out.append(tok)
             state, n = child, n + 1
         return out, prob
+
+    def branches(self, state: int, n: int, k: int, params: SuffixParams, limit: int = 8
+                 ) -> list[list[int]]:
+        """Other continuations beside ``draft``'s (token trees): at each step of the draft's
+        walk, every candidate it did not take, and every token that followed a shorter context
+        there (the suffix links down to ``min_match``) and is not a candidate already, whose
+        share among its state's candidates, times the product of the shares before it, is at
+        least ``min_prob``; each becomes a whole sequence from the match's end (the draft's
+        first d tokens, the other token, then its own ``draft``), at most k tokens. Best first
+        (that product, then the step: shallower first); at most ``limit``.
+
+        Worked example (min_match=1): h = [5, 6, 1, 0, 5, 6, 2, 0, 5, 6] matches (0, 5, 6),
+        followed by 2 only: the draft is [2, 0, 5, 6]. The shorter context (5, 6) was followed
+        by 1 too (share 1/2: cnt 1 of 2): the branch [1, 0, 5, 6].
+        """
+        if n < params.min_match or k <= 0:
+            return []
+        limit_k = min(k, max(1, math.ceil(params.depth_factor * n)))
+        found: list[tuple[float, int, list[int]]] = []
+        path: list[int] = []
+        prob = 1.0
+        nxt, link, length = self.next, self.link, self.length
+        while len(path) < limit_k:
+            while state > 0 and not any(t >= 0 for t in nxt[state]):
+                state = link[state]
+                n = length[state]
+            if n < params.min_match:
+                break
+            cands = self.candidates(state, params.recency_bonus)
+            if not cands:
+                break
+            total = sum(self.cnt[c] for _, _, _, c in cands)
+            others = [(self.cnt[c] / total if total else 1.0, t, c, n) for _, _, t, c in cands[1:]]
+            # shorter contexts (suffix links) may have been followed by other tokens too
+            seen = {t for _, _, t, _ in cands}
+            s = link[state]
+            while s > 0 and length[s] >= params.min_match:
+                sc = self.candidates(s, params.recency_bonus)
+                tot = sum(self.cnt[c] for _, _, _, c in sc)
+                for _, _, t, c in sc:
+                    if t not in seen:
+                        seen.add(t)
+                        others.append((self.cnt[c] / tot if tot else 1.0, t, c, length[s]))
+                s = link[s]
+            for share, t, c, m in others:
+                if prob * share >= params.min_prob:
+                    rest, _ = self.draft(c, m + 1, k - len(path) - 1, params)
+                    found.append((prob * share, len(path), path + [t] + rest))
+            _, _, tok, child = cands[0]
+            share = self.cnt[child] / total if total else 1.0
+            if prob * share < params.min_prob:
+                break
+            prob *= share
+            path.append(tok)
+            state, n = child, n + 1
+        found.sort(key=lambda f: (-f[0], f[1]))
+        return [seq[:k] for _, _, seq in found[:limit]]

@@ -13,6 +13,7 @@ import grpc
 from echospec.v1 import draft_pb2
 from echospec.services.rpc.streams import BidiStream
 from echospec.services.verifier.generation_loop import DraftUnavailable
+from echospec.services.verifier.tree_accept import first_branch
 
 
 class DraftLink:
@@ -35,9 +36,15 @@ class DraftLink:
         self._setup = dict(prediction=prediction or [], digit_tokens=digit_tokens or [],
                            draft_namespace=draft_namespace, line_break_tokens=line_break_tokens or [])
         self.last_source = 0   # echospec.v1.DraftSource of the last proposal received
+        # token trees: other nodes asked for beside each proposal's chain (0: chains only), and
+        # the last proposal's tree (tokens, parents), None for a chain
+        self.tree_nodes = 0
+        self.last_tree: tuple[list[int], list[int]] | None = None
 
     def _msg(self, append: list[int], k: int) -> draft_pb2.ProposeStreamRequest:
         m = draft_pb2.ProposeStreamRequest(append=append, k=k)
+        if k and self.tree_nodes:
+            m.tree_nodes = k + self.tree_nodes
         if self._first:   # the session's setup; its append is the prompt
             m.min_n = self._min_n
             m.prediction.extend(self._setup["prediction"])
@@ -56,7 +63,8 @@ class DraftLink:
         self._stream.send(self._msg(append, n))
 
     def recv_proposal(self) -> list[int]:
-        """The proposal asked for by the last ``send_propose`` (its source: ``last_source``).
+        """The proposal asked for by the last ``send_propose`` (its source: ``last_source``): the
+        chain, a tree's first branch (the tree: ``last_tree``).
 
         Raises:
             DraftUnavailable: the stream failed (service down, refused, ended).
@@ -64,6 +72,10 @@ class DraftLink:
         try:
             resp = self._stream.recv()
             self.last_source = resp.source
+            if resp.parents:
+                self.last_tree = (list(resp.draft), list(resp.parents))
+                return first_branch(resp.draft, resp.parents)
+            self.last_tree = None
             return list(resp.draft)
         except grpc.RpcError as exc:
             hint = self._tls_mismatch.hint(exc.code()) if self._tls_mismatch is not None else ""

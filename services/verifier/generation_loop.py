@@ -49,6 +49,16 @@ the ``top_logprobs`` most likely alternatives from that row (logprobs.py: log_so
 row, after the grammar's mask). The rows are computed on the generation's own thread, never the
 scheduler's; a generation that does not ask pays nothing.
 
+Token trees (``tree_nodes`` > 0; greedy, no grammar, penalties or logprobs, and an engine that
+takes trees: VerifierCore.tree_refusal): the draft link asks for trees beside its chains. A round
+whose chain (the controller's, as ever) is spelt by a kept proposal tree verifies
+tree_accept.round_tree of it instead: the chain, then up to ``tree_nodes`` nodes beside it, no
+deeper than k_cap, below the pending token, as one scheduler step (Step.parents) that keeps the
+greedy path at once (tree_accept.accept, keep_path). The round yields that path's drafts and the
+argmax of its last node, what a chain verify of the path gives; K counts the nodes, so
+kv_rolls = the nodes not kept. A round whose path left the chain drafts next from the tree's rest
+of that path.
+
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
 thread takes each step's token and queues the next step right after the
@@ -69,7 +79,8 @@ import numpy as np
 
 from echospec.v1.common_pb2 import DraftSource, FinishReason
 from echospec_client.limits import MAX_TOP_LOGPROBS
-from echospec.services.verifier.engine import ES_ERR_BAD_WEIGHTS, EngineError, rng_advance, sample
+from echospec.services.verifier.engine import (ES_ERR_BAD_WEIGHTS, MAX_TREE_NODES, EngineError,
+                                              rng_advance, sample)
 from echospec.services.common.floats import f32_str
 from echospec.services.common.penalties import Penalties, PenaltyError
 from echospec.services.text.grammar import Constraint, GrammarError, GrammarSpec, masked, masked_argmax
@@ -77,6 +88,7 @@ from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.verifier.logprobs import TokenLogprob, token_logprob
 from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
+from echospec.services.verifier.tree_accept import first_branch, reroot, round_tree, verify_tree
 from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, Sampling,
                                                  engine_error, longest_accepted_prefix)
 
@@ -111,6 +123,7 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None   # constrained output (None: free text)
     logprobs: bool = False            # each event carries its tokens' logprobs
     top_logprobs: int = 0             # alternatives per token (0..MAX_TOP_LOGPROBS, logprobs only)
+    tree_nodes: int = 0               # draft nodes of a token-tree round (0: chains; spec only)
 
 
 @dataclass
@@ -133,6 +146,8 @@ class RoundEvent:
     finish: int = 0                   # FINISH_CONTEXT on a last event without tokens
     prefill: bool = False
     logprobs: list = field(default_factory=list)   # TokenLogprob per token (request.logprobs)
+    tree_nodes: int = 0               # a token-tree round: its draft nodes (= k); 0: a chain round
+    chain_accepted: int = 0           # a token-tree round: R of a verify of its draft chain alone
 
 
 def check(core: Any, req: GenerationRequest) -> None:
@@ -183,6 +198,9 @@ def check(core: Any, req: GenerationRequest) -> None:
             raise FailedPrecondition(
                 f"speculation needs greedy decoding (temperature {f32_str(req.sampling.temperature)})")
     check_sampling(req.sampling)
+    if not 0 <= req.tree_nodes < MAX_TREE_NODES:
+        raise InvalidArgument(f"tree_nodes must be in [0, {MAX_TREE_NODES - 1}] (-1 in a request: "
+                              f"chains), got {req.tree_nodes}")
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if req.top_logprobs and not req.logprobs:
@@ -239,6 +257,14 @@ class _Run:
             session, self.session = self.session, None
             self.core.scheduler.leave(session)
             self.core.release(session, self.kv_tokens, self.prompt_len)
+
+    def step_tree(self, tokens: list[int], parents: list[int]) -> Step:
+        """One token-tree step (tree_accept.verify_tree's tree): the scheduler verifies it and
+        keeps its greedy path (Step.path) at once; the path's tokens are then in the KV cache."""
+        st = self.core.scheduler.run(Step(self.session, tokens, "all", "none", parents=parents),
+                                     self.cancel)
+        self.kv_tokens.extend(tokens[i] for i in st.path)
+        return st
 
     def step(self, tokens: list[int], head: str, logits: str, decode: int = 0,
              stop_ids: tuple = ()) -> Step:
@@ -422,8 +448,16 @@ class _Drafts:
     """
 
     def __init__(self, link: Any, k: int, fixed_k: bool, prompt: list[int], eager: bool = False,
-                 resumed: int = 0):
+                 resumed: int = 0, tree_nodes: int = 0):
         self.link = link
+        # token trees (tree_nodes > 0): the latest proposals' trees as (history length at their
+        # root, tokens, parents), newest last; a round's chain comes from the controller as
+        # ever, and the tree of the proposal it came from is verified in its place (tree_for)
+        self.tree_nodes = tree_nodes if link is not None else 0
+        self.trees: list[tuple[int, list[int], list[int]]] = []
+        self._pf_base = 0            # history length when the in-flight proposal was asked
+        if self.tree_nodes:
+            link.tree_nodes = tree_nodes
         self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel(), eager=eager)
         self.synced = 0              # history tokens the draft service has
         self.in_flight = False
@@ -468,6 +502,7 @@ class _Drafts:
                 self.link.send_propose(history[self.synced:], max(1, min(arg, room - 1)))
                 self.synced = len(history)
                 proposal = self.link.recv_proposal()
+                self._keep_tree(len(history))
                 hop_ms = (time.perf_counter() - h0) * 1e3
                 proposals = 1
                 drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
@@ -477,6 +512,7 @@ class _Drafts:
                 if n_pf:   # in flight while the forward runs
                     self.link.send_propose(history[self.synced:], n_pf)
                     self.synced = len(history)
+                    self._pf_base = len(history)
                     self.in_flight = True
         except DraftUnavailable as exc:
             self._lost(exc)
@@ -499,12 +535,15 @@ class _Drafts:
         if self.ctl.k > 0:
             self.ctl.skip = max(0, self.ctl.skip - n)
 
-    def after(self, drf: list[int], tokens: list[int]) -> int:
-        """Update after the round verified ``drf`` and yielded ``tokens``; returns the proposals collected."""
+    def after(self, drf: list[int], tokens: list[int], history: list[int] | None = None,
+              tree: bool = False) -> int:
+        """Update after the round verified ``drf`` (or a tree whose chain it is: ``tree``) and
+        yielded ``tokens`` after ``history``; returns the proposals collected."""
         if self.link is None:
             return 0
         if not self.in_flight:
             self.ctl.on_result(drf, tokens)
+            self._follow_tree(drf, tokens, history, tree)
             return 0
         self.in_flight = False
         try:
@@ -513,8 +552,52 @@ class _Drafts:
             self._lost(exc)
             return 0
         self.ctl.on_result(drf, tokens)
+        self._follow_tree(drf, tokens, history, tree)
+        if self.tree_nodes and self._keep_tree(self._pf_base):
+            # the proposal as the chain it holds after this round's tokens (any branch)
+            sub = reroot(self.trees[-1][1], self.trees[-1][2], tokens)
+            rest = first_branch(*sub) if sub is not None else []
+            if rest:
+                p = list(tokens) + rest
         self.ctl.on_prefetch(p, tokens, getattr(self.link, "last_source", 0))
         return 1
+
+    def _keep_tree(self, base: int) -> bool:
+        """Keep the proposal just received's tree (its root after ``base`` history tokens)."""
+        t = getattr(self.link, "last_tree", None) if self.tree_nodes else None
+        if t is None:
+            return False
+        self.trees = self.trees[-1:] + [(base, t[0], t[1])]
+        return True
+
+    def _follow_tree(self, drf: list[int], tokens: list[int], history: list[int] | None,
+                     tree: bool) -> None:
+        """After a tree round that left ``drf`` for another branch, the controller's cache (the
+        chain it drafts from next) is that branch's rest in the tree, where there is one."""
+        if not tree or history is None or list(tokens[:-1]) == list(drf[:len(tokens) - 1]):
+            return
+        walk = list(history) + list(tokens)
+        for base, toks, par in reversed(self.trees):
+            sub = reroot(toks, par, walk[base:])
+            if sub is not None and sub[0]:
+                self.ctl.cache = first_branch(*sub)
+                return
+
+    def tree_for(self, history: list[int], drf: list[int], budget: int, depth: int
+                 ) -> tuple[list[int], list[int]] | None:
+        """The round's tree: ``drf`` (the controller's chain) and the other branches of the
+        proposal tree it comes from, at most ``budget`` nodes and ``depth`` deep
+        (tree_accept.round_tree); None when no kept tree holds drf or the result is a chain."""
+        for base, toks, par in reversed(self.trees):
+            if base > len(history):
+                continue
+            sub = reroot(toks, par, history[base:])
+            if sub is None:
+                continue
+            t = round_tree(sub[0], sub[1], drf, budget, depth)
+            if t is not None:
+                return t
+        return None
 
 
 _CONTEXT = object()   # a stream's mark: the KV cache is full
@@ -679,7 +762,11 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
     gram = run.gram
     eos, max_tokens, n_ctx = req.eos_ids, req.max_tokens, run.n_ctx
     history = list(req.prompt)
-    drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed)
+    # token trees: greedy speculation without rows or logprobs, where the engine takes them
+    trees = req.tree_nodes if (spec and req.sampling.greedy and not run.rows and not req.logprobs
+                               and req.tree_nodes > 0 and not core.tree_refusal) else 0
+    drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed,
+                     tree_nodes=trees)
     first, prefill_ms, first_lps = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
@@ -733,8 +820,15 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             # the back-off's plain rounds as one in-engine run, paced like a plain stream's
             n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past,
                                _paced_steps(core.t_ms)))
-        st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
-                      stop_ids=tuple(eos) if n_run > 1 else ())
+        # a token tree: the chain drf and other continuations the draft service proposed beside it
+        tree = drafts.tree_for(history, drf, max(len(drf), min(req.tree_nodes, n_ctx - n_past - 1)),
+                               k_cap) if drafts.tree_nodes and drf and not forced else None
+        if tree is not None:
+            vt, vp = verify_tree(history[-1], *tree)
+            st = run.step_tree(vt, vp)
+        else:
+            st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
+                          stop_ids=tuple(eos) if n_run > 1 else ())
         masks = masks_job.result() if masks_job is not None else None
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
             toks = [int(t) for t in st.argmax]
@@ -760,7 +854,12 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             r0 = r1
             continue
         k = len(drf)
-        if not run.rows:
+        acc = drf
+        if tree is not None:   # the greedy path the scheduler kept (tree_accept.accept)
+            acc = [vt[i] for i in st.path[1:]]
+            k, r = len(vt) - 1, len(acc)
+            bonus = int(st.argmax[st.path[-1]])
+        elif not run.rows:
             r = longest_accepted_prefix(drf, st.argmax)
             bonus = None
         else:   # the (penalised, masked) argmax at every drafted position, up to the first
@@ -771,13 +870,13 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             while r < k and run.pick(st.logits_out[r], allowed(r), history, drf[:r]) == drf[r]:
                 r += 1
             bonus = run.choose(None, st.logits_out[r:r + 1], allowed(r), history, drf[:r])
-        if r < k:
+        if r < k and tree is None:
             # k - r <= max_k positions back: within a sliding-window ring's reach (core.swa_slack)
             session.rollback(n_past + 1 + r)
             del run.kv_tokens[n_past + 1 + r:]
         if bonus is None:
             bonus = run.choose(st.argmax[r], st.logits_out)
-        tokens = drf[:r] + [bonus]
+        tokens = acc[:r] + [bonus]
         lps = run.logprobs(st.logits_out, tokens, masks)   # row i chose token i
         if gram is not None:   # the matcher follows the KV cache: rejected drafts out, bonus in
             gram.rollback(k - r)
@@ -788,7 +887,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         if forced:
             drafts.ctl.advance(tokens)
         else:
-            proposals += drafts.after(drf, tokens)
+            proposals += drafts.after(drf, tokens, history, tree is not None)
         r1 = time.perf_counter()
         wall_ms = (r1 - r0) * 1e3
         if cost is not None and drafts.link is not None:
@@ -804,7 +903,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                 done = True
                 break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
-                        proposals, source=source if k else 0, logprobs=lps)
+                        proposals, source=source if k else 0, logprobs=lps,
+                        tree_nodes=k if tree is not None else 0,
+                        chain_accepted=longest_accepted_prefix(drf, tokens) if tree is not None else 0)
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
         if drafts.ctl.k_choice != k_choice:

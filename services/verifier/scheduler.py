@@ -39,6 +39,10 @@ active a thread of the scheduler's runs the iterations (it ends with the last
 stream); ``stop`` takes a stream out (cancel, its reader gone) and returns once
 no forward of it runs.
 
+A token tree (Step.parents; generation_loop's tree rounds) runs alone in its iteration:
+``Session.forward_tree``, then its greedy path (tree_accept.accept) kept with ``keep_path`` before
+the engine lock is let go, so no other call of the session comes between them.
+
 In-engine decoding (``decode_steps`` > 1): an iteration whose steps are all
 greedy decode steps (a plain stream's, or the back-off rounds of a speculative
 generation, generation_loop._rounds), while nothing but such steps waits, may become
@@ -82,6 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from echospec.services.verifier.engine import EngineError, decode_batch, ffi, forward_batch
+from echospec.services.verifier.tree_accept import accept
 
 
 MANY_TOKENS = 16   # an iteration over one session of this many tokens runs on ``many`` threads
@@ -126,6 +131,10 @@ class Step:
     stop_ids: tuple = ()
     step_ms: list | None = None       # an in-engine run's per-step times
     shared: bool = False              # its iteration ran other sessions' steps too (a batch)
+    # a token tree (tree_accept.verify_tree's): verified alone in its iteration by forward_tree,
+    # whose greedy path (tree_accept.accept) is kept at once, under the engine lock
+    parents: list | None = None
+    path: list | None = None          # the tree's kept path (node indices from node 0)
     _t_submit: float = field(default=0.0, repr=False)
 
 
@@ -141,6 +150,8 @@ def select(queue: Sequence[Step], batch_max: int, batch_tokens: int) -> list[int
     for i, s in enumerate(queue):
         if len(picked) >= max(1, batch_max):
             break
+        if picked and (s.parents is not None or queue[picked[0]].parents is not None):
+            break     # a token tree runs alone (es_forward_tree is one session's call)
         if picked and tokens + len(s.tokens) > batch_tokens:
             break
         picked.append(i)
@@ -379,6 +390,17 @@ class Scheduler:
             step.stream.fail(exc)
             return None
 
+    @staticmethod
+    def _run_tree(s: Step) -> Any:
+        """A token tree's verify and its kept path (Step.parents); an EngineError is the step's."""
+        try:
+            argmax, logits = s.session.forward_tree(s.tokens, s.parents, s.logits)
+            s.path = accept(s.tokens, s.parents, argmax)[0]
+            s.session.keep_path(s.path)
+            return argmax, logits
+        except EngineError as exc:
+            return exc
+
     def _execute(self, batch: list[Step], run_decode: bool = False) -> None:
         """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock
         (run_decode: the steps' in-engine decode run instead, engine.decode_batch).
@@ -417,6 +439,8 @@ class Scheduler:
                         for k in range(1, max(lens, default=1)):
                             self.trace.append([id(s.session) for s, r in zip(batch, results)
                                                if not isinstance(r, EngineError) and len(r[0]) > k])
+                elif batch[0].parents is not None:
+                    results = [self._run_tree(batch[0])]
                 else:
                     results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
             except Exception as exc:  # every step's owner re-raises it

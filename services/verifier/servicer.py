@@ -43,6 +43,12 @@ def logprob_to_proto(lp) -> common_pb2.TokenLogprob:
         top_logprobs=[common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in lp.top])
 
 
+def tree_budget(asked: int, default: int) -> int:
+    """A request's tree_nodes: 0 takes the verifier's --tree-nodes, -1 chains; anything else
+    as asked (check() refuses one out of range)."""
+    return default if asked == 0 else 0 if asked == -1 else asked
+
+
 def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensResponse:
     """Consecutive events of one generation as one message."""
     msg = verifier_pb2.GenerateTokensResponse()
@@ -51,7 +57,8 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
             result=verifier_pb2.StepResult(
                 tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
                 hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
-                n_past=ev.n_past, n_ctx=ev.n_ctx,
+                n_past=ev.n_past, n_ctx=ev.n_ctx, tree_nodes=ev.tree_nodes,
+                chain_accepted=ev.chain_accepted,
                 logprobs=[logprob_to_proto(lp) for lp in ev.logprobs]),
             wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source, k_choice=ev.k_choice)
         if ev.prefill:
@@ -126,7 +133,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens),
             line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace,
             resumed=request.resumed_tokens, grammar=gram, logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs)
+            top_logprobs=request.top_logprobs,
+            tree_nodes=tree_budget(request.tree_nodes, core.config.tree_nodes))
         setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
                      draft_namespace=request.draft_namespace,
                      line_break_tokens=list(request.line_break_tokens))

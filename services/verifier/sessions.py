@@ -244,6 +244,21 @@ class VerifierCore:
         return kv_eviction_text(self.config.kv_sinks, self.config.kv_window)
 
     @property
+    def tree_refusal(self) -> str:
+        """Why the engine refuses token trees here ("" when it takes them): KV eviction, sparse
+        attention, a Q8_0 KV cache or a sliding-window model (es_forward_tree's ES_ERR_UNSUPPORTED)."""
+        cfg = self.config
+        if self.kv_eviction != "none":
+            return "KV eviction"
+        if cfg.sparse_attention > 0:
+            return "sparse attention"
+        if cfg.kv_type == "q8_0":
+            return "a Q8_0 KV cache"
+        if self.model.info.n_swa > 0:
+            return "a sliding-window model"
+        return ""
+
+    @property
     def context_limit(self) -> int:
         """The positions a generation may reach: n_ctx, or with KV eviction the engine's
         ES_EVICT_MAX_POS (the session's memory is bounded by the sinks and the window instead;

@@ -24,6 +24,10 @@ GRPC_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:
 # limit); the verifier, the coordinator, the gateway and the client check it.
 MAX_TOP_LOGPROBS = 20
 
+# The most draft nodes a token-tree round verifies (tree_nodes): the engine's ES_MAX_TREE_NODES (64)
+# less the round's pending token, its root.
+MAX_TREE_DRAFT_NODES = 63
+
 # repeat_penalty's range (1: off): llama.cpp divides a repeated token's positive logit by it and
 # multiplies a negative one, so a tiny or huge value would overflow the logits to infinity.
 MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-3, 1e3
