@@ -15,8 +15,9 @@ What it does, per fixture:
   5. vision references (qwen3vl): the kept projector's tensors (qwen3vl-mmproj-F16.gguf in --out,
      dequantized) are loaded into transformers' vision tower, which encodes a generated test image
      (preprocessed by transformers' Qwen2-VL image processor) in float32: the merger output and
-     each deepstack output go to qwen3vl-mmproj-F16.ref.npz. --vision-refs-only redoes just this
-     step from the committed projector (no tokenizer, converter or llama_cpp needed).
+     each deepstack output go to qwen3vl-mmproj-F16.ref.npz, with the whole model's logits (text
+     weights of the kept qwen3vl-Q8_0.gguf) for a chat turn holding the image. --vision-refs-only
+     redoes just this step from the committed files (no tokenizer, converter or llama_cpp needed).
 Kept in --out: qwen3moe-Q4_K_M, qwen3vl-Q8_0, qwen3vlmoe-Q8_0, gemma3-Q8_0 (+ .ref.npz each),
 qwen3vl-mmproj-F16;
 the rest (F16 files, qwen3moe-Q8_0, qwen3vlmoe's projector, summary.json) stays in --work.
@@ -398,12 +399,25 @@ def load_vision_into_hf(visual, tensors: dict[str, tuple[np.ndarray, str]]) -> N
         raise ValueError(f"vision parameters not found in the projector GGUF: {sorted(missing)}")
 
 
-def vision_refs(spec: dict, mmproj: Path, out: Path) -> None:
-    """Encode the test image with transformers on the projector file's weights; save the references."""
-    cfg = getattr(transformers, spec["config"])(**json.loads(json.dumps(spec["kwargs"])))
+# A chat turn around the image (SmolLM2 token ids of "<|im_start|>user\n" ... "What is the capital of
+# France?<|im_end|>\n<|im_start|>assistant\n"); the image's tokens go after the first three.
+VL_PROMPT_TOKENS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+VL_SPECIAL_IDS = dict(vision_start_token_id=49152, vision_end_token_id=49153, image_token_id=49154,
+                      video_token_id=49155)    # as build_hf assigns them (tests/data/models/README.md)
+
+
+def vision_refs(spec: dict, mmproj: Path, out: Path, text_gguf: Path | None = None) -> None:
+    """Encode the test image with transformers on the projector file's weights; save the references.
+
+    With text_gguf (the kept qwen3vl-Q8_0.gguf): also the whole model's logits for a prompt holding
+    the image, on that file's (dequantized) text weights."""
+    kwargs = json.loads(json.dumps(spec["kwargs"]))
+    kwargs["text_config"]["vocab_size"] = 49216
+    cfg = getattr(transformers, spec["config"])(**kwargs, **VL_SPECIAL_IDS)
     vcfg = cfg.vision_config
-    visual = transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel._from_config(
-        vcfg, dtype=torch.float32).eval()
+    full = getattr(transformers, spec["cls"])(cfg).eval() if text_gguf else None
+    visual = full.model.visual if full is not None else \
+        transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel._from_config(vcfg, dtype=torch.float32).eval()
     load_vision_into_hf(visual, gguf_tensors(mmproj))
     h, w = VISION_IMAGE_HW
     img = test_image(h, w)
@@ -424,10 +438,30 @@ def vision_refs(spec: dict, mmproj: Path, out: Path) -> None:
     embd = o.pooler_output.float().numpy()
     ds = np.stack([d.float().numpy() for d in o.deepstack_features])
     print(f"vision: grid {grid.tolist()}, embeddings {embd.shape} (std {embd.std():.3f}), deepstack {ds.shape}")
+    extra = {}
+    if full is not None:
+        load_into_hf(full, gguf_tensors(text_gguf))
+        n_img = embd.shape[0]
+        ids = (VL_PROMPT_TOKENS[:3] + [VL_SPECIAL_IDS["vision_start_token_id"]] +
+               [VL_SPECIAL_IDS["image_token_id"]] * n_img + [VL_SPECIAL_IDS["vision_end_token_id"]] +
+               VL_PROMPT_TOKENS[3:])
+        input_ids = torch.tensor([ids])
+        mm_types = (input_ids == VL_SPECIAL_IDS["image_token_id"]).int()     # text 0, image 1
+        with torch.no_grad():
+            pos, _ = full.model.get_rope_index(input_ids, mm_token_type_ids=mm_types, image_grid_thw=grid)
+            logits = full(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid,
+                          mm_token_type_ids=mm_types).logits[0].float().numpy()
+        subset = np.sort(np.random.default_rng(11).choice(logits.shape[-1], N_SUBSET, replace=False))
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :TOPK]
+        print(f"vision prompt: {len(ids)} tokens, logit std {logits.std():.3f}, last argmax {int(logits[-1].argmax())}")
+        extra = dict(vl_tokens=np.array(ids, dtype=np.int32), vl_pos_thw=pos[:, 0, :].numpy().T.astype(np.int32),
+                     vl_last_logits=logits[-1].astype(np.float32), vl_subset=subset.astype(np.int32),
+                     vl_subset_logits=logits[:, subset].astype(np.float32), vl_top_ids=top.astype(np.int32),
+                     vl_top_logits=np.take_along_axis(logits, top, axis=-1).astype(np.float32))
     np.savez_compressed(out, image=img, pixel_values=pixel_values.numpy().astype(np.float32),
                         image_grid_thw=grid.numpy().astype(np.int64), embeddings=embd.astype(np.float32),
                         deepstack=ds.astype(np.float32),
-                        deepstack_layers=np.array(vcfg.deepstack_visual_indexes, dtype=np.int32))
+                        deepstack_layers=np.array(vcfg.deepstack_visual_indexes, dtype=np.int32), **extra)
 
 
 # ---- main -------------------------------------------------------------------
@@ -457,7 +491,7 @@ def main() -> None:
     vl_spec = fixtures()["qwen3vl"]
     mmproj_kept = a.out / "qwen3vl-mmproj-F16.gguf"
     if a.vision_refs_only:
-        vision_refs(vl_spec, mmproj_kept, a.out / "qwen3vl-mmproj-F16.ref.npz")
+        vision_refs(vl_spec, mmproj_kept, a.out / "qwen3vl-mmproj-F16.ref.npz", a.out / "qwen3vl-Q8_0.gguf")
         return
     for opt in ("llama_src", "llama_python", "tokenizer_gguf", "work"):
         if getattr(a, opt) is None:
@@ -480,7 +514,7 @@ def main() -> None:
             convert(a.llama_src, hf_dir, mm, mmproj=True)
             if name == "qwen3vl":    # one projector is kept (size); qwen3vlmoe's is made the same way
                 (a.out / mm.name).write_bytes(mm.read_bytes())
-                vision_refs(spec, a.out / mm.name, a.out / "qwen3vl-mmproj-F16.ref.npz")
+                mm_kept = a.out / mm.name
         model = getattr(transformers, spec["cls"]).from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         # The converter's F16 file against the saved model: every text parameter mapped, F16 rounding apart.
         orig = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -524,6 +558,8 @@ def main() -> None:
                 save[f"p{i}_llama_argmax"] = l.argmax(-1).astype(np.int32)
                 save[f"p{i}_max_abs_tf_llama"] = np.float32(d_all[i])
             np.savez_compressed(a.out / f"{name}-{q}.ref.npz", **save)
+            if name == "qwen3vl":    # after the kept text model: the image prompt runs on its weights
+                vision_refs(spec, mm_kept, a.out / "qwen3vl-mmproj-F16.ref.npz", a.out / qpath.name)
     (a.work / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tensors"} for k, v in summary.items()},
                      indent=1))

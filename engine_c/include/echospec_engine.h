@@ -396,6 +396,28 @@ es_status es_forward_positions(es_session *session, const int32_t *tokens, int32
                                const int32_t *pos_thw, int32_t *argmax_out, float *logits_out,
                                int32_t logits_mode);
 
+/* A token value of es_forward_embd: the row takes the next given embedding as its input. */
+enum { ES_TOKEN_EMBD = -1 };
+
+/*
+ * es_forward_positions with some rows' inputs given as embeddings (image tokens): a row whose
+ * token is ES_TOKEN_EMBD takes the next row of embd (float32 [n_embd_rows][n_embd], the text
+ * model's width, e.g. es_vision_encode's output) instead of a token embedding; the count of
+ * such rows must be n_embd_rows. deepstack: float32 [n_deepstack][n_embd_rows][n_embd] or NULL
+ * (n_deepstack 0): after text layer l < n_deepstack, row j of layer l's slab is added to the
+ * hidden state of the j-th embedding row, as Qwen3-VL adds its deepstack features. pos_thw as
+ * es_forward_positions (an image's (t, h, w) grid positions). Other rows, the KV cache and the
+ * outputs are as es_forward_positions'; a call without ES_TOKEN_EMBD rows is bitwise it.
+ * Errors: as es_forward_positions; ES_ERR_INVALID_ARG when the ES_TOKEN_EMBD count differs
+ * from n_embd_rows, embd is NULL with rows, n_deepstack is outside [0, n_layer] or does not
+ * agree with deepstack being NULL; ES_ERR_UNSUPPORTED for deepstack on a model with FFN
+ * post-norms (gemma3).
+ */
+es_status es_forward_embd(es_session *session, const int32_t *tokens, int32_t n_tokens,
+                          const int32_t *pos_thw, const float *embd, int32_t n_embd_rows,
+                          const float *deepstack, int32_t n_deepstack,
+                          int32_t *argmax_out, float *logits_out, int32_t logits_mode);
+
 /*
  * es_forward for prefill: the same pass over n_tokens new tokens, but the
  * output head (final norm, output projection, argmax) runs on the last
