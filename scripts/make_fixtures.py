@@ -12,6 +12,12 @@ What it does, per fixture:
   4. reference logits: the quantized file's tensors, dequantized with the gguf package, are loaded
      into the transformers model, which runs the prompts in float32; llama.cpp's logits for the same
      prompts come from llama_cpp.Llama. Both are saved (compactly) beside the GGUF.
+  5. vision references (qwen3vl): the kept projector's tensors (qwen3vl-mmproj-F16.gguf in --out,
+     dequantized) are loaded into transformers' vision tower, which encodes a generated test image
+     (preprocessed by transformers' Qwen2-VL image processor) in float32: the merger output and
+     each deepstack output go to qwen3vl-mmproj-F16.ref.npz, with the whole model's logits (text
+     weights of the kept qwen3vl-Q8_0.gguf) for a chat turn holding the image. --vision-refs-only
+     redoes just this step from the committed files (no tokenizer, converter or llama_cpp needed).
 Kept in --out: qwen3moe-Q4_K_M, qwen3vl-Q8_0, qwen3vlmoe-Q8_0, gemma3-Q8_0 (+ .ref.npz each),
 qwen3vl-mmproj-F16;
 the rest (F16 files, qwen3moe-Q8_0, qwen3vlmoe's projector, summary.json) stays in --work.
@@ -60,6 +66,10 @@ N_SUBSET = 512       # logits at these (fixed, random) vocab ids kept for every 
 LONG_TEXT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who told "
              "stories to the children every evening, and they listened until the stars came out over the "
              "dark water.")
+# The image preprocessor's settings, as Qwen3-VL ships them (patch sizes added per model).
+PREPROCESSOR = dict(size={"longest_edge": 16777216, "shortest_edge": 65536}, image_mean=[0.5, 0.5, 0.5],
+                    image_std=[0.5, 0.5, 0.5], processor_class="Qwen3VLProcessor",
+                    image_processor_type="Qwen2VLImageProcessorFast")
 VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -152,10 +162,8 @@ def build_hf(name: str, spec: dict, tok_gguf: Path, out: Path, seed: int) -> Non
     if "vision_config" in kwargs:
         # The image preprocessor's settings, as Qwen3-VL ships them (the --mmproj conversion reads them).
         v = kwargs["vision_config"]
-        pre = dict(size={"longest_edge": 16777216, "shortest_edge": 65536}, patch_size=v["patch_size"],
-                   temporal_patch_size=v["temporal_patch_size"], merge_size=v["spatial_merge_size"],
-                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], processor_class="Qwen3VLProcessor",
-                   image_processor_type="Qwen2VLImageProcessorFast")
+        pre = dict(PREPROCESSOR, patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"],
+                   merge_size=v["spatial_merge_size"])
         (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
 
 
@@ -338,6 +346,124 @@ def mrope_check(model, name: str) -> dict[str, np.ndarray]:
                 rope_text_vs_neox_max=np.float64(diff))
 
 
+# ---- vision references (the projector GGUF loaded into transformers' vision tower) ----------
+
+VISION_IMAGE_HW = (224, 320)    # both multiples of 32 and >= the processor's min_pixels: no resize
+
+
+def test_image(h: int, w: int) -> np.ndarray:
+    """A deterministic RGB image [h, w, 3] uint8: smooth gradients, a few stripes and seeded noise."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    r = 128 + 100 * np.sin(x / 23.0) * np.cos(y / 31.0)
+    g = 255 * (x + y) / (h + w)
+    b = 128 + 120 * np.sign(np.sin(x / 9.0 + y / 13.0))
+    img = np.stack([r, g, b], axis=-1) + np.random.default_rng(7).normal(0, 12, size=(h, w, 3))
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+def load_vision_into_hf(visual, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    """Overwrite every parameter of transformers' Qwen3-VL vision tower with the projector GGUF's.
+
+    The inverse of the converter's mapping; raises on a missing parameter or a shape mismatch."""
+    sd = dict(visual.named_parameters())
+    done = set()
+
+    def put(hf: str, arr: np.ndarray) -> None:
+        p = sd[hf]
+        if tuple(p.shape) != arr.shape:
+            raise ValueError(f"{hf}: shape {tuple(p.shape)} vs GGUF {arr.shape}")
+        with torch.no_grad():
+            p.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
+        done.add(hf)
+
+    g = lambda n: tensors[n][0]  # noqa: E731
+    # conv3d kernel [out, in, t, ph, pw]: the converter splits the temporal axis into two tensors
+    put("patch_embed.proj.weight", np.stack([g("v.patch_embd.weight"), g("v.patch_embd.weight.1")], axis=2))
+    put("patch_embed.proj.bias", g("v.patch_embd.bias"))
+    put("pos_embed.weight", g("v.position_embd.weight"))
+    for i in range(len(visual.blocks)):
+        b, L = f"v.blk.{i}.", f"blocks.{i}."
+        for gn, hn in [("ln1", "norm1"), ("ln2", "norm2"), ("attn_qkv", "attn.qkv"), ("attn_out", "attn.proj"),
+                       ("ffn_up", "mlp.linear_fc1"), ("ffn_down", "mlp.linear_fc2")]:
+            put(L + hn + ".weight", g(b + gn + ".weight"))
+            put(L + hn + ".bias", g(b + gn + ".bias"))
+    for gn, hn in [("v.post_ln", "merger.norm"), ("mm.0", "merger.linear_fc1"), ("mm.2", "merger.linear_fc2")]:
+        put(hn + ".weight", g(gn + ".weight"))
+        put(hn + ".bias", g(gn + ".bias"))
+    for k, layer in enumerate(visual.deepstack_visual_indexes):
+        for gn, hn in [("norm", "norm"), ("fc1", "linear_fc1"), ("fc2", "linear_fc2")]:
+            for wb in ("weight", "bias"):
+                put(f"deepstack_merger_list.{k}.{hn}.{wb}", g(f"v.deepstack.{layer}.{gn}.{wb}"))
+    missing = set(sd) - done
+    if missing:
+        raise ValueError(f"vision parameters not found in the projector GGUF: {sorted(missing)}")
+
+
+# A chat turn around the image (SmolLM2 token ids of "<|im_start|>user\n" ... "What is the capital of
+# France?<|im_end|>\n<|im_start|>assistant\n"); the image's tokens go after the first three.
+VL_PROMPT_TOKENS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+VL_SPECIAL_IDS = dict(vision_start_token_id=49152, vision_end_token_id=49153, image_token_id=49154,
+                      video_token_id=49155)    # as build_hf assigns them (tests/data/models/README.md)
+
+
+def vision_refs(spec: dict, mmproj: Path, out: Path, text_gguf: Path | None = None) -> None:
+    """Encode the test image with transformers on the projector file's weights; save the references.
+
+    With text_gguf (the kept qwen3vl-Q8_0.gguf): also the whole model's logits for a prompt holding
+    the image, on that file's (dequantized) text weights."""
+    kwargs = json.loads(json.dumps(spec["kwargs"]))
+    kwargs["text_config"]["vocab_size"] = 49216
+    cfg = getattr(transformers, spec["config"])(**kwargs, **VL_SPECIAL_IDS)
+    vcfg = cfg.vision_config
+    full = getattr(transformers, spec["cls"])(cfg).eval() if text_gguf else None
+    visual = full.model.visual if full is not None else \
+        transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel._from_config(vcfg, dtype=torch.float32).eval()
+    load_vision_into_hf(visual, gguf_tensors(mmproj))
+    h, w = VISION_IMAGE_HW
+    img = test_image(h, w)
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    pre = json.loads(json.dumps(PREPROCESSOR))
+    pre.update(patch_size=vcfg.patch_size, temporal_patch_size=vcfg.temporal_patch_size,
+               merge_size=vcfg.spatial_merge_size)
+    for k in ("processor_class", "image_processor_type"):
+        pre.pop(k)
+    proc = Qwen2VLImageProcessorPil(**pre)
+    enc = proc(images=[Image.fromarray(img)], return_tensors="pt")
+    pixel_values, grid = enc["pixel_values"].float(), enc["image_grid_thw"]
+    if grid.tolist() != [[1, h // vcfg.patch_size, w // vcfg.patch_size]]:
+        raise RuntimeError(f"the processor resized the test image: grid {grid.tolist()}")
+    with torch.no_grad():
+        o = visual(pixel_values, grid_thw=grid)
+    embd = o.pooler_output.float().numpy()
+    ds = np.stack([d.float().numpy() for d in o.deepstack_features])
+    print(f"vision: grid {grid.tolist()}, embeddings {embd.shape} (std {embd.std():.3f}), deepstack {ds.shape}")
+    extra = {}
+    if full is not None:
+        load_into_hf(full, gguf_tensors(text_gguf))
+        n_img = embd.shape[0]
+        ids = (VL_PROMPT_TOKENS[:3] + [VL_SPECIAL_IDS["vision_start_token_id"]] +
+               [VL_SPECIAL_IDS["image_token_id"]] * n_img + [VL_SPECIAL_IDS["vision_end_token_id"]] +
+               VL_PROMPT_TOKENS[3:])
+        input_ids = torch.tensor([ids])
+        mm_types = (input_ids == VL_SPECIAL_IDS["image_token_id"]).int()     # text 0, image 1
+        with torch.no_grad():
+            pos, _ = full.model.get_rope_index(input_ids, mm_token_type_ids=mm_types, image_grid_thw=grid)
+            logits = full(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid,
+                          mm_token_type_ids=mm_types).logits[0].float().numpy()
+        subset = np.sort(np.random.default_rng(11).choice(logits.shape[-1], N_SUBSET, replace=False))
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :TOPK]
+        print(f"vision prompt: {len(ids)} tokens, logit std {logits.std():.3f}, last argmax {int(logits[-1].argmax())}")
+        extra = dict(vl_tokens=np.array(ids, dtype=np.int32), vl_pos_thw=pos[:, 0, :].numpy().T.astype(np.int32),
+                     vl_last_logits=logits[-1].astype(np.float32), vl_subset=subset.astype(np.int32),
+                     vl_subset_logits=logits[:, subset].astype(np.float32), vl_top_ids=top.astype(np.int32),
+                     vl_top_logits=np.take_along_axis(logits, top, axis=-1).astype(np.float32))
+    np.savez_compressed(out, image=img, pixel_values=pixel_values.numpy().astype(np.float32),
+                        image_grid_thw=grid.numpy().astype(np.int64), embeddings=embd.astype(np.float32),
+                        deepstack=ds.astype(np.float32),
+                        deepstack_layers=np.array(vcfg.deepstack_visual_indexes, dtype=np.int32), **extra)
+
+
 # ---- main -------------------------------------------------------------------
 
 def describe(path: Path) -> dict:
@@ -351,15 +477,25 @@ def describe(path: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-src", type=Path, required=True)
-    ap.add_argument("--llama-python", required=True)
-    ap.add_argument("--tokenizer-gguf", type=Path, required=True)
-    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--llama-src", type=Path)
+    ap.add_argument("--llama-python")
+    ap.add_argument("--tokenizer-gguf", type=Path)
+    ap.add_argument("--work", type=Path)
     ap.add_argument("--out", type=Path, default=Path("tests/data/models"))
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--vision-refs-only", action="store_true",
+                    help="only (re)write qwen3vl-mmproj-F16.ref.npz from the projector in --out")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    vl_spec = fixtures()["qwen3vl"]
+    mmproj_kept = a.out / "qwen3vl-mmproj-F16.gguf"
+    if a.vision_refs_only:
+        vision_refs(vl_spec, mmproj_kept, a.out / "qwen3vl-mmproj-F16.ref.npz", a.out / "qwen3vl-Q8_0.gguf")
+        return
+    for opt in ("llama_src", "llama_python", "tokenizer_gguf", "work"):
+        if getattr(a, opt) is None:
+            ap.error(f"--{opt.replace('_', '-')} is required (unless --vision-refs-only)")
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(a.tokenizer_gguf.parent), gguf_file=a.tokenizer_gguf.name)
@@ -378,6 +514,7 @@ def main() -> None:
             convert(a.llama_src, hf_dir, mm, mmproj=True)
             if name == "qwen3vl":    # one projector is kept (size); qwen3vlmoe's is made the same way
                 (a.out / mm.name).write_bytes(mm.read_bytes())
+                mm_kept = a.out / mm.name
         model = getattr(transformers, spec["cls"]).from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         # The converter's F16 file against the saved model: every text parameter mapped, F16 rounding apart.
         orig = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -421,6 +558,8 @@ def main() -> None:
                 save[f"p{i}_llama_argmax"] = l.argmax(-1).astype(np.int32)
                 save[f"p{i}_max_abs_tf_llama"] = np.float32(d_all[i])
             np.savez_compressed(a.out / f"{name}-{q}.ref.npz", **save)
+            if name == "qwen3vl":    # after the kept text model: the image prompt runs on its weights
+                vision_refs(spec, mm_kept, a.out / "qwen3vl-mmproj-F16.ref.npz", a.out / qpath.name)
     (a.work / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tensors"} for k, v in summary.items()},
                      indent=1))

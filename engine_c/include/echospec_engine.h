@@ -396,6 +396,28 @@ es_status es_forward_positions(es_session *session, const int32_t *tokens, int32
                                const int32_t *pos_thw, int32_t *argmax_out, float *logits_out,
                                int32_t logits_mode);
 
+/* A token value of es_forward_embd: the row takes the next given embedding as its input. */
+enum { ES_TOKEN_EMBD = -1 };
+
+/*
+ * es_forward_positions with some rows' inputs given as embeddings (image tokens): a row whose
+ * token is ES_TOKEN_EMBD takes the next row of embd (float32 [n_embd_rows][n_embd], the text
+ * model's width, e.g. es_vision_encode's output) instead of a token embedding; the count of
+ * such rows must be n_embd_rows. deepstack: float32 [n_deepstack][n_embd_rows][n_embd] or NULL
+ * (n_deepstack 0): after text layer l < n_deepstack, row j of layer l's slab is added to the
+ * hidden state of the j-th embedding row, as Qwen3-VL adds its deepstack features. pos_thw as
+ * es_forward_positions (an image's (t, h, w) grid positions). Other rows, the KV cache and the
+ * outputs are as es_forward_positions'; a call without ES_TOKEN_EMBD rows is bitwise it.
+ * Errors: as es_forward_positions; ES_ERR_INVALID_ARG when the ES_TOKEN_EMBD count differs
+ * from n_embd_rows, embd is NULL with rows, n_deepstack is outside [0, n_layer] or does not
+ * agree with deepstack being NULL; ES_ERR_UNSUPPORTED for deepstack on a model with FFN
+ * post-norms (gemma3).
+ */
+es_status es_forward_embd(es_session *session, const int32_t *tokens, int32_t n_tokens,
+                          const int32_t *pos_thw, const float *embd, int32_t n_embd_rows,
+                          const float *deepstack, int32_t n_deepstack,
+                          int32_t *argmax_out, float *logits_out, int32_t logits_mode);
+
 /*
  * es_forward for prefill: the same pass over n_tokens new tokens, but the
  * output head (final norm, output projection, argmax) runs on the last
@@ -599,6 +621,66 @@ int32_t es_sample(const float *logits, int32_t n_vocab, const es_sampler_params 
 
 /* The name of the SIMD path this build uses: "avx512", "avx2", "neon-dotprod", "neon" or "scalar". */
 const char *es_simd_name(void);
+
+/* ---- vision encoder (Qwen3-VL projector GGUF) ----------------------------------------------
+ *
+ * es_vision: the Qwen3-VL vision encoder read from a projector GGUF (general.architecture "clip",
+ * clip.projector_type "qwen3vl_merger", as llama.cpp's converter writes it with --mmproj):
+ * patch embedding (conv3d over two identical frames), the learned position embedding bilinearly
+ * interpolated to the patch grid, ViT blocks with 2-D RoPE, the 2x2 (merge_size^2) spatial merge
+ * and the merger MLP to the text model's width, and the deepstack mergers at the layers
+ * clip.vision.is_deepstack_layers marks. Weights F16 or F32; float32 arithmetic, scalar, results
+ * bitwise independent of the thread count. A handle is read-only after load except for its
+ * error message: the caller keeps other threads off it during es_vision_encode.
+ */
+typedef struct es_vision es_vision;
+
+typedef struct {
+    int32_t patch_size;         /* pixels per patch side (16) */
+    int32_t merge_size;         /* patches per merged token side (2); sides must be multiples of
+                                   patch_size * merge_size */
+    int32_t n_embd;             /* width of the output embeddings (the text model's hidden size) */
+    int32_t n_embd_vision;      /* the ViT's width */
+    int32_t n_layer, n_head;    /* the ViT's blocks and heads */
+    int32_t n_deepstack;        /* deepstack mergers (outputs per image token) */
+    float image_mean[3];        /* RGB normalisation: (value / 255 - mean) / std */
+    float image_std[3];
+    int64_t min_pixels;         /* the file's pixel budget, 0 when it has none */
+    int64_t max_pixels;
+} es_vision_info;
+
+/* Load a projector GGUF. On failure *out is NULL and a message goes to err (like es_model_load):
+ * ES_ERR_IO / ES_ERR_FORMAT (bad file or missing key), ES_ERR_UNSUPPORTED (not a "clip" file, a
+ * projector type other than qwen3vl_merger, a weight type other than F32 / F16 / BF16 for vectors
+ * and F32 / F16 for matrices), ES_ERR_MISSING_TENSOR (absent or mis-shaped tensor),
+ * ES_ERR_BAD_WEIGHTS (a NaN or infinite weight), ES_ERR_NOMEM. */
+es_status es_vision_load(const char *path, es_vision **out, char *err, size_t err_len);
+
+/* Free a vision handle. NULL is a no-op. */
+void es_vision_free(es_vision *vision);
+
+/* Copy the encoder's sizes into *info. ES_ERR_INVALID_ARG when either is NULL. */
+es_status es_vision_get_info(const es_vision *vision, es_vision_info *info);
+
+/* Message of the last failed es_vision_encode ("" if none). */
+const char *es_vision_last_error(const es_vision *vision);
+
+/* The vision layer whose output deepstack merger k reads; -1 when k is out of range. */
+int32_t es_vision_deepstack_layer(const es_vision *vision, int32_t k);
+
+/*
+ * Encode one image.
+ *   pixels         float32 [3][height][width], RGB, already normalised with image_mean / std
+ *   height, width  positive multiples of patch_size * merge_size (at most 65536 patches)
+ *   n_threads      1 .. ES_MAX_THREADS (the results do not depend on it)
+ *   embd_out       float32 [n_tokens][n_embd], n_tokens = (height / (patch_size * merge_size)) *
+ *                  (width / (patch_size * merge_size)), tokens row-major over the merged grid
+ *   deepstack_out  float32 [n_deepstack][n_tokens][n_embd], or NULL (not computed)
+ * Errors (message on the handle): ES_ERR_INVALID_ARG for NULL pixels / embd_out, bad sizes or
+ * thread count; ES_ERR_NOMEM; ES_ERR_INTERNAL when threads cannot be started.
+ */
+es_status es_vision_encode(es_vision *vision, const float *pixels, int32_t height, int32_t width,
+                           int32_t n_threads, float *embd_out, float *deepstack_out);
 
 /* ES_CDEF_END */
 

@@ -100,6 +100,11 @@ typedef struct {
     es_status *status;      /* NULL, or set to ES_ERR_BAD_WEIGHTS when a head row of it holds a NaN */
     const es_tree *tree;    /* es_forward_tree (the call's only segment): its rows are the tree's
                                nodes (tree.c), else NULL */
+    const float *embd;      /* es_forward_embd: [rows with token ES_TOKEN_EMBD][n_embd], their inputs
+                               in order (from this segment's first row), else NULL */
+    const float *ds;        /* es_forward_embd: deepstack [n_ds][ds_stride][n_embd], offset to this
+                               segment's first embedding row; added after text layer l < n_ds */
+    int32_t ds_stride, n_ds;
 } fwd_seg;
 
 /* The state of one forward call that passes from stage to stage. */
@@ -448,8 +453,8 @@ static int32_t am_combine(const es_session *s, int i) {
     return best < 0 ? 0 : best;
 }
 
-static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_t n,
-                                    float *logits_out, int32_t mode) {
+static es_status check_forward_args_ex(es_session *s, const int32_t *tokens, int32_t n,
+                                       float *logits_out, int32_t mode, int allow_embd) {
     const es_model_info *in = &s->model->info;
     if (!tokens || n <= 0) {
         es_set_err(s->err, sizeof s->err, "forward needs n_tokens >= 1 (got %d)", (int)n);
@@ -461,6 +466,7 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
         return ES_ERR_INVALID_ARG;
     }
     for (int32_t i = 0; i < n; i++) {
+        if (allow_embd && tokens[i] == ES_TOKEN_EMBD) continue;
         if (tokens[i] < 0 || tokens[i] >= in->n_vocab) {
             es_set_err(s->err, sizeof s->err, "token %d at index %d outside the vocabulary [0, %d)",
                        (int)tokens[i], (int)i, (int)in->n_vocab);
@@ -474,6 +480,35 @@ static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_
         return ES_ERR_CAPACITY;
     }
     return ES_OK;
+}
+
+static es_status check_forward_args(es_session *s, const int32_t *tokens, int32_t n,
+                                    float *logits_out, int32_t mode) {
+    return check_forward_args_ex(s, tokens, n, logits_out, mode, 0);
+}
+
+/* Deepstack (es_forward_embd): after text layer l, the rows of embedding inputs get their
+ * segment's deepstack row of layer l added to the hidden state. The FFN's output is still
+ * pending (x += out at the next norm): it is added first, then the deepstack row, so each such
+ * row is (x + out) + ds as in transformers; out is zeroed (the next norm adds 0). */
+static void deepstack_add(fwd_call *c, int l) {
+    es_session *s = c->s;
+    const size_t e = (size_t)s->model->info.n_embd;
+    for (int k = 0; k < c->nseg; k++) {
+        const fwd_seg *g = &c->seg[k];
+        if (!g->ds || l >= g->n_ds) continue;
+        int j = 0;
+        for (int i = 0; i < g->n; i++) {
+            if (g->tokens[i] != ES_TOKEN_EMBD) continue;
+            float *x = s->x + (size_t)(g->row0 + i) * e, *o = s->out + (size_t)(g->row0 + i) * e;
+            const float *d = g->ds + ((size_t)l * (size_t)g->ds_stride + (size_t)j++) * e;
+            for (size_t q = 0; q < e; q++) {
+                x[q] += o[q];
+                x[q] += d[q];
+                o[q] = 0.0f;
+            }
+        }
+    }
 }
 
 /* The output head over the call's out_rows head rows (head_row): the pending
@@ -533,7 +568,12 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     for (int k = 0; k < nseg; k++) seg[k].seq->tree_n = 0;   /* the rows overwrite a tree's slots */
 
     for (int k = 0; k < nseg; k++)   /* embedding */
-        for (int i = 0; i < seg[k].n; i++) {
+        for (int i = 0, j = 0; i < seg[k].n; i++) {
+            if (seg[k].tokens[i] == ES_TOKEN_EMBD) {   /* es_forward_embd: the given row */
+                memcpy(s->x + (size_t)(seg[k].row0 + i) * in->n_embd, seg[k].embd + (size_t)j++ * in->n_embd,
+                       (size_t)in->n_embd * sizeof(float));
+                continue;
+            }
             const uint8_t *row = (const uint8_t *)m->tok_embd->data + (size_t)seg[k].tokens[i] * m->tok_embd->row_bytes;
             float *x = s->x + (size_t)(seg[k].row0 + i) * in->n_embd;
             es_dequantize_row(m->tok_embd->type, row, x, in->n_embd);
@@ -545,6 +585,7 @@ static es_status forward_impl(es_session *s, const fwd_seg *seg, int nseg) {
     for (int l = 0; l < in->n_layer; l++) {
         attention_block(&c, l);     /* norm, q/k/v + RoPE + KV append, attention, output projection */
         ffn_block(&c, l);           /* norm, gate/up + SwiGLU, down projection */
+        deepstack_add(&c, l);       /* es_forward_embd's deepstack rows (none otherwise) */
     }
     int want_logits = 0;
     for (int k = 0; k < nseg; k++) want_logits |= seg[k].logits_mode != ES_LOGITS_NONE;
@@ -595,6 +636,13 @@ static fwd_seg seg_piece(const fwd_seg *g, int done, int n, int row0, int head0,
     fwd_seg q = *g;
     q.tokens = g->tokens + done;
     q.pos_thw = g->pos_thw ? g->pos_thw + 3 * (size_t)done : NULL;
+    if (g->embd) {   /* the embedding rows before this piece */
+        size_t before = 0;
+        for (int i = 0; i < done; i++) before += g->tokens[i] == ES_TOKEN_EMBD;
+        size_t e = (size_t)g->seq->model->info.n_embd;
+        q.embd = g->embd + before * e;
+        q.ds = g->ds ? g->ds + before * e : NULL;
+    }
     q.row0 = row0;
     q.n = n;
     q.head0 = head0;
@@ -668,7 +716,7 @@ es_status es_forward(es_session *s, const int32_t *tokens, int32_t n, int32_t *a
     if (!s) return ES_ERR_INVALID_ARG;
     es_status st = check_forward_args(s, tokens, n, logits_out, logits_mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL, NULL, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, NULL, NULL, NULL, NULL, NULL, 0, 0};
     return forward_run(s, &g, 1);
 }
 
@@ -676,7 +724,7 @@ es_status es_forward_tree_run(es_session *s, const int32_t *tokens, const int32_
                               int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
     es_status st = check_forward_args(s, tokens, t->n, logits_out, logits_mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, t->n, 0, t->n, argmax_out, logits_out, logits_mode, pos_thw, NULL, t};
+    fwd_seg g = {s, tokens, 0, t->n, 0, t->n, argmax_out, logits_out, logits_mode, pos_thw, NULL, t, NULL, NULL, 0, 0};
     return forward_impl(s, &g, 1);
 }
 
@@ -691,7 +739,42 @@ es_status es_forward_positions(es_session *s, const int32_t *tokens, int32_t n, 
                        (int)(i / 3), (int)pos_thw[i]);
             return ES_ERR_INVALID_ARG;
         }
-    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw, NULL, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw, NULL, NULL, NULL, NULL, 0, 0};
+    return forward_run(s, &g, 1);
+}
+
+es_status es_forward_embd(es_session *s, const int32_t *tokens, int32_t n, const int32_t *pos_thw,
+                          const float *embd, int32_t n_embd_rows, const float *deepstack, int32_t n_deepstack,
+                          int32_t *argmax_out, float *logits_out, int32_t logits_mode) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    es_status st = check_forward_args_ex(s, tokens, n, logits_out, logits_mode, 1);
+    if (st != ES_OK) return st;
+    const es_model *m = s->model;
+    int32_t rows = 0;
+    for (int32_t i = 0; i < n; i++) rows += tokens[i] == ES_TOKEN_EMBD;
+    if (rows != n_embd_rows || (n_embd_rows > 0 && !embd)) {
+        es_set_err(s->err, sizeof s->err, "es_forward_embd: %d tokens are ES_TOKEN_EMBD but n_embd_rows is %d%s",
+                   (int)rows, (int)n_embd_rows, n_embd_rows > 0 && !embd ? " and embd is NULL" : "");
+        return ES_ERR_INVALID_ARG;
+    }
+    if (n_deepstack < 0 || n_deepstack > m->info.n_layer || (n_deepstack > 0) != (deepstack != NULL)) {
+        es_set_err(s->err, sizeof s->err, "es_forward_embd: n_deepstack %d (deepstack %s) outside [0, n_layer %d]",
+                   (int)n_deepstack, deepstack ? "given" : "NULL", (int)m->info.n_layer);
+        return ES_ERR_INVALID_ARG;
+    }
+    for (int32_t l = 0; l < n_deepstack; l++)
+        if (m->layers[l].ffn_post_norm) {
+            es_set_err(s->err, sizeof s->err, "es_forward_embd: deepstack on a model with FFN post-norms");
+            return ES_ERR_UNSUPPORTED;
+        }
+    for (int32_t i = 0; pos_thw && i < 3 * n; i++)
+        if (pos_thw[i] < 0) {
+            es_set_err(s->err, sizeof s->err, "position %d of token %d is negative (%d)", (int)(i % 3),
+                       (int)(i / 3), (int)pos_thw[i]);
+            return ES_ERR_INVALID_ARG;
+        }
+    fwd_seg g = {s, tokens, 0, n, 0, n, argmax_out, logits_out, logits_mode, pos_thw, NULL, NULL,
+                 rows ? embd : NULL, n_deepstack ? deepstack : NULL, rows, n_deepstack};
     return forward_run(s, &g, 1);
 }
 
@@ -701,7 +784,7 @@ es_status es_forward_last(es_session *s, const int32_t *tokens, int32_t n, int32
     int32_t mode = logits_last ? ES_LOGITS_LAST : ES_LOGITS_NONE;
     es_status st = check_forward_args(s, tokens, n, logits_last, mode);
     if (st != ES_OK) return st;
-    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL, NULL, NULL};
+    fwd_seg g = {s, tokens, 0, n, 0, 1, argmax_last, logits_last, mode, NULL, NULL, NULL, NULL, NULL, 0, 0};
     return forward_run(s, &g, 1);
 }
 
@@ -742,7 +825,8 @@ es_status es_forward_batch(es_batch_item *items, int32_t n_items) {
         if (it->status != ES_OK) continue;
         int head_n = it->head == ES_HEAD_LAST ? 1 : it->n_tokens;
         seg[nseg++] = (fwd_seg){it->session, it->tokens, rows, it->n_tokens, heads, head_n,
-                                it->argmax_out, it->logits_out, it->logits_mode, NULL, &it->status, NULL};
+                                it->argmax_out, it->logits_out, it->logits_mode, NULL, &it->status, NULL,
+                                NULL, NULL, 0, 0};
         rows += it->n_tokens;
         heads += head_n;
     }
