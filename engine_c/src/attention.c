@@ -163,10 +163,17 @@ static inline __attribute__((always_inline)) void axpy_qd_t(const int nj, const 
     }
 }
 #undef AXPY_LD
+/* The cache's value type chosen once, outside the loop over positions: with
+ * the test inside it GCC kept the V vectors and the accumulators on the
+ * stack (a store of each at every position). */
+static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
+                                                           int t0, int t1, const kv_view *vw, int d0, int cont) {
+    if (vw->q) axpy_qd_t(nj, 1, o, a, t0, t1, vw, d0, cont);
+    else axpy_qd_t(nj, 0, o, a, t0, t1, vw, d0, cont);
+}
 #else
-static inline __attribute__((always_inline)) void axpy_qd_t(const int nj, const int q8, float *const *o,
-                                                             const float *const *a, int t0, int t1,
-                                                             const kv_view *vw, int d0, int cont) {
+static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
+                                                           int t0, int t1, const kv_view *vw, int d0, int cont) {
     vaf acc[AXPY_Q][AXPY_D / AW];
     for (int j = 0; j < nj; j++)
         for (int k = 0; k < AXPY_D / AW; k++) {
@@ -175,7 +182,7 @@ static inline __attribute__((always_inline)) void axpy_qd_t(const int nj, const 
         }
     for (int t = t0; t < t1; t++) {
         vaf v[AXPY_D / AW];
-        if (q8) {   /* Q8_0: AW values of a run of 32 share its scale */
+        if (vw->q) {   /* Q8_0: AW values of a run of 32 share its scale */
             const int8_t *vr = vw->q + (size_t)t * vw->hd + d0;
             const float *sr = vw->vs + (size_t)t * (size_t)(vw->hd / 32) + d0 / 32;
             for (int k = 0; k < AXPY_D / AW; k++) {
@@ -200,14 +207,6 @@ static inline __attribute__((always_inline)) void axpy_qd_t(const int nj, const 
         for (int k = 0; k < AXPY_D / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
 }
 #endif
-/* The cache's value type chosen once, outside the loop over positions: with
- * the test inside it GCC kept the V vectors and the accumulators on the
- * stack (a store of each at every position). */
-static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
-                                                           int t0, int t1, const kv_view *vw, int d0, int cont) {
-    if (vw->q) axpy_qd_t(nj, 1, o, a, t0, t1, vw, d0, cont);
-    else axpy_qd_t(nj, 0, o, a, t0, t1, vw, d0, cont);
-}
 
 /* The same for any head size, one query, positions [0, n). */
 static void axpy_row(float *o, const float *a, const kv_view *vw, int n, int hd) {
