@@ -4,7 +4,10 @@ What it measures (all greedy, on fixed pseudo-random token ids, so both engines 
 
     decode_tok_s    greedy decode of --decode-tokens tokens starting at context depth --depth
                     (each step feeds the previous argmax back), tokens / second.
-    prefill_tok_s   one forward over a --prompt-tokens prompt from an empty KV cache, tokens / second.
+    prefill_tok_s   one forward over a --prompt-tokens prompt from an empty KV cache, tokens / second,
+                    with the output head on the last position only on both engines (ours:
+                    Session.prefill, the services' prompt path; the peer: Llama.eval without
+                    logits_all).
     T_ms            one decode step (N = 1 new token) at context depth --depth, milliseconds.
     V_ms[K]         one forward over K + 1 new tokens at depth --depth that yields the argmax of
                     every position (what verifying K drafts needs), milliseconds.
@@ -189,8 +192,9 @@ class OursRunner:
         self.session.rollback(n_past)
 
     def prefill(self, tokens: np.ndarray) -> None:
-        """Forward over tokens (int32 [N]) at the current n_past; results unused."""
-        self.session.forward(tokens)
+        """A prompt evaluation as the services run one (Session.prefill, es_forward_last): the
+        output head on the last position only, like the peer's; results unused."""
+        self.session.prefill(tokens)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Forward over tokens (int32 [N]); returns the argmax of every position (int32 [N])."""

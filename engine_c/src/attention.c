@@ -108,6 +108,70 @@ typedef struct {
 #define AXPY_Q 2    /* 2 queries x 4 accumulators of 8 floats + 4 V vectors: 12 of 16 (AVX2) */
 #define AXPY_D 32
 #endif
+#if AXPY_D / AW == 4 && AXPY_Q <= 3
+/* x86 (4 vectors of AW per query): the same sums with the accumulators and
+ * the V vectors in named variables; as arrays GCC kept them on the stack
+ * and stored each back at every position. */
+#define AXPY_LD(k) (q8 ? ld_q8(vq + AW * (k), va_splat(sr[AW * (k) / 32])) : ld_h(vh + AW * (k)))
+static inline __attribute__((always_inline)) void axpy_qd_t(const int nj, const int q8, float *const *o,
+                                                             const float *const *a, int t0, int t1,
+                                                             const kv_view *vw, int d0, int cont) {
+    vaf x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0}, y0 = {0}, y1 = {0}, y2 = {0}, y3 = {0};
+    vaf z0 = {0}, z1 = {0}, z2 = {0}, z3 = {0};
+    const float *a0 = a[0], *a1 = nj > 1 ? a[1] : a[0], *a2 = nj > 2 ? a[2] : a[0];
+    if (cont) {
+        memcpy(&x0, o[0], sizeof x0); memcpy(&x1, o[0] + AW, sizeof x1);
+        memcpy(&x2, o[0] + 2 * AW, sizeof x2); memcpy(&x3, o[0] + 3 * AW, sizeof x3);
+        if (nj > 1) {
+            memcpy(&y0, o[1], sizeof y0); memcpy(&y1, o[1] + AW, sizeof y1);
+            memcpy(&y2, o[1] + 2 * AW, sizeof y2); memcpy(&y3, o[1] + 3 * AW, sizeof y3);
+        }
+        if (nj > 2) {
+            memcpy(&z0, o[2], sizeof z0); memcpy(&z1, o[2] + AW, sizeof z1);
+            memcpy(&z2, o[2] + 2 * AW, sizeof z2); memcpy(&z3, o[2] + 3 * AW, sizeof z3);
+        }
+    }
+    for (int t = t0; t < t1; t++) {
+        const int8_t *vq = q8 ? vw->q + (size_t)t * vw->hd + d0 : NULL;
+        const float *sr = q8 ? vw->vs + (size_t)t * (size_t)(vw->hd / 32) + d0 / 32 : NULL;
+        const uint16_t *vh = q8 ? NULL : vw->h + (size_t)t * vw->hd + d0;
+        vaf v0 = AXPY_LD(0), v1 = AXPY_LD(1), v2 = AXPY_LD(2), v3 = AXPY_LD(3);
+        IN_REG(v0);
+        IN_REG(v1);
+        IN_REG(v2);
+        IN_REG(v3);
+        vaf s = va_splat(a0[t]);
+        x0 = fma_a(s, v0, x0); x1 = fma_a(s, v1, x1); x2 = fma_a(s, v2, x2); x3 = fma_a(s, v3, x3);
+        if (nj > 1) {
+            s = va_splat(a1[t]);
+            y0 = fma_a(s, v0, y0); y1 = fma_a(s, v1, y1); y2 = fma_a(s, v2, y2); y3 = fma_a(s, v3, y3);
+        }
+        if (nj > 2) {
+            s = va_splat(a2[t]);
+            z0 = fma_a(s, v0, z0); z1 = fma_a(s, v1, z1); z2 = fma_a(s, v2, z2); z3 = fma_a(s, v3, z3);
+        }
+    }
+    memcpy(o[0], &x0, sizeof x0); memcpy(o[0] + AW, &x1, sizeof x1);
+    memcpy(o[0] + 2 * AW, &x2, sizeof x2); memcpy(o[0] + 3 * AW, &x3, sizeof x3);
+    if (nj > 1) {
+        memcpy(o[1], &y0, sizeof y0); memcpy(o[1] + AW, &y1, sizeof y1);
+        memcpy(o[1] + 2 * AW, &y2, sizeof y2); memcpy(o[1] + 3 * AW, &y3, sizeof y3);
+    }
+    if (nj > 2) {
+        memcpy(o[2], &z0, sizeof z0); memcpy(o[2] + AW, &z1, sizeof z1);
+        memcpy(o[2] + 2 * AW, &z2, sizeof z2); memcpy(o[2] + 3 * AW, &z3, sizeof z3);
+    }
+}
+#undef AXPY_LD
+/* The cache's value type chosen once, outside the loop over positions: with
+ * the test inside it GCC kept the V vectors and the accumulators on the
+ * stack (a store of each at every position). */
+static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
+                                                           int t0, int t1, const kv_view *vw, int d0, int cont) {
+    if (vw->q) axpy_qd_t(nj, 1, o, a, t0, t1, vw, d0, cont);
+    else axpy_qd_t(nj, 0, o, a, t0, t1, vw, d0, cont);
+}
+#else
 static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *const *o, const float *const *a,
                                                            int t0, int t1, const kv_view *vw, int d0, int cont) {
     vaf acc[AXPY_Q][AXPY_D / AW];
@@ -142,6 +206,7 @@ static inline __attribute__((always_inline)) void axpy_qd(const int nj, float *c
     for (int j = 0; j < nj; j++)
         for (int k = 0; k < AXPY_D / AW; k++) memcpy(o[j] + AW * k, &acc[j][k], sizeof acc[j][k]);
 }
+#endif
 
 /* The same for any head size, one query, positions [0, n). */
 static void axpy_row(float *o, const float *a, const kv_view *vw, int n, int hd) {
