@@ -1,0 +1,165 @@
+"""An image chat served end to end: `serve --mmproj` loads the projector beside the Qwen3-VL model,
+the coordinator renders each image as <|vision_start|> + one <|image_pad|> per merged token +
+<|vision_end|>, and the verifier encodes the image, prefills with the image grid's positions
+(es_forward_embd) and decodes with positions continuing after the image.
+
+Fixture: tests/data/models/qwen3vl-Q8_0.gguf + qwen3vl-mmproj-F16.gguf; the reference
+qwen3vl-mmproj-F16.ref.npz holds transformers' test image (224x320: no resize) and its logits for
+the chat turn "<|im_start|>user\\n" + image + "What is the capital of France?<|im_end|>\\n
+<|im_start|>assistant\\n" (88 tokens), which a ChatML template without a default system message
+renders from one user message [image, text].
+"""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import openai
+import pytest
+from PIL import Image as PILImage
+
+from echospec.services.text import images
+from echospec.services.verifier.engine import TOKEN_EMBD, Model, Vision
+from echospec.services.verifier.vision import rope_positions
+from echospec.v1 import coordinator_pb2 as cpb
+from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+from tests.test_images_api import data_url
+from tests.test_image_prompt import BOUND, MODELS
+
+VL = MODELS / "qwen3vl-Q8_0.gguf"
+MMPROJ = MODELS / "qwen3vl-mmproj-F16.gguf"
+QUESTION = "What is the capital of France?"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+N_OUT = 6
+ECHOSPEC = [sys.executable, "-m", "echospec.cli"]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return np.load(MODELS / "qwen3vl-mmproj-F16.ref.npz")
+
+
+@pytest.fixture(scope="module")
+def png(ref) -> bytes:
+    buf = io.BytesIO()
+    PILImage.fromarray(ref["image"]).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    tpl = tmp_path_factory.mktemp("tpl") / "chatml.jinja"
+    tpl.write_text(TEMPLATE)
+    st = start_stack(str(VL), mmproj=str(MMPROJ), chat_template=str(tpl), n_ctx=256, n_threads=1,
+                     http_port=0, spec=False)
+    ch = grpc.insecure_channel(st.target)
+    oc = openai.OpenAI(base_url=st.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield st, coordinator_pb2_grpc.CoordinatorServiceStub(ch), oc
+    finally:
+        oc.close()
+        ch.close()
+        st.stop(0.5)
+
+
+def direct(ref, png) -> list[int]:
+    """Greedy tokens of the engine itself on the reference prompt: the image preprocessed as the
+    coordinator does, normalised with the projector's mean / std, encoded, prefilled with
+    es_forward_embd at get_rope_index's positions, then decoded with positions after the image."""
+    v = Vision(str(MMPROJ))
+    m = Model(str(VL))
+    s = m.new_session(n_ctx=256, n_threads=1)
+    try:
+        img = images.preprocess(png, "image", "image/png", mean=v.info.image_mean, std=v.info.image_std)
+        embd, ds = v.encode(img.pixels)
+        toks = ref["vl_tokens"].astype(np.int32).copy()
+        toks[toks == 49154] = TOKEN_EMBD
+        pos = ref["vl_pos_thw"]
+        am, _ = s.forward_embd(toks, pos, embd, ds, logits="last")
+        out = [int(am[-1])]
+        p = int(pos.max()) + 1
+        while len(out) < N_OUT:
+            am, _ = s.forward([out[-1]], positions=np.array([[p, p, p]]))
+            out.append(int(am[0]))
+            p += 1
+        return out
+    finally:
+        s.close()
+        m.close()
+        v.close()
+
+
+def chat(stub, png, **kw):
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png, media_type="image/png"),
+                                              cpb.ContentPart(text=QUESTION)])
+    return stub.Complete(cpb.CompleteRequest(messages=[msg], max_tokens=N_OUT, **kw), timeout=120).result
+
+
+def test_positions_are_get_rope_index(ref):
+    assert np.array_equal(rope_positions([(4, 7, 10)], len(ref["vl_tokens"])), ref["vl_pos_thw"])
+    # two images and text between them: each continues from the largest position + 1
+    pos = rope_positions([(1, 2, 3), (9, 1, 2)], 12)
+    assert pos[:, 0].tolist() == [0, 1, 1, 1, 1, 1, 1, 4, 5, 6, 6, 8]
+    assert pos[1:7, 1].tolist() == [1, 1, 1, 2, 2, 2] and pos[1:7, 2].tolist() == [1, 2, 3, 1, 2, 3]
+
+
+def test_image_chat_matches_the_engine_and_transformers(stack, ref, png):
+    _, stub, _ = stack
+    want = direct(ref, png)
+    # transformers' first token is a near-tie (test_image_prompt.py): one of its top two
+    assert want[0] in ref["vl_top_ids"][-1, :2]
+    r = chat(stub, png)
+    assert r.prompt_tokens == len(ref["vl_tokens"]) == 88   # the 70 image tokens counted
+    assert list(r.token_ids) == want[:len(r.token_ids)] and len(r.token_ids) >= 1
+
+
+def test_speculation_on_gives_the_same_tokens_and_says_why(stack, png):
+    from echospec.v1 import common_pb2
+    _, stub, _ = stack
+    off = chat(stub, png, spec=common_pb2.SPEC_MODE_OFF)
+    on = chat(stub, png, spec=common_pb2.SPEC_MODE_ON)
+    assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
+    assert not on.spec_enabled and "images" in on.spec_reason
+
+
+def test_gateway_image_url_gives_the_same_text(stack, png):
+    _, stub, oc = stack
+    want = chat(stub, png).text
+    r = oc.chat.completions.create(model="qwen3vl-Q8_0", max_tokens=N_OUT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": QUESTION}]}])
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == 88
+
+
+def test_getinfo_and_verifier_config_say_images(stack):
+    st, stub, _ = stack
+    info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
+    assert info.images is True and info.images_missing == ""
+    ch = grpc.insecure_channel(st.verifier_target)
+    try:
+        cfg = verifier_pb2_grpc.VerifierServiceStub(ch).GetConfig(verifier_pb2.GetConfigRequest(), timeout=30)
+    finally:
+        ch.close()
+    assert cfg.images is True
+
+
+@pytest.mark.parametrize("which", ["text_gguf", "missing", "other_model"])
+def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
+    model, mmproj, says = str(VL), str(MMPROJ), ""
+    if which == "text_gguf":
+        mmproj, says = str(VL), "not a usable vision projector"
+    elif which == "missing":
+        mmproj, says = str(tmp_path / "none.gguf"), "no such file"
+    else:
+        model, says = str(MODELS / "qwen3moe-Q4_K_M.gguf"), "takes no image embeddings"
+    r = subprocess.run([*ECHOSPEC, "serve", "--model", model, "--mmproj", mmproj, "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "--mmproj" in r.stderr and says in r.stderr, r.stderr
