@@ -163,3 +163,64 @@ def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "--mmproj" in r.stderr and says in r.stderr, r.stderr
+
+
+def test_without_a_projector_the_vl_model_refuses_images(png, tmp_path):
+    """The same Qwen3-VL model served without --mmproj is text-only: the coordinator refuses the
+    image, and its verifier refuses GenerateTokens images itself (FAILED_PRECONDITION)."""
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    tpl = tmp_path / "chatml.jinja"
+    tpl.write_text(TEMPLATE)
+    st = start_stack(str(VL), chat_template=str(tpl), n_ctx=256, n_threads=1, spec=False)
+    ch = grpc.insecure_channel(st.target)
+    vch = grpc.insecure_channel(st.verifier_target)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            chat(coordinator_pb2_grpc.CoordinatorServiceStub(ch), png)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "served without a vision projector" in e.value.details()
+        vstub = verifier_pb2_grpc.VerifierServiceStub(vch)
+        assert vstub.GetConfig(verifier_pb2.GetConfigRequest(), timeout=30).images is False
+        req = verifier_pb2.GenerateTokensRequest(
+            prompt=[1, 49152, 49154, 49153, 198], max_tokens=2,
+            images=[verifier_pb2.Image(pixels=np.zeros((3, 32, 32), "<f4").tobytes(), height=32,
+                                       width=32, offset=2)])
+        with pytest.raises(grpc.RpcError) as e:
+            list(vstub.GenerateTokens(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no vision projector" in e.value.details()
+    finally:
+        vch.close()
+        ch.close()
+        st.stop(0.5)
+
+
+def test_bad_image_requests_to_the_verifier_are_named(stack):
+    """GenerateTokens images that do not fit the prompt: INVALID_ARGUMENT naming the image; the
+    verifier serves the next request."""
+    st, _, _ = stack
+    ch = grpc.insecure_channel(st.verifier_target)
+    vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+    px = np.zeros((3, 32, 64), "<f4").tobytes()
+
+    def refused(images, prompt=(1, 49152, 49154, 49154, 49153, 198)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(
+                prompt=list(prompt), max_tokens=2, images=images), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        return e.value.details()
+
+    try:
+        assert "not a positive multiple of 32" in refused([verifier_pb2.Image(pixels=px, height=30, width=64, offset=2)])
+        assert "pixel bytes" in refused([verifier_pb2.Image(pixels=px[:-4], height=32, width=64, offset=2)])
+        assert "runs past the prompt" in refused([verifier_pb2.Image(pixels=px, height=32, width=64, offset=5)])
+        two = [verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)] * 2
+        assert "images[1]" in refused(two)
+        ok = list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(
+            prompt=[1, 49152, 49154, 49154, 49153, 198], max_tokens=2,
+            images=[verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)]), timeout=60))
+        assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 2
+    finally:
+        ch.close()

@@ -119,7 +119,7 @@ IMAGE_SPEC_REASON = ("speculation is off for a prompt with images: the verifier'
 class PromptIds(list):
     """A prompt's token ids with its images: (images.Image, offset of its first image pad)."""
 
-    images: list = []
+    images: tuple | list = ()
 
 
 def _bad(message: str) -> RequestError:
