@@ -138,6 +138,20 @@ def test_gateway_image_url_gives_the_same_text(stack, png):
     assert r.usage.prompt_tokens == 88
 
 
+def test_cli_image_gives_the_same_text(stack, png, tmp_path):
+    import json
+
+    st, stub, _ = stack
+    f = tmp_path / "image.png"
+    f.write_bytes(png)
+    want = chat(stub, png)
+    r = subprocess.run([*ECHOSPEC, "generate", "--target", st.target, "--image", str(f), "--max-tokens",
+                        str(N_OUT), "--json", QUESTION], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["text"] == want.text and j["token_ids"] == list(want.token_ids)
+
+
 def test_getinfo_and_verifier_config_say_images(stack):
     st, stub, _ = stack
     info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
