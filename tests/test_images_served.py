@@ -152,6 +152,45 @@ def test_cli_image_gives_the_same_text(stack, png, tmp_path):
     assert j["text"] == want.text and j["token_ids"] == list(want.token_ids)
 
 
+def turn2(stub, png, answer: str):
+    msgs = [cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png, media_type="image/png"),
+                                                cpb.ContentPart(text=QUESTION)]),
+            cpb.ChatMessage(role="assistant", content=answer),
+            cpb.ChatMessage(role="user", content="And of Italy?")]
+    return stub.Complete(cpb.CompleteRequest(messages=msgs, max_tokens=N_OUT), timeout=120).result
+
+
+def test_second_turn_reuses_the_image_prefix_with_the_same_tokens(stack, png, tmp_path):
+    """The prefix cache keys an image by its pixels: the second turn about the image prefills
+    only what follows the first turn's prompt, and its tokens are those of a verifier that reuses
+    nothing (--no-prefix-cache)."""
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    _, stub, _ = stack
+    first = chat(stub, png)
+    again = turn2(stub, png, first.text)
+    assert again.stats.cached_prompt_tokens >= 88
+    other = np.asarray(PILImage.open(io.BytesIO(png))).copy()
+    other[0, 0] ^= 1                      # one pixel changed: nothing after the image is reused
+    buf = io.BytesIO()
+    PILImage.fromarray(other).save(buf, "PNG")
+    changed = turn2(stub, buf.getvalue(), first.text)
+    assert changed.stats.cached_prompt_tokens <= 4
+    tpl = tmp_path / "chatml.jinja"
+    tpl.write_text(TEMPLATE)
+    st = start_stack(str(VL), mmproj=str(MMPROJ), chat_template=str(tpl), n_ctx=256, n_threads=1,
+                     spec=False, prefix_cache=False)
+    ch = grpc.insecure_channel(st.target)
+    try:
+        cold = turn2(coordinator_pb2_grpc.CoordinatorServiceStub(ch), png, first.text)
+    finally:
+        ch.close()
+        st.stop(0.5)
+    assert cold.stats.cached_prompt_tokens == 0
+    assert list(again.token_ids) == list(cold.token_ids) and again.prompt_tokens == cold.prompt_tokens
+
+
 def test_getinfo_and_verifier_config_say_images(stack):
     st, stub, _ = stack
     info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)

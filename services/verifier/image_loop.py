@@ -11,11 +11,12 @@ under the engine lock, beside the scheduler's iterations.
 What it does not do (each refused or switched off with a reason): speculation (the verify path
 takes no explicit positions: the generation decodes plainly, and the first event's spec_reason
 says so; the output is the same as with speculation off), grammar, repetition penalties, logprobs
-and resumed generations (FAILED_PRECONDITION), prefix reuse (the session starts empty and is freed
-at the end: its KV holds image rows the token ids do not describe).
+and resumed generations (FAILED_PRECONDITION), KV eviction and sparse attention (refused). Prefix
+reuse works through the prefix cache, keyed by the image's pixels (``image_keys``).
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -40,6 +41,9 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
     """
     if core.vision is None:
         raise FailedPrecondition("the verifier has no vision projector (--mmproj): it takes no images")
+    if core.config.kv_window > 0 or core.config.sparse_attention:
+        raise FailedPrecondition("a prompt with images needs full attention (no --kv-window, no "
+                                 "--sparse-attention)")
     if req.grammar is not None or req.logprobs or req.sampling.penalties.active or req.resumed:
         raise FailedPrecondition("a prompt with images takes no grammar, repetition penalties, "
                                  "logprobs or resumed tokens yet")
@@ -61,26 +65,53 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
     return spans
 
 
+def image_keys(prompt: Sequence[int], spans: Sequence[tuple[int, int, int]],
+               images: Sequence[Any]) -> list[int]:
+    """The prompt as the prefix cache keys it: each image's tokens replaced by a negative id
+    made from the sha256 of its size and pixel bytes (computed here, not taken from the caller),
+    so a session is reused only over the same images at the same places; text tokens as they
+    are (a text prompt and an image prompt share what comes before the first image)."""
+    keys = list(prompt)
+    for (off, gh, gw), im in zip(spans, images):
+        d = hashlib.sha256(f"{im.height}x{im.width}\n".encode() + im.pixels).digest()
+        keys[off:off + gh * gw] = [-2 - int.from_bytes(d[:7], "big")] * (gh * gw)
+    return keys
+
+
 def run_image_generation(core: Any, req: GenerationRequest, images: Sequence[Any],
                          cancel: threading.Event) -> Iterator[RoundEvent]:
     """Run one generation of a prompt with images; yield a RoundEvent per engine step (the
     first: the prefill's, with the first token). ``check_images`` first.
+
+    Prefix reuse: the prefix cache is keyed by ``image_keys``; a reused prefix never ends inside
+    an image (it is cut back to the image's start), and only the images after it are encoded.
+    The session goes back with the keys of its KV (prompt and output less the pending token).
 
     Raises:
         InvalidArgument, ResourceExhausted: engine refusals (as VerifierErrors).
     """
     spans = check_images(core, req, images)
     t0 = time.perf_counter()
-    session, _ = core.acquire(req.prompt)
+    keys = image_keys(req.prompt, spans, images)
+    session, cached = core.acquire(keys)
+    for off, gh, gw in spans:
+        if off < cached < off + gh * gw:
+            cached = off
+    released = False
     try:
-        yield from _generate(core, req, images, spans, session, cancel, t0)
+        for ev, kv, last in _generate(core, req, images, spans, session, cached, keys, cancel, t0):
+            if last:   # back to the prefix cache before the last event: a next turn finds it
+                released = True
+                core.release(session, kv, len(req.prompt))
+            yield ev
     except EngineError as exc:
         raise engine_error(exc, "generation") from None
     finally:
-        core.release(session, None)   # freed: its KV holds image rows
+        if not released:
+            core.release(session, None)   # state unknown (failed or cancelled): freed
 
 
-def _generate(core, req, images, spans, session, cancel, t0) -> Iterator[RoundEvent]:
+def _generate(core, req, images, spans, session, cached, keys, cancel, t0):
     vis = core.vision
     n = len(req.prompt)
     n_ctx = core.config.n_ctx
@@ -88,8 +119,10 @@ def _generate(core, req, images, spans, session, cancel, t0) -> Iterator[RoundEv
     embds, dss = [], []
     pos = rope_positions(spans, n)
     with core.engine_lock:
-        session.rollback(0)
+        session.rollback(cached)
         for im, (off, gh, gw) in zip(images, spans):
+            if off + gh * gw <= cached:
+                continue              # in the reused prefix: its KV is there
             # value / 255 from the coordinator, normalised here with the projector's mean / std
             # (the same float32 operations as services/text/images.py's preprocess)
             px = np.frombuffer(im.pixels, dtype="<f4").reshape(3, im.height, im.width).astype(np.float32)
@@ -99,9 +132,14 @@ def _generate(core, req, images, spans, session, cancel, t0) -> Iterator[RoundEv
             embds.append(e)
             dss.append(d)
             toks[off:off + gh * gw] = TOKEN_EMBD
-        embd = np.concatenate(embds)
-        ds = np.concatenate(dss, axis=1) if vis.info.n_deepstack else None
-        _, row = session.forward_embd(toks, pos, embd, ds, logits="last")
+        rest = toks[cached:]
+        if embds:
+            embd = np.concatenate(embds)
+            ds = np.concatenate(dss, axis=1) if vis.info.n_deepstack else None
+            _, row = session.forward_embd(rest, pos[cached:], embd, ds, logits="last")
+        else:
+            _, row = session.forward(rest, logits="last", positions=pos[cached:])
+    kv = list(keys)
     nxt = int(pos.max()) + 1           # the rotary position of the token at KV position n
     lag = n - nxt
     rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
@@ -112,15 +150,18 @@ def _generate(core, req, images, spans, session, cancel, t0) -> Iterator[RoundEv
         produced += 1
         v_ms = (time.perf_counter() - t0) * 1e3
         n_past = session.n_past
-        yield RoundEvent([tok], v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms, n_past=n_past, n_ctx=n_ctx,
-                         prefill=first, spec_reason=SPEC_REASON if first and req.spec else "")
+        done = tok in req.eos_ids or produced >= req.max_tokens
+        full = not done and n_past + 1 > n_ctx
+        yield (RoundEvent([tok], v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms, n_past=n_past, n_ctx=n_ctx,
+                          prefill=first, cached_prompt_tokens=cached if first else 0,
+                          spec_reason=SPEC_REASON if first and req.spec else ""), kv, done)
         first = False
-        if tok in req.eos_ids or produced >= req.max_tokens or cancel.is_set():
-            return
-        if n_past + 1 > n_ctx:
-            yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT)
+        if full:
+            yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT), kv, True
+        if done or full or cancel.is_set():
             return
         t0 = time.perf_counter()
         p = n_past - lag
         with core.engine_lock:
             _, row = session.forward([tok], logits="last", positions=np.array([[p, p, p]]))
+        kv = kv + [tok]
