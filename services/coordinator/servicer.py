@@ -111,11 +111,6 @@ def line_break_tokens(tokenizer: Any) -> list[int]:
     return out
 
 
-# a prompt with images decodes plainly: the verifier's verify step takes no multimodal positions yet
-IMAGE_SPEC_REASON = ("speculation is off for a prompt with images: the verifier's verify step "
-                     "takes no multimodal positions yet (same output as speculation off)")
-
-
 class PromptIds(list):
     """A prompt's token ids with its images: (images.Image, offset of its first image pad)."""
 
@@ -804,8 +799,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             if output:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    "a generation with images cannot move to another verifier yet")
-            if params.spec:
-                params.spec, params.spec_reason = False, IMAGE_SPEC_REASON
         timeout = context.time_remaining()
         if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
             timeout = None

@@ -3,33 +3,35 @@
 The verifier encodes each image with the projector (vision.py), replaces the image's prompt tokens
 by its embeddings, gives them the image grid's (t, h, w) positions (vision.rope_positions) and
 prefills the whole prompt in one engine call (es_forward_embd, deepstack outputs added at the image
-rows). The engine's decode steps, verifies and in-engine runs rotate each token by its KV position,
-while after an image Qwen3-VL's position runs ``lag`` = KV position - rotary position behind it;
-so this loop decodes one token per engine call with the position given (es_forward_positions),
-under the engine lock, beside the scheduler's iterations.
+rows). The engine's decode steps, verifies and in-engine runs of the scheduler rotate each token by
+its KV position, while after an image Qwen3-VL's position runs ``lag`` = KV position - rotary
+position behind it; so this loop runs its own rounds with the positions given
+(es_forward_positions), under the engine lock, beside the scheduler's iterations: a plain step
+over the pending token, or (speculation, greedy) a verify of the pending token and the draft
+service's proposal, the rejected positions rolled back. The draft history is the prompt without
+the images' tokens (never drafted or matched) and the output; the rounds' tokens are those of
+plain greedy decoding (the engine's verify over n tokens is n decode steps, bitwise).
 
-What it does not do (each refused or switched off with a reason): speculation (the verify path
-takes no explicit positions: the generation decodes plainly, and the first event's spec_reason
-says so; the output is the same as with speculation off), grammar, repetition penalties, logprobs
-and resumed generations (FAILED_PRECONDITION), KV eviction and sparse attention (refused). Prefix
-reuse works through the prefix cache, keyed by the image's pixels (``image_keys``).
+Not done (refused with FAILED_PRECONDITION): grammar, repetition penalties, logprobs, resumed
+generations, KV eviction and sparse attention; token trees (chains only); the cost model (a
+round drafts up to k). Prefix reuse works through the prefix cache, keyed by the image's pixels
+(``image_keys``).
 """
 from __future__ import annotations
 
 import hashlib
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from echospec.services.verifier.engine import TOKEN_EMBD, EngineError, sample
-from echospec.services.verifier.generation_loop import FINISH_CONTEXT, GenerationRequest, RoundEvent
-from echospec.services.verifier.sessions import FailedPrecondition, InvalidArgument, engine_error
+from echospec.services.verifier.generation_loop import (FINISH_CONTEXT, DraftUnavailable, GenerationRequest,
+                                                       RoundEvent)
+from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, engine_error,
+                                                 longest_accepted_prefix)
 from echospec.services.verifier.vision import rope_positions
-
-SPEC_REASON = ("speculation is off for a prompt with images: the verify step takes no explicit "
-               "multimodal positions yet; the generation decodes plainly (same output)")
 
 
 def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> list[tuple[int, int, int]]:
@@ -79,7 +81,8 @@ def image_keys(prompt: Sequence[int], spans: Sequence[tuple[int, int, int]],
 
 
 def run_image_generation(core: Any, req: GenerationRequest, images: Sequence[Any],
-                         cancel: threading.Event) -> Iterator[RoundEvent]:
+                         cancel: threading.Event, open_draft: Callable[[], Any] | None = None
+                         ) -> Iterator[RoundEvent]:
     """Run one generation of a prompt with images; yield a RoundEvent per engine step (the
     first: the prefill's, with the first token). ``check_images`` first.
 
@@ -99,7 +102,8 @@ def run_image_generation(core: Any, req: GenerationRequest, images: Sequence[Any
             cached = off
     released = False
     try:
-        for ev, kv, last in _generate(core, req, images, spans, session, cached, keys, cancel, t0):
+        for ev, kv, last in _generate(core, req, images, spans, session, cached, keys, cancel, t0,
+                                      open_draft):
             if last:   # back to the prefix cache before the last event: a next turn finds it
                 released = True
                 core.release(session, kv, len(req.prompt))
@@ -111,7 +115,7 @@ def run_image_generation(core: Any, req: GenerationRequest, images: Sequence[Any
             core.release(session, None)   # state unknown (failed or cancelled): freed
 
 
-def _generate(core, req, images, spans, session, cached, keys, cancel, t0):
+def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_draft):
     vis = core.vision
     n = len(req.prompt)
     n_ctx = core.config.n_ctx
@@ -133,35 +137,89 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0):
             dss.append(d)
             toks[off:off + gh * gw] = TOKEN_EMBD
         rest = toks[cached:]
+        logits = "none" if req.sampling.greedy else "last"
         if embds:
             embd = np.concatenate(embds)
             ds = np.concatenate(dss, axis=1) if vis.info.n_deepstack else None
-            _, row = session.forward_embd(rest, pos[cached:], embd, ds, logits="last")
+            am, row = session.forward_embd(rest, pos[cached:], embd, ds, logits=logits)
         else:
-            _, row = session.forward(rest, logits="last", positions=pos[cached:])
+            am, row = session.forward(rest, logits=logits, positions=pos[cached:])
     kv = list(keys)
-    nxt = int(pos.max()) + 1           # the rotary position of the token at KV position n
-    lag = n - nxt
+    lag = n - (int(pos.max()) + 1)     # KV position - rotary position of the text after the prompt
     rng = int(req.sampling.seed) & 0xFFFFFFFFFFFFFFFF
     s = req.sampling
-    produced, first = 0, True
-    while True:
+
+    def choose(am, row, i):
+        nonlocal rng
+        if s.greedy:
+            return int(am[i])
         tok, rng = sample(row[0], s.temperature, s.top_k, s.top_p, s.min_p, rng)
-        produced += 1
-        v_ms = (time.perf_counter() - t0) * 1e3
-        n_past = session.n_past
-        done = tok in req.eos_ids or produced >= req.max_tokens
-        full = not done and n_past + 1 > n_ctx
-        yield (RoundEvent([tok], v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms, n_past=n_past, n_ctx=n_ctx,
-                          prefill=first, cached_prompt_tokens=cached if first else 0,
-                          spec_reason=SPEC_REASON if first and req.spec else ""), kv, done)
-        first = False
-        if full:
-            yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT), kv, True
-        if done or full or cancel.is_set():
-            return
-        t0 = time.perf_counter()
-        p = n_past - lag
-        with core.engine_lock:
-            _, row = session.forward([tok], logits="last", positions=np.array([[p, p, p]]))
-        kv = kv + [tok]
+        return tok
+
+    link, reason = None, ""
+    if req.spec:
+        if open_draft is None:
+            reason = "no draft service configured"
+        else:
+            try:
+                link = open_draft()
+                # the draft history: the prompt without the images' tokens (never drafted or matched)
+                text = list(req.prompt)
+                for off, gh, gw in reversed(spans):
+                    del text[off:off + gh * gw]
+                link.append(text)
+            except DraftUnavailable as exc:
+                link, reason = None, str(exc)
+    pending = choose(am, row, -1)
+    produced, remaining = 1, req.max_tokens - 1
+    v_ms = (time.perf_counter() - t0) * 1e3
+    done = pending in req.eos_ids or remaining <= 0
+    yield (RoundEvent([pending], v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms, n_past=session.n_past,
+                      n_ctx=n_ctx, prefill=True, cached_prompt_tokens=cached, spec_reason=reason),
+           kv, done)
+    unsent = [pending]                 # output the draft service has not been sent yet
+    try:
+        while not done and not cancel.is_set():
+            t0 = time.perf_counter()
+            n_past = session.n_past
+            if n_past + 1 > n_ctx:
+                yield RoundEvent([], t_ms=core.t_ms, n_past=n_past, n_ctx=n_ctx, finish=FINISH_CONTEXT), kv, True
+                return
+            draft, source, proposals, reason = [], 0, 0, ""
+            k_cap = min(req.k, remaining - 1, n_ctx - n_past - 1)
+            if link is not None and k_cap >= 1:
+                try:
+                    link.send_propose(unsent, k_cap)
+                    unsent = []
+                    draft = [int(t) for t in link.recv_proposal()[:k_cap]]
+                    source, proposals = link.last_source, 1
+                except DraftUnavailable as exc:
+                    link.close()
+                    link, reason = None, f"speculation stopped: {exc}"
+            feed = [pending] + draft
+            p = n_past - lag
+            with core.engine_lock:
+                am, row = session.forward(feed, logits="none" if s.greedy else "last",
+                                          positions=np.repeat(np.arange(p, p + len(feed))[:, None], 3, axis=1))
+                r = longest_accepted_prefix(draft, am[:len(draft)])
+                if r < len(draft):
+                    session.rollback(n_past + 1 + r)
+            kv = kv + feed[:1 + r]
+            new = draft[:r] + [choose(am, row, r)]
+            out = []
+            for t in new[:remaining]:
+                out.append(t)
+                if t in req.eos_ids:
+                    break
+            produced += len(out)
+            remaining -= len(out)
+            unsent += new
+            pending = new[-1]
+            done = (out[-1] in req.eos_ids) or remaining <= 0
+            v_ms = (time.perf_counter() - t0) * 1e3
+            yield (RoundEvent(out, k=len(draft), accepted=r, v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms,
+                              n_past=session.n_past, n_ctx=n_ctx, proposals=proposals, source=source,
+                              spec_reason=reason), kv, done)
+    finally:
+        if link is not None:
+            link.close()

@@ -165,7 +165,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         if request.images:
             try:
                 check_images(core, req, request.images)
-                for ev in run_image_generation(core, req, request.images, cancel):
+                for ev in run_image_generation(core, req, request.images, cancel, open_draft):
                     yield events_to_proto([ev])
             except VerifierError as exc:
                 _abort(context, exc)
