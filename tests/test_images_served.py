@@ -132,7 +132,6 @@ def test_speculation_on_gives_the_same_tokens(stack, png):
     assert len(on.token_ids) == 32
     assert on.spec_enabled and on.spec_reason == "", on.spec_reason
     assert on.stats.tries >= 1 and on.stats.hits >= 1, on.stats
-    print(f"spec on an image prompt: {on.stats.tries} tries, {on.stats.hits} hits, {on.stats.draft_tokens} drafts, {on.stats.rounds} rounds")
 
 
 def test_gateway_image_url_gives_the_same_text(stack, png):
