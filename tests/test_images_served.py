@@ -196,6 +196,56 @@ def test_second_turn_reuses_the_image_prefix_with_the_same_tokens(stack, png, tm
     assert list(again.token_ids) == list(cold.token_ids) and again.prompt_tokens == cold.prompt_tokens
 
 
+def test_two_images_match_the_engine(stack, ref, png):
+    """Two images in one message, text between them: the served tokens are the engine's on the
+    prompt the template renders, with both images' embeddings in order and each image's grid
+    positions (the second continuing after the first)."""
+    from echospec.services.text.tokenizer import Tokenizer
+
+    _, stub, _ = stack
+    flipped = io.BytesIO()
+    PILImage.fromarray(np.ascontiguousarray(ref["image"][::-1])).save(flipped, "PNG")
+    png2 = flipped.getvalue()
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png), cpb.ContentPart(text="and"),
+                                              cpb.ContentPart(image=png2), cpb.ContentPart(text=QUESTION)])
+    r = stub.Complete(cpb.CompleteRequest(messages=[msg], max_tokens=N_OUT), timeout=120).result
+    ph = "<|vision_start|>" + "<|image_pad|>" * 70 + "<|vision_end|>"
+    ids = Tokenizer.from_gguf(str(VL)).prompt_ids(
+        f"<|im_start|>user\n{ph}and{ph}{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert r.prompt_tokens == len(ids)
+    toks = np.asarray(ids, dtype=np.int32)
+    starts = [i for i in range(len(toks)) if toks[i] == 49154 and toks[i - 1] == 49152]
+    assert len(starts) == 2
+    v, m = Vision(str(MMPROJ)), Model(str(VL))
+    s = m.new_session(n_ctx=256, n_threads=1)
+    try:
+        enc = [v.encode(images.preprocess(b, "image", "image/png", mean=v.info.image_mean,
+                                          std=v.info.image_std).pixels) for b in (png, png2)]
+        pos = rope_positions([(starts[0], 7, 10), (starts[1], 7, 10)], len(toks))
+        toks[toks == 49154] = TOKEN_EMBD
+        am, _ = s.forward_embd(toks, pos, np.concatenate([e for e, _ in enc]),
+                               np.concatenate([d for _, d in enc], axis=1))
+        want = [int(am[-1])]
+        p = int(pos.max()) + 1
+        while len(want) < N_OUT:
+            am, _ = s.forward([want[-1]], positions=np.array([[p, p, p]]))
+            want.append(int(am[0]))
+            p += 1
+    finally:
+        s.close()
+        m.close()
+        v.close()
+    assert list(r.token_ids) == want[:len(r.token_ids)] and len(r.token_ids) >= 1
+
+
+def test_sampling_with_an_image_is_reproducible(stack, png):
+    _, stub, _ = stack
+    a = chat(stub, png, temperature=0.9, seed=7, max_tokens=12)
+    b = chat(stub, png, temperature=0.9, seed=7, max_tokens=12)
+    assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 12
+    assert list(a.token_ids) != list(chat(stub, png, max_tokens=12).token_ids)
+
+
 def test_getinfo_and_verifier_config_say_images(stack):
     st, stub, _ = stack
     info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
