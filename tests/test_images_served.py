@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -244,6 +245,28 @@ def test_sampling_with_an_image_is_reproducible(stack, png):
     b = chat(stub, png, temperature=0.9, seed=7, max_tokens=12)
     assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 12
     assert list(a.token_ids) != list(chat(stub, png, max_tokens=12).token_ids)
+
+
+def test_a_cancelled_image_generation_frees_its_session(stack, png):
+    from echospec.v1 import common_pb2
+    st, stub, _ = stack
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png), cpb.ContentPart(text=QUESTION)])
+    call = stub.Generate(cpb.GenerateRequest(messages=[msg], max_tokens=150, spec=common_pb2.SPEC_MODE_ON),
+                         timeout=120)
+    next(iter(call))
+    call.cancel()
+    want = chat(stub, png)
+    ch = grpc.insecure_channel(st.verifier_target)
+    try:
+        vs = verifier_pb2_grpc.VerifierServiceStub(ch)
+        for _ in range(100):
+            if vs.GetConfig(verifier_pb2.GetConfigRequest(), timeout=30).active_sessions == 0:
+                break
+            time.sleep(0.05)
+        assert vs.GetConfig(verifier_pb2.GetConfigRequest(), timeout=30).active_sessions == 0
+    finally:
+        ch.close()
+    assert list(chat(stub, png).token_ids) == list(want.token_ids)
 
 
 def test_getinfo_and_verifier_config_say_images(stack):

@@ -170,15 +170,15 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_
                 link.append(text)
             except DraftUnavailable as exc:
                 link, reason = None, str(exc)
-    pending = choose(am, row, -1)
-    produced, remaining = 1, req.max_tokens - 1
-    v_ms = (time.perf_counter() - t0) * 1e3
-    done = pending in req.eos_ids or remaining <= 0
-    yield (RoundEvent([pending], v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms, n_past=session.n_past,
-                      n_ctx=n_ctx, prefill=True, cached_prompt_tokens=cached, spec_reason=reason),
-           kv, done)
-    unsent = [pending]                 # output the draft service has not been sent yet
     try:
+        pending = choose(am, row, -1)
+        remaining = req.max_tokens - 1
+        v_ms = (time.perf_counter() - t0) * 1e3
+        done = pending in req.eos_ids or remaining <= 0
+        yield (RoundEvent([pending], v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms, n_past=session.n_past,
+                          n_ctx=n_ctx, prefill=True, cached_prompt_tokens=cached, spec_reason=reason),
+               kv, done)
+        unsent = [pending]             # output the draft service has not been sent yet
         while not done and not cancel.is_set():
             t0 = time.perf_counter()
             n_past = session.n_past
@@ -211,7 +211,6 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_
                 out.append(t)
                 if t in req.eos_ids:
                     break
-            produced += len(out)
             remaining -= len(out)
             unsent += new
             pending = new[-1]
