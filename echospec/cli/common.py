@@ -155,6 +155,28 @@ def _check_model(path: str, check_weights: bool = False) -> None:
 
 
 
+def _check_mmproj(path: str, model: str) -> None:
+    """Exit 2 when the --mmproj file is missing, not a projector the engine reads, or does not
+    fit the model (services/verifier/vision.py: architecture, output width, deepstack)."""
+    if not path:
+        return
+    p = Path(path)
+    if not p.is_file():
+        _die(f"--mmproj {path}: no such file (the projector GGUF of a Qwen3-VL model is needed)", 2)
+    from echospec.services.verifier.engine import EngineError, Model
+    from echospec.services.verifier.vision import ProjectorMismatch, load_vision
+    try:
+        m = Model(model, repack=False)
+        try:
+            load_vision(str(p), m.info).close()
+        finally:
+            m.close()
+    except EngineError as exc:
+        _die(f"--mmproj {path}: not a usable vision projector: {exc}", 2)
+    except ProjectorMismatch as exc:
+        _die(str(exc), 2)
+
+
 def _ssl_reason(exc: Exception) -> str:
     import ssl
     if isinstance(exc, ssl.SSLError):

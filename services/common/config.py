@@ -150,6 +150,9 @@ class VerifierConfig(_GrpcServiceConfig):
     """Verifier service settings (the target model on the C engine)."""
 
     model: str = setting("", "GGUF file of the target model")
+    mmproj: str = setting("", "projector GGUF (mmproj, llama.cpp's converter's --mmproj output) of "
+                          "a Qwen3-VL model: its vision encoder, checked against the model at "
+                          "load (\"\": the model reads text only)", serve="--mmproj")
     host: str = setting(LOOPBACK, "address to listen on")
     port: int = setting(50053, f"verifier port {_PORT}")
     n_ctx: int = setting(2048, "KV capacity per session (tokens)", serve="--n-ctx",

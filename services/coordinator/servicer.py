@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import grpc
+import numpy as np
 
 from echospec_client.limits import (MAX_REPEAT_PENALTY, MAX_REQUEST_ID, MAX_TOP_LOGPROBS,
                                     MAX_TREE_DRAFT_NODES, MIN_REPEAT_PENALTY)
@@ -53,7 +54,7 @@ from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import (Delta, GenerationError, GenerationParams, Move,
                                                       Outcome, generate, with_tool_calls)
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
-from echospec.services.coordinator.image_parts import ImagePartError, ImageParts
+from echospec.services.coordinator.image_parts import IMAGE_PAD, ImagePartError, ImageParts, image_spans
 from echospec.services.coordinator.progress import ProgressClock, StallWatch, move_cap_text
 from echospec.services.common.auth import metadata_authorization
 from echospec.services.draft.memory import MAX_NAMESPACE_CHARS, namespace_problem
@@ -108,6 +109,12 @@ def line_break_tokens(tokenizer: Any) -> list[int]:
         except (ValueError, KeyError):
             continue
     return out
+
+
+class PromptIds(list):
+    """A prompt's token ids with its images: (images.Image, offset of its first image pad)."""
+
+    images: tuple | list = ()
 
 
 def _bad(message: str) -> RequestError:
@@ -425,8 +432,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.tenants = tenants   # tenants.Tenants: namespaces are scoped to the caller's tenant
         self.tokenizer = tokenizer
         self.template = template
-        self.image_parts = ImageParts(config, model_name(config.model))
         self.pool = pool
+        self.image_parts = ImageParts(config, model_name(config.model), pool.any_config)
         self.metrics = metrics if metrics is not None else PromMetrics()
         self.digit_tokens = digit_tokens(tokenizer)
         self.line_break_tokens = line_break_tokens(tokenizer) if self.digit_tokens else []
@@ -484,7 +491,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                        f"a prompt given as {forms[0]}")
         if forms[0] == "messages":
             try:
-                contents = self.image_parts.contents(req.messages)
+                contents, imgs = self.image_parts.contents_and_images(req.messages)
             except ImagePartError as exc:
                 raise _bad(str(exc)) from None
             msgs = [_message_dict(m, c) for m, c in zip(req.messages, contents)]
@@ -500,11 +507,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             except ChatTemplateError as exc:
                 raise _bad(f"malformed chat messages: {exc}") from None
         else:
-            text = req.text
+            text, imgs = req.text, []
         self.check_fits("prompt", text)
         ids = self.tokenizer.prompt_ids(text)
         if not ids:
             raise _bad("the prompt encodes to no tokens")
+        if imgs:
+            pad = self.tokenizer.token_to_id(IMAGE_PAD)
+            if pad is None:
+                raise _bad(f"the model's tokenizer has no {IMAGE_PAD} token: it takes no images")
+            try:
+                offsets = image_spans(ids, pad, imgs)
+            except ImagePartError as exc:
+                raise _bad(str(exc)) from None
+            ids = PromptIds(ids)
+            ids.images = list(zip(imgs, offsets))
         return ids
 
     def tool_request(self, req: Any) -> tool_calls.ToolRequest | None:
@@ -774,6 +791,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                f"grammar: the verifier {lease.address} does not take a grammar (its "
                                f"GetConfig has no grammar capability: a version without constrained "
                                f"output); upgrade it")
+        images = getattr(prompt, "images", ())
+        if images:
+            if not vcfg.images:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"the verifier {lease.address} takes no images (no --mmproj)")
+            if output:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "a generation with images cannot move to another verifier yet")
         timeout = context.time_remaining()
         if timeout is not None and timeout > 1e6:  # no client deadline: gRPC reports ~infinity
             timeout = None
@@ -785,7 +810,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             line_break_tokens=self.line_break_tokens if params.spec else [],
             draft_namespace=namespace if params.spec else "",
             resumed_tokens=len(output), grammar=params.grammar, logprobs=params.logprobs,
-            top_logprobs=params.top_logprobs, tree_nodes=params.tree_nodes), timeout)
+            top_logprobs=params.top_logprobs, tree_nodes=params.tree_nodes,
+            images=[verifier_pb2.Image(pixels=np.ascontiguousarray(im.pixels, dtype="<f4").tobytes(),
+                                       height=im.resized_height, width=im.resized_width, offset=off,
+                                       pixel_hash=im.pixel_hash) for im, off in images]), timeout)
         context.add_callback(link.cancel)
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,

@@ -31,6 +31,7 @@ MIN_CTX, MAX_CTX, MAX_THREADS = lib.ES_MIN_CTX, lib.ES_MAX_CTX, lib.ES_MAX_THREA
 SWA_SLACK = lib.ES_SWA_SLACK
 EVICT_MAX_POS = lib.ES_EVICT_MAX_POS   # KV eviction: the positions a session may reach
 MAX_TREE_NODES = lib.ES_MAX_TREE_NODES   # nodes of one forward_tree call
+TOKEN_EMBD = lib.ES_TOKEN_EMBD   # forward_embd: the row takes the next given embedding
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
 # the KV cache types (es_kv_type), as the services' kv_type setting names them
@@ -347,6 +348,52 @@ class Session:
                 self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
                 ffi.from_buffer("int32_t[]", pos32), ffi.from_buffer("int32_t[]", am),
                 ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        if st != 0:
+            self._raise(st)
+        return am[:n], out
+
+    def forward_embd(self, tokens: Sequence[int] | np.ndarray, positions: np.ndarray,
+                     embd: np.ndarray, deepstack: np.ndarray | None,
+                     logits: str = "last") -> tuple[np.ndarray, np.ndarray | None]:
+        """``forward`` with some rows' inputs given as embeddings (es_forward_embd): a token
+        TOKEN_EMBD (-1) takes the next row of ``embd``; ``deepstack`` [n_deepstack, n_rows,
+        n_embd] (or None) is added after the first text layers at those rows.
+
+        Raises:
+            EngineError: as ``forward``; ES_ERR_INVALID_ARG when the TOKEN_EMBD count is not
+                len(embd) or the shapes do not agree. The KV cache is then unchanged.
+        """
+        self._check()
+        _check_logits(logits)
+        tok = self._tokens(tokens)
+        n = tok.size
+        e = np.ascontiguousarray(embd, dtype=np.float32)
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if pos.shape != (n, 3) or (pos.size and (pos.min() < 0 or pos.max() > np.iinfo(np.int32).max)):
+            raise EngineError(ES_ERR_INVALID_ARG, f"positions must be non-negative int32 of shape ({n}, 3), "
+                              f"got shape {tuple(pos.shape)}")
+        pos32 = pos.astype(np.int32)
+        if e.ndim != 2:
+            raise EngineError(ES_ERR_INVALID_ARG, f"embd must be 2-D, got shape {e.shape}")
+        ds = None if deepstack is None else np.ascontiguousarray(deepstack, dtype=np.float32)
+        if ds is not None and (ds.ndim != 3 or ds.shape[1:] != e.shape):
+            raise EngineError(ES_ERR_INVALID_ARG, f"deepstack must be [n, {e.shape[0]}, {e.shape[1]}], "
+                              f"got shape {ds.shape}")
+        am = np.empty(max(n, 1), dtype=np.int32)
+        mode = _LOGITS_MODES[logits]
+        out = None
+        if mode == 1:
+            out = np.empty((1, self.n_vocab), dtype=np.float32)
+        elif mode == 2:
+            out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
+        st = lib.es_forward_embd(
+            self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
+            ffi.from_buffer("int32_t[]", pos32),
+            ffi.from_buffer("float[]", e) if e.size else ffi.NULL, int(e.shape[0]),
+            ffi.from_buffer("float[]", ds) if ds is not None and ds.size else ffi.NULL,
+            0 if ds is None else int(ds.shape[0]),
+            ffi.from_buffer("int32_t[]", am),
+            ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
         if st != 0:
             self._raise(st)
         return am[:n], out
@@ -802,3 +849,96 @@ def _sample_refusal(row: np.ndarray, p) -> str:
     if np.isposinf(row).any():
         return f"logit {int(np.flatnonzero(np.isposinf(row))[0])} is +inf: sampling (temperature > 0) needs finite logits"
     return "no finite logit: every logit is -inf"
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """Sizes of a vision encoder (see es_vision_info)."""
+
+    patch_size: int             # pixels per patch side
+    merge_size: int             # patches per merged token side
+    n_embd: int                 # width of the image embeddings (the text model's hidden size)
+    n_embd_vision: int
+    n_layer: int
+    n_head: int
+    n_deepstack: int            # deepstack outputs per image token
+    image_mean: tuple           # RGB normalisation: (value / 255 - mean) / std
+    image_std: tuple
+    min_pixels: int             # the file's pixel budget, 0 when it has none
+    max_pixels: int
+    deepstack_layers: tuple = ()   # the vision layer each deepstack merger reads
+
+    @property
+    def side(self) -> int:
+        """Pixels per merged token side: image sides are multiples of it."""
+        return self.patch_size * self.merge_size
+
+
+class Vision:
+    """A Qwen3-VL vision encoder read from a projector GGUF (mmproj).
+
+    Args:
+        path: the projector file (general.architecture "clip", projector qwen3vl_merger).
+    Raises:
+        EngineError: ES_ERR_IO / ES_ERR_FORMAT / ES_ERR_UNSUPPORTED / ES_ERR_MISSING_TENSOR /
+            ES_ERR_BAD_WEIGHTS / ES_ERR_NOMEM with the engine's message.
+    """
+
+    def __init__(self, path: str):
+        raw = os.fsencode(path)
+        self.path = os.fsdecode(raw)
+        if b"\x00" in raw:
+            raise EngineError(ES_ERR_INVALID_ARG, "projector path contains a NUL character")
+        out = ffi.new("es_vision **")
+        err = ffi.new("char[512]")
+        st = lib.es_vision_load(raw, out, err, 512)
+        if st != 0:
+            raise EngineError(st, ffi.string(err).decode(errors="replace"))
+        self._ptr = out[0]
+        self._lock = threading.Lock()   # the handle's error message: one encode at a time
+        ci = ffi.new("es_vision_info *")
+        lib.es_vision_get_info(self._ptr, ci)
+        self.info = VisionInfo(
+            patch_size=ci.patch_size, merge_size=ci.merge_size, n_embd=ci.n_embd,
+            n_embd_vision=ci.n_embd_vision, n_layer=ci.n_layer, n_head=ci.n_head,
+            n_deepstack=ci.n_deepstack, image_mean=tuple(float(x) for x in ci.image_mean),
+            image_std=tuple(float(x) for x in ci.image_std), min_pixels=ci.min_pixels,
+            max_pixels=ci.max_pixels,
+            deepstack_layers=tuple(int(lib.es_vision_deepstack_layer(self._ptr, k))
+                                   for k in range(ci.n_deepstack)))
+
+    def encode(self, pixels: np.ndarray, n_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Encode one normalised image.
+
+        Args:
+            pixels: float32 [3, H, W], H and W multiples of ``info.side``.
+            n_threads: encoder threads (the results do not depend on it).
+        Returns:
+            (embeddings float32 [n, n_embd], deepstack float32 [n_deepstack, n, n_embd]),
+            n = (H / side) * (W / side), tokens row-major over the merged grid.
+        Raises:
+            EngineError: ES_ERR_INVALID_ARG (bad shape), ES_ERR_NOMEM, ES_ERR_INTERNAL.
+        """
+        if self._ptr is None:
+            raise EngineError(ES_ERR_INVALID_ARG, "vision encoder is closed")
+        px = np.ascontiguousarray(pixels, dtype=np.float32)
+        if px.ndim != 3 or px.shape[0] != 3:
+            raise EngineError(ES_ERR_INVALID_ARG, f"pixels must be [3, H, W], got {list(px.shape)}")
+        h, w = int(px.shape[1]), int(px.shape[2])
+        side = self.info.side
+        n = (h // side) * (w // side)
+        embd = np.empty((max(n, 1), self.info.n_embd), dtype=np.float32)
+        ds = np.empty((max(self.info.n_deepstack, 1), max(n, 1), self.info.n_embd), dtype=np.float32)
+        with self._lock:
+            st = lib.es_vision_encode(self._ptr, ffi.from_buffer("float[]", px), h, w, n_threads,
+                                      ffi.from_buffer("float[]", embd),
+                                      ffi.from_buffer("float[]", ds) if self.info.n_deepstack else ffi.NULL)
+            if st != 0:
+                raise EngineError(st, ffi.string(lib.es_vision_last_error(self._ptr)).decode(errors="replace"))
+        return embd[:n], ds[:self.info.n_deepstack, :n]
+
+    def close(self) -> None:
+        """Free the encoder. Idempotent."""
+        if self._ptr is not None:
+            lib.es_vision_free(self._ptr)
+            self._ptr = None

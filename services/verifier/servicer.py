@@ -16,6 +16,7 @@ import grpc
 from echospec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from echospec.services.common.config import model_name
 from echospec.services.verifier.engine import simd_name
+from echospec.services.verifier.image_loop import check_images, run_image_generation
 from echospec.services.verifier.generation_loop import (FLUSH, GenerationRequest, RoundEvent, check,
                                                         run_generation)
 from echospec.services.common.penalties import Penalties
@@ -115,7 +116,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
             batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps,
             n_expert=core.model.info.n_expert, n_expert_used=core.model.info.n_expert_used,
-            grammar=True, kv_type=cfg.kv_type.lower())
+            grammar=True, kv_type=cfg.kv_type.lower(), images=core.vision is not None)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:
@@ -161,6 +162,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             check(core, req)
         except VerifierError as exc:
             _abort(context, exc)
+        if request.images:
+            try:
+                check_images(core, req, request.images)
+                for ev in run_image_generation(core, req, request.images, cancel, open_draft):
+                    yield events_to_proto([ev])
+            except VerifierError as exc:
+                _abort(context, exc)
+            return
         if not req.spec and req.grammar is None:
             # Plain decoding runs in the scheduler's thread (generation_loop._stream): this
             # thread only reads its rounds and sends what is ready at each FLUSH, several

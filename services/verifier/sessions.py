@@ -40,6 +40,7 @@ from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.verifier.engine import (EVICT_MAX_POS, MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK,
                                                EngineError, Model, Session)
 from echospec.services.verifier.prefix_cache import PrefixCache
+from echospec.services.verifier.vision import Vision, load_vision
 from echospec.services.verifier.scheduler import Scheduler
 
 log = logging.getLogger("echospec.verifier")
@@ -168,6 +169,13 @@ class VerifierCore:
         self.swa_slack = min(max(SWA_SLACK, config.max_k + 1), MAX_CTX)
         self.model = Model(config.model, check_weights=config.check_weights)
         info = self.model.info
+        self.vision: Vision | None = None
+        if config.mmproj:
+            try:
+                self.vision = load_vision(config.mmproj, info)
+            except BaseException:
+                self.model.close()
+                raise
         self.n_vocab = info.n_vocab
         if config.n_ctx < MIN_CTX:
             raise InvalidArgument(f"n_ctx must be >= {MIN_CTX}, got {config.n_ctx}")
@@ -412,3 +420,5 @@ class VerifierCore:
             for c in cached:
                 c.close()
             self.model.close()
+            if self.vision is not None:
+                self.vision.close()

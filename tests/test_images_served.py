@@ -1,0 +1,357 @@
+"""An image chat served end to end: `serve --mmproj` loads the projector beside the Qwen3-VL model,
+the coordinator renders each image as <|vision_start|> + one <|image_pad|> per merged token +
+<|vision_end|>, and the verifier encodes the image, prefills with the image grid's positions
+(es_forward_embd) and decodes with positions continuing after the image.
+
+Fixture: tests/data/models/qwen3vl-Q8_0.gguf + qwen3vl-mmproj-F16.gguf; the reference
+qwen3vl-mmproj-F16.ref.npz holds transformers' test image (224x320: no resize) and its logits for
+the chat turn "<|im_start|>user\\n" + image + "What is the capital of France?<|im_end|>\\n
+<|im_start|>assistant\\n" (88 tokens), which a ChatML template without a default system message
+renders from one user message [image, text].
+"""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import openai
+import pytest
+from PIL import Image as PILImage
+
+from echospec.services.text import images
+from echospec.services.verifier.engine import TOKEN_EMBD, Model, Vision
+from echospec.services.verifier.vision import rope_positions
+from echospec.v1 import coordinator_pb2 as cpb
+from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+from tests.test_images_api import data_url
+from tests.test_image_prompt import BOUND, MODELS
+
+VL = MODELS / "qwen3vl-Q8_0.gguf"
+MMPROJ = MODELS / "qwen3vl-mmproj-F16.gguf"
+QUESTION = "What is the capital of France?"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+N_OUT = 6
+ECHOSPEC = [sys.executable, "-m", "echospec.cli"]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return np.load(MODELS / "qwen3vl-mmproj-F16.ref.npz")
+
+
+@pytest.fixture(scope="module")
+def png(ref) -> bytes:
+    buf = io.BytesIO()
+    PILImage.fromarray(ref["image"]).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    tpl = tmp_path_factory.mktemp("tpl") / "chatml.jinja"
+    tpl.write_text(TEMPLATE)
+    st = start_stack(str(VL), mmproj=str(MMPROJ), chat_template=str(tpl), n_ctx=256, n_threads=1,
+                     http_port=0, spec=False)
+    ch = grpc.insecure_channel(st.target)
+    oc = openai.OpenAI(base_url=st.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield st, coordinator_pb2_grpc.CoordinatorServiceStub(ch), oc
+    finally:
+        oc.close()
+        ch.close()
+        st.stop(0.5)
+
+
+def direct(ref, png) -> list[int]:
+    """Greedy tokens of the engine itself on the reference prompt: the image preprocessed as the
+    coordinator does, normalised with the projector's mean / std, encoded, prefilled with
+    es_forward_embd at get_rope_index's positions, then decoded with positions after the image."""
+    v = Vision(str(MMPROJ))
+    m = Model(str(VL))
+    s = m.new_session(n_ctx=256, n_threads=1)
+    try:
+        img = images.preprocess(png, "image", "image/png", mean=v.info.image_mean, std=v.info.image_std)
+        embd, ds = v.encode(img.pixels)
+        toks = ref["vl_tokens"].astype(np.int32).copy()
+        toks[toks == 49154] = TOKEN_EMBD
+        pos = ref["vl_pos_thw"]
+        am, _ = s.forward_embd(toks, pos, embd, ds, logits="last")
+        out = [int(am[-1])]
+        p = int(pos.max()) + 1
+        while len(out) < N_OUT:
+            am, _ = s.forward([out[-1]], positions=np.array([[p, p, p]]))
+            out.append(int(am[0]))
+            p += 1
+        return out
+    finally:
+        s.close()
+        m.close()
+        v.close()
+
+
+def chat(stub, png, **kw):
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png, media_type="image/png"),
+                                              cpb.ContentPart(text=QUESTION)])
+    kw.setdefault("max_tokens", N_OUT)
+    return stub.Complete(cpb.CompleteRequest(messages=[msg], **kw), timeout=120).result
+
+
+def test_positions_are_get_rope_index(ref):
+    assert np.array_equal(rope_positions([(4, 7, 10)], len(ref["vl_tokens"])), ref["vl_pos_thw"])
+    # two images and text between them: each continues from the largest position + 1
+    pos = rope_positions([(1, 2, 3), (9, 1, 2)], 12)
+    assert pos[:, 0].tolist() == [0, 1, 1, 1, 1, 1, 1, 4, 5, 6, 6, 8]
+    assert pos[1:7, 1].tolist() == [1, 1, 1, 2, 2, 2] and pos[1:7, 2].tolist() == [1, 2, 3, 1, 2, 3]
+
+
+def test_image_chat_matches_the_engine_and_transformers(stack, ref, png):
+    _, stub, _ = stack
+    want = direct(ref, png)
+    # transformers' first token is a near-tie (test_image_prompt.py): one of its top two
+    assert want[0] in ref["vl_top_ids"][-1, :2]
+    r = chat(stub, png)
+    assert r.prompt_tokens == len(ref["vl_tokens"]) == 88   # the 70 image tokens counted
+    assert list(r.token_ids) == want[:len(r.token_ids)] and len(r.token_ids) >= 1
+
+
+def test_speculation_on_gives_the_same_tokens(stack, png):
+    """Speculation over the text tokens: the draft service's proposals verified at the positions
+    after the image; the tokens are those of plain decoding."""
+    from echospec.v1 import common_pb2
+    _, stub, _ = stack
+    off = chat(stub, png, spec=common_pb2.SPEC_MODE_OFF, max_tokens=32)
+    on = chat(stub, png, spec=common_pb2.SPEC_MODE_ON, max_tokens=32)
+    assert list(on.token_ids) == list(off.token_ids) and on.text == off.text
+    assert len(on.token_ids) == 32
+    assert on.spec_enabled and on.spec_reason == "", on.spec_reason
+    assert on.stats.tries >= 1 and on.stats.hits >= 1, on.stats
+
+
+def test_gateway_image_url_gives_the_same_text(stack, png):
+    _, stub, oc = stack
+    want = chat(stub, png).text
+    r = oc.chat.completions.create(model="qwen3vl-Q8_0", max_tokens=N_OUT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": QUESTION}]}])
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == 88
+
+
+def test_cli_image_gives_the_same_text(stack, png, tmp_path):
+    import json
+
+    st, stub, _ = stack
+    f = tmp_path / "image.png"
+    f.write_bytes(png)
+    want = chat(stub, png)
+    r = subprocess.run([*ECHOSPEC, "generate", "--target", st.target, "--image", str(f), "--max-tokens",
+                        str(N_OUT), "--json", QUESTION], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["text"] == want.text and j["token_ids"] == list(want.token_ids)
+
+
+def turn2(stub, png, answer: str):
+    msgs = [cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png, media_type="image/png"),
+                                                cpb.ContentPart(text=QUESTION)]),
+            cpb.ChatMessage(role="assistant", content=answer),
+            cpb.ChatMessage(role="user", content="And of Italy?")]
+    return stub.Complete(cpb.CompleteRequest(messages=msgs, max_tokens=N_OUT), timeout=120).result
+
+
+def test_second_turn_reuses_the_image_prefix_with_the_same_tokens(stack, png, tmp_path):
+    """The prefix cache keys an image by its pixels: the second turn about the image prefills
+    only what follows the first turn's prompt, and its tokens are those of a verifier that reuses
+    nothing (--no-prefix-cache)."""
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    _, stub, _ = stack
+    first = chat(stub, png)
+    again = turn2(stub, png, first.text)
+    assert again.stats.cached_prompt_tokens >= 88
+    other = np.asarray(PILImage.open(io.BytesIO(png))).copy()
+    other[0, 0] ^= 1                      # one pixel changed: nothing after the image is reused
+    buf = io.BytesIO()
+    PILImage.fromarray(other).save(buf, "PNG")
+    changed = turn2(stub, buf.getvalue(), first.text)
+    assert changed.stats.cached_prompt_tokens <= 4
+    tpl = tmp_path / "chatml.jinja"
+    tpl.write_text(TEMPLATE)
+    st = start_stack(str(VL), mmproj=str(MMPROJ), chat_template=str(tpl), n_ctx=256, n_threads=1,
+                     spec=False, prefix_cache=False)
+    ch = grpc.insecure_channel(st.target)
+    try:
+        cold = turn2(coordinator_pb2_grpc.CoordinatorServiceStub(ch), png, first.text)
+    finally:
+        ch.close()
+        st.stop(0.5)
+    assert cold.stats.cached_prompt_tokens == 0
+    assert list(again.token_ids) == list(cold.token_ids) and again.prompt_tokens == cold.prompt_tokens
+
+
+def test_two_images_match_the_engine(stack, ref, png):
+    """Two images in one message, text between them: the served tokens are the engine's on the
+    prompt the template renders, with both images' embeddings in order and each image's grid
+    positions (the second continuing after the first)."""
+    from echospec.services.text.tokenizer import Tokenizer
+
+    _, stub, _ = stack
+    flipped = io.BytesIO()
+    PILImage.fromarray(np.ascontiguousarray(ref["image"][::-1])).save(flipped, "PNG")
+    png2 = flipped.getvalue()
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png), cpb.ContentPart(text="and"),
+                                              cpb.ContentPart(image=png2), cpb.ContentPart(text=QUESTION)])
+    r = stub.Complete(cpb.CompleteRequest(messages=[msg], max_tokens=N_OUT), timeout=120).result
+    ph = "<|vision_start|>" + "<|image_pad|>" * 70 + "<|vision_end|>"
+    ids = Tokenizer.from_gguf(str(VL)).prompt_ids(
+        f"<|im_start|>user\n{ph}and{ph}{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert r.prompt_tokens == len(ids)
+    toks = np.asarray(ids, dtype=np.int32)
+    starts = [i for i in range(len(toks)) if toks[i] == 49154 and toks[i - 1] == 49152]
+    assert len(starts) == 2
+    v, m = Vision(str(MMPROJ)), Model(str(VL))
+    s = m.new_session(n_ctx=256, n_threads=1)
+    try:
+        enc = [v.encode(images.preprocess(b, "image", "image/png", mean=v.info.image_mean,
+                                          std=v.info.image_std).pixels) for b in (png, png2)]
+        pos = rope_positions([(starts[0], 7, 10), (starts[1], 7, 10)], len(toks))
+        toks[toks == 49154] = TOKEN_EMBD
+        am, _ = s.forward_embd(toks, pos, np.concatenate([e for e, _ in enc]),
+                               np.concatenate([d for _, d in enc], axis=1))
+        want = [int(am[-1])]
+        p = int(pos.max()) + 1
+        while len(want) < N_OUT:
+            am, _ = s.forward([want[-1]], positions=np.array([[p, p, p]]))
+            want.append(int(am[0]))
+            p += 1
+    finally:
+        s.close()
+        m.close()
+        v.close()
+    assert list(r.token_ids) == want[:len(r.token_ids)] and len(r.token_ids) >= 1
+
+
+def test_sampling_with_an_image_is_reproducible(stack, png):
+    _, stub, _ = stack
+    a = chat(stub, png, temperature=0.9, seed=7, max_tokens=12)
+    b = chat(stub, png, temperature=0.9, seed=7, max_tokens=12)
+    assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 12
+    assert list(a.token_ids) != list(chat(stub, png, max_tokens=12).token_ids)
+
+
+def test_a_cancelled_image_generation_frees_its_session(stack, png):
+    from echospec.v1 import common_pb2
+    st, stub, _ = stack
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png), cpb.ContentPart(text=QUESTION)])
+    call = stub.Generate(cpb.GenerateRequest(messages=[msg], max_tokens=150, spec=common_pb2.SPEC_MODE_ON),
+                         timeout=120)
+    next(iter(call))
+    call.cancel()
+    want = chat(stub, png)
+    ch = grpc.insecure_channel(st.verifier_target)
+    try:
+        vs = verifier_pb2_grpc.VerifierServiceStub(ch)
+        for _ in range(100):
+            if vs.GetConfig(verifier_pb2.GetConfigRequest(), timeout=30).active_sessions == 0:
+                break
+            time.sleep(0.05)
+        assert vs.GetConfig(verifier_pb2.GetConfigRequest(), timeout=30).active_sessions == 0
+    finally:
+        ch.close()
+    assert list(chat(stub, png).token_ids) == list(want.token_ids)
+
+
+def test_getinfo_and_verifier_config_say_images(stack):
+    st, stub, _ = stack
+    info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)
+    assert info.images is True and info.images_missing == ""
+    ch = grpc.insecure_channel(st.verifier_target)
+    try:
+        cfg = verifier_pb2_grpc.VerifierServiceStub(ch).GetConfig(verifier_pb2.GetConfigRequest(), timeout=30)
+    finally:
+        ch.close()
+    assert cfg.images is True
+
+
+@pytest.mark.parametrize("which", ["text_gguf", "missing", "other_model"])
+def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
+    model, mmproj, says = str(VL), str(MMPROJ), ""
+    if which == "text_gguf":
+        mmproj, says = str(VL), "not a usable vision projector"
+    elif which == "missing":
+        mmproj, says = str(tmp_path / "none.gguf"), "no such file"
+    else:
+        model, says = str(MODELS / "qwen3moe-Q4_K_M.gguf"), "takes no image embeddings"
+    r = subprocess.run([*ECHOSPEC, "serve", "--model", model, "--mmproj", mmproj, "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "--mmproj" in r.stderr and says in r.stderr, r.stderr
+
+
+def test_without_a_projector_the_vl_model_refuses_images(png, tmp_path):
+    """The same Qwen3-VL model served without --mmproj is text-only: the coordinator refuses the
+    image, and its verifier refuses GenerateTokens images itself (FAILED_PRECONDITION)."""
+    from echospec.stack import start_stack
+    from echospec.v1 import coordinator_pb2_grpc
+
+    tpl = tmp_path / "chatml.jinja"
+    tpl.write_text(TEMPLATE)
+    st = start_stack(str(VL), chat_template=str(tpl), n_ctx=256, n_threads=1, spec=False)
+    ch = grpc.insecure_channel(st.target)
+    vch = grpc.insecure_channel(st.verifier_target)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            chat(coordinator_pb2_grpc.CoordinatorServiceStub(ch), png)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "served without a vision projector" in e.value.details()
+        vstub = verifier_pb2_grpc.VerifierServiceStub(vch)
+        assert vstub.GetConfig(verifier_pb2.GetConfigRequest(), timeout=30).images is False
+        req = verifier_pb2.GenerateTokensRequest(
+            prompt=[1, 49152, 49154, 49153, 198], max_tokens=2,
+            images=[verifier_pb2.Image(pixels=np.zeros((3, 32, 32), "<f4").tobytes(), height=32,
+                                       width=32, offset=2)])
+        with pytest.raises(grpc.RpcError) as e:
+            list(vstub.GenerateTokens(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no vision projector" in e.value.details()
+    finally:
+        vch.close()
+        ch.close()
+        st.stop(0.5)
+
+
+def test_bad_image_requests_to_the_verifier_are_named(stack):
+    """GenerateTokens images that do not fit the prompt: INVALID_ARGUMENT naming the image; the
+    verifier serves the next request."""
+    st, _, _ = stack
+    ch = grpc.insecure_channel(st.verifier_target)
+    vstub = verifier_pb2_grpc.VerifierServiceStub(ch)
+    px = np.zeros((3, 32, 64), "<f4").tobytes()
+
+    def refused(images, prompt=(1, 49152, 49154, 49154, 49153, 198)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(
+                prompt=list(prompt), max_tokens=2, images=images), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        return e.value.details()
+
+    try:
+        assert "not a positive multiple of 32" in refused([verifier_pb2.Image(pixels=px, height=30, width=64, offset=2)])
+        assert "pixel bytes" in refused([verifier_pb2.Image(pixels=px[:-4], height=32, width=64, offset=2)])
+        assert "runs past the prompt" in refused([verifier_pb2.Image(pixels=px, height=32, width=64, offset=5)])
+        two = [verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)] * 2
+        assert "images[1]" in refused(two)
+        ok = list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(
+            prompt=[1, 49152, 49154, 49154, 49153, 198], max_tokens=2,
+            images=[verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)]), timeout=60))
+        assert sum(len(r.result.tokens) for m in ok for r in m.rounds) == 2
+    finally:
+        ch.close()
