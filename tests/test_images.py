@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import random
 import struct
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from PIL import Image as PILImage
 
 from echospec.services.text import images
 from echospec.services.text.images import ImageError, ImageLimits, preprocess, smart_resize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PART = "messages[1].content[2]"
 
@@ -271,3 +275,46 @@ def test_limits_check():
         ImageLimits(min_pixels=10000, max_pixels=5000).check()
     with pytest.raises(ValueError, match="image max bytes"):
         ImageLimits(max_bytes=0).check()
+
+
+MEMORY_CHILD = r"""
+import io, sys, threading
+sys.path.insert(0, sys.argv[1])
+from PIL import Image
+from echospec.services.common.config import CoordinatorConfig
+from echospec.services.coordinator.image_parts import ImageParts, ImagePartError
+
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2 ** 20
+
+buf = io.BytesIO()
+Image.new("RGB", (4096, 4096), (10, 200, 30)).save(buf, "PNG")
+data = buf.getvalue()
+parts = ImageParts(CoordinatorConfig(), "m.gguf", lambda: type("Cfg", (), {"images": True})())
+base = rss_mib()
+
+def one():
+    img = parts.image(data, "image/png", "messages[0].parts[0]")
+    del img
+
+threads = [threading.Thread(target=one) for _ in range(6)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(round(rss_mib() - base))
+"""
+
+
+def test_large_images_in_many_threads_leave_no_memory_behind():
+    """Each worker thread that preprocessed a large image kept its intermediates in its malloc
+    arena (a new-user trial: 8-16 concurrent 5792x5792 images grew a server from 0.3 to 3.3 GB,
+    kept while idle); the coordinator gives the freed pages back after each image."""
+    import subprocess
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("needs /proc (Linux) to read the resident set")
+    r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(ROOT)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    kept = int(r.stdout.strip().splitlines()[-1])
+    assert kept < 60, f"{kept} MiB kept after six 4096x4096 images in six threads"

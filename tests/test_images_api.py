@@ -281,11 +281,16 @@ def test_cli_chat_image_command(smollm2_api, tmp_path):
                        input=lines, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert f"/image {tmp_path / 'missing.png'}: No such file or directory" in r.stderr
-    assert "attached to your next message; the server's model takes no images" in r.stdout
+    # notices go to standard error: piped, standard output holds the replies only
+    assert "attached to your next message; the server's model takes no images" in r.stderr
+    assert "attached" not in r.stdout
     assert f"messages[0].parts[0]: {NO_IMAGES}" in r.stderr
-    # the refused turn was dropped; the images stay attached to the next line, refused again
-    assert r.stderr.count("the served model takes no images") == 2
-    assert "user:" not in r.stdout   # /history: no message was kept
+    # the refused turn is dropped with its image (was: kept attached, so every later line was
+    # refused for it until /reset); the next line is answered
+    assert r.stderr.count("the served model takes no images") == 1
+    assert "1 image(s) dropped with the turn" in r.stderr
+    assert r.stdout.count("user:") == 0   # /history came before "Hello": no message was kept
+    assert r.stderr.count("finish:") == 1, r.stderr   # "Hello" got a reply (its turn line)
 
 
 def grpcurl() -> str:

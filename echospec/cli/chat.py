@@ -172,7 +172,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                             note = "" if info.images else \
                                 f"; the server's model takes no images: {info.images_missing}"
                             print(f"(image {path} attached to your next message{note})",
-                                  flush=True)
+                                  file=sys.stderr, flush=True)
                     elif cmd == "/stats":
                         print(_stats_text(last, turns, history), flush=True)
                     elif cmd == "/history":
@@ -219,8 +219,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 if dropped:
                     print(f"(the history outgrew the server's context: the oldest {dropped} "
                           f"turn(s) were dropped)", file=sys.stderr, flush=True)
-                if result is None:   # the images stay attached for the next line
+                if result is None:   # the turn is dropped, with the images attached to it
                     history.pop()
+                    if pending:
+                        print(f"({len(pending)} image(s) dropped with the turn; /image attaches "
+                              f"again)", file=sys.stderr, flush=True)
+                        pending = []
                     continue
                 pending = []
                 history.append({"role": "assistant", "content": result.text})

@@ -5,8 +5,9 @@ served model takes no images.
 Memory: an image part is at most ``image_max_bytes`` encoded (and the gRPC message is bounded by
 max_message_bytes), its header is checked against ``image_max_decoded_pixels`` before a pixel is
 decoded, a request carries at most images.MAX_IMAGES of them, and one image is preprocessed at a
-time in the whole coordinator (a lock), its arrays dropped before the next: a burst of image
-requests waits instead of holding many decoded images at once.
+time in the whole coordinator (a lock), its arrays dropped before the next and the freed pages
+given back (``release_freed_memory``): a burst of image requests waits instead of holding many
+decoded images at once, and leaves no image's worth of memory behind in each worker thread.
 
 With a verifier that takes images (GetConfig ``images``: it loaded a projector), each image part
 becomes Qwen3-VL's placeholder in the message's text, ``<|vision_start|>``, one ``<|image_pad|>``
@@ -20,6 +21,7 @@ import threading
 from typing import Any, Callable
 
 from echospec.services.common.config import CoordinatorConfig
+from echospec.services.common.memory import release_freed_memory
 from echospec.services.text import images
 
 
@@ -151,6 +153,10 @@ class ImageParts:
                 img = images.preprocess(data, where, media_type, self.limits, self.mean, self.std)
             except images.ImageError as exc:
                 raise ImagePartError(str(exc)) from None
+            finally:
+                # the decoded and resized intermediates are freed by now: give their pages back
+                # (else each gRPC worker thread keeps a large image's worth in its malloc arena)
+                release_freed_memory()
         missing = self.missing
         if missing:
             raise ImagePartError(f"{where}: the served model takes no images ({missing}); "
