@@ -88,6 +88,17 @@ def test_getinfo_says_the_model_takes_no_images(stub):
                                    "projector, so it reads text only")
 
 
+def test_the_python_client_says_what_getinfo_says(smollm2_api):
+    from echospec_client import Client, image_part
+    with Client(smollm2_api.stack.target) as c:
+        info = c.info()
+    assert info.images is False and "without a vision projector" in info.images_missing
+    # was: Info had no sparse_attention / kv_type, which GetInfo reports
+    assert info.kv_type == "f16" and info.sparse_attention is False
+    with pytest.raises(TypeError, match="must be the image file's bytes"):
+        image_part("notbytes", "image/png")   # was: "string argument without an encoding"
+
+
 def test_grpc_valid_image_is_checked_then_refused(stub):
     details = refusal(stub, [image_message(picture())])
     assert details == f"messages[0].parts[1]: {NO_IMAGES}; {VALID}"
@@ -233,6 +244,26 @@ def test_http_bad_image_part_shapes(client):
     e = http_refusal(client, [{"type": "image_url", "image_url": {"url": data_url(picture())}},
                               {"type": "input_audio", "input_audio": {}}])
     assert e.body["message"].startswith("messages[0].content[1] must be a text part")
+    # without an image part beside it, the message names image parts too (was: "other content
+    # types are not supported", as if only text were taken)
+    for other in ({"type": "input_audio", "input_audio": {}}, "a bare string"):
+        e = http_refusal(client, [{"type": "text", "text": "hi"}, other])
+        assert e.body["message"].startswith("messages[0].content[1] must be a text part"), e.body
+        assert "image_url" in e.body["message"], e.body
+
+
+def test_http_hostile_image_messages_are_plain(client):
+    # a PNG declaring 0x0: Pillow's message named its in-memory file ("<_io.BytesIO object at 0x...>")
+    e = http_refusal(client, image_content(data_url(bomb(0, 0))))
+    assert "BytesIO" not in e.body["message"] and "0x" not in e.body["message"], e.body
+    assert e.body["message"].startswith("messages[0].content[1]: the PNG image cannot be decoded")
+    # MIME base64 (76-character lines) is taken: this one reaches the model's refusal
+    wrapped = "data:image/png;base64," + base64.encodebytes(picture()).decode()
+    assert "\n" in wrapped
+    e = http_refusal(client, image_content(wrapped))
+    assert e.body["message"] == f"messages[0].content[1]: {NO_IMAGES}; {VALID}", e.body
+    e = http_refusal(client, image_content("data:image/png;base64,iVBOR#w0KGgo="))
+    assert e.body["message"].endswith("(a character outside the base64 alphabet A-Z a-z 0-9 + / =)")
 
 
 def test_http_text_parts_still_work(client):

@@ -352,6 +352,16 @@ REMOTE_IMAGE_REFUSAL = (
     "download); send the image inline as a data URL, data:image/png;base64,...")
 
 
+def _b64_problem(exc: Exception) -> str:
+    """binascii's complaint in the client's terms."""
+    text = str(exc)
+    if "Only base64 data" in text:
+        return "a character outside the base64 alphabet A-Z a-z 0-9 + / ="
+    if "padding" in text.lower():
+        return "its length or = padding is wrong"
+    return text
+
+
 def image_url_bytes(url: Any, param: str) -> tuple[bytes, str]:
     """(bytes, media type) of an image_url part's ``url``: a base64 data URL of a PNG, JPEG,
     WebP or GIF image. Raises ApiError 400 naming ``param``."""
@@ -370,11 +380,12 @@ def image_url_bytes(url: Any, param: str) -> tuple[bytes, str]:
                   f"image/png, image/jpeg, image/webp, image/gif)", param)
     if "base64" not in [x.strip().lower() for x in m.group(2).split(";")]:
         raise bad(f"{param}: the data URL must be base64 (data:{media};base64,...)", param)
-    text = url[m.end():]
+    # line breaks and spaces are left out first: MIME base64 (76-character lines) is common
+    text = re.sub(r"[ \t\r\n]+", "", url[m.end():])
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise bad(f"{param}: the data URL's base64 is invalid ({exc})", param) from None
+        raise bad(f"{param}: the data URL's base64 is invalid ({_b64_problem(exc)})", param) from None
     return data, media
 
 
@@ -594,8 +605,9 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         content = m.get("content")
         if content is None and not calls:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content")
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
-                                             for p in content):
+        if isinstance(content, list) and not all(
+                isinstance(p, dict) and p.get("type") == "text" for p in content):
+            # image parts, or a part of another type: refused by _content_parts naming both kinds
             msg = req.messages.add(role=_ROLES[role])
             msg.parts.extend(_content_parts(content, f"messages[{i}].content"))
         else:

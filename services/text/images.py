@@ -218,8 +218,11 @@ def _guard(part: str, fmt: str, step, limits: ImageLimits):
         raise ImageError(f"{part}: the image declares {size}, above the limit of "
                          f"{limits.max_decoded_pixels} decoded pixels (a decompression bomb, or "
                          f"simply too large)") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
-            IndexError, MemoryError) as exc:
+    except UnidentifiedImageError:
+        # Pillow's message names its in-memory file object ("<_io.BytesIO object at 0x...>")
+        raise ImageError(f"{part}: the {fmt} image cannot be decoded: its header is not one "
+                         f"Pillow can read (a zero-size, corrupt or truncated image)") from None
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, MemoryError) as exc:
         raise ImageError(f"{part}: the {fmt} image cannot be decoded: "
                          f"{exc or type(exc).__name__}") from None
 

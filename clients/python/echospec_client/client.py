@@ -247,6 +247,8 @@ class Info:
     kv_eviction: str = ""       # the verifiers' KV eviction: "none" or "sinks S, window W" ("": not reported)
     images: bool = False        # the model takes image parts
     images_missing: str = ""    # why it does not ("": it does, or not reported)
+    sparse_attention: bool = False  # the verifiers' decode attends the top KV blocks only
+    kv_type: str = ""           # the verifiers' KV cache type: "f16" or "q8_0" ("": not reported)
 
 
 class ClientError(Exception):
@@ -752,6 +754,9 @@ def _text_parts(v, name: str):
 def image_part(data: bytes, media_type: str = "") -> dict:
     """A content part carrying an image file's bytes (PNG, JPEG, WebP or GIF), for a message's
     content list: [{"type": "text", "text": "What is this?"}, image_part(png_bytes, "image/png")]."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"image_part: data must be the image file's bytes (open(path, 'rb').read()), "
+                        f"got {type(data).__name__}")
     return {"type": "image", "image": bytes(data), "media_type": media_type}
 
 
