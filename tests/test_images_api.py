@@ -207,7 +207,9 @@ def image_content(url: str, **extra) -> list:
 def test_http_valid_image_is_refused_naming_the_part(client):
     e = http_refusal(client, image_content(data_url(picture()), detail="low"))
     assert e.body["message"] == f"messages[0].content[1]: {NO_IMAGES}; {VALID}"
-    assert e.body["param"] == "messages[0].content"
+    # the part, as the gateway's own checks name it (was: "messages[0].content" when the
+    # coordinator refused)
+    assert e.body["param"] == "messages[0].content[1]"
     # the URL as the image_url value itself, as some clients send it
     e = http_refusal(client, [{"type": "image_url", "image_url": data_url(picture())}])
     assert e.body["message"] == f"messages[0].content[0]: {NO_IMAGES}; {VALID}"

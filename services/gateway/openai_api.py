@@ -112,8 +112,9 @@ _STATUS = {
 
 
 # request fields the coordinator's INVALID_ARGUMENT messages start with (servicer.py and the
-# verifier's context check): "k must be in ...", "stop[0] is empty", "verifier: prompt of ..."
-_REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?![a-z_])")
+# verifier's context check): "k must be in ...", "stop[0] is empty", "verifier: prompt of ...",
+# "messages[1].content[2]: ..." (a part: the param names it, as the gateway's own checks do)
+_REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?(?:\[\d+\])?)(?![a-z_])")
 _REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
                    "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
                    "prediction", "grammar", "tools", "tool_choice", "frequency_penalty",
