@@ -34,6 +34,15 @@ MAX_TREE_NODES = lib.ES_MAX_TREE_NODES   # nodes of one forward_tree call
 TOKEN_EMBD = lib.ES_TOKEN_EMBD   # forward_embd: the row takes the next given embedding
 
 _LOGITS_MODES = {"none": 0, "last": 1, "all": 2}
+
+
+def _logits_buffer(logits: str, rows: int, n_vocab: int) -> tuple[int, np.ndarray | None]:
+    """(logits_mode, the buffer a forward call writes its logits to): none, the last row
+    [1, n_vocab] or every row [rows, n_vocab]."""
+    mode = _LOGITS_MODES[logits]
+    if mode == 0:
+        return mode, None
+    return mode, np.empty((1 if mode == 1 else rows, n_vocab), dtype=np.float32)
 # the KV cache types (es_kv_type), as the services' kv_type setting names them
 KV_TYPES = {"f16": lib.ES_KV_F16, "q8_0": lib.ES_KV_Q8_0}
 
@@ -327,12 +336,7 @@ class Session:
         tok = self._tokens(tokens)
         n = tok.size
         am = np.empty(max(n, 1), dtype=np.int32)
-        mode = _LOGITS_MODES[logits]
-        out = None
-        if mode == 1:
-            out = np.empty((1, self.n_vocab), dtype=np.float32)
-        elif mode == 2:
-            out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
+        mode, out = _logits_buffer(logits, max(n, 1), self.n_vocab)
         if positions is None:
             st = lib.es_forward(
                 self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
@@ -380,12 +384,7 @@ class Session:
             raise EngineError(ES_ERR_INVALID_ARG, f"deepstack must be [n, {e.shape[0]}, {e.shape[1]}], "
                               f"got shape {ds.shape}")
         am = np.empty(max(n, 1), dtype=np.int32)
-        mode = _LOGITS_MODES[logits]
-        out = None
-        if mode == 1:
-            out = np.empty((1, self.n_vocab), dtype=np.float32)
-        elif mode == 2:
-            out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
+        mode, out = _logits_buffer(logits, max(n, 1), self.n_vocab)
         st = lib.es_forward_embd(
             self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL, n,
             ffi.from_buffer("int32_t[]", pos32),
@@ -439,12 +438,7 @@ class Session:
                               f"or an earlier node")
         par32 = np.ascontiguousarray(par.astype(np.int32))
         am = np.empty(max(n, 1), dtype=np.int32)
-        mode = _LOGITS_MODES[logits]
-        out = None
-        if mode == 1:
-            out = np.empty((1, self.n_vocab), dtype=np.float32)
-        elif mode == 2:
-            out = np.empty((max(n, 1), self.n_vocab), dtype=np.float32)
+        mode, out = _logits_buffer(logits, max(n, 1), self.n_vocab)
         st = lib.es_forward_tree(
             self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL,
             ffi.from_buffer("int32_t[]", par32) if n else ffi.NULL, n, ffi.from_buffer("int32_t[]", am),
@@ -637,12 +631,7 @@ def _forward_batch_call(items, results: list, offset: int) -> None:
         n = tok.size
         rows = max(n, 1) if head == "all" else 1
         am = np.empty(rows, dtype=np.int32)
-        mode = _LOGITS_MODES[logits]
-        out = None
-        if mode == 1:
-            out = np.empty((1, session.n_vocab), dtype=np.float32)
-        elif mode == 2:
-            out = np.empty((rows, session.n_vocab), dtype=np.float32)
+        mode, out = _logits_buffer(logits, rows, session.n_vocab)
         it = c_items[len(ran)]
         it.session = session._ptr
         if n:
