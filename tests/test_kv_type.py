@@ -100,6 +100,7 @@ def test_speculation_with_q8_0_kv_is_byte_identical(smollm2_path):
     try:
         cfg = verifier_pb2_grpc.VerifierServiceStub(vch).GetConfig(vpb.GetConfigRequest(), timeout=30)
         assert cfg.kv_type == "q8_0" and cfg.prefix_cache and cfg.kv_eviction == "none"
+        assert cfg.tree_refusal == "a Q8_0 KV cache" and cfg.tree_nodes == 0   # trees: chains here
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(cch)
         info = stub.GetInfo(cpb.GetInfoRequest(), timeout=30)   # was: GetInfo did not say
         assert info.kv_type == "q8_0" and [v.kv_type for v in info.verifiers] == ["q8_0"]

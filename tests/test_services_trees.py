@@ -56,6 +56,11 @@ def test_tree_rounds_are_byte_identical_to_speculation_off_and_to_chains(verifie
     assert sum(r.hits for r in rounds) + sum(r.kv_rolls for r in rounds) == sum(r.k for r in rounds)
 
 
+def test_getconfig_says_the_tree_budget(verifier):
+    cfg = verifier.GetConfig(vpb.GetConfigRequest(), timeout=30)
+    assert cfg.tree_nodes == 8 and cfg.tree_refusal == ""
+
+
 def test_some_round_verifies_a_tree(verifier):
     seen = 0
     for prompt in PROMPTS:

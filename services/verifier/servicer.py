@@ -116,7 +116,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             max_sessions=cfg.max_sessions, free_kv_tokens=core.free_kv_tokens,
             batch_threads=cfg.batch_threads, decode_steps=cfg.decode_steps,
             n_expert=core.model.info.n_expert, n_expert_used=core.model.info.n_expert_used,
-            grammar=True, kv_type=cfg.kv_type.lower(), images=core.vision is not None)
+            grammar=True, kv_type=cfg.kv_type.lower(), images=core.vision is not None,
+            tree_nodes=0 if core.tree_refusal else cfg.tree_nodes, tree_refusal=core.tree_refusal)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:
