@@ -20,7 +20,8 @@ stats.round_cost, echospec.v1.RoundCost, timed by the verifier's generation loop
     coord    the coordinator's per-round work as the client sees it: (client wall from the
              first streamed message to the last - the verifier's round walls) / rounds
     round    the client's wall per round (the sum of the above)
-    T        the verifier's ms per plain decode step (measured in the same run)
+    T        the verifier's ms per plain decode step, from a spec-off generation of the same
+             prompt run just before each K's (its output is the reference)
     ovh      round - V, and ovh/T in %
 
 Usage:
@@ -37,7 +38,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +55,11 @@ from echospec.stack import start_stack  # noqa: E402
 
 PARAGRAPH = ("The lighthouse keeper climbed the narrow stairs every evening at dusk. He trimmed "
              "the wick, polished the great lens and wrote the weather in his log: wind from the "
-             "west, a low grey sky, three ships passing to the north before the rain came in.")
+             "west, a low grey sky, three ships passing to the north before the rain came in. "
+             "At midnight he walked down to the kitchen, boiled water for tea and read the letters "
+             "his sister sent from the city, where the trams ran all night and nobody looked at "
+             "the sea. In the morning the supply boat came with flour, oil, candles, a crate of "
+             "apples and the newspapers of the week, and the skipper stayed for an hour to talk.")
 PROMPT = f"Repeat the following paragraph exactly, word for word.\n\n{PARAGRAPH}\n\nRepeat:\n"
 COLS = ("v", "draft", "accept", "sched", "rest", "coord", "round")
 
@@ -73,10 +77,15 @@ def _generate(stub, **kw) -> tuple[cpb.GenerationResult, float, float]:
 
 
 def measure(stub, k: int, reference: str, gens: int, max_tokens: int) -> dict:
-    """Means per round over ``gens`` generations at K = k (ms)."""
+    """Means per round over ``gens`` generations at K = k (ms), T from a plain generation of the
+    same prompt just before them."""
     sums = dict.fromkeys(COLS, 0.0)
     rounds = drafts = hits = 0
-    ts = []
+    plain, _, _ = _generate(stub, text=PROMPT, max_tokens=max_tokens, spec=common_pb2.SPEC_MODE_OFF,
+                            temperature=0.0)
+    if plain.text != reference:
+        raise SystemExit(f"K={k}: plain decoding's output changed between runs")
+    t = plain.stats.t_ms
     for _ in range(gens):
         res, t_first, t_last = _generate(stub, text=PROMPT, max_tokens=max_tokens,
                                          spec=common_pb2.SPEC_MODE_ON, k=k, prediction=reference,
@@ -98,9 +107,7 @@ def measure(stub, k: int, reference: str, gens: int, max_tokens: int) -> dict:
         rounds += n
         drafts += st.draft_tokens
         hits += st.hits
-        ts.append(st.t_ms)
     out = {c: round(sums[c] / rounds, 4) if rounds else 0.0 for c in COLS}
-    t = statistics.fmean(ts) if ts else 0.0
     ovh = out["round"] - out["v"]
     out.update(k=k, rounds=rounds, drafts_per_round=round(drafts / rounds, 3) if rounds else 0.0,
                accepted_per_round=round(hits / rounds, 3) if rounds else 0.0, t=round(t, 4),
@@ -120,8 +127,7 @@ def run_threads(path: str, n_threads: int, ks: list[int], gens: int, max_tokens:
         ch.close()
     finally:
         stack.stop()
-    return {"n_threads": n_threads, "tokens": len(ref.token_ids) if ref.token_ids else None,
-            "rows": rows}
+    return {"n_threads": n_threads, "tokens": len(ref.token_ids), "rows": rows}
 
 
 def _model_path(name: str, tmp: Path) -> str:
@@ -152,7 +158,7 @@ def main() -> int:
     ap.add_argument("--ks", default="1-16", help="K values, e.g. 1-16 or 1,4,8,16")
     ap.add_argument("--threads", default="1,2", help="engine threads (the verifier's n_threads)")
     ap.add_argument("--gens", type=int, default=3, help="generations per K")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--quick", action="store_true",
                     help="the tiny model, K 1 and 4, 1 thread, 1 generation of 24 tokens")
     ap.add_argument("--json", action="store_true", help="one JSON object per thread count")
@@ -169,8 +175,9 @@ def main() -> int:
         for r in results:
             print(json.dumps(r))
         return 0
-    print(f"per round, ms (means over rounds; {args.gens} generation(s) of <= {args.max_tokens} tokens"
-          f" per K; model {Path(path).name if args.model not in ('tiny', 'smollm2') else args.model})")
+    print(f"per round, ms (means over rounds; {args.gens} generation(s) per K of"
+          f" {'/'.join(str(r['tokens']) for r in results)} tokens (per thread count);"
+          f" model {Path(path).name if args.model not in ('tiny', 'smollm2') else args.model})")
     print(f"{'thr':>3} {'K':>3} {'k/rd':>5} {'R/rd':>5} {'T':>6} | "
           + " ".join(f"{c:>6}" for c in COLS) + f" | {'ovh':>6} {'ovh/T':>6}")
     for r in results:
