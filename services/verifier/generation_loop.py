@@ -18,6 +18,10 @@ by cancelling (``cancel`` event). Per generation:
         positions; the round yields draft[:R] + [a[R]]
     VerifierCore.release(session, tokens in its KV)    # back to the prefix cache
 
+A speculative round's event says where its wall time went beside the forward (RoundEvent.cost,
+echospec.v1.RoundCost): the draft link (before and after), the scheduler step beyond its forward,
+the accept step and its KV rollback, timed with perf_counter around those calls (a few per round).
+
 The accept rule and its counters are those of sessions.py (tries, hits,
 kv_rolls per round); the rounds' tokens are exactly the tokens plain greedy
 decoding produces, so the output does not depend on the drafts or on the
