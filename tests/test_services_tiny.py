@@ -330,6 +330,49 @@ def test_rounds_accept_the_greedy_prefix_and_count(vstub):
     assert any(0 < r.accepted < r.k for r in rounds), [(r.k, r.accepted) for r in rounds]
 
 
+def test_rounds_say_where_their_time_went(vstub, stub):
+    """A speculative round's RoundCost: its parts are set, >= 0 and within the round's wall time
+    beside V (the rollback inside the accept step, and > 0 on a round that rolled back); the
+    prefill carries none. The generation's SpecStats.round_cost holds the means per round and
+    adds up to the wall time per round the overhead is taken from."""
+    prompt = [21, 22, 23]
+    plain = _tokens(vstub.GenerateTokens(vpb.GenerateTokensRequest(prompt=prompt, max_tokens=12),
+                                         timeout=30))
+    wrong = (plain[3] + 1) % N_VOCAB
+    msgs = list(vstub.GenerateTokens(vpb.GenerateTokensRequest(
+        prompt=prompt, max_tokens=12, spec=True, k=3, fixed_k=True,
+        prediction=plain[:3] + [wrong] + plain[4:]), timeout=30))
+    rounds = [r for m in msgs for r in m.rounds]
+    assert _tokens(msgs) == plain
+    assert not rounds[0].result.HasField("cost")             # the prefill
+    assert all(r.result.HasField("cost") for r in rounds[1:])
+    for r in rounds[1:]:
+        c, v = r.result.cost, r.result.v_ms
+        for part in (c.draft_ms, c.sched_ms, c.accept_ms, c.rollback_ms):
+            assert part >= 0
+        assert c.rollback_ms <= c.accept_ms
+        assert v + c.draft_ms + c.sched_ms + c.accept_ms <= r.wall_ms + 1e-6
+        assert c.wall_ms == c.v_ms == c.rest_ms == 0      # SpecStats' only
+    assert any(r.result.cost.draft_ms > 0 for r in rounds[1:])
+    rolled = [r.result.cost for r in rounds[1:] if r.result.accepted < r.result.k]
+    assert rolled and all(c.rollback_ms > 0 for c in rolled)
+
+    text = "the cat sat on the mat. " * 6
+    for spec in (OFF, ON):
+        st = complete(stub, text=text, max_tokens=48, spec=spec, k=4).stats
+        rc = st.round_cost
+        assert st.rounds > 0
+        assert rc.wall_ms == pytest.approx(st.v_ms + st.overhead_ms, rel=1e-6, abs=1e-6)
+        assert rc.v_ms == pytest.approx(st.v_ms)
+        parts = (rc.v_ms, rc.draft_ms, rc.sched_ms, rc.accept_ms, rc.rest_ms)
+        assert all(p >= 0 for p in parts) and rc.rollback_ms <= rc.accept_ms
+        assert sum(parts) == pytest.approx(rc.wall_ms, rel=1e-6, abs=1e-6)
+        if spec == OFF:   # plain rounds: no draft link, no accept step timed
+            assert rc.draft_ms == rc.accept_ms == rc.sched_ms == 0
+        else:
+            assert rc.draft_ms > 0 and rc.accept_ms > 0
+
+
 # -- cancellation, deadlines, health, reflection ------------------------------------------------
 
 def active_sessions(vstub) -> int:

@@ -74,6 +74,11 @@ class SpecCounters:
     k_choice: str = ""                # the verifier's cost model: its last choice of K and why
     # per draft source (echospec.v1.DraftSource value): [draft_tokens, hits, tries]
     sources: dict = field(default_factory=dict)
+    # where the rounds' wall time went beside V (sums of echospec.v1.RoundCost's parts, ms)
+    draft_ms_total: float = 0.0
+    sched_ms_total: float = 0.0
+    accept_ms_total: float = 0.0
+    rollback_ms_total: float = 0.0
 
     def add_round(self, k: int, accepted: int, v_ms: float, wall_ms: float, t_ms: float,
                   source: int = 0) -> None:
@@ -105,6 +110,27 @@ class SpecCounters:
         self.wall_ms_total += wall_ms
         if t_ms > 0:
             self.t_ms = t_ms
+
+    def add_cost(self, cost) -> None:
+        """Add a round's echospec.v1.RoundCost (draft_ms, sched_ms, accept_ms, rollback_ms) to
+        the sums; the round itself is counted by ``add_round``."""
+        self.draft_ms_total += cost.draft_ms
+        self.sched_ms_total += cost.sched_ms
+        self.accept_ms_total += cost.accept_ms
+        self.rollback_ms_total += cost.rollback_ms
+
+    def round_cost(self) -> dict:
+        """Means per round (ms) of the round's wall time, V, the parts beside V and the rest
+        (wall - V - draft - sched - accept), as echospec.v1.RoundCost's fields."""
+        n = self.rounds
+        if not n:
+            return {}
+        out = {"wall_ms": self.wall_ms_total / n, "v_ms": self.v_ms_total / n,
+               "draft_ms": self.draft_ms_total / n, "sched_ms": self.sched_ms_total / n,
+               "accept_ms": self.accept_ms_total / n, "rollback_ms": self.rollback_ms_total / n}
+        out["rest_ms"] = (out["wall_ms"] - out["v_ms"] - out["draft_ms"] - out["sched_ms"]
+                          - out["accept_ms"])
+        return out
 
     @property
     def acceptance_rate(self) -> float:

@@ -231,6 +231,8 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
                 counters.t_ms = res.t_ms
             else:
                 counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms, rnd.source)
+                if res.HasField("cost"):
+                    counters.add_cost(res.cost)
             if rnd.k_choice:
                 counters.k_choice = rnd.k_choice
             tokens.extend(res.tokens)

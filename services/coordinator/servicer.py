@@ -156,7 +156,8 @@ def stats_to_proto(c) -> common_pb2.SpecStats:
         overhead_ms=c.overhead_ms, overhead_share=c.overhead_share, prefill_ms=c.prefill_ms,
         gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens,
         accepted_prediction_tokens=c.accepted_prediction_tokens,
-        rejected_prediction_tokens=c.rejected_prediction_tokens, sources=sources, k_choice=c.k_choice)
+        rejected_prediction_tokens=c.rejected_prediction_tokens, sources=sources, k_choice=c.k_choice,
+        round_cost=common_pb2.RoundCost(**c.round_cost()))
 
 # A verifier's failure before a generation's first token with one of these codes moves the
 # generation to another verifier (once); the others (a bad prompt, a deadline) would fail there too.

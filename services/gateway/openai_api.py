@@ -44,7 +44,8 @@ Responses carry OpenAI's fields plus one extra object, ``echospec``:
     {"seed": int (sampling only), "spec_enabled": bool, "spec_reason": str,
      "finish_reason": "eos"|"stop"|"length"|"context",
      "stats": {tries, hits, kv_rolls, draft_tokens, ..., accepted_prediction_tokens, ...,
-               "sources": {source: {draft_tokens, hits, tries}}}}
+               "sources": {source: {draft_tokens, hits, tries}},
+               "round_cost": {wall_ms, v_ms, draft_ms, sched_ms, accept_ms, rollback_ms, rest_ms}}}
 (in a stream: on the chunk that carries a choice's finish_reason; in a whole answer of several
 choices: on each choice). ``usage`` counts each prompt once and every choice's completion tokens.
 """
@@ -865,9 +866,12 @@ def extras(result: coordinator_pb2.GenerationResult, seed: int | None = None) ->
         "spec_reason": result.spec_reason,
         "finish_reason": common_pb2.FinishReason.Name(result.finish_reason)
         .removeprefix("FINISH_REASON_").lower(),
-        "stats": {**{name: getattr(s, name) for name in _STAT_FIELDS if name != "sources"},
+        "stats": {**{name: getattr(s, name) for name in _STAT_FIELDS
+                     if name not in ("sources", "round_cost")},
                   "sources": {x.source: {"draft_tokens": x.draft_tokens, "hits": x.hits,
-                                         "tries": x.tries} for x in s.sources}},
+                                         "tries": x.tries} for x in s.sources},
+                  "round_cost": {f.name: getattr(s.round_cost, f.name)
+                                 for f in s.round_cost.DESCRIPTOR.fields}},
     }
 
 

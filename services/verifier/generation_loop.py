@@ -18,6 +18,10 @@ by cancelling (``cancel`` event). Per generation:
         positions; the round yields draft[:R] + [a[R]]
     VerifierCore.release(session, tokens in its KV)    # back to the prefix cache
 
+A speculative round's event says where its wall time went beside the forward (RoundEvent.cost,
+echospec.v1.RoundCost): the draft link (before and after), the scheduler step beyond its forward,
+the accept step and its KV rollback, timed with perf_counter around those calls (a few per round).
+
 The accept rule and its counters are those of sessions.py (tries, hits,
 kv_rolls per round); the rounds' tokens are exactly the tokens plain greedy
 decoding produces, so the output does not depend on the drafts or on the
@@ -148,6 +152,9 @@ class RoundEvent:
     logprobs: list = field(default_factory=list)   # TokenLogprob per token (request.logprobs)
     tree_nodes: int = 0               # a token-tree round: its draft nodes (= k); 0: a chain round
     chain_accepted: int = 0           # a token-tree round: R of a verify of its draft chain alone
+    # a round of the speculative loop: where its wall time went beside the forward (ms), as
+    # (draft, sched, accept, rollback): echospec.v1.RoundCost's draft_ms .. rollback_ms
+    cost: tuple | None = None
 
 
 def check(core: Any, req: GenerationRequest) -> None:
@@ -805,10 +812,12 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         # drafted up to max_k, past the request's k
         forced = gram.forced(min(core.config.max_k, max_tokens - produced - 1, n_ctx - n_past - 1)) \
             if gram is not None and spec and greedy else []
+        c0 = c1 = time.perf_counter()
         if forced:
             drf, hop_ms, proposals, source = forced, None, 0, SOURCE_GRAMMAR
         else:
             drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
+            c1 = time.perf_counter()
             source = drafts.source
             if gram is not None and drf:
                 drf = drf[:gram.valid_prefix(drf)]
@@ -825,11 +834,15 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                                k_cap) if drafts.tree_nodes and drf and not forced else None
         if tree is not None:
             vt, vp = verify_tree(history[-1], *tree)
+            c2 = time.perf_counter()
             st = run.step_tree(vt, vp)
         else:
+            c2 = time.perf_counter()
             st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
                           stop_ids=tuple(eos) if n_run > 1 else ())
+        c3 = time.perf_counter()
         masks = masks_job.result() if masks_job is not None else None
+        c4 = time.perf_counter()
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
             toks = [int(t) for t in st.argmax]
             drafts.skipped(len(toks) - 1)
@@ -870,9 +883,12 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             while r < k and run.pick(st.logits_out[r], allowed(r), history, drf[:r]) == drf[r]:
                 r += 1
             bonus = run.choose(None, st.logits_out[r:r + 1], allowed(r), history, drf[:r])
+        rb0 = rb1 = 0.0
         if r < k and tree is None:
             # k - r <= max_k positions back: within a sliding-window ring's reach (core.swa_slack)
+            rb0 = time.perf_counter()
             session.rollback(n_past + 1 + r)
+            rb1 = time.perf_counter()
             del run.kv_tokens[n_past + 1 + r:]
         if bonus is None:
             bonus = run.choose(st.argmax[r], st.logits_out)
@@ -884,6 +900,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                 gram.consume([bonus])
         if k == 0 and greedy:
             core.observe_decode(st.forward_ms)
+        c5 = time.perf_counter()
         if forced:
             drafts.ctl.advance(tokens)
         else:
@@ -905,7 +922,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
                         proposals, source=source if k else 0, logprobs=lps,
                         tree_nodes=k if tree is not None else 0,
-                        chain_accepted=longest_accepted_prefix(drf, tokens) if tree is not None else 0)
+                        chain_accepted=longest_accepted_prefix(drf, tokens) if tree is not None else 0,
+                        cost=(((c1 - c0) + (r1 - c5)) * 1e3, max(0.0, (c3 - c2) * 1e3 - st.forward_ms),
+                              (c5 - c4) * 1e3, (rb1 - rb0) * 1e3))
         if drafts.reason and drafts.reason != reason:
             ev.spec_reason = reason = drafts.reason
         if drafts.ctl.k_choice != k_choice:

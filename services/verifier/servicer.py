@@ -54,7 +54,7 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
     """Consecutive events of one generation as one message."""
     msg = verifier_pb2.GenerateTokensResponse()
     for ev in evs:
-        msg.rounds.add(
+        rnd = msg.rounds.add(
             result=verifier_pb2.StepResult(
                 tokens=ev.tokens, k=ev.k, accepted=ev.accepted, tries=1 if ev.k >= 1 else 0,
                 hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
@@ -62,6 +62,9 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
                 chain_accepted=ev.chain_accepted,
                 logprobs=[logprob_to_proto(lp) for lp in ev.logprobs]),
             wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source, k_choice=ev.k_choice)
+        if ev.cost is not None:
+            c = rnd.result.cost
+            c.draft_ms, c.sched_ms, c.accept_ms, c.rollback_ms = ev.cost
         if ev.prefill:
             msg.cached_prompt_tokens = ev.cached_prompt_tokens
         if ev.spec_reason:

@@ -50,6 +50,9 @@ class SpecStats:
     rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction", "grammar") that
     drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}. k_choice: the verifier's cost
     model's last choice of K and why (the measured T and V(K)), "" when it made none.
+    round_cost: where a round's wall time went in the verifier's loop, ms means per round
+    (echospec.v1.RoundCost): {"wall_ms", "v_ms", "draft_ms", "sched_ms", "accept_ms",
+    "rollback_ms", "rest_ms"}; empty when the server sends none.
     """
 
     tries: int = 0
@@ -73,12 +76,16 @@ class SpecStats:
     rejected_prediction_tokens: int = 0
     sources: dict = field(default_factory=dict)
     k_choice: str = ""
+    round_cost: dict = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, s: common_pb2.SpecStats) -> "SpecStats":
-        kw = {f.name: getattr(s, f.name) for f in fields(cls) if f.name != "sources"}
+        kw = {f.name: getattr(s, f.name) for f in fields(cls) if f.name not in ("sources", "round_cost")}
         kw["sources"] = {x.source: {"draft_tokens": x.draft_tokens, "hits": x.hits, "tries": x.tries}
                          for x in s.sources}
+        if s.HasField("round_cost"):
+            kw["round_cost"] = {f.name: getattr(s.round_cost, f.name)
+                                for f in s.round_cost.DESCRIPTOR.fields}
         return cls(**kw)
 
 
