@@ -45,7 +45,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import gguf
@@ -247,6 +246,19 @@ def gguf_tensors(path: Path) -> dict[str, tuple[np.ndarray, str]]:
     return out
 
 
+def param_setter(sd: dict, done: set):
+    """put(name, array): copy a GGUF array into the named parameter of ``sd`` (a shape mismatch
+    raises, naming it) and record the name in ``done``."""
+    def put(hf: str, arr: np.ndarray) -> None:
+        p = sd[hf]
+        if tuple(p.shape) != arr.shape:
+            raise ValueError(f"{hf}: shape {tuple(p.shape)} vs GGUF {arr.shape}")
+        with torch.no_grad():
+            p.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
+        done.add(hf)
+    return put
+
+
 def load_into_hf(model, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
     """Overwrite the text decoder's parameters with the GGUF's (dequantized) weights.
 
@@ -257,13 +269,7 @@ def load_into_hf(model, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
     want = {k for k in sd if k.startswith(lm) or k == "lm_head.weight"}
     done = set()
 
-    def put(hf: str, arr: np.ndarray) -> None:
-        p = sd[hf]
-        if tuple(p.shape) != arr.shape:
-            raise ValueError(f"{hf}: shape {tuple(p.shape)} vs GGUF {arr.shape}")
-        with torch.no_grad():
-            p.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
-        done.add(hf)
+    put = param_setter(sd, done)
 
     g = lambda n: tensors[n][0]  # noqa: E731
     gemma = model.config.model_type.startswith("gemma")
@@ -368,13 +374,7 @@ def load_vision_into_hf(visual, tensors: dict[str, tuple[np.ndarray, str]]) -> N
     sd = dict(visual.named_parameters())
     done = set()
 
-    def put(hf: str, arr: np.ndarray) -> None:
-        p = sd[hf]
-        if tuple(p.shape) != arr.shape:
-            raise ValueError(f"{hf}: shape {tuple(p.shape)} vs GGUF {arr.shape}")
-        with torch.no_grad():
-            p.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
-        done.add(hf)
+    put = param_setter(sd, done)
 
     g = lambda n: tensors[n][0]  # noqa: E731
     # conv3d kernel [out, in, t, ph, pw]: the converter splits the temporal axis into two tensors
