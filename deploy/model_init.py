@@ -10,6 +10,9 @@ Environment:
                           (sha256 checked) unless already cached.
                           Set (e.g. Qwen3-1.7B-Q4_K_M.gguf): the file must be
                           in the volume already or in the import directory.
+    ECHOSPEC_MMPROJ_FILE  file name of a Qwen3-VL projector (mmproj GGUF) that lets
+                          the model read images; placed the same way as a user
+                          model (empty, the default: none)
     ECHOSPEC_CACHE        the volume's mount point (default, also when empty: /models)
     ECHOSPEC_IMPORT_DIR   read-only bind mount of a host directory holding
                           user GGUF files (default /import)
@@ -55,7 +58,8 @@ def _same_file(a: Path, b: Path) -> bool:
     return (sa.st_size, sa.st_mtime_ns) == (sb.st_size, sb.st_mtime_ns)
 
 
-def place_user_model(name: str, cache: Path, import_dir: Path) -> Path:
+def place_user_model(name: str, cache: Path, import_dir: Path,
+                     setting: str = "ECHOSPEC_MODEL_FILE") -> Path:
     """Return the volume path of the user's model: a link to import_dir/name when that file
     exists (replacing an old copy or link), else a file already in the volume.
 
@@ -64,7 +68,7 @@ def place_user_model(name: str, cache: Path, import_dir: Path) -> Path:
         ValueError: the name is not a plain file name, or the file is not GGUF.
     """
     if Path(name).name != name or name in ("", ".", ".."):
-        raise ValueError(f"ECHOSPEC_MODEL_FILE must be a plain file name, got {name!r}")
+        raise ValueError(f"{setting} must be a plain file name, got {name!r}")
     dest = cache / name
     src = import_dir / name
     if src.is_file():
@@ -99,6 +103,7 @@ def main() -> int:
     cache = Path(os.environ.get("ECHOSPEC_CACHE") or "/models")   # empty: the default, not the cwd
     import_dir = Path(os.environ.get("ECHOSPEC_IMPORT_DIR", "/import"))
     name = os.environ.get("ECHOSPEC_MODEL_FILE", "").strip()
+    mmproj = os.environ.get("ECHOSPEC_MMPROJ_FILE", "").strip()
     try:
         if name:
             path = place_user_model(name, cache, import_dir)
@@ -107,10 +112,14 @@ def main() -> int:
 
             path = fetch_model.fetch()
             check_gguf(path)
+        if mmproj:
+            projector = place_user_model(mmproj, cache, import_dir, "ECHOSPEC_MMPROJ_FILE")
     except (OSError, ValueError, RuntimeError) as e:
         print(f"model-init: {e}", file=sys.stderr)
         return 1
     print(path)
+    if mmproj:
+        print(projector)
     return 0
 
 

@@ -253,6 +253,15 @@ def test_user_model_and_portable_build_overrides(tools_bin: Path):
         assert cfg["services"][name]["environment"]["ECHOSPEC_MODEL"] == "/models/Qwen3-1.7B-Q4_K_M.gguf"
         assert cfg["services"][name]["build"]["args"]["ECHOSPEC_SIMD"] == "scalar"
     assert cfg["services"]["model-init"]["environment"]["ECHOSPEC_MODEL_FILE"] == "Qwen3-1.7B-Q4_K_M.gguf"
+    # no projector by default: the verifier reads text only
+    assert cfg["services"]["verifier"]["environment"]["ECHOSPEC_MMPROJ"] == ""
+
+
+def test_projector_reaches_model_init_and_the_verifier(tools_bin: Path):
+    cfg = _compose_config(tools_bin, {"ECHOSPEC_MODEL_FILE": "Qwen3-VL-2B-Q4_K_M.gguf",
+                                      "ECHOSPEC_MMPROJ_FILE": "mmproj-Qwen3-VL-2B-F16.gguf"})
+    assert cfg["services"]["model-init"]["environment"]["ECHOSPEC_MMPROJ_FILE"] == "mmproj-Qwen3-VL-2B-F16.gguf"
+    assert cfg["services"]["verifier"]["environment"]["ECHOSPEC_MMPROJ"] == "/models/mmproj-Qwen3-VL-2B-F16.gguf"
 
 
 def _stages(dockerfile: str) -> dict[str, list[str]]:
@@ -388,6 +397,28 @@ def test_model_init_replaces_an_old_copy_that_is_stale(tmp_path: Path, monkeypat
     assert mi.main() == 0
     assert "a different (replaced) copy" in capsys.readouterr().err
     assert (cache / name).is_symlink() and (cache / name).read_bytes().endswith(b"new and longer")
+
+
+def test_model_init_links_the_projector_beside_the_model(tmp_path: Path, monkeypatch, capsys):
+    mi = _load("model_init")
+    cache, imp = _model_init_env(tmp_path, monkeypatch, "vl.gguf")
+    (imp / "vl.gguf").write_bytes(_gguf_bytes())
+    (imp / "mmproj.gguf").write_bytes(_gguf_bytes() + b"projector")
+    monkeypatch.setenv("ECHOSPEC_MMPROJ_FILE", "mmproj.gguf")
+    assert mi.main() == 0
+    assert capsys.readouterr().out.split() == [str(cache / "vl.gguf"), str(cache / "mmproj.gguf")]
+    assert os.readlink(cache / "mmproj.gguf") == str(imp / "mmproj.gguf")
+    # a projector that is missing or not GGUF stops the services from starting, naming the setting
+    monkeypatch.setenv("ECHOSPEC_MMPROJ_FILE", "gone.gguf")
+    assert mi.main() == 1
+    assert "gone.gguf is neither in the model volume" in capsys.readouterr().err
+    (imp / "bad.gguf").write_bytes(b"not a model")
+    monkeypatch.setenv("ECHOSPEC_MMPROJ_FILE", "bad.gguf")
+    assert mi.main() == 1
+    assert "is not a GGUF file" in capsys.readouterr().err
+    monkeypatch.setenv("ECHOSPEC_MMPROJ_FILE", "../mmproj.gguf")
+    assert mi.main() == 1
+    assert "ECHOSPEC_MMPROJ_FILE must be a plain file name" in capsys.readouterr().err
 
 
 def test_model_init_uses_a_file_put_in_the_volume_by_hand(tmp_path: Path, monkeypatch, capsys):
@@ -541,7 +572,7 @@ def test_compose_variables_are_service_config_fields(config: dict):
         env = {k for k in config["services"][name]["environment"] if k.startswith("ECHOSPEC_")}
         assert env - fields == set(), f"{name}: not fields of {cls.__name__}: {sorted(env - fields)}"
     init_env = set(config["services"]["model-init"]["environment"])
-    assert init_env == {"ECHOSPEC_CACHE", "ECHOSPEC_MODEL_FILE", "ECHOSPEC_IMPORT_DIR"}
+    assert init_env == {"ECHOSPEC_CACHE", "ECHOSPEC_MODEL_FILE", "ECHOSPEC_MMPROJ_FILE", "ECHOSPEC_IMPORT_DIR"}
 
 
 def test_healthcheck_http_against_a_grpc_port_says_so_in_one_line(health_server, capsys):
