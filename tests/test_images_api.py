@@ -246,6 +246,10 @@ def test_http_bad_image_part_shapes(client):
     e = http_refusal(client, [{"type": "image_url", "image_url": {"url": data_url(picture())}},
                               {"type": "input_audio", "input_audio": {}}])
     assert e.body["message"].startswith("messages[0].content[1] must be a text part")
+    # an empty array is refused, as OpenAI does (was: taken as an empty message)
+    e = http_refusal(client, [])
+    assert e.body["message"] == ("messages[0].content: empty array; expected a string or an array "
+                                 "of at least one part"), e.body
     # without an image part beside it, the message names image parts too (was: "other content
     # types are not supported", as if only text were taken)
     for other in ({"type": "input_audio", "input_audio": {}}, "a bare string"):

@@ -335,6 +335,9 @@ def _text_content(v: Any, param: str) -> str:
     if isinstance(v, str):
         return v
     if isinstance(v, list):
+        if not v:   # as OpenAI: an empty array is not an empty string
+            raise bad(f"{param}: empty array; expected a string or an array of at least one part",
+                      param)
         parts = []
         for i, p in enumerate(v):
             if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
