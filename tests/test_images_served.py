@@ -197,6 +197,44 @@ def test_second_turn_reuses_the_image_prefix_with_the_same_tokens(stack, png, tm
     assert list(again.token_ids) == list(cold.token_ids) and again.prompt_tokens == cold.prompt_tokens
 
 
+def test_other_sessions_go_on_while_an_image_is_encoded(stack, png):
+    """The encode runs outside the engine lock (was: under it, so every other session stalled for
+    the encode's length): a text chat finishes while an image's encode is held."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    st, stub, _ = stack
+    other = np.asarray(PILImage.open(io.BytesIO(png))).copy()
+    other[1, 1] ^= 2                      # an image no earlier test sent: the prefix cache lacks it
+    buf = io.BytesIO()
+    PILImage.fromarray(other).save(buf, "PNG")
+    png = buf.getvalue()
+    vis = st.verifier.core.vision
+    entered, release = threading.Event(), threading.Event()
+    real = vis.encode
+
+    def held(px, n_threads=1):
+        entered.set()
+        assert release.wait(60)
+        return real(px, n_threads)
+
+    vis.encode = held
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(chat, stub, png)
+            assert entered.wait(60)
+            text = stub.Complete(cpb.CompleteRequest(
+                messages=[cpb.ChatMessage(role="user", content=QUESTION)], max_tokens=N_OUT), timeout=60)
+            assert len(text.result.token_ids) >= 1
+            assert not fut.done()
+            release.set()
+            got = fut.result(timeout=120)
+    finally:
+        release.set()
+        del vis.encode
+    assert list(got.token_ids) == list(chat(stub, png).token_ids)
+
+
 def test_two_images_match_the_engine(stack, ref, png):
     """Two images in one message, text between them: the served tokens are the engine's on the
     prompt the template renders, with both images' embeddings in order and each image's grid

@@ -1,6 +1,7 @@
 """A generation whose prompt holds images (GenerateTokensRequest.images).
 
-The verifier encodes each image with the projector (vision.py), replaces the image's prompt tokens
+The verifier encodes each image with the projector (vision.py; outside the engine lock, one
+encode at a time, so other sessions' steps go on meanwhile), replaces the image's prompt tokens
 by its embeddings, gives them the image grid's (t, h, w) positions (vision.rope_positions) and
 prefills the whole prompt in one engine call (es_forward_embd, deepstack outputs added at the image
 rows). The engine's decode steps, verifies and in-engine runs of the scheduler rotate each token by
@@ -124,18 +125,24 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_
     pos = rope_positions(spans, n)
     with core.engine_lock:
         session.rollback(cached)
-        for im, (off, gh, gw) in zip(images, spans):
-            if off + gh * gw <= cached:
-                continue              # in the reused prefix: its KV is there
-            # value / 255 from the coordinator, normalised here with the projector's mean / std
-            # (the same float32 operations as services/text/images.py's preprocess)
-            px = np.frombuffer(im.pixels, dtype="<f4").reshape(3, im.height, im.width).astype(np.float32)
-            px -= np.asarray(vis.info.image_mean, dtype=np.float32)[:, None, None]
-            px /= np.asarray(vis.info.image_std, dtype=np.float32)[:, None, None]
+    # the images are encoded outside the engine lock (one at a time: the vision lock), so the
+    # other sessions' steps go on meanwhile; only the prefill below takes the engine
+    for im, (off, gh, gw) in zip(images, spans):
+        if off + gh * gw <= cached:
+            continue              # in the reused prefix: its KV is there
+        if cancel.is_set():
+            return
+        # value / 255 from the coordinator, normalised here with the projector's mean / std
+        # (the same float32 operations as services/text/images.py's preprocess)
+        px = np.frombuffer(im.pixels, dtype="<f4").reshape(3, im.height, im.width).astype(np.float32)
+        px -= np.asarray(vis.info.image_mean, dtype=np.float32)[:, None, None]
+        px /= np.asarray(vis.info.image_std, dtype=np.float32)[:, None, None]
+        with core.vision_lock:
             e, d = vis.encode(px, core.config.batch_threads)
-            embds.append(e)
-            dss.append(d)
-            toks[off:off + gh * gw] = TOKEN_EMBD
+        embds.append(e)
+        dss.append(d)
+        toks[off:off + gh * gw] = TOKEN_EMBD
+    with core.engine_lock:
         rest = toks[cached:]
         logits = "none" if req.sampling.greedy else "last"
         if embds:

@@ -180,6 +180,8 @@ class VerifierCore:
         if config.n_ctx < MIN_CTX:
             raise InvalidArgument(f"n_ctx must be >= {MIN_CTX}, got {config.n_ctx}")
         self.engine_lock = threading.Lock()
+        # one image encode at a time, outside the engine lock (image_loop.py)
+        self.vision_lock = threading.Lock()
         self._lock = threading.Lock()
         self.t_ms = 0.0
         self._t_alpha = 0.1
@@ -420,5 +422,6 @@ class VerifierCore:
             for c in cached:
                 c.close()
             self.model.close()
-            if self.vision is not None:
+        if self.vision is not None:
+            with self.vision_lock:     # an encode still running finishes first
                 self.vision.close()
