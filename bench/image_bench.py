@@ -109,11 +109,12 @@ def render_objects(seed: int, width: int = 320, height: int = 320) -> tuple[byte
     d = ImageDraw.Draw(img)
     cells = rng.sample(range(9), rng.randrange(3, 6))
     cw, ch = width // 3, height // 3
+    m = min(cw, ch) // 8   # the margin inside a cell
     names = []
     for cell in cells:
         colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
-        x0, y0 = (cell % 3) * cw + 12, (cell // 3) * ch + 12
-        x1, y1 = x0 + cw - 24, y0 + ch - 24
+        x0, y0 = (cell % 3) * cw + m, (cell // 3) * ch + m
+        x1, y1 = x0 + cw - 2 * m, y0 + ch - 2 * m
         fill = COLOURS[colour]
         if shape == "circle":
             d.ellipse((x0, y0, x1, y1), fill=fill)
