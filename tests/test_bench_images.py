@@ -133,3 +133,29 @@ def test_image_bench_quick_json():
 def test_image_bench_bad_arguments(args, message):
     r = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_echospec_bench_private_stack_with_mmproj(tmp_path):
+    """`echospec bench --mmproj` gives its private stack the projector: the rendered workloads run
+    spec off and on with the same output; --mmproj with --target is refused."""
+    r = subprocess.run([sys.executable, str(BENCH), "--write-workloads", str(tmp_path)], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    jsonl = r.stdout.strip()
+    fixture = ROOT / "tests" / "data" / "models"
+    r = subprocess.run([*ECHOSPEC, "bench", "--workloads", jsonl, "--model", str(fixture / "qwen3vl-Q8_0.gguf"),
+                        "--mmproj", str(fixture / "qwen3vl-mmproj-F16.gguf"), "--threads", "1",
+                        "--max-tokens", "6", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["id"] for x in rows] == ["image_text", "image_table", "image_objects"]
+    assert all(x["identical"] and x["on"]["tokens"] == 6 for x in rows)
+    assert all(x["off"]["prefill_ms"] > 0 for x in rows)
+    r = subprocess.run([*ECHOSPEC, "bench", "--workloads", jsonl, "--target", "127.0.0.1:1", "--mmproj",
+                        str(fixture / "qwen3vl-mmproj-F16.gguf")], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "--mmproj applies to a private stack" in r.stderr, r.stderr
+    r = subprocess.run([*ECHOSPEC, "bench", "--workloads", jsonl, "--model", str(fixture / "qwen3vl-Q8_0.gguf"),
+                        "--mmproj", str(tmp_path / "none.gguf")], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "none.gguf: no such file" in r.stderr, r.stderr

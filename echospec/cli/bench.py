@@ -222,6 +222,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
     p.add_argument("--tree-nodes", type=_int32, default=0,
                    help="the private stack's verifier --tree-nodes (token-tree rounds; 0: chains)")
+    p.add_argument("--mmproj", default="", metavar="FILE",
+                   help="the private stack's vision projector (a Qwen3-VL model's mmproj GGUF), for "
+                        "workloads with an image")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
     p.add_argument("--repeat", type=_int32, default=1,
                    help="off/on pairs per workload, alternating; the table shows the median run of each")
