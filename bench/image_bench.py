@@ -293,6 +293,24 @@ def main() -> int:
             ap.error(f"--{flag.replace('_', '-')} {v}: no such file")
 
     import grpc
+    from echospec.stack import StackError
+
+    try:
+        out = run(args)
+    except (StackError, RuntimeError, grpc.RpcError) as exc:
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"image_bench: {detail}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print_table(out)
+    return 0
+
+
+def run(args) -> dict:
+    """Both parts (or --only's) on stacks of args.model + args.mmproj; the JSON object."""
+    import grpc
     from echospec.services.verifier.engine import simd_name
     from echospec.stack import start_stack
     from echospec.v1 import coordinator_pb2_grpc
@@ -323,9 +341,10 @@ def main() -> int:
         finally:
             st.stop(0.5)
     out["load_avg_end"] = os.getloadavg()[0]
-    if args.json:
-        print(json.dumps(out))
-        return 0
+    return out
+
+
+def print_table(out: dict) -> None:
     print(f"model {out['model']} + {out['mmproj']}, SIMD {out['simd']}, threads "
           f"{out['threads'] or 'default'} of {out['cores']} cores, load {out['load_avg_start']:.2f}"
           f" -> {out['load_avg_end']:.2f}")
@@ -347,7 +366,6 @@ def main() -> int:
                   f"{'yes' if x['identical'] else 'NO':>9}")
         print(f"total off / on {w['total_off_over_on']} (> 1: speculation faster); identical "
               f"{w['identical']}/{w['of']}")
-    return 0
 
 
 if __name__ == "__main__":

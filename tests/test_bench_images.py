@@ -159,3 +159,11 @@ def test_echospec_bench_private_stack_with_mmproj(tmp_path):
                         "--mmproj", str(tmp_path / "none.gguf")], capture_output=True, text=True, timeout=60,
                        cwd=ROOT)
     assert r.returncode == 2 and "none.gguf: no such file" in r.stderr, r.stderr
+
+
+def test_image_bench_projector_of_another_model_is_a_clear_error():
+    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--model",
+                        str(ROOT / "tests" / "data" / "models" / "gemma3-Q8_0.gguf")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "image_bench: verifier: --mmproj" in r.stderr, r.stderr
+    assert "takes no image embeddings" in r.stderr and "Traceback" not in r.stderr
