@@ -956,8 +956,8 @@ def test_bench_refuses_a_workload_field_it_does_not_know(tmp_path, capsys):
         cli._load_workloads(str(f))
     err = capsys.readouterr().err
     assert ei.value.code == 2, err
-    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, grammar, id, kind, " \
-           "max_tokens, messages, prediction, prompt, tool_choice, tools)" in err, err
+    assert f"{f}:2: unknown field 'max_token' (a workload has draft_namespace, grammar, id, " \
+           "image, kind, max_tokens, messages, prediction, prompt, tool_choice, tools)" in err, err
     f.write_text('{"id": "ok", "kind": "x", "prompt": "x", "max_tokens": 4}\n')
     assert cli._load_workloads(str(f))[0]["max_tokens"] == 4
     import pathlib

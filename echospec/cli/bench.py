@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from echospec.cli.common import (_add_client_args, _check_messages, _check_sampling_flags, _client,
                                  _client_error, _die, _gen_kwargs, _int32, _read_text, _seconds,
@@ -11,7 +12,8 @@ from echospec.cli.common import (_add_client_args, _check_messages, _check_sampl
 
 
 _WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
-                              "draft_namespace", "grammar", "tools", "tool_choice"})
+                              "draft_namespace", "grammar", "tools", "tool_choice", "image"})
+_MAX_IMAGES = 16   # the coordinator's limit per request
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -63,10 +65,42 @@ def _load_workloads(path: str) -> list[dict]:
         if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= max_tokens_limit:
             _die(f"{path}:{n}: max_tokens must be an integer in [1, {max_tokens_limit}], "
                  f"got {mt!r}", 2)
+        if "image" in w:
+            w = _attach_images(w, path, f"{path}:{n}")
         out.append(w)
     if not out:
         _die(f"{path}: no workloads", 2)
     return out
+
+
+def _attach_images(w: dict, path: str, where: str) -> dict:
+    """The workload with its ``image`` files (a path or a list of paths, relative to the workload
+    file's directory) read and put before the last user message's text, as ``generate --image``
+    does with --messages; exits 2 naming ``where`` on a bad field or file."""
+    from echospec.cli.common import load_image
+
+    files = w["image"]
+    files = [files] if isinstance(files, str) else files
+    if not isinstance(files, list) or not files or len(files) > _MAX_IMAGES or \
+            not all(isinstance(f, str) and f for f in files):
+        _die(f"{where}: image must be an image file's path or a list of 1 to {_MAX_IMAGES} paths "
+             f"(relative to the workload file), got {json.dumps(w['image'])[:80]}", 2)
+    msgs = w.get("messages")
+    users = [i for i, m in enumerate(msgs or []) if m.get("role") == "user"]
+    if not users:
+        _die(f"{where}: image needs messages with a user message to attach the image to", 2)
+    base = Path(path).parent
+    parts = []
+    for f in files:
+        try:
+            parts.append(load_image("image", str(base / f)))
+        except ValueError as exc:
+            _die(f"{where}: {exc}", 2)
+    msgs = [dict(m) for m in msgs]
+    text = msgs[users[-1]].get("content")
+    text = [{"type": "text", "text": text}] if isinstance(text, str) else list(text or [])
+    msgs[users[-1]]["content"] = parts + text
+    return {**w, "messages": msgs}
 
 
 def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
@@ -180,12 +214,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run workloads greedy with speculation off and on")
     p.add_argument("--workloads", required=True, help="JSONL: id, messages (or prompt); optional "
                    "max_tokens (default 256), prediction (text), draft_namespace, grammar "
-                   "(one key: json_schema, json_object, lark or gbnf), tools and tool_choice")
+                   "(one key: json_schema, json_object, lark or gbnf), tools and tool_choice, "
+                   "image (a file or a list of files, relative to the JSONL, put before the last "
+                   "user message's text)")
     p.add_argument("--k", type=_int32, default=0, help="drafts per round (0: server default)")
     p.add_argument("--max-tokens", type=_int32, default=0, help="override each workload's max_tokens")
     p.add_argument("--threads", type=_int32, default=0, help="engine threads of a private stack")
     p.add_argument("--tree-nodes", type=_int32, default=0,
                    help="the private stack's verifier --tree-nodes (token-tree rounds; 0: chains)")
+    p.add_argument("--mmproj", default="", metavar="FILE",
+                   help="the private stack's vision projector (a Qwen3-VL model's mmproj GGUF), for "
+                        "workloads with an image")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run")
     p.add_argument("--repeat", type=_int32, default=1,
                    help="off/on pairs per workload, alternating; the table shows the median run of each")

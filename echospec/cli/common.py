@@ -239,7 +239,8 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         if not args.target.strip():
             _die("--target must be host:port, not empty", 2)
         _check_target_form(args.target)
-        for flag, value in (("--model", args.model), ("--chat-template", getattr(args, "chat_template", None))):
+        for flag, value in (("--model", args.model), ("--chat-template", getattr(args, "chat_template", None)),
+                            ("--mmproj", getattr(args, "mmproj", None))):
             if value:
                 _die(f"{flag} applies to a private stack; the server at --target {args.target} "
                      f"uses its own (leave out {flag}, or leave out --target)", 2)
@@ -251,10 +252,13 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
     template = _check_chat_template(template) if template else ""
     model = _resolve_model(args.model)
     _check_model(model)
+    mmproj = getattr(args, "mmproj", "") or ""
+    _check_mmproj(mmproj, model)
     print("echospec: no --target given; starting a private stack on loopback ...", file=sys.stderr)
     try:
         stack = start_stack(model, port=0, spec=False, n_threads=getattr(args, "threads", 0) or 0,
-                            chat_template=template, tree_nodes=getattr(args, "tree_nodes", 0) or 0)
+                            chat_template=template, tree_nodes=getattr(args, "tree_nodes", 0) or 0,
+                            mmproj=mmproj)
     except StackError as exc:
         _die(str(exc))
     try:
