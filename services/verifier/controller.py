@@ -48,6 +48,33 @@ in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 A constrained generation's forced tokens (the grammar source) do not go through
 the controller: the loop drafts them whenever the grammar has any, and
 ``advance`` keeps the cache in step with the tokens those rounds produced.
+
+Shape by cost (token trees, a tree budget n_max > 0): when a kept proposal tree continues the
+history (``tree``: tokens, parents, each node's source), the controller chooses the round's
+shape among the chains above and trees cut from it (``best_shape``): for each K whose chain the
+tree spells, the chain's K nodes, then the tree's other nodes in index order (the proposal's
+order), a node kept only with its parent and at most k_cap deep, the chain's own nodes past K
+left out; each prefix of n <= max(K, n_max) nodes holding a node beside the chain is a
+candidate. The chain is the tree of width 1: with no tree, or none that pays more, the round
+drafts the chain as above.
+Tree model: q(i) is node i's chance of being the greedy token at its position given its parent
+was accepted and its earlier siblings were not: its source's first-guess acceptance when it is
+its parent's first child, else its source's alternative acceptance (a separate recency-weighted
+count, Beta(1, 3) prior: a second guess is taken to be right less often). Siblings exclude each
+other (one greedy token per position), so P(path to i accepted) = P(parent) * prod over earlier
+siblings s (1 - q(s)) * q(i), and E(tree) = the sum of P over its nodes: the geometric E(K) is
+the width-1 case. This is a model, not a measurement: it takes a source's guesses to be
+independent of how deep they are and of one another, and the alternatives of one source to share
+one rate. After a tree round each node tried on the accepted path counts for its source (a hit
+for the node taken; a rejection for each sibling before it, or for every child where none was
+taken). Cost: V_tree(n) measured live in its own table (CostModel.v_tree_ms), V(K = n) until
+then. The shape with the most (E + 1) / (V + o [+ h]) among those passing the gain condition
+wins, a tree only when it beats the best chain (ties: the chain); none passing: no draft, with
+the probe rule. ``k_choice`` says the choice and its numbers (``explain_shape``), the round's
+StepResult the E and ms expected.
+Per namespace (``NamespacePriors``, kept by the verifier): a generation with a draft namespace
+starts from that namespace's counts, scaled to a few observations, and adds its own at its end;
+a bounded LRU table.
 """
 from __future__ import annotations
 
@@ -390,8 +417,8 @@ class SpecController:
         return k
 
     def round_tree(self) -> tuple[list[int], list[int]] | None:
-        """This round's tree (tokens, parents) when the choice was one (its chain is the round's
-        draft, nodes 0 .. k - 1 in path order are not guaranteed: parents say), else None."""
+        """This round's tree (tokens, parents; the kept nodes of ``tree`` renumbered in index
+        order, the round's draft chain among them) when the choice was a tree, else None."""
         if not self.shape.nodes or self.tree is None:
             return None
         toks, par, srcs = self.tree

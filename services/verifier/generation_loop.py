@@ -54,11 +54,13 @@ row, after the grammar's mask). The rows are computed on the generation's own th
 scheduler's; a generation that does not ask pays nothing.
 
 Token trees (``tree_nodes`` > 0; greedy, no grammar, penalties or logprobs, and an engine that
-takes trees: VerifierCore.tree_refusal): the draft link asks for trees beside its chains. A round
-whose chain (the controller's, as ever) is spelt by a kept proposal tree verifies
-tree_accept.round_tree of it instead: the chain, then up to ``tree_nodes`` nodes beside it, no
-deeper than k_cap, below the pending token, as one scheduler step (Step.parents) that keeps the
-greedy path at once (tree_accept.accept, keep_path). The round yields that path's drafts and the
+takes trees: VerifierCore.tree_refusal): the draft link asks for trees beside its chains. With
+the cost model, the controller chooses each round's shape: a chain, a tree cut from the kept
+proposal tree that continues the history (up to ``tree_nodes`` nodes, no deeper than k_cap), or
+no draft (controller.best_shape); with a fixed K, a round whose chain is spelt by a kept tree
+verifies tree_accept.round_tree of it: the chain, then up to ``tree_nodes`` nodes beside it. A
+tree goes below the pending token as one scheduler step (Step.parents) that keeps the greedy
+path at once (tree_accept.accept, keep_path). The round yields that path's drafts and the
 argmax of its last node, what a chain verify of the path gives; K counts the nodes, so
 kv_rolls = the nodes not kept. A round whose path left the chain drafts next from the tree's rest
 of that path.
