@@ -3,7 +3,8 @@ DraftProposer.propose_tree on literal token arrays, one rule per case."""
 import pytest
 
 from echospec.services.draft.proposer import (SOURCE_PREDICTION, SOURCE_SUFFIX, DraftParams,
-                                              DraftProposer, ProposerError, merge_tree)
+                                              DraftProposer, ProposerError, merge_tree,
+                                              merge_tree_origins)
 from echospec.services.draft.suffix_index import SuffixAutomaton, SuffixParams
 
 P1 = SuffixParams(min_match=1)
@@ -117,6 +118,21 @@ def test_propose_tree_puts_the_suffix_draft_beside_a_prediction():
     toks, par, _, src = p.propose_tree(2, 6)
     assert src == SOURCE_PREDICTION
     assert (toks, par) == ([8, 8, 1, 0], [-1, 0, -1, 2])
+
+
+def test_merge_tree_origins_name_the_sequence_that_added_each_node():
+    assert merge_tree_origins([[1, 2, 3], [1, 4], [5]], 5) == (
+        [1, 2, 3, 4, 5], [-1, 0, 1, 0, -1], [0, 0, 0, 1, 2])
+
+
+def test_propose_tree_sources_say_each_nodes_source():
+    # the prediction's nodes, then the suffix index's beside them
+    p = proposer([5, 6, 1, 0, 5, 6], prediction=[8, 8])
+    toks, par, srcs, _, src = p.propose_tree_sources(2, 6)
+    assert (toks, par, src) == ([8, 8, 1, 0], [-1, 0, -1, 2], SOURCE_PREDICTION)
+    assert srcs == [SOURCE_PREDICTION, SOURCE_PREDICTION, SOURCE_SUFFIX, SOURCE_SUFFIX]
+    # a suffix index's other continuation is the suffix index's too
+    assert proposer([7, 1, 2, 3, 9, 1, 2, 4, 9, 1]).propose_tree_sources(4, 8)[2] == [SOURCE_SUFFIX] * 7
 
 
 def test_propose_tree_empty_when_nothing_drafts():

@@ -29,8 +29,8 @@ def verifier(stack):
     ch.close()
 
 
-def run(verifier, prompt, n, spec, tree_nodes=0):
-    req = vpb.GenerateTokensRequest(prompt=prompt, max_tokens=n, spec=spec, k=4, fixed_k=True,
+def run(verifier, prompt, n, spec, tree_nodes=0, fixed_k=True):
+    req = vpb.GenerateTokensRequest(prompt=prompt, max_tokens=n, spec=spec, k=4, fixed_k=fixed_k,
                                     tree_nodes=tree_nodes)
     rounds = [r.result for m in verifier.GenerateTokens(req, timeout=300) for r in m.rounds]
     return [t for r in rounds for t in r.tokens], rounds
@@ -54,6 +54,19 @@ def test_tree_rounds_are_byte_identical_to_speculation_off_and_to_chains(verifie
     trees = [r for r in rounds if r.tree_nodes]
     assert all(r.k == r.tree_nodes <= 8 + 4 and r.kv_rolls == r.k - r.accepted for r in trees)
     assert sum(r.hits for r in rounds) + sum(r.kv_rolls for r in rounds) == sum(r.k for r in rounds)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_the_cost_models_shapes_are_byte_identical_to_speculation_off(verifier, prompt):
+    # fixed_k off: each round's chain, tree or no draft is the cost model's choice
+    off, _ = run(verifier, prompt, 64, False)
+    tree, rounds = run(verifier, prompt, 64, True, fixed_k=False)
+    chain, chain_rounds = run(verifier, prompt, 64, True, tree_nodes=-1, fixed_k=False)
+    assert tree == off == chain
+    assert not any(r.tree_nodes for r in chain_rounds)
+    drafted = [r for r in rounds + chain_rounds if r.k]
+    assert all(r.expected_accepted > 0 and r.expected_ms > 0 for r in drafted)
+    assert not any(r.expected_accepted for r in rounds + chain_rounds if not r.k)
 
 
 def test_getconfig_says_the_tree_budget(verifier):
@@ -114,6 +127,8 @@ def test_draft_service_proposes_a_tree_only_when_asked(stack):
         tree = stub.Propose(draft_pb2.ProposeRequest(tokens=h, k=4, min_n=1, tree_nodes=8), timeout=30)
         assert list(chain.draft) == [2, 4, 9, 1] and list(chain.parents) == []
         assert list(tree.draft) == [2, 4, 9, 1, 3, 9, 1] and list(tree.parents) == [-1, 0, 1, 2, 0, 4, 5]
+        assert list(tree.node_sources) == [common_pb2.DRAFT_SOURCE_SUFFIX] * 7
+        assert list(chain.node_sources) == []
         with pytest.raises(grpc.RpcError) as e:
             stub.Propose(draft_pb2.ProposeRequest(tokens=h, k=4, tree_nodes=-3), timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -123,9 +138,9 @@ def test_draft_service_proposes_a_tree_only_when_asked(stack):
 
 def test_smollm2_tree_rounds_accept_past_the_chain(smollm2_path):
     """On the real model through the draft service: trees on give speculation off's tokens, with
-    the cost model's K or a fixed one, and some tree round accepts more than its draft chain alone
-    would have (here mostly nodes past the cost model's K on the proposal's first branch; another
-    branch winning is shown with controlled drafts in test_tree_rounds.py)."""
+    the cost model's choice of shape or a fixed K (every branch the budget takes), some rounds
+    verify trees, and every draft round of the cost model's says the accepted drafts it expected
+    (another branch winning is shown with controlled drafts in test_tree_rounds.py)."""
     from conftest import chatml
     st = start_stack(smollm2_path, spec=False, n_ctx=1024, tree_nodes=8)
     try:
@@ -134,7 +149,7 @@ def test_smollm2_tree_rounds_accept_past_the_chain(smollm2_path):
                 grpc.insecure_channel(f"{st.host}:{st.verifier_port}") as vch:
             coord = coordinator_pb2_grpc.CoordinatorServiceStub(cch)
             ver = verifier_pb2_grpc.VerifierServiceStub(vch)
-            gained = trees = 0
+            trees = 0
             for user in ('Repeat the word "kestrel" 100 times, separated by spaces.',
                          "List 20 tips for learning to cook, numbered 1. to 20., one short line each."):
                 prompt = list(coord.Tokenize(cpb.TokenizeRequest(text=chatml(user)), timeout=60).token_ids)
@@ -145,7 +160,32 @@ def test_smollm2_tree_rounds_accept_past_the_chain(smollm2_path):
                     rounds = [r.result for m in ver.GenerateTokens(req, timeout=300) for r in m.rounds]
                     assert [t for r in rounds for t in r.tokens] == off
                     trees += sum(1 for r in rounds if r.tree_nodes)
-                    gained += sum(1 for r in rounds if r.tree_nodes and r.accepted > r.chain_accepted)
-            assert trees > 0 and gained > 0, (trees, gained)
+                    drafted = [r for r in rounds if r.k]
+                    assert drafted
+                    if fixed:
+                        assert not any(r.expected_accepted for r in rounds)
+                    else:
+                        assert all(r.expected_accepted > 0 and r.expected_ms > 0 for r in drafted)
+            assert trees > 0
     finally:
         st.stop()
+
+
+def test_spec_stats_say_the_tree_rounds_and_the_expected_acceptance(stack):
+    # the coordinator's generations take the cost model's choice; their SpecStats count the tree
+    # rounds and the mean accepted drafts the cost model expected of its shapes
+    from echospec.v1 import coordinator_pb2_grpc
+    from echospec_client.client import SpecStats
+    ch = grpc.insecure_channel(stack.target)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        for prompt in PROMPTS:
+            res = stub.Complete(cpb.CompleteRequest(token_ids=prompt, max_tokens=64, spec=ON),
+                                timeout=300).result
+            s = res.stats
+            assert s.tries > 0 and 0 <= s.tree_rounds <= s.tries
+            assert s.expected_accepted > 0 and s.k_choice
+            typed = SpecStats.from_proto(s)
+            assert (typed.tree_rounds, typed.expected_accepted) == (s.tree_rounds, s.expected_accepted)
+    finally:
+        ch.close()

@@ -87,9 +87,9 @@ class _TreeOracle:
         pass
 
 
-def spec_req(prompt, n, tree_nodes, k=4, **kw):
+def spec_req(prompt, n, tree_nodes, k=4, fixed_k=True, **kw):
     return GenerationRequest(prompt=list(prompt), max_tokens=n, eos_ids=frozenset(), sampling=Sampling(),
-                             spec=True, k=k, fixed_k=True, tree_nodes=tree_nodes, **kw)
+                             spec=True, k=k, fixed_k=fixed_k, tree_nodes=tree_nodes, **kw)
 
 
 PROMPT = [(i * 5) % 300 + 3 for i in range(12)]
@@ -209,3 +209,54 @@ def test_draft_proposer_trees_give_the_plain_output(core):
             assert tokens_of(evs)[:48] == want[:48]
             if not nodes:
                 assert not any(e.tree_nodes for e in evs)
+
+
+def test_the_cost_models_trees_give_the_plain_output_and_win_from_another_branch(core):
+    # the cost model's choice of shape (fixed_k off): the chain's first guesses always miss and the
+    # alternatives hit, so the counts turn to trees that accept past the chain, output unchanged
+    want = plain(core, PROMPT, 64)
+    link = _TreeOracle(PROMPT + want)
+    req = spec_req(PROMPT, 64, 12, fixed_k=False)
+    check(core, req)
+    evs = list(run_generation(core, req, threading.Event(), lambda: link))
+    assert tokens_of(evs)[:64] == want[:64] and len(tokens_of(evs)) <= 65
+    trees = [e for e in evs if e.tree_nodes]
+    assert any(e.accepted >= 1 and e.chain_accepted == 0 for e in trees)
+    assert all(e.expected is not None and e.expected[0] > 0 and e.expected[1] > 0
+               for e in evs if e.k)
+    assert any(e.k_choice.startswith("tree of ") for e in evs)
+
+
+def test_the_cost_models_chains_with_trees_off(core):
+    # tree budget 0 with the cost model: chains as ever, no tree asked for or verified
+    want = plain(core, PROMPT, 32)
+    link = _TreeOracle(PROMPT + want)
+    evs = list(run_generation(core, spec_req(PROMPT, 32, 0, fixed_k=False), threading.Event(),
+                              lambda: link))
+    assert tokens_of(evs)[:32] == want[:32]
+    assert not any(e.tree_nodes for e in evs) and all(t == 0 for _, t in link.asked)
+
+
+def test_draft_proposer_trees_of_the_cost_models_choice_give_the_plain_output(core):
+    for prompt in ([11, 12, 13, 40, 41, 11, 12, 13, 50, 51, 11, 12, 13, 60, 61, 11, 12],
+                   [3, 101, 101, 4, 5, 101, 7, 8, 5]):
+        want = plain(core, prompt, 48)
+        for nodes in (0, 8):
+            link = _ProposerLink()
+            evs = list(run_generation(core, spec_req(prompt, 48, nodes, k=6, fixed_k=False),
+                                      threading.Event(), lambda: link))
+            assert tokens_of(evs)[:48] == want[:48]
+
+
+def test_a_namespaced_generation_leaves_its_counts_for_the_next(core):
+    want = plain(core, PROMPT, 24)
+    link = _TreeOracle(PROMPT + want)
+    req = spec_req(PROMPT, 24, 12, fixed_k=False, draft_namespace="team-a")
+    list(run_generation(core, req, threading.Event(), lambda: link))
+    from echospec.services.verifier.controller import SpecController
+    ctl = SpecController(k=4)
+    assert core.spec_priors.seed("team-a", ctl)
+    # the oracle's alternatives at the roots win: the namespace's prior for them is above the bare
+    # Beta(1, 3)'s 0.25, and holds at most NamespacePriors.weight observations per source
+    assert ctl.p_source(0, alt=True) > 0.25
+    assert all(h + f <= core.spec_priors.weight + 1e-9 for h, f in ctl.acc.values())

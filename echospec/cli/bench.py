@@ -128,6 +128,7 @@ def _run_one(client, args, w: dict, spec: str) -> tuple[dict, object]:
             "spec_reason": r.spec_reason,
             "accepted_prediction_tokens": s.accepted_prediction_tokens,
             "rejected_prediction_tokens": s.rejected_prediction_tokens,
+            "tree_rounds": s.tree_rounds, "expected_accepted": round(s.expected_accepted, 3),
             "sources": s.sources}, r
 
 

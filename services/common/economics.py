@@ -79,6 +79,9 @@ class SpecCounters:
     sched_ms_total: float = 0.0
     accept_ms_total: float = 0.0
     rollback_ms_total: float = 0.0
+    tree_rounds: int = 0              # rounds that verified a token tree
+    expected_total: float = 0.0       # the cost model's expected accepted drafts, summed over the
+    expected_rounds: int = 0          # draft rounds whose shape it chose (and their count)
 
     def add_round(self, k: int, accepted: int, v_ms: float, wall_ms: float, t_ms: float,
                   source: int = 0) -> None:
@@ -118,6 +121,20 @@ class SpecCounters:
         self.sched_ms_total += cost.sched_ms
         self.accept_ms_total += cost.accept_ms
         self.rollback_ms_total += cost.rollback_ms
+
+    def add_shape(self, tree_nodes: int, expected: float) -> None:
+        """A round's shape (StepResult.tree_nodes: a tree round when >= 1) and the accepted drafts
+        the cost model expected of it (StepResult.expected_accepted; 0: not chosen by it)."""
+        if tree_nodes > 0:
+            self.tree_rounds += 1
+        if expected > 0:
+            self.expected_total += expected
+            self.expected_rounds += 1
+
+    @property
+    def expected_accepted(self) -> float:
+        """Mean expected accepted drafts over the draft rounds whose shape the cost model chose."""
+        return self.expected_total / self.expected_rounds if self.expected_rounds else 0.0
 
     def round_cost(self) -> dict:
         """Means per round (ms) of the round's wall time, V, the parts beside V and the rest

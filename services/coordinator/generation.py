@@ -233,6 +233,7 @@ def generate(prompt: list[int], params: GenerationParams, tokenizer: Any, link: 
                 counters.add_round(res.k, res.accepted, res.v_ms, rnd.wall_ms, res.t_ms, rnd.source)
                 if res.HasField("cost"):
                     counters.add_cost(res.cost)
+                counters.add_shape(res.tree_nodes, res.expected_accepted if res.k else 0.0)
             if rnd.k_choice:
                 counters.k_choice = rnd.k_choice
             tokens.extend(res.tokens)

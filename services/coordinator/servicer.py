@@ -157,7 +157,8 @@ def stats_to_proto(c) -> common_pb2.SpecStats:
         gain=gain, gain_verdict=verdict, cached_prompt_tokens=c.cached_prompt_tokens,
         accepted_prediction_tokens=c.accepted_prediction_tokens,
         rejected_prediction_tokens=c.rejected_prediction_tokens, sources=sources, k_choice=c.k_choice,
-        round_cost=common_pb2.RoundCost(**c.round_cost()))
+        round_cost=common_pb2.RoundCost(**c.round_cost()), tree_rounds=c.tree_rounds,
+        expected_accepted=c.expected_accepted)
 
 # A verifier's failure before a generation's first token with one of these codes moves the
 # generation to another verifier (once); the others (a bad prompt, a deadline) would fail there too.

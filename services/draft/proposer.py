@@ -202,17 +202,29 @@ class NumberTracker:
 
 
 def merge_tree(seqs: Sequence[Sequence[int]], budget: int) -> tuple[list[int], list[int]]:
+    """``merge_tree_origins`` without the origins."""
+    tokens, parents, _ = merge_tree_origins(seqs, budget)
+    return tokens, parents
+
+
+def merge_tree_origins(seqs: Sequence[Sequence[int]], budget: int
+                       ) -> tuple[list[int], list[int], list[int]]:
     """Token sequences (each continuing the same history) merged into a prefix-sharing tree:
     (tokens, parents), parents[i] in [-1, i) (-1: the history's last token), as the engine's
     es_forward_tree takes them. The first sequence is nodes 0 .. len - 1 in order (a chain,
     never cut); the others add their nodes beyond the shared prefix in order while the tree
     holds fewer than ``budget`` nodes (a sequence cut short keeps its head).
 
+    Returns (tokens, parents, origins): origins[i] is the index in ``seqs`` of the sequence
+    that added node i (a node shared by several sequences: the first of them).
+
     Example: [[1, 2, 3], [1, 4], [5]], budget 5 -> tokens [1, 2, 3, 4, 5], parents
-    [-1, 0, 1, 0, -1]; budget 4 -> tokens [1, 2, 3, 4], parents [-1, 0, 1, 0].
+    [-1, 0, 1, 0, -1], origins [0, 0, 0, 1, 2]; budget 4 -> tokens [1, 2, 3, 4], parents
+    [-1, 0, 1, 0].
     """
     tokens: list[int] = []
     parents: list[int] = []
+    origins: list[int] = []
     children: dict[tuple[int, int], int] = {}   # (parent node, token) -> node
     for j, seq in enumerate(seqs):
         node = -1
@@ -224,9 +236,10 @@ def merge_tree(seqs: Sequence[Sequence[int]], budget: int) -> tuple[list[int], l
                 nxt = len(tokens)
                 tokens.append(t)
                 parents.append(node)
+                origins.append(j)
                 children[(node, t)] = nxt
             node = nxt
-    return tokens, parents
+    return tokens, parents, origins
 
 
 @dataclass(frozen=True)
@@ -332,14 +345,23 @@ class DraftProposer:
         return [], 0, SOURCE_NONE
 
     def propose_tree(self, k: int, nodes: int) -> tuple[list[int], list[int], int, int]:
-        """A token tree of up to ``nodes`` nodes: (tokens, parents, matched length, source).
+        """``propose_tree_sources`` without the nodes' sources: (tokens, parents, matched
+        length, source)."""
+        tokens, parents, _, m, source = self.propose_tree_sources(k, nodes)
+        return tokens, parents, m, source
+
+    def propose_tree_sources(self, k: int, nodes: int
+                             ) -> tuple[list[int], list[int], list[int], int, int]:
+        """A token tree of up to ``nodes`` nodes: (tokens, parents, node sources, matched
+        length, source).
 
         Its first branch (nodes 0 .. len - 1, a chain) is ``propose(k)``'s draft, with its
         matched length and source, whatever the budget. The other branches, while the budget
         lasts (merge_tree): the other sources' drafts (the prediction, the suffix index, the
         shared memory, the numbered rule), then the suffix index's other continuations where
         its walk had several (SuffixAutomaton.branches), each at most k tokens. ``nodes`` 0:
-        the chain alone (parents [-1, 0, 1, ...]).
+        the chain alone (parents [-1, 0, 1, ...]). node sources[i]: the SOURCE_* value of the
+        draft that added node i (the first branch's: ``source``).
 
         Raises:
             ProposerError: k or nodes out of range.
@@ -347,18 +369,20 @@ class DraftProposer:
         if not 0 <= nodes <= MAX_K_LIMIT:
             raise ProposerError(f"tree_nodes must be in [0, {MAX_K_LIMIT}], got {nodes}")
         primary, m, source = self.propose(k)
-        seqs: list[list[int]] = [primary]
+        seqs: list[tuple[list[int], int]] = [(primary, source)]
         if k > 0 and nodes > len(primary):
             if self.prediction is not None and self.prompt_len >= 0:
-                seqs.append(self.prediction.propose(k))
+                seqs.append((self.prediction.propose(k), SOURCE_PREDICTION))
             state, n = self.sam.match()
-            seqs.append(self.sam.draft(state, n, k, self.sp)[0])
+            seqs.append((self.sam.draft(state, n, k, self.sp)[0], SOURCE_SUFFIX))
             if self.memory is not None and self.namespace:
-                seqs.append(self.memory.propose(self.namespace, self.history, k, self.sp)[0])
-            seqs.append(self.numbers.propose(self.history, k))
-            seqs.extend(self.sam.branches(state, n, k, self.sp))
-        tokens, parents = merge_tree([s for s in seqs if s], max(nodes, len(primary)))
-        return tokens, parents, m, source
+                seqs.append((self.memory.propose(self.namespace, self.history, k, self.sp)[0],
+                             SOURCE_SHARED))
+            seqs.append((self.numbers.propose(self.history, k), SOURCE_NUMBERED))
+            seqs.extend((b, SOURCE_SUFFIX) for b in self.sam.branches(state, n, k, self.sp))
+        seqs = [(s, src) for s, src in seqs if s]
+        tokens, parents, origins = merge_tree_origins([s for s, _ in seqs], max(nodes, len(primary)))
+        return tokens, parents, [seqs[j][1] for j in origins], m, source
 
     def remember(self) -> None:
         """Add this session's history to its namespace's shared memory (none for "")."""

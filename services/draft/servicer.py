@@ -65,8 +65,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     if req.k == 0:
                         continue
                     parents: list[int] = []
+                    node_sources: list[int] = []
                     if req.tree_nodes:
-                        draft, parents, n, source = proposer.propose_tree(req.k, req.tree_nodes)
+                        draft, parents, node_sources, n, source = proposer.propose_tree_sources(
+                            req.k, req.tree_nodes)
                     else:
                         draft, n, source = proposer.propose(req.k)
                 except ProposerError as exc:
@@ -74,7 +76,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 yield draft_pb2.ProposeStreamResponse(draft=draft, matched_n=n,
                                                       history_len=len(proposer), source=source,
-                                                      parents=parents)
+                                                      parents=parents, node_sources=node_sources)
         finally:
             with self._lock:
                 self.active_sessions -= 1
@@ -91,10 +93,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             p = DraftProposer(self._params(request.min_n))
             p.append(list(request.tokens))
             parents: list[int] = []
+            node_sources: list[int] = []
             if request.tree_nodes:
-                draft, parents, n, _ = p.propose_tree(request.k, request.tree_nodes)
+                draft, parents, node_sources, n, _ = p.propose_tree_sources(request.k, request.tree_nodes)
             else:
                 draft, n, _ = p.propose(request.k)
         except ProposerError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return draft_pb2.ProposeResponse(draft=draft, matched_n=n, parents=parents)
+        return draft_pb2.ProposeResponse(draft=draft, matched_n=n, parents=parents,
+                                         node_sources=node_sources)

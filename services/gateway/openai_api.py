@@ -44,6 +44,7 @@ Responses carry OpenAI's fields plus one extra object, ``echospec``:
     {"seed": int (sampling only), "spec_enabled": bool, "spec_reason": str,
      "finish_reason": "eos"|"stop"|"length"|"context",
      "stats": {tries, hits, kv_rolls, draft_tokens, ..., accepted_prediction_tokens, ...,
+               k_choice, tree_rounds, expected_accepted,
                "sources": {source: {draft_tokens, hits, tries}},
                "round_cost": {wall_ms, v_ms, draft_ms, sched_ms, accept_ms, rollback_ms, rest_ms}}}
 (in a stream: on the chunk that carries a choice's finish_reason; in a whole answer of several

@@ -48,11 +48,40 @@ in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 A constrained generation's forced tokens (the grammar source) do not go through
 the controller: the loop drafts them whenever the grammar has any, and
 ``advance`` keeps the cache in step with the tokens those rounds produced.
+
+Shape by cost (token trees, a tree budget n_max > 0): when a kept proposal tree continues the
+history (``tree``: tokens, parents, each node's source), the controller chooses the round's
+shape among the chains above and trees cut from it (``best_shape``): for each K whose chain the
+tree spells, the chain's K nodes, then the tree's other nodes in index order (the proposal's
+order), a node kept only with its parent and at most k_cap deep, the chain's own nodes past K
+left out; each prefix of n <= max(K, n_max) nodes holding a node beside the chain is a
+candidate. The chain is the tree of width 1: with no tree, or none that pays more, the round
+drafts the chain as above.
+Tree model: q(i) is node i's chance of being the greedy token at its position given its parent
+was accepted and its earlier siblings were not: its source's first-guess acceptance when it is
+its parent's first child, else its source's alternative acceptance (a separate recency-weighted
+count, Beta(1, 3) prior: a second guess is taken to be right less often). Siblings exclude each
+other (one greedy token per position), so P(path to i accepted) = P(parent) * prod over earlier
+siblings s (1 - q(s)) * q(i), and E(tree) = the sum of P over its nodes: the geometric E(K) is
+the width-1 case. This is a model, not a measurement: it takes a source's guesses to be
+independent of how deep they are and of one another, and the alternatives of one source to share
+one rate. After a tree round each node tried on the accepted path counts for its source (a hit
+for the node taken; a rejection for each sibling before it, or for every child where none was
+taken). Cost: V_tree(n) measured live in its own table (CostModel.v_tree_ms), V(K = n) until
+then. The shape with the most (E + 1) / (V + o [+ h]) among those passing the gain condition
+wins, a tree only when it beats the best chain (ties: the chain); none passing: no draft, with
+the probe rule. ``k_choice`` says the choice and its numbers (``explain_shape``), the round's
+StepResult the E and ms expected.
+Per namespace (``NamespacePriors``, kept by the verifier): a generation with a draft namespace
+starts from that namespace's counts, scaled to a few observations, and adds its own at its end;
+a bounded LRU table.
 """
 from __future__ import annotations
 
+import collections
 import threading
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from echospec.services.common.economics import gain_condition
 
@@ -65,8 +94,11 @@ class CostModel:
         v_ms[K]       verify of K drafts (verifier forward + rollback)
         overhead_ms   round wall time in the generation loop minus the forward time
         hop_ms        draft service round trip
+        v_tree_ms[n]  verify of a token tree of n draft nodes (its own table: the tree's
+                      attention mask and the kept path's KV compaction differ from a chain's)
     V(K) for a K not yet measured comes from V(K) = T * (1 + slope * K),
-    slope fitted to the measured ratios (default ``prior_slope``).
+    slope fitted to the measured ratios (default ``prior_slope``); V_tree(n) not yet
+    measured is V(K = n): the same rows through the same weights.
     """
 
     def __init__(self, alpha: float = 0.1, prior_slope: float = 0.12):
@@ -74,6 +106,7 @@ class CostModel:
         self.prior_slope = prior_slope
         self.t_ms = 0.0
         self.v_ms: dict[int, float] = {}
+        self.v_tree_ms: dict[int, float] = {}
         self.overhead_ms = 0.5
         self.hop_ms = 0.4
         self._lock = threading.Lock()
@@ -81,13 +114,16 @@ class CostModel:
     def _ema(self, old: float, new: float) -> float:
         return new if old <= 0 else old + self.alpha * (new - old)
 
-    def observe(self, k: int, v_ms: float, wall_ms: float, t_ms: float, hop_ms: float | None = None) -> None:
-        """Record one round: K drafts verified in v_ms, round wall time wall_ms, verifier T t_ms."""
+    def observe(self, k: int, v_ms: float, wall_ms: float, t_ms: float, hop_ms: float | None = None,
+                tree: bool = False) -> None:
+        """Record one round: K drafts (a tree of K nodes: ``tree``) verified in v_ms, round wall
+        time wall_ms, verifier T t_ms."""
         with self._lock:
             if t_ms > 0:
                 self.t_ms = self._ema(self.t_ms, t_ms)
             if v_ms > 0:
-                self.v_ms[k] = self._ema(self.v_ms.get(k, 0.0), v_ms)
+                table = self.v_tree_ms if tree else self.v_ms
+                table[k] = self._ema(table.get(k, 0.0), v_ms)
                 if hop_ms is None and wall_ms >= v_ms:
                     self.overhead_ms = self._ema(self.overhead_ms, wall_ms - v_ms)
             if hop_ms is not None and hop_ms > 0:
@@ -108,6 +144,12 @@ class CostModel:
                 return self.v_ms[k]
             t = self.v_ms.get(0) or self.t_ms or 1.0
             return t * (1.0 + self.slope() * k)
+
+    def v_tree_est(self, n: int) -> float:
+        """Estimated V of a tree of n draft nodes in ms (V(K = n) until one is measured)."""
+        with self._lock:
+            v = self.v_tree_ms.get(n)
+        return v if v is not None else self.v_est(n)
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -156,6 +198,141 @@ def best_k(p: float, available: int, cost: CostModel, hop: bool) -> int:
     return best
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A round's draft shape and what the cost model expects of it (ms).
+
+    k: the chain's drafts (a tree: the chain drafts it holds; 0 with no nodes: no draft).
+    nodes: a tree: the indices of its kept nodes in the tree scored, ascending; (): a chain.
+    e: expected accepted drafts. ms: expected round time, V [+ hop] + overhead.
+    """
+
+    k: int = 0
+    nodes: tuple = ()
+    e: float = 0.0
+    ms: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens per ms, (E + 1) / ms (0 when not costed)."""
+        return (self.e + 1.0) / self.ms if self.ms > 0 else 0.0
+
+    def describe(self) -> str:
+        if self.nodes:
+            return f"tree of {len(self.nodes)} nodes (chain K={self.k} + {len(self.nodes) - self.k})"
+        return f"chain K={self.k}" if self.k else "no draft"
+
+
+def first_children(parents: Sequence[int]) -> list[bool]:
+    """Per node: True when it is its parent's first child (the draft's first guess there)."""
+    seen: set[int] = set()
+    out = []
+    for q in parents:
+        out.append(q not in seen)
+        seen.add(q)
+    return out
+
+
+def node_probs(parents: Sequence[int], p_node: Sequence[float]) -> list[float]:
+    """P(the path from the history to node i is all accepted), per node of a tree.
+
+    p_node[i]: the chance that node i's token is the greedy token at its position, given its
+    parent was accepted and every earlier sibling's token was not. Siblings exclude each other
+    (one greedy token per position), so
+        P(i) = P(parent) * prod over earlier siblings s of (1 - p_node[s]) * p_node[i]
+    (P(-1) = 1); the P(i) of siblings sum to at most P(parent).
+
+    Example: parents [-1, 0, -1], p_node [0.6, 0.5, 0.3] -> [0.6, 0.3, 0.4 * 0.3 = 0.12].
+    """
+    out: list[float] = []
+    miss: dict[int, float] = {}   # parent -> prod (1 - p) of its children so far
+    for i, q in enumerate(parents):
+        m = miss.get(q, 1.0)
+        out.append((1.0 if q < 0 else out[q]) * m * p_node[i])
+        miss[q] = m * (1.0 - p_node[i])
+    return out
+
+
+def chain_nodes(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -> list[int]:
+    """The nodes spelling ``chain`` from the roots, as far as the tree has it."""
+    out: list[int] = []
+    node = -1
+    for t in chain:
+        node = next((i for i in range(node + 1, len(parents)) if parents[i] == node and tokens[i] == t),
+                    None)
+        if node is None:
+            break
+        out.append(node)
+    return out
+
+
+def best_shape(p: float, available: int, cost: CostModel, hop: bool,
+               tree: tuple | None = None, p_node: Sequence[float] = (), chain: Sequence[int] = (),
+               budget: int = 0, depth: int = 0) -> tuple[Shape, Shape]:
+    """The round's shape with the most expected tokens per ms among those passing
+    ``gain_condition``, and the best chain (Shape() when none passes).
+
+    Chains: K = 1 .. available drafts, E(K) the geometric sum of the chain's acceptance p, cost
+    V(K) (``best_k``'s). Trees, when ``tree`` (tokens, parents) continues the history: for each
+    K whose chain[:K] the tree spells, the chain's K nodes then the tree's other nodes in index
+    order, a node kept only with its parent and at most ``depth`` deep, the chain's nodes past K
+    left out; every prefix of that order of n <= max(K, budget) nodes that holds a node beside the
+    chain is a candidate, with E = the sum of ``node_probs`` (p_node per node) over its nodes and
+    cost V_tree(n). A tree is chosen only when its rate beats the best chain's (ties: the chain).
+    """
+    hop_ms = cost.hop_ms if hop else 0.0
+    t = cost.v_est(0)
+    best_chain = Shape()
+    for k in range(1, available + 1):
+        e = expected_accepted(p, k)
+        ok, lhs, _ = gain_condition(e, cost.v_est(k) + hop_ms, cost.overhead_ms, t)
+        cand = Shape(k, (), e, lhs)
+        if ok and cand.rate > best_chain.rate:
+            best_chain = cand
+    if tree is None or budget <= 0:
+        return best_chain, best_chain
+    tokens, parents = tree[0], tree[1]
+    probs = node_probs(parents, p_node)
+    path = chain_nodes(tokens, parents, chain[:available])
+    d: list[int] = []
+    for q in parents:
+        d.append(1 if q < 0 else d[q] + 1)
+    best, best_rate, best_kept = best_chain, best_chain.rate, None
+    for k in range(1, len(path) + 1):
+        kept = set(path[:k])
+        order = list(path[:k])
+        e = sum(probs[i] for i in order)
+        past = set(path[k:])
+        for i, q in enumerate(parents):
+            if len(order) >= max(k, budget):
+                break
+            if i in kept or i in past or d[i] > depth or (q >= 0 and q not in kept):
+                continue
+            kept.add(i)
+            order.append(i)
+            e += probs[i]
+            ok, lhs, _ = gain_condition(e, cost.v_tree_est(len(order)) + hop_ms, cost.overhead_ms, t)
+            rate = (e + 1.0) / lhs if lhs > 0 else 0.0
+            if ok and rate > best_rate:
+                best, best_rate, best_kept = Shape(k, (), e, lhs), rate, list(order)
+    if best_kept is not None:
+        best = Shape(best.k, tuple(sorted(best_kept)), best.e, best.ms)
+    return best, best_chain
+
+
+def explain_shape(shape: Shape, chain: Shape, p: float, available: int, cost: CostModel,
+                  hop: bool) -> str:
+    """Why best_shape chose ``shape``: a chain or no draft as ``explain_k``; a tree against the
+    best chain, e.g. ``"tree of 7 nodes (chain K=3 + 4): E 2.41 in V+o 5.1 ms, 0.669 tok/ms >
+    chain K=3: E 1.90 in 4.3 ms, 0.674 tok/ms (T=2.9 ms)"``."""
+    if not shape.nodes:
+        return explain_k(shape.k, p, available, cost, hop)
+    vs = (f"{chain.describe()}: E {chain.e:.2f} in {chain.ms:.1f} ms, {chain.rate:.3f} tok/ms"
+          if chain.k else "no chain pays")
+    return (f"{shape.describe()}: E {shape.e:.2f} in V+o {shape.ms:.1f} ms, {shape.rate:.3f} tok/ms > "
+            f"{vs} (T={cost.v_est(0):.1f} ms, chain p={p:.2f})")
+
+
 @dataclass
 class SpecController:
     """State of one generation's draft source (see the module docstring)."""
@@ -177,35 +354,109 @@ class SpecController:
     since_probe: int = 0
     cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
     eager: bool = False                # back-off rounds still ask in flight (a request with a prediction)
-    k_choice: str = ""                 # the cost model's last choice of K and why (explain_k)
+    k_choice: str = ""                 # the cost model's last choice of shape and why (explain_shape)
     _k_key: tuple = ()
+    # token trees: the alternatives' acceptance per source (a node beside its parent's first
+    # child), [decayed accepted, decayed rejected], prior Beta(alt_prior)
+    acc_alt: dict = field(default_factory=dict)
+    alt_prior: tuple = (1.0, 3.0)
+    # the tree at hand for the next choice (tokens, parents, node sources) continuing the history
+    # (None: chains), its node budget and depth; set by the loop before plan / on_proposal
+    tree: tuple | None = None
+    tree_budget: int = 0
+    tree_depth: int = 0
+    shape: Shape = Shape()             # this round's choice (plan / on_proposal)
+    _round: tuple = ()                 # a tree round's (parents, sources, first-child flags)
 
     @property
     def p_accept(self) -> float:
         """Recency-weighted per-token acceptance probability of the cache's source, Beta(1, 1)
         prior: a source's misses do not hold back another (a prediction that rejoins the output
         after the suffix index missed drafts at once)."""
-        hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
+        return self.p_source(self.cache_source)
+
+    def p_source(self, source: int, alt: bool = False) -> float:
+        """The acceptance of ``source``'s drafts: its first guesses (Beta(1, 1) prior) or, with
+        ``alt``, its alternatives beside another node (Beta(alt_prior))."""
+        if alt:
+            hits, fails = self.acc_alt.get(source, (0.0, 0.0))
+            return (hits + self.alt_prior[0]) / (hits + fails + self.alt_prior[0] + self.alt_prior[1])
+        hits, fails = self.acc.get(source, (0.0, 0.0))
         return (hits + 1.0) / (hits + fails + 2.0)
 
     def _choose(self, available: int, hop: bool) -> int:
         if self.cost is None:
+            self.shape = Shape(available)
             return available
-        k = best_k(self.p_accept, available, self.cost, hop)
+        tree, p_node = None, ()
+        if self.tree is not None and self.tree_budget > 0 and available > 0:
+            tree = self.tree
+            first = first_children(tree[1])
+            p_node = [self.p_source(src, not f) for src, f in zip(tree[2], first)]
+        p = self.p_accept
+        shape, chain = best_shape(p, available, self.cost, hop, tree, p_node, self.cache,
+                                  self.tree_budget, self.tree_depth)
+        self.shape = shape
+        k = shape.k
         # the reason in words, renewed when the choice or the acceptance (to 0.1) changes, so that a
         # steady choice is reported once, not every round
-        key = (k, available, round(self.p_accept, 1))
+        key = (k, len(shape.nodes), available, round(p, 1))
         if available > 0 and key != self._k_key:
             self._k_key = key
-            self.k_choice = explain_k(k, self.p_accept, available, self.cost, hop)
+            self.k_choice = explain_shape(shape, chain, p, available, self.cost, hop)
         if k == 0 and available > 0:
             # Probe now and then, so a stale or pessimistic estimate of V(K)
             # or p is measured again instead of locking drafting out.
             self.since_probe += 1
             if self.since_probe >= self.probe_every:
                 self.since_probe = 0
-                return min(available, 2)
+                k = min(available, 2)
+                e = expected_accepted(p, k)
+                self.shape = Shape(k, (), e, self.cost.v_est(k) + (self.cost.hop_ms if hop else 0.0)
+                                   + self.cost.overhead_ms)
         return k
+
+    def round_tree(self) -> tuple[list[int], list[int]] | None:
+        """This round's tree (tokens, parents; the kept nodes of ``tree`` renumbered in index
+        order, the round's draft chain among them) when the choice was a tree, else None."""
+        if not self.shape.nodes or self.tree is None:
+            return None
+        toks, par, srcs = self.tree
+        first = first_children(par)
+        new = {-1: -1}
+        out_t, out_p, out_s, out_f = [], [], [], []
+        for i in self.shape.nodes:
+            new[i] = len(out_t)
+            out_t.append(toks[i])
+            out_p.append(new[par[i]])
+            out_s.append(srcs[i])
+            out_f.append(first[i])
+        self._round = (out_p, out_s, out_f)
+        return out_t, out_p
+
+    def on_tree_result(self, accepted_nodes: Sequence[int]) -> None:
+        """Count a tree round's acceptance per node (``round_tree``'s last tree; accepted_nodes:
+        its nodes on the kept path, in order): along the path, each node tried at a position
+        before the accepted one, or every one there when none was, is a rejection of its source
+        (first guess or alternative); the accepted one a hit. Decay once per source and round."""
+        parents, srcs, first = self._round
+        delta: dict[tuple[int, bool], list[float]] = {}
+        node = -1
+        for depth in range(len(accepted_nodes) + 1):
+            nxt = accepted_nodes[depth] if depth < len(accepted_nodes) else None
+            for c in (i for i, q in enumerate(parents) if q == node):
+                cell = delta.setdefault((srcs[c], not first[c]), [0.0, 0.0])
+                if c == nxt:
+                    cell[0] += 1.0
+                    break
+                cell[1] += 1.0
+            if nxt is None:
+                break
+            node = nxt
+        for (src, alt), (h, f) in delta.items():
+            table = self.acc_alt if alt else self.acc
+            hits, fails = table.get(src, (0.0, 0.0))
+            table[src] = (hits * self.decay + h, fails * self.decay + f)
 
     def plan(self, k_cap: int) -> tuple[str, list[int] | int]:
         """Choose this round's draft source.
@@ -216,6 +467,7 @@ class SpecController:
         Returns:
             ("cached", draft) | ("propose", n_fetch) | ("none", 0).
         """
+        self.shape = Shape()
         if k_cap <= 0 or self.k <= 0:
             return "none", 0
         if self.cache:
@@ -239,16 +491,18 @@ class SpecController:
             return []
         return self.cache[:self._choose(min(self.k, k_cap, len(self.cache)), hop=False)]
 
-    def on_result(self, draft: list[int], tokens: list[int]) -> None:
-        """Update after a verify of ``draft`` that yielded ``tokens`` (R accepted + bonus)."""
+    def on_result(self, draft: list[int], tokens: list[int], count: bool = True) -> None:
+        """Update after a verify of ``draft`` that yielded ``tokens`` (R accepted + bonus);
+        ``count`` False: the acceptance was counted elsewhere (``on_tree_result``)."""
         if not draft:
             # a plain step: the cached tail still holds if it predicted this token
             self.cache = self.cache[1:] if self.cache and tokens and self.cache[0] == tokens[0] else []
             return
         r = len(tokens) - 1
-        hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
-        self.acc[self.cache_source] = (hits * self.decay + r,
-                                       fails * self.decay + (1.0 if r < len(draft) else 0.0))
+        if count:
+            hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
+            self.acc[self.cache_source] = (hits * self.decay + r,
+                                           fails * self.decay + (1.0 if r < len(draft) else 0.0))
         if r < len(draft):
             self.cache = []
         else:
@@ -304,3 +558,60 @@ class SpecController:
     def drop(self) -> None:
         """Forget the cache (the draft service went away)."""
         self.cache = []
+
+
+class NamespacePriors:
+    """Acceptance counts per draft namespace, seeding a new generation's (thread-safe, bounded).
+
+    A generation with a draft namespace starts from its namespace's counts (per source, first
+    guesses and alternatives) in place of the bare Beta priors, scaled down to at most
+    ``weight`` observations per source so that its own rounds soon outweigh them; at its end
+    its counts are added to the namespace's (scaled likewise). At most ``max_namespaces``
+    namespaces are kept, the least recently used dropped first.
+    """
+
+    def __init__(self, max_namespaces: int = 256, weight: float = 4.0):
+        self.max_namespaces = max_namespaces
+        self.weight = weight
+        self._table: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def _scaled(self, counts: dict) -> dict:
+        out = {}
+        for src, (h, f) in counts.items():
+            n = h + f
+            s = min(1.0, self.weight / n) if n > 0 else 1.0
+            out[src] = (h * s, f * s)
+        return out
+
+    def seed(self, namespace: str, ctl: SpecController) -> bool:
+        """Give ``ctl`` the namespace's counts; False when it has none ("" has none)."""
+        if not namespace:
+            return False
+        with self._lock:
+            got = self._table.get(namespace)
+            if got is None:
+                return False
+            self._table.move_to_end(namespace)
+            ctl.acc, ctl.acc_alt = dict(got[0]), dict(got[1])
+        return True
+
+    def learn(self, namespace: str, ctl: SpecController) -> None:
+        """Add a finished generation's counts to its namespace's ("" keeps nothing)."""
+        if not namespace or not (ctl.acc or ctl.acc_alt):
+            return
+        with self._lock:
+            old = self._table.pop(namespace, ({}, {}))
+            merged = []
+            for mine, theirs in ((old[0], ctl.acc), (old[1], ctl.acc_alt)):
+                sums = dict(mine)
+                for src, (h, f) in theirs.items():
+                    a, b = sums.get(src, (0.0, 0.0))
+                    sums[src] = (a + h, b + f)
+                merged.append(self._scaled(sums))
+            self._table[namespace] = (merged[0], merged[1])
+            while len(self._table) > self.max_namespaces:
+                self._table.popitem(last=False)

@@ -37,9 +37,9 @@ class DraftLink:
                            draft_namespace=draft_namespace, line_break_tokens=line_break_tokens or [])
         self.last_source = 0   # echospec.v1.DraftSource of the last proposal received
         # token trees: other nodes asked for beside each proposal's chain (0: chains only), and
-        # the last proposal's tree (tokens, parents), None for a chain
+        # the last proposal's tree (tokens, parents, node sources), None for a chain
         self.tree_nodes = 0
-        self.last_tree: tuple[list[int], list[int]] | None = None
+        self.last_tree: tuple[list[int], list[int], list[int]] | None = None
 
     def _msg(self, append: list[int], k: int) -> draft_pb2.ProposeStreamRequest:
         m = draft_pb2.ProposeStreamRequest(append=append, k=k)
@@ -73,7 +73,10 @@ class DraftLink:
             resp = self._stream.recv()
             self.last_source = resp.source
             if resp.parents:
-                self.last_tree = (list(resp.draft), list(resp.parents))
+                # node sources: an older draft service sends none (every node: the chain's source)
+                srcs = list(resp.node_sources) if len(resp.node_sources) == len(resp.draft) \
+                    else [resp.source] * len(resp.draft)
+                self.last_tree = (list(resp.draft), list(resp.parents), srcs)
                 return first_branch(resp.draft, resp.parents)
             self.last_tree = None
             return list(resp.draft)

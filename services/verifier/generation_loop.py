@@ -54,11 +54,13 @@ row, after the grammar's mask). The rows are computed on the generation's own th
 scheduler's; a generation that does not ask pays nothing.
 
 Token trees (``tree_nodes`` > 0; greedy, no grammar, penalties or logprobs, and an engine that
-takes trees: VerifierCore.tree_refusal): the draft link asks for trees beside its chains. A round
-whose chain (the controller's, as ever) is spelt by a kept proposal tree verifies
-tree_accept.round_tree of it instead: the chain, then up to ``tree_nodes`` nodes beside it, no
-deeper than k_cap, below the pending token, as one scheduler step (Step.parents) that keeps the
-greedy path at once (tree_accept.accept, keep_path). The round yields that path's drafts and the
+takes trees: VerifierCore.tree_refusal): the draft link asks for trees beside its chains. With
+the cost model, the controller chooses each round's shape: a chain, a tree cut from the kept
+proposal tree that continues the history (up to ``tree_nodes`` nodes, no deeper than k_cap), or
+no draft (controller.best_shape); with a fixed K, a round whose chain is spelt by a kept tree
+verifies tree_accept.round_tree of it: the chain, then up to ``tree_nodes`` nodes beside it. A
+tree goes below the pending token as one scheduler step (Step.parents) that keeps the greedy
+path at once (tree_accept.accept, keep_path). The round yields that path's drafts and the
 argmax of its last node, what a chain verify of the path gives; K counts the nodes, so
 kv_rolls = the nodes not kept. A round whose path left the chain drafts next from the tree's rest
 of that path.
@@ -92,7 +94,8 @@ from echospec.services.verifier.controller import CostModel, SpecController
 from echospec.services.verifier.logprobs import TokenLogprob, token_logprob
 from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
-from echospec.services.verifier.tree_accept import first_branch, reroot, round_tree, verify_tree
+from echospec.services.verifier.tree_accept import (first_branch, reroot, reroot_nodes, round_tree,
+                                                    verify_tree)
 from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgument, Sampling,
                                                  engine_error, longest_accepted_prefix)
 
@@ -152,6 +155,8 @@ class RoundEvent:
     logprobs: list = field(default_factory=list)   # TokenLogprob per token (request.logprobs)
     tree_nodes: int = 0               # a token-tree round: its draft nodes (= k); 0: a chain round
     chain_accepted: int = 0           # a token-tree round: R of a verify of its draft chain alone
+    # a round whose shape the cost model chose: (expected accepted drafts, expected ms V + o [+ hop])
+    expected: tuple | None = None
     # a round of the speculative loop: where its wall time went beside the forward (ms), as
     # (draft, sched, accept, rollback): echospec.v1.RoundCost's draft_ms .. rollback_ms
     cost: tuple | None = None
@@ -252,6 +257,7 @@ class _Run:
         if not req.sampling.greedy:   # a resumed generation: the draws of the output so far
             self.rng = rng_advance(self.rng, req.resumed)
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
+        self.drafts: Any = None       # a speculative generation's _Drafts (its counts outlive it)
         self.gram: Constraint | None = None   # the grammar's matcher over the output so far
         # repetition penalties (None: off): every token then comes from a penalised logits row
         self.pen: Penalties | None = req.sampling.penalties if req.sampling.penalties.active else None
@@ -444,6 +450,8 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
     finally:
         if draft is not None:
             draft.close()
+        if run.drafts is not None:
+            run.core.spec_priors.learn(req.draft_namespace, run.drafts.ctl)
 
 
 class _Drafts:
@@ -461,7 +469,7 @@ class _Drafts:
         # root, tokens, parents), newest last; a round's chain comes from the controller as
         # ever, and the tree of the proposal it came from is verified in its place (tree_for)
         self.tree_nodes = tree_nodes if link is not None else 0
-        self.trees: list[tuple[int, list[int], list[int]]] = []
+        self.trees: list[tuple[int, list[int], list[int], list[int]]] = []   # + node sources
         self._pf_base = 0            # history length when the in-flight proposal was asked
         if self.tree_nodes:
             link.tree_nodes = tree_nodes
@@ -486,19 +494,23 @@ class _Drafts:
         self.in_flight = False
         self.ctl.drop()
 
-    def before(self, history: list[int], k_cap: int, room: int) -> tuple[list[int], float | None, int]:
+    def before(self, history: list[int], k_cap: int, room: int, tree_room: int = 0
+               ) -> tuple[list[int], float | None, int]:
         """The round's draft, the blocking draft hop's ms (None: none) and the proposals made;
-        the draft's source is then in ``self.source``.
+        the draft's source is then in ``self.source``, the controller's shape in ``self.ctl.shape``
+        (a tree: ``self.ctl.round_tree()``).
 
         Args:
             history: prompt + output so far (the pending token last).
             k_cap: the most drafts this round may verify. room: output tokens still allowed.
+            tree_room: the most nodes a tree round may verify (KV room and tree budget).
         """
         if self.link is None:
             return [], None, 0
         drf: list[int] = []
         hop_ms, proposals = None, 0
         self.source = 0
+        self._tree_at_hand(history, k_cap, tree_room)
         try:
             kind, arg = self.ctl.plan(k_cap)
             if kind == "cached":
@@ -509,7 +521,8 @@ class _Drafts:
                 self.link.send_propose(history[self.synced:], max(1, min(arg, room - 1)))
                 self.synced = len(history)
                 proposal = self.link.recv_proposal()
-                self._keep_tree(len(history))
+                if self._keep_tree(len(history)):
+                    self._tree_at_hand(history, k_cap, tree_room)
                 hop_ms = (time.perf_counter() - h0) * 1e3
                 proposals = 1
                 drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
@@ -543,13 +556,16 @@ class _Drafts:
             self.ctl.skip = max(0, self.ctl.skip - n)
 
     def after(self, drf: list[int], tokens: list[int], history: list[int] | None = None,
-              tree: bool = False) -> int:
+              tree: bool = False, path: list[int] | None = None) -> int:
         """Update after the round verified ``drf`` (or a tree whose chain it is: ``tree``) and
-        yielded ``tokens`` after ``history``; returns the proposals collected."""
+        yielded ``tokens`` after ``history``; returns the proposals collected. ``path``: a tree
+        round of the controller's choice (ctl.round_tree): its accepted nodes, counted per node."""
         if self.link is None:
             return 0
+        if path is not None:
+            self.ctl.on_tree_result(path)
         if not self.in_flight:
-            self.ctl.on_result(drf, tokens)
+            self.ctl.on_result(drf, tokens, count=path is None)
             self._follow_tree(drf, tokens, history, tree)
             return 0
         self.in_flight = False
@@ -558,7 +574,7 @@ class _Drafts:
         except DraftUnavailable as exc:
             self._lost(exc)
             return 0
-        self.ctl.on_result(drf, tokens)
+        self.ctl.on_result(drf, tokens, count=path is None)
         self._follow_tree(drf, tokens, history, tree)
         if self.tree_nodes and self._keep_tree(self._pf_base):
             # the proposal as the chain it holds after this round's tokens (any branch)
@@ -574,8 +590,26 @@ class _Drafts:
         t = getattr(self.link, "last_tree", None) if self.tree_nodes else None
         if t is None:
             return False
-        self.trees = self.trees[-1:] + [(base, t[0], t[1])]
+        # (tokens, parents[, node sources]): without sources every node is the proposal's source
+        srcs = list(t[2]) if len(t) > 2 else [getattr(self.link, "last_source", 0)] * len(t[0])
+        self.trees = self.trees[-1:] + [(base, t[0], t[1], srcs)]
         return True
+
+    def _tree_at_hand(self, history: list[int], k_cap: int, tree_room: int) -> None:
+        """Give the controller the newest kept tree continuing ``history`` (rerooted there, with
+        its nodes' sources) for its choice of shape; None when there is none."""
+        self.ctl.tree = None
+        self.ctl.tree_budget = tree_room
+        self.ctl.tree_depth = k_cap
+        if not self.tree_nodes or tree_room <= 0 or self.ctl.cost is None:
+            return
+        for base, toks, par, srcs in reversed(self.trees):
+            if base > len(history):
+                continue
+            sub = reroot_nodes(toks, par, history[base:])
+            if sub is not None and sub[0]:
+                self.ctl.tree = (sub[0], sub[1], [srcs[i] for i in sub[2]])
+                return
 
     def _follow_tree(self, drf: list[int], tokens: list[int], history: list[int] | None,
                      tree: bool) -> None:
@@ -584,7 +618,7 @@ class _Drafts:
         if not tree or history is None or list(tokens[:-1]) == list(drf[:len(tokens) - 1]):
             return
         walk = list(history) + list(tokens)
-        for base, toks, par in reversed(self.trees):
+        for base, toks, par, _ in reversed(self.trees):
             sub = reroot(toks, par, walk[base:])
             if sub is not None and sub[0]:
                 self.ctl.cache = first_branch(*sub)
@@ -595,7 +629,7 @@ class _Drafts:
         """The round's tree: ``drf`` (the controller's chain) and the other branches of the
         proposal tree it comes from, at most ``budget`` nodes and ``depth`` deep
         (tree_accept.round_tree); None when no kept tree holds drf or the result is a chain."""
-        for base, toks, par in reversed(self.trees):
+        for base, toks, par, _ in reversed(self.trees):
             if base > len(history):
                 continue
             sub = reroot(toks, par, history[base:])
@@ -774,6 +808,10 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                                and req.tree_nodes > 0 and not core.tree_refusal) else 0
     drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed,
                      tree_nodes=trees)
+    if link is not None and drafts.ctl.cost is not None:
+        # the namespace's acceptance so far seeds this generation's (NamespacePriors)
+        core.spec_priors.seed(req.draft_namespace, drafts.ctl)
+        run.drafts = drafts
     first, prefill_ms, first_lps = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
@@ -816,7 +854,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         if forced:
             drf, hop_ms, proposals, source = forced, None, 0, SOURCE_GRAMMAR
         else:
-            drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced)
+            drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced,
+                                                   min(req.tree_nodes, n_ctx - n_past - 1))
             c1 = time.perf_counter()
             source = drafts.source
             if gram is not None and drf:
@@ -830,8 +869,14 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             n_run = max(1, min(drafts.quiet_rounds(), max_tokens - produced, n_ctx - n_past,
                                _paced_steps(core.t_ms)))
         # a token tree: the chain drf and other continuations the draft service proposed beside it
-        tree = drafts.tree_for(history, drf, max(len(drf), min(req.tree_nodes, n_ctx - n_past - 1)),
-                               k_cap) if drafts.tree_nodes and drf and not forced else None
+        # (with a cost model, the tree the controller chose over chains, if it did; fixed_k: every
+        # branch the budget takes)
+        tree = None
+        shape = drafts.ctl.shape if drf and not forced else None
+        if drafts.tree_nodes and drf and not forced:
+            tree = (drafts.ctl.round_tree() if cost is not None else
+                    drafts.tree_for(history, drf, max(len(drf), min(req.tree_nodes, n_ctx - n_past - 1)),
+                                    k_cap))
         if tree is not None:
             vt, vp = verify_tree(history[-1], *tree)
             c2 = time.perf_counter()
@@ -904,12 +949,14 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         if forced:
             drafts.ctl.advance(tokens)
         else:
-            proposals += drafts.after(drf, tokens, history, tree is not None)
+            path = [i - 1 for i in st.path[1:]] if tree is not None and cost is not None else None
+            proposals += drafts.after(drf, tokens, history, tree is not None, path)
         r1 = time.perf_counter()
         wall_ms = (r1 - r0) * 1e3
         if cost is not None and drafts.link is not None:
             # queue time is the other sessions' forwards, not this loop's overhead
-            cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms)
+            cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms,
+                         tree=tree is not None)
         history.extend(tokens)
         for t in tokens:
             if t in eos:
@@ -923,6 +970,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                         proposals, source=source if k else 0, logprobs=lps,
                         tree_nodes=k if tree is not None else 0,
                         chain_accepted=longest_accepted_prefix(drf, tokens) if tree is not None else 0,
+                        expected=(shape.e, shape.ms) if shape is not None and cost is not None else None,
                         cost=(((c1 - c0) + (r1 - c5)) * 1e3, max(0.0, (c3 - c2) * 1e3 - st.forward_ms),
                               (c5 - c4) * 1e3, (rb1 - rb0) * 1e3))
         if drafts.reason and drafts.reason != reason:

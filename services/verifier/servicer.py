@@ -60,6 +60,8 @@ def events_to_proto(evs: list[RoundEvent]) -> verifier_pb2.GenerateTokensRespons
                 hits=ev.accepted, kv_rolls=ev.k - ev.accepted, t_ms=ev.t_ms, v_ms=ev.v_ms,
                 n_past=ev.n_past, n_ctx=ev.n_ctx, tree_nodes=ev.tree_nodes,
                 chain_accepted=ev.chain_accepted,
+                expected_accepted=ev.expected[0] if ev.expected else 0.0,
+                expected_ms=ev.expected[1] if ev.expected else 0.0,
                 logprobs=[logprob_to_proto(lp) for lp in ev.logprobs]),
             wall_ms=ev.wall_ms, proposals=ev.proposals, source=ev.source, k_choice=ev.k_choice)
         if ev.cost is not None:

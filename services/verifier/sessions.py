@@ -37,6 +37,7 @@ from echospec.services.common.config import (VerifierConfig, default_engine_thre
 from echospec.services.common.penalties import Penalties
 from echospec.services.text import grammar
 from echospec.services.text.tokenizer import Tokenizer
+from echospec.services.verifier.controller import NamespacePriors
 from echospec.services.verifier.engine import (EVICT_MAX_POS, MAX_CTX, MAX_THREADS, MIN_CTX, SWA_SLACK,
                                                EngineError, Model, Session)
 from echospec.services.verifier.prefix_cache import PrefixCache
@@ -164,6 +165,8 @@ class VerifierCore:
         batch_threads = config.batch_threads or (usable_cpus() if auto else n_threads)
         config = dataclasses.replace(config, n_threads=n_threads, batch_threads=batch_threads)
         self.config = config
+        # the spec controller's acceptance counts per draft namespace (a new generation's prior)
+        self.spec_priors = NamespacePriors()
         self.pool_threads = max(n_threads, batch_threads)
         # a verify's rollback is always within reach (the engine takes at most MAX_CTX)
         self.swa_slack = min(max(SWA_SLACK, config.max_k + 1), MAX_CTX)

@@ -43,6 +43,13 @@ def reroot(tokens: Sequence[int], parents: Sequence[int], walk: Sequence[int]
     """The subtree below the node reached by following ``walk``'s tokens from the roots (the
     tree continuing history + walk), renumbered, its top nodes roots; None when the walk
     leaves the tree. An empty walk gives the whole tree."""
+    sub = reroot_nodes(tokens, parents, walk)
+    return None if sub is None else (sub[0], sub[1])
+
+
+def reroot_nodes(tokens: Sequence[int], parents: Sequence[int], walk: Sequence[int]
+                 ) -> tuple[list[int], list[int], list[int]] | None:
+    """``reroot``, and for each node of the subtree its index in the tree given."""
     node = -1
     for t in walk:
         node = next((i for i in range(node + 1, len(parents))
@@ -52,12 +59,14 @@ def reroot(tokens: Sequence[int], parents: Sequence[int], walk: Sequence[int]
     new: dict[int, int] = {node: -1}
     out_t: list[int] = []
     out_p: list[int] = []
+    orig: list[int] = []
     for i in range(node + 1, len(parents)):
         if parents[i] in new:
             new[i] = len(out_t)
             out_t.append(tokens[i])
             out_p.append(new[parents[i]])
-    return out_t, out_p
+            orig.append(i)
+    return out_t, out_p, orig
 
 
 def trim(tokens: Sequence[int], parents: Sequence[int], budget: int, depth: int

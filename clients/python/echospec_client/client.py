@@ -49,7 +49,10 @@ class SpecStats:
     accepted/rejected_prediction_tokens: drafts from the request's prediction accepted and
     rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction", "grammar") that
     drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}. k_choice: the verifier's cost
-    model's last choice of K and why (the measured T and V(K)), "" when it made none.
+    model's last choice of the round's shape (chain K, a tree of n nodes, none) and why (the
+    measured T and V, E), "" when it made none. tree_rounds: rounds that verified a token tree.
+    expected_accepted: the accepted drafts per draft round the cost model expected of its
+    choices, mean (compare hits / tries; 0 when it chose none).
     round_cost: where a round's wall time went in the verifier's loop, ms means per round
     (echospec.v1.RoundCost): {"wall_ms", "v_ms", "draft_ms", "sched_ms", "accept_ms",
     "rollback_ms", "rest_ms"}; empty when the server sends none.
@@ -77,6 +80,8 @@ class SpecStats:
     sources: dict = field(default_factory=dict)
     k_choice: str = ""
     round_cost: dict = field(default_factory=dict)
+    tree_rounds: int = 0
+    expected_accepted: float = 0.0
 
     @classmethod
     def from_proto(cls, s: common_pb2.SpecStats) -> "SpecStats":
