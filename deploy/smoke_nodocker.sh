@@ -59,7 +59,7 @@ ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$((PORT + 2)) ECHOSPEC_MODEL="$model" ECHO
     "$P" -m echospec.services.verifier > "$WORK/verifier.log" 2>&1 & pids+=($!)
 ECHOSPEC_HOST=127.0.0.1 ECHOSPEC_PORT=$PORT ECHOSPEC_MODEL="$model" \
     ECHOSPEC_DRAFT_TARGET=127.0.0.1:$((PORT + 1)) ECHOSPEC_VERIFIER_TARGET=127.0.0.1:$((PORT + 2)) \
-    ECHOSPEC_SPEC=off ECHOSPEC_K=4 ECHOSPEC_MAX_TOKENS=256 \
+    ECHOSPEC_SPEC=off ECHOSPEC_K=16 ECHOSPEC_MAX_TOKENS=256 \
     "$P" -m echospec.services.coordinator > "$WORK/coordinator.log" 2>&1 & pids+=($!)
 
 # 5. health, one call, graceful stop

@@ -1077,7 +1077,7 @@ def test_serve_help_gives_the_defaults_of_its_numeric_options(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", "--help"])
     out = re.sub(r"\s+", " ", capsys.readouterr().out)
-    for opt, default in (("--k K", "default 4"), ("--max-tokens MAX_TOKENS", "default 256"),
+    for opt, default in (("--k K", "default 16"), ("--max-tokens MAX_TOKENS", "default 256"),
                          ("--prefill-chunk PREFILL_CHUNK", "default 256"),
                          ("--n-ctx N_CTX", "default 2048")):
         text = out.split(f" {opt} ", 1)[1].split(" --", 1)[0]

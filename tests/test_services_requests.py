@@ -309,7 +309,7 @@ def test_coordinator_refusal_names_the_field(tiny_stack, path, extra, param):
     ({"max_tokens": 100000}, "max_tokens must be in [1, 8192], got 100000"),
     ({"max_tokens": 2 ** 40}, "max_tokens must be <= 2147483647 (the largest value the API carries)"),
     ({"k": -1}, "k must be >= 0, got -1"),
-    ({"k": 33}, "k must be in [1, 32] (0: server default 4), got 33"),
+    ({"k": 33}, "k must be in [1, 32] (0: server default 16), got 33"),
 ])
 def test_gateway_range_messages_name_the_real_limits(tiny_stack, body, message):
     import httpx

@@ -273,7 +273,7 @@ class CoordinatorConfig(_GrpcServiceConfig):
     spec: bool = setting(False, "speculate by default for requests that leave it unspecified",
                          serve="--spec",
                          serve_help="speculate by default for requests that allow it")
-    k: int = setting(4, "default drafts per round (the most a round drafts)", serve="--k",
+    k: int = setting(16, "default drafts per round (the most a round drafts)", serve="--k",
                      range=(1, "k_max", "drafts per round"))
     adaptive_k: bool = setting(True, "the live cost model picks each round's draft length <= k",
                                serve="--fixed-k", negated=True,
