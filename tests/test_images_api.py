@@ -310,6 +310,21 @@ def test_cli_bad_image_files_exit_2_before_any_call(tmp_path, make, message):
     assert r.returncode == 2 and message.format(p=p) in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_cli_image_not_a_regular_file_exits_2(tmp_path, kind):
+    # a FIFO would block the read forever and /dev/zero never ends (it reports size 0): both are
+    # refused from their stat, before any byte is read
+    if kind == "fifo":
+        p = tmp_path / "pipe.png"
+        os.mkfifo(p)
+    else:
+        p = Path("/dev/zero")
+    r = subprocess.run([*ECHOSPEC, "generate", "--image", str(p), "hi", "--target", "127.0.0.1:9",
+                        "--connect-timeout", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert f"--image {p}: not a regular file (a device, FIFO or socket)" in r.stderr, r.stderr
+
+
 def test_cli_chat_image_command(smollm2_api, tmp_path):
     png = tmp_path / "picture.png"
     png.write_bytes(picture())

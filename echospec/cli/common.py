@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -505,18 +506,25 @@ def load_image(flag: str, path: str) -> dict:
     """An image file as a client image part ({"type": "image", "image", "media_type"}).
 
     Raises:
-        ValueError: "<flag> <path>: ..." for a missing, unreadable, empty or oversized file, or
-            one that is not a PNG, JPEG, WebP or GIF image.
+        ValueError: "<flag> <path>: ..." for a missing, unreadable, empty or oversized file, a
+            directory, device or FIFO, or one that is not a PNG, JPEG, WebP or GIF image.
     """
     try:
         p = Path(path)
         if p.is_dir():
             raise ValueError(f"{flag} {path}: is a directory, not an image file")
-        size = p.stat().st_size
-        if size > IMAGE_MAX_BYTES:
-            raise ValueError(f"{flag} {path}: the file is {size} bytes, above the limit of "
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):   # a FIFO would block, /dev/zero never end
+            raise ValueError(f"{flag} {path}: not a regular file (a device, FIFO or socket); "
+                             f"name an image file")
+        if st.st_size > IMAGE_MAX_BYTES:
+            raise ValueError(f"{flag} {path}: the file is {st.st_size} bytes, above the limit of "
                              f"{IMAGE_MAX_BYTES} bytes of an image")
-        data = p.read_bytes()
+        with p.open("rb") as f:   # at most the limit, should the file grow meanwhile
+            data = f.read(IMAGE_MAX_BYTES + 1)
+        if len(data) > IMAGE_MAX_BYTES:
+            raise ValueError(f"{flag} {path}: the file is above the limit of {IMAGE_MAX_BYTES} "
+                             f"bytes of an image")
     except OSError as exc:
         raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
     if not data:
