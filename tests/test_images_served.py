@@ -12,6 +12,7 @@ renders from one user message [image, text].
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import time
@@ -319,13 +320,18 @@ def test_getinfo_and_verifier_config_say_images(stack):
     assert cfg.images is True
 
 
-@pytest.mark.parametrize("which", ["text_gguf", "missing", "other_model"])
+@pytest.mark.parametrize("which", ["text_gguf", "missing", "directory", "fifo", "other_model"])
 def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
     model, mmproj, says = str(VL), str(MMPROJ), ""
     if which == "text_gguf":
         mmproj, says = str(VL), "not a usable vision projector"
     elif which == "missing":
         mmproj, says = str(tmp_path / "none.gguf"), "no such file"
+    elif which == "directory":
+        mmproj, says = str(tmp_path), "is a directory"
+    elif which == "fifo":
+        os.mkfifo(tmp_path / "pipe.gguf")
+        mmproj, says = str(tmp_path / "pipe.gguf"), "not a regular file"
     else:
         model, says = str(MODELS / "qwen3moe-Q4_K_M.gguf"), "takes no image embeddings"
     r = subprocess.run([*ECHOSPEC, "serve", "--model", model, "--mmproj", mmproj, "--port", "0"],

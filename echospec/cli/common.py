@@ -162,8 +162,13 @@ def _check_mmproj(path: str, model: str) -> None:
     if not path:
         return
     p = Path(path)
+    need = "the projector GGUF of a Qwen3-VL model is needed"
+    if p.is_dir():
+        _die(f"--mmproj {path}: is a directory ({need})", 2)
+    if not p.exists():
+        _die(f"--mmproj {path}: no such file ({need})", 2)
     if not p.is_file():
-        _die(f"--mmproj {path}: no such file (the projector GGUF of a Qwen3-VL model is needed)", 2)
+        _die(f"--mmproj {path}: not a regular file ({need})", 2)
     from echospec.services.verifier.engine import EngineError, Model
     from echospec.services.verifier.vision import ProjectorMismatch, load_vision
     try:
