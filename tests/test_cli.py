@@ -1165,3 +1165,20 @@ def test_bench_tree_nodes_is_for_a_private_stack(tmp_path, capsys):
         cli.cmd_bench(args)
     err = capsys.readouterr().err
     assert ei.value.code == 2 and "--tree-nodes applies to a private stack" in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "64"])
+def test_bench_tree_nodes_out_of_range_exits_2_before_a_stack(tmp_path, capsys, monkeypatch, value):
+    # serve's range [0, 63]; refused before a private stack would start (its verifier refused
+    # the value only at the first workload's request)
+    from echospec import cli
+    from echospec.cli import bench
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "prompt": "x", "max_tokens": 4}\n')
+    args = cli.parse_args(["bench", "--workloads", str(f), "--tree-nodes", value])
+    monkeypatch.setattr(bench, "_target", lambda *a: pytest.fail("a stack was started"))
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_bench(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2, err
+    assert f"--tree-nodes {value}: draft nodes per tree round must be in [0, 63]" in err, err
