@@ -272,6 +272,29 @@ def test_http_hostile_image_messages_are_plain(client):
     assert e.body["message"].endswith("(a character outside the base64 alphabet A-Z a-z 0-9 + / =)")
 
 
+def test_gateway_counts_images_before_reading_their_headers(monkeypatch):
+    """A 4 MiB body holds thousands of tiny image parts: the gateway refuses the 17th of the
+    request (counted across messages, the coordinator's numbering) before its header is read,
+    so it reads at most 16 headers in its event loop (was: every one, then the coordinator's
+    refusal)."""
+    from echospec.services.text import images
+    reads = []
+    real_check = images.check
+    monkeypatch.setattr(images, "check", lambda *a, **k: (reads.append(a[1]), real_check(*a, **k))[1])
+    part = {"type": "image_url", "image_url": {"url": data_url(picture())}}
+    body = {"model": MODEL, "messages": [
+        {"role": "user", "content": [part] * 9},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "and"}] + [part] * 2000}]}
+    with pytest.raises(api.ApiError) as e:
+        api.parse_request(body, chat=True)
+    assert e.value.status == 400 and str(e.value) == \
+        "messages[2].content[8]: more than 16 images in one request", str(e.value)
+    assert len(reads) == 16, len(reads)
+    body["messages"][2]["content"] = body["messages"][2]["content"][:8]   # 16 images: taken
+    assert len(api.parse_request(body, chat=True).requests[0].messages[2].parts) == 8
+
+
 def test_http_text_parts_still_work(client):
     r = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}])
