@@ -340,6 +340,21 @@ def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
     assert "--mmproj" in r.stderr and says in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("which", ["missing", "text_gguf"])
+def test_load_vision_names_an_unreadable_projector(which, tmp_path):
+    # the verifier started on its own (ECHOSPEC_MMPROJ) said only "gguf: cannot open ...", not
+    # that the file was meant as the projector
+    from echospec.services.verifier.vision import ProjectorMismatch, load_vision
+    path = str(tmp_path / "none.gguf") if which == "missing" else str(VL)
+    m = Model(str(VL), repack=False)
+    try:
+        with pytest.raises(ProjectorMismatch) as e:
+            load_vision(path, m.info)
+    finally:
+        m.close()
+    assert str(e.value).startswith(f"--mmproj {path}: not a usable vision projector: ES_ERR_"), e.value
+
+
 def test_without_a_projector_the_vl_model_refuses_images(png, tmp_path):
     """The same Qwen3-VL model served without --mmproj is text-only: the coordinator refuses the
     image, and its verifier refuses GenerateTokens images itself (FAILED_PRECONDITION)."""

@@ -177,8 +177,8 @@ def _check_mmproj(path: str, model: str) -> None:
             load_vision(str(p), m.info).close()
         finally:
             m.close()
-    except EngineError as exc:
-        _die(f"--mmproj {path}: not a usable vision projector: {exc}", 2)
+    except EngineError as exc:   # the model's (load_vision names the projector's itself)
+        _die(f"--mmproj {path}: the model {model} cannot be loaded: {exc}", 2)
     except ProjectorMismatch as exc:
         _die(str(exc), 2)
 
