@@ -455,7 +455,14 @@ def test_generate_messages_takes_text_parts(server, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]))
     r = run([*ECHOSPEC, "generate", "--messages", str(bad), "--target", server["target"]], check=False)
+    assert r.returncode == 2 and "messages[0].content[0]: an image_url part is not read from a " \
+        "messages file; name the image file instead (generate --image FILE" in r.stderr, r.stderr
+    # another part type: refused with the part quoted, clipped (was: a data URL of megabytes
+    # printed whole)
+    bad.write_text(json.dumps([{"role": "user", "content": [{"type": "input_audio", "data": "A" * 100000}]}]))
+    r = run([*ECHOSPEC, "generate", "--messages", str(bad), "--target", server["target"]], check=False)
     assert r.returncode == 2 and "messages[0].content[0] must be a text part" in r.stderr, r.stderr
+    assert len(r.stderr) < 1000, len(r.stderr)
 
 
 def test_an_ipv6_target_without_brackets_is_refused_at_once():

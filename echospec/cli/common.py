@@ -370,6 +370,12 @@ def _check_messages(messages, where: str = "") -> None:
         if not isinstance(m, dict):
             _die(f'{at}messages[{i}] must be a JSON object with "role" and "content", got '
                  f"{json.dumps(m)[:80]}", 2)
+        content = m.get("content")
+        for j, p in enumerate(content if isinstance(content, list) else []):
+            if isinstance(p, dict) and p.get("type") == "image_url":   # OpenAI's, a data URL
+                _die(f"{at}messages[{i}].content[{j}]: an image_url part is not read from a "
+                     f"messages file; name the image file instead (generate --image FILE, a "
+                     f"bench workload's \"image\" field)", 2)
     try:
         check_messages(messages)
     except (TypeError, ValueError) as exc:

@@ -753,7 +753,7 @@ def _text_parts(v, name: str):
     for j, p in enumerate(v):
         if not (isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)):
             raise TypeError(f"{name}[{j}] must be a text part {{'type': 'text', 'text': str}}; other "
-                            f"content types are not supported, got {p!r}")
+                            f"content types are not supported, got {p!r:.200}")
         parts.append(p["text"])
     return "".join(parts)
 
