@@ -320,6 +320,40 @@ def test_getinfo_and_verifier_config_say_images(stack):
     assert cfg.images is True
 
 
+def test_images_too_large_for_the_context_are_named(stack):
+    """Images whose tokens alone exceed the context are refused naming the image that crosses
+    it (was: "prompt of 213170 bytes cannot fit the context ...: a token covers at most 81 bytes
+    of text", the image pads counted as text)."""
+    st, stub, oc = stack
+
+    def png(side):
+        buf = io.BytesIO()
+        PILImage.new("RGB", (side, side), "white").save(buf, "PNG")
+        return buf.getvalue()
+
+    def refused(parts):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(cpb.CompleteRequest(messages=[cpb.ChatMessage(role="user", parts=parts)],
+                                              max_tokens=2), timeout=120)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        return e.value.details()
+
+    tail = "which cannot fit the context of 256 tokens: send a smaller image, or serve with a " \
+           "lower --image-max-pixels"
+    # 640x640: 20 x 20 merged tokens, with its start and end 402
+    assert refused([cpb.ContentPart(image=png(640)), cpb.ContentPart(text="hi")]) == \
+        f"messages[0].parts[0]: the image takes 402 tokens (640x640 after resizing), {tail}"
+    # 320x320 fits alone (102 tokens), not three times (306)
+    three = [cpb.ContentPart(image=png(320))] * 3
+    assert refused(three) == (f"messages[0].parts[2]: the image takes 102 tokens (320x320 after "
+                              f"resizing) and the images before it 204, {tail}")
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="qwen3vl-Q8_0", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(png(640))}}]}])
+    assert e.value.body["param"] == "messages[0].content[1]", e.value.body
+    assert chat(stub, png(320), max_tokens=2).token_ids   # the stack goes on
+
+
 @pytest.mark.parametrize("which", ["text_gguf", "missing", "directory", "fifo", "other_model"])
 def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
     model, mmproj, says = str(VL), str(MMPROJ), ""
