@@ -354,6 +354,25 @@ def test_images_too_large_for_the_context_are_named(stack):
     assert chat(stub, png(320), max_tokens=2).token_ids   # the stack goes on
 
 
+@pytest.mark.parametrize("field, body, says", [
+    ("logprobs", {"logprobs": True}, "takes no logprobs yet"),
+    ("penalties", {"frequency_penalty": 0.5}, "takes no repetition penalties (frequency_penalty, "),
+    ("grammar", {"response_format": {"type": "json_object"}}, "takes no grammar (response_format"),
+])
+def test_image_prompts_name_the_refused_field(stack, png, field, body, says):
+    # was: "takes no grammar, repetition penalties, logprobs or resumed tokens yet" whichever was sent
+    st, _, oc = stack
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="qwen3vl-Q8_0", max_tokens=2, extra_body=body, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                         {"type": "text", "text": QUESTION}]}])
+    assert e.value.body["code"] == "failed_precondition", e.value.body
+    assert says in e.value.body["message"], e.value.body
+    named = [w for w in ("no logprobs", "no repetition penalties", "no grammar")
+             if w in e.value.body["message"]]
+    assert len(named) == 1, e.value.body   # only the field sent
+
+
 @pytest.mark.parametrize("which", ["text_gguf", "missing", "directory", "fifo", "other_model"])
 def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
     model, mmproj, says = str(VL), str(MMPROJ), ""

@@ -47,9 +47,16 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
     if core.config.kv_window > 0 or core.config.sparse_attention:
         raise FailedPrecondition("a prompt with images needs full attention (no --kv-window, no "
                                  "--sparse-attention)")
-    if req.grammar is not None or req.logprobs or req.sampling.penalties.active or req.resumed:
-        raise FailedPrecondition("a prompt with images takes no grammar, repetition penalties, "
-                                 "logprobs or resumed tokens yet")
+    refused = [what for what, present in (
+        ("grammar (response_format, a required tool choice)", req.grammar is not None),
+        ("repetition penalties (frequency_penalty, presence_penalty, repetition_penalty)",
+         req.sampling.penalties.active),
+        ("logprobs", bool(req.logprobs)),
+        ("resumed tokens", bool(req.resumed))) if present]
+    if refused:   # named, so a client knows which field to leave out
+        raise FailedPrecondition(f"a prompt with images takes no {' and no '.join(refused)} yet "
+                                 f"(grammars, penalties, logprobs and resumed tokens are for text "
+                                 f"prompts only)")
     side = core.vision.info.side
     spans, end = [], 0
     for i, im in enumerate(images):
