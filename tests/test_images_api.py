@@ -333,6 +333,21 @@ def test_cli_bad_image_files_exit_2_before_any_call(tmp_path, make, message):
     assert r.returncode == 2 and message.format(p=p) in r.stderr, r.stderr
 
 
+def test_cli_images_above_the_message_limit_exit_2_saying_so(smollm2_api, tmp_path):
+    # a file under the CLI's 4 MiB per image passes, but the request around it (or two such
+    # images) is above the server's 4 MiB message limit: was exit 1 with grpcio's "SERVER:
+    # Received message larger than max (...)" alone
+    png = tmp_path / "edge.png"
+    data = picture()
+    png.write_bytes(data + b"\0" * (4 * 1024 * 1024 - len(data) - 10))   # trailing bytes: still a PNG
+    r = subprocess.run([*ECHOSPEC, "generate", "--image", str(png), "hi", "--target",
+                        smollm2_api.stack.target], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "RESOURCE_EXHAUSTED: the request is " in r.stderr and \
+        "bytes, above the server's message limit of 4194304 bytes (images and text together): " \
+        "send fewer or smaller images" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_cli_image_not_a_regular_file_exits_2(tmp_path, kind):
     # a FIFO would block the read forever and /dev/zero never ends (it reports size 0): both are

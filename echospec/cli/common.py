@@ -313,7 +313,10 @@ def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
         _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}){why}; the "
              f"target is host:port, e.g. 127.0.0.1:{port} or [::1]:{port}; start a "
              f"coordinator with `echospec serve`")
-    code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    # a request above the server's message limit is a bad argument as well (the client says so)
+    code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT or (
+        exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and
+        exc.details.startswith("the request is ")) else 1
     hint = ("; give it more time with --timeout SECONDS" if exc.code ==
             grpc.StatusCode.DEADLINE_EXCEEDED and exc.details.startswith("the call did not")
             else "")
