@@ -461,6 +461,13 @@ def test_bad_image_requests_to_the_verifier_are_named(stack):
         assert "runs past the prompt" in refused([verifier_pb2.Image(pixels=px, height=32, width=64, offset=5)])
         two = [verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)] * 2
         assert "images[1]" in refused(two)
+        # pixels are value / 255: NaN or infinite ones were encoded, then failed as INTERNAL
+        # "ES_ERR_BAD_WEIGHTS: the logits ... hold a NaN", blaming the model's weights
+        for bad, says in ((float("nan"), "nan .. nan"), (float("inf"), "inf .. inf"), (-0.5, "-0.5 .. -0.5"),
+                          (2.0, "2 .. 2")):
+            pb = np.full((3, 32, 64), bad, "<f4").tobytes()
+            assert refused([verifier_pb2.Image(pixels=pb, height=32, width=64, offset=2)]) == \
+                f"images[0]: pixel values must be value / 255, in [0, 1], got {says}"
         ok = list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(
             prompt=[1, 49152, 49154, 49154, 49153, 198], max_tokens=2,
             images=[verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)]), timeout=60))

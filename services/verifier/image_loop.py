@@ -40,7 +40,8 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
 
     Raises:
         FailedPrecondition: no projector loaded; grammar, penalties, logprobs or a resume.
-        InvalidArgument: an image whose sizes, pixel bytes or offset do not fit the prompt.
+        InvalidArgument: an image whose sizes, pixel bytes or offset do not fit the prompt, or
+            whose pixel values are not in [0, 1] (NaN included).
     """
     if core.vision is None:
         raise FailedPrecondition("the verifier has no vision projector (--mmproj): it takes no images")
@@ -66,6 +67,11 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
         if len(im.pixels) != 3 * h * w * 4:
             raise InvalidArgument(f"images[{i}]: {len(im.pixels)} pixel bytes, want 3 x {h} x {w} float32 "
                                   f"({3 * h * w * 4} bytes)")
+        px = np.frombuffer(im.pixels, dtype="<f4")
+        lo, hi = float(px.min()), float(px.max())
+        if not (0.0 <= lo and hi <= 1.0):   # NaN fails both; the encoder would give NaN logits
+            raise InvalidArgument(f"images[{i}]: pixel values must be value / 255, in [0, 1], got "
+                                  f"{lo:g} .. {hi:g}")
         gh, gw = h // side, w // side
         if im.offset < end or im.offset + gh * gw > len(req.prompt):
             raise InvalidArgument(f"images[{i}]: offset {im.offset} with {gh * gw} tokens overlaps the "
