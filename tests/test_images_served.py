@@ -236,6 +236,76 @@ def test_other_sessions_go_on_while_an_image_is_encoded(stack, png):
     assert list(got.token_ids) == list(chat(stub, png).token_ids)
 
 
+def test_a_request_cancelled_while_its_images_are_preprocessed_generates_nothing(stack, png, caplog):
+    """The coordinator preprocesses one image at a time; a client that cancels meanwhile ended
+    the RPC before the coordinator registered its cancel callback, which gRPC then never ran:
+    the verifier generated every token for nobody (was: tokens_out=100, code=CANCELLED)."""
+    import logging
+    st, stub, _ = stack
+    gate = st._servers["coordinator"].servicer.image_parts._one_at_a_time
+    caplog.set_level(logging.INFO, logger="echospec.coordinator")
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png), cpb.ContentPart(text="cancelled")])
+    with gate:   # another request's image is being preprocessed
+        fut = stub.Complete.future(cpb.CompleteRequest(messages=[msg], max_tokens=100), timeout=60)
+        time.sleep(0.5)
+        fut.cancel()
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    done = []   # the coordinator's request log line of the cancelled call
+    while time.monotonic() < deadline and not done:
+        done = [f for f in (getattr(r, "fields", None) for r in caplog.records)
+                if f and f.get("rpc") == "Complete" and f.get("code") == "CANCELLED"]
+        time.sleep(0.1)
+    assert done, [getattr(r, "fields", r.getMessage()) for r in caplog.records]
+    assert done[-1]["tokens_out"] == 0, done[-1]
+    assert chat(stub, png, max_tokens=2).token_ids   # the stack goes on
+
+
+def test_an_image_cancelled_while_waiting_for_the_encoder_is_not_encoded(stack, png):
+    """One encode at a time: a request cancelled while another's image is encoded gives up
+    when its turn comes instead of encoding an image for nobody (was: encoded, then dropped)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    st, stub, _ = stack
+
+    def variant(bit):   # images no earlier test sent: the prefix cache lacks them
+        a = np.asarray(PILImage.open(io.BytesIO(png))).copy()
+        a[2, 2] ^= bit
+        buf = io.BytesIO()
+        PILImage.fromarray(a).save(buf, "PNG")
+        return buf.getvalue()
+
+    vis = st.verifier.core.vision
+    entered, release, calls = threading.Event(), threading.Event(), []
+    real = vis.encode
+
+    def held(px, n_threads=1):
+        calls.append(px.shape)
+        entered.set()
+        assert release.wait(60)
+        return real(px, n_threads)
+
+    vis.encode = held
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            first = ex.submit(chat, stub, variant(4), max_tokens=2)
+            assert entered.wait(60)
+            msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=variant(8)),
+                                                      cpb.ContentPart(text=QUESTION)])
+            fut = stub.Complete.future(cpb.CompleteRequest(messages=[msg], max_tokens=2), timeout=60)
+            time.sleep(1.0)   # it waits for the encoder
+            fut.cancel()
+            time.sleep(0.5)
+            release.set()
+            assert first.result(timeout=120).token_ids
+        time.sleep(1.0)
+    finally:
+        release.set()
+        del vis.encode
+    assert len(calls) == 1, calls
+
+
 def test_two_images_match_the_engine(stack, ref, png):
     """Two images in one message, text between them: the served tokens are the engine's on the
     prompt the template renders, with both images' embeddings in order and each image's grid

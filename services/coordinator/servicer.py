@@ -840,7 +840,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             images=[verifier_pb2.Image(pixels=np.ascontiguousarray(im.pixels, dtype="<f4").tobytes(),
                                        height=im.resized_height, width=im.resized_width, offset=off,
                                        pixel_hash=im.pixel_hash) for im, off in images]), timeout)
-        context.add_callback(link.cancel)
+        if not context.add_callback(link.cancel):
+            # the RPC ended already (e.g. cancelled while its images were preprocessed): gRPC
+            # runs no callback for it, so the verifier would generate every token for nobody
+            link.cancel()
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
                                          len(prompt) + len(output)))
