@@ -151,6 +151,8 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_
         px -= np.asarray(vis.info.image_mean, dtype=np.float32)[:, None, None]
         px /= np.asarray(vis.info.image_std, dtype=np.float32)[:, None, None]
         with core.vision_lock:
+            if cancel.is_set():   # cancelled while another request's image was encoded
+                return
             e, d = vis.encode(px, core.config.batch_threads)
         embds.append(e)
         dss.append(d)
