@@ -455,7 +455,14 @@ def test_generate_messages_takes_text_parts(server, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]))
     r = run([*ECHOSPEC, "generate", "--messages", str(bad), "--target", server["target"]], check=False)
+    assert r.returncode == 2 and "messages[0].content[0]: an image_url part is not read from a " \
+        "messages file; name the image file instead (generate --image FILE" in r.stderr, r.stderr
+    # another part type: refused with the part quoted, clipped (was: a data URL of megabytes
+    # printed whole)
+    bad.write_text(json.dumps([{"role": "user", "content": [{"type": "input_audio", "data": "A" * 100000}]}]))
+    r = run([*ECHOSPEC, "generate", "--messages", str(bad), "--target", server["target"]], check=False)
     assert r.returncode == 2 and "messages[0].content[0] must be a text part" in r.stderr, r.stderr
+    assert len(r.stderr) < 1000, len(r.stderr)
 
 
 def test_an_ipv6_target_without_brackets_is_refused_at_once():
@@ -1165,3 +1172,20 @@ def test_bench_tree_nodes_is_for_a_private_stack(tmp_path, capsys):
         cli.cmd_bench(args)
     err = capsys.readouterr().err
     assert ei.value.code == 2 and "--tree-nodes applies to a private stack" in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "64"])
+def test_bench_tree_nodes_out_of_range_exits_2_before_a_stack(tmp_path, capsys, monkeypatch, value):
+    # serve's range [0, 63]; refused before a private stack would start (its verifier refused
+    # the value only at the first workload's request)
+    from echospec import cli
+    from echospec.cli import bench
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "ok", "prompt": "x", "max_tokens": 4}\n')
+    args = cli.parse_args(["bench", "--workloads", str(f), "--tree-nodes", value])
+    monkeypatch.setattr(bench, "_target", lambda *a: pytest.fail("a stack was started"))
+    with pytest.raises(SystemExit) as ei:
+        cli.cmd_bench(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2, err
+    assert f"--tree-nodes {value}: draft nodes per tree round must be in [0, 63]" in err, err

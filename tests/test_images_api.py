@@ -272,6 +272,29 @@ def test_http_hostile_image_messages_are_plain(client):
     assert e.body["message"].endswith("(a character outside the base64 alphabet A-Z a-z 0-9 + / =)")
 
 
+def test_gateway_counts_images_before_reading_their_headers(monkeypatch):
+    """A 4 MiB body holds thousands of tiny image parts: the gateway refuses the 17th of the
+    request (counted across messages, the coordinator's numbering) before its header is read,
+    so it reads at most 16 headers in its event loop (was: every one, then the coordinator's
+    refusal)."""
+    from echospec.services.text import images
+    reads = []
+    real_check = images.check
+    monkeypatch.setattr(images, "check", lambda *a, **k: (reads.append(a[1]), real_check(*a, **k))[1])
+    part = {"type": "image_url", "image_url": {"url": data_url(picture())}}
+    body = {"model": MODEL, "messages": [
+        {"role": "user", "content": [part] * 9},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "and"}] + [part] * 2000}]}
+    with pytest.raises(api.ApiError) as e:
+        api.parse_request(body, chat=True)
+    assert e.value.status == 400 and str(e.value) == \
+        "messages[2].content[8]: more than 16 images in one request", str(e.value)
+    assert len(reads) == 16, len(reads)
+    body["messages"][2]["content"] = body["messages"][2]["content"][:8]   # 16 images: taken
+    assert len(api.parse_request(body, chat=True).requests[0].messages[2].parts) == 8
+
+
 def test_http_text_parts_still_work(client):
     r = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}])
@@ -308,6 +331,36 @@ def test_cli_bad_image_files_exit_2_before_any_call(tmp_path, make, message):
     r = subprocess.run([*ECHOSPEC, "generate", "--image", str(p), "hi", "--target", "127.0.0.1:9",
                         "--connect-timeout", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and message.format(p=p) in r.stderr, r.stderr
+
+
+def test_cli_images_above_the_message_limit_exit_2_saying_so(smollm2_api, tmp_path):
+    # a file under the CLI's 4 MiB per image passes, but the request around it (or two such
+    # images) is above the server's 4 MiB message limit: was exit 1 with grpcio's "SERVER:
+    # Received message larger than max (...)" alone
+    png = tmp_path / "edge.png"
+    data = picture()
+    png.write_bytes(data + b"\0" * (4 * 1024 * 1024 - len(data) - 10))   # trailing bytes: still a PNG
+    r = subprocess.run([*ECHOSPEC, "generate", "--image", str(png), "hi", "--target",
+                        smollm2_api.stack.target], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "RESOURCE_EXHAUSTED: the request is " in r.stderr and \
+        "bytes, above the server's message limit of 4194304 bytes (images and text together): " \
+        "send fewer or smaller images" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_cli_image_not_a_regular_file_exits_2(tmp_path, kind):
+    # a FIFO would block the read forever and /dev/zero never ends (it reports size 0): both are
+    # refused from their stat, before any byte is read
+    if kind == "fifo":
+        p = tmp_path / "pipe.png"
+        os.mkfifo(p)
+    else:
+        p = Path("/dev/zero")
+    r = subprocess.run([*ECHOSPEC, "generate", "--image", str(p), "hi", "--target", "127.0.0.1:9",
+                        "--connect-timeout", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert f"--image {p}: not a regular file (a device, FIFO or socket)" in r.stderr, r.stderr
 
 
 def test_cli_chat_image_command(smollm2_api, tmp_path):

@@ -12,6 +12,7 @@ renders from one user message [image, text].
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import time
@@ -235,6 +236,76 @@ def test_other_sessions_go_on_while_an_image_is_encoded(stack, png):
     assert list(got.token_ids) == list(chat(stub, png).token_ids)
 
 
+def test_a_request_cancelled_while_its_images_are_preprocessed_generates_nothing(stack, png, caplog):
+    """The coordinator preprocesses one image at a time; a client that cancels meanwhile ended
+    the RPC before the coordinator registered its cancel callback, which gRPC then never ran:
+    the verifier generated every token for nobody (was: tokens_out=100, code=CANCELLED)."""
+    import logging
+    st, stub, _ = stack
+    gate = st._servers["coordinator"].servicer.image_parts._one_at_a_time
+    caplog.set_level(logging.INFO, logger="echospec.coordinator")
+    msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=png), cpb.ContentPart(text="cancelled")])
+    with gate:   # another request's image is being preprocessed
+        fut = stub.Complete.future(cpb.CompleteRequest(messages=[msg], max_tokens=100), timeout=60)
+        time.sleep(0.5)
+        fut.cancel()
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    done = []   # the coordinator's request log line of the cancelled call
+    while time.monotonic() < deadline and not done:
+        done = [f for f in (getattr(r, "fields", None) for r in caplog.records)
+                if f and f.get("rpc") == "Complete" and f.get("code") == "CANCELLED"]
+        time.sleep(0.1)
+    assert done, [getattr(r, "fields", r.getMessage()) for r in caplog.records]
+    assert done[-1]["tokens_out"] == 0, done[-1]
+    assert chat(stub, png, max_tokens=2).token_ids   # the stack goes on
+
+
+def test_an_image_cancelled_while_waiting_for_the_encoder_is_not_encoded(stack, png):
+    """One encode at a time: a request cancelled while another's image is encoded gives up
+    when its turn comes instead of encoding an image for nobody (was: encoded, then dropped)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    st, stub, _ = stack
+
+    def variant(bit):   # images no earlier test sent: the prefix cache lacks them
+        a = np.asarray(PILImage.open(io.BytesIO(png))).copy()
+        a[2, 2] ^= bit
+        buf = io.BytesIO()
+        PILImage.fromarray(a).save(buf, "PNG")
+        return buf.getvalue()
+
+    vis = st.verifier.core.vision
+    entered, release, calls = threading.Event(), threading.Event(), []
+    real = vis.encode
+
+    def held(px, n_threads=1):
+        calls.append(px.shape)
+        entered.set()
+        assert release.wait(60)
+        return real(px, n_threads)
+
+    vis.encode = held
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            first = ex.submit(chat, stub, variant(4), max_tokens=2)
+            assert entered.wait(60)
+            msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=variant(8)),
+                                                      cpb.ContentPart(text=QUESTION)])
+            fut = stub.Complete.future(cpb.CompleteRequest(messages=[msg], max_tokens=2), timeout=60)
+            time.sleep(1.0)   # it waits for the encoder
+            fut.cancel()
+            time.sleep(0.5)
+            release.set()
+            assert first.result(timeout=120).token_ids
+        time.sleep(1.0)
+    finally:
+        release.set()
+        del vis.encode
+    assert len(calls) == 1, calls
+
+
 def test_two_images_match_the_engine(stack, ref, png):
     """Two images in one message, text between them: the served tokens are the engine's on the
     prompt the template renders, with both images' embeddings in order and each image's grid
@@ -319,19 +390,92 @@ def test_getinfo_and_verifier_config_say_images(stack):
     assert cfg.images is True
 
 
-@pytest.mark.parametrize("which", ["text_gguf", "missing", "other_model"])
+def test_images_too_large_for_the_context_are_named(stack):
+    """Images whose tokens alone exceed the context are refused naming the image that crosses
+    it (was: "prompt of 213170 bytes cannot fit the context ...: a token covers at most 81 bytes
+    of text", the image pads counted as text)."""
+    st, stub, oc = stack
+
+    def png(side):
+        buf = io.BytesIO()
+        PILImage.new("RGB", (side, side), "white").save(buf, "PNG")
+        return buf.getvalue()
+
+    def refused(parts):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(cpb.CompleteRequest(messages=[cpb.ChatMessage(role="user", parts=parts)],
+                                              max_tokens=2), timeout=120)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        return e.value.details()
+
+    tail = "which cannot fit the context of 256 tokens: send a smaller image, or serve with a " \
+           "lower --image-max-pixels"
+    # 640x640: 20 x 20 merged tokens, with its start and end 402
+    assert refused([cpb.ContentPart(image=png(640)), cpb.ContentPart(text="hi")]) == \
+        f"messages[0].parts[0]: the image takes 402 tokens (640x640 after resizing), {tail}"
+    # 320x320 fits alone (102 tokens), not three times (306)
+    three = [cpb.ContentPart(image=png(320))] * 3
+    assert refused(three) == (f"messages[0].parts[2]: the image takes 102 tokens (320x320 after "
+                              f"resizing) and the images before it 204, {tail}")
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="qwen3vl-Q8_0", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(png(640))}}]}])
+    assert e.value.body["param"] == "messages[0].content[1]", e.value.body
+    assert chat(stub, png(320), max_tokens=2).token_ids   # the stack goes on
+
+
+@pytest.mark.parametrize("field, body, says", [
+    ("logprobs", {"logprobs": True}, "takes no logprobs yet"),
+    ("penalties", {"frequency_penalty": 0.5}, "takes no repetition penalties (frequency_penalty, "),
+    ("grammar", {"response_format": {"type": "json_object"}}, "takes no grammar (response_format"),
+])
+def test_image_prompts_name_the_refused_field(stack, png, field, body, says):
+    # was: "takes no grammar, repetition penalties, logprobs or resumed tokens yet" whichever was sent
+    st, _, oc = stack
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="qwen3vl-Q8_0", max_tokens=2, extra_body=body, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                         {"type": "text", "text": QUESTION}]}])
+    assert e.value.body["code"] == "failed_precondition", e.value.body
+    assert says in e.value.body["message"], e.value.body
+    named = [w for w in ("no logprobs", "no repetition penalties", "no grammar")
+             if w in e.value.body["message"]]
+    assert len(named) == 1, e.value.body   # only the field sent
+
+
+@pytest.mark.parametrize("which", ["text_gguf", "missing", "directory", "fifo", "other_model"])
 def test_bad_mmproj_exits_2_with_a_message(which, tmp_path):
     model, mmproj, says = str(VL), str(MMPROJ), ""
     if which == "text_gguf":
         mmproj, says = str(VL), "not a usable vision projector"
     elif which == "missing":
         mmproj, says = str(tmp_path / "none.gguf"), "no such file"
+    elif which == "directory":
+        mmproj, says = str(tmp_path), "is a directory"
+    elif which == "fifo":
+        os.mkfifo(tmp_path / "pipe.gguf")
+        mmproj, says = str(tmp_path / "pipe.gguf"), "not a regular file"
     else:
         model, says = str(MODELS / "qwen3moe-Q4_K_M.gguf"), "takes no image embeddings"
     r = subprocess.run([*ECHOSPEC, "serve", "--model", model, "--mmproj", mmproj, "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "--mmproj" in r.stderr and says in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("which", ["missing", "text_gguf"])
+def test_load_vision_names_an_unreadable_projector(which, tmp_path):
+    # the verifier started on its own (ECHOSPEC_MMPROJ) said only "gguf: cannot open ...", not
+    # that the file was meant as the projector
+    from echospec.services.verifier.vision import ProjectorMismatch, load_vision
+    path = str(tmp_path / "none.gguf") if which == "missing" else str(VL)
+    m = Model(str(VL), repack=False)
+    try:
+        with pytest.raises(ProjectorMismatch) as e:
+            load_vision(path, m.info)
+    finally:
+        m.close()
+    assert str(e.value).startswith(f"--mmproj {path}: not a usable vision projector: ES_ERR_"), e.value
 
 
 def test_without_a_projector_the_vl_model_refuses_images(png, tmp_path):
@@ -387,6 +531,13 @@ def test_bad_image_requests_to_the_verifier_are_named(stack):
         assert "runs past the prompt" in refused([verifier_pb2.Image(pixels=px, height=32, width=64, offset=5)])
         two = [verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)] * 2
         assert "images[1]" in refused(two)
+        # pixels are value / 255: NaN or infinite ones were encoded, then failed as INTERNAL
+        # "ES_ERR_BAD_WEIGHTS: the logits ... hold a NaN", blaming the model's weights
+        for bad, says in ((float("nan"), "nan .. nan"), (float("inf"), "inf .. inf"), (-0.5, "-0.5 .. -0.5"),
+                          (2.0, "2 .. 2")):
+            pb = np.full((3, 32, 64), bad, "<f4").tobytes()
+            assert refused([verifier_pb2.Image(pixels=pb, height=32, width=64, offset=2)]) == \
+                f"images[0]: pixel values must be value / 255, in [0, 1], got {says}"
         ok = list(vstub.GenerateTokens(verifier_pb2.GenerateTokensRequest(
             prompt=[1, 49152, 49154, 49154, 49153, 198], max_tokens=2,
             images=[verifier_pb2.Image(pixels=px, height=32, width=64, offset=2)]), timeout=60))

@@ -9,6 +9,7 @@ from pathlib import Path
 from echospec.cli.common import (_add_client_args, _check_messages, _check_sampling_flags, _client,
                                  _client_error, _die, _gen_kwargs, _int32, _read_text, _seconds,
                                  _target, _valid_unicode)
+from echospec_client.limits import MAX_TREE_DRAFT_NODES
 
 
 _WORKLOAD_FIELDS = frozenset({"id", "kind", "messages", "prompt", "max_tokens", "prediction",
@@ -144,6 +145,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _die(f"--threads {args.threads}: must be >= 0 (0: the usable CPUs less one)", 2)
     if args.repeat < 1:
         _die(f"--repeat {args.repeat}: must be >= 1", 2)
+    if not 0 <= args.tree_nodes <= MAX_TREE_DRAFT_NODES:   # before a private stack starts
+        _die(f"--tree-nodes {args.tree_nodes}: draft nodes per tree round must be in "
+             f"[0, {MAX_TREE_DRAFT_NODES}] (0: chains)", 2)
     if args.tree_nodes and args.target is not None:
         _die("--tree-nodes applies to a private stack; the server at --target uses its own "
              "(its verifier's --tree-nodes)", 2)

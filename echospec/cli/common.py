@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -161,8 +162,13 @@ def _check_mmproj(path: str, model: str) -> None:
     if not path:
         return
     p = Path(path)
+    need = "the projector GGUF of a Qwen3-VL model is needed"
+    if p.is_dir():
+        _die(f"--mmproj {path}: is a directory ({need})", 2)
+    if not p.exists():
+        _die(f"--mmproj {path}: no such file ({need})", 2)
     if not p.is_file():
-        _die(f"--mmproj {path}: no such file (the projector GGUF of a Qwen3-VL model is needed)", 2)
+        _die(f"--mmproj {path}: not a regular file ({need})", 2)
     from echospec.services.verifier.engine import EngineError, Model
     from echospec.services.verifier.vision import ProjectorMismatch, load_vision
     try:
@@ -171,8 +177,8 @@ def _check_mmproj(path: str, model: str) -> None:
             load_vision(str(p), m.info).close()
         finally:
             m.close()
-    except EngineError as exc:
-        _die(f"--mmproj {path}: not a usable vision projector: {exc}", 2)
+    except EngineError as exc:   # the model's (load_vision names the projector's itself)
+        _die(f"--mmproj {path}: the model {model} cannot be loaded: {exc}", 2)
     except ProjectorMismatch as exc:
         _die(str(exc), 2)
 
@@ -307,7 +313,10 @@ def _client_error(exc, target: str, what: str = "") -> "NoReturn":  # noqa: F821
         _die(f"{pre}no coordinator reachable at {target} within {exc.waited_s:g} s ({flag}){why}; the "
              f"target is host:port, e.g. 127.0.0.1:{port} or [::1]:{port}; start a "
              f"coordinator with `echospec serve`")
-    code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    # a request above the server's message limit is a bad argument as well (the client says so)
+    code = 2 if exc.code == grpc.StatusCode.INVALID_ARGUMENT or (
+        exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and
+        exc.details.startswith("the request is ")) else 1
     hint = ("; give it more time with --timeout SECONDS" if exc.code ==
             grpc.StatusCode.DEADLINE_EXCEEDED and exc.details.startswith("the call did not")
             else "")
@@ -364,6 +373,12 @@ def _check_messages(messages, where: str = "") -> None:
         if not isinstance(m, dict):
             _die(f'{at}messages[{i}] must be a JSON object with "role" and "content", got '
                  f"{json.dumps(m)[:80]}", 2)
+        content = m.get("content")
+        for j, p in enumerate(content if isinstance(content, list) else []):
+            if isinstance(p, dict) and p.get("type") == "image_url":   # OpenAI's, a data URL
+                _die(f"{at}messages[{i}].content[{j}]: an image_url part is not read from a "
+                     f"messages file; name the image file instead (generate --image FILE, a "
+                     f"bench workload's \"image\" field)", 2)
     try:
         check_messages(messages)
     except (TypeError, ValueError) as exc:
@@ -505,18 +520,25 @@ def load_image(flag: str, path: str) -> dict:
     """An image file as a client image part ({"type": "image", "image", "media_type"}).
 
     Raises:
-        ValueError: "<flag> <path>: ..." for a missing, unreadable, empty or oversized file, or
-            one that is not a PNG, JPEG, WebP or GIF image.
+        ValueError: "<flag> <path>: ..." for a missing, unreadable, empty or oversized file, a
+            directory, device or FIFO, or one that is not a PNG, JPEG, WebP or GIF image.
     """
     try:
         p = Path(path)
         if p.is_dir():
             raise ValueError(f"{flag} {path}: is a directory, not an image file")
-        size = p.stat().st_size
-        if size > IMAGE_MAX_BYTES:
-            raise ValueError(f"{flag} {path}: the file is {size} bytes, above the limit of "
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):   # a FIFO would block, /dev/zero never end
+            raise ValueError(f"{flag} {path}: not a regular file (a device, FIFO or socket); "
+                             f"name an image file")
+        if st.st_size > IMAGE_MAX_BYTES:
+            raise ValueError(f"{flag} {path}: the file is {st.st_size} bytes, above the limit of "
                              f"{IMAGE_MAX_BYTES} bytes of an image")
-        data = p.read_bytes()
+        with p.open("rb") as f:   # at most the limit, should the file grow meanwhile
+            data = f.read(IMAGE_MAX_BYTES + 1)
+        if len(data) > IMAGE_MAX_BYTES:
+            raise ValueError(f"{flag} {path}: the file is above the limit of {IMAGE_MAX_BYTES} "
+                             f"bytes of an image")
     except OSError as exc:
         raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
     if not data:

@@ -41,10 +41,14 @@ VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vi
 UNIT_MEAN, UNIT_STD = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
 
 
+def image_tokens(img: images.Image) -> int:
+    """The merged tokens of one image: (H / 32) x (W / 32) of its resized size."""
+    return (img.resized_height // images.QWEN3VL_FACTOR) * (img.resized_width // images.QWEN3VL_FACTOR)
+
+
 def placeholder(img: images.Image) -> str:
     """The text standing for one image in a Qwen3-VL chat: its merged tokens as image pads."""
-    n = (img.resized_height // images.QWEN3VL_FACTOR) * (img.resized_width // images.QWEN3VL_FACTOR)
-    return VISION_START + IMAGE_PAD * n + VISION_END
+    return VISION_START + IMAGE_PAD * image_tokens(img) + VISION_END
 
 
 def image_spans(ids: list[int], pad_id: int, imgs: list[images.Image]) -> list[int]:

@@ -54,7 +54,8 @@ from echospec.services.coordinator.gating import VerifierCaps, decide_spec
 from echospec.services.coordinator.generation import (Delta, GenerationError, GenerationParams, Move,
                                                       Outcome, generate, with_tool_calls)
 from echospec.services.coordinator.pool import NoVerifier, VerifierPool
-from echospec.services.coordinator.image_parts import IMAGE_PAD, ImagePartError, ImageParts, image_spans
+from echospec.services.coordinator.image_parts import (IMAGE_PAD, ImagePartError, ImageParts,
+                                                       image_spans, image_tokens)
 from echospec.services.coordinator.progress import ProgressClock, StallWatch, move_cap_text
 from echospec.services.common.auth import metadata_authorization
 from echospec.services.draft.memory import MAX_NAMESPACE_CHARS, namespace_problem
@@ -496,6 +497,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 contents, imgs = self.image_parts.contents_and_images(req.messages)
             except ImagePartError as exc:
                 raise _bad(str(exc)) from None
+            self.check_images_fit(req.messages, imgs)
             msgs = [_message_dict(m, c) for m, c in zip(req.messages, contents)]
             try:
                 extra = {"enable_thinking": req.enable_thinking} if req.HasField("enable_thinking") else {}
@@ -570,6 +572,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise _bad(f"{field} of {n} bytes cannot fit the context of {known.n_ctx} tokens "
                            f"(at most {most} bytes: a token covers at most "
                            f"{self.max_token_bytes} bytes of text)")
+
+    def check_images_fit(self, messages: Any, imgs: list) -> None:
+        """Refuse images whose tokens alone cannot fit a verifier's context, naming the image
+        that crosses it (check_fits would count their placeholders as bytes of text).
+
+        Raises:
+            RequestError: INVALID_ARGUMENT naming the part, messages[i].parts[j].
+        """
+        known = self.pool.any_config()
+        if not imgs or known is None or known.n_ctx <= 0:
+            return
+        wheres = [f"messages[{i}].parts[{j}]" for i, m in enumerate(messages)
+                  for j, p in enumerate(m.parts) if p.image]
+        total = 0
+        for where, img in zip(wheres, imgs):
+            n = image_tokens(img) + 2   # its pads, <|vision_start|> and <|vision_end|>
+            total += n
+            if total >= known.n_ctx:   # one position is kept for generation
+                before = f" and the images before it {total - n}" if total > n else ""
+                raise _bad(f"{where}: the image takes {n} tokens ({img.resized_width}x"
+                           f"{img.resized_height} after resizing){before}, which cannot fit the "
+                           f"context of {known.n_ctx} tokens: send a smaller image, or serve "
+                           f"with a lower --image-max-pixels")
 
     def resolve_params(self, req: Any, caps: VerifierCaps) -> GenerationParams:
         """Limits, sampling and the gating verdict of a request.
@@ -816,7 +841,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             images=[verifier_pb2.Image(pixels=np.ascontiguousarray(im.pixels, dtype="<f4").tobytes(),
                                        height=im.resized_height, width=im.resized_width, offset=off,
                                        pixel_hash=im.pixel_hash) for im, off in images]), timeout)
-        context.add_callback(link.cancel)
+        if not context.add_callback(link.cancel):
+            # the RPC ended already (e.g. cancelled while its images were preprocessed): gRPC
+            # runs no callback for it, so the verifier would generate every token for nobody
+            link.cancel()
         attempt = _Attempt(lease, link, iter(()), None,
                            ProgressClock(self.config.stall_floor_s, vcfg.t_ms, vcfg.prefill_chunk,
                                          len(prompt) + len(output)))

@@ -402,19 +402,25 @@ _GATEWAY_IMAGE_LIMITS = images.ImageLimits(max_bytes=2 ** 31 - 1,
                                            max_decoded_pixels=images.MAX_DECODED_PIXELS_CAP)
 
 
-def _content_parts(v: list, param: str) -> list:
+def _content_parts(v: list, param: str, images_before: int = 0) -> list:
     """A message content with image parts: one ContentPart per part, in order (the same index:
     messages[i].content[j] is messages[i].parts[j] on the wire). Each image's data URL, format
     and header are checked here (images.check: no pixel is decoded in the event loop), so a bad
     one is a 400 naming it; the coordinator decodes it and refuses what only decoding finds
-    (also a 400, its part renamed content[j] by error_from_status)."""
+    (also a 400, its part renamed content[j] by error_from_status). images_before: the image
+    parts of the earlier messages; the request's images.MAX_IMAGES + 1-th is refused before its
+    header is read (a 4 MiB body holds thousands of tiny images, each a header parse)."""
     parts = []
+    n_images = images_before
     for j, p in enumerate(v):
         pj = f"{param}[{j}]"
         kind = p.get("type") if isinstance(p, dict) else None
         if kind == "text" and isinstance(p.get("text"), str):
             parts.append(coordinator_pb2.ContentPart(text=p["text"]))
         elif kind == "image_url":
+            n_images += 1
+            if n_images > images.MAX_IMAGES:   # the coordinator's message, part and limit
+                raise bad(f"{pj}: more than {images.MAX_IMAGES} images in one request", pj)
             iu = p.get("image_url")
             if isinstance(iu, str):   # some clients send the URL itself
                 iu = {"url": iu}
@@ -594,6 +600,7 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    n_images = 0   # image parts so far (refused past images.MAX_IMAGES)
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object, got {type(m).__name__}", f"messages[{i}]")
@@ -615,7 +622,8 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
                 isinstance(p, dict) and p.get("type") == "text" for p in content):
             # image parts, or a part of another type: refused by _content_parts naming both kinds
             msg = req.messages.add(role=_ROLES[role])
-            msg.parts.extend(_content_parts(content, f"messages[{i}].content"))
+            msg.parts.extend(_content_parts(content, f"messages[{i}].content", n_images))
+            n_images += sum(1 for part in msg.parts if part.image)
         else:
             msg = req.messages.add(role=_ROLES[role], content="" if content is None else
                                    _text_content(content, f"messages[{i}].content"))

@@ -40,16 +40,24 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
 
     Raises:
         FailedPrecondition: no projector loaded; grammar, penalties, logprobs or a resume.
-        InvalidArgument: an image whose sizes, pixel bytes or offset do not fit the prompt.
+        InvalidArgument: an image whose sizes, pixel bytes or offset do not fit the prompt, or
+            whose pixel values are not in [0, 1] (NaN included).
     """
     if core.vision is None:
         raise FailedPrecondition("the verifier has no vision projector (--mmproj): it takes no images")
     if core.config.kv_window > 0 or core.config.sparse_attention:
         raise FailedPrecondition("a prompt with images needs full attention (no --kv-window, no "
                                  "--sparse-attention)")
-    if req.grammar is not None or req.logprobs or req.sampling.penalties.active or req.resumed:
-        raise FailedPrecondition("a prompt with images takes no grammar, repetition penalties, "
-                                 "logprobs or resumed tokens yet")
+    refused = [what for what, present in (
+        ("grammar (response_format, a required tool choice)", req.grammar is not None),
+        ("repetition penalties (frequency_penalty, presence_penalty, repetition_penalty)",
+         req.sampling.penalties.active),
+        ("logprobs", bool(req.logprobs)),
+        ("resumed tokens", bool(req.resumed))) if present]
+    if refused:   # named, so a client knows which field to leave out
+        raise FailedPrecondition(f"a prompt with images takes no {' and no '.join(refused)} yet "
+                                 f"(grammars, penalties, logprobs and resumed tokens are for text "
+                                 f"prompts only)")
     side = core.vision.info.side
     spans, end = [], 0
     for i, im in enumerate(images):
@@ -59,6 +67,11 @@ def check_images(core: Any, req: GenerationRequest, images: Sequence[Any]) -> li
         if len(im.pixels) != 3 * h * w * 4:
             raise InvalidArgument(f"images[{i}]: {len(im.pixels)} pixel bytes, want 3 x {h} x {w} float32 "
                                   f"({3 * h * w * 4} bytes)")
+        px = np.frombuffer(im.pixels, dtype="<f4")
+        lo, hi = float(px.min()), float(px.max())
+        if not (0.0 <= lo and hi <= 1.0):   # NaN fails both; the encoder would give NaN logits
+            raise InvalidArgument(f"images[{i}]: pixel values must be value / 255, in [0, 1], got "
+                                  f"{lo:g} .. {hi:g}")
         gh, gw = h // side, w // side
         if im.offset < end or im.offset + gh * gw > len(req.prompt):
             raise InvalidArgument(f"images[{i}]: offset {im.offset} with {gh * gw} tokens overlaps the "
@@ -138,6 +151,8 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_
         px -= np.asarray(vis.info.image_mean, dtype=np.float32)[:, None, None]
         px /= np.asarray(vis.info.image_std, dtype=np.float32)[:, None, None]
         with core.vision_lock:
+            if cancel.is_set():   # cancelled while another request's image was encoded
+                return
             e, d = vis.encode(px, core.config.batch_threads)
         embds.append(e)
         dss.append(d)

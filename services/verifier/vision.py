@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from echospec.services.verifier.engine import ModelInfo, Vision
+from echospec.services.verifier.engine import EngineError, ModelInfo, Vision
 
 # text architectures whose decoder takes image embeddings (deepstack, multimodal RoPE)
 VISION_ARCHS = ("qwen3vl", "qwen3vlmoe")
@@ -28,15 +28,19 @@ def load_vision(path: str, model: ModelInfo) -> Vision:
     """Load the projector and check that it fits the model.
 
     Raises:
-        EngineError: the file cannot be read as a projector (the engine's status and message).
-        ProjectorMismatch: the model is not a Qwen3-VL text decoder, the projector's output
-            width is not the model's hidden size, or it has more deepstack outputs than the
-            model has deepstack layers.
+        ProjectorMismatch: the file cannot be read as a projector ("--mmproj PATH: not a usable
+            vision projector: " and the engine's status and message: a missing file, a
+            directory, a GGUF of another kind), the model is not a Qwen3-VL text decoder, the
+            projector's output width is not the model's hidden size, or it has more deepstack
+            outputs than the model has deepstack layers.
     """
     if model.arch not in VISION_ARCHS:
         raise ProjectorMismatch(f"--mmproj {path}: the model's architecture {model.arch!r} takes no "
                                 f"image embeddings (a projector goes with {', '.join(VISION_ARCHS)})")
-    v = Vision(path)
+    try:
+        v = Vision(path)
+    except EngineError as exc:   # named as the projector, not as a GGUF the reader met
+        raise ProjectorMismatch(f"--mmproj {path}: not a usable vision projector: {exc}") from None
     try:
         info = v.info
         if info.n_embd != model.n_embd:

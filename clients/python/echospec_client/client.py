@@ -20,6 +20,7 @@ import json
 import math
 import numbers
 import os
+import re
 import time
 from dataclasses import dataclass, field, fields
 from typing import Iterator, Mapping, NoReturn, Sequence, Union
@@ -263,6 +264,10 @@ class Info:
     kv_type: str = ""           # the verifiers' KV cache type: "f16" or "q8_0" ("": not reported)
 
 
+# grpcio's refusal of a message above the receiver's (or this channel's send) limit
+_MESSAGE_TOO_LARGE = re.compile(r"(?:Received|Sent) message larger than max \((\d+) vs\. (\d+)\)")
+
+
 class ClientError(Exception):
     """A call failed. `code` is the grpc.StatusCode (INVALID_ARGUMENT for a request the server
     refuses, UNAUTHENTICATED for a missing or wrong API key, DEADLINE_EXCEEDED, UNAVAILABLE,
@@ -284,6 +289,12 @@ class ClientError(Exception):
         if timeout_s is not None and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             details = (f"the call did not finish within its timeout of {timeout_s:g} s "
                        f"(grpc: {details})")
+        big = _MESSAGE_TOO_LARGE.search(details) \
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        if big:   # the request itself, e.g. images near the limit: not an overload
+            details = (f"the request is {big.group(1)} bytes, above the server's message limit "
+                       f"of {big.group(2)} bytes (images and text together): send fewer or "
+                       f"smaller images (grpc: {details})")
         if target and exc.code() == grpc.StatusCode.UNAVAILABLE and \
                 details.startswith("failed to connect"):
             details = (f"the server at {target} went away: nothing accepts connections there "
@@ -758,7 +769,7 @@ def _text_parts(v, name: str):
     for j, p in enumerate(v):
         if not (isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)):
             raise TypeError(f"{name}[{j}] must be a text part {{'type': 'text', 'text': str}}; other "
-                            f"content types are not supported, got {p!r}")
+                            f"content types are not supported, got {p!r:.200}")
         parts.append(p["text"])
     return "".join(parts)
 
