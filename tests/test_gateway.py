@@ -198,6 +198,16 @@ def test_models_and_health(stack, client):
 
 # -- errors ----------------------------------------------------------------------------------------
 
+def test_tree_nodes_is_taken_and_changes_no_byte(client):
+    # was: "Unrecognized request argument" (gRPC requests had it)
+    def text(**extra):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                           extra_body=extra)
+        return r.choices[0].message.content
+    want = text(spec="off")
+    assert text(spec="on", tree_nodes=8) == want == text(spec="on", tree_nodes=-1)
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"n": 5}, "n"),            # over the gateway's n_limit, 4 by default
     ({"n": 0}, "n"),
@@ -211,6 +221,9 @@ def test_models_and_health(stack, client):
     ({"stop": [3]}, "stop"),
     ({"seed": -1}, "seed"),
     ({"spec": "maybe"}, "spec"),
+    ({"tree_nodes": 64}, "tree_nodes"),    # the coordinator's range, 1..63 (-1: chains)
+    ({"tree_nodes": -2}, "tree_nodes"),
+    ({"tree_nodes": "8"}, "tree_nodes"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

@@ -14,6 +14,8 @@ generation (choices.py runs them). `model` is checked by the app (app.py: the se
 README.md):
     spec             "on" | "off" | null (the server's default): speculation for this request
     k                drafts per round (0 or null: the server's default)
+    tree_nodes       token-tree speculation: draft nodes a round verifies in one forward (1..63;
+                     0 or null: the verifier's --tree-nodes; -1: chains)
     top_k, min_p     sampling (as in vLLM and llama-server)
     repeat_penalty, repeat_last_n  llama-server's repetition penalty and its window (0: every
                      penalty off, as in llama.cpp; -1: the whole context; null: 64)
@@ -119,7 +121,7 @@ _STATUS = {
 _REFUSED = re.compile(r"(?:malformed chat messages: |verifier: )?([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?(?:\[\d+\])?)(?![a-z_])")
 _REFUSED_FIELDS = {"max_tokens", "max_completion_tokens", "k", "temperature", "top_p", "top_k",
                    "min_p", "stop", "seed", "messages", "prompt", "token_ids", "draft_namespace",
-                   "prediction", "grammar", "tools", "tool_choice", "frequency_penalty",
+                   "tree_nodes", "prediction", "grammar", "tools", "tool_choice", "frequency_penalty",
                    "presence_penalty", "repeat_penalty", "repeat_last_n", "top_logprobs", "logprobs"}
 
 
@@ -178,7 +180,7 @@ _IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool
             "prompt_cache_key", "safety_identifier"}
 _COMMON = {"stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
            "prediction", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-           "spec", "k", "top_k", "min_p", "draft_namespace", "response_format",
+           "spec", "k", "tree_nodes", "top_k", "min_p", "draft_namespace", "response_format",
            "repeat_penalty", "repeat_last_n"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "modalities", "audio",
@@ -777,6 +779,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     _response_format(body, req)
     _logprobs(body, req, chat)
     req.k = _integer(body, "k", 0) or 0
+    req.tree_nodes = _integer(body, "tree_nodes", -1) or 0
     req.top_k = _integer(body, "top_k", 0) or 0
     req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
     _penalties(body, req)
