@@ -464,6 +464,21 @@ int32_t es_vision_deepstack_layer(const es_vision *v, int32_t k) {
 
 /* ---- kernels ------------------------------------------------------------------------------ */
 
+/* AW copies of x (one broadcast; va_splat's 0 + x would add an addition per use). */
+static inline __attribute__((always_inline)) vaf bcast(const float *x) {
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
+    return (vaf)_mm512_set1_ps(*x);
+#elif !defined(ES_FORCE_SCALAR) && defined(__AVX__)
+    return (vaf)_mm256_set1_ps(*x);
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+    return (vaf)vld1q_dup_f32(x);
+#else
+    vaf v;
+    for (int i = 0; i < AW; i++) v[i] = *x;
+    return v;
+#endif
+}
+
 /* The micro-kernel: Y[i][c] = sum over k in [0, K) of w[k][c] * X[i][k] for i < nr, c < PW, each
  * one fused multiply-add chain from 0 in k order (fmaf(w, x, acc)); w[k] is the PW floats (F16
  * when f16) at W + k * ldw, X rows ldx apart, Y rows ldy apart. Lanes are columns, so every target
@@ -486,7 +501,7 @@ static inline __attribute__((always_inline)) void tile(const int nr, const int f
             IN_REG(w[j]);
         }
         for (int i = 0; i < nr; i++) {
-            const vaf xb = va_splat(X[(size_t)i * ldx + (size_t)k]);
+            const vaf xb = bcast(X + (size_t)i * ldx + (size_t)k);
             for (int j = 0; j < VIS_NV; j++) acc[i][j] = fma_a(w[j], xb, acc[i][j]);
         }
     }
