@@ -745,6 +745,28 @@ static void attn_ref(const attn_task *a, int h, int q0, int nq, float *s) {
     }
 }
 
+/* x[t] *= scale for t in [0, n), n >= 1, and the largest of them as max_row finds it (from
+ * x[0], "x[t] > best"; exact in any order). */
+static float scale_max_row(float *x, int n, float scale) {
+    const float x0 = x[0] * scale;
+    float m = x0;
+    vaf mv = va_splat(x0);
+    int t = 0;
+    for (; t + AW <= n; t += AW) {
+        vaf v;
+        memcpy(&v, x + t, sizeof v);
+        v = v * scale;
+        memcpy(x + t, &v, sizeof v);
+        mv = va_sel(v > mv, v, mv);
+    }
+    for (int l = 0; l < AW; l++) m = mv[l] > m ? mv[l] : m;
+    for (; t < n; t++) {
+        x[t] = x[t] * scale;
+        m = x[t] > m ? x[t] : m;
+    }
+    return m;
+}
+
 static void attn_fn(void *ctx, int ith, int nth) {
     const attn_task *a = ctx;
     const int nqb = (a->T + VIS_R - 1) / VIS_R;
@@ -766,15 +788,7 @@ static void attn_fn(void *ctx, int ith, int nth) {
         float inv[VIS_R];
         for (int i = 0; i < nq; i++) {
             float *si = s + (size_t)i * a->Tp;
-            int t = 0;
-            for (; t + AW <= a->T; t += AW) {
-                vaf v;
-                memcpy(&v, si + t, sizeof v);
-                v = v * a->scale;
-                memcpy(si + t, &v, sizeof v);
-            }
-            for (; t < a->T; t++) si[t] = si[t] * a->scale;
-            exp_sub_row(si, max_row(si, a->T), a->T);
+            exp_sub_row(si, scale_max_row(si, a->T, a->scale), a->T);
             inv[i] = 1.0f / sum8(si, a->T);
         }
         for (int p = 0; p < a->hdp; p += PW) tile_rows(0, s, a->Tp, nq, vp + p, a->hdp, a->T, o + p, a->hdp);
@@ -852,14 +866,23 @@ static void rope_tables(const es_vision *v, int T, int gw, float *cs, float *sn)
     }
 }
 
-/* 2-D RoPE on q and k of every head, in place in qkv [T][3 D] (pairs (i, i + hd / 2)). */
-static void rope_2d(const es_vision *v, float *qkv, int T, const float *cs, const float *sn) {
-    const int D = v->n_embd_v, hd = D / v->n_head, half = hd / 2;
-    for (int t = 0; t < T; t++)
+/* 2-D RoPE on q and k of every head, in place in qkv [T][3 D] (pairs (i, i + hd / 2)); threads
+ * split the tokens. */
+typedef struct {
+    const es_vision *v;
+    float *qkv;
+    int T;
+    const float *cs, *sn;   /* [T][hd / 2] (rope_tables) */
+} rope_task;
+
+static void rope_fn(void *ctx, int ith, int nth) {
+    const rope_task *r = ctx;
+    const int D = r->v->n_embd_v, hd = D / r->v->n_head, half = hd / 2;
+    for (int t = (int)((int64_t)r->T * ith / nth); t < (int)((int64_t)r->T * (ith + 1) / nth); t++)
         for (int qk = 0; qk < 2; qk++)
-            for (int h = 0; h < v->n_head; h++) {
-                float *p = qkv + (size_t)t * 3 * D + (size_t)qk * D + (size_t)h * hd;
-                const float *c = cs + (size_t)t * half, *s = sn + (size_t)t * half;
+            for (int h = 0; h < r->v->n_head; h++) {
+                float *p = r->qkv + (size_t)t * 3 * D + (size_t)qk * D + (size_t)h * hd;
+                const float *c = r->cs + (size_t)t * half, *s = r->sn + (size_t)t * half;
                 for (int i = 0; i < half; i++) {
                     const float a = p[i], b = p[i + half];
                     p[i] = a * c[i] - b * s[i];
@@ -935,13 +958,14 @@ es_status es_vision_encode_path(es_vision *v, const float *pixels, int32_t heigh
     es_pool_begin(pool);
     embed_patches(&R, v, pixels, height, width, ff, x);
     rope_tables(v, T, gw, cs, sn);
+    rope_task rt = {v, qkv, T, cs, sn};
     attn_task at = {qkv, att, kt, vp, ws, T, Tp, v->n_head, hd, hdp, D, 1.0f / sqrtf((float)hd), reference != 0};
     int k_ds = 0;
     for (int il = 0; il < v->n_layer; il++) {
         const vis_layer *l = &v->layers[il];
         rows(&R, ROW_LN, x, h, T, D, &l->ln1, v->eps);
         linear(&R, &l->qkv, h, T, qkv);
-        rope_2d(v, qkv, T, cs, sn);
+        es_pool_run(pool, rope_fn, &rt);
         es_pool_run(pool, attn_pack_fn, &at);
         es_pool_run(pool, attn_fn, &at);
         linear(&R, &l->out, att, T, h);
