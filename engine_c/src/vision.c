@@ -48,13 +48,14 @@ typedef struct {
 } vis_norm;
 
 /* Output columns per panel and token rows per micro-kernel call (vis_tile): 2 x VIS_R vectors of
- * accumulators, which fit the registers (AVX-512 and NEON 32, AVX2 16). */
+ * accumulators, which fit the registers (AVX-512 and NEON 32: 16 of them; AVX2 16: 12, and 8
+ * rows would spill). */
 #define VIS_NV 2
 #define PW (VIS_NV * AW)
 #if defined(__AVX512F__) || defined(__aarch64__)
 #define VIS_R 8
 #else
-#define VIS_R 4
+#define VIS_R 6
 #endif
 
 typedef struct {
