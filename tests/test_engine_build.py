@@ -39,9 +39,11 @@ def test_links_only_libc_libm_pthreads(built_lib):
 
 
 # the packed kernels of the 32-element block types and their scalar reference (quant.c, step 3);
-# the attention's score and value sums (attention.c, the contract above attend_unit)
+# the attention's score and value sums (attention.c, the contract above attend_unit); the vision
+# encoder's micro-kernel and its scalar twin (vision.c: one fused chain per output element)
 FMA_ALLOWED = re.compile(r"(?:p_q[458]_[01]|ref_quant|ref_q[458]_[01]"
-                         r"|attend_unit|block_partial|scores_v|axpy_qd|axpy_row|fma_a)(?:\.\w+)*")
+                         r"|attend_unit|block_partial|scores_v|axpy_qd|axpy_row|fma_a"
+                         r"|vis_tile_[hf]1?|vis_ref_dot)(?:\.\w+)*")
 
 
 def fma_by_function(disassembly: str, x86: bool) -> dict[str, int]:
@@ -65,7 +67,8 @@ def test_fused_multiply_add_only_where_the_contract_has_it(built_lib):
     everywhere, so the compiler fuses nothing (GCC 12 emits vfmaddsub for interleaved
     a*b -/+ c*d loops even under -ffp-contract=off), and the only fused steps are the
     explicit ones of the contracts: the matmul's (quant.c, step 3: the packed kernels of
-    the 32-element block types and their scalar reference) and the attention's sums."""
+    the 32-element block types and their scalar reference), the attention's sums and the
+    vision encoder's micro-kernel and its scalar twin (vision.c)."""
     import platform
     x86 = platform.machine() in ("x86_64", "AMD64")
     unstripped = built_lib.parent / "libechospec_engine.so"

@@ -629,8 +629,9 @@ const char *es_simd_name(void);
  * patch embedding (conv3d over two identical frames), the learned position embedding bilinearly
  * interpolated to the patch grid, ViT blocks with 2-D RoPE, the 2x2 (merge_size^2) spatial merge
  * and the merger MLP to the text model's width, and the deepstack mergers at the layers
- * clip.vision.is_deepstack_layers marks. Weights F16 or F32; float32 arithmetic, scalar, results
- * bitwise independent of the thread count. A handle is read-only after load except for its
+ * clip.vision.is_deepstack_layers marks. Weights F16 or F32 (packed at load into column panels,
+ * F16 kept F16); float32 arithmetic, the SIMD kernels bitwise equal to their scalar twins, results
+ * bitwise independent of the thread count and of the build's SIMD path. A handle is read-only after load except for its
  * error message: the caller keeps other threads off it during es_vision_encode.
  */
 typedef struct es_vision es_vision;

@@ -229,6 +229,14 @@ void es_matmul(es_pool *pool, const es_tensor *W, const float *X, int N,
 /* SIMD path name compiled in (es_simd_name returns it). */
 const char *es_quant_simd_name(void);
 
+/* ---- vision.c ----------------------------------------------------------- */
+
+/* es_vision_encode (which calls it with reference 0); reference != 0 runs the plain scalar twins
+ * of the matrix and attention kernels (one fmaf chain per element, no lanes), which give the
+ * same bits: the C tests compare the two. */
+es_status es_vision_encode_path(es_vision *v, const float *pixels, int32_t height, int32_t width,
+                                int32_t n_threads, float *embd_out, float *deepstack_out, int reference);
+
 /* ---- kv_cache.c --------------------------------------------------------- */
 
 /* Positions per KV block. The attention's online softmax works a block at a

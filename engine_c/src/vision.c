@@ -17,9 +17,19 @@
  *      tokens of a block concatenated, LayerNorm (post-shuffle), fc1, GELU (erf), fc2;
  *   6. the final merger: LayerNorm per token (v.post_ln), concatenation, mm.0, GELU (erf), mm.2.
  *
- * Arithmetic: float32 everywhere; weights F16 or F32 are widened row by row, each output element
- * is one sequential dot product. Threads split output rows (and attention's query rows) only, so
- * results are bitwise independent of the thread count. No SIMD path (scalar only).
+ * Arithmetic: float32. The matrices (every linear layer and the patch embedding) are packed at
+ * load into column panels of PW = 2 AW output columns, [n_out / PW][n_in][PW] (F16 weights stay
+ * F16, converted exactly in registers; the summed patch kernel is F32). Every output element of a
+ * linear layer is one sequential fused multiply-add chain over k from 0, acc = fmaf(w[k], x[k],
+ * acc), then + bias; the SIMD lanes of the micro-kernel (vis_tile) are different output columns
+ * doing that same chain, so every target gives the scalar chain's bits. Attention per head:
+ * scores are the same chain over the head dimension (keys transposed once per head and layer),
+ * times the scale; softmax with rowops.h's exp (expv's lanes are exp_cephes) and an 8-lane sum in
+ * a fixed order; the output is the chain over keys of p * v, times 1 / sum. The GELU (tanh) is
+ * rowops.h's form x / (1 + exp(-z)) (no libm tanh). The plain scalar twins of the matrix and
+ * attention kernels (es_vision_encode_path with reference set) compute the same bits; the C
+ * tests compare them. Threads split output columns (panels), rows and (head, query) blocks, never
+ * a sum, so results are bitwise independent of the thread count.
  */
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +38,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "rowops.h"
 
 #define VIS_MAX_LAYERS 256
 #define VIS_ERR_LEN 512
@@ -36,10 +47,22 @@ typedef struct {
     const float *w, *b;     /* LayerNorm weight / bias, owned copies inside the arena */
 } vis_norm;
 
+/* Output columns per panel and token rows per micro-kernel call (vis_tile): 2 x VIS_R vectors of
+ * accumulators, which fit the registers (AVX-512 and NEON 32: 16 of them; AVX2 16: 12, and 8
+ * rows would spill). */
+#define VIS_NV 2
+#define PW (VIS_NV * AW)
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define VIS_R 8
+#else
+#define VIS_R 6
+#endif
+
 typedef struct {
-    const es_tensor *w;     /* [n_out][n_in] F16 or F32 */
+    void *pan;              /* [n_pan][n_in][PW] F16 (f16) or F32, columns past n_out zero; owned */
+    int f16;
     const float *b;         /* [n_out] */
-    int64_t n_in, n_out;
+    int64_t n_in, n_out, n_pan;
 } vis_linear;
 
 typedef struct {
@@ -59,8 +82,7 @@ struct es_vision {
     float eps, mean[3], std[3];
     int64_t min_pixels, max_pixels;
     float *arena;           /* owned float copies: norms, biases, summed patch kernel, pos embd */
-    const float *patch_w;   /* [n_embd_v][3][patch][patch] (the two temporal halves summed) */
-    const float *patch_b;   /* [n_embd_v] */
+    vis_linear patch_embd;  /* [n_embd_v][3 patch patch] F32 (the two temporal halves summed), bias */
     const float *pos;       /* [n_pos_side^2][n_embd_v] */
     vis_layer *layers;
     vis_norm post_ln;
@@ -159,12 +181,39 @@ static es_status get_norm(loader *L, const char *prefix, int64_t n, vis_norm *ou
     return get_vec(L, name, n, &out->b);
 }
 
+/* Pack an [n_out][n_in] matrix (F16 when src_f16, else F32) into out's column panels
+ * [n_pan][n_in][PW], zero past n_out, keeping its type. */
+static es_status pack_panels(vis_linear *out, const void *src, int src_f16, int64_t n_in, int64_t n_out) {
+    const int64_t n_pan = (n_out + PW - 1) / PW;
+    const size_t esz = src_f16 ? 2 : 4, bytes = (size_t)n_pan * (size_t)n_in * PW * esz;
+    out->pan = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!out->pan) return ES_ERR_NOMEM;
+    memset(out->pan, 0, bytes);
+    for (int64_t o = 0; o < n_out; o++) {
+        const int64_t p = o / PW, c = o % PW;
+        if (src_f16) {
+            const uint16_t *s = (const uint16_t *)src + o * n_in;
+            uint16_t *d = (uint16_t *)out->pan + (size_t)p * (size_t)n_in * PW + (size_t)c;
+            for (int64_t k = 0; k < n_in; k++) d[(size_t)k * PW] = s[k];
+        } else {
+            const float *s = (const float *)src + o * n_in;
+            float *d = (float *)out->pan + (size_t)p * (size_t)n_in * PW + (size_t)c;
+            for (int64_t k = 0; k < n_in; k++) d[(size_t)k * PW] = s[k];
+        }
+    }
+    out->f16 = src_f16;
+    out->n_in = n_in;
+    out->n_out = n_out;
+    out->n_pan = n_pan;
+    return ES_OK;
+}
+
 static es_status get_linear(loader *L, const char *prefix, int64_t n_in, int64_t n_out, vis_linear *out) {
     char name[128];
+    const es_tensor *w;
     snprintf(name, sizeof name, "%s.weight", prefix);
-    es_status st = get_tensor(L, name, &out->w);
+    es_status st = get_tensor(L, name, &w);
     if (st) return st;
-    const es_tensor *w = out->w;
     if (w->n_dims != 2 || w->ne[0] != n_in || w->ne[1] != n_out) {
         es_set_err(L->err, L->err_len, "projector GGUF: tensor %s has shape [%lld, %lld], expected [%lld, %lld]",
                    name, (long long)w->ne[0], (long long)w->ne[1], (long long)n_in, (long long)n_out);
@@ -175,8 +224,10 @@ static es_status get_linear(loader *L, const char *prefix, int64_t n_in, int64_t
                    es_type_name(w->type));
         return ES_ERR_UNSUPPORTED;
     }
-    out->n_in = n_in;
-    out->n_out = n_out;
+    if (pack_panels(out, w->data, w->type == ES_TYPE_F16, n_in, n_out)) {
+        es_set_err(L->err, L->err_len, "out of memory packing the projector's tensor %s", name);
+        return ES_ERR_NOMEM;
+    }
     snprintf(name, sizeof name, "%s.bias", prefix);
     return get_vec(L, name, n_out, &out->b);
 }
@@ -299,9 +350,12 @@ static es_status load_weights(es_vision *v, char *err, size_t n) {
     }
     for (int64_t i = 0; i < pk; i++) pw[i] += tmp[i];
     free(tmp);
-    v->patch_w = pw;
+    if (pack_panels(&v->patch_embd, pw, 0, 3 * P * P, D)) {
+        es_set_err(err, n, "out of memory packing the projector's patch embedding");
+        return ES_ERR_NOMEM;
+    }
     L.next += pk;
-    if ((st = get_vec(&L, "v.patch_embd.bias", D, &v->patch_b)) ||
+    if ((st = get_vec(&L, "v.patch_embd.bias", D, &v->patch_embd.b)) ||
         (st = get_vec(&L, "v.position_embd.weight", n_pos * D, &v->pos)))
         return st;
     char name[96];
@@ -365,6 +419,19 @@ es_status es_vision_load(const char *path, es_vision **out, char *err, size_t er
 void es_vision_free(es_vision *v) {
     if (!v) return;
     if (v->g) es_gguf_close(v->g);
+    free(v->patch_embd.pan);
+    for (int i = 0; v->layers && i < v->n_layer; i++) {
+        free(v->layers[i].qkv.pan);
+        free(v->layers[i].out.pan);
+        free(v->layers[i].up.pan);
+        free(v->layers[i].down.pan);
+    }
+    free(v->mm0.pan);
+    free(v->mm2.pan);
+    for (int i = 0; v->ds && i < v->n_deepstack; i++) {
+        free(v->ds[i].fc1.pan);
+        free(v->ds[i].fc2.pan);
+    }
     free(v->arena);
     free(v->layers);
     free(v->ds);
@@ -396,112 +463,339 @@ int32_t es_vision_deepstack_layer(const es_vision *v, int32_t k) {
     return v && k >= 0 && k < v->n_deepstack ? v->ds[k].layer : -1;
 }
 
-/* ---- kernels (scalar) ---------------------------------------------------------------------- */
+/* ---- kernels ------------------------------------------------------------------------------ */
+
+/* AW copies of x (one broadcast; va_splat's 0 + x would add an addition per use). */
+static inline __attribute__((always_inline)) vaf bcast(const float *x) {
+#if !defined(ES_FORCE_SCALAR) && defined(__AVX512F__)
+    return (vaf)_mm512_set1_ps(*x);
+#elif !defined(ES_FORCE_SCALAR) && defined(__AVX__)
+    return (vaf)_mm256_set1_ps(*x);
+#elif !defined(ES_FORCE_SCALAR) && defined(__aarch64__) && defined(__ARM_NEON)
+    return (vaf)vld1q_dup_f32(x);
+#else
+    vaf v;
+    for (int i = 0; i < AW; i++) v[i] = *x;
+    return v;
+#endif
+}
+
+/* The micro-kernel: Y[i][c] = sum over k in [0, K) of w[k][c] * X[i][k] for i < nr, c < PW, each
+ * one fused multiply-add chain from 0 in k order (fmaf(w, x, acc)); w[k] is the PW floats (F16
+ * when f16) at W + k * ldw, X rows ldx apart, Y rows ldy apart. Lanes are columns, so every target
+ * and the scalar twin (vis_ref_dot) give the same bits. nr and f16 are constants after inlining
+ * into the vis_tile_* entry points. */
+static inline __attribute__((always_inline)) void tile(const int nr, const int f16, const float *X, size_t ldx,
+                                                       const void *W, size_t ldw, int64_t K, float *Y,
+                                                       size_t ldy) {
+    vaf acc[VIS_R][VIS_NV];
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < VIS_NV; j++) acc[i][j] = (vaf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vaf w[VIS_NV];
+        for (int j = 0; j < VIS_NV; j++) {
+            if (f16) {
+                w[j] = ld_h((const uint16_t *)W + (size_t)k * ldw + (size_t)j * AW);
+            } else {
+                memcpy(&w[j], (const float *)W + (size_t)k * ldw + (size_t)j * AW, sizeof w[j]);
+            }
+            IN_REG(w[j]);
+        }
+        for (int i = 0; i < nr; i++) {
+            const vaf xb = bcast(X + (size_t)i * ldx + (size_t)k);
+            for (int j = 0; j < VIS_NV; j++) acc[i][j] = fma_a(w[j], xb, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < VIS_NV; j++) memcpy(Y + (size_t)i * ldy + (size_t)j * AW, &acc[i][j], sizeof(vaf));
+}
+
+__attribute__((noinline)) static void vis_tile_h(const float *X, size_t ldx, const void *W, size_t ldw, int64_t K,
+                                                 float *Y, size_t ldy) {
+    tile(VIS_R, 1, X, ldx, W, ldw, K, Y, ldy);
+}
+__attribute__((noinline)) static void vis_tile_h1(const float *X, size_t ldx, const void *W, size_t ldw, int64_t K,
+                                                  float *Y, size_t ldy) {
+    tile(1, 1, X, ldx, W, ldw, K, Y, ldy);
+}
+__attribute__((noinline)) static void vis_tile_f(const float *X, size_t ldx, const void *W, size_t ldw, int64_t K,
+                                                 float *Y, size_t ldy) {
+    tile(VIS_R, 0, X, ldx, W, ldw, K, Y, ldy);
+}
+__attribute__((noinline)) static void vis_tile_f1(const float *X, size_t ldx, const void *W, size_t ldw, int64_t K,
+                                                  float *Y, size_t ldy) {
+    tile(1, 0, X, ldx, W, ldw, K, Y, ldy);
+}
+
+/* Rows [0, n) of X against one panel: whole VIS_R blocks, then single rows. */
+static void tile_rows(int f16, const float *X, size_t ldx, int n, const void *W, size_t ldw, int64_t K, float *Y,
+                      size_t ldy) {
+    int i = 0;
+    for (; i + VIS_R <= n; i += VIS_R) {
+        if (f16) vis_tile_h(X + (size_t)i * ldx, ldx, W, ldw, K, Y + (size_t)i * ldy, ldy);
+        else vis_tile_f(X + (size_t)i * ldx, ldx, W, ldw, K, Y + (size_t)i * ldy, ldy);
+    }
+    for (; i < n; i++) {
+        if (f16) vis_tile_h1(X + (size_t)i * ldx, ldx, W, ldw, K, Y + (size_t)i * ldy, ldy);
+        else vis_tile_f1(X + (size_t)i * ldx, ldx, W, ldw, K, Y + (size_t)i * ldy, ldy);
+    }
+}
+
+/* The scalar twin of tile: one chain sum over k of w[k * ldw] * x[k * ldx], from 0. */
+__attribute__((noinline)) static float vis_ref_dot(int f16, const void *w, size_t ldw, const float *x, size_t ldx,
+                                                   int64_t K) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        const float wk = f16 ? es_fp16_to_fp32(((const uint16_t *)w)[(size_t)k * ldw])
+                             : ((const float *)w)[(size_t)k * ldw];
+        acc = fmaf(wk, x[(size_t)k * ldx], acc);
+    }
+    return acc;
+}
+
+/* x[0..n) summed by 8 lanes: lane j takes elements j, j + 8, ... in order, then
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). vis_ref_sum8 is its scalar twin. */
+static float sum8(const float *x, int64_t n) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f y;
+        memcpy(&y, x + i, sizeof y);
+        acc += y;
+    }
+    float l[8];
+    memcpy(l, &acc, sizeof l);
+    for (; i < n; i++) l[i & 7] += x[i];
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+static float vis_ref_sum8(const float *x, int64_t n) {
+    float l[8] = {0};
+    for (int64_t i = 0; i < n; i++) l[i & 7] += x[i];
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* Rows per chunk of a linear layer: the chunk of X (rows x n_in floats) stays in the L2 cache
+ * while every panel of the thread passes over it. */
+static int chunk_rows(int64_t n_in) {
+    int64_t r = (int64_t)(128 * 1024 / 4) / (n_in > 0 ? n_in : 1) / VIS_R * VIS_R;
+    return r < VIS_R ? VIS_R : r > 256 ? 256 : (int)r;
+}
 
 typedef struct {
     const vis_linear *lin;
     const float *X;         /* [N][n_in] */
     float *Y;               /* [N][n_out] */
     int N;
-    float *rowbuf;          /* [nth][n_in] */
+    int reference;          /* the scalar twin (vis_ref_dot) instead of the micro-kernel */
 } linear_task;
 
 static void linear_fn(void *ctx, int ith, int nth) {
     const linear_task *t = ctx;
     const vis_linear *l = t->lin;
     const int64_t n_in = l->n_in, n_out = l->n_out;
-    const int64_t r0 = n_out * ith / nth, r1 = n_out * (ith + 1) / nth;
-    float *w = t->rowbuf + (size_t)ith * (size_t)n_in;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *wr;
-        if (l->w->type == ES_TYPE_F32) {
-            wr = (const float *)l->w->data + r * n_in;
-        } else {
-            const uint16_t *s = (const uint16_t *)l->w->data + r * n_in;
-            for (int64_t k = 0; k < n_in; k++) w[k] = es_fp16_to_fp32(s[k]);
-            wr = w;
-        }
-        for (int i = 0; i < t->N; i++) {
-            const float *x = t->X + (size_t)i * (size_t)n_in;
-            float acc = 0.0f;
-            for (int64_t k = 0; k < n_in; k++) acc += wr[k] * x[k];
-            t->Y[(size_t)i * (size_t)n_out + (size_t)r] = acc + l->b[r];
+    const int64_t p0 = l->n_pan * ith / nth, p1 = l->n_pan * (ith + 1) / nth;
+    const size_t esz = l->f16 ? 2 : 4, pan_bytes = (size_t)n_in * PW * esz;
+    const int rc = chunk_rows(n_in);
+    float tmp[256 * PW];
+    for (int r0 = 0; r0 < t->N; r0 += rc) {
+        const int nr = t->N - r0 < rc ? t->N - r0 : rc;
+        const float *X = t->X + (size_t)r0 * (size_t)n_in;
+        for (int64_t p = p0; p < p1; p++) {
+            const unsigned char *W = (const unsigned char *)l->pan + (size_t)p * pan_bytes;
+            const int64_t c0 = p * PW, nc = n_out - c0 < PW ? n_out - c0 : PW;
+            if (t->reference) {
+                for (int i = 0; i < nr; i++)
+                    for (int64_t c = 0; c < nc; c++)
+                        tmp[(size_t)i * PW + (size_t)c] =
+                            vis_ref_dot(l->f16, W + (size_t)c * esz, PW, X + (size_t)i * (size_t)n_in, 1, n_in);
+            } else {
+                tile_rows(l->f16, X, (size_t)n_in, nr, W, PW, n_in, tmp, PW);
+            }
+            for (int i = 0; i < nr; i++) {
+                float *y = t->Y + (size_t)(r0 + i) * (size_t)n_out + (size_t)c0;
+                for (int64_t c = 0; c < nc; c++) y[c] = tmp[(size_t)i * PW + (size_t)c] + l->b[c0 + c];
+            }
         }
     }
 }
 
 typedef struct {
     es_pool *pool;
-    float *rowbuf;          /* [nth][max n_in] */
+    int reference;
 } runner;
 
 static void linear(runner *R, const vis_linear *l, const float *X, int N, float *Y) {
-    linear_task t = {l, X, Y, N, R->rowbuf};
+    linear_task t = {l, X, Y, N, R->reference};
     es_pool_run(R->pool, linear_fn, &t);
 }
 
-static void layer_norm(const float *x, float *y, int n, int64_t d, const vis_norm *nm, float eps) {
-    for (int i = 0; i < n; i++) {
-        const float *xi = x + (size_t)i * (size_t)d;
-        float *yi = y + (size_t)i * (size_t)d;
-        float mean = 0.0f;
-        for (int64_t k = 0; k < d; k++) mean += xi[k];
-        mean /= (float)d;
-        float var = 0.0f;
-        for (int64_t k = 0; k < d; k++) {
-            float c = xi[k] - mean;
-            var += c * c;
-        }
-        var /= (float)d;
-        float rs = 1.0f / sqrtf(var + eps);
-        for (int64_t k = 0; k < d; k++) yi[k] = (xi[k] - mean) * rs * nm->w[k] + nm->b[k];
+/* Per-row work split across the pool: LayerNorm, the GELUs, residual adds. */
+enum { ROW_LN, ROW_GELU_TANH, ROW_GELU_ERF, ROW_ADD };
+
+typedef struct {
+    int op;
+    const float *x;         /* ROW_LN: input; ROW_ADD: the addend */
+    float *y;               /* output (in place for the GELUs and ROW_ADD) */
+    int n;
+    int64_t d;              /* floats per row */
+    const vis_norm *nm;
+    float eps;
+} rows_task;
+
+/* LayerNorm of one row: mean and variance by sum8 (fixed order), then (x - mean) * rs * w + b. */
+static void layer_norm_row(const float *x, float *y, int64_t d, const vis_norm *nm, float eps) {
+    const float mean = sum8(x, d) / (float)d;
+    for (int64_t k = 0; k < d; k++) {
+        const float c = x[k] - mean;
+        y[k] = c * c;
     }
+    const float var = sum8(y, d) / (float)d;
+    const float rs = 1.0f / sqrtf(var + eps);
+    for (int64_t k = 0; k < d; k++) y[k] = (x[k] - mean) * rs * nm->w[k] + nm->b[k];
 }
 
-static float gelu_tanh(float x) {
-    const float c = 0.7978845608028654f;   /* sqrt(2 / pi) */
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+/* GELU, tanh form, as rowops.h's gelu_row without the product: x / (1 + exp(-z)),
+ * z = x (GELU_K0 + GELU_K1 x^2); lanes and the scalar tail are the same operations. */
+static void gelu_tanh_row(float *g, int64_t n) {
+    int64_t i = 0;
+    for (; i + AW <= n; i += AW) {
+        vaf gv;
+        memcpy(&gv, g + i, sizeof gv);
+        vaf z = gv * (va_splat(GELU_K0) + va_splat(GELU_K1) * (gv * gv));
+        gv = gv / (va_splat(1.0f) + expv(-z));
+        memcpy(g + i, &gv, sizeof gv);
+    }
+    for (; i < n; i++) {
+        const float x = g[i], z = x * (GELU_K0 + GELU_K1 * (x * x));
+        g[i] = x / (1.0f + exp_cephes(-z));
+    }
 }
 
 static float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f)); }
 
+static void rows_fn(void *ctx, int ith, int nth) {
+    const rows_task *t = ctx;
+    const int i0 = (int)((int64_t)t->n * ith / nth), i1 = (int)((int64_t)t->n * (ith + 1) / nth);
+    for (int i = i0; i < i1; i++) {
+        float *y = t->y + (size_t)i * (size_t)t->d;
+        const float *x = t->x ? t->x + (size_t)i * (size_t)t->d : NULL;
+        if (t->op == ROW_LN) {
+            layer_norm_row(x, y, t->d, t->nm, t->eps);
+        } else if (t->op == ROW_GELU_TANH) {
+            gelu_tanh_row(y, t->d);
+        } else if (t->op == ROW_GELU_ERF) {
+            for (int64_t k = 0; k < t->d; k++) y[k] = gelu_erf(y[k]);
+        } else {
+            for (int64_t k = 0; k < t->d; k++) y[k] += x[k];
+        }
+    }
+}
+
+static void rows(runner *R, int op, const float *x, float *y, int n, int64_t d, const vis_norm *nm, float eps) {
+    rows_task t = {op, x, y, n, d, nm, eps};
+    es_pool_run(R->pool, rows_fn, &t);
+}
+
+/* Attention over the T tokens, every head. Per head, the keys transposed and the values padded
+ * (attn_pack_fn), then units of (head, VIS_R queries) (attn_fn): scores by the micro-kernel
+ * against the transposed keys (one chain over the head dimension per score) times the scale,
+ * exp(s - max) (expv), the sum by sum8, the output by the micro-kernel over the keys (one chain
+ * over keys per element) times 1 / sum. */
 typedef struct {
     const float *qkv;       /* [T][3 D], q and k already rotated */
     float *out;             /* [T][D] */
-    float *scores;          /* [nth][T] */
-    int T, n_head, hd, D;
+    float *kt;              /* [n_head][hdp][Tp]: keys transposed, zero past T */
+    float *vp;              /* [n_head][T][hdp]: values, zero past hd */
+    float *ws;              /* per thread: scores [VIS_R][Tp], outputs [VIS_R][hdp] */
+    int T, Tp, n_head, hd, hdp, D;
     float scale;
+    int reference;
 } attn_task;
+
+static void attn_pack_fn(void *ctx, int ith, int nth) {
+    const attn_task *a = ctx;
+    const size_t ld = 3 * (size_t)a->D;
+    for (int h = a->n_head * ith / nth; h < a->n_head * (ith + 1) / nth; h++) {
+        float *kt = a->kt + (size_t)h * a->hdp * a->Tp, *vp = a->vp + (size_t)h * a->T * a->hdp;
+        memset(kt, 0, sizeof(float) * (size_t)a->hdp * a->Tp);
+        memset(vp, 0, sizeof(float) * (size_t)a->T * a->hdp);
+        for (int t = 0; t < a->T; t++) {
+            const float *k = a->qkv + (size_t)t * ld + (size_t)a->D + (size_t)h * a->hd;
+            for (int e = 0; e < a->hd; e++) kt[(size_t)e * a->Tp + (size_t)t] = k[e];
+            memcpy(vp + (size_t)t * a->hdp, k + a->D, sizeof(float) * (size_t)a->hd);
+        }
+    }
+}
+
+/* The scalar twin of one unit of attn_fn: queries [q0, q0 + nq) of head h. */
+static void attn_ref(const attn_task *a, int h, int q0, int nq, float *s) {
+    const size_t ld = 3 * (size_t)a->D;
+    for (int qi = q0; qi < q0 + nq; qi++) {
+        const float *q = a->qkv + (size_t)qi * ld + (size_t)h * a->hd;
+        for (int t = 0; t < a->T; t++)
+            s[t] = vis_ref_dot(0, a->qkv + (size_t)t * ld + (size_t)a->D + (size_t)h * a->hd, 1, q, 1, a->hd) *
+                   a->scale;
+        float mx = s[0];
+        for (int t = 1; t < a->T; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int t = 0; t < a->T; t++) s[t] = exp_cephes(s[t] - mx);
+        const float inv = 1.0f / vis_ref_sum8(s, a->T);
+        float *o = a->out + (size_t)qi * (size_t)a->D + (size_t)h * a->hd;
+        for (int e = 0; e < a->hd; e++)
+            o[e] = vis_ref_dot(0, a->qkv + 2 * (size_t)a->D + (size_t)h * a->hd + (size_t)e, ld, s, 1, a->T) * inv;
+    }
+}
+
+/* x[t] *= scale for t in [0, n), n >= 1, and the largest of them as max_row finds it (from
+ * x[0], "x[t] > best"; exact in any order). */
+static float scale_max_row(float *x, int n, float scale) {
+    const float x0 = x[0] * scale;
+    float m = x0;
+    vaf mv = va_splat(x0);
+    int t = 0;
+    for (; t + AW <= n; t += AW) {
+        vaf v;
+        memcpy(&v, x + t, sizeof v);
+        v = v * scale;
+        memcpy(x + t, &v, sizeof v);
+        mv = va_sel(v > mv, v, mv);
+    }
+    for (int l = 0; l < AW; l++) m = mv[l] > m ? mv[l] : m;
+    for (; t < n; t++) {
+        x[t] = x[t] * scale;
+        m = x[t] > m ? x[t] : m;
+    }
+    return m;
+}
 
 static void attn_fn(void *ctx, int ith, int nth) {
     const attn_task *a = ctx;
-    const int64_t total = (int64_t)a->T * a->n_head;
-    const int64_t j0 = total * ith / nth, j1 = total * (ith + 1) / nth;
-    float *s = a->scores + (size_t)ith * (size_t)a->T;
+    const int nqb = (a->T + VIS_R - 1) / VIS_R;
+    const int64_t total = (int64_t)nqb * a->n_head;
+    const int64_t u0 = total * ith / nth, u1 = total * (ith + 1) / nth;
+    float *s = a->ws + (size_t)ith * (size_t)VIS_R * (size_t)(a->Tp + a->hdp);
+    float *o = s + (size_t)VIS_R * a->Tp;
     const size_t ld = 3 * (size_t)a->D;
-    for (int64_t j = j0; j < j1; j++) {
-        const int h = (int)(j % a->n_head), qi = (int)(j / a->n_head);
-        const float *q = a->qkv + (size_t)qi * ld + (size_t)h * a->hd;
-        float mx = -INFINITY;
-        for (int t = 0; t < a->T; t++) {
-            const float *k = a->qkv + (size_t)t * ld + (size_t)a->D + (size_t)h * a->hd;
-            float acc = 0.0f;
-            for (int e = 0; e < a->hd; e++) acc += q[e] * k[e];
-            s[t] = acc * a->scale;
-            if (s[t] > mx) mx = s[t];
+    for (int64_t u = u0; u < u1; u++) {
+        const int h = (int)(u / nqb), q0 = (int)(u % nqb) * VIS_R;
+        const int nq = a->T - q0 < VIS_R ? a->T - q0 : VIS_R;
+        if (a->reference) {
+            attn_ref(a, h, q0, nq, s);
+            continue;
         }
-        float sum = 0.0f;
-        for (int t = 0; t < a->T; t++) {
-            s[t] = expf(s[t] - mx);
-            sum += s[t];
+        const float *kt = a->kt + (size_t)h * a->hdp * a->Tp, *vp = a->vp + (size_t)h * a->T * a->hdp;
+        const float *q = a->qkv + (size_t)q0 * ld + (size_t)h * a->hd;
+        for (int p = 0; p < a->Tp; p += PW) tile_rows(0, q, ld, nq, kt + p, a->Tp, a->hd, s + p, a->Tp);
+        float inv[VIS_R];
+        for (int i = 0; i < nq; i++) {
+            float *si = s + (size_t)i * a->Tp;
+            exp_sub_row(si, scale_max_row(si, a->T, a->scale), a->T);
+            inv[i] = 1.0f / sum8(si, a->T);
         }
-        float inv = 1.0f / sum;
-        float *o = a->out + (size_t)qi * (size_t)a->D + (size_t)h * a->hd;
-        for (int e = 0; e < a->hd; e++) o[e] = 0.0f;
-        for (int t = 0; t < a->T; t++) {
-            const float *vv = a->qkv + (size_t)t * ld + 2 * (size_t)a->D + (size_t)h * a->hd;
-            const float p = s[t] * inv;
-            for (int e = 0; e < a->hd; e++) o[e] += p * vv[e];
+        for (int p = 0; p < a->hdp; p += PW) tile_rows(0, s, a->Tp, nq, vp + p, a->hdp, a->T, o + p, a->hdp);
+        for (int i = 0; i < nq; i++) {
+            float *oi = a->out + (size_t)(q0 + i) * (size_t)a->D + (size_t)h * a->hd;
+            for (int e = 0; e < a->hd; e++) oi[e] = o[(size_t)i * a->hdp + (size_t)e] * inv[i];
         }
     }
 }
@@ -521,26 +815,27 @@ static void token_rc(const es_vision *v, int gw, int t, int *row, int *col) {
     *col = (blk % bw_n) * m + in % m;
 }
 
-static void embed_patches(const es_vision *v, const float *px, int H, int W, float *x) {
+/* Patch embedding and position embedding into x [T][D]: the patches in merge order as rows of
+ * pm [T][3 P P], the packed kernel over them, then the bilinear position embedding
+ * (fast_pos_embed_interpolate) added. */
+static void embed_patches(runner *R, const es_vision *v, const float *px, int H, int W, float *pm, float *x) {
     const int P = v->patch, D = v->n_embd_v, gh = H / P, gw = W / P, T = gh * gw;
     const int side = v->n_pos_side;
     const int K = 3 * P * P;
-    float *patch = x + (size_t)T * (size_t)D;   /* caller gives room for T D + K floats */
     for (int t = 0; t < T; t++) {
         int r, c;
         token_rc(v, gw, t, &r, &c);
+        float *patch = pm + (size_t)t * K;
         for (int ch = 0; ch < 3; ch++)
             for (int ky = 0; ky < P; ky++)
                 memcpy(patch + (ch * P + ky) * P, px + ((size_t)ch * H + (size_t)(r * P + ky)) * W + (size_t)c * P,
                        (size_t)P * sizeof(float));
+    }
+    linear(R, &v->patch_embd, pm, T, x);
+    for (int t = 0; t < T; t++) {
+        int r, c;
+        token_rc(v, gw, t, &r, &c);
         float *xt = x + (size_t)t * D;
-        for (int o = 0; o < D; o++) {
-            const float *w = v->patch_w + (size_t)o * K;
-            float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += w[k] * patch[k];
-            xt[o] = acc + v->patch_b[o];
-        }
-        /* bilinear position embedding (fast_pos_embed_interpolate) */
         const float hy = linspace_at(r, gh, (float)(side - 1)), wx = linspace_at(c, gw, (float)(side - 1));
         const int h0 = (int)hy, w0 = (int)wx;
         const int h1 = h0 + 1 < side ? h0 + 1 : side - 1, w1 = w0 + 1 < side ? w0 + 1 : side - 1;
@@ -555,9 +850,10 @@ static void embed_patches(const es_vision *v, const float *px, int H, int W, flo
     }
 }
 
-/* 2-D RoPE on q and k of every head, in place in qkv [T][3 D]. */
-static void rope_2d(const es_vision *v, float *qkv, int T, int gw) {
-    const int D = v->n_embd_v, hd = D / v->n_head, half = hd / 2, nf = half / 2;
+/* The 2-D RoPE's cos and sin per token and rotary index, cs / sn [T][hd / 2]: of the hd / 2
+ * frequencies, the first quarter turn with the patch row and the second with the column. */
+static void rope_tables(const es_vision *v, int T, int gw, float *cs, float *sn) {
+    const int hd = v->n_embd_v / v->n_head, half = hd / 2, nf = half / 2;
     float inv[512];
     for (int j = 0; j < nf; j++) inv[j] = 1.0f / powf(10000.0f, (float)(2 * j) / (float)half);
     for (int t = 0; t < T; t++) {
@@ -565,16 +861,35 @@ static void rope_2d(const es_vision *v, float *qkv, int T, int gw) {
         token_rc(v, gw, t, &r, &c);
         for (int i = 0; i < half; i++) {
             const float ang = i < nf ? (float)r * inv[i] : (float)c * inv[i - nf];
-            const float cs = cosf(ang), sn = sinf(ang);
-            for (int qk = 0; qk < 2; qk++)
-                for (int h = 0; h < v->n_head; h++) {
-                    float *p = qkv + (size_t)t * 3 * D + (size_t)qk * D + (size_t)h * hd;
-                    const float a = p[i], b = p[i + half];
-                    p[i] = a * cs - b * sn;
-                    p[i + half] = b * cs + a * sn;
-                }
+            cs[(size_t)t * half + i] = cosf(ang);
+            sn[(size_t)t * half + i] = sinf(ang);
         }
     }
+}
+
+/* 2-D RoPE on q and k of every head, in place in qkv [T][3 D] (pairs (i, i + hd / 2)); threads
+ * split the tokens. */
+typedef struct {
+    const es_vision *v;
+    float *qkv;
+    int T;
+    const float *cs, *sn;   /* [T][hd / 2] (rope_tables) */
+} rope_task;
+
+static void rope_fn(void *ctx, int ith, int nth) {
+    const rope_task *r = ctx;
+    const int D = r->v->n_embd_v, hd = D / r->v->n_head, half = hd / 2;
+    for (int t = (int)((int64_t)r->T * ith / nth); t < (int)((int64_t)r->T * (ith + 1) / nth); t++)
+        for (int qk = 0; qk < 2; qk++)
+            for (int h = 0; h < r->v->n_head; h++) {
+                float *p = r->qkv + (size_t)t * 3 * D + (size_t)qk * D + (size_t)h * hd;
+                const float *c = r->cs + (size_t)t * half, *s = r->sn + (size_t)t * half;
+                for (int i = 0; i < half; i++) {
+                    const float a = p[i], b = p[i + half];
+                    p[i] = a * c[i] - b * s[i];
+                    p[i + half] = b * c[i] + a * s[i];
+                }
+            }
 }
 
 /* A merger over x [T][D] (post-shuffle norm when post != 0, else per-token norm first). */
@@ -582,17 +897,22 @@ static void merger(runner *R, const es_vision *v, const vis_norm *nm, const vis_
                    int post, const float *x, int T, float *buf_a, float *buf_b, float *out) {
     const int D = v->n_embd_v, M2 = v->merge * v->merge, Tm = T / M2;
     if (post) {
-        layer_norm(x, buf_a, Tm, (int64_t)D * M2, nm, v->eps);
+        rows(R, ROW_LN, x, buf_a, Tm, (int64_t)D * M2, nm, v->eps);
     } else {
-        layer_norm(x, buf_a, T, D, nm, v->eps);
+        rows(R, ROW_LN, x, buf_a, T, D, nm, v->eps);
     }
     linear(R, fc1, buf_a, Tm, buf_b);
-    for (size_t i = 0; i < (size_t)Tm * D * M2; i++) buf_b[i] = gelu_erf(buf_b[i]);
+    rows(R, ROW_GELU_ERF, NULL, buf_b, Tm, (int64_t)D * M2, NULL, 0.0f);
     linear(R, fc2, buf_b, Tm, out);
 }
 
 es_status es_vision_encode(es_vision *v, const float *pixels, int32_t height, int32_t width, int32_t n_threads,
                            float *embd_out, float *deepstack_out) {
+    return es_vision_encode_path(v, pixels, height, width, n_threads, embd_out, deepstack_out, 0);
+}
+
+es_status es_vision_encode_path(es_vision *v, const float *pixels, int32_t height, int32_t width,
+                                int32_t n_threads, float *embd_out, float *deepstack_out, int reference) {
     if (!v) return ES_ERR_INVALID_ARG;
     v->err[0] = 0;
     const int step = v->patch * v->merge;
@@ -614,12 +934,14 @@ es_status es_vision_encode(es_vision *v, const float *pixels, int32_t height, in
     }
     const int gh = height / v->patch, gw = width / v->patch, T = gh * gw;
     const int D = v->n_embd_v, F = v->n_ff, M2 = v->merge * v->merge, Tm = T / M2;
-    const int K = 3 * v->patch * v->patch;
-    const int64_t wide = (int64_t)D * M2 > F ? (int64_t)D * M2 : F;
-    const int64_t max_in = wide > K ? wide : K;
-    /* x [T D + K], h [T D], qkv [T 3D], att [T D], ff [T wide], m [T D], scores, rowbuf */
-    size_t n_f = (size_t)T * D + (size_t)K + (size_t)T * D + (size_t)T * 3 * D + (size_t)T * D +
-                 (size_t)T * (size_t)wide + (size_t)T * D + (size_t)n_threads * T + (size_t)n_threads * max_in;
+    const int K = 3 * v->patch * v->patch, hd = D / v->n_head;
+    const int Tp = (T + PW - 1) / PW * PW, hdp = (hd + PW - 1) / PW * PW;
+    int64_t wide = (int64_t)D * M2 > F ? (int64_t)D * M2 : F;
+    wide = wide > K ? wide : K;
+    /* x, h, att, mb [T D]; qkv [T 3D]; ff [T wide]; keys, values; per thread scores; rope [T hd] */
+    const size_t n_f = (size_t)T * D * 4 + (size_t)T * 3 * D + (size_t)T * (size_t)wide +
+                       (size_t)v->n_head * hdp * Tp + (size_t)v->n_head * T * hdp +
+                       (size_t)n_threads * VIS_R * (size_t)(Tp + hdp) + (size_t)T * hd;
     float *buf = malloc(n_f * sizeof(float));
     es_pool *pool = es_pool_new(n_threads);
     if (!buf || !pool) {
@@ -629,26 +951,31 @@ es_status es_vision_encode(es_vision *v, const float *pixels, int32_t height, in
                                               : "es_vision_encode: out of memory for %d patches", T);
         return buf ? ES_ERR_INTERNAL : ES_ERR_NOMEM;
     }
-    float *x = buf, *h = x + (size_t)T * D + K, *qkv = h + (size_t)T * D, *att = qkv + (size_t)T * 3 * D;
-    float *ff = att + (size_t)T * D, *mb = ff + (size_t)T * wide, *scores = mb + (size_t)T * D;
-    runner R = {pool, scores + (size_t)n_threads * T};
+    float *x = buf, *h = x + (size_t)T * D, *att = h + (size_t)T * D, *mb = att + (size_t)T * D;
+    float *qkv = mb + (size_t)T * D, *ff = qkv + (size_t)T * 3 * D, *kt = ff + (size_t)T * wide;
+    float *vp = kt + (size_t)v->n_head * hdp * Tp, *ws = vp + (size_t)v->n_head * T * hdp;
+    float *cs = ws + (size_t)n_threads * VIS_R * (size_t)(Tp + hdp), *sn = cs + (size_t)T * (hd / 2);
+    runner R = {pool, reference != 0};
     es_pool_begin(pool);
-    embed_patches(v, pixels, height, width, x);
-    attn_task at = {qkv, att, scores, T, v->n_head, D / v->n_head, D, 1.0f / sqrtf((float)(D / v->n_head))};
+    embed_patches(&R, v, pixels, height, width, ff, x);
+    rope_tables(v, T, gw, cs, sn);
+    rope_task rt = {v, qkv, T, cs, sn};
+    attn_task at = {qkv, att, kt, vp, ws, T, Tp, v->n_head, hd, hdp, D, 1.0f / sqrtf((float)hd), reference != 0};
     int k_ds = 0;
     for (int il = 0; il < v->n_layer; il++) {
         const vis_layer *l = &v->layers[il];
-        layer_norm(x, h, T, D, &l->ln1, v->eps);
+        rows(&R, ROW_LN, x, h, T, D, &l->ln1, v->eps);
         linear(&R, &l->qkv, h, T, qkv);
-        rope_2d(v, qkv, T, gw);
+        es_pool_run(pool, rope_fn, &rt);
+        es_pool_run(pool, attn_pack_fn, &at);
         es_pool_run(pool, attn_fn, &at);
         linear(&R, &l->out, att, T, h);
-        for (size_t i = 0; i < (size_t)T * D; i++) x[i] += h[i];
-        layer_norm(x, h, T, D, &l->ln2, v->eps);
+        rows(&R, ROW_ADD, h, x, T, D, NULL, 0.0f);
+        rows(&R, ROW_LN, x, h, T, D, &l->ln2, v->eps);
         linear(&R, &l->up, h, T, ff);
-        for (size_t i = 0; i < (size_t)T * F; i++) ff[i] = gelu_tanh(ff[i]);
+        rows(&R, ROW_GELU_TANH, NULL, ff, T, F, NULL, 0.0f);
         linear(&R, &l->down, ff, T, h);
-        for (size_t i = 0; i < (size_t)T * D; i++) x[i] += h[i];
+        rows(&R, ROW_ADD, h, x, T, D, NULL, 0.0f);
         if (k_ds < v->n_deepstack && v->ds[k_ds].layer == il) {
             if (deepstack_out) {
                 const vis_merger *m = &v->ds[k_ds];

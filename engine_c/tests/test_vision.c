@@ -2,7 +2,10 @@
  * test_vision.c - the Qwen3-VL vision encoder (vision.c) on the committed tiny projector
  * (tests/data/models/qwen3vl-mmproj-F16.gguf; the tests run from engine_c/): load and info,
  * refused files (missing, a text model, another projector type, truncated), bad encode arguments,
- * and results bitwise independent of the thread count and of whether deepstack is asked for.
+ * results bitwise independent of the thread count and of whether deepstack is asked for, the
+ * SIMD kernels bitwise equal to their scalar twins (es_vision_encode_path's reference mode) at
+ * several image shapes (tails of the row blocks and panels), and the F16 loads of the packed
+ * weights equal to es_fp16_to_fp32 on every finite and infinite value.
  * The values themselves are checked against transformers in tests/test_vision_encoder.py.
  */
 #include <math.h>
@@ -14,6 +17,7 @@
 
 #include "harness.h"
 #include "echospec_engine.h"
+#include "rowops.h"
 
 #define MMPROJ "../tests/data/models/qwen3vl-mmproj-F16.gguf"
 #define TEXT_MODEL "../tests/data/models/qwen3vl-Q8_0.gguf"
@@ -209,10 +213,74 @@ TEST(thread_count_independent) {
     es_vision_free(v);
 }
 
+/* ld_h (the micro-kernel's F16 load: F16C, NEON or the scalar loop) against the scalar
+ * conversion on all 65536 values: equal bits for finite and infinite ones (subnormals included),
+ * NaN for NaNs. */
+TEST(f16_loads_are_exact) {
+    int bad = 0;
+    for (uint32_t base = 0; base < 65536; base += AW) {
+        uint16_t hv[AW];
+        for (int i = 0; i < AW; i++) hv[i] = (uint16_t)(base + (uint32_t)i);
+        vaf f = ld_h(hv);
+        for (int i = 0; i < AW; i++) {
+            const float s = es_fp16_to_fp32(hv[i]);
+            uint32_t a, b;
+            memcpy(&a, &f[i], 4);
+            memcpy(&b, &s, 4);
+            if (isnan(s) ? !isnan(f[i]) : a != b) bad++;
+        }
+    }
+    CHECK_EQ_INT(bad, 0);
+}
+
+/* The SIMD kernels against their scalar twins, bitwise, and threads 1, 2 and 3 on both. Shapes:
+ * 64x96 (24 patches), 96x160 (60: not a multiple of the row block), 32x32 (4: fewer rows than a
+ * block). */
+TEST(simd_equals_scalar_twin) {
+    es_vision *v = NULL;
+    char err[256];
+    if (es_vision_load(MMPROJ, &v, err, sizeof err) != ES_OK) {
+        CHECK(!"load failed");
+        return;
+    }
+    const int shapes[3][2] = {{64, 96}, {96, 160}, {32, 32}};
+    for (int si = 0; si < 3; si++) {
+        const int h = shapes[si][0], w = shapes[si][1], n = (h / 32) * (w / 32), d = 64;
+        float *px = make_image(h, w);
+        float *e[4], *ds[4];
+        for (int k = 0; k < 4; k++) {
+            e[k] = malloc(sizeof(float) * n * d);
+            ds[k] = malloc(sizeof(float) * n * d);
+        }
+        /* 0: reference, 1 thread; 1: reference, 3 threads; 2: SIMD 2 threads; 3: SIMD 3 threads */
+        CHECK_EQ_INT(es_vision_encode_path(v, px, h, w, 1, e[0], ds[0], 1), ES_OK);
+        CHECK_EQ_INT(es_vision_encode_path(v, px, h, w, 3, e[1], ds[1], 1), ES_OK);
+        CHECK_EQ_INT(es_vision_encode_path(v, px, h, w, 2, e[2], ds[2], 0), ES_OK);
+        CHECK_EQ_INT(es_vision_encode(v, px, h, w, 3, e[3], ds[3]), ES_OK);
+        int finite = 1;
+        for (int i = 0; i < n * d; i++) finite &= isfinite(e[0][i]) && isfinite(ds[0][i]);
+        CHECK(finite);
+        for (int k = 1; k < 4; k++) {
+            if (memcmp(e[0], e[k], sizeof(float) * n * d) || memcmp(ds[0], ds[k], sizeof(float) * n * d)) {
+                fprintf(stderr, "  %dx%d: run %d differs from the scalar twin\n", h, w, k);
+                CHECK(!"bitwise equal to the scalar twin");
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            free(e[k]);
+            free(ds[k]);
+        }
+        free(px);
+    }
+    es_vision_free(v);
+}
+
 int main(void) {
     RUN(load_and_info);
     RUN(refused_files);
     RUN(bad_encode_args);
     RUN(thread_count_independent);
+    RUN(f16_loads_are_exact);
+    RUN(simd_equals_scalar_twin);
     return harness_report();
 }
