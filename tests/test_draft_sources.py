@@ -109,6 +109,41 @@ def test_numbered_list_not_in_the_middle_of_a_number():
     assert session(h, digits=DIGITS).propose(4)[2] != SOURCE_NUMBERED
 
 
+# --- counting ------------------------------------------------------------------------------------
+
+COMMA, SPACE = 70, 71
+
+
+def counted(*xs):
+    out = []
+    for x in xs:
+        out += num(x) + [COMMA, SPACE]
+    return out
+
+
+def test_counting_drafts_the_next_numbers_with_their_separator():
+    # "6, 7, 8, 9, " -> "10, 11, 12, ..." (the copies would repeat "7, 8, 9, ")
+    p = session([1, 2] + counted(6, 7, 8, 9), digits=DIGITS, line_breaks=[NL])
+    assert p.propose(9) == (num(10) + [COMMA, SPACE] + num(11) + [COMMA, SPACE] + num(12)[:1], 0,
+                            SOURCE_NUMBERED)
+
+
+def test_counting_inside_a_number_writes_its_rest_first():
+    p = session(counted(16, 17, 18, 19) + num(2), digits=DIGITS)
+    assert p.propose(4)[0] == num(20)[1:] + [COMMA, SPACE] + num(21)[:1]
+
+
+@pytest.mark.parametrize("h", [
+    counted(7, 8, 9),                                 # three numbers: not yet counting
+    counted(1, 2, 3, 5),                              # a step of two
+    counted(1, 2) + num(3) + [COMMA, 72, SPACE] + num(4) + [COMMA, SPACE],  # mixed separators
+    counted(1, 2, 3, 4) + [72],                       # something else since the latest number
+    counted(1, 2, 3, 4) + num(6),                     # the next number is not the one written
+])
+def test_counting_needs_three_numbers_a_step_of_one_and_one_separator(h):
+    assert session(h, digits=DIGITS, line_breaks=[NL]).numbers.count(h, 6) == []
+
+
 # --- suffix index and shared memory -----------------------------------------------------------------
 
 def test_suffix_source_copies_an_earlier_repeat():

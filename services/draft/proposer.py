@@ -114,6 +114,8 @@ class NumberTracker:
         self.digits = list(digits)
         self.max_ctx = max_ctx
         self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # ctx -> [(value, end)], 3 latest
+        # counting: separator (the non-digit tokens before a number) -> [(value, start, end)], 3 latest
+        self.seq: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
         self._start = -1
 
     def feed(self, h: list[int], i: int) -> None:
@@ -126,6 +128,11 @@ class NumberTracker:
             return
         if self._start >= 0:
             s, self._start = self._start, -1
+            sep = self._separator(h, s)
+            if i - s <= 9 and sep:
+                lst = self.seq.setdefault(sep, [])
+                lst.append((int("".join(str(self.value[t]) for t in h[s:i])), s, i))
+                del lst[:-3]
             if i - s <= 9 and (not self.line_breaks or (s > 0 and h[s - 1] in self.line_breaks)):
                 x = int("".join(str(self.value[t]) for t in h[s:i]))
                 for j in range(1, min(self.max_ctx, s) + 1):
@@ -156,6 +163,45 @@ class NumberTracker:
 
     def _digits(self, x: int) -> list[int]:
         return [self.digits[int(c)] for c in str(x)]
+
+    def _separator(self, h: list[int], s: int) -> tuple[int, ...]:
+        """The up to ``max_ctx`` non-digit tokens right before position s, after the number
+        before them (empty where a number or the start is right before s)."""
+        j = s
+        while j > 0 and s - j < self.max_ctx and h[j - 1] not in self.value:
+            j -= 1
+        if j == 0 or h[j - 1] not in self.value:
+            return ()                 # no number before the separator (or it is too long)
+        return tuple(h[j:s])
+
+    def count(self, h: list[int], k: int) -> list[int]:
+        """Counting ("1, 2, 3, 4, " -> "5, 6, 7, ..."): where the history's four latest numbers
+        count up by one with only one separator (the same up to ``max_ctx`` non-digit tokens)
+        between each two, and the history ends with the separator (or inside the next number),
+        the numbers after them with the separator between, up to k tokens; [] otherwise."""
+        if not self.value or k <= 0:
+            return []
+        p = len(h)
+        while p > 0 and h[p - 1] in self.value:
+            p -= 1
+        written = h[p:]
+        sep = self._separator(h, p)
+        lst = self.seq.get(sep) if sep else None
+        if not lst or len(lst) < 3 or len(written) >= 10:
+            return []
+        if any(b[0] != a[0] + 1 or b[1] != a[2] + len(sep) for a, b in zip(lst, lst[1:])):
+            return []
+        if lst[-1][2] + len(sep) != p:
+            return []                 # something else since the latest number
+        x = lst[-1][0] + 1
+        nxt = self._digits(x)
+        if nxt[:len(written)] != written or len(nxt) == len(written):
+            return []
+        out = nxt[len(written):]
+        while len(out) < k:
+            x += 1
+            out += list(sep) + self._digits(x)
+        return out[:k]
 
     def propose(self, h: list[int], k: int) -> list[int]:
         """The next number after the history h (its digits still to write), then a copy of
@@ -254,7 +300,8 @@ class DraftProposer:
     """One generation's draft session: prompt + output history and its sources.
 
     Sources, first non-empty wins: the client's prediction (while synced with
-    the output); the session's suffix index or the namespace's shared memory,
+    the output); counting ("1, 2, 3, 4, " -> "5, 6, ...", NumberTracker.count,
+    source: numbered); the session's suffix index or the namespace's shared memory,
     whichever matches the longer suffix (the session on a tie; the other when
     the first drafts nothing); the numbered rule alone. A copied draft that
     repeats the latest item's number where the numbered rule applies gets the
@@ -322,6 +369,9 @@ class DraftProposer:
             d = self.prediction.propose(k)
             if d:
                 return d, len(self.prediction.recent), SOURCE_PREDICTION
+        d = self.numbers.count(self.history, k)
+        if d:
+            return d, 0, SOURCE_NUMBERED
         state, n = self.sam.match()
         shared_n = -1
         sd: list[int] = []
