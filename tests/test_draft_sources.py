@@ -133,6 +133,19 @@ def test_counting_inside_a_number_writes_its_rest_first():
     assert p.propose(4)[0] == num(20)[1:] + [COMMA, SPACE] + num(21)[:1]
 
 
+def test_counting_shifts_the_numbers_inside_the_items():
+    # "1. 1\n2. 2\n3. 3\n4. 4\n" -> "5. 5\n6. 6\n..." (the numbered rule's copy would write "5. 4\n")
+    h = []
+    for x in range(1, 5):
+        h += num(x) + [DOT, SPACE] + num(x) + [NL]
+    p = session([NL] + h, digits=DIGITS, line_breaks=[NL])
+    assert p.propose(12) == (num(5) + [DOT, SPACE] + num(5) + [NL] + num(6) + [DOT, SPACE] + num(6) + [NL]
+                             + num(7) + [DOT], 0, SOURCE_NUMBERED)
+    # items that differ in more than their numbers are no counting (a list's own rule drafts them)
+    h = [NL] + num(1) + [DOT, 61, NL] + num(2) + [DOT, 62, NL] + num(3) + [DOT, 63, NL] + num(4) + [DOT, 64, NL]
+    assert session(h, digits=DIGITS, line_breaks=[NL]).numbers.count(h, 6) == []
+
+
 @pytest.mark.parametrize("h", [
     counted(7, 8, 9),                                 # three numbers: not yet counting
     counted(1, 2, 3, 5),                              # a step of two

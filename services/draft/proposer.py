@@ -174,11 +174,28 @@ class NumberTracker:
             return ()                 # no number before the separator (or it is too long)
         return tuple(h[j:s])
 
+    def _shift(self, item: Sequence[int], d: int) -> list[int]:
+        """``item`` with each number in it (a run of digit tokens) plus d."""
+        out, i = [], 0
+        while i < len(item):
+            if item[i] in self.value:
+                j = i
+                while j < len(item) and item[j] in self.value:
+                    j += 1
+                out += self._digits(int("".join(str(self.value[t]) for t in item[i:j])) + d)
+                i = j
+            else:
+                out.append(item[i])
+                i += 1
+        return out
+
     def count(self, h: list[int], k: int) -> list[int]:
-        """Counting ("1, 2, 3, 4, " -> "5, 6, 7, ..."): where the history's four latest numbers
-        count up by one with only one separator (the same up to ``max_ctx`` non-digit tokens)
-        between each two, and the history ends with the separator (or inside the next number),
-        the numbers after them with the separator between, up to k tokens; [] otherwise."""
+        """Counting ("1, 2, 3, " -> "4, 5, 6, ...", "1. 1\n2. 2\n3. 3\n" -> "4. 4\n5. 5\n..."):
+        where the three latest numbers after one separator (the up to ``max_ctx`` non-digit
+        tokens before a number) count up by one, what lies between each two is the same but
+        for its own numbers, one more each time, and the history ends with the next such item
+        (or inside its number): the numbers after them, each followed by that item with its
+        numbers shifted along, up to k tokens; [] otherwise."""
         if not self.value or k <= 0:
             return []
         p = len(h)
@@ -189,18 +206,20 @@ class NumberTracker:
         lst = self.seq.get(sep) if sep else None
         if not lst or len(lst) < 3 or len(written) >= 10:
             return []
-        if any(b[0] != a[0] + 1 or b[1] != a[2] + len(sep) for a, b in zip(lst, lst[1:])):
+        a, b, c = lst[-3:]
+        if b[0] != a[0] + 1 or c[0] != b[0] + 1 or p - c[2] > 64:
             return []
-        if lst[-1][2] + len(sep) != p:
-            return []                 # something else since the latest number
-        x = lst[-1][0] + 1
+        item = h[c[2]:p]              # between the latest number and the one being written
+        if self._shift(h[a[2]:b[1]], 2) != item or self._shift(h[b[2]:c[1]], 1) != item:
+            return []
+        x = c[0] + 1
         nxt = self._digits(x)
         if nxt[:len(written)] != written or len(nxt) == len(written):
             return []
-        out = nxt[len(written):]
+        out, d = nxt[len(written):], 0
         while len(out) < k:
-            x += 1
-            out += list(sep) + self._digits(x)
+            d += 1
+            out += self._shift(item, d) + self._digits(x + d)
         return out[:k]
 
     def propose(self, h: list[int], k: int) -> list[int]:
