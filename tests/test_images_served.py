@@ -198,10 +198,33 @@ def test_second_turn_reuses_the_image_prefix_with_the_same_tokens(stack, png, tm
     assert list(again.token_ids) == list(cold.token_ids) and again.prompt_tokens == cold.prompt_tokens
 
 
+class HeldEncoder:
+    """The verifier's vision encoder held: each encode records its pixels' shape, says it
+    started (``entered``) and waits for ``release`` before encoding."""
+
+    def __init__(self, vis):
+        import threading
+        self.vis, self.real = vis, vis.encode
+        self.entered, self.release, self.calls = threading.Event(), threading.Event(), []
+
+    def _encode(self, px, n_threads=1):
+        self.calls.append(px.shape)
+        self.entered.set()
+        assert self.release.wait(60)
+        return self.real(px, n_threads)
+
+    def __enter__(self):
+        self.vis.encode = self._encode
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        del self.vis.encode
+
+
 def test_other_sessions_go_on_while_an_image_is_encoded(stack, png):
     """The encode runs outside the engine lock (was: under it, so every other session stalled for
     the encode's length): a text chat finishes while an image's encode is held."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     st, stub, _ = stack
@@ -210,29 +233,15 @@ def test_other_sessions_go_on_while_an_image_is_encoded(stack, png):
     buf = io.BytesIO()
     PILImage.fromarray(other).save(buf, "PNG")
     png = buf.getvalue()
-    vis = st.verifier.core.vision
-    entered, release = threading.Event(), threading.Event()
-    real = vis.encode
-
-    def held(px, n_threads=1):
-        entered.set()
-        assert release.wait(60)
-        return real(px, n_threads)
-
-    vis.encode = held
-    try:
-        with ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(chat, stub, png)
-            assert entered.wait(60)
-            text = stub.Complete(cpb.CompleteRequest(
-                messages=[cpb.ChatMessage(role="user", content=QUESTION)], max_tokens=N_OUT), timeout=60)
-            assert len(text.result.token_ids) >= 1
-            assert not fut.done()
-            release.set()
-            got = fut.result(timeout=120)
-    finally:
-        release.set()
-        del vis.encode
+    with ThreadPoolExecutor(1) as ex, HeldEncoder(st.verifier.core.vision) as held:
+        fut = ex.submit(chat, stub, png)
+        assert held.entered.wait(60)
+        text = stub.Complete(cpb.CompleteRequest(
+            messages=[cpb.ChatMessage(role="user", content=QUESTION)], max_tokens=N_OUT), timeout=60)
+        assert len(text.result.token_ids) >= 1
+        assert not fut.done()
+        held.release.set()
+        got = fut.result(timeout=120)
     assert list(got.token_ids) == list(chat(stub, png).token_ids)
 
 
@@ -264,7 +273,6 @@ def test_a_request_cancelled_while_its_images_are_preprocessed_generates_nothing
 def test_an_image_cancelled_while_waiting_for_the_encoder_is_not_encoded(stack, png):
     """One encode at a time: a request cancelled while another's image is encoded gives up
     when its turn comes instead of encoding an image for nobody (was: encoded, then dropped)."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     st, stub, _ = stack
@@ -276,34 +284,19 @@ def test_an_image_cancelled_while_waiting_for_the_encoder_is_not_encoded(stack, 
         PILImage.fromarray(a).save(buf, "PNG")
         return buf.getvalue()
 
-    vis = st.verifier.core.vision
-    entered, release, calls = threading.Event(), threading.Event(), []
-    real = vis.encode
-
-    def held(px, n_threads=1):
-        calls.append(px.shape)
-        entered.set()
-        assert release.wait(60)
-        return real(px, n_threads)
-
-    vis.encode = held
-    try:
-        with ThreadPoolExecutor(1) as ex:
-            first = ex.submit(chat, stub, variant(4), max_tokens=2)
-            assert entered.wait(60)
-            msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=variant(8)),
-                                                      cpb.ContentPart(text=QUESTION)])
-            fut = stub.Complete.future(cpb.CompleteRequest(messages=[msg], max_tokens=2), timeout=60)
-            time.sleep(1.0)   # it waits for the encoder
-            fut.cancel()
-            time.sleep(0.5)
-            release.set()
-            assert first.result(timeout=120).token_ids
+    with ThreadPoolExecutor(1) as ex, HeldEncoder(st.verifier.core.vision) as held:
+        first = ex.submit(chat, stub, variant(4), max_tokens=2)
+        assert held.entered.wait(60)
+        msg = cpb.ChatMessage(role="user", parts=[cpb.ContentPart(image=variant(8)),
+                                                  cpb.ContentPart(text=QUESTION)])
+        fut = stub.Complete.future(cpb.CompleteRequest(messages=[msg], max_tokens=2), timeout=60)
+        time.sleep(1.0)   # it waits for the encoder
+        fut.cancel()
+        time.sleep(0.5)
+        held.release.set()
+        assert first.result(timeout=120).token_ids
         time.sleep(1.0)
-    finally:
-        release.set()
-        del vis.encode
-    assert len(calls) == 1, calls
+    assert len(held.calls) == 1, held.calls
 
 
 def test_two_images_match_the_engine(stack, ref, png):

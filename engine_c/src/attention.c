@@ -290,22 +290,6 @@ static inline __attribute__((always_inline)) void scores_blk(const int nj, const
     else scores_v(nj, q, hd, kw->h, ES_KV_BLOCK, n, scale, sc, ES_KV_BLOCK);
 }
 
-/* Sum of x[0..n) with lane j of 8 adding x[j], x[j + 8], ... in order, then
- * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
-static inline float sum8(const float *x, int n) {
-    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f v;
-        memcpy(&v, x + i, sizeof v);
-        acc += v;
-    }
-    float l[8];
-    memcpy(l, &acc, sizeof l);
-    for (; i < n; i++) l[i & 7] += x[i];
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
 /* Floats of a block's (or a running) result: o [hd] padded to 16 floats, then m and l. */
 int es_attn_part_floats(int hd) { return ((hd + 15) & ~15) + 16; }
 

@@ -28,6 +28,22 @@
 
 /* 8 float lanes as a GCC vector (lowered to AVX, SSE or NEON as the target has). */
 typedef float v8f __attribute__((vector_size(32)));
+
+/* Sum of x[0..n) with lane j of 8 adding x[j], x[j + 8], ... in order, then
+ * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)): the same bits on every target. */
+static inline float sum8(const float *x, int64_t n) {
+    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, sizeof v);
+        acc += v;
+    }
+    float l[8];
+    memcpy(l, &acc, sizeof l);
+    for (; i < n; i++) l[i & 7] += x[i];
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
 /* AW lanes, for loops whose lanes are independent elements (attention over
  * positions or dimensions): the width changes no element's operations, so
  * it follows the registers of the target: 16 on AVX-512, 8 on AVX2 (where

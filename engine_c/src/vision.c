@@ -553,22 +553,7 @@ __attribute__((noinline)) static float vis_ref_dot(int f16, const void *w, size_
     return acc;
 }
 
-/* x[0..n) summed by 8 lanes: lane j takes elements j, j + 8, ... in order, then
- * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). vis_ref_sum8 is its scalar twin. */
-static float sum8(const float *x, int64_t n) {
-    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f y;
-        memcpy(&y, x + i, sizeof y);
-        acc += y;
-    }
-    float l[8];
-    memcpy(l, &acc, sizeof l);
-    for (; i < n; i++) l[i & 7] += x[i];
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
+/* sum8 (rowops.h) sums by 8 lanes; vis_ref_sum8 is its scalar twin. */
 static float vis_ref_sum8(const float *x, int64_t n) {
     float l[8] = {0};
     for (int64_t i = 0; i < n; i++) l[i & 7] += x[i];
