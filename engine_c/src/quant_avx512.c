@@ -19,6 +19,16 @@
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* The fixed 16-lane tree (es_lane_sum in quant.h). */
+/* Sum of v's 16 int32 lanes modulo 2^32, by vector adds (GCC's _mm512_reduce_add_epi32 adds as
+ * signed int in C, undefined where a NaN input's INT_MIN lanes overflow). */
+static inline ES_AI int32_t lane_isum16(__m512i v) {
+    __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    b = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0x4E));
+    b = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0xB1));
+    return _mm_cvtsi128_si32(b);
+}
+
 static inline ES_AI float lane_sum16(__m512 v) {
     v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
     v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
@@ -80,7 +90,7 @@ int es_x86_quantize_blocks(const float *x, int64_t n, int64_t j0, int64_t j1, es
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         __m512 vid = _mm512_set1_ps(id);
         __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
-        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        int32_t sum = lane_isum16(_mm512_add_epi32(q0, q1));
         uint32_t w[8];
         _mm_storeu_si128((__m128i *)(void *)w, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(void *)(w + 4), _mm512_cvtepi32_epi8(q1));
@@ -103,7 +113,7 @@ int es_x86_quantize_blocks_k(const float *x, int64_t s0, int64_t s1, es_q8k_bloc
         for (int i = 0; i < 16; i++) {
             __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), vid));
             _mm_storeu_si128((__m128i *)(void *)(b->qs + 16 * i), _mm512_cvtepi32_epi8(q));
-            b->s16[i] = (int16_t)_mm512_reduce_add_epi32(q);
+            b->s16[i] = (int16_t)lane_isum16(q);
         }
         for (int j = 0; j < 8; j++) b->s32[j] = (int16_t)(b->s16[2 * j] + b->s16[2 * j + 1]);
         b->d = d;
