@@ -252,16 +252,16 @@ def coord(smollm2_path, boards):
     c.close()
 
 
-def _request(mode: str, prediction: str = "") -> cpb.GenerateRequest:
+def _request(mode: str, prediction: str = "", max_tokens: int = MAX_TOKENS) -> cpb.GenerateRequest:
     """plain: greedy; spec: greedy with speculation, drafting from ``prediction``; sampled:
     temperature 0.8 with a seed. Each with logprobs (those of the tokens before a move came with
     them, the next verifier's follow)."""
     spec = common_pb2.SPEC_MODE_ON if mode == "spec" else common_pb2.SPEC_MODE_OFF
     lp = dict(logprobs=True, top_logprobs=2)
     if mode == "sampled":
-        return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, temperature=0.8,
+        return cpb.GenerateRequest(text=PROMPT, max_tokens=max_tokens, spec=spec, temperature=0.8,
                                    top_k=40, seed=7, **lp)
-    return cpb.GenerateRequest(text=PROMPT, max_tokens=MAX_TOKENS, spec=spec, prediction=prediction,
+    return cpb.GenerateRequest(text=PROMPT, max_tokens=max_tokens, spec=spec, prediction=prediction,
                                **lp)
 
 
@@ -463,11 +463,14 @@ def test_no_verifier_left_ends_with_unavailable_naming_the_moves(coord, boards):
 
 def test_a_restarted_verifier_takes_back_the_generation_that_left_it(coord, boards):
     # the generation leaves A (killed) for B; A restarts and its health returns; B is killed:
-    # the generation goes back to A instead of ending with "no verifier left"
-    ref = coord.stub.Complete(cpb.CompleteRequest(text=PROMPT, max_tokens=MAX_TOKENS), timeout=120).result
+    # the generation goes back to A instead of ending with "no verifier left". It must outlast A's
+    # restart (about 1 s) on B: 900 tokens (was 200, which a fast host finished on B first)
+    n = 900
+    ref = coord.stub.Complete(cpb.CompleteRequest(text=PROMPT, max_tokens=n), timeout=120).result
+    assert len(ref.token_ids) == n
     text, ids, first, second = [], [], None, None
     try:
-        for msg in coord.stub.Generate(_request("plain"), timeout=120):
+        for msg in coord.stub.Generate(_request("plain", max_tokens=n), timeout=120):
             if msg.HasField("result"):
                 result = msg.result
                 break
