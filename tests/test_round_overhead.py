@@ -69,6 +69,23 @@ def test_responses_come_back_in_order(echo, cls):
 
 
 @pytest.mark.parametrize("cls", KINDS)
+def test_responses_are_read_ahead_before_recv_asks(echo, cls):
+    """A response that arrives while the caller does something else (the engine's forward) is
+    already taken off the call when recv asks: recv is a queue get, not a receive operation."""
+    method, _ = echo
+    s = cls(method)
+    s.send(b"a")
+    s.send(b"b")
+    t_end = time.monotonic() + 10
+    while s.buffered() < 2 and time.monotonic() < t_end:
+        time.sleep(0.005)
+    assert s.buffered() == 2
+    assert s.recv() == b"re:a" and s.recv() == b"re:b"
+    assert s.buffered() == 0
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
 def test_a_send_without_response_does_not_shift_later_replies(echo, cls):
     method, _ = echo
     s = cls(method)
