@@ -148,3 +148,15 @@ def test_k_choice_is_renewed_only_when_the_choice_changes():
     assert ctl.k_choice == first
     ctl.on_proposal([1, 2], k_cap=2)        # fewer drafts at hand: a new choice
     assert ctl.k_choice.startswith("K=2 of 2")
+
+
+def test_k_choice_is_kept_while_only_the_drafts_at_hand_shrink():
+    """A cache that shrinks round by round under the same choice keeps the words of that choice."""
+    c = cost(t=5.0, slope=0.3)
+    ctl = SpecController(k=16, cost=c)
+    ctl.acc[0] = (8.0, 2.0)
+    k16 = len(ctl.on_proposal(list(range(1, 17)), k_cap=16))
+    first = ctl.k_choice
+    assert 0 < k16 < 12 and first.startswith(f"K={k16} of 16")
+    assert len(ctl.on_proposal(list(range(1, 13)), k_cap=12)) == k16
+    assert ctl.k_choice == first

@@ -145,6 +145,21 @@ class CostModel:
             t = self.v_ms.get(0) or self.t_ms or 1.0
             return t * (1.0 + self.slope() * k)
 
+    def v_table(self, n: int) -> list[float]:
+        """V(K) for K = 0 .. n in ms (``v_est`` of each, under one lock and one fitted slope)."""
+        with self._lock:
+            t = self.v_ms.get(0) or self.t_ms or 1.0
+            slope = None
+            out = []
+            for k in range(n + 1):
+                v = self.v_ms.get(k)
+                if v is None:
+                    if slope is None:
+                        slope = self.slope()
+                    v = t * (1.0 + slope * k)
+                out.append(v)
+            return out
+
     def v_tree_est(self, n: int) -> float:
         """Estimated V of a tree of n draft nodes in ms (V(K = n) until one is measured)."""
         with self._lock:
@@ -281,14 +296,20 @@ def best_shape(p: float, available: int, cost: CostModel, hop: bool,
     cost V_tree(n). A tree is chosen only when its rate beats the best chain's (ties: the chain).
     """
     hop_ms = cost.hop_ms if hop else 0.0
-    t = cost.v_est(0)
+    v = cost.v_table(max(available, 0))
+    t, o = v[0], cost.overhead_ms
     best_chain = Shape()
-    for k in range(1, available + 1):
-        e = expected_accepted(p, k)
-        ok, lhs, _ = gain_condition(e, cost.v_est(k) + hop_ms, cost.overhead_ms, t)
-        cand = Shape(k, (), e, lhs)
-        if ok and cand.rate > best_chain.rate:
-            best_chain = cand
+    best_k, best_e, best_lhs, best_rate = 0, 0.0, 0.0, 0.0
+    e, term = 0.0, 1.0
+    for k in range(1, available + 1):   # E(K) grown term by term: expected_accepted(p, k)
+        term *= p
+        e += term
+        ok, lhs, _ = gain_condition(e, v[k] + hop_ms, o, t)
+        rate = (e + 1.0) / lhs if lhs > 0 else 0.0
+        if ok and rate > best_rate:
+            best_k, best_e, best_lhs, best_rate = k, e, lhs, rate
+    if best_k:
+        best_chain = Shape(best_k, (), best_e, best_lhs)
     if tree is None or budget <= 0:
         return best_chain, best_chain
     tokens, parents = tree[0], tree[1]
@@ -399,8 +420,9 @@ class SpecController:
         self.shape = shape
         k = shape.k
         # the reason in words, renewed when the choice or the acceptance (to 0.1) changes, so that a
-        # steady choice is reported once, not every round
-        key = (k, len(shape.nodes), available, round(p, 1))
+        # steady choice is reported once, not every round (nor when only the drafts at hand do:
+        # a cache shrinks every round, and the words cost more than the choice)
+        key = (k, len(shape.nodes), round(p, 1))
         if available > 0 and key != self._k_key:
             self._k_key = key
             self.k_choice = explain_shape(shape, chain, p, available, self.cost, hop)
