@@ -489,6 +489,30 @@ def test_backing_off_proposals_go_in_flight_never_blocking():
     assert c.plan(2) == ("cached", [5, 6])
 
 
+def test_an_in_flight_proposal_lost_to_the_bonus_token_is_no_miss():
+    """A round that accepted drafts and whose in-flight proposal missed only the bonus token
+    asks the source again (a blocking proposal), never a back-off's plain step."""
+    c = SpecController(k=4)
+    c.on_proposal([1, 2, 3, 4], k_cap=4)
+    assert c.plan(4) == ("cached", [1, 2, 3, 4]) and c.prefetch_size(4) == 16
+    c.on_result([1, 2, 3, 4], [1, 2, 9])            # R = 2, bonus 9
+    c.on_prefetch([1, 2, 3, 4, 5], tokens=[1, 2, 9])  # made before the round: 3 where 9 came
+    assert (c.misses, c.skip) == (0, 0)
+    assert c.plan(4) == ("propose", 16)
+
+
+def test_a_rejected_draft_and_its_lost_in_flight_proposal_are_one_miss():
+    c = SpecController(k=4)
+    c.on_proposal([1, 2, 3, 4], k_cap=4)
+    c.on_result([1, 2, 3, 4], [7])                  # R = 0: a miss
+    c.on_prefetch([1, 2, 3, 4, 5], tokens=[7])      # the same guess again: not a second miss
+    assert (c.misses, c.skip) == (1, 1)
+    c.skip = 0
+    c.on_result([], [8])                            # a plain step beside an in-flight proposal ...
+    c.on_prefetch([3], tokens=[8])                  # ... that misses: the next miss
+    assert (c.misses, c.skip) == (2, 2)
+
+
 def _slow_batch(ms: float):
     def run(items):
         time.sleep(ms / 1e3)

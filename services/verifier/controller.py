@@ -388,6 +388,8 @@ class SpecController:
     tree_depth: int = 0
     shape: Shape = Shape()             # this round's choice (plan / on_proposal)
     _round: tuple = ()                 # a tree round's (parents, sources, first-child flags)
+    _hit: bool = False                 # this round verified a draft and accepted some (on_result)
+    _missed: bool = False              # this round verified a draft and accepted none
 
     @property
     def p_accept(self) -> float:
@@ -516,11 +518,13 @@ class SpecController:
     def on_result(self, draft: list[int], tokens: list[int], count: bool = True) -> None:
         """Update after a verify of ``draft`` that yielded ``tokens`` (R accepted + bonus);
         ``count`` False: the acceptance was counted elsewhere (``on_tree_result``)."""
+        r = len(tokens) - 1 if draft else 0
+        self._hit = r >= 1
+        self._missed = bool(draft) and r == 0
         if not draft:
             # a plain step: the cached tail still holds if it predicted this token
             self.cache = self.cache[1:] if self.cache and tokens and self.cache[0] == tokens[0] else []
             return
-        r = len(tokens) - 1
         if count:
             hits, fails = self.acc.get(self.cache_source, (0.0, 0.0))
             self.acc[self.cache_source] = (hits * self.decay + r,
@@ -564,17 +568,19 @@ class SpecController:
 
         It replaces the cache when it starts with ``tokens`` (its remainder
         continues the new history); an empty proposal is a miss; one that
-        disagrees with the round's tokens is dropped (a miss too when there is no cache).
+        disagrees with the round's tokens is dropped, a miss too when there is no cache. A round
+        that verified a draft has had its say in ``on_result``: one that accepted a draft is no
+        miss (the source was right and only lost the round's bonus token, so the next round asks
+        it again on the new history, a blocking proposal, a hop of well under T, rather than
+        backing off into a plain step), and one that accepted none is one miss, not two.
         """
-        if not proposal:
-            if not self.cache:
-                self._miss()
-            return
+        counted = self._hit or self._missed   # the round's verify already said (one miss a round)
+        self._hit = self._missed = False
         n = len(tokens)
         if len(proposal) > n and proposal[:n] == list(tokens):
             self.cache = list(proposal[n:])
             self.cache_source = source
-        elif not self.cache:
+        elif not self.cache and not counted:
             self._miss()
 
     def drop(self) -> None:
