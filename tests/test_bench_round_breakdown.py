@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "perf" / "round_breakdown.py"
 
 
-def test_round_breakdown_quick_json():
-    r = subprocess.run([sys.executable, str(TOOL), "--quick", "--json"], capture_output=True,
+@pytest.mark.parametrize("layout", [[], ["--processes"]], ids=["one-process", "processes"])
+def test_round_breakdown_quick_json(layout):
+    r = subprocess.run([sys.executable, str(TOOL), "--quick", "--json", *layout], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()

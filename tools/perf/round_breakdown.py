@@ -28,6 +28,7 @@ Usage:
     .venv/bin/python tools/perf/round_breakdown.py                    # SmolLM2, K 1..16, 1 and 2 threads
     .venv/bin/python tools/perf/round_breakdown.py --ks 1,4,8,16 --gens 2
     .venv/bin/python tools/perf/round_breakdown.py --quick --json     # tiny model, seconds (smoke)
+    .venv/bin/python tools/perf/round_breakdown.py --processes        # the services as processes
 """
 from __future__ import annotations
 
@@ -115,8 +116,9 @@ def measure(stub, k: int, reference: str, gens: int, max_tokens: int) -> dict:
     return out
 
 
-def run_threads(path: str, n_threads: int, ks: list[int], gens: int, max_tokens: int) -> dict:
-    stack = start_stack(path, spec=False, processes=False, n_ctx=1024, n_threads=n_threads,
+def run_threads(path: str, n_threads: int, ks: list[int], gens: int, max_tokens: int,
+                processes: bool = False) -> dict:
+    stack = start_stack(path, spec=False, processes=processes, n_ctx=1024, n_threads=n_threads,
                         k=max(ks), max_tokens=max_tokens, adaptive_k=False)
     try:
         ch = grpc.insecure_channel(stack.target)
@@ -162,6 +164,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="the tiny model, K 1 and 4, 1 thread, 1 generation of 24 tokens")
     ap.add_argument("--json", action="store_true", help="one JSON object per thread count")
+    ap.add_argument("--processes", action="store_true",
+                    help="each service its own process (as `echospec serve --processes` and "
+                         "docker-compose run them); default: one process, as `echospec bench`")
     args = ap.parse_args()
     if args.quick:
         args.model, args.ks, args.threads, args.gens, args.max_tokens = "tiny", "1,4", "1", 1, 24
@@ -170,7 +175,7 @@ def main() -> int:
         ap.error("K, threads and gens must be >= 1, max-tokens >= 2")
     with tempfile.TemporaryDirectory() as td:
         path = _model_path(args.model, Path(td))
-        results = [run_threads(path, nt, ks, args.gens, args.max_tokens) for nt in threads]
+        results = [run_threads(path, nt, ks, args.gens, args.max_tokens, args.processes) for nt in threads]
     if args.json:
         for r in results:
             print(json.dumps(r))
