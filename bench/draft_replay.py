@@ -1,4 +1,4 @@
-"""Drafting quality without the clock: replay each seed workload's greedy output through a
+"""Drafting quality without the clock: replay each workload's greedy output through a
 drafter and count the verify rounds it would need (load-independent; the CPU is shared).
 
 For each workload: the prompt (the chat template applied) and its greedy output (speculation off,
@@ -11,9 +11,12 @@ NgramProposer 2..5) and "sources" (DraftProposer: prediction, numbered, suffix; 
 Estimated speedup = output tokens / sum over rounds of V(K_r)/T, with V(K)/T interpolated from
 ``--ratios`` (V(K)/T measured by engine_bench on a quiet host, see bench/README.md; K = 0 is 1).
 No overheads (draft hop, Python loop) and no cost model: an upper bound of what drafting gives
-at that engine speed.
+at that engine speed. ``est_speedup_oracle_k``: the same rounds, each verifying only the drafts
+it keeps (a round's length chosen knowing the output): the ceiling of any choice of K over
+these proposals.
 
     .venv/bin/python bench/draft_replay.py [--k 4 8 16] [--ratios 1:1.07,2:1.13,4:1.26,8:1.89,16:3.17]
+        [--workloads workloads/varied.jsonl]
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def replay(prompt: list[int], output: list[int], make, k: int, table) -> dict:
     if hasattr(p, "start_output"):
         p.start_output()
     p.append(output[:1])
-    i, rounds, cost, drafts, hits = 1, 0, 0.0, 0, 0
+    i, rounds, cost, best, drafts, hits = 1, 0, 0.0, 0.0, 0, 0
     while i < len(output):
         d = p.propose(min(k, len(output) - i - 1 if len(output) - i > 1 else 0))[0] \
             if len(output) - i > 1 else []
@@ -66,12 +69,14 @@ def replay(prompt: list[int], output: list[int], make, k: int, table) -> dict:
         i += len(step)
         rounds += 1
         cost += ratio(len(d), table)
+        best += ratio(r, table)
         drafts += 1 if d else 0
         hits += r
     n = len(output) - 1
     return {"rounds": rounds, "tries": drafts, "hits": hits,
             "mean_acceptance_length": round(1 + hits / drafts, 2) if drafts else 1.0,
-            "est_speedup": round(n / cost, 2) if cost else 1.0}
+            "est_speedup": round(n / cost, 2) if cost else 1.0,
+            "est_speedup_oracle_k": round(n / best, 2) if best else 1.0}
 
 
 def main() -> int:
@@ -79,6 +84,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--ratios", default="1:1.07,2:1.13,4:1.26,8:1.89,16:3.17")
     ap.add_argument("--model")
+    ap.add_argument("--workloads", default=str(ROOT / "workloads" / "seed.jsonl"),
+                    help="JSONL of workloads (messages or prompt, max_tokens, prediction)")
     args = ap.parse_args()
     table = {int(a): float(b) for a, b in (x.split(":") for x in args.ratios.split(","))}
     model = args.model or subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_model.py")],
@@ -87,7 +94,10 @@ def main() -> int:
     tmpl = ChatTemplate.from_gguf(model)
     digits = digit_tokens(tok)
     breaks = line_break_tokens(tok)
-    works = [json.loads(line) for line in open(ROOT / "workloads" / "seed.jsonl") if line.strip()]
+    try:
+        works = [json.loads(line) for line in open(args.workloads, encoding="utf-8") if line.strip()]
+    except (OSError, ValueError) as exc:
+        ap.error(f"--workloads {args.workloads}: {exc}")
     st = start_stack(model, n_ctx=2048)
     ch = grpc.insecure_channel(st.target)
     stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
