@@ -920,6 +920,47 @@ def test_the_back_off_plain_rounds_of_a_speculative_generation_run_in_the_engine
     assert runs1 == [] and max(runs8) > 1 and sum(runs8) >= len(want) // 2, runs8
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_an_eager_back_off_asks_in_flight_beside_every_plain_round(model_path, eager):
+    """Free text, nothing to draft: an eager generation (a spare CPU, or a prediction) keeps asking
+    in flight beside each plain step, the back-off only stops blocking proposals; a generation
+    that is not eager skips 1, 2, 4, ... rounds between probes. Same output either way."""
+    prompt = [(i * 7) % 300 + 3 for i in range(10)]
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        plain = tokens_of(generate(core, prompt, 80))
+        link = _NoDrafts()
+        req = GenerationRequest(prompt=prompt, max_tokens=80, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, eager=eager)
+        check(core, req)
+        evs = list(run_generation(core, req, threading.Event(), lambda: link))
+        assert tokens_of(evs) == plain
+        blocking = sum(1 for e in evs if e.proposals and not e.k)
+        assert blocking >= 1 and link.closed
+        if eager:   # one probe per plain round after the first miss
+            assert len(link.asked) >= len(plain) - 3, link.asked
+        else:
+            assert len(link.asked) <= 12, link.asked
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_the_verifier_is_eager_when_its_engine_leaves_a_cpu_free(model_path, spare):
+    from echospec.services.common.config import usable_cpus
+    n = usable_cpus()
+    if spare and n == 1:
+        n_threads = 1   # a one-CPU host has no CPU to spare at any thread count
+    else:
+        n_threads = n - 1 if spare else n
+    core = VerifierCore(VerifierConfig(model=model_path, n_ctx=N_CTX, n_threads=n_threads))
+    try:
+        assert core.spare_cpu == (n_threads < usable_cpus())
+        assert core.spare_cpu == (spare and usable_cpus() > 1)
+    finally:
+        core.close()
+
+
 def test_readme_decode_steps_paragraph_matches_the_scheduler():
     # was: README said a stop string ends an in-engine decode run after its current step, but
     # stop strings are matched by the coordinator on the tokens a run returns (the verifier never

@@ -23,7 +23,13 @@ min(2 ** (m - 1), max_skip) rounds (plain decode steps in between) and is
 sent in flight, beside a plain step, never on the critical path, so free text
 that finds no drafts pays no draft hop at all; its proposal is drafted from
 the cache the round after, when it still continues the output. Any accepted
-draft (R >= 1) resets the back-off.
+draft (R >= 1) resets the back-off. Eager (``eager``: a request with a
+prediction, or a verifier whose engine leaves a CPU free): the skipped rounds
+still ask in flight, each beside its plain step, so the first draft after a
+stretch of free text is not held back by the back-off (only blocking
+proposals are); the price is no in-engine runs of those plain steps.
+An in-flight proposal lost only to a round's bonus token, after the round
+accepted drafts, is no miss: the next round asks again, blocking.
 Fetch: a proposal asks for up to ``fetch_factor * k`` tokens (capped by the
 tokens still allowed); the verifier gets at most k of them per round and the
 rest is kept as the cache.
@@ -374,7 +380,9 @@ class SpecController:
     probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
     since_probe: int = 0
     cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
-    eager: bool = False                # back-off rounds still ask in flight (a request with a prediction)
+    # back-off rounds still ask in flight (a request with a prediction, or a verifier whose engine
+    # leaves a CPU free: the probe then runs beside the forward at no cost to it)
+    eager: bool = False
     k_choice: str = ""                 # the cost model's last choice of shape and why (explain_shape)
     _k_key: tuple = ()
     # token trees: the alternatives' acceptance per source (a node beside its parent's first

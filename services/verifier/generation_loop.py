@@ -121,7 +121,8 @@ class GenerationRequest:
     spec: bool = False
     k: int = 4
     fixed_k: bool = False
-    eager: bool = False               # the draft session has a prediction (see controller.eager)
+    eager: bool = False               # back-off rounds still ask in flight: the draft session has a
+                                      # prediction, or the engine leaves a CPU free (controller.eager)
     prediction: tuple = ()            # the draft session's prediction, digit and line-break tokens
     digit_tokens: tuple = ()          # (ids checked: the draft service drafts them)
     line_break_tokens: tuple = ()

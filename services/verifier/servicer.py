@@ -136,7 +136,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         req = GenerationRequest(
             prompt=list(request.prompt), max_tokens=request.max_tokens,
             eos_ids=frozenset(request.eos_ids), sampling=sampling_from_proto(request.sampling),
-            spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0,
+            spec=request.spec, k=request.k, fixed_k=request.fixed_k, eager=len(request.prediction) > 0 or core.spare_cpu,
             prediction=tuple(request.prediction), digit_tokens=tuple(request.digit_tokens),
             line_break_tokens=tuple(request.line_break_tokens), draft_namespace=request.draft_namespace,
             resumed=request.resumed_tokens, grammar=gram, logprobs=request.logprobs,

@@ -168,6 +168,10 @@ class VerifierCore:
         # the spec controller's acceptance counts per draft namespace (a new generation's prior)
         self.spec_priors = NamespacePriors()
         self.pool_threads = max(n_threads, batch_threads)
+        # a lone generation's forward leaves a CPU to the rest of the process: a speculative
+        # generation's back-off then keeps asking the draft service in flight beside each plain
+        # step (generation_loop, controller.eager), since that probe costs the forward nothing
+        self.spare_cpu = n_threads < usable_cpus()
         # a verify's rollback is always within reach (the engine takes at most MAX_CTX)
         self.swa_slack = min(max(SWA_SLACK, config.max_k + 1), MAX_CTX)
         self.model = Model(config.model, check_weights=config.check_weights)
