@@ -86,6 +86,17 @@ def test_responses_are_read_ahead_before_recv_asks(echo, cls):
 
 
 @pytest.mark.parametrize("cls", KINDS)
+def test_recv_gives_up_after_its_timeout_and_the_call_goes_on(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    s.send(b"quiet:1")
+    with pytest.raises(TimeoutError):
+        s.recv(timeout=0.05)
+    assert s.request(b"a") == b"re:a"    # the call is still up
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
 def test_a_send_without_response_does_not_shift_later_replies(echo, cls):
     method, _ = echo
     s = cls(method)

@@ -977,3 +977,58 @@ def test_readme_decode_steps_paragraph_matches_the_scheduler():
     enders = re.search(r"anything else needs the engine \(([^)]*)\)", para).group(1)
     assert "stop string" not in enders, enders
     assert "Stop strings are matched by the coordinator" in para
+
+
+def _silent_draft_service():
+    """A draft service that takes every ProposeStream message and never answers (stuck)."""
+    from echospec.v1 import draft_pb2_grpc
+
+    class Silent(draft_pb2_grpc.DraftServiceServicer):
+        def __init__(self):
+            self.ended = threading.Event()
+
+        def ProposeStream(self, request_iterator, context):
+            try:
+                for _ in request_iterator:
+                    pass
+                return
+                yield   # a generator: the stream's responses (none)
+            finally:
+                self.ended.set()
+
+    return Silent()
+
+
+def test_a_draft_service_that_stops_answering_ends_speculation_not_the_generation(model_path):
+    """A proposal that does not come within the link's reply timeout is a lost draft service:
+    the generation decodes on plainly (same output) and says why, and the stuck stream is cancelled."""
+    import grpc
+
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier.draft_link import DraftLink
+    from echospec.v1 import draft_pb2_grpc
+
+    silent = _silent_draft_service()
+    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(silent, h.server)
+    h.server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 30))
+        link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, reply_timeout=0.3)
+        req = GenerationRequest(prompt=prompt, max_tokens=30, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4)
+        check(core, req)
+        t0 = time.monotonic()
+        evs = list(run_generation(core, req, threading.Event(), lambda: link))
+        assert tokens_of(evs) == plain
+        reasons = [e.spec_reason for e in evs if e.spec_reason]
+        assert reasons == ["draft service did not answer within 0.3 s; decoded plainly from here on"]
+        assert time.monotonic() - t0 < 20
+        assert silent.ended.wait(10)   # the stream was cancelled: the service's handler ended
+    finally:
+        core.close()
+        ch.close()
+        h.server.stop(0).wait()

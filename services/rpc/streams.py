@@ -67,15 +67,20 @@ class BidiStream:
         if not self._closed:
             self._q.put(msg)
 
-    def recv(self) -> Any:
-        """Wait for the next response.
+    def recv(self, timeout: float | None = None) -> Any:
+        """Wait for the next response, at most ``timeout`` seconds (None: until one comes).
 
         Raises:
             grpc.RpcError: the call failed (status code and details from the peer).
             StopIteration: the server ended the stream.
+            TimeoutError: no response within ``timeout`` (the call goes on: cancel it, or a
+                late response is the next recv's).
         """
         if self._end is None:
-            item = self._responses.get()
+            try:
+                item = self._responses.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no response within {timeout:g} s") from None
             if not isinstance(item, _Ended):
                 return item
             self._end = item.exc

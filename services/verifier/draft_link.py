@@ -16,6 +16,12 @@ from echospec.services.verifier.generation_loop import DraftUnavailable
 from echospec.services.verifier.tree_accept import first_branch
 
 
+# seconds a proposal may take before the draft service counts as gone for the generation (it
+# answers in well under a millisecond; the first answer of a long prompt's session in a fraction
+# of a second): decoding then carries on plainly instead of waiting on a stuck service
+REPLY_TIMEOUT_S = 10.0
+
+
 class DraftLink:
     """One draft session over a ProposeStream (grpcio's public stream API).
 
@@ -23,13 +29,15 @@ class DraftLink:
         stub: DraftServiceStub. timeout: the generation's deadline in seconds (None: none).
         tls_mismatch: a grpc_util.TlsMismatch of the draft target, or None: an unreachable
             draft service is then reported with the likely cause when TLS is on one side only.
+        reply_timeout: seconds a proposal may take (REPLY_TIMEOUT_S).
     """
 
     def __init__(self, stub: Any, timeout: float | None, min_n: int = 0,
                  prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
                  draft_namespace: str = "", line_break_tokens: list[int] | None = None,
-                 tls_mismatch: Any = None):
+                 tls_mismatch: Any = None, reply_timeout: float = REPLY_TIMEOUT_S):
         self._tls_mismatch = tls_mismatch
+        self._reply_timeout = reply_timeout
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n = min_n
@@ -67,10 +75,11 @@ class DraftLink:
         chain, a tree's first branch (the tree: ``last_tree``).
 
         Raises:
-            DraftUnavailable: the stream failed (service down, refused, ended).
+            DraftUnavailable: the stream failed (service down, refused, ended) or the proposal
+                did not come within the reply timeout.
         """
         try:
-            resp = self._stream.recv()
+            resp = self._stream.recv(self._reply_timeout)
             self.last_source = resp.source
             if resp.parents:
                 # node sources: an older draft service sends none (every node: the chain's source)
@@ -89,6 +98,9 @@ class DraftLink:
                                    f"{exc.code().name}: {exc.details()})") from None
         except StopIteration:
             raise DraftUnavailable("draft service ended the stream") from None
+        except TimeoutError:
+            raise DraftUnavailable(f"draft service did not answer within {self._reply_timeout:g} s"
+                                   ) from None
 
     def close(self) -> None:
         self._stream.close()
