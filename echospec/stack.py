@@ -5,10 +5,11 @@ when ``http_port >= 0``, and so sits above all four of them (beside the CLI, not
 Two modes:
     processes=False (default)  the gRPC servers in this process, each with its own port and
                                thread pool. The services talk over loopback gRPC as when
-                               deployed, with one exception: the coordinator's GenerateTokens
-                               call to a verifier of this process goes straight to its servicer
-                               (services/rpc/inproc.py: no serialization, no HTTP/2), while
-                               its other calls to the verifier still cross gRPC. Fast to
+                               deployed, with two exceptions: the coordinator's GenerateTokens
+                               call to a verifier of this process, and the verifier's
+                               ProposeStream to a draft service of this process, go straight to
+                               the servicer (services/rpc/inproc.py: no serialization, no
+                               HTTP/2), while their other calls still cross gRPC. Fast to
                                start; what the tests use.
     processes=True             child processes (python -m echospec.services.draft /
                                .verifier / .coordinator / .gateway), as docker-compose runs

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from echospec.services.rpc import grpc_util
+from echospec.services.rpc import grpc_util, inproc
 from echospec.services.rpc.streams import BidiStream
 
 SERVICE = "echospec.test.Echo"
@@ -43,15 +43,32 @@ class _Echo:
             self.ended.set()
 
 
-@pytest.fixture
-def echo():
+class _EchoServicer:
+    """The echo handler as a draft servicer's ProposeStream, for inproc.LocalDraftStub."""
+
+    def __init__(self, handler):
+        self.ProposeStream = handler
+
+
+@pytest.fixture(params=["grpc", "in-process"])
+def echo(request):
+    """The echo method over loopback gRPC, or run in this process as a draft service's
+    ProposeStream is (inproc.LocalDraftStub): the same stream semantics either way."""
     handler = _Echo()
     h = grpc_util.build_server("127.0.0.1", 0, 8, 1 << 20, [SERVICE])
     h.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         SERVICE, {"Echo": grpc.stream_stream_rpc_method_handler(handler)}),))
     h.server.start()
-    ch = grpc_util.channel(f"127.0.0.1:{h.port}", 1 << 20)
-    yield ch.stream_stream(METHOD), handler
+    address = f"127.0.0.1:{h.port}"
+    ch = grpc_util.channel(address, 1 << 20)
+    method = ch.stream_stream(METHOD)
+    servicer = _EchoServicer(handler)
+    if request.param == "in-process":
+        inproc.register(address, servicer, h)
+        fallback = type("Stub", (), {"ProposeStream": staticmethod(method)})()
+        method = inproc.LocalDraftStub(fallback, address).ProposeStream
+    yield method, handler
+    inproc.unregister(address, servicer)
     ch.close()
     h.server.stop(0).wait()
 
@@ -175,3 +192,30 @@ def test_after_the_end_every_recv_raises_the_same_status(echo, cls):
         s.recv()
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     s.close()
+
+
+def test_an_in_process_stream_ends_with_unavailable_when_its_server_stops():
+    """The server's stop ends an in-process stream at once (as gRPC ends the network's), even one
+    whose handler waits for the next request: a waiting recv gets UNAVAILABLE, not its timeout."""
+    handler = _Echo()
+    h = grpc_util.build_server("127.0.0.1", 0, 8, 1 << 20, [SERVICE])
+    h.server.start()
+    address = f"127.0.0.1:{h.port}"
+    servicer = _EchoServicer(handler)
+    inproc.register(address, servicer, h)
+    try:
+        method = inproc.LocalDraftStub(None, address).ProposeStream
+        s = BidiStream(method)
+        assert s.request(b"a") == b"re:a"
+        s.send(b"quiet:1")
+        threading.Timer(0.2, lambda: h.stop(0, "test")).start()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            s.recv(timeout=10)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down (test)" in ei.value.details()
+        assert time.monotonic() - t0 < 5
+        assert handler.ended.wait(10)
+    finally:
+        inproc.unregister(address, servicer)
+        h.server.stop(0).wait()

@@ -220,6 +220,28 @@ def test_server_flag_turns_speculation_on_for_unspecified_requests(tiny_model):
         st.stop()
 
 
+def test_an_in_process_verifier_runs_its_draft_streams_in_process(stub, stack, monkeypatch):
+    """One process: the verifier's draft link calls the draft service's ProposeStream directly
+    (inproc.LocalDraftStub), not over loopback gRPC; the output is that of plain decoding."""
+    from echospec.services.rpc import inproc
+
+    made = []
+    real = inproc.LocalCall.__init__
+
+    def counting(self, servicer, handle, request, timeout, method=inproc.GENERATE_TOKENS, *a, **kw):
+        made.append(method)
+        real(self, servicer, handle, request, timeout, method, *a, **kw)
+
+    monkeypatch.setattr(inproc.LocalCall, "__init__", counting)
+    text = "the cat sat on the mat. " * 4
+    on = complete(stub, text=text, max_tokens=40, spec=ON)
+    off = complete(stub, text=text, max_tokens=40, spec=OFF)
+    assert_same_output(on, off)
+    assert on.stats.tries > 0 and on.stats.hits > 0
+    assert made.count(inproc.PROPOSE_STREAM) == 1, made
+    assert inproc.local(stack.draft_target) is not None
+
+
 # -- the draft service going away --------------------------------------------------------------
 
 def test_killing_the_draft_service_mid_run_changes_no_output(tiny_model):

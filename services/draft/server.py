@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from echospec.v1 import draft_pb2, draft_pb2_grpc
-from echospec.services.rpc import grpc_util
+from echospec.services.rpc import grpc_util, inproc
 from echospec.services.common.config import DraftConfig
 from echospec.services.draft.proposer import check_min_n
 from echospec.services.draft.servicer import DraftServicer
@@ -46,6 +46,9 @@ def start(config: DraftConfig, rpc_metrics=None) -> tuple[grpc_util.ServerHandle
                  grpc_util.host_port(config.metrics_host, handle.metrics_port))
     handle.server.start()
     handle.set_serving()
+    # a verifier of this process runs its draft streams here directly (inproc.py); a stopped
+    # server is passed over (its handle says so) and a new one on the address replaces it
+    inproc.register(grpc_util.host_port(config.host, handle.port), servicer, handle)
     log.info("draft service listening on %s (suffix index, shortest match %d; shared memory "
              "%d tokens x %d namespaces)", grpc_util.host_port(config.host, handle.port), config.min_n,
              config.shared_max_tokens, config.shared_max_namespaces)

@@ -39,7 +39,10 @@ class BidiStream:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._end: BaseException | None = None
-        self._call = method(self._requests(), timeout=timeout)
+        if getattr(method, "takes_wake", False):   # an in-process call (services/rpc/inproc.py)
+            self._call = method(self._requests(), timeout=timeout, wake=self._end_requests)
+        else:
+            self._call = method(self._requests(), timeout=timeout)
         self._closed = False
         threading.Thread(target=self._read, name="bidi-stream-reader", daemon=True).start()
 
@@ -49,6 +52,10 @@ class BidiStream:
             if msg is _END:
                 return
             yield msg
+
+    def _end_requests(self) -> None:
+        """End the request iterator (the call ended: nothing more will be sent)."""
+        self._q.put(_END)
 
     def _read(self) -> None:
         """Every response into the queue, then how the call ended (its status, or
@@ -103,5 +110,5 @@ class BidiStream:
 
     def cancel(self) -> None:
         """Cancel the call (frees the server side at once). Idempotent."""
+        self._call.cancel()   # first: a waiting recv then sees CANCELLED, not the half-close's end
         self.close()
-        self._call.cancel()

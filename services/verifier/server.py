@@ -39,9 +39,10 @@ def _draft_opener(config: VerifierConfig):
     from echospec.services.verifier.draft_link import DraftLink
 
     tls = grpc_util.Tls.of(config)
-    stub = draft_pb2_grpc.DraftServiceStub(
+    # a draft service of this process is called directly (inproc.py), any other over gRPC
+    stub = inproc.LocalDraftStub(draft_pb2_grpc.DraftServiceStub(
         grpc_util.channel(config.draft_target, config.max_message_bytes, tls,
-                          config.internal_key))
+                          config.internal_key)), config.draft_target)
     mismatch = grpc_util.TlsMismatch(config.draft_target, tls)
     return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch, **setup)
 
