@@ -160,3 +160,19 @@ def test_k_choice_is_kept_while_only_the_drafts_at_hand_shrink():
     assert 0 < k16 < 12 and first.startswith(f"K={k16} of 16")
     assert len(ctl.on_proposal(list(range(1, 13)), k_cap=12)) == k16
     assert ctl.k_choice == first
+
+
+def test_a_stale_dear_v_below_a_larger_k_does_not_hold_the_choice_down():
+    """V(1) measured once at 6.2 ms (a cold thread pool) and never again, V(2) since at 2.5 ms,
+    below T: a verify of more drafts never costs less, so V(1) is taken as 2.5 and the fitted
+    slope is that of the figures that stand (here none above T: V(16) estimated at T, so a long
+    draft is tried and measured instead of K = 2 forever)."""
+    c = cost(t=2.7, slope=0.12, overhead=0.1)
+    c.observe(1, 6.2, 6.3, 2.7)
+    c.observe(2, 2.5, 2.6, 2.7)
+    assert c.v_est(1) == pytest.approx(2.5) and c.v_est(2) == pytest.approx(2.5)
+    assert c.slope() == 0.0 and c.v_est(16) == pytest.approx(2.7)
+    assert c.v_table(3) == pytest.approx([2.7, 2.5, 2.5, 2.7])
+    assert best_k(0.9, 16, c, hop=False) == 16
+    c.observe(16, 9.0, 9.1, 2.7)     # measured: dearer than V(1) and V(2), which stand
+    assert c.v_est(16) == pytest.approx(9.0) and c.v_est(1) == pytest.approx(2.5)

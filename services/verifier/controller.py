@@ -102,9 +102,11 @@ class CostModel:
         hop_ms        draft service round trip
         v_tree_ms[n]  verify of a token tree of n draft nodes (its own table: the tree's
                       attention mask and the kept path's KV compaction differ from a chain's)
-    V(K) for a K not yet measured comes from V(K) = T * (1 + slope * K),
-    slope fitted to the measured ratios (default ``prior_slope``); V_tree(n) not yet
-    measured is V(K = n): the same rows through the same weights.
+    A measured V(K) above the measured V of a larger K counts as that V (a verify of more
+    drafts never costs less; such a figure is stale: ``_measured``). V(K) for a K not yet
+    measured comes from V(K) = T * (1 + slope * K), slope fitted to those ratios (default
+    ``prior_slope``); V_tree(n) not yet measured is V(K = n): the same rows through the same
+    weights.
     """
 
     def __init__(self, alpha: float = 0.1, prior_slope: float = 0.12):
@@ -135,10 +137,23 @@ class CostModel:
             if hop_ms is not None and hop_ms > 0:
                 self.hop_ms = self._ema(self.hop_ms, hop_ms)
 
+    def _measured(self) -> dict[int, float]:
+        """The measured V(K), K >= 1, each no more than any measured V of a larger K: a verify of
+        more drafts never costs less, so a V(K) above a larger K's is stale (measured once, on a
+        cold thread pool or beside a burst of other work, and never again because it looked
+        dear) and the larger K's figure stands for it."""
+        out: dict[int, float] = {}
+        low = float("inf")
+        for k in sorted((k for k in self.v_ms if k >= 1), reverse=True):
+            low = min(low, self.v_ms[k])
+            out[k] = low
+        return out
+
     def slope(self) -> float:
-        """Fitted (V(K) / T - 1) / K over the measured K >= 1 (prior_slope if none)."""
+        """Fitted (V(K) / T - 1) / K over the measured K >= 1 (``_measured``; prior_slope if
+        none)."""
         t = self.v_ms.get(0) or self.t_ms
-        pts = [(k, v / t - 1.0) for k, v in self.v_ms.items() if k >= 1 and t > 0]
+        pts = [(k, v / t - 1.0) for k, v in self._measured().items() if t > 0]
         if not pts:
             return self.prior_slope
         return max(0.0, sum(r for _, r in pts) / sum(k for k, _ in pts))
@@ -146,25 +161,26 @@ class CostModel:
     def v_est(self, k: int) -> float:
         """Estimated V(K) in ms (T for K = 0)."""
         with self._lock:
-            if k in self.v_ms:
-                return self.v_ms[k]
-            t = self.v_ms.get(0) or self.t_ms or 1.0
-            return t * (1.0 + self.slope() * k)
+            return self._v_table(k)[k]
 
     def v_table(self, n: int) -> list[float]:
         """V(K) for K = 0 .. n in ms (``v_est`` of each, under one lock and one fitted slope)."""
         with self._lock:
-            t = self.v_ms.get(0) or self.t_ms or 1.0
-            slope = None
-            out = []
-            for k in range(n + 1):
-                v = self.v_ms.get(k)
-                if v is None:
-                    if slope is None:
-                        slope = self.slope()
-                    v = t * (1.0 + slope * k)
-                out.append(v)
-            return out
+            return self._v_table(n)
+
+    def _v_table(self, n: int) -> list[float]:
+        t = self.v_ms.get(0) or self.t_ms or 1.0
+        measured = self._measured()
+        slope = None
+        out = []
+        for k in range(n + 1):
+            v = self.v_ms.get(0) if k == 0 else measured.get(k)
+            if v is None:
+                if slope is None:
+                    slope = self.slope()
+                v = t * (1.0 + slope * k)
+            out.append(v)
+        return out
 
     def v_tree_est(self, n: int) -> float:
         """Estimated V of a tree of n draft nodes in ms (V(K = n) until one is measured)."""
