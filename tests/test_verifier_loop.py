@@ -1032,3 +1032,56 @@ def test_a_draft_service_that_stops_answering_ends_speculation_not_the_generatio
         core.close()
         ch.close()
         h.server.stop(0).wait()
+
+
+def test_after_a_draft_service_missed_a_reply_the_next_generations_wait_less(model_path):
+    """The links to one draft service share its reply timeout: once a proposal did not come, each
+    later generation waits the short stalled timeout, not the full one (a stuck service costs every
+    request that much), until a proposal comes again."""
+    import grpc
+
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft.servicer import DraftServicer
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier.draft_link import DraftLink, ReplyTimeout
+    from echospec.v1 import draft_pb2_grpc
+
+    silent = _silent_draft_service()
+    hs = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(silent, hs.server)
+    hs.server.start()
+    hd = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(DraftConfig()), hd.server)
+    hd.server.start()
+    chs = grpc.insecure_channel(f"127.0.0.1:{hs.port}")
+    chd = grpc.insecure_channel(f"127.0.0.1:{hd.port}")
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 30))
+        reply = ReplyTimeout(normal=1.5, stalled=0.1)
+
+        def run(ch) -> tuple[list[str], float]:
+            link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, reply_timeout=reply)
+            req = GenerationRequest(prompt=prompt, max_tokens=30, eos_ids=frozenset(),
+                                    sampling=Sampling(), spec=True, k=4)
+            check(core, req)
+            t0 = time.monotonic()
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            assert tokens_of(evs) == plain
+            return [e.spec_reason for e in evs if e.spec_reason], time.monotonic() - t0
+
+        reasons, _ = run(chs)
+        assert reasons == ["draft service did not answer within 1.5 s; decoded plainly from here on"]
+        reasons, took = run(chs)
+        assert reasons == ["draft service did not answer within 0.1 s; decoded plainly from here on"]
+        assert took < 1.5
+        # a draft service that answers: full timeout again
+        reasons, _ = run(chd)
+        assert reasons == [] and reply.seconds == 1.5
+    finally:
+        core.close()
+        chs.close()
+        chd.close()
+        hs.server.stop(0).wait()
+        hd.server.stop(0).wait()

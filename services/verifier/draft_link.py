@@ -20,6 +20,32 @@ from echospec.services.verifier.tree_accept import first_branch
 # answers in well under a millisecond; the first answer of a long prompt's session in a fraction
 # of a second): decoding then carries on plainly instead of waiting on a stuck service
 REPLY_TIMEOUT_S = 10.0
+# seconds a proposal may take once a proposal from the same draft service did not come, until one
+# does again: a stuck service (SIGSTOP, a peer that takes the connection and never answers) costs
+# each new generation this, not REPLY_TIMEOUT_S (a 32k-token prompt's first answer takes ~30 ms)
+STALLED_REPLY_TIMEOUT_S = 1.0
+
+
+class ReplyTimeout:
+    """The reply timeout the links to one draft service share (thread-safe: one flag).
+
+    ``seconds`` is ``normal`` while the service answers; after a link's proposal did not come
+    (``missed``) it is ``stalled`` until a link receives a proposal again (``answered``).
+    """
+
+    def __init__(self, normal: float = REPLY_TIMEOUT_S, stalled: float = STALLED_REPLY_TIMEOUT_S):
+        self.normal, self.stalled = normal, stalled
+        self.is_stalled = False
+
+    @property
+    def seconds(self) -> float:
+        return self.stalled if self.is_stalled else self.normal
+
+    def answered(self) -> None:
+        self.is_stalled = False
+
+    def missed(self) -> None:
+        self.is_stalled = True
 
 
 class DraftLink:
@@ -29,15 +55,18 @@ class DraftLink:
         stub: DraftServiceStub. timeout: the generation's deadline in seconds (None: none).
         tls_mismatch: a grpc_util.TlsMismatch of the draft target, or None: an unreachable
             draft service is then reported with the likely cause when TLS is on one side only.
-        reply_timeout: seconds a proposal may take (REPLY_TIMEOUT_S).
+        reply_timeout: seconds a proposal may take (REPLY_TIMEOUT_S), or the ReplyTimeout shared
+            by the links to this draft service.
     """
 
     def __init__(self, stub: Any, timeout: float | None, min_n: int = 0,
                  prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
                  draft_namespace: str = "", line_break_tokens: list[int] | None = None,
-                 tls_mismatch: Any = None, reply_timeout: float = REPLY_TIMEOUT_S):
+                 tls_mismatch: Any = None,
+                 reply_timeout: float | ReplyTimeout = REPLY_TIMEOUT_S):
         self._tls_mismatch = tls_mismatch
-        self._reply_timeout = reply_timeout
+        self._reply = reply_timeout if isinstance(reply_timeout, ReplyTimeout) else \
+            ReplyTimeout(reply_timeout, reply_timeout)
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n = min_n
@@ -78,8 +107,10 @@ class DraftLink:
             DraftUnavailable: the stream failed (service down, refused, ended) or the proposal
                 did not come within the reply timeout.
         """
+        wait_s = self._reply.seconds
         try:
-            resp = self._stream.recv(self._reply_timeout)
+            resp = self._stream.recv(wait_s)
+            self._reply.answered()
             self.last_source = resp.source
             if resp.parents:
                 # node sources: an older draft service sends none (every node: the chain's source)
@@ -99,8 +130,8 @@ class DraftLink:
         except StopIteration:
             raise DraftUnavailable("draft service ended the stream") from None
         except TimeoutError:
-            raise DraftUnavailable(f"draft service did not answer within {self._reply_timeout:g} s"
-                                   ) from None
+            self._reply.missed()
+            raise DraftUnavailable(f"draft service did not answer within {wait_s:g} s") from None
 
     def close(self) -> None:
         self._stream.close()

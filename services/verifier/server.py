@@ -36,7 +36,7 @@ def _draft_opener(config: VerifierConfig):
     if not config.draft_target:
         return None
     from echospec.v1 import draft_pb2_grpc
-    from echospec.services.verifier.draft_link import DraftLink
+    from echospec.services.verifier.draft_link import DraftLink, ReplyTimeout
 
     tls = grpc_util.Tls.of(config)
     # a draft service of this process is called directly (inproc.py), any other over gRPC
@@ -44,7 +44,9 @@ def _draft_opener(config: VerifierConfig):
         grpc_util.channel(config.draft_target, config.max_message_bytes, tls,
                           config.internal_key)), config.draft_target)
     mismatch = grpc_util.TlsMismatch(config.draft_target, tls)
-    return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch, **setup)
+    reply = ReplyTimeout()   # shared: a stuck draft service costs each later generation less
+    return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch,
+                                              reply_timeout=reply, **setup)
 
 
 def start(config: VerifierConfig, rpc_metrics=None) -> VerifierServer:
