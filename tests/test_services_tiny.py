@@ -268,6 +268,48 @@ def test_killing_the_draft_service_mid_run_changes_no_output(tiny_model):
         st.stop()
 
 
+def test_a_draft_service_proposing_ids_outside_the_vocabulary_ends_speculation_not_the_generation(
+        tiny_model):
+    # e.g. another model's ids, through a draft namespace shared with a verifier of that model:
+    # the verifier decodes on plainly (same output, a reason), no INVALID_ARGUMENT for the request
+    from echospec.v1 import draft_pb2, draft_pb2_grpc
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier import server as vserver
+
+    class Foreign(draft_pb2_grpc.DraftServiceServicer):
+        def ProposeStream(self, request_iterator, context):
+            for req in request_iterator:
+                if req.k:
+                    yield draft_pb2.ProposeStreamResponse(draft=[7, N_VOCAB + 1000, 7])
+
+    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(Foreign(), h.server)
+    h.server.start()
+    v = vserver.start(VerifierConfig(model=tiny_model, n_ctx=N_CTX, n_threads=1, port=0,
+                                     draft_target=f"127.0.0.1:{h.port}"))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{v.port}") as ch:
+            vs = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+            def run(spec: bool) -> tuple[list[int], list[str]]:
+                toks, why = [], []
+                for m in vs.GenerateTokens(vpb.GenerateTokensRequest(
+                        prompt=[5, 6, 7, 7, 7, 7], max_tokens=30, spec=spec, k=4), timeout=30):
+                    toks += [t for r in m.rounds for t in r.result.tokens]
+                    why += [m.spec_reason] if m.spec_reason else []
+                return toks, why
+
+            plain, _ = run(False)
+            toks, why = run(True)
+            assert toks == plain
+            assert why == [f"draft service proposed token {N_VOCAB + 1000}, outside the vocabulary "
+                           f"[0, {N_VOCAB}); decoded plainly from here on"]
+    finally:
+        v.stop(0)
+        h.server.stop(0).wait()
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 BAD_REQUESTS = [

@@ -57,16 +57,19 @@ class DraftLink:
             draft service is then reported with the likely cause when TLS is on one side only.
         reply_timeout: seconds a proposal may take (REPLY_TIMEOUT_S), or the ReplyTimeout shared
             by the links to this draft service.
+        n_vocab: the verifier's vocabulary size: a proposal holding an id outside [0, n_vocab)
+            (another model's, through a namespace it shares) ends the link (0: not checked).
     """
 
     def __init__(self, stub: Any, timeout: float | None, min_n: int = 0,
                  prediction: list[int] | None = None, digit_tokens: list[int] | None = None,
                  draft_namespace: str = "", line_break_tokens: list[int] | None = None,
                  tls_mismatch: Any = None,
-                 reply_timeout: float | ReplyTimeout = REPLY_TIMEOUT_S):
+                 reply_timeout: float | ReplyTimeout = REPLY_TIMEOUT_S, n_vocab: int = 0):
         self._tls_mismatch = tls_mismatch
         self._reply = reply_timeout if isinstance(reply_timeout, ReplyTimeout) else \
             ReplyTimeout(reply_timeout, reply_timeout)
+        self._n_vocab = n_vocab
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n = min_n
@@ -104,13 +107,17 @@ class DraftLink:
         chain, a tree's first branch (the tree: ``last_tree``).
 
         Raises:
-            DraftUnavailable: the stream failed (service down, refused, ended) or the proposal
-                did not come within the reply timeout.
+            DraftUnavailable: the stream failed (service down, refused, ended), the proposal
+                did not come within the reply timeout, or it holds an id outside the vocabulary.
         """
         wait_s = self._reply.seconds
         try:
             resp = self._stream.recv(wait_s)
             self._reply.answered()
+            if self._n_vocab and resp.draft and (min(resp.draft) < 0 or max(resp.draft) >= self._n_vocab):
+                bad = next(t for t in resp.draft if not 0 <= t < self._n_vocab)
+                raise DraftUnavailable(f"draft service proposed token {bad}, outside the vocabulary "
+                                       f"[0, {self._n_vocab})")
             self.last_source = resp.source
             if resp.parents:
                 # node sources: an older draft service sends none (every node: the chain's source)

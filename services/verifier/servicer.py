@@ -144,7 +144,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             tree_nodes=tree_budget(request.tree_nodes, core.config.tree_nodes))
         setup = dict(prediction=list(request.prediction), digit_tokens=list(request.digit_tokens),
                      draft_namespace=request.draft_namespace,
-                     line_break_tokens=list(request.line_break_tokens))
+                     line_break_tokens=list(request.line_break_tokens), n_vocab=core.n_vocab)
         cancel = threading.Event()
         drafts: list[Any] = []
 
