@@ -1085,3 +1085,40 @@ def test_after_a_draft_service_missed_a_reply_the_next_generations_wait_less(mod
         chd.close()
         hs.server.stop(0).wait()
         hd.server.stop(0).wait()
+
+
+def test_the_draft_session_gets_the_whole_output_for_its_namespace_memory(model_path):
+    """The output after a generation's last proposal goes to the draft session before the link
+    closes, so its draft namespace's shared memory keeps the whole prompt and output."""
+    import grpc
+
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft.servicer import DraftServicer
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier.draft_link import DraftLink
+    from echospec.v1 import draft_pb2_grpc
+
+    servicer = DraftServicer(DraftConfig())
+    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, h.server)
+    h.server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        for i, max_tokens in enumerate((1, 2, 30, 61)):
+            ns = f"ns{i}"
+            prompt = [(j * 7 + i) % 300 + 3 for j in range(12)]
+            link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, draft_namespace=ns)
+            req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=frozenset(),
+                                    sampling=Sampling(), spec=True, k=4)
+            check(core, req)
+            out = tokens_of(list(run_generation(core, req, threading.Event(), lambda: link)))
+            assert len(out) == max_tokens
+            t_end = time.monotonic() + 10
+            while servicer.memory.n_tokens(ns) == 0 and time.monotonic() < t_end:
+                time.sleep(0.01)
+            assert servicer.memory.n_tokens(ns) == len(prompt) + max_tokens, max_tokens
+    finally:
+        core.close()
+        ch.close()
+        h.server.stop(0).wait()

@@ -259,6 +259,7 @@ class _Run:
             self.rng = rng_advance(self.rng, req.resumed)
         self.marks = False            # yield FLUSH before waiting (run_generation's marks)
         self.drafts: Any = None       # a speculative generation's _Drafts (its counts outlive it)
+        self.history: list[int] = []  # prompt + output so far (the rounds extend it)
         self.gram: Constraint | None = None   # the grammar's matcher over the output so far
         # repetition penalties (None: off): every token then comes from a penalised logits row
         self.pen: Penalties | None = req.sampling.penalties if req.sampling.penalties.active else None
@@ -450,8 +451,10 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
         yield from _rounds(run, draft, reason, t0, req.spec and run.core.kv_eviction == "none")
     finally:
         if draft is not None:
+            if run.drafts is not None:
+                run.drafts.flush(run.history)
             draft.close()
-        if run.drafts is not None:
+        if run.drafts is not None and run.drafts.ctl.cost is not None:
             run.core.spec_priors.learn(req.draft_namespace, run.drafts.ctl)
 
 
@@ -538,6 +541,13 @@ class _Drafts:
         except DraftUnavailable as exc:
             self._lost(exc)
         return drf, hop_ms, proposals
+
+    def flush(self, history: list[int]) -> None:
+        """Send the draft session the history it has not had (the output after the last
+        proposal), so that its namespace's shared memory keeps the whole output."""
+        if self.link is not None and len(history) > self.synced:
+            self.link.append(history[self.synced:])
+            self.synced = len(history)
 
     def quiet_rounds(self) -> int:
         """Rounds from this one on that are plain steps with no draft traffic, after ``before``
@@ -809,10 +819,12 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                                and req.tree_nodes > 0 and not core.tree_refusal) else 0
     drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed,
                      tree_nodes=trees)
-    if link is not None and drafts.ctl.cost is not None:
-        # the namespace's acceptance so far seeds this generation's (NamespacePriors)
-        core.spec_priors.seed(req.draft_namespace, drafts.ctl)
+    run.history = history
+    if link is not None:
         run.drafts = drafts
+        if drafts.ctl.cost is not None:
+            # the namespace's acceptance so far seeds this generation's (NamespacePriors)
+            core.spec_priors.seed(req.draft_namespace, drafts.ctl)
     first, prefill_ms, first_lps = run.prefill()
     history.append(first)
     produced = 0                     # output tokens so far (EOS excluded)
