@@ -661,6 +661,7 @@ class ServerHandle:
     metrics_http: object = None          # the /metrics server when this service runs one
     metrics_port: int = 0
     stopping: bool = False               # stop() was called: health stays NOT_SERVING
+    internal_key: str = ""               # what its InternalKeyAuth demands ("": none; inproc.py)
     _health_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def serve_metrics(self, host: str, port: int, extra_registries=()) -> int:
@@ -823,7 +824,7 @@ def build_server(host: str, port: int, max_workers: int, max_message_bytes: int,
     if bound == 0:
         raise PortInUseError(f"cannot bind {addr} (port taken or not permitted)")
     handle = ServerHandle(server=server, health=hs, port=bound, service_names=names, limit=limit,
-                          rpc_metrics=rpc_metrics)
+                          rpc_metrics=rpc_metrics, internal_key=internal_key)
     handle.set_not_serving()
     return handle
 

@@ -197,16 +197,20 @@ class LocalDraftStub:
     process while it is registered (else over gRPC); every other method is ``stub``'s.
 
     ProposeStream takes ``wake`` beside grpc's arguments (``takes_wake``): the bidi stream's
-    function that ends its request iterator (services/rpc/streams.py)."""
+    function that ends its request iterator (services/rpc/streams.py). ``internal_key``: the key
+    the caller sends; a draft service demanding another one is called over gRPC, which refuses
+    the call as it refuses any caller without its key."""
 
-    def __init__(self, stub: Any, address: str):
+    def __init__(self, stub: Any, address: str, internal_key: str = ""):
         self._stub = stub
         self._address = address
+        self._internal_key = internal_key
 
     def ProposeStream(self, request_iterator: Any, timeout: float | None = None,  # noqa: N802
                       wake: Callable[[], None] | None = None) -> Any:
         found = local(self._address)
-        if found is None or found[1].stopping or not hasattr(found[0], "ProposeStream"):
+        if (found is None or found[1].stopping or not hasattr(found[0], "ProposeStream")
+                or found[1].internal_key not in ("", self._internal_key)):
             return self._stub.ProposeStream(request_iterator, timeout=timeout)
         return LocalCall(found[0], found[1], request_iterator, timeout, PROPOSE_STREAM,
                          found[0].ProposeStream, wake)

@@ -42,7 +42,7 @@ def _draft_opener(config: VerifierConfig):
     # a draft service of this process is called directly (inproc.py), any other over gRPC
     stub = inproc.LocalDraftStub(draft_pb2_grpc.DraftServiceStub(
         grpc_util.channel(config.draft_target, config.max_message_bytes, tls,
-                          config.internal_key)), config.draft_target)
+                          config.internal_key)), config.draft_target, config.internal_key)
     mismatch = grpc_util.TlsMismatch(config.draft_target, tls)
     reply = ReplyTimeout()   # shared: a stuck draft service costs each later generation less
     return lambda timeout, **setup: DraftLink(stub, timeout, tls_mismatch=mismatch,
