@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import resource
 import sys
 import threading
@@ -305,6 +306,51 @@ def test_a_draft_service_proposing_ids_outside_the_vocabulary_ends_speculation_n
             assert toks == plain
             assert why == [f"draft service proposed token {N_VOCAB + 1000}, outside the vocabulary "
                            f"[0, {N_VOCAB}); decoded plainly from here on"]
+    finally:
+        v.stop(0)
+        h.server.stop(0).wait()
+
+
+def test_a_stuck_draft_service_leaves_a_short_deadline_to_plain_decoding(tiny_model):
+    # a draft service that takes the stream and never answers: a request with a deadline shorter
+    # than the reply timeout waits at most half of it for a proposal, then decodes plainly,
+    # instead of ending with DEADLINE_EXCEEDED where speculation off would have finished
+    from echospec.v1 import draft_pb2_grpc
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier import server as vserver
+
+    class Silent(draft_pb2_grpc.DraftServiceServicer):
+        def ProposeStream(self, request_iterator, context):
+            for _ in request_iterator:
+                pass
+            return
+            yield   # a generator: the stream's responses (none)
+
+    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(Silent(), h.server)
+    h.server.start()
+    v = vserver.start(VerifierConfig(model=tiny_model, n_ctx=N_CTX, n_threads=1, port=0,
+                                     draft_target=f"127.0.0.1:{h.port}"))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{v.port}") as ch:
+            vs = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+            def run(spec: bool) -> tuple[list[int], list[str]]:
+                toks, why = [], []
+                for m in vs.GenerateTokens(vpb.GenerateTokensRequest(
+                        prompt=[5, 6, 7, 7, 7, 7], max_tokens=30, spec=spec, k=4), timeout=3):
+                    toks += [t for r in m.rounds for t in r.result.tokens]
+                    why += [m.spec_reason] if m.spec_reason else []
+                return toks, why
+
+            plain, _ = run(False)
+            toks, why = run(True)
+            assert toks == plain
+            assert len(why) == 1, why
+            waited = re.fullmatch(r"draft service did not answer within ([0-9.]+) s; decoded plainly "
+                                  r"from here on", why[0])
+            assert waited and 0 < float(waited.group(1)) <= 1.5, why   # half of the 3 s left at most
     finally:
         v.stop(0)
         h.server.stop(0).wait()

@@ -6,6 +6,7 @@ meanwhile); ``recv_proposal`` collects it. At most one proposal is in flight.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -24,6 +25,9 @@ REPLY_TIMEOUT_S = 10.0
 # does again: a stuck service (SIGSTOP, a peer that takes the connection and never answers) costs
 # each new generation this, not REPLY_TIMEOUT_S (a 32k-token prompt's first answer takes ~30 ms)
 STALLED_REPLY_TIMEOUT_S = 1.0
+# of the time left to a generation's deadline, the share a proposal may take: a stuck draft service
+# then leaves the rest to plain decoding instead of the whole deadline passing in the wait
+DEADLINE_SHARE = 0.5
 
 
 class ReplyTimeout:
@@ -56,7 +60,8 @@ class DraftLink:
         tls_mismatch: a grpc_util.TlsMismatch of the draft target, or None: an unreachable
             draft service is then reported with the likely cause when TLS is on one side only.
         reply_timeout: seconds a proposal may take (REPLY_TIMEOUT_S), or the ReplyTimeout shared
-            by the links to this draft service.
+            by the links to this draft service; never more than DEADLINE_SHARE of the time left
+            to the deadline.
         n_vocab: the verifier's vocabulary size: a proposal holding an id outside [0, n_vocab)
             (another model's, through a namespace it shares) ends the link (0: not checked).
     """
@@ -70,6 +75,7 @@ class DraftLink:
         self._reply = reply_timeout if isinstance(reply_timeout, ReplyTimeout) else \
             ReplyTimeout(reply_timeout, reply_timeout)
         self._n_vocab = n_vocab
+        self._deadline = None if timeout is None else time.monotonic() + timeout
         self._stream = BidiStream(stub.ProposeStream, timeout)
         self._first = True
         self._min_n = min_n
@@ -110,7 +116,9 @@ class DraftLink:
             DraftUnavailable: the stream failed (service down, refused, ended), the proposal
                 did not come within the reply timeout, or it holds an id outside the vocabulary.
         """
-        wait_s = self._reply.seconds
+        wait_s = full_s = self._reply.seconds
+        if self._deadline is not None:
+            wait_s = min(full_s, max(0.0, self._deadline - time.monotonic()) * DEADLINE_SHARE)
         try:
             resp = self._stream.recv(wait_s)
             self._reply.answered()
@@ -137,8 +145,9 @@ class DraftLink:
         except StopIteration:
             raise DraftUnavailable("draft service ended the stream") from None
         except TimeoutError:
-            self._reply.missed()
-            raise DraftUnavailable(f"draft service did not answer within {wait_s:g} s") from None
+            if wait_s >= full_s:   # a wait cut short by the deadline says nothing of the service
+                self._reply.missed()
+            raise DraftUnavailable(f"draft service did not answer within {wait_s:.3g} s") from None
 
     def close(self) -> None:
         self._stream.close()
