@@ -472,6 +472,60 @@ def test_speculative_loop_gives_the_plain_output_with_in_flight_proposals(model_
         core.close()
 
 
+class _LateOracle(_OracleDraft):
+    """An oracle whose in-flight proposals come ``lag`` rounds late (a draft service slower than
+    the forward): ``ready`` says no until then, and a recv before it is a test failure."""
+
+    def __init__(self, truth, lag: int):
+        super().__init__(truth)
+        self.lag, self.checks, self.waited = lag, 0, 0
+
+    def send_propose(self, append, n):
+        super().send_propose(append, n)
+        self.checks = 0
+
+    def ready(self):
+        self.checks += 1
+        return self.checks > self.lag
+
+    def recv_proposal(self):
+        if self.checks <= self.lag:
+            self.waited += 1
+        return super().recv_proposal()
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_a_late_in_flight_proposal_is_collected_when_it_comes_never_waited_for(model_path, lag):
+    """A proposal asked in flight that has not come when the forward ends stays in flight: the
+    round goes on without it, no new proposal is asked meanwhile, and when it comes it is checked
+    against every token produced since it was asked. Same output as plain decoding."""
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 60))
+        link = _LateOracle(prompt + plain, lag)
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, eager=True)
+        check(core, req)
+        evs = list(run_generation(core, req, threading.Event(), lambda: link))
+        assert tokens_of(evs)[:60] == plain[:60]
+        assert link.waited <= 1   # the first proposal may be waited for; no in-flight one is
+        assert sum(e.proposals for e in evs) >= len(link.asked) - 1
+        assert sum(e.accepted for e in evs) > 0
+    finally:
+        core.close()
+
+
+def test_a_proposal_waited_for_that_costs_more_than_a_plain_step_goes_in_flight():
+    from echospec.services.verifier.controller import CostModel
+    c = CostModel()
+    c.observe(0, 3.0, 3.1, 3.0)
+    ctl = SpecController(k=4, cost=c)
+    assert ctl.plan(4) == ("propose", 16)
+    c.hop_ms = 30.0                                 # a draft service 30 ms away
+    assert ctl.plan(4) == ("none", 0) and ctl.prefetch_size(0) == 16
+
+
 def test_backing_off_proposals_go_in_flight_never_blocking():
     c = SpecController(k=2)
     assert c.plan(2) == ("propose", 8)              # no miss yet: the first proposal blocks

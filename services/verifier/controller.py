@@ -528,6 +528,8 @@ class SpecController:
             return "none", 0
         if self.misses > 0:
             return "none", 0     # backing off: the next proposal goes in flight (prefetch_size)
+        if self.cost is not None and self.cost.hop_ms > self.cost.v_est(0):
+            return "none", 0     # a proposal waited for costs more than a plain step: in flight
         return "propose", max(1, self.fetch_factor * self.k)
 
     def on_proposal(self, draft: list[int], k_cap: int, source: int = 0) -> list[int]:

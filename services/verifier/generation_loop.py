@@ -514,9 +514,12 @@ class _Drafts:
         drf: list[int] = []
         hop_ms, proposals = None, 0
         self.source = 0
+        pending = self.in_flight   # an earlier round's proposal, not come yet: the one at a time
         self._tree_at_hand(history, k_cap, tree_room)
         try:
             kind, arg = self.ctl.plan(k_cap)
+            if kind == "propose" and pending:
+                kind = "none"
             if kind == "cached":
                 drf = arg
                 self.source = self.ctl.cache_source
@@ -531,7 +534,7 @@ class _Drafts:
                 proposals = 1
                 drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
                 self.source = self.ctl.cache_source
-            if kind != "propose" and k_cap > 0:
+            if kind != "propose" and k_cap > 0 and not pending:
                 n_pf = self.ctl.prefetch_size(len(drf))
                 if n_pf:   # in flight while the forward runs
                     self.link.send_propose(history[self.synced:], n_pf)
@@ -575,7 +578,10 @@ class _Drafts:
             return 0
         if path is not None:
             self.ctl.on_tree_result(path)
-        if not self.in_flight:
+        ready = getattr(self.link, "ready", None)
+        if not self.in_flight or (ready is not None and not ready()):
+            # nothing in flight, or the proposal has not come (a draft service slower than the
+            # forward): it stays in flight, collected in a later round, never waited for
             self.ctl.on_result(drf, tokens, count=path is None)
             self._follow_tree(drf, tokens, history, tree)
             return 0
@@ -587,13 +593,16 @@ class _Drafts:
             return 0
         self.ctl.on_result(drf, tokens, count=path is None)
         self._follow_tree(drf, tokens, history, tree)
+        # the tokens produced since the proposal was asked: this round's, or several rounds'
+        # when it came late
+        since = list(tokens) if history is None else list(history[self._pf_base:]) + list(tokens)
         if self.tree_nodes and self._keep_tree(self._pf_base):
-            # the proposal as the chain it holds after this round's tokens (any branch)
-            sub = reroot(self.trees[-1][1], self.trees[-1][2], tokens)
+            # the proposal as the chain it holds after those tokens (any branch)
+            sub = reroot(self.trees[-1][1], self.trees[-1][2], since)
             rest = first_branch(*sub) if sub is not None else []
             if rest:
-                p = list(tokens) + rest
-        self.ctl.on_prefetch(p, tokens, getattr(self.link, "last_source", 0))
+                p = since + rest
+        self.ctl.on_prefetch(p, since, getattr(self.link, "last_source", 0))
         return 1
 
     def _keep_tree(self, base: int) -> bool:
