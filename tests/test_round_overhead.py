@@ -103,6 +103,23 @@ def test_responses_are_read_ahead_before_recv_asks(echo, cls):
 
 
 @pytest.mark.parametrize("cls", KINDS)
+def test_poll_says_whether_recv_would_wait_and_keeps_the_order(echo, cls):
+    method, _ = echo
+    s = cls(method)
+    assert not s.poll() and not s.poll(0.02)       # nothing asked: nothing comes
+    s.send(b"a")
+    assert s.poll(10) and s.poll() and s.buffered() == 1
+    s.send(b"b")
+    assert s.recv() == b"re:a" and s.recv() == b"re:b"
+    s.send(b"abort")
+    assert s.poll(10)                               # the call's end counts: recv will not wait
+    with pytest.raises(grpc.RpcError):
+        s.recv()
+    assert s.poll()
+    s.close()
+
+
+@pytest.mark.parametrize("cls", KINDS)
 def test_recv_gives_up_after_its_timeout_and_the_call_goes_on(echo, cls):
     method, _ = echo
     s = cls(method)

@@ -484,7 +484,7 @@ class _LateOracle(_OracleDraft):
         super().send_propose(append, n)
         self.checks = 0
 
-    def ready(self):
+    def ready(self, wait=0.0):
         self.checks += 1
         return self.checks > self.lag
 

@@ -39,6 +39,7 @@ class BidiStream:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._end: BaseException | None = None
+        self._peeked: Any = None       # a response (or _Ended) taken off the queue by poll
         if getattr(method, "takes_wake", False):   # an in-process call (services/rpc/inproc.py)
             self._call = method(self._requests(), timeout=timeout, wake=self._end_requests)
         else:
@@ -84,8 +85,10 @@ class BidiStream:
                 late response is the next recv's).
         """
         if self._end is None:
+            item, self._peeked = self._peeked, None
             try:
-                item = self._responses.get(timeout=timeout)
+                if item is None:
+                    item = self._responses.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"no response within {timeout:g} s") from None
             if not isinstance(item, _Ended):
@@ -95,7 +98,19 @@ class BidiStream:
 
     def buffered(self) -> int:
         """Responses (or the call's end) read ahead and not yet taken by ``recv``."""
-        return self._responses.qsize()
+        return self._responses.qsize() + (self._peeked is not None)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Wait up to ``timeout`` seconds for a response (or the call's end) that ``recv`` would
+        return at once; True when there is one."""
+        if self._end is not None or self._peeked is not None:
+            return True
+        try:
+            self._peeked = self._responses.get(timeout=timeout) if timeout > 0 else \
+                self._responses.get_nowait()
+        except queue.Empty:
+            return False
+        return True
 
     def request(self, msg: Any) -> Any:
         """send then recv."""

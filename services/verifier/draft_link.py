@@ -108,9 +108,10 @@ class DraftLink:
         """Append ``append`` and ask for up to n tokens (non-blocking)."""
         self._stream.send(self._msg(append, n))
 
-    def ready(self) -> bool:
-        """The proposal asked for has come (or the stream ended): ``recv_proposal`` will not wait."""
-        return self._stream.buffered() > 0
+    def ready(self, wait: float = 0.0) -> bool:
+        """The proposal asked for has come, or comes within ``wait`` seconds (or the stream
+        ended): ``recv_proposal`` will not wait."""
+        return self._stream.poll(wait)
 
     def recv_proposal(self) -> list[int]:
         """The proposal asked for by the last ``send_propose`` (its source: ``last_source``): the

@@ -458,6 +458,12 @@ def _loop(run: _Run, open_draft: Callable[[], Any] | None) -> Iterator[RoundEven
             run.core.spec_priors.learn(req.draft_namespace, run.drafts.ctl)
 
 
+# seconds the round that asked for an in-flight proposal waits past its forward for it: a fast
+# model's forward can end before the draft service's answer (tens of us in one process); a
+# proposal later than that is left in flight, never waited for
+IN_FLIGHT_GRACE_S = 0.005
+
+
 class _Drafts:
     """A speculative generation's draft source: the controller over a draft link.
 
@@ -475,6 +481,7 @@ class _Drafts:
         self.tree_nodes = tree_nodes if link is not None else 0
         self.trees: list[tuple[int, list[int], list[int], list[int]]] = []   # + node sources
         self._pf_base = 0            # history length when the in-flight proposal was asked
+        self._pf_fresh = False       # ... in this round (after() gives it IN_FLIGHT_GRACE_S)
         if self.tree_nodes:
             link.tree_nodes = tree_nodes
         self.ctl = SpecController(k=k, cost=None if fixed_k else CostModel(), eager=eager)
@@ -541,6 +548,7 @@ class _Drafts:
                     self.synced = len(history)
                     self._pf_base = len(history)
                     self.in_flight = True
+                    self._pf_fresh = True
         except DraftUnavailable as exc:
             self._lost(exc)
         return drf, hop_ms, proposals
@@ -579,9 +587,11 @@ class _Drafts:
         if path is not None:
             self.ctl.on_tree_result(path)
         ready = getattr(self.link, "ready", None)
-        if not self.in_flight or (ready is not None and not ready()):
+        fresh, self._pf_fresh = self._pf_fresh, False
+        if not self.in_flight or (ready is not None and not ready(IN_FLIGHT_GRACE_S if fresh else 0.0)):
             # nothing in flight, or the proposal has not come (a draft service slower than the
-            # forward): it stays in flight, collected in a later round, never waited for
+            # forward, even after a short grace in the round that asked): it stays in flight,
+            # collected in a later round, never waited for
             self.ctl.on_result(drf, tokens, count=path is None)
             self._follow_tree(drf, tokens, history, tree)
             return 0
