@@ -298,3 +298,11 @@ def test_verifier_reports_its_resolved_engine_threads(tiny_model):
             assert core.config.n_threads == want >= 1
         finally:
             core.close()
+
+
+def test_the_draft_service_admits_a_draft_stream_for_every_verifier_session():
+    """Each speculative generation holds one draft stream: a draft service admitting fewer streams
+    than a verifier's sessions would turn the last generations of a full verifier plain."""
+    from echospec.services.common.config import DraftConfig, VerifierConfig
+    assert DraftConfig().max_concurrent_rpcs >= VerifierConfig().max_sessions
+    assert DraftConfig().max_concurrent_rpcs < DraftConfig().max_workers

@@ -140,8 +140,9 @@ class DraftConfig(_GrpcServiceConfig):
                                      "(~0.4 KB each)", range=(1, _BIG, "tokens per namespace"))
     shared_max_namespaces: int = setting(16, "namespaces kept (least recently used evicted)",
                                          range=(1, _BIG, "namespaces"))
-    max_workers: int = setting(64, "gRPC worker threads", range=_WORKERS)
-    max_concurrent_rpcs: int = setting(56, _CONCURRENT_HELP, range=_CONCURRENT)
+    # a verifier's every session may hold a draft stream (max_sessions 64): as the verifier's
+    max_workers: int = setting(96, "gRPC worker threads", range=_WORKERS)
+    max_concurrent_rpcs: int = setting(88, _CONCURRENT_HELP, range=_CONCURRENT)
 
 
 @setting_fields
