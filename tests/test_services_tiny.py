@@ -269,14 +269,41 @@ def test_killing_the_draft_service_mid_run_changes_no_output(tiny_model):
         st.stop()
 
 
+def _verifier_beside(tiny_model, draft_servicer, timeout: float):
+    """A verifier whose draft target is a gRPC server of ``draft_servicer``; GenerateTokens of one
+    prompt with speculation off then on (``timeout`` each): [(tokens, spec reasons)] per run."""
+    from echospec.v1 import draft_pb2_grpc
+    from echospec.services.common.config import VerifierConfig
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier import server as vserver
+
+    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(draft_servicer, h.server)
+    h.server.start()
+    v = vserver.start(VerifierConfig(model=tiny_model, n_ctx=N_CTX, n_threads=1, port=0,
+                                     draft_target=f"127.0.0.1:{h.port}"))
+    out = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{v.port}") as ch:
+            vs = verifier_pb2_grpc.VerifierServiceStub(ch)
+            for spec in (False, True):
+                toks, why = [], []
+                for m in vs.GenerateTokens(vpb.GenerateTokensRequest(
+                        prompt=[5, 6, 7, 7, 7, 7], max_tokens=30, spec=spec, k=4), timeout=timeout):
+                    toks += [t for r in m.rounds for t in r.result.tokens]
+                    why += [m.spec_reason] if m.spec_reason else []
+                out.append((toks, why))
+    finally:
+        v.stop(0)
+        h.server.stop(0).wait()
+    return out
+
+
 def test_a_draft_service_proposing_ids_outside_the_vocabulary_ends_speculation_not_the_generation(
         tiny_model):
     # e.g. another model's ids, through a draft namespace shared with a verifier of that model:
     # the verifier decodes on plainly (same output, a reason), no INVALID_ARGUMENT for the request
     from echospec.v1 import draft_pb2, draft_pb2_grpc
-    from echospec.services.common.config import VerifierConfig
-    from echospec.services.rpc import grpc_util
-    from echospec.services.verifier import server as vserver
 
     class Foreign(draft_pb2_grpc.DraftServiceServicer):
         def ProposeStream(self, request_iterator, context):
@@ -284,31 +311,10 @@ def test_a_draft_service_proposing_ids_outside_the_vocabulary_ends_speculation_n
                 if req.k:
                     yield draft_pb2.ProposeStreamResponse(draft=[7, N_VOCAB + 1000, 7])
 
-    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(Foreign(), h.server)
-    h.server.start()
-    v = vserver.start(VerifierConfig(model=tiny_model, n_ctx=N_CTX, n_threads=1, port=0,
-                                     draft_target=f"127.0.0.1:{h.port}"))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{v.port}") as ch:
-            vs = verifier_pb2_grpc.VerifierServiceStub(ch)
-
-            def run(spec: bool) -> tuple[list[int], list[str]]:
-                toks, why = [], []
-                for m in vs.GenerateTokens(vpb.GenerateTokensRequest(
-                        prompt=[5, 6, 7, 7, 7, 7], max_tokens=30, spec=spec, k=4), timeout=30):
-                    toks += [t for r in m.rounds for t in r.result.tokens]
-                    why += [m.spec_reason] if m.spec_reason else []
-                return toks, why
-
-            plain, _ = run(False)
-            toks, why = run(True)
-            assert toks == plain
-            assert why == [f"draft service proposed token {N_VOCAB + 1000}, outside the vocabulary "
-                           f"[0, {N_VOCAB}); decoded plainly from here on"]
-    finally:
-        v.stop(0)
-        h.server.stop(0).wait()
+    (plain, _), (toks, why) = _verifier_beside(tiny_model, Foreign(), 30)
+    assert toks == plain
+    assert why == [f"draft service proposed token {N_VOCAB + 1000}, outside the vocabulary "
+                   f"[0, {N_VOCAB}); decoded plainly from here on"]
 
 
 def test_a_stuck_draft_service_leaves_a_short_deadline_to_plain_decoding(tiny_model):
@@ -316,9 +322,6 @@ def test_a_stuck_draft_service_leaves_a_short_deadline_to_plain_decoding(tiny_mo
     # than the reply timeout waits at most half of it for a proposal, then decodes plainly,
     # instead of ending with DEADLINE_EXCEEDED where speculation off would have finished
     from echospec.v1 import draft_pb2_grpc
-    from echospec.services.common.config import VerifierConfig
-    from echospec.services.rpc import grpc_util
-    from echospec.services.verifier import server as vserver
 
     class Silent(draft_pb2_grpc.DraftServiceServicer):
         def ProposeStream(self, request_iterator, context):
@@ -327,33 +330,12 @@ def test_a_stuck_draft_service_leaves_a_short_deadline_to_plain_decoding(tiny_mo
             return
             yield   # a generator: the stream's responses (none)
 
-    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(Silent(), h.server)
-    h.server.start()
-    v = vserver.start(VerifierConfig(model=tiny_model, n_ctx=N_CTX, n_threads=1, port=0,
-                                     draft_target=f"127.0.0.1:{h.port}"))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{v.port}") as ch:
-            vs = verifier_pb2_grpc.VerifierServiceStub(ch)
-
-            def run(spec: bool) -> tuple[list[int], list[str]]:
-                toks, why = [], []
-                for m in vs.GenerateTokens(vpb.GenerateTokensRequest(
-                        prompt=[5, 6, 7, 7, 7, 7], max_tokens=30, spec=spec, k=4), timeout=3):
-                    toks += [t for r in m.rounds for t in r.result.tokens]
-                    why += [m.spec_reason] if m.spec_reason else []
-                return toks, why
-
-            plain, _ = run(False)
-            toks, why = run(True)
-            assert toks == plain
-            assert len(why) == 1, why
-            waited = re.fullmatch(r"draft service did not answer within ([0-9.]+) s; decoded plainly "
-                                  r"from here on", why[0])
-            assert waited and 0 < float(waited.group(1)) <= 1.5, why   # half of the 3 s left at most
-    finally:
-        v.stop(0)
-        h.server.stop(0).wait()
+    (plain, _), (toks, why) = _verifier_beside(tiny_model, Silent(), 3)
+    assert toks == plain
+    assert len(why) == 1, why
+    waited = re.fullmatch(r"draft service did not answer within ([0-9.]+) s; decoded plainly "
+                          r"from here on", why[0])
+    assert waited and 0 < float(waited.group(1)) <= 1.5, why   # half of the 3 s left at most
 
 
 # -- bad input ----------------------------------------------------------------------------------
