@@ -152,8 +152,11 @@ class CostModel:
     def slope(self) -> float:
         """Fitted (V(K) / T - 1) / K over the measured K >= 1 (``_measured``; prior_slope if
         none)."""
+        return self._slope(self._measured())
+
+    def _slope(self, measured: dict[int, float]) -> float:
         t = self.v_ms.get(0) or self.t_ms
-        pts = [(k, v / t - 1.0) for k, v in self._measured().items() if t > 0]
+        pts = [(k, v / t - 1.0) for k, v in measured.items() if t > 0]
         if not pts:
             return self.prior_slope
         return max(0.0, sum(r for _, r in pts) / sum(k for k, _ in pts))
@@ -161,6 +164,8 @@ class CostModel:
     def v_est(self, k: int) -> float:
         """Estimated V(K) in ms (T for K = 0)."""
         with self._lock:
+            if k == 0 and 0 in self.v_ms:
+                return self.v_ms[0]
             return self._v_table(k)[k]
 
     def v_table(self, n: int) -> list[float]:
@@ -177,7 +182,7 @@ class CostModel:
             v = self.v_ms.get(0) if k == 0 else measured.get(k)
             if v is None:
                 if slope is None:
-                    slope = self.slope()
+                    slope = self._slope(measured)
                 v = t * (1.0 + slope * k)
             out.append(v)
         return out
