@@ -165,3 +165,29 @@ def test_a_failed_start_still_exits_non_zero(tmp_path):
     p = subprocess.run([str(ECHOSPEC), "serve", "--model", str(bad), "--port", "0"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "unusable" in p.stderr
+
+
+# a signal whose exception an extension module's init turns into an ImportError (grpc's cygrpc
+# does, when SIGTERM lands while it loads): the command loads its modules in parse_args
+SIGNAL_IN_AN_IMPORT = """
+import os, signal, sys
+from echospec import cli
+def importing(argv):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()
+    except BaseException:
+        raise ImportError("cannot initialise module strings") from None
+cli.parse_args = importing
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("cmd, rc", [("serve", 0), ("generate", 128 + signal.SIGTERM)])
+def test_a_signal_turned_into_an_import_error_is_still_the_signal(cmd, rc):
+    p = subprocess.run([sys.executable, "-c", SIGNAL_IN_AN_IMPORT, cmd, "hi"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == rc, p.stderr
+    assert "Traceback" not in p.stderr and "ImportError" not in p.stderr, p.stderr
+    if cmd == "serve":
+        assert "SIGTERM during startup: stopped what was started" in p.stderr, p.stderr

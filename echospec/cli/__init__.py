@@ -28,7 +28,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import importlib  # noqa: E402
 
-from echospec.cli.common import Interrupted, _install_signal_handlers, _int32, _seconds  # noqa: E402
+from echospec.cli.common import (Interrupted, _install_signal_handlers, _int32,  # noqa: E402
+                                 _raise_if_interrupted, _seconds)
 
 # The command modules load when the parser is built (after `main` has set GRPC_VERBOSITY: they
 # import grpc through the client and the services' config). Their functions are reachable as
@@ -129,8 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         # command: the command says what went wrong. Read when grpc loads, which is later.
         os.environ["GRPC_VERBOSITY"] = "NONE"
     try:
-        args = parse_args(argv)
-        return args.fn(args)
+        try:
+            args = parse_args(argv)
+            return args.fn(args)
+        except Exception:
+            # a signal's exception can come back as another: an extension module whose init it
+            # interrupts (grpc's cygrpc) reports an ImportError. The signal is what happened.
+            _raise_if_interrupted()
+            raise
     except Interrupted as sig:
         if serving:
             print(f"echospec: {sig} during startup: stopped what was started", file=sys.stderr)
