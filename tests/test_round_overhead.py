@@ -24,10 +24,12 @@ class _Echo:
 
     def __init__(self):
         self.ended = threading.Event()
+        self.got: list[bytes] = []
 
     def __call__(self, request_iterator, context):
         try:
             for m in request_iterator:
+                self.got.append(m)
                 if m.startswith(b"quiet:"):
                     continue
                 if m == b"abort":
@@ -196,6 +198,36 @@ def test_close_half_closes_and_the_server_ends_the_stream(echo, cls):
     s.close()  # idempotent
     assert handler.ended.wait(10)
     s.send(b"after close")  # ignored, no error
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_cancel_after_close_lets_the_server_read_what_was_sent(echo, cls):
+    # a draft session's last output goes out just before the half-close; the cancel that follows
+    # the end of the verifier's call must not drop it (the namespace keeps what the server read)
+    method, handler = echo
+    s = cls(method)
+    sent = [b"quiet:%d" % i for i in range(200)]
+    for m in sent:
+        s.send(m)
+    s.close()
+    s.cancel()
+    assert handler.ended.wait(10)
+    assert handler.got == sent
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_a_closed_call_that_does_not_end_is_cancelled_after_the_grace(echo, cls, monkeypatch):
+    from echospec.services.rpc import streams
+    monkeypatch.setattr(streams, "CLOSE_GRACE_S", 0.2)
+    method, handler = echo
+    s = cls(method)
+    s.send(b"slow")   # the server keeps the call for 5 s unless it is cancelled
+    s.close()
+    t0 = time.monotonic()
+    s.cancel()
+    s.cancel()   # idempotent: one cancel to come
+    assert s.ended.wait(4) and handler.ended.wait(4)
+    assert time.monotonic() - t0 < 4
 
 
 @pytest.mark.parametrize("cls", KINDS)

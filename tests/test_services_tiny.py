@@ -338,6 +338,45 @@ def test_a_stuck_draft_service_leaves_a_short_deadline_to_plain_decoding(tiny_mo
     assert waited and 0 < float(waited.group(1)) <= 1.5, why   # half of the 3 s left at most
 
 
+
+def test_a_finished_generation_leaves_its_whole_output_to_the_draft_namespace(tiny_model):
+    """The end of a GenerateTokens call does not cut its draft stream short: the draft service
+    still reads the output the verifier sent last, so the namespace keeps prompt + output (a
+    cancel at the RPC's end had dropped the last messages of some streams over gRPC)."""
+    from echospec.v1 import draft_pb2_grpc
+    from echospec.services.common.config import DraftConfig, VerifierConfig
+    from echospec.services.draft.servicer import DraftServicer
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier import server as vserver
+
+    draft = DraftServicer(DraftConfig())
+    h = grpc_util.build_server("127.0.0.1", 0, 8, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(draft, h.server)
+    h.server.start()
+    v = vserver.start(VerifierConfig(model=tiny_model, n_ctx=N_CTX, n_threads=1, port=0,
+                                     draft_target=f"127.0.0.1:{h.port}"))
+    rng = random.Random(3)
+    want = {}
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{v.port}") as ch:
+            vs = verifier_pb2_grpc.VerifierServiceStub(ch)
+            for i in range(40):
+                prompt = [rng.randrange(3, N_VOCAB) for _ in range(6)] * 3
+                n = 0
+                for m in vs.GenerateTokens(vpb.GenerateTokensRequest(
+                        prompt=prompt, max_tokens=rng.randrange(2, 24), spec=True, k=4,
+                        draft_namespace=f"ns{i % 8}"), timeout=30):
+                    n += sum(len(r.result.tokens) for r in m.rounds)
+                want[f"ns{i % 8}"] = want.get(f"ns{i % 8}", 0) + len(prompt) + n
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(draft.memory.n_tokens(ns) != k for ns, k in want.items()):
+            time.sleep(0.05)
+        got = {ns: draft.memory.n_tokens(ns) for ns in want}
+        assert got == want
+    finally:
+        v.stop(0)
+        h.server.stop(0).wait()
+
 # -- bad input ----------------------------------------------------------------------------------
 
 BAD_REQUESTS = [

@@ -7,17 +7,63 @@ asks for it: a proposal that arrived while the engine computed costs ``recv``
 a queue get, not a receive operation started then and a hand-off from gRPC's
 polling thread (about 0.1 ms a round). Ending the stream (``close``:
 half-close) lets the server free its session; ``cancel`` aborts it at once
-(from any thread).
+(from any thread), or, once the stream is closed, gives the server
+``CLOSE_GRACE_S`` to read what was sent and end the call itself.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import grpc
 
 _END = None
+
+# seconds a half-closed call may still take to end by itself once ``cancel`` is asked for: the
+# server reads the requests sent before the half-close (a draft session's last output, which its
+# namespace keeps) and ends the call; a server that does not is cancelled then
+CLOSE_GRACE_S = 2.0
+
+
+class _Reaper:
+    """Cancels the half-closed calls that have not ended by their time (one thread for all,
+    running while any waits)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, "BidiStream"]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._running = False
+
+    def add(self, stream: "BidiStream", delay: float) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), stream))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="bidi-stream-reaper", daemon=True).start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._heap:
+                    self._running = False
+                    return
+                when = self._heap[0][0]
+                now = time.monotonic()
+                if when > now:
+                    self._cv.wait(when - now)
+                    continue
+                stream = heapq.heappop(self._heap)[2]
+            if not stream.ended.is_set():
+                stream._call.cancel()
+
+
+_REAPER = _Reaper()
 
 
 class _Ended:
@@ -40,6 +86,8 @@ class BidiStream:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._end: BaseException | None = None
         self._peeked: Any = None       # a response (or _Ended) taken off the queue by poll
+        self.ended = threading.Event()   # set once the call has ended (its status read)
+        self._reaping = False
         if getattr(method, "takes_wake", False):   # an in-process call (services/rpc/inproc.py)
             self._call = method(self._requests(), timeout=timeout, wake=self._end_requests)
         else:
@@ -69,6 +117,8 @@ class BidiStream:
             self._responses.put(_Ended(exc))
         except Exception as exc:  # noqa: BLE001  any other failure still ends a waiting recv
             self._responses.put(_Ended(exc))
+        finally:
+            self.ended.set()
 
     def send(self, msg: Any) -> None:
         """Queue one request (non-blocking)."""
@@ -124,6 +174,13 @@ class BidiStream:
             self._q.put(_END)
 
     def cancel(self) -> None:
-        """Cancel the call (frees the server side at once). Idempotent."""
+        """Cancel the call (frees the server side at once); a closed stream's call is left
+        CLOSE_GRACE_S to end by itself first (the server reads what was sent before the
+        half-close), then cancelled. Idempotent."""
+        if self._closed:
+            if not self._reaping and not self.ended.is_set():
+                self._reaping = True
+                _REAPER.add(self, CLOSE_GRACE_S)
+            return
         self._call.cancel()   # first: a waiting recv then sees CANCELLED, not the half-close's end
         self.close()
