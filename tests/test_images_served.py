@@ -136,6 +136,23 @@ def test_speculation_on_gives_the_same_tokens(stack, png):
     assert on.stats.tries >= 1 and on.stats.hits >= 1, on.stats
 
 
+def test_an_image_generation_leaves_its_text_and_output_to_the_draft_namespace(stack, png):
+    """The draft session of a speculative image generation holds the prompt without its image
+    tokens and the whole output, so its namespace keeps both (the output after the last
+    proposal included)."""
+    from echospec.v1 import common_pb2
+    st, stub, _ = stack
+    memory = st._servers["draft"][1].memory
+    for i, n in enumerate((1, 7, 32)):
+        r = chat(stub, png, spec=common_pb2.SPEC_MODE_ON, max_tokens=n, draft_namespace=f"image{i}")
+        assert r.finish_reason == common_pb2.FINISH_REASON_LENGTH, r.finish_reason
+        want = r.prompt_tokens - 70 + len(r.token_ids)   # the image's 70 tokens are never drafted
+        deadline = time.monotonic() + 10
+        while memory.n_tokens(f"image{i}") != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert memory.n_tokens(f"image{i}") == want, n
+
+
 def test_gateway_image_url_gives_the_same_text(stack, png):
     _, stub, oc = stack
     want = chat(stub, png).text

@@ -234,13 +234,15 @@ def _generate(core, req, images, spans, session, cached, keys, cancel, t0, open_
                 if t in req.eos_ids:
                     break
             remaining -= len(out)
-            unsent += new
+            unsent += out              # new past the output's end (an EOS, max_tokens) is no output
             pending = new[-1]
             done = (out[-1] in req.eos_ids) or remaining <= 0
             v_ms = (time.perf_counter() - t0) * 1e3
             yield (RoundEvent(out, k=len(draft), accepted=r, v_ms=v_ms, t_ms=core.t_ms, wall_ms=v_ms,
                               n_past=session.n_past, n_ctx=n_ctx, proposals=proposals, source=source,
                               spec_reason=reason), kv, done)
+        if link is not None and unsent:   # the output after the last proposal, for the namespace
+            link.append(unsent)
     finally:
         if link is not None:
             link.close()
