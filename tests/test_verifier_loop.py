@@ -1172,6 +1172,25 @@ def test_the_draft_session_gets_the_whole_output_for_its_namespace_memory(model_
             while servicer.memory.n_tokens(ns) == 0 and time.monotonic() < t_end:
                 time.sleep(0.01)
             assert servicer.memory.n_tokens(ns) == len(prompt) + max_tokens, max_tokens
+        # an EOS inside an accepted run of drafts (the prediction is the output plain decoding
+        # gives without the EOS): the namespace keeps the output up to the EOS, not the drafts
+        # the round accepted after it
+        prompt = [(j * 14) % 300 + 3 for j in range(12)]   # gives 10 x 157, then 313 ...
+        plain = tokens_of(generate(core, prompt, max_tokens=40))
+        at = max(plain.index(t) for t in plain)   # an EOS there ends the output there
+        assert at >= 4
+        link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, draft_namespace="eos",
+                         prediction=plain)
+        req = GenerationRequest(prompt=prompt, max_tokens=40, eos_ids=frozenset([plain[at]]),
+                                sampling=Sampling(), spec=True, k=8, fixed_k=True, prediction=tuple(plain))
+        check(core, req)
+        evs = list(run_generation(core, req, threading.Event(), lambda: link))
+        assert tokens_of(evs)[:at + 1] == plain[:at + 1]
+        assert len(tokens_of(evs)) > at + 1   # the EOS's round accepted drafts after it
+        t_end = time.monotonic() + 10
+        while servicer.memory.n_tokens("eos") == 0 and time.monotonic() < t_end:
+            time.sleep(0.01)
+        assert servicer.memory.n_tokens("eos") == len(prompt) + at + 1
     finally:
         core.close()
         ch.close()

@@ -990,14 +990,15 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms,
                          tree=tree is not None)
         history.extend(tokens)
-        for t in tokens:
-            if t in eos:
+        for i, t in enumerate(tokens):
+            if t in eos or produced + 1 >= max_tokens:
+                produced += t not in eos
                 done = True
+                # drafts accepted past the output's end (an EOS, max_tokens) are no output: the
+                # draft session (its namespace) gets the output only
+                del history[len(history) - len(tokens) + i + 1:]
                 break
             produced += 1
-            if produced >= max_tokens:
-                done = True
-                break
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
                         proposals, source=source if k else 0, logprobs=lps,
                         tree_nodes=k if tree is not None else 0,
