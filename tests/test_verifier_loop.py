@@ -225,6 +225,38 @@ def tokens_of(events) -> list[int]:
     return [t for e in events for t in e.tokens]
 
 
+def test_a_steps_forward_ms_is_the_engine_call_alone(model_path):
+    """Step.forward_ms (a round's V, the cost model's sample) times the engine's C call, not the
+    Python that prepares it and reads its results: that is the round's own overhead."""
+    from echospec.services.verifier import engine
+
+    def slow_python_around(items):
+        time.sleep(0.02)                   # 20 ms of "Python" before the C call
+        out = engine.forward_batch(items)
+        time.sleep(0.02)                   # and after it
+        return out
+
+    m = Model(model_path)
+    s = m.new_session(n_ctx=64, n_threads=1)
+    try:
+        sched = Scheduler(threading.Lock(), run_batch=slow_python_around)
+        t0 = time.perf_counter()
+        st = sched.run(Step(s, [5, 6, 7], "all", "none"))
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        assert wall_ms >= 40 and 0 < st.forward_ms < 20, (wall_ms, st.forward_ms)
+        assert st.forward_ms == engine.last_call_ms()
+        # a run_batch that is no engine call (the tests' fakes) is timed whole
+        def fake(items):
+            time.sleep(0.02)
+            return [(np.zeros(3, np.int32), None)]
+
+        sched = Scheduler(threading.Lock(), run_batch=fake)
+        assert sched.run(Step(s, [5, 6, 7], "all", "none")).forward_ms >= 20
+    finally:
+        s.close()
+        m.close()
+
+
 def test_chunked_prefill_equals_one_prefill(model_path):
     prompt = [(i * 37) % 300 + 3 for i in range(150)]
     whole = make_core(model_path, prefill_chunk=512, prefix_cache=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, NoReturn, Sequence
 
@@ -439,10 +440,12 @@ class Session:
         par32 = np.ascontiguousarray(par.astype(np.int32))
         am = np.empty(max(n, 1), dtype=np.int32)
         mode, out = _logits_buffer(logits, max(n, 1), self.n_vocab)
-        st = lib.es_forward_tree(
-            self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL,
-            ffi.from_buffer("int32_t[]", par32) if n else ffi.NULL, n, ffi.from_buffer("int32_t[]", am),
-            ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        args = (self._ptr, ffi.from_buffer("int32_t[]", tok) if n else ffi.NULL,
+                ffi.from_buffer("int32_t[]", par32) if n else ffi.NULL, n, ffi.from_buffer("int32_t[]", am),
+                ffi.from_buffer("float[]", out) if out is not None else ffi.NULL, mode)
+        t0 = time.perf_counter()
+        st = lib.es_forward_tree(*args)
+        _calls.ms = (time.perf_counter() - t0) * 1e3
         if st != 0:
             self._raise(st)
         return am[:n], out
@@ -572,6 +575,20 @@ class Session:
         self.close()
 
 
+_calls = threading.local()
+
+
+def last_call_ms() -> float | None:
+    """The wall time of this thread's last forward_batch (its es_forward_batch calls) or
+    Session.forward_tree (es_forward_tree), the C calls alone, without the Python around them;
+    None before the first or after ``reset_call_ms``."""
+    return getattr(_calls, "ms", None)
+
+
+def reset_call_ms() -> None:
+    _calls.ms = None
+
+
 _HEADS = {"all": lib.ES_HEAD_ALL, "last": lib.ES_HEAD_LAST}
 # sessions per es_forward_batch call (echospec_engine.h); forward_batch splits longer batches
 MAX_BATCH = lib.ES_MAX_BATCH
@@ -611,6 +628,7 @@ def forward_batch(items: Sequence[tuple["Session", Sequence[int] | np.ndarray, s
             raise ValueError(f"items[{i}]: head must be 'all' or 'last', not {head!r}")
         _check_logits(logits, f"items[{i}]: ")
     results: list = [None] * len(items)
+    _calls.ms = 0.0
     for start in range(0, len(items), MAX_BATCH):
         _forward_batch_call(items[start:start + MAX_BATCH], results, start)
     return results
@@ -652,7 +670,9 @@ def _forward_batch_call(items, results: list, offset: int) -> None:
         outs.append((session, am[:n] if head == "all" else am, out))
     if not ran:
         return
+    t0 = time.perf_counter()
     lib.es_forward_batch(c_items, len(ran))
+    _calls.ms += (time.perf_counter() - t0) * 1e3
     for j, i in enumerate(ran):
         session, am, out = outs[j]
         st = c_items[j].status

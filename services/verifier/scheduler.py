@@ -85,7 +85,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from echospec.services.verifier.engine import EngineError, decode_batch, ffi, forward_batch
+from echospec.services.verifier.engine import (EngineError, decode_batch, ffi, forward_batch, last_call_ms,
+                                               reset_call_ms)
 from echospec.services.verifier.tree_accept import accept
 
 
@@ -112,7 +113,8 @@ class Step:
     each fed the last one's token, ending after a token of ``stop_ids``;
     argmax is then every step's token and step_ms each step's time.
     Results (set by the scheduler): argmax, logits, forward_ms (the iteration's
-    forward, shared by every step of the batch), queued_ms, error.
+    forward, shared by every step of the batch: the engine's C call alone, the Python that
+    prepares it and reads its results left to the round), queued_ms, error.
     """
 
     session: Any                      # services.verifier.engine.Session
@@ -121,7 +123,7 @@ class Step:
     logits: str = "none"
     argmax: Any = None
     logits_out: Any = None
-    forward_ms: float = 0.0           # this step's forward
+    forward_ms: float = 0.0           # this step's forward (the engine call)
     queued_ms: float = 0.0            # from submit to the start of its iteration
     error: BaseException | None = None
     done: bool = False
@@ -414,6 +416,7 @@ class Scheduler:
             t_start = time.perf_counter()
             for s in batch:
                 s.queued_ms = (t_start - s._t_submit) * 1e3
+            reset_call_ms()
             try:
                 if self.threads is not None:
                     one = len(batch) == 1 and len(batch[0].tokens) < MANY_TOKENS
@@ -445,7 +448,11 @@ class Scheduler:
                     results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
             except Exception as exc:  # every step's owner re-raises it
                 results = [exc] * len(batch)
-            ms = (time.perf_counter() - t_start) * 1e3
+            # the engine's own time where the call was timed alone (the Python around it is the
+            # scheduler's part of a round), else the whole call's (a decode run: its steps' times
+            # are step_ms; a run_batch of tests)
+            call = last_call_ms()
+            ms = call if call is not None and not run_decode else (time.perf_counter() - t_start) * 1e3
         for s, r in zip(batch, results):
             if isinstance(r, BaseException):
                 s.error = r

@@ -9,12 +9,13 @@ a round and they are accepted. Outputs spec on must equal spec off byte for byte
 Per round, in ms (means over the generations' rounds after the prefill; from the result's
 stats.round_cost, echospec.v1.RoundCost, timed by the verifier's generation loop):
 
-    V        engine forward + KV rollback (the rollback is part of the accept step's timing
+    V        the engine's forward call (C) + KV rollback (the rollback is part of the accept step's timing
              in RoundCost and is moved here)
     draft    the draft link: a proposal asked and waited for, or the in-flight one collected,
              and the controller's choice and update
     accept   R, the bonus token, the logprobs when asked (rollback excluded: in V)
-    sched    the scheduler step's wall time beyond the forward (hand-off to its thread, queue)
+    sched    the scheduler step's wall time beyond the engine call: the Python that prepares the
+             call and reads its results, the hand-off to its thread, the queue
     rest     the verifier loop's other per-round wall: its own Python, handing the round to the
              servicer, the gRPC sends on the same GIL (wall - V - draft - sched - accept)
     coord    the coordinator's per-round work as the client sees it: (client wall from the
