@@ -1,4 +1,6 @@
-"""Smoke test of tools/perf/round_breakdown.py (not a timed test): `--quick --json` on the tiny
+"""Smoke tests of tools/perf/round_breakdown.py and cold_python.py (not timed tests).
+
+round_breakdown.py: `--quick --json` on the tiny
 model prints one JSON object per thread count whose rows hold, per K, finite non-negative parts
 of a round that add up to the client's wall per round, drafts proposed every round, and
 overhead = round - V; no speed is asserted."""
@@ -45,3 +47,24 @@ def test_round_breakdown_bad_arguments():
     r = subprocess.run([sys.executable, str(TOOL), "--model", str(ROOT / "no-such.gguf")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0 and "no such file" in r.stderr
+
+
+@pytest.mark.parametrize("between", ["forward", "stream", "sleep"])
+def test_cold_python_json(tmp_path, between):
+    """tools/perf/cold_python.py on the tiny model: one JSON line with both timings (no speed
+    asserted), and bad arguments refused."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ggufgen import write_tiny_model
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", n_vocab=320, n_ctx_train=1024, seed=0)
+    tool = ROOT / "tools" / "perf" / "cold_python.py"
+    r = subprocess.run([sys.executable, str(tool), "--model", str(model), "--pairs", "3", "--k", "2",
+                        "--between", between, "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["between"] == between and out["k"] == 2 and out["pairs"] == 3
+    assert out["after_forward_us"] > 0 and out["warm_us"] > 0
+    assert out["ratio"] == pytest.approx(out["after_forward_us"] / out["warm_us"], rel=0.02)
+    bad = subprocess.run([sys.executable, str(tool), "--model", str(model), "--pairs", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--pairs" in bad.stderr
