@@ -326,8 +326,9 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
     c = dataclasses.replace(c, tls_ca=ca)
     mh = c.metrics_host
     ik = c.internal_key   # the verifier and draft check it; the coordinator and verifier send it
+    # a draft session holds a generation's history (at most the verifier's n_ctx) and its prediction
     dcfg = dataclasses.replace(d, **shared, internal_key=ik, port=st.draft_port,
-                               tls_client_ca=v.tls_client_ca,
+                               max_history=max(d.max_history, 2 * v.n_ctx), tls_client_ca=v.tls_client_ca,
                                max_message_bytes=c.max_message_bytes, metrics_host=mh,
                                metrics_port=_free_port(mh) if side else -1)
     vcfg = dataclasses.replace(v, **shared, internal_key=ik, model=c.model, port=st.verifier_port,

@@ -212,3 +212,52 @@ def test_draft_propose_names_one_range_for_k():
             assert list(r.draft)[:2] == [2, 1]
     finally:
         handle.stop(0)
+
+
+def test_a_draft_session_past_max_history_is_refused_and_forgotten():
+    # a client of the draft port appending without end grew the process's memory without bound
+    # (~0.5 KB a token): a session that would pass max_history ends with RESOURCE_EXHAUSTED
+    import grpc
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft import server as dserver
+    from echospec.v1 import draft_pb2, draft_pb2_grpc
+    handle, servicer = dserver.start(DraftConfig(port=0, max_history=100))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            ok = list(stub.ProposeStream(iter([
+                draft_pb2.ProposeStreamRequest(append=[1, 2] * 20, k=2, prediction=[1] * 10,
+                                               draft_namespace="cap"),
+                draft_pb2.ProposeStreamRequest(append=[1, 2] * 25, k=2)]), timeout=10))
+            assert len(ok) == 2 and ok[-1].history_len == 90   # 90 + 10 predicted: at the bound
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.ProposeStream(iter([
+                    draft_pb2.ProposeStreamRequest(append=[1, 2] * 40, k=2, draft_namespace="over"),
+                    draft_pb2.ProposeStreamRequest(append=[3] * 21, k=2)]), timeout=10))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.details() == ("the draft session would hold 101 tokens (history and "
+                                         "prediction), more than the draft service's max_history 100")
+            assert servicer.memory.n_tokens("over") == 0 and servicer.memory.n_tokens("cap") == 90
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Propose(draft_pb2.ProposeRequest(tokens=[1] * 101, k=1), timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_history 100" in e.value.details()
+    finally:
+        handle.stop(0)
+
+
+def test_a_stack_gives_its_draft_service_room_for_the_verifiers_context(tmp_path):
+    # a verifier's generation holds up to n_ctx tokens of history, and its prediction: the stack
+    # raises the draft service's max_history to twice n_ctx where that is larger
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ggufgen import write_tiny_model
+    from echospec.stack import start_stack
+    model = tmp_path / "tiny.gguf"
+    write_tiny_model(model, arch="llama", n_vocab=320, n_ctx_train=1024, seed=0)
+    for n_ctx, want in ((70000, 140000), (256, 1 << 17)):
+        st = start_stack(str(model), n_ctx=n_ctx, n_threads=1, max_sessions=2)
+        try:
+            assert st._servers["draft"][1].config.max_history == want
+        finally:
+            st.stop()

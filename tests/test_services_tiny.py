@@ -317,6 +317,18 @@ def test_a_draft_service_proposing_ids_outside_the_vocabulary_ends_speculation_n
                    f"[0, {N_VOCAB}); decoded plainly from here on"]
 
 
+def test_a_draft_service_refusing_a_long_session_ends_speculation_with_its_reason(tiny_model):
+    # the draft service's max_history passed mid-generation: the verifier decodes on plainly (same
+    # output) and says the session was refused, not that the service is unreachable
+    from echospec.services.common.config import DraftConfig
+    from echospec.services.draft.servicer import DraftServicer
+
+    (plain, _), (toks, why) = _verifier_beside(tiny_model, DraftServicer(DraftConfig(max_history=12)), 30)
+    assert toks == plain
+    assert len(why) == 1 and why[0].startswith("draft service refused the session (RESOURCE_EXHAUSTED: "), why
+    assert "max_history 12" in why[0] and why[0].endswith("decoded plainly from here on"), why
+
+
 def test_a_stuck_draft_service_leaves_a_short_deadline_to_plain_decoding(tiny_model):
     # a draft service that takes the stream and never answers: a request with a deadline shorter
     # than the reply timeout waits at most half of it for a proposal, then decodes plainly,

@@ -140,6 +140,10 @@ class DraftConfig(_GrpcServiceConfig):
                                      "(~0.4 KB each)", range=(1, _BIG, "tokens per namespace"))
     shared_max_namespaces: int = setting(16, "namespaces kept (least recently used evicted)",
                                          range=(1, _BIG, "namespaces"))
+    max_history: int = setting(1 << 17, "a draft session's history, prompt + output + prediction, in "
+                               "tokens (~0.5 KB each): a stream that would pass it ends with "
+                               "RESOURCE_EXHAUSTED (the verifier then decodes plainly); at least "
+                               "the verifier's n_ctx", range=(1, EngineLimit("ES_MAX_CTX"), "tokens"))
     # a verifier's every session may hold a draft stream (max_sessions 64): as the verifier's
     max_workers: int = setting(96, "gRPC worker threads", range=_WORKERS)
     max_concurrent_rpcs: int = setting(88, _CONCURRENT_HELP, range=_CONCURRENT)

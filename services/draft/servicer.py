@@ -45,7 +45,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.total_sessions += 1
         proposer: DraftProposer | None = None
         try:
+            held = 0   # tokens of the session: history + prediction (config.max_history)
             for req in request_iterator:
+                held += len(req.append) + len(req.prediction)
+                if held > self.config.max_history:
+                    proposer = None    # an ended stream is not remembered
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"the draft session would hold {held} tokens (history and "
+                                  f"prediction), more than the draft service's max_history "
+                                  f"{self.config.max_history}")
                 try:
                     if proposer is None:
                         if len(req.digit_tokens) not in (0, 10):
@@ -89,6 +97,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if not 1 <= request.k <= MAX_K_LIMIT:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"k must be in [1, {MAX_K_LIMIT}], got {request.k}")
+        if len(request.tokens) > self.config.max_history:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{len(request.tokens)} tokens, more than the draft service's max_history "
+                          f"{self.config.max_history}")
         try:
             p = DraftProposer(self._params(request.min_n))
             p.append(list(request.tokens))

@@ -30,6 +30,11 @@ STALLED_REPLY_TIMEOUT_S = 1.0
 DEADLINE_SHARE = 0.5
 
 
+# statuses by which a draft service that answered refused the session (not a service gone)
+_REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+             grpc.StatusCode.FAILED_PRECONDITION)
+
+
 class ReplyTimeout:
     """The reply timeout the links to one draft service share (thread-safe: one flag).
 
@@ -142,9 +147,12 @@ class DraftLink:
             return list(resp.draft)
         except grpc.RpcError as exc:
             hint = self._tls_mismatch.hint(exc.code()) if self._tls_mismatch is not None else ""
-            # refused for its credential (the internal key): reached, but not allowed in
-            what = ("draft service refused this verifier" if exc.code() ==
-                    grpc.StatusCode.UNAUTHENTICATED else "draft service unreachable")
+            # refused for its credential (the internal key), or the session for what it holds
+            # (too long a history): reached, but not served
+            code = exc.code()
+            what = ("draft service refused this verifier" if code == grpc.StatusCode.UNAUTHENTICATED
+                    else "draft service refused the session" if code in _REFUSALS
+                    else "draft service unreachable")
             raise DraftUnavailable(f"{what} ({hint + '; ' if hint else ''}"
                                    f"{exc.code().name}: {exc.details()})") from None
         except StopIteration:
