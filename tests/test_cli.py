@@ -804,6 +804,34 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(server, cmd)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.parametrize("cmd", [["generate", "Count from 1 to 1000: 1, 2, 3,", "--max-tokens", "40"],
+                                 ["generate", "hi", "--max-tokens", "4", "--json"],
+                                 ["tokenize", "hi"], ["detokenize", "5", "6", "--json"]])
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback(server, cmd):
+    # was: a traceback ending in OSError (ENOSPC) for `> /dev/full`, and in AttributeError
+    # ('NoneType' ... 'write') for a closed stdout (`>&-`)
+    args = [*ECHOSPEC, *cmd, "--target", server["target"]]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "echospec: cannot write the output: No space left on device"
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    r = subprocess.run(args, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "echospec: standard output is closed: nowhere to write the output"
+
+
+def test_a_closed_stderr_keeps_messages_out_of_the_output(server):
+    # was: with stderr closed (2>&-), print(file=sys.stderr) wrote the stats line to stdout
+    args = [*ECHOSPEC, "generate", "hi", "--max-tokens", "4", "--target", server["target"]]
+    want = run(args).stdout
+    r = subprocess.run(args, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
+                       preexec_fn=lambda: os.close(2))
+    assert r.returncode == 0
+    assert r.stdout == want and "tries" not in r.stdout   # the output alone, no stats line
+
+
 @pytest.mark.parametrize("target,message", [
     ("127.0.0.1", "--target 127.0.0.1: no port"), ("nonsense", "--target nonsense: no port"),
     ("::1", "--target ::1: no port"), ("[::1]", "--target [::1]: no port"),

@@ -118,6 +118,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class OutputFailed(Exception):
+    """Writing the command's output failed (a full disk, /dev/full, an I/O error)."""
+
+
+class _Output:
+    """Standard output, whose write errors are OutputFailed (BrokenPipeError stays itself: the
+    reader went away, handled as SIGPIPE would be)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc.strerror or str(exc)) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc.strerror or str(exc)) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _discard_stdout() -> None:
+    """Standard output to /dev/null, so the flush at exit does not fail again."""
+    stream = getattr(sys.stdout, "_stream", sys.stdout)
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `echospec` command. SIGINT/SIGTERM are handled from here on: `serve` stops what it
     started (also mid-startup) and exits 0; the client commands exit 130 (SIGINT) or 143."""
@@ -125,6 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     # the subcommand from the raw arguments: a signal may land while they are still being parsed
     raw = sys.argv[1:] if argv is None else argv
     serving = next((a for a in raw if not a.startswith("-")), None) == "serve"
+    if sys.stderr is None:   # closed (2>&-): print(file=None) would write the messages to stdout
+        sys.stderr = open(os.devnull, "w")
+    if sys.stdout is None:   # closed (>&-)
+        if not serving:
+            print("echospec: standard output is closed: nowhere to write the output", file=sys.stderr)
+            return 1
+        sys.stdout = open(os.devnull, "w")
+    elif not serving and not isinstance(sys.stdout, _Output):
+        sys.stdout = _Output(sys.stdout)
     if not serving and "GRPC_VERBOSITY" not in os.environ:
         # gRPC core's own log lines (a failed TLS handshake, ...) are not for the user of a client
         # command: the command says what went wrong. Read when grpc loads, which is later.
@@ -148,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except BrokenPipeError:
         # the reader of stdout went away (`... | head`): stop quietly, as a command killed by
-        # SIGPIPE would; stdout goes to /dev/null so the flush at exit does not fail again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        # SIGPIPE would
+        _discard_stdout()
         return 128 + signal.SIGPIPE
+    except OutputFailed as exc:
+        _discard_stdout()
+        print(f"echospec: cannot write the output: {exc}", file=sys.stderr)
+        return 1
 
 
