@@ -2,12 +2,15 @@
 error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contract).
 
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
-mean something here are mapped; fields that ask for what echospec does not do (logit_bias,
-echo, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
-refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
-most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
-request each, sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
-prompt-major); a sampling request's choice j has the seed ``choice_seed(seed, j)`` (the seed
+mean something here are mapped; fields that ask for what echospec does not do (logit_bias, echo,
+...) are refused with a 400 naming the field, whatever the value for logit_bias, functions and
+function_call; unknown fields are refused as OpenAI refuses them, at the top and in a message
+(``_MESSAGE_KEYS``: each role's fields), and so are `n` over the gateway's n_limit and more than
+4 `stop` sequences (OpenAI's most). Error messages name the client's values and types in JSON's
+words (true, null, "text"; boolean, array, object: clip.json_value, clip.json_type). A
+completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator request each,
+sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's
+order, prompt-major); a sampling request's choice j has the seed ``choice_seed(seed, j)`` (the seed
 itself for j = 0, SplitMix64's j-th output from it after), a greedy request's choices are one
 generation (choices.py runs them). `model` is checked by the app (app.py: the served model, or
 404 model_not_found), here only for its type. Extra fields (echospec's own, documented in
@@ -193,7 +196,7 @@ _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
 # the keys a message of each role may carry: OpenAI's fields of that role's message (an assistant
 # message's annotations too, which OpenAI's own answers hold and clients send back with them)
-# and a tool message's name (chat templates show it); any other key is refused, as at the top
+# and a tool message's name (it goes to the chat template); any other key is refused, as at the top
 _MESSAGE_KEYS = {"system": {"role", "content", "name"},
                  "developer": {"role", "content", "name"},
                  "user": {"role", "content", "name"},
@@ -655,7 +658,7 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
 def _message_keys(m: dict, i: int, role: str) -> None:
     """Refuse a key message ``i`` (of ``role``) may not carry and check the types of the keys
     that only need one (a 400 naming ``messages[i].key``). name, refusal and annotations are
-    taken and change nothing except a tool message's name (the template shows it)."""
+    taken and change nothing except a tool message's name (it goes to the chat template)."""
     keys = _MESSAGE_KEYS[role]
     for key in m:
         if key in keys:
