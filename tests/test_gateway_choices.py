@@ -54,7 +54,7 @@ def test_the_served_model_is_taken_and_another_is_404(client, stack):
         err = ei.value.body
         assert ei.value.status_code == 404 and err["code"] == "model_not_found"
         assert err["param"] == "model" and err["type"] == "invalid_request_error"
-        assert f"'gpt-4o' is not served here (this server serves '{MODEL}'" in err["message"]
+        assert f'"gpt-4o" is not served here (this server serves "{MODEL}"' in err["message"]
     # the field left out (raw HTTP: curl, scripts) is still the served model, as before
     r = httpx.post(stack.http_url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2},
                    timeout=60)

@@ -379,7 +379,7 @@ def test_a_model_can_be_retrieved_by_its_id(tiny_stack):
     assert r.status_code == 200 and r.json() == listed
     r = httpx.get(tiny_stack.http_url + "/v1/models/gpt-4o", timeout=30)
     err = _assert_openai_error(r, 404, "model")
-    assert err["code"] == "model_not_found" and "'gpt-4o' is not served here" in err["message"]
+    assert err["code"] == "model_not_found" and '"gpt-4o" is not served here' in err["message"]
 
 
 def test_chat_roles_and_text_parts_are_the_same_everywhere(tiny_stack):

@@ -174,7 +174,7 @@ def test_streamed_text_without_a_call_passes_through():
 # -- the request's tools -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tools, choice, message", [
-    ([{"type": "function", "function": {"name": "get weather"}}], "", r"tools\[0\].function.name: 'get weather' must be"),
+    ([{"type": "function", "function": {"name": "get weather"}}], "", r'tools\[0\].function.name: "get weather" must be'),
     ([{"type": "retrieval"}], "", r"tools\[0\].type must be \"function\""),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "",
      r"tools\[0\].function.parameters \(tool 'f'\) must be a JSON schema of an object"),

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from echospec_client.limits import MAX_REQUEST_ID
 from echospec.services.common import auth
 from echospec.services.common.config import GatewayConfig
-from echospec.services.text.clip import clip
+from echospec.services.text.clip import json_value
 from echospec.services.gateway import choices
 from echospec.services.gateway import openai_api as api
 from echospec.services.gateway.http_metrics import HttpMetrics, MetricsMiddleware
@@ -74,8 +74,8 @@ def _model_object(model: str) -> dict:
 
 def model_not_found(asked: str, served: str) -> api.ApiError:
     """OpenAI's 404 for a model it does not have, naming the one served."""
-    return api.ApiError(404, f"the model {clip(asked, 200)!r} is not served here (this server "
-                             f"serves {served!r}, as GET /v1/models lists)", "model",
+    return api.ApiError(404, f"the model {json_value(asked)} is not served here (this server "
+                             f"serves {json_value(served)}, as GET /v1/models lists)", "model",
                         type_="invalid_request_error", code="model_not_found")
 
 

@@ -2,12 +2,15 @@
 error shapes. Pure: no gRPC, no HTTP framework (the proto messages are the contract).
 
 Requests (`parse_request`): the fields of OpenAI's /v1/chat/completions and /v1/completions that
-mean something here are mapped; fields that ask for what echospec does not do (logit_bias,
-echo, ...) are refused with a 400 naming the field; unknown fields are refused as OpenAI
-refuses them, and so are `n` over the gateway's n_limit and more than 4 `stop` sequences (OpenAI's
-most). A completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator
-request each, sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's order,
-prompt-major); a sampling request's choice j has the seed ``choice_seed(seed, j)`` (the seed
+mean something here are mapped; fields that ask for what echospec does not do (logit_bias, echo,
+...) are refused with a 400 naming the field, whatever the value for logit_bias, functions and
+function_call; unknown fields are refused as OpenAI refuses them, at the top and in a message
+(``_MESSAGE_KEYS``: each role's fields), and so are `n` over the gateway's n_limit and more than
+4 `stop` sequences (OpenAI's most). Error messages name the client's values and types in JSON's
+words (true, null, "text"; boolean, array, object: clip.json_value, clip.json_type). A
+completion's `prompt` may be a list of up to MAX_PROMPTS prompts: one coordinator request each,
+sharing the other fields. `n` choices per prompt: choice ``index = prompt_i * n + j`` (OpenAI's
+order, prompt-major); a sampling request's choice j has the seed ``choice_seed(seed, j)`` (the seed
 itself for j = 0, SplitMix64's j-th output from it after), a greedy request's choices are one
 generation (choices.py runs them). `model` is checked by the app (app.py: the served model, or
 404 model_not_found), here only for its type. Extra fields (echospec's own, documented in
@@ -72,7 +75,7 @@ import codecs
 from echospec_client.limits import (FLOAT32_MAX, INT32_MAX, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS,
                                     MIN_REPEAT_PENALTY, UINT64_MAX)
 from echospec.services.common.floats import as_f32
-from echospec.services.text.clip import clip
+from echospec.services.text.clip import clip, json_type, json_value
 from echospec.services.text import tool_calls as tc
 from echospec.services.text import images
 from echospec.services.common.config import CoordinatorConfig, GatewayConfig
@@ -191,6 +194,15 @@ _CHAT_NULL_ONLY = {"audio", "reasoning_effort", "web_search_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 # the roles gRPC takes (chat_template.VALID_ROLES), under the name the template renders
 _ROLES = {r: ROLE_ALIASES.get(r, r) for r in VALID_ROLES}
+# the keys a message of each role may carry: OpenAI's fields of that role's message (an assistant
+# message's annotations too, which OpenAI's own answers hold and clients send back with them)
+# and a tool message's name (it goes to the chat template); any other key is refused, as at the top
+_MESSAGE_KEYS = {"system": {"role", "content", "name"},
+                 "developer": {"role", "content", "name"},
+                 "user": {"role", "content", "name"},
+                 "assistant": {"role", "content", "name", "tool_calls", "refusal", "annotations",
+                               "audio", "function_call"},
+                 "tool": {"role", "content", "tool_call_id", "name"}}
 
 
 MAX_STOP = 4   # stop sequences per request, as OpenAI allows
@@ -271,6 +283,11 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _bool_or_null(v: Any) -> bool:
+    """A JSON boolean or null (JSON's 1 and 0 are numbers, though Python's True == 1)."""
+    return v is None or isinstance(v, bool)
+
+
 def _finite(v: Any) -> bool:
     """A JSON number that is a finite float (an integer too large for a float is not)."""
     try:
@@ -284,10 +301,11 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     if v is None:
         return None
     if not _finite(v):
-        shown = repr(v) if not isinstance(v, int) else f"an integer of {len(str(abs(v)))} digits"
+        shown = json_value(v) if not isinstance(v, int) or isinstance(v, bool) else \
+            f"an integer of {len(str(abs(v)))} digits"
         raise bad(f"{name} must be a number, got {shown}", name)
     if not lo <= v <= hi:
-        raise bad(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}", name)
+        raise bad(f"{name} must be in [{lo:g}, {hi:g}], got {json_value(v)}", name)
     return float(v)
 
 
@@ -298,7 +316,7 @@ def _integer(body: dict, name: str, lo: int, hi: int = INT32_MAX) -> int | None:
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(f"{name} must be an integer, got {v!r}", name)
+        raise bad(f"{name} must be an integer, got {json_value(v)}", name)
     if v < lo:
         raise bad(f"{name} must be >= {lo}, got {v}", name)
     if v > hi:
@@ -348,7 +366,7 @@ def _text_content(v: Any, param: str) -> str:
                           f"other content types are not supported", f"{param}[{i}]")
             parts.append(p["text"])
         return "".join(parts)
-    raise bad(f"{param} must be a string or a list of text parts, got {type(v).__name__}", param)
+    raise bad(f"{param} must be a string or an array of text parts, got {json_type(v)}", param)
 
 
 # Image parts: only inline base64 data URLs are taken; a remote URL is always refused (there is
@@ -374,17 +392,17 @@ def image_url_bytes(url: Any, param: str) -> tuple[bytes, str]:
     """(bytes, media type) of an image_url part's ``url``: a base64 data URL of a PNG, JPEG,
     WebP or GIF image. Raises ApiError 400 naming ``param``."""
     if not isinstance(url, str):
-        raise bad(f"{param}: image_url.url must be a string, got {type(url).__name__}", param)
+        raise bad(f"{param}: image_url.url must be a string, got {json_type(url)}", param)
     head = url[:16].lower()
     if head.startswith(("http://", "https://")):
         raise bad(f"{param}: {REMOTE_IMAGE_REFUSAL}", param)
     m = _DATA_URL.match(url)
     if m is None:
         raise bad(f"{param}: image_url.url must be a data URL (data:image/png;base64,...), got "
-                  f"{url[:40]!r}", param)
+                  f"{json_value(url[:40])}", param)
     media = m.group(1).strip().lower()
     if media not in images.MEDIA_TYPES:
-        raise bad(f"{param}: media type {media or '(none)'!r} is not supported (supported: "
+        raise bad(f"{param}: media type {json_value(media) if media else '(none)'} is not supported (supported: "
                   f"image/png, image/jpeg, image/webp, image/gif)", param)
     if "base64" not in [x.strip().lower() for x in m.group(2).split(";")]:
         raise bad(f"{param}: the data URL must be base64 (data:{media};base64,...)", param)
@@ -431,7 +449,7 @@ def _content_parts(v: list, param: str, images_before: int = 0) -> list:
                           f"{{\"url\": \"data:image/png;base64,...\"}}}}", pj)
             detail = iu.get("detail")
             if detail is not None and detail not in ("auto", "low", "high"):
-                raise bad(f"{pj}: image_url.detail must be auto, low or high, got {detail!r}", pj)
+                raise bad(f"{pj}: image_url.detail must be auto, low or high, got {json_value(detail)}", pj)
             data, media = image_url_bytes(iu["url"], pj)
             try:
                 images.check(data, pj, media, _GATEWAY_IMAGE_LIMITS)
@@ -453,22 +471,24 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
                 raise bad(f"{name} applies to /v1/chat/completions (chat messages); a completion's "
                           f"prompt is used as it is", name)
             raise bad(f"Unrecognized request argument supplied: {name}", name)
-    if body.get("logit_bias") not in (None, {}):
+    # refused whatever the value, null and empty ones too: the openai client sends none of them
+    # unless asked, and a request that names them asks for what is not done here
+    if "logit_bias" in body:
         raise bad("logit_bias is not supported", "logit_bias")
     for name in ("functions", "function_call"):   # the deprecated names of tools, tool_choice
-        if body.get(name) not in (None, [], "none"):
+        if name in body:
             raise bad(f"{name} is not supported: use {'tools' if name == 'functions' else 'tool_choice'}",
                       name)
     if chat:
         for name in sorted(_CHAT_NULL_ONLY):
             if body.get(name) is not None:
-                raise bad(f"{name} is not supported (only null), got {body[name]!r}", name)
+                raise bad(f"{name} is not supported (only null), got {json_value(body[name])}", name)
         if body.get("modalities") not in (None, ["text"]):
-            raise bad(f"modalities: only [\"text\"] is supported, got {body['modalities']!r}",
+            raise bad(f"modalities: only [\"text\"] is supported, got {json_value(body['modalities'])}",
                       "modalities")
-    if body.get("echo") not in (None, False):
+    if body.get("echo") is not None and body["echo"] is not False:
         raise bad("echo is not supported", "echo")
-    if body.get("best_of") not in (None, 1):
+    if body.get("best_of") is not None and (type(body["best_of"]) is not int or body["best_of"] != 1):
         raise bad("best_of must be 1", "best_of")
     if body.get("suffix") not in (None, ""):
         raise bad("suffix is not supported", "suffix")
@@ -510,11 +530,11 @@ def _response_format(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     p = "response_format"
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
         got = rf.get("type") if isinstance(rf, dict) else rf
-        raise bad(f"{p}.type must be \"text\", \"json_object\" or \"json_schema\", got {got!r}", p)
+        raise bad(f"{p}.type must be \"text\", \"json_object\" or \"json_schema\", got {json_value(got)}", p)
     kind = rf["type"]
     extra = sorted(set(rf) - {"type", "json_schema"} if kind == "json_schema" else set(rf) - {"type"})
     if extra:
-        raise bad(f"{p} of type {kind} takes no field {extra[0]!r}", f"{p}.{extra[0]}")
+        raise bad(f"{p} of type {kind} takes no field {json_value(extra[0])}", f"{p}.{extra[0]}")
     if kind == "text":
         return
     if kind == "json_object":
@@ -523,23 +543,23 @@ def _response_format(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     js = rf.get("json_schema")
     if not isinstance(js, dict):
         raise bad(f"{p}.json_schema must be an object {{\"name\", \"schema\", \"strict\"}}, "
-                  f"got {type(js).__name__ if js is not None else 'nothing'}", f"{p}.json_schema")
+                  f"got {json_type(js) if js is not None else 'nothing'}", f"{p}.json_schema")
     extra = sorted(set(js) - {"name", "schema", "strict", "description"})
     if extra:
-        raise bad(f"{p}.json_schema takes no field {extra[0]!r}", f"{p}.json_schema.{extra[0]}")
+        raise bad(f"{p}.json_schema takes no field {json_value(extra[0])}", f"{p}.json_schema.{extra[0]}")
     name = js.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        raise bad(f"{p}.json_schema.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+        raise bad(f"{p}.json_schema.name must be 1-64 letters, digits, '_' or '-', got {json_value(name)}",
                   f"{p}.json_schema.name")
-    if js.get("strict") not in (None, True, False):
-        raise bad(f"{p}.json_schema.strict must be a boolean, got {js['strict']!r}",
+    if not _bool_or_null(js.get("strict")):
+        raise bad(f"{p}.json_schema.strict must be a boolean, got {json_value(js['strict'])}",
                   f"{p}.json_schema.strict")
     if js.get("description") is not None and not isinstance(js["description"], str):
         raise bad(f"{p}.json_schema.description must be a string", f"{p}.json_schema.description")
     schema = js.get("schema", {})
     if not isinstance(schema, dict):
         raise bad(f"{p}.json_schema.schema must be a JSON schema object, got "
-                  f"{type(schema).__name__}", f"{p}.json_schema.schema")
+                  f"{json_type(schema)}", f"{p}.json_schema.schema")
     req.grammar.json_schema = json.dumps(schema, ensure_ascii=False)
 
 
@@ -552,8 +572,8 @@ def _logprobs(body: dict, req: coordinator_pb2.GenerateRequest, chat: bool) -> N
             req.logprobs, req.top_logprobs = True, n
         return
     on = body.get("logprobs")
-    if on not in (None, True, False):
-        raise bad(f"logprobs must be a boolean, got {on!r}", "logprobs")
+    if not _bool_or_null(on):
+        raise bad(f"logprobs must be a boolean, got {json_value(on)}", "logprobs")
     n = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if n and not on:
         raise bad("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -577,8 +597,8 @@ def _one_prompt(p: Any, param: str) -> coordinator_pb2.GenerateRequest:
             raise bad(f"{param} token ids must be in [0, 2^31)", param)
         req.token_ids.extend(p)
     else:
-        raise bad(f"{param} must be a string or a non-empty list of token ids, got "
-                  f"{type(p).__name__}" + (" []" if p == [] else ""), param)
+        raise bad(f"{param} must be a string or a non-empty array of token ids, got "
+                  f"{json_type(p)}" + (" []" if p == [] else ""), param)
     return req
 
 
@@ -591,7 +611,7 @@ def _prompts(body: dict) -> list[coordinator_pb2.GenerateRequest]:
     if isinstance(p, str) or _is_ids(p):
         return [_one_prompt(p, "prompt")]
     if not isinstance(p, list) or not p:
-        raise bad("prompt must be a string, a list of token ids, or a non-empty list of these",
+        raise bad("prompt must be a string, an array of token ids, or a non-empty array of these",
                   "prompt")
     if len(p) > MAX_PROMPTS:
         raise bad(f"prompt takes at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
@@ -601,22 +621,17 @@ def _prompts(body: dict) -> list[coordinator_pb2.GenerateRequest]:
 def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise bad("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+        raise bad("messages must be a non-empty array of {\"role\", \"content\"} objects", "messages")
     n_images = 0   # image parts so far (refused past images.MAX_IMAGES)
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object, got {type(m).__name__}", f"messages[{i}]")
+            raise bad(f"messages[{i}] must be an object, got {json_type(m)}", f"messages[{i}]")
         role = m.get("role")
         if role not in _ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
+            raise bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {json_value(role)}",
                       f"messages[{i}].role")
-        if m.get("function_call"):
-            raise bad(f"messages[{i}].function_call is not supported: use tool_calls",
-                      f"messages[{i}].function_call")
+        _message_keys(m, i, role)
         calls = m.get("tool_calls")
-        if calls is not None and role != "assistant":
-            raise bad(f"messages[{i}].tool_calls: only an assistant message carries tool calls",
-                      f"messages[{i}].tool_calls")
         content = m.get("content")
         if content is None and not calls:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content")
@@ -634,10 +649,39 @@ def _messages(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
         if role == "tool":
             tid = m.get("tool_call_id")
             if tid is not None and not isinstance(tid, str):
-                raise bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+                raise bad(f"messages[{i}].tool_call_id must be a string, got {json_type(tid)}",
+                          f"messages[{i}].tool_call_id")
             msg.tool_call_id = tid or ""
-            if isinstance(m.get("name"), str):
-                msg.name = m["name"]
+            msg.name = m.get("name") or ""
+
+
+def _message_keys(m: dict, i: int, role: str) -> None:
+    """Refuse a key message ``i`` (of ``role``) may not carry and check the types of the keys
+    that only need one (a 400 naming ``messages[i].key``). name, refusal and annotations are
+    taken and change nothing except a tool message's name (it goes to the chat template)."""
+    keys = _MESSAGE_KEYS[role]
+    for key in m:
+        if key in keys:
+            continue
+        p = f"messages[{i}].{key}"
+        carriers = sorted(r for r, ks in _MESSAGE_KEYS.items() if key in ks)
+        if carriers:   # another role's field: tool_calls on a user message, ...
+            raise bad(f"{p}: a {role} message takes no {key} (only {' and '.join(carriers)} "
+                      f"messages do)", p)
+        raise bad(f"Unrecognized argument supplied in messages[{i}]: {key}", p)
+    for key in ("name", "refusal"):
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            raise bad(f"messages[{i}].{key} must be a string, got {json_type(v)}", f"messages[{i}].{key}")
+    if m.get("annotations") is not None and not isinstance(m["annotations"], list):
+        raise bad(f"messages[{i}].annotations must be an array, got {json_type(m['annotations'])}",
+                  f"messages[{i}].annotations")
+    if m.get("audio") is not None:
+        raise bad(f"messages[{i}].audio is not supported (only null), got {json_value(m['audio'])}",
+                  f"messages[{i}].audio")
+    if m.get("function_call") is not None:
+        raise bad(f"messages[{i}].function_call is not supported: use tool_calls",
+                  f"messages[{i}].function_call")
 
 
 def _tool_call(c: Any, p: str) -> coordinator_pb2.ToolCall:
@@ -659,7 +703,7 @@ def _tools(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     the coordinator checks them (a 400 naming the field)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None and not isinstance(tools, list):
-        raise bad(f"tools must be an array of tool objects, got {type(tools).__name__}", "tools")
+        raise bad(f"tools must be an array of tool objects, got {json_type(tools)}", "tools")
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or \
@@ -668,11 +712,11 @@ def _tools(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
                       "\"function\": {\"name\": ...}}", "tool_choice")
         choice = fn["name"]
         if choice in tc.CHOICES:   # a function may not be named like a mode
-            raise bad(f"tool_choice names the function {choice!r}, which no tool can be named",
+            raise bad(f"tool_choice names the function {json_value(choice)}, which no tool can be named",
                       "tool_choice")
     elif choice is not None and choice not in ("auto", "none", "required"):
         raise bad(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
-                  f"\"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+                  f"\"function\": {{\"name\": ...}}}}, got {json_value(choice)}", "tool_choice")
     text = json.dumps(tools, ensure_ascii=False) if tools else ""
     try:
         tc.parse_tools(text, choice or "")
@@ -696,7 +740,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
         ApiError: 400 naming the first bad field.
     """
     if not isinstance(body, dict):
-        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise bad(f"the request body must be a JSON object, got {json_type(body)}")
     where = _lone_surrogate(body, "")
     if where is not None:
         raise bad(f"{where} is not valid Unicode (a lone surrogate such as \\ud800)",
@@ -714,15 +758,15 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
         prompts = _prompts(body)
         req = coordinator_pb2.GenerateRequest()   # the fields every prompt's request shares
     stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise bad(f"stream must be a boolean, got {stream!r}", "stream")
+    if not _bool_or_null(stream):
+        raise bad(f"stream must be a boolean, got {json_value(stream)}", "stream")
     so = body.get("stream_options")
     include_usage = False
     if so is not None:
         if not stream:
             raise bad("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(so, dict) or set(so) - {"include_usage"} or \
-                so.get("include_usage") not in (None, True, False):
+                not _bool_or_null(so.get("include_usage")):
             raise bad("stream_options must be {\"include_usage\": bool}", "stream_options")
         include_usage = bool(so.get("include_usage"))
     max_tokens = _max_tokens(body, "max_tokens")
@@ -740,14 +784,14 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     t = _number(body, "temperature", -math.inf, math.inf)
     if t is not None and abs(t) > FLOAT32_MAX:
         raise bad(f"temperature must be a finite float32 (within about ±3.4e38; <= 0 is greedy), "
-                  f"got {body['temperature']!r}", "temperature")
+                  f"got {json_value(body['temperature'])}", "temperature")
     req.temperature = t or 0.0
     top_p = _number(body, "top_p", -math.inf, math.inf)
     if top_p is not None:
         if not 0 < top_p <= 1:   # the coordinator's rule and wording: a nucleus keeps some probability
-            raise bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {body['top_p']!r}", "top_p")
+            raise bad(f"top_p must be in (0, 1] (leave it unset or 1 for off), got {json_value(body['top_p'])}", "top_p")
         if as_f32(top_p) == 0:
-            raise bad(f"top_p {body['top_p']!r} rounds to 0 as the float32 the coordinator takes: the "
+            raise bad(f"top_p {json_value(body['top_p'])} rounds to 0 as the float32 the coordinator takes: the "
                       f"smallest top_p is about 1.4e-45", "top_p")
         req.top_p = top_p
     seed = _integer(body, "seed", 0, UINT64_MAX)
@@ -760,7 +804,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
         stop = [stop]
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise bad("stop must be a non-empty string or a list of them", "stop")
+            raise bad("stop must be a non-empty string or an array of them", "stop")
         if len(stop) > MAX_STOP:
             raise bad(f"stop takes at most {MAX_STOP} sequences (as OpenAI's API), got {len(stop)}",
                       "stop")
@@ -774,7 +818,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
     modes = {None: common_pb2.SPEC_MODE_UNSPECIFIED, "on": common_pb2.SPEC_MODE_ON,
              "off": common_pb2.SPEC_MODE_OFF}
     if not isinstance(spec, (str, type(None))) or spec not in modes:
-        raise bad(f"spec must be \"on\", \"off\" or null (the server's default), got {spec!r}", "spec")
+        raise bad(f"spec must be \"on\", \"off\" or null (the server's default), got {json_value(spec)}", "spec")
     req.spec = modes[spec]
     _response_format(body, req)
     _logprobs(body, req, chat)
@@ -793,7 +837,7 @@ def parse_request(body: Any, chat: bool, n_limit: int = GatewayConfig.n_limit) -
         if not isinstance(kw, dict) or set(kw) - {"enable_thinking"}:
             extra = sorted(set(kw) - {"enable_thinking"}) if isinstance(kw, dict) else None
             raise bad("chat_template_kwargs must be an object whose only key is enable_thinking"
-                      + (f" (got {', '.join(map(repr, extra))})" if extra else ""), "chat_template_kwargs")
+                      + (f" (got {', '.join(map(json_value, extra))})" if extra else ""), "chat_template_kwargs")
         if kw.get("enable_thinking") is not None:   # null: the template's default, as when absent
             if not isinstance(kw["enable_thinking"], bool):
                 raise bad("chat_template_kwargs.enable_thinking must be true, false or null",
@@ -817,7 +861,7 @@ def _penalties(body: dict, req: coordinator_pb2.GenerateRequest) -> None:
     rep = _number(body, "repeat_penalty", -math.inf, math.inf)
     if rep is not None and not MIN_REPEAT_PENALTY <= rep <= MAX_REPEAT_PENALTY:
         raise bad(f"repeat_penalty must be in [{MIN_REPEAT_PENALTY:g}, {MAX_REPEAT_PENALTY:g}] (1: off), "
-                  f"got {body['repeat_penalty']!r}", "repeat_penalty")
+                  f"got {json_value(body['repeat_penalty'])}", "repeat_penalty")
     last_n = _integer(body, "repeat_last_n", -1)
     if last_n == 0:   # llama.cpp: a window of no tokens penalises nothing
         return

@@ -38,6 +38,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Collection
 
+from echospec.services.text.clip import json_type, json_value
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 CHOICES = ("", "auto", "none", "required")
@@ -106,7 +108,7 @@ def parse_tools(tools_json: str, tool_choice: str) -> ToolRequest | None:
         (its tools as given: the chat template shows them to the model as they are).
 
     Raises:
-        ToolError: naming the field, e.g. ``tools[1].function.name: 'get weather' must be 1-64
+        ToolError: naming the field, e.g. ``tools[1].function.name: "get weather" must be 1-64
             letters, digits, '_' or '-'``.
     """
     choice = tool_choice or "auto"
@@ -119,7 +121,7 @@ def parse_tools(tools_json: str, tool_choice: str) -> ToolRequest | None:
     except ValueError as exc:
         raise ToolError(f"tools is not valid JSON: {exc}") from None
     if not isinstance(tools, list):
-        raise ToolError(f"tools must be a JSON array of tool objects, got a JSON {type(tools).__name__}")
+        raise ToolError(f"tools must be a JSON array of tool objects, got {json_type(tools)}")
     if not tools:
         if choice not in ("auto", "none"):
             raise ToolError(f"tool_choice {tool_choice!r} needs tools: tools is empty")
@@ -131,8 +133,8 @@ def parse_tools(tools_json: str, tool_choice: str) -> ToolRequest | None:
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
-            got = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ToolError(f"{p}.type must be \"function\" (the only tool type), got {got!r}")
+            got = json_value(t.get("type")) if isinstance(t, dict) else json_type(t)
+            raise ToolError(f"{p}.type must be \"function\" (the only tool type), got {got}")
         extra = sorted(set(t) - {"type", "function"})
         if extra:
             raise ToolError(f"{p} takes no field {extra[0]!r}")
@@ -144,7 +146,7 @@ def parse_tools(tools_json: str, tool_choice: str) -> ToolRequest | None:
             raise ToolError(f"{p}.function takes no field {extra[0]!r}")
         name = fn.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
-            raise ToolError(f"{p}.function.name: {name!r} must be 1-64 letters, digits, '_' or '-'")
+            raise ToolError(f"{p}.function.name: {json_value(name)} must be 1-64 letters, digits, '_' or '-'")
         if name in CHOICES:
             raise ToolError(f"{p}.function.name: {name!r} is a tool_choice keyword (auto, none, "
                             f"required), so tool_choice could not name it: rename the tool")
@@ -153,7 +155,7 @@ def parse_tools(tools_json: str, tool_choice: str) -> ToolRequest | None:
         seen.add(name)
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ToolError(f"{p}.function.description must be a string")
-        if fn.get("strict") not in (None, True, False):
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise ToolError(f"{p}.function.strict must be a boolean")
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict) or params.get("type") != "object":
