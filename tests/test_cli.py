@@ -361,6 +361,13 @@ def test_readme_grpcurl_examples(server):
     (["generate", "hi", "--model", "smollm2-135m", "--target", "127.0.0.1:1"], "--model applies to a private stack"),
     (["chat", "--chat-template", "t.jinja", "--target", "127.0.0.1:1"], "--chat-template applies to a private"),
     (["chat", "--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja: cannot read"),
+    # an empty --model (was: the default model, silently), bench's --threads with --target (was:
+    # ignored) and above the engine's limit (was: a stack started, then exit 1)
+    (["serve", "--model", "", "--port", "0"], "--model is empty"),
+    (["generate", "hi", "--model", " "], "--model is empty"),
+    (["generate", "hi", "--model", "", "--target", "127.0.0.1:1"], "--model applies to a private stack"),
+    (["bench", "--workloads", "x", "--threads", "2", "--target", "127.0.0.1:1"], "--threads applies to a private"),
+    (["bench", "--workloads", "x", "--threads", "1000"], "--threads 1000: engine threads must be in [0, "),
 ])
 def test_bad_cli_arguments_exit_2_with_a_message(args, message):
     r = run([*ECHOSPEC, *args], check=False, timeout=60)
@@ -438,6 +445,17 @@ def test_chat_max_tokens_above_the_servers_limit_exits_2(server):
                        input="hi\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2, r.stderr
     assert "--max-tokens 999999: max_tokens must be in [1, 8192]" in r.stderr, r.stderr
+
+
+def test_chat_with_a_system_message_the_context_cannot_hold_exits_2(server):
+    # was: every turn failed with the context error and the chat exited 0
+    r = subprocess.run([*ECHOSPEC, "chat", "--system", "word " * 400, "--target", server["target"]],
+                       input="hi\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert "--system is " in r.stderr and "the server's context holds 256" in r.stderr, r.stderr
+    r = subprocess.run([*ECHOSPEC, "chat", "--system", "Be brief.", "--max-tokens", "4", "--target",
+                        server["target"]], input="hi\n", capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
 
 
 def test_generate_messages_takes_text_parts(server, tmp_path):

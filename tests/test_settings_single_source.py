@@ -57,15 +57,15 @@ def test_serve_options_are_the_fields_that_say_so_with_their_defaults():
     for _, f in offered:
         a = actions[f.name]
         assert a.option_strings == [f.metadata["serve"]], f.name
-        if f.name in ("api_key", "internal_key"):   # not given: its variable, then the default
-            assert a.default is None
+        if f.name in ("api_key", "internal_key", "model"):   # not given: its variable, then the
+            assert a.default is None                          # default (the default model)
         else:
             assert a.default == f.default, f.name
         if f.metadata["choices"]:
             assert tuple(a.choices) == f.metadata["choices"]
     # parsing nothing gives every config its defaults
     args = cli.parse_args(["serve"])
-    args.api_key = args.internal_key = ""
+    args.api_key = args.internal_key = args.model = ""
     assert serve.configs_of(args) == StackConfigs()
 
 

@@ -151,6 +151,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.tree_nodes and args.target is not None:
         _die("--tree-nodes applies to a private stack; the server at --target uses its own "
              "(its verifier's --tree-nodes)", 2)
+    if args.threads and args.target is not None:
+        _die("--threads applies to a private stack; the server at --target uses its own "
+             "(its verifier's --threads)", 2)
+    if args.threads and args.target is None:
+        from echospec.services.common.config import EngineLimit
+        most = int(EngineLimit("ES_MAX_THREADS"))
+        if args.threads > most:   # before a private stack starts
+            _die(f"--threads {args.threads}: engine threads must be in [0, {most}] (0: the usable "
+                 f"CPUs less one)", 2)
     _check_sampling_flags(args)
     workloads = _load_workloads(args.workloads)
     rows = []

@@ -130,6 +130,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if info.max_tokens_limit and args.max_tokens > info.max_tokens_limit:
                 _die(f"--max-tokens {args.max_tokens}: max_tokens must be in "
                      f"[1, {info.max_tokens_limit}]", 2)
+            if args.system and info.n_ctx:
+                # a system message the context cannot hold would fail every turn: say so at start
+                try:
+                    n_sys = len(client.tokenize(args.system))
+                except ClientError as exc:
+                    _client_error(exc, target)
+                if n_sys >= info.n_ctx:
+                    _die(f"--system is {n_sys} tokens; the server's context holds {info.n_ctx} "
+                         f"(the system message, the turns and each reply)", 2)
             print(f"echospec chat: {target}, model {info.model}; {CHAT_COMMANDS}",
                   file=sys.stderr, flush=True)
             # Ctrl-C stops a reply (or is ignored at the prompt) instead of ending the command

@@ -92,8 +92,11 @@ def _default_model(name: str | None = None) -> str:
 def _resolve_model(value: str | None) -> str:
     """A --model value as a GGUF path: none -> the default model; a model name (smollm2-135m,
     gemma3-270m) that is not also an existing file -> that model, fetched; else the path."""
-    if not value:
+    if value is None:
         return _default_model()
+    if not value.strip():
+        _die("--model is empty: give the path of a GGUF file or a model name (leave the option "
+             "out for the default model)", 2)
     if not Path(value).exists():
         mod = _fetch_model_module()
         if mod is not None and value in mod.MODELS:
@@ -247,7 +250,7 @@ def _target(args: argparse.Namespace) -> Iterator[str]:
         _check_target_form(args.target)
         for flag, value in (("--model", args.model), ("--chat-template", getattr(args, "chat_template", None)),
                             ("--mmproj", getattr(args, "mmproj", None))):
-            if value:
+            if value is not None and (value or flag == "--model"):
                 _die(f"{flag} applies to a private stack; the server at --target {args.target} "
                      f"uses its own (leave out {flag}, or leave out --target)", 2)
         yield args.target

@@ -75,6 +75,9 @@ def add_parser(sub) -> None:
             p.add_argument(md["serve"], dest=f.name, default=f.default,
                            action="store_false" if md["negated"] else "store_true",
                            help=_serve_help(f))
+        elif f.name == "model":   # not given: the default model ("" is refused)
+            p.add_argument(md["serve"], dest=f.name, default=None, help=_serve_help(f),
+                           metavar="MODEL")
         elif f.name in ("api_key", "internal_key"):   # not given: the variable ("" is refused)
             p.add_argument(md["serve"], dest=f.name, default=None,
                            help=f"{md['serve_help']} (default: env {md['env']})")
@@ -108,6 +111,10 @@ def configs_of(args: argparse.Namespace) -> StackConfigs:
 def cmd_serve(args: argparse.Namespace) -> int:
     from echospec.services.common.auth import check_api_key
     from echospec.stack import StackError, start
+
+    model_given = args.model is not None   # left out: the default model ("" given: refused)
+    if not model_given:
+        args.model = ""
 
     for name, flag, env, what in (("api_key", "--api-key", "ECHOSPEC_API_KEY", "the API key"),
                                   ("internal_key", "--internal-key", "ECHOSPEC_INTERNAL_KEY",
@@ -156,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if c.chat_template:   # a bad file is named before the model is fetched or loaded
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
-    model = _resolve_model(c.model)
+    model = _resolve_model(c.model if model_given else None)
     _check_model(model, configs.verifier.check_weights)
     _check_mmproj(configs.verifier.mmproj, model)
     _say(f"loading {model} ...")
