@@ -5,7 +5,8 @@ calls still running end with UNAVAILABLE saying which service stopped and why, t
 line counts them, the request log line counts only the tokens the client got, and a generation
 that ends after the verifier closed gives its session back quietly. The HTTP gateway ends a
 stream with an error event after its grace period, and answers 503 to one still waiting for its
-first token."""
+first token. In process mode the children get SIGTERM in order and one deadline, then SIGKILL
+(stand-in children, no model)."""
 from __future__ import annotations
 
 import pytest
