@@ -80,6 +80,7 @@ class Stack:
     metrics_ports: dict[str, int] = field(default_factory=dict)   # service -> bound /metrics port
     _launch: dict[str, tuple] = field(default_factory=dict)      # name -> (argv, env) of its child
     _restarts: dict[str, int] = field(default_factory=dict)      # name -> times revive restarted it
+    _termed: dict[str, float] = field(default_factory=dict)      # name -> when stop() sent SIGTERM
     _reason_file: str = ""        # where stop() leaves its reason for the children (lifecycle.py)
     http_port: int = 0            # the gateway's port (0: no gateway)
     tls: bool = False             # the services listen with TLS (the gateway with HTTPS)
@@ -166,6 +167,7 @@ class Stack:
         p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
         self._procs[name] = p
+        self._termed.pop(name, None)
         self._stderr[name] = _StderrTee(p, name)
         return p
 
@@ -220,10 +222,17 @@ class Stack:
 
 
     def _stop_children(self, grace_s: float, slack_s: float) -> None:
-        """``stop`` in process mode: SIGTERM in STOP_ORDER, one deadline, then SIGKILL."""
-        waiting = [(n, self._procs.pop(n)) for n in STOP_ORDER if n in self._procs]
-        waiting = [(n, p) for n, p in waiting if p.poll() is None]   # not signalled yet
-        termed: list[tuple[str, subprocess.Popen, float]] = []       # (name, child, SIGTERM at)
+        """``stop`` in process mode: SIGTERM in STOP_ORDER, one deadline, then SIGKILL. A child
+        leaves ``_procs`` once it has exited, so a stop cut short (an exception in the main
+        thread) is finished by the next one, which sends no second SIGTERM: a service takes that
+        one as the end of its grace."""
+        children = [(n, self._procs[n]) for n in STOP_ORDER if n in self._procs]
+        for n, p in children:
+            if p.poll() is not None:
+                del self._procs[n]
+        children = [(n, p) for n, p in children if p.poll() is None]
+        termed = [(n, p, self._termed[n]) for n, p in children if n in self._termed]
+        waiting = [(n, p) for n, p in children if n not in self._termed]   # not signalled yet
         kill_at = time.monotonic() + grace_s + slack_s
         warned = False
         while True:
@@ -231,8 +240,12 @@ class Stack:
             while waiting and all(p.poll() is not None or now >= t + grace_s + EXIT_AFTER_GRACE_S
                                   for _, p, t in termed):
                 name, p = waiting.pop(0)
+                self._termed[name] = now
                 _terminate(p)
                 termed.append((name, p, now))
+            for n, p, _ in termed:
+                if p.poll() is not None:
+                    self._procs.pop(n, None)
             running = [(n, p, t) for n, p, t in termed if p.poll() is None]
             if not running and not waiting:
                 return
@@ -246,10 +259,11 @@ class Stack:
                     f"echospec: still waiting for {names} to exit; SIGKILL to every child still "
                     f"running in {kill_at - now:.1f} s")
             time.sleep(0.02)
-        for _, p in [(n, p) for n, p, _ in termed] + waiting:
+        for n, p in [(n, p) for n, p, _ in termed] + waiting:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            self._procs.pop(n, None)
 
 
 def _terminate(p: subprocess.Popen) -> None:

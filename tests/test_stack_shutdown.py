@@ -298,3 +298,35 @@ def test_process_stop_kills_hung_children_at_one_shared_deadline_and_wakes_stopp
         rf"echospec: still waiting for the gateway service \(pid {procs['gateway'].pid}, SIGTERM "
         rf"0\.\d s ago\), the coordinator service \(pid {procs['coordinator'].pid}, SIGTERM "
         r"0\.\d s ago\) to exit; SIGKILL to every child still running in 1\.\d s", notes[0]), notes
+
+
+def test_process_stop_cut_short_is_finished_by_the_next_stop(tmp_path, monkeypatch):
+    # `echospec serve` stops the stack when a child dies; a SIGTERM then raises in the middle of
+    # that stop, and its `finally` stops again: the children not yet reaped are still there, and
+    # the one already signalled gets no second SIGTERM (a service takes it as the end of its grace)
+    from echospec import stack
+
+    class Cut(BaseException):
+        pass
+
+    terminate = stack._terminate
+
+    def cut_after_the_first(p):
+        terminate(p)
+        monkeypatch.setattr(stack, "_terminate", terminate)
+        raise Cut()
+
+    st, log = _fake_stack(tmp_path, {n: "slow" for n in ("draft", "verifier", "coordinator", "gateway")})
+    procs = dict(st._procs)
+    monkeypatch.setattr(stack, "_terminate", cut_after_the_first)
+    try:
+        st.stop(5, "SIGTERM")
+    except Cut:
+        pass
+    assert set(st._procs) == {"gateway", "coordinator", "verifier", "draft"}
+    st.stop(5, "SIGTERM")
+    assert not st._procs
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+    events = [ln for ln in log.read_text().splitlines() if not ln.endswith(" up")]
+    assert events == [f"{n} {what}" for n in ("gateway", "coordinator", "verifier", "draft")
+                      for what in ("term", "exit")], events
