@@ -220,7 +220,6 @@ class Stack:
         if d is not None:
             d[0].stop(grace_s, reason).wait()
 
-
     def _stop_children(self, grace_s: float, slack_s: float) -> None:
         """``stop`` in process mode: SIGTERM in STOP_ORDER, one deadline, then SIGKILL. A child
         leaves ``_procs`` once it has exited, so a stop cut short (an exception in the main
