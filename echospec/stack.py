@@ -33,7 +33,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,6 +56,9 @@ from echospec.services.rpc.lifecycle import PARENT_ENV, STOP_REASON_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT_RESTARTS = 3     # times `revive` starts a dead draft child again
+STOP_ORDER = ("gateway", "coordinator", "verifier", "draft")   # each before the one it calls
+STOP_SLACK_S = 10.0    # seconds past the grace for all the children together, then SIGKILL
+EXIT_AFTER_GRACE_S = 1.0   # a service's own exit once its grace has ended (the next is not held)
 
 
 class StackError(RuntimeError):
@@ -75,6 +80,7 @@ class Stack:
     metrics_ports: dict[str, int] = field(default_factory=dict)   # service -> bound /metrics port
     _launch: dict[str, tuple] = field(default_factory=dict)      # name -> (argv, env) of its child
     _restarts: dict[str, int] = field(default_factory=dict)      # name -> times revive restarted it
+    _termed: dict[str, float] = field(default_factory=dict)      # name -> when stop() sent SIGTERM
     _reason_file: str = ""        # where stop() leaves its reason for the children (lifecycle.py)
     http_port: int = 0            # the gateway's port (0: no gateway)
     tls: bool = False             # the services listen with TLS (the gateway with HTTPS)
@@ -104,7 +110,10 @@ class Stack:
         return self._servers.get("verifier")
 
     def _death(self, name: str) -> str:
-        """ "<name> service exited with status -9 (SIGKILL): <its last log line>"."""
+        """ "<name> service exited with status -9 (SIGKILL)", with ": <its last log line>" when
+        that line says something about the failure (``failure_line``): a WARNING, ERROR or
+        CRITICAL record, a traceback's last line, a service's one-line error; not an INFO line,
+        such as its startup line when it was killed from outside."""
         rc = self._procs[name].returncode
         how = f"status {rc}"
         if rc < 0:
@@ -113,13 +122,14 @@ class Stack:
             except ValueError:
                 pass
         tee = self._stderr.get(name)
-        last = tee.last(0.5) if tee is not None else "(no message)"
-        return f"{name} service exited with {how}: {last}"
+        last = failure_line(tee.last(0.5)) if tee is not None else ""
+        return f"{name} service exited with {how}" + (f": {last}" if last else "")
 
     def exited(self) -> str:
         """In process mode, what ended a child service the stack cannot serve without (the
         verifier, coordinator or gateway) that is no longer running: e.g. "verifier service
-        exited with status -9 (SIGKILL): <its last log line>"; "" while they run (and always in
+        exited with status -9 (SIGKILL)", or "verifier service exited with status 1: <its last
+        log line>" when that line tells why (``_death``); "" while they run (and always in
         threads mode). The others keep running until stop(). The draft service is ``revive``'s."""
         for name in ("verifier", "coordinator", "gateway"):
             p = self._procs.get(name)
@@ -134,8 +144,9 @@ class Stack:
 
         Returns:
             One message per death found, saying its cause and what follows: e.g. "draft service
-            exited with status -9 (SIGKILL): ...; the verifier decodes plainly without it (same
-            output) until it is back; restarted it (1 of 3)". [] when nothing died.
+            exited with status -9 (SIGKILL); the verifier decodes plainly without it (same
+            output) until it is back; restarted it (1 of 3)" (``_death`` says when the child's
+            last log line is quoted). [] when nothing died.
         """
         p = self._procs.get("draft")
         if p is None or p.poll() is None or "draft" not in self._launch:
@@ -156,6 +167,7 @@ class Stack:
         p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
         self._procs[name] = p
+        self._termed.pop(name, None)
         self._stderr[name] = _StderrTee(p, name)
         return p
 
@@ -171,26 +183,26 @@ class Stack:
             if handle is not None:
                 handle.stop(0).wait()
 
-    def stop(self, grace_s: float = 1.0, reason: str = "") -> None:
+    def stop(self, grace_s: float = 1.0, reason: str = "", slack_s: float = STOP_SLACK_S) -> None:
         """Stop gateway, coordinator, then verifier, then draft (graceful: calls in flight get
         grace_s seconds, then end with UNAVAILABLE naming ``reason``, e.g. "SIGTERM"; in process
         mode each child gets SIGTERM, which names itself, and ``reason`` too unless it is a
-        signal's name: "SIGTERM from echospec serve, because <reason>"). Idempotent."""
+        signal's name: "SIGTERM from echospec serve, because <reason>"). Idempotent.
+
+        In process mode a child gets its SIGTERM (after a SIGCONT, which wakes a stopped one)
+        once the children before it have exited, or have had their grace and
+        EXIT_AFTER_GRACE_S more: a service's calls in flight keep the services below it during
+        its grace, and a child that does not exit holds the others back no longer. All of them
+        share one deadline, grace_s + slack_s seconds after the first SIGTERM; a child still
+        running then (hung, or stopped again) gets SIGKILL. Past its grace, one "echospec:"
+        line on stderr names the children still running and when they will be killed."""
         if self.processes:
             if reason and reason not in signal.Signals.__members__ and self._reason_file:
                 try:
                     Path(self._reason_file).write_text(reason)
                 except OSError:
                     pass
-            for name in ("gateway", "coordinator", "verifier", "draft"):
-                p = self._procs.pop(name, None)
-                if p is not None and p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    try:
-                        p.wait(grace_s + 10)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait()
+            self._stop_children(grace_s, slack_s)
             if self._reason_file:
                 Path(self._reason_file).unlink(missing_ok=True)
                 self._reason_file = ""
@@ -207,6 +219,88 @@ class Stack:
         d = self._servers.pop("draft", None)
         if d is not None:
             d[0].stop(grace_s, reason).wait()
+
+    def _stop_children(self, grace_s: float, slack_s: float) -> None:
+        """``stop`` in process mode: SIGTERM in STOP_ORDER, one deadline, then SIGKILL. A child
+        leaves ``_procs`` once it has exited, so a stop cut short (an exception in the main
+        thread) is finished by the next one, which sends no second SIGTERM: a service takes that
+        one as the end of its grace."""
+        children = [(n, self._procs[n]) for n in STOP_ORDER if n in self._procs]
+        for n, p in children:
+            if p.poll() is not None:
+                del self._procs[n]
+        children = [(n, p) for n, p in children if p.poll() is None]
+        termed = [(n, p, self._termed[n]) for n, p in children if n in self._termed]
+        waiting = [(n, p) for n, p in children if n not in self._termed]   # not signalled yet
+        kill_at = time.monotonic() + grace_s + slack_s
+        warned = False
+        while True:
+            now = time.monotonic()
+            while waiting and all(p.poll() is not None or now >= t + grace_s + EXIT_AFTER_GRACE_S
+                                  for _, p, t in termed):
+                name, p = waiting.pop(0)
+                self._termed[name] = now
+                _terminate(p)
+                termed.append((name, p, now))
+            for n, p, _ in termed:
+                if p.poll() is not None:
+                    self._procs.pop(n, None)
+            running = [(n, p, t) for n, p, t in termed if p.poll() is None]
+            if not running and not waiting:
+                return
+            if now >= kill_at:
+                break
+            if not warned and any(now >= t + grace_s + EXIT_AFTER_GRACE_S for _, _, t in running):
+                warned = True
+                names = ", ".join(f"the {n} service (pid {p.pid}, SIGTERM {now - t:.1f} s ago)"
+                                  for n, p, t in running)
+                logs.write_stderr_line(
+                    f"echospec: still waiting for {names} to exit; SIGKILL to every child still "
+                    f"running in {kill_at - now:.1f} s")
+            time.sleep(0.02)
+        for n, p in [(n, p) for n, p, _ in termed] + waiting:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            self._procs.pop(n, None)
+
+
+def _terminate(p: subprocess.Popen) -> None:
+    """SIGTERM to a child, after SIGCONT: a stopped process (SIGSTOP, SIGTSTP) holds SIGTERM
+    pending until it is continued, so it would only end at the SIGKILL deadline."""
+    try:
+        p.send_signal(signal.SIGCONT)
+        p.send_signal(signal.SIGTERM)
+    except ProcessLookupError:   # it exited meanwhile
+        pass
+
+
+_LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+Z ([A-Z]+) ")   # logs.TextFormatter
+
+
+def failure_line(line: str) -> str:
+    """``line`` (a child's last line on stderr) when it may say why the child ended, else "".
+
+    An INFO or DEBUG record of the services' logs (text or JSON format, logs.py) says nothing
+    of a failure: e.g. "... INFO echospec.draft draft service listening on ...", the last line
+    of a child killed from outside. Anything else is kept: a WARNING, ERROR or CRITICAL record,
+    a traceback's last line ("RuntimeError: ..."), a service's one-line error ("verifier:
+    ..."), a message of the C runtime.
+    """
+    line = line.strip()
+    if line in ("", "(no message)"):
+        return ""
+    level = ""
+    m = _LOG_RECORD.match(line)
+    if m:
+        level = m.group(1)
+    elif line.startswith("{"):
+        try:
+            rec = json.loads(line)
+            level = str(rec.get("level", "")) if isinstance(rec, dict) else ""
+        except ValueError:
+            pass
+    return "" if level in ("DEBUG", "INFO") else line
 
 
 def _free_port(host: str) -> int:

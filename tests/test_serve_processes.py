@@ -1,7 +1,8 @@
 """`echospec serve --processes` when one of its child services dies (SIGKILL, as the OOM killer
 sends): a dead verifier stops every service and `echospec serve` exits 1 naming it, leaving no
 child behind; a dead draft service is restarted while the verifier decodes plainly, and the stack
-keeps serving."""
+keeps serving. The message naming a dead child quotes its last log line only when that line may
+tell why (stand-in children)."""
 from __future__ import annotations
 
 
@@ -38,8 +39,8 @@ def test_serve_processes_stops_when_a_child_service_dies(tiny_model):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     assert p.returncode == 1, rest
-    assert "echospec: the verifier service exited with status -9 (SIGKILL): " in rest, rest
-    assert "; stopping every service" in rest
+    # its last line is an INFO record (nothing about the kill): the status alone
+    assert "echospec: the verifier service exited with status -9 (SIGKILL); stopping every service" in rest, rest
     time.sleep(0.2)
     left = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p.pid)], capture_output=True,
                           text=True).stdout.split()
@@ -93,7 +94,9 @@ def test_serve_processes_keeps_serving_when_the_draft_service_dies(tiny_model):
         [draft] = child("draft")
         os.kill(draft, signal.SIGKILL)
         line = wait_line(r"echospec: the draft service exited with status -9 \(SIGKILL\)")
-        assert "decodes plainly" in line and "restarted it (1 of 3)" in line, line
+        # was: "...(SIGKILL): <time> INFO echospec.draft draft service listening on ...", its
+        # startup line quoted as if it were the cause
+        assert "(SIGKILL); the verifier decodes plainly" in line and "restarted it (1 of 3)" in line, line
         with grpc.insecure_channel(target) as ch:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
             r = stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=8,
@@ -115,6 +118,73 @@ def test_serve_processes_keeps_serving_when_the_draft_service_dies(tiny_model):
     time.sleep(0.2)
     out = "".join(err)
     assert p.returncode == 1, out
-    assert "echospec: the verifier service exited with status -9 (SIGKILL): " in out, out
+    assert "echospec: the verifier service exited with status -9 (SIGKILL); stopping every" in out, out
     assert ("coordinator service on port " in out and "SIGTERM from echospec serve, because the "
             "verifier service exited with status -9 (SIGKILL))" in out), out
+
+
+# -- the message naming a dead child ---------------------------------------------------------------
+
+def _dead_child(code: str, name: str = "verifier", kill: bool = False):
+    """A process-mode Stack with one child running ``code`` (python -c), once it has ended
+    (killed with SIGKILL after its first line on stderr when ``kill``)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from echospec.stack import Stack
+
+    st = Stack("127.0.0.1", 0, 0, 0, processes=True)
+    st._launch[name] = ([sys.executable, "-c", code], dict(os.environ))
+    p = st._spawn(name)
+    if kill:
+        deadline = time.monotonic() + 20
+        while not st._stderr[name].lines:
+            assert time.monotonic() < deadline and p.poll() is None, "the child wrote nothing"
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGKILL)
+    p.wait(20)
+    return st
+
+
+_INFO = "2026-01-01T00:00:00.000Z INFO echospec.verifier verifier service listening on 127.0.0.1:1"
+_HOLD = "import sys, time; sys.stderr.write({!r} + '\\n'); sys.stderr.flush(); time.sleep(60)"
+
+
+def test_a_child_killed_after_an_info_line_is_named_by_its_status_alone():
+    # was: "verifier service exited with status -9 (SIGKILL): <time> INFO ... listening on ...",
+    # a startup line quoted as if it said why
+    st = _dead_child(_HOLD.format(_INFO), kill=True)
+    assert st._death("verifier") == "verifier service exited with status -9 (SIGKILL)"
+    st = _dead_child(_HOLD.format('{"ts": "x", "level": "INFO", "logger": "echospec.verifier", '
+                                  '"message": "request"}'), kill=True)
+    assert st._death("verifier") == "verifier service exited with status -9 (SIGKILL)"
+    st = _dead_child("pass")   # nothing on stderr
+    assert st._death("verifier") == "verifier service exited with status 0"
+
+
+def test_a_child_whose_last_line_tells_why_is_named_with_it():
+    st = _dead_child("raise RuntimeError('engine: out of memory')")   # a traceback's last line
+    assert st._death("verifier") == "verifier service exited with status 1: RuntimeError: engine: out of memory"
+    error = "2026-01-01T00:00:00.000Z ERROR echospec.verifier the model file went away"
+    st = _dead_child(f"import sys; print({_INFO!r}, file=sys.stderr); print({error!r}, file=sys.stderr); "
+                     f"sys.exit(3)")
+    assert st._death("verifier") == f"verifier service exited with status 3: {error}"
+    warning = '{"ts": "x", "level": "WARNING", "logger": "echospec.verifier", "message": "low memory"}'
+    st = _dead_child(_HOLD.format(warning), kill=True)
+    assert st._death("verifier") == f"verifier service exited with status -9 (SIGKILL): {warning}"
+    st = _dead_child("import sys; print('verifier: port 1 is taken', file=sys.stderr); sys.exit(1)")
+    assert st._death("verifier") == "verifier service exited with status 1: verifier: port 1 is taken"
+
+
+def test_revive_names_a_killed_draft_child_by_its_status_and_restarts_it():
+    st = _dead_child(_HOLD.format(_INFO.replace("verifier", "draft")), name="draft", kill=True)
+    try:
+        notes = st.revive()
+        assert notes == ["draft service exited with status -9 (SIGKILL); the verifier decodes plainly "
+                         "without it (same output, spec_reason says so) until it is back; restarted "
+                         "it (1 of 3)"], notes
+        assert st._procs["draft"].poll() is None
+    finally:
+        st.stop(0, slack_s=1)

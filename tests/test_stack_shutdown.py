@@ -5,7 +5,8 @@ calls still running end with UNAVAILABLE saying which service stopped and why, t
 line counts them, the request log line counts only the tokens the client got, and a generation
 that ends after the verifier closed gives its session back quietly. The HTTP gateway ends a
 stream with an error event after its grace period, and answers 503 to one still waiting for its
-first token."""
+first token. In process mode the children get SIGTERM in order and one deadline, then SIGKILL
+(stand-in children, no model)."""
 from __future__ import annotations
 
 import pytest
@@ -204,3 +205,128 @@ def test_gateway_stop_answers_503_to_a_stream_still_waiting_for_its_first_token(
     assert r.status_code == 503, r.text
     assert r.json()["error"]["message"].startswith("the gateway is shutting down (SIGTERM)"), r.text
     assert 0.4 < waited < 10, waited
+
+
+# -- process mode: the stop of the child processes -------------------------------------------------
+
+# A stand-in for a service child (no model: these tests take about a second). It notes in a file
+# when it is up, gets SIGTERM and exits; "slow" takes 0.3 s to exit, "hung" ignores SIGTERM.
+_CHILD = r"""
+import os, signal, sys, time
+name, log, mode = sys.argv[1:4]
+def note(what):
+    with open(log, "a") as f:
+        f.write(f"{name} {what}\n")
+def term(*_):
+    note("term")
+    if mode == "slow":
+        time.sleep(0.3)
+    note("exit")
+    os._exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "hung" else term)
+note("up")
+while True:
+    time.sleep(1)
+"""
+
+
+def _fake_stack(tmp_path, modes: dict):
+    """A process-mode Stack whose children are _CHILD, each up (its SIGTERM handler set)."""
+    import os
+    import sys
+    import time
+
+    from echospec.stack import Stack
+
+    log = tmp_path / "children.log"
+    log.write_text("")
+    st = Stack("127.0.0.1", 0, 0, 0, processes=True)
+    for name, mode in modes.items():
+        st._launch[name] = ([sys.executable, "-c", _CHILD, name, str(log), mode], dict(os.environ))
+        st._spawn(name)
+    deadline = time.monotonic() + 20
+    while sum(ln.endswith(" up") for ln in log.read_text().splitlines()) < len(modes):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    return st, log
+
+
+def test_process_stop_signals_each_child_once_the_one_before_it_has_exited(tmp_path):
+    # the gateway's and the coordinator's calls in flight keep the services below them during
+    # their grace: SIGTERM goes to the next child only when the one before it has exited
+    st, log = _fake_stack(tmp_path, {n: "slow" for n in ("draft", "verifier", "coordinator", "gateway")})
+    procs = dict(st._procs)
+    st.stop(5, "SIGTERM")
+    events = [ln for ln in log.read_text().splitlines() if not ln.endswith(" up")]
+    assert events == [f"{n} {what}" for n in ("gateway", "coordinator", "verifier", "draft")
+                      for what in ("term", "exit")], events
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+    assert not st._procs
+
+
+def test_process_stop_kills_hung_children_at_one_shared_deadline_and_wakes_stopped_ones(
+        tmp_path, capfd, monkeypatch):
+    # was: `kill -STOP` on the draft and verifier children, then SIGTERM to `echospec serve`:
+    # stop() waited grace + 10 s on each child in turn (SIGTERM does not wake a stopped process)
+    # before SIGKILL, and the serve process took about 27 s to exit, without a word
+    import os
+    import re
+    import signal
+    import time
+
+    from echospec import stack
+
+    monkeypatch.setattr(stack, "EXIT_AFTER_GRACE_S", 0.2)
+    st, log = _fake_stack(tmp_path, {"draft": "stopped", "verifier": "stopped",
+                                     "coordinator": "hung", "gateway": "hung"})
+    procs = dict(st._procs)
+    for name in ("draft", "verifier"):
+        os.kill(procs[name].pid, signal.SIGSTOP)
+    capfd.readouterr()
+    t0 = time.monotonic()
+    st.stop(0.3, "SIGTERM", slack_s=1.5)
+    took = time.monotonic() - t0
+    assert 1.7 < took < 3.5, took   # one deadline, 0.3 + 1.5 s, for all four children
+    codes = {n: p.returncode for n, p in procs.items()}
+    # the hung ones are killed; the stopped ones, woken by SIGCONT, exit on their SIGTERM
+    assert codes == {"gateway": -9, "coordinator": -9, "verifier": 0, "draft": 0}, codes
+    events = [ln for ln in log.read_text().splitlines() if not ln.endswith(" up")]
+    assert events == ["verifier term", "verifier exit", "draft term", "draft exit"], events
+    notes = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("echospec: ")]
+    assert len(notes) == 1, notes
+    assert re.fullmatch(
+        rf"echospec: still waiting for the gateway service \(pid {procs['gateway'].pid}, SIGTERM "
+        rf"0\.\d s ago\), the coordinator service \(pid {procs['coordinator'].pid}, SIGTERM "
+        r"0\.\d s ago\) to exit; SIGKILL to every child still running in 1\.\d s", notes[0]), notes
+
+
+def test_process_stop_cut_short_is_finished_by_the_next_stop(tmp_path, monkeypatch):
+    # `echospec serve` stops the stack when a child dies; a SIGTERM then raises in the middle of
+    # that stop, and its `finally` stops again: the children not yet reaped are still there, and
+    # the one already signalled gets no second SIGTERM (a service takes it as the end of its grace)
+    from echospec import stack
+
+    class Cut(BaseException):
+        pass
+
+    terminate = stack._terminate
+
+    def cut_after_the_first(p):
+        terminate(p)
+        monkeypatch.setattr(stack, "_terminate", terminate)
+        raise Cut()
+
+    st, log = _fake_stack(tmp_path, {n: "slow" for n in ("draft", "verifier", "coordinator", "gateway")})
+    procs = dict(st._procs)
+    monkeypatch.setattr(stack, "_terminate", cut_after_the_first)
+    try:
+        st.stop(5, "SIGTERM")
+    except Cut:
+        pass
+    assert set(st._procs) == {"gateway", "coordinator", "verifier", "draft"}
+    st.stop(5, "SIGTERM")
+    assert not st._procs
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+    events = [ln for ln in log.read_text().splitlines() if not ln.endswith(" up")]
+    assert events == [f"{n} {what}" for n in ("gateway", "coordinator", "verifier", "draft")
+                      for what in ("term", "exit")], events
