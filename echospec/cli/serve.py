@@ -103,7 +103,8 @@ def configs_of(args: argparse.Namespace) -> StackConfigs:
     base = StackConfigs()
     changes: dict[str, dict] = {part: {} for part in PARTS}
     for part, f in serve_fields():
-        changes[part][f.name] = getattr(args, f.name)
+        value = getattr(args, f.name)
+        changes[part][f.name] = "" if f.name == "model" and value is None else value
     return StackConfigs(**{part: dataclasses.replace(cfg, **changes[part])
                            for part, cfg in zip(PARTS, base.parts())})
 
