@@ -388,6 +388,10 @@ def test_api_key_and_tls_roots(tmp_path, monkeypatch):
             Client(target, root_certificates=str(tmp_path / "no-such.pem"))
         with pytest.raises(ValueError, match="printable ASCII"):
             Client(target, api_key="a\nb")
+        # was: every call failed with gRPC's own RESOURCE_EXHAUSTED on the metadata's size
+        with pytest.raises(ValueError, match="api_key is 20000 characters long: at most 4096"):
+            Client(target, api_key="a" * 20000)
+        Client(target, api_key="a" * 4096).close()
     finally:
         server.stop(0)
 

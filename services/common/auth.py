@@ -11,6 +11,8 @@ from __future__ import annotations
 import hmac
 from typing import Iterable
 
+from echospec_client.limits import MAX_KEY_CHARS  # the longest API or internal key
+
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # probes and grpcurl stay open
 # The internal key: the coordinator sends it to the verifier, the verifier to the draft service,
 # as this metadata key (the key itself, no scheme). It is not `authorization`, so a client's API
@@ -34,9 +36,6 @@ def authorized(header: str | None, api_key: str) -> bool:
     if scheme.lower() != "bearer":
         return False
     return hmac.compare_digest(token.strip().encode("utf-8", "replace"), api_key.encode("utf-8"))
-
-
-MAX_KEY_CHARS = 4096   # the longest API or internal key: well under gRPC's metadata limit
 
 
 def check_api_key(api_key: str, what: str = "the API key") -> None:

@@ -27,8 +27,8 @@ from typing import Iterator, Mapping, NoReturn, Sequence, Union
 
 import grpc
 
-from echospec_client.limits import (FLOAT32_MAX, GRPC_URI_SCHEMES, INT32_MAX, INT32_MIN, MAX_REQUEST_ID,
-                                    MAX_TOP_LOGPROBS, UINT64_MAX)
+from echospec_client.limits import (FLOAT32_MAX, GRPC_URI_SCHEMES, INT32_MAX, INT32_MIN, MAX_KEY_CHARS,
+                                    MAX_REQUEST_ID, MAX_TOP_LOGPROBS, UINT64_MAX)
 from echospec_client.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -464,6 +464,8 @@ class Client:
         self.timeout = _check_timeout(timeout, "timeout")
         self.connect_timeout = _check_timeout(connect_timeout, "connect_timeout")
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        if len(key) > MAX_KEY_CHARS:   # gRPC would refuse every call's metadata
+            raise ValueError(f"api_key is {len(key)} characters long: at most {MAX_KEY_CHARS}")
         bad = next((c for c in key if not " " <= c <= "~"), None)
         if bad is not None:   # gRPC metadata carries printable ASCII only
             raise ValueError(f"api_key must be printable ASCII, got {bad!r}")

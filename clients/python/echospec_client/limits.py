@@ -31,3 +31,7 @@ MAX_TREE_DRAFT_NODES = 63
 # repeat_penalty's range (1: off): llama.cpp divides a repeated token's positive logit by it and
 # multiplies a negative one, so a tiny or huge value would overflow the logits to infinity.
 MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-3, 1e3
+
+# The longest API or internal key: well under gRPC's metadata limit (16 KiB); the services refuse a
+# longer one at start, the client before any call.
+MAX_KEY_CHARS = 4096
