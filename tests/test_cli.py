@@ -118,6 +118,14 @@ def test_generate_spec_on_off_identical(server):
     assert outs[0]["spec_enabled"] is False and outs[0]["spec_reason"]
 
 
+def test_generate_tree_nodes_gives_the_same_text(server):
+    base = [*ECHOSPEC, "generate", "ab ab ab ab ab", "--max-tokens", "24", "--spec", "on", "--json",
+            "--target", server["target"]]
+    want = json.loads(run(base).stdout)["text"]
+    for n in ("-1", "8"):
+        assert json.loads(run([*base, "--tree-nodes", n]).stdout)["text"] == want
+
+
 def test_generate_logprobs_json_and_text(server):
     args = [*ECHOSPEC, "generate", "a b c a b c a b", "--target", server["target"], "--max-tokens",
             "8", "--spec", "on", "--logprobs", "2"]
@@ -368,6 +376,7 @@ def test_readme_grpcurl_examples(server):
     (["generate", "hi", "--model", "", "--target", "127.0.0.1:1"], "--model applies to a private stack"),
     (["bench", "--workloads", "x", "--threads", "2", "--target", "127.0.0.1:1"], "--threads applies to a private"),
     (["bench", "--workloads", "x", "--threads", "1000"], "--threads 1000: engine threads must be in [0, "),
+    (["generate", "hi", "--tree-nodes", "99", "--target", "127.0.0.1:1"], "tree_nodes must be in [-1, 63]"),
 ])
 def test_bad_cli_arguments_exit_2_with_a_message(args, message):
     r = run([*ECHOSPEC, *args], check=False, timeout=60)

@@ -549,3 +549,16 @@ def test_an_empty_messages_or_token_ids_list_is_named():
             c.chat([])
         with pytest.raises(ValueError, match="token_ids is empty"):
             c.complete(token_ids=[])
+
+
+def test_tree_nodes_reaches_the_request_and_is_checked():
+    # was: TypeError "unknown argument(s): tree_nodes", though gRPC and HTTP take it
+    from echospec_client import client as cl
+    from echospec_client.v1 import coordinator_pb2
+    for v in (-1, 0, 8, 63):
+        req = coordinator_pb2.CompleteRequest()
+        cl._fill(req, "hi", None, None, {"tree_nodes": v})
+        assert req.tree_nodes == v
+    for bad, exc in ((64, ValueError), (-2, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(exc, match="tree_nodes"):
+            cl._fill(coordinator_pb2.CompleteRequest(), "hi", None, None, {"tree_nodes": bad})

@@ -461,6 +461,8 @@ def _gen_kwargs(args: argparse.Namespace, messages=None, prompt: str | None = No
     if getattr(args, "prediction_file", None):
         kw["prediction"] = _read_text("--prediction-file", args.prediction_file)
     kw["draft_namespace"] = getattr(args, "draft_namespace", None) or ""
+    if getattr(args, "request_tree_nodes", 0):   # generate --tree-nodes: this request's
+        kw["tree_nodes"] = args.request_tree_nodes
     grammars = [(flag, kind) for flag, kind in (("--json-schema", "json_schema"), ("--lark", "lark"),
                                                 ("--gbnf", "gbnf")) if getattr(args, kind, None)]
     if getattr(args, "json_object", False):

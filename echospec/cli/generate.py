@@ -7,8 +7,8 @@ import sys
 
 from echospec.cli import common
 from echospec.cli.common import (_add_client_args, _add_sampling_args, _check_sampling_flags, _die,
-                                 _client_error, _gen_kwargs, _load_messages, _result_json, _target,
-                                 _utf8)
+                                 _client_error, _gen_kwargs, _int32, _load_messages, _result_json,
+                                 _target, _utf8)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -108,6 +108,9 @@ def add_parser(sub) -> None:
                    "like OpenAI's predicted outputs)")
     p.add_argument("--draft-namespace", type=_utf8, default="",
                    help="share draft memory with earlier requests of this namespace (default: none)")
+    p.add_argument("--tree-nodes", dest="request_tree_nodes", metavar="N", type=_int32, default=0,
+                   help="speculation: draft nodes a round verifies as a token tree (1..63; 0: the "
+                        "server's default, its verifier's --tree-nodes; -1: chains)")
     p.add_argument("--json-schema", metavar="FILE", help="constrained output: JSON following the "
                    "JSON schema in FILE")
     p.add_argument("--json-object", action="store_true", help="constrained output: any JSON object")

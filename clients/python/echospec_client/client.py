@@ -28,7 +28,7 @@ from typing import Iterator, Mapping, NoReturn, Sequence, Union
 import grpc
 
 from echospec_client.limits import (FLOAT32_MAX, GRPC_URI_SCHEMES, INT32_MAX, INT32_MIN, MAX_KEY_CHARS,
-                                    MAX_REQUEST_ID, MAX_TOP_LOGPROBS, UINT64_MAX)
+                                    MAX_REQUEST_ID, MAX_TOP_LOGPROBS, MAX_TREE_DRAFT_NODES, UINT64_MAX)
 from echospec_client.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -636,6 +636,8 @@ class Client:
                 the whole context): llama.cpp's repetition penalties.
                 logprobs (True: Result.logprobs holds each token's logprob), top_logprobs
                 (0..20 most likely alternatives per token, with logprobs=True).
+                tree_nodes (speculation: draft nodes a round verifies as a token tree, 1..63;
+                0 or None: the verifier's --tree-nodes; -1: chains).
         Returns:
             The Result, with wall_s measured here.
         Raises:
@@ -736,7 +738,7 @@ _SPEC_MODES = {None: common_pb2.SPEC_MODE_UNSPECIFIED, False: common_pb2.SPEC_MO
 _SAMPLING = ("max_tokens", "stop", "temperature", "top_p", "top_k", "min_p", "seed", "spec", "k",
              "prediction", "draft_namespace", "enable_thinking", "grammar", "tools", "tool_choice",
              "frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n",
-             "logprobs", "top_logprobs")
+             "logprobs", "top_logprobs", "tree_nodes")
 _GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "gbnf")
 
 
@@ -955,6 +957,14 @@ def _fill(req, prompt, messages, token_ids, sampling: dict) -> None:
     _grammar(req, sampling.get("grammar"))
     _tools(req, sampling.get("tools"), sampling.get("tool_choice"))
     _logprobs(req, sampling.get("logprobs"), sampling.get("top_logprobs"))
+    nodes = sampling.get("tree_nodes")
+    if nodes is not None:
+        if isinstance(nodes, bool) or not isinstance(nodes, numbers.Integral):
+            raise TypeError(f"tree_nodes must be an int, got {nodes!r}")
+        if not -1 <= nodes <= MAX_TREE_DRAFT_NODES:
+            raise ValueError(f"tree_nodes must be in [-1, {MAX_TREE_DRAFT_NODES}] (0: the verifier's "
+                             f"--tree-nodes, -1: chains), got {nodes}")
+        req.tree_nodes = int(nodes)
 
 
 def _tools(req, tools, choice) -> None:
