@@ -390,8 +390,8 @@ def test_serve_model_is_a_directory(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    (b'[{"role": "user", "content": null}]', "messages[0].content must be a string"),
-    (b'[{"role": "user", "content": 5}]', "messages[0].content must be a string"),
+    (b'[{"role": "user", "content": null}]', 'messages[0]: "content" must be a string or a list of text parts, got null'),
+    (b'[{"role": "user", "content": 5}]', 'messages[0]: "content" must be a string or a list of text parts, got 5'),
     (b'\xff\xfe[', "not UTF-8 text"),
     (b'"hi"', "expected a non-empty JSON list"),
     (b'[{"role": "user", "content": "\\udcff"}]', "not valid Unicode"),
@@ -878,7 +878,10 @@ def test_a_grpc_uri_target_is_left_to_grpc():
 
 
 @pytest.mark.parametrize("content,message", [
-    ('[{"role": "user"}]', "--messages {f}: messages[0].content must be a string or a list of text parts, got None"),
+    ('[{"role": "user"}]', '--messages {f}: messages[0]: "content" must be a string or a list of text parts, and there is none'),
+    ('[{"role": "user", "content": null}]', '--messages {f}: messages[0]: "content" must be a string or a list of text parts, got null'),
+    ('[{"role": 5, "content": "hi"}]', '--messages {f}: messages[0]: "role" must be a string, got 5'),
+    ('[{"content": "hi"}]', '--messages {f}: messages[0]: "role" must be a string, and there is none'),
     ("[1, 2]", '--messages {f}: messages[0] must be a JSON object with "role" and "content", got 1')])
 def test_a_bad_message_in_a_messages_file_is_named_with_the_file(tmp_path, content, message):
     # was: no file name, and "a mapping or a Message" (the Python client's words)

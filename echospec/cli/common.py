@@ -376,7 +376,15 @@ def _check_messages(messages, where: str = "") -> None:
         if not isinstance(m, dict):
             _die(f'{at}messages[{i}] must be a JSON object with "role" and "content", got '
                  f"{json.dumps(m)[:80]}", 2)
+        # the file is JSON: name what is missing or wrong in JSON's words (the client's, which
+        # follow, speak Python: None, dict)
+        if not isinstance(m.get("role"), str):
+            _die(f'{at}messages[{i}]: "role" must be a string' + (
+                f", got {json.dumps(m['role'])[:80]}" if "role" in m else ", and there is none"), 2)
         content = m.get("content")
+        if not isinstance(content, (str, list)) and not (content is None and m.get("tool_calls")):
+            _die(f'{at}messages[{i}]: "content" must be a string or a list of text parts' + (
+                f", got {json.dumps(content)[:80]}" if "content" in m else ", and there is none"), 2)
         for j, p in enumerate(content if isinstance(content, list) else []):
             if isinstance(p, dict) and p.get("type") == "image_url":   # OpenAI's, a data URL
                 _die(f"{at}messages[{i}].content[{j}]: an image_url part is not read from a "
