@@ -109,7 +109,7 @@ def test_bad_or_slow_schema_is_a_400_naming_the_problem(client, schema, message)
 
 
 @pytest.mark.parametrize("rf,message,param", [
-    ({"type": "xml"}, 'response_format.type must be "text", "json_object" or "json_schema", got \'xml\'',
+    ({"type": "xml"}, 'response_format.type must be "text", "json_object" or "json_schema", got "xml"',
      "response_format"),
     ("json", "response_format.type must be", "response_format"),
     ({"type": "json_schema"}, "response_format.json_schema must be an object", "response_format.json_schema"),
@@ -118,12 +118,12 @@ def test_bad_or_slow_schema_is_a_400_naming_the_problem(client, schema, message)
     ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "json_schema.name must be",
      "response_format.json_schema.name"),
     ({"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}},
-     "json_schema.schema must be a JSON schema object, got list", "response_format.json_schema.schema"),
+     "json_schema.schema must be a JSON schema object, got array", "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}, "strict must be a boolean",
      "response_format.json_schema.strict"),
-    ({"type": "json_schema", "json_schema": {"name": "a", "schemas": {}}}, "takes no field 'schemas'",
+    ({"type": "json_schema", "json_schema": {"name": "a", "schemas": {}}}, "takes no field \"schemas\"",
      "response_format.json_schema.schemas"),
-    ({"type": "json_object", "schema": {}}, "of type json_object takes no field 'schema'",
+    ({"type": "json_object", "schema": {}}, 'of type json_object takes no field "schema"',
      "response_format.schema"),
 ])
 @pytest.mark.parametrize("chat", [True, False])

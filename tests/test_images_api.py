@@ -221,7 +221,7 @@ def test_http_valid_image_is_refused_naming_the_part(client):
     ("http://10.0.0.1/x.png", "messages[0].content[1]: remote image URLs are not fetched"),
     ("ftp://example.com/cat.png", "messages[0].content[1]: image_url.url must be a data URL"),
     ("data:image/png," + "abc", "messages[0].content[1]: the data URL must be base64"),
-    (data_url(picture(), "image/bmp"), "messages[0].content[1]: media type 'image/bmp' is not supported"),
+    (data_url(picture(), "image/bmp"), 'messages[0].content[1]: media type "image/bmp" is not supported'),
     (data_url(b"hello world"), "messages[0].content[1]: the bytes are not a PNG, JPEG, WebP or GIF"),
     # a header above Pillow's cap is refused by the gateway, one above the coordinator's limit there
     (data_url(bomb()), "messages[0].content[1]: the image declares 3600000000 pixels, above the limit "
@@ -242,7 +242,7 @@ def test_http_bad_image_part_shapes(client):
     e = http_refusal(client, [{"type": "image_url", "image_url": {"nourl": 1}}])
     assert e.body["message"].startswith("messages[0].content[0]: an image part is")
     e = http_refusal(client, image_content(data_url(picture()), detail="ultra"))
-    assert e.body["message"] == "messages[0].content[1]: image_url.detail must be auto, low or high, got 'ultra'"
+    assert e.body["message"] == 'messages[0].content[1]: image_url.detail must be auto, low or high, got "ultra"'
     e = http_refusal(client, [{"type": "image_url", "image_url": {"url": data_url(picture())}},
                               {"type": "input_audio", "input_audio": {}}])
     assert e.body["message"].startswith("messages[0].content[1] must be a text part")
