@@ -8,6 +8,7 @@ asserted: orderings are read from the scheduler's trace. README's paragraph on
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -1085,145 +1086,133 @@ def _silent_draft_service():
     return Silent()
 
 
-def test_a_draft_service_that_stops_answering_ends_speculation_not_the_generation(model_path):
-    """A proposal that does not come within the link's reply timeout is a lost draft service:
-    the generation decodes on plainly (same output) and says why, and the stuck stream is cancelled."""
+@contextlib.contextmanager
+def _draft_server(servicer):
+    """A gRPC server of ``servicer`` (a draft service) on loopback; yields a channel to it."""
     import grpc
 
     from echospec.services.rpc import grpc_util
+    from echospec.v1 import draft_pb2_grpc
+
+    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, h.server)
+    h.server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
+    try:
+        yield ch
+    finally:
+        ch.close()
+        h.server.stop(0).wait()
+
+
+def test_a_draft_service_that_stops_answering_ends_speculation_not_the_generation(model_path):
+    """A proposal that does not come within the link's reply timeout is a lost draft service:
+    the generation decodes on plainly (same output) and says why, and the stuck stream is cancelled."""
     from echospec.services.verifier.draft_link import DraftLink
     from echospec.v1 import draft_pb2_grpc
 
     silent = _silent_draft_service()
-    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(silent, h.server)
-    h.server.start()
-    ch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
     core = make_core(model_path, prefix_cache=False)
-    try:
-        prompt = [(i * 5) % 300 + 3 for i in range(12)]
-        plain = tokens_of(generate(core, prompt, 30))
-        link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, reply_timeout=0.3)
-        req = GenerationRequest(prompt=prompt, max_tokens=30, eos_ids=frozenset(), sampling=Sampling(),
-                                spec=True, k=4)
-        check(core, req)
-        t0 = time.monotonic()
-        evs = list(run_generation(core, req, threading.Event(), lambda: link))
-        assert tokens_of(evs) == plain
-        reasons = [e.spec_reason for e in evs if e.spec_reason]
-        assert reasons == ["draft service did not answer within 0.3 s; decoded plainly from here on"]
-        assert time.monotonic() - t0 < 20
-        assert silent.ended.wait(10)   # the stream was cancelled: the service's handler ended
-    finally:
-        core.close()
-        ch.close()
-        h.server.stop(0).wait()
+    with _draft_server(silent) as ch:
+        try:
+            prompt = [(i * 5) % 300 + 3 for i in range(12)]
+            plain = tokens_of(generate(core, prompt, 30))
+            link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, reply_timeout=0.3)
+            req = GenerationRequest(prompt=prompt, max_tokens=30, eos_ids=frozenset(), sampling=Sampling(),
+                                    spec=True, k=4)
+            check(core, req)
+            t0 = time.monotonic()
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            assert tokens_of(evs) == plain
+            reasons = [e.spec_reason for e in evs if e.spec_reason]
+            assert reasons == ["draft service did not answer within 0.3 s; decoded plainly from here on"]
+            assert time.monotonic() - t0 < 20
+            assert silent.ended.wait(10)   # the stream was cancelled: the service's handler ended
+        finally:
+            core.close()
 
 
 def test_after_a_draft_service_missed_a_reply_the_next_generations_wait_less(model_path):
     """The links to one draft service share its reply timeout: once a proposal did not come, each
     later generation waits the short stalled timeout, not the full one (a stuck service costs every
     request that much), until a proposal comes again."""
-    import grpc
-
     from echospec.services.common.config import DraftConfig
     from echospec.services.draft.servicer import DraftServicer
-    from echospec.services.rpc import grpc_util
     from echospec.services.verifier.draft_link import DraftLink, ReplyTimeout
     from echospec.v1 import draft_pb2_grpc
 
-    silent = _silent_draft_service()
-    hs = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(silent, hs.server)
-    hs.server.start()
-    hd = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(DraftConfig()), hd.server)
-    hd.server.start()
-    chs = grpc.insecure_channel(f"127.0.0.1:{hs.port}")
-    chd = grpc.insecure_channel(f"127.0.0.1:{hd.port}")
     core = make_core(model_path, prefix_cache=False)
-    try:
-        prompt = [(i * 5) % 300 + 3 for i in range(12)]
-        plain = tokens_of(generate(core, prompt, 30))
-        reply = ReplyTimeout(normal=1.5, stalled=0.1)
+    with _draft_server(_silent_draft_service()) as chs, _draft_server(DraftServicer(DraftConfig())) as chd:
+        try:
+            prompt = [(i * 5) % 300 + 3 for i in range(12)]
+            plain = tokens_of(generate(core, prompt, 30))
+            reply = ReplyTimeout(normal=1.5, stalled=0.1)
 
-        def run(ch) -> tuple[list[str], float]:
-            link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, reply_timeout=reply)
-            req = GenerationRequest(prompt=prompt, max_tokens=30, eos_ids=frozenset(),
-                                    sampling=Sampling(), spec=True, k=4)
-            check(core, req)
-            t0 = time.monotonic()
-            evs = list(run_generation(core, req, threading.Event(), lambda: link))
-            assert tokens_of(evs) == plain
-            return [e.spec_reason for e in evs if e.spec_reason], time.monotonic() - t0
+            def run(ch) -> tuple[list[str], float]:
+                link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, reply_timeout=reply)
+                req = GenerationRequest(prompt=prompt, max_tokens=30, eos_ids=frozenset(),
+                                        sampling=Sampling(), spec=True, k=4)
+                check(core, req)
+                t0 = time.monotonic()
+                evs = list(run_generation(core, req, threading.Event(), lambda: link))
+                assert tokens_of(evs) == plain
+                return [e.spec_reason for e in evs if e.spec_reason], time.monotonic() - t0
 
-        reasons, _ = run(chs)
-        assert reasons == ["draft service did not answer within 1.5 s; decoded plainly from here on"]
-        reasons, took = run(chs)
-        assert reasons == ["draft service did not answer within 0.1 s; decoded plainly from here on"]
-        assert took < 1.5
-        # a draft service that answers: full timeout again
-        reasons, _ = run(chd)
-        assert reasons == [] and reply.seconds == 1.5
-    finally:
-        core.close()
-        chs.close()
-        chd.close()
-        hs.server.stop(0).wait()
-        hd.server.stop(0).wait()
+            reasons, _ = run(chs)
+            assert reasons == ["draft service did not answer within 1.5 s; decoded plainly from here on"]
+            reasons, took = run(chs)
+            assert reasons == ["draft service did not answer within 0.1 s; decoded plainly from here on"]
+            assert took < 1.5
+            # a draft service that answers: full timeout again
+            reasons, _ = run(chd)
+            assert reasons == [] and reply.seconds == 1.5
+        finally:
+            core.close()
 
 
 def test_the_draft_session_gets_the_whole_output_for_its_namespace_memory(model_path):
     """The output after a generation's last proposal goes to the draft session before the link
     closes, so its draft namespace's shared memory keeps the whole prompt and output."""
-    import grpc
-
     from echospec.services.common.config import DraftConfig
     from echospec.services.draft.servicer import DraftServicer
-    from echospec.services.rpc import grpc_util
     from echospec.services.verifier.draft_link import DraftLink
     from echospec.v1 import draft_pb2_grpc
 
     servicer = DraftServicer(DraftConfig())
-    h = grpc_util.build_server("127.0.0.1", 0, 4, 1 << 20, ["echospec.v1.DraftService"])
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, h.server)
-    h.server.start()
-    ch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
     core = make_core(model_path, prefix_cache=False)
-    try:
-        for i, max_tokens in enumerate((1, 2, 30, 61)):
-            ns = f"ns{i}"
-            prompt = [(j * 7 + i) % 300 + 3 for j in range(12)]
-            link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, draft_namespace=ns)
-            req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=frozenset(),
-                                    sampling=Sampling(), spec=True, k=4)
+    with _draft_server(servicer) as ch:
+        try:
+            for i, max_tokens in enumerate((1, 2, 30, 61)):
+                ns = f"ns{i}"
+                prompt = [(j * 7 + i) % 300 + 3 for j in range(12)]
+                link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, draft_namespace=ns)
+                req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=frozenset(),
+                                        sampling=Sampling(), spec=True, k=4)
+                check(core, req)
+                out = tokens_of(list(run_generation(core, req, threading.Event(), lambda: link)))
+                assert len(out) == max_tokens
+                t_end = time.monotonic() + 10
+                while servicer.memory.n_tokens(ns) == 0 and time.monotonic() < t_end:
+                    time.sleep(0.01)
+                assert servicer.memory.n_tokens(ns) == len(prompt) + max_tokens, max_tokens
+            # an EOS inside an accepted run of drafts (the prediction is the output plain decoding
+            # gives without the EOS): the namespace keeps the output up to the EOS, not the drafts
+            # the round accepted after it
+            prompt = [(j * 14) % 300 + 3 for j in range(12)]   # gives 10 x 157, then 313 ...
+            plain = tokens_of(generate(core, prompt, max_tokens=40))
+            at = max(plain.index(t) for t in plain)   # an EOS there ends the output there
+            assert at >= 4
+            link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, draft_namespace="eos",
+                             prediction=plain)
+            req = GenerationRequest(prompt=prompt, max_tokens=40, eos_ids=frozenset([plain[at]]),
+                                    sampling=Sampling(), spec=True, k=8, fixed_k=True, prediction=tuple(plain))
             check(core, req)
-            out = tokens_of(list(run_generation(core, req, threading.Event(), lambda: link)))
-            assert len(out) == max_tokens
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            assert tokens_of(evs)[:at + 1] == plain[:at + 1]
+            assert len(tokens_of(evs)) > at + 1   # the EOS's round accepted drafts after it
             t_end = time.monotonic() + 10
-            while servicer.memory.n_tokens(ns) == 0 and time.monotonic() < t_end:
+            while servicer.memory.n_tokens("eos") == 0 and time.monotonic() < t_end:
                 time.sleep(0.01)
-            assert servicer.memory.n_tokens(ns) == len(prompt) + max_tokens, max_tokens
-        # an EOS inside an accepted run of drafts (the prediction is the output plain decoding
-        # gives without the EOS): the namespace keeps the output up to the EOS, not the drafts
-        # the round accepted after it
-        prompt = [(j * 14) % 300 + 3 for j in range(12)]   # gives 10 x 157, then 313 ...
-        plain = tokens_of(generate(core, prompt, max_tokens=40))
-        at = max(plain.index(t) for t in plain)   # an EOS there ends the output there
-        assert at >= 4
-        link = DraftLink(draft_pb2_grpc.DraftServiceStub(ch), timeout=60, draft_namespace="eos",
-                         prediction=plain)
-        req = GenerationRequest(prompt=prompt, max_tokens=40, eos_ids=frozenset([plain[at]]),
-                                sampling=Sampling(), spec=True, k=8, fixed_k=True, prediction=tuple(plain))
-        check(core, req)
-        evs = list(run_generation(core, req, threading.Event(), lambda: link))
-        assert tokens_of(evs)[:at + 1] == plain[:at + 1]
-        assert len(tokens_of(evs)) > at + 1   # the EOS's round accepted drafts after it
-        t_end = time.monotonic() + 10
-        while servicer.memory.n_tokens("eos") == 0 and time.monotonic() < t_end:
-            time.sleep(0.01)
-        assert servicer.memory.n_tokens("eos") == len(prompt) + at + 1
-    finally:
-        core.close()
-        ch.close()
-        h.server.stop(0).wait()
+            assert servicer.memory.n_tokens("eos") == len(prompt) + at + 1
+        finally:
+            core.close()
