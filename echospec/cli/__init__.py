@@ -129,21 +129,19 @@ class _Output:
     def __init__(self, stream):
         self._stream = stream
 
-    def write(self, text: str) -> int:
+    def _call(self, fn, *args):
         try:
-            return self._stream.write(text)
+            return fn(*args)
         except BrokenPipeError:
             raise
         except OSError as exc:
             raise OutputFailed(exc.strerror or str(exc)) from None
 
+    def write(self, text: str) -> int:
+        return self._call(self._stream.write, text)
+
     def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise OutputFailed(exc.strerror or str(exc)) from None
+        self._call(self._stream.flush)
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)

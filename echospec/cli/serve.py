@@ -114,8 +114,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from echospec.stack import StackError, start
 
     model_given = args.model is not None   # left out: the default model ("" given: refused)
-    if not model_given:
-        args.model = ""
 
     for name, flag, env, what in (("api_key", "--api-key", "ECHOSPEC_API_KEY", "the API key"),
                                   ("internal_key", "--internal-key", "ECHOSPEC_INTERNAL_KEY",
