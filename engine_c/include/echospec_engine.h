@@ -514,6 +514,52 @@ es_status es_decode(es_session *session, int32_t token, int32_t max_steps, const
                     int32_t n_stop, const int32_t *interrupt, int32_t *tokens_out, float *ms_out,
                     int32_t *n_out);
 
+/* The arguments and results of es_verify_run (the caller's memory). */
+typedef struct {
+    int32_t token;              /* the pending token: the output's last, not yet in the KV cache */
+    const int32_t *drafts;      /* int32[n_drafts]: the expected continuation after token */
+    int32_t n_drafts;           /* >= 1 */
+    int32_t k;                  /* most drafts a round verifies, >= 1 */
+    int32_t max_out;            /* most tokens the run yields, >= 2 */
+    double max_ms;              /* no round starts once the run has taken this long (<= 0: no limit) */
+    const int32_t *stop_ids;    /* int32[n_stop] or NULL when n_stop is 0 */
+    int32_t n_stop;
+    const int32_t *interrupt;   /* NULL or an int32 another thread may set: no round starts then */
+    int32_t *tokens_out;        /* int32[max_out]: every round's accepted drafts, then its bonus token */
+    int32_t *round_k;           /* int32[max_out]: each round's drafts verified */
+    int32_t *round_r;           /* int32[max_out]: each round's drafts accepted */
+    float *ms_out;              /* float32[max_out] or NULL: each round's forward (ms) */
+    float *rollback_ms_out;     /* float32[max_out] or NULL: each round's KV rollback (ms; 0: none) */
+    int32_t n_rounds;           /* out: rounds done, also on error */
+    int32_t n_out;              /* out: tokens written, also on error */
+} es_verify_run_args;
+
+/*
+ * Speculative rounds over a known draft sequence without returning to the caller between them:
+ * the caller's verify loop, run in the engine while every draft is kept. Round j verifies
+ * [pending] + drafts[pos, pos + k_j) with one es_forward (ES_LOGITS_NONE; pending is token,
+ * pos 0 in round 0), where k_j = min(k, n_drafts - pos, max_out - tokens so far - 1,
+ * n_ctx - n_past - 1); it keeps the longest prefix R of those drafts equal to the argmax after
+ * the token before each (greedy decoding's own tokens), rolls the KV cache back over the
+ * k_j - R rejected positions (es_session_rollback) and yields drafts[pos, pos + R) then the
+ * bonus token, the argmax after the last kept one. The next round runs only when this one kept
+ * every draft, its bonus is the next draft (drafts[pos + k_j]: the sequence still continues
+ * the output), at least k drafts follow that one (a shorter rest is left to the caller, who may
+ * draft more after it), no yielded token is one of stop_ids, the next round has room for a draft, the
+ * run has taken less than max_ms and *interrupt is 0; the bonus is then its pending token and
+ * pos moves past it. Each round is bitwise the es_forward call and rollback the caller would
+ * make, so the tokens and the KV cache are those of that loop, whatever k, the thread count and
+ * where the run stops. After the run the KV cache holds token and every yielded token but the
+ * last (the next call's pending token), as after es_decode.
+ * Errors: ES_ERR_INVALID_ARG with a message (args NULL, n_drafts < 1, k < 1, max_out < 2,
+ * n_stop < 0, a NULL array it needs, a token or draft out of range, no room for a round of one
+ * draft in n_ctx), ES_ERR_UNSUPPORTED for a session with KV eviction or sparse attention (the
+ * services never speculate there), both before any round; a round's own error (as
+ * es_forward's) ends the run with n_rounds and n_out those of the rounds before it and the KV
+ * cache as after them.
+ */
+es_status es_verify_run(es_session *session, es_verify_run_args *args);
+
 /* One session's part of an es_decode_batch call (es_decode's arguments). */
 typedef struct {
     es_session *session;

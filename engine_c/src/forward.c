@@ -1,6 +1,6 @@
 /*
  * forward.c - the forward pass, top to bottom (forward_impl), and the calls
- * over it: es_forward, es_forward_last, es_forward_batch, es_decode(_batch).
+ * over it: es_forward, es_forward_last, es_forward_batch, es_decode(_batch), es_verify_run.
  *
  * A session owns one KV sequence (kv_cache.c: F16, blocks of ES_KV_BLOCK
  * positions; the layout is described in internal.h), a thread pool and the
@@ -939,3 +939,91 @@ es_status es_decode(es_session *s, int32_t token, int32_t max_steps, const int32
 }
 
 const char *es_simd_name(void) { return es_quant_simd_name(); }
+
+/* es_verify_run's checks before any round; the message goes on s. */
+static es_status check_verify_run(es_session *s, const es_verify_run_args *a) {
+    if (!a || !a->drafts || !a->tokens_out || !a->round_k || !a->round_r || a->n_drafts < 1 || a->k < 1 ||
+        a->max_out < 2 || a->n_stop < 0 || (a->n_stop > 0 && !a->stop_ids)) {
+        es_set_err(s->err, sizeof s->err,
+                   "a verify run needs its args with drafts, tokens_out, round_k and round_r, n_drafts >= 1,"
+                   " k >= 1, max_out >= 2 and n_stop >= 0 (with stop_ids)");
+        return ES_ERR_INVALID_ARG;
+    }
+    if (s->kv.evict || s->sparse_topk > 0) {
+        es_set_err(s->err, sizeof s->err, "a verify run needs a session without %s",
+                   s->kv.evict ? "KV eviction" : "sparse attention");
+        return ES_ERR_UNSUPPORTED;
+    }
+    int32_t n_vocab = s->model->info.n_vocab;
+    for (int32_t i = -1; i < a->n_drafts; i++) {
+        int32_t t = i < 0 ? a->token : a->drafts[i];
+        if (t < 0 || t >= n_vocab) {
+            if (i < 0) es_set_err(s->err, sizeof s->err, "token %d outside the vocabulary [0, %d)", (int)t, (int)n_vocab);
+            else es_set_err(s->err, sizeof s->err, "draft %d at index %d outside the vocabulary [0, %d)", (int)t, (int)i,
+                            (int)n_vocab);
+            return ES_ERR_INVALID_ARG;
+        }
+    }
+    if ((int64_t)s->kv.n_past + 2 > s->kv.n_ctx) {
+        es_set_err(s->err, sizeof s->err, "KV cache full: n_past %d leaves no room for a round of one draft in n_ctx %d",
+                   (int)s->kv.n_past, (int)s->kv.n_ctx);
+        return ES_ERR_INVALID_ARG;
+    }
+    return ES_OK;
+}
+
+es_status es_verify_run(es_session *s, es_verify_run_args *a) {
+    if (!s) return ES_ERR_INVALID_ARG;
+    if (a) a->n_rounds = a->n_out = 0;
+    es_status st = check_verify_run(s, a);
+    if (st != ES_OK) return st;
+    int32_t cap = a->k < a->n_drafts ? a->k : a->n_drafts;
+    int32_t *buf = malloc(2 * ((size_t)cap + 1) * sizeof *buf), *am = buf + cap + 1;
+    if (!buf) {
+        es_set_err(s->err, sizeof s->err, "out of memory for a verify run of k %d", (int)a->k);
+        return ES_ERR_NOMEM;
+    }
+    double t0 = now_ms();
+    int32_t pending = a->token, pos = 0;
+    for (;;) {
+        int32_t kr = a->k, left = a->n_drafts - pos, room = a->max_out - a->n_out - 1;
+        int32_t ctx = s->kv.n_ctx - s->kv.n_past - 1;
+        if (left < kr) kr = left;
+        if (room < kr) kr = room;
+        if (ctx < kr) kr = ctx;
+        if (kr < 1) break;   /* only after a round: the first has room (checked) */
+        buf[0] = pending;
+        memcpy(buf + 1, a->drafts + pos, (size_t)kr * sizeof *buf);
+        int32_t n0 = s->kv.n_past;
+        double f0 = now_ms();
+        st = es_forward(s, buf, kr + 1, am, NULL, ES_LOGITS_NONE);
+        if (st != ES_OK) break;
+        double f1 = now_ms(), b1 = f1;
+        int32_t r = 0;
+        while (r < kr && am[r] == buf[r + 1]) r++;
+        if (r < kr) {
+            if ((st = es_session_rollback(s, n0 + 1 + r)) != ES_OK) break;
+            b1 = now_ms();
+        }
+        int stop = 0;
+        for (int32_t i = 0; i <= r; i++) {
+            int32_t t = i < r ? buf[i + 1] : am[r];
+            a->tokens_out[a->n_out++] = t;
+            for (int32_t j = 0; j < a->n_stop; j++) stop |= a->stop_ids[j] == t;
+        }
+        a->round_k[a->n_rounds] = kr;
+        a->round_r[a->n_rounds] = r;
+        if (a->ms_out) a->ms_out[a->n_rounds] = (float)(f1 - f0);
+        if (a->rollback_ms_out) a->rollback_ms_out[a->n_rounds] = (float)(b1 - f1);
+        a->n_rounds++;
+        /* on only while every draft was kept, the bonus is the next draft, and a whole round of k
+           drafts follows it (a shorter rest is the caller's, to draft with more after it) */
+        if (stop || r < kr || a->n_drafts - (pos + kr + 1) < a->k || am[kr] != a->drafts[pos + kr]) break;
+        if (a->max_ms > 0 && now_ms() - t0 >= a->max_ms) break;
+        if (a->interrupt && __atomic_load_n(a->interrupt, __ATOMIC_ACQUIRE)) break;
+        pending = am[kr];
+        pos += kr + 1;
+    }
+    free(buf);
+    return st;
+}

@@ -199,6 +199,12 @@ class VerifierConfig(_GrpcServiceConfig):
                                     "request, whose build holds Python's GIL and so stalls the "
                                     "verifier's other calls meanwhile (SmolLM2: about 1 s)",
                                     serve="--grammar-warm-up")
+    verify_runs: bool = setting(True, "a speculative generation's rounds drafted from a proposal "
+                                "longer than the round run in the engine while every draft is kept "
+                                "(es_verify_run): no Python between them (off: one engine call per "
+                                "round)", serve="--no-verify-runs", negated=True,
+                                serve_help="one engine call per speculative round (no verify runs "
+                                           "in the engine)")
     prefix_cache: bool = setting(True, "keep finished generations' KV for prefix reuse",
                                  serve="--no-prefix-cache", negated=True,
                                  serve_help="do not keep finished generations' KV for reuse by "

@@ -32,7 +32,9 @@ An in-flight proposal lost only to a round's bonus token, after the round
 accepted drafts, is no miss: the next round asks again, blocking.
 Fetch: a proposal asks for up to ``fetch_factor * k`` tokens (capped by the
 tokens still allowed); the verifier gets at most k of them per round and the
-rest is kept as the cache.
+rest is kept as the cache. A generation whose rounds may run in the engine (``runs``: greedy
+chains, generation_loop's verify runs) asks for ``run_fetch_factor * k``: a run verifies round
+after round of the cache while every draft is kept, with no Python between them.
 
 Draft length by cost (the gain condition, per round): with T the ms of a
 plain decode step, V(K) the ms of a verify of K drafts, o the per-round
@@ -387,6 +389,10 @@ class SpecController:
 
     k: int
     fetch_factor: int = 4
+    # a generation whose rounds may run in the engine (``runs``: es_verify_run) asks for more: a run
+    # goes on over the whole proposal with no Python between its rounds
+    run_fetch_factor: int = 8
+    runs: bool = False
     # 64: on a host whose cores the engine fills, each in-flight probe still takes CPU from the
     # forward beside it; free text then makes about 10 probes in 256 tokens instead of 23
     max_skip: int = 64
@@ -535,7 +541,7 @@ class SpecController:
             return "none", 0     # backing off: the next proposal goes in flight (prefetch_size)
         if self.cost is not None and self.cost.hop_ms > self.cost.v_est(0):
             return "none", 0     # a proposal waited for costs more than a plain step: in flight
-        return "propose", max(1, self.fetch_factor * self.k)
+        return "propose", self.fetch_size()
 
     def on_proposal(self, draft: list[int], k_cap: int, source: int = 0) -> list[int]:
         """Store a proposal (from ``source``); return this round's draft (its first min(k, k_cap) tokens)."""
@@ -583,6 +589,10 @@ class SpecController:
         self.misses += 1
         self.skip = min(2 ** (self.misses - 1), self.max_skip)
 
+    def fetch_size(self) -> int:
+        """Tokens a proposal asks for: fetch_factor (run_fetch_factor with ``runs``) times k."""
+        return max(1, (self.run_fetch_factor if self.runs else self.fetch_factor) * self.k)
+
     def prefetch_size(self, n_draft: int) -> int:
         """Tokens to ask for in flight during a round that drafts ``n_draft`` cached
         tokens (0: plain step); 0 when the cache still covers the next round or
@@ -592,7 +602,7 @@ class SpecController:
             return 0
         if len(self.cache) - n_draft - 1 >= self.k:
             return 0
-        return max(1, self.fetch_factor * self.k)
+        return self.fetch_size()
 
     def on_prefetch(self, proposal: list[int], tokens: list[int], source: int = 0) -> None:
         """Take an in-flight proposal made on the history before a round that yielded ``tokens``.

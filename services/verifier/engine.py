@@ -48,6 +48,19 @@ def _logits_buffer(logits: str, rows: int, n_vocab: int) -> tuple[int, np.ndarra
 KV_TYPES = {"f16": lib.ES_KV_F16, "q8_0": lib.ES_KV_Q8_0}
 
 
+@dataclass(frozen=True)
+class VerifyRun:
+    """Session.verify_run's result: the tokens of its rounds (each round's kept drafts, then its
+    bonus token), and per round the drafts verified (k) and kept (r), the forward's ms and the KV
+    rollback's (0 where every draft was kept)."""
+
+    tokens: list
+    k: list
+    r: list
+    ms: list
+    rollback_ms: list
+
+
 class EngineError(RuntimeError):
     """A failed engine call.
 
@@ -530,6 +543,55 @@ class Session:
         if isinstance(r, EngineError):
             raise r
         return r
+
+    def verify_run(self, token: int, drafts: Sequence[int], k: int, max_out: int, stop_ids: Sequence[int] = (),
+                   max_ms: float = 0.0, interrupt: Any = None) -> "VerifyRun":
+        """Speculative rounds over a known draft sequence in the engine (es_verify_run), with no
+        return to Python between them.
+
+        Round j verifies [pending] + the next k_j drafts (k_j = min(k, drafts left, max_out - tokens
+        so far - 1, n_ctx - n_past - 1); pending is ``token`` in round 0), keeps the longest prefix
+        greedy decoding agrees with, rolls the KV cache back over the rest and yields those drafts
+        and the bonus token. The next round runs only while every draft was kept and the bonus is
+        the next draft, no yielded token is in ``stop_ids``, ``max_ms`` (0: no limit) has not passed
+        and ``interrupt`` (an ``ffi.new("int32_t *")`` another thread may set) is 0.
+
+        Returns:
+            VerifyRun: the tokens (bitwise those of the caller's verify loop and of greedy
+            decoding), each round's (k, r), forward ms and rollback ms. The KV cache then holds
+            ``token`` and every returned token but the last.
+        Raises:
+            EngineError: bad arguments (an empty drafts, k < 1, max_out < 2, a token out of range,
+                no room for a round of one draft), a session with KV eviction or sparse attention
+                (ES_ERR_UNSUPPORTED), both before any round; a round's own failure, after which the
+                KV cache is rolled back to where it was before the call.
+        """
+        self._check()
+        d = self._tokens(drafts)
+        tok, k, max_out = _int32(token, "token"), _int32(k, "k"), _int32(max_out, "max_out")
+        stops = [_int32(t, "stop id") for t in stop_ids]
+        n = max(max_out, 1)
+        out, rk, rr = ffi.new("int32_t[]", n), ffi.new("int32_t[]", n), ffi.new("int32_t[]", n)
+        ms, rb = ffi.new("float[]", n), ffi.new("float[]", n)
+        st_ids = ffi.new("int32_t[]", stops) if stops else ffi.NULL
+        a = ffi.new("es_verify_run_args *")
+        keep = ffi.from_buffer("int32_t[]", d) if d.size else ffi.NULL
+        a.token, a.drafts, a.n_drafts, a.k, a.max_out = tok, keep, d.size, k, max_out
+        a.max_ms, a.stop_ids, a.n_stop = float(max_ms), st_ids, len(stops)
+        a.interrupt = interrupt if interrupt is not None else ffi.NULL
+        a.tokens_out, a.round_k, a.round_r, a.ms_out, a.rollback_ms_out = out, rk, rr, ms, rb
+        n0 = lib.es_session_n_past(self._ptr)
+        t0 = time.perf_counter()
+        st = lib.es_verify_run(self._ptr, a)
+        _calls.ms = (time.perf_counter() - t0) * 1e3
+        if st != 0:
+            msg = ffi.string(lib.es_session_last_error(self._ptr)).decode(errors="replace")
+            if lib.es_session_n_past(self._ptr) != n0 and lib.es_session_rollback(self._ptr, n0) != 0:
+                msg += (f"; the KV cache stays after its {a.n_rounds} rounds: n_past {n0} is out of the "
+                        f"sliding-window layers' reach")
+            raise EngineError(st, msg)
+        r = a.n_rounds
+        return VerifyRun(list(out[0:a.n_out]), list(rk[0:r]), list(rr[0:r]), list(ms[0:r]), list(rb[0:r]))
 
     def _tokens(self, tokens) -> np.ndarray:
         if type(tokens) is list and all(type(t) is int for t in tokens):   # the scheduler's steps

@@ -282,11 +282,16 @@ class _Run:
         return st
 
     def step(self, tokens: list[int], head: str, logits: str, decode: int = 0,
-             stop_ids: tuple = ()) -> Step:
+             stop_ids: tuple = (), verify_run: tuple | None = None) -> Step:
         """One engine step; with decode > 1 (one greedy token, no logits) the scheduler may run
-        up to ``decode`` steps in one call (Step.decode): argmax is then every step's token."""
+        up to ``decode`` steps in one call (Step.decode): argmax is then every step's token. With
+        ``verify_run`` (Step.verify_run) it may run a verify run: its result is then ``st.run``."""
         st = self.core.scheduler.run(Step(self.session, tokens, head, logits, decode=decode,
-                                          stop_ids=stop_ids), self.cancel)
+                                          stop_ids=stop_ids, verify_run=verify_run), self.cancel)
+        if st.run is not None:   # the KV holds the pending token and every run token but the last
+            self.kv_tokens.append(tokens[0])
+            self.kv_tokens.extend(st.run.tokens[:-1])
+            return st
         self.kv_tokens.extend(tokens)
         if st.step_ms is not None:   # the run fed each token but the last
             self.kv_tokens.extend(int(t) for t in st.argmax[:-1])
@@ -489,6 +494,7 @@ class _Drafts:
         self.in_flight = False
         self.reason = ""
         self.source = 0              # DraftSource of the round's draft
+        self.run_drafts: list[int] | None = None   # a verify run's drafts (``before``)
         if link is not None:
             # indexed while the prompt is prefilled; a resumed generation's output so far goes
             # in as output (the draft session's first append is its prompt)
@@ -505,17 +511,24 @@ class _Drafts:
         self.in_flight = False
         self.ctl.drop()
 
-    def before(self, history: list[int], k_cap: int, room: int, tree_room: int = 0
+    def before(self, history: list[int], k_cap: int, room: int, tree_room: int = 0, runs: bool = False
                ) -> tuple[list[int], float | None, int]:
         """The round's draft, the blocking draft hop's ms (None: none) and the proposals made;
         the draft's source is then in ``self.source``, the controller's shape in ``self.ctl.shape``
-        (a tree: ``self.ctl.round_tree()``).
+        (a tree: ``self.ctl.round_tree()``), and with ``runs`` the drafts of a verify run in
+        ``self.run_drafts`` (None: a round of its own).
 
         Args:
             history: prompt + output so far (the pending token last).
             k_cap: the most drafts this round may verify. room: output tokens still allowed.
             tree_room: the most nodes a tree round may verify (KV room and tree budget).
+            runs: the round may be a verify run (a greedy chain round the engine verifies alone):
+                when the controller's cache holds drafts past the round's and its bonus token,
+                the run goes on over them while every draft is kept, and the proposal asked in
+                flight is as much longer as the cache, so that it still continues the output
+                after a run that used the whole cache.
         """
+        self.run_drafts = None
         if self.link is None:
             return [], None, 0
         drf: list[int] = []
@@ -541,8 +554,15 @@ class _Drafts:
                 proposals = 1
                 drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
                 self.source = self.ctl.cache_source
-            if kind != "propose" and k_cap > 0 and not pending:
-                n_pf = self.ctl.prefetch_size(len(drf))
+            cache = self.ctl.cache
+            if runs and drf and len(cache) > len(drf) + 1 and cache[:len(drf)] == drf:
+                self.run_drafts = list(cache)
+            if (kind != "propose" or self.run_drafts) and k_cap > 0 and not pending:
+                if self.run_drafts:   # the run may use the whole cache
+                    n_pf = self.ctl.prefetch_size(len(cache))
+                    n_pf = n_pf and n_pf + len(cache)
+                else:
+                    n_pf = self.ctl.prefetch_size(len(drf))
                 if n_pf:   # in flight while the forward runs
                     self.link.send_propose(history[self.synced:], n_pf)
                     self.synced = len(history)
@@ -824,6 +844,20 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
         sched.stop(stream)
 
 
+def _output(history: list[int], tokens: list[int], produced: int, eos: frozenset, max_tokens: int
+            ) -> tuple[int, bool]:
+    """Append a round's tokens to ``history``; returns the output tokens produced then and whether
+    the output ended (an EOS token or max_tokens). Drafts accepted past the output's end are no
+    output: they are left out of history, so the draft session (its namespace) gets the output only."""
+    history.extend(tokens)
+    for i, t in enumerate(tokens):
+        if t in eos or produced + 1 >= max_tokens:
+            del history[len(history) - len(tokens) + i + 1:]
+            return produced + (t not in eos), True
+        produced += 1
+    return produced, False
+
+
 def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) -> Iterator[RoundEvent]:
     """The rounds after the prefill. With a grammar (run.gram) every token is chosen under its
     mask from logits rows (never an in-engine run), and a speculative generation (``spec``)
@@ -838,6 +872,10 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                                and req.tree_nodes > 0 and not core.tree_refusal) else 0
     drafts = _Drafts(link, req.k, req.fixed_k, history, eager=req.eager, resumed=req.resumed,
                      tree_nodes=trees)
+    # verify runs (Scheduler: Step.verify_run): greedy chain rounds chosen by the engine's argmax
+    runs = (spec and core.config.verify_runs and req.sampling.greedy and gram is None and not run.rows
+            and not req.logprobs and not trees)
+    drafts.ctl.runs = runs
     run.history = history
     if link is not None:
         run.drafts = drafts
@@ -887,7 +925,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             drf, hop_ms, proposals, source = forced, None, 0, SOURCE_GRAMMAR
         else:
             drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced,
-                                                   min(req.tree_nodes, n_ctx - n_past - 1))
+                                                   min(req.tree_nodes, n_ctx - n_past - 1), runs)
             c1 = time.perf_counter()
             source = drafts.source
             if gram is not None and drf:
@@ -914,12 +952,55 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             c2 = time.perf_counter()
             st = run.step_tree(vt, vp)
         else:
+            run_d = drafts.run_drafts if tree is None and not forced else None
             c2 = time.perf_counter()
             st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
-                          stop_ids=tuple(eos) if n_run > 1 else ())
+                          stop_ids=tuple(eos) if n_run > 1 else (),
+                          verify_run=(run_d, len(drf), max_tokens - produced, tuple(eos), DECODE_RUN_MS)
+                          if run_d else None)
         c3 = time.perf_counter()
         masks = masks_job.result() if masks_job is not None else None
         c4 = time.perf_counter()
+        if st.run is not None:   # a verify run: its rounds, each its own event
+            vr = st.run
+            rounds, pos, i0 = [], 0, 0
+            for j, (kj, rj) in enumerate(zip(vr.k, vr.r)):
+                toks = vr.tokens[i0:i0 + rj + 1]
+                rounds.append((run_d[pos:pos + kj], toks, kj, rj, vr.ms[j], vr.rollback_ms[j]))
+                pos, i0 = pos + kj + 1, i0 + rj + 1
+            c5 = time.perf_counter()
+            for drf_j, toks, *_ in rounds[:-1]:
+                drafts.ctl.on_result(drf_j, toks)
+            before_last = history + vr.tokens[:i0 - len(rounds[-1][1])]
+            collected = drafts.after(rounds[-1][0], rounds[-1][1], before_last)
+            r1 = time.perf_counter()
+            walls = _run_walls((r1 - r0) * 1e3, [v + b for v, b in zip(vr.ms, vr.rollback_ms)])
+            for j, (drf_j, toks, kj, rj, ms, rb) in enumerate(rounds):
+                first = j == 0
+                if cost is not None and drafts.link is not None:
+                    cost.observe(kj, ms, walls[j] - (st.queued_ms + (hop_ms or 0.0) if first else 0.0),
+                                 core.t_ms, hop_ms if first else None)
+                n_past += rj + 1
+                produced, done = _output(history, toks, produced, eos, max_tokens)
+                ev = RoundEvent(toks, kj, rj, ms, core.t_ms, walls[j], n_past, n_ctx,
+                                (proposals if first else 0) + (collected if j == len(rounds) - 1 else 0),
+                                source=source,
+                                expected=(shape.e, shape.ms) if first and shape is not None and cost is not None
+                                else None,
+                                cost=(((c1 - c0) + (r1 - c5)) * 1e3 if first else 0.0,
+                                      max(0.0, (c3 - c2) * 1e3 - st.forward_ms) if first else 0.0,
+                                      ((c5 - c4) * 1e3 if first else 0.0) + rb, rb))
+                if first and drafts.reason and drafts.reason != reason:
+                    ev.spec_reason = reason = drafts.reason
+                if first and drafts.ctl.k_choice != k_choice:
+                    ev.k_choice = k_choice = drafts.ctl.k_choice
+                if done:
+                    run.release()
+                yield ev
+                if done:
+                    return
+            r0 = r1
+            continue
         if st.step_ms is not None:   # an in-engine run: its steps' tokens, each its own round
             toks = [int(t) for t in st.argmax]
             drafts.skipped(len(toks) - 1)
@@ -989,16 +1070,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             # queue time is the other sessions' forwards, not this loop's overhead
             cost.observe(k, st.forward_ms, wall_ms - st.queued_ms - (hop_ms or 0.0), core.t_ms, hop_ms,
                          tree=tree is not None)
-        history.extend(tokens)
-        for i, t in enumerate(tokens):
-            if t in eos or produced + 1 >= max_tokens:
-                produced += t not in eos
-                done = True
-                # drafts accepted past the output's end (an EOS, max_tokens) are no output: the
-                # draft session (its namespace) gets the output only
-                del history[len(history) - len(tokens) + i + 1:]
-                break
-            produced += 1
+        produced, done = _output(history, tokens, produced, eos, max_tokens)
         ev = RoundEvent(tokens, k, r, st.forward_ms, core.t_ms, wall_ms, session.n_past, n_ctx,
                         proposals, source=source if k else 0, logprobs=lps,
                         tree_nodes=k if tree is not None else 0,

@@ -55,6 +55,13 @@ turn. Anything that arrives meanwhile (a step queued, a stream stopped,
 after the step that runs. The tokens are bitwise one forward per token
 (es_decode's contract).
 
+Verify runs (Step.verify_run; generation_loop's chain rounds drafted from a proposal longer than
+the round): when the step is alone in its iteration and nothing else waits, the engine runs the
+round and the rounds after it while every draft is kept and the proposal still continues the
+output (Session.verify_run, es_verify_run), so those rounds pay no Python between them; anything
+that arrives meanwhile sets the run's interrupt and the engine returns after its current round.
+Otherwise the step is one verify like any other. The tokens are those of one verify per round.
+
 Engine threads (``threads`` = (one, many)): an iteration over one session
 runs on ``one`` thread(s) of the sessions' pools, one that batches two or
 more sessions (a decode run over them too), or feeds one session MANY_TOKENS
@@ -137,6 +144,12 @@ class Step:
     # whose greedy path (tree_accept.accept) is kept at once, under the engine lock
     parents: list | None = None
     path: list | None = None          # the tree's kept path (node indices from node 0)
+    # a verify run (generation_loop's chain rounds over a longer cached proposal): (drafts, k,
+    # max_out, stop_ids, max_ms), the drafts continuing after tokens[0] (tokens[1:] first). Alone in
+    # the queue, its iteration runs Session.verify_run (the result in ``run``); else one verify of
+    # ``tokens`` as any step (``run`` None)
+    verify_run: tuple | None = None
+    run: Any = None                   # engine.VerifyRun of a verify run that ran
     _t_submit: float = field(default=0.0, repr=False)
 
 
@@ -152,8 +165,9 @@ def select(queue: Sequence[Step], batch_max: int, batch_tokens: int) -> list[int
     for i, s in enumerate(queue):
         if len(picked) >= max(1, batch_max):
             break
-        if picked and (s.parents is not None or queue[picked[0]].parents is not None):
-            break     # a token tree runs alone (es_forward_tree is one session's call)
+        if picked and (s.parents is not None or queue[picked[0]].parents is not None
+                       or s.verify_run is not None or queue[picked[0]].verify_run is not None):
+            break     # a token tree or a verify run runs alone (one session's engine call)
         if picked and tokens + len(s.tokens) > batch_tokens:
             break
         picked.append(i)
@@ -349,6 +363,8 @@ class Scheduler:
         # runs in turn)
         run_decode = self.decode_steps > 1 and all(s.decode > 1 and len(s.tokens) == 1
                                                    for s in itertools.chain(batch, self._queue))
+        # a verify run only with nothing else waiting (what arrives meanwhile interrupts it)
+        run_verify = len(batch) == 1 and batch[0].verify_run is not None and not self._queue
         self._interrupt[0] = 0
         self._busy = True
         self._running = batch
@@ -356,7 +372,7 @@ class Scheduler:
         t0 = time.perf_counter()
         nexts: list[Any] | None = None
         try:
-            self._execute(batch, run_decode)
+            self._execute(batch, run_decode, run_verify)
             nexts = [self._advance(s) if s.stream is not None else None for s in batch]
         finally:
             self._cv.acquire()
@@ -403,9 +419,19 @@ class Scheduler:
         except EngineError as exc:
             return exc
 
-    def _execute(self, batch: list[Step], run_decode: bool = False) -> None:
+    def _run_verify(self, s: Step) -> Any:
+        """A verify run (Step.verify_run) in the engine; an EngineError is the step's."""
+        drafts, k, max_out, stop_ids, max_ms = s.verify_run
+        try:
+            s.run = s.session.verify_run(s.tokens[0], drafts, k, max_out, stop_ids, max_ms, self._interrupt)
+        except EngineError as exc:
+            return exc
+        return [], None
+
+    def _execute(self, batch: list[Step], run_decode: bool = False, run_verify: bool = False) -> None:
         """One iteration: one es_forward_batch over the steps of ``batch``, under the engine lock
-        (run_decode: the steps' in-engine decode run instead, engine.decode_batch).
+        (run_decode: the steps' in-engine decode run instead, engine.decode_batch; run_verify: the
+        lone step's verify run, Session.verify_run).
 
         Each step gets its own result or its own error (a bad step fails alone;
         the others run).
@@ -444,6 +470,8 @@ class Scheduler:
                                                if not isinstance(r, EngineError) and len(r[0]) > k])
                 elif batch[0].parents is not None:
                     results = [self._run_tree(batch[0])]
+                elif run_verify:
+                    results = [self._run_verify(batch[0])]
                 else:
                     results = self._run_batch([(s.session, s.tokens, s.head, s.logits) for s in batch])
             except Exception as exc:  # every step's owner re-raises it

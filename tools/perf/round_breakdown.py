@@ -30,6 +30,7 @@ Usage:
     .venv/bin/python tools/perf/round_breakdown.py --ks 1,4,8,16 --gens 2
     .venv/bin/python tools/perf/round_breakdown.py --quick --json     # tiny model, seconds (smoke)
     .venv/bin/python tools/perf/round_breakdown.py --processes        # the services as processes
+    .venv/bin/python tools/perf/round_breakdown.py --no-verify-runs   # one engine call per round
 """
 from __future__ import annotations
 
@@ -118,9 +119,9 @@ def measure(stub, k: int, reference: str, gens: int, max_tokens: int) -> dict:
 
 
 def run_threads(path: str, n_threads: int, ks: list[int], gens: int, max_tokens: int,
-                processes: bool = False) -> dict:
+                processes: bool = False, verify_runs: bool = True) -> dict:
     stack = start_stack(path, spec=False, processes=processes, n_ctx=1024, n_threads=n_threads,
-                        k=max(ks), max_tokens=max_tokens, adaptive_k=False)
+                        k=max(ks), max_tokens=max_tokens, adaptive_k=False, verify_runs=verify_runs)
     try:
         ch = grpc.insecure_channel(stack.target)
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
@@ -168,6 +169,9 @@ def main() -> int:
     ap.add_argument("--processes", action="store_true",
                     help="each service its own process (as `echospec serve --processes` and "
                          "docker-compose run them); default: one process, as `echospec bench`")
+    ap.add_argument("--no-verify-runs", action="store_true",
+                    help="the verifier's --no-verify-runs: one engine call per round (no rounds "
+                         "run in the engine over a longer proposal)")
     args = ap.parse_args()
     if args.quick:
         args.model, args.ks, args.threads, args.gens, args.max_tokens = "tiny", "1,4", "1", 1, 24
@@ -176,7 +180,8 @@ def main() -> int:
         ap.error("K, threads and gens must be >= 1, max-tokens >= 2")
     with tempfile.TemporaryDirectory() as td:
         path = _model_path(args.model, Path(td))
-        results = [run_threads(path, nt, ks, args.gens, args.max_tokens, args.processes) for nt in threads]
+        results = [run_threads(path, nt, ks, args.gens, args.max_tokens, args.processes,
+                               not args.no_verify_runs) for nt in threads]
     if args.json:
         for r in results:
             print(json.dumps(r))
