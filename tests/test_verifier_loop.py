@@ -1217,3 +1217,104 @@ def test_the_draft_session_gets_the_whole_output_for_its_namespace_memory(model_
             assert servicer.memory.n_tokens("eos") == len(prompt) + at + 1
         finally:
             core.close()
+
+
+def _record_verify_runs(monkeypatch) -> list:
+    """Per Session.verify_run call from now on: its rounds' (k, r)."""
+    from echospec.services.verifier import engine as engine_mod
+    runs: list = []
+    real = engine_mod.Session.verify_run
+
+    def recording(self, *a, **kw):
+        res = real(self, *a, **kw)
+        runs.append(list(zip(res.k, res.r)))
+        return res
+    monkeypatch.setattr(engine_mod.Session, "verify_run", recording)
+    return runs
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_verify_runs_give_the_plain_output_and_keep_the_kv_in_step(smollm2_path, monkeypatch, wrong_every):
+    """Chain rounds over a longer proposal run in the engine (several rounds per call), each round
+    its own event with the counters and n_past of a round of its own; the output is plain
+    decoding's, and the KV the generation leaves (the prefix cache) serves the next request
+    exactly. --no-verify-runs: no run, the same output. (The real model: its output varies, so a
+    KV cache a token out of step would show.)"""
+    runs = _record_verify_runs(monkeypatch)
+    model_path = smollm2_path
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 7018, 30, 2]
+    outs = {}
+    for verify_runs in (True, False):
+        core = make_core(model_path, verify_runs=verify_runs)
+        try:
+            plain = tokens_of(generate(core, prompt, 60))
+            link = _OracleDraft(prompt + plain, None, wrong_every)
+            req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                    spec=True, k=4, fixed_k=True)
+            check(core, req)
+            del runs[:]
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            out = tokens_of(evs)
+            assert out == plain
+            produced = 0
+            for e in evs:
+                produced += len(e.tokens)
+                assert e.n_past == len(prompt) + produced - 1   # the last token is not in the KV yet
+                assert 0 <= e.accepted <= e.k <= 4 and len(e.tokens) == e.accepted + 1
+            if verify_runs:
+                assert runs and max(len(r) for r in runs) >= 3, runs
+                rounds = [kr for run in runs for kr in run]
+                assert sum(k for k, _ in rounds) <= sum(e.k for e in evs)
+            else:
+                assert runs == []
+            outs[verify_runs] = [(e.k, e.accepted) for e in evs]
+            # the KV the generation left behind: a longer prompt over it decodes as from scratch
+            turn2 = prompt + out + [7, 8, 9]
+            again = generate(core, turn2, 12)
+            assert again[0].cached_prompt_tokens == len(prompt) + len(out) - 1   # all but the pending token
+        finally:
+            core.close()
+        fresh = make_core(model_path, prefix_cache=False)
+        try:
+            assert tokens_of(again) == tokens_of(generate(fresh, turn2, 12))
+        finally:
+            fresh.close()
+
+
+def test_a_verify_run_gives_way_to_other_work(model_path):
+    """A verify-run step alone runs its rounds in one engine call; with another step waiting it is
+    one verify like any other, and it never shares an iteration."""
+    from echospec.services.verifier.scheduler import Scheduler, Step
+    core = make_core(model_path, prefix_cache=False)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 60))
+        sched = Scheduler(threading.Lock(), batch_max=4)
+        a, b = core.model.new_session(n_ctx=256, n_threads=1), core.model.new_session(n_ctx=256, n_threads=1)
+
+        def run_step() -> Step:   # pending: the prompt's last token; the drafts: plain's output
+            a.rollback(len(prompt) - 1)
+            return Step(a, [prompt[-1]] + plain[:3], verify_run=(plain, 3, 40, (), 0.0))
+        try:
+            for s in (a, b):
+                s.forward(prompt[:-1])
+            st = sched.run(run_step())                                       # alone: a run
+            assert st.run is not None and len(st.run.k) >= 3
+            assert st.run.tokens == plain[:len(st.run.tokens)] and a.n_past == len(prompt) + len(st.run.tokens) - 1
+            other, second = Step(b, [prompt[-1]]), run_step()
+            with sched._cv:
+                sched._queue += [other, second]
+                sched._iterate_locked()             # `other` alone: a run step never shares an iteration
+                assert other.done and not second.done
+                sched._iterate_locked()             # nothing else waits: a run
+            assert second.run is not None and second.run.tokens == st.run.tokens
+            third = run_step()
+            with sched._cv:
+                sched._queue += [third, Step(b, [plain[0]])]
+                sched._iterate_locked()             # another step waits: one verify
+            assert third.run is None and list(third.argmax) == plain[:4] and a.n_past == len(prompt) + 3
+        finally:
+            a.close()
+            b.close()
+    finally:
+        core.close()
