@@ -54,6 +54,7 @@ def test_verifier_reports_its_batching_and_prefix_cache(batched):
     cfg = vstub.GetConfig(vpb.GetConfigRequest())
     assert cfg.batch_max == 8 and cfg.prefix_cache and cfg.prefill_chunk == 16
     assert cfg.decode_steps == 8   # the default (stack.start_stack, VerifierConfig)
+    assert cfg.verify_runs         # the default: on (--no-verify-runs)
 
 
 def test_gating_refuses_speculation_at_batch_max_8_with_the_reason(batched):

@@ -65,6 +65,17 @@ argmax of its last node, what a chain verify of the path gives; K counts the nod
 kv_rolls = the nodes not kept. A round whose path left the chain drafts next from the tree's rest
 of that path.
 
+Verify runs (``runs``: a greedy chain generation, no grammar, penalties, logprobs or trees, and
+the verifier's verify_runs setting): the controller asks for run_fetch_factor x k tokens, and a
+round whose draft is the head of a cache that goes on past its bonus token hands the scheduler the
+whole cache (Step.verify_run). Run alone, the engine verifies round after round of it while every
+draft is kept, the bonus is the next cached token and k drafts are left (Session.verify_run); the
+loop then replays each round through the controller and yields each as its own event, as if it
+had run by itself (the first carries the round's Python in its wall and cost; the others their
+engine time). A run asks no proposal in flight (the draft service would take a core from the
+forwards of an engine on every core); the round after it, which drafts the cache's last tokens
+(fewer than k), asks the next one beside its forward, as any round whose cache runs low.
+
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
 thread takes each step's token and queues the next step right after the
@@ -524,9 +535,11 @@ class _Drafts:
             tree_room: the most nodes a tree round may verify (KV room and tree budget).
             runs: the round may be a verify run (a greedy chain round the engine verifies alone):
                 when the controller's cache holds drafts past the round's and its bonus token,
-                the run goes on over them while every draft is kept, and the proposal asked in
-                flight is as much longer as the cache, so that it still continues the output
-                after a run that used the whole cache.
+                the run goes on over them while every draft is kept and k of them are left. The
+                proposal in flight is asked as for a round of its own (when the cache would not
+                cover the next round): a run over a longer cache has none beside it, so the draft
+                service does not take a core from the forwards; the round after the run, which
+                drafts the cache's rest, asks it.
         """
         self.run_drafts = None
         if self.link is None:
@@ -557,12 +570,8 @@ class _Drafts:
             cache = self.ctl.cache
             if runs and drf and len(cache) > len(drf) + 1 and cache[:len(drf)] == drf:
                 self.run_drafts = list(cache)
-            if (kind != "propose" or self.run_drafts) and k_cap > 0 and not pending:
-                if self.run_drafts:   # the run may use the whole cache
-                    n_pf = self.ctl.prefetch_size(len(cache))
-                    n_pf = n_pf and n_pf + len(cache)
-                else:
-                    n_pf = self.ctl.prefetch_size(len(drf))
+            if kind != "propose" and k_cap > 0 and not pending:
+                n_pf = self.ctl.prefetch_size(len(drf))
                 if n_pf:   # in flight while the forward runs
                     self.link.send_propose(history[self.synced:], n_pf)
                     self.synced = len(history)
