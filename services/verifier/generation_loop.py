@@ -72,9 +72,10 @@ whole cache (Step.verify_run). Run alone, the engine verifies round after round 
 draft is kept, the bonus is the next cached token and k drafts are left (Session.verify_run); the
 loop then replays each round through the controller and yields each as its own event, as if it
 had run by itself (the first carries the round's Python in its wall and cost; the others their
-engine time). A run asks no proposal in flight (the draft service would take a core from the
-forwards of an engine on every core); the round after it, which drafts the cache's last tokens
-(fewer than k), asks the next one beside its forward, as any round whose cache runs low.
+engine time). A run leaves the cache's last k + 1 tokens to the loop and asks no proposal in
+flight (the draft service would take a core from the forwards of an engine on every core); the
+round after it drafts those k tokens and asks the next proposal beside its forward, as any round
+whose cache runs low does.
 
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
@@ -535,11 +536,11 @@ class _Drafts:
             tree_room: the most nodes a tree round may verify (KV room and tree budget).
             runs: the round may be a verify run (a greedy chain round the engine verifies alone):
                 when the controller's cache holds drafts past the round's and its bonus token,
-                the run goes on over them while every draft is kept and k of them are left. The
-                proposal in flight is asked as for a round of its own (when the cache would not
-                cover the next round): a run over a longer cache has none beside it, so the draft
-                service does not take a core from the forwards; the round after the run, which
-                drafts the cache's rest, asks it.
+                the run goes on over them while every draft is kept and k of them are left, all
+                but the cache's last k + 1 tokens. The proposal in flight is asked as for a round
+                of its own (when the cache would not cover the next round): a run has none beside
+                it, so the draft service does not take a core from the forwards; the round after
+                the run, which drafts the last k tokens, asks it.
         """
         self.run_drafts = None
         if self.link is None:
@@ -567,9 +568,12 @@ class _Drafts:
                 proposals = 1
                 drf = self.ctl.on_proposal(proposal, k_cap, getattr(self.link, "last_source", 0))
                 self.source = self.ctl.cache_source
-            cache = self.ctl.cache
-            if runs and drf and len(cache) > len(drf) + 1 and cache[:len(drf)] == drf:
-                self.run_drafts = list(cache)
+            # a run leaves the cache's last round (k drafts and its bonus) to the loop, whose round
+            # then asks the next proposal in flight beside its forward; it goes on only while k
+            # drafts follow a bonus (es_verify_run), so it needs 2 k + 1 to run two rounds
+            cache, k = self.ctl.cache, len(drf)
+            if runs and k and len(cache) - (k + 1) >= 2 * k + 1 and cache[:k] == drf:
+                self.run_drafts = cache[:len(cache) - (k + 1)]
             if kind != "propose" and k_cap > 0 and not pending:
                 n_pf = self.ctl.prefetch_size(len(drf))
                 if n_pf:   # in flight while the forward runs
