@@ -1238,8 +1238,9 @@ def test_verify_runs_give_the_plain_output_and_keep_the_kv_in_step(smollm2_path,
     """Chain rounds over a longer proposal run in the engine (several rounds per call), each round
     its own event with the counters and n_past of a round of its own; the output is plain
     decoding's, and the KV the generation leaves (the prefix cache) serves the next request
-    exactly. --no-verify-runs: no run, the same output. (The real model: its output varies, so a
-    KV cache a token out of step would show.)"""
+    exactly. A run leaves the cache's last round to the loop, which asks the next proposal beside
+    it, so every round drafts k. --no-verify-runs: no run, the same output. (The real model: its
+    output varies, so a KV cache a token out of step would show.)"""
     runs = _record_verify_runs(monkeypatch)
     model_path = smollm2_path
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 7018, 30, 2]
@@ -1258,6 +1259,9 @@ def test_verify_runs_give_the_plain_output_and_keep_the_kv_in_step(smollm2_path,
             assert out == plain
             produced = 0
             for e in evs:
+                if e.k and not wrong_every and produced + 5 < 60:
+                    assert e.k == 4   # full rounds: a run leaves the cache's last round to the loop,
+                                      # which asks the next proposal beside it
                 produced += len(e.tokens)
                 assert e.n_past == len(prompt) + produced - 1   # the last token is not in the KV yet
                 assert 0 <= e.accepted <= e.k <= 4 and len(e.tokens) == e.accepted + 1

@@ -67,15 +67,18 @@ of that path.
 
 Verify runs (``runs``: a greedy chain generation, no grammar, penalties, logprobs or trees, and
 the verifier's verify_runs setting): the controller asks for run_fetch_factor x k tokens, and a
-round whose draft is the head of a cache that goes on past its bonus token hands the scheduler the
-whole cache (Step.verify_run). Run alone, the engine verifies round after round of it while every
-draft is kept, the bonus is the next cached token and k drafts are left (Session.verify_run); the
+round whose draft is the head of a cache that holds at least two more rounds hands the scheduler
+the cache but its last k + 1 tokens (Step.verify_run). Run alone, the engine verifies round after
+round of it while every draft is kept, the bonus is the next cached token and k drafts are left
+(Session.verify_run); the
 loop then replays each round through the controller and yields each as its own event, as if it
 had run by itself (the first carries the round's Python in its wall and cost; the others their
 engine time). A run leaves the cache's last k + 1 tokens to the loop and asks no proposal in
-flight (the draft service would take a core from the forwards of an engine on every core); the
-round after it drafts those k tokens and asks the next proposal beside its forward, as any round
-whose cache runs low does.
+flight; the round after it drafts those k tokens and asks the next proposal beside its forward, as
+any round whose cache runs low does, so proposals go out as they would without runs. (A proposal
+asked beside every run, as long as the cache plus a fetch, let runs use the whole cache but cost
+more than it saved: on a 2-thread forward the draft service took a core from the engine, and a
+proposal still in flight when a short run ended held the next proposal back.)
 
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
