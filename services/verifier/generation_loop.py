@@ -1027,11 +1027,7 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                 n_past += 1
                 if not st.shared:   # a step of this session alone: a sample of T
                     core.observe_decode(ms)
-                history.append(tok)
-                done = tok in eos
-                if not done:
-                    produced += 1
-                    done = produced >= max_tokens
+                produced, done = _output(history, [tok], produced, eos, max_tokens)
                 ev = RoundEvent([tok], 0, 0, ms, core.t_ms, w, n_past, n_ctx, 0)
                 if done:
                     run.release()
