@@ -10,7 +10,9 @@
  * draft kept). A stop id ends the run after the round that yields it; a set interrupt and a
  * max_ms that has passed end it after one round; a round never runs past n_ctx. Bad arguments
  * fail before any round with a message, the KV cache untouched; KV eviction and sparse
- * attention are refused.
+ * attention are refused, and so is a run whose round could verify more drafts than sliding-window
+ * rings that wrap can roll back over. A run writes at most min(max_out, n_drafts + 1, n_ctx -
+ * n_past) tokens whatever its max_out and k.
  */
 #include <stdint.h>
 #include <stdio.h>
