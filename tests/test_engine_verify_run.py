@@ -158,3 +158,100 @@ def test_run_limits_and_refusals(tmp_path):
                     s.verify_run(truth[0], truth[1:], 3, 40)
                 assert e.value.status == ES_ERR_UNSUPPORTED and words in e.value.message
                 assert s.n_past == len(PROMPT)
+
+
+_HUGE_MAX_OUT = '''
+import os, resource, sys
+from echospec.services.verifier.engine import Model
+m = Model(sys.argv[1])
+s = m.new_session(n_ctx=64, n_threads=1)
+prompt, drafts = [int(t) for t in sys.argv[2].split(",")], [int(t) for t in sys.argv[3].split(",")]
+first = int(s.forward(prompt)[0][-1])
+vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+run = s.verify_run(first, drafts, 2 ** 30, 2 ** 31 - 1)
+print(",".join(map(str, [first] + run.tokens)), s.n_past)
+'''
+
+
+def test_a_huge_max_out_takes_the_memory_of_what_the_run_can_write(tmp_path):
+    """max_out = 2**31 - 1 (and k = 2**30): the arrays are as long as the run can yield
+    (len(drafts) + 1 here), not max_out of each, so the run works in a process with 1 GiB of
+    address space to spare (five max_out-long arrays would take 40 GB)."""
+    import subprocess
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(path, arch="llama", matrix_type="F32", seed=3)
+    with Model(str(path)) as m, m.new_session(n_ctx=64, n_threads=1) as s:
+        truth = greedy(s, PROMPT, 12)
+    drafts = truth[1:12]
+    p = subprocess.run([sys.executable, "-c", _HUGE_MAX_OUT, str(path), ",".join(map(str, PROMPT)),
+                        ",".join(map(str, drafts))], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    toks, n_past = p.stdout.split()
+    assert [int(t) for t in toks.split(",")] == truth[:13]   # the 11 drafts, all kept, and a bonus
+    assert int(n_past) == len(PROMPT) + 12
+
+
+def test_bad_python_arguments_are_clear_errors(tmp_path):
+    """Each bad argument: an EngineError (ES_ERR_INVALID_ARG) naming it, or a TypeError for an
+    interrupt that is not an int32 cell, before any round, the KV cache untouched; numpy drafts
+    and ids run as lists do."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(path, arch="llama", matrix_type="F32", seed=3)
+    with Model(str(path)) as m, m.new_session(n_ctx=64, n_threads=1) as s:
+        truth = greedy(s, PROMPT, 20)
+        s.rollback(0)
+        s.forward(PROMPT)
+        n0, t, d = s.n_past, truth[0], truth[1:]
+        for kw, words in ((dict(k=-3), "k >= 1"), (dict(k=2 ** 31), "k = 2147483648 does not fit"),
+                          (dict(max_out=-(2 ** 31) - 1), "max_out"), (dict(token=1.5), "token must be an integer"),
+                          (dict(drafts=[1.5, 2.0]), "integers"), (dict(drafts=np.zeros((2, 2), np.int32)), "1-D"),
+                          (dict(drafts=[2 ** 40]), "does not fit in int32"), (dict(stop_ids=5), "stop_ids"),
+                          (dict(stop_ids=[1, "2"]), "stop id must be an integer"),
+                          (dict(max_ms=None), "max_ms"), (dict(max_ms=float("nan")), "max_ms"),
+                          (dict(max_ms="5"), "max_ms")):
+            args = dict(token=t, drafts=d, k=3, max_out=20)
+            args.update(kw)
+            with pytest.raises(EngineError) as e:
+                s.verify_run(**args)
+            assert e.value.status == ES_ERR_INVALID_ARG and words in e.value.message, (kw, e.value.message)
+            assert s.n_past == n0
+        for bad in (1, True, ffi.new("int64_t *"), ffi.NULL, np.zeros(1, np.int32)):
+            with pytest.raises(TypeError, match="interrupt"):
+                s.verify_run(t, d, 3, 20, interrupt=bad)
+            assert s.n_past == n0
+        # numpy ids and an int32 array cell as the interrupt: as lists and ffi.new("int32_t *")
+        run = s.verify_run(np.int64(t), np.array(d, dtype=np.int64), np.int32(3), np.int64(20),
+                           stop_ids=np.array([999], dtype=np.int64), max_ms=np.float32(0),
+                           interrupt=ffi.new("int32_t[]", 1))
+        assert run.tokens == truth[1:21] and s.n_past == n0 + 20
+    with pytest.raises(EngineError, match="closed"):
+        s.verify_run(t, d, 3, 20)
+
+
+def test_a_round_beyond_the_rings_reach_is_refused():
+    """gemma3 (tests/data/models) with a sliding window of 16 and swa_slack 1 (rings of 64 positions) at n_ctx 96: a
+    round can verify at most 64 - 16 = 48 drafts (a rejected first draft rolls back over all of
+    them); a run that could verify more is refused before any round, not left half done with the
+    rejected drafts in the KV cache; at 48 it gives the loop's tokens and KV cache."""
+    path = Path(__file__).resolve().parent / "data" / "models" / "gemma3-Q8_0.gguf"
+    with Model(str(path)) as m:
+        assert m.info.n_swa == 16
+        opts = dict(n_ctx=96, n_threads=1, swa_slack=1)
+        with m.new_session(**opts) as s, m.new_session(**opts) as ref:
+            prompt = [(i * 53 + 7) % 300 for i in range(30)]
+            truth = greedy(s, prompt, 64)
+            d = truth[1:65]
+            d[0] = (d[0] + 1) % m.info.n_vocab     # the first draft wrong: a round keeps none
+            for x in (s, ref):
+                x.rollback(0)
+                x.forward(prompt)
+            with pytest.raises(EngineError) as e:
+                s.verify_run(truth[0], d, 49, 96)
+            assert e.value.status == ES_ERR_INVALID_ARG and "roll back" in e.value.message
+            assert s.n_past == len(prompt)
+            run = s.verify_run(truth[0], d, 48, 96)
+            out, ks, rs = loop(ref, truth[0], d, 48, 96)
+            assert (run.tokens, run.k, run.r) == (out, ks, rs) == ([truth[1]], [48], [0])
+            assert s.n_past == ref.n_past == len(prompt) + 1
+            same_next(s, ref, truth[1])

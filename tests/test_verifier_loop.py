@@ -1322,3 +1322,207 @@ def test_a_verify_run_gives_way_to_other_work(model_path):
             b.close()
     finally:
         core.close()
+
+
+def _record_run_spans(monkeypatch) -> list:
+    """Per Session.verify_run call from now on: (n_past before it, its tokens, its rounds' (k, r))."""
+    from echospec.services.verifier import engine as engine_mod
+    runs: list = []
+    real = engine_mod.Session.verify_run
+
+    def recording(self, *a, **kw):
+        n0 = self.n_past
+        res = real(self, *a, **kw)
+        runs.append((n0, list(res.tokens), list(zip(res.k, res.r))))
+        return res
+    monkeypatch.setattr(engine_mod.Session, "verify_run", recording)
+    return runs
+
+
+def _inner_run_positions(runs: list, n_prompt: int) -> list[int]:
+    """Output indices of tokens a run yielded as kept drafts (not a bonus, not the run's last
+    token) in a round after its first: where an end inside a run can fall."""
+    at = []
+    for n0, toks, rounds in runs:
+        i = n0 - n_prompt + 1           # the run's first token's output index (its pending: i - 1)
+        for j, (_, r) in enumerate(rounds):
+            if j:
+                at += [i + x for x in range(r) if i + x < n0 - n_prompt + len(toks)]
+            i += r + 1
+    return at
+
+
+def _kv_serves_the_next_turn(core, model_path, prompt: list[int], out: list[int]) -> None:
+    """The KV the generation left (the prefix cache): a longer prompt over it decodes as from scratch."""
+    turn2 = prompt + out + [7, 8, 9]
+    again = generate(core, turn2, 12)
+    assert again[0].cached_prompt_tokens >= len(prompt) + len(out) - 1
+    fresh = make_core(model_path, prefix_cache=False)
+    try:
+        assert tokens_of(again) == tokens_of(generate(fresh, turn2, 12))
+    finally:
+        fresh.close()
+
+
+SMOL_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 7018, 30, 2]
+
+
+def test_an_eos_inside_a_verify_run_ends_the_output_as_plain_decoding(smollm2_path, monkeypatch):
+    """An EOS id that a run keeps as a draft in one of its later rounds: the run ends with that
+    round, the output is plain decoding's up to the EOS, the event holding it is the last, and
+    the KV the generation leaves (the round's tokens past the EOS included) serves the next
+    request exactly."""
+    runs = _record_run_spans(monkeypatch)
+    core = make_core(smollm2_path)
+    try:
+        prompt = SMOL_PROMPT
+        plain = tokens_of(generate(core, prompt, 60))
+
+        def spec(eos=frozenset(), max_tokens=60):
+            link = _OracleDraft(prompt + plain, None, 0)
+            req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=frozenset(eos),
+                                    sampling=Sampling(), spec=True, k=4, fixed_k=True)
+            check(core, req)
+            del runs[:]
+            return list(run_generation(core, req, threading.Event(), lambda: link))
+
+        spec()
+        inner = [p for p in _inner_run_positions(runs, len(prompt)) if plain[p] not in plain[:p]]
+        assert inner, runs
+        tried = 0
+        for p in inner[:3]:
+            eos = {plain[p]}
+            want = tokens_of(generate(core, prompt, 60, eos=eos))
+            assert want == plain[:p + 1]                      # plain decoding ends at the EOS
+            evs = spec(eos)
+            out = tokens_of(evs)
+            assert out[:p + 1] == want and eos.isdisjoint(out[:p])
+            assert plain[p] in evs[-1].tokens                  # the event holding it is the last
+            assert any(n0 - len(prompt) + 1 <= p < n0 - len(prompt) + 1 + len(toks) and len(rounds) > 1
+                       for n0, toks, rounds in runs), (p, runs)   # it came from a run's later round
+            _kv_serves_the_next_turn(core, smollm2_path, prompt, want)
+            tried += 1
+        assert tried
+    finally:
+        core.close()
+
+
+def test_max_tokens_inside_a_verify_run_ends_the_output_as_plain_decoding(smollm2_path, monkeypatch):
+    """max_tokens ending where a run is going on: the run's last round shrinks to the output's
+    end (es_verify_run's max_out), the output is plain decoding's first max_tokens tokens
+    exactly, the event giving the last one ends the generation, and the KV left behind serves
+    the next request exactly."""
+    runs = _record_run_spans(monkeypatch)
+    core = make_core(smollm2_path)
+    try:
+        prompt = SMOL_PROMPT
+        plain = tokens_of(generate(core, prompt, 60))
+        link = _OracleDraft(prompt + plain, None, 0)
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, fixed_k=True)
+        check(core, req)
+        list(run_generation(core, req, threading.Event(), lambda: link))
+        inner = _inner_run_positions(runs, len(prompt))
+        assert inner, runs
+        ended_in_a_run = 0
+        for p in inner[:: max(1, len(inner) // 4)][:4]:
+            m = p + 1                                          # the output ends at index p
+            link = _OracleDraft(prompt + plain, None, 0)
+            req = GenerationRequest(prompt=prompt, max_tokens=m, eos_ids=frozenset(), sampling=Sampling(),
+                                    spec=True, k=4, fixed_k=True)
+            check(core, req)
+            del runs[:]
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            out = tokens_of(evs)
+            assert out == plain[:m], (m, out)
+            assert evs[-1].tokens and evs[-1].tokens[-1] == plain[m - 1]
+            # runs of several rounds went on up to where the loop's last rounds take over (a run
+            # leaves the proposal's last k + 1 tokens, so max_out never cuts one short here)
+            ends = [n0 - len(prompt) + len(toks) for n0, toks, rounds in runs if len(rounds) > 1]
+            ended_in_a_run += bool(ends) and max(ends) >= m - 2 * 5
+            _kv_serves_the_next_turn(core, smollm2_path, prompt, out)
+        assert ended_in_a_run, "no case ran a run of several rounds up to its last rounds"
+    finally:
+        core.close()
+
+
+def test_a_cancel_during_a_verify_run_ends_it_after_its_round(smollm2_path, monkeypatch):
+    """A cancel that comes while a run goes on (the scheduler's wake sets the run's interrupt):
+    the engine returns after the round it is in, the generation gives that round's event and
+    none after it, its output is plain decoding's so far, and the KV it leaves to the prefix
+    cache serves the next request exactly."""
+    from echospec.services.verifier import engine as engine_mod
+    real = engine_mod.Session.verify_run
+    cancel = threading.Event()
+    seen: list = []
+
+    def cancelled_meanwhile(self, *a, **kw):
+        if not seen:   # the first run: the cancel and the wake arrive as its first round starts
+            cancel.set()
+            core.scheduler.wake()
+        res = real(self, *a, **kw)
+        seen.append(list(zip(res.k, res.r)))
+        return res
+    monkeypatch.setattr(engine_mod.Session, "verify_run", cancelled_meanwhile)
+    core = make_core(smollm2_path)
+    try:
+        prompt = SMOL_PROMPT
+        plain = tokens_of(generate(core, prompt, 60))
+        link = _OracleDraft(prompt + plain, None, 0)
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, fixed_k=True)
+        check(core, req)
+        evs = list(run_generation(core, req, cancel, lambda: link))
+        out = tokens_of(evs)
+        assert seen and seen[0] == [(4, 4)] and len(seen) == 1     # one round, then no more
+        assert out == plain[:len(out)] and len(out) < 60
+        assert (evs[-1].k, evs[-1].accepted) == (4, 4)              # the run's round, the last event
+        _kv_serves_the_next_turn(core, smollm2_path, prompt, out)
+    finally:
+        core.close()
+
+
+def test_the_draft_service_failing_after_a_verify_run_gives_the_plain_output(smollm2_path, monkeypatch):
+    """The draft service fails on the proposal collected right after a run (its last round's
+    in-flight ask): the generation decodes plainly from there, with plain decoding's output, one
+    spec_reason, and a KV cache that serves the next request exactly."""
+    from echospec.services.verifier import engine as engine_mod
+    log: list = []
+    real = engine_mod.Session.verify_run
+
+    def logged(self, *a, **kw):
+        log.append("run")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(engine_mod.Session, "verify_run", logged)
+
+    class _Logged(_OracleDraft):
+        def recv_proposal(self):
+            try:
+                p = super().recv_proposal()
+            except Exception:
+                log.append("fail")
+                raise
+            log.append("recv")
+            return p
+    core = make_core(smollm2_path)
+    try:
+        prompt = SMOL_PROMPT
+        plain = tokens_of(generate(core, prompt, 60))
+        after_a_run = 0
+        for fail_after in (2, 3, 4):   # the generation asks 4 proposals (of 4 k)
+            del log[:]
+            link = _Logged(prompt + plain, fail_after, 0)
+            req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                    spec=True, k=4, fixed_k=True)
+            check(core, req)
+            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            out = tokens_of(evs)
+            assert out[:60] == plain and len(out) <= 61
+            reasons = [e.spec_reason for e in evs if e.spec_reason]
+            assert len(reasons) == 1 and "draft service unreachable" in reasons[0]
+            assert log.count("fail") == 1
+            after_a_run += log[log.index("fail") - 1] == "run"
+            _kv_serves_the_next_turn(core, smollm2_path, prompt, plain)
+        assert after_a_run, "no failure came right after a run"
+    finally:
+        core.close()

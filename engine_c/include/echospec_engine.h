@@ -525,11 +525,13 @@ typedef struct {
     const int32_t *stop_ids;    /* int32[n_stop] or NULL when n_stop is 0 */
     int32_t n_stop;
     const int32_t *interrupt;   /* NULL or an int32 another thread may set: no round starts then */
-    int32_t *tokens_out;        /* int32[max_out]: every round's accepted drafts, then its bonus token */
-    int32_t *round_k;           /* int32[max_out]: each round's drafts verified */
-    int32_t *round_r;           /* int32[max_out]: each round's drafts accepted */
-    float *ms_out;              /* float32[max_out] or NULL: each round's forward (ms) */
-    float *rollback_ms_out;     /* float32[max_out] or NULL: each round's KV rollback (ms; 0: none) */
+    int32_t *tokens_out;        /* int32[n_max]: every round's accepted drafts, then its bonus token */
+    int32_t *round_k;           /* int32[n_max]: each round's drafts verified */
+    int32_t *round_r;           /* int32[n_max]: each round's drafts accepted */
+    float *ms_out;              /* float32[n_max] or NULL: each round's forward (ms) */
+    float *rollback_ms_out;     /* float32[n_max] or NULL: each round's KV rollback (ms; 0: none)
+                                   (n_max = min(max_out, n_drafts + 1, n_ctx - n_past): a run writes
+                                   at most that many tokens, and fewer rounds) */
     int32_t n_rounds;           /* out: rounds done, also on error */
     int32_t n_out;              /* out: tokens written, also on error */
 } es_verify_run_args;
@@ -553,7 +555,9 @@ typedef struct {
  * last (the next call's pending token), as after es_decode.
  * Errors: ES_ERR_INVALID_ARG with a message (args NULL, n_drafts < 1, k < 1, max_out < 2,
  * n_stop < 0, a NULL array it needs, a token or draft out of range, no room for a round of one
- * draft in n_ctx), ES_ERR_UNSUPPORTED for a session with KV eviction or sparse attention (the
+ * draft in n_ctx; on a session whose sliding-window rings wrap, a round that could verify more
+ * than ring - n_swa >= swa_slack drafts, min(k, n_drafts, max_out - 1, n_ctx - n_past - 1): its
+ * rollback might be out of the rings' reach, es_session_min_rollback), ES_ERR_UNSUPPORTED for a session with KV eviction or sparse attention (the
  * services never speculate there), both before any round; a round's own error (as
  * es_forward's) ends the run with n_rounds and n_out those of the rounds before it and the KV
  * cache as after them.

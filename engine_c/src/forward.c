@@ -940,6 +940,14 @@ es_status es_decode(es_session *s, int32_t token, int32_t max_steps, const int32
 
 const char *es_simd_name(void) { return es_quant_simd_name(); }
 
+/* The most drafts a round of the run can verify: min(k, n_drafts, max_out - 1, the room in n_ctx
+ * for the drafts after the pending token); a run writes at most that plus one positions a round. */
+static int32_t verify_run_most_drafts(const es_session *s, const es_verify_run_args *a) {
+    int32_t most = a->k < a->n_drafts ? a->k : a->n_drafts, ctx = s->kv.n_ctx - s->kv.n_past - 1;
+    if (a->max_out - 1 < most) most = a->max_out - 1;
+    return ctx < most ? ctx : most;
+}
+
 /* es_verify_run's checks before any round; the message goes on s. */
 static es_status check_verify_run(es_session *s, const es_verify_run_args *a) {
     if (!a || !a->drafts || !a->tokens_out || !a->round_k || !a->round_r || a->n_drafts < 1 || a->k < 1 ||
@@ -969,6 +977,15 @@ static es_status check_verify_run(es_session *s, const es_verify_run_args *a) {
                    (int)s->kv.n_past, (int)s->kv.n_ctx);
         return ES_ERR_INVALID_ARG;
     }
+    /* rings that wrap: a round of kr drafts must be able to roll back over all of them, and its
+       forward to undo itself (kr + 1 positions), from the furthest position it wrote */
+    int32_t most = verify_run_most_drafts(s, a), reach = s->kv.ring - s->kv.n_swa;
+    if (s->kv.piece > 0 && most > reach) {
+        es_set_err(s->err, sizeof s->err, "a round of %d drafts could not roll back: the sliding-window rings of "
+                   "%d positions (window %d) let a round verify at most %d; lower k or raise swa_slack",
+                   (int)most, (int)s->kv.ring, (int)s->kv.n_swa, (int)reach);
+        return ES_ERR_INVALID_ARG;
+    }
     return ES_OK;
 }
 
@@ -977,7 +994,7 @@ es_status es_verify_run(es_session *s, es_verify_run_args *a) {
     if (a) a->n_rounds = a->n_out = 0;
     es_status st = check_verify_run(s, a);
     if (st != ES_OK) return st;
-    int32_t cap = a->k < a->n_drafts ? a->k : a->n_drafts;
+    int32_t cap = verify_run_most_drafts(s, a);
     int32_t *buf = malloc(2 * ((size_t)cap + 1) * sizeof *buf), *am = buf + cap + 1;
     if (!buf) {
         es_set_err(s->err, sizeof s->err, "out of memory for a verify run of k %d", (int)a->k);
@@ -1018,7 +1035,7 @@ es_status es_verify_run(es_session *s, es_verify_run_args *a) {
         a->n_rounds++;
         /* on only while every draft was kept, the bonus is the next draft, and a whole round of k
            drafts follows it (a shorter rest is the caller's, to draft with more after it) */
-        if (stop || r < kr || a->n_drafts - (pos + kr + 1) < a->k || am[kr] != a->drafts[pos + kr]) break;
+        if (stop || r < kr || (int64_t)a->n_drafts - pos - kr - 1 < a->k || am[kr] != a->drafts[pos + kr]) break;
         if (a->max_ms > 0 && now_ms() - t0 >= a->max_ms) break;
         if (a->interrupt && __atomic_load_n(a->interrupt, __ATOMIC_ACQUIRE)) break;
         pending = am[kr];

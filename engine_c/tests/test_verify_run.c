@@ -10,7 +10,9 @@
  * draft kept). A stop id ends the run after the round that yields it; a set interrupt and a
  * max_ms that has passed end it after one round; a round never runs past n_ctx. Bad arguments
  * fail before any round with a message, the KV cache untouched; KV eviction and sparse
- * attention are refused.
+ * attention are refused, and so is a run whose round could verify more drafts than sliding-window
+ * rings that wrap can roll back over. A run writes at most min(max_out, n_drafts + 1, n_ctx -
+ * n_past) tokens whatever its max_out and k.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -49,7 +51,7 @@ static es_session *prompted(const es_model *m, int n_threads, int n_ctx, int32_t
 /* The caller's loop that es_verify_run replaces, on its own session: the same rounds. */
 static int loop_rounds(es_session *s, int32_t token, const int32_t *d, int32_t n_d, int32_t k, int32_t max_out,
                        const int32_t *stops, int n_stop, int32_t *out, int32_t *rk, int32_t *rr, int32_t *n_out) {
-    int32_t pending = token, pos = 0, rounds = 0, buf[OUT + 1], am[OUT + 1];
+    int32_t pending = token, pos = 0, rounds = 0, buf[N_CTX + 1], am[N_CTX + 1];   /* k <= n_ctx - 1 */
     *n_out = 0;
     for (;;) {
         int32_t kr = k;
@@ -276,6 +278,124 @@ done:
     es_model_free(m);
 }
 
+/* A sliding-window session whose rings wrap (gemma3-swa, n_swa 16, swa_slack 1: rings of 64
+ * positions, n_ctx 96): a round can roll back ring - n_swa + 1 = 49 positions after its forward.
+ * A run whose rounds could verify more drafts than ring - n_swa (also the reach of the forward's
+ * own undo on error) is refused before any round, the KV cache untouched; at that bound a round
+ * that rejects its first draft after the rings wrapped rolls back as the loop does. */
+#define SWA_CTX N_CTX
+#define SWA_LONG 80
+static es_session *swa_session(const es_model *m, int32_t n_prompt, int32_t *first) {
+    es_session_params sp = es_session_default_params();
+    sp.n_ctx = SWA_CTX;
+    sp.n_threads = 1;
+    sp.swa_slack = 1;
+    es_session *s = tm_session_params(m, &sp);
+    if (!s) return NULL;
+    int32_t p[SWA_CTX];
+    for (int i = 0; i < n_prompt; i++) p[i] = prompt_tok(i);
+    CHECK_EQ_INT(es_forward_last(s, p, n_prompt, first, NULL), ES_OK);
+    return s;
+}
+
+TEST(verify_run_within_the_rings_reach) {
+    es_model *m = tm_load(g_dir, 5);
+    if (!m) return;
+    int32_t g[SWA_LONG + 1], first = -1, f2 = -1;
+    es_session *s = swa_session(m, PROMPT, &first), *ref = NULL;
+    if (!s) goto done;
+    g[0] = first;
+    for (int i = 0; i < SWA_LONG; i++) CHECK_EQ_INT(es_forward(s, &g[i], 1, &g[i + 1], NULL, 0), ES_OK);
+    CHECK_EQ_INT(es_session_rollback(s, 0), ES_OK);
+    es_session_free(s);
+    /* the first draft wrong: a round of 55 drafts would roll back 55 positions after writing 56 */
+    int32_t d[SWA_LONG], out[SWA_CTX], rk[SWA_CTX], rr[SWA_CTX];
+    memcpy(d, g + 1, sizeof d);
+    d[0] = (d[0] + 1) % N_VOCAB;
+    s = swa_session(m, PROMPT, &first);
+    if (!s) goto done;
+    es_verify_run_args a = {.token = first, .drafts = d, .n_drafts = SWA_LONG, .k = 55, .max_out = SWA_CTX,
+                            .tokens_out = out, .round_k = rk, .round_r = rr};
+    CHECK_EQ_INT(es_verify_run(s, &a), ES_ERR_INVALID_ARG);
+    CHECK(strstr(es_session_last_error(s), "roll back") != NULL);
+    CHECK_EQ_INT(a.n_rounds, 0);
+    CHECK_EQ_INT(es_session_n_past(s), PROMPT);
+    /* the bound (ring - n_swa = 48 drafts) counts the rounds the run can make: fewer drafts, a
+       lower max_out or the room left in n_ctx keep a larger k in reach */
+    a.n_drafts = 48;
+    CHECK_EQ_INT(es_verify_run(s, &a), ES_OK);
+    CHECK_EQ_INT(a.n_rounds, 1);
+    CHECK_EQ_INT(a.n_out, 1);
+    CHECK_EQ_INT(out[0], g[1]);
+    CHECK_EQ_INT(es_session_n_past(s), PROMPT + 1);
+    es_session_free(s);
+    /* at the bound after the rings wrapped (a prompt of 30: the round writes to 79, the rings hold
+       [15, 79)): k = 48 with the first draft wrong rolls back 48 positions, as the loop does */
+    s = swa_session(m, 30, &first);
+    if (!s) goto done;
+    int32_t h[SWA_LONG], n_h = SWA_CTX - 30 - 1;
+    h[0] = first;
+    for (int i = 0; i + 1 < n_h; i++) CHECK_EQ_INT(es_forward(s, &h[i], 1, &h[i + 1], NULL, 0), ES_OK);
+    es_session_free(s);
+    s = swa_session(m, 30, &first);
+    ref = swa_session(m, 30, &f2);
+    if (!s || !ref) goto done;
+    int32_t hd[SWA_LONG], lout[SWA_CTX], lk[SWA_CTX], lr[SWA_CTX], ln = 0;
+    memcpy(hd, h + 1, (size_t)(n_h - 1) * sizeof *hd);
+    hd[0] = (hd[0] + 1) % N_VOCAB;
+    es_verify_run_args b = {.token = first, .drafts = hd, .n_drafts = n_h - 1, .k = 48, .max_out = SWA_CTX,
+                            .tokens_out = out, .round_k = rk, .round_r = rr};
+    CHECK_EQ_INT(es_verify_run(s, &b), ES_OK);
+    int lrounds = loop_rounds(ref, first, hd, n_h - 1, 48, SWA_CTX, NULL, 0, lout, lk, lr, &ln);
+    CHECK_EQ_INT(b.n_rounds, lrounds);
+    CHECK_EQ_INT(b.n_out, ln);
+    CHECK_EQ_INT(rk[0], 48);
+    CHECK_EQ_INT(rr[0], 0);
+    CHECK_EQ_INT(out[0], h[1]);
+    CHECK_EQ_INT(es_session_n_past(s), 31);
+    CHECK(same_next(s, ref, out[b.n_out - 1]));
+done:
+    if (s) es_session_free(s);
+    if (ref) es_session_free(ref);
+    es_model_free(m);
+}
+
+/* How much a run writes: at most min(max_out, n_drafts + 1, n_ctx - n_past) tokens and as many
+ * rounds, so arrays of that size serve any max_out and k (here INT32_MAX, the arrays sized by the
+ * context: the sanitizer build checks no write goes past them). */
+TEST(verify_run_writes_within_the_context) {
+    es_model *m = tm_load(g_dir, 0);
+    if (!m) return;
+    int32_t greedy[OUT + 1], first = -1;
+    es_session *s = prompted(m, 1, PROMPT + 12, &first);
+    if (!s) goto done;
+    int32_t *out = malloc(12 * sizeof *out), *rk = malloc(12 * sizeof *rk), *rr = malloc(12 * sizeof *rr);
+    float *ms = malloc(12 * sizeof *ms), *rb = malloc(12 * sizeof *rb);
+    greedy[0] = first;
+    for (int i = 0; i < 12; i++) CHECK_EQ_INT(es_forward(s, &greedy[i], 1, &greedy[i + 1], NULL, 0), ES_OK);
+    CHECK_EQ_INT(es_session_rollback(s, PROMPT), ES_OK);
+    if (out && rk && rr && ms && rb)
+        for (int32_t k = 1; k <= 2; k++) {
+            es_verify_run_args a = {.token = first, .drafts = greedy + 1, .n_drafts = 11,
+                                    .k = k == 1 ? INT32_MAX : 1, .max_out = INT32_MAX, .tokens_out = out,
+                                    .round_k = rk, .round_r = rr, .ms_out = ms, .rollback_ms_out = rb};
+            CHECK_EQ_INT(es_session_rollback(s, PROMPT), ES_OK);
+            CHECK_EQ_INT(es_verify_run(s, &a), ES_OK);
+            CHECK_EQ_INT(a.n_out, 12);   /* the 11 drafts and a bonus: n_past reaches n_ctx */
+            CHECK_EQ_INT(a.n_rounds, k == 1 ? 1 : 6);
+            CHECK(memcmp(out, greedy + 1, (size_t)a.n_out * sizeof *out) == 0);
+            CHECK_EQ_INT(es_session_n_past(s), PROMPT + a.n_out);
+        }
+    free(out);
+    free(rk);
+    free(rr);
+    free(ms);
+    free(rb);
+    es_session_free(s);
+done:
+    es_model_free(m);
+}
+
 int main(void) {
     const char *tmp = getenv("TMPDIR");
     snprintf(g_dir, sizeof g_dir, "%s/es_verify_run_XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -287,6 +407,8 @@ int main(void) {
     RUN(verify_run_qwen3vl_sections);
     RUN(verify_run_gemma3_sliding_window);
     RUN(verify_run_limits_and_errors);
+    RUN(verify_run_within_the_rings_reach);
+    RUN(verify_run_writes_within_the_context);
     rmdir(g_dir);
     return harness_report();
 }

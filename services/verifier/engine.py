@@ -560,17 +560,34 @@ class Session:
             VerifyRun: the tokens (bitwise those of the caller's verify loop and of greedy
             decoding), each round's (k, r), forward ms and rollback ms. The KV cache then holds
             ``token`` and every returned token but the last.
+        Any max_out that fits in int32 is taken: the run's arrays are as long as it can yield, at
+        most min(max_out, len(drafts) + 1, n_ctx - n_past) tokens.
+
         Raises:
-            EngineError: bad arguments (an empty drafts, k < 1, max_out < 2, a token out of range,
-                no room for a round of one draft), a session with KV eviction or sparse attention
-                (ES_ERR_UNSUPPORTED), both before any round; a round's own failure, after which the
-                KV cache is rolled back to where it was before the call.
+            EngineError: bad arguments (an empty drafts, k < 1, max_out < 2, a token, k, max_out or
+                stop id that is not an int32, a token out of range, max_ms not a number, no room
+                for a round of one draft, on a session whose sliding-window rings wrap a round of
+                more drafts than they can roll back), a session with KV eviction or sparse
+                attention (ES_ERR_UNSUPPORTED), both before any round; a round's own failure, after
+                which the KV cache is rolled back to where it was before the call.
+            TypeError: interrupt is not None or an ``int32_t *`` cdata (nothing runs).
         """
         self._check()
         d = self._tokens(drafts)
         tok, k, max_out = _int32(token, "token"), _int32(k, "k"), _int32(max_out, "max_out")
+        if isinstance(stop_ids, (int, np.integer)):
+            raise EngineError(ES_ERR_INVALID_ARG, f"stop_ids must be a sequence of token ids, not {stop_ids!r}")
         stops = [_int32(t, "stop id") for t in stop_ids]
-        n = max(max_out, 1)
+        if isinstance(max_ms, bool) or not isinstance(max_ms, (int, float, np.integer, np.floating)) \
+                or max_ms != max_ms:
+            raise EngineError(ES_ERR_INVALID_ARG, f"max_ms must be a number of ms (<= 0: no limit), not {max_ms!r}")
+        if interrupt is not None and not (isinstance(interrupt, ffi.CData)
+                                          and ffi.typeof(interrupt).kind in ("pointer", "array")
+                                          and ffi.typeof(interrupt).item is ffi.typeof("int32_t")
+                                          and interrupt != ffi.NULL):
+            raise TypeError(f"interrupt must be None or an ffi.new('int32_t *'), not {interrupt!r:.80}")
+        # the arrays hold what the run can write (es_verify_run_args: n_max), not max_out of each
+        n = max(1, min(max_out, d.size + 1, lib.es_session_n_ctx(self._ptr) - lib.es_session_n_past(self._ptr)))
         out, rk, rr = ffi.new("int32_t[]", n), ffi.new("int32_t[]", n), ffi.new("int32_t[]", n)
         ms, rb = ffi.new("float[]", n), ffi.new("float[]", n)
         st_ids = ffi.new("int32_t[]", stops) if stops else ffi.NULL
