@@ -1509,12 +1509,15 @@ def test_the_draft_service_failing_after_a_verify_run_gives_the_plain_output(smo
         prompt = SMOL_PROMPT
         plain = tokens_of(generate(core, prompt, 60))
         after_a_run = 0
-        for fail_after in (2, 3, 4):   # the generation asks 4 proposals (of 4 k)
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=2, fixed_k=True)
+        check(core, req)
+        counting = _OracleDraft(prompt + plain)
+        list(run_generation(core, req, threading.Event(), lambda: counting))
+        assert len(counting.asked) >= 3, counting.asked
+        for fail_after in range(2, len(counting.asked) + 1):   # each proposal after the first fails once
             del log[:]
             link = _Logged(prompt + plain, fail_after, 0)
-            req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
-                                    spec=True, k=4, fixed_k=True)
-            check(core, req)
             evs = list(run_generation(core, req, threading.Event(), lambda: link))
             out = tokens_of(evs)
             assert out[:60] == plain and len(out) <= 61

@@ -391,7 +391,7 @@ class SpecController:
     fetch_factor: int = 4
     # a generation whose rounds may run in the engine (``runs``: es_verify_run) asks for more: a run
     # goes on over the whole proposal with no Python between its rounds
-    run_fetch_factor: int = 8
+    run_fetch_factor: int = 16
     runs: bool = False
     # 64: on a host whose cores the engine fills, each in-flight probe still takes CPU from the
     # forward beside it; free text then makes about 10 probes in 256 tokens instead of 23

@@ -67,8 +67,10 @@ of that path.
 
 Verify runs (``runs``: a greedy chain generation, no grammar, penalties, logprobs or trees, and
 the verifier's verify_runs setting): the controller asks for run_fetch_factor x k tokens, and a
-round whose draft is the head of a cache that holds at least two more rounds hands the scheduler
-the cache but its last k + 1 tokens (Step.verify_run). Run alone, the engine verifies round after
+round that drafts all the K it may take (min(k, k_cap): a cost model that chose fewer would take
+more after the hits that let a run go on, and a run keeps its first round's K) from the head of a
+cache that holds at least two more rounds hands the scheduler the cache but its last k + 1 tokens
+(Step.verify_run). Run alone, the engine verifies round after
 round of it while every draft is kept, the bonus is the next cached token and k drafts are left
 (Session.verify_run); the
 loop then replays each round through the controller and yields each as its own event, as if it
@@ -574,8 +576,12 @@ class _Drafts:
             # a run leaves the cache's last round (k drafts and its bonus) to the loop, whose round
             # then asks the next proposal in flight beside its forward; it goes on only while k
             # drafts follow a bonus (es_verify_run), so it needs 2 k + 1 to run two rounds
+            # Only a round of as many drafts as it may take runs on: a run keeps its first round's
+            # K, and a cost model that chose fewer (a low acceptance so far) would take more after
+            # the hits that let a run go on.
             cache, k = self.ctl.cache, len(drf)
-            if runs and k and len(cache) - (k + 1) >= 2 * k + 1 and cache[:k] == drf:
+            if (runs and k and k == min(self.ctl.k, k_cap) and len(cache) - (k + 1) >= 2 * k + 1
+                    and cache[:k] == drf):
                 self.run_drafts = cache[:len(cache) - (k + 1)]
             if kind != "propose" and k_cap > 0 and not pending:
                 n_pf = self.ctl.prefetch_size(len(drf))
