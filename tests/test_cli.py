@@ -603,7 +603,8 @@ def test_generate_json_has_client_timings(server):
              "--max-tokens", "8"])
     j = json.loads(r.stdout)
     assert 0 < j["ttft_s"] <= j["wall_s"]
-    assert j["tokens_per_s"] == pytest.approx(j["completion_tokens"] / j["wall_s"], rel=0.01)
+    # wall_s is printed to 0.1 ms: a generation of a few ms moves by that much more than 1 %
+    assert j["tokens_per_s"] == pytest.approx(j["completion_tokens"] / j["wall_s"], rel=0.01 + 5e-5 / j["wall_s"])
 
 
 def test_messages_from_stdin(server):

@@ -173,7 +173,8 @@ class RoundEvent:
     logprobs: list = field(default_factory=list)   # TokenLogprob per token (request.logprobs)
     tree_nodes: int = 0               # a token-tree round: its draft nodes (= k); 0: a chain round
     chain_accepted: int = 0           # a token-tree round: R of a verify of its draft chain alone
-    # a round whose shape the cost model chose: (expected accepted drafts, expected ms V + o [+ hop])
+    # a round whose shape the cost model chose: (expected accepted drafts, expected ms V + o [+ hop]);
+    # the rounds of a verify run carry its first round's
     expected: tuple | None = None
     # a round of the speculative loop: where its wall time went beside the forward (ms), as
     # (draft, sched, accept, rollback): echospec.v1.RoundCost's draft_ms .. rollback_ms
@@ -1006,9 +1007,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                 produced, done = _output(history, toks, produced, eos, max_tokens)
                 ev = RoundEvent(toks, kj, rj, ms, core.t_ms, walls[j], n_past, n_ctx,
                                 (proposals if first else 0) + (collected if j == len(rounds) - 1 else 0),
-                                source=source,
-                                expected=(shape.e, shape.ms) if first and shape is not None and cost is not None
-                                else None,
+                                source=source,   # each round is the first one's shape again
+                                expected=(shape.e, shape.ms) if shape is not None and cost is not None else None,
                                 cost=(((c1 - c0) + (r1 - c5)) * 1e3 if first else 0.0,
                                       max(0.0, (c3 - c2) * 1e3 - st.forward_ms) if first else 0.0,
                                       ((c5 - c4) * 1e3 if first else 0.0) + rb, rb))
