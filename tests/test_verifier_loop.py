@@ -1219,20 +1219,6 @@ def test_the_draft_session_gets_the_whole_output_for_its_namespace_memory(model_
             core.close()
 
 
-def _record_verify_runs(monkeypatch) -> list:
-    """Per Session.verify_run call from now on: its rounds' (k, r)."""
-    from echospec.services.verifier import engine as engine_mod
-    runs: list = []
-    real = engine_mod.Session.verify_run
-
-    def recording(self, *a, **kw):
-        res = real(self, *a, **kw)
-        runs.append(list(zip(res.k, res.r)))
-        return res
-    monkeypatch.setattr(engine_mod.Session, "verify_run", recording)
-    return runs
-
-
 @pytest.mark.parametrize("wrong_every", [0, 3])
 def test_verify_runs_give_the_plain_output_and_keep_the_kv_in_step(smollm2_path, monkeypatch, wrong_every):
     """Chain rounds over a longer proposal run in the engine (several rounds per call), each round
@@ -1241,7 +1227,7 @@ def test_verify_runs_give_the_plain_output_and_keep_the_kv_in_step(smollm2_path,
     exactly. A run leaves the cache's last round to the loop, which asks the next proposal beside
     it, so every round drafts k. --no-verify-runs: no run, the same output. (The real model: its
     output varies, so a KV cache a token out of step would show.)"""
-    runs = _record_verify_runs(monkeypatch)
+    runs = _record_run_spans(monkeypatch)
     model_path = smollm2_path
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 7018, 30, 2]
     outs = {}
@@ -1266,8 +1252,8 @@ def test_verify_runs_give_the_plain_output_and_keep_the_kv_in_step(smollm2_path,
                 assert e.n_past == len(prompt) + produced - 1   # the last token is not in the KV yet
                 assert 0 <= e.accepted <= e.k <= 4 and len(e.tokens) == e.accepted + 1
             if verify_runs:
-                assert runs and max(len(r) for r in runs) >= 3, runs
-                rounds = [kr for run in runs for kr in run]
+                assert runs and max(len(r[2]) for r in runs) >= 3, runs
+                rounds = [kr for run in runs for kr in run[2]]
                 assert sum(k for k, _ in rounds) <= sum(e.k for e in evs)
             else:
                 assert runs == []
