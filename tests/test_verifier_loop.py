@@ -1310,6 +1310,17 @@ def test_a_verify_run_gives_way_to_other_work(model_path):
         core.close()
 
 
+def _oracle_generation(core, prompt: list[int], plain: list[int], max_tokens: int = 60, eos=frozenset(),
+                       cancel: threading.Event | None = None) -> list:
+    """A greedy speculative generation (k 4, fixed) whose draft link proposes ``plain`` (the plain
+    output after ``prompt``): its events."""
+    link = _OracleDraft(prompt + plain, None, 0)
+    req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=frozenset(eos), sampling=Sampling(),
+                            spec=True, k=4, fixed_k=True)
+    check(core, req)
+    return list(run_generation(core, req, cancel or threading.Event(), lambda: link))
+
+
 def _record_run_spans(monkeypatch) -> list:
     """Per Session.verify_run call from now on: (n_past before it, its tokens, its rounds' (k, r))."""
     from echospec.services.verifier import engine as engine_mod
@@ -1364,13 +1375,9 @@ def test_an_eos_inside_a_verify_run_ends_the_output_as_plain_decoding(smollm2_pa
         prompt = SMOL_PROMPT
         plain = tokens_of(generate(core, prompt, 60))
 
-        def spec(eos=frozenset(), max_tokens=60):
-            link = _OracleDraft(prompt + plain, None, 0)
-            req = GenerationRequest(prompt=prompt, max_tokens=max_tokens, eos_ids=frozenset(eos),
-                                    sampling=Sampling(), spec=True, k=4, fixed_k=True)
-            check(core, req)
+        def spec(eos=frozenset()):
             del runs[:]
-            return list(run_generation(core, req, threading.Event(), lambda: link))
+            return _oracle_generation(core, prompt, plain, eos=eos)
 
         spec()
         inner = [p for p in _inner_run_positions(runs, len(prompt)) if plain[p] not in plain[:p]]
@@ -1403,22 +1410,14 @@ def test_max_tokens_inside_a_verify_run_ends_the_output_as_plain_decoding(smollm
     try:
         prompt = SMOL_PROMPT
         plain = tokens_of(generate(core, prompt, 60))
-        link = _OracleDraft(prompt + plain, None, 0)
-        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
-                                spec=True, k=4, fixed_k=True)
-        check(core, req)
-        list(run_generation(core, req, threading.Event(), lambda: link))
+        _oracle_generation(core, prompt, plain)
         inner = _inner_run_positions(runs, len(prompt))
         assert inner, runs
         ended_in_a_run = 0
         for p in inner[:: max(1, len(inner) // 4)][:4]:
             m = p + 1                                          # the output ends at index p
-            link = _OracleDraft(prompt + plain, None, 0)
-            req = GenerationRequest(prompt=prompt, max_tokens=m, eos_ids=frozenset(), sampling=Sampling(),
-                                    spec=True, k=4, fixed_k=True)
-            check(core, req)
             del runs[:]
-            evs = list(run_generation(core, req, threading.Event(), lambda: link))
+            evs = _oracle_generation(core, prompt, plain, max_tokens=m)
             out = tokens_of(evs)
             assert out == plain[:m], (m, out)
             assert evs[-1].tokens and evs[-1].tokens[-1] == plain[m - 1]
@@ -1454,11 +1453,7 @@ def test_a_cancel_during_a_verify_run_ends_it_after_its_round(smollm2_path, monk
     try:
         prompt = SMOL_PROMPT
         plain = tokens_of(generate(core, prompt, 60))
-        link = _OracleDraft(prompt + plain, None, 0)
-        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
-                                spec=True, k=4, fixed_k=True)
-        check(core, req)
-        evs = list(run_generation(core, req, cancel, lambda: link))
+        evs = _oracle_generation(core, prompt, plain, cancel=cancel)
         out = tokens_of(evs)
         assert seen and seen[0] == [(4, 4)] and len(seen) == 1     # one round, then no more
         assert out == plain[:len(out)] and len(out) < 60
