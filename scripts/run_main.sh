@@ -6,4 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# the default model's draft prior (its answers to general prompts; about 100 s, once)
+.venv/bin/echospec prior --if-missing >/dev/null
 exec .venv/bin/echospec bench --workloads workloads/seed.jsonl "$@"

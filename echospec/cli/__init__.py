@@ -50,7 +50,7 @@ def __getattr__(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from echospec.cli import bench, chat, generate, serve, tokens
+    from echospec.cli import bench, chat, generate, prior, serve, tokens
 
     ap = argparse.ArgumentParser(prog="echospec", description="Speculative-decoding LLM service on CPUs.")
     ap.add_argument("--version", action="version", version=f"echospec {_version()}")
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_parser(sub)
     tokens.add_parsers(sub)
     bench.add_parser(sub)
+    prior.add_parser(sub)
     return ap
 
 

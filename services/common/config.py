@@ -205,6 +205,12 @@ class VerifierConfig(_GrpcServiceConfig):
                                 "round)", serve="--no-verify-runs", negated=True,
                                 serve_help="one engine call per speculative round (no verify runs "
                                            "in the engine)")
+    draft_prior: str = setting("auto", "the draft prior (services/draft/prior.py): a table of the "
+                               "model's own earlier outputs from which a speculative greedy round "
+                               "with no other draft drafts one token; a .npz file built by `echospec "
+                               "prior`, \"auto\" (the one `echospec prior` cached for this model "
+                               "file, none if it has not been built) or \"off\"",
+                               serve="--draft-prior")
     prefix_cache: bool = setting(True, "keep finished generations' KV for prefix reuse",
                                  serve="--no-prefix-cache", negated=True,
                                  serve_help="do not keep finished generations' KV for reuse by "

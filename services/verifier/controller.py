@@ -584,6 +584,13 @@ class SpecController:
         n = len(tokens)
         self.cache = self.cache[n:] if self.cache[:n] == list(tokens) else []
 
+    def on_other(self, tokens: list[int]) -> None:
+        """Update after a round whose draft came from elsewhere (the verifier's draft prior): for
+        this controller a plain step that moved the output on by ``tokens`` (the cache still holds
+        when it starts with them); no acceptance is counted."""
+        self._hit = self._missed = False
+        self.advance(tokens)
+
     def _miss(self) -> None:
         self.cache = []
         self.misses += 1

@@ -107,7 +107,8 @@ from echospec.services.verifier.engine import (ES_ERR_BAD_WEIGHTS, MAX_TREE_NODE
 from echospec.services.common.floats import f32_str
 from echospec.services.common.penalties import Penalties, PenaltyError
 from echospec.services.text.grammar import Constraint, GrammarError, GrammarSpec, masked, masked_argmax
-from echospec.services.verifier.controller import CostModel, SpecController
+from echospec.services.verifier.controller import CostModel, SpecController, best_k
+from echospec.services.draft.prior import PriorStats
 from echospec.services.verifier.logprobs import TokenLogprob, token_logprob
 from echospec.services.draft.memory import namespace_problem
 from echospec.services.verifier.scheduler import Cancelled, Step
@@ -118,6 +119,7 @@ from echospec.services.verifier.sessions import (FailedPrecondition, InvalidArgu
 
 FINISH_CONTEXT = FinishReason.Value("FINISH_REASON_CONTEXT")
 SOURCE_GRAMMAR = DraftSource.Value("DRAFT_SOURCE_GRAMMAR")
+SOURCE_PRIOR = DraftSource.Value("DRAFT_SOURCE_PRIOR")
 # An in-engine decode run (Scheduler decode_steps) takes at most about this long at the current T,
 # so a stream's tokens still reach its client at least this often on a slow model.
 DECODE_RUN_MS = 50.0
@@ -621,12 +623,16 @@ class _Drafts:
             self.ctl.skip = max(0, self.ctl.skip - n)
 
     def after(self, drf: list[int], tokens: list[int], history: list[int] | None = None,
-              tree: bool = False, path: list[int] | None = None) -> int:
+              tree: bool = False, path: list[int] | None = None, prior: bool = False) -> int:
         """Update after the round verified ``drf`` (or a tree whose chain it is: ``tree``) and
         yielded ``tokens`` after ``history``; returns the proposals collected. ``path``: a tree
-        round of the controller's choice (ctl.round_tree): its accepted nodes, counted per node."""
+        round of the controller's choice (ctl.round_tree): its accepted nodes, counted per node.
+        ``prior``: ``drf`` came from the draft prior, not the controller (SpecController.on_other)."""
         if self.link is None:
             return 0
+        if prior:
+            self.ctl.on_other(tokens)
+            drf, path = [], None
         if path is not None:
             self.ctl.on_tree_result(path)
         ready = getattr(self.link, "ready", None)
@@ -635,7 +641,8 @@ class _Drafts:
             # nothing in flight, or the proposal has not come (a draft service slower than the
             # forward, even after a short grace in the round that asked): it stays in flight,
             # collected in a later round, never waited for
-            self.ctl.on_result(drf, tokens, count=path is None)
+            if not prior:
+                self.ctl.on_result(drf, tokens, count=path is None)
             self._follow_tree(drf, tokens, history, tree)
             return 0
         self.in_flight = False
@@ -644,7 +651,8 @@ class _Drafts:
         except DraftUnavailable as exc:
             self._lost(exc)
             return 0
-        self.ctl.on_result(drf, tokens, count=path is None)
+        if not prior:
+            self.ctl.on_result(drf, tokens, count=path is None)
         self._follow_tree(drf, tokens, history, tree)
         # the tokens produced since the proposal was asked: this round's, or several rounds'
         # when it came late
@@ -867,6 +875,24 @@ def _stream(run: _Run, history: list[int], produced: int, r0: float) -> Iterator
         sched.stop(stream)
 
 
+def _prior_draft(prior: Any, stats: PriorStats, history: list[int], k_cap: int, drafts: "_Drafts",
+                 cost: CostModel | None) -> tuple[list[int], float]:
+    """A round's draft from the draft prior (services/draft/prior.py) where the controller has
+    none: [the token the model most often wrote after the history's last tokens] when there is
+    one, room for a draft, a draft link, and the generation's acceptance of these drafts so far
+    (``stats.p``) says a verify of one draft pays (best_k with the live V(1), T and overhead;
+    always with a fixed K); else []. Returns (draft, the acceptance it was chosen at)."""
+    p = stats.p
+    if k_cap <= 0 or drafts.link is None or (cost is not None and best_k(p, 1, cost, hop=False) < 1):
+        stats.idle()
+        return [], p
+    t = prior.next(history)
+    if t is None:
+        stats.idle()
+        return [], p
+    return [t], p
+
+
 def _output(history: list[int], tokens: list[int], produced: int, eos: frozenset, max_tokens: int
             ) -> tuple[int, bool]:
     """Append a round's tokens to ``history``; returns the output tokens produced then and whether
@@ -899,6 +925,10 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
     runs = (spec and core.config.verify_runs and req.sampling.greedy and gram is None and not run.rows
             and not req.logprobs and not trees)
     drafts.ctl.runs = runs
+    # the draft prior: one token for a greedy chain round with no other draft, while it pays
+    prior = core.prior if (spec and link is not None and req.sampling.greedy and gram is None
+                           and not run.rows and not req.logprobs) else None
+    prior_stats = PriorStats() if prior is not None else None
     run.history = history
     if link is not None:
         run.drafts = drafts
@@ -949,10 +979,13 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         else:
             drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced,
                                                    min(req.tree_nodes, n_ctx - n_past - 1), runs)
-            c1 = time.perf_counter()
             source = drafts.source
             if gram is not None and drf:
                 drf = drf[:gram.valid_prefix(drf)]
+            if prior is not None and not drf:
+                drf, prior_p = _prior_draft(prior, prior_stats, history, k_cap, drafts, cost)
+                source = SOURCE_PRIOR if drf else source
+            c1 = time.perf_counter()
         # the masks of the round's positions are computed beside its forward (llguidance
         # releases the GIL), not after it
         masks_job = run.beside.submit(gram.masks_along, drf) if gram is not None else None
@@ -965,8 +998,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         # (with a cost model, the tree the controller chose over chains, if it did; fixed_k: every
         # branch the budget takes)
         tree = None
-        shape = drafts.ctl.shape if drf and not forced else None
-        if drafts.tree_nodes and drf and not forced:
+        from_prior = source == SOURCE_PRIOR and bool(drf)
+        shape = drafts.ctl.shape if drf and not forced and not from_prior else None
+        if drafts.tree_nodes and drf and not forced and not from_prior:
             tree = (drafts.ctl.round_tree() if cost is not None else
                     drafts.tree_for(history, drf, max(len(drf), min(req.tree_nodes, n_ctx - n_past - 1)),
                                     k_cap))
@@ -1081,7 +1115,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
             drafts.ctl.advance(tokens)
         else:
             path = [i - 1 for i in st.path[1:]] if tree is not None and cost is not None else None
-            proposals += drafts.after(drf, tokens, history, tree is not None, path)
+            proposals += drafts.after(drf, tokens, history, tree is not None, path, prior=from_prior)
+            if from_prior:
+                prior_stats.record(r == 1)
         r1 = time.perf_counter()
         wall_ms = (r1 - r0) * 1e3
         if cost is not None and drafts.link is not None:
@@ -1093,7 +1129,9 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                         proposals, source=source if k else 0, logprobs=lps,
                         tree_nodes=k if tree is not None else 0,
                         chain_accepted=longest_accepted_prefix(drf, tokens) if tree is not None else 0,
-                        expected=(shape.e, shape.ms) if shape is not None and cost is not None else None,
+                        expected=((shape.e, shape.ms) if shape is not None and cost is not None else
+                                  (prior_p, cost.v_est(1) + cost.overhead_ms) if from_prior and cost is not None
+                                  else None),
                         cost=(((c1 - c0) + (r1 - c5)) * 1e3, max(0.0, (c3 - c2) * 1e3 - st.forward_ms),
                               (c5 - c4) * 1e3, (rb1 - rb0) * 1e3))
         if drafts.reason and drafts.reason != reason:

@@ -123,7 +123,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             n_expert=core.model.info.n_expert, n_expert_used=core.model.info.n_expert_used,
             grammar=True, kv_type=cfg.kv_type.lower(), images=core.vision is not None,
             tree_nodes=0 if core.tree_refusal else cfg.tree_nodes, tree_refusal=core.tree_refusal,
-            verify_runs=cfg.verify_runs)
+            verify_runs=cfg.verify_runs, draft_prior=core.prior_path if core.prior is not None else "",
+            draft_prior_tokens=core.prior.n_tokens if core.prior is not None else 0)
 
     def GenerateTokens(self, request: verifier_pb2.GenerateTokensRequest,
                        context: grpc.ServicerContext) -> Iterator[verifier_pb2.GenerateTokensResponse]:

@@ -35,6 +35,7 @@ from typing import Sequence
 from echospec.services.common.config import (VerifierConfig, default_engine_threads, kv_eviction_text,
                                              usable_cpus)
 from echospec.services.common.penalties import Penalties
+from echospec.services.draft.prior import DraftPrior, PriorError, resolve as resolve_prior
 from echospec.services.text import grammar
 from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.verifier.controller import NamespacePriors
@@ -184,6 +185,25 @@ class VerifierCore:
                 self.model.close()
                 raise
         self.n_vocab = info.n_vocab
+        # the draft prior (one token for greedy speculative rounds with no other draft)
+        self.prior: DraftPrior | None = None
+        self.prior_path = ""
+        try:
+            self.prior_path = resolve_prior(config.draft_prior, config.model)
+            if self.prior_path:
+                t0 = time.perf_counter()
+                self.prior = DraftPrior.load(self.prior_path, self.n_vocab)
+                log.info("draft prior: %s, %d tokens of %s, %d contexts, read in %.2f s", self.prior_path,
+                         self.prior.n_tokens, self.prior.model or "an unnamed model", len(self.prior),
+                         time.perf_counter() - t0)
+            elif config.draft_prior.strip().lower() == "auto":
+                log.info("draft prior: none built for this model (`echospec prior --model %s` builds "
+                         "one); free text drafts nothing", config.model)
+        except PriorError as exc:
+            self.model.close()
+            if self.vision is not None:
+                self.vision.close()
+            raise InvalidArgument(f"draft_prior: {exc}") from None
         if config.n_ctx < MIN_CTX:
             raise InvalidArgument(f"n_ctx must be >= {MIN_CTX}, got {config.n_ctx}")
         self.engine_lock = threading.Lock()

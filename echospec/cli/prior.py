@@ -1,0 +1,151 @@
+"""`echospec prior`: build a model's draft prior (services/draft/prior.py) from its own answers.
+
+The model answers each prompt of a prompt file (one per line; default: the 320 general prompts of
+services/draft/prior_prompts.txt) greedily in the engine, through its chat template when it has
+one, and the answers become the prior's table. A verifier serving that model file then loads it
+(`echospec serve --draft-prior auto`, the default, reads it from where this command caches it).
+
+    echospec prior                          # the default model: about 100 s on 2 cores
+    echospec prior --if-missing             # ... unless it was built already (scripts/run_main.sh)
+    echospec prior --model gemma3-270m --chat-template t.jinja
+    echospec prior --model M.gguf --out M.prior.npz --prompts my_prompts.txt --max-tokens 128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from echospec.cli.common import _check_chat_template, _die, _resolve_model
+
+def default_prompts() -> Path:
+    """The prompt file shipped with the services (installed beside the draft package)."""
+    from echospec.services import draft
+    return Path(draft.__file__).resolve().parent / "prior_prompts.txt"
+
+
+def read_prompts(path: str | os.PathLike[str]) -> list[str]:
+    """The non-empty lines of a UTF-8 prompt file.
+
+    Raises:
+        ValueError: unreadable, not UTF-8, or no prompt in it.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--prompts {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in it (one per line)")
+    return prompts
+
+
+def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_threads: int = 0,
+            chat_template: str = "", progress: Callable[[int, int, int], None] | None = None
+            ) -> tuple[list[list[int]], int]:
+    """The model's greedy answer to each prompt: its output token ids, up to ``max_tokens``, EOS
+    excluded, and the model's vocabulary size. Chat models answer the prompt as a user message; a model with neither a chat
+    template nor ``chat_template`` (a file) continues the prompt text.
+
+    Args:
+        progress: called after each answer with (answers done, of how many, tokens so far).
+    Raises:
+        ValueError: an unreadable model or template file. EngineError: the engine refused (a prompt
+            too long for the model's context, say).
+    """
+    from echospec.services.coordinator.server import read_chat_template
+    from echospec.services.text.chat_template import ChatTemplate, MissingChatTemplateError
+    from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
+    from echospec.services.verifier.engine import Model
+
+    meta = read_tokenizer_metadata(model_path)
+    tmpl = ChatTemplate.from_metadata(meta, read_chat_template(chat_template) if chat_template else None)
+    tok = Tokenizer.from_gguf(model_path)
+    eos = sorted(tok.eos_ids)
+    threads = n_threads or len(os.sched_getaffinity(0))
+    out: list[list[int]] = []
+    total = 0
+    with Model(model_path) as model:
+        for i, p in enumerate(prompts):
+            try:
+                text = tmpl.render([{"role": "user", "content": p}], add_generation_prompt=True)
+            except MissingChatTemplateError:
+                text = p
+            ids = tok.encode(text)
+            with model.new_session(n_ctx=len(ids) + max_tokens + 1, n_threads=threads) as s:
+                first, _ = s.prefill(ids)
+                seq = [first]
+                if first not in eos and max_tokens > 1:
+                    seq += s.decode(first, max_tokens - 1, stop_ids=eos)[0]
+            seq = [t for t in seq if t not in eos]
+            out.append(seq)
+            total += len(seq)
+            if progress is not None:
+                progress(i + 1, len(prompts), total)
+        return out, model.info.n_vocab
+
+
+def cmd_prior(args: argparse.Namespace) -> int:
+    from echospec.services.draft.prior import DraftPrior, PriorError, default_path
+
+    if not 1 <= args.max_tokens <= 4096:
+        _die(f"--max-tokens must be in [1, 4096], got {args.max_tokens}", 2)
+    if args.threads < 0:
+        _die(f"--threads must be >= 0, got {args.threads}", 2)
+    try:
+        prompts = read_prompts(args.prompts or default_prompts())
+    except ValueError as exc:
+        _die(str(exc), 2)
+    template = _check_chat_template(args.chat_template) if args.chat_template else ""
+    model = _resolve_model(args.model)
+    try:
+        out = args.out or default_path(model)
+    except PriorError as exc:
+        _die(str(exc), 2)
+    if args.if_missing and os.path.isfile(out):
+        print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
+        print(out)
+        return 0
+    t0 = time.perf_counter()
+
+    def progress(done: int, n: int, tokens: int) -> None:
+        if done == n or done % 20 == 0:
+            print(f"echospec prior: {done}/{n} answers, {tokens} tokens, "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    print(f"echospec prior: {model} answers {len(prompts)} prompts (up to {args.max_tokens} tokens "
+          f"each) ...", file=sys.stderr, flush=True)
+    try:
+        seqs, n_vocab = answers(model, prompts, args.max_tokens, args.threads, template, progress)
+        prior = DraftPrior(seqs, n_vocab, model=os.path.basename(model))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        prior.save(out)
+    except (OSError, ValueError, RuntimeError) as exc:   # RuntimeError: EngineError
+        _die(f"echospec prior: {exc}")
+    print(f"echospec prior: {prior.n_tokens} tokens, {len(prior)} contexts -> {out}", file=sys.stderr)
+    print(out)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prior", help="build a model's draft prior (the table a verifier drafts free "
+                                     "text from) from its own answers")
+    p.add_argument("--model", help="GGUF file or model name (smollm2-135m, gemma3-270m; default: "
+                                   "SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--out", help="the prior's file (default: where `echospec serve --draft-prior auto` "
+                                 "looks for this model's: <ECHOSPEC_CACHE>/priors/)")
+    p.add_argument("--prompts", help="UTF-8 text file, one prompt per line (default: the 320 general "
+                                     "prompts shipped in services/draft/prior_prompts.txt)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--threads", type=int, default=0, help="engine threads (0: every CPU this process "
+                                                          "may use)")
+    p.add_argument("--chat-template", help="a Jinja chat template file for a model without its own "
+                                           "(without either, each prompt is continued as text)")
+    p.add_argument("--if-missing", action="store_true", help="do nothing when the prior's file is "
+                                                              "there already")
+    p.set_defaults(fn=cmd_prior)

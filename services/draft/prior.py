@@ -1,0 +1,212 @@
+"""The model's own next token from a table of its earlier outputs: the draft prior. Pure.
+
+A draft prior is an n-gram table of what one model writes: token sequences it produced greedily
+(its answers to a set of prompts, ``prior_prompts.txt``; built by ``echospec prior``). For each
+context of 1 .. ``max_n`` tokens that occurs in them it keeps the token that most often follows
+(ties: the one seen first). ``next(history)`` looks up the longest context the history ends with
+and returns that token, or None where no context matches.
+
+Where the other sources have nothing (free text: no repeat, list or prediction), the verifier
+drafts this one token beside the pending one. A verify of one draft costs about what a decode
+step costs (V(1) / T is 1.02 for SmolLM2 at one thread), so a draft that the model takes a
+quarter of the time already pays; the controller drafts it only while its acceptance in this
+generation says it does (``PriorStats``).
+
+Worked example (max_n = 2), sequences [[1, 2, 3], [1, 2, 4], [5, 2, 3]]:
+    contexts (2,) -> 3 (twice, 4 once); (1, 2) -> 3 (seen first, a tie with 4); (5, 2) -> 3;
+    next([9, 1, 2]) = 3 (context (1, 2)); next([7, 2]) = 3 (context (2,)); next([6]) = None.
+
+File (numpy .npz, no pickles): ``tokens`` int32, the sequences one after another; ``ends``
+int64, each sequence's end offset; ``n_vocab`` and ``max_n`` int64 scalars; ``model`` the name
+of the model whose outputs they are (for people; the table works with any model of the same
+vocabulary, only its acceptance differs); ``version``. The table is rebuilt on load (a second
+for 50k tokens).
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PRIOR_VERSION = 1
+MAX_N = 4
+
+
+class PriorError(ValueError):
+    """A draft prior that cannot be built or read; the message says why."""
+
+
+class DraftPrior:
+    """The most frequent next token after each context of 1 .. max_n tokens of some sequences.
+
+    Args:
+        seqs: token sequences (ints in [0, n_vocab)). n_vocab: the vocabulary size.
+        max_n: the longest context, 1 .. 8. model: a name for the model that wrote them.
+    Raises:
+        PriorError: an id outside [0, n_vocab), n_vocab < 1 or max_n out of range.
+    """
+
+    def __init__(self, seqs: Iterable[Sequence[int]], n_vocab: int, max_n: int = MAX_N, model: str = ""):
+        if n_vocab < 1:
+            raise PriorError(f"n_vocab must be >= 1, got {n_vocab}")
+        if not 1 <= max_n <= 8:
+            raise PriorError(f"max_n must be in [1, 8], got {max_n}")
+        self.n_vocab = int(n_vocab)
+        self.max_n = int(max_n)
+        self.model = model
+        self.seqs = [np.asarray(s, dtype=np.int64).astype(np.int32) for s in seqs]
+        for i, s in enumerate(self.seqs):
+            if s.size and (int(s.min()) < 0 or int(s.max()) >= self.n_vocab):
+                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+                raise PriorError(f"sequence {i} holds token id {bad}, outside [0, {self.n_vocab})")
+        counts: list[dict[tuple, Counter]] = [{} for _ in range(self.max_n + 1)]
+        for s in self.seqs:
+            seq = s.tolist()
+            for i in range(1, len(seq)):
+                for n in range(1, min(self.max_n, i) + 1):
+                    counts[n].setdefault(tuple(seq[i - n:i]), Counter())[seq[i]] += 1
+        # Counter.most_common keeps first-seen order among equal counts
+        self._next = [{ctx: c.most_common(1)[0][0] for ctx, c in table.items()} for table in counts]
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the sequences."""
+        return sum(int(s.size) for s in self.seqs)
+
+    def __len__(self) -> int:
+        """Contexts in the table."""
+        return sum(len(t) for t in self._next)
+
+    def next(self, history: Sequence[int]) -> int | None:
+        """The token most often after the longest context (up to max_n tokens) that ``history``
+        ends with; None when none of its last 1 .. max_n tokens is a known context."""
+        for n in range(min(self.max_n, len(history)), 0, -1):
+            t = self._next[n].get(tuple(history[-n:]))
+            if t is not None:
+                return t
+        return None
+
+    def save(self, path: str) -> None:
+        """Write the prior to ``path`` (.npz; written to a temporary file, then renamed)."""
+        ends = np.cumsum([s.size for s in self.seqs], dtype=np.int64)
+        tokens = np.concatenate(self.seqs) if self.seqs else np.zeros(0, np.int32)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, tokens=tokens, ends=ends, n_vocab=np.int64(self.n_vocab),
+                                max_n=np.int64(self.max_n), model=np.str_(self.model),
+                                version=np.int64(PRIOR_VERSION))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, n_vocab: int | None = None) -> "DraftPrior":
+        """Read a prior written by ``save``.
+
+        Args:
+            n_vocab: the serving model's vocabulary size; a prior of another size is refused.
+        Raises:
+            PriorError: no such file, not a prior, another version or vocabulary, bad contents.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                missing = {"tokens", "ends", "n_vocab", "max_n", "version"} - set(z.files)
+                if missing:
+                    raise PriorError(f"draft prior {path}: not a draft prior (no {', '.join(sorted(missing))})")
+                version = int(z["version"])
+                if version != PRIOR_VERSION:
+                    raise PriorError(f"draft prior {path}: version {version}, this build reads {PRIOR_VERSION}; "
+                                     f"build it again with `echospec prior`")
+                tokens, ends = z["tokens"], z["ends"]
+                file_vocab, max_n = int(z["n_vocab"]), int(z["max_n"])
+                model = str(z["model"]) if "model" in z.files else ""
+        except PriorError:
+            raise
+        except FileNotFoundError:
+            raise PriorError(f"draft prior {path}: no such file") from None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
+            raise PriorError(f"draft prior {path}: not a readable .npz file ({exc})") from None
+        if n_vocab is not None and file_vocab != n_vocab:
+            raise PriorError(f"draft prior {path}: built for a vocabulary of {file_vocab} tokens "
+                             f"({model or 'unnamed model'}), the model has {n_vocab}")
+        if tokens.ndim != 1 or ends.ndim != 1 or tokens.dtype.kind != "i" or ends.dtype.kind != "i":
+            raise PriorError(f"draft prior {path}: tokens and ends must be 1-D integer arrays")
+        if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0 or int(ends[-1]) != tokens.size):
+            raise PriorError(f"draft prior {path}: ends must rise to the token count {tokens.size}")
+        if not ends.size and tokens.size:
+            raise PriorError(f"draft prior {path}: {tokens.size} tokens but no sequence ends")
+        starts = np.concatenate([[0], ends[:-1]]) if ends.size else ends
+        try:
+            return cls([tokens[a:b] for a, b in zip(starts, ends)], file_vocab, max_n, model)
+        except PriorError as exc:
+            raise PriorError(f"draft prior {path}: {exc}") from None
+
+
+def cache_dir() -> str:
+    """The model cache (ECHOSPEC_CACHE; default, also when empty: ~/.cache/echospec)."""
+    return os.environ.get("ECHOSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "echospec")
+
+
+def default_path(model_path: str) -> str:
+    """Where `echospec prior` caches the prior of ``model_path``: <cache>/priors/<file name>.<bytes>
+    .prior.npz (the size tells two files of one name apart without hashing gigabytes).
+
+    Raises:
+        PriorError: the model file cannot be read.
+    """
+    try:
+        size = os.path.getsize(model_path)
+    except OSError as exc:
+        raise PriorError(f"model {model_path}: {exc.strerror or exc}") from None
+    return os.path.join(cache_dir(), "priors", f"{os.path.basename(model_path)}.{size}.prior.npz")
+
+
+def resolve(setting: str, model_path: str) -> str:
+    """The prior file a verifier loads for its ``draft_prior`` setting: "" for none ("off"; "auto"
+    when ``default_path`` holds none), else a path (which ``DraftPrior.load`` then reads).
+
+    Raises:
+        PriorError: the model file cannot be read ("auto").
+    """
+    if setting.strip().lower() in ("off", ""):
+        return ""
+    if setting.strip().lower() == "auto":
+        path = default_path(model_path)
+        return path if os.path.isfile(path) else ""
+    return setting
+
+
+@dataclass
+class PriorStats:
+    """One generation's record of its prior drafts, and the chance that the next one is accepted.
+
+    ``p`` is a moving average of the drafts' outcomes (weight ``alpha`` on the newest), starting
+    at ``seed`` (a prior's acceptance on free text is 0.2-0.3). A round that does not draft the
+    prior moves p back toward the seed by ``drift`` of the gap, so text the prior stopped guessing
+    is tried again after a while (about 1 / drift rounds) instead of never.
+
+    Example (alpha 0.25, seed 0.25): miss, miss -> p 0.19, 0.14; hit -> 0.36.
+    """
+
+    seed: float = 0.25
+    alpha: float = 0.25
+    drift: float = 1 / 32
+    tries: int = 0
+    hits: int = 0
+    p: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.p < 0:
+            self.p = self.seed
+
+    def record(self, accepted: bool) -> None:
+        """One prior draft verified: accepted or not."""
+        self.tries += 1
+        self.hits += int(accepted)
+        self.p += self.alpha * (float(accepted) - self.p)
+
+    def idle(self) -> None:
+        """A round without a prior draft."""
+        self.p += self.drift * (self.seed - self.p)
