@@ -35,6 +35,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # and can break the child before its exec. Nothing here uses gRPC across a
 # fork, so leave the handlers out (read when grpc is first imported).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Draft priors (`echospec prior`) are looked up in an empty directory of the test run's own, so a
+# prior built on this machine for the real model changes no test's rounds; the prior's tests give
+# theirs by path (services/draft/prior.py: priors_dir).
+import tempfile  # noqa: E402
+os.environ["ECHOSPEC_PRIORS"] = tempfile.mkdtemp(prefix="echospec-test-priors-")
 
 import pytest  # noqa: E402
 

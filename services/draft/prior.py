@@ -144,13 +144,15 @@ class DraftPrior:
             raise PriorError(f"draft prior {path}: {exc}") from None
 
 
-def cache_dir() -> str:
-    """The model cache (ECHOSPEC_CACHE; default, also when empty: ~/.cache/echospec)."""
-    return os.environ.get("ECHOSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "echospec")
+def priors_dir() -> str:
+    """Where `echospec prior` caches priors: ECHOSPEC_PRIORS, else (also when empty)
+    <ECHOSPEC_CACHE>/priors, ECHOSPEC_CACHE defaulting (also when empty) to ~/.cache/echospec."""
+    cache = os.environ.get("ECHOSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "echospec")
+    return os.environ.get("ECHOSPEC_PRIORS") or os.path.join(cache, "priors")
 
 
 def default_path(model_path: str) -> str:
-    """Where `echospec prior` caches the prior of ``model_path``: <cache>/priors/<file name>.<bytes>
+    """Where `echospec prior` caches the prior of ``model_path``: <priors_dir>/<file name>.<bytes>
     .prior.npz (the size tells two files of one name apart without hashing gigabytes).
 
     Raises:
@@ -160,7 +162,7 @@ def default_path(model_path: str) -> str:
         size = os.path.getsize(model_path)
     except OSError as exc:
         raise PriorError(f"model {model_path}: {exc.strerror or exc}") from None
-    return os.path.join(cache_dir(), "priors", f"{os.path.basename(model_path)}.{size}.prior.npz")
+    return os.path.join(priors_dir(), f"{os.path.basename(model_path)}.{size}.prior.npz")
 
 
 def resolve(setting: str, model_path: str) -> str:
