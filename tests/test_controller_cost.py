@@ -87,6 +87,30 @@ def test_a_pessimistic_estimate_is_probed_again():
     assert "cached" in plans                     # a probe drafted although the model said no
 
 
+def test_a_high_acceptance_held_down_by_a_dear_v_drafts_all_it_has_now_and_then():
+    """V(16) measured once at 10 T (a forward beside other work) keeps the cost model at short
+    drafts although every draft is kept; every probe_every-th such round drafts all at hand, and
+    the V it then measures (2 T) lets the model take long drafts again."""
+    c = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_every=4)
+    c.cost.observe(16, 30.0, 30.1, 3.0)
+    ks = []
+    for _ in range(30):
+        d = c.on_proposal(list(range(1, 33)), k_cap=16)
+        ks.append(len(d))
+        if len(d) == 16:
+            c.cost.observe(16, 6.0, 6.1, 3.0)
+        c.on_result(d, d + [99])
+    first = ks.index(16)                               # held down, then one probe of all 16
+    assert first >= 4 and all(0 < k < 16 for k in ks[first - 4:first]), ks
+    assert ks[-1] == 16, ks                            # the new figure stands
+    low = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_every=4)
+    low.cost.observe(16, 30.0, 30.1, 3.0)
+    for _ in range(30):                                # at a low acceptance: no probe up
+        d = low.on_proposal(list(range(1, 33)), k_cap=16)
+        assert len(d) < 16
+        low.on_result(d, d[:len(d) // 3] + [99])
+
+
 # ---- one gain formula: the controller's choice and the reported verdict ----------------------
 
 @pytest.mark.parametrize("t,o,v,r", [

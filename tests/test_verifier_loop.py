@@ -125,6 +125,31 @@ def test_steps_of_several_sessions_share_iterations_up_to_batch_max():
     assert sorted(log) == ["s0", "s1", "s2", "s3", "s4", "x"]
 
 
+class _ThreadedFake(_FakeSession):
+    """A _FakeSession with an engine thread count the scheduler sets before each call."""
+
+    threads = 0
+
+
+@pytest.mark.parametrize("head,n_tokens,want", [
+    ("all", 1, 1), ("all", 3, 1), ("all", 4, 2), ("all", 17, 2),     # decode, verifies of 2, 3, 16 drafts
+    ("last", 4, 1), ("last", 15, 1), ("last", 16, 2),                 # prefill chunks
+])
+def test_a_verify_of_several_drafts_runs_on_the_many_threads_as_a_long_prefill_chunk(head, n_tokens, want):
+    """threads (one 1, many 2): a lone session's verify of MANY_VERIFY tokens or more (the pending
+    token and 3 drafts) is bound by arithmetic like a prefill chunk of MANY_TOKENS and runs on
+    many; a decode step, a short verify and a short chunk keep to one."""
+    from echospec.services.verifier.scheduler import MANY_TOKENS, MANY_VERIFY
+    assert (MANY_VERIFY, MANY_TOKENS) == (4, 16)
+    sched = Scheduler(threading.Lock(), run_batch=_fake_batch, threads=(1, 2))
+    fake = _ThreadedFake([], "a")
+    seen = []
+    fake.forward = lambda tokens, logits="none": (seen.append(fake.threads),
+                                                 np.zeros(len(tokens), dtype=np.int32), None)[1:]
+    sched.run(Step(fake, list(range(n_tokens)), head=head))
+    assert seen == [want] and sched.threads_used == {want: 1}
+
+
 # -- the prefix cache's bookkeeping ----------------------------------------------------------------
 
 def test_common_prefix_len():

@@ -47,8 +47,10 @@ condition V(K) [+ h] + o < (E(K) + 1) * T (services/common/economics.py
 gain_condition, the formula of the reported verdict too), and drafts nothing
 when none passes (plain decoding, 1 / T tokens per ms, is faster); with
 drafts at hand but none chosen, every probe_every-th round still drafts 2
-tokens, so a stale
-estimate is measured again rather than locking drafting out. T, V(K) and o are
+tokens, and with an acceptance of probe_up_p or more but fewer drafts chosen
+than at hand, every probe_every-th such round drafts them all, so a stale
+estimate (a V measured once beside other work, or on a cold second thread) is
+measured again rather than locking drafting out or holding K down. T, V(K) and o are
 measured live by each generation (CostModel: they depend on its context depth);
 p is this generation's recency-weighted acceptance of the draft's source
 (Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction), as
@@ -406,6 +408,8 @@ class SpecController:
     acc: dict = field(default_factory=dict)
     probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
     since_probe: int = 0
+    probe_up_p: float = 0.7            # ... and with fewer chosen than at hand at this acceptance
+    since_probe_up: int = 0
     cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
     # back-off rounds still ask in flight (a request with a prediction, or a verifier whose engine
     # leaves a CPU free: the probe then runs beside the forward at no cost to it)
@@ -470,6 +474,17 @@ class SpecController:
             if self.since_probe >= self.probe_every:
                 self.since_probe = 0
                 k = min(available, 2)
+                e = expected_accepted(p, k)
+                self.shape = Shape(k, (), e, self.cost.v_est(k) + (self.cost.hop_ms if hop else 0.0)
+                                   + self.cost.overhead_ms)
+        elif 0 < k < available and not shape.nodes and p >= self.probe_up_p:
+            # A high acceptance drafting fewer than it has: every probe_every-th such round drafts
+            # them all, so a V of the longer drafts measured once too dear (a forward beside other
+            # work, a cold thread) is measured again instead of holding K down for good.
+            self.since_probe_up += 1
+            if self.since_probe_up >= self.probe_every:
+                self.since_probe_up = 0
+                k = available
                 e = expected_accepted(p, k)
                 self.shape = Shape(k, (), e, self.cost.v_est(k) + (self.cost.hop_ms if hop else 0.0)
                                    + self.cost.overhead_ms)

@@ -65,14 +65,15 @@ Otherwise the step is one verify like any other. The tokens are those of one ver
 Engine threads (``threads`` = (one, many)): an iteration over one session
 runs on ``one`` thread(s) of the sessions' pools, one that batches two or
 more sessions (a decode run over them too), or feeds one session MANY_TOKENS
-or more (a prefill chunk), on ``many`` (set on the batch's sessions before the
+or more (a prefill chunk) or MANY_VERIFY or more in a verify (a token tree and a
+verify run by their first round), on ``many`` (set on the batch's sessions before the
 call; es_forward_batch runs on its first item's pool and count). A lone
-session's steps and decode runs keep to ``one``: the default leaves a core to
+session's steps, decode runs and short verifies keep to ``one``: the default leaves a core to
 the services' Python and the clients, and a step on every core waits for its
 slowest thread whenever anything else runs (bench/README.md, serve_bench,
-"Engine threads"). A prefill chunk is bound by arithmetic, and its stream has
-nothing to send yet. Results do not depend on the count (the engine's
-contract), only the speed does.
+"Engine threads"). A prefill chunk or a verify of several drafts is bound by arithmetic (SmolLM2 at
+one thread: 4 rows cost 1.17 T, 17 rows 3.7 T; on two: 0.75 T and 2.0 T), so the second core pays
+for itself there. Results do not depend on the count (the engine's contract), only the speed does.
 
 Gathering (batch_max >= 2): the sessions of an iteration come back with their
 next steps one by one, as their loops take the results, and the first one
@@ -97,7 +98,8 @@ from echospec.services.verifier.engine import (EngineError, decode_batch, ffi, f
 from echospec.services.verifier.tree_accept import accept
 
 
-MANY_TOKENS = 16   # an iteration over one session of this many tokens runs on ``many`` threads
+MANY_TOKENS = 16   # a prefill chunk of this many tokens (one session) runs on ``many`` threads
+MANY_VERIFY = 4    # ... and a verify of this many (the pending token and 3 or more drafts)
 
 
 class Cancelled(Exception):
@@ -445,7 +447,8 @@ class Scheduler:
             reset_call_ms()
             try:
                 if self.threads is not None:
-                    one = len(batch) == 1 and len(batch[0].tokens) < MANY_TOKENS
+                    one = len(batch) == 1 and len(batch[0].tokens) < (
+                        MANY_VERIFY if batch[0].head == "all" else MANY_TOKENS)
                     n = self.threads[0] if one else self.threads[1]
                     self.threads_used[n] = self.threads_used.get(n, 0) + 1
                     for s in batch:
