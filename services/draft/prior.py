@@ -187,14 +187,17 @@ class PriorStats:
     ``p`` is a moving average of the drafts' outcomes (weight ``alpha`` on the newest), starting
     at ``seed`` (a prior's acceptance on free text is 0.2-0.3). A round that does not draft the
     prior moves p back toward the seed by ``drift`` of the gap, so text the prior stopped guessing
-    is tried again after a while (about 1 / drift rounds) instead of never.
+    is tried again after a while instead of never: below ``min_p`` the loop drafts none (three
+    misses in a row from the seed), and after a later miss p climbs back past it in about 13
+    rounds, so text the prior never guesses drafts it about once in 14 rounds.
 
     Example (alpha 0.25, seed 0.25): miss, miss -> p 0.19, 0.14; hit -> 0.36.
     """
 
     seed: float = 0.25
     alpha: float = 0.25
-    drift: float = 1 / 32
+    drift: float = 1 / 64
+    min_p: float = 0.12
     tries: int = 0
     hits: int = 0
     p: float = -1.0

@@ -880,10 +880,12 @@ def _prior_draft(prior: Any, stats: PriorStats, history: list[int], k_cap: int, 
     """A round's draft from the draft prior (services/draft/prior.py) where the controller has
     none: [the token the model most often wrote after the history's last tokens] when there is
     one, room for a draft, a draft link, and the generation's acceptance of these drafts so far
-    (``stats.p``) says a verify of one draft pays (best_k with the live V(1), T and overhead;
-    always with a fixed K); else []. Returns (draft, the acceptance it was chosen at)."""
+    (``stats.p``) is at least stats.min_p and says a verify of one draft pays (best_k with the live
+    V(1), T and overhead: a V(1) measured below T would pass any p); always with a fixed K; else [].
+    Returns (draft, the acceptance it was chosen at)."""
     p = stats.p
-    if k_cap <= 0 or drafts.link is None or (cost is not None and best_k(p, 1, cost, hop=False) < 1):
+    if k_cap <= 0 or drafts.link is None or (cost is not None and (p < stats.min_p or
+                                                                  best_k(p, 1, cost, hop=False) < 1)):
         stats.idle()
         return [], p
     t = prior.next(history)
