@@ -64,31 +64,41 @@ def test_bad_tables_are_refused(seqs, n_vocab, max_n, msg):
 
 
 def test_prior_stats_follow_the_docstring_example_and_drift_back():
-    s = PriorStats()
+    s = PriorStats(alpha=0.25)
     s.record(False)
     s.record(False)
     assert (round(s.p, 2), s.tries, s.hits) == (0.14, 2, 0)
     s.record(True)
     assert round(s.p, 2) == 0.36 and s.hits == 1
-    never = PriorStats()
-    for _ in range(2):
-        never.record(False)
-    assert never.p >= never.min_p
-    never.record(False)
-    assert never.p < never.min_p                  # three misses from the seed: no more drafts
-    gaps = []
-    for _ in range(5):                            # then a probe now and then, each a miss
-        n = 0
-        while never.p < never.min_p:
-            never.idle()
-            n += 1
-        gaps.append(n)
-        never.record(False)
-    assert 6 <= gaps[0] <= 9 and all(11 <= g <= 15 for g in gaps[1:]), gaps
-    low = PriorStats(p=0.0)
+    low = PriorStats(p=0.0, drift=1 / 64)
     for _ in range(64):
         low.idle()
     assert 0.15 < low.p < 0.17       # 1 - (63/64)^64 of the way back to the seed
+
+
+def _drafted(q: float, rounds: int = 20000) -> float:
+    """The share of rounds the loop's rule (draft while p >= min_p) drafts on text whose prior
+    drafts are kept with probability q (a fixed pseudo-random sequence)."""
+    import random
+    rng, s, n = random.Random(1), PriorStats(), 0
+    for _ in range(rounds):
+        if s.p >= s.min_p:
+            n += 1
+            s.record(rng.random() < q)
+        else:
+            s.idle()
+    return n / rounds
+
+
+def test_prior_stats_draft_where_it_pays_and_probe_where_it_does_not():
+    """The docstring's figures: kept 30 % of the time -> every round; 15 % -> about 9 in 10;
+    never -> about 3 in 10 (each a few % of T lost); the first 25 misses from the seed all draft."""
+    assert _drafted(0.3) >= 0.97 and 0.8 <= _drafted(0.15) <= 0.97 and 0.15 <= _drafted(0.0) <= 0.4
+    s = PriorStats()
+    for _ in range(25):
+        assert s.p >= s.min_p
+        s.record(False)
+    assert s.p < s.min_p
 
 
 # -- the file ------------------------------------------------------------------------------------
@@ -421,7 +431,7 @@ def test_a_prior_that_keeps_missing_drafts_rarely_even_where_one_draft_looks_fre
                                                                                  monkeypatch):
     """A V(1) measured below T (noise: two rows cost about one) passes the gain condition at any
     acceptance; the prior's own floor (PriorStats.min_p) still stops a prior that keeps missing
-    after three misses and probes it about once in 14 rounds."""
+    after its first misses and then probes it in about 3 rounds of 10."""
     from echospec.services.verifier import controller, generation_loop
     free = controller.CostModel()
     free.observe(0, 3.0, 3.05, 3.0)
@@ -437,6 +447,7 @@ def test_a_prior_that_keeps_missing_drafts_rarely_even_where_one_draft_looks_fre
         evs = _run(core, PROMPT, 120, _NoDrafts(), eager=True)
         assert _tokens(evs) == plain
         rounds = [e for e in evs if e.source == SOURCE_PRIOR]
-        assert 3 <= len(rounds) <= 3 + len(evs) // 10, (len(rounds), len(evs))
+        late = [e for e in evs[60:] if e.source == SOURCE_PRIOR]
+        assert len(late) <= len(evs[60:]) // 2, (len(late), len(evs[60:]))
     finally:
         core.close()
