@@ -87,11 +87,22 @@ def test_a_pessimistic_estimate_is_probed_again():
     assert "cached" in plans                     # a probe drafted although the model said no
 
 
+def test_a_v_sample_under_half_the_estimate_replaces_it_others_average_in():
+    c = CostModel()
+    c.observe(4, 10.0, 10.5, 3.0)
+    c.observe(4, 6.0, 6.5, 3.0)                        # 0.6 of it: the moving average
+    assert c.v_ms[4] == pytest.approx(9.6)
+    c.observe(4, 4.0, 4.5, 3.0)                        # under half: the estimate was stale
+    assert c.v_ms[4] == 4.0
+    c.observe(4, 40.0, 40.5, 3.0)                      # a dear sample only moves it by alpha
+    assert c.v_ms[4] == pytest.approx(7.6)
+
+
 def test_a_high_acceptance_held_down_by_a_dear_v_drafts_all_it_has_now_and_then():
     """V(16) measured once at 10 T (a forward beside other work) keeps the cost model at short
-    drafts although every draft is kept; every probe_every-th such round drafts all at hand, and
+    drafts although every draft is kept; every probe_up_every-th such round drafts all at hand, and
     the V it then measures (2 T) lets the model take long drafts again."""
-    c = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_every=4)
+    c = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_up_every=3)
     c.cost.observe(16, 30.0, 30.1, 3.0)
     ks = []
     for _ in range(30):
@@ -101,9 +112,21 @@ def test_a_high_acceptance_held_down_by_a_dear_v_drafts_all_it_has_now_and_then(
             c.cost.observe(16, 6.0, 6.1, 3.0)
         c.on_result(d, d + [99])
     first = ks.index(16)                               # held down, then one probe of all 16
-    assert first >= 4 and all(0 < k < 16 for k in ks[first - 4:first]), ks
+    assert first >= 3 and all(0 < k < 16 for k in ks[first - 2:first]), ks
     assert ks[-1] == 16, ks                            # the new figure stands
-    low = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_every=4)
+    right = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_up_every=3)
+    right.cost.observe(16, 30.0, 30.1, 3.0)          # ... and where the dear V is right, each
+    ks = []                                          # probe doubles the wait for the next
+    for _ in range(60):
+        d = right.on_proposal(list(range(1, 33)), k_cap=16)
+        ks.append(len(d))
+        if len(d) == 16:
+            right.cost.observe(16, 30.0, 30.1, 3.0)
+        right.on_result(d, d + [99])
+    probes = [i for i, k in enumerate(ks) if k == 16]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:])), ks
+    low = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_up_every=3)
     low.cost.observe(16, 30.0, 30.1, 3.0)
     for _ in range(30):                                # at a low acceptance: no probe up
         d = low.on_proposal(list(range(1, 33)), k_cap=16)

@@ -48,7 +48,8 @@ gain_condition, the formula of the reported verdict too), and drafts nothing
 when none passes (plain decoding, 1 / T tokens per ms, is faster); with
 drafts at hand but none chosen, every probe_every-th round still drafts 2
 tokens, and with an acceptance of probe_up_p or more but fewer drafts chosen
-than at hand, every probe_every-th such round drafts them all, so a stale
+than at hand, a round after probe_up_every such rounds (then 2, 4, ... 16 times
+as many) drafts them all, so a stale
 estimate (a V measured once beside other work, or on a cold second thread) is
 measured again rather than locking drafting out or holding K down. T, V(K) and o are
 measured live by each generation (CostModel: they depend on its context depth);
@@ -107,7 +108,8 @@ class CostModel:
         v_tree_ms[n]  verify of a token tree of n draft nodes (its own table: the tree's
                       attention mask and the kept path's KV compaction differ from a chain's)
     A measured V(K) above the measured V of a larger K counts as that V (a verify of more
-    drafts never costs less; such a figure is stale: ``_measured``). V(K) for a K not yet
+    drafts never costs less; such a figure is stale: ``_measured``), and a sample under half
+    of V(K)'s estimate replaces it (the estimate was taken beside other work). V(K) for a K not yet
     measured comes from V(K) = T * (1 + slope * K), slope fitted to those ratios (default
     ``prior_slope``); V_tree(n) not yet measured is V(K = n): the same rows through the same
     weights.
@@ -135,7 +137,11 @@ class CostModel:
                 self.t_ms = self._ema(self.t_ms, t_ms)
             if v_ms > 0:
                 table = self.v_tree_ms if tree else self.v_ms
-                table[k] = self._ema(table.get(k, 0.0), v_ms)
+                old = table.get(k, 0.0)
+                # a verify never runs faster than it costs: a sample under half the estimate says
+                # the estimate came from a forward beside other work or on a cold thread, and
+                # replaces it (a K measured rarely would else keep a stale figure for many rounds)
+                table[k] = v_ms if v_ms < 0.5 * old else self._ema(old, v_ms)
                 if hop_ms is None and wall_ms >= v_ms:
                     self.overhead_ms = self._ema(self.overhead_ms, wall_ms - v_ms)
             if hop_ms is not None and hop_ms > 0:
@@ -409,6 +415,8 @@ class SpecController:
     probe_every: int = 8               # with drafts at hand but none chosen: probe every n-th round
     since_probe: int = 0
     probe_up_p: float = 0.7            # ... and with fewer chosen than at hand at this acceptance
+    probe_up_every: int = 3            # ... all of them after n such rounds, then 2 n, 4 n, ... 16 n
+    probe_up_gap: int = 0              # the current wait (0: probe_up_every)
     since_probe_up: int = 0
     cache_source: int = 0              # the draft source of the cache's proposal (DraftSource)
     # back-off rounds still ask in flight (a request with a prediction, or a verifier whose engine
@@ -478,12 +486,17 @@ class SpecController:
                 self.shape = Shape(k, (), e, self.cost.v_est(k) + (self.cost.hop_ms if hop else 0.0)
                                    + self.cost.overhead_ms)
         elif 0 < k < available and not shape.nodes and p >= self.probe_up_p:
-            # A high acceptance drafting fewer than it has: every probe_every-th such round drafts
-            # them all, so a V of the longer drafts measured once too dear (a forward beside other
-            # work, a cold thread) is measured again instead of holding K down for good.
+            self.probe_up_gap = self.probe_up_gap or self.probe_up_every
+            # A high acceptance drafting fewer than it has: every probe_up_every-th such round
+            # drafts them all, so a V of the longer drafts measured once too dear (a forward beside
+            # other work, a cold thread) is measured again instead of holding K down for good; at
+            # this acceptance a long draft that was not worth it costs little.
+            # A model that still drafts fewer after a probe had V right: each probe doubles the
+            # wait for the next (3, 6, 12, ... up to 48 such rounds).
             self.since_probe_up += 1
-            if self.since_probe_up >= self.probe_every:
+            if self.since_probe_up >= self.probe_up_gap:
                 self.since_probe_up = 0
+                self.probe_up_gap = min(2 * self.probe_up_gap, 16 * self.probe_up_every)
                 k = available
                 e = expected_accepted(p, k)
                 self.shape = Shape(k, (), e, self.cost.v_est(k) + (self.cost.hop_ms if hop else 0.0)
