@@ -98,37 +98,37 @@ def test_a_v_sample_under_half_the_estimate_replaces_it_others_average_in():
     assert c.v_ms[4] == pytest.approx(7.6)
 
 
-def test_a_high_acceptance_held_down_by_a_dear_v_drafts_all_it_has_now_and_then():
-    """V(16) measured once at 10 T (a forward beside other work) keeps the cost model at short
-    drafts although every draft is kept; every probe_up_every-th such round drafts all at hand, and
-    the V it then measures (2 T) lets the model take long drafts again."""
+def _held_down(probe_v: float, rounds: int) -> list[int]:
+    """A controller whose V(16) was measured once at 10 T, over ``rounds`` rounds whose drafts are
+    all kept: each round's K; a round of 16 measures V(16) = probe_v."""
     c = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_up_every=3)
     c.cost.observe(16, 30.0, 30.1, 3.0)
     ks = []
-    for _ in range(30):
+    for _ in range(rounds):
         d = c.on_proposal(list(range(1, 33)), k_cap=16)
         ks.append(len(d))
         if len(d) == 16:
-            c.cost.observe(16, 6.0, 6.1, 3.0)
+            c.cost.observe(16, probe_v, probe_v + 0.1, 3.0)
         c.on_result(d, d + [99])
+    return ks
+
+
+def test_a_high_acceptance_held_down_by_a_dear_v_drafts_all_it_has_now_and_then():
+    """V(16) measured once at 10 T (a forward beside other work) keeps the cost model at short
+    drafts although every draft is kept; after probe_up_every such rounds one drafts all at hand,
+    and the V it then measures (2 T) lets the model take long drafts again. Where the dear V is
+    right, each probe doubles the wait for the next; at a low acceptance there is none."""
+    ks = _held_down(6.0, 30)
     first = ks.index(16)                               # held down, then one probe of all 16
     assert first >= 3 and all(0 < k < 16 for k in ks[first - 2:first]), ks
     assert ks[-1] == 16, ks                            # the new figure stands
-    right = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_up_every=3)
-    right.cost.observe(16, 30.0, 30.1, 3.0)          # ... and where the dear V is right, each
-    ks = []                                          # probe doubles the wait for the next
-    for _ in range(60):
-        d = right.on_proposal(list(range(1, 33)), k_cap=16)
-        ks.append(len(d))
-        if len(d) == 16:
-            right.cost.observe(16, 30.0, 30.1, 3.0)
-        right.on_result(d, d + [99])
+    ks = _held_down(30.0, 60)
     probes = [i for i, k in enumerate(ks) if k == 16]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:])), ks
     low = SpecController(k=16, cost=cost(t=3.0, slope=0.1, overhead=0.1), probe_up_every=3)
     low.cost.observe(16, 30.0, 30.1, 3.0)
-    for _ in range(30):                                # at a low acceptance: no probe up
+    for _ in range(30):
         d = low.on_proposal(list(range(1, 33)), k_cap=16)
         assert len(d) < 16
         low.on_result(d, d[:len(d) // 3] + [99])
