@@ -451,3 +451,16 @@ def test_a_prior_that_keeps_missing_drafts_rarely_even_where_one_draft_looks_fre
         assert len(late) <= len(evs[60:]) // 2, (len(late), len(evs[60:]))
     finally:
         core.close()
+
+
+def test_echospec_prior_says_when_a_model_without_a_chat_template_continues_the_default_prompts(
+        tiny_model, tmp_path):
+    """A base model (no chat template, no ChatML tokens) continues each prompt as text; with the
+    default prompts, which are chat instructions, the command says so and how to do better."""
+    from echospec.cli.prior import chat_template_of
+    base = tiny_model(arch="llama", n_vocab=320, n_ctx_train=512, seed=0,
+                      special_tokens=("<eos>", "<start_of_turn>", "<end_of_turn>"))
+    assert chat_template_of(base).missing is not None
+    r = _cli("--model", base, "--out", str(tmp_path / "p.npz"), "--max-tokens", "2", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "has no chat template" in r.stderr and "continued as text" in r.stderr

@@ -45,12 +45,23 @@ def read_prompts(path: str | os.PathLike[str]) -> list[str]:
     return prompts
 
 
+def chat_template_of(model_path: str, chat_template: str = ""):
+    """The chat template a model's prompts go through: the file ``chat_template``, else the
+    model's own (a template without one refuses to render: the prompt is then continued)."""
+    from echospec.services.coordinator.server import read_chat_template
+    from echospec.services.text.chat_template import ChatTemplate
+    from echospec.services.text.tokenizer import read_tokenizer_metadata
+
+    meta = read_tokenizer_metadata(model_path)
+    return ChatTemplate.from_metadata(meta, read_chat_template(chat_template) if chat_template else None)
+
+
 def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_threads: int = 0,
             chat_template: str = "", progress: Callable[[int, int, int], None] | None = None
             ) -> tuple[list[list[int]], int]:
     """The model's greedy answer to each prompt: its output token ids, up to ``max_tokens``, EOS
-    excluded, and the model's vocabulary size. Chat models answer the prompt as a user message; a model with neither a chat
-    template nor ``chat_template`` (a file) continues the prompt text.
+    excluded, and the model's vocabulary size. Chat models answer the prompt as a user message; a
+    model with neither a chat template nor ``chat_template`` (a file) continues the prompt text.
 
     Args:
         progress: called after each answer with (answers done, of how many, tokens so far).
@@ -58,13 +69,11 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
         ValueError: an unreadable model or template file. EngineError: the engine refused (a prompt
             too long for the model's context, say).
     """
-    from echospec.services.coordinator.server import read_chat_template
-    from echospec.services.text.chat_template import ChatTemplate, MissingChatTemplateError
-    from echospec.services.text.tokenizer import Tokenizer, read_tokenizer_metadata
+    from echospec.services.text.chat_template import MissingChatTemplateError
+    from echospec.services.text.tokenizer import Tokenizer
     from echospec.services.verifier.engine import Model
 
-    meta = read_tokenizer_metadata(model_path)
-    tmpl = ChatTemplate.from_metadata(meta, read_chat_template(chat_template) if chat_template else None)
+    tmpl = chat_template_of(model_path, chat_template)
     tok = Tokenizer.from_gguf(model_path)
     eos = sorted(tok.eos_ids)
     threads = n_threads or len(os.sched_getaffinity(0))
@@ -118,8 +127,17 @@ def cmd_prior(args: argparse.Namespace) -> int:
             print(f"echospec prior: {done}/{n} answers, {tokens} tokens, "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
+    try:
+        chat = chat_template_of(model, template).missing is None
+    except (OSError, ValueError) as exc:
+        _die(f"echospec prior: {exc}")
+    if not chat and not args.prompts:
+        print(f"echospec prior: note: {os.path.basename(model)} has no chat template, so it continues "
+              f"each prompt as text, and the default prompts are instructions for a chat model (a "
+              f"base model mostly repeats itself after them): give --prompts with openings of the "
+              f"text it will serve, or --chat-template", file=sys.stderr, flush=True)
     print(f"echospec prior: {model} answers {len(prompts)} prompts (up to {args.max_tokens} tokens "
-          f"each) ...", file=sys.stderr, flush=True)
+          f"each{'' if chat else ', continued as text'}) ...", file=sys.stderr, flush=True)
     try:
         seqs, n_vocab = answers(model, prompts, args.max_tokens, args.threads, template, progress)
         prior = DraftPrior(seqs, n_vocab, model=os.path.basename(model))
