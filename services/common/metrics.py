@@ -131,7 +131,7 @@ class PromMetrics(_Registry):
         echospec_verifier_generations_total{code}  counter: generations it served, by final status
         echospec_verifier_retries_total            counter: generations moved away from it after it
                                                    failed before their first token
-    By draft source (label ``source``: suffix, shared, numbered, prediction, grammar):
+    By draft source (label ``source``: suffix, shared, numbered, prediction, grammar, prior):
     ``echospec_spec_source_{draft_tokens,hits,tries}_total``.
     """
 

@@ -54,7 +54,8 @@ estimate (a V measured once beside other work, or on a cold second thread) is
 measured again rather than locking drafting out or holding K down. T, V(K) and o are
 measured live by each generation (CostModel: they depend on its context depth);
 p is this generation's recency-weighted acceptance of the draft's source
-(Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction), as
+(Beta(1, 1) prior; each source its own: suffix, shared, numbered, prediction; the draft
+prior's one-token drafts are the generation loop's, outside the controller), as
 in the geometric acceptance model of Leviathan et al. 2023 (section 3.1).
 A constrained generation's forced tokens (the grammar source) do not go through
 the controller: the loop drafts them whenever the grammar has any, and

@@ -48,8 +48,8 @@ class SpecStats:
     prefill_ms are milliseconds measured by the verifier. cached_prompt_tokens: prompt tokens
     whose KV the verifier's prefix cache supplied (not prefilled again).
     accepted/rejected_prediction_tokens: drafts from the request's prediction accepted and
-    rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction", "grammar") that
-    drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}. k_choice: the verifier's cost
+    rejected. sources: per draft source ("suffix", "shared", "numbered", "prediction", "grammar",
+    "prior") that drafted, {"draft_tokens": ..., "hits": ..., "tries": ...}. k_choice: the verifier's cost
     model's last choice of the round's shape (chain K, a tree of n nodes, none) and why (the
     measured T and V, E), "" when it made none. tree_rounds: rounds that verified a token tree.
     expected_accepted: the accepted drafts per draft round the cost model expected of its
