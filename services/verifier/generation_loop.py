@@ -82,6 +82,15 @@ asked beside every run, as long as the cache plus a fetch, let runs use the whol
 more than it saved: on a 2-thread forward the draft service took a core from the engine, and a
 proposal still in flight when a short run ended held the next proposal back.)
 
+The draft prior (core.prior, services/draft/prior.py; a greedy speculative generation without a
+grammar, penalties or logprobs): a round for which the controller has no draft verifies one token,
+the one the model most often wrote after the history's last 1-4 tokens, while the generation's own
+acceptance of these drafts (PriorStats) is at least its floor and passes the gain condition with
+the live V(1), T and overhead (``_prior_draft``). Its event has source DRAFT_SOURCE_PRIOR and
+counts as any draft (tries, hits, kv_rolls); for the controller the round is a plain step that
+moved the output on by its tokens (SpecController.on_other), so its cache, back-off and
+per-source acceptance are the draft service's alone. Never a tree round or a verify run.
+
 Plain decoding (no draft link, from the start or once the draft service is
 lost) is a stream of the scheduler (``_PlainStream``): the scheduler's own
 thread takes each step's token and queues the next step right after the
