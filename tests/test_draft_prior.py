@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -132,6 +133,12 @@ def _write(path, **arrays):
     (dict(tokens=np.array([1, 2, 30], np.int32)), "token id 30, outside \\[0, 10\\)"),
     (dict(tokens=np.array([1.0, 2.0, 3.0])), "1-D integer arrays"),
     (dict(max_n=np.int64(0)), "max_n must be in"),
+    (dict(version=np.array([1, 1])), "version must be an integer scalar"),
+    (dict(n_vocab=np.array([10, 10])), "n_vocab must be an integer scalar"),
+    (dict(max_n=np.float64(4.0)), "max_n must be an integer scalar"),
+    (dict(n_vocab=np.float64("nan")), "n_vocab must be an integer scalar"),
+    (dict(tokens=np.array([1, 2, 2**32 + 3], np.int64)), "token id 4294967299, outside \\[0, 10\\)"),
+    (dict(tokens=np.array([1, "a"], dtype=object)), "not a readable .npz file"),
 ])
 def test_a_bad_prior_file_is_refused_with_its_reason(tmp_path, arrays, msg):
     path = str(tmp_path / "p.npz")
@@ -151,6 +158,35 @@ def test_a_prior_of_another_vocabulary_missing_or_unreadable_file_is_refused(tmp
     junk.write_bytes(b"not a zip at all")
     with pytest.raises(PriorError, match="not a readable .npz file"):
         DraftPrior.load(str(junk))
+
+
+def test_a_truncated_corrupt_or_npy_file_is_refused_with_its_reason(tmp_path):
+    good = tmp_path / "good.npz"
+    DraftPrior([[1, 2, 3], [1, 2, 4]], 10).save(str(good))
+    raw = good.read_bytes()
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(raw[:len(raw) // 2])
+    corrupt = tmp_path / "corrupt.npz"                  # the zip's directory intact, a member's data not
+    corrupt.write_bytes(raw[:60] + bytes(20) + raw[80:])
+    npy = tmp_path / "a.npy"
+    np.save(npy, np.zeros(3))
+    text = tmp_path / "text.npz"
+    text.write_text("hello")
+    for path in (cut, corrupt, npy, text, tmp_path):
+        with pytest.raises(PriorError, match="not a readable .npz file") as err:
+            DraftPrior.load(str(path))
+        assert "pickle" not in str(err.value)
+    raw_members = tmp_path / "raw.npz"                  # members that are no .npy: np.load gives bytes
+    with zipfile.ZipFile(raw_members, "w") as z:
+        for name in ("tokens", "ends", "n_vocab", "max_n", "version"):
+            z.writestr(f"{name}.npy", b"garbage")
+    with pytest.raises(PriorError, match="version must be an integer scalar, got no array"):
+        DraftPrior.load(str(raw_members))
+    _write(str(raw_members), tokens=None)
+    with zipfile.ZipFile(raw_members, "a") as z:
+        z.writestr("tokens.npy", b"garbage")
+    with pytest.raises(PriorError, match="1-D integer arrays"):
+        DraftPrior.load(str(raw_members))
 
 
 def test_resolve_off_auto_and_a_path(tmp_path, monkeypatch):
