@@ -116,6 +116,15 @@ def test_save_then_load_gives_the_same_table(tmp_path):
     assert os.listdir(tmp_path) == ["p.npz"]            # no temporary file left
 
 
+def test_a_save_interrupted_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(np, "savez_compressed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        DraftPrior([[1, 2]], 4).save(str(tmp_path / "p.npz"))
+    assert os.listdir(tmp_path) == []
+
+
 def _write(path, **arrays):
     base = dict(tokens=np.array([1, 2, 3], np.int32), ends=np.array([3], np.int64), n_vocab=np.int64(10),
                 max_n=np.int64(4), version=np.int64(1))
@@ -439,6 +448,37 @@ def test_echospec_prior_refuses_an_empty_or_binary_prompt_file(tmp_path, model_p
     for f, msg in ((empty, "no prompt in it"), (binary, "not UTF-8 text")):
         r = _cli("--model", model_path, "--prompts", str(f), "--out", str(tmp_path / "p.npz"))
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_echospec_prior_refuses_an_unwritable_out_before_answering(tmp_path, model_path):
+    """--out that is a directory or under a file is refused at once (not after every answer), and
+    leaves nothing behind."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n", encoding="utf-8")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    for out, msg in ((tmp_path / "dir", "is a directory"), (tmp_path / "file" / "p.npz", "cannot write")):
+        r = _cli("--model", model_path, "--out", str(out), "--prompts", str(prompts), "--max-tokens", "4",
+                 "--threads", "1")
+        assert r.returncode == 2 and msg in r.stderr and "answers" not in r.stderr, r.stderr
+        assert "echospec prior: echospec" not in r.stderr and "echospec: echospec" not in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file", "prompts.txt"] and not os.listdir(tmp_path / "dir")
+
+
+def test_echospec_prior_refuses_a_prompt_longer_than_the_context_before_answering(tmp_path, model_path):
+    """A prompt whose tokens and --max-tokens do not fit the model's trained context (512 here) is
+    named at once, before any answer is computed."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("short\n\n" + "word " * 2000 + "\n", encoding="utf-8")
+    r = _cli("--model", model_path, "--out", str(tmp_path / "p.npz"), "--prompts", str(prompts),
+             "--max-tokens", "4", "--threads", "1")
+    assert r.returncode == 2 and "prompt 2 (line 3)" in r.stderr and "context of 512" in r.stderr, r.stderr
+    assert "1/2 answers" not in r.stderr and not (tmp_path / "p.npz").exists()
+
+
+def test_echospec_prior_refuses_an_empty_prompts_path(tmp_path, model_path):
+    r = _cli("--model", model_path, "--out", str(tmp_path / "p.npz"), "--prompts", "", "--max-tokens", "4")
+    assert r.returncode == 2 and "--prompts" in r.stderr and not (tmp_path / "p.npz").exists(), r.stderr
 
 
 def test_the_shipped_prompts_share_nothing_with_the_benchmark_workloads():

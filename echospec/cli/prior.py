@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -27,19 +28,35 @@ def default_prompts() -> Path:
     return Path(draft.__file__).resolve().parent / "prior_prompts.txt"
 
 
+class PromptTooLong(ValueError):
+    """A prompt whose tokens and the answer's do not fit the model's trained context; ``index``
+    is its place among the prompts (from 0)."""
+
+    def __init__(self, msg: str, index: int):
+        super().__init__(msg)
+        self.index = index
+
+
 def read_prompts(path: str | os.PathLike[str]) -> list[str]:
-    """The non-empty lines of a UTF-8 prompt file.
+    """The non-empty lines of a UTF-8 prompt file, stripped."""
+    return [p for _, p in read_prompt_lines(path)]
+
+
+def read_prompt_lines(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """The non-empty lines of a UTF-8 prompt file, stripped, each with its line number (from 1).
 
     Raises:
-        ValueError: unreadable, not UTF-8, or no prompt in it.
+        ValueError: an empty path, unreadable, not UTF-8, or no prompt in it.
     """
+    if not str(path):
+        raise ValueError("--prompts: an empty path (leave --prompts out for the shipped prompts)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--prompts {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    prompts = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompt in it (one per line)")
     return prompts
@@ -66,8 +83,9 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
     Args:
         progress: called after each answer with (answers done, of how many, tokens so far).
     Raises:
-        ValueError: an unreadable model or template file. EngineError: the engine refused (a prompt
-            too long for the model's context, say).
+        PromptTooLong: a prompt's tokens plus ``max_tokens`` exceed the model's trained context
+            (checked for every prompt before the first answer). ValueError: an unreadable model
+            or template file. EngineError: the engine refused.
     """
     from echospec.services.text.chat_template import MissingChatTemplateError
     from echospec.services.text.tokenizer import Tokenizer
@@ -80,12 +98,18 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
     out: list[list[int]] = []
     total = 0
     with Model(model_path) as model:
+        inputs = []
         for i, p in enumerate(prompts):
             try:
                 text = tmpl.render([{"role": "user", "content": p}], add_generation_prompt=True)
             except MissingChatTemplateError:
                 text = p
-            ids = tok.encode(text)
+            inputs.append(tok.encode(text))
+            n_ctx = model.info.n_ctx_train
+            if n_ctx > 0 and len(inputs[-1]) + max_tokens > n_ctx:
+                raise PromptTooLong(f"{len(inputs[-1])} tokens, which with --max-tokens {max_tokens} "
+                                    f"exceed the model's context of {n_ctx}", i)
+        for i, ids in enumerate(inputs):
             with model.new_session(n_ctx=len(ids) + max_tokens + 1, n_threads=threads) as s:
                 first, _ = s.prefill(ids)
                 seq = [first]
@@ -107,9 +131,10 @@ def cmd_prior(args: argparse.Namespace) -> int:
     if args.threads < 0:
         _die(f"--threads must be >= 0, got {args.threads}", 2)
     try:
-        prompts = read_prompts(args.prompts or default_prompts())
+        lines = read_prompt_lines(args.prompts if args.prompts is not None else default_prompts())
     except ValueError as exc:
         _die(str(exc), 2)
+    prompts = [p for _, p in lines]
     template = _check_chat_template(args.chat_template) if args.chat_template else ""
     model = _resolve_model(args.model)
     try:
@@ -120,6 +145,7 @@ def cmd_prior(args: argparse.Namespace) -> int:
         print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
         print(out)
         return 0
+    _check_out(out)
     t0 = time.perf_counter()
 
     def progress(done: int, n: int, tokens: int) -> None:
@@ -141,13 +167,29 @@ def cmd_prior(args: argparse.Namespace) -> int:
     try:
         seqs, n_vocab = answers(model, prompts, args.max_tokens, args.threads, template, progress)
         prior = DraftPrior(seqs, n_vocab, model=os.path.basename(model))
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         prior.save(out)
+    except PromptTooLong as exc:
+        n, line = exc.index + 1, lines[exc.index][0]
+        _die(f"--prompts: prompt {n} (line {line}) is {exc}; shorten it or lower --max-tokens", 2)
     except (OSError, ValueError, RuntimeError) as exc:   # RuntimeError: EngineError
-        _die(f"echospec prior: {exc}")
+        _die(str(exc))
     print(f"echospec prior: {prior.n_tokens} tokens, {len(prior)} contexts -> {out}", file=sys.stderr)
     print(out)
     return 0
+
+
+def _check_out(out: str) -> None:
+    """Exit (status 2) unless a file can be written at ``out``: checked before the answers, which
+    take minutes. Creates the missing directories above it."""
+    if os.path.isdir(out):
+        _die(f"--out {out} is a directory", 2)
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        _die(f"--out {out}: cannot write there ({exc.strerror or exc})", 2)
 
 
 def add_parser(sub) -> None:

@@ -93,15 +93,23 @@ class DraftPrior:
         return None
 
     def save(self, path: str) -> None:
-        """Write the prior to ``path`` (.npz; written to a temporary file, then renamed)."""
+        """Write the prior to ``path`` (.npz; written to a temporary file, then renamed; on a failure
+        the temporary file is removed and ``path`` is unchanged)."""
         ends = np.cumsum([s.size for s in self.seqs], dtype=np.int64)
         tokens = np.concatenate(self.seqs) if self.seqs else np.zeros(0, np.int32)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, tokens=tokens, ends=ends, n_vocab=np.int64(self.n_vocab),
-                                max_n=np.int64(self.max_n), model=np.str_(self.model),
-                                version=np.int64(PRIOR_VERSION))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(f, tokens=tokens, ends=ends, n_vocab=np.int64(self.n_vocab),
+                                    max_n=np.int64(self.max_n), model=np.str_(self.model),
+                                    version=np.int64(PRIOR_VERSION))
+            os.replace(tmp, path)
+        except BaseException:        # a full disk, a directory at path, Ctrl-C: no temporary file left
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     @classmethod
     def load(cls, path: str, n_vocab: int | None = None) -> "DraftPrior":
