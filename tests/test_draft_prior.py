@@ -373,6 +373,36 @@ def test_the_verifier_refuses_a_bad_prior_at_startup(model_path, tmp_path):
         _core(model_path, path)
 
 
+def test_serve_processes_reads_a_relative_prior_path_from_the_callers_directory(tiny_model, tmp_path):
+    # was: `echospec serve --processes --draft-prior p.npz` started its verifier in another
+    # directory, which refused to start: "draft prior p.npz: no such file"
+    import signal
+
+    from echospec.services.verifier.engine import Model
+
+    model = tiny_model()
+    with Model(model) as m:
+        DraftPrior([[1, 2, 3]], m.info.n_vocab).save(str(tmp_path / "p.npz"))
+    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", model, "--port", "0", "--n-ctx", "256",
+           "--threads", "1", "--processes", "--draft-prior", "p.npz"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
+    err = []
+    try:
+        for line in p.stderr:
+            err.append(line)
+            if "coordinator      listening" in line:
+                break
+        assert p.poll() is None, "".join(err)
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert f"draft prior: {tmp_path / 'p.npz'}, 3 tokens" in "".join(err), "".join(err)
+
+
 def test_auto_loads_the_prior_cached_for_the_model_file(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("ECHOSPEC_PRIORS", str(tmp_path))
     core = _core(model_path, "auto")

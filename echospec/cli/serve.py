@@ -162,6 +162,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if c.chat_template:   # a bad file is named before the model is fetched or loaded
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
+    v = configs.verifier
+    if v.draft_prior.strip().lower() not in ("", "off", "auto"):
+        # a file: from the caller's directory, also for a verifier child (--processes) run elsewhere
+        configs = dataclasses.replace(configs, verifier=dataclasses.replace(
+            v, draft_prior=os.path.abspath(v.draft_prior)))
     model = _resolve_model(c.model if model_given else None)
     _check_model(model, configs.verifier.check_weights)
     _check_mmproj(configs.verifier.mmproj, model)
