@@ -373,9 +373,11 @@ def test_the_verifier_refuses_a_bad_prior_at_startup(model_path, tmp_path):
         _core(model_path, path)
 
 
-def test_serve_processes_reads_a_relative_prior_path_from_the_callers_directory(tiny_model, tmp_path):
-    # was: `echospec serve --processes --draft-prior p.npz` started its verifier in another
-    # directory, which refused to start: "draft prior p.npz: no such file"
+def test_serve_processes_reads_relative_model_and_prior_paths_from_the_callers_directory(tiny_model,
+                                                                                        tmp_path):
+    # was: `echospec serve --processes --model m.gguf --draft-prior p.npz` started its verifier in
+    # another directory, which refused to start: "draft prior p.npz: no such file" (and "gguf:
+    # cannot open 'm.gguf'")
     import signal
 
     from echospec.services.verifier.engine import Model
@@ -383,7 +385,8 @@ def test_serve_processes_reads_a_relative_prior_path_from_the_callers_directory(
     model = tiny_model()
     with Model(model) as m:
         DraftPrior([[1, 2, 3]], m.info.n_vocab).save(str(tmp_path / "p.npz"))
-    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", model, "--port", "0", "--n-ctx", "256",
+    os.symlink(model, tmp_path / "m.gguf")
+    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", "m.gguf", "--port", "0", "--n-ctx", "256",
            "--threads", "1", "--processes", "--draft-prior", "p.npz"]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
