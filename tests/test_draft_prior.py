@@ -514,6 +514,23 @@ def test_echospec_prior_refuses_an_empty_prompts_path(tmp_path, model_path):
     assert r.returncode == 2 and "--prompts" in r.stderr and not (tmp_path / "p.npz").exists(), r.stderr
 
 
+def test_echospec_prior_if_missing_builds_again_over_an_unreadable_file(tmp_path, model_path):
+    """--if-missing leaves a readable prior alone, but one a verifier would refuse (damaged,
+    another vocabulary) is built again: `serve --draft-prior auto` would not start on it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n", encoding="utf-8")
+    out = tmp_path / "p.npz"
+    for junk in (b"PK\x03\x04 cut short", None):
+        if junk is None:
+            DraftPrior([[1, 2]], 4).save(str(out))       # a prior of another vocabulary
+        else:
+            out.write_bytes(junk)
+        r = _cli("--model", model_path, "--out", str(out), "--prompts", str(prompts), "--max-tokens", "4",
+                 "--threads", "1", "--if-missing")
+        assert r.returncode == 0 and "building it again" in r.stderr and "1/1 answers" in r.stderr, r.stderr
+        assert DraftPrior.load(str(out), 320).n_tokens > 0
+
+
 def test_the_shipped_prompts_share_nothing_with_the_benchmark_workloads():
     """The default model's prior answers general prompts, none of them a benchmark's (a prior
     built from the workloads' own answers would draft the benchmark's text)."""

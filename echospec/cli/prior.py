@@ -6,7 +6,7 @@ one, and the answers become the prior's table. A verifier serving that model fil
 (`echospec serve --draft-prior auto`, the default, reads it from where this command caches it).
 
     echospec prior                          # the default model: about 100 s on 2 cores
-    echospec prior --if-missing             # ... unless it was built already (scripts/run_main.sh)
+    echospec prior --if-missing             # ... unless it was built already and reads (scripts/run_main.sh)
     echospec prior --model gemma3-270m --chat-template t.jinja
     echospec prior --model M.gguf --out M.prior.npz --prompts my_prompts.txt --max-tokens 128
 """
@@ -142,9 +142,12 @@ def cmd_prior(args: argparse.Namespace) -> int:
     except PriorError as exc:
         _die(str(exc), 2)
     if args.if_missing and os.path.isfile(out):
-        print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
-        print(out)
-        return 0
+        why = _unusable(out, model)
+        if not why:
+            print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
+            print(out)
+            return 0
+        print(f"echospec prior: {why}; building it again", file=sys.stderr)
     _check_out(out)
     t0 = time.perf_counter()
 
@@ -178,6 +181,24 @@ def cmd_prior(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unusable(path: str, model: str) -> str:
+    """Why a verifier serving ``model`` would refuse the prior at ``path`` (PriorError's message),
+    or "" when it reads it."""
+    from echospec.services.draft.prior import DraftPrior, PriorError
+    from echospec.services.verifier.engine import EngineError, Model
+
+    try:
+        with Model(model, repack=False) as m:
+            n_vocab = m.info.n_vocab
+    except EngineError:
+        return ""      # the model itself is unreadable: building says so
+    try:
+        DraftPrior.load(path, n_vocab)
+    except PriorError as exc:
+        return str(exc)
+    return ""
+
+
 def _check_out(out: str) -> None:
     """Exit (status 2) unless a file can be written at ``out``: checked before the answers, which
     take minutes. Creates the missing directories above it."""
@@ -198,7 +219,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="GGUF file or model name (smollm2-135m, gemma3-270m; default: "
                                    "SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--out", help="the prior's file (default: where `echospec serve --draft-prior auto` "
-                                 "looks for this model's: <ECHOSPEC_CACHE>/priors/)")
+                                 "looks for this model's: $ECHOSPEC_PRIORS, else <ECHOSPEC_CACHE>/priors/)")
     p.add_argument("--prompts", help="UTF-8 text file, one prompt per line (default: the 320 general "
                                      "prompts shipped in services/draft/prior_prompts.txt)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
@@ -207,5 +228,6 @@ def add_parser(sub) -> None:
     p.add_argument("--chat-template", help="a Jinja chat template file for a model without its own "
                                            "(without either, each prompt is continued as text)")
     p.add_argument("--if-missing", action="store_true", help="do nothing when the prior's file is "
-                                                              "there already")
+                                                              "there already and readable for this "
+                                                              "model")
     p.set_defaults(fn=cmd_prior)
