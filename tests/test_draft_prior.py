@@ -373,23 +373,28 @@ def test_the_verifier_refuses_a_bad_prior_at_startup(model_path, tmp_path):
         _core(model_path, path)
 
 
+@pytest.mark.parametrize("setting", ["file", "auto"])
 def test_serve_processes_reads_relative_model_and_prior_paths_from_the_callers_directory(tiny_model,
-                                                                                        tmp_path):
+                                                                                        tmp_path, setting):
     # was: `echospec serve --processes --model m.gguf --draft-prior p.npz` started its verifier in
     # another directory, which refused to start: "draft prior p.npz: no such file" (and "gguf:
-    # cannot open 'm.gguf'")
+    # cannot open 'm.gguf'"); with a relative ECHOSPEC_PRIORS, auto looked in that other directory
     import signal
 
     from echospec.services.verifier.engine import Model
 
     model = tiny_model()
-    with Model(model) as m:
-        DraftPrior([[1, 2, 3]], m.info.n_vocab).save(str(tmp_path / "p.npz"))
     os.symlink(model, tmp_path / "m.gguf")
+    (tmp_path / "priors").mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO, "ECHOSPEC_PRIORS": "priors"}
+    file = tmp_path / "p.npz" if setting == "file" else tmp_path / "priors" / os.path.basename(
+        default_path(str(tmp_path / "m.gguf")))
+    with Model(model) as m:
+        DraftPrior([[1, 2, 3]], m.info.n_vocab).save(str(file))
     cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", "m.gguf", "--port", "0", "--n-ctx", "256",
-           "--threads", "1", "--processes", "--draft-prior", "p.npz"]
+           "--threads", "1", "--processes", "--draft-prior", "p.npz" if setting == "file" else "auto"]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
+                         start_new_session=True, cwd=tmp_path, env=env)
     err = []
     try:
         for line in p.stderr:
@@ -403,7 +408,7 @@ def test_serve_processes_reads_relative_model_and_prior_paths_from_the_callers_d
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    assert f"draft prior: {tmp_path / 'p.npz'}, 3 tokens" in "".join(err), "".join(err)
+    assert f"draft prior: {file}, 3 tokens" in "".join(err), "".join(err)
 
 
 def test_auto_loads_the_prior_cached_for_the_model_file(model_path, tmp_path, monkeypatch):

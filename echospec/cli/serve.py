@@ -185,6 +185,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
     configs = _absolute_paths(configs)
+    for env in ("ECHOSPEC_PRIORS", "ECHOSPEC_CACHE"):   # where --draft-prior auto looks, also in a child
+        if os.environ.get(env):
+            os.environ[env] = os.path.abspath(os.environ[env])
     c = configs.coordinator
     # the file's absolute path: --processes children run in another directory
     model = os.path.abspath(_resolve_model(c.model if model_given else None))
