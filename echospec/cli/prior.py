@@ -128,8 +128,12 @@ def cmd_prior(args: argparse.Namespace) -> int:
 
     if not 1 <= args.max_tokens <= 4096:
         _die(f"--max-tokens must be in [1, 4096], got {args.max_tokens}", 2)
-    if args.threads < 0:
-        _die(f"--threads must be >= 0, got {args.threads}", 2)
+    from echospec.services.common.config import EngineLimit
+    most = int(EngineLimit("ES_MAX_THREADS"))
+    if not 0 <= args.threads <= most:
+        _die(f"--threads must be in [0, {most}], got {args.threads}", 2)
+    if args.out == "":
+        _die("--out: an empty path (leave --out out for the cached prior's place)", 2)
     try:
         lines = read_prompt_lines(args.prompts if args.prompts is not None else default_prompts())
     except ValueError as exc:
