@@ -497,7 +497,8 @@ def test_echospec_prior_refuses_an_unwritable_out_before_answering(tmp_path, mod
     prompts.write_text("a prompt\n", encoding="utf-8")
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
-    for out, msg in ((tmp_path / "dir", "is a directory"), (tmp_path / "file" / "p.npz", "cannot write")):
+    under_a_file = f"cannot write there ({tmp_path / 'file'} is not a directory)"
+    for out, msg in ((tmp_path / "dir", "is a directory"), (tmp_path / "file" / "sub" / "p.npz", under_a_file)):
         r = _cli("--model", model_path, "--out", str(out), "--prompts", str(prompts), "--max-tokens", "4",
                  "--threads", "1")
         assert r.returncode == 2 and msg in r.stderr and "answers" not in r.stderr, r.stderr

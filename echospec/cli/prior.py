@@ -209,6 +209,11 @@ def _check_out(out: str) -> None:
     if os.path.isdir(out):
         _die(f"--out {out} is a directory", 2)
     parent = os.path.dirname(os.path.abspath(out))
+    above = parent
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):    # makedirs would say "File exists"
+        _die(f"--out {out}: cannot write there ({above} is not a directory)", 2)
     try:
         os.makedirs(parent, exist_ok=True)
         with tempfile.TemporaryFile(dir=parent):
