@@ -539,6 +539,19 @@ def test_echospec_prior_if_missing_builds_again_over_an_unreadable_file(tmp_path
         assert DraftPrior.load(str(out), 320).n_tokens > 0
 
 
+def test_a_short_prompt_and_answer_fit_the_engines_smallest_context(tmp_path, model_path):
+    # was: "ES_ERR_INVALID_ARG: n_ctx 8 out of range [16, ...]" for a base model (prompts continued
+    # as text) asked for 4 tokens after a 3-token prompt: the session was sized to the prompt
+    from echospec.cli.prior import answers
+    from echospec.services.text.tokenizer import Tokenizer
+
+    bare = tmp_path / "bare.jinja"                      # the prompt as it is, as a base model sees it
+    bare.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    assert len(Tokenizer.from_gguf(model_path).encode("a")) < 4
+    seqs, n_vocab = answers(model_path, ["a"], max_tokens=4, n_threads=1, chat_template=str(bare))
+    assert n_vocab == 320 and len(seqs) == 1 and len(seqs[0]) <= 4
+
+
 def test_the_shipped_prompts_share_nothing_with_the_benchmark_workloads():
     """The default model's prior answers general prompts, none of them a benchmark's (a prior
     built from the workloads' own answers would draft the benchmark's text)."""

@@ -89,7 +89,7 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
     """
     from echospec.services.text.chat_template import MissingChatTemplateError
     from echospec.services.text.tokenizer import Tokenizer
-    from echospec.services.verifier.engine import Model
+    from echospec.services.verifier.engine import MIN_CTX, Model
 
     tmpl = chat_template_of(model_path, chat_template)
     tok = Tokenizer.from_gguf(model_path)
@@ -110,7 +110,8 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
                 raise PromptTooLong(f"{len(inputs[-1])} tokens, which with --max-tokens {max_tokens} "
                                     f"exceed the model's context of {n_ctx}", i)
         for i, ids in enumerate(inputs):
-            with model.new_session(n_ctx=len(ids) + max_tokens + 1, n_threads=threads) as s:
+            # the engine's smallest KV (MIN_CTX) holds a short prompt and answer of a base model
+            with model.new_session(n_ctx=max(MIN_CTX, len(ids) + max_tokens + 1), n_threads=threads) as s:
                 first, _ = s.prefill(ids)
                 seq = [first]
                 if first not in eos and max_tokens > 1:

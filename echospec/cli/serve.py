@@ -109,7 +109,8 @@ def configs_of(args: argparse.Namespace) -> StackConfigs:
                            for part, cfg in zip(PARTS, base.parts())})
 
 
-_PATH_SETTINGS = ("mmproj", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_keys_file", "chat_template")
+_PATH_SETTINGS = ("mmproj", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_keys_file",
+                  "chat_template")
 
 
 def _absolute_paths(configs: StackConfigs) -> StackConfigs:
