@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -115,6 +116,15 @@ def test_save_then_load_gives_the_same_table(tmp_path):
     assert os.listdir(tmp_path) == ["p.npz"]            # no temporary file left
 
 
+def test_a_save_interrupted_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(np, "savez_compressed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        DraftPrior([[1, 2]], 4).save(str(tmp_path / "p.npz"))
+    assert os.listdir(tmp_path) == []
+
+
 def _write(path, **arrays):
     base = dict(tokens=np.array([1, 2, 3], np.int32), ends=np.array([3], np.int64), n_vocab=np.int64(10),
                 max_n=np.int64(4), version=np.int64(1))
@@ -132,6 +142,12 @@ def _write(path, **arrays):
     (dict(tokens=np.array([1, 2, 30], np.int32)), "token id 30, outside \\[0, 10\\)"),
     (dict(tokens=np.array([1.0, 2.0, 3.0])), "1-D integer arrays"),
     (dict(max_n=np.int64(0)), "max_n must be in"),
+    (dict(version=np.array([1, 1])), "version must be an integer scalar"),
+    (dict(n_vocab=np.array([10, 10])), "n_vocab must be an integer scalar"),
+    (dict(max_n=np.float64(4.0)), "max_n must be an integer scalar"),
+    (dict(n_vocab=np.float64("nan")), "n_vocab must be an integer scalar"),
+    (dict(tokens=np.array([1, 2, 2**32 + 3], np.int64)), "token id 4294967299, outside \\[0, 10\\)"),
+    (dict(tokens=np.array([1, "a"], dtype=object)), "not a readable .npz file"),
 ])
 def test_a_bad_prior_file_is_refused_with_its_reason(tmp_path, arrays, msg):
     path = str(tmp_path / "p.npz")
@@ -151,6 +167,35 @@ def test_a_prior_of_another_vocabulary_missing_or_unreadable_file_is_refused(tmp
     junk.write_bytes(b"not a zip at all")
     with pytest.raises(PriorError, match="not a readable .npz file"):
         DraftPrior.load(str(junk))
+
+
+def test_a_truncated_corrupt_or_npy_file_is_refused_with_its_reason(tmp_path):
+    good = tmp_path / "good.npz"
+    DraftPrior([[1, 2, 3], [1, 2, 4]], 10).save(str(good))
+    raw = good.read_bytes()
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(raw[:len(raw) // 2])
+    corrupt = tmp_path / "corrupt.npz"                  # the zip's directory intact, a member's data not
+    corrupt.write_bytes(raw[:60] + bytes(20) + raw[80:])
+    npy = tmp_path / "a.npy"
+    np.save(npy, np.zeros(3))
+    text = tmp_path / "text.npz"
+    text.write_text("hello")
+    for path in (cut, corrupt, npy, text, tmp_path):
+        with pytest.raises(PriorError, match="not a readable .npz file") as err:
+            DraftPrior.load(str(path))
+        assert "pickle" not in str(err.value)
+    raw_members = tmp_path / "raw.npz"                  # members that are no .npy: np.load gives bytes
+    with zipfile.ZipFile(raw_members, "w") as z:
+        for name in ("tokens", "ends", "n_vocab", "max_n", "version"):
+            z.writestr(f"{name}.npy", b"garbage")
+    with pytest.raises(PriorError, match="version must be an integer scalar, got no array"):
+        DraftPrior.load(str(raw_members))
+    _write(str(raw_members), tokens=None)
+    with zipfile.ZipFile(raw_members, "a") as z:
+        z.writestr("tokens.npy", b"garbage")
+    with pytest.raises(PriorError, match="1-D integer arrays"):
+        DraftPrior.load(str(raw_members))
 
 
 def test_resolve_off_auto_and_a_path(tmp_path, monkeypatch):
@@ -328,6 +373,44 @@ def test_the_verifier_refuses_a_bad_prior_at_startup(model_path, tmp_path):
         _core(model_path, path)
 
 
+@pytest.mark.parametrize("setting", ["file", "auto"])
+def test_serve_processes_reads_relative_model_and_prior_paths_from_the_callers_directory(tiny_model,
+                                                                                        tmp_path, setting):
+    # was: `echospec serve --processes --model m.gguf --draft-prior p.npz` started its verifier in
+    # another directory, which refused to start: "draft prior p.npz: no such file" (and "gguf:
+    # cannot open 'm.gguf'"); with a relative ECHOSPEC_PRIORS, auto looked in that other directory
+    import signal
+
+    from echospec.services.verifier.engine import Model
+
+    model = tiny_model()
+    os.symlink(model, tmp_path / "m.gguf")
+    (tmp_path / "priors").mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO, "ECHOSPEC_PRIORS": "priors"}
+    file = tmp_path / "p.npz" if setting == "file" else tmp_path / "priors" / os.path.basename(
+        default_path(str(tmp_path / "m.gguf")))
+    with Model(model) as m:
+        DraftPrior([[1, 2, 3]], m.info.n_vocab).save(str(file))
+    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--model", "m.gguf", "--port", "0", "--n-ctx", "256",
+           "--threads", "1", "--processes", "--draft-prior", "p.npz" if setting == "file" else "auto"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=tmp_path, env=env)
+    err = []
+    try:
+        for line in p.stderr:
+            err.append(line)
+            if "coordinator      listening" in line:
+                break
+        assert p.poll() is None, "".join(err)
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert f"draft prior: {file}, 3 tokens" in "".join(err), "".join(err)
+
+
 def test_auto_loads_the_prior_cached_for_the_model_file(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("ECHOSPEC_PRIORS", str(tmp_path))
     core = _core(model_path, "auto")
@@ -387,12 +470,14 @@ def test_echospec_prior_builds_the_models_greedy_answers(model_path, tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: No such file"),
     (["--max-tokens", "0"], "--max-tokens must be in [1, 4096], got 0"),
-    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--threads", "-1"], "--threads must be in [0, 256], got -1"),
+    (["--threads", "100000"], "--threads must be in [0, 256], got 100000"),
+    (["--out", ""], "--out: an empty path"),
     (["--model", "no-such-model"], "not a model name"),
 ])
 def test_echospec_prior_refuses_bad_arguments(args, msg):
     r = _cli(*args)
-    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert r.returncode == 2 and msg in r.stderr and "answers" not in r.stderr, r.stderr
 
 
 def test_echospec_prior_refuses_an_empty_or_binary_prompt_file(tmp_path, model_path):
@@ -403,6 +488,68 @@ def test_echospec_prior_refuses_an_empty_or_binary_prompt_file(tmp_path, model_p
     for f, msg in ((empty, "no prompt in it"), (binary, "not UTF-8 text")):
         r = _cli("--model", model_path, "--prompts", str(f), "--out", str(tmp_path / "p.npz"))
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_echospec_prior_refuses_an_unwritable_out_before_answering(tmp_path, model_path):
+    """--out that is a directory or under a file is refused at once (not after every answer), and
+    leaves nothing behind."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n", encoding="utf-8")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    under_a_file = f"cannot write there ({tmp_path / 'file'} is not a directory)"
+    for out, msg in ((tmp_path / "dir", "is a directory"), (tmp_path / "file" / "sub" / "p.npz", under_a_file)):
+        r = _cli("--model", model_path, "--out", str(out), "--prompts", str(prompts), "--max-tokens", "4",
+                 "--threads", "1")
+        assert r.returncode == 2 and msg in r.stderr and "answers" not in r.stderr, r.stderr
+        assert "echospec prior: echospec" not in r.stderr and "echospec: echospec" not in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file", "prompts.txt"] and not os.listdir(tmp_path / "dir")
+
+
+def test_echospec_prior_refuses_a_prompt_longer_than_the_context_before_answering(tmp_path, model_path):
+    """A prompt whose tokens and --max-tokens do not fit the model's trained context (512 here) is
+    named at once, before any answer is computed."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("short\n\n" + "word " * 2000 + "\n", encoding="utf-8")
+    r = _cli("--model", model_path, "--out", str(tmp_path / "p.npz"), "--prompts", str(prompts),
+             "--max-tokens", "4", "--threads", "1")
+    assert r.returncode == 2 and "prompt 2 (line 3)" in r.stderr and "context of 512" in r.stderr, r.stderr
+    assert "1/2 answers" not in r.stderr and not (tmp_path / "p.npz").exists()
+
+
+def test_echospec_prior_refuses_an_empty_prompts_path(tmp_path, model_path):
+    r = _cli("--model", model_path, "--out", str(tmp_path / "p.npz"), "--prompts", "", "--max-tokens", "4")
+    assert r.returncode == 2 and "--prompts" in r.stderr and not (tmp_path / "p.npz").exists(), r.stderr
+
+
+def test_echospec_prior_if_missing_builds_again_over_an_unreadable_file(tmp_path, model_path):
+    """--if-missing leaves a readable prior alone, but one a verifier would refuse (damaged,
+    another vocabulary) is built again: `serve --draft-prior auto` would not start on it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n", encoding="utf-8")
+    out = tmp_path / "p.npz"
+    for junk in (b"PK\x03\x04 cut short", None):
+        if junk is None:
+            DraftPrior([[1, 2]], 4).save(str(out))       # a prior of another vocabulary
+        else:
+            out.write_bytes(junk)
+        r = _cli("--model", model_path, "--out", str(out), "--prompts", str(prompts), "--max-tokens", "4",
+                 "--threads", "1", "--if-missing")
+        assert r.returncode == 0 and "building it again" in r.stderr and "1/1 answers" in r.stderr, r.stderr
+        assert DraftPrior.load(str(out), 320).n_tokens > 0
+
+
+def test_a_short_prompt_and_answer_fit_the_engines_smallest_context(tmp_path, model_path):
+    # was: "ES_ERR_INVALID_ARG: n_ctx 8 out of range [16, ...]" for a base model (prompts continued
+    # as text) asked for 4 tokens after a 3-token prompt: the session was sized to the prompt
+    from echospec.cli.prior import answers
+    from echospec.services.text.tokenizer import Tokenizer
+
+    bare = tmp_path / "bare.jinja"                      # the prompt as it is, as a base model sees it
+    bare.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    assert len(Tokenizer.from_gguf(model_path).encode("a")) < 4
+    seqs, n_vocab = answers(model_path, ["a"], max_tokens=4, n_threads=1, chat_template=str(bare))
+    assert n_vocab == 320 and len(seqs) == 1 and len(seqs[0]) <= 4
 
 
 def test_the_shipped_prompts_share_nothing_with_the_benchmark_workloads():

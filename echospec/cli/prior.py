@@ -6,7 +6,7 @@ one, and the answers become the prior's table. A verifier serving that model fil
 (`echospec serve --draft-prior auto`, the default, reads it from where this command caches it).
 
     echospec prior                          # the default model: about 100 s on 2 cores
-    echospec prior --if-missing             # ... unless it was built already (scripts/run_main.sh)
+    echospec prior --if-missing             # ... unless it was built already and reads (scripts/run_main.sh)
     echospec prior --model gemma3-270m --chat-template t.jinja
     echospec prior --model M.gguf --out M.prior.npz --prompts my_prompts.txt --max-tokens 128
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -27,19 +28,35 @@ def default_prompts() -> Path:
     return Path(draft.__file__).resolve().parent / "prior_prompts.txt"
 
 
+class PromptTooLong(ValueError):
+    """A prompt whose tokens and the answer's do not fit the model's trained context; ``index``
+    is its place among the prompts (from 0)."""
+
+    def __init__(self, msg: str, index: int):
+        super().__init__(msg)
+        self.index = index
+
+
 def read_prompts(path: str | os.PathLike[str]) -> list[str]:
-    """The non-empty lines of a UTF-8 prompt file.
+    """The non-empty lines of a UTF-8 prompt file, stripped."""
+    return [p for _, p in read_prompt_lines(path)]
+
+
+def read_prompt_lines(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """The non-empty lines of a UTF-8 prompt file, stripped, each with its line number (from 1).
 
     Raises:
-        ValueError: unreadable, not UTF-8, or no prompt in it.
+        ValueError: an empty path, unreadable, not UTF-8, or no prompt in it.
     """
+    if not str(path):
+        raise ValueError("--prompts: an empty path (leave --prompts out for the shipped prompts)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--prompts {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    prompts = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompt in it (one per line)")
     return prompts
@@ -66,12 +83,13 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
     Args:
         progress: called after each answer with (answers done, of how many, tokens so far).
     Raises:
-        ValueError: an unreadable model or template file. EngineError: the engine refused (a prompt
-            too long for the model's context, say).
+        PromptTooLong: a prompt's tokens plus ``max_tokens`` exceed the model's trained context
+            (checked for every prompt before the first answer). ValueError: an unreadable model
+            or template file. EngineError: the engine refused.
     """
     from echospec.services.text.chat_template import MissingChatTemplateError
     from echospec.services.text.tokenizer import Tokenizer
-    from echospec.services.verifier.engine import Model
+    from echospec.services.verifier.engine import MIN_CTX, Model
 
     tmpl = chat_template_of(model_path, chat_template)
     tok = Tokenizer.from_gguf(model_path)
@@ -80,13 +98,20 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
     out: list[list[int]] = []
     total = 0
     with Model(model_path) as model:
+        inputs = []
         for i, p in enumerate(prompts):
             try:
                 text = tmpl.render([{"role": "user", "content": p}], add_generation_prompt=True)
             except MissingChatTemplateError:
                 text = p
-            ids = tok.encode(text)
-            with model.new_session(n_ctx=len(ids) + max_tokens + 1, n_threads=threads) as s:
+            inputs.append(tok.encode(text))
+            n_ctx = model.info.n_ctx_train
+            if n_ctx > 0 and len(inputs[-1]) + max_tokens > n_ctx:
+                raise PromptTooLong(f"{len(inputs[-1])} tokens, which with --max-tokens {max_tokens} "
+                                    f"exceed the model's context of {n_ctx}", i)
+        for i, ids in enumerate(inputs):
+            # the engine's smallest KV (MIN_CTX) holds a short prompt and answer of a base model
+            with model.new_session(n_ctx=max(MIN_CTX, len(ids) + max_tokens + 1), n_threads=threads) as s:
                 first, _ = s.prefill(ids)
                 seq = [first]
                 if first not in eos and max_tokens > 1:
@@ -104,12 +129,17 @@ def cmd_prior(args: argparse.Namespace) -> int:
 
     if not 1 <= args.max_tokens <= 4096:
         _die(f"--max-tokens must be in [1, 4096], got {args.max_tokens}", 2)
-    if args.threads < 0:
-        _die(f"--threads must be >= 0, got {args.threads}", 2)
+    from echospec.services.common.config import EngineLimit
+    most = int(EngineLimit("ES_MAX_THREADS"))
+    if not 0 <= args.threads <= most:
+        _die(f"--threads must be in [0, {most}], got {args.threads}", 2)
+    if args.out == "":
+        _die("--out: an empty path (leave --out out for the cached prior's place)", 2)
     try:
-        prompts = read_prompts(args.prompts or default_prompts())
+        lines = read_prompt_lines(args.prompts if args.prompts is not None else default_prompts())
     except ValueError as exc:
         _die(str(exc), 2)
+    prompts = [p for _, p in lines]
     template = _check_chat_template(args.chat_template) if args.chat_template else ""
     model = _resolve_model(args.model)
     try:
@@ -117,9 +147,13 @@ def cmd_prior(args: argparse.Namespace) -> int:
     except PriorError as exc:
         _die(str(exc), 2)
     if args.if_missing and os.path.isfile(out):
-        print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
-        print(out)
-        return 0
+        why = _unusable(out, model)
+        if not why:
+            print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
+            print(out)
+            return 0
+        print(f"echospec prior: {why}; building it again", file=sys.stderr)
+    _check_out(out)
     t0 = time.perf_counter()
 
     def progress(done: int, n: int, tokens: int) -> None:
@@ -141,13 +175,52 @@ def cmd_prior(args: argparse.Namespace) -> int:
     try:
         seqs, n_vocab = answers(model, prompts, args.max_tokens, args.threads, template, progress)
         prior = DraftPrior(seqs, n_vocab, model=os.path.basename(model))
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         prior.save(out)
+    except PromptTooLong as exc:
+        n, line = exc.index + 1, lines[exc.index][0]
+        _die(f"--prompts: prompt {n} (line {line}) is {exc}; shorten it or lower --max-tokens", 2)
     except (OSError, ValueError, RuntimeError) as exc:   # RuntimeError: EngineError
-        _die(f"echospec prior: {exc}")
+        _die(str(exc))
     print(f"echospec prior: {prior.n_tokens} tokens, {len(prior)} contexts -> {out}", file=sys.stderr)
     print(out)
     return 0
+
+
+def _unusable(path: str, model: str) -> str:
+    """Why a verifier serving ``model`` would refuse the prior at ``path`` (PriorError's message),
+    or "" when it reads it."""
+    from echospec.services.draft.prior import DraftPrior, PriorError
+    from echospec.services.verifier.engine import EngineError, Model
+
+    try:
+        with Model(model, repack=False) as m:
+            n_vocab = m.info.n_vocab
+    except EngineError:
+        return ""      # the model itself is unreadable: building says so
+    try:
+        DraftPrior.load(path, n_vocab)
+    except PriorError as exc:
+        return str(exc)
+    return ""
+
+
+def _check_out(out: str) -> None:
+    """Exit (status 2) unless a file can be written at ``out``: checked before the answers, which
+    take minutes. Creates the missing directories above it."""
+    if os.path.isdir(out):
+        _die(f"--out {out} is a directory", 2)
+    parent = os.path.dirname(os.path.abspath(out))
+    above = parent
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):    # makedirs would say "File exists"
+        _die(f"--out {out}: cannot write there ({above} is not a directory)", 2)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        _die(f"--out {out}: cannot write there ({exc.strerror or exc})", 2)
 
 
 def add_parser(sub) -> None:
@@ -156,7 +229,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="GGUF file or model name (smollm2-135m, gemma3-270m; default: "
                                    "SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--out", help="the prior's file (default: where `echospec serve --draft-prior auto` "
-                                 "looks for this model's: <ECHOSPEC_CACHE>/priors/)")
+                                 "looks for this model's: $ECHOSPEC_PRIORS, else <ECHOSPEC_CACHE>/priors/)")
     p.add_argument("--prompts", help="UTF-8 text file, one prompt per line (default: the 320 general "
                                      "prompts shipped in services/draft/prior_prompts.txt)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
@@ -165,5 +238,6 @@ def add_parser(sub) -> None:
     p.add_argument("--chat-template", help="a Jinja chat template file for a model without its own "
                                            "(without either, each prompt is continued as text)")
     p.add_argument("--if-missing", action="store_true", help="do nothing when the prior's file is "
-                                                              "there already")
+                                                              "there already and readable for this "
+                                                              "model")
     p.set_defaults(fn=cmd_prior)

@@ -109,6 +109,29 @@ def configs_of(args: argparse.Namespace) -> StackConfigs:
                            for part, cfg in zip(PARTS, base.parts())})
 
 
+_PATH_SETTINGS = ("mmproj", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_keys_file",
+                  "chat_template")
+
+
+def _absolute_paths(configs: StackConfigs) -> StackConfigs:
+    """``configs`` with its file settings (and a --draft-prior file) made absolute from the
+    caller's directory: the services read them there also as --processes children, which run
+    in another directory. The model is made absolute once resolved (a name is no path)."""
+    parts = {}
+    for f in dataclasses.fields(configs):
+        cfg = getattr(configs, f.name)
+        if not dataclasses.is_dataclass(cfg):
+            continue
+        names = {g.name for g in dataclasses.fields(cfg)}
+        changes = {n: os.path.abspath(getattr(cfg, n)) for n in _PATH_SETTINGS
+                   if n in names and getattr(cfg, n)}
+        if "draft_prior" in names and cfg.draft_prior.strip().lower() not in ("", "off", "auto"):
+            changes["draft_prior"] = os.path.abspath(cfg.draft_prior)
+        if changes:
+            parts[f.name] = dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(configs, **parts) if parts else configs
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from echospec.services.common.auth import check_api_key
     from echospec.stack import StackError, start
@@ -162,7 +185,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if c.chat_template:   # a bad file is named before the model is fetched or loaded
         c = dataclasses.replace(c, chat_template=_check_chat_template(c.chat_template))
         configs = dataclasses.replace(configs, coordinator=c)
-    model = _resolve_model(c.model if model_given else None)
+    configs = _absolute_paths(configs)
+    for env in ("ECHOSPEC_PRIORS", "ECHOSPEC_CACHE"):   # where --draft-prior auto looks, also in a child
+        if os.environ.get(env):
+            os.environ[env] = os.path.abspath(os.environ[env])
+    c = configs.coordinator
+    # the file's absolute path: --processes children run in another directory
+    model = os.path.abspath(_resolve_model(c.model if model_given else None))
     _check_model(model, configs.verifier.check_weights)
     _check_mmproj(configs.verifier.mmproj, model)
     _say(f"loading {model} ...")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -58,11 +59,12 @@ class DraftPrior:
         self.n_vocab = int(n_vocab)
         self.max_n = int(max_n)
         self.model = model
-        self.seqs = [np.asarray(s, dtype=np.int64).astype(np.int32) for s in seqs]
-        for i, s in enumerate(self.seqs):
+        wide = [np.asarray(s, dtype=np.int64) for s in seqs]
+        for i, s in enumerate(wide):       # checked before the narrowing, which would wrap 2**32 + 3 to 3
             if s.size and (int(s.min()) < 0 or int(s.max()) >= self.n_vocab):
                 bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
                 raise PriorError(f"sequence {i} holds token id {bad}, outside [0, {self.n_vocab})")
+        self.seqs = [s.astype(np.int32) for s in wide]
         counts: list[dict[tuple, Counter]] = [{} for _ in range(self.max_n + 1)]
         for s in self.seqs:
             seq = s.tolist()
@@ -91,15 +93,23 @@ class DraftPrior:
         return None
 
     def save(self, path: str) -> None:
-        """Write the prior to ``path`` (.npz; written to a temporary file, then renamed)."""
+        """Write the prior to ``path`` (.npz; written to a temporary file, then renamed; on a failure
+        the temporary file is removed and ``path`` is unchanged)."""
         ends = np.cumsum([s.size for s in self.seqs], dtype=np.int64)
         tokens = np.concatenate(self.seqs) if self.seqs else np.zeros(0, np.int32)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, tokens=tokens, ends=ends, n_vocab=np.int64(self.n_vocab),
-                                max_n=np.int64(self.max_n), model=np.str_(self.model),
-                                version=np.int64(PRIOR_VERSION))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(f, tokens=tokens, ends=ends, n_vocab=np.int64(self.n_vocab),
+                                    max_n=np.int64(self.max_n), model=np.str_(self.model),
+                                    version=np.int64(PRIOR_VERSION))
+            os.replace(tmp, path)
+        except BaseException:        # a full disk, a directory at path, Ctrl-C: no temporary file left
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     @classmethod
     def load(cls, path: str, n_vocab: int | None = None) -> "DraftPrior":
@@ -110,28 +120,43 @@ class DraftPrior:
         Raises:
             PriorError: no such file, not a prior, another version or vocabulary, bad contents.
         """
+        def scalar(z, name: str) -> int:
+            a = z[name]
+            if not isinstance(a, np.ndarray):   # a member that is no .npy comes back as its bytes
+                raise PriorError(f"draft prior {path}: {name} must be an integer scalar, got no array")
+            if a.ndim != 0 or a.dtype.kind not in "iu":
+                raise PriorError(f"draft prior {path}: {name} must be an integer scalar, "
+                                 f"got {a.dtype} of shape {a.shape}")
+            return int(a)
+
         try:
+            with open(path, "rb") as f:
+                # np.load would read a .npy as one array and anything else as a pickle it refuses
+                if f.read(4) not in (b"PK\x03\x04", b"PK\x05\x06"):
+                    raise zipfile.BadZipFile("not a zip archive")
             with np.load(path, allow_pickle=False) as z:
                 missing = {"tokens", "ends", "n_vocab", "max_n", "version"} - set(z.files)
                 if missing:
                     raise PriorError(f"draft prior {path}: not a draft prior (no {', '.join(sorted(missing))})")
-                version = int(z["version"])
+                version = scalar(z, "version")
                 if version != PRIOR_VERSION:
                     raise PriorError(f"draft prior {path}: version {version}, this build reads {PRIOR_VERSION}; "
                                      f"build it again with `echospec prior`")
                 tokens, ends = z["tokens"], z["ends"]
-                file_vocab, max_n = int(z["n_vocab"]), int(z["max_n"])
+                file_vocab, max_n = scalar(z, "n_vocab"), scalar(z, "max_n")
                 model = str(z["model"]) if "model" in z.files else ""
         except PriorError:
             raise
         except FileNotFoundError:
             raise PriorError(f"draft prior {path}: no such file") from None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+            # zlib.error, BadZipFile (a bad CRC): a member's data damaged behind an intact directory
             raise PriorError(f"draft prior {path}: not a readable .npz file ({exc})") from None
         if n_vocab is not None and file_vocab != n_vocab:
             raise PriorError(f"draft prior {path}: built for a vocabulary of {file_vocab} tokens "
                              f"({model or 'unnamed model'}), the model has {n_vocab}")
-        if tokens.ndim != 1 or ends.ndim != 1 or tokens.dtype.kind != "i" or ends.dtype.kind != "i":
+        if not (isinstance(tokens, np.ndarray) and isinstance(ends, np.ndarray)) or tokens.ndim != 1 \
+                or ends.ndim != 1 or tokens.dtype.kind != "i" or ends.dtype.kind != "i":
             raise PriorError(f"draft prior {path}: tokens and ends must be 1-D integer arrays")
         if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0 or int(ends[-1]) != tokens.size):
             raise PriorError(f"draft prior {path}: ends must rise to the token count {tokens.size}")
