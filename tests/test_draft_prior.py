@@ -411,6 +411,26 @@ def test_serve_processes_reads_relative_model_and_prior_paths_from_the_callers_d
     assert f"draft prior: {file}, 3 tokens" in "".join(err), "".join(err)
 
 
+@pytest.mark.parametrize("kind,msg", [
+    ("missing", "no such file"),
+    ("junk", "not a"),
+    ("vocab", "vocabulary of 49152 tokens"),
+])
+def test_serve_refuses_a_bad_draft_prior_file_before_it_starts_the_services(model_path, tmp_path, kind, msg):
+    """--draft-prior FILE is read before the services start, as --chat-template and --mmproj are:
+    exit 2 with the reason, no service started (was: exit 1 after the model had loaded)."""
+    path = tmp_path / "p.npz"
+    if kind == "junk":
+        path.write_bytes(b"this is no prior")
+    elif kind == "vocab":
+        DraftPrior([[1, 2]], 49152).save(str(path))
+    r = subprocess.run([sys.executable, "-m", "echospec.cli", "serve", "--model", model_path, "--port", "0",
+                        "--n-ctx", "256", "--threads", "1", "--draft-prior", str(path)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "--draft-prior" in r.stderr and msg in r.stderr, r.stderr
+    assert "loading" not in r.stderr and "listening" not in r.stderr, r.stderr
+
+
 def test_auto_loads_the_prior_cached_for_the_model_file(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("ECHOSPEC_PRIORS", str(tmp_path))
     core = _core(model_path, "auto")

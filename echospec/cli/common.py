@@ -186,6 +186,26 @@ def _check_mmproj(path: str, model: str) -> None:
         _die(str(exc), 2)
 
 
+def _check_draft_prior(setting: str, model: str) -> None:
+    """Exit 2 when --draft-prior names a file the verifier would refuse (missing, not a prior, of
+    another vocabulary than the model's), before the services start; "auto" and "off" pass (auto's
+    cached file is checked by the verifier, which names it)."""
+    from echospec.services.draft.prior import DraftPrior, PriorError
+    from echospec.services.verifier.engine import EngineError, Model
+
+    if setting.strip().lower() in ("", "off", "auto"):
+        return
+    try:
+        with Model(model, repack=False) as m:
+            n_vocab = m.info.n_vocab
+    except EngineError:
+        n_vocab = None   # the verifier's load names what is wrong with the model
+    try:
+        DraftPrior.load(setting, n_vocab)
+    except PriorError as exc:
+        _die(f"--draft-prior: {exc}", 2)
+
+
 def _ssl_reason(exc: Exception) -> str:
     import ssl
     if isinstance(exc, ssl.SSLError):

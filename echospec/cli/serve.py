@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from echospec.cli.common import (Interrupted, _check_bind, _check_ca, _check_chat_template, _check_mmproj, _check_model,
+from echospec.cli.common import (Interrupted, _check_bind, _check_ca, _check_chat_template, _check_draft_prior,
+                                 _check_mmproj, _check_model,
                                  _resolve_model, _die, _raise_if_interrupted, _say, _ssl_reason, _url_host, _utf8)
 from echospec.services.common.config import CoordinatorConfig, check_ranges, setting_name
 from echospec.stack import StackConfigs
@@ -194,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = os.path.abspath(_resolve_model(c.model if model_given else None))
     _check_model(model, configs.verifier.check_weights)
     _check_mmproj(configs.verifier.mmproj, model)
+    _check_draft_prior(configs.verifier.draft_prior, model)
     _say(f"loading {model} ...")
     try:
         stack = start(dataclasses.replace(configs, coordinator=dataclasses.replace(c, model=model)))
