@@ -38,8 +38,11 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # Draft priors (`echospec prior`) are looked up in an empty directory of the test run's own, so a
 # prior built on this machine for the real model changes no test's rounds; the prior's tests give
 # theirs by path (services/draft/prior.py: priors_dir).
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 os.environ["ECHOSPEC_PRIORS"] = tempfile.mkdtemp(prefix="echospec-test-priors-")
+atexit.register(shutil.rmtree, os.environ["ECHOSPEC_PRIORS"], True)
 
 import pytest  # noqa: E402
 
