@@ -186,24 +186,34 @@ def _check_mmproj(path: str, model: str) -> None:
         _die(str(exc), 2)
 
 
-def _check_draft_prior(setting: str, model: str) -> None:
-    """Exit 2 when --draft-prior names a file the verifier would refuse (missing, not a prior, of
-    another vocabulary than the model's), before the services start; "auto" and "off" pass (auto's
-    cached file is checked by the verifier, which names it)."""
+def prior_problem(path: str, model: str) -> str:
+    """Why a verifier serving ``model`` would refuse the draft prior at ``path`` (missing, not a
+    prior, of another vocabulary than the model's: PriorError's message), or "" when it reads it.
+    An unreadable model checks the file alone (loading the model names that problem)."""
     from echospec.services.draft.prior import DraftPrior, PriorError
     from echospec.services.verifier.engine import EngineError, Model
 
-    if setting.strip().lower() in ("", "off", "auto"):
-        return
     try:
         with Model(model, repack=False) as m:
             n_vocab = m.info.n_vocab
     except EngineError:
-        n_vocab = None   # the verifier's load names what is wrong with the model
+        n_vocab = None
     try:
-        DraftPrior.load(setting, n_vocab)
+        DraftPrior.load(path, n_vocab)
     except PriorError as exc:
-        _die(f"--draft-prior: {exc}", 2)
+        return str(exc)
+    return ""
+
+
+def _check_draft_prior(setting: str, model: str) -> None:
+    """Exit 2 when --draft-prior names a file the verifier would refuse, before the services
+    start; "auto" and "off" pass (auto's cached file is checked by the verifier, which names it)."""
+    from echospec.services.draft.prior import setting_kind
+
+    if setting_kind(setting) == "file":
+        why = prior_problem(setting, model)
+        if why:
+            _die(f"--draft-prior: {why}", 2)
 
 
 def _ssl_reason(exc: Exception) -> str:

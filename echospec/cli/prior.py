@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from echospec.cli.common import _check_chat_template, _die, _resolve_model
+from echospec.cli.common import _check_chat_template, _die, _resolve_model, prior_problem
+
 
 def default_prompts() -> Path:
     """The prompt file shipped with the services (installed beside the draft package)."""
@@ -147,7 +148,7 @@ def cmd_prior(args: argparse.Namespace) -> int:
     except PriorError as exc:
         _die(str(exc), 2)
     if args.if_missing and os.path.isfile(out):
-        why = _unusable(out, model)
+        why = prior_problem(out, model)
         if not why:
             print(f"echospec prior: {out} is there already (--if-missing)", file=sys.stderr)
             print(out)
@@ -184,24 +185,6 @@ def cmd_prior(args: argparse.Namespace) -> int:
     print(f"echospec prior: {prior.n_tokens} tokens, {len(prior)} contexts -> {out}", file=sys.stderr)
     print(out)
     return 0
-
-
-def _unusable(path: str, model: str) -> str:
-    """Why a verifier serving ``model`` would refuse the prior at ``path`` (PriorError's message),
-    or "" when it reads it."""
-    from echospec.services.draft.prior import DraftPrior, PriorError
-    from echospec.services.verifier.engine import EngineError, Model
-
-    try:
-        with Model(model, repack=False) as m:
-            n_vocab = m.info.n_vocab
-    except EngineError:
-        return ""      # the model itself is unreadable: building says so
-    try:
-        DraftPrior.load(path, n_vocab)
-    except PriorError as exc:
-        return str(exc)
-    return ""
 
 
 def _check_out(out: str) -> None:

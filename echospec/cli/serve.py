@@ -118,6 +118,8 @@ def _absolute_paths(configs: StackConfigs) -> StackConfigs:
     """``configs`` with its file settings (and a --draft-prior file) made absolute from the
     caller's directory: the services read them there also as --processes children, which run
     in another directory. The model is made absolute once resolved (a name is no path)."""
+    from echospec.services.draft.prior import setting_kind
+
     parts = {}
     for f in dataclasses.fields(configs):
         cfg = getattr(configs, f.name)
@@ -126,7 +128,7 @@ def _absolute_paths(configs: StackConfigs) -> StackConfigs:
         names = {g.name for g in dataclasses.fields(cfg)}
         changes = {n: os.path.abspath(getattr(cfg, n)) for n in _PATH_SETTINGS
                    if n in names and getattr(cfg, n)}
-        if "draft_prior" in names and cfg.draft_prior.strip().lower() not in ("", "off", "auto"):
+        if "draft_prior" in names and setting_kind(cfg.draft_prior) == "file":
             changes["draft_prior"] = os.path.abspath(cfg.draft_prior)
         if changes:
             parts[f.name] = dataclasses.replace(cfg, **changes)

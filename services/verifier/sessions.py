@@ -35,7 +35,7 @@ from typing import Sequence
 from echospec.services.common.config import (VerifierConfig, default_engine_threads, kv_eviction_text,
                                              usable_cpus)
 from echospec.services.common.penalties import Penalties
-from echospec.services.draft.prior import DraftPrior, PriorError, resolve as resolve_prior
+from echospec.services.draft.prior import DraftPrior, PriorError, resolve as resolve_prior, setting_kind
 from echospec.services.text import grammar
 from echospec.services.text.tokenizer import Tokenizer
 from echospec.services.verifier.controller import NamespacePriors
@@ -196,7 +196,7 @@ class VerifierCore:
                 log.info("draft prior: %s, %d tokens of %s, %d contexts, read in %.2f s", self.prior_path,
                          self.prior.n_tokens, self.prior.model or "an unnamed model", len(self.prior),
                          time.perf_counter() - t0)
-            elif config.draft_prior.strip().lower() == "auto":
+            elif setting_kind(config.draft_prior) == "auto":
                 log.info("draft prior: none built for this model (`echospec prior --model %s` builds "
                          "one); free text drafts nothing", config.model)
         except PriorError as exc:
