@@ -310,6 +310,43 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+class _PortHold:
+    """The ports a stack was told to use (each service's, the coordinator's /metrics), bound by
+    a bare socket until the service that listens on it starts. Without it the free port that the
+    kernel gives a service started before (port 0: the draft service, then the verifier) could
+    be one of them, since nothing listens there yet, and the later service would find its own
+    port taken. A port that cannot be held (another program has it) is left
+    alone: its service reports the clash when it binds."""
+
+    def __init__(self, addrs: list[tuple[str, int]]):
+        self._socks: dict[int, list[socket.socket]] = {}
+        for host, port in addrs:
+            if port <= 0:
+                continue
+            try:
+                family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+                s = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:
+                continue
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            self._socks.setdefault(port, []).append(s)
+
+    def held(self) -> list[int]:
+        return sorted(self._socks)
+
+    def release(self, *ports: int) -> None:
+        for port in ports:
+            for s in self._socks.pop(port, []):
+                s.close()
+
+    def close(self) -> None:
+        self.release(*list(self._socks))
+
+
 @setting_fields
 @dataclass
 class StackConfig:
@@ -433,13 +470,19 @@ def start(configs: StackConfigs, ready_timeout_s: float = 180.0) -> Stack:
         gcfg = dataclasses.replace(g, **shared, port=st.http_port, api_key=c.api_key,
                                    api_keys_file=c.api_keys_file, metrics_host=mh,
                                    metrics_port=_free_port(mh) if c.metrics_port >= 0 else -1)
-    if st.processes:
-        return _start_processes(dcfg, vcfg, c, gcfg, ready_timeout_s)
-    return _start_threads(dcfg, vcfg, c, gcfg, ready_timeout_s)
+    hold = _PortHold([(c.host, st.draft_port), (c.host, st.verifier_port), (c.host, c.port),
+                      (mh, c.metrics_port)]
+                     + ([(gcfg.host, gcfg.port)] if gcfg is not None else []))
+    try:
+        if st.processes:
+            return _start_processes(dcfg, vcfg, c, gcfg, ready_timeout_s, hold)
+        return _start_threads(dcfg, vcfg, c, gcfg, ready_timeout_s, hold)
+    finally:
+        hold.close()
 
 
 def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
-                   gcfg: GatewayConfig | None, ready_timeout_s: float) -> Stack:
+                   gcfg: GatewayConfig | None, ready_timeout_s: float, hold: _PortHold) -> Stack:
     from echospec.services.coordinator import server as cserver
     from echospec.services.draft import server as dserver
     from echospec.services.verifier import server as vserver
@@ -449,6 +492,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
     stack = Stack(ccfg.host, 0, 0, 0, processes=False, tls=bool(ccfg.tls_cert))
     rpc_metrics = RpcMetrics()   # one registry for the three servers of this process
     try:
+        hold.release(dcfg.port, dcfg.metrics_port)
         try:
             dhandle = dserver.start(dcfg, rpc_metrics)
         except Exception as exc:
@@ -456,6 +500,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
         stack._servers["draft"] = dhandle
         stack.draft_port = dhandle[0].port
         vcfg = dataclasses.replace(vcfg, draft_target=host_port(dcfg.host, stack.draft_port))
+        hold.release(vcfg.port, vcfg.metrics_port)
         try:
             v = vserver.start(vcfg, rpc_metrics)
         except Exception as exc:
@@ -464,6 +509,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
         stack.verifier_port = v.port
         ccfg = dataclasses.replace(ccfg, verifier_target=host_port(vcfg.host, v.port),
                                    draft_target=host_port(dcfg.host, stack.draft_port))
+        hold.release(ccfg.port, ccfg.metrics_port)
         try:
             c = cserver.start(ccfg, verifier_wait_s=ready_timeout_s, rpc_metrics=rpc_metrics)
         except Exception as exc:
@@ -475,6 +521,7 @@ def _start_threads(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorCon
         if gcfg is not None:
             from echospec.services.gateway import server as gserver
             gcfg = dataclasses.replace(gcfg, coordinator_target=host_port(ccfg.host, c.port))
+            hold.release(gcfg.port)
             try:
                 g = gserver.start(gcfg)
             except Exception as exc:
@@ -507,7 +554,7 @@ def _args(cfg: Any) -> list[str]:
 
 
 def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorConfig,
-                     gcfg: GatewayConfig | None, ready_timeout_s: float) -> Stack:
+                     gcfg: GatewayConfig | None, ready_timeout_s: float, hold: _PortHold) -> Stack:
     host = ccfg.host
     dcfg = dataclasses.replace(dcfg, port=dcfg.port or _free_port(host))
     vcfg = dataclasses.replace(vcfg, port=vcfg.port or _free_port(host),
@@ -541,6 +588,7 @@ def _start_processes(dcfg: DraftConfig, vcfg: VerifierConfig, ccfg: CoordinatorC
         for name, cfg, svc in services:
             stack._launch[name] = ([sys.executable, "-m", f"echospec.services.{name}",
                                     *_args(cfg)], env)
+            hold.release(cfg.port, cfg.metrics_port)
             p = stack._spawn(name)
             if name == "gateway":
                 _wait_port(name, p, stack._stderr[name], cfg.host, cfg.port, ready_timeout_s)
