@@ -4,14 +4,15 @@ Pure parts (the scheduler's selection policy, the prefix cache's bookkeeping,
 the controller's in-flight proposal rule) get literal cases; the rest runs a
 VerifierCore on a tiny random GGUF model (tests/ggufgen.py). No timings are
 asserted: orderings are read from the scheduler's trace. README's paragraph on
---decode-steps says what the scheduler does.
+--decode-steps says what the scheduler does. An engine failure inside a verify run is
+checked through the servicer over gRPC, where its status is what the client gets.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -1534,4 +1535,137 @@ def test_the_draft_service_failing_after_a_verify_run_gives_the_plain_output(smo
             _kv_serves_the_next_turn(core, smollm2_path, prompt, plain)
         assert after_a_run, "no failure came right after a run"
     finally:
+        core.close()
+
+
+class _FailingRun:
+    """The engine's ``lib`` with, once ``armed``, one es_verify_run that fails in a round after
+    its first: the rounds before it done, the KV cache as after them and ``message`` on the
+    session, as a round's own error ends a run (echospec_engine.h, es_verify_run: a forward's
+    ES_ERR_NOMEM or ES_ERR_BAD_WEIGHTS). Every other call is the engine's."""
+
+    def __init__(self, real: Any, status: int, message: str):
+        from echospec.services.verifier.engine import ffi
+        self._real, self.status = real, status
+        self._message = ffi.new("char[]", message.encode())
+        self._failed_on: Any = None       # the session whose next last_error is the message
+        self.armed = False
+        self.failed: list[int] = []       # the rounds done before the failing one
+        self.runs = 0                     # es_verify_run calls that ran as the engine's
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def es_verify_run(self, session: Any, args: Any) -> int:
+        st = self._real.es_verify_run(session, args)
+        if st == 0 and self.armed and args.n_rounds >= 2:
+            self.armed = False
+            self.failed.append(args.n_rounds)
+            self._failed_on = session
+            return self.status
+        self.runs += 1
+        return st
+
+    def es_session_last_error(self, session: Any) -> Any:
+        if self._failed_on is not None and session == self._failed_on:
+            self._failed_on = None
+            return self._message
+        return self._real.es_session_last_error(session)
+
+
+@pytest.mark.parametrize("status,code", [("ES_ERR_CAPACITY", "RESOURCE_EXHAUSTED"),
+                                         ("ES_ERR_NOMEM", "RESOURCE_EXHAUSTED"),
+                                         ("ES_ERR_BAD_WEIGHTS", "INTERNAL"),
+                                         ("ES_ERR_INTERNAL", "INTERNAL")])
+def test_a_forward_error_inside_a_verify_run_ends_that_generation_alone(smollm2_path, monkeypatch, status, code):
+    """The engine fails in a verify run's third round or later (es_verify_run's status, the
+    message on the session), over gRPC: that generation ends with the status of its kind and
+    "generation: " + the engine's words (its name too where the status does not say it), after
+    the tokens of its rounds before the run, which are plain decoding's; its session goes back
+    with the KV cache rolled back to before the run, which then serves the next turn exactly;
+    another generation, its session held mid-output meanwhile (parked on a proposal), goes on
+    with plain decoding's output and the KV in step; and the service runs verify runs after it."""
+    import grpc
+
+    from echospec.services.rpc import grpc_util
+    from echospec.services.verifier import engine as engine_mod
+    from echospec.services.verifier.servicer import VerifierServicer
+    from echospec.v1 import verifier_pb2, verifier_pb2_grpc
+
+    msg = f"a round's forward failed ({status} injected by the test)"
+    failing = _FailingRun(engine_mod.lib, getattr(engine_mod.lib, status), msg)
+    monkeypatch.setattr(engine_mod, "lib", failing)
+    core = make_core(smollm2_path)
+    prompt_a, prompt_b = SMOL_PROMPT, SMOL_PROMPT[:6] + [28, 2683, 359, 253, 30, 2]
+    plain_a, plain_b = tokens_of(generate(core, prompt_a, 60)), tokens_of(generate(core, prompt_b, 60))
+    parked, go = threading.Event(), threading.Event()
+
+    class _Parked(_OracleDraft):   # B's link: its third proposal waits until A has failed
+        def recv_proposal(self):
+            if len(self.asked) == 3 and not parked.is_set():
+                parked.set()
+                assert go.wait(60)
+            return super().recv_proposal()
+    links = {"a": lambda: _OracleDraft(prompt_a + plain_a), "b": lambda: _Parked(prompt_b + plain_b)}
+    servicer = VerifierServicer(core, lambda timeout, **setup: links[setup["draft_namespace"]]())
+    h = grpc_util.build_server("127.0.0.1", 0, 8, 1 << 22, ["echospec.v1.VerifierService"])
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, h.server)
+    h.server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{h.port}")
+    stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+
+    def call(ns: str, prompt: list[int], got: list, spec: bool = True, max_tokens: int = 60) -> list:
+        """The generation's messages (its tokens appended to ``got`` as they come)."""
+        msgs = []
+        req = verifier_pb2.GenerateTokensRequest(prompt=prompt, max_tokens=max_tokens, spec=spec, k=4,
+                                                 fixed_k=True, tree_nodes=-1, draft_namespace=ns)
+        for m in stub.GenerateTokens(req, timeout=120):
+            msgs.append(m)
+            got += [t for r in m.rounds for t in r.result.tokens]
+        return msgs
+
+    b_got: list = []
+    b_msgs: list = []
+    b_thread = threading.Thread(target=lambda: b_msgs.extend(call("b", prompt_b, b_got)))
+    try:
+        b_thread.start()
+        assert parked.wait(60)
+        assert core.active_sessions == 1 and 0 < len(b_got) < 60
+        failing.armed = True
+        a_got: list = []
+        with pytest.raises(grpc.RpcError) as ei:
+            call("a", prompt_a, a_got)
+        assert failing.failed and failing.failed[0] >= 2, failing.failed   # in a run's third round on
+        assert ei.value.code() == getattr(grpc.StatusCode, code), ei.value
+        assert ei.value.details() == ("generation: " if status == "ES_ERR_CAPACITY"
+                                      else f"generation: {status}: ") + msg
+        assert 1 <= len(a_got) < 60 and a_got == plain_a[:len(a_got)]
+        assert core.active_sessions == 1                          # A's session is back; B's held
+        go.set()
+        b_thread.join(60)
+        assert b_got == plain_b
+        n = 0
+        for r in (r for m in b_msgs for r in m.rounds):   # B's KV in step: all but its last token
+            n += len(r.result.tokens)
+            assert r.result.n_past == len(prompt_b) + n - 1
+        assert core.active_sessions == 0
+        # the KV A left (rolled back to before the run): a next turn over it decodes as from scratch
+        turn2 = prompt_a + a_got + [7, 8, 9]
+        again = call("", turn2, [], spec=False, max_tokens=12)
+        assert again[0].cached_prompt_tokens == len(prompt_a) + len(a_got) - 1
+        fresh = make_core(smollm2_path, prefix_cache=False)
+        try:
+            assert [t for m in again for r in m.rounds for t in r.result.tokens] == \
+                tokens_of(generate(fresh, turn2, 12))
+        finally:
+            fresh.close()
+        # and the service speculates on, with verify runs
+        runs, got = failing.runs, []
+        call("a", prompt_a, got)
+        assert got == plain_a and failing.runs > runs
+    finally:
+        go.set()
+        b_thread.join(60)
+        ch.close()
+        h.server.stop(0).wait()
         core.close()

@@ -103,15 +103,20 @@ def longest_accepted_prefix(draft: Sequence[int], argmax: Sequence[int]) -> int:
     return r
 
 
-def engine_error(exc: EngineError, who: str) -> Exception:
-    """An engine failure as the VerifierError the client gets (others stay EngineError)."""
+def engine_error(exc: EngineError, who: str) -> VerifierError:
+    """An engine failure as the VerifierError the client gets, ``who`` first: ES_ERR_CAPACITY
+    RESOURCE_EXHAUSTED and ES_ERR_INVALID_ARG INVALID_ARGUMENT with the engine's message;
+    ES_ERR_NOMEM RESOURCE_EXHAUSTED (this host's memory: the coordinator may move the
+    generation), and any other status (ES_ERR_BAD_WEIGHTS, a NaN logits row; ES_ERR_INTERNAL)
+    INTERNAL, both with the status's name before the message. Never grpcio's UNKNOWN
+    "Exception iterating responses" of an exception left to it."""
     if exc.name == "ES_ERR_CAPACITY":
         return ResourceExhausted(f"{who}: {exc.message}")
     if exc.name == "ES_ERR_INVALID_ARG":
         return InvalidArgument(f"{who}: {exc.message}")
-    if exc.name == "ES_ERR_BAD_WEIGHTS":   # a NaN logits row: INTERNAL with the engine's words
-        return VerifierError(f"{who}: {exc.name}: {exc.message}")
-    return exc
+    if exc.name == "ES_ERR_NOMEM":
+        return ResourceExhausted(f"{who}: {exc.name}: {exc.message}")
+    return VerifierError(f"{who}: {exc.name}: {exc.message}")
 
 
 class VerifierCore:
