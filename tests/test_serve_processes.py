@@ -2,7 +2,9 @@
 sends): a dead verifier stops every service and `echospec serve` exits 1 naming it, leaving no
 child behind; a dead draft service is restarted while the verifier decodes plainly, and the stack
 keeps serving. The message naming a dead child quotes its last log line only when that line may
-tell why (stand-in children)."""
+tell why (stand-in children). The children run in the repository's root: every file setting named
+relatively (model, projector, TLS files, keys file, chat template) reaches them as an absolute path
+of the caller's directory, and a stack so started serves."""
 from __future__ import annotations
 
 
@@ -188,3 +190,132 @@ def test_revive_names_a_killed_draft_child_by_its_status_and_restarts_it():
         assert st._procs["draft"].poll() is None
     finally:
         st.stop(0, slack_s=1)
+
+
+# -- the file settings a child gets ----------------------------------------------------------------
+
+# `echospec serve` as far as its children's command lines: each child's argv is recorded where the
+# stack would start it (Stack._spawn), no child starts, and the gateway's wait stops the stack
+_ARGV_OF_CHILDREN = r"""
+import json, sys
+from echospec import cli, stack
+argv = {}
+def spawn(self, name):
+    argv[name] = self._launch[name][0]
+    self._stderr[name] = None
+def stop(*a, **kw):
+    raise stack.StackError("stopped by the test once every child's command line was made")
+stack.Stack._spawn = spawn
+stack._wait_process = lambda *a, **kw: None
+stack._wait_port = stop
+try:
+    cli.main(sys.argv[1:])
+finally:
+    print(json.dumps(argv))
+"""
+
+
+def _opts(argv: list[str]) -> dict[str, str]:
+    """A child's `--name value` pairs."""
+    return {a: v for a, v in zip(argv, argv[1:]) if a.startswith("--") and not v.startswith("--")}
+
+
+# the file settings, each a file of the caller's directory named relatively (_caller_files)
+_REL = {"--model": "m.gguf", "--mmproj": "p.gguf", "--tls-cert": "cert.pem", "--tls-key": "key.pem",
+        "--tls-ca": "ca.pem", "--tls-client-ca": "clients-ca.pem", "--api-keys-file": "keys.json",
+        "--chat-template": "t.jinja"}
+_KEY = "key-of-team-a-1d2f"
+
+
+def _caller_files(d, pki) -> list[str]:
+    """The files of _REL in ``d`` (Qwen3-VL and its projector; one CA signs the services'
+    certificate and, as --tls-client-ca, their client certificates); `serve`'s options naming them."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parent / "data" / "models"
+    os.symlink(models / "qwen3vl-Q8_0.gguf", d / "m.gguf")
+    os.symlink(models / "qwen3vl-mmproj-F16.gguf", d / "p.gguf")
+    for name in ("cert", "key", "ca"):
+        shutil.copy(pki[name], d / f"{name}.pem")
+    shutil.copy(pki["ca"], d / "clients-ca.pem")
+    (d / "keys.json").write_text(json.dumps({_KEY: "team-a"}))
+    (d / "t.jinja").write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    return [x for kv in _REL.items() for x in kv]
+
+
+def test_serve_processes_gives_its_children_the_relative_file_settings_as_absolute_paths(pki, tmp_path):
+    # the children run in the repository's root: a relative --mmproj, TLS file or keys file would
+    # be looked for there, not in the directory `echospec serve` was started in
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-c", _ARGV_OF_CHILDREN, "serve", "--processes", "--port", "0", "--http-port", "0",
+           "--n-ctx", "256", "--threads", "1", *_caller_files(tmp_path, pki["a"])]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 1 and "stopped by the test" in r.stderr, r.stderr
+    children = {name: _opts(argv) for name, argv in json.loads(r.stdout.splitlines()[-1]).items()}
+    assert sorted(children) == ["coordinator", "draft", "gateway", "verifier"], children
+    tls = ["--tls-cert", "--tls-key", "--tls-ca"]
+    want = {"draft": tls + ["--tls-client-ca"], "verifier": ["--model", "--mmproj", *tls, "--tls-client-ca"],
+            "coordinator": ["--model", *tls, "--api-keys-file", "--chat-template"],
+            "gateway": [*tls, "--api-keys-file"]}
+    for name, flags in want.items():
+        for flag in flags:
+            got = children[name].get(flag, "")
+            assert os.path.isabs(got) and os.path.samefile(got, tmp_path / _REL[flag]), (name, flag, got)
+    # and nothing else a child gets names a file of the caller's directory relatively
+    for name, opts in children.items():
+        for flag, value in opts.items():
+            assert not (value and (tmp_path / value).exists()) or os.path.isabs(value), (name, flag, value)
+
+
+def test_serve_processes_started_with_relative_file_settings_serves_over_them(pki, tmp_path):
+    """The same options, the stack started: every child finds its files (the projector, the TLS
+    certificate, key and CAs, the keys file, the template), and a client with a tenant's key gets
+    a completion over TLS."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import grpc
+
+    from echospec.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "echospec.cli", "serve", "--processes", "--port", "0", "--n-ctx", "256",
+           "--threads", "1", *_caller_files(tmp_path, pki["a"])]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)})
+    err = []
+    try:
+        for line in p.stderr:
+            err.append(line)
+            if "coordinator      listening" in line:
+                break
+        up = re.search(r"coordinator +listening on \S+:(\d+)", err[-1] if err else "")
+        assert up and p.poll() is None, "".join(err)
+        port = up.group(1)
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(pki["a"]["ca"]).read_bytes())
+        with grpc.secure_channel(f"localhost:{port}", creds) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            r = stub.Complete(cpb.CompleteRequest(text="a b", max_tokens=4), timeout=60,
+                              metadata=(("authorization", f"Bearer {_KEY}"),))
+        assert r.result.completion_tokens > 0
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, "".join(err)
