@@ -191,6 +191,24 @@ def test_namespaces_never_draft_each_others_tokens():
     assert c == ([], 0, SOURCE_NONE)
 
 
+def test_a_token_trees_branches_never_hold_another_namespaces_tokens():
+    # a tree's other branches draw on the shared memory beside the chain's source: the session's
+    # own namespace's only, and none for "" ("" never shares: memory.py)
+    mem = SharedMemory()
+    session([1, 2, 3, 10, 11, 12], memory=mem, namespace="A").remember()
+    session([1, 2, 3, 20, 21, 22], memory=mem, namespace="B").remember()
+    h = [1, 2, 3, 30, 31, 32, 7, 1, 2, 3]   # its own suffix index continues with 30 31 32
+    trees = {ns: session(h, memory=mem, namespace=ns).propose_tree_sources(3, 16) for ns in ("A", "B", "")}
+    for ns, own, other in (("A", {10, 11, 12}, {20, 21, 22}), ("B", {20, 21, 22}, {10, 11, 12})):
+        tokens, _, sources, _, _ = trees[ns]
+        assert {30, 31, 32} | own <= set(tokens) and not other & set(tokens), (ns, tokens)
+        assert SOURCE_SHARED in sources
+    tokens, _, sources, _, _ = trees[""]
+    assert set(tokens) == {30, 31, 32} and SOURCE_SHARED not in sources, tokens
+    # and a chain for "" with nothing of its own to copy: no draft, the named memories beside it
+    assert session([7, 1, 2, 3], memory=mem, namespace="").propose(3) == ([], 0, SOURCE_NONE)
+
+
 def test_randomized_isolation_conflicting_histories():
     # A's tokens are even, B's odd: no draft in one namespace holds the other's tokens
     rng = random.Random(3)
