@@ -436,8 +436,9 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
         event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
         silently when cancelled.
     Raises:
-        InvalidArgument, ResourceExhausted: engine refusals (as VerifierErrors); a grammar
-            refused or failing (the matcher's message).
+        InvalidArgument, ResourceExhausted, VerifierError (INTERNAL): an engine failure
+            (sessions.engine_error; the session goes back with its KV cache as before the
+            failing call); a grammar refused or failing (the matcher's message).
     """
     gram = None
     if req.grammar is not None:   # before a session is taken: a bad grammar costs no KV
