@@ -1600,9 +1600,9 @@ def test_a_forward_error_inside_a_verify_run_ends_that_generation_alone(smollm2_
     plain_a, plain_b = tokens_of(generate(core, prompt_a, 60)), tokens_of(generate(core, prompt_b, 60))
     parked, go = threading.Event(), threading.Event()
 
-    class _Parked(_OracleDraft):   # B's link: its third proposal waits until A has failed
+    class _Parked(_OracleDraft):   # B's link: its second proposal (in flight) waits until A has failed
         def recv_proposal(self):
-            if len(self.asked) == 3 and not parked.is_set():
+            if len(self.asked) == 2 and not parked.is_set():
                 parked.set()
                 assert go.wait(60)
             return super().recv_proposal()
@@ -1629,7 +1629,10 @@ def test_a_forward_error_inside_a_verify_run_ends_that_generation_alone(smollm2_
     b_thread = threading.Thread(target=lambda: b_msgs.extend(call("b", prompt_b, b_got)))
     try:
         b_thread.start()
-        assert parked.wait(60)
+        assert parked.wait(60), "B never asked a second proposal"
+        t_end = time.monotonic() + 10
+        while not b_got and time.monotonic() < t_end:   # B's rounds so far reach its client
+            time.sleep(0.01)
         assert core.active_sessions == 1 and 0 < len(b_got) < 60
         failing.armed = True
         a_got: list = []
