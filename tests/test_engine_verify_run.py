@@ -255,3 +255,29 @@ def test_a_round_beyond_the_rings_reach_is_refused():
             assert (run.tokens, run.k, run.r) == (out, ks, rs) == ([truth[1]], [48], [0])
             assert s.n_past == ref.n_past == len(prompt) + 1
             same_next(s, ref, truth[1])
+
+
+def test_a_session_runs_again_with_more_drafts_than_max_out_or_than_before(tmp_path):
+    """The session keeps its run's arrays between calls: a first run whose drafts are many more
+    than its max_out, then longer drafts than any before (the arrays grow), then short ones,
+    each as the Python loop gives; an interrupt checked once is still checked as a new one."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(path, arch="llama", matrix_type="F32", seed=5, n_ctx_train=1024)
+    with Model(str(path)) as m, m.new_session(n_ctx=512, n_threads=1) as s, \
+            m.new_session(n_ctx=512, n_threads=1) as ref:
+        truth = greedy(ref, PROMPT, 400)
+        exact = truth[1:]
+        cell = ffi.new("int32_t *")
+        for drafts, k, max_out in ((exact[:150], 4, 6), (exact[:400], 9, 400), (exact[:20], 3, 20),
+                                   (exact[:300], 16, 2)):
+            for x in (s, ref):
+                x.rollback(0)
+                x.forward(PROMPT)
+            run = s.verify_run(truth[0], drafts, k, max_out, interrupt=cell)
+            out, ks, rs = loop(ref, truth[0], drafts, k, max_out)
+            assert (run.tokens, run.k, run.r) == (out, ks, rs)
+            assert run.tokens == truth[1:1 + len(run.tokens)]
+            assert s.n_past == ref.n_past
+        for bad in (ffi.new("int64_t *"), ffi.NULL):
+            with pytest.raises(TypeError, match="interrupt"):
+                s.verify_run(truth[0], exact[:10], 3, 10, interrupt=bad)

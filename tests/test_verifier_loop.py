@@ -20,7 +20,8 @@ import pytest
 from echospec.services.common.config import VerifierConfig
 from echospec.services.verifier.engine import Model
 from echospec.services.verifier.controller import SpecController
-from echospec.services.verifier.generation_loop import FINISH_CONTEXT, GenerationRequest, check, run_generation
+from echospec.services.verifier.generation_loop import (FINISH_CONTEXT, GenerationRequest, RoundEvent, check,
+                                                      run_generation)
 from echospec.services.verifier.prefix_cache import PrefixCache, common_prefix_len
 from echospec.services.verifier.scheduler import Cancelled, Scheduler, Step, select
 from echospec.services.verifier.sessions import InvalidArgument, Sampling, VerifierCore
@@ -530,6 +531,65 @@ def test_speculative_loop_gives_the_plain_output_with_in_flight_proposals(model_
         assert link.closed
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("verify_runs", [True, False])
+def test_marks_hand_the_events_over_right_before_each_forward(model_path, verify_runs):
+    """run_generation(marks=True) of a speculative generation: FLUSH after the prefill's event
+    and right before every engine call after it (a reader woken then runs beside the forward),
+    the same events as without marks; servicer._drive hands each FLUSH's events over as one
+    list, the rest and then the error when the generation fails."""
+    import queue
+
+    from echospec.services.verifier.generation_loop import FLUSH
+    from echospec.services.verifier.servicer import _END, _drive
+
+    core = make_core(model_path, prefix_cache=False, verify_runs=verify_runs)
+    try:
+        prompt = [(i * 5) % 300 + 3 for i in range(12)]
+        plain = tokens_of(generate(core, prompt, 60))
+        req = GenerationRequest(prompt=prompt, max_tokens=60, eos_ids=frozenset(), sampling=Sampling(),
+                                spec=True, k=4, fixed_k=True)
+        check(core, req)
+        seen: list = []
+        real_run = core.scheduler.run
+
+        def run(step, cancel=None):
+            seen.append("forward")
+            return real_run(step, cancel)
+
+        core.scheduler.run = run
+        for item in run_generation(core, req, threading.Event(), lambda: _OracleDraft(prompt + plain), marks=True):
+            seen.append(item)
+        core.scheduler.run = real_run
+        first = next(i for i, x in enumerate(seen) if isinstance(x, RoundEvent))
+        assert seen[first + 1] is FLUSH
+        calls = [i for i, x in enumerate(seen) if x == "forward" and i > first]
+        assert len(calls) >= 3
+        assert all(seen[i - 1] is FLUSH for i in calls)
+        evs = [x for x in seen if isinstance(x, RoundEvent)]
+        assert tokens_of(evs)[:60] == plain[:60] and sum(e.accepted for e in evs) > 0
+    finally:
+        core.close()
+    a, b, c = (RoundEvent([t]) for t in (1, 2, 3))
+
+    def failing():
+        yield a
+        yield FLUSH
+        yield b
+        yield FLUSH
+        yield FLUSH
+        yield c
+        raise ValueError("boom")
+
+    for events, want in (([a, FLUSH, b, c], [[a], [b, c], _END]), ([FLUSH, a, FLUSH], [[a], _END])):
+        out = queue.SimpleQueue()
+        _drive(iter(events), out)
+        assert [out.get_nowait() for _ in range(out.qsize())] == want
+    out = queue.SimpleQueue()
+    _drive(failing(), out)
+    got = [out.get_nowait() for _ in range(out.qsize())]
+    assert got[:3] == [[a], [b], [c]] and isinstance(got[3], ValueError) and len(got) == 4
 
 
 class _LateOracle(_OracleDraft):

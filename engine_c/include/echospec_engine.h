@@ -534,6 +534,8 @@ typedef struct {
                                    at most that many tokens, and fewer rounds) */
     int32_t n_rounds;           /* out: rounds done, also on error */
     int32_t n_out;              /* out: tokens written, also on error */
+    int32_t n_past_in;          /* out: the KV cache's n_past when the call began (-1: no session),
+                                   where a caller rolls back to after an error */
 } es_verify_run_args;
 
 /*

@@ -990,8 +990,11 @@ static es_status check_verify_run(es_session *s, const es_verify_run_args *a) {
 }
 
 es_status es_verify_run(es_session *s, es_verify_run_args *a) {
+    if (a) {
+        a->n_rounds = a->n_out = 0;
+        a->n_past_in = s ? s->kv.n_past : -1;
+    }
     if (!s) return ES_ERR_INVALID_ARG;
-    if (a) a->n_rounds = a->n_out = 0;
     es_status st = check_verify_run(s, a);
     if (st != ES_OK) return st;
     int32_t cap = verify_run_most_drafts(s, a);

@@ -127,7 +127,9 @@ static void run_case(const es_model *m, int nt, int32_t first, const int32_t *gr
     es_verify_run_args a = {.token = first, .drafts = d, .n_drafts = n_d, .k = k, .max_out = max_out,
                             .stop_ids = stops, .n_stop = n_stop, .tokens_out = out, .round_k = rk,
                             .round_r = rr, .ms_out = ms, .rollback_ms_out = rb};
+    a.n_past_in = -2;
     CHECK_EQ_INT(es_verify_run(s, &a), ES_OK);
+    CHECK_EQ_INT(a.n_past_in, PROMPT);   /* where a caller rolls back to after an error */
     int lrounds = loop_rounds(ref, first, d, n_d, k, max_out, stops, n_stop, lout, lk, lr, &ln);
     CHECK_EQ_INT(a.n_rounds, lrounds);
     CHECK_EQ_INT(a.n_out, ln);
@@ -247,10 +249,12 @@ TEST(verify_run_limits_and_errors) {
         CHECK_EQ_INT(es_verify_run(s, &bad[i]), ES_ERR_INVALID_ARG);
         CHECK(es_session_last_error(s)[0] != '\0');
         CHECK_EQ_INT(bad[i].n_out, 0);
+        CHECK_EQ_INT(bad[i].n_past_in, PROMPT);
         CHECK_EQ_INT(es_session_n_past(s), PROMPT);
     }
     CHECK_EQ_INT(es_verify_run(s, NULL), ES_ERR_INVALID_ARG);
     CHECK_EQ_INT(es_verify_run(NULL, &a), ES_ERR_INVALID_ARG);
+    CHECK_EQ_INT(a.n_past_in, -1);
     /* after the refusals a run still gives greedy decoding's tokens */
     CHECK_EQ_INT(es_verify_run(s, &a), ES_OK);
     CHECK_EQ_INT(a.n_out, OUT);

@@ -61,6 +61,21 @@ class VerifyRun:
     rollback_ms: list
 
 
+class _RunBuffers:
+    """A session's es_verify_run arguments and result arrays, for runs of up to ``cap`` tokens."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.args = ffi.new("es_verify_run_args *")
+        self.drafts = ffi.new("int32_t[]", cap)
+        self.tokens, self.round_k, self.round_r = (ffi.new("int32_t[]", cap) for _ in range(3))
+        self.ms, self.rollback_ms = ffi.new("float[]", cap), ffi.new("float[]", cap)
+        self.interrupt: Any = None   # the interrupt pointer last checked (a scheduler's, each call)
+        a = self.args
+        a.tokens_out, a.round_k, a.round_r = self.tokens, self.round_k, self.round_r
+        a.ms_out, a.rollback_ms_out = self.ms, self.rollback_ms
+
+
 class EngineError(RuntimeError):
     """A failed engine call.
 
@@ -256,6 +271,7 @@ class Session:
         # the thread count the next call uses, kept here: every cffi call releases and retakes
         # the GIL, and the scheduler sets the count before each forward (see the setter)
         self._threads = lib.es_session_threads(self._ptr)
+        self._run_bufs: _RunBuffers | None = None   # verify_run's arguments, kept between calls
 
     def _check(self) -> None:
         if self._ptr is None:
@@ -581,34 +597,43 @@ class Session:
         if isinstance(max_ms, bool) or not isinstance(max_ms, (int, float, np.integer, np.floating)) \
                 or max_ms != max_ms:
             raise EngineError(ES_ERR_INVALID_ARG, f"max_ms must be a number of ms (<= 0: no limit), not {max_ms!r}")
-        if interrupt is not None and not (isinstance(interrupt, ffi.CData)
-                                          and ffi.typeof(interrupt).kind in ("pointer", "array")
-                                          and ffi.typeof(interrupt).item is ffi.typeof("int32_t")
-                                          and interrupt != ffi.NULL):
+        b = self._run_bufs
+        if interrupt is not None and (b is None or interrupt is not b.interrupt) and not (
+                isinstance(interrupt, ffi.CData)
+                and ffi.typeof(interrupt).kind in ("pointer", "array")
+                and ffi.typeof(interrupt).item is ffi.typeof("int32_t")
+                and interrupt != ffi.NULL):
             raise TypeError(f"interrupt must be None or an ffi.new('int32_t *'), not {interrupt!r:.80}")
-        # the arrays hold what the run can write (es_verify_run_args: n_max), not max_out of each
-        n = max(1, min(max_out, d.size + 1, lib.es_session_n_ctx(self._ptr) - lib.es_session_n_past(self._ptr)))
-        out, rk, rr = ffi.new("int32_t[]", n), ffi.new("int32_t[]", n), ffi.new("int32_t[]", n)
-        ms, rb = ffi.new("float[]", n), ffi.new("float[]", n)
+        # the arrays hold the drafts and what the run can write (es_verify_run_args: n_max <=
+        # min(max_out, drafts + 1)), not max_out of each; kept for the next call (a run's
+        # Python is a share of every round it verifies)
+        n = max(1, min(max_out, d.size + 1), d.size)
+        if b is None or b.cap < n:
+            b = self._run_bufs = _RunBuffers(max(n, 2 * b.cap if b is not None else 64))
+        b.interrupt = interrupt
+        a = b.args
+        if d.size:
+            ffi.memmove(b.drafts, d, 4 * d.size)
         st_ids = ffi.new("int32_t[]", stops) if stops else ffi.NULL
-        a = ffi.new("es_verify_run_args *")
-        keep = ffi.from_buffer("int32_t[]", d) if d.size else ffi.NULL
-        a.token, a.drafts, a.n_drafts, a.k, a.max_out = tok, keep, d.size, k, max_out
+        a.token, a.drafts, a.n_drafts, a.k, a.max_out = tok, b.drafts if d.size else ffi.NULL, d.size, k, max_out
         a.max_ms, a.stop_ids, a.n_stop = float(max_ms), st_ids, len(stops)
         a.interrupt = interrupt if interrupt is not None else ffi.NULL
-        a.tokens_out, a.round_k, a.round_r, a.ms_out, a.rollback_ms_out = out, rk, rr, ms, rb
-        n0 = lib.es_session_n_past(self._ptr)
+        # no other C call comes between the events a generation hands its reader and this one:
+        # each lets another Python thread take the GIL, and the reader's work would then wait
+        # for the GIL here instead of running beside the forward
         t0 = time.perf_counter()
         st = lib.es_verify_run(self._ptr, a)
         _calls.ms = (time.perf_counter() - t0) * 1e3
         if st != 0:
             msg = ffi.string(lib.es_session_last_error(self._ptr)).decode(errors="replace")
+            n0 = a.n_past_in
             if lib.es_session_n_past(self._ptr) != n0 and lib.es_session_rollback(self._ptr, n0) != 0:
                 msg += (f"; the KV cache stays after its {a.n_rounds} rounds: n_past {n0} is out of the "
                         f"sliding-window layers' reach")
             raise EngineError(st, msg)
         r = a.n_rounds
-        return VerifyRun(list(out[0:a.n_out]), list(rk[0:r]), list(rr[0:r]), list(ms[0:r]), list(rb[0:r]))
+        return VerifyRun(ffi.unpack(b.tokens, a.n_out), ffi.unpack(b.round_k, r), ffi.unpack(b.round_r, r),
+                         ffi.unpack(b.ms, r), ffi.unpack(b.rollback_ms, r))
 
     def _tokens(self, tokens) -> np.ndarray:
         if type(tokens) is list and all(type(t) is int for t in tokens):   # the scheduler's steps

@@ -428,9 +428,14 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
         open_draft: () -> a draft link (send_propose, recv_proposal, append,
             close, cancel) for a speculative request, or raises DraftUnavailable;
             None: no draft service configured.
-        marks: also yield FLUSH before a plain decoding generation waits for its
-            scheduler (so a caller that runs the generation on its own thread sends
-            the events it holds then, several rounds per message when it lags).
+        marks: also yield FLUSH where what came before may go out: after the prefill's
+            event, before a plain decoding generation waits for its scheduler (so a caller
+            that runs the generation on its own thread sends the events it holds then,
+            several rounds per message when it lags), and right before a speculative
+            round's engine call (a caller that hands the events to another thread then wakes
+            it as the forward starts: that thread's Python runs beside the forward, and no
+            C call between the hand-off and the forward lets it take the GIL from the loop;
+            the round's events wait for the round's draft step, tens of microseconds).
     Yields:
         The prefill's event (tokens = [first token]), then one per round; a last
         event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
@@ -962,6 +967,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
     if done:
         run.release()
     yield ev
+    if run.marks:
+        yield FLUSH
     greedy = req.sampling.greedy
     mode = "none" if greedy else "last"
     if run.rows or req.logprobs:
@@ -1018,10 +1025,14 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
                                     k_cap))
         if tree is not None:
             vt, vp = verify_tree(history[-1], *tree)
+            if run.marks:
+                yield FLUSH
             c2 = time.perf_counter()
             st = run.step_tree(vt, vp)
         else:
             run_d = drafts.run_drafts if tree is None and not forced else None
+            if run.marks:
+                yield FLUSH
             c2 = time.perf_counter()
             st = run.step([history[-1]] + drf, "all", mode, decode=n_run if n_run > 1 else 0,
                           stop_ids=tuple(eos) if n_run > 1 else (),

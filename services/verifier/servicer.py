@@ -81,12 +81,24 @@ _END = object()
 
 
 def _drive(events: Iterator[RoundEvent], out: "queue.SimpleQueue") -> None:
-    """Run a generation on its own thread, handing each event to ``out`` (then _END or the error)."""
+    """Run a generation on its own thread (run_generation with marks), handing ``out`` the
+    events it holds at each FLUSH as a list (then _END or the error). The RPC's thread so wakes
+    as the loop starts its forward, and sends them beside it, not between two forwards."""
+    held: list[RoundEvent] = []
     try:
         for ev in events:
-            out.put(ev)
+            if ev is FLUSH:
+                if held:
+                    out.put(held)
+                    held = []
+            else:
+                held.append(ev)
+        if held:
+            out.put(held)
         out.put(_END)
     except BaseException as exc:  # noqa: BLE001 - handed to the RPC's thread, which reports it
+        if held:
+            out.put(held)
         out.put(exc)
 
 
@@ -204,25 +216,25 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         # to be sent; this thread sends what it finished, several rounds per message
         # when the reader is slower than the engine.
         out: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_drive, args=(run_generation(core, req, cancel, open_draft), out),
+        threading.Thread(target=_drive, args=(run_generation(core, req, cancel, open_draft, marks=True), out),
                          name="generation", daemon=True).start()
         done = False
         while not done:
-            batch = [out.get()]
+            items = [out.get()]
             while True:
                 try:
-                    batch.append(out.get_nowait())
+                    items.append(out.get_nowait())
                 except queue.Empty:
                     break
-            if batch[-1] is _END:
-                batch.pop()
+            batch = [ev for it in items if isinstance(it, list) for ev in it]
+            last = items[-1]
+            if last is _END:
                 done = True
-            elif isinstance(batch[-1], BaseException):
-                exc = batch.pop()
+            elif isinstance(last, BaseException):
                 if batch:
                     yield events_to_proto(batch)
-                if isinstance(exc, VerifierError):
-                    _abort(context, exc)
-                raise exc
+                if isinstance(last, VerifierError):
+                    _abort(context, last)
+                raise last
             if batch:
                 yield events_to_proto(batch)
