@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn, Sequence
+from typing import Any, NamedTuple, NoReturn, Sequence
 
 import numpy as np
 
@@ -48,11 +48,11 @@ def _logits_buffer(logits: str, rows: int, n_vocab: int) -> tuple[int, np.ndarra
 KV_TYPES = {"f16": lib.ES_KV_F16, "q8_0": lib.ES_KV_Q8_0}
 
 
-@dataclass(frozen=True)
-class VerifyRun:
+class VerifyRun(NamedTuple):
     """Session.verify_run's result: the tokens of its rounds (each round's kept drafts, then its
     bonus token), and per round the drafts verified (k) and kept (r), the forward's ms and the KV
-    rollback's (0 where every draft was kept)."""
+    rollback's (0 where every draft was kept). A tuple: made after each run, when the
+    interpreter's code and data have left the caches, where a frozen dataclass costs more."""
 
     tokens: list
     k: list
