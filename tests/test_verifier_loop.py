@@ -537,8 +537,9 @@ def test_speculative_loop_gives_the_plain_output_with_in_flight_proposals(model_
 def test_marks_hand_the_events_over_right_before_each_forward(model_path, verify_runs):
     """run_generation(marks=True) of a speculative generation: FLUSH after the prefill's event
     and right before every engine call after it (a reader woken then runs beside the forward),
-    the same events as without marks; servicer._drive hands each FLUSH's events over as one
-    list, the rest and then the error when the generation fails."""
+    and no event is held while the loop waits for a proposal; the same events as without marks.
+    servicer._drive hands each FLUSH's events over as one list, the rest and then the error when
+    the generation fails."""
     import queue
 
     from echospec.services.verifier.generation_loop import FLUSH
@@ -558,8 +559,18 @@ def test_marks_hand_the_events_over_right_before_each_forward(model_path, verify
             seen.append("forward")
             return real_run(step, cancel)
 
+        class Link(_OracleDraft):   # wrong drafts now and then: proposals waited for again
+            def send_propose(self, append, n):
+                seen.append("send")
+                super().send_propose(append, n)
+
+            def recv_proposal(self):
+                seen.append("wait" if seen[-1] == "send" else "collect")
+                return super().recv_proposal()
+
         core.scheduler.run = run
-        for item in run_generation(core, req, threading.Event(), lambda: _OracleDraft(prompt + plain), marks=True):
+        for item in run_generation(core, req, threading.Event(), lambda: Link(prompt + plain, wrong_every=2),
+                                   marks=True):
             seen.append(item)
         core.scheduler.run = real_run
         first = next(i for i, x in enumerate(seen) if isinstance(x, RoundEvent))
@@ -567,6 +578,16 @@ def test_marks_hand_the_events_over_right_before_each_forward(model_path, verify
         calls = [i for i, x in enumerate(seen) if x == "forward" and i > first]
         assert len(calls) >= 3
         assert all(seen[i - 1] is FLUSH for i in calls)
+        held, waits = 0, 0
+        for x in seen[first:]:
+            if isinstance(x, RoundEvent):
+                held += 1
+            elif x is FLUSH:
+                held = 0
+            elif x == "wait":
+                waits += 1
+                assert held == 0, "an event was held while the loop waited for a proposal"
+        assert waits >= (1 if verify_runs else 2)
         evs = [x for x in seen if isinstance(x, RoundEvent)]
         assert tokens_of(evs)[:60] == plain[:60] and sum(e.accepted for e in evs) > 0
     finally:

@@ -435,7 +435,8 @@ def run_generation(core: Any, req: GenerationRequest, cancel: threading.Event,
             round's engine call (a caller that hands the events to another thread then wakes
             it as the forward starts: that thread's Python runs beside the forward, and no
             C call between the hand-off and the forward lets it take the GIL from the loop;
-            the round's events wait for the round's draft step, tens of microseconds).
+            the round's events wait for the round's draft step, tens of microseconds), and
+            before a round that may wait for a proposal (nothing is held while it waits).
     Yields:
         The prefill's event (tokens = [first token]), then one per round; a last
         event with finish = FINISH_CONTEXT when the KV cache fills up. Ends
@@ -996,6 +997,8 @@ def _rounds(run: _Run, link: Any, reason: str, t0: float, spec: bool = False) ->
         if forced:
             drf, hop_ms, proposals, source = forced, None, 0, SOURCE_GRAMMAR
         else:
+            if run.marks and drafts.link is not None and not drafts.in_flight and not drafts.ctl.cache:
+                yield FLUSH   # before() may wait for a proposal: nothing is held meanwhile
             drf, hop_ms, proposals = drafts.before(history, k_cap, max_tokens - produced,
                                                    min(req.tree_nodes, n_ctx - n_past - 1), runs)
             source = drafts.source
