@@ -275,12 +275,10 @@ def test_stream_left_early_and_errors(stack):
 
 
 def test_unreachable_target_fails_within_the_connect_timeout():
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import unused_port
+    port = unused_port()                   # nothing listens there (tests/ports.py)
     c = Client(f"127.0.0.1:{port}", connect_timeout=0.5, timeout=30)
     t0 = time.monotonic()
     with pytest.raises(ConnectError) as e:

@@ -23,7 +23,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ggufgen import write_tiny_model  # noqa: E402
+from ports import unused_ports  # noqa: E402
 from echospec.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc  # noqa: E402
 from echospec.services.common.config import CoordinatorConfig  # noqa: E402
 from echospec.services.rpc.lifecycle import PARENT_ENV  # noqa: E402
@@ -53,23 +53,8 @@ PROMPTS = [f"{w} the cat sat on the mat. {w} the cat" for w in
 
 
 def _ports_free_on_all(n: int) -> list[int]:
-    """n ports that are free on every address of IPS."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((IPS[0], 0))
-            cands = [s.getsockname()[1]]
-        cands += [cands[0] + i for i in range(1, n)]
-        ok = True
-        for ip in IPS:
-            for p in cands:
-                with socket.socket() as s:
-                    try:
-                        s.bind((ip, p))
-                    except OSError:
-                        ok = False
-        if ok:
-            return cands
-    raise RuntimeError("no free port pair on every loopback address")
+    """n ports that are free on every address of IPS (outside the ephemeral range: tests/ports.py)."""
+    return unused_ports(n, tuple(IPS))
 
 
 class Board:

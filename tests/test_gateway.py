@@ -270,10 +270,8 @@ def test_status_mapping(code, status):
 
 
 def test_unreachable_coordinator_is_503_and_deadline_504(stack):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]          # nothing listens here once closed
+    from ports import unused_port
+    dead = unused_port()                   # nothing listens here (tests/ports.py)
     down = gserver.start(GatewayConfig(port=0, coordinator_target=f"127.0.0.1:{dead}",
                                        model_name="m"))
     slow = gserver.start(GatewayConfig(port=0, coordinator_target=stack.target,

@@ -10,12 +10,11 @@ import pytest
 
 from echospec.services.common.config import GatewayConfig
 from echospec.services.gateway import server as gserver
+from ports import unused_port
 
 
 def _dead_target() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{unused_port()}"   # nothing listens there (tests/ports.py)
 
 
 @pytest.fixture()

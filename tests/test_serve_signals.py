@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggufgen import write_tiny_model  # noqa: E402
+from ports import unused_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ECHOSPEC = ROOT / ".venv" / "bin" / "echospec"
@@ -31,13 +32,7 @@ def model(tmp_path_factory) -> str:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return unused_ports(n)
 
 
 def session_members(sid: int) -> list[int]:

@@ -150,3 +150,21 @@ def test_a_given_verifier_port_is_held_while_the_draft_service_starts(tiny_model
         assert seen == [errno.EADDRINUSE]
     finally:
         st.stop(0)
+
+
+def test_the_tests_own_ports_are_outside_the_kernels_ephemeral_range(monkeypatch):
+    # the ports the tests pick for servers they start (tests/ports.py): never one the kernel
+    # hands out for port 0 or an outgoing connection meanwhile, and never one in use
+    import ports as ports_mod
+
+    lo, hi = ports_mod.ephemeral_range()
+    ports = ports_mod.unused_ports(20) + [ports_mod.unused_port()]
+    assert len(set(ports[:20])) == 20
+    assert all(not lo <= p <= hi and p >= 1024 for p in ports)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        monkeypatch.setattr(ports_mod, "_candidates", lambda: [ports[0], ports[1]])
+        assert ports_mod.unused_ports(1) == [ports[1]]
+        with pytest.raises(RuntimeError, match="fewer than 2"):
+            ports_mod.unused_ports(2)
