@@ -445,6 +445,13 @@ def test_auto_loads_the_prior_cached_for_the_model_file(model_path, tmp_path, mo
         assert core.prior.n_tokens == 3
     finally:
         core.close()
+    # a cached file gone bad: refused, saying how to build it again or start without one
+    with open(default_path(model_path), "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(InvalidArgument) as e:
+        _core(model_path, "auto")
+    assert "not a readable .npz file" in str(e.value) and "--if-missing" in str(e.value) \
+        and "--draft-prior off" in str(e.value)
 
 
 # -- echospec prior ------------------------------------------------------------------------------
@@ -631,3 +638,71 @@ def test_echospec_prior_says_when_a_model_without_a_chat_template_continues_the_
     r = _cli("--model", base, "--out", str(tmp_path / "p.npz"), "--max-tokens", "2", "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert "has no chat template" in r.stderr and "continued as text" in r.stderr
+
+
+def test_echospec_prior_refuses_a_model_that_is_no_file_as_serve_does(tmp_path):
+    (tmp_path / "adir").mkdir()
+    for model, msg in ((tmp_path / "adir", "is a directory, not a GGUF file"),
+                       (tmp_path / "none.gguf", "model file not found")):
+        r = _cli("--model", str(model), "--out", str(tmp_path / "p.npz"))
+        assert r.returncode == 2 and msg in r.stderr and "answers" not in r.stderr, r.stderr
+        assert "echospec: echospec" not in r.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_echospec_prior_refuses_a_model_whose_logits_serve_refuses(smollm2_path, tmp_path):
+    """Finite output-norm weights whose products overflow load, but every logits row is NaN: the
+    verifier's warm-up refuses the model, so `echospec prior` (which runs the same probe) builds
+    no prior of it (was: exit 0 with a prior of empty answers)."""
+    import shutil
+
+    from test_weights_check import _tensor_at
+
+    bad = tmp_path / "overflow.gguf"
+    shutil.copyfile(smollm2_path, bad)
+    off, nbytes = _tensor_at(str(bad), "output_norm.weight")
+    with open(bad, "r+b") as f:
+        f.seek(off)
+        f.write(np.full(nbytes // 4, 3.4e38, dtype="<f4").tobytes())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n", encoding="utf-8")
+    out = tmp_path / "p.npz"
+    r = _cli("--model", str(bad), "--out", str(out), "--prompts", str(prompts), "--max-tokens", "4",
+             "--threads", "1")
+    assert r.returncode == 1 and "ES_ERR_BAD_WEIGHTS" in r.stderr and "serve` would too" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_echospec_prior_out_refuses_a_pipe_and_writes_a_links_file(tmp_path, model_path):
+    """The prior is written beside --out and renamed onto it: a pipe (or a device) there is
+    refused, not replaced by a file; a symbolic link's file is written and the link kept."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n", encoding="utf-8")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = _cli("--model", model_path, "--out", str(fifo), "--prompts", str(prompts), "--max-tokens", "4",
+             "--threads", "1")
+    assert r.returncode == 2 and "not a regular file" in r.stderr and "answers" not in r.stderr, r.stderr
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "p.npz"
+    link = tmp_path / "link.npz"
+    link.symlink_to(target)
+    r = _cli("--model", model_path, "--out", str(link), "--prompts", str(prompts), "--max-tokens", "4",
+             "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and target.is_file()
+    assert DraftPrior.load(str(link)).n_tokens == DraftPrior.load(str(target)).n_tokens > 0
+
+
+def test_a_blank_draft_prior_setting_is_refused_not_taken_for_off(model_path):
+    """An unset $VAR on the command line (`--draft-prior ""`) would have turned the prior off
+    unsaid: refused with exit 2, as a blank --model or --host is."""
+    from echospec.services.common.config import check_ranges
+
+    with pytest.raises(ValueError, match="is empty: auto"):
+        check_ranges(VerifierConfig(model="m.gguf", draft_prior="  "))
+    r = subprocess.run([sys.executable, "-m", "echospec.cli", "serve", "--model", model_path, "--port", "0",
+                        "--draft-prior", ""], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "--draft-prior" in r.stderr and "is empty" in r.stderr, r.stderr
+    assert "listening" not in r.stderr

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from echospec.cli.common import _check_chat_template, _die, _resolve_model, prior_problem
+from echospec.cli.common import _check_chat_template, _check_model, _die, _resolve_model, prior_problem
 
 
 def default_prompts() -> Path:
@@ -74,6 +74,21 @@ def chat_template_of(model_path: str, chat_template: str = ""):
     return ChatTemplate.from_metadata(meta, read_chat_template(chat_template) if chat_template else None)
 
 
+def probe(model) -> None:
+    """The verifier's warm-up on ``model`` (services/verifier/sessions.py VerifierCore.warm_up: a
+    short prompt and a few greedy steps), so that a model `echospec serve` refuses (a NaN logits
+    row: ES_ERR_BAD_WEIGHTS) gives no prior either.
+
+    Raises:
+        EngineError: as the verifier's warm-up."""
+    from echospec.services.verifier.engine import MIN_CTX
+
+    with model.new_session(n_ctx=MIN_CTX, n_threads=1) as s:
+        pending, _ = s.prefill([min(1, model.info.n_vocab - 1)] * 4)
+        for _ in range(8):
+            pending = int(s.forward([pending])[0][0])
+
+
 def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_threads: int = 0,
             chat_template: str = "", progress: Callable[[int, int, int], None] | None = None
             ) -> tuple[list[list[int]], int]:
@@ -99,6 +114,7 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
     out: list[list[int]] = []
     total = 0
     with Model(model_path) as model:
+        probe(model)
         inputs = []
         for i, p in enumerate(prompts):
             try:
@@ -127,6 +143,7 @@ def answers(model_path: str, prompts: Sequence[str], max_tokens: int = 256, n_th
 
 def cmd_prior(args: argparse.Namespace) -> int:
     from echospec.services.draft.prior import DraftPrior, PriorError, default_path
+    from echospec.services.verifier.engine import EngineError
 
     if not 1 <= args.max_tokens <= 4096:
         _die(f"--max-tokens must be in [1, 4096], got {args.max_tokens}", 2)
@@ -143,10 +160,13 @@ def cmd_prior(args: argparse.Namespace) -> int:
     prompts = [p for _, p in lines]
     template = _check_chat_template(args.chat_template) if args.chat_template else ""
     model = _resolve_model(args.model)
+    _check_model(model)   # exit 2: no such file, a directory; 1: the engine refuses it
     try:
         out = args.out or default_path(model)
     except PriorError as exc:
         _die(str(exc), 2)
+    if os.path.islink(out):   # the file it points to is the prior's, not the link
+        out = os.path.realpath(out)
     if args.if_missing and os.path.isfile(out):
         why = prior_problem(out, model)
         if not why:
@@ -165,7 +185,7 @@ def cmd_prior(args: argparse.Namespace) -> int:
     try:
         chat = chat_template_of(model, template).missing is None
     except (OSError, ValueError) as exc:
-        _die(f"echospec prior: {exc}")
+        _die(f"--model {model}: {exc}")
     if not chat and not args.prompts:
         print(f"echospec prior: note: {os.path.basename(model)} has no chat template, so it continues "
               f"each prompt as text, and the default prompts are instructions for a chat model (a "
@@ -180,7 +200,9 @@ def cmd_prior(args: argparse.Namespace) -> int:
     except PromptTooLong as exc:
         n, line = exc.index + 1, lines[exc.index][0]
         _die(f"--prompts: prompt {n} (line {line}) is {exc}; shorten it or lower --max-tokens", 2)
-    except (OSError, ValueError, RuntimeError) as exc:   # RuntimeError: EngineError
+    except EngineError as exc:
+        _die(f"--model {model}: the engine refused it ({exc}); `echospec serve` would too")
+    except (OSError, ValueError) as exc:
         _die(str(exc))
     print(f"echospec prior: {prior.n_tokens} tokens, {len(prior)} contexts -> {out}", file=sys.stderr)
     print(out)
@@ -189,9 +211,12 @@ def cmd_prior(args: argparse.Namespace) -> int:
 
 def _check_out(out: str) -> None:
     """Exit (status 2) unless a file can be written at ``out``: checked before the answers, which
-    take minutes. Creates the missing directories above it."""
+    take minutes. Creates the missing directories above it. The prior is written beside ``out``
+    and renamed onto it, so anything there but a regular file (a device, a pipe) is refused."""
     if os.path.isdir(out):
         _die(f"--out {out} is a directory", 2)
+    if os.path.exists(out) and not os.path.isfile(out):
+        _die(f"--out {out} is not a regular file (a device, pipe or socket); give a file's path", 2)
     parent = os.path.dirname(os.path.abspath(out))
     above = parent
     while not os.path.exists(above):
@@ -212,7 +237,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="GGUF file or model name (smollm2-135m, gemma3-270m; default: "
                                    "SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--out", help="the prior's file (default: where `echospec serve --draft-prior auto` "
-                                 "looks for this model's: $ECHOSPEC_PRIORS, else <ECHOSPEC_CACHE>/priors/)")
+                                 "looks for this model's: $ECHOSPEC_PRIORS, else <ECHOSPEC_CACHE>/priors/); "
+                                 "missing directories above it are made, a symbolic link's file is written")
     p.add_argument("--prompts", help="UTF-8 text file, one prompt per line (default: the 320 general "
                                      "prompts shipped in services/draft/prior_prompts.txt)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default 256)")

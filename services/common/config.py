@@ -558,6 +558,9 @@ def check_ranges(cfg, name_of=setting_name) -> None:
             choices = f.metadata["choices"]
             if not isinstance(v, str) or v.upper() not in (c.upper() for c in choices):
                 raise ValueError(f"{name} {v!r}: one of {', '.join(choices)} (any case)")
+        elif f.name == "draft_prior" and not v.strip():   # an unset $VAR would turn it off unsaid
+            raise ValueError(f"{name} is empty: auto (the prior `echospec prior` cached for this "
+                             f"model), off, or a prior file's path")
         elif f.name in ("host", "metrics_host") and not v.strip():
             raise ValueError(f"{name} is empty: the address to listen on (127.0.0.1: this machine "
                              f"only, 0.0.0.0: every interface)")

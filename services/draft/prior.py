@@ -191,9 +191,10 @@ def default_path(model_path: str) -> str:
 
 
 def setting_kind(setting: str) -> str:
-    """What a ``draft_prior`` setting names: "off" ("off" or blank), "auto" (any case) or "file"."""
+    """What a ``draft_prior`` setting names: "off" or "auto" (any case), else "file" (the config
+    refuses a blank one)."""
     word = setting.strip().lower()
-    return "off" if word in ("off", "") else "auto" if word == "auto" else "file"
+    return "off" if word == "off" else "auto" if word == "auto" else "file"
 
 
 def resolve(setting: str, model_path: str) -> str:

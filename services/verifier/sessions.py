@@ -208,7 +208,11 @@ class VerifierCore:
             self.model.close()
             if self.vision is not None:
                 self.vision.close()
-            raise InvalidArgument(f"draft_prior: {exc}") from None
+            hint = ""
+            if setting_kind(config.draft_prior) == "auto":   # the cached one: say how to mend it
+                hint = (f"; `echospec prior --model {config.model} --if-missing` builds it again, "
+                        f"or --draft-prior off starts without one")
+            raise InvalidArgument(f"draft_prior: {exc}{hint}") from None
         if config.n_ctx < MIN_CTX:
             raise InvalidArgument(f"n_ctx must be >= {MIN_CTX}, got {config.n_ctx}")
         self.engine_lock = threading.Lock()
