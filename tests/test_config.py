@@ -178,6 +178,23 @@ def test_draft_entry_point_exits_2_for_every_bad_setting(env, message, monkeypat
     assert code == 2 and message in capsys.readouterr().err
 
 
+def test_a_service_on_a_busy_port_says_so_without_grpcs_own_log_lines():
+    # was: gRPC's "E... add_port.cc:83] Failed to add port" and "set GRPC_VERBOSITY=debug" lines
+    # before the service's own message
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "echospec.services.draft", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert f"draft: port 127.0.0.1:{port} is already in use (--port / ECHOSPEC_PORT)" in r.stderr, r.stderr
+    assert "add_port" not in r.stderr and "GRPC_VERBOSITY" not in r.stderr, r.stderr
+
+
 def test_a_target_with_spaces_stops_a_service_at_startup(tmp_path):
     # was: the gateway started and answered every request 503; the coordinator waited 120 s
     import subprocess

@@ -82,9 +82,35 @@ def service_main(name: str, config_cls, serve, argv=None, errors: tuple = (),
         except ValueError as exc:
             print(f"{name}: {exc}", file=sys.stderr)
             return 2
+    busy = _port_problem(getattr(conf, "host", ""), getattr(conf, "port", 0))
+    if busy:   # said before gRPC's own log lines of a failed bind
+        print(f"{name}: {busy} (--port / ECHOSPEC_PORT)", file=sys.stderr)
+        return 1
     try:
         serve(conf)
     except errors as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _port_problem(host: str, port: int) -> str:
+    """Why host:port cannot be listened on ("" when it can, or for port 0 or no host)."""
+    import errno
+    import socket
+
+    if not host or port <= 0:
+        return ""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return ""   # the server names the bad host itself
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {host}:{port} is already in use"
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return ""
