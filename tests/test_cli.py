@@ -533,7 +533,23 @@ def test_chat_drops_the_oldest_turns_when_the_history_outgrows_the_context(serve
     assert r.returncode == 0, r.stderr
     assert "fit the context" not in r.stderr, r.stderr
     assert r.stderr.count("tokens, ") == 8, r.stderr          # every turn got a reply
-    assert "turn(s) were dropped)" in r.stderr, r.stderr
+    assert "turn(s) were dropped" in r.stderr, r.stderr
+
+
+def test_chat_drops_old_turns_to_leave_its_reply_room_and_says_when_a_message_alone_is_too_long(server):
+    # was: a turn that still fit the context (256 here) got a reply of a few tokens, cut by the
+    # context (finish: context), and a message longer than the context said "/reset clears the
+    # history", which cannot help
+    lines = [" ".join(f"w{t}{i}" for i in range(14)) for t in range(6)]
+    lines.append(" ".join(f"x{i}" for i in range(300)))
+    r = subprocess.run([*ECHOSPEC, "chat", "--max-tokens", "40", "--target", server["target"]],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    turns = re.findall(r"\[(\d+) tokens, .* finish: (\w+)", r.stderr)
+    assert len(turns) == 6 and "dropped to leave room for the reply" in r.stderr, r.stderr
+    assert all(f != "context" for _, f in turns), r.stderr
+    assert "the message alone is too long for the server's context" in r.stderr, r.stderr
 
 
 def test_generate_help_says_what_seed_does():

@@ -89,6 +89,53 @@ def _drop_oldest_turn(history: list[dict], start: int) -> bool:
     return True
 
 
+# tokens the chat template adds around a message (role markers, separators), roughly
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+
+
+def _reply_room(max_tokens: int, default: int, n_ctx: int) -> int:
+    """Tokens a turn keeps free in the server's context for its reply: --max-tokens (else the
+    server's default), at most a quarter of the context."""
+    want = max_tokens if max_tokens > 0 else (default or 256)
+    return max(1, min(want, n_ctx // 4))
+
+
+def _turn_tokens(client, history: list[dict], start: int) -> int:
+    """About how many prompt tokens the oldest turn after history[:start] takes (its messages'
+    text tokens and the template's markers; an image part counts nothing here)."""
+    users = [i for i in range(start, len(history)) if history[i]["role"] == "user"]
+    end = users[1] if len(users) > 1 else len(history)
+    n = 0
+    for m in history[users[0]:end] if users else []:
+        text = m["content"] if isinstance(m["content"], str) else \
+            "".join(p.get("text", "") for p in m["content"])
+        n += len(client.tokenize(text)) + TEMPLATE_TOKENS_PER_MESSAGE
+    return n
+
+
+def _make_room(client, history: list[dict], start: int, last, line: str, room: int, n_ctx: int) -> int:
+    """Drop the oldest turns until the next prompt (the last one, its reply and ``line``) leaves
+    ``room`` tokens for this turn's reply in the context; returns how many were dropped. Without
+    it a turn that still fits gets a reply of a few tokens, cut by the context."""
+    if last is None or not n_ctx:
+        return 0
+    n_line = len(client.tokenize(line)) + TEMPLATE_TOKENS_PER_MESSAGE
+    if n_line + room >= n_ctx:   # no drop makes room: the server says the message is too long
+        return 0
+    # the reply as the next prompt holds it: its text tokenized again, which may be more tokens
+    # than the model wrote
+    need = (last.prompt_tokens + len(client.tokenize(last.text)) + TEMPLATE_TOKENS_PER_MESSAGE
+            + n_line + room)
+    dropped = 0
+    while need > n_ctx:
+        n = _turn_tokens(client, history, start)
+        if not _drop_oldest_turn(history, start):
+            break
+        need -= n
+        dropped += 1
+    return dropped
+
+
 def _read_image_or_say(path: str):
     """The image part of file ``path``, or None after saying on standard error why it cannot be
     sent (the chat goes on)."""
@@ -209,7 +256,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                                     "content": pending + [{"type": "text", "text": line}]})
                 else:
                     history.append({"role": "user", "content": line})
-                dropped = 0
+                try:
+                    dropped = _make_room(client, history, len(system), last, line,
+                                         _reply_room(args.max_tokens, info.max_tokens_default, info.n_ctx),
+                                         info.n_ctx)
+                except ClientError:   # the turn itself says what is wrong with the server
+                    dropped = 0
                 while True:
                     try:
                         result = _chat_turn(client, kw, history)
@@ -218,8 +270,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                         if "fit the context" in exc.details and _drop_oldest_turn(history, len(system)):
                             dropped += 1
                             continue
-                        print(f"\nechospec: {exc.code.name}: {exc.details} (the turn is dropped; "
-                              f"/reset clears the history)", file=sys.stderr, flush=True)
+                        alone = not any(m["role"] == "user" for m in history[len(system):-1])
+                        print(f"\nechospec: {exc.code.name}: {exc.details} (the turn is dropped"
+                              + ("; the message alone is too long for the server's context: "
+                                 "shorten it" if alone and "fit the context" in exc.details else
+                                 "; /reset clears the history") + ")", file=sys.stderr, flush=True)
                         result = None
                     except KeyboardInterrupt:   # between the prompt and the first chunk
                         print("\n(stopped; the turn is dropped)", file=sys.stderr, flush=True)
@@ -227,7 +282,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     break
                 if dropped:
                     print(f"(the history outgrew the server's context: the oldest {dropped} "
-                          f"turn(s) were dropped)", file=sys.stderr, flush=True)
+                          f"turn(s) were dropped to leave room for the reply)", file=sys.stderr,
+                          flush=True)
                 if result is None:   # the turn is dropped, with the images attached to it
                     history.pop()
                     if pending:
