@@ -654,16 +654,10 @@ def test_echospec_prior_refuses_a_model_whose_logits_serve_refuses(smollm2_path,
     """Finite output-norm weights whose products overflow load, but every logits row is NaN: the
     verifier's warm-up refuses the model, so `echospec prior` (which runs the same probe) builds
     no prior of it (was: exit 0 with a prior of empty answers)."""
-    import shutil
-
-    from test_weights_check import _tensor_at
+    from test_weights_check import overflow_copy
 
     bad = tmp_path / "overflow.gguf"
-    shutil.copyfile(smollm2_path, bad)
-    off, nbytes = _tensor_at(str(bad), "output_norm.weight")
-    with open(bad, "r+b") as f:
-        f.seek(off)
-        f.write(np.full(nbytes // 4, 3.4e38, dtype="<f4").tobytes())
+    overflow_copy(smollm2_path, bad)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a prompt\n", encoding="utf-8")
     out = tmp_path / "p.npz"

@@ -36,6 +36,16 @@ def _tensor_at(path: str, name: str) -> tuple[int, int]:
     return g.data_start + t.offset, t.nbytes
 
 
+def overflow_copy(src: str, dst: Path) -> None:
+    """dst: src with finite output-norm weights (3.4e38) whose products overflow: the file loads,
+    and every logits row is NaN."""
+    shutil.copyfile(src, dst)
+    off, nbytes = _tensor_at(str(dst), "output_norm.weight")
+    with open(dst, "r+b") as f:
+        f.seek(off)
+        f.write(np.full(nbytes // 4, 3.4e38, dtype="<f4").tobytes())
+
+
 def _ff_copy(src: str, dst: Path) -> str:
     """dst: src with 2 MB of 0xFF from the middle of its largest tensor; returns that tensor's name."""
     shutil.copyfile(src, dst)
@@ -89,11 +99,7 @@ def test_nan_at_run_time_is_an_error_not_empty_output(smollm2_path, tmp_path):
     instead of printing "" with finish_reason eos."""
     from echospec.stack import StackError
     bad = tmp_path / "overflow.gguf"
-    shutil.copyfile(smollm2_path, bad)
-    off, nbytes = _tensor_at(str(bad), "output_norm.weight")
-    with open(bad, "r+b") as f:
-        f.seek(off)
-        f.write(np.full(nbytes // 4, 3.4e38, dtype="<f4").tobytes())
+    overflow_copy(smollm2_path, bad)
     Model(str(bad), repack=False).close()   # finite: loads
     with pytest.raises(StackError) as ei:
         with stack_stub(str(bad), spec=False, n_ctx=256):

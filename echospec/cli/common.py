@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import stat
 import sys
 from contextlib import contextmanager
@@ -123,21 +122,15 @@ def _check_chat_template(path: str) -> str:
 def _check_bind(name: str, flag: str, host: str, port: int, host_flag: str = "--host") -> None:
     """Exit with a clear message when host:port cannot be bound (``host_flag``: the option that
     gave host)."""
-    import errno
+    from echospec.services.rpc.lifecycle import bind_problem
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        _die(f"{host_flag} {host}: not an address of this machine ({exc.strerror})", 2)
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                _die(f"{name} port {host}:{port} is already in use; pick another with {flag}")
-            _die(f"cannot listen on {host}:{port} for the {name}: {exc.strerror}")
+    kind, why = bind_problem(host, port)
+    if kind == "host":
+        _die(f"{host_flag} {host}: not an address of this machine ({why})", 2)
+    if kind == "busy":
+        _die(f"{name} port {host}:{port} is already in use; pick another with {flag}")
+    if kind == "other":
+        _die(f"cannot listen on {host}:{port} for the {name}: {why}")
 
 
 def _check_model(path: str, check_weights: bool = False) -> None:

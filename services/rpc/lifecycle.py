@@ -94,23 +94,32 @@ def service_main(name: str, config_cls, serve, argv=None, errors: tuple = (),
     return 0
 
 
-def _port_problem(host: str, port: int) -> str:
-    """Why host:port cannot be listened on ("" when it can, or for port 0 or no host)."""
+def bind_problem(host: str, port: int) -> tuple[str, str]:
+    """Whether host:port can be listened on now (port 0: whether host is an address of this
+    machine): ("", "") when it can, else ("host", why) for a host name that does not resolve,
+    ("busy", "") for a port in use, or ("other", why)."""
     import errno
     import socket
 
-    if not host or port <= 0:
-        return ""
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror:
-        return ""   # the server names the bad host itself
+    except socket.gaierror as exc:
+        return "host", exc.strerror or str(exc)
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(addr)
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return f"port {host}:{port} is already in use"
-            return f"cannot listen on {host}:{port}: {exc.strerror}"
+            return ("busy", "") if exc.errno == errno.EADDRINUSE else ("other", exc.strerror or str(exc))
+    return "", ""
+
+
+def _port_problem(host: str, port: int) -> str:
+    """Why a service cannot listen on host:port ("" when it can, or for port 0 or no host; a bad
+    host is left to the server, which names it)."""
+    kind, why = bind_problem(host, port) if host and port > 0 else ("", "")
+    if kind == "busy":
+        return f"port {host}:{port} is already in use"
+    if kind == "other":
+        return f"cannot listen on {host}:{port}: {why}"
     return ""
